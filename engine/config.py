@@ -1,0 +1,111 @@
+"""Configuration dataclasses of the engine: the model's shape, the KV cache, the scheduler, the engine.
+
+Each is checked in ``__post_init__`` so that a bad value fails where it is set, naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Hyperparameters of a Llama-family decoder (Llama 2/3, SmolLM, Qwen2 with QKV bias)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # Llama-3 style: {"rope_type": "llama3", "factor": ..., ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = "unnamed"
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], name: str = "unnamed") -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict (LlamaConfig / Qwen2Config / MistralConfig keys)."""
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        arch = " ".join(hf.get("architectures") or [])
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or 0,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=hf.get("rope_scaling"),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            qkv_bias=bool(hf.get("attention_bias", False)) or "Qwen2" in arch,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size and how much memory the block pool may take."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30  # budget for K and V of all layers
+    num_blocks: int = 0  # > 0 overrides the budget (tests use small pools)
+    enable_prefix_caching: bool = True
+    cache_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits: tokens per step, sequences running at once, prefill chunk size."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    # A prompt longer than this is prefilled in chunks of at most this many tokens per step,
+    # so that decodes of running requests are not stalled behind one long prompt.
+    long_prefill_token_threshold: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine instance needs: which model, where to run it, and the cache/scheduler settings."""
+
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "float32"  # compute dtype
+    seed: int = 0  # seeds random-weight models and the stream for unseeded sampling
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

