@@ -1,0 +1,1 @@
+"""Namespace of the splitserve protocol's versioned packages (``protos.splitserve.v1``)."""

@@ -1,0 +1,121 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_KIND_UNSPECIFIED: _ClassVar[KVKind]
+    KV_KIND_KEY: _ClassVar[KVKind]
+    KV_KIND_VALUE: _ClassVar[KVKind]
+KV_KIND_UNSPECIFIED: KVKind
+KV_KIND_KEY: KVKind
+KV_KIND_VALUE: KVKind
+
+class KVLayout(_message.Message):
+    __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    cache_dtype: str
+    def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("layout", "compat_hash", "codec")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    compat_hash: str
+    codec: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., compat_hash: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("layout", "supported_codecs", "compat_hash")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTED_CODECS_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    supported_codecs: _containers.RepeatedScalarFieldContainer[str]
+    compat_hash: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., supported_codecs: _Optional[_Iterable[str]] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+
+class KVPush(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: KVTransferHeader
+    chunk: KVChunk
+    trailer: KVTransferTrailer
+    def __init__(self, header: _Optional[_Union[KVTransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTransferTrailer, _Mapping]] = ...) -> None: ...
+
+class KVTransferHeader(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "compat_hash", "lease_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    compat_hash: str
+    lease_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("request_id", "seq", "layer", "kind", "token_start", "token_end", "codec", "dtype", "shape", "payload", "scales", "crc32c")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    seq: int
+    layer: int
+    kind: KVKind
+    token_start: int
+    token_end: int
+    codec: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    payload: bytes
+    scales: bytes
+    crc32c: int
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KVKind, str]] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., codec: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class KVTransferTrailer(_message.Message):
+    __slots__ = ("num_chunks", "num_tokens")
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_chunks: int
+    num_tokens: int
+    def __init__(self, num_chunks: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PushKVResponse(_message.Message):
+    __slots__ = ("bytes_received", "num_blocks", "lease_remaining_seconds")
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes_received: int
+    num_blocks: int
+    lease_remaining_seconds: float
+    def __init__(self, bytes_received: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_remaining_seconds: _Optional[float] = ...) -> None: ...
