@@ -1,0 +1,254 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+A request's path through the scheduler:
+
+- ``add`` puts it at the back of ``waiting`` (``add_prefilled`` skips the queue: its KV arrived from a prefill
+  pod, so it joins ``running`` directly);
+- ``schedule`` first gives every ``running`` sequence its next tokens (a prefill chunk, or one token when
+  decoding), then admits ``waiting`` sequences in order, after a prefix-cache lookup, while the token budget,
+  the sequence cap and the block pool allow. When a running sequence needs a block and none is left, the most
+  recently admitted one is preempted: its blocks are freed and it goes back to the front of ``waiting``, to be
+  recomputed later (cheaply, from its prefix-cached blocks);
+- ``update_from_output`` records the step: computed tokens advance, newly full blocks enter the prefix cache,
+  sampled tokens are appended, and a sequence that hits EOS, a stop token id or its length limit is finished
+  and its blocks freed;
+- ``abort`` finishes a request wherever it is and frees its blocks.
+
+Progress is counted in tokens, as in vLLM v1: each step schedules up to ``num_tokens - num_computed_tokens``
+tokens of a sequence, and a sequence samples when its scheduled tokens reach the end of its known tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: tokens ``[start, start + num_new_tokens)`` get computed."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int  # seq.num_computed_tokens before the step
+    samples: bool  # the scheduled tokens reach the end of the known tokens: the step samples the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: list[int], max_model_len: int
+    ):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._unfinished: dict[str, Sequence] = {}
+        # A sequence can hold at most the whole pool (its last sampled token needs no slot): past that it
+        # finishes with LENGTH, instead of preempting itself and coming back forever.
+        self._pool_tokens = block_manager.num_blocks * block_manager.block_size
+        self._max_len = min(max_model_len, self._pool_tokens + 1)
+
+    # ---- requests in and out ----------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; raises ValueError for one that could never run."""
+        self._check_admissible(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._unfinished[seq.request_id] = seq
+
+    def _check_admissible(self, seq: Sequence) -> None:
+        if seq.request_id in self._unfinished:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if seq.num_prompt_tokens == 0:
+            raise ValueError("prompt must contain at least one token")
+        if seq.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt has {seq.num_prompt_tokens} tokens, more than the model's context ({self.max_model_len})"
+            )
+        if seq.num_prompt_tokens > self._pool_tokens:
+            raise ValueError(
+                f"prompt has {seq.num_prompt_tokens} tokens, more than the whole KV cache holds "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)"
+            )
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Admit a sequence prefilled elsewhere: its blocks are allocated, its prompt's KV written, and its
+        first output token sampled. It joins ``running`` at once; if that first token already ends it
+        (EOS, a stop id, ``max_tokens == 1``), it finishes here instead and its blocks are freed."""
+        if seq.num_computed_tokens != seq.num_tokens - 1:
+            raise ValueError(
+                f"a prefilled sequence must have all but its last token computed; {seq.request_id!r} has "
+                f"{seq.num_computed_tokens} of {seq.num_tokens}"
+            )
+        self._check_admissible(seq)
+        self._unfinished[seq.request_id] = seq
+        self._mark_scheduled(seq)
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+        self._check_stop(seq)
+        if not seq.is_finished:
+            self.running.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish the request wherever it is and free its blocks; None if it is unknown or already finished."""
+        seq = self._unfinished.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        """The unfinished request with this id (None once it finished)."""
+        return self._unfinished.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ---------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # A preemption means the pool is full: admitting someone now would only preempt again.
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new_tokens = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            start = seq.num_computed_tokens
+            if not self._allocate_or_preempt(seq, num_new_tokens, out.preempted):
+                break  # seq itself, the last one running, was preempted
+            out.scheduled.append(self._scheduled(seq, num_new_tokens, start))
+            budget -= num_new_tokens
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int, preempted: list[Sequence]) -> bool:
+        """Preempt from the end of ``running`` (the most recently admitted) until ``seq`` fits."""
+        while not self.block_manager.allocate_slots(seq, num_new_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute, not swap: dropping the KV is free, and prefix-cached blocks make the re-prefill cheap.
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed_blocks, num_cached_tokens = self.block_manager.get_computed_blocks(seq)
+            num_new_tokens = self._num_new_tokens(seq, num_cached_tokens, budget)
+            if not self.block_manager.allocate_slots(seq, num_new_tokens, computed_blocks):
+                break  # no room: later requests wait too, so a long prompt is not starved by short ones
+            self.waiting.popleft()
+            self._admit(seq, num_cached_tokens)
+            out.scheduled.append(self._scheduled(seq, num_new_tokens, num_cached_tokens))
+            budget -= num_new_tokens
+
+    def _admit(self, seq: Sequence, num_cached_tokens: int) -> None:
+        if seq.first_scheduled_time is None:
+            seq.num_cached_tokens = num_cached_tokens  # the prompt's cache hit, counted once per request
+        self._mark_scheduled(seq)
+        seq.num_computed_tokens = num_cached_tokens
+        self.running.append(seq)
+
+    def _mark_scheduled(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+
+    def _num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int) -> int:
+        # The chunk cap keeps one long prompt from stalling every running decode for a whole step.
+        return min(seq.num_tokens - num_computed_tokens, budget, self.config.long_prefill_token_threshold)
+
+    @staticmethod
+    def _scheduled(seq: Sequence, num_new_tokens: int, start: int) -> ScheduledSeq:
+        return ScheduledSeq(seq, num_new_tokens, start, samples=start + num_new_tokens == seq.num_tokens)
+
+    # ---- after the step ---------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]
+    ) -> list[Sequence]:
+        """Record a step's results; returns the sequences that got a token (finished ones included), in batch
+        order. ``sampled`` maps request id -> (token id, logprobs or None) for each scheduled seq that samples."""
+        updated = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.is_finished:
+                continue  # aborted while the step ran: its blocks are already free
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+            if item.samples:
+                self._append_sampled(seq, *sampled[seq.request_id])
+                updated.append(seq)
+        self.running = [seq for seq in self.running if not seq.is_finished]
+        return updated
+
+    def _append_sampled(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> None:
+        seq.append_token(token_id, logprobs)
+        if seq.num_output_tokens == 1:
+            seq.first_token_time = time.monotonic()
+        self._check_stop(seq)
+
+    def _check_stop(self, seq: Sequence) -> None:
+        params = seq.sampling_params
+        last_token = seq.output_token_ids[-1]
+        # min_tokens holds back EOS and stop ids only; the length limits always apply.
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and not params.ignore_eos and last_token in self.eos_token_ids:
+            self._finish(seq, FinishReason.STOP, stop_reason=last_token)
+        elif may_stop and last_token in params.stop_token_ids:
+            self._finish(seq, FinishReason.STOP, stop_reason=last_token)
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            self._finish(seq, FinishReason.LENGTH)
+        elif seq.num_tokens >= self._max_len:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        del self._unfinished[seq.request_id]
