@@ -1,0 +1,19 @@
+"""KV-cache codecs: compress one layer's K or V of a token range for the trip from a prefill pod to a decode pod.
+
+``get_codec(name)`` finds one by name (see base.py for the interface and the registry):
+
+| name   | module        | what it sends                                                   | bytes/element (D=64) |
+|--------|---------------|-----------------------------------------------------------------|----------------------|
+| none   | raw.py        | the cache dtype as is (lossless)                                | 4 (fp32), 2 (bf16)   |
+| bf16   | raw.py        | bfloat16                                                        | 2                    |
+| fp8    | symmetric.py  | float8 e4m3fn, float16 scale per (token, head)                  | 1.03125              |
+| int8   | symmetric.py  | int8, float16 scale per (token, head)                           | 1.03125              |
+| int4   | int4.py       | 4 bits; keys per channel over 32-token groups, values per token | 0.5635               |
+| X+zstd | zstd.py       | codec X, then zstd over payload and scales (lossless)           | data-dependent       |
+
+Only base.py is imported here; a codec's module (and zstandard) loads when the codec is first requested.
+"""
+
+from kvtransfer.codecs.base import EncodedKV, KVCodec, available_codecs, get_codec
+
+__all__ = ["EncodedKV", "KVCodec", "available_codecs", "get_codec"]

@@ -1,0 +1,177 @@
+"""The KV codec interface, the encoded form it produces, and the registry that finds a codec by name.
+
+A codec turns one layer's K or V for a token range of one request, a tensor ``[T, H, D]`` (T tokens, H kv heads,
+D head size, in the cache dtype), into an ``EncodedKV`` and back. The path of a chunk through it:
+
+    get_codec("int8+zstd")                 name -> codec; its module is imported on first request
+      .encode(x, kind) -> EncodedKV         prefill side; kind "k" or "v" (keys and values may be quantized apart)
+      .decode(enc, device) -> Tensor        decode side; the original dtype and shape, on ``device``
+      .bytes_per_element(head_dim)          sizing: payload + scales per K/V element
+      .encoded_nbytes(shape, kind)          exact (payload, scales) byte counts, or None when data-dependent
+
+Codecs register below by name as "module:Class" and are imported lazily, as vLLM's KV connectors are.
+Every name may take the suffix ``+zstd``: the same codec, then zstd over its payload and scales (lossless).
+
+Byte layout: ``payload`` and ``scales`` are the raw little-endian bytes of C-contiguous tensors, in the layout each
+codec's module docstring states, so the wire layer copies them into a protobuf message unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+if sys.byteorder != "little":  # the byte layout is little-endian and tensors are copied to bytes as they lie
+    raise ImportError("kvtransfer codecs need a little-endian host")
+
+KVKind = Literal["k", "v"]
+KV_KINDS: tuple[str, ...] = ("k", "v")
+
+# Cache dtypes a codec accepts, by the name an EncodedKV carries.
+CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EncodedKV:
+    """One encoded K or V tensor: everything its decoder needs, as plain fields."""
+
+    codec: str  # the registry name it was encoded with, e.g. "int8+zstd"
+    kind: str  # "k" or "v": some codecs quantize keys and values differently
+    dtype: str  # the original torch dtype's name, a key of CACHE_DTYPES
+    shape: tuple[int, ...]  # the original [T, H, D]
+    payload: bytes
+    scales: bytes  # scales / zero points, raw little-endian; empty when the codec has none
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this tensor costs on the wire, before framing."""
+        return len(self.payload) + len(self.scales)
+
+
+class KVCodec(ABC):
+    """Compresses one [T, H, D] K or V tensor. Stateless: one instance serves every request and thread."""
+
+    name: str
+
+    def encode(self, x: torch.Tensor, kind: KVKind) -> EncodedKV:
+        """Encode ``x`` ([T, H, D], finite, on any device). Raises ValueError on a bad tensor or kind."""
+        check_kv(x, kind)
+        return self._encode(x, kind)
+
+    def decode(self, enc: EncodedKV, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Rebuild the [T, H, D] tensor in its original dtype on ``device``. Raises ValueError on a bad ``enc``."""
+        dtype = self._check_encoded(enc)
+        return self._decode(enc, torch.device(device)).to(dtype)
+
+    @abstractmethod
+    def bytes_per_element(self, head_dim: int, cache_dtype: torch.dtype = torch.float32) -> float:
+        """Payload plus scale bytes per K/V element, averaged over K and V, for long token ranges.
+
+        ``cache_dtype`` matters only to the lossless ``none`` codec, which sends the cache dtype as it is.
+        """
+
+    @abstractmethod
+    def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str) -> tuple[int, int] | None:
+        """Exact (payload, scales) lengths of an encoding of ``shape``; None when they depend on the data."""
+
+    @abstractmethod
+    def _encode(self, x: torch.Tensor, kind: KVKind) -> EncodedKV:
+        """Encode a tensor that ``encode`` has checked."""
+
+    @abstractmethod
+    def _decode(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
+        """Decode a checked ``enc`` to a [T, H, D] floating tensor on ``device`` (any float dtype)."""
+
+    def _check_encoded(self, enc: EncodedKV) -> torch.dtype:
+        if enc.codec != self.name:
+            raise ValueError(f"codec {self.name!r} cannot decode a tensor encoded with {enc.codec!r}")
+        if enc.kind not in KV_KINDS:
+            raise ValueError(f"kind must be one of {KV_KINDS}, got {enc.kind!r}")
+        if enc.dtype not in CACHE_DTYPES:
+            raise ValueError(f"unsupported dtype {enc.dtype!r}; supported: {', '.join(CACHE_DTYPES)}")
+        if len(enc.shape) != 3 or min(enc.shape) <= 0:
+            raise ValueError(f"shape must be [T, H, D] with positive sizes, got {enc.shape}")
+        expected = self.encoded_nbytes(enc.shape, enc.kind, enc.dtype)
+        if expected is not None and expected != (len(enc.payload), len(enc.scales)):
+            raise ValueError(
+                f"{self.name} {enc.kind.upper()} of shape {enc.shape} needs (payload, scales) of {expected} bytes, "
+                f"got {(len(enc.payload), len(enc.scales))}"
+            )
+        return CACHE_DTYPES[enc.dtype]
+
+
+def check_kv(x: torch.Tensor, kind: str) -> None:
+    """Raise ValueError unless ``x`` is a non-empty finite [T, H, D] tensor of a cache dtype and kind is k/v."""
+    if kind not in KV_KINDS:
+        raise ValueError(f"kind must be one of {KV_KINDS}, got {kind!r}")
+    if x.dim() != 3 or x.numel() == 0:
+        raise ValueError(f"KV tensor must be [T, H, D] with positive sizes, got {tuple(x.shape)}")
+    if dtype_name(x.dtype) not in CACHE_DTYPES:
+        raise ValueError(f"unsupported KV dtype {x.dtype}; supported: {', '.join(CACHE_DTYPES)}")
+    # A real model's KV is finite; inf/nan here means a broken forward pass, and a quantizer would hide it.
+    # Fast path: inf/nan make the float32 sum non-finite; the slow exact check runs only when the sum is not
+    # finite, which a finite tensor reaches only by overflow.
+    if not bool(torch.isfinite(x.sum(dtype=torch.float32))) and not bool(torch.isfinite(x).all()):
+        raise ValueError("KV tensor holds inf or nan values; refusing to encode it")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of ``t`` in C order (copied to the host if needed)."""
+    # Viewed as uint8 because numpy has no bfloat16 or float8.
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_bytes(buf: bytes, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The tensor of ``shape`` whose raw bytes are ``buf``, on ``device``."""
+    # bytearray: a writable copy, so the tensor owns its memory (torch refuses read-only buffers without a warning).
+    return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape).to(device)
+
+
+# --- registry --------------------------------------------------------------------------------------------------
+
+_CODEC_CLASSES: dict[str, str] = {
+    "none": "kvtransfer.codecs.raw:RawCodec",
+    "bf16": "kvtransfer.codecs.raw:BF16Codec",
+    "fp8": "kvtransfer.codecs.symmetric:FP8Codec",
+    "int8": "kvtransfer.codecs.symmetric:Int8Codec",
+    "int4": "kvtransfer.codecs.int4:Int4Codec",
+}
+ZSTD_SUFFIX = "+zstd"
+_ZSTD_CODEC_CLASS = "kvtransfer.codecs.zstd:ZstdCodec"
+DEFAULT_ZSTD_LEVEL = 3
+
+
+def available_codecs() -> list[str]:
+    """Every name ``get_codec`` accepts."""
+    return [*_CODEC_CLASSES, *(name + ZSTD_SUFFIX for name in _CODEC_CLASSES)]
+
+
+@functools.lru_cache(maxsize=None)
+def get_codec(name: str, zstd_level: int = DEFAULT_ZSTD_LEVEL) -> KVCodec:
+    """The codec registered as ``name`` (``zstd_level`` applies to ``+zstd`` names). ValueError if unknown."""
+    base_name = name.removesuffix(ZSTD_SUFFIX)
+    if base_name not in _CODEC_CLASSES:
+        raise ValueError(f"unknown KV codec {name!r}; known codecs: {', '.join(available_codecs())}")
+    codec = _load_class(_CODEC_CLASSES[base_name])()
+    if name != base_name:
+        codec = _load_class(_ZSTD_CODEC_CLASS)(codec, zstd_level)
+    return codec
+
+
+def _load_class(spec: str) -> type:
+    module_name, class_name = spec.split(":")
+    return getattr(importlib.import_module(module_name), class_name)

@@ -1,0 +1,33 @@
+"""How quantizing codecs store their scales and range ends: float16, rounded outward.
+
+A scale or range end is rounded to float16 *away from the data* (scales up, minimums down, maximums up), and the
+encoder quantizes with the rounded value it stores. So the quantization grid always covers the data (no value
+clips), and the error bound a codec states holds for the very scales its decoder reads. Float16 rather than
+float32 keeps the overhead at 2 bytes per scale, which the size targets need (int8 at D=64: 1.03 bytes/element).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
+def round_up_to_float16(x: torch.Tensor) -> torch.Tensor:
+    """The smallest float16 >= each element of ``x`` (float32). ValueError beyond float16's range."""
+    return _round_to_float16(x, toward=float("inf"))
+
+
+def round_down_to_float16(x: torch.Tensor) -> torch.Tensor:
+    """The largest float16 <= each element of ``x`` (float32). ValueError beyond float16's range."""
+    return _round_to_float16(x, toward=float("-inf"))
+
+
+def _round_to_float16(x: torch.Tensor, toward: float) -> torch.Tensor:
+    if bool((x.abs() > _FLOAT16_MAX).any()):
+        raise ValueError(f"KV values too large for float16 scales (|value| > {_FLOAT16_MAX:g} after scaling)")
+    nearest = x.to(torch.float16)
+    # Nearest rounding lands on the wrong side of x about half the time; step one float16 toward `toward` there.
+    wrong_side = (nearest.float() < x) if toward > 0 else (nearest.float() > x)
+    stepped = torch.nextafter(nearest, torch.full_like(nearest, toward))
+    return torch.where(wrong_side, stepped, nearest)
