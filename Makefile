@@ -1,7 +1,7 @@
 # The two commands of the quick start are `make run` and `make test`; each installs what is missing.
 PY := .venv/bin/python
 
-.PHONY: run test bootstrap protos bench bench-codecs bench-transfer
+.PHONY: run test bootstrap protos bench
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -16,4 +16,4 @@ protos: bootstrap
 	$(PY) -m protos.generate
 
 bench: bootstrap
-	$(PY) -m benchmarks.engine_bench
+	$(PY) -m splitserve bench engine

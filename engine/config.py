@@ -42,6 +42,11 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         arch = " ".join(hf.get("architectures") or [])
+        # transformers >= 5 writes rope_theta and the scaling inside "rope_parameters" instead of "rope_scaling".
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -51,8 +56,8 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim") or 0,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             qkv_bias=bool(hf.get("attention_bias", False)) or "Qwen2" in arch,

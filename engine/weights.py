@@ -118,10 +118,6 @@ def _read_hf_config(directory: Path) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in _HF_MODEL_TYPES:
         raise ValueError(f"{directory}: unsupported architecture {model_type!r}; supported: {sorted(_HF_MODEL_TYPES)}")
-    # transformers >= 5 writes RoPE scaling inside "rope_parameters" (with rope_theta) instead of "rope_scaling".
-    rope = hf.get("rope_parameters") or {}
-    if hf.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
-        hf["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return ModelConfig.from_hf_config(hf, name=directory.name)
 
 
