@@ -1,0 +1,65 @@
+"""``RouterConfig``: everything the router process is told, filled by ``splitserve.config.parse_config`` from
+flags (``--grpc-port``) and ``SPLITSERVE_*`` environment variables (``SPLITSERVE_GRPC_PORT``).
+
+Checked in ``__post_init__``, so a bad value stops the process at start, naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
+REGISTRY_KINDS = ("static", "redis")
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class RouterConfig:
+    """The splitserve router: client-facing gRPC and HTTP APIs in front of prefill and decode pods."""
+
+    host: str = field(default="0.0.0.0", metadata=_help("Address both APIs listen on."))
+    grpc_port: int = field(default=50051, metadata=_help("Port of the gRPC Generation API (0: any free port)."))
+    http_port: int = field(default=8000, metadata=_help("Port of the OpenAI-compatible HTTP API (0: no HTTP API)."))
+    model: str = field(default="smollm2-135m", metadata=_help("Served model; the router loads only its tokenizer."))
+    max_model_len: int = field(default=8192, metadata=_help(
+        "Context length in tokens (prompt + output); must match the pods' model (SmolLM2-135M: 8192)."))
+    prefill_pods: list[str] = field(default_factory=list, metadata=_help("Static registry: prefill pods, host:port."))
+    decode_pods: list[str] = field(default_factory=list, metadata=_help("Static registry: decode pods, host:port."))
+    mixed_pods: list[str] = field(default_factory=list, metadata=_help(
+        "Static registry: mixed pods (both phases in one process), host:port."))
+    registry: str = field(default="static", metadata=_help(
+        "Where pods are found: 'static' (the *_pods lists) or 'redis' (pods register themselves)."))
+    redis_url: str = field(default="redis://localhost:6379/0", metadata=_help("Redis registry: server URL."))
+    pod_ttl_s: float = field(default=10.0, metadata=_help(
+        "Redis registry: a pod whose heartbeat is older than this is dropped."))
+    policy: str = field(default="least_loaded", metadata=_help(f"Routing policy: one of {', '.join(POLICY_NAMES)}."))
+    kv_codec: str = field(default="none", metadata=_help("KV codec prefill pods compress with (empty: the pod's)."))
+    conditional_prefill_threshold: int = field(default=32, metadata=_help(
+        "Prompts shorter than this many tokens prefill on their decode pod (0: never for length)."))
+    conditional_cached_fraction: float = field(default=0.8, metadata=_help(
+        "Prompts with at least this fraction already cached on the decode pod prefill there (> 1: never)."))
+    request_timeout_s: float = field(default=300.0, metadata=_help("Deadline of one request, arrival to last token."))
+    max_retries: int = field(default=1, metadata=_help(
+        "Retries on other pods of a request that failed before its first token."))
+    load_poll_interval_s: float = field(default=0.5, metadata=_help("Static registry: seconds between GetLoad polls."))
+    kv_lease_s: float = field(default=30.0, metadata=_help(
+        "How long a decode pod keeps pushed KV waiting for the router's Decode call."))
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
+        if self.registry not in REGISTRY_KINDS:
+            raise ValueError(f"registry must be one of {', '.join(REGISTRY_KINDS)}, got {self.registry!r}")
+        for name in ("grpc_port", "http_port", "conditional_prefill_threshold", "max_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_model_len", "pod_ttl_s", "request_timeout_s", "load_poll_interval_s", "kv_lease_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.conditional_cached_fraction < 0:
+            raise ValueError(f"conditional_cached_fraction must be >= 0, got {self.conditional_cached_fraction}")
+        if self.registry == "static" and not (self.prefill_pods or self.decode_pods or self.mixed_pods):
+            raise ValueError("the static registry needs pods: set decode_pods or mixed_pods (and prefill_pods)")

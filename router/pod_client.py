@@ -1,0 +1,77 @@
+"""``PodClient``: the router's connection to one pod, and ``PodClientPool``, one client per pod address.
+
+The router talks to a pod only through these calls, all on one ``grpc.aio`` channel per pod:
+
+- ``get_load()``: the pod's ``PodLoad`` (the static registry polls it);
+- ``prefill(...)``: on a prefill pod, prefill a prompt and push its KV to the chosen decode pod; returns the
+  first token;
+- ``decode(...)``: on a decode or mixed pod, the stream of the request's remaining tokens. The returned call
+  is an async iterator of ``DecodeResponse``; cancelling it makes the pod abort the request and free its blocks;
+- ``abort(request_id)``: frees a request wherever it is on the pod (e.g. KV pushed and never claimed).
+
+Errors are left as ``grpc.aio.AioRpcError``: the router decides which ones are worth a retry.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+# KV never travels through the router, but a long prompt's token ids or a top-20 logprobs stream can pass
+# gRPC's 4 MiB default; the pods raise their limits to the same value.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# A GetLoad that takes longer than this is from a pod too busy or too far to route to.
+GET_LOAD_TIMEOUT_S = 2.0
+
+
+class PodClient:
+    """Stubs for one pod's services, as its role serves them: Prefill for prefill pods, Decode for decode and
+    mixed pods."""
+
+    def __init__(self, address: str, role: str):
+        self.address, self.role = address, role
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._prefill = prefill_pb2_grpc.PrefillStub(self._channel) if role == "prefill" else None
+        self._decode = decode_pb2_grpc.DecodeStub(self._channel) if role in ("decode", "mixed") else None
+
+    async def get_load(self, timeout_s: float = GET_LOAD_TIMEOUT_S) -> common_pb2.PodLoad:
+        stub = self._prefill or self._decode
+        return await stub.GetLoad(common_pb2.LoadRequest(), timeout=timeout_s)
+
+    def prefill(self, request: prefill_pb2.PrefillRequest, timeout_s: float):
+        """The Prefill call: await it for the ``PrefillResponse``; ``cancel()`` aborts it on the pod."""
+        return self._prefill.Prefill(request, timeout=timeout_s)
+
+    def decode(self, request: decode_pb2.DecodeRequest, timeout_s: float):
+        """The Decode call: an async iterator of ``DecodeResponse``; ``cancel()`` aborts it on the pod."""
+        return self._decode.Decode(request, timeout=timeout_s)
+
+    async def abort(self, request_id: str, timeout_s: float = GET_LOAD_TIMEOUT_S) -> bool:
+        stub = self._prefill or self._decode
+        response = await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
+        return response.found
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class PodClientPool:
+    """One ``PodClient`` per pod address, created on first use and kept for the router's lifetime."""
+
+    def __init__(self) -> None:
+        self._clients: dict[tuple[str, str], PodClient] = {}
+
+    def get(self, address: str, role: str) -> PodClient:
+        if (address, role) not in self._clients:
+            self._clients[address, role] = PodClient(address, role)
+        return self._clients[address, role]
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()

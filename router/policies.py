@@ -1,0 +1,203 @@
+"""Routing policies: which decode pod D and which prefill pod P serve a request, and whether it needs P at all.
+
+``RoutingPolicy.choose_pair(request, prefill_pods, decode_pods)`` walks the same steps for every policy:
+
+1. keep the decode-capable pods (decode and mixed) with room in their KV cache for the prompt; none
+   -> ``RESOURCE_EXHAUSTED`` (back-pressure: the client should retry later);
+2. D = ``pick_decode(...)``, the policy's choice;
+3. conditional disaggregation (``prefill_locally``): no prefill pod, a prompt shorter than
+   ``conditional_prefill_threshold``, or one whose prefix D mostly holds already is cheaper to prefill on D
+   than to prefill on P and ship over the network -> ``RoutePlan(prefill=None, decode=D)``;
+4. P = ``pick_prefill(...)`` -> ``RoutePlan(prefill=P, decode=D)``.
+
+Policies differ only in steps 2 and 4, and are picked by name (``make_policy``):
+
+- ``round_robin``: in turn, by address order;
+- ``least_loaded``: D with the most free KV blocks, then the fewest running requests; P with the fewest
+  queued prefill tokens;
+- ``power_of_two``: two random candidates, the less loaded of them (cheap, and robust to a stale view);
+- ``prefix_aware``: the pod holding the longest cached prefix of the prompt, ties to the least loaded.
+
+Prefix matching uses the chained block hashes the pods compute (``engine.block_manager``), at each pod's
+block size: a pod's published hash of block i names the prompt's whole prefix up to the end of block i.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from engine.block_manager import chained_block_hashes
+from router.errors import RouterError
+from router.registry import PodInfo
+
+if TYPE_CHECKING:
+    from router.router import RouterRequest
+
+
+@dataclass
+class RoutePlan:
+    prefill: PodInfo | None  # None: D prefills the prompt itself
+    decode: PodInfo
+    reason: str  # why this shape, for logs
+
+
+class PromptBlocks:
+    """A prompt's chained block hashes, computed once per block size and reused for every candidate pod."""
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self._hashes_by_block_size: dict[int, list[int]] = {}
+
+    def hashes(self, block_size: int) -> list[int]:
+        if block_size not in self._hashes_by_block_size:
+            self._hashes_by_block_size[block_size] = chained_block_hashes(self.token_ids, block_size)
+        return self._hashes_by_block_size[block_size]
+
+    def cached_tokens(self, pod: PodInfo) -> int:
+        """Prompt tokens at the start of the prompt whose blocks ``pod`` has in its prefix cache."""
+        if not pod.block_hashes:
+            return 0
+        matched = 0
+        for block_hash in self.hashes(pod.load.block_size):
+            if block_hash not in pod.block_hashes:
+                break
+            matched += 1
+        return matched * pod.load.block_size
+
+
+def has_room(pod: PodInfo, num_prompt_tokens: int) -> bool:
+    """Room for the prompt's KV and the first output token."""
+    return pod.load.free_kv_blocks >= math.ceil((num_prompt_tokens + 1) / pod.load.block_size)
+
+
+def decode_load(pod: PodInfo) -> tuple:
+    """Sort key, least loaded first: most free KV blocks, then fewest running and waiting; address breaks ties."""
+    return -pod.load.free_kv_blocks, pod.load.num_running, pod.load.num_waiting, pod.address
+
+
+def prefill_load(pod: PodInfo) -> tuple:
+    """Sort key, least loaded first: fewest prompt tokens queued, then fewest waiting requests."""
+    return pod.load.queued_prefill_tokens, pod.load.num_waiting, pod.address
+
+
+def prefill_locally(num_prompt_tokens: int, cached_on_decode: int, has_prefill_pods: bool,
+                    threshold: int, cached_fraction: float) -> str | None:
+    """Conditional disaggregation: why the decode pod should prefill this prompt itself, or None if it should not."""
+    if not has_prefill_pods:
+        return "no prefill pod: prefill on the decode pod"
+    if num_prompt_tokens < threshold:
+        return f"short prompt ({num_prompt_tokens} < {threshold} tokens): prefill on the decode pod"
+    fraction = cached_on_decode / num_prompt_tokens
+    if fraction >= cached_fraction:
+        return f"{fraction:.0%} of the prompt cached on the decode pod: prefill there"
+    return None
+
+
+class RoutingPolicy:
+    """Base policy: the shared steps of ``choose_pair``; subclasses pick among candidates."""
+
+    name = ""
+
+    def __init__(self, conditional_prefill_threshold: int = 32, conditional_cached_fraction: float = 0.8):
+        self.conditional_prefill_threshold = conditional_prefill_threshold
+        self.conditional_cached_fraction = conditional_cached_fraction
+
+    def choose_pair(self, request: RouterRequest, prefill_pods: list[PodInfo],
+                    decode_pods: list[PodInfo]) -> RoutePlan:
+        prompt = PromptBlocks(request.prompt_token_ids)
+        num_tokens = len(prompt.token_ids)
+        if not decode_pods:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no decode pod is serving")
+        roomy = [pod for pod in decode_pods if has_room(pod, num_tokens)]
+        if not roomy:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"no decode pod has room for a {num_tokens}-token prompt; retry later")
+        decode = self.pick_decode(roomy, prompt)
+        local_reason = prefill_locally(num_tokens, prompt.cached_tokens(decode), bool(prefill_pods),
+                                       self.conditional_prefill_threshold, self.conditional_cached_fraction)
+        if local_reason is not None:
+            return RoutePlan(None, decode, local_reason)
+        return RoutePlan(self.pick_prefill(prefill_pods, prompt), decode, "disaggregated")
+
+    def pick_decode(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        raise NotImplementedError
+
+    def pick_prefill(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        raise NotImplementedError
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._turns = {"prefill": 0, "decode": 0}
+
+    def pick_decode(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        return self._next("decode", pods)
+
+    def pick_prefill(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        return self._next("prefill", pods)
+
+    def _next(self, phase: str, pods: list[PodInfo]) -> PodInfo:
+        ordered = sorted(pods, key=lambda pod: pod.address)
+        pod = ordered[self._turns[phase] % len(ordered)]
+        self._turns[phase] += 1
+        return pod
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    name = "least_loaded"
+
+    def pick_decode(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        return min(pods, key=decode_load)
+
+    def pick_prefill(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        return min(pods, key=prefill_load)
+
+
+class PowerOfTwoPolicy(RoutingPolicy):
+    name = "power_of_two"
+
+    def __init__(self, *args, seed: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rng = random.Random(seed)
+
+    def pick_decode(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        return min(self._two(pods), key=decode_load)
+
+    def pick_prefill(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        return min(self._two(pods), key=prefill_load)
+
+    def _two(self, pods: list[PodInfo]) -> list[PodInfo]:
+        ordered = sorted(pods, key=lambda pod: pod.address)  # the same seed draws the same pods
+        return ordered if len(ordered) <= 2 else self._rng.sample(ordered, 2)
+
+
+class PrefixAwarePolicy(RoutingPolicy):
+    name = "prefix_aware"
+
+    def pick_decode(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        return min(pods, key=lambda pod: (-prompt.cached_tokens(pod), decode_load(pod)))
+
+    def pick_prefill(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
+        return min(pods, key=lambda pod: (-prompt.cached_tokens(pod), prefill_load(pod)))
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    policy.name: policy for policy in (RoundRobinPolicy, LeastLoadedPolicy, PowerOfTwoPolicy, PrefixAwarePolicy)
+}
+
+
+def make_policy(name: str, conditional_prefill_threshold: int = 32, conditional_cached_fraction: float = 0.8,
+                seed: int | None = None) -> RoutingPolicy:
+    """The policy called ``name``; ``seed`` fixes power_of_two's draws (tests)."""
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    extra = {"seed": seed} if name == PowerOfTwoPolicy.name else {}
+    return POLICIES[name](conditional_prefill_threshold, conditional_cached_fraction, **extra)

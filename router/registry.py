@@ -1,0 +1,289 @@
+"""Which pods exist, in which role, how loaded they are, and which prompt blocks they hold.
+
+The router asks a registry for the healthy pods of each role every time it places a request
+(``prefill_pods()``, ``decode_pods()``); the registry keeps that view fresh in the background:
+
+- ``StaticRegistry``: a fixed list of addresses (flags). It polls each pod's ``GetLoad`` every
+  ``load_poll_interval_s``; a pod that fails a poll is skipped until it answers again.
+- ``RedisRegistry``: pods register themselves. Each pod runs a ``RedisHeartbeat`` that writes its
+  ``PodInfo`` as JSON under ``splitserve:pods:{role}:{address}`` with an expiry of ``ttl_s``, refreshed every
+  ``ttl_s / 3``; the router reads all such keys every second. A pod that dies stops refreshing its key, Redis
+  expires it, and the pod leaves the router's view within ``ttl_s`` plus a second. The heartbeat also
+  publishes the pod's recent prefix-cache block hashes, which the prefix-aware policy matches prompts against.
+
+Both sides of the Redis registry live in this module, so that the key format and the JSON have one owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import redis.asyncio as redis_asyncio
+from redis.exceptions import RedisError
+
+from protos.splitserve.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "mixed")
+KEY_PREFIX = "splitserve:pods"
+# A heartbeat publishes at most this many block hashes, the pod's most recent: enough to route the prompts
+# that are hot now, small enough that the router reads every pod's key every second.
+MAX_PUBLISHED_BLOCK_HASHES = 8192
+
+
+@dataclass
+class PodLoad:
+    """A pod's queues and KV cache, as its ``GetLoad`` reports them (see ``common.proto`` PodLoad)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    queued_prefill_tokens: int = 0
+    block_size: int = 16
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.PodLoad) -> "PodLoad":
+        return cls(**{f.name: getattr(message, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "PodLoad":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{name: int(value) for name, value in fields.items() if name in known})
+
+
+@dataclass
+class PodInfo:
+    """One pod as the router sees it."""
+
+    address: str  # host:port of all the pod's gRPC services
+    role: str  # "prefill", "decode" or "mixed"
+    load: PodLoad = field(default_factory=PodLoad)
+    block_hashes: set[int] = field(default_factory=set)  # chained hashes of blocks in its prefix cache
+    last_seen: float = 0.0  # time.monotonic() of the last load report
+    healthy: bool = True
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "mixed")
+
+
+class PodRegistry:
+    """What the router needs from a registry. Subclasses fill ``self.pods`` (address -> PodInfo)."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, PodInfo] = {}
+
+    def prefill_pods(self) -> list[PodInfo]:
+        return [pod for pod in self.pods.values() if pod.healthy and pod.role == "prefill"]
+
+    def decode_pods(self) -> list[PodInfo]:
+        """Pods that can run a decode: decode pods and mixed pods."""
+        return [pod for pod in self.pods.values() if pod.healthy and pod.can_decode]
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+
+class _PeriodicTask:
+    """Runs ``refresh`` once at start (so the first request sees pods), then every ``interval_s``."""
+
+    def __init__(self, refresh: Callable[[], Any], interval_s: float, name: str):
+        self._refresh, self._interval_s, self._name = refresh, interval_s, name
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._refresh()
+        self._task = asyncio.create_task(self._loop(), name=self._name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self._refresh()
+
+
+class StaticRegistry(PodRegistry):
+    """Pods from the command line; their load from polling ``GetLoad``.
+
+    ``get_load(pod)`` returns the pod's ``PodLoad`` proto or raises; the router passes its pod clients' method.
+    """
+
+    def __init__(self, prefill: list[str], decode: list[str], mixed: list[str],
+                 get_load: Callable[[PodInfo], Any], poll_interval_s: float = 0.5):
+        super().__init__()
+        for role, addresses in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
+            for address in addresses:
+                if address in self.pods:
+                    raise ValueError(f"pod {address} is listed twice")
+                # Unknown until its first poll answers: a pod that never answers never gets a request.
+                self.pods[address] = PodInfo(address, role, healthy=False)
+        self._get_load = get_load
+        # A poll that takes longer than the interval is a failed poll: the next one is due.
+        self._poll_timeout_s = max(poll_interval_s, 0.2)
+        self._poller = _PeriodicTask(self.poll_all, poll_interval_s, "static-registry-poll")
+
+    async def start(self) -> None:
+        await self._poller.start()
+
+    async def stop(self) -> None:
+        await self._poller.stop()
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(pod) for pod in self.pods.values()))
+
+    async def _poll(self, pod: PodInfo) -> None:
+        try:
+            message = await asyncio.wait_for(self._get_load(pod), self._poll_timeout_s)
+        except Exception as exc:  # any failure means the same: do not route here until it answers
+            if pod.healthy:
+                log.warning("pod %s (%s) stopped answering GetLoad: %r; skipping it", pod.address, pod.role, exc)
+            pod.healthy = False
+            return
+        if not pod.healthy:
+            log.info("pod %s (%s) is serving", pod.address, pod.role)
+        pod.load, pod.last_seen, pod.healthy = PodLoad.from_proto(message), time.monotonic(), True
+
+
+def pod_key(role: str, address: str) -> str:
+    return f"{KEY_PREFIX}:{role}:{address}"
+
+
+def pod_record(role: str, address: str, load: dict[str, Any]) -> str:
+    """The JSON a heartbeat writes: ``load`` holds PodLoad's fields and, optionally, ``block_hashes``."""
+    load = dict(load)
+    block_hashes = list(load.pop("block_hashes", []))[-MAX_PUBLISHED_BLOCK_HASHES:]
+    return json.dumps({
+        "address": address,
+        "role": role,
+        "load": dataclasses.asdict(PodLoad.from_dict(load)),
+        "block_hashes": block_hashes,
+        "published_at": time.time(),
+    })
+
+
+def pod_from_record(record: str | bytes) -> PodInfo:
+    fields = json.loads(record)
+    return PodInfo(
+        address=fields["address"],
+        role=fields["role"],
+        load=PodLoad.from_dict(fields["load"]),
+        block_hashes=set(fields.get("block_hashes", [])),
+        last_seen=time.monotonic(),
+    )
+
+
+def _parse_record(record: bytes | None) -> PodInfo | None:
+    """None for an expired key (gone between SCAN and MGET) or a record this router cannot read."""
+    if record is None:
+        return None
+    try:
+        return pod_from_record(record)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring an unreadable pod record %r: %r", record[:200], exc)
+        return None
+
+
+class RedisRegistry(PodRegistry):
+    """Pods that registered themselves in Redis; rescanned every ``scan_interval_s``."""
+
+    def __init__(self, redis_url: str, ttl_s: float = 10.0, scan_interval_s: float = 1.0):
+        super().__init__()
+        self.ttl_s = ttl_s
+        self._redis = redis_asyncio.from_url(redis_url)
+        self._redis_reachable = True  # to log when that changes, not once a second
+        self._scanner = _PeriodicTask(self.scan, scan_interval_s, "redis-registry-scan")
+
+    async def start(self) -> None:
+        await self._scanner.start()
+
+    async def stop(self) -> None:
+        await self._scanner.stop()
+        await self._redis.aclose()
+
+    async def scan(self) -> None:
+        """Replace the view with the keys that exist now: expired keys (dead pods) drop out."""
+        try:
+            keys = [key async for key in self._redis.scan_iter(match=f"{KEY_PREFIX}:*", count=1000)]
+            records = await self._redis.mget(keys) if keys else []
+        except RedisError as exc:
+            # Keep the last view: the pods are probably fine, and a pod that is not fails its calls.
+            if self._redis_reachable:
+                log.warning("cannot read the pod registry from Redis: %r; keeping the last view", exc)
+            self._redis_reachable = False
+            return
+        if not self._redis_reachable:
+            log.info("reading the pod registry from Redis again")
+        self._redis_reachable = True
+        pods = [pod for pod in map(_parse_record, records) if pod is not None]
+        self._log_changes({pod.address for pod in pods})
+        self.pods = {pod.address: pod for pod in pods}
+
+    def _log_changes(self, addresses: set[str]) -> None:
+        for address in addresses - set(self.pods):
+            log.info("pod %s registered", address)
+        for address in set(self.pods) - addresses:
+            log.warning("pod %s left the registry (heartbeat expired or deregistered)", address)
+
+
+class RedisHeartbeat:
+    """Pod side of the Redis registry: keeps this pod's key alive with its current load.
+
+    ``load_fn()`` returns PodLoad's fields as a dict, plus ``block_hashes`` (most recent last) when the pod
+    has a prefix cache to advertise. ``stop()`` deletes the key, so a pod that shuts down cleanly leaves at
+    once; ``stop(deregister=False)`` leaves it to expire, which is what a crashed pod does.
+    """
+
+    def __init__(self, redis_url: str, role: str, address: str, ttl_s: float, load_fn: Callable[[], dict]):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        self.key = pod_key(role, address)
+        self._role, self._address, self._ttl_s, self._load_fn = role, address, ttl_s, load_fn
+        self._redis = redis_asyncio.from_url(redis_url)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.beat()  # registered before start() returns: the pod is routable as soon as it serves
+        self._task = asyncio.create_task(self._loop(), name=f"heartbeat-{self._address}")
+
+    async def stop(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if deregister:
+            await self._redis.delete(self.key)
+        await self._redis.aclose()
+
+    async def beat(self) -> None:
+        record = pod_record(self._role, self._address, self._load_fn())
+        # px: millisecond expiry, so sub-second TTLs (tests) work too.
+        await self._redis.set(self.key, record, px=int(self._ttl_s * 1000))
+
+    async def _loop(self) -> None:
+        # Three beats per TTL: one lost or late beat does not make a live pod disappear.
+        while True:
+            await asyncio.sleep(self._ttl_s / 3)
+            try:
+                await self.beat()
+            except Exception:  # a missed beat must not end the heartbeat: the pod would silently expire
+                log.exception("heartbeat of %s failed; retrying in %.1f s", self.key, self._ttl_s / 3)

@@ -1,0 +1,462 @@
+"""``Router``: one request's way from the client API to the pods and back, as token ids inside and text at the edge.
+
+The HTTP and gRPC layers call ``make_request`` (validate, tokenize) and then iterate ``generate(request)``:
+
+1. placing: the registry's healthy pods go to the routing policy, which returns a ``RoutePlan``: a decode pod
+   D, and a prefill pod P unless the prompt is short or mostly cached on D (conditional disaggregation);
+2. first token: disaggregated, ``P.Prefill(decode_address=D)`` prefills, pushes the KV to D and returns the
+   first token; then ``D.Decode(first_token)`` is opened. Prefilling on D, ``D.Decode`` without a first token
+   prefills there and its first chunk holds the first token. A failure before the first token (a pod
+   UNAVAILABLE or RESOURCE_EXHAUSTED, P's push to D failing) is retried on other pods, ``max_retries`` times;
+3. streaming: each chunk's tokens go through the request's ``IncrementalDetokenizer`` and out as an
+   ``OutputDelta``; the first one's moment is the TTFT. A stop string ends the request here: the router stops
+   reading and cancels D's stream, which makes D abort the request and free its blocks;
+4. the end: exactly one ``Completion`` (finish reason, usage, where the time went), always the last item.
+
+Errors: before any output, ``generate`` raises ``RouterError`` (no pod: UNAVAILABLE; pods full:
+RESOURCE_EXHAUSTED; timeout: DEADLINE_EXCEEDED; ...). After output started there is no retry (the client has
+tokens already): the stream ends with ``Completion(finish_reason="error", error=...)`` and a log line.
+``abort(request_id)`` and a client that stops iterating (generator closed, task cancelled) cancel the pod
+calls; an aborted request still ends with ``Completion(finish_reason="abort")``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from protos.splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from router.config import RouterConfig
+from router.errors import RouterError, from_pod_error
+from router.pod_client import PodClientPool
+from router.policies import RoutePlan, RoutingPolicy, make_policy
+from router.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
+from router.wire_params import sampling_params_to_proto, token_logprob_to_dict
+from splitserve.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+# Worth another pair of pods: the pod is down or full, or P could not hand the KV to D.
+RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   grpc.StatusCode.FAILED_PRECONDITION)
+FINISH_REASON_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass
+class RouterRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class OutputDelta:
+    """New output since the previous delta. ``text`` may lag ``token_ids`` (a character or a possible stop
+    string still incomplete); the concatenated deltas give the full text."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token (see wire_params)
+
+
+@dataclass
+class Completion:
+    """The request ended; the last item of ``generate``."""
+
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None  # the stop token id or stop string that ended it, if one did
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    timings: dict[str, float]  # seconds: queue, prefill, kv_transfer, ttft, e2e
+    error: RouterError | None = None  # what went wrong, when finish_reason is "error"
+
+
+@dataclass
+class _RequestRun:
+    """One request in flight: its pod calls (to cancel), its text state, and its progress (for the metrics)."""
+
+    request: RouterRequest
+    detokenizer: IncrementalDetokenizer
+    calls: list[Any] = field(default_factory=list)  # grpc.aio calls started for it
+    aborted: bool = False
+    finish_reason: str | None = None  # set once its Completion is made
+    num_output_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    cached_tokens: int = 0
+    # What the pod that prefilled reported, in seconds: queue, prefill and (disaggregated) kv_transfer.
+    # Missing when that report never came (a stop string ended a request prefilled on D before D's summary).
+    pod_timings: dict[str, float] = field(default_factory=dict)
+
+    def track(self, call: Any) -> Any:
+        self.calls.append(call)
+        return call
+
+    def cancel_calls(self) -> None:
+        for call in self.calls:
+            call.cancel()  # a no-op for calls already done
+
+
+@dataclass
+class _DecodeStream:
+    """D's Decode call, with the messages already taken from it (or made from P's first token)."""
+
+    call: Any
+    pod_address: str
+    prefetched: list[decode_pb2.DecodeResponse]
+
+
+class Router:
+    """Validates, tokenizes and places requests on prefill/decode pods; streams their output back as text."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None,
+                 registry: PodRegistry | None = None, metrics: ServingMetrics | None = None,
+                 policy: RoutingPolicy | None = None):
+        self.config = config
+        self.model_name = config.model
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
+        self.metrics = metrics if metrics is not None else ServingMetrics("router", config.model)
+        self.pod_clients = PodClientPool()
+        self.registry = registry if registry is not None else build_registry(config, self.pod_clients)
+        self.policy = policy if policy is not None else make_policy(
+            config.policy, config.conditional_prefill_threshold, config.conditional_cached_fraction)
+        self._runs: dict[str, _RequestRun] = {}
+
+    async def start(self) -> None:
+        await self.registry.start()
+
+    async def stop(self) -> None:
+        for request_id in list(self._runs):  # requests still running end as aborted
+            await self.abort(request_id)
+        await self.registry.stop()
+        await self.pod_clients.close()
+
+    def ready(self) -> bool:
+        """Whether a request could be placed now: some decode-capable pod is serving (health checks)."""
+        return bool(self.registry.decode_pods())
+
+    # -- the edge: text in ------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, **template_kwargs)
+        except Exception as exc:  # no template, jinja2 errors, raise_exception() in a template: bad messages
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {exc}") from exc
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> RouterRequest:
+        """A validated request; unset ``max_tokens`` becomes the room left in the context. Raises
+        ``RouterError(INVALID_ARGUMENT)`` naming what is wrong."""
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(token_ids)
+        room = self.config.max_model_len - len(token_ids)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise _invalid(f"max_tokens: the prompt's {len(token_ids)} tokens + max_tokens {params.max_tokens} "
+                           f"exceed the model's context of {self.config.max_model_len} tokens")
+        return RouterRequest(request_id or uuid.uuid4().hex, token_ids, params,
+                             prompt_text=prompt if isinstance(prompt, str) else None)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise _invalid("prompt: must not be empty")
+        vocab_size = self.tokenizer.vocab_size
+        outside = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if outside:
+            raise _invalid(f"prompt: token ids must be integers in [0, {vocab_size}), got {outside[:5]}")
+        if len(token_ids) >= self.config.max_model_len:
+            raise _invalid(f"prompt: {len(token_ids)} tokens leave no room for output in the model's context "
+                           f"of {self.config.max_model_len} tokens")
+
+    # -- the request's path -----------------------------------------------------------------------------------
+
+    async def generate(self, req: RouterRequest) -> AsyncIterator[OutputDelta | Completion]:
+        if req.request_id in self._runs:
+            raise _invalid(f"request_id: {req.request_id!r} is already in flight")
+        params = req.params
+        run = _RequestRun(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
+                                                      params.stop, params.include_stop_str_in_output))
+        self._runs[req.request_id] = run
+        self.metrics.num_requests_running.inc()
+        try:
+            async with aclosing(self._serve(run)) as outputs:
+                async for output in outputs:
+                    yield output
+        except (GeneratorExit, asyncio.CancelledError):
+            if run.finish_reason is None:
+                log.info("request %s: the client went away; cancelling its pod calls", req.request_id)
+                self.metrics.finished("abort")
+            raise
+        finally:
+            run.cancel_calls()
+            self.metrics.num_requests_running.dec()
+            del self._runs[req.request_id]
+
+    async def abort(self, request_id: str) -> bool:
+        """Ends a request in flight with finish_reason "abort"; False if there is none with this id."""
+        run = self._runs.get(request_id)
+        if run is None:
+            return False
+        run.aborted = True
+        run.cancel_calls()  # the pods abort the request and free its blocks
+        return True
+
+    async def _serve(self, run: _RequestRun) -> AsyncIterator[OutputDelta | Completion]:
+        try:
+            stream = await self._start_with_retries(run)
+        except RouterError:
+            if not run.aborted:
+                raise
+            yield self._complete(run, "abort", None)
+            return
+        try:
+            while True:
+                message = stream.prefetched.pop(0) if stream.prefetched else await self._read(run, stream)
+                if message.HasField("complete"):
+                    tail = run.detokenizer.finish()  # text held back for a stop string that never came
+                    if tail:
+                        yield OutputDelta([], tail)
+                    yield self._complete_from_pod(run, message.complete, stream.pod_address)
+                    return
+                delta = self._take_chunk(run, message.chunk)
+                if delta.token_ids or delta.text:
+                    yield delta
+                if run.detokenizer.stopped_by is not None:
+                    stream.call.cancel()  # D aborts the request and frees its blocks
+                    yield self._complete(run, "stop", run.detokenizer.stopped_by)
+                    return
+        except RouterError as error:
+            stream.call.cancel()
+            if run.aborted:
+                yield self._complete(run, "abort", None)
+                return
+            log.error("request %s failed after %d output tokens: %s", run.request.request_id,
+                      run.num_output_tokens, error.message)
+            yield self._complete(run, "error", None, error)
+
+    # -- step 1 and 2: placing the request and getting its first token ---------------------------------------
+
+    async def _start_with_retries(self, run: _RequestRun) -> _DecodeStream:
+        retries_left = self.config.max_retries
+        avoid: set[str] = set()  # pods of failed attempts: the next attempt prefers others
+        while True:
+            plan = self._plan(run.request, avoid)
+            try:
+                return await self._start(run, plan)
+            except RouterError as error:
+                if error.code not in RETRYABLE_CODES or retries_left == 0 or run.aborted:
+                    raise
+                log.warning("request %s: %s; retrying on other pods", run.request.request_id, error.message)
+                retries_left -= 1
+                avoid |= {pod.address for pod in (plan.prefill, plan.decode) if pod is not None}
+
+    def _plan(self, req: RouterRequest, avoid: set[str]) -> RoutePlan:
+        prefill = _prefer_others(self.registry.prefill_pods(), avoid)
+        decode = _prefer_others(self.registry.decode_pods(), avoid)
+        plan = self.policy.choose_pair(req, prefill, decode)
+        log.debug("request %s: prefill %s, decode %s (%s)", req.request_id,
+                  plan.prefill.address if plan.prefill else "-", plan.decode.address, plan.reason)
+        return plan
+
+    async def _start(self, run: _RequestRun, plan: RoutePlan) -> _DecodeStream:
+        if run.aborted:
+            raise RouterError(grpc.StatusCode.CANCELLED, "aborted")
+        if plan.prefill is None:
+            return await self._start_on_decode_pod(run, plan)
+        return await self._start_disaggregated(run, plan)
+
+    async def _start_disaggregated(self, run: _RequestRun, plan: RoutePlan) -> _DecodeStream:
+        first = await self._prefill(run, plan)
+        # The KV now waits on D under a lease: claim it at once. D's stream starts after the first token.
+        decode_request = self._decode_request(run.request)
+        decode_request.first_token_id = first.first_token_id
+        first_chunk = decode_pb2.DecodeChunk(token_ids=[first.first_token_id])
+        if first.HasField("first_token_logprob"):
+            decode_request.first_token_logprob.CopyFrom(first.first_token_logprob)
+            first_chunk.logprobs.tokens.append(first.first_token_logprob)
+        decode_pod = self.pod_clients.get(plan.decode.address, plan.decode.role)
+        decode_call = run.track(decode_pod.decode(decode_request, self._time_left(run.request)))
+        return _DecodeStream(decode_call, plan.decode.address, [decode_pb2.DecodeResponse(chunk=first_chunk)])
+
+    async def _prefill(self, run: _RequestRun, plan: RoutePlan) -> prefill_pb2.PrefillResponse:
+        """P prefills the prompt and pushes its KV to D; P's report is the request's queue/prefill/transfer time."""
+        req = run.request
+        prefill_pod = self.pod_clients.get(plan.prefill.address, plan.prefill.role)
+        call = run.track(prefill_pod.prefill(prefill_pb2.PrefillRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(req.params), decode_address=plan.decode.address,
+            kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s,
+        ), self._time_left(req)))
+        first = await self._await_pod(run, call, plan.prefill.address)
+        run.cached_tokens = first.num_cached_tokens
+        run.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
+                               kv_transfer=first.kv_transfer.exposed_transfer_seconds)
+        return first
+
+    async def _start_on_decode_pod(self, run: _RequestRun, plan: RoutePlan) -> _DecodeStream:
+        req = run.request
+        decode_pod = self.pod_clients.get(plan.decode.address, plan.decode.role)
+        stream = _DecodeStream(run.track(decode_pod.decode(self._decode_request(req), self._time_left(req))),
+                               plan.decode.address, [])
+        # Its first message carries the first token: until it arrives, a failure may still be retried.
+        stream.prefetched.append(await self._read(run, stream))
+        return stream
+
+    def _decode_request(self, req: RouterRequest) -> decode_pb2.DecodeRequest:
+        return decode_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                        sampling_params=sampling_params_to_proto(req.params))
+
+    # -- pod calls --------------------------------------------------------------------------------------------
+
+    async def _await_pod(self, run: _RequestRun, call: Any, pod_address: str) -> Any:
+        """The call's result; its failure as a RouterError, and abort() (which cancels it) as CANCELLED."""
+        try:
+            return await call
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if run.aborted and current is not None and not current.cancelling():
+                raise RouterError(grpc.StatusCode.CANCELLED, "aborted") from None
+            raise  # the client went away: let the cancellation through
+        except grpc.aio.AioRpcError as error:
+            raise self._pod_error(run, error, pod_address) from None
+
+    async def _read(self, run: _RequestRun, stream: _DecodeStream) -> decode_pb2.DecodeResponse:
+        message = await self._await_pod(run, stream.call.read(), stream.pod_address)
+        if message is grpc.aio.EOF:
+            raise RouterError(grpc.StatusCode.INTERNAL,
+                              f"pod {stream.pod_address}: the Decode stream ended without a complete message")
+        return message
+
+    def _pod_error(self, run: _RequestRun, error: grpc.aio.AioRpcError, pod_address: str) -> RouterError:
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"request {run.request.request_id} passed its {self.config.request_timeout_s} s "
+                               f"deadline (waiting on pod {pod_address})")
+        return from_pod_error(error, pod_address)
+
+    def _time_left(self, req: RouterRequest) -> float:
+        left = req.arrival_time + self.config.request_timeout_s - time.monotonic()
+        if left <= 0:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"request {req.request_id} passed its {self.config.request_timeout_s} s deadline")
+        return left
+
+    # -- step 3 and 4: tokens to text, and the end ------------------------------------------------------------
+
+    def _take_chunk(self, run: _RequestRun, chunk: decode_pb2.DecodeChunk) -> OutputDelta:
+        """The chunk's tokens as text, up to and including the token that completes a stop string."""
+        token_ids, text = [], []
+        for token_id in chunk.token_ids:
+            token_ids.append(token_id)
+            text.append(run.detokenizer.add(token_id))
+            if run.detokenizer.stopped_by is not None:
+                break  # D's tokens past the stop string are not the client's
+        logprobs = None
+        if run.request.params.logprobs is not None:
+            logprobs = [token_logprob_to_dict(entry) for entry in chunk.logprobs.tokens[:len(token_ids)]]
+        self._count_tokens(run, len(token_ids))
+        return OutputDelta(token_ids, "".join(text), logprobs)
+
+    def _count_tokens(self, run: _RequestRun, count: int) -> None:
+        if count == 0:
+            return
+        now = time.monotonic()
+        if run.first_token_at is None:
+            run.first_token_at = now
+            self._observe_first_token(run)
+        else:
+            # One observation per chunk: a chunk is one decode step's output on D.
+            self.metrics.inter_token_latency.observe(now - run.last_token_at)
+        run.last_token_at = now
+        run.num_output_tokens += count
+        self.metrics.generation_tokens.inc(count)
+
+    def _observe_first_token(self, run: _RequestRun) -> None:
+        self.metrics.time_to_first_token.observe(run.first_token_at - run.request.arrival_time)
+        self.metrics.prompt_tokens.inc(len(run.request.prompt_token_ids))
+
+    def _complete_from_pod(self, run: _RequestRun, complete: decode_pb2.DecodeComplete,
+                           pod_address: str) -> Completion:
+        if not run.pod_timings:  # no prefill pod reported: D prefilled, and its summary is the report
+            run.cached_tokens = complete.usage.cached_tokens
+            run.pod_timings.update(queue=complete.queue_seconds, prefill=complete.prefill_seconds)
+        stop_reason = complete.stop_token_id if complete.HasField("stop_token_id") else None
+        finish_reason = FINISH_REASON_NAMES.get(complete.finish_reason, "error")
+        error = None
+        if finish_reason == "error":
+            error = RouterError(grpc.StatusCode.INTERNAL, f"pod {pod_address} ended the request with an error")
+            log.error("request %s: %s", run.request.request_id, error.message)
+        return self._complete(run, finish_reason, stop_reason, error)
+
+    def _complete(self, run: _RequestRun, finish_reason: str, stop_reason: int | str | None,
+                  error: RouterError | None = None) -> Completion:
+        e2e = time.monotonic() - run.request.arrival_time
+        ttft = run.first_token_at - run.request.arrival_time if run.first_token_at is not None else 0.0
+        run.finish_reason = finish_reason
+        self._observe_completion(run, finish_reason, e2e, ttft)
+        return Completion(
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            prompt_tokens=len(run.request.prompt_token_ids),
+            completion_tokens=run.num_output_tokens,
+            cached_tokens=run.cached_tokens,
+            timings={"queue": 0.0, "prefill": 0.0, "kv_transfer": 0.0, **run.pod_timings, "ttft": ttft, "e2e": e2e},
+            error=error,
+        )
+
+    def _observe_completion(self, run: _RequestRun, finish_reason: str, e2e: float, ttft: float) -> None:
+        metrics = self.metrics
+        metrics.finished(finish_reason)
+        metrics.e2e_request_latency.observe(e2e)
+        reported = {"queue": metrics.request_queue_time, "prefill": metrics.request_prefill_time,
+                    "kv_transfer": metrics.kv_transfer_time}
+        for name, seconds in run.pod_timings.items():
+            reported[name].observe(seconds)
+        if run.num_output_tokens > 1:
+            metrics.time_per_output_token.observe((e2e - ttft) / (run.num_output_tokens - 1))
+
+
+def build_registry(config: RouterConfig, pod_clients: PodClientPool) -> PodRegistry:
+    if config.registry == "redis":
+        return RedisRegistry(config.redis_url, config.pod_ttl_s)
+    return StaticRegistry(config.prefill_pods, config.decode_pods, config.mixed_pods,
+                          get_load=lambda pod: pod_clients.get(pod.address, pod.role).get_load(),
+                          poll_interval_s=config.load_poll_interval_s)
+
+
+def _prefer_others(pods: list[PodInfo], avoid: set[str]) -> list[PodInfo]:
+    """Pods not in ``avoid`` (those that just failed this request), or all of them when no other is left."""
+    return [pod for pod in pods if pod.address not in avoid] or pods
+
+
+def _invalid(message: str) -> RouterError:
+    return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _load_tokenizer(model: str) -> Tokenizer:
+    # engine.models pulls in torch and the weight loaders; only a router that was not handed a tokenizer pays.
+    from engine.models import load_tokenizer
+
+    return load_tokenizer(model)

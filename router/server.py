@@ -1,0 +1,122 @@
+"""The router process: both client-facing APIs over one ``Router``, in one event loop.
+
+    python -m router.server --decode-pods host:port --prefill-pods host:port   (flags: see RouterConfig)
+
+``RouterServer.start()``: the router's registry starts (first load poll or scan done: the first request sees
+the pods) -> the gRPC server (``Generation``, ``grpc.health.v1.Health`` reporting SERVING, server reflection
+listing the services) -> the OpenAI-compatible HTTP API (``router.openai_api.create_app``) on uvicorn.
+
+``serve(config)`` runs that until SIGTERM or SIGINT, then stops gracefully: health turns NOT_SERVING, the
+HTTP server stops accepting and finishes its requests, the gRPC server gives in-flight calls
+``SHUTDOWN_GRACE_S`` to end, and only then do the router's pod connections close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.splitserve.v1 import generate_pb2, generate_pb2_grpc
+from router.config import RouterConfig
+from router.grpc_api import GenerationServicer
+from router.pod_client import CHANNEL_OPTIONS
+from router.router import Router
+from splitserve.config import parse_config
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# Long enough for a typical stream to finish; Kubernetes' default termination grace period is 30 s.
+SHUTDOWN_GRACE_S = 20.0
+
+
+class _EmbeddedHTTPServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: ``serve`` owns SIGTERM/SIGINT for both APIs."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class RouterServer:
+    """The gRPC and HTTP servers of one router. ``grpc_port`` is the bound port (useful with port 0)."""
+
+    def __init__(self, config: RouterConfig, router: Router | None = None):
+        self.config = config
+        self.router = router if router is not None else Router(config)
+        self.grpc_port: int | None = None
+        self._grpc_server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._http: _EmbeddedHTTPServer | None = None
+        self._http_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.router.start()
+        await self._start_grpc()
+        if self.config.http_port:
+            await self._start_http()
+        log.info("router serving %s: gRPC on %s:%d, HTTP %s", self.router.model_name, self.config.host,
+                 self.grpc_port, f"on {self.config.host}:{self.config.http_port}" if self._http else "off")
+
+    async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        await self._health.enter_graceful_shutdown()
+        if self._http is not None:
+            self._http.should_exit = True
+            await self._http_task
+        if self._grpc_server is not None:
+            await self._grpc_server.stop(grace_s)
+        await self.router.stop()
+
+    async def _start_grpc(self) -> None:
+        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.router), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.grpc_port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        await server.start()
+        for service in ("", GENERATION_SERVICE):  # "": the server as a whole, as load balancers ask
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._grpc_server = server
+
+    async def _start_http(self) -> None:
+        # The HTTP layer (FastAPI) loads only when the HTTP API is on.
+        from router.openai_api import create_app
+
+        app = create_app(self.router)
+        self._http = _EmbeddedHTTPServer(uvicorn.Config(app, host=self.config.host, port=self.config.http_port,
+                                                        log_config=None))
+        self._http_task = asyncio.create_task(self._http.serve(), name="http-api")
+        while not self._http.started:
+            if self._http_task.done():  # e.g. the port is taken: uvicorn logged why
+                raise RuntimeError(f"the HTTP API could not start on {self.config.host}:{self.config.http_port}")
+            await asyncio.sleep(0.05)
+
+
+async def serve(config: RouterConfig) -> None:
+    """Runs the router until SIGTERM or SIGINT, then stops it gracefully."""
+    server = RouterServer(config)
+    await server.start()
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop_requested.set)
+    await stop_requested.wait()
+    log.info("stopping: draining in-flight requests (up to %.0f s)", SHUTDOWN_GRACE_S)
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    asyncio.run(serve(parse_config(RouterConfig, argv, prog="splitserve router")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Sampling parameters and logprobs on the wire: the engine's Python objects <-> the ``splitserve.v1`` messages.
+
+The router translates a request's ``SamplingParams`` to the proto once (``sampling_params_to_proto``) and
+sends the same message to the prefill and the decode pod; each pod turns it back with
+``sampling_params_from_proto``, which validates it (a bad value raises ``ValueError`` naming the field). Both
+directions live here so that a field added to one cannot be forgotten in the other.
+
+Logprobs travel as ``TokenLogprob`` messages and reach the HTTP layer as one ``{token_id: logprob}`` dict
+per output token: the ``top_logprobs`` alternatives in rank order, then the sampled token when it is not
+among them (the order vLLM's OpenAI server shows).
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from protos.splitserve.v1 import common_pb2
+
+# Optional proto fields that, unset, take SamplingParams' own default.
+_OPTIONAL_FIELDS = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens")
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+    )
+    # None means "unset" for these, which proto3 spells as an absent optional field.
+    for name in ("seed", "max_tokens", "logprobs"):
+        if getattr(params, name) is not None:
+            setattr(message, name, getattr(params, name))
+    return message
+
+
+def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """The engine's ``SamplingParams``; unset optional fields take vLLM's defaults. Raises ``ValueError``."""
+    optional = {name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)}
+    return SamplingParams(
+        top_k=message.top_k,
+        min_p=message.min_p,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        min_tokens=message.min_tokens,
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        # Unset max_tokens is "until the context is full", not SamplingParams' default of 16.
+        max_tokens=message.max_tokens if message.HasField("max_tokens") else None,
+        **optional,
+    )
+
+
+
+def token_logprob_to_dict(message: common_pb2.TokenLogprob) -> dict[int, float]:
+    """``{token_id: logprob}``: the top alternatives, most likely first, then the sampled token if missing."""
+    ranked = {top.token_id: top.logprob for top in message.top_logprobs}
+    ranked.setdefault(message.token_id, message.logprob)
+    return ranked
+
+
+def token_logprob_from_dict(token_id: int, logprobs: dict[int, float], num_top: int) -> common_pb2.TokenLogprob:
+    """Inverse of ``token_logprob_to_dict`` for a request that asked for ``num_top`` alternatives."""
+    tops = list(logprobs.items())[:num_top]
+    return common_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=logprobs[token_id],
+        top_logprobs=[common_pb2.TopLogprob(token_id=top_id, logprob=value) for top_id, value in tops],
+    )

@@ -1,0 +1,558 @@
+"""The Router against fake pods: real grpc.aio servers on loopback that implement Prefill, Decode and GetLoad.
+
+A fake pod "generates" SCRIPT, token by token: a prefill pod returns SCRIPT[0] as the first token and records
+the KV push in the shared FakeCluster; a decode pod streams the rest (or, with no first token, all of it). The
+tokenizer is the tiny-random model's byte-level one: one token per byte, so texts and token counts line up.
+"""
+
+import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from engine.models import tiny_random_tokenizer_data
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from protos.splitserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from router.config import RouterConfig
+from router.errors import RouterError
+from router.router import Completion, OutputDelta, Router
+from router.server import RouterServer
+from router.wire_params import sampling_params_from_proto, sampling_params_to_proto
+
+TOKENIZER = Tokenizer.from_gguf(tiny_random_tokenizer_data())
+EOS = 2
+SCRIPT_TEXT = "The fox jumps. END of story"
+SCRIPT = TOKENIZER.encode(SCRIPT_TEXT) + [EOS]
+LONG_PROMPT = "Tell me a story about a fox, please."  # 36 tokens: disaggregated (threshold 8)
+SHORT_PROMPT = "Hi"  # 2 tokens: prefilled on the decode pod
+MODEL = "tiny-random"
+
+
+@dataclass
+class FakeCluster:
+    pods: dict = field(default_factory=dict)  # address -> FakePod
+    pushed: dict = field(default_factory=dict)  # (decode address, request id) -> prompt token ids
+
+
+class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
+    def __init__(self, cluster: FakeCluster, role: str, queued_prefill_tokens: int = 0, free_kv_blocks: int = 1000):
+        self.cluster, self.role = cluster, role
+        self.load = common_pb2.PodLoad(free_kv_blocks=free_kv_blocks, total_kv_blocks=1000, block_size=16,
+                                       queued_prefill_tokens=queued_prefill_tokens)
+        self.calls: list[tuple] = []
+        self.cancelled: set[str] = set()
+        self.fail_with: grpc.StatusCode | None = None  # every Prefill / Decode call fails with this
+        self.fail_after_tokens: int | None = None  # Decode: UNAVAILABLE after streaming this many tokens
+        self.token_delay_s = 0.001
+        self.server = grpc.aio.server()
+        if role == "prefill":
+            prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server)
+        else:
+            decode_pb2_grpc.add_DecodeServicer_to_server(self, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        cluster.pods[self.address] = self
+
+    async def GetLoad(self, request, context):
+        return self.load
+
+    async def Abort(self, request, context):
+        self.calls.append(("Abort", request.request_id))
+        return common_pb2.AbortResponse(found=False)
+
+    async def Prefill(self, request, context):
+        self.calls.append(("Prefill", request.request_id, request.decode_address, request.kv_codec))
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, f"fake prefill pod says {self.fail_with.name}")
+        if request.decode_address not in self.cluster.pods:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "KV push failed: decode pod unreachable")
+        self.cluster.pushed[request.decode_address, request.request_id] = list(request.prompt_token_ids)
+        response = prefill_pb2.PrefillResponse(
+            first_token_id=SCRIPT[0], num_cached_tokens=16, queue_seconds=0.01, prefill_seconds=0.02,
+            kv_transfer=prefill_pb2.KVTransferStats(codec=request.kv_codec, exposed_transfer_seconds=0.003))
+        if request.sampling_params.HasField("logprobs"):
+            response.first_token_logprob.CopyFrom(fake_logprob(SCRIPT[0]))
+        return response
+
+    async def Decode(self, request, context):
+        has_first = request.HasField("first_token_id")
+        self.calls.append(("Decode", request.request_id, request.first_token_id if has_first else None))
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, f"fake decode pod says {self.fail_with.name}")
+        if has_first and (self.address, request.request_id) not in self.cluster.pushed:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no KV pushed for this request")
+        params = request.sampling_params
+        output = SCRIPT[: params.max_tokens]
+        finished = False
+        try:
+            for index, token_id in enumerate(output[1:] if has_first else output):
+                if self.fail_after_tokens is not None and index == self.fail_after_tokens:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode pod lost its accelerator")
+                await asyncio.sleep(self.token_delay_s)
+                chunk = decode_pb2.DecodeChunk(token_ids=[token_id])
+                if params.HasField("logprobs"):
+                    chunk.logprobs.tokens.append(fake_logprob(token_id))
+                yield decode_pb2.DecodeResponse(chunk=chunk)
+            reason = common_pb2.FINISH_REASON_STOP if output[-1] == EOS else common_pb2.FINISH_REASON_LENGTH
+            finished = True
+            yield decode_pb2.DecodeResponse(complete=decode_pb2.DecodeComplete(
+                finish_reason=reason,
+                usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(output),
+                                       cached_tokens=0 if has_first else 5),
+                queue_seconds=0.5, prefill_seconds=0.0 if has_first else 0.25))
+        finally:
+            if not finished:
+                self.cancelled.add(request.request_id)
+
+
+def fake_logprob(token_id: int) -> common_pb2.TokenLogprob:
+    """The sampled token ranks second, behind token 7."""
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=-1.5, top_logprobs=[
+        common_pb2.TopLogprob(token_id=7, logprob=-0.25), common_pb2.TopLogprob(token_id=token_id, logprob=-1.5)])
+
+
+@dataclass
+class Env:
+    router: Router
+    prefill: list[FakePod]
+    decode: list[FakePod]
+    mixed: list[FakePod]
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(num_prefill=1, num_decode=1, num_mixed=0, extra_decode_addresses=(), **config):
+    cluster = FakeCluster()
+    pods = {role: [FakePod(cluster, role) for _ in range(n)]
+            for role, n in (("prefill", num_prefill), ("decode", num_decode), ("mixed", num_mixed))}
+    for pod in cluster.pods.values():
+        await pod.server.start()
+    router_config = RouterConfig(
+        model=MODEL, max_model_len=2048, grpc_port=0, http_port=0,
+        prefill_pods=[p.address for p in pods["prefill"]],
+        decode_pods=[p.address for p in pods["decode"]] + list(extra_decode_addresses),
+        mixed_pods=[p.address for p in pods["mixed"]],
+        conditional_prefill_threshold=8, load_poll_interval_s=0.2, kv_codec="int8", **config)
+    router = Router(router_config)  # loads the tiny-random tokenizer by name
+    await router.start()
+    try:
+        yield Env(router, pods["prefill"], pods["decode"], pods["mixed"])
+    finally:
+        await router.stop()
+        for pod in cluster.pods.values():
+            await pod.server.stop(None)
+
+
+async def generate_all(router: Router, prompt, **params):
+    req = router.make_request(prompt, SamplingParams(**params))
+    items = [item async for item in router.generate(req)]
+    assert all(isinstance(item, OutputDelta) for item in items[:-1])
+    assert isinstance(items[-1], Completion)
+    return req, items[:-1], items[-1]
+
+
+def joined(deltas):
+    return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
+
+
+async def eventually(condition, timeout_s=3.0):
+    """Server-side cancellation reaches the fake pod's handler asynchronously."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never became true")
+
+
+def sample(router: Router, name: str, **labels) -> float:
+    value = router.metrics.registry.get_sample_value(name, {"role": "router", "model_name": MODEL, **labels})
+    return 0.0 if value is None else value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_sampling_params_cross_the_wire_unchanged():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.5, frequency_penalty=-0.5, seed=2**62, stop=["\n\n", "END"],
+                            stop_token_ids=[2, 5], max_tokens=100, min_tokens=3, ignore_eos=True, logprobs=5,
+                            skip_special_tokens=False, include_stop_str_in_output=True)
+    assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
+    greedy = SamplingParams(temperature=0.0, max_tokens=None, seed=0, logprobs=0)
+    assert sampling_params_from_proto(sampling_params_to_proto(greedy)) == greedy
+    # Unset fields are vLLM's defaults, and unset max_tokens means "until the context is full".
+    assert sampling_params_from_proto(common_pb2.SamplingParams()) == SamplingParams(max_tokens=None)
+    with pytest.raises(ValueError, match="^top_p must be in"):
+        sampling_params_from_proto(common_pb2.SamplingParams(top_p=0.0))
+
+
+def test_disaggregated_request_prefills_on_p_then_streams_from_d():
+    async def scenario():
+        async with running_cluster() as env:
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, temperature=0.0, max_tokens=10)
+            assert deltas[0].token_ids == [SCRIPT[0]]  # P's first token goes out before D's stream
+            assert joined(deltas) == (SCRIPT[:10], "The fox ju")
+            assert env.prefill[0].calls == [("Prefill", req.request_id, env.decode[0].address, "int8")]
+            assert env.decode[0].calls == [("Decode", req.request_id, SCRIPT[0])]
+            assert (done.finish_reason, done.stop_reason) == ("length", None)
+            assert (done.prompt_tokens, done.completion_tokens, done.cached_tokens) == (36, 10, 16)
+            assert {k: done.timings[k] for k in ("queue", "prefill", "kv_transfer")} == \
+                {"queue": 0.01, "prefill": 0.02, "kv_transfer": 0.003}
+            assert 0 < done.timings["ttft"] <= done.timings["e2e"]
+            assert done.error is None
+    run(scenario())
+
+
+def test_eos_ends_the_request_with_stop_and_full_text():
+    async def scenario():
+        async with running_cluster() as env:
+            assert env.router.ready()
+            _, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=None)
+            assert joined(deltas) == (SCRIPT, SCRIPT_TEXT)  # EOS is a token, not text
+            assert (done.finish_reason, done.stop_reason, done.completion_tokens) == ("stop", None, len(SCRIPT))
+    run(scenario())
+
+
+def test_short_prompt_skips_the_prefill_pod():
+    async def scenario():
+        async with running_cluster() as env:
+            req, deltas, done = await generate_all(env.router, SHORT_PROMPT, max_tokens=5)
+            assert env.prefill[0].calls == []
+            assert env.decode[0].calls == [("Decode", req.request_id, None)]
+            assert joined(deltas) == (SCRIPT[:5], "The f")
+            # D prefilled, so its summary is the report.
+            assert (done.cached_tokens, done.timings["queue"], done.timings["prefill"], done.timings["kv_transfer"]) \
+                == (5, 0.5, 0.25, 0.0)
+    run(scenario())
+
+
+def test_stop_string_truncates_the_text_and_cancels_the_decode_stream():
+    async def scenario():
+        async with running_cluster() as env:
+            env.decode[0].token_delay_s = 0.02  # D is still streaming when the router stops reading
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=None, stop=["jumps", "zebra"])
+            token_ids, text = joined(deltas)
+            assert text == "The fox "
+            assert token_ids == SCRIPT[:13]  # up to the token that completed "jumps"
+            assert (done.finish_reason, done.stop_reason, done.completion_tokens) == ("stop", "jumps", 13)
+            await eventually(lambda: req.request_id in env.decode[0].cancelled)
+    run(scenario())
+
+
+def test_retry_on_another_prefill_pod_when_the_first_is_unavailable():
+    async def scenario():
+        async with running_cluster(num_prefill=2) as env:
+            broken, healthy = env.prefill
+            broken.fail_with = grpc.StatusCode.UNAVAILABLE
+            healthy.load.queued_prefill_tokens = 500  # least_loaded tries the broken pod first
+            await env.router.registry.poll_all()
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=4)
+            assert [c[0] for c in broken.calls] == ["Prefill"]
+            assert [c[0] for c in healthy.calls] == ["Prefill"]
+            assert joined(deltas) == (SCRIPT[:4], "The ")
+            assert done.finish_reason == "length"
+    run(scenario())
+
+
+def test_failure_on_every_attempt_is_unavailable_to_the_client():
+    async def scenario():
+        async with running_cluster(num_prefill=2, max_retries=1) as env:
+            for pod in env.prefill:
+                pod.fail_with = grpc.StatusCode.UNAVAILABLE
+            req = env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=4))
+            with pytest.raises(RouterError) as caught:
+                [item async for item in env.router.generate(req)]
+            assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+            assert sorted(len(pod.calls) for pod in env.prefill) == [1, 1]
+            assert env.decode[0].calls == []
+    run(scenario())
+
+
+def test_no_serving_pod_is_unavailable():
+    async def scenario():
+        async with running_cluster(num_prefill=1, num_decode=0, extra_decode_addresses=[f"127.0.0.1:{free_port()}"]) \
+                as env:
+            req = env.router.make_request(LONG_PROMPT, SamplingParams())
+            with pytest.raises(RouterError) as caught:
+                [item async for item in env.router.generate(req)]
+            assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.UNAVAILABLE, 503)
+            assert caught.value.message == "no decode pod is serving"
+            assert env.prefill[0].calls == []
+            assert not env.router.ready()
+    run(scenario())
+
+
+def test_a_pod_that_stops_answering_get_load_is_skipped():
+    async def scenario():
+        async with running_cluster(num_prefill=0, num_decode=2) as env:
+            gone, alive = sorted(env.decode, key=lambda pod: pod.address)
+            await gone.server.stop(None)
+            await env.router.registry.poll_all()
+            assert [pod.address for pod in env.router.registry.decode_pods()] == [alive.address]
+            await generate_all(env.router, SHORT_PROMPT, max_tokens=2)
+            assert (len(gone.calls), len(alive.calls)) == (0, 1)
+    run(scenario())
+
+
+def test_resource_exhausted_tries_another_pod_then_reaches_the_client():
+    async def scenario():
+        async with running_cluster(num_prefill=0, num_decode=2) as env:
+            full, roomy = sorted(env.decode, key=lambda pod: pod.address)  # least_loaded ties go by address
+            full.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+            _, deltas, done = await generate_all(env.router, SHORT_PROMPT, max_tokens=3)
+            assert (len(full.calls), len(roomy.calls), joined(deltas)[1]) == (1, 1, "The")
+
+            roomy.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+            req = env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=3))
+            with pytest.raises(RouterError) as caught:
+                [item async for item in env.router.generate(req)]
+            assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
+            assert (len(full.calls), len(roomy.calls)) == (2, 2)
+    run(scenario())
+
+
+def test_failure_after_output_started_ends_with_an_error_completion_without_retry():
+    async def scenario():
+        async with running_cluster(num_decode=2) as env:
+            first_d = min(env.decode, key=lambda pod: pod.address)
+            first_d.fail_after_tokens = 3
+            _, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            assert joined(deltas) == (SCRIPT[:4], "The ")  # P's token and D's first three
+            assert (done.finish_reason, done.completion_tokens) == ("error", 4)
+            assert done.error.code == grpc.StatusCode.UNAVAILABLE
+            assert "fake decode pod lost its accelerator" in done.error.message
+            assert sum(len(pod.calls) for pod in env.decode) == 1  # no retry
+            assert sample(env.router, "splitserve_request_success_total", finished_reason="error") == 1
+    run(scenario())
+
+
+def test_deadline_before_the_first_token_is_deadline_exceeded():
+    async def scenario():
+        async with running_cluster(request_timeout_s=0.1) as env:
+            env.decode[0].token_delay_s = 1.0
+            req = env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=3))
+            with pytest.raises(RouterError) as caught:
+                [item async for item in env.router.generate(req)]
+            assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.DEADLINE_EXCEEDED, 504)
+    run(scenario())
+
+
+def test_client_closing_the_stream_cancels_the_decode_pod():
+    async def scenario():
+        async with running_cluster() as env:
+            env.decode[0].token_delay_s = 0.02
+            req = env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=None))
+            stream = env.router.generate(req)
+            received = [await anext(stream), await anext(stream)]
+            await stream.aclose()
+            assert [d.token_ids for d in received] == [[SCRIPT[0]], [SCRIPT[1]]]
+            await eventually(lambda: req.request_id in env.decode[0].cancelled)
+            assert sample(env.router, "splitserve_num_requests_running") == 0
+            assert sample(env.router, "splitserve_request_success_total", finished_reason="abort") == 1
+    run(scenario())
+
+
+def test_abort_ends_the_stream_with_an_abort_completion():
+    async def scenario():
+        async with running_cluster() as env:
+            env.decode[0].token_delay_s = 0.02
+            req = env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=None))
+            items = []
+            async for item in env.router.generate(req):
+                items.append(item)
+                if len(items) == 3:
+                    assert await env.router.abort(req.request_id) is True
+            assert [item.finish_reason for item in items[3:]] == ["abort"]
+            assert items[-1].completion_tokens == 3
+            await eventually(lambda: req.request_id in env.decode[0].cancelled)
+            assert await env.router.abort(req.request_id) is False
+    run(scenario())
+
+
+def test_logprobs_are_one_dict_per_token_top_alternatives_first():
+    async def scenario():
+        async with running_cluster() as env:
+            _, deltas, _ = await generate_all(env.router, LONG_PROMPT, max_tokens=3, logprobs=1)
+            assert [d.logprobs for d in deltas] == [[{7: -0.25, t: -1.5}] for t in SCRIPT[:3]]
+    run(scenario())
+
+
+def test_invalid_requests_are_invalid_argument_naming_the_field():
+    async def scenario():
+        async with running_cluster() as env:
+            router = env.router
+            cases = [
+                ("", SamplingParams(), "prompt: must not be empty"),
+                ([5, 259], SamplingParams(), "prompt: token ids must be integers in [0, 259), got [259]"),
+                ("x" * 2048, SamplingParams(), "prompt: 2048 tokens leave no room for output"),
+                ("abc", SamplingParams(max_tokens=2046),
+                 "max_tokens: the prompt's 3 tokens + max_tokens 2046 exceed the model's context of 2048 tokens"),
+            ]
+            for prompt, params, message in cases:
+                with pytest.raises(RouterError) as caught:
+                    router.make_request(prompt, params)
+                assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.INVALID_ARGUMENT, 400)
+                assert caught.value.message.startswith(message)
+            assert router.make_request("abc", SamplingParams(max_tokens=None)).params.max_tokens == 2045
+    run(scenario())
+
+
+def test_metrics_count_requests_and_tokens():
+    async def scenario():
+        async with running_cluster() as env:
+            streamed = 0
+            for prompt, max_tokens in ((LONG_PROMPT, 6), (SHORT_PROMPT, 4), (LONG_PROMPT, 1)):
+                _, deltas, _ = await generate_all(env.router, prompt, max_tokens=max_tokens)
+                streamed += len(joined(deltas)[0])
+            router = env.router
+            assert streamed == 11
+            assert sample(router, "splitserve_time_to_first_token_seconds_count") == 3
+            assert sample(router, "splitserve_e2e_request_latency_seconds_count") == 3
+            assert sample(router, "splitserve_generation_tokens_total") == 11
+            assert sample(router, "splitserve_prompt_tokens_total") == 36 + 2 + 36
+            assert sample(router, "splitserve_request_success_total", finished_reason="length") == 3
+            # Chunks after the first: 5 + 3 + 0; TPOT for requests with more than one token.
+            assert sample(router, "splitserve_inter_token_latency_seconds_count") == 8
+            assert sample(router, "splitserve_request_time_per_output_token_seconds_count") == 2
+            # The two disaggregated requests report a KV transfer; all three a queue and prefill time.
+            assert sample(router, "splitserve_kv_transfer_time_seconds_count") == 2
+            assert sample(router, "splitserve_request_queue_time_seconds_sum") == pytest.approx(0.01 + 0.5 + 0.01)
+            assert sample(router, "splitserve_num_requests_running") == 0
+    run(scenario())
+
+
+async def grpc_generate(stub, **request_fields):
+    return [response async for response in stub.Generate(generate_pb2.GenerateRequest(**request_fields))]
+
+
+def test_grpc_generation_api_end_to_end_with_health_and_reflection():
+    async def scenario():
+        async with running_cluster() as env:
+            server = RouterServer(env.router.config, env.router)
+            await server.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                    await check_generate(generate_pb2_grpc.GenerationStub(channel), env)
+                    await check_health_and_reflection(channel)
+            finally:
+                await server.stop(grace_s=0)
+    run(scenario())
+
+
+async def check_generate(stub, env):
+    responses = await grpc_generate(stub, request_id="g1", text=LONG_PROMPT, model=MODEL,
+                                    sampling_params=common_pb2.SamplingParams(max_tokens=8, logprobs=1))
+    assert {r.request_id for r in responses} == {"g1"}
+    chunks, last = responses[:-1], responses[-1]
+    assert all(r.WhichOneof("response") == "chunk" for r in chunks)
+    assert [t for r in chunks for t in r.chunk.token_ids] == SCRIPT[:8]
+    assert "".join(r.chunk.text for r in chunks) == "The fox "
+    assert chunks[0].chunk.logprobs.tokens[0] == common_pb2.TokenLogprob(
+        token_id=SCRIPT[0], logprob=-1.5, top_logprobs=[common_pb2.TopLogprob(token_id=7, logprob=-0.25)])
+    complete = last.complete
+    assert complete.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert complete.WhichOneof("stop_reason") is None
+    assert complete.usage == common_pb2.Usage(prompt_tokens=36, completion_tokens=8, cached_tokens=16)
+    assert (complete.timings.queue_seconds, complete.timings.kv_transfer_seconds) == (0.01, 0.003)
+
+    responses = await grpc_generate(stub, token_ids=generate_pb2.TokenIds(ids=TOKENIZER.encode(LONG_PROMPT)),
+                                    sampling_params=common_pb2.SamplingParams(stop=["fox"]))
+    assert "".join(r.chunk.text for r in responses[:-1]) == "The "
+    assert (responses[-1].complete.finish_reason, responses[-1].complete.stop_str) == \
+        (common_pb2.FINISH_REASON_STOP, "fox")
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await grpc_generate(stub, text="hi", sampling_params=common_pb2.SamplingParams(temperature=-1))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("sampling_params.temperature must be >= 0")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await grpc_generate(stub, text="hi", model="gpt-4")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+    env.decode[0].fail_after_tokens = 2
+    responses = await grpc_generate(stub, text=LONG_PROMPT, sampling_params=common_pb2.SamplingParams(max_tokens=8))
+    assert [r.WhichOneof("response") for r in responses] == ["chunk"] * 3 + ["error"]
+    assert responses[-1].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+async def check_health_and_reflection(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "splitserve.v1.Generation"):
+        response = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = [r async for r in reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+    names = {service.name for service in responses[0].list_services_response.service}
+    assert names == {"splitserve.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+
+
+def test_grpc_abort_ends_the_stream_with_abort():
+    async def scenario():
+        async with running_cluster() as env:
+            env.decode[0].token_delay_s = 0.02
+            server = RouterServer(env.router.config, env.router)
+            await server.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                    stub = generate_pb2_grpc.GenerationStub(channel)
+                    call = stub.Generate(generate_pb2.GenerateRequest(request_id="a1", text=LONG_PROMPT))
+                    responses = [await call.read()]
+                    aborted = await stub.Abort(common_pb2.AbortRequest(request_id="a1"))
+                    while (response := await call.read()) is not grpc.aio.EOF:
+                        responses.append(response)
+                    assert aborted.found
+                    assert responses[-1].complete.finish_reason == common_pb2.FINISH_REASON_ABORT
+            finally:
+                await server.stop(grace_s=0)
+    run(scenario())
+
+
+def test_router_process_serves_both_apis_and_stops_gracefully_on_sigterm():
+    grpc_port, http_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "router.server", "--model", MODEL, "--decode-pods", f"127.0.0.1:{free_port()}",
+         "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        for _ in range(100):  # the HTTP API starts right after the gRPC one
+            try:
+                models = httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=5)
+                break
+            except httpx.ConnectError:
+                time.sleep(0.05)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
