@@ -1,0 +1,232 @@
+"""The ``Decode`` gRPC service, hosted beside ``KVTransfer`` on a decode or mixed pod.
+
+A request's path:
+
+    PushKV (kvtransfer/receiver.py)   the prompt's KV arrives and waits in the TransferTable under a lease
+    Decode(request)
+      with first_token_id             claim the lease (NOT_FOUND: never pushed or expired; FAILED_PRECONDITION:
+                                      still arriving), then admit the sequence with its first token through
+                                      EngineLoop.generate(add=engine.admit_prefilled): it joins the running batch
+      without first_token_id          conditional disaggregation / the mixed role: the prompt prefills here
+      stream                          DecodeChunk per engine event with the tokens new to the router (from the
+                                      second when the prefill pod sampled the first), then DecodeComplete with the
+                                      finish reason, stop token id, usage and this pod's queue/prefill seconds
+      cancelled or failed             the engine request is aborted, or the unadmitted lease released: every
+                                      block goes back either way
+    Abort(request_id)                 releases a lease, stops a push in progress, or aborts a running request
+    GetLoad                           the engine's queues and block pool, leased blocks counted as used
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from decode_service.config import DecodeConfig
+from decode_service.transfers import TransferTable
+from engine.engine_loop import TokenEvent
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from kvtransfer.receiver import KVTransferServicer
+from kvtransfer.wire import KVTransferError
+from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from router.wire_params import sampling_params_from_proto, token_logprob_from_dict, token_logprob_to_dict
+from splitserve.config import parse_config
+from splitserve.metrics import ServingMetrics
+from splitserve.pod import Pod, PodService, run_pod
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+@dataclass
+class _TokenClock:
+    """When one Decode call's tokens came out, for the latency histograms (time.monotonic seconds, the engine's
+    clock)."""
+
+    metrics: ServingMetrics
+    arrived_at: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_generated: int = 0  # tokens sampled on this pod
+
+    @classmethod
+    def start(cls, metrics: ServingMetrics, prefilled: bool) -> "_TokenClock":
+        now = time.monotonic()
+        # A prefilled request brings its first token: from here, the next one is an inter-token gap.
+        return cls(metrics, now, now if prefilled else None, now if prefilled else None)
+
+    def on_tokens(self, count: int) -> None:
+        now = time.monotonic()
+        if self.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - self.arrived_at)
+            self.first_token_at = now
+        else:
+            for _ in range(count):  # tokens that came out together shared the gap
+                self.metrics.inter_token_latency.observe((now - self.last_token_at) / count)
+        self.last_token_at = now
+        self.num_generated += count
+
+    def on_finish(self, reason: str, num_output_tokens: int) -> None:
+        self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrived_at)
+        if num_output_tokens > 1 and self.first_token_at is not None:
+            tpot = (self.last_token_at - self.first_token_at) / (num_output_tokens - 1)
+            self.metrics.time_per_output_token.observe(tpot)
+        self.metrics.generation_tokens.inc(self.num_generated)
+        self.metrics.finished(reason)
+
+
+class _Admission:
+    """Joins a claimed sequence, whose KV arrived, to the running batch (on the engine thread)."""
+
+    def __init__(self, seq: Sequence, request: decode_pb2.DecodeRequest, params: SamplingParams):
+        self.seq = seq
+        self.request = request
+        self.params = params
+        self.admitted = False  # written and read on the engine thread only
+
+    def admit(self, engine: LLMEngine) -> Sequence:
+        first_logprobs = (token_logprob_to_dict(self.request.first_token_logprob)
+                          if self.request.HasField("first_token_logprob") else None)
+        self.seq.sampling_params = self.params  # the push reserved the blocks before the params were known
+        seq = engine.admit_prefilled(self.seq, self.request.first_token_id, first_logprobs)
+        self.admitted = True
+        return seq
+
+    def release_unless_admitted(self, engine: LLMEngine) -> None:
+        if not self.admitted:
+            engine.release_transfer(self.seq)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    service_name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+    def __init__(self, pod: Pod, transfers: TransferTable):
+        self._pod = pod
+        self.transfers = transfers
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        decode_pb2_grpc.add_DecodeServicer_to_server(self, server)
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context) -> None:
+        params = await self._checked_params(request, context)
+        if not request.HasField("first_token_id"):
+            if self._pod.queue_full():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the decode pod's queue is full")
+            await self._stream(request, params, None, context)
+            return
+        try:
+            seq = self.transfers.claim(request.request_id, list(request.prompt_token_ids))
+        except KVTransferError as err:
+            await context.abort(err.code, err.message)
+        admission = _Admission(seq, request, params)
+        try:
+            await self._stream(request, params, admission, context)
+        finally:
+            self.transfers.forget(request.request_id)  # from here the engine owns admitted blocks
+            # Runs after the admission command (if it was queued at all), so it knows whether it happened.
+            await self._pod.engine_loop.run(admission.release_unless_admitted)
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        if await self.transfers.abort(request.request_id):
+            return common_pb2.AbortResponse(found=True)
+        found = await asyncio.wrap_future(self._pod.engine_loop.abort(request.request_id))
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.PodLoad:
+        return await self._pod.refresh_load()
+
+    # ---- one request -----------------------------------------------------------------------------------------
+
+    async def _checked_params(self, request: decode_pb2.DecodeRequest, context) -> SamplingParams:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be set")
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{err}")
+        vocab_size = self._pod.engine.model_config.vocab_size
+        if request.HasField("first_token_id") and not 0 <= request.first_token_id < vocab_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"first_token_id must be in [0, {vocab_size}), got {request.first_token_id}")
+        return params
+
+    async def _stream(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
+                      admission: _Admission | None, context) -> None:
+        """Run the request in the engine and write its tokens; closing the stream early aborts it there."""
+        clock = _TokenClock.start(self._pod.metrics, prefilled=admission is not None)
+        events = self._pod.engine_loop.generate(request.request_id, list(request.prompt_token_ids), params,
+                                                add=admission.admit if admission is not None else None)
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    await self._send(event, params, admission is not None, clock, context)
+        except ValueError as err:  # the engine refused the request
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    async def _send(self, event: TokenEvent, params: SamplingParams, prefilled: bool, clock: _TokenClock,
+                    context) -> None:
+        if event.token_ids:
+            clock.on_tokens(len(event.token_ids))
+            chunk = decode_pb2.DecodeChunk(token_ids=event.token_ids)
+            if params.logprobs is not None:
+                chunk.logprobs.tokens.extend(token_logprob_from_dict(token_id, logprobs, params.logprobs)
+                                             for token_id, logprobs in zip(event.token_ids, event.logprobs))
+            await context.write(decode_pb2.DecodeResponse(chunk=chunk))
+        if not event.finished:
+            return
+        clock.on_finish(event.finish_reason, event.seq.num_output_tokens)
+        if event.error is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {event.error}")
+        if not prefilled:
+            self._observe_prefill(event.seq)
+        complete = _complete(event, params, prefilled, clock.arrived_at)
+        await context.write(decode_pb2.DecodeResponse(complete=complete))
+
+    def _observe_prefill(self, seq: Sequence) -> None:
+        if seq.first_token_time is None:
+            return  # aborted before its first token
+        metrics = self._pod.metrics
+        metrics.request_queue_time.observe(seq.first_scheduled_time - seq.arrival_time)
+        metrics.request_prefill_time.observe(seq.first_token_time - seq.first_scheduled_time)
+        metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+
+
+def _complete(event: TokenEvent, params: SamplingParams, prefilled: bool,
+              arrived_at: float) -> decode_pb2.DecodeComplete:
+    seq = event.seq
+    complete = decode_pb2.DecodeComplete(
+        finish_reason=FINISH_REASONS[event.finish_reason],
+        usage=common_pb2.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
+                               cached_tokens=0 if prefilled else event.num_cached_tokens),
+    )
+    if event.stop_reason in params.stop_token_ids:  # EOS leaves it unset, as vLLM's stop_reason does
+        complete.stop_token_id = event.stop_reason
+    if seq.first_scheduled_time is not None:
+        # A prefilled request is "scheduled" when admitted; one prefilled here queued since add_request.
+        complete.queue_seconds = seq.first_scheduled_time - (arrived_at if prefilled else seq.arrival_time)
+        if not prefilled and seq.first_token_time is not None:
+            complete.prefill_seconds = seq.first_token_time - seq.first_scheduled_time
+    return complete
+
+
+async def build_decode_services(pod: Pod, config: DecodeConfig) -> list[PodService]:
+    transfers = TransferTable(pod.engine_loop, config.kv_lease_s)
+    await transfers.start()
+    pod.on_stop(transfers.stop)
+    receiver = KVTransferServicer(pod.engine_loop, transfers, pod.metrics, config.accepted_kv_codecs)
+    return [DecodeServicer(pod, transfers), receiver]
+
+
+def main(argv: list[str]) -> None:
+    config = parse_config(DecodeConfig, argv, prog="python -m decode_service")
+    run_pod(config, config.role, lambda pod: build_decode_services(pod, config))

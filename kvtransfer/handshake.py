@@ -1,0 +1,84 @@
+"""The handshake: do a prefill pod and a decode pod hold interchangeable KV?
+
+A prefill pod calls ``KVTransfer.Handshake`` once per (decode pod, codec) before its first push there:
+
+    sender:   HandshakeRequest(layout, compat_hash(layout), codec)
+    receiver: check_compatible(receiver's layout, request, accepted codecs)
+                -> FAILED_PRECONDITION naming the first field that differs ("num_kv_heads: sender 4, receiver 2"),
+                   or the codec it does not accept
+              -> HandshakeResponse(its layout, accepted codecs, its compat hash)
+
+KV is interchangeable when the model and its attention shape agree: model name, layers, KV heads, head dim
+(``COMPAT_FIELDS``, digested into ``compat_hash``). Block size and cache dtype may differ: chunks address tokens,
+not blocks, and the receiver converts dtypes. Each push's header repeats the hash, which catches a decode pod
+restarted with another model since the handshake.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable
+
+import grpc
+
+from kvtransfer.wire import KVTransferError
+from protos.splitserve.v1 import kv_transfer_pb2
+
+COMPAT_FIELDS = ("model_name", "num_layers", "num_kv_heads", "head_dim")
+_COMPAT_HASH_VERSION = "splitserve-kv-v1"  # bump when the digest's input changes
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of a pod's KV cache."""
+
+    model_name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    cache_dtype: str  # "float32", "bfloat16", "float16"
+
+    @classmethod
+    def of_engine(cls, engine) -> "KVLayout":
+        """The layout of an ``LLMEngine``'s cache."""
+        model = engine.model_config
+        cache = engine.config.cache
+        return cls(model.name, model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
+                   cache.cache_dtype)
+
+    @classmethod
+    def from_proto(cls, message: kv_transfer_pb2.KVLayout) -> "KVLayout":
+        return cls(message.model_name, message.num_layers, message.num_kv_heads, message.head_dim,
+                   message.block_size, message.cache_dtype)
+
+    def to_proto(self) -> kv_transfer_pb2.KVLayout:
+        return kv_transfer_pb2.KVLayout(model_name=self.model_name, num_layers=self.num_layers,
+                                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                        block_size=self.block_size, cache_dtype=self.cache_dtype)
+
+    @property
+    def compat_hash(self) -> str:
+        """Hex digest of ``COMPAT_FIELDS``: equal hashes, interchangeable KV."""
+        text = "\n".join([_COMPAT_HASH_VERSION, *(f"{name}={getattr(self, name)}" for name in COMPAT_FIELDS)])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, codec: str,
+                     accepted_codecs: Iterable[str]) -> None:
+    """Raise FAILED_PRECONDITION naming the first mismatch: a layout field, the hash, or the codec (an empty
+    codec checks the layout only)."""
+    for name in COMPAT_FIELDS:
+        mine, theirs = getattr(receiver, name), getattr(sender, name)
+        if mine != theirs:
+            raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"{name}: sender {theirs!r}, receiver {mine!r}")
+    if sender_hash != receiver.compat_hash:
+        # Same fields, different digest: the two pods run different versions of the handshake.
+        raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"compat_hash: sender {sender_hash!r}, receiver {receiver.compat_hash!r}")
+    accepted = list(accepted_codecs)
+    if codec and codec not in accepted:
+        raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"codec: {codec!r} is not accepted by the receiver; accepted: {', '.join(accepted)}")

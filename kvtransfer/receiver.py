@@ -1,0 +1,191 @@
+"""Decode side of the KV transfer: the ``KVTransfer`` gRPC service, writing pushed KV into the paged cache.
+
+A push's path through ``PushKV``:
+
+    header    compat hash checked (FAILED_PRECONDITION); a RECEIVING lease opened in the decode pod's
+              TransferTable (ALREADY_EXISTS); blocks reserved on the engine thread with
+              engine.reserve_for_transfer, filed on the lease there (None: RESOURCE_EXHAUSTED)
+    chunks    sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk verifies the checksum
+              (DATA_LOSS), codec, range and shape and decodes on a worker thread; the event loop then writes the
+              tensor into the cache at engine.slots_of(seq, start, end). The blocks belong to the reserved
+              sequence alone, which the engine does not schedule yet, so writing beside the running engine
+              thread is safe; writing on the event loop (not the worker) means no write can outlive the handler
+    trailer   every (layer, K/V, token) of the prompt must have arrived exactly once (else DATA_LOSS); the
+              lease moves to WAITING and the response tells the sender how long it lasts
+
+Any error or cancellation on the way releases the blocks: nothing of a failed push stays behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, AsyncIterator, Iterable
+
+import grpc
+import torch
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from kvtransfer.handshake import KVLayout, check_compatible
+from kvtransfer.wire import ExpectedChunks, KVTransferError, decode_chunk
+from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from splitserve.metrics import ServingMetrics
+
+if TYPE_CHECKING:
+    from decode_service.transfers import KVLease, TransferTable
+
+logger = logging.getLogger(__name__)
+_KIND_INDEX = {"k": 0, "v": 1}
+
+
+class KVIntake:
+    """One push being received: which chunks arrived, and where their tensors go."""
+
+    def __init__(self, engine_loop: EngineLoop, seq: Sequence, expected: ExpectedChunks):
+        self.seq = seq
+        self.expected = expected
+        self.next_seq = 0
+        self.bytes_received = 0
+        self.codec: str | None = None  # the push's codec, fixed by its first chunk
+        self._engine = engine_loop.engine
+        self._kv_cache = engine_loop.engine.runner.kv_cache
+        # [layers, K/V, tokens]: which KV has arrived, so that the trailer can tell a complete push.
+        self._received = torch.zeros(expected.num_layers, 2, expected.num_tokens, dtype=torch.bool)
+
+    async def store(self, chunk: kv_transfer_pb2.KVChunk) -> None:
+        if chunk.seq != self.next_seq:
+            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"chunk seq {chunk.seq} arrived where {self.next_seq} was due")
+        self.next_seq += 1
+        if self.codec not in (None, chunk.codec):
+            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"chunk {chunk.seq} uses codec {chunk.codec!r}; this push uses {self.codec!r}")
+        device = self._kv_cache.k[0].device
+        decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, chunk, self.expected, device)
+        arrived = self._received[decoded.layer, _KIND_INDEX[decoded.kind], decoded.token_start:decoded.token_end]
+        if bool(arrived.any()):
+            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"chunk {chunk.seq} repeats KV already received (layer {decoded.layer}, "
+                                  f"{decoded.kind.upper()}, tokens [{decoded.token_start}, {decoded.token_end}))")
+        pool = (self._kv_cache.k if decoded.kind == "k" else self._kv_cache.v)[decoded.layer]
+        slots = self._engine.slots_of(self.seq, decoded.token_start, decoded.token_end)  # [T] long
+        pool.flatten(0, 1).index_copy_(0, slots, decoded.tensor.to(pool.dtype))
+        arrived.fill_(True)
+        self.bytes_received += len(chunk.payload) + len(chunk.scales)
+        self.codec = chunk.codec
+
+    def check_complete(self, trailer: kv_transfer_pb2.KVTransferTrailer) -> None:
+        if trailer.num_tokens != self.expected.num_tokens:
+            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, f"trailer covers {trailer.num_tokens} tokens, "
+                                  f"the header's prompt has {self.expected.num_tokens}")
+        if trailer.num_chunks != self.next_seq:
+            raise KVTransferError(grpc.StatusCode.DATA_LOSS,
+                                  f"trailer says {trailer.num_chunks} chunks were sent, {self.next_seq} arrived")
+        missing = (~self._received).nonzero()
+        if len(missing):
+            layer, kind, token = missing[0].tolist()
+            raise KVTransferError(grpc.StatusCode.DATA_LOSS,
+                                  f"incomplete KV: {len(missing)} (layer, K/V, token) entries missing, the first "
+                                  f"at layer {layer}, {'KV'[kind]}, token {token}")
+
+
+class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+    service_name = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+
+    def __init__(self, engine_loop: EngineLoop, transfers: "TransferTable", metrics: ServingMetrics,
+                 accepted_codecs: Iterable[str]):
+        self._engine_loop = engine_loop
+        self._transfers = transfers
+        self._metrics = metrics
+        self.layout = KVLayout.of_engine(engine_loop.engine)
+        self.accepted_codecs = list(accepted_codecs)
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self, server)
+
+    async def Handshake(self, request: kv_transfer_pb2.HandshakeRequest, context) -> kv_transfer_pb2.HandshakeResponse:
+        try:
+            check_compatible(self.layout, KVLayout.from_proto(request.layout), request.compat_hash, request.codec,
+                             self.accepted_codecs)
+        except KVTransferError as err:
+            await context.abort(err.code, err.message)
+        return kv_transfer_pb2.HandshakeResponse(layout=self.layout.to_proto(), supported_codecs=self.accepted_codecs,
+                                                 compat_hash=self.layout.compat_hash)
+
+    async def PushKV(self, request_iterator: AsyncIterator[kv_transfer_pb2.KVPush],
+                     context) -> kv_transfer_pb2.PushKVResponse:
+        lease = None
+        acknowledged = False
+        try:
+            header = await self._header(request_iterator)
+            lease = self._transfers.open(header.request_id, header.lease_seconds)
+            intake = await self._reserve(lease, list(header.prompt_token_ids))
+            response = await self._receive(intake, request_iterator)
+            acknowledged = True
+            return response
+        except KVTransferError as err:
+            logger.info("KV push refused: %s", err.message)
+            await context.abort(err.code, err.message)
+        finally:
+            if lease is not None and not acknowledged:  # refused, cancelled, or an unexpected error
+                await asyncio.shield(self._transfers.release(lease.request_id))
+
+    async def _header(self, request_iterator) -> kv_transfer_pb2.KVTransferHeader:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("item") != "header":
+            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
+        header = first.header
+        if header.compat_hash != self.layout.compat_hash:
+            raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION, f"compat_hash: sender {header.compat_hash!r}, "
+                                  f"receiver {self.layout.compat_hash!r} (handshake again)")
+        if not header.request_id or header.lease_seconds < 0:
+            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  "a KV push header needs a request_id and lease_seconds >= 0")
+        return header
+
+    async def _reserve(self, lease: "KVLease", prompt: list[int]) -> KVIntake:
+        """Blocks for the prompt, filed on the lease on the engine thread: a release queued after this command
+        finds them even if this handler was cancelled while waiting."""
+        def reserve(engine: LLMEngine) -> Sequence | None:
+            # The Decode call brings the request's sampling params; it puts them on the sequence.
+            lease.seq = engine.reserve_for_transfer(lease.request_id, prompt, SamplingParams())
+            return lease.seq
+
+        try:
+            seq = await self._engine_loop.run(reserve)
+        except ValueError as err:
+            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+        if seq is None:
+            free, total = await self._engine_loop.run(
+                lambda engine: (engine.block_manager.num_free_blocks, engine.block_manager.num_blocks))
+            raise KVTransferError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the KV of {len(prompt)} tokens: "
+                                  f"{free} of {total} blocks free")
+        layout = self.layout
+        return KVIntake(self._engine_loop, seq, ExpectedChunks(
+            lease.request_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, len(prompt),
+            frozenset(self.accepted_codecs)))
+
+    async def _receive(self, intake: KVIntake, request_iterator) -> kv_transfer_pb2.PushKVResponse:
+        request_id = intake.expected.request_id
+        async for push in request_iterator:
+            if self._transfers.get(request_id).abort_requested:
+                raise KVTransferError(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
+            item = push.WhichOneof("item")
+            if item == "chunk":
+                await intake.store(push.chunk)
+            elif item == "trailer":
+                return self._complete(intake, push.trailer)
+            else:
+                raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one KV push")
+        raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, "the KV push ended without a trailer")
+
+    def _complete(self, intake: KVIntake, trailer: kv_transfer_pb2.KVTransferTrailer) -> kv_transfer_pb2.PushKVResponse:
+        intake.check_complete(trailer)
+        lease_s = self._transfers.mark_received(intake.expected.request_id)
+        if intake.codec is not None:
+            self._metrics.transfer_bytes(intake.codec).inc(intake.bytes_received)
+        return kv_transfer_pb2.PushKVResponse(bytes_received=intake.bytes_received,
+                                              num_blocks=len(intake.seq.block_table), lease_remaining_seconds=lease_s)

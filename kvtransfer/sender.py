@@ -1,0 +1,223 @@
+"""Prefill side of the KV transfer: stream a prompt's KV to a decode pod while later layers still compute.
+
+One request's path through this module:
+
+    KVTransferClient.open(decode_address, codec, request_id, prompt)  asyncio; one cached channel per decode pod,
+                                                                      Handshake once per (address, codec)
+      -> KVSender
+    sender.push()                                                     asyncio task, concurrent with the prefill:
+        PushKV: header (request, prompt, lease, compat hash)          -> the decode pod reserves blocks
+    engine thread, after each layer of each step (prefill_service/kv_export.py):
+        sender.submit_layer(layer, token_start, token_end, k, v)      copies of that layer's K and V [T, H, D]
+        sender.mark_compute_done()                                    after the last layer of the last prompt token
+    push(), for each layer as it arrives:
+        encode_chunks on a worker thread, then write the chunks       while the engine computes the next layer
+    push(): trailer (num_chunks, num_tokens), then the decode pod's acknowledgement -> KVTransferStats
+
+With ``overlap=False`` the layers wait until the prefill step is over (``prefill_finished``) and only then are
+encoded and sent: the baseline that shows what the overlap saves. Either way ``exposed_transfer_seconds`` is the
+time from the end of the last layer's compute to the acknowledgement: what the transfer adds to TTFT.
+
+A failure of the push (the decode pod's status, a broken connection) surfaces as a ``KVTransferError`` with the
+decode pod's status code, so the prefill pod answers the router with the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from kvtransfer.codecs import KVCodec, get_codec
+from kvtransfer.handshake import KVLayout
+from kvtransfer.wire import MAX_CHUNK_BYTES, KVTransferError, encode_chunks, grpc_message_options, raw_nbytes
+from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
+
+
+@dataclass
+class _LayerKV:
+    """One layer's K and V for tokens [token_start, token_end) of the prompt, copied out of the paged cache."""
+
+    layer: int
+    token_start: int
+    token_end: int
+    k: torch.Tensor  # [token_end - token_start, num_kv_heads, head_dim]
+    v: torch.Tensor  # same
+
+
+# Queue markers besides layers: the prefill step is over (overlap=False starts sending), the call ended early.
+_PREFILL_FINISHED = object()
+_CALL_ENDED = object()
+
+
+class KVTransferClient:
+    """The prefill pod's connections to decode pods: one channel per address, handshakes cached."""
+
+    def __init__(self, layout: KVLayout, max_chunk_bytes: int = MAX_CHUNK_BYTES, overlap: bool = True,
+                 encode_threads: int = 2):
+        self.layout = layout
+        self.max_chunk_bytes = max_chunk_bytes
+        self.overlap = overlap
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._handshaken: set[tuple[str, str]] = set()
+        # Encoding runs off the event loop, so sockets keep moving; two threads keep K and V of different
+        # requests going without oversubscribing the cores the engine computes on.
+        self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="kv-encode")
+
+    async def open(self, decode_address: str, codec_name: str, request_id: str, prompt_token_ids: list[int],
+                   lease_s: float = 0.0, timeout_s: float | None = None) -> "KVSender":
+        """A sender for one request, after the handshake with ``decode_address`` for ``codec_name``."""
+        try:
+            codec = get_codec(codec_name)
+        except ValueError as err:
+            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, f"kv_codec: {err}") from err
+        await self.handshake(decode_address, codec_name, timeout_s)
+        return KVSender(self, decode_address, request_id, prompt_token_ids, codec, lease_s, timeout_s)
+
+    async def handshake(self, decode_address: str, codec_name: str, timeout_s: float | None = None) -> None:
+        """Check once per (address, codec) that the decode pod takes our KV with this codec."""
+        if (decode_address, codec_name) in self._handshaken:
+            return
+        request = kv_transfer_pb2.HandshakeRequest(layout=self.layout.to_proto(),
+                                                   compat_hash=self.layout.compat_hash, codec=codec_name)
+        try:
+            response = await self.stub(decode_address).Handshake(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise KVTransferError(err.code(), f"decode pod {decode_address}: {err.details()}") from err
+        if response.compat_hash != self.layout.compat_hash:  # the receiver checks too; trust but verify
+            raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"decode pod {decode_address}: compat_hash: sender {self.layout.compat_hash!r}, "
+                                  f"receiver {response.compat_hash!r}")
+        self._handshaken.add((decode_address, codec_name))
+
+    def forget_handshake(self, decode_address: str, codec_name: str) -> None:
+        """The decode pod refused a push as incompatible (restarted with another model?): handshake again."""
+        self._handshaken.discard((decode_address, codec_name))
+
+    def stub(self, decode_address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
+        channel = self._channels.get(decode_address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(decode_address, options=grpc_message_options(self.max_chunk_bytes))
+            self._channels[decode_address] = channel
+        return kv_transfer_pb2_grpc.KVTransferStub(channel)
+
+    async def encode(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._encoder, fn, *args)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._encoder.shutdown(wait=False, cancel_futures=True)
+
+
+class KVSender:
+    """One request's push. Layers come in from the engine thread; ``push`` runs on the event loop."""
+
+    def __init__(self, client: KVTransferClient, decode_address: str, request_id: str,
+                 prompt_token_ids: list[int], codec: KVCodec, lease_s: float, timeout_s: float | None):
+        self.request_id = request_id
+        self.decode_address = decode_address
+        self.codec = codec
+        self._client = client
+        self._prompt_token_ids = list(prompt_token_ids)
+        self._lease_s = lease_s
+        self._timeout_s = timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._compute_done_at: float | None = None  # perf_counter seconds, set on the engine thread
+        self._stats = prefill_pb2.KVTransferStats(codec=codec.name)
+        self._first_write_at: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self._prompt_token_ids)
+
+    # ---- engine thread ---------------------------------------------------------------------------------------
+
+    def submit_layer(self, layer: int, token_start: int, token_end: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hand over one layer's K and V ([T, H, D] copies, owned by the sender from now on)."""
+        self._loop.call_soon_threadsafe(self._inbox.put_nowait, _LayerKV(layer, token_start, token_end, k, v))
+
+    def mark_compute_done(self) -> None:
+        """The last layer of the last prompt token is computed: from here on the transfer is exposed."""
+        self._compute_done_at = time.perf_counter()
+
+    # ---- event loop ------------------------------------------------------------------------------------------
+
+    def prefill_finished(self) -> None:
+        """The prefill step is over (with overlap=False, sending starts now)."""
+        self._inbox.put_nowait(_PREFILL_FINISHED)
+
+    async def push(self) -> prefill_pb2.KVTransferStats:
+        """Run the PushKV stream to its acknowledgement. Raises KVTransferError with the decode pod's status."""
+        call = self._client.stub(self.decode_address).PushKV(timeout=self._timeout_s)
+        call.add_done_callback(lambda _: self._inbox.put_nowait(_CALL_ENDED))
+        try:
+            await self._stream(call)  # the response (bytes received, lease) is the receiver's account
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
+            raise await self._failure(call, err) from None
+        except BaseException:
+            call.cancel()  # the decode pod sees CANCELLED and releases the blocks it reserved
+            raise
+        ack_at = time.perf_counter()
+        self._stats.transfer_seconds = ack_at - (self._first_write_at or ack_at)
+        self._stats.exposed_transfer_seconds = max(0.0, ack_at - (self._compute_done_at or ack_at))
+        return self._stats
+
+    async def _stream(self, call) -> kv_transfer_pb2.PushKVResponse:
+        await call.write(kv_transfer_pb2.KVPush(header=kv_transfer_pb2.KVTransferHeader(
+            request_id=self.request_id, prompt_token_ids=self._prompt_token_ids,
+            compat_hash=self._client.layout.compat_hash, lease_seconds=self._lease_s)))
+        held: list[_LayerKV] = []
+        sending = self._client.overlap
+        while True:
+            item = await self._inbox.get()
+            if item is _CALL_ENDED:
+                return await call  # ended before the trailer: raises the decode pod's status
+            if item is _PREFILL_FINISHED:
+                sending = True
+            else:
+                held.append(item)
+            if sending and await self._send_held(call, held):
+                break
+        await call.write(kv_transfer_pb2.KVPush(trailer=kv_transfer_pb2.KVTransferTrailer(
+            num_chunks=self._stats.num_chunks, num_tokens=self.num_prompt_tokens)))
+        await call.done_writing()
+        return await call
+
+    async def _send_held(self, call, held: list[_LayerKV]) -> bool:
+        """Encode and write the held layers in order; True once the prompt's last layer is out."""
+        last_sent = False
+        while held:
+            item = held.pop(0)
+            pushes = await self._client.encode(self._encode, item, self._stats.num_chunks)
+            self._first_write_at = self._first_write_at or time.perf_counter()
+            for push in pushes:
+                await call.write(push)
+            self._stats.num_chunks += len(pushes)
+            self._stats.bytes_sent += sum(len(p.chunk.payload) + len(p.chunk.scales) for p in pushes)
+            self._stats.raw_bytes += raw_nbytes(item.k) + raw_nbytes(item.v)
+            last_sent = item.layer == self._client.layout.num_layers - 1 and item.token_end == self.num_prompt_tokens
+        return last_sent
+
+    def _encode(self, item: _LayerKV, first_seq: int) -> list[kv_transfer_pb2.KVPush]:
+        """Worker thread: the layer's K then V as numbered chunks, wrapped for the stream."""
+        chunks = []
+        for kind, tensor in (("k", item.k), ("v", item.v)):
+            chunks += encode_chunks(self.request_id, item.layer, kind, item.token_start, item.token_end, tensor,
+                                    self.codec, self._client.max_chunk_bytes, first_seq + len(chunks))
+        return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]
+
+    async def _failure(self, call, err: Exception) -> KVTransferError:
+        if isinstance(err, grpc.aio.AioRpcError):
+            code, details = err.code(), err.details()
+        else:  # a write after the call ended: its status says why
+            code, details = await call.code(), await call.details()
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            self._client.forget_handshake(self.decode_address, self.codec.name)
+        return KVTransferError(code, f"decode pod {self.decode_address}: {details}")

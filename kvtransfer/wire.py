@@ -1,0 +1,189 @@
+"""The KV wire format: one layer's K or V over a token range, cut into checked ``KVChunk`` messages, and back.
+
+A tensor's path through this module:
+
+    prefill pod:  encode_chunks(request, layer, kind, [start, end), tensor [T, H, D], codec)
+                    -> split along tokens so that each chunk's payload + scales fit in ``max_chunk_bytes``
+                    -> codec.encode each piece, CRC-32C over payload then scales, a stream sequence number
+                    -> [KVChunk, ...]
+    decode pod:   decode_chunk(chunk, ExpectedChunks)
+                    -> checksum first (DATA_LOSS), then request, codec, layer, range and shape against what
+                       this stream may carry (FAILED_PRECONDITION / INVALID_ARGUMENT), then codec.decode
+                    -> DecodedKVChunk(layer, kind, token_start, token_end, tensor [T, H, D])
+
+Errors on the KV path are ``KVTransferError``s carrying the gRPC status the receiving side answers with; a bad
+chunk is a ``KVChunkError``. Both services set the message-size limits of ``grpc_message_options`` on every
+channel and server of this path, so a chunk and a long prompt's header always fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import google_crc32c
+import grpc
+import torch
+
+from kvtransfer.codecs import EncodedKV, KVCodec, get_codec
+from protos.splitserve.v1 import kv_transfer_pb2
+
+MAX_CHUNK_BYTES = 1 << 20  # payload + scales of one chunk, the default cut
+# gRPC refuses messages over 4 MiB unless told otherwise. The limit sits far above a chunk plus its framing
+# (request id, shape: under 1 KiB) and above a long prompt's header (about 5 bytes per token).
+MAX_MESSAGE_BYTES = 64 << 20
+# A chunk's estimated size may be off for codecs whose size depends on the data (zstd) or on where a token
+# range is cut (int4's 32-token key groups); aiming a little under the limit keeps re-cuts rare.
+_CHUNK_SIZE_MARGIN = 0.95
+
+KIND_TO_PROTO = {"k": kv_transfer_pb2.KV_KIND_KEY, "v": kv_transfer_pb2.KV_KIND_VALUE}
+PROTO_TO_KIND = {proto: kind for kind, proto in KIND_TO_PROTO.items()}
+
+
+class KVTransferError(Exception):
+    """A KV transfer failed; ``code`` is the gRPC status the failing side answers (or was answered) with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code.name}, {self.message!r})"
+
+
+class KVChunkError(KVTransferError):
+    """A chunk that must not be stored: bad checksum (DATA_LOSS), or not what the stream may carry."""
+
+
+def grpc_message_options(max_chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, int]]:
+    """Channel and server options for the KV path: message limits well above the chunk size."""
+    limit = max(MAX_MESSAGE_BYTES, 4 * max_chunk_bytes)
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+def chunk_checksum(payload: bytes, scales: bytes) -> int:
+    """CRC-32C (Castagnoli) of payload followed by scales."""
+    return google_crc32c.extend(google_crc32c.value(payload), scales)
+
+
+# ---- prefill side -------------------------------------------------------------------------------------------
+
+def encode_chunks(request_id: str, layer: int, kind: str, token_start: int, token_end: int, tensor: torch.Tensor,
+                  codec: KVCodec, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                  first_seq: int = 0) -> list[kv_transfer_pb2.KVChunk]:
+    """Encode ``tensor`` ([token_end - token_start, H, D], the K or V of ``layer``) as chunks numbered from
+    ``first_seq``, each carrying at most ``max_chunk_bytes`` of payload + scales."""
+    if tensor.dim() != 3 or tensor.shape[0] != token_end - token_start or token_start < 0:
+        raise ValueError(f"tensor of shape {tuple(tensor.shape)} does not cover tokens [{token_start}, {token_end})")
+    num_tokens, num_heads, head_dim = tensor.shape
+    bytes_per_token = codec.bytes_per_element(head_dim, tensor.dtype) * num_heads * head_dim
+    tokens_per_chunk = max(1, int(max_chunk_bytes * _CHUNK_SIZE_MARGIN // bytes_per_token))
+    chunks: list[kv_transfer_pb2.KVChunk] = []
+    for lo in range(0, num_tokens, tokens_per_chunk):
+        hi = min(lo + tokens_per_chunk, num_tokens)
+        chunks.extend(_encode_fitting(request_id, layer, kind, token_start, lo, hi, tensor, codec, max_chunk_bytes))
+    for seq, chunk in enumerate(chunks, start=first_seq):
+        chunk.seq = seq
+    return chunks
+
+
+def _encode_fitting(request_id: str, layer: int, kind: str, token_start: int, lo: int, hi: int,
+                    tensor: torch.Tensor, codec: KVCodec, max_chunk_bytes: int) -> list[kv_transfer_pb2.KVChunk]:
+    """Encode rows [lo, hi) of ``tensor``; halve the range while the encoding exceeds the limit."""
+    encoded = codec.encode(tensor[lo:hi], kind)
+    if encoded.nbytes <= max_chunk_bytes:
+        return [kv_transfer_pb2.KVChunk(
+            request_id=request_id, layer=layer, kind=KIND_TO_PROTO[kind],
+            token_start=token_start + lo, token_end=token_start + hi,
+            codec=encoded.codec, dtype=encoded.dtype, shape=list(encoded.shape),
+            payload=encoded.payload, scales=encoded.scales,
+            crc32c=chunk_checksum(encoded.payload, encoded.scales),
+        )]
+    if hi - lo == 1:
+        raise ValueError(f"one token of {codec.name} takes {encoded.nbytes} bytes, over max_chunk_bytes="
+                         f"{max_chunk_bytes}")
+    mid = (lo + hi) // 2
+    return (_encode_fitting(request_id, layer, kind, token_start, lo, mid, tensor, codec, max_chunk_bytes)
+            + _encode_fitting(request_id, layer, kind, token_start, mid, hi, tensor, codec, max_chunk_bytes))
+
+
+# ---- decode side --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExpectedChunks:
+    """What the chunks of one request's stream may carry on this receiver."""
+
+    request_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_tokens: int  # the prompt's length: chunks cover [0, num_tokens)
+    codecs: frozenset[str]  # codec names this receiver accepts
+
+
+class DecodedKVChunk(NamedTuple):
+    layer: int
+    kind: str  # "k" or "v"
+    token_start: int
+    token_end: int
+    tensor: torch.Tensor  # [token_end - token_start, num_kv_heads, head_dim], the sender's cache dtype
+
+
+def decode_chunk(chunk: kv_transfer_pb2.KVChunk, expected: ExpectedChunks,
+                 device: str | torch.device = "cpu") -> DecodedKVChunk:
+    """Check ``chunk`` and decode it; raises ``KVChunkError`` naming what is wrong. Never decodes unchecked bytes."""
+    where = f"chunk {chunk.seq} of {chunk.request_id!r}"
+    if chunk.request_id != expected.request_id:
+        raise KVChunkError(grpc.StatusCode.INVALID_ARGUMENT, f"{where} belongs to another request than "
+                           f"{expected.request_id!r}")
+    computed = chunk_checksum(chunk.payload, chunk.scales)
+    if computed != chunk.crc32c:
+        raise KVChunkError(grpc.StatusCode.DATA_LOSS, f"{where} (layer {chunk.layer}, tokens "
+                           f"[{chunk.token_start}, {chunk.token_end})) failed its checksum: carries crc32c "
+                           f"{chunk.crc32c:#010x}, its bytes give {computed:#010x}")
+    codec = _accepted_codec(chunk.codec, expected, where)
+    _check_placement(chunk, expected, where)
+    try:
+        tensor = codec.decode(_encoded(chunk), device)
+    except ValueError as err:
+        raise KVChunkError(grpc.StatusCode.INVALID_ARGUMENT, f"{where} does not decode: {err}") from err
+    return DecodedKVChunk(chunk.layer, PROTO_TO_KIND[chunk.kind], chunk.token_start, chunk.token_end, tensor)
+
+
+def _accepted_codec(name: str, expected: ExpectedChunks, where: str) -> KVCodec:
+    if name not in expected.codecs:
+        raise KVChunkError(grpc.StatusCode.FAILED_PRECONDITION, f"{where} uses codec {name!r}, not accepted here; "
+                           f"accepted: {', '.join(sorted(expected.codecs))}")
+    try:
+        return get_codec(name)
+    except ValueError as err:
+        raise KVChunkError(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {err}") from err
+
+
+def _check_placement(chunk: kv_transfer_pb2.KVChunk, expected: ExpectedChunks, where: str) -> None:
+    """Layer, kind, token range and shape must fit the receiver's layout and the prompt."""
+    problem = None
+    if chunk.kind not in PROTO_TO_KIND:
+        problem = f"kind {chunk.kind} is neither KEY nor VALUE"
+    elif chunk.layer >= expected.num_layers:
+        problem = f"layer {chunk.layer} is out of range: the model has {expected.num_layers} layers"
+    elif not chunk.token_start < chunk.token_end <= expected.num_tokens:
+        problem = (f"token range [{chunk.token_start}, {chunk.token_end}) is empty or outside the prompt's "
+                   f"{expected.num_tokens} tokens")
+    elif list(chunk.shape) != [chunk.token_end - chunk.token_start, expected.num_kv_heads, expected.head_dim]:
+        problem = (f"shape {list(chunk.shape)} does not match [tokens, num_kv_heads, head_dim] = "
+                   f"[{chunk.token_end - chunk.token_start}, {expected.num_kv_heads}, {expected.head_dim}]")
+    if problem is not None:
+        raise KVChunkError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {problem}")
+
+
+def _encoded(chunk: kv_transfer_pb2.KVChunk) -> EncodedKV:
+    return EncodedKV(chunk.codec, PROTO_TO_KIND[chunk.kind], chunk.dtype, tuple(chunk.shape), chunk.payload,
+                     chunk.scales)
+
+
+def raw_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor`` in its own dtype: what a chunk would cost uncompressed."""
+    return tensor.numel() * tensor.element_size()
+

@@ -1,0 +1,86 @@
+"""The engine's KV export hook on a prefill pod: after each layer of a step, copy that layer's fresh K and V out of
+the paged cache and hand them to the request's ``KVSender``, while the engine goes on with the next layer.
+
+A request's path through the hook (all on the engine thread):
+
+    register(request_id, sender)     when the request enters the engine (inside the EngineLoop's add command)
+    each step holding it:
+      wants(batch)                   before the step: this step exports tokens [exported, start + new) of it.
+                                     The first step also covers [0, start), the prefix the prefix cache supplied
+                                     and nobody computed; later chunks of a chunked prefill start where the last
+                                     one ended, so the export covers the whole prompt exactly once.
+      on_layer(layer, batch)         after the layer wrote its K/V: gather them by slot, hand them over; after the
+                                     last layer of the step that reaches the prompt's end, mark compute done
+    unregister(request_id)           when the Prefill call ends, whichever way (an engine command too, so it
+                                     runs after the registration even when the call was cancelled mid-admission)
+
+Only the engine thread touches the table, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.scheduler import SchedulerOutput
+from kvtransfer.sender import KVSender
+
+
+@dataclass
+class _Export:
+    sender: KVSender
+    num_exported_tokens: int = 0  # prompt tokens whose KV is already handed over
+
+
+@dataclass
+class _StepExport:
+    """One request's share of the current step's export."""
+
+    sender: KVSender
+    slots: torch.Tensor  # [token_end - token_start] long, cache slots of the tokens to copy
+    token_start: int
+    token_end: int
+    completes_prompt: bool
+
+
+class PrefillKVExport:
+    """Implements the engine's ``KVExportHook`` for the requests that registered a sender."""
+
+    def __init__(self, engine: LLMEngine):
+        self._engine = engine
+        self._kv_cache = engine.runner.kv_cache
+        self._last_layer = engine.model_config.num_layers - 1
+        self._exports: dict[str, _Export] = {}
+        self._step: list[_StepExport] = []
+
+    def register(self, request_id: str, sender: KVSender) -> None:
+        self._exports[request_id] = _Export(sender)
+
+    def unregister(self, request_id: str) -> None:
+        self._exports.pop(request_id, None)
+
+    def wants(self, batch: SchedulerOutput) -> bool:
+        self._step = []
+        for item in batch.scheduled:
+            export = self._exports.get(item.seq.request_id)
+            token_end = min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
+            if export is None or token_end <= export.num_exported_tokens:
+                continue  # not ours, or recomputing tokens already sent (after a preemption)
+            token_start = export.num_exported_tokens
+            self._step.append(_StepExport(export.sender, self._engine.slots_of(item.seq, token_start, token_end),
+                                          token_start, token_end, token_end == item.seq.num_prompt_tokens))
+            export.num_exported_tokens = token_end
+        return bool(self._step)
+
+    def on_layer(self, layer: int, batch: SchedulerOutput) -> None:
+        # [num_blocks * block_size, H, D] views; indexing by slots copies, so the sender owns what it gets even
+        # after the request's blocks are freed and reused.
+        k_slots = self._kv_cache.k[layer].flatten(0, 1)
+        v_slots = self._kv_cache.v[layer].flatten(0, 1)
+        for part in self._step:
+            part.sender.submit_layer(layer, part.token_start, part.token_end, k_slots[part.slots],
+                                     v_slots[part.slots])
+            if part.completes_prompt and layer == self._last_layer:
+                part.sender.mark_compute_done()

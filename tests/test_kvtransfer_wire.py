@@ -1,0 +1,193 @@
+"""KV wire framing and the handshake check: chunks fit their size limit, cover their token range exactly, survive
+the trip bit for bit (lossless codecs), and anything corrupted or out of place is refused with the right status."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from kvtransfer.codecs import get_codec
+from kvtransfer.handshake import KVLayout, check_compatible
+from kvtransfer.wire import (
+    ExpectedChunks, KVChunkError, KVTransferError, chunk_checksum, decode_chunk, encode_chunks, grpc_message_options,
+)
+from protos.splitserve.v1 import kv_transfer_pb2
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
+ALL_CODECS = frozenset(["none", "int8+zstd", "int4", "bf16"])
+
+
+def kv(num_tokens: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator)  # [T, H, D] float32
+
+
+def expected(num_tokens: int, codecs=ALL_CODECS) -> ExpectedChunks:
+    return ExpectedChunks("req-1", NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, num_tokens, codecs)
+
+
+def reassemble(chunks, num_tokens: int) -> torch.Tensor:
+    out = torch.full((num_tokens, NUM_KV_HEADS, HEAD_DIM), float("nan"))
+    for chunk in chunks:
+        decoded = decode_chunk(chunk, expected(num_tokens))
+        out[decoded.token_start:decoded.token_end] = decoded.tensor
+    return out
+
+
+@pytest.mark.parametrize("codec_name", ["none", "int8+zstd", "int4"])
+def test_chunks_respect_the_size_limit_and_cover_the_range_exactly(codec_name):
+    # 300 tokens x 2 heads x 16 dims x 4 bytes = 38400 bytes raw: a 4 KiB limit forces many chunks.
+    tensor = kv(300)
+    chunks = encode_chunks("req-1", 2, "v", 100, 400, tensor, get_codec(codec_name), max_chunk_bytes=4096,
+                           first_seq=7)
+    assert len(chunks) > 1
+    assert all(len(c.payload) + len(c.scales) <= 4096 for c in chunks)
+    assert [c.seq for c in chunks] == list(range(7, 7 + len(chunks)))
+    # Consecutive, non-overlapping ranges from 100 to 400.
+    assert [c.token_start for c in chunks] == [100] + [c.token_end for c in chunks[:-1]]
+    assert chunks[-1].token_end == 400
+    for c in chunks:
+        assert (c.request_id, c.layer, c.kind, c.codec, c.dtype) == ("req-1", 2, kv_transfer_pb2.KV_KIND_VALUE,
+                                                                      codec_name, "float32")
+        assert list(c.shape) == [c.token_end - c.token_start, NUM_KV_HEADS, HEAD_DIM]
+        assert c.crc32c == chunk_checksum(c.payload, c.scales)
+
+
+def test_raw_chunks_take_as_many_tokens_as_fit():
+    # none: 2 * 16 * 4 = 128 bytes per token; 95% of 4096 bytes is 30 tokens per chunk.
+    chunks = encode_chunks("req-1", 0, "k", 0, 100, kv(100), get_codec("none"), max_chunk_bytes=4096)
+    assert [(c.token_start, c.token_end) for c in chunks] == [(0, 30), (30, 60), (60, 90), (90, 100)]
+    assert [len(c.payload) for c in chunks] == [3840, 3840, 3840, 1280]
+
+
+@pytest.mark.parametrize("codec_name", ["none", "int8+zstd"])
+def test_round_trip(codec_name):
+    tensor = kv(130, seed=1)
+    chunks = encode_chunks("req-1", 3, "k", 0, 130, tensor, get_codec(codec_name), max_chunk_bytes=2048)
+    decoded = decode_chunk(chunks[0], expected(130))
+    assert (decoded.layer, decoded.kind, decoded.token_start) == (3, "k", 0)
+    out = reassemble(chunks, 130)
+    if codec_name == "none":
+        assert torch.equal(out, tensor)  # lossless, bit for bit
+    else:
+        # int8: one float16 scale per (token, head) = absmax / 127, so the error is at most half a step.
+        step = tensor.abs().amax(dim=-1, keepdim=True) / 127
+        assert bool(((out - tensor).abs() <= step * 0.5 + 1e-3).all())
+
+
+def test_corrupted_payload_fails_the_checksum():
+    chunk = encode_chunks("req-1", 1, "k", 0, 20, kv(20), get_codec("none"))[0]
+    corrupted = bytearray(chunk.payload)
+    corrupted[17] ^= 0x01
+    chunk.payload = bytes(corrupted)
+    with pytest.raises(KVChunkError) as caught:
+        decode_chunk(chunk, expected(20))
+    assert caught.value.code == grpc.StatusCode.DATA_LOSS
+    assert "failed its checksum" in caught.value.message
+
+
+def test_corrupted_scales_fail_the_checksum():
+    chunk = encode_chunks("req-1", 1, "v", 0, 20, kv(20), get_codec("int8"))[0]
+    assert chunk.scales
+    chunk.scales = bytes(len(chunk.scales))
+    with pytest.raises(KVChunkError) as caught:
+        decode_chunk(chunk, expected(20))
+    assert caught.value.code == grpc.StatusCode.DATA_LOSS
+
+
+def test_unknown_or_unaccepted_codec_is_refused():
+    chunk = encode_chunks("req-1", 0, "k", 0, 8, kv(8), get_codec("none"))[0]
+    with pytest.raises(KVChunkError) as caught:
+        decode_chunk(chunk, expected(8, codecs=frozenset(["int8"])))
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'none', not accepted here" in caught.value.message
+    chunk.codec = "gzip"
+    with pytest.raises(KVChunkError) as caught:
+        decode_chunk(chunk, expected(8, codecs=frozenset(["gzip"])))
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "unknown KV codec 'gzip'" in caught.value.message
+
+
+def wrong_layout_cases():
+    # Each builds a chunk for another layout than the receiver's [T, 2, 16] with 4 layers and 8 prompt tokens.
+    other_heads = torch.randn(8, 4, HEAD_DIM)
+    return {
+        "heads": (lambda: encode_chunks("req-1", 0, "k", 0, 8, other_heads, get_codec("none"))[0],
+                  "does not match [tokens, num_kv_heads, head_dim] = [8, 2, 16]"),
+        "layer": (lambda: encode_chunks("req-1", 4, "k", 0, 8, kv(8), get_codec("none"))[0],
+                  "layer 4 is out of range"),
+        "range": (lambda: encode_chunks("req-1", 0, "k", 4, 12, kv(8), get_codec("none"))[0],
+                  "token range [4, 12) is empty or outside the prompt's 8 tokens"),
+        "request": (lambda: encode_chunks("req-2", 0, "k", 0, 8, kv(8), get_codec("none"))[0],
+                    "belongs to another request"),
+    }
+
+
+@pytest.mark.parametrize("case", ["heads", "layer", "range", "request"])
+def test_chunks_that_do_not_fit_the_layout_are_refused(case):
+    build, message = wrong_layout_cases()[case]
+    with pytest.raises(KVChunkError) as caught:
+        decode_chunk(build(), expected(8))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in caught.value.message
+
+
+def test_shape_field_inconsistent_with_the_range_is_refused():
+    chunk = encode_chunks("req-1", 0, "k", 0, 8, kv(8), get_codec("none"))[0]
+    chunk.token_end = 7  # the payload still holds 8 tokens
+    with pytest.raises(KVChunkError) as caught:
+        decode_chunk(chunk, expected(8))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "shape [8, 2, 16] does not match" in caught.value.message
+
+
+def test_tensor_not_covering_its_range_is_a_programming_error():
+    with pytest.raises(ValueError, match=r"does not cover tokens \[0, 9\)"):
+        encode_chunks("req-1", 0, "k", 0, 9, kv(8), get_codec("none"))
+
+
+def test_message_limits_sit_well_above_the_chunk_size():
+    options = dict(grpc_message_options(1 << 20))
+    assert options == {"grpc.max_send_message_length": 64 << 20, "grpc.max_receive_message_length": 64 << 20}
+    assert dict(grpc_message_options(32 << 20))["grpc.max_receive_message_length"] == 128 << 20
+
+
+# ---- handshake ------------------------------------------------------------------------------------------------
+
+LAYOUT = KVLayout("tiny-random", NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, block_size=16, cache_dtype="float32")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("model_name", "other-model", "model_name: sender 'other-model', receiver 'tiny-random'"),
+    ("num_layers", 6, "num_layers: sender 6, receiver 4"),
+    ("num_kv_heads", 4, "num_kv_heads: sender 4, receiver 2"),
+    ("head_dim", 64, "head_dim: sender 64, receiver 16"),
+])
+def test_handshake_mismatch_names_the_field(field, value, message):
+    sender = dataclasses.replace(LAYOUT, **{field: value})
+    assert sender.compat_hash != LAYOUT.compat_hash
+    with pytest.raises(KVTransferError) as caught:
+        check_compatible(LAYOUT, sender, sender.compat_hash, "none", ["none"])
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert caught.value.message == message
+
+
+def test_block_size_and_cache_dtype_do_not_matter():
+    sender = dataclasses.replace(LAYOUT, block_size=32, cache_dtype="bfloat16")
+    assert sender.compat_hash == LAYOUT.compat_hash
+    check_compatible(LAYOUT, sender, sender.compat_hash, "int8", ["none", "int8"])
+
+
+def test_handshake_refuses_an_unaccepted_codec_and_a_foreign_hash():
+    with pytest.raises(KVTransferError, match="codec: 'int4' is not accepted by the receiver; accepted: none, int8"):
+        check_compatible(LAYOUT, LAYOUT, LAYOUT.compat_hash, "int4", ["none", "int8"])
+    with pytest.raises(KVTransferError, match="compat_hash: sender 'abc'"):
+        check_compatible(LAYOUT, LAYOUT, "abc", "none", ["none"])
+    check_compatible(LAYOUT, LAYOUT, LAYOUT.compat_hash, "", ["none"])  # layout only: fine
+
+
+def test_layout_round_trips_through_its_proto():
+    assert KVLayout.from_proto(LAYOUT.to_proto()) == LAYOUT

@@ -1,0 +1,651 @@
+"""A prefill pod and a decode pod on loopback, with the tiny random model: the disaggregated path gives the offline
+engine's tokens, the KV arrives intact, and every failure (expired lease, corrupt chunk, incompatible peer, full
+pool, cancelled stream, bad input) ends with a clear status and every block free again on both pods.
+
+The pods run in this process, on an event loop in a background thread, exactly as ``python -m prefill_service`` /
+``decode_service`` build them; the tests call them through ordinary (synchronous) gRPC stubs. One test starts the
+real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from decode_service.config import DecodeConfig
+from decode_service.server import build_decode_services
+from engine import LLM, SamplingParams
+from engine.block_manager import chained_block_hashes
+from kvtransfer.codecs import get_codec
+from kvtransfer.handshake import KVLayout
+from kvtransfer.wire import encode_chunks
+from prefill_service.config import PrefillConfig
+from prefill_service.server import build_prefill_services
+from protos.splitserve.v1 import (
+    common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2, prefill_pb2_grpc,
+)
+from splitserve.config import parse_config
+from splitserve.pod import Pod
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny-random"  # 4 layers, 2 KV heads of 16 dims, float32: 512 bytes of K+V per token and layer
+PREFILL_BUDGET = 64  # tokens per prefill step: longer prompts prefill in chunks
+DECODE_BLOCKS = 24  # 384 tokens: small enough to fill in a test
+ACCEPTED_CODECS = ["none", "int8", "int8+zstd"]  # int4 deliberately left out
+
+
+class LoopThread:
+    """An event loop on its own thread, where the pods serve."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pods-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+class Pods:
+    """Both pods, their stubs, and the offline engine that gives the reference answers."""
+
+    def __init__(self) -> None:
+        self.thread = LoopThread()
+        common = dict(host="127.0.0.1", port=0, metrics_port=0, model=MODEL, load_refresh_interval_s=0.2)
+        self.prefill_config = PrefillConfig(num_blocks=64, max_num_batched_tokens=PREFILL_BUDGET,
+                                            long_prefill_token_threshold=PREFILL_BUDGET, **common)
+        self.decode_config = DecodeConfig(num_blocks=DECODE_BLOCKS, accepted_kv_codecs=ACCEPTED_CODECS, **common)
+        self.prefill_pod = Pod(self.prefill_config, "prefill")
+        self.decode_pod = Pod(self.decode_config, "decode")
+        self.thread.run(self._start())
+        self.decode_address = f"127.0.0.1:{self.decode_pod.port}"
+        self._channels = [grpc.insecure_channel(f"127.0.0.1:{pod.port}") for pod in (self.prefill_pod, self.decode_pod)]
+        self.prefill = prefill_pb2_grpc.PrefillStub(self._channels[0])
+        self.decode = decode_pb2_grpc.DecodeStub(self._channels[1])
+        self.kv = kv_transfer_pb2_grpc.KVTransferStub(self._channels[1])
+        self.offline = LLM(model=MODEL, num_blocks=64)
+
+    async def _start(self) -> None:
+        prefill_services = await build_prefill_services(self.prefill_pod, self.prefill_config)
+        await self.prefill_pod.start(prefill_services)
+        decode_services = await build_decode_services(self.decode_pod, self.decode_config)
+        self.transfers = decode_services[0].transfers
+        await self.decode_pod.start(decode_services)
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self.thread.run(self.prefill_pod.stop())
+        self.thread.run(self.decode_pod.stop())
+        self.thread.close()
+
+    # ---- calls -----------------------------------------------------------------------------------------------
+
+    def run_prefill(self, request_id: str, prompt: list[int], params: common_pb2.SamplingParams, codec: str = "none",
+                    lease_s: float = 0.0) -> prefill_pb2.PrefillResponse:
+        return self.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+            decode_address=self.decode_address, kv_codec=codec, kv_lease_seconds=lease_s), timeout=60)
+
+    def run_decode(self, request_id: str, prompt: list[int], params: common_pb2.SamplingParams,
+                   first: prefill_pb2.PrefillResponse | None = None):
+        """All output tokens (the prefill pod's first one included), their logprobs, and the DecodeComplete."""
+        request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params)
+        tokens, logprobs = [], []
+        if first is not None:
+            request.first_token_id = first.first_token_id
+            tokens.append(first.first_token_id)
+            if first.HasField("first_token_logprob"):
+                request.first_token_logprob.CopyFrom(first.first_token_logprob)
+                logprobs.append(first.first_token_logprob)
+        complete = None
+        for message in self.decode.Decode(request, timeout=60):
+            assert complete is None, "nothing may follow DecodeComplete"
+            if message.HasField("chunk"):
+                tokens += message.chunk.token_ids
+                logprobs += message.chunk.logprobs.tokens
+            else:
+                complete = message.complete
+        return tokens, logprobs, complete
+
+    def offline_tokens(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        return self.offline.generate([prompt], params)[0].token_ids
+
+    def load(self, which: str) -> common_pb2.PodLoad:
+        stub = self.prefill if which == "prefill" else self.decode
+        return stub.GetLoad(common_pb2.LoadRequest(), timeout=10)
+
+    def wait_all_free(self, which: str, timeout_s: float = 5.0) -> common_pb2.PodLoad:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            load = self.load(which)
+            if load.free_kv_blocks == load.total_kv_blocks and load.num_running == load.num_waiting == 0:
+                return load
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{which} pod still holds KV blocks: {load}")
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def pods():
+    pods = Pods()
+    yield pods
+    pods.close()
+
+
+@pytest.fixture(autouse=True)
+def every_block_free_afterwards(request):
+    yield
+    if "pods" in request.fixturenames:
+        pods = request.getfixturevalue("pods")
+        for which in ("prefill", "decode"):
+            assert pods.wait_all_free(which).total_kv_blocks > 0
+        assert len(pods.transfers) == 0
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """Random byte tokens (ids 3..258 of the tiny vocabulary), distinct per seed so tests share no prefix."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 259, (length,), generator=generator).tolist()
+
+
+GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        result = call(*args, **kwargs)
+        if hasattr(result, "__iter__"):
+            list(result)
+    return caught.value
+
+
+# ---- the disaggregated path gives the offline engine's answer --------------------------------------------------
+
+@pytest.mark.parametrize("length", [5, 40, 150])  # under a block; over a block; chunked on the prefill pod (64+64+22)
+def test_prefill_then_decode_gives_the_offline_greedy_tokens(pods, length):
+    prompt = prompt_of(length, seed=length)
+    first = pods.run_prefill(f"greedy-{length}", prompt, GREEDY)
+    tokens, _, complete = pods.run_decode(f"greedy-{length}", prompt, GREEDY, first)
+    assert tokens == pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    assert complete.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (complete.usage.prompt_tokens, complete.usage.completion_tokens) == (length, 16)
+    stats = first.kv_transfer
+    steps = -(-length // PREFILL_BUDGET)  # each prefill step sends every layer's K and V of its tokens
+    assert (stats.codec, stats.num_chunks) == ("none", steps * 4 * 2)
+    assert stats.bytes_sent == stats.raw_bytes == length * 4 * 2 * (2 * 16 * 4)  # tokens x layers x K/V x bytes
+    assert 0 < stats.transfer_seconds < 10 and 0 <= stats.exposed_transfer_seconds < 10
+    assert first.num_cached_tokens == 0 and first.prefill_seconds > 0
+
+
+def test_seeded_sampling_and_logprobs_match_the_offline_engine(pods):
+    prompt = prompt_of(40, seed=1001)
+    params = common_pb2.SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=12, logprobs=2)
+    first = pods.run_prefill("seeded", prompt, params)
+    tokens, logprobs, _ = pods.run_decode("seeded", prompt, params, first)
+    reference = pods.offline.generate([prompt], SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=12,
+                                                               logprobs=2))[0]
+    assert tokens == reference.token_ids
+    assert [entry.token_id for entry in logprobs] == tokens
+    for entry, expected in zip(logprobs, reference.logprobs):
+        assert entry.logprob == pytest.approx(expected[entry.token_id], abs=1e-6)
+        assert [top.token_id for top in entry.top_logprobs] == list(expected)[:2]
+
+
+def test_concurrent_prefills_all_match_the_offline_engine(pods):
+    prompts = {f"together-{i}": prompt_of(20 + 7 * i, seed=2000 + i) for i in range(3)}
+    futures = {rid: pods.prefill.Prefill.future(prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling_params=GREEDY, decode_address=pods.decode_address))
+        for rid, prompt in prompts.items()}
+    firsts = {rid: future.result(timeout=60) for rid, future in futures.items()}
+    for rid, prompt in prompts.items():
+        tokens, _, _ = pods.run_decode(rid, prompt, GREEDY, firsts[rid])
+        assert tokens == pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+
+
+def test_prefix_cache_hit_on_the_prefill_pod_still_ships_the_whole_prompt(pods):
+    shared = prompt_of(32, seed=3000)  # two full blocks
+    first_prompt, second_prompt = shared + prompt_of(8, seed=3001), shared + prompt_of(9, seed=3002)
+    pods.run_decode("prefix-a", first_prompt, GREEDY, pods.run_prefill("prefix-a", first_prompt, GREEDY))
+    second = pods.run_prefill("prefix-b", second_prompt, GREEDY)
+    assert second.num_cached_tokens == 32
+    # The cached prefix was not computed in this step, and still travels: all 41 tokens, in one step.
+    assert (second.kv_transfer.num_chunks, second.kv_transfer.raw_bytes) == (8, 41 * 4 * 2 * 128)
+    tokens, _, complete = pods.run_decode("prefix-b", second_prompt, GREEDY, second)
+    assert tokens == pods.offline_tokens(second_prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    assert complete.usage.cached_tokens == 0  # the decode pod did not prefill
+    pods.thread.run(pods.prefill_pod.refresh_load())
+    labels = {"role": "prefill", "model_name": MODEL}
+    assert pods.prefill_pod.metrics.registry.get_sample_value("splitserve_prefix_cache_hits_total", labels) >= 32
+
+
+def test_decode_without_a_first_token_prefills_locally(pods):
+    prompt = prompt_of(40, seed=4000)
+    tokens, _, complete = pods.run_decode("local", prompt, GREEDY)
+    assert tokens == pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    assert complete.usage.completion_tokens == 16 and complete.prefill_seconds > 0
+
+
+def test_first_token_that_ends_the_request_completes_without_a_chunk(pods):
+    prompt = prompt_of(20, seed=4500)
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=1)
+    first = pods.run_prefill("one-token", prompt, params)
+    tokens, _, complete = pods.run_decode("one-token", prompt, params, first)
+    assert tokens == [first.first_token_id]
+    assert complete.finish_reason == common_pb2.FINISH_REASON_LENGTH and complete.usage.completion_tokens == 1
+
+
+# ---- the KV itself -----------------------------------------------------------------------------------------------
+
+def offline_prompt_kv(pods, prompt: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The offline engine's K and V of the prompt, per layer: [T, H, D] each."""
+    engine = pods.offline.engine
+    seq = engine.add_request("reference-kv", prompt, SamplingParams(temperature=0.0, max_tokens=2))
+    engine.step()  # the whole prompt in one step; the sequence keeps its blocks
+    slots = engine.slots_of(seq, 0, len(prompt))
+    cache = engine.runner.kv_cache
+    kv = [(cache.k[layer].flatten(0, 1)[slots], cache.v[layer].flatten(0, 1)[slots]) for layer in range(4)]
+    engine.abort_request("reference-kv")
+    return kv
+
+
+@pytest.mark.parametrize("codec", ["none", "int8+zstd"])
+def test_kv_that_arrived_equals_the_prefill_kv(pods, codec):
+    prompt = prompt_of(40, seed=5000)
+    pods.run_prefill(f"kv-{codec}", prompt, GREEDY, codec=codec, lease_s=30)
+    seq = pods.transfers.get(f"kv-{codec}").seq
+    cache = pods.decode_pod.engine.runner.kv_cache
+    slots = pods.decode_pod.engine.slots_of(seq, 0, len(prompt))
+    for layer, (k_ref, v_ref) in enumerate(offline_prompt_kv(pods, prompt)):
+        for arrived, reference in ((cache.k[layer].flatten(0, 1)[slots], k_ref),
+                                   (cache.v[layer].flatten(0, 1)[slots], v_ref)):
+            if codec == "none":
+                assert torch.equal(arrived, reference)
+            else:  # int8: at most half a quantization step of absmax / 127 per (token, head)
+                step = reference.abs().amax(dim=-1, keepdim=True) / 127
+                assert bool(((arrived - reference).abs() <= step * 0.5 + 1e-3).all())
+    assert pods.decode.Abort(common_pb2.AbortRequest(request_id=f"kv-{codec}")).found
+
+
+# ---- failures end cleanly -------------------------------------------------------------------------------------
+
+def test_an_unclaimed_lease_expires_and_frees_its_blocks(pods):
+    prompt = prompt_of(40, seed=6000)
+    first = pods.run_prefill("expires", prompt, GREEDY, lease_s=0.3)
+    load = pods.load("decode")
+    assert load.total_kv_blocks - load.free_kv_blocks == 3  # 40 tokens in blocks of 16
+    pods.wait_all_free("decode", timeout_s=3)
+    error = rpc_error(pods.run_decode, "expires", prompt, GREEDY, first)
+    assert error.code() == grpc.StatusCode.NOT_FOUND and "lease expired" in error.details()
+
+
+def test_decode_without_pushed_kv_is_not_found(pods):
+    request = decode_pb2.DecodeRequest(request_id="never-pushed", prompt_token_ids=[5, 6, 7], sampling_params=GREEDY,
+                                       first_token_id=9)
+    error = rpc_error(pods.decode.Decode, request)
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def handshaken_header(pods, request_id: str, prompt: list[int]) -> kv_transfer_pb2.KVPush:
+    layout = KVLayout.of_engine(pods.prefill_pod.engine)
+    answer = pods.kv.Handshake(kv_transfer_pb2.HandshakeRequest(layout=layout.to_proto(),
+                                                                compat_hash=layout.compat_hash, codec="none"))
+    assert list(answer.supported_codecs) == ACCEPTED_CODECS
+    return kv_transfer_pb2.KVPush(header=kv_transfer_pb2.KVTransferHeader(
+        request_id=request_id, prompt_token_ids=prompt, compat_hash=answer.compat_hash, lease_seconds=30))
+
+
+def layer_chunks(request_id: str, num_tokens: int, layers=range(4)) -> list[kv_transfer_pb2.KVPush]:
+    chunks = []
+    for layer in layers:
+        for kind in ("k", "v"):
+            chunks += encode_chunks(request_id, layer, kind, 0, num_tokens, torch.randn(num_tokens, 2, 16),
+                                    get_codec("none"), first_seq=len(chunks))
+    return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]
+
+
+def trailer(num_chunks: int, num_tokens: int) -> kv_transfer_pb2.KVPush:
+    return kv_transfer_pb2.KVPush(trailer=kv_transfer_pb2.KVTransferTrailer(num_chunks=num_chunks,
+                                                                            num_tokens=num_tokens))
+
+
+def test_a_corrupted_chunk_gets_data_loss_and_frees_the_blocks(pods):
+    prompt = prompt_of(20, seed=7000)
+    chunks = layer_chunks("corrupt", 20)
+    payload = bytearray(chunks[3].chunk.payload)
+    payload[100] ^= 0xFF
+    chunks[3].chunk.payload = bytes(payload)
+    stream = [handshaken_header(pods, "corrupt", prompt), *chunks, trailer(len(chunks), 20)]
+    error = rpc_error(pods.kv.PushKV, iter(stream))
+    assert error.code() == grpc.StatusCode.DATA_LOSS and "failed its checksum" in error.details()
+
+
+def test_a_push_missing_a_layer_gets_data_loss_at_the_trailer(pods):
+    prompt = prompt_of(20, seed=7100)
+    chunks = layer_chunks("incomplete", 20, layers=range(3))
+    stream = [handshaken_header(pods, "incomplete", prompt), *chunks, trailer(len(chunks), 20)]
+    error = rpc_error(pods.kv.PushKV, iter(stream))
+    assert error.code() == grpc.StatusCode.DATA_LOSS
+    assert "the first at layer 3, K, token 0" in error.details()
+
+
+def test_a_complete_hand_made_push_is_acknowledged_under_its_lease(pods):
+    prompt = prompt_of(20, seed=7200)
+    chunks = layer_chunks("by-hand", 20)
+    labels = {"role": "decode", "model_name": MODEL, "codec": "none"}
+    received_before = pods.decode_pod.metrics.registry.get_sample_value("splitserve_kv_transfer_bytes_total", labels)
+    response = pods.kv.PushKV(iter([handshaken_header(pods, "by-hand", prompt), *chunks, trailer(len(chunks), 20)]))
+    assert (response.bytes_received, response.num_blocks, response.lease_remaining_seconds) == (8 * 20 * 128, 2, 30)
+    received = pods.decode_pod.metrics.registry.get_sample_value("splitserve_kv_transfer_bytes_total", labels)
+    assert received - (received_before or 0) == 8 * 20 * 128
+    assert pods.decode.Abort(common_pb2.AbortRequest(request_id="by-hand")).found
+
+
+def test_handshake_mismatch_is_failed_precondition(pods):
+    layout = KVLayout.of_engine(pods.prefill_pod.engine)
+    wrong = KVLayout(layout.model_name, layout.num_layers, 4, layout.head_dim, layout.block_size, layout.cache_dtype)
+    error = rpc_error(pods.kv.Handshake, kv_transfer_pb2.HandshakeRequest(
+        layout=wrong.to_proto(), compat_hash=wrong.compat_hash, codec="none"))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.details() == "num_kv_heads: sender 4, receiver 2"
+    # Through the prefill pod: a codec the decode pod does not take.
+    error = rpc_error(pods.run_prefill, "int4-refused", prompt_of(20, seed=8000), GREEDY, codec="int4")
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "codec: 'int4' is not accepted by the receiver" in error.details()
+
+
+def test_a_full_decode_pod_answers_resource_exhausted_through_prefill(pods):
+    for i in range(2):  # 150 tokens = 10 blocks each: 20 of 24 taken
+        pods.run_prefill(f"hog-{i}", prompt_of(150, seed=9000 + i), GREEDY, lease_s=30)
+    assert pods.load("decode").free_kv_blocks == DECODE_BLOCKS - 20
+    error = rpc_error(pods.run_prefill, "no-room", prompt_of(150, seed=9002), GREEDY)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no room for the KV of 150 tokens: 4 of 24 blocks free" in error.details()
+    for i in range(2):  # Abort releases a lease that waits for its Decode call
+        assert pods.decode.Abort(common_pb2.AbortRequest(request_id=f"hog-{i}")).found
+
+
+@pytest.mark.parametrize("prefilled", [True, False])
+def test_cancelling_a_decode_stream_frees_its_blocks(pods, prefilled):
+    prompt = prompt_of(40, seed=10000 + prefilled)
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    request = decode_pb2.DecodeRequest(request_id=f"cancel-{prefilled}", prompt_token_ids=prompt,
+                                       sampling_params=params)
+    if prefilled:
+        request.first_token_id = pods.run_prefill(request.request_id, prompt, params).first_token_id
+    stream = pods.decode.Decode(request)
+    assert next(stream).HasField("chunk") and next(stream).HasField("chunk")
+    assert pods.load("decode").num_running == 1
+    stream.cancel()
+    pods.wait_all_free("decode")
+
+
+def test_abort_stops_a_running_decode_with_finish_reason_abort(pods):
+    prompt = prompt_of(30, seed=11000)
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    stream = pods.decode.Decode(decode_pb2.DecodeRequest(request_id="aborted", prompt_token_ids=prompt,
+                                                         sampling_params=params))
+    assert next(stream).HasField("chunk")
+    assert pods.decode.Abort(common_pb2.AbortRequest(request_id="aborted")).found
+    last = list(stream)[-1]
+    assert last.complete.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert not pods.decode.Abort(common_pb2.AbortRequest(request_id="aborted")).found  # idempotent
+
+
+@pytest.mark.parametrize("where, params, prompt, message", [
+    ("prefill", common_pb2.SamplingParams(temperature=-1.0), [5, 6, 7],
+     "sampling_params.temperature must be >= 0 and finite, got -1.0"),
+    ("prefill", GREEDY, [5, 9999], "prompt token ids must be integers in [0, 259)"),
+    ("decode", common_pb2.SamplingParams(top_p=2.0), [5, 6, 7], "sampling_params.top_p must be in (0, 1], got 2.0"),
+    ("decode", GREEDY, [], "prompt must contain at least one token"),
+])
+def test_invalid_requests_are_invalid_argument(pods, where, params, prompt, message):
+    if where == "prefill":
+        error = rpc_error(pods.run_prefill, "invalid", prompt, params)
+    else:
+        error = rpc_error(pods.run_decode, "invalid", prompt, params)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.details()
+
+
+def test_unknown_codec_is_invalid_argument(pods):
+    error = rpc_error(pods.run_prefill, "gzip", [5, 6, 7], GREEDY, codec="gzip")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown KV codec 'gzip'" in error.details()
+
+
+class StallingReceiver(kv_transfer_pb2_grpc.KVTransferServicer):
+    """A decode pod that takes the whole push and never acknowledges it: the Prefill call waits on it."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        self.opened_pushes: list[str] = []
+        self.cancelled_pushes: list[str] = []
+
+    async def Handshake(self, request, context):
+        return kv_transfer_pb2.HandshakeResponse(layout=self.layout.to_proto(), supported_codecs=["none"],
+                                                 compat_hash=self.layout.compat_hash)
+
+    async def PushKV(self, request_iterator, context):
+        request_id = None
+        try:
+            async for push in request_iterator:
+                if push.HasField("header"):
+                    request_id = push.header.request_id
+                    self.opened_pushes.append(request_id)
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled_pushes.append(request_id)
+            raise
+
+
+@pytest.fixture
+def stalling_decode_pod(pods):
+    receiver = StallingReceiver(KVLayout.of_engine(pods.prefill_pod.engine))
+
+    async def start():
+        server = grpc.aio.server()
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(receiver, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = pods.thread.run(start())
+    yield receiver, f"127.0.0.1:{port}"
+    pods.thread.run(server.stop(None))
+
+
+def prefill_request_to(address: str, request_id: str) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_of(30, seed=13000),
+                                      sampling_params=GREEDY, decode_address=address)
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def test_prefill_past_its_deadline_is_deadline_exceeded_and_cancels_the_push(pods, stalling_decode_pod):
+    receiver, address = stalling_decode_pod
+    error = rpc_error(pods.prefill.Prefill, prefill_request_to(address, "late"), timeout=0.5)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: receiver.cancelled_pushes == ["late"])
+
+
+def test_cancelling_a_prefill_call_cancels_its_push(pods, stalling_decode_pod):
+    receiver, address = stalling_decode_pod
+    call = pods.prefill.Prefill.future(prefill_request_to(address, "walked-away"))
+    wait_until(lambda: receiver.opened_pushes == ["walked-away"])
+    call.cancel()
+    wait_until(lambda: receiver.cancelled_pushes == ["walked-away"])
+
+
+def test_abort_ends_a_waiting_prefill_with_cancelled(pods, stalling_decode_pod):
+    receiver, address = stalling_decode_pod
+    call = pods.prefill.Prefill.future(prefill_request_to(address, "abort-me"))
+    wait_until(lambda: receiver.opened_pushes == ["abort-me"])
+    assert pods.prefill.Abort(common_pb2.AbortRequest(request_id="abort-me")).found
+    with pytest.raises(grpc.RpcError) as caught:
+        call.result(timeout=10)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED
+    assert caught.value.details() == "request 'abort-me' was aborted"
+    wait_until(lambda: receiver.cancelled_pushes == ["abort-me"])
+    assert not pods.prefill.Abort(common_pb2.AbortRequest(request_id="abort-me")).found
+
+
+def test_pods_answer_health_checks_and_reflection(pods):
+    channel = grpc.insecure_channel(f"127.0.0.1:{pods.decode_pod.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "splitserve.v1.Decode", "splitserve.v1.KVTransfer"):
+        answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"splitserve.v1.Decode", "splitserve.v1.KVTransfer", "grpc.health.v1.Health"} <= services
+    channel.close()
+
+
+def test_metrics_endpoint_serves_the_pod_series(pods):
+    with urllib.request.urlopen(f"http://127.0.0.1:{pods.decode_pod.metrics_port}/metrics", timeout=5) as response:
+        body = response.read()
+    assert b'splitserve_num_requests_running{model_name="tiny-random",role="decode"}' in body
+
+
+# ---- the real processes -------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_serving(address: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{address} never became SERVING")
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    server_binary = shutil.which("redis-server")
+    if server_binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    server = subprocess.Popen([server_binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    try:
+        wait_until(lambda: _pings(client))
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _pings(client) -> bool:
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+
+
+@pytest.mark.e2e
+def test_pods_as_processes_serve_register_and_shut_down_on_sigterm(redis_url):
+    ports = {name: free_port() for name in ("prefill", "decode", "prefill_metrics", "decode_metrics")}
+    common = ["--host", "127.0.0.1", "--model", MODEL, "--num-blocks", "32", "--load-refresh-interval-s", "0.2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    decode_address = f"127.0.0.1:{ports['decode']}"
+    decode = subprocess.Popen([sys.executable, "-m", "decode_service", *common, "--port", str(ports["decode"]),
+                               "--metrics-port", str(ports["decode_metrics"]), "--registry", "redis",
+                               "--redis-url", redis_url, "--advertise-address", decode_address,
+                               "--heartbeat-ttl-s", "0.6"], cwd=REPO_ROOT, env=env)
+    # The baseline without overlap: every layer is sent after the prefill step.
+    prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(ports["prefill"]),
+                                "--metrics-port", str(ports["prefill_metrics"]), "--no-overlap-transfer"],
+                               cwd=REPO_ROOT, env=env)
+    registry = redis.Redis.from_url(redis_url)
+    key = f"splitserve:pods:decode:{decode_address}"
+    try:
+        wait_serving(decode_address)
+        wait_serving(f"127.0.0.1:{ports['prefill']}")
+        record = json.loads(registry.get(key))
+        assert (record["role"], record["load"]["total_kv_blocks"], record["load"]["block_size"]) == ("decode", 32, 16)
+        prompt = prompt_of(40, seed=12000)
+        with grpc.insecure_channel(f"127.0.0.1:{ports['prefill']}") as p, grpc.insecure_channel(decode_address) as d:
+            first = prefill_pb2_grpc.PrefillStub(p).Prefill(prefill_pb2.PrefillRequest(
+                request_id="e2e", prompt_token_ids=prompt, sampling_params=GREEDY, decode_address=decode_address),
+                timeout=60)
+            request = decode_pb2.DecodeRequest(request_id="e2e", prompt_token_ids=prompt, sampling_params=GREEDY,
+                                               first_token_id=first.first_token_id)
+            tokens = [first.first_token_id]
+            for message in decode_pb2_grpc.DecodeStub(d).Decode(request, timeout=60):
+                tokens += message.chunk.token_ids
+        expected = LLM(model=MODEL, num_blocks=32).generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
+        assert tokens == expected[0].token_ids
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['prefill_metrics']}/metrics", timeout=5) as response:
+            metrics = response.read()
+        sent = b'splitserve_kv_transfer_bytes_total{codec="none",model_name="tiny-random",role="prefill"} 40960.0'
+        assert sent in metrics
+        # The decode pod now caches the prompt's blocks (and the output's), and says so for prefix-aware routing.
+        prompt_blocks = chained_block_hashes(prompt, 16)
+        wait_until(lambda: set(prompt_blocks) <= set(json.loads(registry.get(key))["block_hashes"]))
+    finally:
+        for process in (prefill, decode):
+            process.send_signal(signal.SIGTERM)
+        codes = [process.wait(timeout=30) for process in (prefill, decode)]
+    assert codes == [0, 0]
+    assert registry.get(key) is None  # deregistered on the way out
+    registry.close()
+
+
+# ---- configuration ------------------------------------------------------------------------------------------------
+
+def test_pod_configs_come_from_flags_and_environment_and_refuse_bad_values():
+    config = parse_config(DecodeConfig, ["--role", "mixed", "--accepted-kv-codecs", "none,int8"],
+                          env={"SPLITSERVE_KV_LEASE_S": "12.5", "SPLITSERVE_NUM_BLOCKS": "128"})
+    assert (config.role, config.accepted_kv_codecs, config.kv_lease_s, config.num_blocks) == (
+        "mixed", ["none", "int8"], 12.5, 128)
+    assert parse_config(PrefillConfig, ["--no-overlap-transfer"], env={}).overlap_transfer is False
+    for build, message in [
+        (lambda: DecodeConfig(role="prefill"), "role must be one of decode, mixed"),
+        (lambda: DecodeConfig(accepted_kv_codecs=["gzip"]), "accepted_kv_codecs must name some of"),
+        (lambda: PrefillConfig(kv_codec="gzip"), "kv_codec must be one of"),
+        (lambda: PrefillConfig(registry="consul"), "registry must be one of static, redis"),
+        (lambda: PrefillConfig(block_size=12), "block_size must be a positive power of two"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build()
