@@ -28,6 +28,9 @@ FINISH_REASON_ENUM = {
 }
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router):
         self._router = router
@@ -53,11 +56,24 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as exc:  # SamplingParams names the field first
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}") from None
+        return self._router.make_request(self._prompt(request), params, request.request_id or None)
+
+    def _prompt(self, request: generate_pb2.GenerateRequest) -> str | list[int]:
         which = request.WhichOneof("input")
         if which is None:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "input: set text or token_ids")
-        prompt = request.text if which == "text" else list(request.token_ids.ids)
-        return self._router.make_request(prompt, params, request.request_id or None)
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "input: set text, token_ids or chat")
+        if which == "text":
+            return request.text
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required")
+        for i, m in enumerate(messages):
+            if m["role"] not in CHAT_ROLES:
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"chat.messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
+        return self._router.apply_chat_template(messages)
 
     def _response(self, req: RouterRequest, output: OutputDelta | Completion) -> generate_pb2.GenerateResponse:
         if isinstance(output, OutputDelta):

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # Long enough for a typical stream to finish; Kubernetes' default termination grace period is 30 s.
 SHUTDOWN_GRACE_S = 20.0
+HEALTH_REFRESH_S = 0.25  # how often the health status follows the router's readiness
 
 
 class _EmbeddedHTTPServer(uvicorn.Server):
@@ -57,6 +58,7 @@ class RouterServer:
         self._health = health.aio.HealthServicer()
         self._http: _EmbeddedHTTPServer | None = None
         self._http_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.router.start()
@@ -67,6 +69,8 @@ class RouterServer:
                  self.grpc_port, f"on {self.config.host}:{self.config.http_port}" if self._http else "off")
 
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
         await self._health.enter_graceful_shutdown()
         if self._http is not None:
             self._http.should_exit = True
@@ -81,10 +85,24 @@ class RouterServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         self.grpc_port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        for service in ("", GENERATION_SERVICE):  # not serving until a pod is known (the servicer starts SERVING)
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
-        for service in ("", GENERATION_SERVICE):  # "": the server as a whole, as load balancers ask
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._grpc_server = server
+        self._health_task = asyncio.create_task(self._track_health(), name="router-health")
+
+    async def _track_health(self) -> None:
+        """SERVING exactly while some decode-capable pod serves (``router.ready()``), so that a load balancer or
+        ``splitserve up`` never sends traffic to a router that would answer UNAVAILABLE."""
+        serving = None
+        while True:
+            ready = self.router.ready()
+            if ready != serving:
+                status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+                for service in ("", GENERATION_SERVICE):  # "": the server as a whole, as load balancers ask
+                    await self._health.set(service, status)
+                serving = ready
+            await asyncio.sleep(HEALTH_REFRESH_S)
 
     async def _start_http(self) -> None:
         # The HTTP layer (FastAPI) loads only when the HTTP API is on.

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -58,6 +59,8 @@ class PodConfig:
     device: str = field(default="cpu", metadata=_help("Torch device: cpu, cuda, cuda:1."))
     dtype: str = field(default="float32", metadata=_help("Compute dtype: float32, bfloat16, float16."))
     seed: int = field(default=0, metadata=_help("Seeds random-weight models and unseeded sampling."))
+    num_threads: int = field(default=0, metadata=_help(
+        "Torch compute threads (0: torch's default, one per core); pods sharing a machine split its cores."))
     block_size: int = field(default=16, metadata=_help("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=1 << 30, metadata=_help("Memory for the KV block pool."))
     num_blocks: int = field(default=0, metadata=_help("Blocks in the KV pool (> 0 overrides the memory budget)."))
@@ -114,6 +117,8 @@ class Pod:
     def __init__(self, config: PodConfig, role: str):
         self.config = config
         self.role = role
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.engine = LLMEngine(config.engine_config())
         self.engine_loop = EngineLoop(self.engine)
         self.metrics = ServingMetrics(role, self.engine.model_config.name)

@@ -1,0 +1,131 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)`` and ``.chat(messages, params)``.
+
+It drives an ``LLMEngine`` until every request finishes. Text happens here, at the edge: prompts are
+tokenized on the way in, and each request's output goes through an ``IncrementalDetokenizer``, which also
+detects stop strings (the engine is then told to abort that request, and its text is cut at the stop string).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence as SequenceType
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import IncrementalDetokenizer
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    # Per output token: {token_id: logprob} for the top-N and the sampled token (when params.logprobs is set).
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class LLM:
+    """Offline batched generation. Engine settings can be given as keyword arguments, e.g.
+    ``LLM(model="tiny-random", block_size=16, num_blocks=256, max_num_seqs=32)``."""
+
+    def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
+                 seed: int = 0, **settings):
+        cache = CacheConfig(**{k: settings.pop(k) for k in list(settings) if k in CacheConfig.__dataclass_fields__})
+        sched = SchedulerConfig(
+            **{k: settings.pop(k) for k in list(settings) if k in SchedulerConfig.__dataclass_fields__}
+        )
+        if settings:
+            raise TypeError(f"unknown LLM settings: {sorted(settings)}")
+        self.engine = LLMEngine(EngineConfig(model, device, dtype, seed, cache, sched))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | SequenceType[Prompt],
+                 params: SamplingParams | SequenceType[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a batch (text, or token ids); one output per prompt, in order."""
+        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        params_list = _broadcast_params(params, len(prompts))
+        requests = [self._add(p, sp) for p, sp in zip(prompts, params_list)]
+        by_id = {r.seq.request_id: r for r in requests}
+        while self.engine.has_unfinished_requests():
+            for seq in self.engine.step():
+                by_id[seq.request_id].on_tokens(self.engine)
+        return [r.output() for r in requests]
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             params: SamplingParams | SequenceType[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, params)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> "_PendingRequest":
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        seq = self.engine.add_request(str(next(self._ids)), ids, params)
+        return _PendingRequest(seq, text, IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        ))
+
+
+@dataclass
+class _PendingRequest:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    num_detokenized: int = 0
+
+    def on_tokens(self, engine: LLMEngine) -> None:
+        """Detokenize the tokens the engine appended; a stop string ends the request."""
+        new_tokens = self.seq.output_token_ids[self.num_detokenized:]
+        self.num_detokenized = len(self.seq.output_token_ids)
+        for token_id in new_tokens:
+            self.detokenizer.add(token_id)
+            if self.detokenizer.stopped_by is not None:
+                engine.abort_request(self.seq.request_id)
+                self.seq.finish_reason = FinishReason.STOP
+                self.seq.stop_reason = self.detokenizer.stopped_by
+                return
+
+    def output(self) -> RequestOutput:
+        seq = self.seq
+        self.detokenizer.finish()  # release text held back for a stop string that never completed
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=self.detokenizer.text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.output_logprobs if seq.sampling_params.logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+
+def _is_single_prompt(prompts) -> bool:
+    return isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+
+
+def _broadcast_params(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

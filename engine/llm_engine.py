@@ -1,0 +1,148 @@
+"""The engine loop: requests in, one scheduled step at a time, tokens out.
+
+``add_request`` wraps a prompt in a ``Sequence`` and hands it to the ``Scheduler``; each ``step`` asks the
+scheduler what to run, runs it through the ``ModelRunner`` (model + sampler) and feeds the sampled tokens back,
+which appends them, checks stop conditions and frees finished sequences' blocks. The engine knows token ids
+only; text lives in the layer above (the offline ``LLM`` and the router).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from typing import Callable, Protocol
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.models import load_model_files
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class KVExportHook(Protocol):
+    """Told after each layer of a step has written its K/V (the prefill pod streams it to a decode pod)."""
+
+    def wants(self, batch: SchedulerOutput) -> bool: ...
+
+    def on_layer(self, layer: int, batch: SchedulerOutput) -> None: ...
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; ``sequences`` are the requests it held, already aborted and freed."""
+
+    def __init__(self, sequences: list[Sequence], cause: Exception):
+        super().__init__(f"engine step failed for {len(sequences)} request(s): {cause!r}")
+        self.sequences = sequences
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        loaded = load_model_files(config.model, seed=config.seed)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(config, loaded.config, loaded.state_dict)
+        self.block_manager = BlockManager(
+            self.runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        eos_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, eos_ids, self.model_config.max_position_embeddings
+        )
+        self.kv_export: KVExportHook | None = None
+        logger.info(
+            "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens",
+            self.model_config.name, self.model_config.num_layers,
+            self.runner.kv_cache.num_blocks, config.cache.block_size,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; raises ValueError for a prompt that can never run (empty, too long, bad token id)."""
+        self._validate_prompt(prompt_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> Sequence | None:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def cached_block_hashes(self) -> list[int]:
+        """Chained hashes of the blocks in the prefix cache, oldest first: a pod's heartbeat publishes them so that
+        the router can send a prompt where its prefix is cached."""
+        return list(self.block_manager._cached_block_ids)  # the block manager's index: hash -> block id
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled batch; returns the sequences that got a token or finished in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return []
+        try:
+            sampled = self.runner.execute(scheduled, self._layer_hook(scheduled))
+        except Exception as exc:
+            # Fail only the requests of this step (their blocks are freed); the engine keeps serving the rest.
+            failed = [s.seq for s in scheduled.scheduled]
+            for seq in failed:
+                self.scheduler.abort(seq.request_id)
+            raise EngineStepError(failed, exc) from exc
+        return self.scheduler.update_from_output(scheduled, sampled)
+
+    def _layer_hook(self, batch: SchedulerOutput) -> Callable[[int], None] | None:
+        hook = self.kv_export
+        if hook is None or not hook.wants(batch):
+            return None
+        return lambda layer: hook.on_layer(layer, batch)
+
+    # ---- KV transfer: the decode side receives a prompt's KV computed elsewhere ------------------------------
+    def reserve_for_transfer(self, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams) -> Sequence | None:
+        """Allocate blocks for a prompt whose KV will arrive from a prefill pod; None when the pool is full.
+        The sequence is not scheduled until ``admit_prefilled``; ``release_transfer`` gives the blocks back."""
+        self._validate_prompt(prompt_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if not self.block_manager.allocate_slots(seq, len(prompt_token_ids)):
+            return None
+        return seq
+
+    def slots_of(self, seq: Sequence, token_start: int, token_end: int) -> torch.Tensor:
+        """Cache slot of each token in [token_start, token_end) of ``seq``: [n] long."""
+        positions = torch.arange(token_start, token_end)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        bs = self.config.cache.block_size
+        return (table[positions // bs] * bs + positions % bs).to(self.runner.device)
+
+    def admit_prefilled(self, seq: Sequence, first_token_id: int,
+                        first_logprobs: dict[int, float] | None = None) -> Sequence:
+        """Join a transferred sequence (its prompt's KV written) to the running batch with its first token."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.append_token(first_token_id, first_logprobs)
+        self.scheduler.add_prefilled(seq)
+        return seq
+
+    def release_transfer(self, seq: Sequence) -> None:
+        """Free the blocks of a reserved transfer that will never be admitted (lease expired, abort, bad KV)."""
+        self.block_manager.free(seq)
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}"
+            )

@@ -1,0 +1,1 @@
+"""splitserve's command line and local launcher (``splitserve demo | bench ...``)."""

@@ -1,0 +1,75 @@
+"""The ``splitserve`` command line: one subcommand per job.
+
+  splitserve up [--prefill 1 --decode 1 --mixed 0 ...]   the whole system on this machine (router + pods)
+  splitserve generate "text" [--router host:port]       stream an answer from a running router
+  splitserve router | prefill | decode [flags]          run one process (flags: --help)
+  splitserve demo [--model M] [PROMPT ...]              offline generation with the engine
+  splitserve bench engine [...]                         engine vs transformers benchmark
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _demo(argv: list[str]) -> None:
+    from engine import LLM, SamplingParams
+
+    parser = argparse.ArgumentParser(prog="splitserve demo", description="Offline generation with the engine.")
+    parser.add_argument("prompts", nargs="*", default=[
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in one sentence what a KV cache is.",
+    ])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    print(f"loading {args.model} ...", file=sys.stderr)
+    llm = LLM(model=args.model)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(args.prompts, outputs):
+        print(f"\n> {prompt}\n{out.text.strip()}\n  [{len(out.token_ids)} tokens, finish={out.finish_reason}]")
+    total = sum(len(o.token_ids) for o in outputs)
+    print(f"\n{len(outputs)} requests, {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)")
+
+
+def _bench(argv: list[str]) -> None:
+    benches = {"engine": "splitserve.bench.engine"}
+    if not argv or argv[0] not in benches:
+        sys.exit(f"usage: splitserve bench {{{'|'.join(benches)}}} [options]")
+    _delegate(benches[argv[0]])(argv[1:])
+
+
+def _delegate(module: str):
+    def run(argv: list[str]) -> None:
+        import importlib
+
+        importlib.import_module(module).main(argv)
+
+    return run
+
+
+COMMANDS = {
+    "up": _delegate("splitserve.launcher"),
+    "generate": _delegate("splitserve.client"),
+    "router": _delegate("router.server"),
+    "prefill": _delegate("prefill_service.server"),
+    "decode": _delegate("decode_service.server"),
+    "demo": _demo,
+    "bench": _bench,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        sys.exit(__doc__)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    COMMANDS[argv[0]](argv[1:])

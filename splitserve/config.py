@@ -1,0 +1,101 @@
+"""The one configuration mechanism: a service's dataclass filled from flags named after its fields and from
+``SPLITSERVE_*`` environment variables.
+
+Field ``max_num_seqs`` of a service's dataclass becomes flag ``--max-num-seqs`` and environment variable
+``SPLITSERVE_MAX_NUM_SEQS``. Precedence: flag, then environment, then the dataclass default. Booleans accept
+``--flag`` / ``--no-flag`` and ``true/false/1/0`` in the environment; list fields take comma-separated values.
+The Helm chart maps its values to these flags and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from typing import Any, Mapping, TypeVar
+
+T = TypeVar("T")
+ENV_PREFIX = "SPLITSERVE_"
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def parse_config(cls: type[T], argv: list[str] | None = None, env: Mapping[str, str] | None = None,
+                 prog: str | None = None) -> T:
+    """Build ``cls`` from ``argv`` and ``env`` (os.environ by default). Bad values exit with a usage error."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0])
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        _add_flag(parser, f, hints[f.name])
+    args = parser.parse_args(argv or [])
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        given = getattr(args, f.name)
+        if given is not None:
+            values[f.name] = given
+        elif env_name(f.name) in env:
+            try:
+                values[f.name] = _convert(env[env_name(f.name)], hints[f.name])
+            except ValueError as exc:
+                parser.error(f"{env_name(f.name)}: {exc}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+
+
+def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any) -> None:
+    help_text = f.metadata.get("help", "") + f" (env {env_name(f.name)}; default {_default_repr(f)})"
+    if _base_type(hint) is bool:
+        parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                            default=None, help=help_text)
+    else:
+        parser.add_argument(flag_name(f.name), dest=f.name, default=None,
+                            type=lambda s, h=hint: _convert(s, h), help=help_text)
+
+
+def _default_repr(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return repr(f.default_factory())  # type: ignore[misc]
+    return "required"
+
+
+def _base_type(hint: Any) -> Any:
+    """``int | None`` -> int; ``list[str]`` -> list."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType")) and len(args) == 1:
+        return _base_type(args[0])
+    return typing.get_origin(hint) or hint
+
+
+def _convert(text: str, hint: Any) -> Any:
+    base = _base_type(hint)
+    if base is bool:
+        lowered = text.strip().lower()
+        if lowered not in ("1", "0", "true", "false", "yes", "no"):
+            raise ValueError(f"expected a boolean, got {text!r}")
+        return lowered in ("1", "true", "yes")
+    if base is list:
+        (item,) = typing.get_args(_strip_optional(hint)) or (str,)
+        return [_convert(part, item) for part in text.split(",") if part.strip()]
+    if base in (int, float, str):
+        try:
+            return base(text)
+        except ValueError:
+            raise ValueError(f"expected {base.__name__}, got {text!r}") from None
+    raise TypeError(f"unsupported config field type {hint!r}")
+
+
+def _strip_optional(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is not list and len(args) == 1 else hint

@@ -1,0 +1,173 @@
+"""Paged attention against a dense reference, the per-step metadata it plans from, and the KV cache's sizing.
+
+Each scenario gives every sequence a cached prefix (written into the cache beforehand) and a number of new tokens;
+``paged_attention`` must write the new K/V at the right slots and return what dense causal attention over the
+whole sequence returns for the new tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import CacheConfig, ModelConfig
+from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+HEAD_DIM = 8
+
+
+def _dense_reference(q, keys, values, prefix: int, scale: float) -> torch.Tensor:
+    """q: [n, Hq, D] at positions prefix..prefix+n-1; keys, values: [prefix + n, Hkv, D]. Float64 loops."""
+    n, num_heads, _ = q.shape
+    group = num_heads // keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r in range(n):
+        for h in range(num_heads):
+            k = keys[: prefix + r + 1, h // group].double()  # [ctx, D]
+            v = values[: prefix + r + 1, h // group].double()
+            probs = torch.softmax(k @ q[r, h].double() * scale, dim=0)
+            out[r, h] = probs @ v
+    return out
+
+
+def _run_scenario(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, seed: int = 0,
+                  cache_dtype: torch.dtype = torch.float32, meta: AttentionMetadata | None = None):
+    """seqs: (cached prefix length, new tokens) per sequence; the seed draws q/k/v, the block layout is fixed.
+    Returns (output, reference, caches, new k and v, meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(99)).tolist()  # shuffled block ids
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    tables, full_k, full_v = [], [], []
+    for prefix, n in seqs:
+        total = prefix + n
+        tables.append([pool.pop() for _ in range(-(-total // BLOCK_SIZE))])
+        full_k.append(torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen))
+        full_v.append(torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen))
+        for p in range(prefix):  # the cached prefix, as earlier steps left it
+            block, offset = tables[-1][p // BLOCK_SIZE], p % BLOCK_SIZE
+            k_cache[block, offset], v_cache[block, offset] = full_k[-1][p], full_v[-1][p]
+    q = torch.randn(sum(n for _, n in seqs), num_heads, HEAD_DIM, generator=gen)
+    k_new = torch.cat([k[prefix:] for k, (prefix, _) in zip(full_k, seqs)])
+    v_new = torch.cat([v[prefix:] for v, (prefix, _) in zip(full_v, seqs)])
+    meta = meta or AttentionMetadata.build([n for _, n in seqs], [p + n for p, n in seqs], tables, BLOCK_SIZE)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale)
+    refs, start = [], 0
+    for (prefix, n), k, v in zip(seqs, full_k, full_v):
+        if not (prefix == 0 and n > 1):  # all but a fresh prefill read K/V back from the cache, in its dtype
+            k, v = k.to(cache_dtype).float(), v.to(cache_dtype).float()
+        refs.append(_dense_reference(q[start : start + n], k, v, prefix, scale))
+        start += n
+    return out, torch.cat(refs), (k_cache, v_cache), (k_new, v_new), meta
+
+
+SCENARIOS = {
+    "decode_one_seq": [(9, 1)],
+    "decode_one_seq_block_aligned": [(7, 1)],
+    "decode_batch_ragged": [(2, 1), (12, 1), (5, 1), (7, 1)],
+    "decode_batch_equal_lengths": [(11, 1), (11, 1)],
+    "prefill_fresh": [(0, 7)],
+    "prefill_fresh_batch": [(0, 5), (0, 9), (0, 2)],
+    "prefill_after_cached_prefix": [(8, 5)],
+    "prefill_chunk_mid_block": [(6, 7)],
+    "single_token_prompt": [(0, 1), (0, 6)],
+    "mixed": [(0, 6), (10, 1), (5, 4), (3, 1), (0, 3)],
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 1), (2, 2)])
+def test_matches_dense_reference(name, num_heads, num_kv_heads):
+    out, ref, _, _, _ = _run_scenario(SCENARIOS[name], num_heads, num_kv_heads)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert (out.double() - ref).abs().max().item() <= 1e-5
+
+
+def test_one_plan_serves_every_layer():
+    # A step's metadata (and its gather buffers) is shared by all layers: layer 1 must not see layer 0's context.
+    seqs = SCENARIOS["mixed"]
+    out0, ref0, _, _, meta = _run_scenario(seqs, 4, 2, seed=1)
+    out1, ref1, _, _, _ = _run_scenario(seqs, 4, 2, seed=2, meta=meta)
+    assert (out0.double() - ref0).abs().max().item() <= 1e-5
+    assert (out1.double() - ref1).abs().max().item() <= 1e-5
+    assert (ref0 - ref1).abs().max().item() > 0.1
+
+
+def test_new_kv_lands_in_its_slots_and_nothing_else_changes():
+    seqs = [(5, 3), (9, 1)]
+    _, _, (k_cache, v_cache), (k_new, v_new), meta = _run_scenario(seqs, 4, 2)
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    torch.testing.assert_close(flat_k[meta.slot_mapping], k_new, rtol=0, atol=0)
+    torch.testing.assert_close(flat_v[meta.slot_mapping], v_new, rtol=0, atol=0)
+    # Only the sequences' own positions (prefix written by the test, new tokens by paged_attention) are set.
+    assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == sum(p + n for p, n in seqs)
+
+
+def test_cache_in_bfloat16_stores_rounded_kv_and_attends_in_float32():
+    out, ref, (k_cache, _), (k_new, _), meta = _run_scenario([(6, 1), (4, 3)], 4, 2, cache_dtype=torch.bfloat16)
+    assert k_cache.dtype == torch.bfloat16 and out.dtype == torch.float32
+    torch.testing.assert_close(k_cache.flatten(0, 1)[meta.slot_mapping], k_new.bfloat16(), rtol=0, atol=0)
+    assert (out.double() - ref).abs().max().item() <= 1e-5
+
+
+def test_build_slot_mapping_and_padding():
+    meta = AttentionMetadata.build(query_lens=[3, 1], seq_lens=[6, 9], block_tables=[[7, 2], [4, 0, 5]], block_size=4)
+    # seq 0: positions 3, 4, 5 -> block 7 offset 3, block 2 offsets 0 and 1; seq 1: position 8 -> block 5 offset 0.
+    assert meta.slot_mapping.tolist() == [31, 8, 9, 20]
+    assert meta.query_start_loc.tolist() == [0, 3, 4]
+    assert meta.block_tables.tolist() == [[7, 2, 0], [4, 0, 5]]
+    assert meta.is_decode_only is False
+
+
+def test_plan_decode_only_step():
+    meta = AttentionMetadata.build([1, 1], [6, 3], [[7, 2], [4]], block_size=4)
+    assert meta.is_decode_only and meta.prefills == []
+    group = meta.decode
+    assert group.token_index is None and group.num_seqs == 2 and group.context_len == 6
+    assert group.blocks.tolist() == [7, 2, 4, 0]  # two blocks per sequence, padding included
+    assert group.key_mask.shape == (2, 1, 1, 6)
+    assert group.key_mask[:, 0, 0].tolist() == [[True] * 6, [True] * 3 + [False] * 3]
+
+
+def test_plan_single_sequence_decode_needs_no_mask():
+    meta = AttentionMetadata.build([1], [10], [[3, 1, 8]], block_size=4)
+    assert meta.decode.key_mask is None and meta.decode.context_len == 10
+
+
+def test_plan_mixed_step():
+    meta = AttentionMetadata.build([4, 1, 3], [4, 7, 9], [[1], [2, 3], [4, 5, 6]], block_size=4)
+    assert meta.decode.token_index.tolist() == [4] and meta.decode.blocks.tolist() == [2, 3]
+    fresh, chunk = meta.prefills
+    assert (fresh.start, fresh.end, fresh.blocks, fresh.causal_mask) == (0, 4, None, None)
+    assert (chunk.start, chunk.end, chunk.context_len) == (5, 8, 9)
+    assert chunk.blocks.tolist() == [4, 5, 6]
+    # Prefix of 6: query r (position 6 + r) sees keys 0..6 + r.
+    assert chunk.causal_mask.tolist() == [[k <= 6 + r for k in range(9)] for r in range(3)]
+
+
+CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2)
+
+
+def test_kv_cache_shapes():
+    cache = PagedKVCache(CONFIG, num_blocks=10, block_size=8)
+    assert len(cache.k) == len(cache.v) == 3
+    assert all(t.shape == (10, 8, 2, 16) and t.dtype == torch.float32 for t in cache.k + cache.v)
+    assert all(t.abs().sum() == 0 for t in cache.k + cache.v)
+    # K and V, 3 layers, 8 slots, 2 heads of 16 floats.
+    assert cache.bytes_per_block() == 2 * 3 * 8 * 2 * 16 * 4 == 6144
+    assert cache.memory_bytes() == 61440
+
+
+def test_kv_cache_sized_from_budget_or_override():
+    budget = CacheConfig(block_size=8, kv_cache_memory_bytes=6144 * 7 + 100)
+    assert PagedKVCache.from_config(CONFIG, budget).num_blocks == 7
+    assert PagedKVCache.from_config(CONFIG, CacheConfig(block_size=8, num_blocks=3)).num_blocks == 3
+    half = PagedKVCache.from_config(CONFIG, CacheConfig(block_size=8, num_blocks=2, cache_dtype="bfloat16"))
+    assert half.k[0].dtype == torch.bfloat16 and half.bytes_per_block() == 3072
+    assert bytes_per_block(2, 16, 3, 8, torch.float32) == 6144
+    with pytest.raises(ValueError, match="less than one block"):
+        num_blocks_for_budget(CONFIG, 8, torch.float32, 6143)

@@ -1,0 +1,60 @@
+"""A request's output does not depend on what it is batched with.
+
+Greedy and seeded requests give identical tokens alone and inside a batch of 16 requests of mixed lengths,
+with chunked prefill (small token budget) and with prefix-cache hits (prompts sharing long prefixes).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]  # a 40-token prefix: 2 full blocks of 16 are shared
+    prompts = []
+    for i in range(16):
+        length = rng.choice([3, 9, 17, 33, 70, 130])
+        tail = [rng.randrange(3, vocab) for _ in range(length)]
+        prompts.append(shared + tail if i % 3 == 0 else tail)
+    return prompts
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 2 == 0:
+        return SamplingParams(temperature=0, max_tokens=12 + i, ignore_eos=True)
+    return SamplingParams(temperature=0.9, top_p=0.9, seed=1000 + i, max_tokens=12 + i, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def batched_llm():
+    # A token budget of 64 chunks every prompt longer than that; 48 chunks the 64-token steps further.
+    return LLM(model="tiny-random", num_blocks=512, max_num_batched_tokens=64, long_prefill_token_threshold=48)
+
+
+def test_outputs_identical_alone_and_in_a_batch_of_16(batched_llm):
+    prompts = _prompts(batched_llm.engine.model_config.vocab_size)
+    params = [_params(i) for i in range(len(prompts))]
+    batched = batched_llm.generate(prompts, params)
+    assert batched_llm.engine.block_manager.prefix_hits > 0  # the shared prefixes were served from the cache
+
+    alone_llm = LLM(model="tiny-random", num_blocks=512, enable_prefix_caching=False)
+    for prompt, p, together in zip(prompts, params, batched):
+        alone = alone_llm.generate(prompt, p)[0]
+        assert together.token_ids == alone.token_ids
+        assert len(alone.token_ids) == p.max_tokens
+    assert alone_llm.engine.block_manager.num_free_blocks == 512
+    assert batched_llm.engine.block_manager.num_free_blocks == 512
+
+
+def test_seeded_request_repeats_and_differs_by_seed(batched_llm):
+    prompt = list(range(10, 40))
+    a = batched_llm.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True))[0]
+    b = batched_llm.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True))[0]
+    c = batched_llm.generate(prompt, SamplingParams(temperature=1.0, seed=6, max_tokens=16, ignore_eos=True))[0]
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids

@@ -1,0 +1,61 @@
+"""The offline LLM on the real SmolLM2-135M-Instruct weights against transformers on the same weights.
+
+Both run from one set of weights: ours are dequantized from the GGUF file, exported as a HF checkpoint, and
+loaded by transformers, whose greedy ``generate`` is the reference, token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.weights import export_hf_checkpoint
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "Translate to French: 'Good morning, how are you?'",
+    "1, 2, 3, 5, 8, 13,",
+    "Photosynthesis is the process by which",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+    "import numpy as np\nx = np.",
+    "In 1969, Neil Armstrong",
+    "The quick brown fox",
+    "Les montagnes les plus hautes d'Europe sont",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path_factory.mktemp("smollm2-hf")
+    export_hf_checkpoint(smollm2.engine.model_config, smollm2.engine.runner.model.state_dict(), directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    model.generation_config.eos_token_id = None  # like our ignore_eos: always NEW_TOKENS tokens to compare
+    return model.eval()
+
+
+def test_greedy_matches_transformers_token_for_token(smollm2, hf_reference):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ours = smollm2.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, ours):
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.inference_mode():
+            ref = hf_reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                        attention_mask=torch.ones_like(ids), pad_token_id=0)
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+def test_chat_names_paris(smollm2):
+    out = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=32))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+    assert out.text.strip().endswith(".")

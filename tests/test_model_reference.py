@@ -1,0 +1,213 @@
+"""``LlamaForCausalLM`` over the paged cache against Hugging Face ``transformers`` (eager attention), in float32.
+
+Tiny random-weight HF models (GQA Llama with tied and untied embeddings, Llama-3 rope scaling, Qwen2 with QKV
+bias) run each sequence whole; our model runs the same tokens as an engine would: varlen prefill batches,
+step-by-step decode through shuffled blocks of 4 slots, chunked prefill, and mixed prefill + decode steps.
+Every logit we compute must be within 1e-4 of HF's at the same position.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.kv_cache import PagedKVCache
+from engine.model import LlamaForCausalLM, parameter_shapes, random_state_dict
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+TOLERANCE = 1e-4
+SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             rms_norm_eps=1e-6, max_position_embeddings=256)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+VARIANTS = {
+    "llama_gqa_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                       dict(num_hidden_layers=2, tie_word_embeddings=True)),
+    "llama3_rope_untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                           dict(num_hidden_layers=3, tie_word_embeddings=False, rope_theta=500000.0,
+                                rope_scaling=LLAMA3_ROPE)),
+    "qwen2_qkv_bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                       dict(num_hidden_layers=2, tie_word_embeddings=False, rope_theta=1000000.0)),
+}
+
+
+def _hf_model(variant: str):
+    config_cls, model_cls, extra = VARIANTS[variant]
+    hf = model_cls(config_cls(**SIZES, **extra, attn_implementation="eager")).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # larger than HF's init so that logits and attention patterns are far from uniform
+        for name, p in hf.named_parameters():
+            scale = 0.1 if "norm" in name else (0.05 if name.endswith("bias") else 0.1)
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
+    return hf
+
+
+def _our_config(variant: str) -> ModelConfig:
+    _, _, extra = VARIANTS[variant]
+    return ModelConfig(
+        vocab_size=SIZES["vocab_size"], hidden_size=SIZES["hidden_size"], intermediate_size=SIZES["intermediate_size"],
+        num_layers=extra["num_hidden_layers"], num_heads=SIZES["num_attention_heads"],
+        num_kv_heads=SIZES["num_key_value_heads"], rms_norm_eps=SIZES["rms_norm_eps"],
+        rope_theta=extra.get("rope_theta", 10000.0), rope_scaling=extra.get("rope_scaling"),
+        max_position_embeddings=SIZES["max_position_embeddings"],
+        tie_word_embeddings=extra["tie_word_embeddings"], qkv_bias=variant.startswith("qwen2"),
+    )
+
+
+def _fuse_hf_weights(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names -> our fused layout (q/k/v rows concatenated, gate/up rows concatenated)."""
+    ours = {"embed_tokens.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        ours["lm_head.weight"] = hf_state["lm_head.weight"]
+    for i in range(config.num_layers):
+        hf, p = f"model.layers.{i}.", f"layers.{i}."
+        qkv = [hf + f"self_attn.{x}_proj" for x in "qkv"]
+        ours[p + "input_norm.weight"] = hf_state[hf + "input_layernorm.weight"]
+        ours[p + "attn.qkv_proj.weight"] = torch.cat([hf_state[n + ".weight"] for n in qkv])
+        if config.qkv_bias:
+            ours[p + "attn.qkv_proj.bias"] = torch.cat([hf_state[n + ".bias"] for n in qkv])
+        ours[p + "attn.o_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
+        ours[p + "post_attn_norm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
+        ours[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]]
+        )
+        ours[p + "mlp.down_proj.weight"] = hf_state[hf + "mlp.down_proj.weight"]
+    return ours
+
+
+class _Engine:
+    """Just enough of an engine to drive the model: sequences of known tokens, shuffled blocks, one step at a time."""
+
+    def __init__(self, variant: str):
+        self.hf = _hf_model(variant)
+        config = _our_config(variant)
+        self.model = LlamaForCausalLM.from_state_dict(config, _fuse_hf_weights(self.hf.state_dict(), config))
+        self.cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE)
+        self.free_blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    @torch.inference_mode()
+    def step(self, work: list[tuple[list[int], int]]) -> list[torch.Tensor]:
+        """work: (sequence's tokens, new tokens to run) per sequence -> logits [new tokens, V] per sequence."""
+        ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        for tokens, n in work:
+            key = id(tokens)
+            start = self.computed.get(key, 0)
+            table = self.tables.setdefault(key, [])
+            while len(table) * BLOCK_SIZE < start + n:
+                table.append(self.free_blocks.pop())
+            ids += tokens[start : start + n]
+            positions += range(start, start + n)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            self.computed[key] = start + n
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.cache, meta)
+        return list(self.model.compute_logits(hidden).split(query_lens))
+
+    @torch.inference_mode()
+    def reference(self, tokens: list[int]) -> torch.Tensor:
+        """HF logits at every position of the whole sequence, [len(tokens), V]."""
+        return self.hf(torch.tensor([tokens])).logits[0].float()
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, SIZES["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _assert_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    assert ours.shape == reference.shape and ours.dtype == torch.float32
+    assert reference.std() > 0.3  # a real signal, so that 1e-4 is a tight bound
+    assert (ours - reference).abs().max().item() <= TOLERANCE
+
+
+@pytest.fixture(params=list(VARIANTS))
+def engine(request) -> _Engine:
+    return _Engine(request.param)
+
+
+def test_varlen_prefill_batch(engine):
+    prompts = [_tokens(7, 1), _tokens(13, 2), _tokens(3, 3)]
+    logits = engine.step([(p, len(p)) for p in prompts])
+    for prompt, ours in zip(prompts, logits):
+        _assert_close(ours, engine.reference(prompt))
+
+
+def test_decode_step_by_step_through_scattered_blocks(engine):
+    # Two sequences of different lengths decode together (key-padding mask), spanning several blocks each.
+    seqs = [_tokens(5, 4) + _tokens(10, 5), _tokens(2, 6) + _tokens(10, 7)]
+    refs = [engine.reference(s) for s in seqs]
+    engine.step([(seqs[0], 5), (seqs[1], 2)])
+    for step in range(10):
+        logits = engine.step([(seqs[0], 1), (seqs[1], 1)])
+        _assert_close(logits[0][0], refs[0][5 + step])
+        _assert_close(logits[1][0], refs[1][2 + step])
+
+
+def test_chunked_prefill_then_decode(engine):
+    seq = _tokens(16, 8)
+    ref = engine.reference(seq)
+    position = 0
+    for n in (5, 6, 2, 1, 1, 1):  # chunks end mid-block; the last three are decode steps
+        (ours,) = engine.step([(seq, n)])
+        _assert_close(ours, ref[position : position + n])
+        position += n
+
+
+def test_mixed_step_decodes_and_prefills_together(engine):
+    decoding, fresh, chunked = _tokens(10, 9), _tokens(6, 10), _tokens(12, 11)
+    engine.step([(decoding, 9), (chunked, 5)])
+    # One step: a fresh prompt, a decode, and the rest of a chunked prefill (cached prefix of 5).
+    out_fresh, out_decode, out_chunk = engine.step([(fresh, 6), (decoding, 1), (chunked, 7)])
+    _assert_close(out_fresh, engine.reference(fresh))
+    _assert_close(out_decode, engine.reference(decoding)[9:])
+    _assert_close(out_chunk, engine.reference(chunked)[5:])
+
+
+def test_layer_done_called_once_per_layer_in_order():
+    engine = _Engine("llama3_rope_untied")
+    seen: list[int] = []
+    prompt = _tokens(4, 12)
+    ids, positions = torch.tensor(prompt), torch.arange(4)
+    meta = AttentionMetadata.build([4], [4], [[0]], BLOCK_SIZE)
+    with torch.inference_mode():
+        engine.model(ids, positions, engine.cache, meta, layer_done=seen.append)
+    assert seen == [0, 1, 2]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_random_state_dict_matches_the_model_and_is_seeded(tied):
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                         num_kv_heads=2, tie_word_embeddings=tied, qkv_bias=True)
+    state = random_state_dict(config, seed=3)
+    model = LlamaForCausalLM.from_state_dict(config, state)  # strict: names and shapes agree
+    assert set(model.state_dict()) == set(state) == set(parameter_shapes(config))
+    assert ("lm_head.weight" in state) is not tied
+    assert state["layers.1.attn.qkv_proj.weight"].shape == (32, 16)  # (4 + 2 * 2) heads of 4
+    assert torch.equal(state["norm.weight"], torch.ones(16))
+    assert 0.015 < state["layers.0.mlp.gate_up_proj.weight"].std().item() < 0.025
+    again = random_state_dict(config, seed=3)
+    assert all(torch.equal(state[k], again[k]) for k in state)
+    assert not torch.equal(random_state_dict(config, seed=4)["embed_tokens.weight"], state["embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_compute_stays_within_its_rounding(dtype):
+    engine = _Engine("llama_gqa_tied")
+    config = engine.model.config
+    low = LlamaForCausalLM.from_state_dict(config, engine.model.state_dict(), dtype)
+    cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE, dtype)
+    prompt = _tokens(9, 13)
+    meta = AttentionMetadata.build([9], [9], [[5, 2, 9]], BLOCK_SIZE)
+    with torch.inference_mode():
+        logits = low.compute_logits(low(torch.tensor(prompt), torch.arange(9), cache, meta))
+    assert logits.dtype == torch.float32
+    # bfloat16 keeps 8 significant bits (float16: 11); logits are O(1) after two layers of such rounding.
+    bound = 0.1 if dtype == torch.bfloat16 else 0.02
+    assert (logits - engine.reference(prompt)).abs().max().item() <= bound
