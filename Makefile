@@ -7,7 +7,7 @@ bootstrap:
 	@scripts/bootstrap.sh
 
 run: bootstrap
-	$(PY) -m splitserve demo
+	$(PY) -m splitserve up
 
 test: bootstrap
 	$(PY) -m pytest -q -ra

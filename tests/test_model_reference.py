@@ -15,7 +15,7 @@ import transformers
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_cache import PagedKVCache
-from engine.model import LlamaForCausalLM, parameter_shapes, random_state_dict
+from engine.model import SPLIT_MAX_ROWS, LlamaForCausalLM, parameter_shapes, random_state_dict, threaded_linear
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -211,3 +211,13 @@ def test_reduced_precision_compute_stays_within_its_rounding(dtype):
     # bfloat16 keeps 8 significant bits (float16: 11); logits are O(1) after two layers of such rounding.
     bound = 0.1 if dtype == torch.bfloat16 else 0.02
     assert (logits - engine.reference(prompt)).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 5, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1])
+def test_threaded_linear_is_f_linear(parts, rows):
+    gen = torch.Generator().manual_seed(rows * 10 + parts)
+    x, weight, bias = (torch.randn(shape, generator=gen) for shape in ((rows, 48), (36, 48), (36,)))
+    torch.testing.assert_close(threaded_linear(x, weight, bias, parts), torch.nn.functional.linear(x, weight, bias),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(threaded_linear(x, weight, None, parts), x @ weight.T, rtol=0, atol=1e-5)
