@@ -10,8 +10,8 @@ step's new K/V into the cache through ``slot_mapping``, then attends, each seque
   sequence's context and attend with a causal mask shifted by the prefix length.
 
 ``AttentionMetadata.build`` runs once per step and precomputes these plans (index tensors, masks, gather buffers)
-so that the model's layers reuse them instead of rebuilding them per layer. Nothing here reads a tensor back to the host, so
-a step runs on CUDA without synchronizing.
+so that the model's layers reuse them instead of rebuilding them per layer. Nothing here reads a tensor back to
+the host, so a step runs on CUDA without synchronizing.
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ def _hf_model(variant: str):
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # larger than HF's init so that logits and attention patterns are far from uniform
         for name, p in hf.named_parameters():
-            scale = 0.1 if "norm" in name else (0.05 if name.endswith("bias") else 0.1)
-            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
+            noise = 0.05 if name.endswith("bias") else 0.1
+            centre = 1.0 if "norm" in name else 0.0  # norm weights around 1, so a wrong mapping still shows
+            p.copy_(torch.randn(p.shape, generator=gen) * noise + centre)
     return hf
 
 
@@ -133,7 +134,8 @@ def engine(request) -> _Engine:
 
 
 def test_varlen_prefill_batch(engine):
-    prompts = [_tokens(7, 1), _tokens(13, 2), _tokens(3, 3)]
+    prompts = [_tokens(7, 1), _tokens(30, 2), _tokens(3, 3)]
+    assert sum(map(len, prompts)) > SPLIT_MAX_ROWS  # the products take the plain F.linear path; decode steps don't
     logits = engine.step([(p, len(p)) for p in prompts])
     for prompt, ours in zip(prompts, logits):
         _assert_close(ours, engine.reference(prompt))
@@ -213,11 +215,22 @@ def test_reduced_precision_compute_stays_within_its_rounding(dtype):
     assert (logits - engine.reference(prompt)).abs().max().item() <= bound
 
 
+@pytest.mark.parametrize("transposed_storage", [False, True])
 @pytest.mark.parametrize("parts", [1, 2, 3, 4])
 @pytest.mark.parametrize("rows", [1, 5, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1])
-def test_threaded_linear_is_f_linear(parts, rows):
+def test_threaded_linear_is_f_linear(rows, parts, transposed_storage):
     gen = torch.Generator().manual_seed(rows * 10 + parts)
     x, weight, bias = (torch.randn(shape, generator=gen) for shape in ((rows, 48), (36, 48), (36,)))
+    if transposed_storage:  # as the model keeps weights with more outputs than inputs on CPU
+        weight = weight.t().contiguous().t()
     torch.testing.assert_close(threaded_linear(x, weight, bias, parts), torch.nn.functional.linear(x, weight, bias),
                                rtol=0, atol=1e-5)
     torch.testing.assert_close(threaded_linear(x, weight, None, parts), x @ weight.T, rtol=0, atol=1e-5)
+
+
+def test_cpu_weights_keep_their_longer_side_contiguous_through_loading():
+    engine = _Engine("llama_gqa_tied")
+    layer = engine.model.layers[0]
+    assert layer.mlp.gate_up_proj.weight.stride() == (1, 256)  # [256, 64] stored as [64, 256]
+    assert layer.mlp.down_proj.weight.is_contiguous()  # [64, 128]: more inputs than outputs
+    assert engine.model.embed_tokens.weight.stride() == (1, 256)  # the tied head
