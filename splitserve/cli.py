@@ -41,7 +41,8 @@ def _demo(argv: list[str]) -> None:
 
 
 def _bench(argv: list[str]) -> None:
-    benches = {"engine": "splitserve.bench.engine"}
+    benches = {"engine": "splitserve.bench.engine", "codecs": "splitserve.bench.codecs",
+               "transfer": "splitserve.bench.transfer"}
     if not argv or argv[0] not in benches:
         sys.exit(f"usage: splitserve bench {{{'|'.join(benches)}}} [options]")
     _delegate(benches[argv[0]])(argv[1:])

@@ -102,7 +102,7 @@ def hf_model(llm: LLM, tmp: str):
 
     state = {k: v for k, v in llm.engine.runner.model.state_dict().items()}
     export_hf_checkpoint(llm.engine.model_config, state, tmp)
-    model = AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 

@@ -1,0 +1,49 @@
+"""The codec and transfer benchmarks run end to end on the tiny random model with their smallest options, and their
+JSON figures have the structure the README's tables are made from. The lossless codec is the exact baseline: full
+agreement and no perplexity change, by construction, not within a tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtransfer.codecs import available_codecs
+from splitserve.bench import codecs as codecs_bench
+from splitserve.bench import transfer as transfer_bench
+
+
+def test_codecs_bench_measures_every_codec_against_the_lossless_one(tmp_path, capsys):
+    out, png = tmp_path / "codecs.json", tmp_path / "codecs.png"
+    codecs_bench.main(["--model", "tiny-random", "--prompts", "2", "--tokens", "4", "--windows", "1", "--repeat",
+                       "1", "--json", str(out), "--plot", str(png)])
+    results = json.loads(out.read_text())
+    figures = results["codecs"]
+    assert list(figures) == available_codecs()
+    for name, f in figures.items():
+        assert f["ratio_to_bf16"] > 0 and f["encode_mb_s"] > 0 and f["decode_mb_s"] > 0, name
+        assert 0 <= f["agreement"] <= 1 and 0 <= f["identical"] <= 2 and f["perplexity"] > 0, name
+    none = figures["none"]
+    assert (none["agreement"], none["identical"], none["ppl_change_pct"], none["max_abs_error"]) == (1.0, 2, 0.0, 0.0)
+    assert figures["bf16"]["ratio_to_bf16"] == 1.0 and none["ratio_to_bf16"] == 0.5  # float32 cache: 4 bytes
+    assert [t["codec"] for t in results["targets"]] == ["int8", "int4"]
+    assert png.stat().st_size > 0
+    assert "== targets ==" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_transfer_bench_measures_overlap_on_and_off_per_codec(tmp_path):
+    out, png = tmp_path / "transfer.json", tmp_path / "transfer.png"
+    transfer_bench.main(["--model", "tiny-random", "--codecs", "none,int8+zstd", "--prompt-tokens", "64",
+                         "--requests", "1", "--json", str(out), "--plot", str(png)])
+    results = json.loads(out.read_text())
+    assert [(r["codec"], r["overlap"]) for r in results["rows"]] == [
+        ("none", True), ("none", False), ("int8+zstd", True), ("int8+zstd", False)]
+    for row in results["rows"]:
+        assert row["ttft_s"] > 0 and row["prefill_s"] > 0 and 0 <= row["exposed_s"] < row["ttft_s"], row
+        assert row["wire_mb_s"] > 0 and row["raw_mb_s"] > 0 and 0 < row["wire_mb"] <= row["raw_mb"], row
+    none_row = results["rows"][0]
+    assert none_row["wire_mb"] == none_row["raw_mb"] == 64 * 4 * 2 * (2 * 16 * 4) / 1e6  # tokens x layers x K/V x bytes
+    assert [t["codec"] for t in results["targets"]] == ["none", "int8+zstd"]
+    assert png.stat().st_size > 0
