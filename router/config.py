@@ -7,45 +7,43 @@ Checked in ``__post_init__``, so a bad value stops the process at start, naming 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from splitserve.config import described
 
 POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
 REGISTRY_KINDS = ("static", "redis")
 
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
 
 
 @dataclass
 class RouterConfig:
     """The splitserve router: client-facing gRPC and HTTP APIs in front of prefill and decode pods."""
 
-    host: str = field(default="0.0.0.0", metadata=_help("Address both APIs listen on."))
-    grpc_port: int = field(default=50051, metadata=_help("Port of the gRPC Generation API (0: any free port)."))
-    http_port: int = field(default=8000, metadata=_help("Port of the OpenAI-compatible HTTP API (0: no HTTP API)."))
-    model: str = field(default="smollm2-135m", metadata=_help("Served model; the router loads only its tokenizer."))
-    max_model_len: int = field(default=8192, metadata=_help(
+    host: str = field(default="0.0.0.0", metadata=described("Address both APIs listen on."))
+    grpc_port: int = field(default=50051, metadata=described("Port of the gRPC Generation API (0: any free port)."))
+    http_port: int = field(default=8000, metadata=described("Port of the OpenAI-compatible HTTP API (0: no HTTP API)."))
+    model: str = field(default="smollm2-135m", metadata=described("Served model; the router loads only its tokenizer."))
+    max_model_len: int = field(default=8192, metadata=described(
         "Context length in tokens (prompt + output); must match the pods' model (SmolLM2-135M: 8192)."))
-    prefill_pods: list[str] = field(default_factory=list, metadata=_help("Static registry: prefill pods, host:port."))
-    decode_pods: list[str] = field(default_factory=list, metadata=_help("Static registry: decode pods, host:port."))
-    mixed_pods: list[str] = field(default_factory=list, metadata=_help(
+    prefill_pods: list[str] = field(default_factory=list, metadata=described("Static registry: prefill pods, host:port."))
+    decode_pods: list[str] = field(default_factory=list, metadata=described("Static registry: decode pods, host:port."))
+    mixed_pods: list[str] = field(default_factory=list, metadata=described(
         "Static registry: mixed pods (both phases in one process), host:port."))
-    registry: str = field(default="static", metadata=_help(
+    registry: str = field(default="static", metadata=described(
         "Where pods are found: 'static' (the *_pods lists) or 'redis' (pods register themselves)."))
-    redis_url: str = field(default="redis://localhost:6379/0", metadata=_help("Redis registry: server URL."))
-    pod_ttl_s: float = field(default=10.0, metadata=_help(
+    redis_url: str = field(default="redis://localhost:6379/0", metadata=described("Redis registry: server URL."))
+    pod_ttl_s: float = field(default=10.0, metadata=described(
         "Redis registry: a pod whose heartbeat is older than this is dropped."))
-    policy: str = field(default="least_loaded", metadata=_help(f"Routing policy: one of {', '.join(POLICY_NAMES)}."))
-    kv_codec: str = field(default="none", metadata=_help("KV codec prefill pods compress with (empty: the pod's)."))
-    conditional_prefill_threshold: int = field(default=32, metadata=_help(
+    policy: str = field(default="least_loaded", metadata=described(f"Routing policy: one of {', '.join(POLICY_NAMES)}."))
+    kv_codec: str = field(default="none", metadata=described("KV codec prefill pods compress with (empty: the pod's)."))
+    conditional_prefill_threshold: int = field(default=32, metadata=described(
         "Prompts shorter than this many tokens prefill on their decode pod (0: never for length)."))
-    conditional_cached_fraction: float = field(default=0.8, metadata=_help(
+    conditional_cached_fraction: float = field(default=0.8, metadata=described(
         "Prompts with at least this fraction already cached on the decode pod prefill there (> 1: never)."))
-    request_timeout_s: float = field(default=300.0, metadata=_help("Deadline of one request, arrival to last token."))
-    max_retries: int = field(default=1, metadata=_help(
+    request_timeout_s: float = field(default=300.0, metadata=described("Deadline of one request, arrival to last token."))
+    max_retries: int = field(default=1, metadata=described(
         "Retries on other pods of a request that failed before its first token."))
-    load_poll_interval_s: float = field(default=0.5, metadata=_help("Static registry: seconds between GetLoad polls."))
-    kv_lease_s: float = field(default=30.0, metadata=_help(
+    load_poll_interval_s: float = field(default=0.5, metadata=described("Static registry: seconds between GetLoad polls."))
+    kv_lease_s: float = field(default=30.0, metadata=described(
         "How long a decode pod keeps pushed KV waiting for the router's Decode call."))
 
     def __post_init__(self) -> None:

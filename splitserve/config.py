@@ -19,6 +19,11 @@ T = TypeVar("T")
 ENV_PREFIX = "SPLITSERVE_"
 
 
+def described(text: str) -> dict[str, str]:
+    """Field metadata carrying the flag's help text: ``field(default=1, metadata=described("..."))``."""
+    return {"help": text}
+
+
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 

@@ -27,41 +27,38 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.config import parse_config
+from splitserve.config import described, parse_config
 
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
 
 
 @dataclass
 class UpConfig:
     """Run a router, prefill pods and decode pods on this machine, each as its own process."""
 
-    model: str = field(default="smollm2-135m", metadata=_help("Model every pod serves."))
-    prefill: int = field(default=1, metadata=_help("Number of prefill pods."))
-    decode: int = field(default=1, metadata=_help("Number of decode pods."))
-    mixed: int = field(default=0, metadata=_help("Number of mixed pods (both phases in one process)."))
-    host: str = field(default="127.0.0.1", metadata=_help("Address every process listens on."))
-    grpc_port: int = field(default=50051, metadata=_help("Router gRPC port (Generation API)."))
-    http_port: int = field(default=8000, metadata=_help("Router HTTP port (OpenAI API, /health, /metrics)."))
-    base_pod_port: int = field(default=50060, metadata=_help("Pods take consecutive gRPC ports from here."))
-    base_metrics_port: int = field(default=9400, metadata=_help("Pods take consecutive /metrics ports from here."))
-    kv_codec: str = field(default="none", metadata=_help("KV codec between prefill and decode pods."))
-    policy: str = field(default="least_loaded", metadata=_help(
+    model: str = field(default="smollm2-135m", metadata=described("Model every pod serves."))
+    prefill: int = field(default=1, metadata=described("Number of prefill pods."))
+    decode: int = field(default=1, metadata=described("Number of decode pods."))
+    mixed: int = field(default=0, metadata=described("Number of mixed pods (both phases in one process)."))
+    host: str = field(default="127.0.0.1", metadata=described("Address every process listens on."))
+    grpc_port: int = field(default=50051, metadata=described("Router gRPC port (Generation API)."))
+    http_port: int = field(default=8000, metadata=described("Router HTTP port (OpenAI API, /health, /metrics)."))
+    base_pod_port: int = field(default=50060, metadata=described("Pods take consecutive gRPC ports from here."))
+    base_metrics_port: int = field(default=9400, metadata=described("Pods take consecutive /metrics ports from here."))
+    kv_codec: str = field(default="none", metadata=described("KV codec between prefill and decode pods."))
+    policy: str = field(default="least_loaded", metadata=described(
         "Routing policy: round_robin, least_loaded, power_of_two, prefix_aware."))
-    conditional_prefill_threshold: int = field(default=32, metadata=_help(
+    conditional_prefill_threshold: int = field(default=32, metadata=described(
         "Prompts shorter than this many tokens prefill on the decode pod."))
-    registry: str = field(default="static", metadata=_help(
+    registry: str = field(default="static", metadata=described(
         "'static' (the router gets the pod list) or 'redis' (a local redis-server; pods heartbeat into it)."))
-    redis_port: int = field(default=6379, metadata=_help("Port of the local redis-server (--registry redis)."))
-    prometheus: bool = field(default=True, metadata=_help("Start Prometheus scraping every process, if installed."))
-    prometheus_port: int = field(default=9090, metadata=_help("Prometheus web port."))
-    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=_help("KV block pool of each pod."))
-    threads_per_pod: int = field(default=0, metadata=_help(
+    redis_port: int = field(default=6379, metadata=described("Port of the local redis-server (--registry redis)."))
+    prometheus: bool = field(default=True, metadata=described("Start Prometheus scraping every process, if installed."))
+    prometheus_port: int = field(default=9090, metadata=described("Prometheus web port."))
+    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=described("KV block pool of each pod."))
+    threads_per_pod: int = field(default=0, metadata=described(
         "Torch threads of each pod (0: the machine's cores divided among the pods, at least 1)."))
-    run_dir: str = field(default="", metadata=_help("Where logs and generated configs go (empty: a new temp dir)."))
-    ready_timeout_s: float = field(default=300.0, metadata=_help("How long to wait for the pods to load."))
+    run_dir: str = field(default="", metadata=described("Where logs and generated configs go (empty: a new temp dir)."))
+    ready_timeout_s: float = field(default=300.0, metadata=described("How long to wait for the pods to load."))
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.mixed) < 0 or self.decode + self.mixed == 0:

@@ -36,51 +36,49 @@ from engine.llm_engine import LLMEngine
 from kvtransfer.wire import MAX_CHUNK_BYTES, grpc_message_options
 from protos.splitserve.v1 import common_pb2
 from splitserve.metrics import ServingMetrics
+from splitserve.config import described
 
 logger = logging.getLogger(__name__)
 
 REGISTRY_KINDS = ("static", "redis")
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
 
 @dataclass
 class PodConfig:
     """Settings every pod shares: where it listens, which model, the engine's cache and batching, the registry."""
 
-    host: str = field(default="0.0.0.0", metadata=_help("Address the gRPC server listens on."))
-    port: int = field(default=50060, metadata=_help("gRPC port of all the pod's services (0: any free port)."))
-    advertise_address: str = field(default="", metadata=_help(
+    host: str = field(default="0.0.0.0", metadata=described("Address the gRPC server listens on."))
+    port: int = field(default=50060, metadata=described("gRPC port of all the pod's services (0: any free port)."))
+    advertise_address: str = field(default="", metadata=described(
         "host:port other pods and the router reach this pod at (empty: this host's name and the port)."))
-    metrics_port: int = field(default=9400, metadata=_help("Port of the Prometheus /metrics endpoint (0: any free)."))
-    model: str = field(default="smollm2-135m", metadata=_help("smollm2-135m, tiny-random, a directory or a .gguf."))
-    device: str = field(default="cpu", metadata=_help("Torch device: cpu, cuda, cuda:1."))
-    dtype: str = field(default="float32", metadata=_help("Compute dtype: float32, bfloat16, float16."))
-    seed: int = field(default=0, metadata=_help("Seeds random-weight models and unseeded sampling."))
-    num_threads: int = field(default=0, metadata=_help(
+    metrics_port: int = field(default=9400, metadata=described("Port of the Prometheus /metrics endpoint (0: any free)."))
+    model: str = field(default="smollm2-135m", metadata=described("smollm2-135m, tiny-random, a directory or a .gguf."))
+    device: str = field(default="cpu", metadata=described("Torch device: cpu, cuda, cuda:1."))
+    dtype: str = field(default="float32", metadata=described("Compute dtype: float32, bfloat16, float16."))
+    seed: int = field(default=0, metadata=described("Seeds random-weight models and unseeded sampling."))
+    num_threads: int = field(default=0, metadata=described(
         "Torch compute threads (0: torch's default, one per core); pods sharing a machine split its cores."))
-    block_size: int = field(default=16, metadata=_help("Tokens per KV block."))
-    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=_help("Memory for the KV block pool."))
-    num_blocks: int = field(default=0, metadata=_help("Blocks in the KV pool (> 0 overrides the memory budget)."))
-    cache_dtype: str = field(default="float32", metadata=_help("dtype of the KV cache."))
-    enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse the KV of shared prompt prefixes."))
-    max_num_batched_tokens: int = field(default=2048, metadata=_help("Token budget of one engine step."))
-    max_num_seqs: int = field(default=64, metadata=_help("Requests running at once."))
-    long_prefill_token_threshold: int = field(default=512, metadata=_help(
+    block_size: int = field(default=16, metadata=described("Tokens per KV block."))
+    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=described("Memory for the KV block pool."))
+    num_blocks: int = field(default=0, metadata=described("Blocks in the KV pool (> 0 overrides the memory budget)."))
+    cache_dtype: str = field(default="float32", metadata=described("dtype of the KV cache."))
+    enable_prefix_caching: bool = field(default=True, metadata=described("Reuse the KV of shared prompt prefixes."))
+    max_num_batched_tokens: int = field(default=2048, metadata=described("Token budget of one engine step."))
+    max_num_seqs: int = field(default=64, metadata=described("Requests running at once."))
+    long_prefill_token_threshold: int = field(default=512, metadata=described(
         "Prompts longer than this prefill in chunks of this many tokens."))
-    max_waiting_requests: int = field(default=1024, metadata=_help(
+    max_waiting_requests: int = field(default=1024, metadata=described(
         "Requests queued in the engine beyond which new ones get RESOURCE_EXHAUSTED (0: no limit)."))
-    max_chunk_bytes: int = field(default=MAX_CHUNK_BYTES, metadata=_help(
+    max_chunk_bytes: int = field(default=MAX_CHUNK_BYTES, metadata=described(
         "Payload + scales of one KV chunk; the gRPC message limits are raised above it."))
-    registry: str = field(default="static", metadata=_help(
+    registry: str = field(default="static", metadata=described(
         "How the router finds this pod: 'static' (its flags) or 'redis' (a heartbeat here)."))
-    redis_url: str = field(default="redis://localhost:6379/0", metadata=_help("Redis registry: server URL."))
-    heartbeat_ttl_s: float = field(default=10.0, metadata=_help("Redis registry: expiry of this pod's key."))
-    load_refresh_interval_s: float = field(default=1.0, metadata=_help(
+    redis_url: str = field(default="redis://localhost:6379/0", metadata=described("Redis registry: server URL."))
+    heartbeat_ttl_s: float = field(default=10.0, metadata=described("Redis registry: expiry of this pod's key."))
+    load_refresh_interval_s: float = field(default=1.0, metadata=described(
         "Seconds between refreshes of the load snapshot, the gauges and the heartbeat's load."))
-    shutdown_grace_s: float = field(default=10.0, metadata=_help("On SIGTERM, time in-flight calls get to finish."))
+    shutdown_grace_s: float = field(default=10.0, metadata=described("On SIGTERM, time in-flight calls get to finish."))
 
     def __post_init__(self) -> None:
         if self.registry not in REGISTRY_KINDS:
