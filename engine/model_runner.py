@@ -56,7 +56,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         for s in batch.scheduled:
             end = s.start + s.num_new_tokens
-            tokens.extend(s.seq.token_ids[s.start:end])
+            tokens.extend(s.seq.token_slice(s.start, end))
             positions.extend(range(s.start, end))
             query_lens.append(s.num_new_tokens)
             seq_lens.append(end)

@@ -4,7 +4,7 @@
   splitserve generate "text" [--router host:port]       stream an answer from a running router
   splitserve router | prefill | decode [flags]          run one process (flags: --help)
   splitserve demo [--model M] [PROMPT ...]              offline generation with the engine
-  splitserve bench engine [...]                         engine vs transformers benchmark
+  splitserve bench engine | codecs | transfer [...]     benchmarks against a baseline measured in the same run
 """
 
 from __future__ import annotations
