@@ -3,8 +3,10 @@
 A step concatenates the new tokens of all its sequences (``q``: [T, Hq, D]). ``paged_attention`` first writes the
 step's new K/V into the cache through ``slot_mapping``, then attends, each sequence by the cheapest exact path:
 
-- **decode** (one new token): every such sequence of the step together, with ONE gather of their blocks into
-  [Bd, Hkv, S, D] and ONE SDPA whose key-padding mask hides the slots past each sequence's length;
+- **decode** (one new token): every such sequence of the step together. With the native CPU kernels
+  (engine/cpu_kernels.py) they attend over K/V read in place through their block tables; otherwise with ONE
+  gather of their blocks into [Bd, Hkv, S, D] and ONE SDPA whose key-padding mask hides the slots past each
+  sequence's length;
 - **prefill with nothing cached before it**: causal SDPA on the fresh q/k/v, the cache is not read back;
 - **prefill chunk after a cached prefix** (prefix-cache hit, or a later chunk of a chunked prefill): gather that
   sequence's context and attend with a causal mask shifted by the prefix length.
@@ -17,10 +19,13 @@ the host, so a step runs on CUDA without synchronizing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpu_kernels import CpuKernels
 
 
 class GatherBuffers:
@@ -49,7 +54,8 @@ class DecodeGroup:
 
     num_seqs: int
     token_index: torch.Tensor | None  # [Bd] long: their rows among the step's tokens; None when all rows decode
-    blocks: torch.Tensor  # [Bd * nb] long: each sequence's first nb block ids, nb covering the longest context
+    tables: torch.Tensor  # [Bd, nb] long: each sequence's first nb block ids, nb covering the longest context
+    seq_lens: torch.Tensor  # [Bd] long: keys per sequence, the new one included
     context_len: int  # keys per sequence in the gathered tensor: the longest context
     key_mask: torch.Tensor | None  # [Bd, 1, 1, context_len] bool, True on real keys; None when all are that long
     buffers: GatherBuffers
@@ -119,13 +125,13 @@ class AttentionMetadata:
         context_len = max(lens)
         whole_step = len(seqs) == len(self.query_lens)
         tables = self.block_tables if whole_step else self.block_tables[torch.tensor(seqs, device=device)]
-        blocks = tables[:, : -(-context_len // self.block_size)].reshape(-1)
+        tables = tables[:, : -(-context_len // self.block_size)].contiguous()
+        lens_t = torch.tensor(lens, device=device)
         key_mask = None
         if min(lens) < context_len:
-            lens_t = torch.tensor(lens, device=device)
             key_mask = (torch.arange(context_len, device=device) < lens_t[:, None]).view(len(seqs), 1, 1, -1)
         rows = None if whole_step else torch.tensor([starts[i] for i in seqs], device=device)
-        return DecodeGroup(len(seqs), rows, blocks, context_len, key_mask, GatherBuffers(blocks.shape[0]))
+        return DecodeGroup(len(seqs), rows, tables, lens_t, context_len, key_mask, GatherBuffers(tables.numel()))
 
     def _prefill_segment(self, i: int, start: int) -> PrefillSegment:
         n, seq_len = self.query_lens[i], self.seq_lens[i]
@@ -147,21 +153,28 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kernels: CpuKernels | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Attention of the step's queries over their sequences' contexts; writes k_new/v_new into the cache first.
+    """Attention of the step's queries over their sequences' contexts; writes k_new/v_new into the cache first
+    (unless ``kv_written``: the caller has).
 
     q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D].
+    ``kernels``: the native CPU kernels, for the decode queries when the cache is float32 and D a multiple of 8.
     Returns [T, Hq, D] in q's dtype.
     """
-    _write(k_cache, k_new, meta.slot_mapping)
-    _write(v_cache, v_new, meta.slot_mapping)
+    if not kv_written:
+        _write(k_cache, k_new, meta.slot_mapping)
+        _write(v_cache, v_new, meta.slot_mapping)
     group = meta.decode
+    native = kernels is not None and k_cache.dtype == torch.float32 and q.shape[-1] % 8 == 0
+    decode = partial(_decode_native, kernels) if native else _decode
     if group is not None and group.token_index is None:
-        return _decode(q, k_cache, v_cache, group, scale)
+        return decode(q, k_cache, v_cache, group, scale)
     out = torch.empty_like(q)
     if group is not None:
         rows = group.token_index
-        out.index_copy_(0, rows, _decode(q.index_select(0, rows), k_cache, v_cache, group, scale))
+        out.index_copy_(0, rows, decode(q.index_select(0, rows), k_cache, v_cache, group, scale))
     for seg in meta.prefills:
         rows = slice(seg.start, seg.end)
         out[rows] = _prefill(q[rows], k_new[rows], v_new[rows], k_cache, v_cache, seg, scale)
@@ -185,13 +198,18 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tens
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k_buffer, v_buffer = group.buffers.get(k_cache)
-    keys = _gather(k_cache, group.blocks, k_buffer, b, group.context_len, q.dtype)  # [Bd, Hkv, S, D]
-    values = _gather(v_cache, group.blocks, v_buffer, b, group.context_len, q.dtype)
+    blocks = group.tables.view(-1)
+    keys = _gather(k_cache, blocks, k_buffer, b, group.context_len, q.dtype)  # [Bd, Hkv, S, D]
+    values = _gather(v_cache, blocks, v_buffer, b, group.context_len, q.dtype)
     # The G query heads that share a KV head become G query rows of that head: with a single new token per
     # sequence there is no causality among them, so one SDPA covers GQA without repeating K and V.
     grouped = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Bd, Hkv, G, D]
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=group.key_mask, scale=scale)
     return out.reshape(b, num_heads, head_dim)
+
+
+def _decode_native(kernels: CpuKernels, q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+    return kernels.paged_decode_attention(q, k_cache, v_cache, group.tables, group.seq_lens, scale)
 
 
 def _prefill(q, k_new, v_new, k_cache, v_cache, seg: PrefillSegment, scale: float) -> torch.Tensor:

@@ -108,6 +108,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype
     seed: int = 0  # seeds random-weight models and the stream for unseeded sampling
+    # The native CPU kernels (engine/cpu_kernels.py) for float32 on CPU where they build; False: PyTorch only.
+    cpu_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

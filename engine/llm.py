@@ -41,14 +41,14 @@ class LLM:
     ``LLM(model="tiny-random", block_size=16, num_blocks=256, max_num_seqs=32)``."""
 
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
-                 seed: int = 0, **settings):
+                 seed: int = 0, cpu_kernels: bool = True, **settings):
         cache = CacheConfig(**{k: settings.pop(k) for k in list(settings) if k in CacheConfig.__dataclass_fields__})
         sched = SchedulerConfig(
             **{k: settings.pop(k) for k in list(settings) if k in SchedulerConfig.__dataclass_fields__}
         )
         if settings:
             raise TypeError(f"unknown LLM settings: {sorted(settings)}")
-        self.engine = LLMEngine(EngineConfig(model, device, dtype, seed, cache, sched))
+        self.engine = LLMEngine(EngineConfig(model, device, dtype, seed, cpu_kernels, cache, sched))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -5,7 +5,8 @@ One step runs a flattened batch over the paged KV cache:
 ``compute_logits(hidden rows [N, H]) -> [N, V] float32`` for the rows that sample.
 Each layer: RMSNorm -> fused QKV projection (optional bias, Qwen2) -> RoPE (theta, Llama-3 scaling) -> paged GQA
 attention (attention.py) -> output projection -> residual -> RMSNorm -> SwiGLU with fused gate/up -> residual.
-Decode on CPU streams every weight once per step; ``threaded_linear`` spreads that over the cores.
+Decode streams every weight once per step; on CPU the native kernels (engine/cpu_kernels.py) run the products
+and the decode attention when ``kernels`` is given (``LlamaForCausalLM``'s default: whenever they can).
 
 Parameter names, the layout engine/weights.py produces (``random_state_dict`` builds the same for tiny models):
 ``embed_tokens.weight`` [V, H]; ``layers.{i}.input_norm.weight`` [H];
@@ -17,6 +18,7 @@ Parameter names, the layout engine/weights.py produces (``random_state_dict`` bu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -27,73 +29,69 @@ from torch.nn.utils import skip_init
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
+from engine.cpu_kernels import PANEL, CpuKernels, packed_shape, usable as usable_kernels
 from engine.kv_cache import PagedKVCache
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
         self.eps = eps
+        self.kernels = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of x [T, H]; with ``delta``, the residual stream x takes ``x += delta`` first (in place)."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x += delta
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-# A product of at most this many rows (a decode batch) is split across threads by ``threaded_linear``;
-# with more (prefill) MKL's own threading does as well.
-SPLIT_MAX_ROWS = 32
-
-
-def threaded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; x: [rows, in], weight: [out, in] in either storage order -> [rows, out].
-
-    With few rows MKL runs the product on one thread, which streams the weight at one core's memory bandwidth,
-    and decode is nothing but streaming weights. Issued instead as one batched product over ``parts`` slices of the
-    output features, MKL gives each thread its own slice. Measured on 2 cores with SmolLM2's shapes and the layouts
-    of ``_weight``: the products of a 1-row decode step take ~27 ms instead of ~33 (down_proj 1.4x, the head 1.2x);
-    at 16-32 rows the split is about even.
-    """
-    rows = x.shape[0]
-    if parts == 1 or rows > SPLIT_MAX_ROWS:
-        return F.linear(x, weight, bias)
-    out_features, in_features = weight.shape
-    slices = weight.unflatten(0, (parts, out_features // parts)).transpose(1, 2)  # [parts, in, out / parts]
-    y = torch.bmm(x.expand(parts, rows, in_features), slices)  # [parts, rows, out / parts]
-    y = y.transpose(0, 1).reshape(rows, out_features)  # a view when rows == 1
-    return y if bias is None else y.add_(bias)
-
-
-def _thread_parts(out_features: int, device: torch.device) -> int:
-    """Slices for ``threaded_linear``: one per CPU thread at build time, when they divide the outputs evenly."""
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
-    return threads if out_features % threads == 0 else 1
-
-
-def _weight(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    """An uninitialized [out, in] weight. On CPU, one with more outputs than inputs is stored transposed ([in, out]
-    contiguous, seen as [out, in] through ``.t()``): MKL's one-row products stream a weight faster along long
-    contiguous rows. Measured at 1 row, 1 thread, SmolLM2's shapes: gate_up 3072 x 576 25 -> 18 ms for 30 layers,
-    the 49152 x 576 head 13 -> 8 ms, qkv 960 x 576 7.9 -> 6.4; down_proj 576 x 1536 is faster as it is. The price:
-    ~1.3x slower head products for batches of 4-32 rows, and a strided embedding lookup (~10 us a token) when the
-    head is tied. ``load_state_dict`` copies into the existing storage, so the layout survives loading."""
-    if device.type == "cpu" and out_features > in_features:
-        return nn.Parameter(torch.empty(in_features, out_features, dtype=dtype, device=device).t())
-    return nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-
-
 class Linear(nn.Module):
-    """``x W^T + b`` with an uninitialized weight [out, in] (and bias [out]), run by ``threaded_linear`` with as
-    many slices as ``torch.get_num_threads()`` when the layer is built."""
+    """``x W^T + b``; its state-dict entries are ``weight`` [out, in] and ``bias`` [out].
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device):
+    With the native CPU kernels (``kernels``, engine/cpu_kernels.py) the weight is held in panels of 16 outputs,
+    [ceil(out / 16), in, 16], converted on ``load_state_dict`` and back on ``state_dict``, and the product runs in
+    the kernels: a decode step then reads each weight at the memory's speed. Otherwise it is a plain ``F.linear``.
+    Parameters are uninitialized until loaded.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
+                 kernels: CpuKernels | None):
         super().__init__()
-        self.weight = _weight(out_features, in_features, dtype, device)
+        self.in_features, self.out_features, self.kernels = in_features, out_features, kernels
+        shape = packed_shape(out_features, in_features) if kernels else (out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        self.parts = _thread_parts(out_features, device)
+        if kernels is not None:
+            self.register_load_state_dict_pre_hook(Linear._pack_on_load)
+            self.register_state_dict_post_hook(Linear._unpack_on_save)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return threaded_linear(x, self.weight, self.bias, self.parts)
+        """x: [rows, in] -> [rows, out]."""
+        if self.kernels is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.kernels.linear(x, self.weight, self.out_features, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, [len(ids), in]: the embedding lookup of a head tied to the embeddings."""
+        if self.kernels is None:
+            return F.embedding(ids, self.weight)
+        return self.weight[ids // PANEL, :, ids % PANEL]
+
+    def _pack_on_load(self, state_dict, prefix, *_) -> None:
+        key = prefix + "weight"
+        weight = state_dict.get(key)
+        if weight is not None and weight.shape == (self.out_features, self.in_features):
+            padded = F.pad(weight.detach().to(self.weight.dtype), (0, 0, 0, self.weight.shape[0] * PANEL - len(weight)))
+            self.weight.data.copy_(padded.view(-1, PANEL, self.in_features).transpose(1, 2))
+            state_dict[key] = self.weight  # loading then copies the parameter onto itself; a wrong shape is reported
+            
+    def _unpack_on_save(self, state_dict, prefix, _) -> None:
+        panels = state_dict[prefix + "weight"]
+        state_dict[prefix + "weight"] = panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
 
 class RotaryEmbedding(nn.Module):
@@ -111,17 +109,31 @@ class RotaryEmbedding(nn.Module):
         # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): the sign moves into the table.
         self.register_buffer("sin_signed", torch.cat((-sin, sin), -1).to(device, dtype), persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def for_step(self, positions: torch.Tensor) -> "StepRotary":
+        if positions.numel() and int(positions.max()) >= len(self.cos):
+            raise ValueError(f"position {int(positions.max())} is past max_position_embeddings ({len(self.cos)})")
+        return StepRotary(positions, self.cos, self.sin_signed)
+
+
+class StepRotary:
+    """The rotary inputs of one step: every token's position [T] and the [P, D] tables (which the native kernels
+    index themselves), and, looked up once on first use for all layers, each token's rows [T, 1, D]."""
+
+    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_signed_table: torch.Tensor):
+        self.positions, self.cos_table, self.sin_signed_table = positions, cos_table, sin_signed_table
+
+    @functools.cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin of each token's position, [T, 1, D] each (broadcast over heads)."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        return cos, self.sin_signed.index_select(0, positions).unsqueeze(1)
+        cos = self.cos_table.index_select(0, self.positions).unsqueeze(1)
+        return cos, self.sin_signed_table.index_select(0, self.positions).unsqueeze(1)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] -> rotated copy, [T, heads, D]."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, sin_signed)
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] -> rotated copy, [T, heads, D]."""
+        cos, sin_signed = self.rows
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -152,79 +164,96 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.qk_size = self.q_size + config.num_kv_heads * config.head_dim
         qkv_rows = self.qk_size + config.num_kv_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_rows, config.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype, device)
+        self.qkv_proj = Linear(config.hidden_size, qkv_rows, config.qkv_bias, dtype, device, kernels)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype, device, kernels)
         self.scale = config.head_dim**-0.5
+        self.kernels = kernels
 
-    def forward(self, x, cos, sin_signed, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        qk = apply_rotary(qkv[:, : self.qk_size].view(t, -1, self.head_dim), cos, sin_signed)  # [T, Hq + Hkv, D]
+        if self.kernels is not None and k_cache.dtype == torch.float32:  # rotate in place and write the cache
+            self.kernels.rope_and_cache(qkv, rotary.positions, rotary.cos_table, rotary.sin_signed_table,
+                                        self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping)
+            qk, kv_written = qkv[:, : self.qk_size].view(t, -1, self.head_dim), True
+        else:
+            qk, kv_written = rotary.apply(qkv[:, : self.qk_size].view(t, -1, self.head_dim)), False
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq, D], [T, Hkv, D]
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.kernels, kv_written)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device, kernels)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device, kernels)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None):
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.attn = Attention(config, dtype, device)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, kernels)
+        self.attn = Attention(config, dtype, device, kernels)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, kernels)
+        self.mlp = MLP(config, dtype, device, kernels)
 
-    def forward(self, x, cos, sin_signed, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """x: the residual stream [T, H], updated in place and returned."""
-        x += self.attn(self.input_norm(x), cos, sin_signed, k_cache, v_cache, meta)
-        x += self.mlp(self.post_attn_norm(x))
+        attn_out = self.attn(self.input_norm(x), rotary, k_cache, v_cache, meta)
+        x += self.mlp(self.post_attn_norm(x, attn_out))  # x += attn_out, then its norm
         return x
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameters are uninitialized until ``load_state_dict``; ``from_state_dict`` does both."""
+    """Parameters are uninitialized until ``load_state_dict``; ``from_state_dict`` does both.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | str = torch.float32, device="cpu"):
+    ``cpu_kernels``: run the products and the decode attention in the native CPU kernels when they can serve this
+    device and dtype (CPU, float32) and build on this machine; False keeps the pure-PyTorch path everywhere.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | str = torch.float32, device="cpu",
+                 cpu_kernels: bool = True):
         super().__init__()
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         device = torch.device(device)
         self.config = config
-        self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        if config.tie_word_embeddings:  # it is the head too: laid out for the head's products
-            self.embed_tokens.weight = _weight(config.vocab_size, config.hidden_size, dtype, device)
-        self.tied_head_parts = _thread_parts(config.vocab_size, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.kernels = usable_kernels(device, dtype) if cpu_kernels else None
+        if config.tie_word_embeddings:  # one weight, laid out for the head's products, looked up by rows
+            self.embed_tokens = Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.kernels)
+        else:
+            self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype,
+                                          device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, self.kernels) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, self.kernels)
         self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, False, dtype, device
+            config.hidden_size, config.vocab_size, False, dtype, device, self.kernels
         )
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.requires_grad_(False)
 
     @classmethod
     def from_state_dict(
-        cls, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32, device="cpu"
+        cls, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32, device="cpu",
+        cpu_kernels: bool = True,
     ) -> "LlamaForCausalLM":
-        model = cls(config, dtype, device)
+        model = cls(config, dtype, device, cpu_kernels)
         model.load_state_dict(state_dict)  # strict: a missing or unexpected name is an error
         return model
 
@@ -238,19 +267,19 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] long -> final hidden states [T, H]. ``layer_done(i)`` runs once layer i's
         K/V are in the cache (the prefill service streams them from there while later layers compute)."""
-        cos, sin_signed = self.rotary.lookup(positions)  # [T, 1, D] each
-        x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, H], the residual stream
+        rotary = self.rotary.for_step(positions)
+        embed = self.embed_tokens
+        x = embed.rows(input_ids) if isinstance(embed, Linear) else embed(input_ids)  # [T, H], the residual stream
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin_signed, kv_cache.k[i], kv_cache.v[i], attn_metadata)
+            x = layer(x, rotary, kv_cache.k[i], kv_cache.v[i], attn_metadata)
             if layer_done is not None:
                 layer_done(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""
-        if self.lm_head is None:
-            return threaded_linear(hidden, self.embed_tokens.weight, None, self.tied_head_parts).float()
-        return self.lm_head(hidden).float()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head(hidden).float()
 
 
 def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

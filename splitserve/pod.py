@@ -59,6 +59,8 @@ class PodConfig:
     seed: int = field(default=0, metadata=described("Seeds random-weight models and unseeded sampling."))
     num_threads: int = field(default=0, metadata=described(
         "Torch compute threads (0: torch's default, one per core); pods sharing a machine split its cores."))
+    cpu_kernels: bool = field(default=True, metadata=described(
+        "Native CPU kernels for float32 on CPU (built at first use with g++); false: PyTorch ops only."))
     block_size: int = field(default=16, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=1 << 30, metadata=described("Memory for the KV block pool."))
     num_blocks: int = field(default=0, metadata=described("Blocks in the KV pool (> 0 overrides the memory budget)."))
@@ -93,7 +95,7 @@ class PodConfig:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=self.model, device=self.device, dtype=self.dtype, seed=self.seed,
+            model=self.model, device=self.device, dtype=self.dtype, seed=self.seed, cpu_kernels=self.cpu_kernels,
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_blocks,
                               self.enable_prefix_caching, self.cache_dtype),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,

@@ -34,8 +34,9 @@ def _dense_reference(q, keys, values, prefix: int, scale: float) -> torch.Tensor
 
 
 def _run_scenario(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, seed: int = 0,
-                  cache_dtype: torch.dtype = torch.float32, meta: AttentionMetadata | None = None):
+                  cache_dtype: torch.dtype = torch.float32, meta: AttentionMetadata | None = None, kernels=None):
     """seqs: (cached prefix length, new tokens) per sequence; the seed draws q/k/v, the block layout is fixed.
+    ``kernels``: the native CPU kernels for the decode queries, or None for the PyTorch path.
     Returns (output, reference, caches, new k and v, meta)."""
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(99)).tolist()  # shuffled block ids
@@ -55,7 +56,7 @@ def _run_scenario(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int
     v_new = torch.cat([v[prefix:] for v, (prefix, _) in zip(full_v, seqs)])
     meta = meta or AttentionMetadata.build([n for _, n in seqs], [p + n for p, n in seqs], tables, BLOCK_SIZE)
     scale = HEAD_DIM**-0.5
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale)
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale, kernels)
     refs, start = [], 0
     for (prefix, n), k, v in zip(seqs, full_k, full_v):
         if not (prefix == 0 and n > 1):  # all but a fresh prefill read K/V back from the cache, in its dtype
@@ -81,25 +82,25 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("name", SCENARIOS)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 1), (2, 2)])
-def test_matches_dense_reference(name, num_heads, num_kv_heads):
-    out, ref, _, _, _ = _run_scenario(SCENARIOS[name], num_heads, num_kv_heads)
+def test_matches_dense_reference(name, num_heads, num_kv_heads, attention_kernels):
+    out, ref, _, _, _ = _run_scenario(SCENARIOS[name], num_heads, num_kv_heads, kernels=attention_kernels)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert (out.double() - ref).abs().max().item() <= 1e-5
 
 
-def test_one_plan_serves_every_layer():
+def test_one_plan_serves_every_layer(attention_kernels):
     # A step's metadata (and its gather buffers) is shared by all layers: layer 1 must not see layer 0's context.
     seqs = SCENARIOS["mixed"]
-    out0, ref0, _, _, meta = _run_scenario(seqs, 4, 2, seed=1)
-    out1, ref1, _, _, _ = _run_scenario(seqs, 4, 2, seed=2, meta=meta)
+    out0, ref0, _, _, meta = _run_scenario(seqs, 4, 2, seed=1, kernels=attention_kernels)
+    out1, ref1, _, _, _ = _run_scenario(seqs, 4, 2, seed=2, meta=meta, kernels=attention_kernels)
     assert (out0.double() - ref0).abs().max().item() <= 1e-5
     assert (out1.double() - ref1).abs().max().item() <= 1e-5
     assert (ref0 - ref1).abs().max().item() > 0.1
 
 
-def test_new_kv_lands_in_its_slots_and_nothing_else_changes():
+def test_new_kv_lands_in_its_slots_and_nothing_else_changes(attention_kernels):
     seqs = [(5, 3), (9, 1)]
-    _, _, (k_cache, v_cache), (k_new, v_new), meta = _run_scenario(seqs, 4, 2)
+    _, _, (k_cache, v_cache), (k_new, v_new), meta = _run_scenario(seqs, 4, 2, kernels=attention_kernels)
     flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     torch.testing.assert_close(flat_k[meta.slot_mapping], k_new, rtol=0, atol=0)
     torch.testing.assert_close(flat_v[meta.slot_mapping], v_new, rtol=0, atol=0)
@@ -107,8 +108,10 @@ def test_new_kv_lands_in_its_slots_and_nothing_else_changes():
     assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == sum(p + n for p, n in seqs)
 
 
-def test_cache_in_bfloat16_stores_rounded_kv_and_attends_in_float32():
-    out, ref, (k_cache, _), (k_new, _), meta = _run_scenario([(6, 1), (4, 3)], 4, 2, cache_dtype=torch.bfloat16)
+def test_cache_in_bfloat16_stores_rounded_kv_and_attends_in_float32(attention_kernels):
+    # (the native kernels read float32 caches only: with a bfloat16 cache the PyTorch path runs either way)
+    out, ref, (k_cache, _), (k_new, _), meta = _run_scenario([(6, 1), (4, 3)], 4, 2, cache_dtype=torch.bfloat16,
+                                                             kernels=attention_kernels)
     assert k_cache.dtype == torch.bfloat16 and out.dtype == torch.float32
     torch.testing.assert_close(k_cache.flatten(0, 1)[meta.slot_mapping], k_new.bfloat16(), rtol=0, atol=0)
     assert (out.double() - ref).abs().max().item() <= 1e-5
@@ -128,7 +131,8 @@ def test_plan_decode_only_step():
     assert meta.is_decode_only and meta.prefills == []
     group = meta.decode
     assert group.token_index is None and group.num_seqs == 2 and group.context_len == 6
-    assert group.blocks.tolist() == [7, 2, 4, 0]  # two blocks per sequence, padding included
+    assert group.tables.tolist() == [[7, 2], [4, 0]]  # two blocks per sequence, padding included
+    assert group.seq_lens.tolist() == [6, 3]
     assert group.key_mask.shape == (2, 1, 1, 6)
     assert group.key_mask[:, 0, 0].tolist() == [[True] * 6, [True] * 3 + [False] * 3]
 
@@ -140,7 +144,7 @@ def test_plan_single_sequence_decode_needs_no_mask():
 
 def test_plan_mixed_step():
     meta = AttentionMetadata.build([4, 1, 3], [4, 7, 9], [[1], [2, 3], [4, 5, 6]], block_size=4)
-    assert meta.decode.token_index.tolist() == [4] and meta.decode.blocks.tolist() == [2, 3]
+    assert meta.decode.token_index.tolist() == [4] and meta.decode.tables.tolist() == [[2, 3]]
     fresh, chunk = meta.prefills
     assert (fresh.start, fresh.end, fresh.blocks, fresh.causal_mask) == (0, 4, None, None)
     assert (chunk.start, chunk.end, chunk.context_len) == (5, 8, 9)
@@ -171,3 +175,23 @@ def test_kv_cache_sized_from_budget_or_override():
     assert bytes_per_block(2, 16, 3, 8, torch.float32) == 6144
     with pytest.raises(ValueError, match="less than one block"):
         num_blocks_for_budget(CONFIG, 8, torch.float32, 6143)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_native_decode_attention_matches_pytorch_at_model_sizes(block_size, native_kernels):
+    # SmolLM2's head shape (9 query heads on 3 KV heads of 64) with long, ragged contexts over shuffled blocks:
+    # several 256-key chunks per sequence to merge, and (block size 5) chunks that are not a multiple of 8 keys.
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, lens = 800, [700, 1, 333, 16, 517]
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, 3, 64, generator=gen) for _ in range(2))
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[pool.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size)
+    q, k_new, v_new = (torch.randn(len(lens), h, 64, generator=gen) for h in (9, 3, 3))
+    ours = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 0.125, native_kernels)
+    theirs = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 0.125)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    # Each sequence's result is the same alone as in the batch, bit for bit.
+    alone = AttentionMetadata.build([1], lens[2:3], tables[2:3], block_size)
+    single = paged_attention(q[2:3], k_new[2:3], v_new[2:3], k_cache, v_cache, alone, 0.125, native_kernels)
+    assert torch.equal(single, ours[2:3])

@@ -3,7 +3,8 @@
 Tiny random-weight HF models (GQA Llama with tied and untied embeddings, Llama-3 rope scaling, Qwen2 with QKV
 bias) run each sequence whole; our model runs the same tokens as an engine would: varlen prefill batches,
 step-by-step decode through shuffled blocks of 4 slots, chunked prefill, and mixed prefill + decode steps.
-Every logit we compute must be within 1e-4 of HF's at the same position.
+Every logit we compute must be within 1e-4 of HF's at the same position, on both of our CPU paths: the native
+kernels (packed weights, in-place paged decode attention) and plain PyTorch ops.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import transformers
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_cache import PagedKVCache
-from engine.model import SPLIT_MAX_ROWS, LlamaForCausalLM, parameter_shapes, random_state_dict, threaded_linear
+from engine.model import Linear, LlamaForCausalLM, parameter_shapes, random_state_dict
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -83,10 +84,11 @@ def _fuse_hf_weights(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> 
 class _Engine:
     """Just enough of an engine to drive the model: sequences of known tokens, shuffled blocks, one step at a time."""
 
-    def __init__(self, variant: str):
+    def __init__(self, variant: str, cpu_kernels: bool = True):
         self.hf = _hf_model(variant)
         config = _our_config(variant)
-        self.model = LlamaForCausalLM.from_state_dict(config, _fuse_hf_weights(self.hf.state_dict(), config))
+        self.model = LlamaForCausalLM.from_state_dict(config, _fuse_hf_weights(self.hf.state_dict(), config),
+                                                      cpu_kernels=cpu_kernels)
         self.cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE)
         self.free_blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables: dict[int, list[int]] = {}
@@ -128,14 +130,18 @@ def _assert_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
     assert (ours - reference).abs().max().item() <= TOLERANCE
 
 
-@pytest.fixture(params=list(VARIANTS))
+@pytest.fixture(params=[(v, path) for v in VARIANTS for path in ("native", "torch")], ids="-".join)
 def engine(request) -> _Engine:
-    return _Engine(request.param)
+    variant, path = request.param
+    if path == "native":
+        request.getfixturevalue("native_kernels")  # built, or the reason they cannot be
+    engine = _Engine(variant, cpu_kernels=path == "native")
+    assert (engine.model.kernels is not None) == (path == "native")
+    return engine
 
 
 def test_varlen_prefill_batch(engine):
     prompts = [_tokens(7, 1), _tokens(30, 2), _tokens(3, 3)]
-    assert sum(map(len, prompts)) > SPLIT_MAX_ROWS  # the products take the plain F.linear path; decode steps don't
     logits = engine.step([(p, len(p)) for p in prompts])
     for prompt, ours in zip(prompts, logits):
         _assert_close(ours, engine.reference(prompt))
@@ -215,22 +221,34 @@ def test_reduced_precision_compute_stays_within_its_rounding(dtype):
     assert (logits - engine.reference(prompt)).abs().max().item() <= bound
 
 
-@pytest.mark.parametrize("transposed_storage", [False, True])
-@pytest.mark.parametrize("parts", [1, 2, 3, 4])
-@pytest.mark.parametrize("rows", [1, 5, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1])
-def test_threaded_linear_is_f_linear(rows, parts, transposed_storage):
-    gen = torch.Generator().manual_seed(rows * 10 + parts)
-    x, weight, bias = (torch.randn(shape, generator=gen) for shape in ((rows, 48), (36, 48), (36,)))
-    if transposed_storage:  # as the model keeps weights with more outputs than inputs on CPU
-        weight = weight.t().contiguous().t()
-    torch.testing.assert_close(threaded_linear(x, weight, bias, parts), torch.nn.functional.linear(x, weight, bias),
-                               rtol=0, atol=1e-5)
-    torch.testing.assert_close(threaded_linear(x, weight, None, parts), x @ weight.T, rtol=0, atol=1e-5)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32, 33])
+@pytest.mark.parametrize("out_features", [16, 36, 100])
+def test_native_linear_is_f_linear(rows, out_features, native_kernels):
+    # 6-row tiles and 16-output panels: row counts around a tile, outputs that fill the last panel or not.
+    gen = torch.Generator().manual_seed(rows * 100 + out_features)
+    x, weight, bias = (torch.randn(shape, generator=gen) for shape in ((rows, 48), (out_features, 48), (out_features,)))
+    for with_bias in (True, False):
+        layer = Linear(48, out_features, with_bias, torch.float32, torch.device("cpu"), native_kernels)
+        layer.load_state_dict({"weight": weight, "bias": bias} if with_bias else {"weight": weight})
+        expected = torch.nn.functional.linear(x, weight, bias if with_bias else None)
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-5)
+        # A row's result does not depend on the rows around it: the same bits alone as in the batch.
+        assert torch.equal(layer(x[-1:]), layer(x)[-1:])
 
 
-def test_cpu_weights_keep_their_longer_side_contiguous_through_loading():
+def test_packed_weights_round_trip_through_the_state_dict(native_kernels):
     engine = _Engine("llama_gqa_tied")
     layer = engine.model.layers[0]
-    assert layer.mlp.gate_up_proj.weight.stride() == (1, 256)  # [256, 64] stored as [64, 256]
-    assert layer.mlp.down_proj.weight.is_contiguous()  # [64, 128]: more inputs than outputs
-    assert engine.model.embed_tokens.weight.stride() == (1, 256)  # the tied head
+    assert layer.mlp.gate_up_proj.weight.shape == (16, 64, 16)  # [256, 64] in 16 panels of 16 outputs
+    hf_state = _fuse_hf_weights(engine.hf.state_dict(), engine.model.config)
+    ours = engine.model.state_dict()
+    assert set(ours) == set(hf_state)
+    assert all(torch.equal(ours[k], hf_state[k]) for k in ours)
+    ids = torch.tensor([0, 17, 255, 3])  # the tied head doubles as the embedding table: its rows, unpacked
+    assert torch.equal(engine.model.embed_tokens.rows(ids), hf_state["embed_tokens.weight"][ids])
+
+
+def test_packing_reports_a_wrong_shape_by_name(native_kernels):
+    layer = Linear(48, 36, False, torch.float32, torch.device("cpu"), native_kernels)
+    with pytest.raises(RuntimeError, match="size mismatch for weight"):
+        layer.load_state_dict({"weight": torch.zeros(36, 47)})
