@@ -45,9 +45,12 @@ class CpuKernels:
         lib.ss_paged_decode_attention.argtypes = [
             _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int
         ]
-        lib.ss_add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _float, _ptr, _i64, _i64, _int]
-        lib.ss_rope_and_cache.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]
-        lib.ss_silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, _int]
+        lib.ss_attention_input.argtypes = [
+            _ptr, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int
+        ]
+        lib.ss_attention_output_and_mlp.argtypes = [
+            _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _float, _ptr, _ptr, _i64, _int
+        ]
         self._lib = lib
         self.path = path
 
@@ -55,7 +58,9 @@ class CpuKernels:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] (rows contiguous) @ W^T + bias -> [rows, out_features]."""
         rows, in_features = x.shape
-        _check(x.stride(1) == 1 and packed.shape[1] == in_features, "linear: x does not match the weight")
+        _check(x.stride(1) == 1 and x.dtype == torch.float32 and packed.is_contiguous()
+               and packed.shape[1] == in_features and packed.shape[0] * PANEL >= out_features,
+               "linear: x does not match the weight")
         y = torch.empty(rows, out_features, dtype=torch.float32)
         self._lib.ss_linear(
             x.data_ptr(), rows, x.stride(0), packed.data_ptr(), out_features, in_features,
@@ -82,43 +87,48 @@ class CpuKernels:
         return out
 
 
-    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-        """RMSNorm of x [rows, dim] -> new [rows, dim]; with ``delta``, ``x += delta`` first (in place)."""
-        _check(x.is_contiguous() and (delta is None or (delta.is_contiguous() and delta.shape == x.shape))
-               and weight.shape == x.shape[-1:], "add_rms_norm: x, delta and weight do not match")
-        out = torch.empty_like(x)
-        self._lib.ss_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps,
-                                  out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
-        return out
-
-    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
-                       slot_mapping: torch.Tensor | None) -> None:
-        """Rotates the q and k heads of qkv [T, (Hq + 2 Hkv) D] in place (cos, sin_signed: [P, D] tables), then
-        writes k and v into the caches [num_blocks, block_size, Hkv, D] at slot_mapping [T], when caches are given."""
+    def attention_input(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor,
+                        qkv_bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor,
+                        sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """A decoder layer up to its attention: qkv = RMSNorm(x) Wqkv^T (+ bias), q and k rotated (cos,
+        sin_signed: [P, D] tables, indexed by positions [T]), k and v written to the caches at slot_mapping.
+        x [T, H]; packed qkv weight; caches [num_blocks, block_size, Hkv, D] -> qkv [T, (Hq + 2 Hkv) D]."""
+        tokens, hidden = x.shape
         head_dim = cos.shape[1]
-        _check(qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
-               and head_dim <= 512 and positions.dtype == torch.int64 and len(positions) == len(qkv),
-               "rope_and_cache: qkv, positions and tables do not match")
-        if k_cache is not None:
-            _check(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (num_kv_heads, head_dim)
-                   and slot_mapping.dtype == torch.int64 and len(slot_mapping) == len(qkv),
-                   "rope_and_cache: caches or slot mapping do not match")
-        self._lib.ss_rope_and_cache(
-            qkv.data_ptr(), len(qkv), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), num_heads,
-            num_kv_heads, head_dim, None if k_cache is None else k_cache.data_ptr(),
-            None if v_cache is None else v_cache.data_ptr(), None if slot_mapping is None else slot_mapping.data_ptr(),
-            torch.get_num_threads(),
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        _check(x.is_contiguous() and norm_weight.shape == (hidden,) and qkv_weight.shape[1] == hidden
+               and qkv_weight.shape[0] * PANEL >= width and head_dim <= 512 and head_dim == sin_signed.shape[1],
+               "attention_input: x, norm and qkv weights do not match")
+        _check(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
+               and len(positions) == tokens == len(slot_mapping), "attention_input: bad positions or slot mapping")
+        _check(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32
+               and k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim),
+               "attention_input: caches do not match")
+        qkv = torch.empty(tokens, width, dtype=torch.float32)
+        self._lib.ss_attention_input(
+            x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
+            None if qkv_bias is None else qkv_bias.data_ptr(), qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+            sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), torch.get_num_threads(),
         )
+        return qkv
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: [rows, 2 I] (gate then up) -> silu(gate) * up, [rows, I]."""
-        _check(gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0, "silu_mul: bad gate_up")
-        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, inter, dtype=torch.float32)
-        self._lib.ss_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
-        return out
+    def attention_output_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor,
+                                 norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
+                                 down_weight: torch.Tensor) -> None:
+        """The rest of a decoder layer, in place on the residual stream x [T, H]: x += attn Wo^T, then
+        x += down(silu(gate) * up) of RMSNorm(x). attn: [T, Hq D]; weights packed."""
+        tokens, hidden = x.shape
+        inter = down_weight.shape[1]
+        _check(x.is_contiguous() and attn.is_contiguous() and len(attn) == tokens
+               and o_weight.shape[1] == attn.shape[1] and o_weight.shape[0] * PANEL >= hidden
+               and norm_weight.shape == (hidden,) and gate_up_weight.shape[:2] == (-(-2 * inter // PANEL), hidden)
+               and down_weight.shape[0] * PANEL >= hidden, "attention_output_and_mlp: shapes do not match")
+        self._lib.ss_attention_output_and_mlp(
+            x.data_ptr(), tokens, hidden, attn.data_ptr(), attn.shape[1], o_weight.data_ptr(), norm_weight.data_ptr(),
+            eps, gate_up_weight.data_ptr(), down_weight.data_ptr(), inter, torch.get_num_threads(),
+        )
 
 
 def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:

@@ -34,18 +34,12 @@ from engine.kv_cache import PagedKVCache
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
         self.eps = eps
-        self.kernels = kernels
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        """The norm of x [T, H]; with ``delta``, the residual stream x takes ``x += delta`` first (in place)."""
-        if self.kernels is not None:
-            return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
-        if delta is not None:
-            x += delta
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -176,18 +170,18 @@ class Attention(nn.Module):
         self.kernels = kernels
 
     def forward(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        if self.kernels is not None and k_cache.dtype == torch.float32:  # rotate in place and write the cache
-            self.kernels.rope_and_cache(qkv, rotary.positions, rotary.cos_table, rotary.sin_signed_table,
-                                        self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping)
-            qk, kv_written = qkv[:, : self.qk_size].view(t, -1, self.head_dim), True
-        else:
-            qk, kv_written = rotary.apply(qkv[:, : self.qk_size].view(t, -1, self.head_dim)), False
+        qk = rotary.apply(qkv[:, : self.qk_size].view(len(qkv), -1, self.head_dim))  # [T, Hq + Hkv, D]
+        return self.o_proj(self.attend(qk, qkv, k_cache, v_cache, meta, kv_written=False))
+
+    def attend(self, qk: torch.Tensor, qkv: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata,
+               kv_written: bool) -> torch.Tensor:
+        """Paged attention of the rotated q and k ``qk`` [T, Hq + Hkv, D] with the v of ``qkv`` -> [T, Hq D]."""
+        t = len(qkv)
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq, D], [T, Hkv, D]
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.kernels, kv_written)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return out.reshape(t, self.q_size).contiguous()
 
 
 class MLP(nn.Module):
@@ -196,12 +190,9 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device, kernels)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device, kernels)
-        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -209,15 +200,34 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None):
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, kernels)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.attn = Attention(config, dtype, device, kernels)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, kernels)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = MLP(config, dtype, device, kernels)
+        self.kernels = kernels
 
     def forward(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """x: the residual stream [T, H], updated in place and returned."""
-        attn_out = self.attn(self.input_norm(x), rotary, k_cache, v_cache, meta)
-        x += self.mlp(self.post_attn_norm(x, attn_out))  # x += attn_out, then its norm
+        if self.kernels is not None and k_cache.dtype == torch.float32:
+            return self._forward_native(x, rotary, k_cache, v_cache, meta)
+        x += self.attn(self.input_norm(x), rotary, k_cache, v_cache, meta)
+        x += self.mlp(self.post_attn_norm(x))
+        return x
+
+    def _forward_native(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The same layer in two native calls around the attention: norm, QKV product, rotary and the cache write;
+        then the output product, residual add, norm, SwiGLU MLP and residual add. One Python call per stage keeps
+        a decode step's interpreter time small next to its weight reads."""
+        attn, mlp, kernels = self.attn, self.mlp, self.kernels
+        qkv = kernels.attention_input(
+            x, self.input_norm.weight, self.input_norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            rotary.positions, rotary.cos_table, rotary.sin_signed_table, attn.num_heads, attn.num_kv_heads,
+            k_cache, v_cache, meta.slot_mapping,
+        )
+        qk = qkv[:, : attn.qk_size].view(len(qkv), -1, attn.head_dim)  # rotated in place
+        out = attn.attend(qk, qkv, k_cache, v_cache, meta, kv_written=True)
+        kernels.attention_output_and_mlp(x, out, attn.o_proj.weight, self.post_attn_norm.weight,
+                                         self.post_attn_norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
         return x
 
 
@@ -241,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype,
                                           device=device)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, self.kernels) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, self.kernels)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, False, dtype, device, self.kernels
         )

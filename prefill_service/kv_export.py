@@ -80,7 +80,9 @@ class PrefillKVExport:
         k_slots = self._kv_cache.k[layer].flatten(0, 1)
         v_slots = self._kv_cache.v[layer].flatten(0, 1)
         for part in self._step:
+            if part.completes_prompt and layer == self._last_layer:
+                # Before the last layer goes out: the decode pod's acknowledgement may otherwise arrive first,
+                # and the exposed transfer time would read 0.
+                part.sender.mark_compute_done()
             part.sender.submit_layer(layer, part.token_start, part.token_end, k_slots[part.slots],
                                      v_slots[part.slots])
-            if part.completes_prompt and layer == self._last_layer:
-                part.sender.mark_compute_done()

