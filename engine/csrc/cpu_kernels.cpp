@@ -202,10 +202,12 @@ void ss_paged_decode_attention(const float* q, const float* k_cache, const float
       const int64_t chunk = item - first_item[b];
       const int64_t start = chunk * chunk_keys, len = std::min(chunk_keys, seq_lens[b] - start);
       const int64_t* table = block_tables + b * table_stride + chunk * chunk_blocks;
-      for (int64_t s = 0; s < len; ++s) {
-        const int64_t offset = table[s / block_size] * block_stride + (s % block_size) * row_stride;
-        key_rows[s] = k_cache + offset;
-        value_rows[s] = v_cache + offset;
+      for (int64_t s0 = 0, i = 0; s0 < len; s0 += block_size, ++i) {
+        for (int64_t j = 0, n = std::min(block_size, len - s0); j < n; ++j) {
+          const int64_t offset = table[i] * block_stride + j * row_stride;
+          key_rows[s0 + j] = k_cache + offset;
+          value_rows[s0 + j] = v_cache + offset;
+        }
       }
       const float* qb = q + b * num_heads * head_dim;
       // Pass 1: the scaled scores, four keys at a time, every head of those keys while they are in cache.
