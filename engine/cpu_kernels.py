@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +51,10 @@ class CpuKernels:
         ]
         lib.ss_attention_output_and_mlp.argtypes = [
             _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _float, _ptr, _ptr, _i64, _int
+        ]
+        lib.ss_decode_layers.argtypes = [
+            _ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr,
+            _i64, _float, _int,
         ]
         self._lib = lib
         self.path = path
@@ -128,6 +133,72 @@ class CpuKernels:
         self._lib.ss_attention_output_and_mlp(
             x.data_ptr(), tokens, hidden, attn.data_ptr(), attn.shape[1], o_weight.data_ptr(), norm_weight.data_ptr(),
             eps, gate_up_weight.data_ptr(), down_weight.data_ptr(), inter, torch.get_num_threads(),
+        )
+
+
+    def decode_layers(self, x: torch.Tensor, layers: "DecodeLayers", positions: torch.Tensor, cos: torch.Tensor,
+                      sin_signed: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor) -> None:
+        """Every layer of a decode step (token b is sequence b's one new token) in one call, in place on the
+        residual stream x [B, H]: the same kernels, in the same order, as the layer-by-layer calls."""
+        batch = len(x)
+        _check(x.is_contiguous() and x.dtype == torch.float32 and x.shape[1] == layers.hidden,
+               "decode_layers: bad residual stream")
+        _check(all(t.dtype == torch.int64 and t.is_contiguous() and len(t) == batch
+                   for t in (positions, slot_mapping, seq_lens)) and block_tables.dtype == torch.int64
+               and block_tables.stride(1) == 1 and len(block_tables) == batch and cos.shape[1] == layers.head_dim,
+               "decode_layers: bad positions, slots, block tables or lengths")
+        self._lib.ss_decode_layers(
+            x.data_ptr(), batch, layers.hidden, len(layers.table), layers.table, layers.eps, positions.data_ptr(),
+            cos.data_ptr(), sin_signed.data_ptr(), layers.num_heads, layers.num_kv_heads, layers.head_dim,
+            layers.inter, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            seq_lens.data_ptr(), layers.block_size, layers.scale, torch.get_num_threads(),
+        )
+
+
+class LayerTensors(NamedTuple):
+    """One decoder layer for ``DecodeLayers``: packed linear weights, norm weights, QKV bias (or None), caches."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_attn_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+class _DecodeLayer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in LayerTensors._fields]  # DecodeLayer in the source
+
+
+class DecodeLayers:
+    """A model's layers as ``ss_decode_layers`` reads them, checked once: the weights never move, so the table of
+    pointers is built once per KV cache and reused by every decode step."""
+
+    def __init__(self, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, eps: float, scale: float):
+        first = layers[0]
+        self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
+        self.hidden = first.input_norm.shape[0]
+        self.inter = first.down.shape[1]
+        _, self.block_size, _, self.head_dim = first.k_cache.shape
+        width = (num_heads + 2 * num_kv_heads) * self.head_dim
+        for layer in layers:
+            _check(all(t.dtype == torch.float32 and t.is_contiguous() for t in layer if t is not None)
+                   and layer.input_norm.shape == layer.post_attn_norm.shape == (self.hidden,)
+                   and layer.qkv.shape == packed_shape(width, self.hidden)
+                   and (layer.qkv_bias is None or layer.qkv_bias.shape == (width,))
+                   and layer.o.shape == packed_shape(self.hidden, num_heads * self.head_dim)
+                   and layer.gate_up.shape == packed_shape(2 * self.inter, self.hidden)
+                   and layer.down.shape == packed_shape(self.hidden, self.inter)
+                   and layer.k_cache.shape == layer.v_cache.shape == first.k_cache.shape
+                   and layer.k_cache.shape[2] == num_kv_heads and self.head_dim % 8 == 0 and self.head_dim <= 512,
+                   "DecodeLayers: a layer's tensors do not match")
+        self._layers = layers  # keeps the tensors alive while the table points at them
+        self.table = (_DecodeLayer * len(layers))(
+            *(_DecodeLayer(*(None if t is None else t.data_ptr() for t in layer)) for layer in layers)
         )
 
 

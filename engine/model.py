@@ -29,7 +29,8 @@ from torch.nn.utils import skip_init
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.cpu_kernels import PANEL, CpuKernels, packed_shape, usable as usable_kernels
+from engine.cpu_kernels import PANEL, CpuKernels, DecodeLayers, LayerTensors, packed_shape
+from engine.cpu_kernels import usable as usable_kernels
 from engine.kv_cache import PagedKVCache
 
 
@@ -257,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.requires_grad_(False)
+        self._decode_table: tuple[tuple[int, int], DecodeLayers] | None = None  # per KV cache, built on first use
 
     @classmethod
     def from_state_dict(
@@ -280,11 +282,36 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.rotary.for_step(positions)
         embed = self.embed_tokens
         x = embed.rows(input_ids) if isinstance(embed, Linear) else embed(input_ids)  # [T, H], the residual stream
+        if layer_done is None and self._decodes_natively(kv_cache, attn_metadata):
+            group = attn_metadata.decode  # every token, in order: one per sequence
+            self.kernels.decode_layers(x, self._decode_layers(kv_cache), positions, rotary.cos_table,
+                                       rotary.sin_signed_table, attn_metadata.slot_mapping, group.tables,
+                                       group.seq_lens)
+            return self.norm(x)
         for i, layer in enumerate(self.layers):
             x = layer(x, rotary, kv_cache.k[i], kv_cache.v[i], attn_metadata)
             if layer_done is not None:
                 layer_done(i)
         return self.norm(x)
+
+    def _decodes_natively(self, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
+        """A decode-only step on the native kernels runs all its layers in one native call."""
+        return (self.kernels is not None and meta.is_decode_only and kv_cache.dtype == torch.float32
+                and self.config.head_dim % 8 == 0)
+
+    def _decode_layers(self, kv_cache: PagedKVCache) -> DecodeLayers:
+        key = (id(kv_cache), kv_cache.k[0].data_ptr())
+        if self._decode_table is None or self._decode_table[0] != key:
+            layers = [
+                LayerTensors(layer.input_norm.weight, layer.attn.qkv_proj.weight, layer.attn.qkv_proj.bias,
+                             layer.attn.o_proj.weight, layer.post_attn_norm.weight, layer.mlp.gate_up_proj.weight,
+                             layer.mlp.down_proj.weight, k, v)
+                for layer, k, v in zip(self.layers, kv_cache.k, kv_cache.v)
+            ]
+            config = self.config
+            self._decode_table = key, DecodeLayers(layers, config.num_heads, config.num_kv_heads,
+                                                   config.rms_norm_eps, config.head_dim**-0.5)
+        return self._decode_table[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""

@@ -268,3 +268,24 @@ def test_native_layers_fall_back_per_layer_for_a_bfloat16_cache(native_kernels):
         logits = engine.model.compute_logits(hidden)
     assert engine.model.kernels is not None and cache.k[0].abs().sum() > 0
     assert (logits[0] - engine.reference(prompt)[8]).abs().max().item() <= 0.1
+
+
+def test_native_decode_step_in_one_call_equals_layer_by_layer(native_kernels):
+    # A decode-only step runs all layers in one native call; with a layer_done hook (the prefill pod's KV export)
+    # it goes layer by layer. Same kernels, same order: the same bits, the same cache contents.
+    engine = _Engine("qwen2_qkv_bias")
+    seqs = [_tokens(7, 20), _tokens(13, 21)]
+    engine.step([(seqs[0], 6), (seqs[1], 12)])
+    tables = [engine.tables[id(s)] for s in seqs]
+    tables[1].append(engine.free_blocks.pop())  # position 12 starts a new block
+    meta = AttentionMetadata.build([1, 1], [7, 13], tables, BLOCK_SIZE)
+    ids, positions = torch.tensor([seqs[0][6], seqs[1][12]]), torch.tensor([6, 12])
+    outs, caches = [], []
+    for hook in (None, lambda layer: None):
+        with torch.inference_mode():
+            outs.append(engine.model(ids, positions, engine.cache, meta, layer_done=hook))
+        caches.append([k.clone() for k in engine.cache.k] + [v.clone() for v in engine.cache.v])
+    assert engine.model._decodes_natively(engine.cache, meta)
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*caches))
+    _assert_close(engine.model.compute_logits(outs[0])[1:], engine.reference(seqs[1])[12:13])

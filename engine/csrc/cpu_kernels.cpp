@@ -404,4 +404,42 @@ void ss_attention_output_and_mlp(float* x, int64_t tokens, int64_t hidden, const
   for (int64_t i = 0; i < n; ++i) x[i] += o[i];
 }
 
+// One decoder layer's weights (packed linear weights, norm weights, optional QKV bias) and its KV caches.
+struct DecodeLayer {
+  const float* input_norm;
+  const float* qkv;
+  const float* qkv_bias;
+  const float* o;
+  const float* post_attn_norm;
+  const float* gate_up;
+  const float* down;
+  float* k_cache;
+  float* v_cache;
+};
+
+// A whole decode step's layers: one new token per sequence (token b is sequence b), every layer run as
+// ss_attention_input, ss_paged_decode_attention and ss_attention_output_and_mlp in turn, the residual stream
+// x [B, hidden] updated in place. The same kernels in the same order as layer-by-layer calls, so the same bits,
+// without the interpreter between layers.
+void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layers, const DecodeLayer* layers,
+                      float eps, const int64_t* positions, const float* cos, const float* sin_signed,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
+                      const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
+                      const int64_t* seq_lens, int64_t block_size, float scale, int threads) {
+  const int64_t q_width = num_heads * head_dim;
+  const int64_t width = q_width + 2 * num_kv_heads * head_dim;
+  std::unique_ptr<float[]> qkv(new float[batch * width]), q(new float[batch * q_width]);
+  std::unique_ptr<float[]> attn(new float[batch * q_width]);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const DecodeLayer& w = layers[l];
+    ss_attention_input(x, batch, hidden, w.input_norm, eps, w.qkv, w.qkv_bias, qkv.get(), positions, cos,
+                       sin_signed, num_heads, num_kv_heads, head_dim, w.k_cache, w.v_cache, slot_mapping, threads);
+    for (int64_t b = 0; b < batch; ++b) memcpy(q.get() + b * q_width, qkv.get() + b * width, sizeof(float) * q_width);
+    ss_paged_decode_attention(q.get(), w.k_cache, w.v_cache, block_tables, table_stride, seq_lens, batch, num_heads,
+                              num_kv_heads, head_dim, block_size, scale, attn.get(), threads);
+    ss_attention_output_and_mlp(x, batch, hidden, attn.get(), q_width, w.o, w.post_attn_norm, eps, w.gate_up,
+                                w.down, inter, threads);
+  }
+}
+
 }  // extern "C"
