@@ -4,13 +4,17 @@
 // raw pointers; nothing here knows about torch. OpenMP resolves to the libgomp torch already loaded, so these
 // kernels share torch's thread pool, and the caller passes torch's thread count explicitly.
 //
-// Two kernels:
+// The entry points (extern "C", below the helpers):
 //  - ss_linear: y[R, out] = x[R, in] W^T (+ bias) with W stored in panels of 16 outputs, [P, in, 16]. Each panel
 //    is one contiguous stream, so a 1-row product reads W at the memory's speed, and for more rows a 6 x 16 tile of
 //    accumulators reuses every loaded W vector six times (a GEMM micro-kernel). The accumulation order of an output
 //    depends only on `in`, never on R: a row gets the same bits alone or in a batch.
 //  - ss_paged_decode_attention: one new query per sequence attends over its K/V read in place through its block
-//    table (no gather copy), all G query heads of a KV head together, so each K and V row is read once.
+//    table (no gather copy), in 256-key chunks merged in order, every head of a key row while it is in cache.
+//  - ss_attention_input / ss_attention_output_and_mlp: a decoder layer's two halves around its attention (norm,
+//    QKV, rotary, cache write; output product, residual, norm, SwiGLU MLP, residual), built from ss_add_rms_norm,
+//    ss_linear, ss_rope_and_cache and ss_silu_mul.
+//  - ss_decode_layers: every layer of a decode-only step in one call.
 
 #include <immintrin.h>
 #include <math.h>
