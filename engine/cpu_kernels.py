@@ -59,6 +59,11 @@ class CpuKernels:
         self._lib = lib
         self.path = path
 
+    @staticmethod
+    def supports_head_dim(head_dim: int) -> bool:
+        """The attention kernels take heads of up to 512 in multiples of 8 (AVX2 vectors)."""
+        return head_dim % 8 == 0 and head_dim <= 512
+
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] (rows contiguous) @ W^T + bias -> [rows, out_features]."""
@@ -91,7 +96,6 @@ class CpuKernels:
         )
         return out
 
-
     def attention_input(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor,
                         qkv_bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor,
                         sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
@@ -103,7 +107,8 @@ class CpuKernels:
         head_dim = cos.shape[1]
         width = (num_heads + 2 * num_kv_heads) * head_dim
         _check(x.is_contiguous() and norm_weight.shape == (hidden,) and qkv_weight.shape[1] == hidden
-               and qkv_weight.shape[0] * PANEL >= width and head_dim <= 512 and head_dim == sin_signed.shape[1],
+               and qkv_weight.shape[0] * PANEL >= width and self.supports_head_dim(head_dim)
+               and head_dim == sin_signed.shape[1],
                "attention_input: x, norm and qkv weights do not match")
         _check(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
                and len(positions) == tokens == len(slot_mapping), "attention_input: bad positions or slot mapping")
@@ -134,7 +139,6 @@ class CpuKernels:
             x.data_ptr(), tokens, hidden, attn.data_ptr(), attn.shape[1], o_weight.data_ptr(), norm_weight.data_ptr(),
             eps, gate_up_weight.data_ptr(), down_weight.data_ptr(), inter, torch.get_num_threads(),
         )
-
 
     def decode_layers(self, x: torch.Tensor, layers: "DecodeLayers", positions: torch.Tensor, cos: torch.Tensor,
                       sin_signed: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -194,7 +198,7 @@ class DecodeLayers:
                    and layer.gate_up.shape == packed_shape(2 * self.inter, self.hidden)
                    and layer.down.shape == packed_shape(self.hidden, self.inter)
                    and layer.k_cache.shape == layer.v_cache.shape == first.k_cache.shape
-                   and layer.k_cache.shape[2] == num_kv_heads and self.head_dim % 8 == 0 and self.head_dim <= 512,
+                   and layer.k_cache.shape[2] == num_kv_heads and CpuKernels.supports_head_dim(self.head_dim),
                    "DecodeLayers: a layer's tensors do not match")
         self._layers = layers  # keeps the tensors alive while the table points at them
         self.table = (_DecodeLayer * len(layers))(

@@ -80,10 +80,11 @@ class Linear(nn.Module):
         key = prefix + "weight"
         weight = state_dict.get(key)
         if weight is not None and weight.shape == (self.out_features, self.in_features):
-            padded = F.pad(weight.detach().to(self.weight.dtype), (0, 0, 0, self.weight.shape[0] * PANEL - len(weight)))
+            padding = self.weight.shape[0] * PANEL - len(weight)
+            padded = F.pad(weight.detach().to(self.weight.dtype), (0, 0, 0, padding))
             self.weight.data.copy_(padded.view(-1, PANEL, self.in_features).transpose(1, 2))
             state_dict[key] = self.weight  # loading then copies the parameter onto itself; a wrong shape is reported
-            
+
     def _unpack_on_save(self, state_dict, prefix, _) -> None:
         panels = state_dict[prefix + "weight"]
         state_dict[prefix + "weight"] = panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
@@ -205,7 +206,9 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config, dtype, device, kernels)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = MLP(config, dtype, device, kernels)
-        self.kernels = kernels
+        # The layer's halves around its attention run natively when the kernels take its heads (and, per step,
+        # the cache is float32); its products use the kernels either way.
+        self.kernels = kernels if kernels is not None and kernels.supports_head_dim(config.head_dim) else None
 
     def forward(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """x: the residual stream [T, H], updated in place and returned."""
@@ -297,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
     def _decodes_natively(self, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """A decode-only step on the native kernels runs all its layers in one native call."""
         return (self.kernels is not None and meta.is_decode_only and kv_cache.dtype == torch.float32
-                and self.config.head_dim % 8 == 0)
+                and self.kernels.supports_head_dim(self.config.head_dim))
 
     def _decode_layers(self, kv_cache: PagedKVCache) -> DecodeLayers:
         key = (id(kv_cache), kv_cache.k[0].data_ptr())

@@ -289,3 +289,23 @@ def test_native_decode_step_in_one_call_equals_layer_by_layer(native_kernels):
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(*caches))
     _assert_close(engine.model.compute_logits(outs[0])[1:], engine.reference(seqs[1])[12:13])
+
+
+def test_heads_the_attention_kernels_do_not_take_run_on_pytorch_around_native_products(native_kernels):
+    # head_dim 12 is not a multiple of 8: the layers run on PyTorch ops (products still native) and give the
+    # PyTorch path's logits, prefill and decode.
+    config = ModelConfig(vocab_size=64, hidden_size=36, intermediate_size=40, num_layers=2, num_heads=3,
+                         num_kv_heads=1, tie_word_embeddings=True)
+    state = random_state_dict(config, seed=5)
+    models = [LlamaForCausalLM.from_state_dict(config, state, cpu_kernels=flag) for flag in (True, False)]
+    assert models[0].kernels is not None and models[0].layers[0].kernels is None and models[1].kernels is None
+    logits = []
+    for model in models:
+        cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE)
+        with torch.inference_mode():
+            prefill = AttentionMetadata.build([5], [5], [[1, 2]], 4)
+            model(torch.tensor([3, 9, 27, 4, 8]), torch.arange(5), cache, prefill)
+            meta = AttentionMetadata.build([1], [6], [[1, 2]], 4)
+            logits.append(model.compute_logits(model(torch.tensor([11]), torch.tensor([5]), cache, meta)))
+    assert not models[0]._decodes_natively(cache, meta)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
