@@ -38,6 +38,7 @@ from engine.attention import AttentionMetadata
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
+from splitserve.bench import headless_pyplot
 
 REFERENCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT_TOKENS = 512
@@ -330,10 +331,7 @@ def report(results: dict, log=print) -> None:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers
-    import matplotlib.pyplot as plt
+    plt = headless_pyplot()
 
     names = list(results["codecs"])
     panels = [("ratio_to_bf16", "size: x smaller than bf16", 1.0), ("ppl_change_pct", "perplexity change (%)", 1.0),

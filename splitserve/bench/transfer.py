@@ -39,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.models import load_tokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.bench import headless_pyplot
 from splitserve.bench.codecs import reference_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -238,10 +239,7 @@ def report(results: dict, log=print) -> None:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers
-    import matplotlib.pyplot as plt
+    plt = headless_pyplot()
 
     rows = results["rows"]
     labels = [f"{r['codec']}\noverlap {'on' if r['overlap'] else 'off'}" for r in rows]
