@@ -178,20 +178,26 @@ def test_kv_cache_sized_from_budget_or_override():
 
 
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_native_decode_attention_matches_pytorch_at_model_sizes(block_size, native_kernels):
-    # SmolLM2's head shape (9 query heads on 3 KV heads of 64) with long, ragged contexts over shuffled blocks:
-    # several 256-key chunks per sequence to merge, and (block size 5) chunks that are not a multiple of 8 keys.
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (7, 1, 40)])
+def test_native_decode_attention_matches_pytorch_at_model_sizes(block_size, num_heads, num_kv_heads, head_dim,
+                                                                 native_kernels):
+    # Model head shapes (SmolLM2's 9 query heads on 3 KV heads of 64; groups of 4 and of 7, which the kernel
+    # splits into sets of at most 3 heads; a head of 40, not a multiple of 32) with long, ragged contexts over
+    # shuffled blocks: several 256-key chunks per sequence to merge, and (block size 5) chunks that are not a
+    # multiple of 8 keys.
     gen = torch.Generator().manual_seed(7)
     num_blocks, lens = 800, [700, 1, 333, 16, 517]
-    k_cache, v_cache = (torch.randn(num_blocks, block_size, 3, 64, generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) for _ in range(2))
     pool = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[pool.pop() for _ in range(-(-n // block_size))] for n in lens]
     meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size)
-    q, k_new, v_new = (torch.randn(len(lens), h, 64, generator=gen) for h in (9, 3, 3))
-    ours = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 0.125, native_kernels)
-    theirs = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 0.125)
+    q, k_new, v_new = (torch.randn(len(lens), h, head_dim, generator=gen) for h in (num_heads, num_kv_heads,
+                                                                                      num_kv_heads))
+    scale = head_dim**-0.5
+    ours = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale, native_kernels)
+    theirs = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale)
     assert (ours - theirs).abs().max().item() <= 1e-5
     # Each sequence's result is the same alone as in the batch, bit for bit.
     alone = AttentionMetadata.build([1], lens[2:3], tables[2:3], block_size)
-    single = paged_attention(q[2:3], k_new[2:3], v_new[2:3], k_cache, v_cache, alone, 0.125, native_kernels)
+    single = paged_attention(q[2:3], k_new[2:3], v_new[2:3], k_cache, v_cache, alone, scale, native_kernels)
     assert torch.equal(single, ours[2:3])

@@ -10,7 +10,8 @@
 //    accumulators reuses every loaded W vector six times (a GEMM micro-kernel). The accumulation order of an output
 //    depends only on `in`, never on R: a row gets the same bits alone or in a batch.
 //  - ss_paged_decode_attention: one new query per sequence attends over its K/V read in place through its block
-//    table (no gather copy), in 256-key chunks merged in order, every head of a key row while it is in cache.
+//    table (no gather copy), in 256-key chunks merged in order; each K/V vector loaded serves up to three query
+//    heads of its group, and the next block is asked for while the current one is read.
 //  - ss_attention_input / ss_attention_output_and_mlp: a decoder layer's two halves around its attention (norm,
 //    QKV, rotary, cache write; output product, residual, norm, SwiGLU MLP, residual), built from ss_add_rms_norm,
 //    ss_linear, ss_rope_and_cache and ss_silu_mul.
@@ -18,6 +19,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +33,7 @@ namespace {
 constexpr int kPanel = 16;   // outputs per panel: two AVX2 vectors
 constexpr int kRowTile = 6;  // rows per micro-kernel tile: 12 accumulators + 2 weight vectors + 1 broadcast
 constexpr int64_t kChunkKeys = 256;  // keys per work item of the decode attention
-constexpr int64_t kPrefetchRows = 8;  // how far ahead the decode attention asks for K/V rows
+constexpr int64_t kPrefetchBlocks = 1;  // how many blocks ahead the decode attention asks for K/V
 
 // Rows [0, R) of x (row stride ldx) times one panel [in, 16] -> y rows (stride ldy), `valid` outputs kept.
 template <int R>
@@ -119,14 +121,6 @@ inline __m256 exp256(__m256 x) {
   return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), overflow);
 }
 
-// Asks for rows[begin:end] (each `floats` long) ahead of their use: a context's blocks lie anywhere in the pool,
-// which the hardware prefetcher cannot follow across blocks.
-inline void prefetch_rows(const float* const* rows, int64_t begin, int64_t end, int64_t floats) {
-  for (int64_t s = begin; s < end; ++s) {
-    for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(rows[s] + i), _MM_HINT_T0);
-  }
-}
-
 // In place: x[0:n] <- e^(x - max x); returns max x and stores the sum of the exponentials in *sum.
 // x has room for n rounded up to 8.
 inline float exp_shifted(float* x, int64_t n, float* sum) {
@@ -146,6 +140,95 @@ inline float exp_shifted(float* x, int64_t n, float* sum) {
   *sum = hsum(total);
   return max;
 }
+
+
+// Asks for `rows` rows (stride row_stride) of `floats` each, ahead of their use. The decode attention reads a
+// context's blocks, which lie anywhere in the pool, where the hardware prefetcher cannot follow; it asks for the
+// next block a slice at a time, as it reads the same slice of the current one, so the requests keep the memory
+// busy without filling the core's miss buffers all at once (a whole block asked for at once stalls the core).
+inline void prefetch_slice(const float* first, int64_t rows, int64_t row_stride, int64_t floats) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < floats; i += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(first + r * row_stride + i), _MM_HINT_T0);
+    }
+  }
+}
+
+// scores[h * score_stride + j] = scale * q_h . K_j for HS query heads (q_h = q + h * head_dim) and KEYS key rows
+// (K_j = k + j * row_stride): every K vector loaded once serves all HS heads.
+template <int HS, int KEYS>
+inline void score_tile(const float* q, int64_t head_dim, const float* k, int64_t row_stride, float scale,
+                       float* scores, int64_t score_stride) {
+  __m256 acc[HS][KEYS];
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 4
+    for (int j = 0; j < KEYS; ++j) acc[h][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    __m256 qv[HS];
+#pragma GCC unroll 4
+    for (int h = 0; h < HS; ++h) qv[h] = _mm256_loadu_ps(q + h * head_dim + d);
+#pragma GCC unroll 4
+    for (int j = 0; j < KEYS; ++j) {
+      const __m256 kv = _mm256_loadu_ps(k + j * row_stride + d);
+#pragma GCC unroll 4
+      for (int h = 0; h < HS; ++h) acc[h][j] = _mm256_fmadd_ps(qv[h], kv, acc[h][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h) {
+    if constexpr (KEYS == 4) {
+      _mm_storeu_ps(scores + h * score_stride,
+                    _mm_mul_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), _mm_set1_ps(scale)));
+    } else {
+#pragma GCC unroll 4
+      for (int j = 0; j < KEYS; ++j) scores[h * score_stride + j] = hsum(acc[h][j]) * scale;
+    }
+  }
+}
+
+using ScoreTileFn = void (*)(const float*, int64_t, const float*, int64_t, float, float*, int64_t);
+constexpr ScoreTileFn kScoreTiles[4][5] = {
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+    {nullptr, score_tile<1, 1>, nullptr, nullptr, score_tile<1, 4>},
+    {nullptr, score_tile<2, 1>, nullptr, nullptr, score_tile<2, 4>},
+    {nullptr, score_tile<3, 1>, nullptr, nullptr, score_tile<3, 4>},
+};
+
+// out_h[0:8 VEC] += sum_j p[h * score_stride + j] V_j[0:8 VEC] over n value rows (V_j = v + j * row_stride), for
+// HS heads (out_h = out + h * head_dim): the accumulators stay in registers through the rows, in row order.
+template <int HS, int VEC>
+inline void value_tile(const float* p, int64_t score_stride, const float* v, int64_t row_stride, int64_t n,
+                       float* out, int64_t head_dim) {
+  __m256 acc[HS][VEC];
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 4
+    for (int c = 0; c < VEC; ++c) acc[h][c] = _mm256_loadu_ps(out + h * head_dim + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 pv[HS];
+#pragma GCC unroll 4
+    for (int h = 0; h < HS; ++h) pv[h] = _mm256_broadcast_ss(p + h * score_stride + j);
+#pragma GCC unroll 4
+    for (int c = 0; c < VEC; ++c) {
+      const __m256 vv = _mm256_loadu_ps(v + j * row_stride + 8 * c);
+#pragma GCC unroll 4
+      for (int h = 0; h < HS; ++h) acc[h][c] = _mm256_fmadd_ps(pv[h], vv, acc[h][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 4
+    for (int c = 0; c < VEC; ++c) _mm256_storeu_ps(out + h * head_dim + 8 * c, acc[h][c]);
+}
+
+using ValueTileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+constexpr ValueTileFn kValueTiles[4][5] = {
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+    {nullptr, value_tile<1, 1>, value_tile<1, 2>, value_tile<1, 3>, value_tile<1, 4>},
+    {nullptr, value_tile<2, 1>, value_tile<2, 2>, value_tile<2, 3>, value_tile<2, 4>},
+    {nullptr, value_tile<3, 1>, value_tile<3, 2>, value_tile<3, 3>, value_tile<3, 4>},
+};
 
 }  // namespace
 
@@ -178,10 +261,10 @@ void ss_linear(const float* x, int64_t rows, int64_t ldx, const float* packed, i
 // block_tables: [B, table_stride] int64; seq_lens: [B] int64, the keys each sequence attends to.
 //
 // Work items are chunks of kChunkKeys keys of one sequence, all heads (flash-decoding's split over keys): a
-// single sequence still keeps every thread busy, and each block is read front to back, which the hardware
-// prefetcher follows. Each chunk leaves its max score, exp-sum and unnormalized output per head; a sequence's
-// chunks are then merged in order. The split depends on the sequence alone, never on the batch, so a sequence
-// gets the same bits whatever runs beside it.
+// single sequence still keeps every thread busy. Each chunk leaves its max score, exp-sum and unnormalized output
+// per head; a sequence's chunks are then merged in order. The split depends on the sequence alone, never on the
+// batch, so a sequence gets the same bits whatever runs beside it. Threads take items round robin, so each knows
+// the blocks it reads next (K, then V, then its next item's K) and asks for them ahead (prefetch_slice).
 void ss_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
                                const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
                                int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -199,83 +282,78 @@ void ss_paged_decode_attention(const float* q, const float* k_cache, const float
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(static_cast<size_t>(num_heads * score_stride));
-    std::vector<const float*> key_rows(chunk_keys), value_rows(chunk_keys);
-#pragma omp for schedule(dynamic, 1)
+    // The blocks an item reads, in order: its K blocks, its V blocks, then (padded with nulls) the first K blocks
+    // of this thread's next item, so the prefetch runs on across the K/V and item boundaries.
+    std::vector<const float*> stream(2 * chunk_blocks + kPrefetchBlocks);
+    const int64_t stride = omp_get_num_threads();
+    const auto item_blocks = [&](int64_t item, const float* cache, const float** into, int64_t count) {
+      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t chunk = item - first_item[b];
+      const int64_t keys = std::min(chunk_keys, seq_lens[b] - chunk * chunk_keys);
+      const int64_t n = std::min(count, (keys + block_size - 1) / block_size);
+      const int64_t* table = block_tables + b * table_stride + chunk * chunk_blocks;
+      for (int64_t i = 0; i < n; ++i) into[i] = cache + table[i] * block_stride;
+      for (int64_t i = n; i < count; ++i) into[i] = nullptr;
+      return n;
+    };
+#pragma omp for schedule(static, 1)  // round robin, so a thread knows its next item
     for (int64_t item = 0; item < items; ++item) {
       const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
       const int64_t chunk = item - first_item[b];
       const int64_t start = chunk * chunk_keys, len = std::min(chunk_keys, seq_lens[b] - start);
-      const int64_t* table = block_tables + b * table_stride + chunk * chunk_blocks;
-      for (int64_t s0 = 0, i = 0; s0 < len; s0 += block_size, ++i) {
-        for (int64_t j = 0, n = std::min(block_size, len - s0); j < n; ++j) {
-          const int64_t offset = table[i] * block_stride + j * row_stride;
-          key_rows[s0 + j] = k_cache + offset;
-          value_rows[s0 + j] = v_cache + offset;
-        }
+      const int64_t blocks = item_blocks(item, k_cache, stream.data(), chunk_blocks);
+      item_blocks(item, v_cache, stream.data() + blocks, blocks);
+      const float** ahead = stream.data() + 2 * blocks;  // the next item's first K blocks
+      if (item + stride < items) {
+        item_blocks(item + stride, k_cache, ahead, kPrefetchBlocks);
+      } else {
+        std::fill(ahead, ahead + kPrefetchBlocks, nullptr);
       }
       const float* qb = q + b * num_heads * head_dim;
-      // Pass 1: the scaled scores, four keys at a time, every head of those keys while they are in cache.
-      int64_t s = 0;
-      for (; s + 4 <= len; s += 4) {
-        prefetch_rows(key_rows.data(), s + kPrefetchRows, std::min(len, s + kPrefetchRows + 4), row_stride);
-        for (int64_t r = 0; r < num_heads; ++r) {
-          const float* qr = qb + r * head_dim;
-          const int64_t h = r / group * head_dim;
-          const float *k0 = key_rows[s] + h, *k1 = key_rows[s + 1] + h, *k2 = key_rows[s + 2] + h,
-                      *k3 = key_rows[s + 3] + h;
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          for (int64_t d = 0; d < head_dim; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(qr + d);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+      // Pass 1: the scaled scores, block by block, four keys at a time; each K vector loaded once serves up to
+      // three query heads of its group.
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
+        const float* kb = stream[i];
+        const float* next = stream[i + kPrefetchBlocks];
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += 3) {
+            const int hs = static_cast<int>(std::min<int64_t>(3, (g + 1) * group - r0));
+            int64_t j = 0;
+            for (; j + 4 <= n; j += 4) {
+              if (next != nullptr && r0 == g * group) {
+                prefetch_slice(next + j * row_stride + g * head_dim, 4, row_stride, head_dim);
+              }
+              kScoreTiles[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride, scale,
+                                 scores.data() + r0 * score_stride + s0 + j, score_stride);
+            }
+            for (; j < n; ++j) {
+              kScoreTiles[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride, scale,
+                                 scores.data() + r0 * score_stride + s0 + j, score_stride);
+            }
           }
-          _mm_storeu_ps(scores.data() + r * score_stride + s, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
-        }
-      }
-      for (; s < len; ++s) {
-        for (int64_t r = 0; r < num_heads; ++r) {
-          const float* qr = qb + r * head_dim;
-          const float* key = key_rows[s] + r / group * head_dim;
-          __m256 a0 = _mm256_setzero_ps();
-          for (int64_t d = 0; d < head_dim; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(key + d), a0);
-          scores[r * score_stride + s] = hsum(a0) * scale;
         }
       }
       for (int64_t r = 0; r < num_heads; ++r) {
-        part_max[item * num_heads + r] = exp_shifted(scores.data() + r * score_stride, len, &part_sum[item * num_heads + r]);
+        part_max[item * num_heads + r] =
+            exp_shifted(scores.data() + r * score_stride, len, &part_sum[item * num_heads + r]);
       }
-      // Pass 2: the weighted sum of the values, four value rows at a time, every head of those rows.
+      // Pass 2: the weighted sum of the values, block by block; up to three heads x 32 dimensions of accumulators
+      // stay in registers through a block, and each V vector loaded serves every head of its group.
       float* acc = part_out.data() + item * num_heads * head_dim;
       std::fill(acc, acc + num_heads * head_dim, 0.0f);
-      for (s = 0; s < len; s += 4) {
-        const int64_t n = std::min<int64_t>(4, len - s);
-        prefetch_rows(value_rows.data(), s + kPrefetchRows, std::min(len, s + kPrefetchRows + 4), row_stride);
-        for (int64_t r = 0; r < num_heads; ++r) {
-          const float* sr = scores.data() + r * score_stride + s;
-          const int64_t h = r / group * head_dim;
-          float* ar = acc + r * head_dim;
-          if (n == 4) {
-            const __m256 p0 = _mm256_set1_ps(sr[0]), p1 = _mm256_set1_ps(sr[1]), p2 = _mm256_set1_ps(sr[2]),
-                         p3 = _mm256_set1_ps(sr[3]);
-            const float *v0 = value_rows[s] + h, *v1 = value_rows[s + 1] + h, *v2 = value_rows[s + 2] + h,
-                        *v3 = value_rows[s + 3] + h;
-            for (int64_t d = 0; d < head_dim; d += 8) {
-              __m256 a = _mm256_loadu_ps(ar + d);
-              a = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), a);
-              a = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + d), a);
-              a = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + d), a);
-              a = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + d), a);
-              _mm256_storeu_ps(ar + d, a);
-            }
-          } else {
-            for (int64_t i = 0; i < n; ++i) {
-              const __m256 p = _mm256_set1_ps(sr[i]);
-              const float* v = value_rows[s + i] + h;
-              for (int64_t d = 0; d < head_dim; d += 8) {
-                _mm256_storeu_ps(ar + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(ar + d)));
-              }
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
+        const float* vb = stream[blocks + i];
+        const float* next = stream[blocks + i + kPrefetchBlocks];
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += 3) {
+            const int hs = static_cast<int>(std::min<int64_t>(3, (g + 1) * group - r0));
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+              const int vec = static_cast<int>(std::min<int64_t>(4, (head_dim - d0) / 8));
+              if (next != nullptr && r0 == g * group) prefetch_slice(next + g * head_dim + d0, n, row_stride, 8 * vec);
+              kValueTiles[hs][vec](scores.data() + r0 * score_stride + s0, score_stride,
+                                   vb + g * head_dim + d0, row_stride, n, acc + r0 * head_dim + d0, head_dim);
             }
           }
         }
