@@ -34,6 +34,7 @@ constexpr int kPanel = 16;   // outputs per panel: two AVX2 vectors
 constexpr int kRowTile = 6;  // rows per micro-kernel tile: 12 accumulators + 2 weight vectors + 1 broadcast
 constexpr int64_t kChunkKeys = 256;  // keys per work item of the decode attention
 constexpr int64_t kPrefetchBlocks = 1;  // how many blocks ahead the decode attention asks for K/V
+constexpr int kHeadSet = 3;  // query heads per attention tile: 3 x 4 accumulators + 3 + 1 of the 16 registers
 
 // Rows [0, R) of x (row stride ldx) times one panel [in, 16] -> y rows (stride ldy), `valid` outputs kept.
 template <int R>
@@ -188,7 +189,7 @@ inline void score_tile(const float* q, int64_t head_dim, const float* k, int64_t
 }
 
 using ScoreTileFn = void (*)(const float*, int64_t, const float*, int64_t, float, float*, int64_t);
-constexpr ScoreTileFn kScoreTiles[4][5] = {
+constexpr ScoreTileFn kScoreTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
     {nullptr, score_tile<1, 1>, nullptr, nullptr, score_tile<1, 4>},
     {nullptr, score_tile<2, 1>, nullptr, nullptr, score_tile<2, 4>},
@@ -223,7 +224,7 @@ inline void value_tile(const float* p, int64_t score_stride, const float* v, int
 }
 
 using ValueTileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-constexpr ValueTileFn kValueTiles[4][5] = {
+constexpr ValueTileFn kValueTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
     {nullptr, value_tile<1, 1>, value_tile<1, 2>, value_tile<1, 3>, value_tile<1, 4>},
     {nullptr, value_tile<2, 1>, value_tile<2, 2>, value_tile<2, 3>, value_tile<2, 4>},
@@ -317,8 +318,8 @@ void ss_paged_decode_attention(const float* q, const float* k_cache, const float
         const float* kb = stream[i];
         const float* next = stream[i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += 3) {
-            const int hs = static_cast<int>(std::min<int64_t>(3, (g + 1) * group - r0));
+          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
+            const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
             int64_t j = 0;
             for (; j + 4 <= n; j += 4) {
               if (next != nullptr && r0 == g * group) {
@@ -347,8 +348,8 @@ void ss_paged_decode_attention(const float* q, const float* k_cache, const float
         const float* vb = stream[blocks + i];
         const float* next = stream[blocks + i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += 3) {
-            const int hs = static_cast<int>(std::min<int64_t>(3, (g + 1) * group - r0));
+          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
+            const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
             for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
               const int vec = static_cast<int>(std::min<int64_t>(4, (head_dim - d0) / 8));
               if (next != nullptr && r0 == g * group) prefetch_slice(next + g * head_dim + d0, n, row_stride, 8 * vec);
