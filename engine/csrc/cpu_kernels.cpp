@@ -142,7 +142,6 @@ inline float exp_shifted(float* x, int64_t n, float* sum) {
   return max;
 }
 
-
 // Asks for `rows` rows (stride row_stride) of `floats` each, ahead of their use. The decode attention reads a
 // context's blocks, which lie anywhere in the pool, where the hardware prefetcher cannot follow; it asks for the
 // next block a slice at a time, as it reads the same slice of the current one, so the requests keep the memory
@@ -287,26 +286,28 @@ void ss_paged_decode_attention(const float* q, const float* k_cache, const float
     // of this thread's next item, so the prefetch runs on across the K/V and item boundaries.
     std::vector<const float*> stream(2 * chunk_blocks + kPrefetchBlocks);
     const int64_t stride = omp_get_num_threads();
-    const auto item_blocks = [&](int64_t item, const float* cache, const float** into, int64_t count) {
-      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
-      const int64_t chunk = item - first_item[b];
+    // Writes the first `count` blocks of sequence b's chunk to `into` (nulls past its end); returns how many it has.
+    const auto chunk_blocks_of = [&](int64_t b, int64_t chunk, const float* cache, const float** into, int64_t count) {
       const int64_t keys = std::min(chunk_keys, seq_lens[b] - chunk * chunk_keys);
       const int64_t n = std::min(count, (keys + block_size - 1) / block_size);
       const int64_t* table = block_tables + b * table_stride + chunk * chunk_blocks;
       for (int64_t i = 0; i < n; ++i) into[i] = cache + table[i] * block_stride;
-      for (int64_t i = n; i < count; ++i) into[i] = nullptr;
+      std::fill(into + n, into + count, nullptr);
       return n;
+    };
+    const auto sequence_of = [&](int64_t item) {
+      return std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
     };
 #pragma omp for schedule(static, 1)  // round robin, so a thread knows its next item
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
-      const int64_t chunk = item - first_item[b];
-      const int64_t start = chunk * chunk_keys, len = std::min(chunk_keys, seq_lens[b] - start);
-      const int64_t blocks = item_blocks(item, k_cache, stream.data(), chunk_blocks);
-      item_blocks(item, v_cache, stream.data() + blocks, blocks);
+      const int64_t b = sequence_of(item), chunk = item - first_item[b];
+      const int64_t len = std::min(chunk_keys, seq_lens[b] - chunk * chunk_keys);
+      const int64_t blocks = chunk_blocks_of(b, chunk, k_cache, stream.data(), chunk_blocks);
+      chunk_blocks_of(b, chunk, v_cache, stream.data() + blocks, blocks);
       const float** ahead = stream.data() + 2 * blocks;  // the next item's first K blocks
       if (item + stride < items) {
-        item_blocks(item + stride, k_cache, ahead, kPrefetchBlocks);
+        const int64_t next_b = sequence_of(item + stride);
+        chunk_blocks_of(next_b, item + stride - first_item[next_b], k_cache, ahead, kPrefetchBlocks);
       } else {
         std::fill(ahead, ahead + kPrefetchBlocks, nullptr);
       }
