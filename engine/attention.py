@@ -160,14 +160,15 @@ def paged_attention(
     (unless ``kv_written``: the caller has).
 
     q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D].
-    ``kernels``: the native CPU kernels, for the decode queries when the cache is float32 and they take D.
+    ``kernels``: the native CPU kernels, for the decode queries when they take the cache's dtype and D.
     Returns [T, Hq, D] in q's dtype.
     """
     if not kv_written:
         _write(k_cache, k_new, meta.slot_mapping)
         _write(v_cache, v_new, meta.slot_mapping)
     group = meta.decode
-    native = kernels is not None and k_cache.dtype == torch.float32 and kernels.supports_head_dim(q.shape[-1])
+    native = (kernels is not None and kernels.supports_cache_dtype(k_cache.dtype)
+              and kernels.supports_head_dim(q.shape[-1]))
     decode = partial(_decode_native, kernels) if native else _decode
     if group is not None and group.token_index is None:
         return decode(q, k_cache, v_cache, group, scale)

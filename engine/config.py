@@ -67,6 +67,9 @@ class ModelConfig:
         )
 
 
+CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass
 class CacheConfig:
     """The paged KV cache: block size and how much memory the block pool may take."""
@@ -75,9 +78,13 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30  # budget for K and V of all layers
     num_blocks: int = 0  # > 0 overrides the budget (tests use small pools)
     enable_prefix_caching: bool = True
+    # float32 (the default: exact against the float32 reference); bfloat16 / float16 halve the pool's bytes per
+    # token, so twice the tokens fit and a decode step reads half the K/V (attention still computes in float32).
     cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks < 0:

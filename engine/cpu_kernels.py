@@ -8,7 +8,7 @@ attend a decode step's queries over K/V read in place through the block tables i
 
 ``load()`` compiles the source with ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into
 ``$SPLITSERVE_CACHE_DIR`` (default ``~/.cache/splitserve``), once per source, compiler and CPU, and returns None,
-after logging why, where that cannot work: not x86-64 with AVX2 and FMA, no compiler, a failed build, or
+after logging why, where that cannot work: not x86-64 with AVX2, FMA and F16C, no compiler, a failed build, or
 ``SPLITSERVE_CPU_KERNELS=0``. Callers then keep the pure-PyTorch path, which stays the reference in the tests.
 """
 
@@ -36,6 +36,10 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
+# KV cache dtypes the kernels read and write (CacheType in the source): 16-bit caches are widened to float32 as
+# they are loaded, so the attention's arithmetic is float32 whatever the cache holds.
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
 
 class CpuKernels:
     """Typed entry points of the built library. Tensors are float32 (int64 for tables and lengths), on the CPU."""
@@ -44,16 +48,17 @@ class CpuKernels:
         lib = ctypes.CDLL(str(path))
         lib.ss_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
         lib.ss_paged_decode_attention.argtypes = [
-            _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int
+            _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int
         ]
         lib.ss_attention_input.argtypes = [
-            _ptr, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int
+            _ptr, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _int,
+            _ptr, _int,
         ]
         lib.ss_attention_output_and_mlp.argtypes = [
             _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _float, _ptr, _ptr, _i64, _int
         ]
         lib.ss_decode_layers.argtypes = [
-            _ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr,
+            _ptr, _i64, _i64, _i64, _ptr, _int, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr,
             _i64, _float, _int,
         ]
         self._lib = lib
@@ -63,6 +68,11 @@ class CpuKernels:
     def supports_head_dim(head_dim: int) -> bool:
         """The attention kernels take heads of up to 512 in multiples of 8 (AVX2 vectors)."""
         return head_dim % 8 == 0 and head_dim <= 512
+
+    @staticmethod
+    def supports_cache_dtype(dtype: torch.dtype) -> bool:
+        """The attention kernels read and write float32, bfloat16 and float16 caches."""
+        return dtype in CACHE_TYPES
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,17 +90,19 @@ class CpuKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, nb] int64; seq_lens [B] int64
-        (keys per sequence, the new one included, all written) -> [B, Hq, D]."""
+        """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D] (a ``CACHE_TYPES`` dtype); block_tables [B, nb]
+        int64; seq_lens [B] int64 (keys per sequence, the new one included, all written) -> [B, Hq, D]."""
         q = q.contiguous()
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "attention: caches must be contiguous")
+        _check_caches(k_cache, v_cache, "attention")
         _check(block_tables.dtype == torch.int64 and block_tables.stride(1) == 1, "attention: bad block tables")
         _check(seq_lens.dtype == torch.int64 and seq_lens.is_contiguous(), "attention: bad sequence lengths")
         out = torch.empty_like(q)
         self._lib.ss_paged_decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], block_tables.data_ptr(),
+            block_tables.stride(0),
             seq_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -112,15 +124,15 @@ class CpuKernels:
                "attention_input: x, norm and qkv weights do not match")
         _check(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
                and len(positions) == tokens == len(slot_mapping), "attention_input: bad positions or slot mapping")
-        _check(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32
-               and k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim),
-               "attention_input: caches do not match")
+        _check(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+               and k_cache.shape[2:] == (num_kv_heads, head_dim), "attention_input: caches do not match")
+        _check_caches(k_cache, v_cache, "attention_input")
         qkv = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.ss_attention_input(
             x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
             None if qkv_bias is None else qkv_bias.data_ptr(), qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(),
             sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-            slot_mapping.data_ptr(), torch.get_num_threads(),
+            CACHE_TYPES[k_cache.dtype], slot_mapping.data_ptr(), torch.get_num_threads(),
         )
         return qkv
 
@@ -153,7 +165,8 @@ class CpuKernels:
                and block_tables.stride(1) == 1 and len(block_tables) == batch and cos.shape[1] == layers.head_dim,
                "decode_layers: bad positions, slots, block tables or lengths")
         self._lib.ss_decode_layers(
-            x.data_ptr(), batch, layers.hidden, len(layers.table), layers.table, layers.eps, positions.data_ptr(),
+            x.data_ptr(), batch, layers.hidden, len(layers.table), layers.table, CACHE_TYPES[layers.cache_dtype],
+            layers.eps, positions.data_ptr(),
             cos.data_ptr(), sin_signed.data_ptr(), layers.num_heads, layers.num_kv_heads, layers.head_dim,
             layers.inter, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), layers.block_size, layers.scale, torch.get_num_threads(),
@@ -188,9 +201,13 @@ class DecodeLayers:
         self.hidden = first.input_norm.shape[0]
         self.inter = first.down.shape[1]
         _, self.block_size, _, self.head_dim = first.k_cache.shape
+        self.cache_dtype = first.k_cache.dtype
         width = (num_heads + 2 * num_kv_heads) * self.head_dim
         for layer in layers:
-            _check(all(t.dtype == torch.float32 and t.is_contiguous() for t in layer if t is not None)
+            weights, caches = layer[:-2], layer[-2:]
+            _check(all(t.dtype == torch.float32 and t.is_contiguous() for t in weights if t is not None)
+                   and all(t.dtype == self.cache_dtype and t.is_contiguous() for t in caches)
+                   and CpuKernels.supports_cache_dtype(self.cache_dtype)
                    and layer.input_norm.shape == layer.post_attn_norm.shape == (self.hidden,)
                    and layer.qkv.shape == packed_shape(width, self.hidden)
                    and (layer.qkv_bias is None or layer.qkv_bias.shape == (width,))
@@ -224,7 +241,7 @@ def load() -> CpuKernels | None:
         logger.info("native CPU kernels disabled by SPLITSERVE_CPU_KERNELS=0")
         return None
     if not supported_cpu():
-        logger.warning("native CPU kernels need x86-64 with AVX2 and FMA; using the PyTorch path")
+        logger.warning("native CPU kernels need x86-64 with AVX2, FMA and F16C; using the PyTorch path")
         return None
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
@@ -239,8 +256,8 @@ def load() -> CpuKernels | None:
 
 
 def supported_cpu() -> bool:
-    """x86-64 with AVX2 and FMA, what the kernels' intrinsics need."""
-    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags()
+    """x86-64 with AVX2, FMA and F16C, what the kernels' intrinsics need."""
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
 def _build(compiler: str, cpu_flags: set[str]) -> Path:
@@ -276,6 +293,12 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+    _check(k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_TYPES,
+           f"{what}: caches must both be one of {', '.join(str(t) for t in CACHE_TYPES)}, "
+           f"got {k_cache.dtype} and {v_cache.dtype}")
 
 
 def _check(ok: bool, message: str) -> None:

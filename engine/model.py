@@ -207,12 +207,12 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = MLP(config, dtype, device, kernels)
         # The layer's halves around its attention run natively when the kernels take its heads (and, per step,
-        # the cache is float32); its products use the kernels either way.
+        # the cache's dtype); its products use the kernels either way.
         self.kernels = kernels if kernels is not None and kernels.supports_head_dim(config.head_dim) else None
 
     def forward(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """x: the residual stream [T, H], updated in place and returned."""
-        if self.kernels is not None and k_cache.dtype == torch.float32:
+        if self.kernels is not None and self.kernels.supports_cache_dtype(k_cache.dtype):
             return self._forward_native(x, rotary, k_cache, v_cache, meta)
         x += self.attn(self.input_norm(x), rotary, k_cache, v_cache, meta)
         x += self.mlp(self.post_attn_norm(x))
@@ -299,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _decodes_natively(self, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """A decode-only step on the native kernels runs all its layers in one native call."""
-        return (self.kernels is not None and meta.is_decode_only and kv_cache.dtype == torch.float32
+        return (self.kernels is not None and meta.is_decode_only and self.kernels.supports_cache_dtype(kv_cache.dtype)
                 and self.kernels.supports_head_dim(self.config.head_dim))
 
     def _decode_layers(self, kv_cache: PagedKVCache) -> DecodeLayers:

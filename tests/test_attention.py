@@ -108,13 +108,48 @@ def test_new_kv_lands_in_its_slots_and_nothing_else_changes(attention_kernels):
     assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == sum(p + n for p, n in seqs)
 
 
-def test_cache_in_bfloat16_stores_rounded_kv_and_attends_in_float32(attention_kernels):
-    # (the native kernels read float32 caches only: with a bfloat16 cache the PyTorch path runs either way)
-    out, ref, (k_cache, _), (k_new, _), meta = _run_scenario([(6, 1), (4, 3)], 4, 2, cache_dtype=torch.bfloat16,
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_cache_stores_rounded_kv_and_attends_in_float32(cache_dtype, attention_kernels):
+    out, ref, (k_cache, _), (k_new, _), meta = _run_scenario([(6, 1), (4, 3), (9, 1)], 4, 2, cache_dtype=cache_dtype,
                                                              kernels=attention_kernels)
-    assert k_cache.dtype == torch.bfloat16 and out.dtype == torch.float32
-    torch.testing.assert_close(k_cache.flatten(0, 1)[meta.slot_mapping], k_new.bfloat16(), rtol=0, atol=0)
+    assert k_cache.dtype == cache_dtype and out.dtype == torch.float32
+    torch.testing.assert_close(k_cache.flatten(0, 1)[meta.slot_mapping], k_new.to(cache_dtype), rtol=0, atol=0)
     assert (out.double() - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_cache_write_rounds_as_torch_does(cache_dtype, native_kernels):
+    # The native layer input (norm, QKV product, rotary, cache write) with a zero QKV weight and everything at
+    # position 0 (rotation by 0) leaves qkv = its bias, so the cache must hold exactly bias.to(cache_dtype): ties
+    # rounded to even (1 + 2^-8 and 1 + 3 * 2^-8 for bfloat16, 1 + 2^-11 and 1 + 3 * 2^-11 for float16),
+    # subnormals, overflow to inf, signs, and every slot where the slot mapping puts it.
+    from engine.cpu_kernels import packed_shape
+
+    num_heads, num_kv_heads, head_dim, hidden, tokens = 2, 2, 8, 16, 3
+    kv_width = num_kv_heads * head_dim
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    special = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-8), 1e-40, 7e4, -1e5])
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(width, generator=gen) * 10
+    bias[num_heads * head_dim : num_heads * head_dim + 8] = special  # k of the first KV head
+    bias[-8:] = special.flip(0)  # v of the last KV head
+    shape = (4, 4, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    slots = torch.tensor([13, 2, 7])
+    qkv = native_kernels.attention_input(
+        torch.randn(tokens, hidden, generator=gen), torch.ones(hidden), 1e-6,
+        torch.zeros(packed_shape(width, hidden)), bias, torch.zeros(tokens, dtype=torch.long),
+        torch.ones(1, head_dim), torch.zeros(1, head_dim), num_heads, num_kv_heads, k_cache, v_cache, slots,
+    )
+    assert torch.equal(qkv, bias.expand(tokens, width))
+    k_new = bias[num_heads * head_dim : -kv_width].view(num_kv_heads, head_dim).to(cache_dtype)
+    v_new = bias[-kv_width:].view(num_kv_heads, head_dim).to(cache_dtype)
+    bits = torch.float32 if cache_dtype == torch.float32 else torch.int16
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    for slot in range(16):
+        written = slot in slots.tolist()
+        assert torch.equal(flat_k[slot].view(bits), (k_new if written else torch.zeros_like(k_new)).view(bits))
+        assert torch.equal(flat_v[slot].view(bits), (v_new if written else torch.zeros_like(v_new)).view(bits))
 
 
 def test_build_slot_mapping_and_padding():
@@ -177,17 +212,19 @@ def test_kv_cache_sized_from_budget_or_override():
         num_blocks_for_budget(CONFIG, 8, torch.float32, 6143)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (7, 1, 40)])
 def test_native_decode_attention_matches_pytorch_at_model_sizes(block_size, num_heads, num_kv_heads, head_dim,
-                                                                 native_kernels):
+                                                                 cache_dtype, native_kernels):
     # Model head shapes (SmolLM2's 9 query heads on 3 KV heads of 64; groups of 4 and of 7, which the kernel
     # splits into sets of at most 3 heads; a head of 40, not a multiple of 32) with long, ragged contexts over
     # shuffled blocks: several 256-key chunks per sequence to merge, and (block size 5) chunks that are not a
-    # multiple of 8 keys.
+    # multiple of 8 keys; caches of every dtype the kernels read (16-bit ones widened to float32 on load).
     gen = torch.Generator().manual_seed(7)
     num_blocks, lens = 800, [700, 1, 333, 16, 517]
-    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+                        for _ in range(2))
     pool = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[pool.pop() for _ in range(-(-n // block_size))] for n in lens]
     meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size)

@@ -30,10 +30,12 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.9, top_p=0.9, seed=1000 + i, max_tokens=12 + i, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def batched_llm():
-    # A token budget of 64 chunks every prompt longer than that; 48 chunks the 64-token steps further.
-    return LLM(model="tiny-random", num_blocks=512, max_num_batched_tokens=64, long_prefill_token_threshold=48)
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def batched_llm(request):
+    # A token budget of 64 chunks every prompt longer than that; 48 chunks the 64-token steps further. The KV
+    # cache in float32 (the default) and in a 16-bit dtype, which the native kernels also attend over.
+    return LLM(model="tiny-random", num_blocks=512, max_num_batched_tokens=64, long_prefill_token_threshold=48,
+               cache_dtype=request.param)
 
 
 def test_outputs_identical_alone_and_in_a_batch_of_16(batched_llm):
@@ -42,7 +44,8 @@ def test_outputs_identical_alone_and_in_a_batch_of_16(batched_llm):
     batched = batched_llm.generate(prompts, params)
     assert batched_llm.engine.block_manager.prefix_hits > 0  # the shared prefixes were served from the cache
 
-    alone_llm = LLM(model="tiny-random", num_blocks=512, enable_prefix_caching=False)
+    cache_dtype = batched_llm.engine.config.cache.cache_dtype
+    alone_llm = LLM(model="tiny-random", num_blocks=512, enable_prefix_caching=False, cache_dtype=cache_dtype)
     for prompt, p, together in zip(prompts, params, batched):
         alone = alone_llm.generate(prompt, p)[0]
         assert together.token_ids == alone.token_ids

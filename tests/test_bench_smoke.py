@@ -11,6 +11,7 @@ import pytest
 
 from kvtransfer.codecs import available_codecs
 from splitserve.bench import codecs as codecs_bench
+from splitserve.bench import engine as engine_bench
 from splitserve.bench import transfer as transfer_bench
 
 
@@ -47,3 +48,26 @@ def test_transfer_bench_measures_overlap_on_and_off_per_codec(tmp_path):
     assert none_row["wire_mb"] == none_row["raw_mb"] == 64 * 4 * 2 * (2 * 16 * 4) / 1e6  # tokens x layers x K/V x bytes
     assert [t["codec"] for t in results["targets"]] == ["none", "int8+zstd"]
     assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("cache_dtype,elem_bytes", [("float32", 4), ("float16", 2)])
+def test_engine_bench_measures_ours_and_transformers_side_by_side(cache_dtype, elem_bytes, tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    engine_bench.main(["--model", "tiny-random", "--steps", "4", "--repeat", "1", "--cache-dtype", cache_dtype,
+                       "--json", str(out)])
+    results = json.loads(out.read_text())
+    assert results["cache_dtype"] == cache_dtype
+    assert [int(n) for n in results["prefill"]] == list(engine_bench.PROMPT_LENS)
+    assert [int(b) for b in results["decode"]] == list(engine_bench.DECODE_BATCHES)
+    machine = results["machine"]
+    assert machine["matmul_gflops"] > 0 and machine["read_gbps"] > 0
+    for r in results["prefill"].values():
+        assert r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 and r["share_of_peak"] > 0
+    floors = {int(b): r["floor_ms"] for b, r in results["decode"].items()}
+    assert all(r["ours_ms"] > 0 and r["hf_ms"] > 0 for r in results["decode"].values())
+    # The floor's KV part grows with the batch at the cache's element size: K and V x layers x KV heads x head_dim
+    # elements per cached token (tiny-random: 4 layers, 2 KV heads of 16).
+    kv_ms_per_seq = (floors[32] - floors[8]) / 24
+    kv_bytes_per_seq = 2 * 4 * 2 * 16 * elem_bytes * engine_bench.DECODE_CONTEXT
+    assert kv_ms_per_seq == pytest.approx(kv_bytes_per_seq / (machine["read_gbps"] * 1e9) * 1e3, rel=1e-6)
+    assert "== targets ==" in capsys.readouterr().out

@@ -646,6 +646,7 @@ def test_pod_configs_come_from_flags_and_environment_and_refuse_bad_values():
         (lambda: PrefillConfig(kv_codec="gzip"), "kv_codec must be one of"),
         (lambda: PrefillConfig(registry="consul"), "registry must be one of static, redis"),
         (lambda: PrefillConfig(block_size=12), "block_size must be a positive power of two"),
+        (lambda: DecodeConfig(cache_dtype="int8"), "cache_dtype must be one of float32, bfloat16, float16"),
     ]:
         with pytest.raises(ValueError, match=message):
             build()

@@ -11,7 +11,8 @@
 //    depends only on `in`, never on R: a row gets the same bits alone or in a batch.
 //  - ss_paged_decode_attention: one new query per sequence attends over its K/V read in place through its block
 //    table (no gather copy), in 256-key chunks merged in order; each K/V vector loaded serves up to three query
-//    heads of its group, and the next block is asked for while the current one is read.
+//    heads of its group, and the next block is asked for while the current one is read. The cache holds float32,
+//    bfloat16 or float16 (CacheType), widened to float32 as it is loaded; ss_rope_and_cache writes it rounded.
 //  - ss_attention_input / ss_attention_output_and_mlp: a decoder layer's two halves around its attention (norm,
 //    QKV, rotary, cache write; output product, residual, norm, SwiGLU MLP, residual), built from ss_add_rms_norm,
 //    ss_linear, ss_rope_and_cache and ss_silu_mul.
@@ -35,6 +36,66 @@ constexpr int kRowTile = 6;  // rows per micro-kernel tile: 12 accumulators + 2 
 constexpr int64_t kChunkKeys = 256;  // keys per work item of the decode attention
 constexpr int64_t kPrefetchBlocks = 1;  // how many blocks ahead the decode attention asks for K/V
 constexpr int kHeadSet = 3;  // query heads per attention tile: 3 x 4 accumulators + 3 + 1 of the 16 registers
+
+// What the KV cache holds (CACHE_TYPES in engine/cpu_kernels.py): float32, or 16-bit bfloat16 / float16 values
+// widened to float32 as they are loaded, so the attention's arithmetic is float32 whatever the cache stores.
+enum CacheType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+template <int CT>
+struct CacheElem;
+
+template <>
+struct CacheElem<kFloat32> {
+  using T = float;
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+};
+
+template <>
+struct CacheElem<kBFloat16> {
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  // Rounded to nearest, ties to even (torch's rounding to bfloat16); a NaN stays a quiet NaN.
+  static void store8(uint16_t* p, __m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 twice | r4..r7 twice
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  }
+};
+
+template <>
+struct CacheElem<kFloat16> {
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store8(uint16_t* p, __m256 x) {  // rounded to nearest, ties to even, as torch rounds to float16
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+// Calls f(std::integral_constant<int, CT>) for the cache type the caller named (checked there).
+template <typename F>
+void with_cache_type(int cache_type, F&& f) {
+  switch (cache_type) {
+    case kBFloat16:
+      f(std::integral_constant<int, kBFloat16>{});
+      break;
+    case kFloat16:
+      f(std::integral_constant<int, kFloat16>{});
+      break;
+    default:
+      f(std::integral_constant<int, kFloat32>{});
+  }
+}
 
 // Rows [0, R) of x (row stride ldx) times one panel [in, 16] -> y rows (stride ldy), `valid` outputs kept.
 template <int R>
@@ -142,13 +203,15 @@ inline float exp_shifted(float* x, int64_t n, float* sum) {
   return max;
 }
 
-// Asks for `rows` rows (stride row_stride) of `floats` each, ahead of their use. The decode attention reads a
+// Asks for `rows` rows (stride row_stride) of `count` elements each, ahead of their use. The decode attention reads a
 // context's blocks, which lie anywhere in the pool, where the hardware prefetcher cannot follow; it asks for the
 // next block a slice at a time, as it reads the same slice of the current one, so the requests keep the memory
 // busy without filling the core's miss buffers all at once (a whole block asked for at once stalls the core).
-inline void prefetch_slice(const float* first, int64_t rows, int64_t row_stride, int64_t floats) {
+template <typename T>
+inline void prefetch_slice(const T* first, int64_t rows, int64_t row_stride, int64_t count) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < floats; i += 16) {
+    for (int64_t i = 0; i < count; i += kLine) {
       _mm_prefetch(reinterpret_cast<const char*>(first + r * row_stride + i), _MM_HINT_T0);
     }
   }
@@ -156,9 +219,9 @@ inline void prefetch_slice(const float* first, int64_t rows, int64_t row_stride,
 
 // scores[h * score_stride + j] = scale * q_h . K_j for HS query heads (q_h = q + h * head_dim) and KEYS key rows
 // (K_j = k + j * row_stride): every K vector loaded once serves all HS heads.
-template <int HS, int KEYS>
-inline void score_tile(const float* q, int64_t head_dim, const float* k, int64_t row_stride, float scale,
-                       float* scores, int64_t score_stride) {
+template <int CT, int HS, int KEYS>
+inline void score_tile(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
+                       float scale, float* scores, int64_t score_stride) {
   __m256 acc[HS][KEYS];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h)
@@ -170,7 +233,7 @@ inline void score_tile(const float* q, int64_t head_dim, const float* k, int64_t
     for (int h = 0; h < HS; ++h) qv[h] = _mm256_loadu_ps(q + h * head_dim + d);
 #pragma GCC unroll 4
     for (int j = 0; j < KEYS; ++j) {
-      const __m256 kv = _mm256_loadu_ps(k + j * row_stride + d);
+      const __m256 kv = CacheElem<CT>::load8(k + j * row_stride + d);
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][j] = _mm256_fmadd_ps(qv[h], kv, acc[h][j]);
     }
@@ -187,19 +250,21 @@ inline void score_tile(const float* q, int64_t head_dim, const float* k, int64_t
   }
 }
 
-using ScoreTileFn = void (*)(const float*, int64_t, const float*, int64_t, float, float*, int64_t);
-constexpr ScoreTileFn kScoreTiles[kHeadSet + 1][5] = {
+template <int CT>
+using ScoreTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, float, float*, int64_t);
+template <int CT>
+constexpr ScoreTileFn<CT> kScoreTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
-    {nullptr, score_tile<1, 1>, nullptr, nullptr, score_tile<1, 4>},
-    {nullptr, score_tile<2, 1>, nullptr, nullptr, score_tile<2, 4>},
-    {nullptr, score_tile<3, 1>, nullptr, nullptr, score_tile<3, 4>},
+    {nullptr, score_tile<CT, 1, 1>, nullptr, nullptr, score_tile<CT, 1, 4>},
+    {nullptr, score_tile<CT, 2, 1>, nullptr, nullptr, score_tile<CT, 2, 4>},
+    {nullptr, score_tile<CT, 3, 1>, nullptr, nullptr, score_tile<CT, 3, 4>},
 };
 
 // out_h[0:8 VEC] += sum_j p[h * score_stride + j] V_j[0:8 VEC] over n value rows (V_j = v + j * row_stride), for
 // HS heads (out_h = out + h * head_dim): the accumulators stay in registers through the rows, in row order.
-template <int HS, int VEC>
-inline void value_tile(const float* p, int64_t score_stride, const float* v, int64_t row_stride, int64_t n,
-                       float* out, int64_t head_dim) {
+template <int CT, int HS, int VEC>
+inline void value_tile(const float* p, int64_t score_stride, const typename CacheElem<CT>::T* v, int64_t row_stride,
+                       int64_t n, float* out, int64_t head_dim) {
   __m256 acc[HS][VEC];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h)
@@ -211,7 +276,7 @@ inline void value_tile(const float* p, int64_t score_stride, const float* v, int
     for (int h = 0; h < HS; ++h) pv[h] = _mm256_broadcast_ss(p + h * score_stride + j);
 #pragma GCC unroll 4
     for (int c = 0; c < VEC; ++c) {
-      const __m256 vv = _mm256_loadu_ps(v + j * row_stride + 8 * c);
+      const __m256 vv = CacheElem<CT>::load8(v + j * row_stride + 8 * c);
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][c] = _mm256_fmadd_ps(pv[h], vv, acc[h][c]);
     }
@@ -222,13 +287,145 @@ inline void value_tile(const float* p, int64_t score_stride, const float* v, int
     for (int c = 0; c < VEC; ++c) _mm256_storeu_ps(out + h * head_dim + 8 * c, acc[h][c]);
 }
 
-using ValueTileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-constexpr ValueTileFn kValueTiles[kHeadSet + 1][5] = {
+template <int CT>
+using ValueTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, int64_t, float*,
+                             int64_t);
+template <int CT>
+constexpr ValueTileFn<CT> kValueTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
-    {nullptr, value_tile<1, 1>, value_tile<1, 2>, value_tile<1, 3>, value_tile<1, 4>},
-    {nullptr, value_tile<2, 1>, value_tile<2, 2>, value_tile<2, 3>, value_tile<2, 4>},
-    {nullptr, value_tile<3, 1>, value_tile<3, 2>, value_tile<3, 3>, value_tile<3, 4>},
+    {nullptr, value_tile<CT, 1, 1>, value_tile<CT, 1, 2>, value_tile<CT, 1, 3>, value_tile<CT, 1, 4>},
+    {nullptr, value_tile<CT, 2, 1>, value_tile<CT, 2, 2>, value_tile<CT, 2, 3>, value_tile<CT, 2, 4>},
+    {nullptr, value_tile<CT, 3, 1>, value_tile<CT, 3, 2>, value_tile<CT, 3, 3>, value_tile<CT, 3, 4>},
 };
+
+// out[b, hq, :] = softmax(q[b, hq] . K[b]^T * scale) V[b] for one new query per sequence.
+// q, out: [B, Hq, D] contiguous, D a multiple of 8; k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous
+// (elements of cache type CT);
+// block_tables: [B, table_stride] int64; seq_lens: [B] int64, the keys each sequence attends to.
+//
+// Work items are chunks of kChunkKeys keys of one sequence, all heads (flash-decoding's split over keys): a
+// single sequence still keeps every thread busy. Each chunk leaves its max score, exp-sum and unnormalized output
+// per head; a sequence's chunks are then merged in order. The split depends on the sequence alone, never on the
+// batch, so a sequence gets the same bits whatever runs beside it. Threads take items round robin, so each knows
+// the blocks it reads next (K, then V, then its next item's K) and asks for them ahead (prefetch_slice).
+template <int CT>
+void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
+                      const typename CacheElem<CT>::T* v_cache, const int64_t* block_tables, int64_t table_stride,
+                      const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+  using T = typename CacheElem<CT>::T;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * head_dim;  // between consecutive slots of a block
+  const int64_t block_stride = block_size * row_stride;
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkKeys / block_size);
+  const int64_t chunk_keys = chunk_blocks * block_size;
+  const int64_t score_stride = (chunk_keys + 7) / 8 * 8;  // room for exp_shifted's padding
+  std::vector<int64_t> first_item(batch + 1, 0);  // sequence b's chunks are items first_item[b]..first_item[b+1]
+  for (int64_t b = 0; b < batch; ++b) first_item[b + 1] = first_item[b] + (seq_lens[b] + chunk_keys - 1) / chunk_keys;
+  const int64_t items = first_item[batch];
+  std::vector<float> part_max(items * num_heads), part_sum(items * num_heads), part_out(items * num_heads * head_dim);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores(static_cast<size_t>(num_heads * score_stride));
+    // The blocks an item reads, in order: its K blocks, its V blocks, then (padded with nulls) the first K blocks
+    // of this thread's next item, so the prefetch runs on across the K/V and item boundaries.
+    std::vector<const T*> stream(2 * chunk_blocks + kPrefetchBlocks);
+    const int64_t stride = omp_get_num_threads();
+    // Writes the first `count` blocks of sequence b's chunk to `into` (nulls past its end); returns how many it has.
+    const auto chunk_blocks_of = [&](int64_t b, int64_t chunk, const T* cache, const T** into, int64_t count) {
+      const int64_t keys = std::min(chunk_keys, seq_lens[b] - chunk * chunk_keys);
+      const int64_t n = std::min(count, (keys + block_size - 1) / block_size);
+      const int64_t* table = block_tables + b * table_stride + chunk * chunk_blocks;
+      for (int64_t i = 0; i < n; ++i) into[i] = cache + table[i] * block_stride;
+      std::fill(into + n, into + count, nullptr);
+      return n;
+    };
+    const auto sequence_of = [&](int64_t item) {
+      return std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    };
+#pragma omp for schedule(static, 1)  // round robin, so a thread knows its next item
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t b = sequence_of(item), chunk = item - first_item[b];
+      const int64_t len = std::min(chunk_keys, seq_lens[b] - chunk * chunk_keys);
+      const int64_t blocks = chunk_blocks_of(b, chunk, k_cache, stream.data(), chunk_blocks);
+      chunk_blocks_of(b, chunk, v_cache, stream.data() + blocks, blocks);
+      const T** ahead = stream.data() + 2 * blocks;  // the next item's first K blocks
+      if (item + stride < items) {
+        const int64_t next_b = sequence_of(item + stride);
+        chunk_blocks_of(next_b, item + stride - first_item[next_b], k_cache, ahead, kPrefetchBlocks);
+      } else {
+        std::fill(ahead, ahead + kPrefetchBlocks, nullptr);
+      }
+      const float* qb = q + b * num_heads * head_dim;
+      // Pass 1: the scaled scores, block by block, four keys at a time; each K vector loaded once serves up to
+      // three query heads of its group.
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
+        const T* kb = stream[i];
+        const T* next = stream[i + kPrefetchBlocks];
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
+            const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
+            int64_t j = 0;
+            for (; j + 4 <= n; j += 4) {
+              if (next != nullptr && r0 == g * group) {
+                prefetch_slice(next + j * row_stride + g * head_dim, 4, row_stride, head_dim);
+              }
+              kScoreTiles<CT>[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride, scale,
+                                 scores.data() + r0 * score_stride + s0 + j, score_stride);
+            }
+            for (; j < n; ++j) {
+              kScoreTiles<CT>[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride, scale,
+                                 scores.data() + r0 * score_stride + s0 + j, score_stride);
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < num_heads; ++r) {
+        part_max[item * num_heads + r] =
+            exp_shifted(scores.data() + r * score_stride, len, &part_sum[item * num_heads + r]);
+      }
+      // Pass 2: the weighted sum of the values, block by block; up to three heads x 32 dimensions of accumulators
+      // stay in registers through a block, and each V vector loaded serves every head of its group.
+      float* acc = part_out.data() + item * num_heads * head_dim;
+      std::fill(acc, acc + num_heads * head_dim, 0.0f);
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
+        const T* vb = stream[blocks + i];
+        const T* next = stream[blocks + i + kPrefetchBlocks];
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
+            const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+              const int vec = static_cast<int>(std::min<int64_t>(4, (head_dim - d0) / 8));
+              if (next != nullptr && r0 == g * group) prefetch_slice(next + g * head_dim + d0, n, row_stride, 8 * vec);
+              kValueTiles<CT>[hs][vec](scores.data() + r0 * score_stride + s0, score_stride,
+                                   vb + g * head_dim + d0, row_stride, n, acc + r0 * head_dim + d0, head_dim);
+            }
+          }
+        }
+      }
+    }
+    // Merge each sequence's chunks, in chunk order: out = sum_c e^(m_c - m) acc_c / sum_c e^(m_c - m) l_c.
+#pragma omp for schedule(static)
+    for (int64_t br = 0; br < batch * num_heads; ++br) {
+      const int64_t b = br / num_heads, r = br % num_heads;
+      float m = -INFINITY;
+      for (int64_t c = first_item[b]; c < first_item[b + 1]; ++c) m = std::max(m, part_max[c * num_heads + r]);
+      float total = 0.0f;
+      float* o = out + br * head_dim;
+      std::fill(o, o + head_dim, 0.0f);
+      for (int64_t c = first_item[b]; c < first_item[b + 1]; ++c) {
+        const float w = expf(part_max[c * num_heads + r] - m);
+        total += w * part_sum[c * num_heads + r];
+        const float* pc = part_out.data() + (c * num_heads + r) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += w * pc[d];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+    }
+  }
+}
 
 }  // namespace
 
@@ -256,130 +453,17 @@ void ss_linear(const float* x, int64_t rows, int64_t ldx, const float* packed, i
   }
 }
 
-// out[b, hq, :] = softmax(q[b, hq] . K[b]^T * scale) V[b] for one new query per sequence.
-// q, out: [B, Hq, D] contiguous, D a multiple of 8; k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous;
-// block_tables: [B, table_stride] int64; seq_lens: [B] int64, the keys each sequence attends to.
-//
-// Work items are chunks of kChunkKeys keys of one sequence, all heads (flash-decoding's split over keys): a
-// single sequence still keeps every thread busy. Each chunk leaves its max score, exp-sum and unnormalized output
-// per head; a sequence's chunks are then merged in order. The split depends on the sequence alone, never on the
-// batch, so a sequence gets the same bits whatever runs beside it. Threads take items round robin, so each knows
-// the blocks it reads next (K, then V, then its next item's K) and asks for them ahead (prefetch_slice).
-void ss_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
+// The decode attention (decode_attention above) over caches holding cache_type (a CacheType) elements.
+void ss_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int cache_type,
                                const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
                                int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t block_size, float scale, float* out, int threads) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_dim;  // between consecutive slots of a block
-  const int64_t block_stride = block_size * row_stride;
-  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkKeys / block_size);
-  const int64_t chunk_keys = chunk_blocks * block_size;
-  const int64_t score_stride = (chunk_keys + 7) / 8 * 8;  // room for exp_shifted's padding
-  std::vector<int64_t> first_item(batch + 1, 0);  // sequence b's chunks are items first_item[b]..first_item[b+1]
-  for (int64_t b = 0; b < batch; ++b) first_item[b + 1] = first_item[b] + (seq_lens[b] + chunk_keys - 1) / chunk_keys;
-  const int64_t items = first_item[batch];
-  std::vector<float> part_max(items * num_heads), part_sum(items * num_heads), part_out(items * num_heads * head_dim);
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores(static_cast<size_t>(num_heads * score_stride));
-    // The blocks an item reads, in order: its K blocks, its V blocks, then (padded with nulls) the first K blocks
-    // of this thread's next item, so the prefetch runs on across the K/V and item boundaries.
-    std::vector<const float*> stream(2 * chunk_blocks + kPrefetchBlocks);
-    const int64_t stride = omp_get_num_threads();
-    // Writes the first `count` blocks of sequence b's chunk to `into` (nulls past its end); returns how many it has.
-    const auto chunk_blocks_of = [&](int64_t b, int64_t chunk, const float* cache, const float** into, int64_t count) {
-      const int64_t keys = std::min(chunk_keys, seq_lens[b] - chunk * chunk_keys);
-      const int64_t n = std::min(count, (keys + block_size - 1) / block_size);
-      const int64_t* table = block_tables + b * table_stride + chunk * chunk_blocks;
-      for (int64_t i = 0; i < n; ++i) into[i] = cache + table[i] * block_stride;
-      std::fill(into + n, into + count, nullptr);
-      return n;
-    };
-    const auto sequence_of = [&](int64_t item) {
-      return std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
-    };
-#pragma omp for schedule(static, 1)  // round robin, so a thread knows its next item
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = sequence_of(item), chunk = item - first_item[b];
-      const int64_t len = std::min(chunk_keys, seq_lens[b] - chunk * chunk_keys);
-      const int64_t blocks = chunk_blocks_of(b, chunk, k_cache, stream.data(), chunk_blocks);
-      chunk_blocks_of(b, chunk, v_cache, stream.data() + blocks, blocks);
-      const float** ahead = stream.data() + 2 * blocks;  // the next item's first K blocks
-      if (item + stride < items) {
-        const int64_t next_b = sequence_of(item + stride);
-        chunk_blocks_of(next_b, item + stride - first_item[next_b], k_cache, ahead, kPrefetchBlocks);
-      } else {
-        std::fill(ahead, ahead + kPrefetchBlocks, nullptr);
-      }
-      const float* qb = q + b * num_heads * head_dim;
-      // Pass 1: the scaled scores, block by block, four keys at a time; each K vector loaded once serves up to
-      // three query heads of its group.
-      for (int64_t i = 0; i < blocks; ++i) {
-        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
-        const float* kb = stream[i];
-        const float* next = stream[i + kPrefetchBlocks];
-        for (int64_t g = 0; g < num_kv_heads; ++g) {
-          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
-            const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
-            int64_t j = 0;
-            for (; j + 4 <= n; j += 4) {
-              if (next != nullptr && r0 == g * group) {
-                prefetch_slice(next + j * row_stride + g * head_dim, 4, row_stride, head_dim);
-              }
-              kScoreTiles[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride, scale,
-                                 scores.data() + r0 * score_stride + s0 + j, score_stride);
-            }
-            for (; j < n; ++j) {
-              kScoreTiles[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride, scale,
-                                 scores.data() + r0 * score_stride + s0 + j, score_stride);
-            }
-          }
-        }
-      }
-      for (int64_t r = 0; r < num_heads; ++r) {
-        part_max[item * num_heads + r] =
-            exp_shifted(scores.data() + r * score_stride, len, &part_sum[item * num_heads + r]);
-      }
-      // Pass 2: the weighted sum of the values, block by block; up to three heads x 32 dimensions of accumulators
-      // stay in registers through a block, and each V vector loaded serves every head of its group.
-      float* acc = part_out.data() + item * num_heads * head_dim;
-      std::fill(acc, acc + num_heads * head_dim, 0.0f);
-      for (int64_t i = 0; i < blocks; ++i) {
-        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
-        const float* vb = stream[blocks + i];
-        const float* next = stream[blocks + i + kPrefetchBlocks];
-        for (int64_t g = 0; g < num_kv_heads; ++g) {
-          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
-            const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
-            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
-              const int vec = static_cast<int>(std::min<int64_t>(4, (head_dim - d0) / 8));
-              if (next != nullptr && r0 == g * group) prefetch_slice(next + g * head_dim + d0, n, row_stride, 8 * vec);
-              kValueTiles[hs][vec](scores.data() + r0 * score_stride + s0, score_stride,
-                                   vb + g * head_dim + d0, row_stride, n, acc + r0 * head_dim + d0, head_dim);
-            }
-          }
-        }
-      }
-    }
-    // Merge each sequence's chunks, in chunk order: out = sum_c e^(m_c - m) acc_c / sum_c e^(m_c - m) l_c.
-#pragma omp for schedule(static)
-    for (int64_t br = 0; br < batch * num_heads; ++br) {
-      const int64_t b = br / num_heads, r = br % num_heads;
-      float m = -INFINITY;
-      for (int64_t c = first_item[b]; c < first_item[b + 1]; ++c) m = std::max(m, part_max[c * num_heads + r]);
-      float total = 0.0f;
-      float* o = out + br * head_dim;
-      std::fill(o, o + head_dim, 0.0f);
-      for (int64_t c = first_item[b]; c < first_item[b + 1]; ++c) {
-        const float w = expf(part_max[c * num_heads + r] - m);
-        total += w * part_sum[c * num_heads + r];
-        const float* pc = part_out.data() + (c * num_heads + r) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] += w * pc[d];
-      }
-      const float inv = 1.0f / total;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
-    }
-  }
+  with_cache_type(cache_type, [&](auto ct) {
+    using T = typename CacheElem<ct>::T;
+    decode_attention<ct>(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,
+                         table_stride, seq_lens, batch, num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                         threads);
+  });
 }
 
 // x[r] += delta[r] when delta is given, then out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; x, delta, out:
@@ -410,10 +494,11 @@ void ss_add_rms_norm(float* x, const float* delta, const float* weight, float ep
 
 // Rotary embedding in place on the q and k heads of qkv [T, (Hq + 2 Hkv) D] (HF's rotate-half layout): each head
 // x becomes x * cos + swap_halves(x) * sin_signed at its token's position, cos and sin_signed being [P, D] tables.
-// Then, with caches given, the step's k and v go to the caches [num_blocks * block_size, Hkv, D] at slot_mapping.
+// Then, with caches given, the step's k and v go to the caches [num_blocks * block_size, Hkv, D] at slot_mapping,
+// as cache_type (a CacheType) elements.
 void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, const float* cos,
                        const float* sin_signed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       float* k_cache, float* v_cache, const int64_t* slot_mapping, int threads) {
+                       void* k_cache, void* v_cache, int cache_type, const int64_t* slot_mapping, int threads) {
   const int64_t half = head_dim / 2;
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t kv_width = num_kv_heads * head_dim;
@@ -434,8 +519,17 @@ void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, con
     }
     if (k_cache != nullptr) {
       const int64_t slot = slot_mapping[t];
-      memcpy(k_cache + slot * kv_width, row + num_heads * head_dim, sizeof(float) * kv_width);
-      memcpy(v_cache + slot * kv_width, row + (num_heads + num_kv_heads) * head_dim, sizeof(float) * kv_width);
+      with_cache_type(cache_type, [&](auto ct) {
+        using T = typename CacheElem<ct>::T;
+        T* k = static_cast<T*>(k_cache) + slot * kv_width;
+        T* v = static_cast<T*>(v_cache) + slot * kv_width;
+        const float* k_new = row + num_heads * head_dim;
+        const float* v_new = k_new + kv_width;
+        for (int64_t i = 0; i < kv_width; i += 8) {  // kv_width: a multiple of 8, as head_dim is
+          CacheElem<ct>::store8(k + i, _mm256_loadu_ps(k_new + i));
+          CacheElem<ct>::store8(v + i, _mm256_loadu_ps(v_new + i));
+        }
+      });
     }
   }
 }
@@ -462,13 +556,14 @@ void ss_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter, 
 void ss_attention_input(const float* x, int64_t tokens, int64_t hidden, const float* norm_weight, float eps,
                         const float* qkv_weight, const float* qkv_bias, float* qkv, const int64_t* positions,
                         const float* cos, const float* sin_signed, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, float* k_cache, float* v_cache, const int64_t* slot_mapping, int threads) {
+                        int64_t head_dim, void* k_cache, void* v_cache, int cache_type, const int64_t* slot_mapping,
+                        int threads) {
   std::unique_ptr<float[]> h(new float[tokens * hidden]);
   ss_add_rms_norm(const_cast<float*>(x), nullptr, norm_weight, eps, h.get(), tokens, hidden, threads);
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
   ss_linear(h.get(), tokens, hidden, qkv_weight, width, hidden, qkv_bias, qkv, width, threads);
   ss_rope_and_cache(qkv, tokens, positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
-                    slot_mapping, threads);
+                    cache_type, slot_mapping, threads);
 }
 
 // The second half of a decoder layer, from its attention's output attn [T, attn_width] on: x += attn Wo^T;
@@ -497,16 +592,16 @@ struct DecodeLayer {
   const float* post_attn_norm;
   const float* gate_up;
   const float* down;
-  float* k_cache;
-  float* v_cache;
+  void* k_cache;  // elements of the step's cache type
+  void* v_cache;
 };
 
 // A whole decode step's layers: one new token per sequence (token b is sequence b), every layer run as
 // ss_attention_input, ss_paged_decode_attention and ss_attention_output_and_mlp in turn, the residual stream
-// x [B, hidden] updated in place. The same kernels in the same order as layer-by-layer calls, so the same bits,
+// x [B, hidden] updated in place; every layer's caches hold cache_type elements. The same kernels in the same order as layer-by-layer calls, so the same bits,
 // without the interpreter between layers.
 void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layers, const DecodeLayer* layers,
-                      float eps, const int64_t* positions, const float* cos, const float* sin_signed,
+                      int cache_type, float eps, const int64_t* positions, const float* cos, const float* sin_signed,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
                       const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t block_size, float scale, int threads) {
@@ -517,10 +612,11 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
   for (int64_t l = 0; l < num_layers; ++l) {
     const DecodeLayer& w = layers[l];
     ss_attention_input(x, batch, hidden, w.input_norm, eps, w.qkv, w.qkv_bias, qkv.get(), positions, cos,
-                       sin_signed, num_heads, num_kv_heads, head_dim, w.k_cache, w.v_cache, slot_mapping, threads);
+                       sin_signed, num_heads, num_kv_heads, head_dim, w.k_cache, w.v_cache, cache_type, slot_mapping,
+                       threads);
     for (int64_t b = 0; b < batch; ++b) memcpy(q.get() + b * q_width, qkv.get() + b * width, sizeof(float) * q_width);
-    ss_paged_decode_attention(q.get(), w.k_cache, w.v_cache, block_tables, table_stride, seq_lens, batch, num_heads,
-                              num_kv_heads, head_dim, block_size, scale, attn.get(), threads);
+    ss_paged_decode_attention(q.get(), w.k_cache, w.v_cache, cache_type, block_tables, table_stride, seq_lens, batch,
+                              num_heads, num_kv_heads, head_dim, block_size, scale, attn.get(), threads);
     ss_attention_output_and_mlp(x, batch, hidden, attn.get(), q_width, w.o, w.post_attn_norm, eps, w.gate_up,
                                 w.down, inter, threads);
   }

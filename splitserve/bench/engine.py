@@ -5,6 +5,8 @@ Prints, for the chosen model (SmolLM2-135M-Instruct by default):
   - decode ms per step at batch 1, 8 and 32 with a 512-token context;
   - the memory-bandwidth floor of a decode step (weights + KV bytes read / measured read bandwidth);
 and the ratios the targets are stated in. Figures vary with the machine's load: run it on a quiet machine.
+``--cache-dtype bfloat16`` (or float16) runs our engine with a 16-bit KV cache (transformers keeps float32): the
+floor then counts 2 bytes per cached element.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import CACHE_DTYPES
 from engine.weights import export_hf_checkpoint
 
 PROMPT_LENS = (512, 1024)
@@ -127,14 +130,16 @@ def hf_decode(model, batch: int, context: int, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(model: str, steps: int, repeat: int, log=print) -> dict:
+def run(model: str, steps: int, repeat: int, cache_dtype: str = "float32", log=print) -> dict:
     peaks = measure_machine(log)
-    log(f"loading {model} ...")
+    log(f"loading {model} (KV cache {cache_dtype}) ...")
     llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=max(DECODE_BATCHES),
-              max_num_batched_tokens=2048, kv_cache_memory_bytes=3 << 30)
+              max_num_batched_tokens=2048, kv_cache_memory_bytes=3 << 30, cache_dtype=cache_dtype)
     cfg = llm.engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-    results: dict = {"model": model, "machine": peaks.__dict__, "prefill": {}, "decode": {}}
+    cache_elem_bytes = llm.engine.runner.kv_cache.k[0].element_size()
+    results: dict = {"model": model, "cache_dtype": cache_dtype, "machine": peaks.__dict__, "prefill": {},
+                     "decode": {}}
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_model(llm, tmp)
         for n in PROMPT_LENS:
@@ -146,7 +151,7 @@ def run(model: str, steps: int, repeat: int, log=print) -> dict:
         for b in DECODE_BATCHES:
             log(f"decode batch {b}, context {DECODE_CONTEXT} ...")
             ours, theirs = ours_decode(llm, b, DECODE_CONTEXT, steps), hf_decode(hf, b, DECODE_CONTEXT, steps)
-            floor = decode_bytes(cfg, weight_bytes, b, DECODE_CONTEXT) / (peaks.read_gbps * 1e9)
+            floor = decode_bytes(cfg, weight_bytes, b, DECODE_CONTEXT, cache_elem_bytes) / (peaks.read_gbps * 1e9)
             results["decode"][b] = {"ours_ms": ours * 1e3, "hf_ms": theirs * 1e3, "floor_ms": floor * 1e3}
     return results
 
@@ -157,7 +162,7 @@ def report(results: dict, log=print) -> None:
     for n, r in results["prefill"].items():
         log(f"{n:>7} {r['ours_tok_s']:>11.0f} {r['hf_tok_s']:>9.0f} {r['ours_tok_s'] / r['hf_tok_s']:>7.2f}x "
             f"{r['gflops']:>8.1f} {r['share_of_peak']:>7.0%}")
-    log(f"\n== decode (context {DECODE_CONTEXT}) ==")
+    log(f"\n== decode (context {DECODE_CONTEXT}, KV cache {results['cache_dtype']}) ==")
     log(f"{'batch':>6} {'ours ms':>8} {'hf ms':>7} {'hf/ours':>8} {'floor ms':>9} {'ours/floor':>11} {'tok/s':>7}")
     for b, r in results["decode"].items():
         log(f"{b:>6} {r['ours_ms']:>8.2f} {r['hf_ms']:>7.2f} {r['hf_ms'] / r['ours_ms']:>7.2f}x "
@@ -178,10 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
     parser.add_argument("--repeat", type=int, default=3, help="prefill repetitions (best is kept)")
+    parser.add_argument("--cache-dtype", default="float32", choices=CACHE_DTYPES,
+                        help="our engine's KV cache dtype (transformers keeps float32)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    results = run(args.model, args.steps, args.repeat)
+    results = run(args.model, args.steps, args.repeat, args.cache_dtype)
     report(results)
     if args.json:
         with open(args.json, "w") as f:
