@@ -4,7 +4,9 @@ The router asks a registry for the healthy pods of each role every time it place
 (``prefill_pods()``, ``decode_pods()``); the registry keeps that view fresh in the background:
 
 - ``StaticRegistry``: a fixed list of addresses (flags). It polls each pod's ``GetLoad`` every
-  ``load_poll_interval_s``; a pod that fails a poll is skipped until it answers again.
+  ``load_poll_interval_s``; a pod that refuses or fails a poll is skipped until it answers again, and one that
+  only answers late (busy: its event loop waits behind the engine on a loaded machine) is skipped after
+  ``MAX_LATE_POLLS`` late polls in a row, so one slow answer does not reroute its requests.
 - ``RedisRegistry``: pods register themselves. Each pod runs a ``RedisHeartbeat`` that writes its
   ``PodInfo`` as JSON under ``splitserve:pods:{role}:{address}`` with an expiry of ``ttl_s``, refreshed every
   ``ttl_s / 3``; the router reads all such keys every second. A pod that dies stops refreshing its key, Redis
@@ -24,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import grpc
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
@@ -36,6 +39,7 @@ KEY_PREFIX = "splitserve:pods"
 # A heartbeat publishes at most this many block hashes, the pod's most recent: enough to route the prompts
 # that are hot now, small enough that the router reads every pod's key every second.
 MAX_PUBLISHED_BLOCK_HASHES = 8192
+MAX_LATE_POLLS = 3  # GetLoad polls in a row that may time out before a static pod is skipped
 
 
 @dataclass
@@ -69,6 +73,7 @@ class PodInfo:
     block_hashes: set[int] = field(default_factory=set)  # chained hashes of blocks in its prefix cache
     last_seen: float = 0.0  # time.monotonic() of the last load report
     healthy: bool = True
+    late_polls: int = 0  # consecutive GetLoad polls that timed out (StaticRegistry)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -154,14 +159,21 @@ class StaticRegistry(PodRegistry):
     async def _poll(self, pod: PodInfo) -> None:
         try:
             message = await asyncio.wait_for(self._get_load(pod), self._poll_timeout_s)
-        except Exception as exc:  # any failure means the same: do not route here until it answers
-            if pod.healthy:
+        except Exception as exc:
+            pod.late_polls = pod.late_polls + 1 if _is_timeout(exc) else MAX_LATE_POLLS
+            if pod.healthy and pod.late_polls >= MAX_LATE_POLLS:
                 log.warning("pod %s (%s) stopped answering GetLoad: %r; skipping it", pod.address, pod.role, exc)
-            pod.healthy = False
+                pod.healthy = False
             return
         if not pod.healthy:
             log.info("pod %s (%s) is serving", pod.address, pod.role)
-        pod.load, pod.last_seen, pod.healthy = PodLoad.from_proto(message), time.monotonic(), True
+        pod.load, pod.last_seen, pod.healthy, pod.late_polls = PodLoad.from_proto(message), time.monotonic(), True, 0
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """A poll that ran out of time (the pod may just be busy), as opposed to one the pod refused or failed."""
+    return isinstance(exc, asyncio.TimeoutError) or (
+        isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def pod_key(role: str, address: str) -> str:

@@ -1,5 +1,6 @@
 """Routing policies and conditional disaggregation, on hand-made PodInfo lists (no servers)."""
 
+import asyncio
 import random
 
 import grpc
@@ -7,9 +8,10 @@ import pytest
 
 from engine.block_manager import chained_block_hashes
 from engine.sampling_params import SamplingParams
+from protos.splitserve.v1 import common_pb2
 from router.errors import RouterError
 from router.policies import PromptBlocks, has_room, make_policy, prefill_locally
-from router.registry import PodInfo, PodLoad
+from router.registry import MAX_LATE_POLLS, PodInfo, PodLoad, StaticRegistry
 from router.router import RouterRequest
 
 BLOCK = 4
@@ -152,3 +154,36 @@ def test_no_decode_pod_is_unavailable():
 def test_unknown_policy_name_is_an_error():
     with pytest.raises(ValueError, match="policy must be one of round_robin, least_loaded, power_of_two, prefix_aware"):
         make_policy("random")
+
+
+# ---- static registry: which pods a failed GetLoad poll takes out of rotation ---------------------------------------
+
+def test_static_registry_skips_a_pod_at_once_when_refused_and_after_several_late_polls_when_slow():
+    deadline = grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata())
+    refused = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+    late = asyncio.TimeoutError()
+    # Per poll: a number is an answer (that many running requests), an exception is a failed poll.
+    answers = {
+        "p:1": [1, late, deadline, 2, *[late] * MAX_LATE_POLLS, 3],  # busy: answers late now and then
+        "d:1": [1, refused, 4, 4, 4, 4, 4, 4],  # refused once (restarting), then back
+    }
+
+    async def get_load(pod: PodInfo):
+        answer = answers[pod.address].pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return common_pb2.PodLoad(num_running=answer)
+
+    registry = StaticRegistry(["p:1"], ["d:1"], [], get_load)
+    busy, restarting = registry.pods["p:1"], registry.pods["d:1"]
+    assert not busy.healthy and not restarting.healthy  # unknown until a first answer
+    seen = []
+    for _ in range(8):
+        asyncio.run(registry.poll_all())
+        seen.append((busy.healthy, restarting.healthy))
+    # The busy pod stays in rotation through late polls and an answer resets the count; MAX_LATE_POLLS (3) late
+    # polls in a row take it out until it answers again. The refusing pod is out after one refusal.
+    assert MAX_LATE_POLLS == 3
+    assert [b for b, _ in seen] == [True, True, True, True, True, True, False, True]
+    assert [r for _, r in seen] == [True, False, True, True, True, True, True, True]
+    assert (busy.load.num_running, busy.late_polls, restarting.load.num_running) == (3, 0, 4)
