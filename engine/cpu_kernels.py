@@ -204,9 +204,9 @@ class DecodeLayers:
         self.cache_dtype = first.k_cache.dtype
         width = (num_heads + 2 * num_kv_heads) * self.head_dim
         for layer in layers:
-            weights, caches = layer[:-2], layer[-2:]
+            *weights, k_cache, v_cache = layer
             _check(all(t.dtype == torch.float32 and t.is_contiguous() for t in weights if t is not None)
-                   and all(t.dtype == self.cache_dtype and t.is_contiguous() for t in caches)
+                   and all(t.dtype == self.cache_dtype and t.is_contiguous() for t in (k_cache, v_cache))
                    and CpuKernels.supports_cache_dtype(self.cache_dtype)
                    and layer.input_norm.shape == layer.post_attn_norm.shape == (self.hidden,)
                    and layer.qkv.shape == packed_shape(width, self.hidden)
