@@ -58,8 +58,8 @@ class CpuKernels:
             _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _float, _ptr, _ptr, _i64, _int
         ]
         lib.ss_decode_layers.argtypes = [
-            _ptr, _i64, _i64, _i64, _ptr, _int, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr,
-            _i64, _float, _int,
+            _ptr, _i64, _i64, _i64, _ptr, _int, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64,
+            _ptr, _i64, _float, _int,
         ]
         self._lib = lib
         self.path = path
@@ -102,9 +102,8 @@ class CpuKernels:
         out = torch.empty_like(q)
         self._lib.ss_paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], block_tables.data_ptr(),
-            block_tables.stride(0),
-            seq_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
-            torch.get_num_threads(),
+            block_tables.stride(0), seq_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale,
+            out.data_ptr(), torch.get_num_threads(),
         )
         return out
 
@@ -201,13 +200,13 @@ class DecodeLayers:
         self.hidden = first.input_norm.shape[0]
         self.inter = first.down.shape[1]
         _, self.block_size, _, self.head_dim = first.k_cache.shape
+        _check_caches(first.k_cache, first.v_cache, "DecodeLayers")
         self.cache_dtype = first.k_cache.dtype
         width = (num_heads + 2 * num_kv_heads) * self.head_dim
         for layer in layers:
             *weights, k_cache, v_cache = layer
             _check(all(t.dtype == torch.float32 and t.is_contiguous() for t in weights if t is not None)
                    and all(t.dtype == self.cache_dtype and t.is_contiguous() for t in (k_cache, v_cache))
-                   and CpuKernels.supports_cache_dtype(self.cache_dtype)
                    and layer.input_norm.shape == layer.post_attn_norm.shape == (self.hidden,)
                    and layer.qkv.shape == packed_shape(width, self.hidden)
                    and (layer.qkv_bias is None or layer.qkv_bias.shape == (width,))

@@ -97,6 +97,21 @@ void with_cache_type(int cache_type, F&& f) {
   }
 }
 
+// One token's new K and V (n floats each, n a multiple of 8) into the caches at element `offset`, as CT elements.
+template <int CT>
+void write_cache_row(void* k_cache, void* v_cache, int64_t offset, const float* k_new, const float* v_new,
+                     int64_t n) {
+  using T = typename CacheElem<CT>::T;
+  T* k = static_cast<T*>(k_cache) + offset;
+  T* v = static_cast<T*>(v_cache) + offset;
+  for (int64_t i = 0; i < n; i += 8) {
+    CacheElem<CT>::store8(k + i, _mm256_loadu_ps(k_new + i));
+    CacheElem<CT>::store8(v + i, _mm256_loadu_ps(v_new + i));
+  }
+}
+
+using WriteKVFn = void (*)(void*, void*, int64_t, const float*, const float*, int64_t);
+
 // Rows [0, R) of x (row stride ldx) times one panel [in, 16] -> y rows (stride ldy), `valid` outputs kept.
 template <int R>
 inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t in, const float* bias, float* y,
@@ -203,8 +218,8 @@ inline float exp_shifted(float* x, int64_t n, float* sum) {
   return max;
 }
 
-// Asks for `rows` rows (stride row_stride) of `count` elements each, ahead of their use. The decode attention reads a
-// context's blocks, which lie anywhere in the pool, where the hardware prefetcher cannot follow; it asks for the
+// Asks for `rows` rows (stride row_stride) of `count` elements each, ahead of their use. The decode attention reads
+// a context's blocks, which lie anywhere in the pool, where the hardware prefetcher cannot follow; it asks for the
 // next block a slice at a time, as it reads the same slice of the current one, so the requests keep the memory
 // busy without filling the core's miss buffers all at once (a whole block asked for at once stalls the core).
 template <typename T>
@@ -371,12 +386,12 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
               if (next != nullptr && r0 == g * group) {
                 prefetch_slice(next + j * row_stride + g * head_dim, 4, row_stride, head_dim);
               }
-              kScoreTiles<CT>[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride, scale,
-                                 scores.data() + r0 * score_stride + s0 + j, score_stride);
+              kScoreTiles<CT>[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride,
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
             }
             for (; j < n; ++j) {
-              kScoreTiles<CT>[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride, scale,
-                                 scores.data() + r0 * score_stride + s0 + j, score_stride);
+              kScoreTiles<CT>[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride,
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
             }
           }
         }
@@ -502,6 +517,8 @@ void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, con
   const int64_t half = head_dim / 2;
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t kv_width = num_kv_heads * head_dim;
+  WriteKVFn write_kv = nullptr;
+  with_cache_type(cache_type, [&](auto ct) { write_kv = write_cache_row<ct>; });
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens >= 64)
   for (int64_t t = 0; t < tokens; ++t) {
     float* row = qkv + t * width;
@@ -518,18 +535,8 @@ void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, con
       memcpy(x, rotated, sizeof(float) * head_dim);
     }
     if (k_cache != nullptr) {
-      const int64_t slot = slot_mapping[t];
-      with_cache_type(cache_type, [&](auto ct) {
-        using T = typename CacheElem<ct>::T;
-        T* k = static_cast<T*>(k_cache) + slot * kv_width;
-        T* v = static_cast<T*>(v_cache) + slot * kv_width;
-        const float* k_new = row + num_heads * head_dim;
-        const float* v_new = k_new + kv_width;
-        for (int64_t i = 0; i < kv_width; i += 8) {  // kv_width: a multiple of 8, as head_dim is
-          CacheElem<ct>::store8(k + i, _mm256_loadu_ps(k_new + i));
-          CacheElem<ct>::store8(v + i, _mm256_loadu_ps(v_new + i));
-        }
-      });
+      const float* k_new = row + num_heads * head_dim;
+      write_kv(k_cache, v_cache, slot_mapping[t] * kv_width, k_new, k_new + kv_width, kv_width);
     }
   }
 }
@@ -598,8 +605,8 @@ struct DecodeLayer {
 
 // A whole decode step's layers: one new token per sequence (token b is sequence b), every layer run as
 // ss_attention_input, ss_paged_decode_attention and ss_attention_output_and_mlp in turn, the residual stream
-// x [B, hidden] updated in place; every layer's caches hold cache_type elements. The same kernels in the same order as layer-by-layer calls, so the same bits,
-// without the interpreter between layers.
+// x [B, hidden] updated in place; every layer's caches hold cache_type elements. The same kernels in the same order
+// as layer-by-layer calls, so the same bits, without the interpreter between layers.
 void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layers, const DecodeLayer* layers,
                       int cache_type, float eps, const int64_t* positions, const float* cos, const float* sin_signed,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
