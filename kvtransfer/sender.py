@@ -34,7 +34,9 @@ import torch
 
 from kvtransfer.codecs import KVCodec, get_codec
 from kvtransfer.handshake import KVLayout
-from kvtransfer.wire import MAX_CHUNK_BYTES, KVTransferError, encode_chunks, grpc_message_options, raw_nbytes
+from kvtransfer.wire import (
+    MAX_CHUNK_BYTES, RECONNECT_OPTIONS, KVTransferError, encode_chunks, grpc_message_options, raw_nbytes,
+)
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
 
 
@@ -101,7 +103,8 @@ class KVTransferClient:
     def stub(self, decode_address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         channel = self._channels.get(decode_address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(decode_address, options=grpc_message_options(self.max_chunk_bytes))
+            options = grpc_message_options(self.max_chunk_bytes) + RECONNECT_OPTIONS
+            channel = grpc.aio.insecure_channel(decode_address, options=options)
             self._channels[decode_address] = channel
         return kv_transfer_pb2_grpc.KVTransferStub(channel)
 

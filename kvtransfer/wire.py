@@ -35,6 +35,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 # A chunk's estimated size may be off for codecs whose size depends on the data (zstd) or on where a token
 # range is cut (int4's 32-token key groups); aiming a little under the limit keeps re-cuts rare.
 _CHUNK_SIZE_MARGIN = 0.95
+# Channels between the router and the pods, and from a prefill pod to a decode pod: gRPC backs reconnects off
+# exponentially (1 s, 1.6 s, 2.6 s, ...), so a pod that took a while to load its model, or restarted, would stay
+# unreachable for seconds after it serves. Pods are near: try again at least every second.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 KIND_TO_PROTO = {"k": kv_transfer_pb2.KV_KIND_KEY, "v": kv_transfer_pb2.KV_KIND_VALUE}
 PROTO_TO_KIND = {proto: kind for kind, proto in KIND_TO_PROTO.items()}

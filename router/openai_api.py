@@ -21,7 +21,8 @@ a non-streamed request races the generation against the connection's ``http.disc
 Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status
 that ``RouterError.http_status`` gives its gRPC code; ``code`` is the gRPC code's name, lower case, so that
 HTTP and gRPC clients read the same reason. Also served: ``GET /v1/models``, ``GET /health`` (200 when a
-decode-capable pod is known, else 503) and ``GET /metrics`` (Prometheus).
+decode-capable pod is known, else 503), ``GET /pods`` (every pod the router knows: role, whether it routes to
+it, its last load report) and ``GET /metrics`` (Prometheus).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/pods", api.pods, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     app.add_exception_handler(RouterError, _answer_router_error)
     app.add_exception_handler(InvalidParameter, _answer_invalid_parameter)
@@ -128,6 +130,9 @@ class OpenAIRoutes:
         if self.router.ready():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "no decode-capable pod is known"}, status_code=503)
+
+    async def pods(self) -> JSONResponse:
+        return JSONResponse({"pods": self.router.pods()})
 
     async def metrics(self) -> Response:
         exposition, content_type = self.router.metrics.exposition()

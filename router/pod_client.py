@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import grpc
 
+from kvtransfer.wire import RECONNECT_OPTIONS
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 # KV never travels through the router, but a long prompt's token ids or a top-20 logprobs stream can pass
@@ -24,6 +25,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *RECONNECT_OPTIONS,
 ]
 # A GetLoad that takes longer than this is from a pod too busy or too far to route to.
 GET_LOAD_TIMEOUT_S = 2.0

@@ -153,6 +153,14 @@ class Router:
         """Whether a request could be placed now: some decode-capable pod is serving (health checks)."""
         return bool(self.registry.decode_pods())
 
+    def pods(self) -> list[dict[str, Any]]:
+        """The pods as the router sees them now (``GET /pods``): role, whether it routes to them, their load."""
+        now = time.monotonic()
+        return [{"address": pod.address, "role": pod.role, "healthy": pod.healthy,
+                 "seconds_since_report": round(now - pod.last_seen, 3) if pod.last_seen else None,
+                 "load": dataclasses.asdict(pod.load), "cached_blocks": len(pod.block_hashes)}
+                for pod in sorted(self.registry.pods.values(), key=lambda pod: (pod.role, pod.address))]
+
     # -- the edge: text in ------------------------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:

@@ -14,6 +14,7 @@ stops everything: SIGTERM to each process, SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,20 +170,28 @@ class Cluster:
 
     # ---- readiness -------------------------------------------------------------------------------------------
     def wait_ready(self, log=print) -> None:
-        """Block until every pod and the router answer SERVING; fail fast if a process exits."""
+        """Block until every pod and the router answer SERVING and the router routes to every pod (its
+        ``GET /pods``; the router is SERVING as soon as one decode-capable pod is); fail fast if a process exits."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         pending = {p.name: self.address(p) for p in self.pods}
         pending["router"] = f"{self.config.host}:{self.config.grpc_port}"
         log(f"waiting for {len(pending)} processes to load the model and serve (logs: {self.run_dir}) ...")
-        while pending:
+        unseen = {self.address(p) for p in self.pods} if self.config.http_port else set()
+        while pending or unseen:
             self.check_alive()
             for name, address in list(pending.items()):
                 if _serving(address):
                     log(f"  {name} serving at {address}")
                     del pending[name]
+            if not pending and unseen:
+                unseen -= _pods_routed_to(f"http://{self.config.host}:{self.config.http_port}/pods")
+                if not unseen:
+                    log("  the router routes to every pod")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not serving after {self.config.ready_timeout_s:.0f} s: {sorted(pending)}")
-            time.sleep(0.5)
+                waiting = sorted(pending) + [f"the router to route to {address}" for address in sorted(unseen)]
+                raise TimeoutError(f"still waiting after {self.config.ready_timeout_s:.0f} s for {', '.join(waiting)}")
+            if pending or unseen:
+                time.sleep(0.25)
 
     def check_alive(self) -> None:
         for proc in self.processes:
@@ -224,6 +234,15 @@ def prometheus_config(targets: list[str], interval_s: int = 2) -> str:
     listed = ", ".join(f"'{t}'" for t in targets)
     return (f"global:\n  scrape_interval: {interval_s}s\n  evaluation_interval: {interval_s}s\n"
             f"scrape_configs:\n  - job_name: splitserve\n    static_configs:\n      - targets: [{listed}]\n")
+
+
+def _pods_routed_to(url: str) -> set[str]:
+    """Addresses of the pods the router at ``url`` (its ``GET /pods``) would route to now."""
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as reply:
+            return {pod["address"] for pod in json.load(reply)["pods"] if pod["healthy"]}
+    except OSError:  # not listening yet, or refused
+        return set()
 
 
 def _serving(address: str) -> bool:

@@ -121,6 +121,9 @@ class FakeRouter:
     def ready(self) -> bool:
         return self.is_ready
 
+    def pods(self) -> list[dict]:
+        return [{"address": "10.0.0.7:50060", "role": "decode", "healthy": self.is_ready}]
+
 
 @pytest.fixture(scope="module")
 def served():
@@ -636,6 +639,14 @@ def test_health_follows_router_readiness(http, fake):
     fake.is_ready = False
     response = http.get("/health")
     assert (response.status_code, response.json()) == (503, {"status": "no decode-capable pod is known"})
+
+
+def test_pods_lists_what_the_router_routes_to(http, fake):
+    response = http.get("/pods")
+    assert (response.status_code, response.json()) == (
+        200, {"pods": [{"address": "10.0.0.7:50060", "role": "decode", "healthy": True}]})
+    fake.is_ready = False
+    assert http.get("/pods").json()["pods"][0]["healthy"] is False
 
 
 def test_metrics_are_the_prometheus_exposition(http, fake):

@@ -54,7 +54,8 @@ class FakeCluster:
 
 
 class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
-    def __init__(self, cluster: FakeCluster, role: str, queued_prefill_tokens: int = 0, free_kv_blocks: int = 1000):
+    def __init__(self, cluster: FakeCluster, role: str, queued_prefill_tokens: int = 0, free_kv_blocks: int = 1000,
+                 port: int = 0):
         self.cluster, self.role = cluster, role
         self.load = common_pb2.PodLoad(free_kv_blocks=free_kv_blocks, total_kv_blocks=1000, block_size=16,
                                        queued_prefill_tokens=queued_prefill_tokens)
@@ -68,7 +69,7 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
             prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server)
         else:
             decode_pb2_grpc.add_DecodeServicer_to_server(self, self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.address = f"127.0.0.1:{self.server.add_insecure_port(f'127.0.0.1:{port}')}"
         cluster.pods[self.address] = self
 
     async def GetLoad(self, request, context):
@@ -313,8 +314,35 @@ def test_a_pod_that_stops_answering_get_load_is_skipped():
             await gone.server.stop(None)
             await env.router.registry.poll_all()
             assert [pod.address for pod in env.router.registry.decode_pods()] == [alive.address]
+            assert [(pod["address"], pod["role"], pod["healthy"]) for pod in env.router.pods()] == [
+                (gone.address, "decode", False), (alive.address, "decode", True)]
+            alive_view = env.router.pods()[1]
+            assert alive_view["load"]["free_kv_blocks"] == 1000 and 0 <= alive_view["seconds_since_report"] < 5
             await generate_all(env.router, SHORT_PROMPT, max_tokens=2)
             assert (len(gone.calls), len(alive.calls)) == (0, 1)
+    run(scenario())
+
+
+def test_a_pod_that_comes_up_late_is_routed_to_about_a_second_after_it_serves():
+    """gRPC backs a channel's reconnects off exponentially (1 s, 1.6 s, 2.6 s, ...): with its defaults, a pod that
+    starts serving 12 s after the router began polling it stays unreachable for seconds more, and requests meant for
+    it go elsewhere (a long prompt prefilled on the decode pod). The router's channels retry every second."""
+    late_address = f"127.0.0.1:{free_port()}"
+
+    async def scenario():
+        async with running_cluster(num_prefill=0, num_decode=1, extra_decode_addresses=[late_address]) as env:
+            await asyncio.sleep(12)  # polled every 0.2 s: the channel has failed to connect over and over
+            assert late_address not in [pod.address for pod in env.router.registry.decode_pods()]
+            late = FakePod(FakeCluster(), "decode", port=int(late_address.rsplit(":", 1)[1]))
+            await late.server.start()
+            started = time.monotonic()
+            try:
+                await eventually(lambda: late_address in [pod.address for pod in env.router.registry.decode_pods()],
+                                 timeout_s=15)
+                assert time.monotonic() - started < 2.5
+                assert next(pod for pod in env.router.pods() if pod["address"] == late_address)["healthy"]
+            finally:
+                await late.server.stop(None)
     run(scenario())
 
 
