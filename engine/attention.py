@@ -7,9 +7,12 @@ step's new K/V into the cache through ``slot_mapping``, then attends, each seque
   (engine/cpu_kernels.py) they attend over K/V read in place through their block tables; otherwise with ONE
   gather of their blocks into [Bd, Hkv, S, D] and ONE SDPA whose key-padding mask hides the slots past each
   sequence's length;
-- **prefill with nothing cached before it**: causal SDPA on the fresh q/k/v, the cache is not read back;
-- **prefill chunk after a cached prefix** (prefix-cache hit, or a later chunk of a chunked prefill): gather that
-  sequence's context and attend with a causal mask shifted by the prefix length.
+- **prefill** (several new tokens): with the native CPU kernels, each sequence's queries attend causally over its
+  K/V read through its block table (its cached prefix, if any, and the new tokens just written), on the kernels'
+  GEMM tiles. Otherwise: with nothing cached before it, causal SDPA on the fresh q/k/v (the cache is not read
+  back, unless it stores 16-bit values: attention always sees K/V as the cache holds them); after a cached prefix
+  (prefix-cache hit, or a later chunk of a chunked prefill), a gather of that sequence's context and SDPA with a
+  causal mask shifted by the prefix length.
 
 ``AttentionMetadata.build`` runs once per step and precomputes these plans (index tensors, masks, gather buffers)
 so that the model's layers reuse them instead of rebuilding them per layer. Nothing here reads a tensor back to
@@ -67,10 +70,11 @@ class PrefillSegment:
 
     start: int
     end: int
-    blocks: torch.Tensor | None  # [nb] long: the blocks of its whole context; None when nothing precedes the chunk
+    blocks: torch.Tensor  # [nb] long: the blocks of its whole context
+    prefix: int  # tokens cached before the chunk
     context_len: int  # cached prefix + new tokens
-    causal_mask: torch.Tensor | None  # [end - start, context_len] bool, query r sees keys 0..prefix + r
-    buffers: GatherBuffers | None
+    causal_mask: torch.Tensor | None  # [end - start, context_len] bool, query r sees keys 0..prefix + r; None: no prefix
+    buffers: GatherBuffers  # allocated when the PyTorch path reads the context back from the cache
 
 
 @dataclass
@@ -136,13 +140,13 @@ class AttentionMetadata:
     def _prefill_segment(self, i: int, start: int) -> PrefillSegment:
         n, seq_len = self.query_lens[i], self.seq_lens[i]
         prefix = seq_len - n
-        if prefix == 0:
-            return PrefillSegment(start, start + n, None, seq_len, None, None)
-        device = self.block_tables.device
         blocks = self.block_tables[i, : -(-seq_len // self.block_size)]
-        query_pos = torch.arange(prefix, seq_len, device=device)  # [n]
-        causal = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]  # [n, seq_len]
-        return PrefillSegment(start, start + n, blocks, seq_len, causal, GatherBuffers(blocks.shape[0]))
+        causal = None
+        if prefix > 0:
+            device = self.block_tables.device
+            query_pos = torch.arange(prefix, seq_len, device=device)  # [n]
+            causal = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]  # [n, seq_len]
+        return PrefillSegment(start, start + n, blocks, prefix, seq_len, causal, GatherBuffers(blocks.shape[0]))
 
 
 def paged_attention(
@@ -170,15 +174,16 @@ def paged_attention(
     native = (kernels is not None and kernels.supports_cache_dtype(k_cache.dtype)
               and kernels.supports_head_dim(q.shape[-1]))
     decode = partial(_decode_native, kernels) if native else _decode
+    prefill = partial(_prefill_native, kernels) if native else _prefill
     if group is not None and group.token_index is None:
         return decode(q, k_cache, v_cache, group, scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if group is not None:
         rows = group.token_index
         out.index_copy_(0, rows, decode(q.index_select(0, rows), k_cache, v_cache, group, scale))
     for seg in meta.prefills:
         rows = slice(seg.start, seg.end)
-        out[rows] = _prefill(q[rows], k_new[rows], v_new[rows], k_cache, v_cache, seg, scale)
+        prefill(q[rows], k_new[rows], v_new[rows], k_cache, v_cache, seg, scale, out[rows])
     return out
 
 
@@ -213,17 +218,20 @@ def _decode_native(kernels: CpuKernels, q, k_cache, v_cache, group: DecodeGroup,
     return kernels.paged_decode_attention(q, k_cache, v_cache, group.tables, group.seq_lens, scale)
 
 
-def _prefill(q, k_new, v_new, k_cache, v_cache, seg: PrefillSegment, scale: float) -> torch.Tensor:
+def _prefill(q, k_new, v_new, k_cache, v_cache, seg: PrefillSegment, scale: float, out: torch.Tensor) -> None:
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    if seg.blocks is None:
+    if seg.prefix == 0 and k_cache.dtype == q.dtype:  # the fresh K/V are what the cache holds: no read back
         keys = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
         values = v_new.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    else:
+    else:  # a cached prefix, or a 16-bit cache's rounded K/V (what the native kernels and later steps attend over)
         k_buffer, v_buffer = seg.buffers.get(k_cache)
         keys = _gather(k_cache, seg.blocks, k_buffer, 1, seg.context_len, q.dtype)  # [1, Hkv, context_len, D]
         values = _gather(v_cache, seg.blocks, v_buffer, 1, seg.context_len, q.dtype)
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=seg.causal_mask, scale=scale, enable_gqa=True
-        )
-    return out[0].transpose(0, 1)  # [n, Hq, D]
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seg.causal_mask,
+                                              is_causal=seg.causal_mask is None, scale=scale, enable_gqa=True)
+    out.copy_(attended[0].transpose(0, 1))  # [n, Hq, D]
+
+
+def _prefill_native(kernels: CpuKernels, q, k_new, v_new, k_cache, v_cache, seg: PrefillSegment, scale: float,
+                    out: torch.Tensor) -> None:
+    kernels.prefill_attention(q, k_cache, v_cache, seg.blocks, seg.prefix, scale, out)

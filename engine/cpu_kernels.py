@@ -3,13 +3,16 @@
 Decode on a CPU is a stream of weight reads, and MKL's few-row products read weights at half the memory's speed
 on the machines measured (AMD EPYC, 2 cores: 14 GB/s against the 20 GB/s a plain sum reaches). The kernels here
 store every linear weight in panels of 16 outputs ([P, in, 16]), which a 1-row product reads as one stream at the
-memory's speed and a many-row product runs as a 6 x 16 GEMM micro-kernel (as fast as MKL at 512 rows); and they
-attend a decode step's queries over K/V read in place through the block tables instead of gathering a copy.
+memory's speed and a many-row product runs as a GEMM micro-kernel (6 rows x 16 outputs with AVX2, 12 rows x 32
+outputs with AVX-512; 80-90% of MKL's float32 peak at 512 rows); and they attend a decode step's queries over K/V
+read in place through the block tables instead of gathering a copy.
 
 ``load()`` compiles the source with ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into
 ``$SPLITSERVE_CACHE_DIR`` (default ``~/.cache/splitserve``), once per source, compiler and CPU, and returns None,
 after logging why, where that cannot work: not x86-64 with AVX2, FMA and F16C, no compiler, a failed build, or
 ``SPLITSERVE_CPU_KERNELS=0``. Callers then keep the pure-PyTorch path, which stays the reference in the tests.
+``SPLITSERVE_CPU_KERNELS=avx2`` builds without AVX-512 where the CPU has it (for CPUs that slow their clock for
+512-bit work); both builds give the same bits, as every output sums its products in the same order.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class CpuKernels:
         lib.ss_paged_decode_attention.argtypes = [
             _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int
         ]
+        lib.ss_prefill_attention.argtypes = [
+            _ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int
+        ]
         lib.ss_attention_input.argtypes = [
             _ptr, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _int,
             _ptr, _int,
@@ -63,6 +69,8 @@ class CpuKernels:
         ]
         self._lib = lib
         self.path = path
+        lib.ss_vector_bits.restype = _int
+        self.isa = "avx512" if lib.ss_vector_bits() == 512 else "avx2"  # what the GEMM micro-kernel runs on
 
     @staticmethod
     def supports_head_dim(head_dim: int) -> bool:
@@ -104,6 +112,27 @@ class CpuKernels:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale,
             out.data_ptr(), torch.get_num_threads(),
+        )
+        return out
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                          prefix: int, scale: float, out: torch.Tensor) -> torch.Tensor:
+        """Causal attention of one sequence's n new queries q [n, Hq, D] (rows may be strided, heads contiguous)
+        at positions prefix .. prefix + n - 1 over its keys 0 .. prefix + n - 1, which the caches
+        [num_blocks, block_size, Hkv, D] already hold, found through ``blocks`` [>= ceil((prefix + n) / block_size)]
+        int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned."""
+        n, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        _check(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim, "prefill attention: bad q")
+        _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "prefill attention: caches must be contiguous")
+        _check_caches(k_cache, v_cache, "prefill attention")
+        _check(blocks.dtype == torch.int64 and blocks.is_contiguous()
+               and len(blocks) * block_size >= prefix + n, "prefill attention: bad block list")
+        _check(out.is_contiguous() and out.shape == q.shape and out.dtype == torch.float32, "prefill attention: bad out")
+        self._lib.ss_prefill_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype],
+            blocks.data_ptr(), n, prefix, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
+            num_heads * head_dim, torch.get_num_threads(),
         )
         return out
 
@@ -236,9 +265,17 @@ def usable(device: torch.device | str, dtype: torch.dtype) -> "CpuKernels | None
 @functools.cache
 def load() -> CpuKernels | None:
     """The built kernels, or None (logged) where they cannot be used on this machine."""
-    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
+    choice = os.environ.get("SPLITSERVE_CPU_KERNELS", "1")
+    if choice == "0":
         logger.info("native CPU kernels disabled by SPLITSERVE_CPU_KERNELS=0")
         return None
+    if choice not in ("1", "avx2"):
+        logger.warning("SPLITSERVE_CPU_KERNELS must be 0, 1 or avx2, got %r; building for this CPU", choice)
+    return build(avx512=choice != "avx2")
+
+
+def build(avx512: bool = True) -> CpuKernels | None:
+    """The kernels built for this CPU (with ``avx512=False``: without its AVX-512, if it has any), or None."""
     if not supported_cpu():
         logger.warning("native CPU kernels need x86-64 with AVX2, FMA and F16C; using the PyTorch path")
         return None
@@ -247,7 +284,7 @@ def load() -> CpuKernels | None:
         logger.warning("no C++ compiler (g++ or $CXX) for the native CPU kernels; using the PyTorch path")
         return None
     try:
-        return CpuKernels(_build(compiler, _cpu_flags()))
+        return CpuKernels(_build(compiler, _cpu_flags(), [] if avx512 else ["-mno-avx512f"]))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or e
         logger.warning("building the native CPU kernels failed; using the PyTorch path: %s", detail)
@@ -259,10 +296,11 @@ def supported_cpu() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
-def _build(compiler: str, cpu_flags: set[str]) -> Path:
+def _build(compiler: str, cpu_flags: set[str], extra_flags: list[str]) -> Path:
+    flags = FLAGS + extra_flags
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
                     " ".join(sorted(cpu_flags)).encode()])
     ).hexdigest()[:16]
     cache = Path(os.environ.get("SPLITSERVE_CACHE_DIR") or Path.home() / ".cache" / "splitserve")
@@ -275,7 +313,7 @@ def _build(compiler: str, cpu_flags: set[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -36,7 +36,7 @@ def _dense_reference(q, keys, values, prefix: int, scale: float) -> torch.Tensor
 def _run_scenario(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, seed: int = 0,
                   cache_dtype: torch.dtype = torch.float32, meta: AttentionMetadata | None = None, kernels=None):
     """seqs: (cached prefix length, new tokens) per sequence; the seed draws q/k/v, the block layout is fixed.
-    ``kernels``: the native CPU kernels for the decode queries, or None for the PyTorch path.
+    ``kernels``: the native CPU kernels, or None for the PyTorch path.
     Returns (output, reference, caches, new k and v, meta)."""
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(99)).tolist()  # shuffled block ids
@@ -59,8 +59,7 @@ def _run_scenario(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale, kernels)
     refs, start = [], 0
     for (prefix, n), k, v in zip(seqs, full_k, full_v):
-        if not (prefix == 0 and n > 1):  # all but a fresh prefill read K/V back from the cache, in its dtype
-            k, v = k.to(cache_dtype).float(), v.to(cache_dtype).float()
+        k, v = k.to(cache_dtype).float(), v.to(cache_dtype).float()  # attention sees K/V as the cache holds them
         refs.append(_dense_reference(q[start : start + n], k, v, prefix, scale))
         start += n
     return out, torch.cat(refs), (k_cache, v_cache), (k_new, v_new), meta
@@ -181,8 +180,8 @@ def test_plan_mixed_step():
     meta = AttentionMetadata.build([4, 1, 3], [4, 7, 9], [[1], [2, 3], [4, 5, 6]], block_size=4)
     assert meta.decode.token_index.tolist() == [4] and meta.decode.tables.tolist() == [[2, 3]]
     fresh, chunk = meta.prefills
-    assert (fresh.start, fresh.end, fresh.blocks, fresh.causal_mask) == (0, 4, None, None)
-    assert (chunk.start, chunk.end, chunk.context_len) == (5, 8, 9)
+    assert (fresh.start, fresh.end, fresh.prefix, fresh.blocks.tolist(), fresh.causal_mask) == (0, 4, 0, [1], None)
+    assert (chunk.start, chunk.end, chunk.prefix, chunk.context_len) == (5, 8, 6, 9)
     assert chunk.blocks.tolist() == [4, 5, 6]
     # Prefix of 6: query r (position 6 + r) sees keys 0..6 + r.
     assert chunk.causal_mask.tolist() == [[k <= 6 + r for k in range(9)] for r in range(3)]
@@ -238,3 +237,37 @@ def test_native_decode_attention_matches_pytorch_at_model_sizes(block_size, num_
     alone = AttentionMetadata.build([1], lens[2:3], tables[2:3], block_size)
     single = paged_attention(q[2:3], k_new[2:3], v_new[2:3], k_cache, v_cache, alone, scale, native_kernels)
     assert torch.equal(single, ours[2:3])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (7, 1, 40)])
+def test_native_prefill_attention_matches_pytorch_at_model_sizes(block_size, num_heads, num_kv_heads, head_dim,
+                                                                  cache_dtype, native_kernels):
+    # Prompts of several 48-row work items over shuffled blocks: a fresh one, one after a cached prefix that ends
+    # mid-block, and a 2-token one; heads of 40 (a partial 16-dim panel) and groups of 1 to 7 query heads.
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, seqs = 300, [(0, 203), (77, 100), (0, 2)]  # (cached prefix, new tokens)
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[pool.pop() for _ in range(-(-(p + n) // block_size))] for p, n in seqs]
+    for (prefix, _), table in zip(seqs, tables):
+        for cache in caches:
+            flat = cache.view(-1, num_kv_heads, head_dim)
+            for p in range(prefix):
+                flat[table[p // block_size] * block_size + p % block_size] = torch.randn(num_kv_heads, head_dim,
+                                                                                         generator=gen)
+    total = sum(n for _, n in seqs)
+    q, k_new, v_new = (torch.randn(total, h, head_dim, generator=gen) for h in (num_heads, num_kv_heads, num_kv_heads))
+    meta = AttentionMetadata.build([n for _, n in seqs], [p + n for p, n in seqs], tables, block_size)
+    scale = head_dim**-0.5
+    ours = paged_attention(q, k_new, v_new, *caches, meta, scale, native_kernels)
+    theirs = paged_attention(q, k_new, v_new, *caches, meta, scale)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    # A row's result depends on its own keys only: the second prompt in two chunks gives the same bits.
+    start, (prefix, n) = seqs[0][1], seqs[1]
+    for lo, hi in ((0, 41), (41, n)):
+        chunk = AttentionMetadata.build([hi - lo], [prefix + hi], [tables[1]], block_size)
+        rows = slice(start + lo, start + hi)
+        alone = paged_attention(q[rows], k_new[rows], v_new[rows], *caches, chunk, scale, native_kernels)
+        assert torch.equal(alone, ours[rows])

@@ -26,6 +26,8 @@
 #include <string.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <memory>
 #include <vector>
 
@@ -35,6 +37,7 @@ constexpr int kPanel = 16;   // outputs per panel: two AVX2 vectors
 constexpr int kRowTile = 6;  // rows per micro-kernel tile: 12 accumulators + 2 weight vectors + 1 broadcast
 constexpr int64_t kChunkKeys = 256;  // keys per work item of the decode attention
 constexpr int64_t kPrefetchBlocks = 1;  // how many blocks ahead the decode attention asks for K/V
+constexpr int64_t kAttentionRows = 48;  // query rows per work item of the prefill attention
 constexpr int kHeadSet = 3;  // query heads per attention tile: 3 x 4 accumulators + 3 + 1 of the 16 registers
 
 // What the KV cache holds (CACHE_TYPES in engine/cpu_kernels.py): float32, or 16-bit bfloat16 / float16 values
@@ -114,8 +117,8 @@ using WriteKVFn = void (*)(void*, void*, int64_t, const float*, const float*, in
 
 // Rows [0, R) of x (row stride ldx) times one panel [in, 16] -> y rows (stride ldy), `valid` outputs kept.
 template <int R>
-inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t in, const float* bias, float* y,
-                       int64_t ldy, int valid) {
+inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t /*panel_stride*/, int64_t in,
+                       const float* bias, float* y, int64_t ldy, int valid) {
   __m256 acc0[R], acc1[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -151,9 +154,83 @@ inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t 
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t, int);
 constexpr TileFn kTiles[kRowTile + 1] = {nullptr,         panel_tile<1>, panel_tile<2>, panel_tile<3>,
                                          panel_tile<4>,   panel_tile<5>, panel_tile<6>};
+
+#ifdef __AVX512F__
+// With AVX-512 a panel's 16 outputs are one register, and the tile is R rows x NP panels: 2 x 12 accumulators
+// reuse every loaded W vector twelve times and every broadcast x value twice, from 32 registers. Each output still
+// sums its products in order of k with one fused multiply-add each, so its bits are the AVX2 tile's bits.
+constexpr int kRowTile512 = 12;
+constexpr int kPanelTile512 = 2;
+
+template <int R, int NP>
+inline void panel_tile512(const float* x, int64_t ldx, const float* panels, int64_t panel_stride, int64_t in,
+                          const float* bias, float* y, int64_t ldy, int valid_last) {
+  __m512 acc[R][NP];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    __m512 w[NP];
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_ps(panels + p * panel_stride + k * kPanel);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 2
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int p = 0; p < NP; ++p) {
+    const __mmask16 keep = p == NP - 1 ? static_cast<__mmask16>((1u << valid_last) - 1) : 0xffff;
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + p * kPanel) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 out = bias != nullptr ? _mm512_add_ps(acc[r][p], b) : acc[r][p];
+      _mm512_mask_storeu_ps(y + r * ldy + p * kPanel, keep, out);
+    }
+  }
+}
+
+template <int NP, int... R>
+constexpr std::array<TileFn, sizeof...(R) + 1> tiles512(std::integer_sequence<int, R...>) {
+  return {nullptr, panel_tile512<R + 1, NP>...};
+}
+constexpr auto kTiles512One = tiles512<1>(std::make_integer_sequence<int, kRowTile512>());
+constexpr auto kTiles512Two = tiles512<2>(std::make_integer_sequence<int, kRowTile512>());
+constexpr int kPanelsPerTile = kPanelTile512;
+#else
+constexpr int kPanelsPerTile = 1;
+#endif
+
+// Panels [p0, p1) of a product, on the calling thread: y[rows, outputs of those panels] = x[rows, in] W^T + bias,
+// with panel p ([in, 16]: 16 outputs' weights, row by row) at packed + p * panel_stride, `out` outputs in all (the
+// last panel may be partial) and bias nullptr or padded to whole panels. Every output sums its `in` products in
+// order of k, one fused multiply-add each, whatever the tile: its bits do not depend on `rows` nor on the ISA.
+inline void panels_product(const float* x, int64_t ldx, int64_t rows, const float* packed, int64_t panel_stride,
+                           int64_t in, int64_t out, int64_t p0, int64_t p1, const float* bias, float* y,
+                           int64_t ldy) {
+  for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
+    const int np = static_cast<int>(std::min<int64_t>(kPanelsPerTile, p1 - p));
+    const int valid_last = static_cast<int>(std::min<int64_t>(kPanel, out - (p + np - 1) * kPanel));
+#ifdef __AVX512F__
+    const auto& tiles = np == 2 ? kTiles512Two : kTiles512One;
+    constexpr int kRows = kRowTile512;
+#else
+    const TileFn* tiles = kTiles;
+    constexpr int kRows = kRowTile;
+#endif
+    for (int64_t r = 0; r < rows; r += kRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kRows, rows - r));
+      tiles[n](x + r * ldx, ldx, packed + p * panel_stride, panel_stride, in,
+               bias != nullptr ? bias + p * kPanel : nullptr, y + r * ldy + p * kPanel, ldy, valid_last);
+    }
+  }
+}
 
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -442,29 +519,108 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
   }
 }
 
+// Prefill attention: the n new queries of one sequence (positions prefix .. prefix + n - 1; query r of head hq at
+// q + r * ldq + hq * head_dim) over its keys 0 .. prefix + n - 1, read through its block table from the caches (the
+// new tokens' K and V already written), causal. The products run on the GEMM tiles: K of each KV head is packed as
+// panels of 16 keys [key_panels, D, 16] (scores = q K^T, a product with K as its weights) and V as panels of 16
+// dimensions [D / 16, keys, 16] (out = p V). Work items are (query head, block of rows): a row's scores span its
+// keys, are softmaxed in place (padding after them zero) and multiplied by V. A row's bits depend on its own
+// keys only: alone or in a batch, in one chunk or several, it gets the same output.
+template <int CT>
+void prefill_attention(const float* q, int64_t ldq, const typename CacheElem<CT>::T* k_cache,
+                       const typename CacheElem<CT>::T* v_cache, const int64_t* blocks, int64_t n, int64_t prefix,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                       float* out, int64_t ldo, int threads) {
+  const int64_t keys = prefix + n;
+  const int64_t key_panels = (keys + kPanel - 1) / kPanel;
+  const int64_t keys_padded = key_panels * kPanel;
+  const int64_t dim_panels = (head_dim + kPanel - 1) / kPanel;
+  const int64_t k_head_size = key_panels * head_dim * kPanel, v_head_size = dim_panels * keys_padded * kPanel;
+  std::vector<float> k_packed(num_kv_heads * k_head_size), v_packed(num_kv_heads * v_head_size);  // zero padded
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t item = 0; item < num_kv_heads * key_panels; ++item) {
+    const int64_t h = item / key_panels, panel = item % key_panels;
+    float* k_panel = k_packed.data() + h * k_head_size + panel * head_dim * kPanel;
+    float* v_head = v_packed.data() + h * v_head_size;
+    alignas(32) float row[512];
+    for (int64_t jj = 0; jj < kPanel && panel * kPanel + jj < keys; ++jj) {
+      const int64_t j = panel * kPanel + jj;
+      const int64_t at = ((blocks[j / block_size] * block_size + j % block_size) * num_kv_heads + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; d += 8) _mm256_store_ps(row + d, CacheElem<CT>::load8(k_cache + at + d));
+      for (int64_t d = 0; d < head_dim; ++d) k_panel[d * kPanel + jj] = row[d];
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        _mm256_storeu_ps(v_head + (d / kPanel) * keys_padded * kPanel + j * kPanel + d % kPanel,
+                         CacheElem<CT>::load8(v_cache + at + d));
+      }
+    }
+  }
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_blocks = (n + kAttentionRows - 1) / kAttentionRows;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores(kAttentionRows * keys_padded);
+    float inv_sum[kAttentionRows];
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < num_heads * row_blocks; ++item) {
+      const int64_t block = row_blocks - 1 - item / num_heads;  // the longest rows first, for balance
+      const int64_t hq = item % num_heads, h = hq / group;
+      const int64_t r0 = block * kAttentionRows, rows = std::min(kAttentionRows, n - r0);
+      const int64_t seen = prefix + r0 + rows;  // keys of the block's last row
+      const int64_t seen_panels = (seen + kPanel - 1) / kPanel;
+      panels_product(q + r0 * ldq + hq * head_dim, ldq, rows, k_packed.data() + h * k_head_size,
+                     head_dim * kPanel, head_dim, seen_panels * kPanel, 0, seen_panels, nullptr, scores.data(),
+                     keys_padded);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * keys_padded;
+        const int64_t valid = prefix + r0 + r + 1;
+        const int64_t vectors = (valid + 7) / 8 * 8;
+        for (int64_t j = 0; j < vectors; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j),
+                                                                                       _mm256_set1_ps(scale)));
+        float sum;
+        exp_shifted(s, valid, &sum);
+        std::fill(s + vectors, s + std::max(vectors, seen), 0.0f);  // keys this row does not see
+        inv_sum[r] = 1.0f / sum;
+      }
+      float* o = out + r0 * ldo + hq * head_dim;
+      panels_product(scores.data(), keys_padded, rows, v_packed.data() + h * v_head_size, keys_padded * kPanel,
+                     seen, head_dim, 0, dim_panels, nullptr, o, ldo);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < head_dim; ++d) o[r * ldo + d] *= inv_sum[r];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// The widest vectors this build's GEMM micro-kernel uses: 512 (AVX-512) or 256 (AVX2).
+int ss_vector_bits() {
+#ifdef __AVX512F__
+  return 512;
+#else
+  return 256;
+#endif
+}
 
 // y[rows, out] (row stride ldy) = x[rows, in] (row stride ldx) W^T + bias; W in panels [P, in, 16], the last
 // panel's padding outputs zero (engine/model.py's Linear packs them).
 void ss_linear(const float* x, int64_t rows, int64_t ldx, const float* packed, int64_t out, int64_t in,
                const float* bias, float* y, int64_t ldy, int threads) {
   const int64_t panels = (out + kPanel - 1) / kPanel;
+  std::vector<float> bias_padded;  // whole panels, so that a tile reads the bias like the weights
+  if (bias != nullptr) {
+    bias_padded.assign(panels * kPanel, 0.0f);
+    memcpy(bias_padded.data(), bias, sizeof(float) * out);
+  }
+  const float* padded = bias != nullptr ? bias_padded.data() : nullptr;
+  const int64_t groups = (panels + kPanelsPerTile - 1) / kPanelsPerTile;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const float* panel = packed + p * in * kPanel;
-    const int valid = static_cast<int>(std::min<int64_t>(kPanel, out - p * kPanel));
-    const float* panel_bias = nullptr;
-    alignas(32) float bias_tmp[kPanel] = {0};
-    if (bias != nullptr) {
-      memcpy(bias_tmp, bias + p * kPanel, sizeof(float) * valid);
-      panel_bias = bias_tmp;
-    }
-    for (int64_t r = 0; r < rows; r += kRowTile) {
-      const int n = static_cast<int>(std::min<int64_t>(kRowTile, rows - r));
-      kTiles[n](x + r * ldx, ldx, panel, in, panel_bias, y + r * ldy + p * kPanel, ldy, valid);
-    }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t p0 = g * kPanelsPerTile;
+    panels_product(x, ldx, rows, packed, in * kPanel, in, out, p0, std::min(panels, p0 + kPanelsPerTile), padded, y,
+                   ldy);
   }
 }
 
@@ -478,6 +634,17 @@ void ss_paged_decode_attention(const float* q, const void* k_cache, const void* 
     decode_attention<ct>(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,
                          table_stride, seq_lens, batch, num_heads, num_kv_heads, head_dim, block_size, scale, out,
                          threads);
+  });
+}
+
+// The prefill attention (prefill_attention above) over caches holding cache_type (a CacheType) elements.
+void ss_prefill_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, int cache_type,
+                          const int64_t* blocks, int64_t n, int64_t prefix, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, float scale, float* out, int64_t ldo, int threads) {
+  with_cache_type(cache_type, [&](auto ct) {
+    using T = typename CacheElem<ct>::T;
+    prefill_attention<ct>(q, ldq, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), blocks, n, prefix,
+                          num_heads, num_kv_heads, head_dim, block_size, scale, out, ldo, threads);
   });
 }
 
