@@ -62,7 +62,8 @@ def test_engine_bench_measures_ours_and_transformers_side_by_side(cache_dtype, e
     machine = results["machine"]
     assert machine["matmul_gflops"] > 0 and machine["read_gbps"] > 0
     for r in results["prefill"].values():
-        assert r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 and r["share_of_peak"] > 0
+        assert r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 and r["peak_gflops"] > 0
+        assert r["share_of_peak"] == pytest.approx(r["gflops"] / r["peak_gflops"])
     floors = {int(b): r["floor_ms"] for b, r in results["decode"].items()}
     assert all(r["ours_ms"] > 0 and r["hf_ms"] > 0 for r in results["decode"].values())
     # The floor's KV part grows with the batch at the cache's element size: K and V x layers x KV heads x head_dim

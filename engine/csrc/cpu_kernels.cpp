@@ -558,7 +558,7 @@ void prefill_attention(const float* q, int64_t ldq, const typename CacheElem<CT>
   const int64_t row_blocks = (n + kAttentionRows - 1) / kAttentionRows;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores(kAttentionRows * keys_padded);
+    std::vector<float> scores(kAttentionRows * keys_padded), queries(kAttentionRows * head_dim);
     float inv_sum[kAttentionRows];
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < num_heads * row_blocks; ++item) {
@@ -567,15 +567,16 @@ void prefill_attention(const float* q, int64_t ldq, const typename CacheElem<CT>
       const int64_t r0 = block * kAttentionRows, rows = std::min(kAttentionRows, n - r0);
       const int64_t seen = prefix + r0 + rows;  // keys of the block's last row
       const int64_t seen_panels = (seen + kPanel - 1) / kPanel;
-      panels_product(q + r0 * ldq + hq * head_dim, ldq, rows, k_packed.data() + h * k_head_size,
-                     head_dim * kPanel, head_dim, seen_panels * kPanel, 0, seen_panels, nullptr, scores.data(),
-                     keys_padded);
+      for (int64_t r = 0; r < rows; ++r) {  // the block's queries, scaled, as contiguous rows
+        const float* from = q + (r0 + r) * ldq + hq * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) queries[r * head_dim + d] = from[d] * scale;
+      }
+      panels_product(queries.data(), head_dim, rows, k_packed.data() + h * k_head_size, head_dim * kPanel, head_dim,
+                     seen_panels * kPanel, 0, seen_panels, nullptr, scores.data(), keys_padded);
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * keys_padded;
         const int64_t valid = prefix + r0 + r + 1;
         const int64_t vectors = (valid + 7) / 8 * 8;
-        for (int64_t j = 0; j < vectors; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j),
-                                                                                       _mm256_set1_ps(scale)));
         float sum;
         exp_shifted(s, valid, &sum);
         std::fill(s + vectors, s + std::max(vectors, seen), 0.0f);  // keys this row does not see
