@@ -19,7 +19,7 @@ class PagedKVCache:
         model_config: ModelConfig,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype | str = torch.float32,
+        dtype: torch.dtype | str,  # what K/V are stored as (CacheConfig.cache_dtype; float16 by default there)
         device: torch.device | str = "cpu",
     ):
         if num_blocks <= 0:

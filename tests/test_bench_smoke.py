@@ -50,25 +50,28 @@ def test_transfer_bench_measures_overlap_on_and_off_per_codec(tmp_path):
     assert png.stat().st_size > 0
 
 
-@pytest.mark.parametrize("cache_dtype,elem_bytes", [("float32", 4), ("float16", 2)])
-def test_engine_bench_measures_ours_and_transformers_side_by_side(cache_dtype, elem_bytes, tmp_path, capsys):
-    out = tmp_path / "engine.json"
-    engine_bench.main(["--model", "tiny-random", "--steps", "4", "--repeat", "1", "--cache-dtype", cache_dtype,
-                       "--json", str(out)])
+def test_engine_bench_measures_ours_and_transformers_side_by_side(tmp_path, capsys):
+    out, png = tmp_path / "engine.json", tmp_path / "engine.png"
+    engine_bench.main(["--model", "tiny-random", "--steps", "4", "--repeat", "1", "--rounds", "2",
+                       "--cache-dtypes", "float16,float32", "--json", str(out), "--plot", str(png)])
     results = json.loads(out.read_text())
-    assert results["cache_dtype"] == cache_dtype
     assert [int(n) for n in results["prefill"]] == list(engine_bench.PROMPT_LENS)
-    assert [int(b) for b in results["decode"]] == list(engine_bench.DECODE_BATCHES)
     machine = results["machine"]
     assert machine["matmul_gflops"] > 0 and machine["read_gbps"] > 0
     for r in results["prefill"].values():
         assert r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 and r["peak_gflops"] > 0
         assert r["share_of_peak"] == pytest.approx(r["gflops"] / r["peak_gflops"])
-    floors = {int(b): r["floor_ms"] for b, r in results["decode"].items()}
-    assert all(r["ours_ms"] > 0 and r["hf_ms"] > 0 for r in results["decode"].values())
-    # The floor's KV part grows with the batch at the cache's element size: K and V x layers x KV heads x head_dim
-    # elements per cached token (tiny-random: 4 layers, 2 KV heads of 16).
-    kv_ms_per_seq = (floors[32] - floors[8]) / 24
-    kv_bytes_per_seq = 2 * 4 * 2 * 16 * elem_bytes * engine_bench.DECODE_CONTEXT
-    assert kv_ms_per_seq == pytest.approx(kv_bytes_per_seq / (machine["read_gbps"] * 1e9) * 1e3, rel=1e-6)
-    assert "== targets ==" in capsys.readouterr().out
+    assert list(results["decode"]) == ["float16", "float32"]
+    for cache_dtype, elem_bytes in (("float16", 2), ("float32", 4)):
+        rows = results["decode"][cache_dtype]
+        assert [int(b) for b in rows] == list(engine_bench.DECODE_BATCHES)
+        assert all(r["ours_ms"] > 0 and r["hf_ms"] > 0 for r in rows.values())
+        # The floor's KV part grows with the batch at the cache's element size: K and V x layers x KV heads x
+        # head_dim elements per cached token (tiny-random: 4 layers, 2 KV heads of 16).
+        floors = {int(b): r["floor_ms"] for b, r in rows.items()}
+        kv_ms_per_seq = (floors[32] - floors[8]) / 24
+        kv_bytes_per_seq = 2 * 4 * 2 * 16 * elem_bytes * engine_bench.DECODE_CONTEXT
+        assert kv_ms_per_seq == pytest.approx(kv_bytes_per_seq / (machine["read_gbps"] * 1e9) * 1e3, rel=1e-6)
+    printed = capsys.readouterr().out
+    assert "== targets (KV cache float16) ==" in printed and "== targets (KV cache float32) ==" in printed
+    assert png.stat().st_size > 0

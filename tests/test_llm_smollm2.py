@@ -1,7 +1,8 @@
 """The offline LLM on the real SmolLM2-135M-Instruct weights against transformers on the same weights.
 
 Both run from one set of weights: ours are dequantized from the GGUF file, exported as a HF checkpoint, and
-loaded by transformers, whose greedy ``generate`` is the reference, token for token.
+loaded by transformers, whose greedy ``generate`` is the reference, token for token: with the engine's default
+float16 KV cache and with a float32 one.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
 from engine.weights import export_hf_checkpoint
 
 pytestmark = pytest.mark.model
@@ -42,15 +43,29 @@ def hf_reference(smollm2, tmp_path_factory):
     return model.eval()
 
 
-def test_greedy_matches_transformers_token_for_token(smollm2, hf_reference):
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    ours = smollm2.generate(PROMPTS, params)
-    for prompt, out in zip(PROMPTS, ours):
-        ids = torch.tensor([out.prompt_token_ids])
+@pytest.fixture(scope="module")
+def hf_continuations(smollm2, hf_reference) -> list[list[int]]:
+    """transformers' greedy continuation of every prompt, NEW_TOKENS tokens each."""
+    continuations = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([smollm2.tokenizer.encode(prompt)])
         with torch.inference_mode():
             ref = hf_reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
                                         attention_mask=torch.ones_like(ids), pad_token_id=0)
-        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+        continuations.append(ref[0, ids.shape[1]:].tolist())
+    return continuations
+
+
+@pytest.mark.parametrize("cache_dtype", ["float16", "float32"])
+def test_greedy_matches_transformers_token_for_token(cache_dtype, smollm2, hf_continuations):
+    assert smollm2.engine.config.cache.cache_dtype == "float16"  # the fixture is the default engine
+    llm = smollm2 if cache_dtype == "float16" else LLM(model="smollm2-135m", kv_cache_memory_bytes=256 << 20,
+                                                       cache_dtype=cache_dtype)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ours = llm.generate(PROMPTS, params)
+    for prompt, out, ref in zip(PROMPTS, ours, hf_continuations):
+        assert out.prompt_token_ids == smollm2.tokenizer.encode(prompt)
+        assert out.token_ids == ref, prompt
 
 
 def test_chat_names_paris(smollm2):

@@ -91,7 +91,7 @@ class _Engine:
         config = _our_config(variant)
         self.model = LlamaForCausalLM.from_state_dict(config, _fuse_hf_weights(self.hf.state_dict(), config),
                                                       cpu_kernels=cpu_kernels)
-        self.cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE)
+        self.cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
         self.free_blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
@@ -343,7 +343,7 @@ def test_heads_the_attention_kernels_do_not_take_run_on_pytorch_around_native_pr
     assert models[0].kernels is not None and models[0].layers[0].kernels is None and models[1].kernels is None
     logits = []
     for model in models:
-        cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE)
+        cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
         with torch.inference_mode():
             prefill = AttentionMetadata.build([5], [5], [[1, 2]], 4)
             model(torch.tensor([3, 9, 27, 4, 8]), torch.arange(5), cache, prefill)

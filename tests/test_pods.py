@@ -45,7 +45,9 @@ from splitserve.config import parse_config
 from splitserve.pod import Pod
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "tiny-random"  # 4 layers, 2 KV heads of 16 dims, float32: 512 bytes of K+V per token and layer
+MODEL = "tiny-random"  # 4 layers, 2 KV heads of 16 dims
+CACHE_BYTES = 2  # the pods' default float16 cache: codec "none" moves 2 x 16 x 2 = 64 bytes of K (and of V)
+#                  per token and layer
 PREFILL_BUDGET = 64  # tokens per prefill step: longer prompts prefill in chunks
 DECODE_BLOCKS = 24  # 384 tokens: small enough to fill in a test
 ACCEPTED_CODECS = ["none", "int8", "int8+zstd"]  # int4 deliberately left out
@@ -194,7 +196,7 @@ def test_prefill_then_decode_gives_the_offline_greedy_tokens(pods, length):
     stats = first.kv_transfer
     steps = -(-length // PREFILL_BUDGET)  # each prefill step sends every layer's K and V of its tokens
     assert (stats.codec, stats.num_chunks) == ("none", steps * 4 * 2)
-    assert stats.bytes_sent == stats.raw_bytes == length * 4 * 2 * (2 * 16 * 4)  # tokens x layers x K/V x bytes
+    assert stats.bytes_sent == stats.raw_bytes == length * 4 * 2 * (2 * 16 * CACHE_BYTES)  # tokens x layers x K/V
     assert 0 < stats.transfer_seconds < 10 and 0 <= stats.exposed_transfer_seconds < 10
     assert first.num_cached_tokens == 0 and first.prefill_seconds > 0
 
@@ -231,7 +233,7 @@ def test_prefix_cache_hit_on_the_prefill_pod_still_ships_the_whole_prompt(pods):
     second = pods.run_prefill("prefix-b", second_prompt, GREEDY)
     assert second.num_cached_tokens == 32
     # The cached prefix was not computed in this step, and still travels: all 41 tokens, in one step.
-    assert (second.kv_transfer.num_chunks, second.kv_transfer.raw_bytes) == (8, 41 * 4 * 2 * 128)
+    assert (second.kv_transfer.num_chunks, second.kv_transfer.raw_bytes) == (8, 41 * 4 * 2 * (2 * 16 * CACHE_BYTES))
     tokens, _, complete = pods.run_decode("prefix-b", second_prompt, GREEDY, second)
     assert tokens == pods.offline_tokens(second_prompt, SamplingParams(temperature=0.0, max_tokens=16))
     assert complete.usage.cached_tokens == 0  # the decode pod did not prefill
@@ -618,8 +620,9 @@ def test_pods_as_processes_serve_register_and_shut_down_on_sigterm(redis_url):
         assert tokens == expected[0].token_ids
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['prefill_metrics']}/metrics", timeout=5) as response:
             metrics = response.read()
-        sent = b'splitserve_kv_transfer_bytes_total{codec="none",model_name="tiny-random",role="prefill"} 40960.0'
-        assert sent in metrics
+        sent = 40 * 4 * 2 * (2 * 16 * CACHE_BYTES)  # the 40-token prompt's K and V, every layer
+        labels = '{codec="none",model_name="tiny-random",role="prefill"}'
+        assert f"splitserve_kv_transfer_bytes_total{labels} {sent:.1f}".encode() in metrics
         # The decode pod now caches the prompt's blocks (and the output's), and says so for prefix-aware routing.
         prompt_blocks = chained_block_hashes(prompt, 16)
         wait_until(lambda: set(prompt_blocks) <= set(json.loads(registry.get(key))["block_hashes"]))

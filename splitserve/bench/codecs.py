@@ -257,7 +257,9 @@ def run(model: str, codecs: list[str], num_prompts: int, max_tokens: int, num_wi
     """Every figure of every codec in ``codecs`` (``none`` among them: the perplexity baseline)."""
     log(f"loading {model} ...")
     # All prompts prefill in one step, and the cache holds them with their outputs: no chunking, no preemption.
+    # The KV is float32, so that every codec's error is measured against the model's exact K/V.
     llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=num_prompts, block_size=BLOCK_SIZE,
+              cache_dtype="float32",
               num_blocks=_cache_blocks(num_prompts, max_tokens), long_prefill_token_threshold=PROMPT_LENS[1],
               max_num_batched_tokens=max(2048, num_prompts * PROMPT_LENS[1]))
     engine = llm.engine

@@ -3,11 +3,12 @@
 Prints, for the chosen model (SmolLM2-135M-Instruct by default):
   - prefill tokens/s for 512- and 1024-token prompts, and the share of the float32 matmul peak measured right
     before and after each (the higher of the two: the machine's clock drifts over minutes);
-  - decode ms per step at batch 1, 8 and 32 with a 512-token context;
+  - decode ms per step at batch 1, 8 and 32 with a 512-token context, for each KV cache dtype asked for (float16,
+    the engine's default, and float32 by default); the batch sizes take turns over ``--rounds`` rounds and each
+    keeps its best round, so the batch-32 / batch-1 ratio compares the machine in the same state;
   - the memory-bandwidth floor of a decode step (weights + KV bytes read / measured read bandwidth);
-and the ratios the targets are stated in. Figures vary with the machine's load: run it on a quiet machine.
-``--cache-dtype bfloat16`` (or float16) runs our engine with a 16-bit KV cache (transformers keeps float32): the
-floor then counts 2 bytes per cached element.
+and the ratios the targets are stated in, per cache dtype. Figures vary with the machine's load: run it on a quiet
+machine. transformers keeps its own float32 cache throughout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import CACHE_DTYPES
 from engine.weights import export_hf_checkpoint
+from splitserve.bench import headless_pyplot
 
 PROMPT_LENS = (512, 1024)
 DECODE_BATCHES = (1, 8, 32)
@@ -77,21 +79,31 @@ def ours_prefill(llm: LLM, prompt_len: int, repeat: int) -> float:
     vocab = llm.engine.model_config.vocab_size
     times = []
     for r in range(repeat + 1):
-        prompt = torch.randint(100, vocab, (prompt_len,), generator=torch.Generator().manual_seed(r)).tolist()
+        # A seed per (length, repeat): prompts of one seed share their first tokens, which the prefix cache would
+        # serve instead of computing them.
+        seed = prompt_len * (repeat + 1) + r
+        prompt = torch.randint(100, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
         start = time.perf_counter()
-        llm.generate(prompt, greedy1)
+        out = llm.generate(prompt, greedy1)[0]
         times.append(time.perf_counter() - start)
+        if out.num_cached_tokens:
+            raise RuntimeError(f"prefill prompt {r} of {prompt_len} tokens hit the prefix cache")
     return prompt_len / min(times[1:])
 
 
-def ours_decode(llm: LLM, batch: int, context: int, steps: int) -> float:
-    """Mean seconds per decode step once all `batch` sequences are past their prefill."""
+def decode_prompt(vocab: int, i: int, context: int) -> list[int]:
+    """Prompt i of every decode batch: batch b runs prompts 0..b-1, so after the first round they are all
+    prefix-cache hits and a round costs its decode steps only."""
+    return torch.randint(100, vocab, (context,), generator=torch.Generator().manual_seed(1000 + i)).tolist()
+
+
+def ours_decode(llm: LLM, batch: int, context: int, steps: int, tag: str = "") -> float:
+    """Median seconds per decode step once all `batch` sequences are past their prefill."""
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    gen = torch.Generator().manual_seed(1000 + batch)
     for i in range(batch):
-        engine.add_request(f"bench-{batch}-{i}", torch.randint(100, vocab, (context,), generator=gen).tolist(), params)
+        engine.add_request(f"bench-{tag}{batch}-{i}", decode_prompt(vocab, i, context), params)
     decode_times = []
     while engine.has_unfinished_requests():
         plan_start = time.perf_counter()
@@ -135,18 +147,24 @@ def hf_decode(model, batch: int, context: int, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(model: str, steps: int, repeat: int, cache_dtype: str = "float32", log=print) -> dict:
+def engine_for(model: str, cache_dtype: str) -> LLM:
+    # Prefix caching lets the decode rounds reuse their prompts' KV; the prefill prompts never repeat, so their
+    # figures are whole prefills.
+    return LLM(model=model, max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=2048,
+               kv_cache_memory_bytes=4 << 30, cache_dtype=cache_dtype)
+
+
+def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("float16", "float32"), rounds: int = 3,
+        log=print) -> dict:
     peaks = measure_machine(log)
-    log(f"loading {model} (KV cache {cache_dtype}) ...")
-    llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=max(DECODE_BATCHES),
-              max_num_batched_tokens=2048, kv_cache_memory_bytes=3 << 30, cache_dtype=cache_dtype)
+    log(f"loading {model} (KV cache {cache_dtypes[0]}) ...")
+    llm = engine_for(model, cache_dtypes[0])
     cfg = llm.engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-    cache_elem_bytes = llm.engine.runner.kv_cache.k[0].element_size()
     kernels = llm.engine.runner.model.kernels
     log(f"native CPU kernels: {kernels.isa if kernels else 'off (PyTorch path)'}")
-    results: dict = {"model": model, "cache_dtype": cache_dtype, "machine": peaks.__dict__,
-                     "kernels": kernels.isa if kernels else None, "prefill": {}, "decode": {}}
+    results: dict = {"model": model, "machine": peaks.__dict__, "kernels": kernels.isa if kernels else None,
+                     "rounds": rounds, "prefill": {}, "hf_decode_ms": {}, "decode": {}}
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_model(llm, tmp)
         for n in PROMPT_LENS:
@@ -161,10 +179,25 @@ def run(model: str, steps: int, repeat: int, cache_dtype: str = "float32", log=p
             results["prefill"][n] = {"ours_tok_s": ours, "hf_tok_s": theirs, "gflops": gflops,
                                      "peak_gflops": peak, "share_of_peak": gflops / peak}
         for b in DECODE_BATCHES:
-            log(f"decode batch {b}, context {DECODE_CONTEXT} ...")
-            ours, theirs = ours_decode(llm, b, DECODE_CONTEXT, steps), hf_decode(hf, b, DECODE_CONTEXT, steps)
-            floor = decode_bytes(cfg, weight_bytes, b, DECODE_CONTEXT, cache_elem_bytes) / (peaks.read_gbps * 1e9)
-            results["decode"][b] = {"ours_ms": ours * 1e3, "hf_ms": theirs * 1e3, "floor_ms": floor * 1e3}
+            log(f"transformers decode batch {b}, context {DECODE_CONTEXT} ...")
+            results["hf_decode_ms"][b] = hf_decode(hf, b, DECODE_CONTEXT, steps) * 1e3
+    del hf
+    for cache_dtype in cache_dtypes:
+        if cache_dtype != cache_dtypes[0]:
+            del llm
+            log(f"loading {model} (KV cache {cache_dtype}) ...")
+            llm = engine_for(model, cache_dtype)
+        elem_bytes = llm.engine.runner.kv_cache.k[0].element_size()
+        best = {b: float("inf") for b in DECODE_BATCHES}
+        for r in range(rounds):
+            for b in DECODE_BATCHES:
+                log(f"decode, KV cache {cache_dtype}, round {r + 1}/{rounds}: batch {b}, context {DECODE_CONTEXT} ...")
+                best[b] = min(best[b], ours_decode(llm, b, DECODE_CONTEXT, steps, tag=f"{cache_dtype}-{r}-"))
+        results["decode"][cache_dtype] = {
+            b: {"ours_ms": best[b] * 1e3, "hf_ms": results["hf_decode_ms"][b],
+                "floor_ms": decode_bytes(cfg, weight_bytes, b, DECODE_CONTEXT, elem_bytes) / peaks.read_gbps / 1e6}
+            for b in DECODE_BATCHES
+        }
     return results
 
 
@@ -175,20 +208,62 @@ def report(results: dict, log=print) -> None:
         log(f"{n:>7} {r['ours_tok_s']:>11.0f} {r['hf_tok_s']:>9.0f} {r['ours_tok_s'] / r['hf_tok_s']:>7.2f}x "
             f"{r['gflops']:>8.1f} {r['peak_gflops']:>6.0f} {r['share_of_peak']:>7.0%}")
     log("(peak: the fp32 matmul peak measured right before and after that prefill, the higher)")
-    log(f"\n== decode (context {DECODE_CONTEXT}, KV cache {results['cache_dtype']}) ==")
-    log(f"{'batch':>6} {'ours ms':>8} {'hf ms':>7} {'hf/ours':>8} {'floor ms':>9} {'ours/floor':>11} {'tok/s':>7}")
-    for b, r in results["decode"].items():
-        log(f"{b:>6} {r['ours_ms']:>8.2f} {r['hf_ms']:>7.2f} {r['hf_ms'] / r['ours_ms']:>7.2f}x "
-            f"{r['floor_ms']:>9.2f} {r['ours_ms'] / r['floor_ms']:>10.2f}x {b * 1e3 / r['ours_ms']:>7.0f}")
-    d = results["decode"]
-    b1, b32 = d[1], d[max(d)]
-    log("\n== targets ==")
-    log(f"batch-1 decode vs bandwidth floor: {b1['ours_ms'] / b1['floor_ms']:.2f}x (target <= 1.5x)")
-    log(f"batch-1 decode vs transformers eager: {b1['hf_ms'] / b1['ours_ms']:.2f}x faster (target >= 2x)")
-    scale = (max(d) / b32["ours_ms"]) / (1 / b1["ours_ms"])
-    log(f"batch-{max(d)} decode throughput vs batch 1: {scale:.1f}x (target >= 6x)")
+    for cache_dtype, rows in results["decode"].items():
+        log(f"\n== decode (context {DECODE_CONTEXT}, our KV cache {cache_dtype}, best of {results['rounds']} "
+            "interleaved rounds) ==")
+        log(f"{'batch':>6} {'ours ms':>8} {'hf ms':>7} {'hf/ours':>8} {'floor ms':>9} {'ours/floor':>11} {'tok/s':>7}")
+        for b, r in rows.items():
+            log(f"{b:>6} {r['ours_ms']:>8.2f} {r['hf_ms']:>7.2f} {r['hf_ms'] / r['ours_ms']:>7.2f}x "
+                f"{r['floor_ms']:>9.2f} {r['ours_ms'] / r['floor_ms']:>10.2f}x {b * 1e3 / r['ours_ms']:>7.0f}")
     worst = min(r["share_of_peak"] for r in results["prefill"].values())
-    log(f"prefill share of fp32 matmul peak: {worst:.0%} at worst (target >= 75%)")
+    for cache_dtype, rows in results["decode"].items():
+        b1, big = rows[1], max(rows)
+        log(f"\n== targets (KV cache {cache_dtype}) ==")
+        log(f"batch-1 decode vs bandwidth floor: {b1['ours_ms'] / b1['floor_ms']:.2f}x (target <= 1.5x)")
+        log(f"batch-1 decode vs transformers eager: {b1['hf_ms'] / b1['ours_ms']:.2f}x faster (target >= 2x)")
+        scale = (big / rows[big]["ours_ms"]) / (1 / b1["ours_ms"])
+        log(f"batch-{big} decode throughput vs batch 1: {scale:.1f}x (target >= 6x)")
+        log(f"prefill share of fp32 matmul peak: {worst:.0%} at worst (target >= 75%)")
+
+
+def plot(results: dict, path: str) -> None:
+    """Decode throughput against the batch size (ours per cache dtype, transformers) and prefill tokens/s."""
+    plt = headless_pyplot()
+    fig, (decode_ax, prefill_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for cache_dtype, rows in results["decode"].items():
+        batches = [int(b) for b in rows]
+        decode_ax.plot(batches, [b * 1e3 / r["ours_ms"] for b, r in zip(batches, rows.values())], "o-",
+                       label=f"splitserve, {cache_dtype} KV")
+    batches = [int(b) for b in results["hf_decode_ms"]]
+    decode_ax.plot(batches, [b * 1e3 / ms for b, ms in zip(batches, results["hf_decode_ms"].values())], "s--",
+                   label="transformers eager")
+    decode_ax.set(xlabel="batch (sequences)", ylabel="decode tokens/s", xscale="log", xticks=batches,
+                  xticklabels=[str(b) for b in batches], title=f"decode, context {DECODE_CONTEXT}")
+    decode_ax.legend()
+    lens = [str(n) for n in results["prefill"]]
+    ours = [r["ours_tok_s"] for r in results["prefill"].values()]
+    theirs = [r["hf_tok_s"] for r in results["prefill"].values()]
+    xs = range(len(lens))
+    prefill_ax.bar([x - 0.2 for x in xs], ours, 0.4, label="splitserve")
+    prefill_ax.bar([x + 0.2 for x in xs], theirs, 0.4, label="transformers eager")
+    for x, r in zip(xs, results["prefill"].values()):
+        prefill_ax.annotate(f"{r['share_of_peak']:.0%} of peak", (x - 0.2, r["ours_tok_s"]), ha="center",
+                            va="bottom", fontsize=8)
+    prefill_ax.set(xticks=list(xs), xticklabels=lens, xlabel="prompt tokens", ylabel="prefill tokens/s",
+                   title="prefill")
+    prefill_ax.legend()
+    fig.suptitle(f"{results['model']}: engine vs transformers, same weights, same run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cache_dtypes(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in CACHE_DTYPES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"cache dtypes must be among {', '.join(CACHE_DTYPES)}, got {text!r}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,13 +271,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
     parser.add_argument("--repeat", type=int, default=3, help="prefill repetitions (best is kept)")
-    parser.add_argument("--cache-dtype", default="float32", choices=CACHE_DTYPES,
-                        help="our engine's KV cache dtype (transformers keeps float32)")
+    parser.add_argument("--cache-dtypes", default="float16,float32", type=_cache_dtypes,
+                        help="our engine's KV cache dtypes for the decode figures, comma-separated; the first also "
+                             "runs the prefill (transformers keeps float32)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved decode rounds (best is kept)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--plot", help="also draw the figures into this .png")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    results = run(args.model, args.steps, args.repeat, args.cache_dtype)
+    results = run(args.model, args.steps, args.repeat, args.cache_dtypes, args.rounds)
     report(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    if args.plot:
+        plot(results, args.plot)

@@ -114,8 +114,9 @@ def stop_pods(pods: list[PodProcess]) -> None:
 def pod_flags(model: str, prompt_tokens: int) -> list[str]:
     # Room for two prompts' KV: the one arriving, and the previous one while its release is on its way.
     num_blocks = 2 * -(-prompt_tokens // BLOCK_SIZE)
+    # float32 caches: codec "none" then moves 4 bytes per element, the baseline the codecs' sizes compare with.
     return ["--model", model, "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks),
-            "--no-enable-prefix-caching"]
+            "--cache-dtype", "float32", "--no-enable-prefix-caching"]
 
 
 # ---- the calls ---------------------------------------------------------------------------------------------------
