@@ -66,12 +66,13 @@ def test_engine_bench_measures_ours_and_transformers_side_by_side(tmp_path, caps
         rows = results["decode"][cache_dtype]
         assert [int(b) for b in rows] == list(engine_bench.DECODE_BATCHES)
         assert all(r["ours_ms"] > 0 and r["hf_ms"] > 0 for r in rows.values())
-        # The floor's KV part grows with the batch at the cache's element size: K and V x layers x KV heads x
-        # head_dim elements per cached token (tiny-random: 4 layers, 2 KV heads of 16).
-        floors = {int(b): r["floor_ms"] for b, r in rows.items()}
-        kv_ms_per_seq = (floors[32] - floors[8]) / 24
+        # Each floor is the bytes a step reads over its round's bandwidth; the KV part of those bytes grows with
+        # the batch at the cache's element size: K and V x layers x KV heads x head_dim elements per cached token
+        # (tiny-random: 4 layers, 2 KV heads of 16).
+        assert all(r["read_gbps"] > 0 for r in rows.values())
+        floor_bytes = {int(b): r["floor_ms"] * r["read_gbps"] * 1e6 for b, r in rows.items()}
         kv_bytes_per_seq = 2 * 4 * 2 * 16 * elem_bytes * engine_bench.DECODE_CONTEXT
-        assert kv_ms_per_seq == pytest.approx(kv_bytes_per_seq / (machine["read_gbps"] * 1e9) * 1e3, rel=1e-6)
+        assert (floor_bytes[32] - floor_bytes[8]) / 24 == pytest.approx(kv_bytes_per_seq, rel=1e-6)
     printed = capsys.readouterr().out
     assert "== targets (KV cache float16) ==" in printed and "== targets (KV cache float32) ==" in printed
     assert png.stat().st_size > 0

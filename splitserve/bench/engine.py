@@ -6,7 +6,8 @@ Prints, for the chosen model (SmolLM2-135M-Instruct by default):
   - decode ms per step at batch 1, 8 and 32 with a 512-token context, for each KV cache dtype asked for (float16,
     the engine's default, and float32 by default); the batch sizes take turns over ``--rounds`` rounds and each
     keeps its best round, so the batch-32 / batch-1 ratio compares the machine in the same state;
-  - the memory-bandwidth floor of a decode step (weights + KV bytes read / measured read bandwidth);
+  - the memory-bandwidth floor of a decode step (weights + KV bytes read / the read bandwidth measured at the start
+    of the round the step time comes from);
 and the ratios the targets are stated in, per cache dtype. Figures vary with the machine's load: run it on a quiet
 machine. transformers keeps its own float32 cache throughout.
 """
@@ -39,11 +40,15 @@ class MachinePeaks:
 
 def measure_machine(log) -> MachinePeaks:
     """fp32 GEMM peak (2048^3) and streaming read bandwidth (sum over 1 GiB), best of several runs."""
-    gemm = matmul_peak()
-    big = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32
-    read = max(big.numel() * 4 / _time(big.sum, repeat=3) for _ in range(3)) / 1e9
+    gemm, read = matmul_peak(), read_bandwidth()
     log(f"machine: fp32 matmul peak {gemm:.1f} GFLOP/s, read bandwidth {read:.1f} GB/s")
     return MachinePeaks(gemm, read)
+
+
+def read_bandwidth(rounds: int = 3) -> float:
+    """GB/s of a streaming read (torch's sum over 1 GiB of float32), best of `rounds` rounds of 3."""
+    big = torch.ones(256 * 1024 * 1024)
+    return max(big.numel() * 4 / _time(big.sum, repeat=3) for _ in range(rounds)) / 1e9
 
 
 def matmul_peak(rounds: int = 3) -> float:
@@ -188,15 +193,20 @@ def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("f
             log(f"loading {model} (KV cache {cache_dtype}) ...")
             llm = engine_for(model, cache_dtype)
         elem_bytes = llm.engine.runner.kv_cache.k[0].element_size()
-        best = {b: float("inf") for b in DECODE_BATCHES}
+        # Per batch size: its best round's step time, and the read bandwidth measured at that round's start, which
+        # its floor is computed from (the machine's bandwidth drifts over minutes as its clock does).
+        best = {b: (float("inf"), 0.0) for b in DECODE_BATCHES}
         for r in range(rounds):
+            read_gbps = read_bandwidth()
             for b in DECODE_BATCHES:
-                log(f"decode, KV cache {cache_dtype}, round {r + 1}/{rounds}: batch {b}, context {DECODE_CONTEXT} ...")
-                best[b] = min(best[b], ours_decode(llm, b, DECODE_CONTEXT, steps, tag=f"{cache_dtype}-{r}-"))
+                log(f"decode, KV cache {cache_dtype}, round {r + 1}/{rounds} (read {read_gbps:.1f} GB/s): batch {b}, "
+                    f"context {DECODE_CONTEXT} ...")
+                best[b] = min(best[b], (ours_decode(llm, b, DECODE_CONTEXT, steps, tag=f"{cache_dtype}-{r}-"),
+                                        read_gbps))
         results["decode"][cache_dtype] = {
-            b: {"ours_ms": best[b] * 1e3, "hf_ms": results["hf_decode_ms"][b],
-                "floor_ms": decode_bytes(cfg, weight_bytes, b, DECODE_CONTEXT, elem_bytes) / peaks.read_gbps / 1e6}
-            for b in DECODE_BATCHES
+            b: {"ours_ms": seconds * 1e3, "hf_ms": results["hf_decode_ms"][b], "read_gbps": read_gbps,
+                "floor_ms": decode_bytes(cfg, weight_bytes, b, DECODE_CONTEXT, elem_bytes) / read_gbps / 1e6}
+            for b, (seconds, read_gbps) in best.items()
         }
     return results
 
@@ -211,10 +221,13 @@ def report(results: dict, log=print) -> None:
     for cache_dtype, rows in results["decode"].items():
         log(f"\n== decode (context {DECODE_CONTEXT}, our KV cache {cache_dtype}, best of {results['rounds']} "
             "interleaved rounds) ==")
-        log(f"{'batch':>6} {'ours ms':>8} {'hf ms':>7} {'hf/ours':>8} {'floor ms':>9} {'ours/floor':>11} {'tok/s':>7}")
+        log(f"{'batch':>6} {'ours ms':>8} {'hf ms':>7} {'hf/ours':>8} {'read GB/s':>10} {'floor ms':>9} "
+            f"{'ours/floor':>11} {'tok/s':>7}")
         for b, r in rows.items():
             log(f"{b:>6} {r['ours_ms']:>8.2f} {r['hf_ms']:>7.2f} {r['hf_ms'] / r['ours_ms']:>7.2f}x "
-                f"{r['floor_ms']:>9.2f} {r['ours_ms'] / r['floor_ms']:>10.2f}x {b * 1e3 / r['ours_ms']:>7.0f}")
+                f"{r['read_gbps']:>10.1f} {r['floor_ms']:>9.2f} {r['ours_ms'] / r['floor_ms']:>10.2f}x "
+                f"{b * 1e3 / r['ours_ms']:>7.0f}")
+    log("(floor: weights + K/V bytes / the read bandwidth measured at the start of that batch's best round)")
     worst = min(r["share_of_peak"] for r in results["prefill"].values())
     for cache_dtype, rows in results["decode"].items():
         b1, big = rows[1], max(rows)
