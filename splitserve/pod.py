@@ -64,7 +64,7 @@ class PodConfig:
     block_size: int = field(default=16, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=1 << 30, metadata=described("Memory for the KV block pool."))
     num_blocks: int = field(default=0, metadata=described("Blocks in the KV pool (> 0 overrides the memory budget)."))
-    cache_dtype: str = field(default="float16", metadata=described(
+    cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=described(
         "dtype of the KV cache: float16, bfloat16 (half float32's bytes per token) or float32; attention computes "
         "in float32."))
     enable_prefix_caching: bool = field(default=True, metadata=described("Reuse the KV of shared prompt prefixes."))

@@ -204,7 +204,7 @@ def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("f
                 best[b] = min(best[b], (ours_decode(llm, b, DECODE_CONTEXT, steps, tag=f"{cache_dtype}-{r}-"),
                                         read_gbps))
         results["decode"][cache_dtype] = {
-            b: {"ours_ms": seconds * 1e3, "hf_ms": results["hf_decode_ms"][b], "read_gbps": read_gbps,
+            b: {"ours_ms": seconds * 1e3, "read_gbps": read_gbps,
                 "floor_ms": decode_bytes(cfg, weight_bytes, b, DECODE_CONTEXT, elem_bytes) / read_gbps / 1e6}
             for b, (seconds, read_gbps) in best.items()
         }
@@ -218,13 +218,14 @@ def report(results: dict, log=print) -> None:
         log(f"{n:>7} {r['ours_tok_s']:>11.0f} {r['hf_tok_s']:>9.0f} {r['ours_tok_s'] / r['hf_tok_s']:>7.2f}x "
             f"{r['gflops']:>8.1f} {r['peak_gflops']:>6.0f} {r['share_of_peak']:>7.0%}")
     log("(peak: the fp32 matmul peak measured right before and after that prefill, the higher)")
+    hf_ms = results["hf_decode_ms"]
     for cache_dtype, rows in results["decode"].items():
         log(f"\n== decode (context {DECODE_CONTEXT}, our KV cache {cache_dtype}, best of {results['rounds']} "
             "interleaved rounds) ==")
         log(f"{'batch':>6} {'ours ms':>8} {'hf ms':>7} {'hf/ours':>8} {'read GB/s':>10} {'floor ms':>9} "
             f"{'ours/floor':>11} {'tok/s':>7}")
         for b, r in rows.items():
-            log(f"{b:>6} {r['ours_ms']:>8.2f} {r['hf_ms']:>7.2f} {r['hf_ms'] / r['ours_ms']:>7.2f}x "
+            log(f"{b:>6} {r['ours_ms']:>8.2f} {hf_ms[b]:>7.2f} {hf_ms[b] / r['ours_ms']:>7.2f}x "
                 f"{r['read_gbps']:>10.1f} {r['floor_ms']:>9.2f} {r['ours_ms'] / r['floor_ms']:>10.2f}x "
                 f"{b * 1e3 / r['ours_ms']:>7.0f}")
     log("(floor: weights + K/V bytes / the read bandwidth measured at the start of that batch's best round)")
@@ -233,7 +234,7 @@ def report(results: dict, log=print) -> None:
         b1, big = rows[1], max(rows)
         log(f"\n== targets (KV cache {cache_dtype}) ==")
         log(f"batch-1 decode vs bandwidth floor: {b1['ours_ms'] / b1['floor_ms']:.2f}x (target <= 1.5x)")
-        log(f"batch-1 decode vs transformers eager: {b1['hf_ms'] / b1['ours_ms']:.2f}x faster (target >= 2x)")
+        log(f"batch-1 decode vs transformers eager: {hf_ms[1] / b1['ours_ms']:.2f}x faster (target >= 2x)")
         scale = (big / rows[big]["ours_ms"]) / (1 / b1["ours_ms"])
         log(f"batch-{big} decode throughput vs batch 1: {scale:.1f}x (target >= 6x)")
         log(f"prefill share of fp32 matmul peak: {worst:.0%} at worst (target >= 75%)")
