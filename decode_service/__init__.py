@@ -1,7 +1,6 @@
 """The decode pod (and the mixed pod): takes in prompt KV from prefill pods and generates the rest of each request.
 
 - ``config.py``: ``DecodeConfig`` (flags / ``SPLITSERVE_*`` environment), role ``decode`` or ``mixed``
-- ``server.py``: the ``Decode`` gRPC service, hosted with ``KVTransfer`` (kvtransfer/receiver.py) on one port,
-  and ``main`` (``python -m decode_service``)
-- ``transfers.py``: the leases under which pushed KV waits for its Decode call
+- ``server.py``: the ``Decode`` gRPC service, hosted with ``KVTransfer`` (``kvtransfer/receiver.py``, whose leases,
+  ``kvtransfer/leases.py``, hold pushed KV until its Decode call) on one port, and ``main`` (``python -m decode_service``)
 """

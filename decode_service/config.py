@@ -1,4 +1,4 @@
-"""``DecodeConfig``: a decode or mixed pod's settings, filled by ``splitserve.config.parse_config`` from flags
+"""``DecodeConfig``: a decode or mixed pod's settings, filled by ``runtime.config.parse_config`` from flags
 (``--kv-lease-s``) and ``SPLITSERVE_*`` environment variables. The fields every pod shares come from ``PodConfig``;
 checked in ``__post_init__``, so a bad value stops the pod at start, naming the field.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtransfer.codecs import available_codecs
-from splitserve.pod import PodConfig
-
-ROLES = ("decode", "mixed")
+from runtime.config import member
+from runtime.pod import PodConfig
+from runtime.roles import Role
 
 
 @dataclass
@@ -18,7 +18,7 @@ class DecodeConfig(PodConfig):
     """A splitserve decode pod (or mixed pod): takes in prompt KV and streams generated tokens."""
 
     port: int = field(default=50062, metadata={"help": "gRPC port of the Decode and KVTransfer services (0: any)."})
-    role: str = field(default="decode", metadata={"help": (
+    role: Role = field(default=Role.DECODE, metadata={"help": (
         "'decode' (prompts prefilled on prefill pods, or here when the router says so) or 'mixed' (the colocated "
         "baseline: both phases here); it names the pod in the registry and the metrics.")})
     kv_lease_s: float = field(default=30.0, metadata={"help": (
@@ -28,8 +28,9 @@ class DecodeConfig(PodConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        self.role = member(Role, "role", self.role)
+        if not self.role.can_decode:
+            raise ValueError(f"role must be one of {Role.DECODE}, {Role.MIXED}, got {self.role.value!r}")
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         unknown = sorted(set(self.accepted_kv_codecs) - set(available_codecs()))

@@ -27,25 +27,23 @@ from dataclasses import dataclass
 import grpc
 
 from decode_service.config import DecodeConfig
-from decode_service.transfers import TransferTable
 from engine.engine_loop import TokenEvent
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from kvtransfer.leases import TransferTable
 from kvtransfer.receiver import KVTransferServicer
-from kvtransfer.wire import KVTransferError
+from protos.convert import (
+    finish_reason_to_proto,
+    sampling_params_from_proto,
+    token_logprob_from_dict,
+    token_logprob_to_dict,
+)
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from router.wire_params import sampling_params_from_proto, token_logprob_from_dict, token_logprob_to_dict
-from splitserve.config import parse_config
-from splitserve.metrics import ServingMetrics
-from splitserve.pod import Pod, PodService, run_pod
-
-FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
+from runtime.config import parse_config
+from runtime.errors import StatusError
+from runtime.metrics import ServingMetrics
+from runtime.pod import Pod, PodService, run_pod
 
 
 @dataclass
@@ -126,7 +124,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return
         try:
             seq = self.transfers.claim(request.request_id, list(request.prompt_token_ids))
-        except KVTransferError as err:
+        except StatusError as err:
             await context.abort(err.code, err.message)
         admission = _Admission(seq, request, params)
         try:
@@ -205,7 +203,7 @@ def _complete(event: TokenEvent, params: SamplingParams, prefilled: bool,
               arrived_at: float) -> decode_pb2.DecodeComplete:
     seq = event.seq
     complete = decode_pb2.DecodeComplete(
-        finish_reason=FINISH_REASONS[event.finish_reason],
+        finish_reason=finish_reason_to_proto(event.finish_reason),
         usage=common_pb2.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
                                cached_tokens=0 if prefilled else event.num_cached_tokens),
     )

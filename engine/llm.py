@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence as SequenceType
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence
@@ -40,7 +40,7 @@ class LLM:
     """Offline batched generation. Engine settings can be given as keyword arguments, e.g.
     ``LLM(model="tiny-random", block_size=16, num_blocks=256, max_num_seqs=32)``."""
 
-    def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
+    def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  seed: int = 0, cpu_kernels: bool = True, **settings):
         cache = CacheConfig(**{k: settings.pop(k) for k in list(settings) if k in CacheConfig.__dataclass_fields__})
         sched = SchedulerConfig(

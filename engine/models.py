@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 from tokenizers import pre_tokenizers
 
-from engine.config import ModelConfig
+from engine.config import DEFAULT_MODEL, ModelConfig
 from engine.model import random_state_dict
 from engine.tokenizer import GGUFTokenizerData, Tokenizer
 from engine.weights import load_gguf, load_hf_checkpoint, read_gguf_tokenizer
 
-DEFAULT_MODEL = "smollm2-135m"
 TINY_RANDOM = "tiny-random"
 
 

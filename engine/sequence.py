@@ -19,10 +19,14 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
+    """Why a request ended; the values are OpenAI's ``finish_reason`` and the ``finished_reason`` metric label
+    (``protos/convert.py`` maps them to the wire's enum)."""
+
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached (or the model's context is full)
     ABORT = "abort"  # aborted by the client, a disconnect or an error
+    ERROR = "error"  # failed after it started (a step that raised, a pod that went away)
 
 
 @dataclass

@@ -22,8 +22,8 @@ from typing import Iterable
 
 import grpc
 
-from kvtransfer.wire import KVTransferError
 from protos.splitserve.v1 import kv_transfer_pb2
+from runtime.errors import StatusError
 
 COMPAT_FIELDS = ("model_name", "num_layers", "num_kv_heads", "head_dim")
 _COMPAT_HASH_VERSION = "splitserve-kv-v1"  # bump when the digest's input changes
@@ -72,13 +72,13 @@ def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, cod
     for name in COMPAT_FIELDS:
         mine, theirs = getattr(receiver, name), getattr(sender, name)
         if mine != theirs:
-            raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"{name}: sender {theirs!r}, receiver {mine!r}")
     if sender_hash != receiver.compat_hash:
         # Same fields, different digest: the two pods run different versions of the handshake.
-        raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+        raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"compat_hash: sender {sender_hash!r}, receiver {receiver.compat_hash!r}")
     accepted = list(accepted_codecs)
     if codec and codec not in accepted:
-        raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+        raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"codec: {codec!r} is not accepted by the receiver; accepted: {', '.join(accepted)}")

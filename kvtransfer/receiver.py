@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, AsyncIterator, Iterable
+from typing import AsyncIterator, Iterable
 
 import grpc
 import torch
@@ -30,12 +30,11 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kvtransfer.handshake import KVLayout, check_compatible
-from kvtransfer.wire import ExpectedChunks, KVTransferError, decode_chunk
+from kvtransfer.leases import KVLease, TransferTable
+from kvtransfer.wire import ExpectedChunks, decode_chunk
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
-from splitserve.metrics import ServingMetrics
-
-if TYPE_CHECKING:
-    from decode_service.transfers import KVLease, TransferTable
+from runtime.errors import StatusError
+from runtime.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 _KIND_INDEX = {"k": 0, "v": 1}
@@ -57,17 +56,17 @@ class KVIntake:
 
     async def store(self, chunk: kv_transfer_pb2.KVChunk) -> None:
         if chunk.seq != self.next_seq:
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"chunk seq {chunk.seq} arrived where {self.next_seq} was due")
         self.next_seq += 1
         if self.codec not in (None, chunk.codec):
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"chunk {chunk.seq} uses codec {chunk.codec!r}; this push uses {self.codec!r}")
         device = self._kv_cache.k[0].device
         decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, chunk, self.expected, device)
         arrived = self._received[decoded.layer, _KIND_INDEX[decoded.kind], decoded.token_start:decoded.token_end]
         if bool(arrived.any()):
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"chunk {chunk.seq} repeats KV already received (layer {decoded.layer}, "
                                   f"{decoded.kind.upper()}, tokens [{decoded.token_start}, {decoded.token_end}))")
         pool = (self._kv_cache.k if decoded.kind == "k" else self._kv_cache.v)[decoded.layer]
@@ -79,15 +78,15 @@ class KVIntake:
 
     def check_complete(self, trailer: kv_transfer_pb2.KVTransferTrailer) -> None:
         if trailer.num_tokens != self.expected.num_tokens:
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, f"trailer covers {trailer.num_tokens} tokens, "
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"trailer covers {trailer.num_tokens} tokens, "
                                   f"the header's prompt has {self.expected.num_tokens}")
         if trailer.num_chunks != self.next_seq:
-            raise KVTransferError(grpc.StatusCode.DATA_LOSS,
+            raise StatusError(grpc.StatusCode.DATA_LOSS,
                                   f"trailer says {trailer.num_chunks} chunks were sent, {self.next_seq} arrived")
         missing = (~self._received).nonzero()
         if len(missing):
             layer, kind, token = missing[0].tolist()
-            raise KVTransferError(grpc.StatusCode.DATA_LOSS,
+            raise StatusError(grpc.StatusCode.DATA_LOSS,
                                   f"incomplete KV: {len(missing)} (layer, K/V, token) entries missing, the first "
                                   f"at layer {layer}, {'KV'[kind]}, token {token}")
 
@@ -95,7 +94,7 @@ class KVIntake:
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     service_name = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
-    def __init__(self, engine_loop: EngineLoop, transfers: "TransferTable", metrics: ServingMetrics,
+    def __init__(self, engine_loop: EngineLoop, transfers: TransferTable, metrics: ServingMetrics,
                  accepted_codecs: Iterable[str]):
         self._engine_loop = engine_loop
         self._transfers = transfers
@@ -110,7 +109,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         try:
             check_compatible(self.layout, KVLayout.from_proto(request.layout), request.compat_hash, request.codec,
                              self.accepted_codecs)
-        except KVTransferError as err:
+        except StatusError as err:
             await context.abort(err.code, err.message)
         return kv_transfer_pb2.HandshakeResponse(layout=self.layout.to_proto(), supported_codecs=self.accepted_codecs,
                                                  compat_hash=self.layout.compat_hash)
@@ -126,7 +125,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             response = await self._receive(intake, request_iterator)
             acknowledged = True
             return response
-        except KVTransferError as err:
+        except StatusError as err:
             logger.info("KV push refused: %s", err.message)
             await context.abort(err.code, err.message)
         finally:
@@ -136,17 +135,17 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     async def _header(self, request_iterator) -> kv_transfer_pb2.KVTransferHeader:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("item") != "header":
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
         header = first.header
         if header.compat_hash != self.layout.compat_hash:
-            raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION, f"compat_hash: sender {header.compat_hash!r}, "
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"compat_hash: sender {header.compat_hash!r}, "
                                   f"receiver {self.layout.compat_hash!r} (handshake again)")
         if not header.request_id or header.lease_seconds < 0:
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                   "a KV push header needs a request_id and lease_seconds >= 0")
         return header
 
-    async def _reserve(self, lease: "KVLease", prompt: list[int]) -> KVIntake:
+    async def _reserve(self, lease: KVLease, prompt: list[int]) -> KVIntake:
         """Blocks for the prompt, filed on the lease on the engine thread: a release queued after this command
         finds them even if this handler was cancelled while waiting."""
         def reserve(engine: LLMEngine) -> Sequence | None:
@@ -157,11 +156,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         try:
             seq = await self._engine_loop.run(reserve)
         except ValueError as err:
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
         if seq is None:
             free, total = await self._engine_loop.run(
                 lambda engine: (engine.block_manager.num_free_blocks, engine.block_manager.num_blocks))
-            raise KVTransferError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the KV of {len(prompt)} tokens: "
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the KV of {len(prompt)} tokens: "
                                   f"{free} of {total} blocks free")
         layout = self.layout
         return KVIntake(self._engine_loop, seq, ExpectedChunks(
@@ -172,15 +171,15 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         request_id = intake.expected.request_id
         async for push in request_iterator:
             if self._transfers.get(request_id).abort_requested:
-                raise KVTransferError(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
+                raise StatusError(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
             item = push.WhichOneof("item")
             if item == "chunk":
                 await intake.store(push.chunk)
             elif item == "trailer":
                 return self._complete(intake, push.trailer)
             else:
-                raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one KV push")
-        raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, "the KV push ended without a trailer")
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one KV push")
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the KV push ended without a trailer")
 
     def _complete(self, intake: KVIntake, trailer: kv_transfer_pb2.KVTransferTrailer) -> kv_transfer_pb2.PushKVResponse:
         intake.check_complete(trailer)

@@ -18,7 +18,7 @@ With ``overlap=False`` the layers wait until the prefill step is over (``prefill
 encoded and sent: the baseline that shows what the overlap saves. Either way ``exposed_transfer_seconds`` is the
 time from the end of the last layer's compute to the acknowledgement: what the transfer adds to TTFT.
 
-A failure of the push (the decode pod's status, a broken connection) surfaces as a ``KVTransferError`` with the
+A failure of the push (the decode pod's status, a broken connection) surfaces as a ``StatusError`` with the
 decode pod's status code, so the prefill pod answers the router with the same code.
 """
 
@@ -34,10 +34,10 @@ import torch
 
 from kvtransfer.codecs import KVCodec, get_codec
 from kvtransfer.handshake import KVLayout
-from kvtransfer.wire import (
-    MAX_CHUNK_BYTES, RECONNECT_OPTIONS, KVTransferError, encode_chunks, grpc_message_options, raw_nbytes,
-)
+from kvtransfer.wire import MAX_CHUNK_BYTES, encode_chunks, raw_nbytes
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
+from runtime import transport
+from runtime.errors import StatusError
 
 
 @dataclass
@@ -76,7 +76,7 @@ class KVTransferClient:
         try:
             codec = get_codec(codec_name)
         except ValueError as err:
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT, f"kv_codec: {err}") from err
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"kv_codec: {err}") from err
         await self.handshake(decode_address, codec_name, timeout_s)
         return KVSender(self, decode_address, request_id, prompt_token_ids, codec, lease_s, timeout_s)
 
@@ -89,9 +89,9 @@ class KVTransferClient:
         try:
             response = await self.stub(decode_address).Handshake(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
-            raise KVTransferError(err.code(), f"decode pod {decode_address}: {err.details()}") from err
+            raise StatusError(err.code(), f"decode pod {decode_address}: {err.details()}") from err
         if response.compat_hash != self.layout.compat_hash:  # the receiver checks too; trust but verify
-            raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"decode pod {decode_address}: compat_hash: sender {self.layout.compat_hash!r}, "
                                   f"receiver {response.compat_hash!r}")
         self._handshaken.add((decode_address, codec_name))
@@ -103,8 +103,7 @@ class KVTransferClient:
     def stub(self, decode_address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         channel = self._channels.get(decode_address)
         if channel is None:
-            options = grpc_message_options(self.max_chunk_bytes) + RECONNECT_OPTIONS
-            channel = grpc.aio.insecure_channel(decode_address, options=options)
+            channel = transport.open_channel(decode_address)
             self._channels[decode_address] = channel
         return kv_transfer_pb2_grpc.KVTransferStub(channel)
 
@@ -157,7 +156,7 @@ class KVSender:
         self._inbox.put_nowait(_PREFILL_FINISHED)
 
     async def push(self) -> prefill_pb2.KVTransferStats:
-        """Run the PushKV stream to its acknowledgement. Raises KVTransferError with the decode pod's status."""
+        """Run the PushKV stream to its acknowledgement. Raises StatusError with the decode pod's status."""
         call = self._client.stub(self.decode_address).PushKV(timeout=self._timeout_s)
         call.add_done_callback(lambda _: self._inbox.put_nowait(_CALL_ENDED))
         try:
@@ -216,11 +215,11 @@ class KVSender:
                                     self.codec, self._client.max_chunk_bytes, first_seq + len(chunks))
         return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]
 
-    async def _failure(self, call, err: Exception) -> KVTransferError:
+    async def _failure(self, call, err: Exception) -> StatusError:
         if isinstance(err, grpc.aio.AioRpcError):
             code, details = err.code(), err.details()
         else:  # a write after the call ended: its status says why
             code, details = await call.code(), await call.details()
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             self._client.forget_handshake(self.decode_address, self.codec.name)
-        return KVTransferError(code, f"decode pod {self.decode_address}: {details}")
+        return StatusError(code, f"decode pod {self.decode_address}: {details}")

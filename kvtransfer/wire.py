@@ -11,9 +11,9 @@ A tensor's path through this module:
                        this stream may carry (FAILED_PRECONDITION / INVALID_ARGUMENT), then codec.decode
                     -> DecodedKVChunk(layer, kind, token_start, token_end, tensor [T, H, D])
 
-Errors on the KV path are ``KVTransferError``s carrying the gRPC status the receiving side answers with; a bad
-chunk is a ``KVChunkError``. Both services set the message-size limits of ``grpc_message_options`` on every
-channel and server of this path, so a chunk and a long prompt's header always fit.
+Errors on the KV path are ``StatusError``s carrying the gRPC status the receiving side answers with; a bad
+chunk is a ``KVChunkError``. A chunk (``max_chunk_bytes``, 1 MiB by default) and a long prompt's header fit far
+below the message limit every channel and server sets (``runtime.transport.MAX_MESSAGE_BYTES``).
 """
 
 from __future__ import annotations
@@ -27,43 +27,19 @@ import torch
 
 from kvtransfer.codecs import EncodedKV, KVCodec, get_codec
 from protos.splitserve.v1 import kv_transfer_pb2
+from runtime.errors import StatusError
 
 MAX_CHUNK_BYTES = 1 << 20  # payload + scales of one chunk, the default cut
-# gRPC refuses messages over 4 MiB unless told otherwise. The limit sits far above a chunk plus its framing
-# (request id, shape: under 1 KiB) and above a long prompt's header (about 5 bytes per token).
-MAX_MESSAGE_BYTES = 64 << 20
 # A chunk's estimated size may be off for codecs whose size depends on the data (zstd) or on where a token
 # range is cut (int4's 32-token key groups); aiming a little under the limit keeps re-cuts rare.
 _CHUNK_SIZE_MARGIN = 0.95
-# Channels between the router and the pods, and from a prefill pod to a decode pod: gRPC backs reconnects off
-# exponentially (1 s, 1.6 s, 2.6 s, ...), so a pod that took a while to load its model, or restarted, would stay
-# unreachable for seconds after it serves. Pods are near: try again at least every second.
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 KIND_TO_PROTO = {"k": kv_transfer_pb2.KV_KIND_KEY, "v": kv_transfer_pb2.KV_KIND_VALUE}
 PROTO_TO_KIND = {proto: kind for kind, proto in KIND_TO_PROTO.items()}
 
 
-class KVTransferError(Exception):
-    """A KV transfer failed; ``code`` is the gRPC status the failing side answers (or was answered) with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.code.name}, {self.message!r})"
-
-
-class KVChunkError(KVTransferError):
+class KVChunkError(StatusError):
     """A chunk that must not be stored: bad checksum (DATA_LOSS), or not what the stream may carry."""
-
-
-def grpc_message_options(max_chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, int]]:
-    """Channel and server options for the KV path: message limits well above the chunk size."""
-    limit = max(MAX_MESSAGE_BYTES, 4 * max_chunk_bytes)
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
 def chunk_checksum(payload: bytes, scales: bytes) -> int:

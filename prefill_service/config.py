@@ -1,4 +1,4 @@
-"""``PrefillConfig``: a prefill pod's settings, filled by ``splitserve.config.parse_config`` from flags
+"""``PrefillConfig``: a prefill pod's settings, filled by ``runtime.config.parse_config`` from flags
 (``--overlap-transfer``) and ``SPLITSERVE_*`` environment variables. The fields every pod shares come from
 ``PodConfig``; checked in ``__post_init__``, so a bad value stops the pod at start, naming the field.
 """
@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtransfer.codecs import available_codecs
-from splitserve.pod import PodConfig
+from kvtransfer.wire import MAX_CHUNK_BYTES
+from runtime.pod import PodConfig
+from runtime.transport import MAX_MESSAGE_BYTES
 
 
 @dataclass
@@ -19,6 +21,8 @@ class PrefillConfig(PodConfig):
     kv_codec: str = field(default="none", metadata={"help": "KV codec of requests that name none."})
     overlap_transfer: bool = field(default=True, metadata={"help": (
         "Send each layer's KV while later layers compute (--no-overlap-transfer: after the prefill step).")})
+    max_chunk_bytes: int = field(default=MAX_CHUNK_BYTES, metadata={"help": (
+        "Payload + scales of one KV chunk on the wire.")})
     kv_transfer_timeout_s: float = field(default=60.0, metadata={"help": (
         "Longest a prefill waits for the decode pod to acknowledge its KV (a shorter call deadline wins).")})
 
@@ -26,5 +30,7 @@ class PrefillConfig(PodConfig):
         super().__post_init__()
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+        if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
+            raise ValueError(f"max_chunk_bytes must be in (0, {MAX_MESSAGE_BYTES // 2}], got {self.max_chunk_bytes}")
         if self.kv_codec not in available_codecs():
             raise ValueError(f"kv_codec must be one of {', '.join(available_codecs())}, got {self.kv_codec!r}")

@@ -30,13 +30,13 @@ from engine.engine_loop import TokenEvent
 from engine.sampling_params import SamplingParams
 from kvtransfer.handshake import KVLayout
 from kvtransfer.sender import KVSender, KVTransferClient
-from kvtransfer.wire import KVTransferError
 from prefill_service.config import PrefillConfig
 from prefill_service.kv_export import PrefillKVExport
+from protos.convert import sampling_params_from_proto, token_logprob_from_dict
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from router.wire_params import sampling_params_from_proto, token_logprob_from_dict
-from splitserve.config import parse_config
-from splitserve.pod import Pod, PodService, run_pod
+from runtime.config import parse_config
+from runtime.errors import StatusError
+from runtime.pod import Pod, PodService, run_pod
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -65,7 +65,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._in_flight[request.request_id] = work
         try:
             event, stats = await work
-        except KVTransferError as err:
+        except StatusError as err:
             await context.abort(err.code, err.message)
         except ValueError as err:  # the engine refused the prompt
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -6,12 +6,12 @@ as text, over gRPC (``grpc_api``) and the OpenAI-compatible HTTP API (``openai_a
 - ``router.py``: ``Router``, the request's path (``make_request``, ``generate``, ``abort``);
 - ``policies.py``: which pods serve a request, and whether it needs a prefill pod at all;
 - ``registry.py``: which pods exist and how loaded they are (static list or Redis heartbeats);
-- ``pod_client.py``: the gRPC calls to one pod; ``wire_params.py``: parameters and logprobs on the wire;
-- ``errors.py``: ``RouterError``, the one error model; ``config.py``: ``RouterConfig``;
+- ``pod_client.py``: the gRPC calls to one pod; ``config.py``: ``RouterConfig``;
 - ``server.py``: the process (both APIs, health, reflection, graceful stop).
+
+Errors are ``runtime.errors.StatusError``; parameters cross the wire through ``protos.convert``.
 """
 
-from router.errors import RouterError
 from router.router import Completion, OutputDelta, Router, RouterRequest
 
-__all__ = ["Completion", "OutputDelta", "Router", "RouterError", "RouterRequest"]
+__all__ = ["Completion", "OutputDelta", "Router", "RouterRequest"]

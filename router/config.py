@@ -1,4 +1,4 @@
-"""``RouterConfig``: everything the router process is told, filled by ``splitserve.config.parse_config`` from
+"""``RouterConfig``: everything the router process is told, filled by ``runtime.config.parse_config`` from
 flags (``--grpc-port``) and ``SPLITSERVE_*`` environment variables (``SPLITSERVE_GRPC_PORT``).
 
 Checked in ``__post_init__``, so a bad value stops the process at start, naming the field.
@@ -7,11 +7,11 @@ Checked in ``__post_init__``, so a bad value stops the process at start, naming 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from splitserve.config import described
 
-POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
-REGISTRY_KINDS = ("static", "redis")
-
+from engine.config import DEFAULT_MODEL
+from router.policies import PolicyName
+from runtime.config import described, member
+from runtime.registry import RegistryKind
 
 
 @dataclass
@@ -21,19 +21,19 @@ class RouterConfig:
     host: str = field(default="0.0.0.0", metadata=described("Address both APIs listen on."))
     grpc_port: int = field(default=50051, metadata=described("Port of the gRPC Generation API (0: any free port)."))
     http_port: int = field(default=8000, metadata=described("Port of the OpenAI-compatible HTTP API (0: no HTTP API)."))
-    model: str = field(default="smollm2-135m", metadata=described("Served model; the router loads only its tokenizer."))
+    model: str = field(default=DEFAULT_MODEL, metadata=described("Served model; the router loads only its tokenizer."))
     max_model_len: int = field(default=8192, metadata=described(
         "Context length in tokens (prompt + output); must match the pods' model (SmolLM2-135M: 8192)."))
     prefill_pods: list[str] = field(default_factory=list, metadata=described("Static registry: prefill pods, host:port."))
     decode_pods: list[str] = field(default_factory=list, metadata=described("Static registry: decode pods, host:port."))
     mixed_pods: list[str] = field(default_factory=list, metadata=described(
         "Static registry: mixed pods (both phases in one process), host:port."))
-    registry: str = field(default="static", metadata=described(
+    registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
         "Where pods are found: 'static' (the *_pods lists) or 'redis' (pods register themselves)."))
     redis_url: str = field(default="redis://localhost:6379/0", metadata=described("Redis registry: server URL."))
     pod_ttl_s: float = field(default=10.0, metadata=described(
         "Redis registry: a pod whose heartbeat is older than this is dropped."))
-    policy: str = field(default="least_loaded", metadata=described(f"Routing policy: one of {', '.join(POLICY_NAMES)}."))
+    policy: PolicyName = field(default=PolicyName.LEAST_LOADED, metadata=described("Routing policy."))
     kv_codec: str = field(default="none", metadata=described("KV codec prefill pods compress with (empty: the pod's)."))
     conditional_prefill_threshold: int = field(default=32, metadata=described(
         "Prompts shorter than this many tokens prefill on their decode pod (0: never for length)."))
@@ -47,10 +47,8 @@ class RouterConfig:
         "How long a decode pod keeps pushed KV waiting for the router's Decode call."))
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
-        if self.registry not in REGISTRY_KINDS:
-            raise ValueError(f"registry must be one of {', '.join(REGISTRY_KINDS)}, got {self.registry!r}")
+        self.policy = member(PolicyName, "policy", self.policy)
+        self.registry = member(RegistryKind, "registry", self.registry)
         for name in ("grpc_port", "http_port", "conditional_prefill_threshold", "max_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -59,5 +57,5 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.conditional_cached_fraction < 0:
             raise ValueError(f"conditional_cached_fraction must be >= 0, got {self.conditional_cached_fraction}")
-        if self.registry == "static" and not (self.prefill_pods or self.decode_pods or self.mixed_pods):
+        if self.registry is RegistryKind.STATIC and not (self.prefill_pods or self.decode_pods or self.mixed_pods):
             raise ValueError("the static registry needs pods: set decode_pods or mixed_pods (and prefill_pods)")

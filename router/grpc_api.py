@@ -2,7 +2,7 @@
 
 ``Generate``: GenerateRequest -> ``Router.make_request`` (model name, input, sampling parameters checked)
 -> ``Router.generate`` -> one ``chunk`` per ``OutputDelta`` -> one ``complete`` (or, for a request that failed
-after output started, one ``error``) -> status OK. A request refused before any output (``RouterError``) ends
+after output started, one ``error``) -> status OK. A request refused before any output (``StatusError``) ends
 the call with that status code and no message. Cancelling the call (client gone, deadline passed) closes the
 router's stream, which cancels the pod calls.
 
@@ -15,18 +15,10 @@ from contextlib import aclosing
 
 import grpc
 
+from protos.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_from_dict
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.errors import RouterError
 from router.router import Completion, OutputDelta, Router, RouterRequest
-from router.wire_params import sampling_params_from_proto, token_logprob_from_dict
-
-FINISH_REASON_ENUM = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-
+from runtime.errors import StatusError
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -41,7 +33,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             async with aclosing(self._router.generate(req)) as outputs:
                 async for output in outputs:
                     yield self._response(req, output)
-        except RouterError as error:  # only ever before the first output: the router's contract
+        except StatusError as error:  # only ever before the first output: the router's contract
             await context.abort(error.code, error.message)
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
@@ -49,29 +41,29 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def _router_request(self, request: generate_pb2.GenerateRequest) -> RouterRequest:
         if request.model and request.model != self._router.model_name:
-            raise RouterError(grpc.StatusCode.NOT_FOUND,
+            raise StatusError(grpc.StatusCode.NOT_FOUND,
                               f"model: {request.model!r} is not served here (this router serves "
                               f"{self._router.model_name!r})")
         try:
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as exc:  # SamplingParams names the field first
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}") from None
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}") from None
         return self._router.make_request(self._prompt(request), params, request.request_id or None)
 
     def _prompt(self, request: generate_pb2.GenerateRequest) -> str | list[int]:
         which = request.WhichOneof("input")
         if which is None:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "input: set text, token_ids or chat")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "input: set text, token_ids or chat")
         if which == "text":
             return request.text
         if which == "token_ids":
             return list(request.token_ids.ids)
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         if not messages:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required")
         for i, m in enumerate(messages):
             if m["role"] not in CHAT_ROLES:
-                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"chat.messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
         return self._router.apply_chat_template(messages)
 
@@ -95,7 +87,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 def _complete(completion: Completion) -> generate_pb2.Complete:
     complete = generate_pb2.Complete(
-        finish_reason=FINISH_REASON_ENUM[completion.finish_reason],
+        finish_reason=finish_reason_to_proto(completion.finish_reason),
         usage=common_pb2.Usage(prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
                                cached_tokens=completion.cached_tokens),
         timings=common_pb2.Timings(**{f"{name}_seconds": seconds for name, seconds in completion.timings.items()}),

@@ -5,9 +5,9 @@ A request's path:
     POST /v1/completions | /v1/chat/completions
       -> CompletionRequest / ChatCompletionRequest (openai_protocol.py)  shape and types     -> 400, param named
       -> .sampling_params()                                               values and ranges   -> 400, param named
-      -> chat only: router.apply_chat_template(messages)                  the prompt text     -> RouterError
-      -> router.make_request(prompt, params)                              tokenized, checked  -> RouterError
-      -> router.generate(request): OutputDelta..., then one Completion     routed to the pods  -> RouterError
+      -> chat only: router.apply_chat_template(messages)                  the prompt text     -> StatusError
+      -> router.make_request(prompt, params)                              tokenized, checked  -> StatusError
+      -> router.generate(request): OutputDelta..., then one Completion     routed to the pods  -> StatusError
       -> stream: the first item is awaited before any byte is sent, so an error that comes before it
                  (429 full, 503 no pod, 504 deadline) is still an HTTP status; then one SSE event per
                  delta, a finish chunk, a usage chunk if stream_options.include_usage, and [DONE].
@@ -19,7 +19,7 @@ is how the router learns to cancel the pods' work. Streams notice through Starle
 a non-streamed request races the generation against the connection's ``http.disconnect`` message.
 
 Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status
-that ``RouterError.http_status`` gives its gRPC code; ``code`` is the gRPC code's name, lower case, so that
+that ``StatusError.http_status`` gives its gRPC code; ``code`` is the gRPC code's name, lower case, so that
 HTTP and gRPC clients read the same reason. Also served: ``GET /v1/models``, ``GET /health`` (200 when a
 decode-capable pod is known, else 503), ``GET /pods`` (every pod the router knows: role, whether it routes to
 it, its last load report) and ``GET /metrics`` (Prometheus).
@@ -42,7 +42,6 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import RouterError
 from router.openai_protocol import (
     ChatCompletionFormatter,
     ChatCompletionRequest,
@@ -55,6 +54,7 @@ from router.openai_protocol import (
     TextCompletionFormatter,
 )
 from router.router import Completion, OutputDelta, Router
+from runtime.errors import StatusError
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ _ERROR_TYPES = {
 }
 
 
-class APIError(RouterError):
-    """A ``RouterError`` raised by the HTTP layer itself, naming the request field at fault (``param``)."""
+class APIError(StatusError):
+    """A ``StatusError`` raised by the HTTP layer itself, naming the request field at fault (``param``)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
         super().__init__(code, message)
@@ -95,7 +95,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/pods", api.pods, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
-    app.add_exception_handler(RouterError, _answer_router_error)
+    app.add_exception_handler(StatusError, _answer_router_error)
     app.add_exception_handler(InvalidParameter, _answer_invalid_parameter)
     app.add_exception_handler(RequestValidationError, _answer_validation_error)
     app.add_exception_handler(StarletteHTTPException, _answer_http_exception)
@@ -253,7 +253,7 @@ async def _events(first: OutputDelta | Completion, outputs: RouterOutputs, forma
             if include_usage:
                 yield _event(formatter.usage_chunk(output))
         except Exception as error:  # the status line is gone: the error can only be an event now
-            if not isinstance(error, RouterError):
+            if not isinstance(error, StatusError):
                 logger.exception("stream of %s failed", formatter.response_id)
             yield _event(_error_response(error))
     yield _DONE_EVENT
@@ -266,7 +266,7 @@ def _event(chunk: BaseModel) -> str:
 # ------------------------------------------------------------------------------------------------ errors
 
 
-async def _answer_router_error(request: Request, error: RouterError) -> Response:
+async def _answer_router_error(request: Request, error: StatusError) -> Response:
     return _json(_error_response(error), error.http_status)
 
 
@@ -318,15 +318,15 @@ class UnexpectedErrorsAsJSON:
 
 
 def _error_response(error: Exception) -> ErrorResponse:
-    if not isinstance(error, RouterError):
-        error = RouterError(grpc.StatusCode.INTERNAL, "internal server error")
+    if not isinstance(error, StatusError):
+        error = StatusError(grpc.StatusCode.INTERNAL, "internal server error")
     param = error.param if isinstance(error, APIError) else _field_named_in(error)
     info = ErrorInfo(message=error.message, type=_error_type(error.http_status), param=param,
                      code=error.code.name.lower())
     return ErrorResponse(error=info)
 
 
-def _field_named_in(error: RouterError) -> str | None:
+def _field_named_in(error: StatusError) -> str | None:
     """The router starts its INVALID_ARGUMENT messages with the field at fault ("prompt: must not be empty")."""
     name, colon, _ = error.message.partition(":")
     if error.code == grpc.StatusCode.INVALID_ARGUMENT and colon and name in _REQUEST_FIELDS:

@@ -14,19 +14,9 @@ Errors are left as ``grpc.aio.AioRpcError``: the router decides which ones are w
 
 from __future__ import annotations
 
-import grpc
-
-from kvtransfer.wire import RECONNECT_OPTIONS
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from runtime import transport
 
-# KV never travels through the router, but a long prompt's token ids or a top-20 logprobs stream can pass
-# gRPC's 4 MiB default; the pods raise their limits to the same value.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    *RECONNECT_OPTIONS,
-]
 # A GetLoad that takes longer than this is from a pod too busy or too far to route to.
 GET_LOAD_TIMEOUT_S = 2.0
 
@@ -37,7 +27,7 @@ class PodClient:
 
     def __init__(self, address: str, role: str):
         self.address, self.role = address, role
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = transport.open_channel(address)
         self._prefill = prefill_pb2_grpc.PrefillStub(self._channel) if role == "prefill" else None
         self._decode = decode_pb2_grpc.DecodeStub(self._channel) if role in ("decode", "mixed") else None
 

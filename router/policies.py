@@ -24,6 +24,7 @@ block size: a pod's published hash of block i names the prompt's whole prefix up
 
 from __future__ import annotations
 
+import enum
 import math
 import random
 from dataclasses import dataclass
@@ -32,11 +33,19 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.block_manager import chained_block_hashes
-from router.errors import RouterError
 from router.registry import PodInfo
+from runtime.config import member
+from runtime.errors import StatusError
 
 if TYPE_CHECKING:
     from router.router import RouterRequest
+
+
+class PolicyName(enum.StrEnum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    POWER_OF_TWO = "power_of_two"
+    PREFIX_AWARE = "prefix_aware"
 
 
 @dataclass
@@ -101,7 +110,7 @@ def prefill_locally(num_prompt_tokens: int, cached_on_decode: int, has_prefill_p
 class RoutingPolicy:
     """Base policy: the shared steps of ``choose_pair``; subclasses pick among candidates."""
 
-    name = ""
+    name: PolicyName
 
     def __init__(self, conditional_prefill_threshold: int = 32, conditional_cached_fraction: float = 0.8):
         self.conditional_prefill_threshold = conditional_prefill_threshold
@@ -112,10 +121,10 @@ class RoutingPolicy:
         prompt = PromptBlocks(request.prompt_token_ids)
         num_tokens = len(prompt.token_ids)
         if not decode_pods:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no decode pod is serving")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "no decode pod is serving")
         roomy = [pod for pod in decode_pods if has_room(pod, num_tokens)]
         if not roomy:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"no decode pod has room for a {num_tokens}-token prompt; retry later")
         decode = self.pick_decode(roomy, prompt)
         local_reason = prefill_locally(num_tokens, prompt.cached_tokens(decode), bool(prefill_pods),
@@ -132,7 +141,7 @@ class RoutingPolicy:
 
 
 class RoundRobinPolicy(RoutingPolicy):
-    name = "round_robin"
+    name = PolicyName.ROUND_ROBIN
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -152,7 +161,7 @@ class RoundRobinPolicy(RoutingPolicy):
 
 
 class LeastLoadedPolicy(RoutingPolicy):
-    name = "least_loaded"
+    name = PolicyName.LEAST_LOADED
 
     def pick_decode(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
         return min(pods, key=decode_load)
@@ -162,7 +171,7 @@ class LeastLoadedPolicy(RoutingPolicy):
 
 
 class PowerOfTwoPolicy(RoutingPolicy):
-    name = "power_of_two"
+    name = PolicyName.POWER_OF_TWO
 
     def __init__(self, *args, seed: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -180,7 +189,7 @@ class PowerOfTwoPolicy(RoutingPolicy):
 
 
 class PrefixAwarePolicy(RoutingPolicy):
-    name = "prefix_aware"
+    name = PolicyName.PREFIX_AWARE
 
     def pick_decode(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
         return min(pods, key=lambda pod: (-prompt.cached_tokens(pod), decode_load(pod)))
@@ -189,15 +198,15 @@ class PrefixAwarePolicy(RoutingPolicy):
         return min(pods, key=lambda pod: (-prompt.cached_tokens(pod), prefill_load(pod)))
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {
+POLICIES: dict[PolicyName, type[RoutingPolicy]] = {
     policy.name: policy for policy in (RoundRobinPolicy, LeastLoadedPolicy, PowerOfTwoPolicy, PrefixAwarePolicy)
 }
+assert set(POLICIES) == set(PolicyName), "every policy name has its class"
 
 
-def make_policy(name: str, conditional_prefill_threshold: int = 32, conditional_cached_fraction: float = 0.8,
-                seed: int | None = None) -> RoutingPolicy:
+def make_policy(name: PolicyName | str, conditional_prefill_threshold: int = 32,
+                conditional_cached_fraction: float = 0.8, seed: int | None = None) -> RoutingPolicy:
     """The policy called ``name``; ``seed`` fixes power_of_two's draws (tests)."""
-    if name not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")
-    extra = {"seed": seed} if name == PowerOfTwoPolicy.name else {}
+    name = member(PolicyName, "policy", name)
+    extra = {"seed": seed} if name is PolicyName.POWER_OF_TWO else {}
     return POLICIES[name](conditional_prefill_threshold, conditional_cached_fraction, **extra)

@@ -7,20 +7,17 @@ The router asks a registry for the healthy pods of each role every time it place
   ``load_poll_interval_s``; a pod that refuses or fails a poll is skipped until it answers again, and one that
   only answers late (busy: its event loop waits behind the engine on a loaded machine) is skipped after
   ``MAX_LATE_POLLS`` late polls in a row, so one slow answer does not reroute its requests.
-- ``RedisRegistry``: pods register themselves. Each pod runs a ``RedisHeartbeat`` that writes its
-  ``PodInfo`` as JSON under ``splitserve:pods:{role}:{address}`` with an expiry of ``ttl_s``, refreshed every
-  ``ttl_s / 3``; the router reads all such keys every second. A pod that dies stops refreshing its key, Redis
-  expires it, and the pod leaves the router's view within ``ttl_s`` plus a second. The heartbeat also
-  publishes the pod's recent prefix-cache block hashes, which the prefix-aware policy matches prompts against.
-
-Both sides of the Redis registry live in this module, so that the key format and the JSON have one owner.
+- ``RedisRegistry``: pods register themselves (``runtime/registry.py``: each pod's ``RedisHeartbeat`` keeps a
+  ``PodRecord`` alive under a key with a TTL); the router reads all such keys every second. A pod that dies stops
+  refreshing its key, Redis expires it, and the pod leaves the router's view within ``ttl_s`` plus a second. The
+  record also carries the pod's recent prefix-cache block hashes, which the prefix-aware policy matches prompts
+  against.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,14 +28,11 @@ import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
 from protos.splitserve.v1 import common_pb2
+from runtime.registry import KEY_PREFIX, PodRecord
+from runtime.roles import Role
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "mixed")
-KEY_PREFIX = "splitserve:pods"
-# A heartbeat publishes at most this many block hashes, the pod's most recent: enough to route the prompts
-# that are hot now, small enough that the router reads every pod's key every second.
-MAX_PUBLISHED_BLOCK_HASHES = 8192
 MAX_LATE_POLLS = 3  # GetLoad polls in a row that may time out before a static pod is skipped
 
 
@@ -68,7 +62,7 @@ class PodInfo:
     """One pod as the router sees it."""
 
     address: str  # host:port of all the pod's gRPC services
-    role: str  # "prefill", "decode" or "mixed"
+    role: Role
     load: PodLoad = field(default_factory=PodLoad)
     block_hashes: set[int] = field(default_factory=set)  # chained hashes of blocks in its prefix cache
     last_seen: float = 0.0  # time.monotonic() of the last load report
@@ -76,12 +70,13 @@ class PodInfo:
     late_polls: int = 0  # consecutive GetLoad polls that timed out (StaticRegistry)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        self.role = Role(self.role)
+        if self.role is Role.ROUTER:
+            raise ValueError("a router is not a pod")
 
     @property
     def can_decode(self) -> bool:
-        return self.role in ("decode", "mixed")
+        return self.role.can_decode
 
 
 class PodRegistry:
@@ -91,7 +86,7 @@ class PodRegistry:
         self.pods: dict[str, PodInfo] = {}
 
     def prefill_pods(self) -> list[PodInfo]:
-        return [pod for pod in self.pods.values() if pod.healthy and pod.role == "prefill"]
+        return [pod for pod in self.pods.values() if pod.healthy and pod.role is Role.PREFILL]
 
     def decode_pods(self) -> list[PodInfo]:
         """Pods that can run a decode: decode pods and mixed pods."""
@@ -136,7 +131,7 @@ class StaticRegistry(PodRegistry):
     def __init__(self, prefill: list[str], decode: list[str], mixed: list[str],
                  get_load: Callable[[PodInfo], Any], poll_interval_s: float = 0.5):
         super().__init__()
-        for role, addresses in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
+        for role, addresses in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.MIXED, mixed)):
             for address in addresses:
                 if address in self.pods:
                     raise ValueError(f"pod {address} is listed twice")
@@ -176,43 +171,20 @@ def _is_timeout(exc: BaseException) -> bool:
         isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def pod_key(role: str, address: str) -> str:
-    return f"{KEY_PREFIX}:{role}:{address}"
-
-
-def pod_record(role: str, address: str, load: dict[str, Any]) -> str:
-    """The JSON a heartbeat writes: ``load`` holds PodLoad's fields and, optionally, ``block_hashes``."""
-    load = dict(load)
-    block_hashes = list(load.pop("block_hashes", []))[-MAX_PUBLISHED_BLOCK_HASHES:]
-    return json.dumps({
-        "address": address,
-        "role": role,
-        "load": dataclasses.asdict(PodLoad.from_dict(load)),
-        "block_hashes": block_hashes,
-        "published_at": time.time(),
-    })
-
-
-def pod_from_record(record: str | bytes) -> PodInfo:
-    fields = json.loads(record)
-    return PodInfo(
-        address=fields["address"],
-        role=fields["role"],
-        load=PodLoad.from_dict(fields["load"]),
-        block_hashes=set(fields.get("block_hashes", [])),
-        last_seen=time.monotonic(),
-    )
-
-
 def _parse_record(record: bytes | None) -> PodInfo | None:
     """None for an expired key (gone between SCAN and MGET) or a record this router cannot read."""
     if record is None:
         return None
     try:
-        return pod_from_record(record)
-    except (ValueError, KeyError, TypeError) as exc:
+        fields = PodRecord.from_json(record)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("ignoring an unreadable pod record %r: %r", record[:200], exc)
         return None
+    if fields.role is Role.ROUTER:
+        log.warning("ignoring a pod record with role router: %r", record[:200])
+        return None
+    return PodInfo(fields.address, fields.role, PodLoad.from_dict(fields.load), set(fields.block_hashes),
+                   last_seen=time.monotonic())
 
 
 class RedisRegistry(PodRegistry):
@@ -255,47 +227,3 @@ class RedisRegistry(PodRegistry):
             log.info("pod %s registered", address)
         for address in set(self.pods) - addresses:
             log.warning("pod %s left the registry (heartbeat expired or deregistered)", address)
-
-
-class RedisHeartbeat:
-    """Pod side of the Redis registry: keeps this pod's key alive with its current load.
-
-    ``load_fn()`` returns PodLoad's fields as a dict, plus ``block_hashes`` (most recent last) when the pod
-    has a prefix cache to advertise. ``stop()`` deletes the key, so a pod that shuts down cleanly leaves at
-    once; ``stop(deregister=False)`` leaves it to expire, which is what a crashed pod does.
-    """
-
-    def __init__(self, redis_url: str, role: str, address: str, ttl_s: float, load_fn: Callable[[], dict]):
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        self.key = pod_key(role, address)
-        self._role, self._address, self._ttl_s, self._load_fn = role, address, ttl_s, load_fn
-        self._redis = redis_asyncio.from_url(redis_url)
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        await self.beat()  # registered before start() returns: the pod is routable as soon as it serves
-        self._task = asyncio.create_task(self._loop(), name=f"heartbeat-{self._address}")
-
-    async def stop(self, deregister: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if deregister:
-            await self._redis.delete(self.key)
-        await self._redis.aclose()
-
-    async def beat(self) -> None:
-        record = pod_record(self._role, self._address, self._load_fn())
-        # px: millisecond expiry, so sub-second TTLs (tests) work too.
-        await self._redis.set(self.key, record, px=int(self._ttl_s * 1000))
-
-    async def _loop(self) -> None:
-        # Three beats per TTL: one lost or late beat does not make a live pod disappear.
-        while True:
-            await asyncio.sleep(self._ttl_s / 3)
-            try:
-                await self.beat()
-            except Exception:  # a missed beat must not end the heartbeat: the pod would silently expire
-                log.exception("heartbeat of %s failed; retrying in %.1f s", self.key, self._ttl_s / 3)

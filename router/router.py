@@ -13,7 +13,7 @@ The HTTP and gRPC layers call ``make_request`` (validate, tokenize) and then ite
    reading and cancels D's stream, which makes D abort the request and free its blocks;
 4. the end: exactly one ``Completion`` (finish reason, usage, where the time went), always the last item.
 
-Errors: before any output, ``generate`` raises ``RouterError`` (no pod: UNAVAILABLE; pods full:
+Errors: before any output, ``generate`` raises ``StatusError`` (no pod: UNAVAILABLE; pods full:
 RESOURCE_EXHAUSTED; timeout: DEADLINE_EXCEEDED; ...). After output started there is no retry (the client has
 tokens already): the stream ends with ``Completion(finish_reason="error", error=...)`` and a log line.
 ``abort(request_id)`` and a client that stops iterating (generator closed, task cancelled) cancel the pod
@@ -35,26 +35,20 @@ import grpc
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from protos.splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from protos.convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_to_dict
+from protos.splitserve.v1 import decode_pb2, prefill_pb2
 from router.config import RouterConfig
-from router.errors import RouterError, from_pod_error
 from router.pod_client import PodClientPool
 from router.policies import RoutePlan, RoutingPolicy, make_policy
 from router.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
-from router.wire_params import sampling_params_to_proto, token_logprob_to_dict
-from splitserve.metrics import ServingMetrics
+from runtime.errors import StatusError, from_rpc_error
+from runtime.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
 # Worth another pair of pods: the pod is down or full, or P could not hand the KV to D.
 RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    grpc.StatusCode.FAILED_PRECONDITION)
-FINISH_REASON_NAMES = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
 
 
 @dataclass
@@ -86,7 +80,7 @@ class Completion:
     completion_tokens: int
     cached_tokens: int
     timings: dict[str, float]  # seconds: queue, prefill, kv_transfer, ttft, e2e
-    error: RouterError | None = None  # what went wrong, when finish_reason is "error"
+    error: StatusError | None = None  # what went wrong, when finish_reason is "error"
 
 
 @dataclass
@@ -170,12 +164,12 @@ class Router:
         try:
             return self.tokenizer.apply_chat_template(messages, **template_kwargs)
         except Exception as exc:  # no template, jinja2 errors, raise_exception() in a template: bad messages
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {exc}") from exc
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {exc}") from exc
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None) -> RouterRequest:
         """A validated request; unset ``max_tokens`` becomes the room left in the context. Raises
-        ``RouterError(INVALID_ARGUMENT)`` naming what is wrong."""
+        ``StatusError(INVALID_ARGUMENT)`` naming what is wrong."""
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids)
         room = self.config.max_model_len - len(token_ids)
@@ -234,7 +228,7 @@ class Router:
     async def _serve(self, run: _RequestRun) -> AsyncIterator[OutputDelta | Completion]:
         try:
             stream = await self._start_with_retries(run)
-        except RouterError:
+        except StatusError:
             if not run.aborted:
                 raise
             yield self._complete(run, "abort", None)
@@ -255,7 +249,7 @@ class Router:
                     stream.call.cancel()  # D aborts the request and frees its blocks
                     yield self._complete(run, "stop", run.detokenizer.stopped_by)
                     return
-        except RouterError as error:
+        except StatusError as error:
             stream.call.cancel()
             if run.aborted:
                 yield self._complete(run, "abort", None)
@@ -273,7 +267,7 @@ class Router:
             plan = self._plan(run.request, avoid)
             try:
                 return await self._start(run, plan)
-            except RouterError as error:
+            except StatusError as error:
                 if error.code not in RETRYABLE_CODES or retries_left == 0 or run.aborted:
                     raise
                 log.warning("request %s: %s; retrying on other pods", run.request.request_id, error.message)
@@ -290,7 +284,7 @@ class Router:
 
     async def _start(self, run: _RequestRun, plan: RoutePlan) -> _DecodeStream:
         if run.aborted:
-            raise RouterError(grpc.StatusCode.CANCELLED, "aborted")
+            raise StatusError(grpc.StatusCode.CANCELLED, "aborted")
         if plan.prefill is None:
             return await self._start_on_decode_pod(run, plan)
         return await self._start_disaggregated(run, plan)
@@ -339,13 +333,13 @@ class Router:
     # -- pod calls --------------------------------------------------------------------------------------------
 
     async def _await_pod(self, run: _RequestRun, call: Any, pod_address: str) -> Any:
-        """The call's result; its failure as a RouterError, and abort() (which cancels it) as CANCELLED."""
+        """The call's result; its failure as a StatusError, and abort() (which cancels it) as CANCELLED."""
         try:
             return await call
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if run.aborted and current is not None and not current.cancelling():
-                raise RouterError(grpc.StatusCode.CANCELLED, "aborted") from None
+                raise StatusError(grpc.StatusCode.CANCELLED, "aborted") from None
             raise  # the client went away: let the cancellation through
         except grpc.aio.AioRpcError as error:
             raise self._pod_error(run, error, pod_address) from None
@@ -353,21 +347,21 @@ class Router:
     async def _read(self, run: _RequestRun, stream: _DecodeStream) -> decode_pb2.DecodeResponse:
         message = await self._await_pod(run, stream.call.read(), stream.pod_address)
         if message is grpc.aio.EOF:
-            raise RouterError(grpc.StatusCode.INTERNAL,
+            raise StatusError(grpc.StatusCode.INTERNAL,
                               f"pod {stream.pod_address}: the Decode stream ended without a complete message")
         return message
 
-    def _pod_error(self, run: _RequestRun, error: grpc.aio.AioRpcError, pod_address: str) -> RouterError:
+    def _pod_error(self, run: _RequestRun, error: grpc.aio.AioRpcError, pod_address: str) -> StatusError:
         if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+            return StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"request {run.request.request_id} passed its {self.config.request_timeout_s} s "
                                f"deadline (waiting on pod {pod_address})")
-        return from_pod_error(error, pod_address)
+        return from_rpc_error(error, pod_address)
 
     def _time_left(self, req: RouterRequest) -> float:
         left = req.arrival_time + self.config.request_timeout_s - time.monotonic()
         if left <= 0:
-            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"request {req.request_id} passed its {self.config.request_timeout_s} s deadline")
         return left
 
@@ -411,15 +405,15 @@ class Router:
             run.cached_tokens = complete.usage.cached_tokens
             run.pod_timings.update(queue=complete.queue_seconds, prefill=complete.prefill_seconds)
         stop_reason = complete.stop_token_id if complete.HasField("stop_token_id") else None
-        finish_reason = FINISH_REASON_NAMES.get(complete.finish_reason, "error")
+        finish_reason = finish_reason_from_proto(complete.finish_reason)
         error = None
         if finish_reason == "error":
-            error = RouterError(grpc.StatusCode.INTERNAL, f"pod {pod_address} ended the request with an error")
+            error = StatusError(grpc.StatusCode.INTERNAL, f"pod {pod_address} ended the request with an error")
             log.error("request %s: %s", run.request.request_id, error.message)
         return self._complete(run, finish_reason, stop_reason, error)
 
     def _complete(self, run: _RequestRun, finish_reason: str, stop_reason: int | str | None,
-                  error: RouterError | None = None) -> Completion:
+                  error: StatusError | None = None) -> Completion:
         e2e = time.monotonic() - run.request.arrival_time
         ttft = run.first_token_at - run.request.arrival_time if run.first_token_at is not None else 0.0
         run.finish_reason = finish_reason
@@ -459,8 +453,8 @@ def _prefer_others(pods: list[PodInfo], avoid: set[str]) -> list[PodInfo]:
     return [pod for pod in pods if pod.address not in avoid] or pods
 
 
-def _invalid(message: str) -> RouterError:
-    return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def _invalid(message: str) -> StatusError:
+    return StatusError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _load_tokenizer(model: str) -> Tokenizer:

@@ -27,9 +27,10 @@ from grpc_reflection.v1alpha import reflection
 from protos.splitserve.v1 import generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
 from router.grpc_api import GenerationServicer
-from router.pod_client import CHANNEL_OPTIONS
 from router.router import Router
-from splitserve.config import parse_config
+from runtime import transport
+from runtime.config import parse_config
+from runtime.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,11 @@ class RouterServer:
         await self.router.stop()
 
     async def _start_grpc(self) -> None:
-        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        server = transport.new_server()
         generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.router), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.grpc_port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        self.grpc_port = transport.bind(server, self.config.host, self.config.grpc_port)
         for service in ("", GENERATION_SERVICE):  # not serving until a pod is known (the servicer starts SERVING)
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
@@ -133,6 +134,7 @@ async def serve(config: RouterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    configure_logging()
     asyncio.run(serve(parse_config(RouterConfig, argv, prog="splitserve router")))
 
 

@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
+
+from engine.config import DEFAULT_MODEL
+from runtime.logs import configure_logging
 
 
 def _demo(argv: list[str]) -> None:
@@ -24,7 +26,7 @@ def _demo(argv: list[str]) -> None:
         "Write a haiku about the sea.",
         "Explain in one sentence what a KV cache is.",
     ])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args(argv)
@@ -72,5 +74,5 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         sys.exit(__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     COMMANDS[argv[0]](argv[1:])

@@ -29,15 +29,18 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.config import described, parse_config
-
+from engine.config import DEFAULT_MODEL
+from router.policies import PolicyName
+from runtime.config import described, member, parse_config
+from runtime.registry import RegistryKind
+from runtime.roles import POD_ROLES, Role
 
 
 @dataclass
 class UpConfig:
     """Run a router, prefill pods and decode pods on this machine, each as its own process."""
 
-    model: str = field(default="smollm2-135m", metadata=described("Model every pod serves."))
+    model: str = field(default=DEFAULT_MODEL, metadata=described("Model every pod serves."))
     prefill: int = field(default=1, metadata=described("Number of prefill pods."))
     decode: int = field(default=1, metadata=described("Number of decode pods."))
     mixed: int = field(default=0, metadata=described("Number of mixed pods (both phases in one process)."))
@@ -47,11 +50,10 @@ class UpConfig:
     base_pod_port: int = field(default=50060, metadata=described("Pods take consecutive gRPC ports from here."))
     base_metrics_port: int = field(default=9400, metadata=described("Pods take consecutive /metrics ports from here."))
     kv_codec: str = field(default="none", metadata=described("KV codec between prefill and decode pods."))
-    policy: str = field(default="least_loaded", metadata=described(
-        "Routing policy: round_robin, least_loaded, power_of_two, prefix_aware."))
+    policy: PolicyName = field(default=PolicyName.LEAST_LOADED, metadata=described("Routing policy."))
     conditional_prefill_threshold: int = field(default=32, metadata=described(
         "Prompts shorter than this many tokens prefill on the decode pod."))
-    registry: str = field(default="static", metadata=described(
+    registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
         "'static' (the router gets the pod list) or 'redis' (a local redis-server; pods heartbeat into it)."))
     redis_port: int = field(default=6379, metadata=described("Port of the local redis-server (--registry redis)."))
     prometheus: bool = field(default=True, metadata=described("Start Prometheus scraping every process, if installed."))
@@ -65,8 +67,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.mixed) < 0 or self.decode + self.mixed == 0:
             raise ValueError("need at least one decode or mixed pod, and no negative counts")
-        if self.registry not in ("static", "redis"):
-            raise ValueError(f"registry must be static or redis, got {self.registry!r}")
+        self.policy = member(PolicyName, "policy", self.policy)
+        self.registry = member(RegistryKind, "registry", self.registry)
 
 
 @dataclass
@@ -79,7 +81,7 @@ class Process:
 @dataclass
 class PodPlan:
     name: str
-    role: str  # prefill | decode | mixed
+    role: Role
     port: int
     metrics_port: int
 
@@ -96,7 +98,7 @@ class Cluster:
 
     def _plan_pods(self) -> list[PodPlan]:
         c = self.config
-        roles = ["prefill"] * c.prefill + ["decode"] * c.decode + ["mixed"] * c.mixed
+        roles = [Role.PREFILL] * c.prefill + [Role.DECODE] * c.decode + [Role.MIXED] * c.mixed
         counters: dict[str, int] = {}
         plans = []
         for i, role in enumerate(roles):
@@ -109,7 +111,7 @@ class Cluster:
 
     # ---- starting --------------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self.config.registry == "redis":
+        if self.config.registry is RegistryKind.REDIS:
             self._spawn("redis", ["redis-server", "--port", str(self.config.redis_port), "--bind", self.config.host,
                                   "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)])
         for pod in self.pods:
@@ -135,22 +137,21 @@ class Cluster:
         flags = ["--host", c.host, "--port", str(pod.port), "--metrics-port", str(pod.metrics_port),
                  "--advertise-address", self.address(pod), "--model", c.model,
                  "--kv-cache-memory-bytes", str(c.kv_cache_memory_bytes), "--num-threads", str(self._threads())]
-        if pod.role == "prefill":
+        if pod.role is Role.PREFILL:
             flags += ["--kv-codec", c.kv_codec]
         else:
             flags += ["--role", pod.role]
-        if c.registry == "redis":
+        if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]
         return flags
 
     def _router_flags(self) -> list[str]:
         c = self.config
-        by_role = {role: ",".join(self.address(p) for p in self.pods if p.role == role)
-                   for role in ("prefill", "decode", "mixed")}
+        by_role = {role: ",".join(self.address(p) for p in self.pods if p.role is role) for role in POD_ROLES}
         flags = ["--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
                  "--model", c.model, "--policy", c.policy, "--kv-codec", c.kv_codec,
                  "--conditional-prefill-threshold", str(c.conditional_prefill_threshold)]
-        if c.registry == "redis":
+        if c.registry is RegistryKind.REDIS:
             return flags + ["--registry", "redis", "--redis-url", self._redis_url()]
         for role, addresses in by_role.items():
             if addresses:
@@ -221,13 +222,13 @@ class Cluster:
             lines.append(f"{pod.name:<8} gRPC {self.address(pod)}   metrics http://{c.host}:{pod.metrics_port}/metrics")
         if any(p.name == "prometheus" for p in self.processes):
             lines.append(f"prometheus   http://{c.host}:{c.prometheus_port}")
-        if c.registry == "redis":
+        if c.registry is RegistryKind.REDIS:
             lines.append(f"redis        {self._redis_url()}")
         lines.append(f"logs         {self.run_dir}")
         return "\n".join(lines)
 
 
-_POD_MODULES = {"prefill": "prefill_service", "decode": "decode_service", "mixed": "decode_service"}
+_POD_MODULES = {Role.PREFILL: "prefill_service", Role.DECODE: "decode_service", Role.MIXED: "decode_service"}
 
 
 def prometheus_config(targets: list[str], interval_s: int = 2) -> str:

@@ -24,8 +24,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from engine import SamplingParams
+from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from splitserve.launcher import Cluster, UpConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

@@ -12,9 +12,14 @@ import torch
 from kvtransfer.codecs import get_codec
 from kvtransfer.handshake import KVLayout, check_compatible
 from kvtransfer.wire import (
-    ExpectedChunks, KVChunkError, KVTransferError, chunk_checksum, decode_chunk, encode_chunks, grpc_message_options,
+    ExpectedChunks,
+    KVChunkError,
+    chunk_checksum,
+    decode_chunk,
+    encode_chunks,
 )
 from protos.splitserve.v1 import kv_transfer_pb2
+from runtime.errors import StatusError
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
 ALL_CODECS = frozenset(["none", "int8+zstd", "int4", "bf16"])
@@ -149,12 +154,6 @@ def test_tensor_not_covering_its_range_is_a_programming_error():
         encode_chunks("req-1", 0, "k", 0, 9, kv(8), get_codec("none"))
 
 
-def test_message_limits_sit_well_above_the_chunk_size():
-    options = dict(grpc_message_options(1 << 20))
-    assert options == {"grpc.max_send_message_length": 64 << 20, "grpc.max_receive_message_length": 64 << 20}
-    assert dict(grpc_message_options(32 << 20))["grpc.max_receive_message_length"] == 128 << 20
-
-
 # ---- handshake ------------------------------------------------------------------------------------------------
 
 LAYOUT = KVLayout("tiny-random", NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, block_size=16, cache_dtype="float32")
@@ -169,7 +168,7 @@ LAYOUT = KVLayout("tiny-random", NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, block_size=
 def test_handshake_mismatch_names_the_field(field, value, message):
     sender = dataclasses.replace(LAYOUT, **{field: value})
     assert sender.compat_hash != LAYOUT.compat_hash
-    with pytest.raises(KVTransferError) as caught:
+    with pytest.raises(StatusError) as caught:
         check_compatible(LAYOUT, sender, sender.compat_hash, "none", ["none"])
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert caught.value.message == message
@@ -182,9 +181,9 @@ def test_block_size_and_cache_dtype_do_not_matter():
 
 
 def test_handshake_refuses_an_unaccepted_codec_and_a_foreign_hash():
-    with pytest.raises(KVTransferError, match="codec: 'int4' is not accepted by the receiver; accepted: none, int8"):
+    with pytest.raises(StatusError, match="codec: 'int4' is not accepted by the receiver; accepted: none, int8"):
         check_compatible(LAYOUT, LAYOUT, LAYOUT.compat_hash, "int4", ["none", "int8"])
-    with pytest.raises(KVTransferError, match="compat_hash: sender 'abc'"):
+    with pytest.raises(StatusError, match="compat_hash: sender 'abc'"):
         check_compatible(LAYOUT, LAYOUT, "abc", "none", ["none"])
     check_compatible(LAYOUT, LAYOUT, LAYOUT.compat_hash, "", ["none"])  # layout only: fine
 

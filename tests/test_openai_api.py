@@ -21,10 +21,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
 from engine.sampling_params import SamplingParams
-from router.errors import RouterError
 from router.openai_api import ServerSentEvents, create_app
 from router.router import Completion, OutputDelta, RouterRequest
-from splitserve.metrics import ServingMetrics
+from runtime.errors import StatusError
+from runtime.metrics import ServingMetrics
 
 MODEL = "fake-model"
 VOCAB = {0: "<eos>", 1: "Hello", 2: ",", 3: " world", 4: "!", 5: " there", 6: "é"}
@@ -61,7 +61,7 @@ class FakeRouter:
         self.error_before_first: Exception | None = None
         self.error_after_deltas: Exception | None = None
         self.finish_reason = "stop"
-        self.finish_error: RouterError | None = None  # Completion.error, with finish_reason "error"
+        self.finish_error: StatusError | None = None  # Completion.error, with finish_reason "error"
         self.repeat = 1  # how many times the answer's deltas are streamed
         self.pause_s = 0.0  # before each output
         self.started = threading.Event()
@@ -70,7 +70,7 @@ class FakeRouter:
 
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> RouterRequest:
         if len(prompt) == 0:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
         token_ids = prompt if isinstance(prompt, list) else [7] * len(prompt)
         text = prompt if isinstance(prompt, str) else None
         return RouterRequest(request_id=request_id or f"req{len(self.requests)}", prompt_token_ids=token_ids,
@@ -79,7 +79,7 @@ class FakeRouter:
     def apply_chat_template(self, messages: list[dict]) -> str:
         self.rendered_chats.append(messages)
         if messages[-1]["role"] == "assistant":
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "messages: the conversation must end with a user's")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "messages: the conversation must end with a user's")
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
     async def generate(self, request: RouterRequest):
@@ -464,7 +464,7 @@ ROUTER_FAILURES = [
 @pytest.mark.parametrize("stream", [False, True])
 def test_router_error_before_the_first_token_is_an_http_status(http, fake, code, status, error_type, message,
                                                                stream):
-    fake.error_before_first = RouterError(code, message)
+    fake.error_before_first = StatusError(code, message)
     response = http.post("/v1/completions", json={"prompt": "Hi", "stream": stream})
     assert response.status_code == status
     assert response.headers["content-type"] == "application/json"
@@ -472,13 +472,13 @@ def test_router_error_before_the_first_token_is_an_http_status(http, fake, code,
 
 
 def test_full_router_is_a_rate_limit_error_in_the_openai_client(client, fake):
-    fake.error_before_first = RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "every decode pod is full")
+    fake.error_before_first = StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, "every decode pod is full")
     with pytest.raises(openai.RateLimitError, match="every decode pod is full"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True)
 
 
 def test_router_error_after_streaming_started_is_an_error_event_then_done(http, fake):
-    fake.error_after_deltas = RouterError(grpc.StatusCode.UNAVAILABLE, "decode pod 10.0.0.7:50061 went away")
+    fake.error_after_deltas = StatusError(grpc.StatusCode.UNAVAILABLE, "decode pod 10.0.0.7:50061 went away")
     response = http.post("/v1/chat/completions",
                          json={"messages": [{"role": "user", "content": "Hi"}], "stream": True})
     assert response.status_code == 200
@@ -491,7 +491,7 @@ def test_router_error_after_streaming_started_is_an_error_event_then_done(http, 
 
 
 def test_error_event_raises_in_the_openai_client(client, fake):
-    fake.error_after_deltas = RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request timed out after 300 s")
+    fake.error_after_deltas = StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "request timed out after 300 s")
     texts = []
     with pytest.raises(openai.APIError, match="request timed out after 300 s"):
         for chunk in client.completions.create(model=MODEL, prompt="Hi", stream=True):
@@ -499,7 +499,7 @@ def test_error_event_raises_in_the_openai_client(client, fake):
     assert texts == ["Hello", ", world", "!"]
 
 
-POD_LOST = RouterError(grpc.StatusCode.UNAVAILABLE, "pod 10.0.0.7:50061: connection reset")
+POD_LOST = StatusError(grpc.StatusCode.UNAVAILABLE, "pod 10.0.0.7:50061: connection reset")
 
 
 @pytest.mark.parametrize("finish_reason, finish_error, status, error_type, message, code", [

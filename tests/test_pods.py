@@ -39,10 +39,16 @@ from kvtransfer.wire import encode_chunks
 from prefill_service.config import PrefillConfig
 from prefill_service.server import build_prefill_services
 from protos.splitserve.v1 import (
-    common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2, prefill_pb2_grpc,
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
 )
-from splitserve.config import parse_config
-from splitserve.pod import Pod
+from runtime.config import parse_config
+from runtime.pod import Pod
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-random"  # 4 layers, 2 KV heads of 16 dims

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from engine.models import tiny_random_tokenizer_data
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from protos.convert import sampling_params_from_proto, sampling_params_to_proto
 from protos.splitserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -33,10 +34,9 @@ from protos.splitserve.v1 import (
     prefill_pb2_grpc,
 )
 from router.config import RouterConfig
-from router.errors import RouterError
 from router.router import Completion, OutputDelta, Router
 from router.server import RouterServer
-from router.wire_params import sampling_params_from_proto, sampling_params_to_proto
+from runtime.errors import StatusError
 
 TOKENIZER = Tokenizer.from_gguf(tiny_random_tokenizer_data())
 EOS = 2
@@ -285,7 +285,7 @@ def test_failure_on_every_attempt_is_unavailable_to_the_client():
             for pod in env.prefill:
                 pod.fail_with = grpc.StatusCode.UNAVAILABLE
             req = env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=4))
-            with pytest.raises(RouterError) as caught:
+            with pytest.raises(StatusError) as caught:
                 [item async for item in env.router.generate(req)]
             assert caught.value.code == grpc.StatusCode.UNAVAILABLE
             assert sorted(len(pod.calls) for pod in env.prefill) == [1, 1]
@@ -298,7 +298,7 @@ def test_no_serving_pod_is_unavailable():
         async with running_cluster(num_prefill=1, num_decode=0, extra_decode_addresses=[f"127.0.0.1:{free_port()}"]) \
                 as env:
             req = env.router.make_request(LONG_PROMPT, SamplingParams())
-            with pytest.raises(RouterError) as caught:
+            with pytest.raises(StatusError) as caught:
                 [item async for item in env.router.generate(req)]
             assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.UNAVAILABLE, 503)
             assert caught.value.message == "no decode pod is serving"
@@ -356,7 +356,7 @@ def test_resource_exhausted_tries_another_pod_then_reaches_the_client():
 
             roomy.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
             req = env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=3))
-            with pytest.raises(RouterError) as caught:
+            with pytest.raises(StatusError) as caught:
                 [item async for item in env.router.generate(req)]
             assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
             assert (len(full.calls), len(roomy.calls)) == (2, 2)
@@ -383,7 +383,7 @@ def test_deadline_before_the_first_token_is_deadline_exceeded():
         async with running_cluster(request_timeout_s=0.1) as env:
             env.decode[0].token_delay_s = 1.0
             req = env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=3))
-            with pytest.raises(RouterError) as caught:
+            with pytest.raises(StatusError) as caught:
                 [item async for item in env.router.generate(req)]
             assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.DEADLINE_EXCEEDED, 504)
     run(scenario())
@@ -441,7 +441,7 @@ def test_invalid_requests_are_invalid_argument_naming_the_field():
                  "max_tokens: the prompt's 3 tokens + max_tokens 2046 exceed the model's context of 2048 tokens"),
             ]
             for prompt, params, message in cases:
-                with pytest.raises(RouterError) as caught:
+                with pytest.raises(StatusError) as caught:
                     router.make_request(prompt, params)
                 assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.INVALID_ARGUMENT, 400)
                 assert caught.value.message.startswith(message)

@@ -9,10 +9,10 @@ import pytest
 from engine.block_manager import chained_block_hashes
 from engine.sampling_params import SamplingParams
 from protos.splitserve.v1 import common_pb2
-from router.errors import RouterError
 from router.policies import PromptBlocks, has_room, make_policy, prefill_locally
 from router.registry import MAX_LATE_POLLS, PodInfo, PodLoad, StaticRegistry
 from router.router import RouterRequest
+from runtime.errors import StatusError
 
 BLOCK = 4
 
@@ -139,13 +139,13 @@ def test_decode_pods_without_room_are_skipped_and_none_left_is_resource_exhauste
     assert has_room(pod("d", free=17), 64) and not has_room(pod("d", free=16), 64)
     plan = policy("least_loaded").choose_pair(request(64), [], [pod("d1", free=16), pod("d2", free=17)])
     assert plan.decode.address == "d2"
-    with pytest.raises(RouterError) as caught:
+    with pytest.raises(StatusError) as caught:
         policy("least_loaded").choose_pair(request(64), [], [pod("d1", free=16)])
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_no_decode_pod_is_unavailable():
-    with pytest.raises(RouterError) as caught:
+    with pytest.raises(StatusError) as caught:
         policy("round_robin").choose_pair(request(64), [pod("p1", "prefill")], [])
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
     assert caught.value.message == "no decode pod is serving"

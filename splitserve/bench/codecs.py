@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.attention import AttentionMetadata
+from engine.config import DEFAULT_MODEL
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
@@ -352,7 +353,7 @@ def plot(results: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="splitserve bench codecs", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--codecs", default=",".join(available_codecs()),
                         help="comma-separated codec names (none is always measured: it is the baseline)")
     parser.add_argument("--prompts", type=int, default=20, help="greedy-agreement prompts")

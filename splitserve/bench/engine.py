@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import CACHE_DTYPES
+from engine.config import CACHE_DTYPES, DEFAULT_MODEL
 from engine.weights import export_hf_checkpoint
 from splitserve.bench import headless_pyplot
 
@@ -282,7 +282,7 @@ def _cache_dtypes(text: str) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="splitserve bench engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
     parser.add_argument("--repeat", type=int, default=3, help="prefill repetitions (best is kept)")
     parser.add_argument("--cache-dtypes", default="float16,float32", type=_cache_dtypes,

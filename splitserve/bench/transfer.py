@@ -37,6 +37,7 @@ from statistics import mean
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.config import DEFAULT_MODEL
 from engine.models import load_tokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from splitserve.bench import headless_pyplot
@@ -265,7 +266,7 @@ def plot(results: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="splitserve bench transfer", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated codec names")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--requests", type=int, default=3, help="measured calls per configuration")

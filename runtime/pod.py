@@ -30,18 +30,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from kvtransfer.wire import MAX_CHUNK_BYTES, grpc_message_options
 from protos.splitserve.v1 import common_pb2
-from splitserve.metrics import ServingMetrics
-from splitserve.config import described
+from runtime import transport
+from runtime.config import described, member
+from runtime.logs import configure_logging
+from runtime.metrics import ServingMetrics
+from runtime.registry import RedisHeartbeat, RegistryKind
+from runtime.roles import Role
 
 logger = logging.getLogger(__name__)
-
-REGISTRY_KINDS = ("static", "redis")
-
 
 
 @dataclass
@@ -53,7 +53,8 @@ class PodConfig:
     advertise_address: str = field(default="", metadata=described(
         "host:port other pods and the router reach this pod at (empty: this host's name and the port)."))
     metrics_port: int = field(default=9400, metadata=described("Port of the Prometheus /metrics endpoint (0: any free)."))
-    model: str = field(default="smollm2-135m", metadata=described("smollm2-135m, tiny-random, a directory or a .gguf."))
+    model: str = field(default=DEFAULT_MODEL, metadata=described(
+        f"{DEFAULT_MODEL}, tiny-random, a HF checkpoint directory or a .gguf file."))
     device: str = field(default="cpu", metadata=described("Torch device: cpu, cuda, cuda:1."))
     dtype: str = field(default="float32", metadata=described("Compute dtype: float32, bfloat16, float16."))
     seed: int = field(default=0, metadata=described("Seeds random-weight models and unseeded sampling."))
@@ -61,22 +62,26 @@ class PodConfig:
         "Torch compute threads (0: torch's default, one per core); pods sharing a machine split its cores."))
     cpu_kernels: bool = field(default=True, metadata=described(
         "Native CPU kernels for float32 on CPU (built at first use with g++); false: PyTorch ops only."))
-    block_size: int = field(default=16, metadata=described("Tokens per KV block."))
-    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=described("Memory for the KV block pool."))
-    num_blocks: int = field(default=0, metadata=described("Blocks in the KV pool (> 0 overrides the memory budget)."))
+    # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
+    block_size: int = field(default=CacheConfig.block_size, metadata=described("Tokens per KV block."))
+    kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
+        "Memory for the KV block pool."))
+    num_blocks: int = field(default=CacheConfig.num_blocks, metadata=described(
+        "Blocks in the KV pool (> 0 overrides the memory budget)."))
     cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=described(
         "dtype of the KV cache: float16, bfloat16 (half float32's bytes per token) or float32; attention computes "
         "in float32."))
-    enable_prefix_caching: bool = field(default=True, metadata=described("Reuse the KV of shared prompt prefixes."))
-    max_num_batched_tokens: int = field(default=2048, metadata=described("Token budget of one engine step."))
-    max_num_seqs: int = field(default=64, metadata=described("Requests running at once."))
-    long_prefill_token_threshold: int = field(default=512, metadata=described(
+    enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=described(
+        "Reuse the KV of shared prompt prefixes."))
+    max_num_batched_tokens: int = field(default=SchedulerConfig.max_num_batched_tokens, metadata=described(
+        "Token budget of one engine step (with chunked prefill: how much prefill rides along with the decodes)."))
+    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata=described("Requests running at once."))
+    long_prefill_token_threshold: int = field(default=SchedulerConfig.long_prefill_token_threshold,
+                                              metadata=described(
         "Prompts longer than this prefill in chunks of this many tokens."))
     max_waiting_requests: int = field(default=1024, metadata=described(
         "Requests queued in the engine beyond which new ones get RESOURCE_EXHAUSTED (0: no limit)."))
-    max_chunk_bytes: int = field(default=MAX_CHUNK_BYTES, metadata=described(
-        "Payload + scales of one KV chunk; the gRPC message limits are raised above it."))
-    registry: str = field(default="static", metadata=described(
+    registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
         "How the router finds this pod: 'static' (its flags) or 'redis' (a heartbeat here)."))
     redis_url: str = field(default="redis://localhost:6379/0", metadata=described("Redis registry: server URL."))
     heartbeat_ttl_s: float = field(default=10.0, metadata=described("Redis registry: expiry of this pod's key."))
@@ -85,12 +90,11 @@ class PodConfig:
     shutdown_grace_s: float = field(default=10.0, metadata=described("On SIGTERM, time in-flight calls get to finish."))
 
     def __post_init__(self) -> None:
-        if self.registry not in REGISTRY_KINDS:
-            raise ValueError(f"registry must be one of {', '.join(REGISTRY_KINDS)}, got {self.registry!r}")
+        self.registry = member(RegistryKind, "registry", self.registry)
         for name in ("port", "metrics_port", "max_waiting_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_chunk_bytes", "heartbeat_ttl_s", "load_refresh_interval_s"):
+        for name in ("heartbeat_ttl_s", "load_refresh_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         self.engine_config()  # the engine's own checks, so that a bad value fails at start, naming its field
@@ -116,9 +120,9 @@ class PodService(Protocol):
 class Pod:
     """One serving process's engine and servers (see the module docstring for the order of things)."""
 
-    def __init__(self, config: PodConfig, role: str):
+    def __init__(self, config: PodConfig, role: Role):
         self.config = config
-        self.role = role
+        self.role = Role(role)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.engine = LLMEngine(config.engine_config())
@@ -153,14 +157,14 @@ class Pod:
 
     async def start(self, services: list[PodService]) -> None:
         self.engine_loop.start()
-        self._server = grpc.aio.server(options=grpc_message_options(self.config.max_chunk_bytes))
+        self._server = transport.new_server()
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         names = [service.service_name for service in services]
         for service in services:
             service.add_to_server(self._server)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = transport.bind(self._server, self.config.host, self.config.port)
         await self._server.start()
         for name in ["", *names]:  # "" is the whole server
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -168,7 +172,7 @@ class Pod:
         self._metrics_http, self.metrics_port = http_server, http_server.server_port
         await self.refresh_load()
         self._refresher = asyncio.create_task(self._refresh_forever(), name="pod-load-refresh")
-        if self.config.registry == "redis":
+        if self.config.registry is RegistryKind.REDIS:
             await self._start_heartbeat()
         logger.info("%s pod serving %s on %s:%d (metrics on :%d)", self.role, ", ".join(names), self.config.host,
                     self.port, self.metrics_port)
@@ -188,8 +192,6 @@ class Pod:
         logger.info("%s pod stopped", self.role)
 
     async def _start_heartbeat(self) -> None:
-        from router.registry import RedisHeartbeat  # redis is needed only by pods that use it
-
         self._heartbeat = RedisHeartbeat(self.config.redis_url, self.role, self.address, self.config.heartbeat_ttl_s,
                                          self._published_load)
         await self._heartbeat.start()
@@ -237,13 +239,13 @@ def _engine_snapshot(engine: LLMEngine) -> tuple[common_pb2.PodLoad, list[int], 
 
 # ---- process entry ----------------------------------------------------------------------------------------------
 
-def run_pod(config: PodConfig, role: str, build: Callable[[Pod], Awaitable[list[PodService]]]) -> None:
+def run_pod(config: PodConfig, role: Role, build: Callable[[Pod], Awaitable[list[PodService]]]) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     asyncio.run(_serve(config, role, build))
 
 
-async def _serve(config: PodConfig, role: str, build: Callable[[Pod], Awaitable[list[PodService]]]) -> None:
+async def _serve(config: PodConfig, role: Role, build: Callable[[Pod], Awaitable[list[PodService]]]) -> None:
     pod = Pod(config, role)
     await pod.start(await build(pod))
     stopping = asyncio.Event()

@@ -1,4 +1,4 @@
-"""Sampling parameters and logprobs on the wire: the engine's Python objects <-> the ``splitserve.v1`` messages.
+"""The engine's Python objects <-> the ``splitserve.v1`` messages: sampling parameters, logprobs, finish reasons.
 
 The router translates a request's ``SamplingParams`` to the proto once (``sampling_params_to_proto``) and
 sends the same message to the prefill and the decode pod; each pod turns it back with
@@ -13,6 +13,7 @@ among them (the order vLLM's OpenAI server shows).
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason
 from protos.splitserve.v1 import common_pb2
 
 # Optional proto fields that, unset, take SamplingParams' own default.
@@ -60,6 +61,22 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         **optional,
     )
 
+_FINISH_REASON_TO_PROTO = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_REASON_FROM_PROTO = {proto: reason for reason, proto in _FINISH_REASON_TO_PROTO.items()}
+
+
+def finish_reason_to_proto(reason: FinishReason | str) -> int:
+    return _FINISH_REASON_TO_PROTO[FinishReason(reason)]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason:
+    """Unknown or unset values (a newer or broken peer) read as ERROR: the request did not finish cleanly."""
+    return _FINISH_REASON_FROM_PROTO.get(value, FinishReason.ERROR)
 
 
 def token_logprob_to_dict(message: common_pb2.TokenLogprob) -> dict[int, float]:

@@ -3,14 +3,16 @@
 
 Field ``max_num_seqs`` of a service's dataclass becomes flag ``--max-num-seqs`` and environment variable
 ``SPLITSERVE_MAX_NUM_SEQS``. Precedence: flag, then environment, then the dataclass default. Booleans accept
-``--flag`` / ``--no-flag`` and ``true/false/1/0`` in the environment; list fields take comma-separated values.
-The Helm chart maps its values to these flags and nothing else.
+``--flag`` / ``--no-flag`` and ``true/false/1/0`` in the environment; list fields take comma-separated values;
+``enum.StrEnum`` fields take one of their values (listed in ``--help``). The Helm chart
+(``deploy/helm/splitserve``) maps its values to these flags and nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import typing
 from typing import Any, Mapping, TypeVar
@@ -63,7 +65,9 @@ def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any) 
         parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                             default=None, help=help_text)
     else:
-        parser.add_argument(flag_name(f.name), dest=f.name, default=None,
+        base = _base_type(hint)
+        choices = list(base) if isinstance(base, type) and issubclass(base, enum.Enum) else None
+        parser.add_argument(flag_name(f.name), dest=f.name, default=None, choices=choices,
                             type=lambda s, h=hint: _convert(s, h), help=help_text)
 
 
@@ -93,6 +97,11 @@ def _convert(text: str, hint: Any) -> Any:
     if base is list:
         (item,) = typing.get_args(_strip_optional(hint)) or (str,)
         return [_convert(part, item) for part in text.split(",") if part.strip()]
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        try:
+            return base(text.strip())
+        except ValueError:
+            raise ValueError(f"expected one of {', '.join(m.value for m in base)}, got {text!r}") from None
     if base in (int, float, str):
         try:
             return base(text)
@@ -104,3 +113,16 @@ def _convert(text: str, hint: Any) -> Any:
 def _strip_optional(hint: Any) -> Any:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if typing.get_origin(hint) is not list and len(args) == 1 else hint
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def member(enum_cls: type[E], field_name: str, value: Any) -> E:
+    """``value`` as a member of ``enum_cls``, for a config's ``__post_init__`` (callers may pass plain strings);
+    a ValueError naming the field and the allowed values otherwise."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        allowed = ", ".join(str(m.value) for m in enum_cls)
+        raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}") from None

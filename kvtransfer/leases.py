@@ -28,7 +28,7 @@ import grpc
 
 from engine.engine_loop import EngineLoop
 from engine.sequence import Sequence
-from kvtransfer.wire import KVTransferError
+from runtime.errors import StatusError
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class TransferTable:
         """A RECEIVING lease for a push, before its blocks are reserved; ALREADY_EXISTS if the request id already
         has KV here. ``lease_s`` 0 takes the pod's default."""
         if request_id in self._leases:
-            raise KVTransferError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} already has KV here")
+            raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} already has KV here")
         lease = KVLease(request_id, lease_s or self.default_lease_s)
         self._leases[request_id] = lease
         return lease
@@ -92,13 +92,13 @@ class TransferTable:
         released), FAILED_PRECONDITION while it is still arriving, INVALID_ARGUMENT for another prompt."""
         lease = self._leases.get(request_id)
         if lease is None:
-            raise KVTransferError(grpc.StatusCode.NOT_FOUND, f"no KV for request {request_id!r} on this pod: never "
+            raise StatusError(grpc.StatusCode.NOT_FOUND, f"no KV for request {request_id!r} on this pod: never "
                                   "pushed, or its lease expired")
         if lease.state is not TransferState.WAITING:
-            raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"the KV of request {request_id!r} is {lease.state.name}, not waiting for Decode")
         if lease.seq.prompt_token_ids != list(prompt_token_ids):
-            raise KVTransferError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"prompt_token_ids differ from the prompt pushed for request {request_id!r}")
         lease.state = TransferState.CLAIMED
         return lease.seq

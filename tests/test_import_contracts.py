@@ -1,0 +1,55 @@
+"""The layers of the code, as ``import-linter`` contracts (``[tool.importlinter]`` in pyproject.toml): they hold
+for the repository, and they catch a wrong import when one is made."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ["splitserve", "router", "prefill_service", "decode_service", "kvtransfer", "runtime", "protos", "engine"]
+LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", LINT], cwd=root, env={"PYTHONPATH": str(root), "PATH": ""},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_repository_keeps_every_import_contract():
+    result = lint(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 kept, 0 broken" in result.stdout
+
+
+def copy_of_the_code(tmp_path: Path) -> Path:
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    return tmp_path
+
+
+def add_import(module: Path, statement: str) -> None:
+    module.write_text(module.read_text() + f"\n{statement}\n")
+
+
+def test_a_router_importing_a_pod_breaks_two_contracts(tmp_path):
+    root = copy_of_the_code(tmp_path)
+    add_import(root / "router" / "policies.py", "import decode_service.server")
+    result = lint(root)
+    assert result.returncode == 1
+    assert "router is not allowed to import decode_service" in result.stdout
+    assert "router.policies -> decode_service.server" in result.stdout
+    assert "2 broken" in result.stdout  # the layers (siblings) and the router's forbidden list
+
+
+def test_the_engine_importing_network_code_or_the_runtime_breaks_the_contracts(tmp_path):
+    root = copy_of_the_code(tmp_path)
+    add_import(root / "engine" / "scheduler.py", "import grpc")
+    add_import(root / "engine" / "sequence.py", "import runtime.metrics")
+    result = lint(root)
+    assert result.returncode == 1
+    assert "engine is not allowed to import grpc" in result.stdout
+    assert "engine.sequence -> runtime.metrics" in result.stdout
