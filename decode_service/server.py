@@ -42,7 +42,7 @@ from protos.convert import (
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from runtime.config import parse_config
 from runtime.errors import StatusError
-from runtime.metrics import ServingMetrics
+from runtime.metrics import PodMetrics
 from runtime.pod import Pod, PodService, run_pod
 
 
@@ -51,14 +51,14 @@ class _TokenClock:
     """When one Decode call's tokens came out, for the latency histograms (time.monotonic seconds, the engine's
     clock)."""
 
-    metrics: ServingMetrics
+    metrics: PodMetrics
     arrived_at: float
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_generated: int = 0  # tokens sampled on this pod
 
     @classmethod
-    def start(cls, metrics: ServingMetrics, prefilled: bool) -> "_TokenClock":
+    def start(cls, metrics: PodMetrics, prefilled: bool) -> "_TokenClock":
         now = time.monotonic()
         # A prefilled request brings its first token: from here, the next one is an inter-token gap.
         return cls(metrics, now, now if prefilled else None, now if prefilled else None)

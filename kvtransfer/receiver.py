@@ -34,7 +34,7 @@ from kvtransfer.leases import KVLease, TransferTable
 from kvtransfer.wire import ExpectedChunks, decode_chunk
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from runtime.errors import StatusError
-from runtime.metrics import ServingMetrics
+from runtime.metrics import PodMetrics
 
 logger = logging.getLogger(__name__)
 _KIND_INDEX = {"k": 0, "v": 1}
@@ -94,7 +94,7 @@ class KVIntake:
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     service_name = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
-    def __init__(self, engine_loop: EngineLoop, transfers: TransferTable, metrics: ServingMetrics,
+    def __init__(self, engine_loop: EngineLoop, transfers: TransferTable, metrics: PodMetrics,
                  accepted_codecs: Iterable[str]):
         self._engine_loop = engine_loop
         self._transfers = transfers

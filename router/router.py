@@ -42,7 +42,7 @@ from router.pod_client import PodClientPool
 from router.policies import RoutePlan, RoutingPolicy, make_policy
 from router.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
 from runtime.errors import StatusError, from_rpc_error
-from runtime.metrics import ServingMetrics
+from runtime.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +122,12 @@ class Router:
     """Validates, tokenizes and places requests on prefill/decode pods; streams their output back as text."""
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None,
-                 registry: PodRegistry | None = None, metrics: ServingMetrics | None = None,
+                 registry: PodRegistry | None = None, metrics: RouterMetrics | None = None,
                  policy: RoutingPolicy | None = None):
         self.config = config
         self.model_name = config.model
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
-        self.metrics = metrics if metrics is not None else ServingMetrics("router", config.model)
+        self.metrics = metrics if metrics is not None else RouterMetrics(config.model)
         self.pod_clients = PodClientPool()
         self.registry = registry if registry is not None else build_registry(config, self.pod_clients)
         self.policy = policy if policy is not None else make_policy(

@@ -1,10 +1,14 @@
-"""The Prometheus metrics every splitserve process exposes: one definition, shared by router, prefill, decode
-and mixed pods.
+"""The Prometheus metrics every splitserve process exposes, each defined once.
+
+- ``ServingMetrics``: the request-level series every process keeps (router, prefill, decode, mixed);
+- ``PodMetrics``: plus the engine's (preemptions, tokens per step, the kernel path) and the KV transfer's;
+- ``RouterMetrics``: plus the router's (routing decisions, retries, rejections, its view of each pod, goodput).
 
 Names follow vLLM's with the prefix ``splitserve_`` and vLLM's histogram buckets, so that vLLM dashboards
 translate directly. Every series carries ``role`` (router, prefill, decode, mixed) and ``model_name``.
 TTFT splits into queue + prefill + KV transfer (``request_queue_time``, ``request_prefill_time``,
-``kv_transfer_time``), so a dashboard can say where the time went.
+``kv_transfer_time``), so a dashboard can say where the time went. The dashboards and alerts built on these
+names live in ``deploy/``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # KV transfers are short (milliseconds on loopback), so they get TTFT's fine low end.
 KV_TRANSFER_BUCKETS = TTFT_BUCKETS
+# Tokens in one engine step (vLLM's vllm:iteration_tokens_total).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 LABELS = ("role", "model_name")
 
@@ -52,6 +58,10 @@ class ServingMetrics:
         self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes_total",
                                          "KV-cache bytes sent (prefill) or received (decode), on the wire.",
                                          LABELS + ("codec",), registry=self.registry)
+        self.kv_transfer_failures = Counter("splitserve_kv_transfer_failures_total",
+                                            "KV transfers that failed, by gRPC status code (prefill pods: pushes; "
+                                            "router: prefills whose push failed).", LABELS + ("code",),
+                                            registry=self.registry)
         self.prompt_tokens = self._counter("prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = self._counter("generation_tokens_total", "Output tokens generated.")
         self.prefix_cache_queries = self._counter("prefix_cache_queries_total",
@@ -76,9 +86,85 @@ class ServingMetrics:
     def transfer_bytes(self, codec: str):
         return self.kv_transfer_bytes.labels(self.role, self.model_name, codec)
 
+    def transfer_failed(self, code: str) -> None:
+        self.kv_transfer_failures.labels(self.role, self.model_name, code).inc()
+
     def finished(self, reason: str) -> None:
         self.request_success.labels(self.role, self.model_name, reason).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition format and its content type, for a ``/metrics`` handler."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class PodMetrics(ServingMetrics):
+    """A pod's series: the request-level ones, plus its engine's and its KV transfers'."""
+
+    def __init__(self, role: str, model_name: str, registry: CollectorRegistry | None = None):
+        super().__init__(role, model_name, registry)
+        self.num_preemptions = self._counter("num_preemptions_total",
+                                             "Requests preempted (KV freed, recomputed later) for lack of KV blocks.")
+        self.iteration_tokens = self._histogram("iteration_tokens_total", "Tokens (prefill and decode) per engine "
+                                                "step.", ITERATION_TOKENS_BUCKETS)
+        self.kv_transfer_raw_bytes = Counter("splitserve_kv_transfer_raw_bytes_total",
+                                             "KV-cache bytes sent, in the cache's dtype before compression "
+                                             "(prefill); raw / splitserve_kv_transfer_bytes_total is the "
+                                             "compression ratio.", LABELS + ("codec",), registry=self.registry)
+        self.engine_info = Gauge("splitserve_engine_info", "The engine's compute path: kernels (native or pytorch), "
+                                 "device and KV cache dtype; always 1.", LABELS + ("kernels", "device", "cache_dtype"),
+                                 registry=self.registry)
+
+    def transfer_raw_bytes(self, codec: str):
+        return self.kv_transfer_raw_bytes.labels(self.role, self.model_name, codec)
+
+    def set_engine_info(self, kernels: str, device: str, cache_dtype: str) -> None:
+        self.engine_info.labels(self.role, self.model_name, kernels, device, cache_dtype).set(1)
+
+
+POD_LABELS = LABELS + ("pod", "pod_role")
+
+
+class RouterMetrics(ServingMetrics):
+    """The router's series: the request-level ones as its clients see them, plus routing and its view of the pods."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        super().__init__("router", model_name, registry)
+        counter = self._labelled_counter
+        self.routing_decisions = counter("router_routing_decisions_total", "Requests placed, by how: "
+                                         "'disaggregated' (prefill pod + decode pod) or 'prefill_on_decode'.",
+                                         ("decision",))
+        self.pod_requests = counter("router_pod_requests_total", "Requests sent to each pod.", ("pod", "pod_role"))
+        self.retries = counter("router_retries_total", "Requests retried on other pods before their first token, "
+                               "by the gRPC code of the failure.", ("code",))
+        self.rejected = counter("router_rejected_requests_total", "Requests refused before any output, by gRPC "
+                                "code (RESOURCE_EXHAUSTED: shed under load; UNAVAILABLE: no pod; ...).", ("code",))
+        self.migrations = self._counter("router_migrations_total",
+                                        "Requests moved to another decode pod after theirs failed mid-stream.")
+        self.requests_within_slo = self._counter("requests_within_slo_total", "Finished requests that met both the "
+                                                 "TTFT and the TPOT target (--slo-ttft-s, --slo-tpot-s): goodput.")
+        gauge = self._pod_gauge
+        self.pod_healthy = gauge("router_pod_healthy", "1 while the router routes to the pod (its health serves).")
+        self.pod_running = gauge("router_pod_running_requests", "Requests running on the pod, as it last reported.")
+        self.pod_waiting = gauge("router_pod_waiting_requests", "Requests waiting on the pod, as it last reported.")
+        self.pod_kv_cache_usage = gauge("router_pod_kv_cache_usage_perc",
+                                        "Fraction of the pod's KV blocks in use, as it last reported (0 to 1).")
+        self.pod_queued_prefill_tokens = gauge("router_pod_queued_prefill_tokens",
+                                               "Prompt tokens waiting to be prefilled on the pod, as it last reported.")
+
+    def _labelled_counter(self, name: str, doc: str, labels: tuple[str, ...]) -> Counter:
+        return Counter(f"splitserve_{name}", doc, LABELS + labels, registry=self.registry)
+
+    def _pod_gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"splitserve_{name}", doc, POD_LABELS, registry=self.registry)
+
+    def count(self, counter: Counter, *labels: str) -> None:
+        counter.labels(self.role, self.model_name, *labels).inc()
+
+    def forget_pod(self, address: str, role: str) -> None:
+        """Drop the series of a pod that left the registry."""
+        for gauge in (self.pod_healthy, self.pod_running, self.pod_waiting, self.pod_kv_cache_usage,
+                      self.pod_queued_prefill_tokens):
+            try:
+                gauge.remove(self.role, self.model_name, address, role)
+            except KeyError:
+                pass

@@ -37,7 +37,7 @@ from protos.splitserve.v1 import common_pb2
 from runtime import transport
 from runtime.config import described, member
 from runtime.logs import configure_logging
-from runtime.metrics import ServingMetrics
+from runtime.metrics import PodMetrics
 from runtime.registry import RedisHeartbeat, RegistryKind
 from runtime.roles import Role
 
@@ -127,7 +127,7 @@ class Pod:
             torch.set_num_threads(config.num_threads)
         self.engine = LLMEngine(config.engine_config())
         self.engine_loop = EngineLoop(self.engine)
-        self.metrics = ServingMetrics(role, self.engine.model_config.name)
+        self.metrics = PodMetrics(self.role, self.engine.model_config.name)
         self.load = common_pb2.PodLoad()  # the last snapshot, refreshed every load_refresh_interval_s
         self.cached_block_hashes: list[int] = []  # of the same snapshot, oldest first
         self.port = 0  # bound gRPC port, once started

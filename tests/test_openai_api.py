@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from router.openai_api import ServerSentEvents, create_app
 from router.router import Completion, OutputDelta, RouterRequest
 from runtime.errors import StatusError
-from runtime.metrics import ServingMetrics
+from runtime.metrics import RouterMetrics
 
 MODEL = "fake-model"
 VOCAB = {0: "<eos>", 1: "Hello", 2: ",", 3: " world", 4: "!", 5: " there", 6: "é"}
@@ -51,7 +51,7 @@ class FakeRouter:
 
     def __init__(self):
         self.tokenizer = FakeTokenizer()
-        self.metrics = ServingMetrics("router", MODEL)
+        self.metrics = RouterMetrics(MODEL)
         self.reset()
 
     def reset(self):
