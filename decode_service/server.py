@@ -7,14 +7,16 @@ A request's path:
       with first_token_id             claim the lease (NOT_FOUND: never pushed or expired; FAILED_PRECONDITION:
                                       still arriving), then admit the sequence with its first token through
                                       EngineLoop.generate(add=engine.admit_prefilled): it joins the running batch
-      without first_token_id          conditional disaggregation / the mixed role: the prompt prefills here
+      without first_token_id          conditional disaggregation / the mixed role: the prompt prefills here;
+                                      with resume_token_ids (a request migrated from a decode pod that went away)
+                                      the prompt and those tokens prefill here and generation goes on after them
       stream                          DecodeChunk per engine event with the tokens new to the router (from the
                                       second when the prefill pod sampled the first), then DecodeComplete with the
                                       finish reason, stop token id, usage and this pod's queue/prefill seconds
       cancelled or failed             the engine request is aborted, or the unadmitted lease released: every
                                       block goes back either way
     Abort(request_id)                 releases a lease, stops a push in progress, or aborts a running request
-    GetLoad                           the engine's queues and block pool, leased blocks counted as used
+(The pod's load, leased blocks counted as used, is served by ``PodStatus``, runtime/pod_status.py.)
 """
 
 from __future__ import annotations
@@ -140,9 +142,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         found = await asyncio.wrap_future(self._pod.engine_loop.abort(request.request_id))
         return common_pb2.AbortResponse(found=found)
 
-    async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.PodLoad:
-        return await self._pod.refresh_load()
-
     # ---- one request -----------------------------------------------------------------------------------------
 
     async def _checked_params(self, request: decode_pb2.DecodeRequest, context) -> SamplingParams:
@@ -156,14 +155,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if request.HasField("first_token_id") and not 0 <= request.first_token_id < vocab_size:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"first_token_id must be in [0, {vocab_size}), got {request.first_token_id}")
+        if request.HasField("first_token_id") and request.resume_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "resume_token_ids: a migrated request prefills here; it cannot have a first_token_id")
         return params
 
     async def _stream(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
                       admission: _Admission | None, context) -> None:
         """Run the request in the engine and write its tokens; closing the stream early aborts it there."""
-        clock = _TokenClock.start(self._pod.metrics, prefilled=admission is not None)
-        events = self._pod.engine_loop.generate(request.request_id, list(request.prompt_token_ids), params,
-                                                add=admission.admit if admission is not None else None)
+        # A migrated request's first token here is not its first: the clock counts it as an inter-token gap.
+        clock = _TokenClock.start(self._pod.metrics, prefilled=admission is not None or bool(request.resume_token_ids))
+        prompt, resumed = list(request.prompt_token_ids), list(request.resume_token_ids)
+        add = admission.admit if admission is not None else (
+            lambda engine: engine.add_request(request.request_id, prompt, params, resumed))
+        events = self._pod.engine_loop.generate(request.request_id, prompt, params, add=add)
         try:
             async with contextlib.aclosing(events):
                 async for event in events:

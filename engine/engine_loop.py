@@ -7,6 +7,11 @@ of the caller. Only the engine thread touches the scheduler, the block manager a
 needs a lock.
 
 A step that raises fails the requests of that step with an error and leaves the pod serving the others.
+
+An ``observer(engine, stats)`` set at construction is called on the engine thread after every step (with its
+``StepStats``) and after every command (with None), before the command's caller hears back: the pod builds its
+load reports and engine metrics there, so they never wait for the engine, never touch it from another thread,
+and a caller that saw its command done (an admission, a KV reservation) finds it in the next load report.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from engine.llm_engine import EngineStepError, LLMEngine
+from engine.llm_engine import EngineStepError, LLMEngine, StepStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -48,9 +53,13 @@ class _Subscriber:
     num_sent: int = 0
 
 
+EngineObserver = Callable[[LLMEngine, "StepStats | None"], None]
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None):
         self.engine = engine
+        self._observer = observer
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._subscribers: dict[str, _Subscriber] = {}
@@ -80,11 +89,13 @@ class EngineLoop:
             try:
                 outcome = fn(self.engine)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self._observe(None)
                 if wanted:
                     future.set_exception(exc)
                 else:
                     logger.warning("engine command failed after its caller stopped waiting: %r", exc)
                 return
+            self._observe(None)
             if wanted:
                 future.set_result(outcome)
 
@@ -147,14 +158,18 @@ class EngineLoop:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            previous = self.engine.last_step
             try:
                 updated = self.engine.step()
             except EngineStepError as exc:  # one bad step must not take the pod down
                 logger.exception("engine step failed; failing the requests it held")
                 self._fail(exc.sequences, str(exc.__cause__))
+                self._observe(None)
                 continue
             for seq in updated:
                 self._publish(seq)
+            if self.engine.last_step is not previous:  # a step ran (a chunked prefill may update no sequence)
+                self._observe(self.engine.last_step)
 
     def _apply_commands(self) -> None:
         while True:
@@ -163,6 +178,14 @@ class EngineLoop:
             except queue.Empty:
                 return
             command()
+
+    def _observe(self, stats: StepStats | None) -> None:
+        if self._observer is None:
+            return
+        try:
+            self._observer(self.engine, stats)
+        except Exception:  # a report that failed must not stop the engine
+            logger.exception("the engine observer failed")
 
     def _publish(self, seq: Sequence) -> None:
         sub = self._subscribers.get(seq.request_id)

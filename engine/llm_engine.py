@@ -9,7 +9,8 @@ only; text lives in the layer above (the offline ``LLM`` and the router).
 from __future__ import annotations
 
 import logging
-
+import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -31,6 +32,22 @@ class KVExportHook(Protocol):
     def wants(self, batch: SchedulerOutput) -> bool: ...
 
     def on_layer(self, layer: int, batch: SchedulerOutput) -> None: ...
+
+
+@dataclass
+class StepStats:
+    """What one engine step did: the pod's load reports and metrics are made of these."""
+
+    num_prefill_tokens: int  # prompt (or recomputed) tokens computed
+    num_decode_tokens: int  # sequences that decoded one token
+    num_preempted: int  # sequences preempted to make room
+    seconds: float = 0.0  # wall time of the model run and the bookkeeping around it
+
+    @classmethod
+    def of(cls, batch: SchedulerOutput) -> "StepStats":
+        decodes = sum(1 for item in batch.scheduled
+                      if item.num_new_tokens == 1 and item.start >= item.seq.num_prompt_tokens)
+        return cls(batch.num_batched_tokens - decodes, decodes, len(batch.preempted))
 
 
 class EngineStepError(RuntimeError):
@@ -56,6 +73,7 @@ class LLMEngine:
             config.scheduler, self.block_manager, eos_ids, self.model_config.max_position_embeddings
         )
         self.kv_export: KVExportHook | None = None
+        self.last_step: StepStats | None = None  # the latest step that ran
         logger.info(
             "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens",
             self.model_config.name, self.model_config.num_layers,
@@ -66,10 +84,19 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_config.max_position_embeddings
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request; raises ValueError for a prompt that can never run (empty, too long, bad token id)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    resume_token_ids: list[int] = ()) -> Sequence:
+        """Queue a request; raises ValueError for a prompt that can never run (empty, too long, bad token id).
+
+        ``resume_token_ids``: output tokens the request already generated elsewhere (a migrated request). They are
+        prefilled after the prompt and count as output (max_tokens, min_tokens, penalties), and sampling goes on at
+        the next position, so greedy and seeded requests continue exactly as they would have."""
         self._validate_prompt(prompt_token_ids)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self._validate_token_ids(resume_token_ids, "resume_token_ids")
+        if len(prompt_token_ids) + len(resume_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt + resume_token_ids have {len(prompt_token_ids) + len(resume_token_ids)} "
+                             f"tokens; the model's context is {self.max_model_len}")
+        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(resume_token_ids))
         self.scheduler.add(seq)
         return seq
 
@@ -89,6 +116,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
+        stats, started = StepStats.of(scheduled), time.perf_counter()
         try:
             sampled = self.runner.execute(scheduled, self._layer_hook(scheduled))
         except Exception as exc:
@@ -97,7 +125,10 @@ class LLMEngine:
             for seq in failed:
                 self.scheduler.abort(seq.request_id)
             raise EngineStepError(failed, exc) from exc
-        return self.scheduler.update_from_output(scheduled, sampled)
+        updated = self.scheduler.update_from_output(scheduled, sampled)
+        stats.seconds = time.perf_counter() - started
+        self.last_step = stats
+        return updated
 
     def _layer_hook(self, batch: SchedulerOutput) -> Callable[[int], None] | None:
         hook = self.kv_export
@@ -135,13 +166,16 @@ class LLMEngine:
         """Free the blocks of a reserved transfer that will never be admitted (lease expired, abort, bad KV)."""
         self.block_manager.free(seq)
 
+    def _validate_token_ids(self, token_ids, what: str) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} token ids must be integers in [0, {vocab}); got {bad[:5]}")
+
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        self._validate_token_ids(prompt_token_ids, "prompt")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}"

@@ -68,11 +68,16 @@ class Scheduler:
     # ---- requests in and out ----------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; raises ValueError for one that could never run."""
+        """Queue a new request; raises ValueError for one that could never run. A request resumed with output
+        tokens it generated elsewhere (a migrated one) that already meets a stop condition finishes here."""
         self._check_admissible(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
         self._unfinished[seq.request_id] = seq
+        if seq.output_token_ids:
+            self._check_stop(seq)
+            if seq.is_finished:
+                return
+        self.waiting.append(seq)
 
     def _check_admissible(self, seq: Sequence) -> None:
         if seq.request_id in self._unfinished:
@@ -83,9 +88,9 @@ class Scheduler:
             raise ValueError(
                 f"prompt has {seq.num_prompt_tokens} tokens, more than the model's context ({self.max_model_len})"
             )
-        if seq.num_prompt_tokens > self._pool_tokens:
+        if seq.num_tokens > self._pool_tokens:
             raise ValueError(
-                f"prompt has {seq.num_prompt_tokens} tokens, more than the whole KV cache holds "
+                f"prompt has {seq.num_tokens} tokens, more than the whole KV cache holds "
                 f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)"
             )
 

@@ -51,6 +51,8 @@ class _LayerKV:
     v: torch.Tensor  # same
 
 
+STATUS_WAIT_S = 5.0  # how long a failed push waits for the call's final status
+
 # Queue markers besides layers: the prefill step is over (overlap=False starts sending), the call ended early.
 _PREFILL_FINISHED = object()
 _CALL_ENDED = object()
@@ -216,10 +218,18 @@ class KVSender:
         return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]
 
     async def _failure(self, call, err: Exception) -> StatusError:
-        if isinstance(err, grpc.aio.AioRpcError):
-            code, details = err.code(), err.details()
-        else:  # a write after the call ended: its status says why
-            code, details = await call.code(), await call.details()
+        # The call's own status says why it ended. A write that raced the decode pod's refusal fails on its own
+        # terms (InvalidStateError, or INTERNAL "Internal error from Core"), which would hide the refusal.
+        try:
+            code, details = await asyncio.wait_for(_status(call), timeout=STATUS_WAIT_S)
+        except asyncio.TimeoutError:
+            code, details = (err.code(), err.details()) if isinstance(err, grpc.aio.AioRpcError) else (
+                grpc.StatusCode.UNAVAILABLE, f"the push failed: {err!r}")
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             self._client.forget_handshake(self.decode_address, self.codec.name)
         return StatusError(code, f"decode pod {self.decode_address}: {details}")
+
+
+
+async def _status(call) -> tuple[grpc.StatusCode, str]:
+    return await call.code(), await call.details()

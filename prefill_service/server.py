@@ -14,7 +14,7 @@ A request's path:
       either fails       -> the other is cancelled: an aborted engine request frees its blocks, a cancelled push
                             makes the decode pod release its reservation; the failure's status is the answer
     Abort(request_id)    cancels the call's work the same way; the call ends CANCELLED
-    GetLoad              the engine's queues and block pool, read on the engine thread
+(The pod's load is served by ``PodStatus``, runtime/pod_status.py, on every pod.)
 """
 
 from __future__ import annotations
@@ -84,9 +84,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if work is not None:
             work.cancel()
         return common_pb2.AbortResponse(found=work is not None)
-
-    async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.PodLoad:
-        return await self._pod.refresh_load()
 
     # ---- one request -----------------------------------------------------------------------------------------
 

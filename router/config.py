@@ -40,19 +40,31 @@ class RouterConfig:
     conditional_cached_fraction: float = field(default=0.8, metadata=described(
         "Prompts with at least this fraction already cached on the decode pod prefill there (> 1: never)."))
     request_timeout_s: float = field(default=300.0, metadata=described("Deadline of one request, arrival to last token."))
-    max_retries: int = field(default=1, metadata=described(
+    max_retries: int = field(default=2, metadata=described(
         "Retries on other pods of a request that failed before its first token."))
-    load_poll_interval_s: float = field(default=0.5, metadata=described("Static registry: seconds between GetLoad polls."))
+    max_migrations: int = field(default=2, metadata=described(
+        "Times a request whose decode pod went away mid-stream moves to another decode pod (0: it fails instead)."))
+    max_pending_requests: int = field(default=512, metadata=described(
+        "Requests waiting for their first token beyond which new ones get 429 / RESOURCE_EXHAUSTED (0: no limit)."))
+    max_queue_time_s: float = field(default=30.0, metadata=described(
+        "Refuse (429 / RESOURCE_EXHAUSTED, with Retry-After) a request whose prompt would wait longer than this "
+        "before its prefill starts, by the least loaded pod's queued prompt tokens and measured prefill rate "
+        "(0: never)."))
+    slo_ttft_s: float = field(default=1.0, metadata=described(
+        "TTFT target of splitserve_requests_within_slo_total (goodput): set it to your service level."))
+    slo_tpot_s: float = field(default=0.1, metadata=described(
+        "TPOT target of splitserve_requests_within_slo_total (goodput): set it to your service level."))
     kv_lease_s: float = field(default=30.0, metadata=described(
         "How long a decode pod keeps pushed KV waiting for the router's Decode call."))
 
     def __post_init__(self) -> None:
         self.policy = member(PolicyName, "policy", self.policy)
         self.registry = member(RegistryKind, "registry", self.registry)
-        for name in ("grpc_port", "http_port", "conditional_prefill_threshold", "max_retries"):
+        for name in ("grpc_port", "http_port", "conditional_prefill_threshold", "max_retries", "max_migrations",
+                     "max_pending_requests", "max_queue_time_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_model_len", "pod_ttl_s", "request_timeout_s", "load_poll_interval_s", "kv_lease_s"):
+        for name in ("max_model_len", "pod_ttl_s", "request_timeout_s", "kv_lease_s", "slo_ttft_s", "slo_tpot_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.conditional_cached_fraction < 0:

@@ -11,6 +11,7 @@ router's stream, which cancels the pod calls.
 
 from __future__ import annotations
 
+import math
 from contextlib import aclosing
 
 import grpc
@@ -34,7 +35,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 async for output in outputs:
                     yield self._response(req, output)
         except StatusError as error:  # only ever before the first output: the router's contract
-            await context.abort(error.code, error.message)
+            pushback = () if error.retry_after_s is None else (
+                ("grpc-retry-pushback-ms", str(math.ceil(error.retry_after_s * 1000))),)
+            await context.abort(error.code, error.message, trailing_metadata=pushback)
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         return common_pb2.AbortResponse(found=await self._router.abort(request.request_id))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing, suppress
@@ -267,7 +268,8 @@ def _event(chunk: BaseModel) -> str:
 
 
 async def _answer_router_error(request: Request, error: StatusError) -> Response:
-    return _json(_error_response(error), error.http_status)
+    headers = None if error.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}
+    return _json(_error_response(error), error.http_status, headers=headers)
 
 
 async def _answer_invalid_parameter(request: Request, error: InvalidParameter) -> Response:

@@ -13,10 +13,13 @@
 Policies differ only in steps 2 and 4, and are picked by name (``make_policy``):
 
 - ``round_robin``: in turn, by address order;
-- ``least_loaded``: D with the most free KV blocks, then the fewest running requests; P with the fewest
-  queued prefill tokens;
+- ``least_loaded``: D with the fewest requests (running and waiting), then the most free KV blocks; P with the
+  fewest prompt tokens queued for prefill;
 - ``power_of_two``: two random candidates, the less loaded of them (cheap, and robust to a stale view);
 - ``prefix_aware``: the pod holding the longest cached prefix of the prompt, ties to the least loaded.
+
+Load is ``PodInfo``'s view: the pod's last report, raised to what this router knows it sent there since (its own
+requests in flight, the KV blocks they took), so a burst between two reports does not pile onto one pod.
 
 Prefix matching uses the chained block hashes the pods compute (``engine.block_manager``), at each pod's
 block size: a pod's published hash of block i names the prompt's whole prefix up to the end of block i.
@@ -79,19 +82,25 @@ class PromptBlocks:
         return matched * pod.load.block_size
 
 
+def blocks_for(num_tokens: int, pod: PodInfo) -> int:
+    """KV blocks ``num_tokens`` take on ``pod``."""
+    return math.ceil(num_tokens / pod.load.block_size)
+
+
 def has_room(pod: PodInfo, num_prompt_tokens: int) -> bool:
     """Room for the prompt's KV and the first output token."""
-    return pod.load.free_kv_blocks >= math.ceil((num_prompt_tokens + 1) / pod.load.block_size)
+    return pod.free_kv_blocks >= blocks_for(num_prompt_tokens + 1, pod)
 
 
 def decode_load(pod: PodInfo) -> tuple:
-    """Sort key, least loaded first: most free KV blocks, then fewest running and waiting; address breaks ties."""
-    return -pod.load.free_kv_blocks, pod.load.num_running, pod.load.num_waiting, pod.address
+    """Sort key, least loaded first: fewest requests (a decode step's time grows with its batch), then most free
+    KV blocks; the address breaks ties."""
+    return pod.busy, -pod.free_kv_blocks, pod.address
 
 
 def prefill_load(pod: PodInfo) -> tuple:
-    """Sort key, least loaded first: fewest prompt tokens queued, then fewest waiting requests."""
-    return pod.load.queued_prefill_tokens, pod.load.num_waiting, pod.address
+    """Sort key, least loaded first: fewest prompt tokens queued, then fewest requests."""
+    return pod.queued_tokens, pod.busy, pod.address
 
 
 def prefill_locally(num_prompt_tokens: int, cached_on_decode: int, has_prefill_pods: bool,
@@ -120,18 +129,26 @@ class RoutingPolicy:
                     decode_pods: list[PodInfo]) -> RoutePlan:
         prompt = PromptBlocks(request.prompt_token_ids)
         num_tokens = len(prompt.token_ids)
+        decode = self._choose_decode(prompt, decode_pods)
+        local_reason = prefill_locally(num_tokens, prompt.cached_tokens(decode), bool(prefill_pods),
+                                       self.conditional_prefill_threshold, self.conditional_cached_fraction)
+        if local_reason is not None:
+            return RoutePlan(None, decode, local_reason)
+        return RoutePlan(self.pick_prefill(prefill_pods, prompt), decode, "disaggregated")
+
+    def choose_decode(self, token_ids: list[int], decode_pods: list[PodInfo]) -> PodInfo:
+        """Steps 1 and 2 alone: the decode pod for ``token_ids`` (a migrated request's prompt and output so far)."""
+        return self._choose_decode(PromptBlocks(token_ids), decode_pods)
+
+    def _choose_decode(self, prompt: PromptBlocks, decode_pods: list[PodInfo]) -> PodInfo:
+        num_tokens = len(prompt.token_ids)
         if not decode_pods:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, "no decode pod is serving")
         roomy = [pod for pod in decode_pods if has_room(pod, num_tokens)]
         if not roomy:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"no decode pod has room for a {num_tokens}-token prompt; retry later")
-        decode = self.pick_decode(roomy, prompt)
-        local_reason = prefill_locally(num_tokens, prompt.cached_tokens(decode), bool(prefill_pods),
-                                       self.conditional_prefill_threshold, self.conditional_cached_fraction)
-        if local_reason is not None:
-            return RoutePlan(None, decode, local_reason)
-        return RoutePlan(self.pick_prefill(prefill_pods, prompt), decode, "disaggregated")
+        return self.pick_decode(roomy, prompt)
 
     def pick_decode(self, pods: list[PodInfo], prompt: PromptBlocks) -> PodInfo:
         raise NotImplementedError

@@ -1,17 +1,21 @@
-"""Which pods exist, in which role, how loaded they are, and which prompt blocks they hold.
+"""Which pods exist, whether they serve, how loaded they are, and which prompt blocks they hold.
 
-The router asks a registry for the healthy pods of each role every time it places a request
-(``prefill_pods()``, ``decode_pods()``); the registry keeps that view fresh in the background:
+Membership, liveness and load are three separate things:
 
-- ``StaticRegistry``: a fixed list of addresses (flags). It polls each pod's ``GetLoad`` every
-  ``load_poll_interval_s``; a pod that refuses or fails a poll is skipped until it answers again, and one that
-  only answers late (busy: its event loop waits behind the engine on a loaded machine) is skipped after
-  ``MAX_LATE_POLLS`` late polls in a row, so one slow answer does not reroute its requests.
-- ``RedisRegistry``: pods register themselves (``runtime/registry.py``: each pod's ``RedisHeartbeat`` keeps a
-  ``PodRecord`` alive under a key with a TTL); the router reads all such keys every second. A pod that dies stops
-  refreshing its key, Redis expires it, and the pod leaves the router's view within ``ttl_s`` plus a second. The
-  record also carries the pod's recent prefix-cache block hashes, which the prefix-aware policy matches prompts
-  against.
+- membership: ``StaticRegistry`` (addresses from flags) or ``RedisRegistry`` (pods register themselves: each pod's
+  ``RedisHeartbeat``, ``runtime/registry.py``, keeps a record alive under a key with a TTL; the router rescans
+  every second; an expired key is a pod gone; with Redis unreachable, the last membership stays and the pods keep
+  being watched directly);
+- liveness: a ``PodMonitor`` (``router/pod_monitor.py``) per member watches the pod's ``grpc.health.v1`` status
+  as a stream. SERVING: routable. NOT_SERVING (the pod is draining) or a broken stream (the process died, the
+  connection broke, keepalive pings went unanswered): not routable, at once. A busy pod's stream just stays
+  quiet, so busy is never mistaken for dead;
+- load: the same monitor watches ``PodStatus.WatchLoad``, a snapshot the pod pushes after each engine step. Load
+  is a hint: stale or missing, it is used as it is, never a reason to drop a pod. ``PodInfo`` adds what the
+  router knows itself, exactly and at once: its own requests in flight on the pod.
+
+The router asks for the routable pods of each role (``prefill_pods()``, ``decode_pods()``) every time it places a
+request.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import grpc
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
@@ -33,12 +36,12 @@ from runtime.roles import Role
 
 log = logging.getLogger(__name__)
 
-MAX_LATE_POLLS = 3  # GetLoad polls in a row that may time out before a static pod is skipped
+FIRST_REPORT_WAIT_S = 3.0  # how long start() waits for the pods' first health answers
 
 
 @dataclass
 class PodLoad:
-    """A pod's queues and KV cache, as its ``GetLoad`` reports them (see ``common.proto`` PodLoad)."""
+    """A pod's queues and KV cache, as it last reported them (``common.proto`` PodLoad)."""
 
     num_waiting: int = 0
     num_running: int = 0
@@ -46,6 +49,10 @@ class PodLoad:
     total_kv_blocks: int = 0
     queued_prefill_tokens: int = 0
     block_size: int = 16
+    draining: bool = False
+    version: int = 0
+    prefill_tokens_per_second: float = 0.0
+    decode_step_seconds: float = 0.0
 
     @classmethod
     def from_proto(cls, message: common_pb2.PodLoad) -> "PodLoad":
@@ -53,21 +60,25 @@ class PodLoad:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> "PodLoad":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{name: int(value) for name, value in fields.items() if name in known})
+        """From a Redis record's load; unknown names are ignored, values take the field's type."""
+        types = {f.name: type(f.default) for f in dataclasses.fields(cls)}
+        return cls(**{name: types[name](value) for name, value in fields.items() if name in types})
 
 
 @dataclass
 class PodInfo:
-    """One pod as the router sees it."""
+    """One pod as the router sees it: what the pod reports, and the router's own requests on it."""
 
     address: str  # host:port of all the pod's gRPC services
     role: Role
     load: PodLoad = field(default_factory=PodLoad)
     block_hashes: set[int] = field(default_factory=set)  # chained hashes of blocks in its prefix cache
-    last_seen: float = 0.0  # time.monotonic() of the last load report
-    healthy: bool = True
-    late_polls: int = 0  # consecutive GetLoad polls that timed out (StaticRegistry)
+    serving: bool = False  # its health service says SERVING (the monitor keeps this)
+    load_at: float = 0.0  # time.monotonic() of its last load report
+    # The router's own bookkeeping (router.py), exact and immediate where the pod's reports lag:
+    active_requests: int = 0  # this router's calls in flight here: prefills on P, Decode streams on D
+    queued_prompt_tokens: int = 0  # prompt tokens sent here for prefill that have not produced a first token yet
+    blocks_since_report: int = 0  # KV blocks this router's requests took here since the pod's last report
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
@@ -78,12 +89,43 @@ class PodInfo:
     def can_decode(self) -> bool:
         return self.role.can_decode
 
+    @property
+    def healthy(self) -> bool:
+        """Routable: serving and not draining."""
+        return self.serving and not self.load.draining
+
+    @property
+    def busy(self) -> int:
+        """Requests on the pod: the larger of its report and this router's own count (other routers' requests
+        show in the report; this router's newest ones, not yet)."""
+        return max(self.active_requests, self.load.num_running + self.load.num_waiting)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens waiting to be prefilled on the pod, by the same rule."""
+        return max(self.queued_prompt_tokens, self.load.queued_prefill_tokens)
+
+    @property
+    def free_kv_blocks(self) -> int:
+        return self.load.free_kv_blocks - self.blocks_since_report
+
+    def take_report(self, load: PodLoad) -> None:
+        self.load, self.load_at, self.blocks_since_report = load, time.monotonic(), 0
+
 
 class PodRegistry:
-    """What the router needs from a registry. Subclasses fill ``self.pods`` (address -> PodInfo)."""
+    """Membership; subclasses say who the members are. Each member gets a monitor from ``monitor_factory`` (the
+    router passes one that watches the pod over gRPC); ``on_change(pod)`` hears every health or load change and
+    ``on_leave(pod)`` every departure."""
 
-    def __init__(self) -> None:
+    def __init__(self, monitor_factory: Callable[[PodInfo], Any] | None = None,
+                 on_change: Callable[[PodInfo], None] | None = None,
+                 on_leave: Callable[[PodInfo], None] | None = None):
         self.pods: dict[str, PodInfo] = {}
+        self._monitor_factory = monitor_factory
+        self._monitors: dict[str, Any] = {}
+        self.on_change = on_change or (lambda pod: None)
+        self._on_leave = on_leave or (lambda pod: None)
 
     def prefill_pods(self) -> list[PodInfo]:
         return [pod for pod in self.pods.values() if pod.healthy and pod.role is Role.PREFILL]
@@ -96,134 +138,125 @@ class PodRegistry:
         raise NotImplementedError
 
     async def stop(self) -> None:
-        raise NotImplementedError
+        for address in list(self.pods):
+            await self._leave(address)
 
+    async def _join(self, pod: PodInfo) -> None:
+        self.pods[pod.address] = pod
+        if self._monitor_factory is None:  # membership alone (tests of placement): a member serves
+            pod.serving = True
+            return
+        monitor = self._monitor_factory(pod)
+        self._monitors[pod.address] = monitor
+        await monitor.start()
 
-class _PeriodicTask:
-    """Runs ``refresh`` once at start (so the first request sees pods), then every ``interval_s``."""
+    async def _leave(self, address: str) -> None:
+        pod = self.pods.pop(address)
+        monitor = self._monitors.pop(address, None)
+        if monitor is not None:
+            await monitor.stop()
+        self._on_leave(pod)
 
-    def __init__(self, refresh: Callable[[], Any], interval_s: float, name: str):
-        self._refresh, self._interval_s, self._name = refresh, interval_s, name
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        await self._refresh()
-        self._task = asyncio.create_task(self._loop(), name=self._name)
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            await self._refresh()
+    async def wait_for_first_reports(self, timeout_s: float = FIRST_REPORT_WAIT_S) -> None:
+        """Until every monitor has its pod's first health answer (or failure), so the first request sees the
+        pods that serve; a pod that is not up yet does not hold the router's start longer than ``timeout_s``."""
+        waits = [monitor.first_report.wait() for monitor in self._monitors.values()]
+        if waits:
+            await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=timeout_s)
 
 
 class StaticRegistry(PodRegistry):
-    """Pods from the command line; their load from polling ``GetLoad``.
+    """Pods from the command line, each watched from the router's start."""
 
-    ``get_load(pod)`` returns the pod's ``PodLoad`` proto or raises; the router passes its pod clients' method.
-    """
-
-    def __init__(self, prefill: list[str], decode: list[str], mixed: list[str],
-                 get_load: Callable[[PodInfo], Any], poll_interval_s: float = 0.5):
-        super().__init__()
+    def __init__(self, prefill: list[str], decode: list[str], mixed: list[str], **kwargs: Any):
+        super().__init__(**kwargs)
+        self._members: list[PodInfo] = []
+        seen: set[str] = set()
         for role, addresses in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.MIXED, mixed)):
             for address in addresses:
-                if address in self.pods:
+                if address in seen:
                     raise ValueError(f"pod {address} is listed twice")
-                # Unknown until its first poll answers: a pod that never answers never gets a request.
-                self.pods[address] = PodInfo(address, role, healthy=False)
-        self._get_load = get_load
-        # A poll that takes longer than the interval is a failed poll: the next one is due.
-        self._poll_timeout_s = max(poll_interval_s, 0.2)
-        self._poller = _PeriodicTask(self.poll_all, poll_interval_s, "static-registry-poll")
+                seen.add(address)
+                self._members.append(PodInfo(address, role))  # not serving until its health says so
 
     async def start(self) -> None:
-        await self._poller.start()
-
-    async def stop(self) -> None:
-        await self._poller.stop()
-
-    async def poll_all(self) -> None:
-        await asyncio.gather(*(self._poll(pod) for pod in self.pods.values()))
-
-    async def _poll(self, pod: PodInfo) -> None:
-        try:
-            message = await asyncio.wait_for(self._get_load(pod), self._poll_timeout_s)
-        except Exception as exc:
-            pod.late_polls = pod.late_polls + 1 if _is_timeout(exc) else MAX_LATE_POLLS
-            if pod.healthy and pod.late_polls >= MAX_LATE_POLLS:
-                log.warning("pod %s (%s) stopped answering GetLoad: %r; skipping it", pod.address, pod.role, exc)
-                pod.healthy = False
-            return
-        if not pod.healthy:
-            log.info("pod %s (%s) is serving", pod.address, pod.role)
-        pod.load, pod.last_seen, pod.healthy, pod.late_polls = PodLoad.from_proto(message), time.monotonic(), True, 0
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    """A poll that ran out of time (the pod may just be busy), as opposed to one the pod refused or failed."""
-    return isinstance(exc, asyncio.TimeoutError) or (
-        isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def _parse_record(record: bytes | None) -> PodInfo | None:
-    """None for an expired key (gone between SCAN and MGET) or a record this router cannot read."""
-    if record is None:
-        return None
-    try:
-        fields = PodRecord.from_json(record)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("ignoring an unreadable pod record %r: %r", record[:200], exc)
-        return None
-    if fields.role is Role.ROUTER:
-        log.warning("ignoring a pod record with role router: %r", record[:200])
-        return None
-    return PodInfo(fields.address, fields.role, PodLoad.from_dict(fields.load), set(fields.block_hashes),
-                   last_seen=time.monotonic())
+        for pod in self._members:
+            await self._join(pod)
+        await self.wait_for_first_reports()
 
 
 class RedisRegistry(PodRegistry):
     """Pods that registered themselves in Redis; rescanned every ``scan_interval_s``."""
 
-    def __init__(self, redis_url: str, ttl_s: float = 10.0, scan_interval_s: float = 1.0):
-        super().__init__()
+    def __init__(self, redis_url: str, ttl_s: float = 10.0, scan_interval_s: float = 1.0, **kwargs: Any):
+        super().__init__(**kwargs)
         self.ttl_s = ttl_s
-        self._redis = redis_asyncio.from_url(redis_url)
+        self._redis = redis_asyncio.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._redis_reachable = True  # to log when that changes, not once a second
-        self._scanner = _PeriodicTask(self.scan, scan_interval_s, "redis-registry-scan")
+        self._scan_interval_s = scan_interval_s
+        self._scanner: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self._scanner.start()
+        await self.scan()  # the first request sees the pods registered now
+        await self.wait_for_first_reports()
+        self._scanner = asyncio.create_task(self._scan_forever(), name="redis-registry-scan")
 
     async def stop(self) -> None:
-        await self._scanner.stop()
+        if self._scanner is not None:
+            self._scanner.cancel()
+            await asyncio.gather(self._scanner, return_exceptions=True)
+        await super().stop()
         await self._redis.aclose()
 
+    async def _scan_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._scan_interval_s)
+            try:
+                await self.scan()
+            except Exception:  # one failed round must not end the scanning
+                log.exception("scanning the pod registry failed")
+
     async def scan(self) -> None:
-        """Replace the view with the keys that exist now: expired keys (dead pods) drop out."""
+        """Make the membership the keys that exist now: new keys join, expired keys (dead pods) leave."""
         try:
             keys = [key async for key in self._redis.scan_iter(match=f"{KEY_PREFIX}:*", count=1000)]
             records = await self._redis.mget(keys) if keys else []
-        except RedisError as exc:
-            # Keep the last view: the pods are probably fine, and a pod that is not fails its calls.
+        except (RedisError, OSError) as exc:
+            # Keep the last membership: the pods are probably fine, and their monitors still watch them.
             if self._redis_reachable:
-                log.warning("cannot read the pod registry from Redis: %r; keeping the last view", exc)
+                log.warning("cannot read the pod registry from Redis: %r; keeping the %d pods it last listed",
+                            exc, len(self.pods))
             self._redis_reachable = False
             return
         if not self._redis_reachable:
             log.info("reading the pod registry from Redis again")
         self._redis_reachable = True
-        pods = [pod for pod in map(_parse_record, records) if pod is not None]
-        self._log_changes({pod.address for pod in pods})
-        self.pods = {pod.address: pod for pod in pods}
-
-    def _log_changes(self, addresses: set[str]) -> None:
-        for address in addresses - set(self.pods):
-            log.info("pod %s registered", address)
-        for address in set(self.pods) - addresses:
+        listed = {record.address: record for record in map(_parse_record, records) if record is not None}
+        for address in set(self.pods) - set(listed):
             log.warning("pod %s left the registry (heartbeat expired or deregistered)", address)
+            await self._leave(address)
+        for address, record in listed.items():
+            pod = self.pods.get(address)
+            if pod is not None and pod.role is not record.role:  # the address now runs another role
+                await self._leave(address)
+                pod = None
+            if pod is None:
+                log.info("pod %s (%s) registered", address, record.role)
+                pod = PodInfo(address, record.role, PodLoad.from_dict(record.load))
+                await self._join(pod)
+            pod.block_hashes = set(record.block_hashes)
+
+
+def _parse_record(record: bytes | None) -> PodRecord | None:
+    """None for an expired key (gone between SCAN and MGET) or a record this router cannot read."""
+    if record is None:
+        return None
+    try:
+        parsed = PodRecord.from_json(record)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("ignoring an unreadable pod record %r: %r", record[:200], exc)
+        return None
+    if parsed.role is Role.ROUTER:
+        log.warning("ignoring a pod record with role router: %r", record[:200])
+        return None
+    return parsed

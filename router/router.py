@@ -2,20 +2,32 @@
 
 The HTTP and gRPC layers call ``make_request`` (validate, tokenize) and then iterate ``generate(request)``:
 
-1. placing: the registry's healthy pods go to the routing policy, which returns a ``RoutePlan``: a decode pod
-   D, and a prefill pod P unless the prompt is short or mostly cached on D (conditional disaggregation);
-2. first token: disaggregated, ``P.Prefill(decode_address=D)`` prefills, pushes the KV to D and returns the
+1. admission: a request is refused at once with RESOURCE_EXHAUSTED and a retry-after hint (HTTP 429) when the
+   router already has ``max_pending_requests`` waiting for their first token, or when the pod it would prefill on
+   has more queued prompt tokens than it prefills in ``max_queue_time_s`` (its own measured rate): shed now,
+   rather than answer after the client gave up;
+2. placing: the registry's routable pods (serving, not draining) go to the routing policy, which returns a
+   ``RoutePlan``: a decode pod D, and a prefill pod P unless the prompt is short or mostly cached on D
+   (conditional disaggregation);
+3. first token: disaggregated, ``P.Prefill(decode_address=D)`` prefills, pushes the KV to D and returns the
    first token; then ``D.Decode(first_token)`` is opened. Prefilling on D, ``D.Decode`` without a first token
-   prefills there and its first chunk holds the first token. A failure before the first token (a pod
-   UNAVAILABLE or RESOURCE_EXHAUSTED, P's push to D failing) is retried on other pods, ``max_retries`` times;
-3. streaming: each chunk's tokens go through the request's ``IncrementalDetokenizer`` and out as an
+   prefills there and its first chunk holds the first token. A failure before the first token (a pod gone, full
+   or draining, P's push to D failing, corrupt or late) is retried on other pods, ``max_retries`` times; when
+   every prefill pod failed, the retry prefills on the decode pod;
+4. streaming: each chunk's tokens go through the request's ``IncrementalDetokenizer`` and out as an
    ``OutputDelta``; the first one's moment is the TTFT. A stop string ends the request here: the router stops
-   reading and cancels D's stream, which makes D abort the request and free its blocks;
-4. the end: exactly one ``Completion`` (finish reason, usage, where the time went), always the last item.
+   reading and cancels D's stream, which makes D abort the request and free its blocks. If D goes away
+   mid-stream, the request migrates: another decode pod prefills the prompt and the tokens already sent
+   (``resume_token_ids``) and goes on from there, ``max_migrations`` times; the client sees every token once;
+5. the end: exactly one ``Completion`` (finish reason, usage, where the time went), always the last item.
 
-Errors: before any output, ``generate`` raises ``StatusError`` (no pod: UNAVAILABLE; pods full:
-RESOURCE_EXHAUSTED; timeout: DEADLINE_EXCEEDED; ...). After output started there is no retry (the client has
-tokens already): the stream ends with ``Completion(finish_reason="error", error=...)`` and a log line.
+While a request runs, the router counts it on its pods (``PodInfo.active_requests``, ``queued_prompt_tokens``,
+``blocks_since_report``), so that placement sees its own newest requests before the pods' next load reports do.
+
+Errors: before any output, ``generate`` raises ``StatusError`` (no pod: UNAVAILABLE; pods full or queues too
+long: RESOURCE_EXHAUSTED; timeout: DEADLINE_EXCEEDED; ...). A pod's own CANCELLED (it was shutting down) is
+UNAVAILABLE here: only the client's own cancellation is CANCELLED. After output started, a failure that migration
+cannot mend ends the stream with ``Completion(finish_reason="error", error=...)`` and a log line.
 ``abort(request_id)`` and a client that stops iterating (generator closed, task cancelled) cancel the pod
 calls; an aborted request still ends with ``Completion(finish_reason="abort")``.
 """
@@ -34,21 +46,28 @@ from typing import Any, AsyncIterator
 import grpc
 
 from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos.convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_to_dict
 from protos.splitserve.v1 import decode_pb2, prefill_pb2
 from router.config import RouterConfig
 from router.pod_client import PodClientPool
-from router.policies import RoutePlan, RoutingPolicy, make_policy
+from router.pod_monitor import PodMonitor
+from router.policies import RoutePlan, RoutingPolicy, blocks_for, make_policy
 from router.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
 from runtime.errors import StatusError, from_rpc_error
 from runtime.metrics import RouterMetrics
+from runtime.registry import RegistryKind
 
 log = logging.getLogger(__name__)
 
-# Worth another pair of pods: the pod is down or full, or P could not hand the KV to D.
+# Before the first token, worth another pair of pods: the pod is gone, full or draining, or P could not hand the
+# KV to D (refused, corrupt, or past the transfer's own deadline while the request still has time).
 RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                   grpc.StatusCode.FAILED_PRECONDITION)
+                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS,
+                   grpc.StatusCode.DEADLINE_EXCEEDED)
+# After output started, a stream that broke this way moves to another decode pod.
+MIGRATABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
 @dataclass
@@ -67,14 +86,14 @@ class OutputDelta:
 
     token_ids: list[int]
     text: str
-    logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token (see wire_params)
+    logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token (protos/convert.py)
 
 
 @dataclass
 class Completion:
     """The request ended; the last item of ``generate``."""
 
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason
     stop_reason: int | str | None  # the stop token id or stop string that ended it, if one did
     prompt_tokens: int
     completion_tokens: int
@@ -84,21 +103,45 @@ class Completion:
 
 
 @dataclass
+class _PodHold:
+    """One request counted on one pod (``PodInfo``'s router-side load) until released."""
+
+    pod: PodInfo
+    prompt_tokens: int  # counted in pod.queued_prompt_tokens until the first token (or the end)
+    released: bool = False
+
+    def prompt_done(self) -> None:
+        self.pod.queued_prompt_tokens -= self.prompt_tokens
+        self.prompt_tokens = 0
+
+    def release(self) -> None:
+        if not self.released:
+            self.prompt_done()
+            self.pod.active_requests -= 1
+            self.released = True
+
+
+@dataclass
 class _RequestRun:
     """One request in flight: its pod calls (to cancel), its text state, and its progress (for the metrics)."""
 
     request: RouterRequest
     detokenizer: IncrementalDetokenizer
     calls: list[Any] = field(default_factory=list)  # grpc.aio calls started for it
+    holds: list[_PodHold] = field(default_factory=list)  # where it is counted
     aborted: bool = False
-    finish_reason: str | None = None  # set once its Completion is made
-    num_output_tokens: int = 0
+    finish_reason: FinishReason | None = None  # set once its Completion is made
+    output_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
     first_token_at: float | None = None
     last_token_at: float | None = None
     cached_tokens: int = 0
     # What the pod that prefilled reported, in seconds: queue, prefill and (disaggregated) kv_transfer.
     # Missing when that report never came (a stop string ended a request prefilled on D before D's summary).
     pod_timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     def track(self, call: Any) -> Any:
         self.calls.append(call)
@@ -108,14 +151,34 @@ class _RequestRun:
         for call in self.calls:
             call.cancel()  # a no-op for calls already done
 
+    def hold(self, pod: PodInfo, prompt_tokens: int = 0, kv_tokens: int = 0) -> _PodHold:
+        """Count this request on ``pod`` (until ``release_holds``): one more request in flight there, with
+        ``prompt_tokens`` to prefill and the KV of ``kv_tokens`` about to take its blocks."""
+        pod.active_requests += 1
+        pod.queued_prompt_tokens += prompt_tokens
+        pod.blocks_since_report += blocks_for(kv_tokens, pod) if kv_tokens else 0
+        hold = _PodHold(pod, prompt_tokens)
+        self.holds.append(hold)
+        return hold
+
+    def release_holds(self) -> None:
+        for hold in self.holds:
+            hold.release()
+        self.holds.clear()
+
 
 @dataclass
 class _DecodeStream:
     """D's Decode call, with the messages already taken from it (or made from P's first token)."""
 
     call: Any
-    pod_address: str
+    pod: PodInfo
+    hold: _PodHold  # the request counted on D while the stream lasts
     prefetched: list[decode_pb2.DecodeResponse]
+
+    @property
+    def pod_address(self) -> str:
+        return self.pod.address
 
 
 class Router:
@@ -129,10 +192,11 @@ class Router:
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.model)
         self.metrics = metrics if metrics is not None else RouterMetrics(config.model)
         self.pod_clients = PodClientPool()
-        self.registry = registry if registry is not None else build_registry(config, self.pod_clients)
+        self.registry = registry if registry is not None else self._build_registry()
         self.policy = policy if policy is not None else make_policy(
             config.policy, config.conditional_prefill_threshold, config.conditional_cached_fraction)
         self._runs: dict[str, _RequestRun] = {}
+        self._num_pending = 0  # requests admitted that have no first token yet
 
     async def start(self) -> None:
         await self.registry.start()
@@ -144,16 +208,40 @@ class Router:
         await self.pod_clients.close()
 
     def ready(self) -> bool:
-        """Whether a request could be placed now: some decode-capable pod is serving (health checks)."""
+        """Whether a request could be placed now: some decode-capable pod serves and is not draining."""
         return bool(self.registry.decode_pods())
 
     def pods(self) -> list[dict[str, Any]]:
         """The pods as the router sees them now (``GET /pods``): role, whether it routes to them, their load."""
         now = time.monotonic()
-        return [{"address": pod.address, "role": pod.role, "healthy": pod.healthy,
-                 "seconds_since_report": round(now - pod.last_seen, 3) if pod.last_seen else None,
-                 "load": dataclasses.asdict(pod.load), "cached_blocks": len(pod.block_hashes)}
+        return [{"address": pod.address, "role": str(pod.role), "healthy": pod.healthy, "serving": pod.serving,
+                 "seconds_since_report": round(now - pod.load_at, 3) if pod.load_at else None,
+                 "load": dataclasses.asdict(pod.load), "cached_blocks": len(pod.block_hashes),
+                 "router_requests": pod.active_requests, "router_queued_prompt_tokens": pod.queued_prompt_tokens}
                 for pod in sorted(self.registry.pods.values(), key=lambda pod: (pod.role, pod.address))]
+
+    def _build_registry(self) -> PodRegistry:
+        config = self.config
+        watch = dict(monitor_factory=self._monitor, on_change=self._pod_changed, on_leave=self._pod_left)
+        if config.registry is RegistryKind.REDIS:
+            return RedisRegistry(config.redis_url, config.pod_ttl_s, **watch)
+        return StaticRegistry(config.prefill_pods, config.decode_pods, config.mixed_pods, **watch)
+
+    def _monitor(self, pod: PodInfo) -> PodMonitor:
+        return PodMonitor(pod, self.pod_clients.get(pod.address, pod.role), self.registry.on_change)
+
+    def _pod_changed(self, pod: PodInfo) -> None:
+        labels = (self.metrics.role, self.model_name, pod.address, str(pod.role))
+        metrics, load = self.metrics, pod.load
+        metrics.pod_healthy.labels(*labels).set(1 if pod.healthy else 0)
+        metrics.pod_running.labels(*labels).set(load.num_running)
+        metrics.pod_waiting.labels(*labels).set(load.num_waiting)
+        metrics.pod_queued_prefill_tokens.labels(*labels).set(load.queued_prefill_tokens)
+        if load.total_kv_blocks:
+            metrics.pod_kv_cache_usage.labels(*labels).set(1 - load.free_kv_blocks / load.total_kv_blocks)
+
+    def _pod_left(self, pod: PodInfo) -> None:
+        self.metrics.forget_pod(pod.address, str(pod.role))
 
     # -- the edge: text in ------------------------------------------------------------------------------------
 
@@ -201,18 +289,25 @@ class Router:
         run = _RequestRun(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
                                                       params.stop, params.include_stop_str_in_output))
         self._runs[req.request_id] = run
+        self._num_pending += 1
         self.metrics.num_requests_running.inc()
         try:
             async with aclosing(self._serve(run)) as outputs:
                 async for output in outputs:
                     yield output
+        except StatusError as error:  # refused before any output
+            self.metrics.count(self.metrics.rejected, error.code.name)
+            raise
         except (GeneratorExit, asyncio.CancelledError):
             if run.finish_reason is None:
                 log.info("request %s: the client went away; cancelling its pod calls", req.request_id)
-                self.metrics.finished("abort")
+                self.metrics.finished(FinishReason.ABORT)
             raise
         finally:
             run.cancel_calls()
+            run.release_holds()
+            if run.first_token_at is None:
+                self._num_pending -= 1
             self.metrics.num_requests_running.dec()
             del self._runs[req.request_id]
 
@@ -226,56 +321,86 @@ class Router:
         return True
 
     async def _serve(self, run: _RequestRun) -> AsyncIterator[OutputDelta | Completion]:
+        self._admit(run)
         try:
             stream = await self._start_with_retries(run)
         except StatusError:
             if not run.aborted:
                 raise
-            yield self._complete(run, "abort", None)
+            yield self._complete(run, FinishReason.ABORT, None)
             return
-        try:
-            while True:
-                message = stream.prefetched.pop(0) if stream.prefetched else await self._read(run, stream)
-                if message.HasField("complete"):
-                    tail = run.detokenizer.finish()  # text held back for a stop string that never came
-                    if tail:
-                        yield OutputDelta([], tail)
-                    yield self._complete_from_pod(run, message.complete, stream.pod_address)
-                    return
-                delta = self._take_chunk(run, message.chunk)
-                if delta.token_ids or delta.text:
-                    yield delta
-                if run.detokenizer.stopped_by is not None:
-                    stream.call.cancel()  # D aborts the request and frees its blocks
-                    yield self._complete(run, "stop", run.detokenizer.stopped_by)
-                    return
-        except StatusError as error:
-            stream.call.cancel()
-            if run.aborted:
-                yield self._complete(run, "abort", None)
+        migrations_left = self.config.max_migrations
+        while True:
+            try:
+                async for output in self._stream(run, stream):
+                    yield output
                 return
-            log.error("request %s failed after %d output tokens: %s", run.request.request_id,
-                      run.num_output_tokens, error.message)
-            yield self._complete(run, "error", None, error)
+            except StatusError as error:
+                stream.call.cancel()
+                stream.hold.release()
+                if run.aborted:
+                    yield self._complete(run, FinishReason.ABORT, None)
+                    return
+                if error.code in MIGRATABLE_CODES and migrations_left > 0:
+                    try:
+                        stream = await self._migrate(run, stream.pod_address, error)
+                        migrations_left -= 1
+                        continue
+                    except StatusError as failed:
+                        error = failed
+                log.error("request %s failed after %d output tokens: %s", run.request.request_id,
+                          run.num_output_tokens, error.message)
+                yield self._complete(run, FinishReason.ERROR, None, error)
+                return
 
-    # -- step 1 and 2: placing the request and getting its first token ---------------------------------------
+    # -- step 1: admission ------------------------------------------------------------------------------------
+
+    def _admit(self, run: _RequestRun) -> None:
+        """Shed load before any work: RESOURCE_EXHAUSTED (HTTP 429) with a hint of when to retry."""
+        limit = self.config.max_pending_requests
+        if limit and self._num_pending > limit:  # this request is counted already
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self._num_pending - 1} requests are already waiting for their first token (the "
+                              f"router's max_pending_requests is {limit}); retry later",
+                              retry_after_s=self._queue_wait_estimate())
+
+    def _queue_wait_estimate(self) -> float:
+        """Seconds until the least-queued prefilling pod would start a new prompt, from its measured rate."""
+        pods = self.registry.prefill_pods() or self.registry.decode_pods()
+        waits = [_prefill_wait_s(pod) for pod in pods]
+        return min((w for w in waits if w is not None), default=1.0)
+
+    def _check_queue_time(self, run: _RequestRun, plan: RoutePlan) -> None:
+        limit = self.config.max_queue_time_s
+        pod = plan.prefill or plan.decode
+        wait = _prefill_wait_s(pod)
+        if limit and wait is not None and wait > limit:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the least loaded pod would start this prompt in about {wait:.1f} s ({pod.queued_tokens} "
+                              f"prompt tokens queued at {pod.load.prefill_tokens_per_second:.0f} tokens/s), past the "
+                              f"router's max_queue_time_s ({limit:g} s); retry later", retry_after_s=wait - limit)
+
+    # -- steps 2 and 3: placing the request and getting its first token ---------------------------------------
 
     async def _start_with_retries(self, run: _RequestRun) -> _DecodeStream:
         retries_left = self.config.max_retries
         avoid: set[str] = set()  # pods of failed attempts: the next attempt prefers others
         while True:
             plan = self._plan(run.request, avoid)
+            self._check_queue_time(run, plan)
             try:
                 return await self._start(run, plan)
             except StatusError as error:
-                if error.code not in RETRYABLE_CODES or retries_left == 0 or run.aborted:
+                if error.code not in RETRYABLE_CODES or retries_left == 0 or run.aborted or self._out_of_time(run):
                     raise
                 log.warning("request %s: %s; retrying on other pods", run.request.request_id, error.message)
+                self.metrics.count(self.metrics.retries, error.code.name)
                 retries_left -= 1
                 avoid |= {pod.address for pod in (plan.prefill, plan.decode) if pod is not None}
 
     def _plan(self, req: RouterRequest, avoid: set[str]) -> RoutePlan:
-        prefill = _prefer_others(self.registry.prefill_pods(), avoid)
+        # Prefill pods that failed this request are left out, even if none remain: then D prefills the prompt.
+        prefill = [pod for pod in self.registry.prefill_pods() if pod.address not in avoid]
         decode = _prefer_others(self.registry.decode_pods(), avoid)
         plan = self.policy.choose_pair(req, prefill, decode)
         log.debug("request %s: prefill %s, decode %s (%s)", req.request_id,
@@ -285,12 +410,26 @@ class Router:
     async def _start(self, run: _RequestRun, plan: RoutePlan) -> _DecodeStream:
         if run.aborted:
             raise StatusError(grpc.StatusCode.CANCELLED, "aborted")
+        metrics = self.metrics
+        metrics.count(metrics.routing_decisions, "prefill_on_decode" if plan.prefill is None else "disaggregated")
+        for pod in (plan.prefill, plan.decode):
+            if pod is not None:
+                metrics.count(metrics.pod_requests, pod.address, str(pod.role))
         if plan.prefill is None:
-            return await self._start_on_decode_pod(run, plan)
+            return await self._start_on_decode_pod(run, plan.decode)
         return await self._start_disaggregated(run, plan)
 
     async def _start_disaggregated(self, run: _RequestRun, plan: RoutePlan) -> _DecodeStream:
-        first = await self._prefill(run, plan)
+        num_prompt = len(run.request.prompt_token_ids)
+        decode_hold = run.hold(plan.decode, kv_tokens=num_prompt)  # the KV lands there during the prefill
+        prefill_hold = run.hold(plan.prefill, prompt_tokens=num_prompt)
+        try:
+            first = await self._prefill(run, plan)
+        except BaseException:
+            decode_hold.release()
+            raise
+        finally:
+            prefill_hold.release()
         # The KV now waits on D under a lease: claim it at once. D's stream starts after the first token.
         decode_request = self._decode_request(run.request)
         decode_request.first_token_id = first.first_token_id
@@ -300,7 +439,7 @@ class Router:
             first_chunk.logprobs.tokens.append(first.first_token_logprob)
         decode_pod = self.pod_clients.get(plan.decode.address, plan.decode.role)
         decode_call = run.track(decode_pod.decode(decode_request, self._time_left(run.request)))
-        return _DecodeStream(decode_call, plan.decode.address, [decode_pb2.DecodeResponse(chunk=first_chunk)])
+        return _DecodeStream(decode_call, plan.decode, decode_hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
 
     async def _prefill(self, run: _RequestRun, plan: RoutePlan) -> prefill_pb2.PrefillResponse:
         """P prefills the prompt and pushes its KV to D; P's report is the request's queue/prefill/transfer time."""
@@ -317,18 +456,41 @@ class Router:
                                kv_transfer=first.kv_transfer.exposed_transfer_seconds)
         return first
 
-    async def _start_on_decode_pod(self, run: _RequestRun, plan: RoutePlan) -> _DecodeStream:
+    async def _start_on_decode_pod(self, run: _RequestRun, pod: PodInfo,
+                                   resume_token_ids: list[int] = ()) -> _DecodeStream:
+        """D prefills the prompt (and, for a migrated request, the tokens already sent) and streams the rest."""
         req = run.request
-        decode_pod = self.pod_clients.get(plan.decode.address, plan.decode.role)
-        stream = _DecodeStream(run.track(decode_pod.decode(self._decode_request(req), self._time_left(req))),
-                               plan.decode.address, [])
-        # Its first message carries the first token: until it arrives, a failure may still be retried.
-        stream.prefetched.append(await self._read(run, stream))
+        hold = run.hold(pod, prompt_tokens=len(req.prompt_token_ids) + len(resume_token_ids),
+                        kv_tokens=len(req.prompt_token_ids) + len(resume_token_ids))
+        request = self._decode_request(req)
+        request.resume_token_ids.extend(resume_token_ids)
+        client = self.pod_clients.get(pod.address, pod.role)
+        stream = _DecodeStream(run.track(client.decode(request, self._time_left(req))), pod, hold, [])
+        # Its first message carries the next token: until it arrives, a failure may still be retried.
+        try:
+            stream.prefetched.append(await self._read(run, stream))
+        except BaseException:
+            hold.release()
+            raise
+        hold.prompt_done()
         return stream
 
     def _decode_request(self, req: RouterRequest) -> decode_pb2.DecodeRequest:
         return decode_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                         sampling_params=sampling_params_to_proto(req.params))
+
+    async def _migrate(self, run: _RequestRun, failed_address: str, error: StatusError) -> _DecodeStream:
+        """Continue a request whose decode pod went away on another one, from the tokens the client has."""
+        others = [pod for pod in self.registry.decode_pods() if pod.address != failed_address]
+        if not others:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{error.message}; no other decode pod to continue the "
+                              f"request on after {run.num_output_tokens} tokens")
+        pod = self.policy.choose_decode(run.request.prompt_token_ids + run.output_token_ids, others)
+        log.warning("request %s: %s after %d output tokens; migrating it to decode pod %s", run.request.request_id,
+                    error.message, run.num_output_tokens, pod.address)
+        self.metrics.migrations.inc()
+        self.metrics.count(self.metrics.pod_requests, pod.address, str(pod.role))
+        return await self._start_on_decode_pod(run, pod, list(run.output_token_ids))
 
     # -- pod calls --------------------------------------------------------------------------------------------
 
@@ -352,10 +514,15 @@ class Router:
         return message
 
     def _pod_error(self, run: _RequestRun, error: grpc.aio.AioRpcError, pod_address: str) -> StatusError:
-        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        code = error.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._out_of_time(run):
             return StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"request {run.request.request_id} passed its {self.config.request_timeout_s} s "
                                f"deadline (waiting on pod {pod_address})")
+        if code == grpc.StatusCode.CANCELLED:
+            # Not ours (ours surfaces as asyncio.CancelledError): the pod cancelled it, shutting down.
+            return StatusError(grpc.StatusCode.UNAVAILABLE,
+                               f"pod {pod_address} cancelled the request ({error.details() or 'shutting down'})")
         return from_rpc_error(error, pod_address)
 
     def _time_left(self, req: RouterRequest) -> float:
@@ -365,7 +532,28 @@ class Router:
                               f"request {req.request_id} passed its {self.config.request_timeout_s} s deadline")
         return left
 
-    # -- step 3 and 4: tokens to text, and the end ------------------------------------------------------------
+    def _out_of_time(self, run: _RequestRun) -> bool:
+        return time.monotonic() >= run.request.arrival_time + self.config.request_timeout_s
+
+    # -- steps 4 and 5: tokens to text, and the end -----------------------------------------------------------
+
+    async def _stream(self, run: _RequestRun, stream: _DecodeStream) -> AsyncIterator[OutputDelta | Completion]:
+        """D's messages as deltas, then the Completion; raises StatusError if the stream breaks."""
+        while True:
+            message = stream.prefetched.pop(0) if stream.prefetched else await self._read(run, stream)
+            if message.HasField("complete"):
+                tail = run.detokenizer.finish()  # text held back for a stop string that never came
+                if tail:
+                    yield OutputDelta([], tail)
+                yield self._complete_from_pod(run, message.complete, stream.pod_address)
+                return
+            delta = self._take_chunk(run, message.chunk)
+            if delta.token_ids or delta.text:
+                yield delta
+            if run.detokenizer.stopped_by is not None:
+                stream.call.cancel()  # D aborts the request and frees its blocks
+                yield self._complete(run, FinishReason.STOP, run.detokenizer.stopped_by)
+                return
 
     def _take_chunk(self, run: _RequestRun, chunk: decode_pb2.DecodeChunk) -> OutputDelta:
         """The chunk's tokens as text, up to and including the token that completes a stop string."""
@@ -378,22 +566,23 @@ class Router:
         logprobs = None
         if run.request.params.logprobs is not None:
             logprobs = [token_logprob_to_dict(entry) for entry in chunk.logprobs.tokens[:len(token_ids)]]
-        self._count_tokens(run, len(token_ids))
+        self._count_tokens(run, token_ids)
         return OutputDelta(token_ids, "".join(text), logprobs)
 
-    def _count_tokens(self, run: _RequestRun, count: int) -> None:
-        if count == 0:
+    def _count_tokens(self, run: _RequestRun, token_ids: list[int]) -> None:
+        if not token_ids:
             return
         now = time.monotonic()
         if run.first_token_at is None:
             run.first_token_at = now
+            self._num_pending -= 1
             self._observe_first_token(run)
         else:
             # One observation per chunk: a chunk is one decode step's output on D.
             self.metrics.inter_token_latency.observe(now - run.last_token_at)
         run.last_token_at = now
-        run.num_output_tokens += count
-        self.metrics.generation_tokens.inc(count)
+        run.output_token_ids.extend(token_ids)
+        self.metrics.generation_tokens.inc(len(token_ids))
 
     def _observe_first_token(self, run: _RequestRun) -> None:
         self.metrics.time_to_first_token.observe(run.first_token_at - run.request.arrival_time)
@@ -407,12 +596,12 @@ class Router:
         stop_reason = complete.stop_token_id if complete.HasField("stop_token_id") else None
         finish_reason = finish_reason_from_proto(complete.finish_reason)
         error = None
-        if finish_reason == "error":
+        if finish_reason is FinishReason.ERROR:
             error = StatusError(grpc.StatusCode.INTERNAL, f"pod {pod_address} ended the request with an error")
             log.error("request %s: %s", run.request.request_id, error.message)
         return self._complete(run, finish_reason, stop_reason, error)
 
-    def _complete(self, run: _RequestRun, finish_reason: str, stop_reason: int | str | None,
+    def _complete(self, run: _RequestRun, finish_reason: FinishReason, stop_reason: int | str | None,
                   error: StatusError | None = None) -> Completion:
         e2e = time.monotonic() - run.request.arrival_time
         ttft = run.first_token_at - run.request.arrival_time if run.first_token_at is not None else 0.0
@@ -428,7 +617,7 @@ class Router:
             error=error,
         )
 
-    def _observe_completion(self, run: _RequestRun, finish_reason: str, e2e: float, ttft: float) -> None:
+    def _observe_completion(self, run: _RequestRun, finish_reason: FinishReason, e2e: float, ttft: float) -> None:
         metrics = self.metrics
         metrics.finished(finish_reason)
         metrics.e2e_request_latency.observe(e2e)
@@ -436,16 +625,19 @@ class Router:
                     "kv_transfer": metrics.kv_transfer_time}
         for name, seconds in run.pod_timings.items():
             reported[name].observe(seconds)
+        tpot = (e2e - ttft) / (run.num_output_tokens - 1) if run.num_output_tokens > 1 else 0.0
         if run.num_output_tokens > 1:
-            metrics.time_per_output_token.observe((e2e - ttft) / (run.num_output_tokens - 1))
+            metrics.time_per_output_token.observe(tpot)
+        answered = finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and run.first_token_at is not None
+        if answered and ttft <= self.config.slo_ttft_s and tpot <= self.config.slo_tpot_s:
+            metrics.requests_within_slo.inc()
 
 
-def build_registry(config: RouterConfig, pod_clients: PodClientPool) -> PodRegistry:
-    if config.registry == "redis":
-        return RedisRegistry(config.redis_url, config.pod_ttl_s)
-    return StaticRegistry(config.prefill_pods, config.decode_pods, config.mixed_pods,
-                          get_load=lambda pod: pod_clients.get(pod.address, pod.role).get_load(),
-                          poll_interval_s=config.load_poll_interval_s)
+def _prefill_wait_s(pod: PodInfo) -> float | None:
+    """How long ``pod`` would take to get through the prompt tokens queued on it, at its recent prefill rate;
+    None before it has measured one."""
+    rate = pod.load.prefill_tokens_per_second
+    return pod.queued_tokens / rate if rate > 0 else None
 
 
 def _prefer_others(pods: list[PodInfo], avoid: set[str]) -> list[PodInfo]:

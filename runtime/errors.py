@@ -30,12 +30,15 @@ HTTP_STATUS_BY_CODE = {
 
 
 class StatusError(Exception):
-    """A request failed with ``code`` (a ``grpc.StatusCode``); ``message`` says why."""
+    """A request failed with ``code`` (a ``grpc.StatusCode``); ``message`` says why. ``retry_after_s``: when a
+    refused request (RESOURCE_EXHAUSTED) is worth sending again (HTTP ``Retry-After``, gRPC
+    ``grpc-retry-pushback-ms``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
     @property
     def http_status(self) -> int:

@@ -3,14 +3,16 @@
 Prefill, decode and mixed pods all start here; only their gRPC services differ:
 
     python -m prefill_service | decode_service  ->  parse_config(ServiceConfig)  ->  run_pod(config, role, build)
-      Pod(config, role)        builds the LLMEngine (loads the model) and its EngineLoop
+      Pod(config, role)        builds the LLMEngine (loads the model) and its EngineLoop, whose observer is the
+                               pod's LoadTracker (runtime/pod_status.py): a load snapshot after every step
       build(pod)               the role's services (and their cleanups, ``pod.on_stop``)
-      pod.start(services)      engine thread; grpc.aio server with the KV path's message limits, the services,
-                               health (SERVING: the engine is loaded by now) and reflection; Prometheus /metrics on
-                               metrics_port; a task refreshing the load snapshot, gauges and prefix-cache counters;
-                               with registry=redis, a RedisHeartbeat publishing the load under advertise_address
-      SIGTERM / SIGINT         pod.stop(): health NOT_SERVING, heartbeat deregistered, in-flight calls drained for
-                               shutdown_grace_s, cleanups run, engine thread stopped
+      pod.start(services)      engine thread; gRPC server (runtime/transport.py) with the services, PodStatus (the
+                               load, pushed as it changes), health (SERVING: the engine is loaded by now) and
+                               reflection; Prometheus /metrics on metrics_port; with registry=redis, a RedisHeartbeat
+                               publishing the load and the prefix cache's block hashes under advertise_address
+      SIGTERM / SIGINT         pod.stop(), the drain: load reports say draining and health NOT_SERVING (the router
+                               stops sending new requests at once), the heartbeat deregisters (best effort: Redis may
+                               be gone), running calls get shutdown_grace_s to finish, cleanups run, engine stops
 
 ``PodConfig`` holds the fields every pod shares; each service's config dataclass extends it.
 """
@@ -38,6 +40,7 @@ from runtime import transport
 from runtime.config import described, member
 from runtime.logs import configure_logging
 from runtime.metrics import PodMetrics
+from runtime.pod_status import LoadTracker, PodStatusServicer
 from runtime.registry import RedisHeartbeat, RegistryKind
 from runtime.roles import Role
 
@@ -86,7 +89,7 @@ class PodConfig:
     redis_url: str = field(default="redis://localhost:6379/0", metadata=described("Redis registry: server URL."))
     heartbeat_ttl_s: float = field(default=10.0, metadata=described("Redis registry: expiry of this pod's key."))
     load_refresh_interval_s: float = field(default=1.0, metadata=described(
-        "Seconds between refreshes of the load snapshot, the gauges and the heartbeat's load."))
+        "Redis registry: seconds between refreshes of the prefix-cache block hashes the heartbeat publishes."))
     shutdown_grace_s: float = field(default=10.0, metadata=described("On SIGTERM, time in-flight calls get to finish."))
 
     def __post_init__(self) -> None:
@@ -126,23 +129,27 @@ class Pod:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.engine = LLMEngine(config.engine_config())
-        self.engine_loop = EngineLoop(self.engine)
         self.metrics = PodMetrics(self.role, self.engine.model_config.name)
-        self.load = common_pb2.PodLoad()  # the last snapshot, refreshed every load_refresh_interval_s
-        self.cached_block_hashes: list[int] = []  # of the same snapshot, oldest first
+        self.load_tracker = LoadTracker(self.metrics)
+        self.engine_loop = EngineLoop(self.engine, observer=self.load_tracker.observe)
+        self.cached_block_hashes: list[int] = []  # the prefix cache's, oldest first (Redis heartbeat)
         self.port = 0  # bound gRPC port, once started
         self.metrics_port = 0
         self._cleanups: list[Callable[[], Awaitable[None]]] = []
-        self._prefix_counts_seen = (0, 0)
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._metrics_http = None
         self._refresher: asyncio.Task | None = None
-        self._heartbeat = None
+        self._heartbeat: RedisHeartbeat | None = None
 
     @property
     def address(self) -> str:
         return self.config.advertise_address or f"{socket.gethostname()}:{self.port}"
+
+    @property
+    def load(self) -> common_pb2.PodLoad:
+        """The latest load snapshot (after the engine's last step or admission)."""
+        return self.load_tracker.load
 
     def on_stop(self, cleanup: Callable[[], Awaitable[None]]) -> None:
         """Run ``cleanup`` at shutdown, after the server stopped taking calls (last registered, first run)."""
@@ -156,7 +163,10 @@ class Pod:
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
     async def start(self, services: list[PodService]) -> None:
+        self.load_tracker.attach(asyncio.get_running_loop())
+        self.load_tracker.observe(self.engine, None)  # the first snapshot, before the engine thread runs
         self.engine_loop.start()
+        services = [*services, PodStatusServicer(self.load_tracker)]
         self._server = transport.new_server()
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -170,71 +180,61 @@ class Pod:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         http_server, _ = start_http_server(self.config.metrics_port, self.config.host, self.metrics.registry)
         self._metrics_http, self.metrics_port = http_server, http_server.server_port
-        await self.refresh_load()
-        self._refresher = asyncio.create_task(self._refresh_forever(), name="pod-load-refresh")
         if self.config.registry is RegistryKind.REDIS:
-            await self._start_heartbeat()
+            await self.refresh_block_hashes()
+            self._refresher = asyncio.create_task(self._refresh_forever(), name="pod-block-hashes")
+            self._heartbeat = RedisHeartbeat(self.config.redis_url, self.role, self.address,
+                                             self.config.heartbeat_ttl_s, self._published_load)
+            await self._heartbeat.start()
         logger.info("%s pod serving %s on %s:%d (metrics on :%d)", self.role, ", ".join(names), self.config.host,
                     self.port, self.metrics_port)
 
     async def stop(self) -> None:
+        """The drain: no new requests from here; running ones get ``shutdown_grace_s`` to finish."""
+        self.load_tracker.start_draining()
         await self._health.enter_graceful_shutdown()
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
         if self._heartbeat is not None:
-            await self._heartbeat.stop()
+            await self._deregister()
         await self._server.stop(self.config.shutdown_grace_s)
         for cleanup in reversed(self._cleanups):
             await cleanup()
-        self._refresher.cancel()
-        await asyncio.gather(self._refresher, return_exceptions=True)
         await asyncio.to_thread(self.engine_loop.stop)
         self._metrics_http.shutdown()
         self._metrics_http.server_close()
         logger.info("%s pod stopped", self.role)
 
-    async def _start_heartbeat(self) -> None:
-        self._heartbeat = RedisHeartbeat(self.config.redis_url, self.role, self.address, self.config.heartbeat_ttl_s,
-                                         self._published_load)
-        await self._heartbeat.start()
+    async def _deregister(self) -> None:
+        """Best effort: with Redis gone the key expires on its own, and the drain must not wait for it."""
+        try:
+            await asyncio.wait_for(self._heartbeat.stop(), timeout=2.0)
+        except Exception as exc:  # noqa: BLE001 - Redis down, slow, or refusing: nothing to do but say so
+            logger.warning("could not deregister from Redis (%r); the key expires within %.0f s", exc,
+                           self.config.heartbeat_ttl_s)
 
     def _published_load(self) -> dict:
         """What the heartbeat publishes: the PodLoad fields and the prefix cache's block hashes."""
-        fields = {f.name: getattr(self.load, f.name) for f in self.load.DESCRIPTOR.fields}
+        load = self.load
+        fields = {f.name: getattr(load, f.name) for f in load.DESCRIPTOR.fields if f.name in _HEARTBEAT_LOAD_FIELDS}
         return {**fields, "block_hashes": self.cached_block_hashes}
 
-    # ---- load and gauges -------------------------------------------------------------------------------------
-
-    async def refresh_load(self) -> common_pb2.PodLoad:
-        """A fresh PodLoad, read on the engine thread between steps; also updates the gauges and counters."""
-        load, self.cached_block_hashes, prefix_queries, prefix_hits = await self.engine_loop.run(_engine_snapshot)
-        self.load = load
-        self.metrics.num_requests_running.set(load.num_running)
-        self.metrics.num_requests_waiting.set(load.num_waiting)
-        self.metrics.kv_cache_usage.set(1.0 - load.free_kv_blocks / load.total_kv_blocks)
-        # The block manager counts since start; Prometheus counters take increments.
-        seen_queries, seen_hits = self._prefix_counts_seen
-        self.metrics.prefix_cache_queries.inc(max(0, prefix_queries - seen_queries))
-        self.metrics.prefix_cache_hits.inc(max(0, prefix_hits - seen_hits))
-        self._prefix_counts_seen = (max(seen_queries, prefix_queries), max(seen_hits, prefix_hits))
-        return load
+    async def refresh_block_hashes(self) -> None:
+        self.cached_block_hashes = await self.engine_loop.run(lambda engine: engine.cached_block_hashes())
 
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.load_refresh_interval_s)
             try:
-                await self.refresh_load()
-            except Exception:  # a missed refresh leaves stale gauges, not a dead pod
-                logger.exception("refreshing the pod's load failed")
+                await self.refresh_block_hashes()
+            except Exception:  # a missed refresh leaves the published hashes stale, not the pod dead
+                logger.exception("refreshing the prefix cache's block hashes failed")
 
 
-def _engine_snapshot(engine: LLMEngine) -> tuple[common_pb2.PodLoad, list[int], int, int]:
-    """Engine thread: the PodLoad, the prefix cache's block hashes and its (queried, hit) token counts."""
-    scheduler, blocks = engine.scheduler, engine.block_manager
-    queued = sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-                 for seq in (*scheduler.waiting, *scheduler.running))
-    load = common_pb2.PodLoad(num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
-                              free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks,
-                              block_size=blocks.block_size, queued_prefill_tokens=queued)
-    return load, engine.cached_block_hashes(), blocks.prefix_queries, blocks.prefix_hits
+# The load fields a Redis record carries (the registry reads them until the pod's own load stream answers).
+_HEARTBEAT_LOAD_FIELDS = ("num_waiting", "num_running", "free_kv_blocks", "total_kv_blocks", "block_size",
+                          "queued_prefill_tokens")
 
 
 # ---- process entry ----------------------------------------------------------------------------------------------

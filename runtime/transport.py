@@ -20,8 +20,17 @@ MESSAGE_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 # gRPC backs reconnects off exponentially (1 s, 1.6 s, 2.6 s, ...), so a pod that took a while to load its model,
 # or restarted, would stay unreachable for seconds after it serves. Pods are near: try again at least every second.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
-SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
-CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, *RECONNECT_OPTIONS]
+# A peer that stops answering (a frozen process, a dead host, a cut link) fails the calls on its connection within
+# about KEEPALIVE_S + KEEPALIVE_TIMEOUT_S. Pings are answered by gRPC's own threads, so a busy process answers them.
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 10, 5
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+                     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+                     ("grpc.keepalive_permit_without_calls", 1)]
+SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0),
+                  # Accept the clients' keepalive pings (gRPC's default tolerates one every 5 minutes).
+                  ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
+                  ("grpc.keepalive_permit_without_calls", 1)]
+CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, *RECONNECT_OPTIONS, *KEEPALIVE_OPTIONS]
 
 
 def new_server() -> grpc.aio.Server:

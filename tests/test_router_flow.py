@@ -1,4 +1,5 @@
-"""The Router against fake pods: real grpc.aio servers on loopback that implement Prefill, Decode and GetLoad.
+"""The Router against fake pods: real grpc.aio servers on loopback that implement Prefill, Decode, health and
+PodStatus (load pushed as it changes).
 
 A fake pod "generates" SCRIPT, token by token: a prefill pod returns SCRIPT[0] as the first token and records
 the KV push in the shared FakeCluster; a decode pod streams the rest (or, with no first token, all of it). The
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.models import tiny_random_tokenizer_data
@@ -30,6 +31,7 @@ from protos.splitserve.v1 import (
     decode_pb2_grpc,
     generate_pb2,
     generate_pb2_grpc,
+    pod_status_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
 )
@@ -53,13 +55,15 @@ class FakeCluster:
     pushed: dict = field(default_factory=dict)  # (decode address, request id) -> prompt token ids
 
 
-class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
+class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
+              pod_status_pb2_grpc.PodStatusServicer):
     def __init__(self, cluster: FakeCluster, role: str, queued_prefill_tokens: int = 0, free_kv_blocks: int = 1000,
                  port: int = 0):
         self.cluster, self.role = cluster, role
         self.load = common_pb2.PodLoad(free_kv_blocks=free_kv_blocks, total_kv_blocks=1000, block_size=16,
-                                       queued_prefill_tokens=queued_prefill_tokens)
+                                       queued_prefill_tokens=queued_prefill_tokens, version=1)
         self.calls: list[tuple] = []
+        self.resumed: dict[str, list[int]] = {}  # request id -> resume_token_ids of a migrated Decode
         self.cancelled: set[str] = set()
         self.fail_with: grpc.StatusCode | None = None  # every Prefill / Decode call fails with this
         self.fail_after_tokens: int | None = None  # Decode: UNAVAILABLE after streaming this many tokens
@@ -69,11 +73,32 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
             prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server)
         else:
             decode_pb2_grpc.add_DecodeServicer_to_server(self, self.server)
+        pod_status_pb2_grpc.add_PodStatusServicer_to_server(self, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"127.0.0.1:{self.server.add_insecure_port(f'127.0.0.1:{port}')}"
         cluster.pods[self.address] = self
 
+    async def start(self) -> None:
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def report(self, **fields) -> None:
+        """A new load snapshot, pushed to the router's WatchLoad stream."""
+        for name, value in fields.items():
+            setattr(self.load, name, value)
+        self.load.version += 1
+
     async def GetLoad(self, request, context):
         return self.load
+
+    async def WatchLoad(self, request, context):
+        while True:
+            sent = common_pb2.PodLoad()
+            sent.CopyFrom(self.load)
+            yield sent
+            while self.load.version == sent.version:
+                await asyncio.sleep(0.01)
 
     async def Abort(self, request, context):
         self.calls.append(("Abort", request.request_id))
@@ -102,9 +127,14 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "no KV pushed for this request")
         params = request.sampling_params
         output = SCRIPT[: params.max_tokens]
+        resumed = list(request.resume_token_ids)
+        if resumed:
+            self.resumed[request.request_id] = resumed
+            if resumed != SCRIPT[:len(resumed)]:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resumed tokens are not the script's")
         finished = False
         try:
-            for index, token_id in enumerate(output[1:] if has_first else output):
+            for index, token_id in enumerate(output[1:] if has_first else output[len(resumed):]):
                 if self.fail_after_tokens is not None and index == self.fail_after_tokens:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode pod lost its accelerator")
                 await asyncio.sleep(self.token_delay_s)
@@ -144,13 +174,13 @@ async def running_cluster(num_prefill=1, num_decode=1, num_mixed=0, extra_decode
     pods = {role: [FakePod(cluster, role) for _ in range(n)]
             for role, n in (("prefill", num_prefill), ("decode", num_decode), ("mixed", num_mixed))}
     for pod in cluster.pods.values():
-        await pod.server.start()
+        await pod.start()
     router_config = RouterConfig(
         model=MODEL, max_model_len=2048, grpc_port=0, http_port=0,
         prefill_pods=[p.address for p in pods["prefill"]],
         decode_pods=[p.address for p in pods["decode"]] + list(extra_decode_addresses),
         mixed_pods=[p.address for p in pods["mixed"]],
-        conditional_prefill_threshold=8, load_poll_interval_s=0.2, kv_codec="int8", **config)
+        conditional_prefill_threshold=8, kv_codec="int8", **config)
     router = Router(router_config)  # loads the tiny-random tokenizer by name
     await router.start()
     try:
@@ -173,8 +203,12 @@ def joined(deltas):
     return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
 
 
+def router_view(router: Router, pod: FakePod):
+    return router.registry.pods[pod.address]
+
+
 async def eventually(condition, timeout_s=3.0):
-    """Server-side cancellation reaches the fake pod's handler asynchronously."""
+    """Server-side cancellation, load reports and health changes reach the other side asynchronously."""
     for _ in range(int(timeout_s / 0.01)):
         if condition():
             return
@@ -269,8 +303,8 @@ def test_retry_on_another_prefill_pod_when_the_first_is_unavailable():
         async with running_cluster(num_prefill=2) as env:
             broken, healthy = env.prefill
             broken.fail_with = grpc.StatusCode.UNAVAILABLE
-            healthy.load.queued_prefill_tokens = 500  # least_loaded tries the broken pod first
-            await env.router.registry.poll_all()
+            healthy.report(queued_prefill_tokens=500)  # least_loaded tries the broken pod first
+            await eventually(lambda: router_view(env.router, healthy).load.queued_prefill_tokens == 500)
             req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=4)
             assert [c[0] for c in broken.calls] == ["Prefill"]
             assert [c[0] for c in healthy.calls] == ["Prefill"]
@@ -307,19 +341,37 @@ def test_no_serving_pod_is_unavailable():
     run(scenario())
 
 
-def test_a_pod_that_stops_answering_get_load_is_skipped():
+def test_a_pod_that_dies_is_skipped_at_once_and_its_last_load_is_shown():
     async def scenario():
         async with running_cluster(num_prefill=0, num_decode=2) as env:
             gone, alive = sorted(env.decode, key=lambda pod: pod.address)
-            await gone.server.stop(None)
-            await env.router.registry.poll_all()
-            assert [pod.address for pod in env.router.registry.decode_pods()] == [alive.address]
+            await gone.server.stop(None)  # its health stream breaks: no poll, no timeout to wait for
+            await eventually(lambda: [pod.address for pod in env.router.registry.decode_pods()] == [alive.address],
+                             timeout_s=2.0)
             assert [(pod["address"], pod["role"], pod["healthy"]) for pod in env.router.pods()] == [
                 (gone.address, "decode", False), (alive.address, "decode", True)]
             alive_view = env.router.pods()[1]
             assert alive_view["load"]["free_kv_blocks"] == 1000 and 0 <= alive_view["seconds_since_report"] < 5
             await generate_all(env.router, SHORT_PROMPT, max_tokens=2)
             assert (len(gone.calls), len(alive.calls)) == (0, 1)
+    run(scenario())
+
+
+def test_a_draining_pod_gets_no_new_requests_and_a_quiet_one_stays_routable():
+    async def scenario():
+        async with running_cluster(num_prefill=0, num_decode=2) as env:
+            draining, other = sorted(env.decode, key=lambda pod: pod.address)
+            draining.report(draining=True)
+            await eventually(lambda: [pod.address for pod in env.router.registry.decode_pods()] == [other.address])
+            await generate_all(env.router, SHORT_PROMPT, max_tokens=2)
+            assert (len(draining.calls), len(other.calls)) == (0, 1)
+            await draining.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # the pod's own drain says so
+            draining.report(draining=False)
+            await asyncio.sleep(0.3)
+            assert not router_view(env.router, draining).healthy  # its health still says NOT_SERVING
+            # No load report for a long while (a pod deep in a long step) is no reason to skip a pod.
+            await asyncio.sleep(2.5)
+            assert router_view(env.router, other).healthy
     run(scenario())
 
 
@@ -331,10 +383,10 @@ def test_a_pod_that_comes_up_late_is_routed_to_about_a_second_after_it_serves():
 
     async def scenario():
         async with running_cluster(num_prefill=0, num_decode=1, extra_decode_addresses=[late_address]) as env:
-            await asyncio.sleep(12)  # polled every 0.2 s: the channel has failed to connect over and over
+            await asyncio.sleep(12)  # watched all along: the channel has failed to connect over and over
             assert late_address not in [pod.address for pod in env.router.registry.decode_pods()]
             late = FakePod(FakeCluster(), "decode", port=int(late_address.rsplit(":", 1)[1]))
-            await late.server.start()
+            await late.start()
             started = time.monotonic()
             try:
                 await eventually(lambda: late_address in [pod.address for pod in env.router.registry.decode_pods()],
@@ -348,7 +400,7 @@ def test_a_pod_that_comes_up_late_is_routed_to_about_a_second_after_it_serves():
 
 def test_resource_exhausted_tries_another_pod_then_reaches_the_client():
     async def scenario():
-        async with running_cluster(num_prefill=0, num_decode=2) as env:
+        async with running_cluster(num_prefill=0, num_decode=2, max_retries=1) as env:
             full, roomy = sorted(env.decode, key=lambda pod: pod.address)  # least_loaded ties go by address
             full.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
             _, deltas, done = await generate_all(env.router, SHORT_PROMPT, max_tokens=3)
@@ -363,18 +415,44 @@ def test_resource_exhausted_tries_another_pod_then_reaches_the_client():
     run(scenario())
 
 
-def test_failure_after_output_started_ends_with_an_error_completion_without_retry():
+def test_a_decode_pod_failing_mid_stream_hands_the_request_to_another_which_resumes_it():
     async def scenario():
         async with running_cluster(num_decode=2) as env:
-            first_d = min(env.decode, key=lambda pod: pod.address)
+            first_d, second_d = sorted(env.decode, key=lambda pod: pod.address)
             first_d.fail_after_tokens = 3
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            assert joined(deltas) == (SCRIPT[:10], "The fox ju")  # every token once, none lost
+            assert (done.finish_reason, done.completion_tokens) == ("length", 10)
+            # P's token and D1's three went out; D2 prefilled the prompt and those four, then went on.
+            assert [c[0] for c in first_d.calls] == [c[0] for c in second_d.calls] == ["Decode"]
+            assert second_d.resumed[req.request_id] == SCRIPT[:4]
+            assert sample(env.router, "splitserve_router_migrations_total") == 1
+            assert sample(env.router, "splitserve_request_success_total", finished_reason="length") == 1
+    run(scenario())
+
+
+def test_failure_after_output_started_with_nowhere_to_migrate_ends_with_an_error_completion():
+    async def scenario():
+        async with running_cluster(num_decode=1) as env:
+            env.decode[0].fail_after_tokens = 3
             _, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
             assert joined(deltas) == (SCRIPT[:4], "The ")  # P's token and D's first three
             assert (done.finish_reason, done.completion_tokens) == ("error", 4)
             assert done.error.code == grpc.StatusCode.UNAVAILABLE
             assert "fake decode pod lost its accelerator" in done.error.message
-            assert sum(len(pod.calls) for pod in env.decode) == 1  # no retry
+            assert "no other decode pod" in done.error.message
             assert sample(env.router, "splitserve_request_success_total", finished_reason="error") == 1
+    run(scenario())
+
+
+def test_migration_can_be_turned_off():
+    async def scenario():
+        async with running_cluster(num_decode=2, max_migrations=0) as env:
+            for pod in env.decode:
+                pod.fail_after_tokens = 3
+            _, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            assert (done.finish_reason, joined(deltas)[0]) == ("error", SCRIPT[:4])
+            assert sum(len(pod.calls) for pod in env.decode) == 1
     run(scenario())
 
 

@@ -1,6 +1,5 @@
 """Routing policies and conditional disaggregation, on hand-made PodInfo lists (no servers)."""
 
-import asyncio
 import random
 
 import grpc
@@ -8,9 +7,8 @@ import pytest
 
 from engine.block_manager import chained_block_hashes
 from engine.sampling_params import SamplingParams
-from protos.splitserve.v1 import common_pb2
 from router.policies import PromptBlocks, has_room, make_policy, prefill_locally
-from router.registry import MAX_LATE_POLLS, PodInfo, PodLoad, StaticRegistry
+from router.registry import PodInfo, PodLoad
 from router.router import RouterRequest
 from runtime.errors import StatusError
 
@@ -20,7 +18,7 @@ BLOCK = 4
 def pod(address, role="decode", free=100, running=0, waiting=0, queued=0, hashes=(), block_size=BLOCK):
     load = PodLoad(num_waiting=waiting, num_running=running, free_kv_blocks=free, total_kv_blocks=100,
                    queued_prefill_tokens=queued, block_size=block_size)
-    return PodInfo(address, role, load, set(hashes))
+    return PodInfo(address, role, load, set(hashes), serving=True)
 
 
 def request(num_tokens=64, tokens=None):
@@ -32,12 +30,45 @@ def policy(name, threshold=32, cached_fraction=0.8, seed=None):
     return make_policy(name, threshold, cached_fraction, seed=seed)
 
 
-def test_least_loaded_picks_most_free_blocks_then_fewest_running_and_least_queued_prefill():
-    decode = [pod("d1", free=10), pod("d2", free=50, running=3), pod("d3", free=50, running=1)]
+def test_least_loaded_picks_the_fewest_requests_then_most_free_blocks_and_least_queued_prefill():
+    decode = [pod("d1", free=10), pod("d2", free=50, running=3), pod("d3", free=50, running=1),
+              pod("d4", free=90, running=1, waiting=1)]
     prefill = [pod("p1", "prefill", queued=100), pod("p2", "prefill", queued=20, waiting=2),
                pod("p3", "prefill", queued=20, waiting=1)]
     plan = policy("least_loaded").choose_pair(request(64), prefill, decode)
+    # d1 has no room for 65 tokens (17 blocks of 4); of the rest d3 runs the fewest requests.
     assert (plan.prefill.address, plan.decode.address, plan.reason) == ("p3", "d3", "disaggregated")
+    decode[2].load.num_running = 2  # now d3 and d4 both hold two requests: the one with more free blocks wins
+    assert policy("least_loaded").choose_pair(request(64), prefill, decode).decode.address == "d4"
+
+
+def test_the_routers_own_requests_count_before_the_pods_next_report():
+    """A burst between two load reports must spread: the router counts what it sent since the last report."""
+    a, b = pod("a", free=40), pod("b", free=40)
+    least = policy("least_loaded")
+    chosen = []
+    for _ in range(4):
+        target = least.choose_decode(request(30).prompt_token_ids, [a, b])
+        target.active_requests += 1
+        target.blocks_since_report += 8  # 30 tokens + 1 in blocks of 4
+        chosen.append(target.address)
+    assert chosen == ["a", "b", "a", "b"]
+    assert (a.busy, a.free_kv_blocks) == (2, 24)
+    a.take_report(PodLoad(num_running=5, free_kv_blocks=30, total_kv_blocks=100, block_size=BLOCK))
+    assert (a.busy, a.free_kv_blocks, a.blocks_since_report) == (5, 30, 0)  # the report now includes them
+    # Prefill queues by the same rule: the larger of the report and the router's own count.
+    p = pod("p", "prefill", queued=10)
+    p.queued_prompt_tokens = 300
+    assert p.queued_tokens == 300
+
+
+def test_a_pod_is_routable_while_serving_and_not_draining():
+    d = pod("d")
+    assert d.healthy
+    d.load.draining = True
+    assert not d.healthy
+    d.load.draining, d.serving = False, False
+    assert not d.healthy
 
 
 def test_round_robin_takes_turns_in_address_order_per_phase():
@@ -154,36 +185,3 @@ def test_no_decode_pod_is_unavailable():
 def test_unknown_policy_name_is_an_error():
     with pytest.raises(ValueError, match="policy must be one of round_robin, least_loaded, power_of_two, prefix_aware"):
         make_policy("random")
-
-
-# ---- static registry: which pods a failed GetLoad poll takes out of rotation ---------------------------------------
-
-def test_static_registry_skips_a_pod_at_once_when_refused_and_after_several_late_polls_when_slow():
-    deadline = grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata())
-    refused = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
-    late = asyncio.TimeoutError()
-    # Per poll: a number is an answer (that many running requests), an exception is a failed poll.
-    answers = {
-        "p:1": [1, late, deadline, 2, *[late] * MAX_LATE_POLLS, 3],  # busy: answers late now and then
-        "d:1": [1, refused, 4, 4, 4, 4, 4, 4],  # refused once (restarting), then back
-    }
-
-    async def get_load(pod: PodInfo):
-        answer = answers[pod.address].pop(0)
-        if isinstance(answer, BaseException):
-            raise answer
-        return common_pb2.PodLoad(num_running=answer)
-
-    registry = StaticRegistry(["p:1"], ["d:1"], [], get_load)
-    busy, restarting = registry.pods["p:1"], registry.pods["d:1"]
-    assert not busy.healthy and not restarting.healthy  # unknown until a first answer
-    seen = []
-    for _ in range(8):
-        asyncio.run(registry.poll_all())
-        seen.append((busy.healthy, restarting.healthy))
-    # The busy pod stays in rotation through late polls and an answer resets the count; MAX_LATE_POLLS (3) late
-    # polls in a row take it out until it answers again. The refusing pod is out after one refusal.
-    assert MAX_LATE_POLLS == 3
-    assert [b for b, _ in seen] == [True, True, True, True, True, True, False, True]
-    assert [r for _, r in seen] == [True, False, True, True, True, True, True, True]
-    assert (busy.load.num_running, busy.late_polls, restarting.load.num_running) == (3, 0, 4)

@@ -46,11 +46,6 @@ class PrefillStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
-        self.GetLoad = channel.unary_unary(
-                '/splitserve.v1.Prefill/GetLoad',
-                request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
-                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
-                _registered_method=True)
 
 
 class PrefillServicer:
@@ -78,13 +73,6 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetLoad(self, request, context):
-        """This pod's queue and KV cache occupancy, polled by the router to place requests.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,11 +85,6 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
-            ),
-            'GetLoad': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetLoad,
-                    request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadRequest.FromString,
-                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.PodLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -159,33 +142,6 @@ class Prefill:
             '/splitserve.v1.Prefill/Abort',
             protos_dot_splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetLoad(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/splitserve.v1.Prefill/GetLoad',
-            protos_dot_splitserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
-            protos_dot_splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,88 @@
+"""Recomputing a request's KV gives the same continuation as keeping it, on the real engine.
+
+Two paths recompute: preemption (the scheduler frees a running request's blocks and prefills it again later) and
+migration (a decode pod that went away; another one is handed the prompt and the tokens already sent as
+``resume_token_ids``). Either way greedy and seeded requests must continue exactly as an undisturbed run, with
+penalties and ``max_tokens`` counting the earlier tokens as output.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [list(range(5, 5 + n)) for n in (7, 23, 40)]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=12, presence_penalty=0.8, frequency_penalty=0.4, max_tokens=24,
+                   ignore_eos=True),
+]
+
+
+def run_to_end(llm: LLM, request_id: str, prompt: list[int], params: SamplingParams, resume=()) -> list[int]:
+    engine = llm.engine
+    seq = engine.add_request(request_id, prompt, params, resume_token_ids=list(resume))
+    while not seq.is_finished:
+        engine.step()
+    return seq.output_token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM(model="tiny-random", num_blocks=256)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded", "seeded-penalties"])
+@pytest.mark.parametrize("split", [1, 9, 23])
+def test_a_resumed_request_continues_exactly_as_an_undisturbed_one(tiny, params, split):
+    for index, prompt in enumerate(PROMPTS):
+        whole = run_to_end(tiny, f"whole-{index}", prompt, params)
+        resumed = run_to_end(tiny, f"resumed-{index}-{split}", prompt, params, resume=whole[:split])
+        assert resumed == whole  # the earlier tokens, then the same continuation
+    assert tiny.engine.block_manager.num_free_blocks == 256
+
+
+def test_a_resumed_request_that_already_reached_max_tokens_finishes_at_once(tiny):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    whole = run_to_end(tiny, "five", PROMPTS[0], params)
+    seq = tiny.engine.add_request("five-again", PROMPTS[0], params, resume_token_ids=whole)
+    assert seq.is_finished and seq.finish_reason == "length" and seq.output_token_ids == whole
+    assert not tiny.engine.has_unfinished_requests()
+
+
+def test_resume_token_ids_are_validated(tiny):
+    with pytest.raises(ValueError, match=r"resume_token_ids token ids must be integers in \[0, 259\)"):
+        tiny.engine.add_request("bad", PROMPTS[0], SamplingParams(), resume_token_ids=[3, 10**6])
+
+
+def test_preemption_by_recompute_gives_the_same_tokens_as_a_roomy_pool():
+    """Eight requests that outgrow a 20-block pool: the scheduler preempts and recomputes some of them."""
+    prompts = [list(range(3 + i, 40 + i)) for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(8)]
+    tight = LLM(model="tiny-random", num_blocks=20, block_size=16)
+    roomy = LLM(model="tiny-random", num_blocks=512, block_size=16)
+    preempted = []
+    step = tight.engine.step
+
+    def counting_step():
+        updated = step()
+        preempted.append(tight.engine.last_step.num_preempted if tight.engine.last_step else 0)
+        return updated
+
+    tight.engine.step = counting_step
+    squeezed = tight.generate(prompts, params)
+    assert sum(preempted) > 0, "the pool was not tight enough to preempt"
+    assert [out.token_ids for out in squeezed] == [out.token_ids for out in roomy.generate(prompts, params)]
+    assert tight.engine.block_manager.num_free_blocks == 20
+
+
+@pytest.mark.model
+def test_smollm2_greedy_continues_identically_after_a_resume(smollm2):
+    prompt = smollm2.tokenizer.encode("The three most important ideas in computer science are")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    whole = run_to_end(smollm2, "smol-whole", prompt, params)
+    for split in (1, 8, 20):
+        assert run_to_end(smollm2, f"smol-resumed-{split}", prompt, params, resume=whole[:split]) == whole
