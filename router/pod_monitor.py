@@ -28,7 +28,8 @@ RECONNECT_S = 0.5  # pause before watching again after a stream broke (the chann
 class PodMonitor:
     def __init__(self, pod: PodInfo, client: PodClient, on_change: Callable[[PodInfo], None]):
         self.pod = pod
-        self.first_report = asyncio.Event()  # the first health answer, or the first failure to get one
+        self.first_report = asyncio.Event()  # the first health and load answers (or failures to get them)
+        self._first_health, self._first_load = False, False
         self._client = client
         self._on_change = on_change
         self._tasks: list[asyncio.Task] = []
@@ -64,7 +65,12 @@ class PodMonitor:
                 log.warning("pod %s (%s) is not serving (%s): not routing to it", pod.address, pod.role, why)
             pod.serving = serving
             self._on_change(pod)
-        self.first_report.set()
+        self._first_health = True
+        self._note_first_report()
+
+    def _note_first_report(self) -> None:
+        if self._first_health and self._first_load:
+            self.first_report.set()
 
     async def _watch_load(self) -> None:
         while True:
@@ -72,6 +78,10 @@ class PodMonitor:
                 async for load in self._client.watch_load():
                     self.pod.take_report(PodLoad.from_proto(load))
                     self._on_change(self.pod)
+                    self._first_load = True
+                    self._note_first_report()
             except grpc.aio.AioRpcError:
                 pass  # the health stream tells whether the pod is gone; here, just try again
+            self._first_load = True
+            self._note_first_report()
             await asyncio.sleep(RECONNECT_S)

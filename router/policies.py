@@ -88,7 +88,10 @@ def blocks_for(num_tokens: int, pod: PodInfo) -> int:
 
 
 def has_room(pod: PodInfo, num_prompt_tokens: int) -> bool:
-    """Room for the prompt's KV and the first output token."""
+    """Room for the prompt's KV and the first output token. A pod that has not reported its pool yet may have
+    room: it says RESOURCE_EXHAUSTED itself if not."""
+    if not pod.load.total_kv_blocks:
+        return True
     return pod.free_kv_blocks >= blocks_for(num_prompt_tokens + 1, pod)
 
 

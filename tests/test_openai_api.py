@@ -471,6 +471,16 @@ def test_router_error_before_the_first_token_is_an_http_status(http, fake, code,
     assert error_of(response) == {"message": message, "type": error_type, "param": None, "code": code.name.lower()}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_shed_load_answers_429_with_retry_after_in_whole_seconds(http, fake, stream):
+    fake.error_before_first = StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queues too long; retry later",
+                                          retry_after_s=2.2)
+    response = http.post("/v1/completions", json={"prompt": "Hi", "stream": stream})
+    assert (response.status_code, response.headers["retry-after"]) == (429, "3")
+    fake.error_before_first = StatusError(grpc.StatusCode.UNAVAILABLE, "no decode pod is known")
+    assert "retry-after" not in http.post("/v1/completions", json={"prompt": "Hi"}).headers
+
+
 def test_full_router_is_a_rate_limit_error_in_the_openai_client(client, fake):
     fake.error_before_first = StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, "every decode pod is full")
     with pytest.raises(openai.RateLimitError, match="every decode pod is full"):

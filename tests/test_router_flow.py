@@ -68,6 +68,7 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
         self.fail_with: grpc.StatusCode | None = None  # every Prefill / Decode call fails with this
         self.fail_after_tokens: int | None = None  # Decode: UNAVAILABLE after streaming this many tokens
         self.token_delay_s = 0.001
+        self.first_token_delay_s = 0.0  # Prefill, or a Decode that prefills: time before the first token
         self.server = grpc.aio.server()
         if role == "prefill":
             prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server)
@@ -106,6 +107,7 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
 
     async def Prefill(self, request, context):
         self.calls.append(("Prefill", request.request_id, request.decode_address, request.kv_codec))
+        await asyncio.sleep(self.first_token_delay_s)
         if self.fail_with is not None:
             await context.abort(self.fail_with, f"fake prefill pod says {self.fail_with.name}")
         if request.decode_address not in self.cluster.pods:
@@ -125,6 +127,8 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
             await context.abort(self.fail_with, f"fake decode pod says {self.fail_with.name}")
         if has_first and (self.address, request.request_id) not in self.cluster.pushed:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no KV pushed for this request")
+        if not has_first:
+            await asyncio.sleep(self.first_token_delay_s)
         params = request.sampling_params
         output = SCRIPT[: params.max_tokens]
         resumed = list(request.resume_token_ids)
@@ -663,3 +667,99 @@ def test_router_process_serves_both_apis_and_stops_gracefully_on_sigterm():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# ---- admission: shedding load before any work -------------------------------------------------------------------
+
+def test_requests_beyond_max_pending_get_resource_exhausted_with_a_retry_hint():
+    async def scenario():
+        async with running_cluster(num_prefill=0, num_decode=1, max_pending_requests=3) as env:
+            env.decode[0].first_token_delay_s = 1.0
+            requests = [env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2)) for _ in range(4)]
+            waiting = [asyncio.ensure_future(collect(env.router, req)) for req in requests[:3]]
+            await eventually(lambda: len(env.decode[0].calls) == 3)
+            with pytest.raises(StatusError) as caught:
+                await collect(env.router, requests[3])
+            assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
+            assert "3 requests are already waiting for their first token" in caught.value.message
+            assert caught.value.retry_after_s is not None and caught.value.retry_after_s > 0
+            assert len(env.decode[0].calls) == 3  # the refused request never reached a pod
+            assert [done.finish_reason for *_, done in await asyncio.gather(*waiting)] == ["length"] * 3
+            assert sample(env.router, "splitserve_router_rejected_requests_total", code="RESOURCE_EXHAUSTED") == 1
+            # With the first tokens out, there is room again.
+            assert (await collect(env.router, env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2))))
+    run(scenario())
+
+
+def test_a_prompt_that_would_queue_past_max_queue_time_is_refused_with_the_wait_as_retry_after():
+    async def scenario():
+        async with running_cluster(num_prefill=1, num_decode=1, max_queue_time_s=30) as env:
+            env.prefill[0].report(queued_prefill_tokens=10_000, prefill_tokens_per_second=200.0)  # 50 s of work
+            await eventually(lambda: router_view(env.router, env.prefill[0]).load.prefill_tokens_per_second == 200)
+            req = env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=2))
+            with pytest.raises(StatusError) as caught:
+                await collect(env.router, req)
+            assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "would start this prompt in about 50.0 s" in caught.value.message
+            assert caught.value.retry_after_s == pytest.approx(20.0)
+            assert env.prefill[0].calls == []
+            env.prefill[0].report(queued_prefill_tokens=1_000)  # 5 s: fine
+            await eventually(lambda: router_view(env.router, env.prefill[0]).load.queued_prefill_tokens == 1_000)
+            *_, done = await collect(env.router, env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=2)))
+            assert done.finish_reason == "length"
+    run(scenario())
+
+
+def test_a_pods_own_cancellation_is_unavailable_and_retried_never_cancelled():
+    async def scenario():
+        async with running_cluster(num_prefill=0, num_decode=2, max_retries=1) as env:
+            stopping, other = sorted(env.decode, key=lambda pod: pod.address)
+            stopping.fail_with = grpc.StatusCode.CANCELLED  # a pod shutting down cancels what it holds
+            *_, done = await collect(env.router, env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2)))
+            assert done.finish_reason == "length" and len(other.calls) == 1
+            other.fail_with = grpc.StatusCode.CANCELLED
+            with pytest.raises(StatusError) as caught:
+                await collect(env.router, env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2)))
+            assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.UNAVAILABLE, 503)
+            assert "cancelled the request" in caught.value.message
+    run(scenario())
+
+
+@pytest.mark.parametrize("failure", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+                                     grpc.StatusCode.DEADLINE_EXCEEDED])
+def test_when_every_prefill_pod_fails_the_decode_pod_prefills(failure):
+    """A prefill pod gone, a corrupt transfer (DATA_LOSS) or one past its own deadline: try elsewhere."""
+    async def scenario():
+        async with running_cluster(num_prefill=1, num_decode=1) as env:
+            env.prefill[0].fail_with = failure
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=5)
+            assert joined(deltas)[0] == SCRIPT[:5] and done.finish_reason == "length"
+            assert [c[0] for c in env.prefill[0].calls] == ["Prefill"]
+            assert env.decode[0].calls == [("Decode", req.request_id, None)]  # prefilled there, no first token
+            assert sample(env.router, "splitserve_router_retries_total", code=failure.name) == 1
+            assert sample(env.router, "splitserve_router_routing_decisions_total", decision="prefill_on_decode") == 1
+    run(scenario())
+
+
+async def collect(router: Router, req):
+    return [item async for item in router.generate(req)]
+
+
+def test_grpc_clients_get_the_retry_hint_as_retry_pushback_metadata():
+    async def scenario():
+        async with running_cluster(num_prefill=1, num_decode=1, max_queue_time_s=30) as env:
+            env.prefill[0].report(queued_prefill_tokens=10_000, prefill_tokens_per_second=200.0)
+            await eventually(lambda: router_view(env.router, env.prefill[0]).load.prefill_tokens_per_second == 200)
+            server = RouterServer(env.router.config, env.router)
+            await server.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                    call = generate_pb2_grpc.GenerationStub(channel).Generate(
+                        generate_pb2.GenerateRequest(text=LONG_PROMPT))
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await call.read()
+                    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert dict(caught.value.trailing_metadata())["grpc-retry-pushback-ms"] == "20000"
+            finally:
+                await server.stop(grace_s=0)
+    run(scenario())
