@@ -73,12 +73,12 @@ def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, cod
         mine, theirs = getattr(receiver, name), getattr(sender, name)
         if mine != theirs:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"{name}: sender {theirs!r}, receiver {mine!r}")
+                              f"{name}: sender {theirs!r}, receiver {mine!r}")
     if sender_hash != receiver.compat_hash:
         # Same fields, different digest: the two pods run different versions of the handshake.
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"compat_hash: sender {sender_hash!r}, receiver {receiver.compat_hash!r}")
+                          f"compat_hash: sender {sender_hash!r}, receiver {receiver.compat_hash!r}")
     accepted = list(accepted_codecs)
     if codec and codec not in accepted:
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"codec: {codec!r} is not accepted by the receiver; accepted: {', '.join(accepted)}")
+                          f"codec: {codec!r} is not accepted by the receiver; accepted: {', '.join(accepted)}")

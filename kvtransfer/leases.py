@@ -93,13 +93,13 @@ class TransferTable:
         lease = self._leases.get(request_id)
         if lease is None:
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"no KV for request {request_id!r} on this pod: never "
-                                  "pushed, or its lease expired")
+                              "pushed, or its lease expired")
         if lease.state is not TransferState.WAITING:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"the KV of request {request_id!r} is {lease.state.name}, not waiting for Decode")
+                              f"the KV of request {request_id!r} is {lease.state.name}, not waiting for Decode")
         if lease.seq.prompt_token_ids != list(prompt_token_ids):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"prompt_token_ids differ from the prompt pushed for request {request_id!r}")
+                              f"prompt_token_ids differ from the prompt pushed for request {request_id!r}")
         lease.state = TransferState.CLAIMED
         return lease.seq
 

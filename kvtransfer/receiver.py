@@ -57,18 +57,18 @@ class KVIntake:
     async def store(self, chunk: kv_transfer_pb2.KVChunk) -> None:
         if chunk.seq != self.next_seq:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"chunk seq {chunk.seq} arrived where {self.next_seq} was due")
+                              f"chunk seq {chunk.seq} arrived where {self.next_seq} was due")
         self.next_seq += 1
         if self.codec not in (None, chunk.codec):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"chunk {chunk.seq} uses codec {chunk.codec!r}; this push uses {self.codec!r}")
+                              f"chunk {chunk.seq} uses codec {chunk.codec!r}; this push uses {self.codec!r}")
         device = self._kv_cache.k[0].device
         decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, chunk, self.expected, device)
         arrived = self._received[decoded.layer, _KIND_INDEX[decoded.kind], decoded.token_start:decoded.token_end]
         if bool(arrived.any()):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"chunk {chunk.seq} repeats KV already received (layer {decoded.layer}, "
-                                  f"{decoded.kind.upper()}, tokens [{decoded.token_start}, {decoded.token_end}))")
+                              f"chunk {chunk.seq} repeats KV already received (layer {decoded.layer}, "
+                              f"{decoded.kind.upper()}, tokens [{decoded.token_start}, {decoded.token_end}))")
         pool = (self._kv_cache.k if decoded.kind == "k" else self._kv_cache.v)[decoded.layer]
         slots = self._engine.slots_of(self.seq, decoded.token_start, decoded.token_end)  # [T] long
         pool.flatten(0, 1).index_copy_(0, slots, decoded.tensor.to(pool.dtype))
@@ -79,16 +79,16 @@ class KVIntake:
     def check_complete(self, trailer: kv_transfer_pb2.KVTransferTrailer) -> None:
         if trailer.num_tokens != self.expected.num_tokens:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"trailer covers {trailer.num_tokens} tokens, "
-                                  f"the header's prompt has {self.expected.num_tokens}")
+                              f"the header's prompt has {self.expected.num_tokens}")
         if trailer.num_chunks != self.next_seq:
             raise StatusError(grpc.StatusCode.DATA_LOSS,
-                                  f"trailer says {trailer.num_chunks} chunks were sent, {self.next_seq} arrived")
+                              f"trailer says {trailer.num_chunks} chunks were sent, {self.next_seq} arrived")
         missing = (~self._received).nonzero()
         if len(missing):
             layer, kind, token = missing[0].tolist()
             raise StatusError(grpc.StatusCode.DATA_LOSS,
-                                  f"incomplete KV: {len(missing)} (layer, K/V, token) entries missing, the first "
-                                  f"at layer {layer}, {'KV'[kind]}, token {token}")
+                              f"incomplete KV: {len(missing)} (layer, K/V, token) entries missing, the first "
+                              f"at layer {layer}, {'KV'[kind]}, token {token}")
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
@@ -139,10 +139,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         header = first.header
         if header.compat_hash != self.layout.compat_hash:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"compat_hash: sender {header.compat_hash!r}, "
-                                  f"receiver {self.layout.compat_hash!r} (handshake again)")
+                              f"receiver {self.layout.compat_hash!r} (handshake again)")
         if not header.request_id or header.lease_seconds < 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  "a KV push header needs a request_id and lease_seconds >= 0")
+                              "a KV push header needs a request_id and lease_seconds >= 0")
         return header
 
     async def _reserve(self, lease: KVLease, prompt: list[int]) -> KVIntake:
@@ -161,7 +161,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             free, total = await self._engine_loop.run(
                 lambda engine: (engine.block_manager.num_free_blocks, engine.block_manager.num_blocks))
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the KV of {len(prompt)} tokens: "
-                                  f"{free} of {total} blocks free")
+                              f"{free} of {total} blocks free")
         layout = self.layout
         return KVIntake(self._engine_loop, seq, ExpectedChunks(
             lease.request_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, len(prompt),

@@ -94,8 +94,8 @@ class KVTransferClient:
             raise StatusError(err.code(), f"decode pod {decode_address}: {err.details()}") from err
         if response.compat_hash != self.layout.compat_hash:  # the receiver checks too; trust but verify
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"decode pod {decode_address}: compat_hash: sender {self.layout.compat_hash!r}, "
-                                  f"receiver {response.compat_hash!r}")
+                              f"decode pod {decode_address}: compat_hash: sender {self.layout.compat_hash!r}, "
+                              f"receiver {response.compat_hash!r}")
         self._handshaken.add((decode_address, codec_name))
 
     def forget_handshake(self, decode_address: str, codec_name: str) -> None:

@@ -360,6 +360,132 @@ def test_a_push_missing_a_layer_gets_data_loss_at_the_trailer(pods):
     assert "the first at layer 3, K, token 0" in error.details()
 
 
+def push_error(pods, stream) -> grpc.RpcError:
+    return rpc_error(pods.kv.PushKV, iter(stream))
+
+
+@pytest.mark.parametrize("fault", ["gap", "repeat"])
+def test_a_push_refuses_a_gap_or_a_repeat_in_the_chunk_sequence(pods, fault):
+    prompt = prompt_of(20, seed=7300)
+    chunks = layer_chunks(f"seq-{fault}", 20)
+    if fault == "gap":
+        del chunks[2]
+    else:
+        chunks.insert(3, chunks[2])
+    error = push_error(pods, [handshaken_header(pods, f"seq-{fault}", prompt), *chunks, trailer(len(chunks), 20)])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"chunk seq {2 if fault == 'repeat' else 3} arrived where" in error.details()
+
+
+def test_a_push_refuses_a_codec_switch_midway(pods):
+    prompt = prompt_of(20, seed=7310)
+    chunks = layer_chunks("switch", 20)
+    int8 = encode_chunks("switch", 0, "v", 0, 20, torch.randn(20, 2, 16), get_codec("int8"), first_seq=1)
+    chunks[1] = kv_transfer_pb2.KVPush(chunk=int8[0])
+    error = push_error(pods, [handshaken_header(pods, "switch", prompt), *chunks, trailer(len(chunks), 20)])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "uses codec 'int8'; this push uses 'none'" in error.details()
+
+
+def test_a_push_refuses_a_token_range_it_already_received(pods):
+    prompt = prompt_of(20, seed=7320)
+    again = encode_chunks("twice", 0, "k", 5, 12, torch.randn(7, 2, 16), get_codec("none"), first_seq=1)
+    chunks = layer_chunks("twice", 20)[:1] + [kv_transfer_pb2.KVPush(chunk=again[0])]
+    error = push_error(pods, [handshaken_header(pods, "twice", prompt), *chunks])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "repeats KV already received (layer 0, K, tokens [5, 12))" in error.details()
+
+
+@pytest.mark.parametrize("fault", ["chunks", "tokens"])
+def test_a_push_refuses_a_trailer_whose_counts_do_not_match(pods, fault):
+    prompt = prompt_of(20, seed=7330 + len(fault))
+    chunks = layer_chunks(f"trailer-{fault}", 20)  # 8: each layer's K and V in one chunk
+    counts = (len(chunks) + 1, 20) if fault == "chunks" else (len(chunks), 21)
+    error = push_error(pods, [handshaken_header(pods, f"trailer-{fault}", prompt), *chunks, trailer(*counts)])
+    if fault == "chunks":
+        assert error.code() == grpc.StatusCode.DATA_LOSS
+        assert "trailer says 9 chunks were sent, 8 arrived" in error.details()
+    else:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "trailer covers 21 tokens, the header's prompt has 20" in error.details()
+
+
+def test_a_push_must_start_with_its_header(pods):
+    error = push_error(pods, [*layer_chunks("headless", 20), trailer(8, 20)])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "header" in error.details()
+
+
+def test_a_second_push_for_a_request_id_with_kv_here_is_already_exists(pods):
+    prompt = prompt_of(20, seed=7340)
+    complete = [handshaken_header(pods, "dup", prompt), *layer_chunks("dup", 20), trailer(8, 20)]
+    pods.kv.PushKV(iter(complete))
+    error = push_error(pods, complete)
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert pods.decode.Abort(common_pb2.AbortRequest(request_id="dup")).found
+
+
+def test_a_claim_for_another_prompt_is_refused_and_the_kv_still_waits(pods):
+    prompt = prompt_of(20, seed=7350)
+    pods.kv.PushKV(iter([handshaken_header(pods, "other", prompt), *layer_chunks("other", 20), trailer(8, 20)]))
+    request = decode_pb2.DecodeRequest(request_id="other", prompt_token_ids=prompt_of(20, seed=7351),
+                                       sampling_params=GREEDY, first_token_id=7)
+    error = rpc_error(pods.decode.Decode, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "differ from the prompt pushed" in error.details()
+    assert pods.decode.Abort(common_pb2.AbortRequest(request_id="other")).found
+
+
+class HeldPush:
+    """A PushKV whose header and first chunks are sent, then held open until released or cancelled."""
+
+    def __init__(self, pods, request_id: str, prompt: list[int]):
+        self.release = threading.Event()
+        chunks = layer_chunks(request_id, len(prompt))
+        head = [handshaken_header(pods, request_id, prompt), *chunks[:4]]
+
+        def messages():
+            yield from head
+            self.release.wait(30)
+            yield from chunks[4:]
+            yield trailer(len(chunks), len(prompt))
+
+        self.call = pods.kv.PushKV.future(messages())
+
+
+def wait_transfer_state(pods, request_id: str, state: str) -> None:
+    wait_until(lambda: (lease := pods.transfers.get(request_id)) is not None and lease.state.name == state)
+
+
+def test_a_claim_while_the_kv_is_still_arriving_is_failed_precondition(pods):
+    prompt = prompt_of(20, seed=7360)
+    push = HeldPush(pods, "arriving", prompt)
+    wait_transfer_state(pods, "arriving", "RECEIVING")
+    request = decode_pb2.DecodeRequest(request_id="arriving", prompt_token_ids=prompt, sampling_params=GREEDY,
+                                       first_token_id=7)
+    error = rpc_error(pods.decode.Decode, request)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "RECEIVING" in error.details()
+    push.release.set()
+    push.call.result(timeout=30)
+    assert pods.decode.Abort(common_pb2.AbortRequest(request_id="arriving")).found
+
+
+@pytest.mark.parametrize("how", ["abort", "cancel"])
+def test_an_abort_or_a_cancelled_push_while_receiving_frees_every_block(pods, how):
+    prompt = prompt_of(40, seed=7370)
+    push = HeldPush(pods, f"held-{how}", prompt)
+    wait_transfer_state(pods, f"held-{how}", "RECEIVING")
+    assert pods.load("decode").free_kv_blocks == DECODE_BLOCKS - 3  # 40 tokens: 3 blocks reserved
+    if how == "abort":
+        assert pods.decode.Abort(common_pb2.AbortRequest(request_id=f"held-{how}")).found
+        push.release.set()  # the handler sees the abort at its next message
+        with pytest.raises(grpc.RpcError) as caught:
+            push.call.result(timeout=30)
+        assert caught.value.code() == grpc.StatusCode.CANCELLED
+    else:
+        push.call.cancel()
+        push.release.set()
+    pods.wait_all_free("decode")  # and the autouse check: every block of both pods, no lease left
+
+
 def test_a_complete_hand_made_push_is_acknowledged_under_its_lease(pods):
     prompt = prompt_of(20, seed=7200)
     chunks = layer_chunks("by-hand", 20)
