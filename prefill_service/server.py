@@ -66,6 +66,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             event, stats = await work
         except StatusError as err:
+            self._pod.metrics.transfer_failed(err.code.name)
             await context.abort(err.code, err.message)
         except ValueError as err:  # the engine refused the prompt
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -137,6 +138,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         metrics.request_prefill_time.observe(prefill_s)
         metrics.kv_transfer_time.observe(stats.exposed_transfer_seconds)
         metrics.transfer_bytes(stats.codec).inc(stats.bytes_sent)
+        metrics.transfer_raw_bytes(stats.codec).inc(stats.raw_bytes)
         metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         response = prefill_pb2.PrefillResponse(first_token_id=event.token_ids[0],
                                                num_cached_tokens=event.num_cached_tokens, queue_seconds=queue_s,

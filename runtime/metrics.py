@@ -58,10 +58,6 @@ class ServingMetrics:
         self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes_total",
                                          "KV-cache bytes sent (prefill) or received (decode), on the wire.",
                                          LABELS + ("codec",), registry=self.registry)
-        self.kv_transfer_failures = Counter("splitserve_kv_transfer_failures_total",
-                                            "KV transfers that failed, by gRPC status code (prefill pods: pushes; "
-                                            "router: prefills whose push failed).", LABELS + ("code",),
-                                            registry=self.registry)
         self.prompt_tokens = self._counter("prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = self._counter("generation_tokens_total", "Output tokens generated.")
         self.prefix_cache_queries = self._counter("prefix_cache_queries_total",
@@ -86,9 +82,6 @@ class ServingMetrics:
     def transfer_bytes(self, codec: str):
         return self.kv_transfer_bytes.labels(self.role, self.model_name, codec)
 
-    def transfer_failed(self, code: str) -> None:
-        self.kv_transfer_failures.labels(self.role, self.model_name, code).inc()
-
     def finished(self, reason: str) -> None:
         self.request_success.labels(self.role, self.model_name, reason).inc()
 
@@ -110,12 +103,18 @@ class PodMetrics(ServingMetrics):
                                              "KV-cache bytes sent, in the cache's dtype before compression "
                                              "(prefill); raw / splitserve_kv_transfer_bytes_total is the "
                                              "compression ratio.", LABELS + ("codec",), registry=self.registry)
+        self.kv_transfer_failures = Counter("splitserve_kv_transfer_failures_total",
+                                            "KV pushes that failed, by gRPC status code (prefill pods).",
+                                            LABELS + ("code",), registry=self.registry)
         self.engine_info = Gauge("splitserve_engine_info", "The engine's compute path: kernels (native or pytorch), "
                                  "device and KV cache dtype; always 1.", LABELS + ("kernels", "device", "cache_dtype"),
                                  registry=self.registry)
 
     def transfer_raw_bytes(self, codec: str):
         return self.kv_transfer_raw_bytes.labels(self.role, self.model_name, codec)
+
+    def transfer_failed(self, code: str) -> None:
+        self.kv_transfer_failures.labels(self.role, self.model_name, code).inc()
 
     def set_engine_info(self, kernels: str, device: str, cache_dtype: str) -> None:
         self.engine_info.labels(self.role, self.model_name, kernels, device, cache_dtype).set(1)
