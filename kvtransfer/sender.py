@@ -25,6 +25,7 @@ decode pod's status code, so the prefill pod answers the router with the same co
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,10 +63,14 @@ class KVTransferClient:
     """The prefill pod's connections to decode pods: one channel per address, handshakes cached."""
 
     def __init__(self, layout: KVLayout, max_chunk_bytes: int = MAX_CHUNK_BYTES, overlap: bool = True,
-                 encode_threads: int = 2):
+                 encode_threads: int = 2, corrupt_chunk_rate: float = 0.0):
         self.layout = layout
         self.max_chunk_bytes = max_chunk_bytes
         self.overlap = overlap
+        # Fault injection (reliability tests, soak runs): this share of chunks leaves with a flipped payload byte,
+        # after its checksum was taken, so the decode pod must catch it.
+        self.corrupt_chunk_rate = corrupt_chunk_rate
+        self._fault_rng = random.Random(0)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._handshaken: set[tuple[str, str]] = set()
         # Encoding runs off the event loop, so sockets keep moving; two threads keep K and V of different
@@ -108,6 +113,13 @@ class KVTransferClient:
             channel = transport.open_channel(decode_address)
             self._channels[decode_address] = channel
         return kv_transfer_pb2_grpc.KVTransferStub(channel)
+
+    def corrupt(self, chunks: list[kv_transfer_pb2.KVChunk]) -> None:
+        for chunk in chunks:
+            if chunk.payload and self._fault_rng.random() < self.corrupt_chunk_rate:
+                payload = bytearray(chunk.payload)
+                payload[self._fault_rng.randrange(len(payload))] ^= 0x5A
+                chunk.payload = bytes(payload)
 
     async def encode(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._encoder, fn, *args)
@@ -215,6 +227,8 @@ class KVSender:
         for kind, tensor in (("k", item.k), ("v", item.v)):
             chunks += encode_chunks(self.request_id, item.layer, kind, item.token_start, item.token_end, tensor,
                                     self.codec, self._client.max_chunk_bytes, first_seq + len(chunks))
+        if self._client.corrupt_chunk_rate:
+            self._client.corrupt(chunks)
         return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]
 
     async def _failure(self, call, err: Exception) -> StatusError:

@@ -23,6 +23,9 @@ class PrefillConfig(PodConfig):
         "Send each layer's KV while later layers compute (--no-overlap-transfer: after the prefill step).")})
     max_chunk_bytes: int = field(default=MAX_CHUNK_BYTES, metadata={"help": (
         "Payload + scales of one KV chunk on the wire.")})
+    inject_corrupt_chunks: float = field(default=0.0, metadata={"help": (
+        "Fault injection, for reliability tests and soak runs only: the share of KV chunks sent with a flipped byte "
+        "after their checksum (the decode pod refuses them, DATA_LOSS; the router retries). 0 in production.")})
     kv_transfer_timeout_s: float = field(default=60.0, metadata={"help": (
         "Longest a prefill waits for the decode pod to acknowledge its KV (a shorter call deadline wins).")})
 
@@ -30,6 +33,8 @@ class PrefillConfig(PodConfig):
         super().__post_init__()
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+        if not 0.0 <= self.inject_corrupt_chunks <= 1.0:
+            raise ValueError(f"inject_corrupt_chunks must be in [0, 1], got {self.inject_corrupt_chunks}")
         if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"max_chunk_bytes must be in (0, {MAX_MESSAGE_BYTES // 2}], got {self.max_chunk_bytes}")
         if self.kv_codec not in available_codecs():

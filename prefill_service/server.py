@@ -169,7 +169,8 @@ async def _checked_params(request: prefill_pb2.PrefillRequest, context) -> Sampl
 async def build_prefill_services(pod: Pod, config: PrefillConfig) -> list[PodService]:
     export = PrefillKVExport(pod.engine)
     pod.engine.kv_export = export
-    kv_client = KVTransferClient(KVLayout.of_engine(pod.engine), config.max_chunk_bytes, config.overlap_transfer)
+    kv_client = KVTransferClient(KVLayout.of_engine(pod.engine), config.max_chunk_bytes, config.overlap_transfer,
+                                 corrupt_chunk_rate=config.inject_corrupt_chunks)
     pod.on_stop(kv_client.close)
     return [PrefillServicer(pod, config, kv_client, export)]
 

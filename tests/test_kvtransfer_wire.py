@@ -94,6 +94,27 @@ def test_corrupted_payload_fails_the_checksum():
     assert "failed its checksum" in caught.value.message
 
 
+def test_fault_injection_corrupts_the_share_of_chunks_asked_for_and_each_fails_its_checksum():
+    from kvtransfer.sender import KVTransferClient
+
+    layout = KVLayout("tiny-random", NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, block_size=16, cache_dtype="float32")
+    for rate, expected_bad in ((0.0, 0), (1.0, 40)):
+        client = KVTransferClient(layout, corrupt_chunk_rate=rate)
+        chunks = [chunk for seed in range(40) for chunk in encode_chunks("req-1", 0, "k", 0, 20, kv(20, seed),
+                                                                        get_codec("none"))]
+        originals = [bytes(chunk.payload) for chunk in chunks]
+        client.corrupt(chunks)
+        bad = 0
+        for chunk, original in zip(chunks, originals):
+            flipped = sum(a != b for a, b in zip(chunk.payload, original))
+            assert flipped in (0, 1)
+            if flipped:
+                bad += 1
+                with pytest.raises(KVChunkError, match="failed its checksum"):
+                    decode_chunk(chunk, expected(20))
+        assert bad == expected_bad
+
+
 def test_corrupted_scales_fail_the_checksum():
     chunk = encode_chunks("req-1", 1, "v", 0, 20, kv(20), get_codec("int8"))[0]
     assert chunk.scales
