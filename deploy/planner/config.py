@@ -1,0 +1,82 @@
+"""``PlannerConfig``: the planner's settings, filled by ``parse_config`` from flags (``--max-decode-replicas``) and
+``SPLITSERVE_*`` environment variables, like every other splitserve process; the Helm chart maps
+``planner.config`` to these flags. Checked in ``__post_init__``, so a bad value stops the planner at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.config import described
+
+
+@dataclass
+class PlannerConfig:
+    """The splitserve planner: sets the prefill and decode Deployments' replica counts from Prometheus metrics."""
+
+    prometheus_url: str = field(default="http://prometheus:9090", metadata=described(
+        "Prometheus server the planner queries (its HTTP API)."))
+    namespace: str = field(default="", metadata=described(
+        "Namespace of the Deployments (empty: the planner's own, from its service account)."))
+    prefill_deployment: str = field(default="", metadata=described("Name of the prefill Deployment it scales."))
+    decode_deployment: str = field(default="", metadata=described("Name of the decode Deployment it scales."))
+    kubeconfig: str = field(default="", metadata=described(
+        "Kubeconfig file (empty: the in-cluster service account, else ~/.kube/config)."))
+    model_name: str = field(default="", metadata=described(
+        "Only series with this model_name label count (empty: all models)."))
+    promql_selector: str = field(default="", metadata=described(
+        "Extra label matchers added to every query, e.g. namespace=\"llm\" (empty: none)."))
+    interval_s: float = field(default=30.0, metadata=described("Seconds between decisions."))
+    window_s: int = field(default=120, metadata=described("Rates and percentiles are taken over this many seconds."))
+    dry_run: bool = field(default=False, metadata=described(
+        "Decide and export the decisions as metrics, but scale nothing."))
+    min_prefill_replicas: int = field(default=1, metadata=described("Fewest prefill pods."))
+    max_prefill_replicas: int = field(default=8, metadata=described("Most prefill pods."))
+    min_decode_replicas: int = field(default=1, metadata=described("Fewest decode pods."))
+    max_decode_replicas: int = field(default=8, metadata=described("Most decode pods."))
+    ttft_target_s: float = field(default=2.0, metadata=described(
+        "TTFT target: prefill pods are loaded only as far as the queueing model keeps mean TTFT under it; a p99 "
+        "over it adds a prefill pod."))
+    tpot_target_s: float = field(default=0.1, metadata=described(
+        "TPOT target: decode pods batch only as many requests as keep a step under it; a p99 over it adds a "
+        "decode pod."))
+    target_utilization: float = field(default=0.7, metadata=described(
+        "Fraction of a pod's measured capacity the planner plans to use (headroom for bursts)."))
+    hysteresis: float = field(default=0.15, metadata=described(
+        "A pool shrinks only when the smaller pool would run under target_utilization minus this."))
+    scale_up_cooldown_s: float = field(default=60.0, metadata=described(
+        "After a change to a pool, seconds before it grows again."))
+    scale_down_cooldown_s: float = field(default=300.0, metadata=described(
+        "After a change to a pool, seconds before it shrinks."))
+    max_scale_down_step: int = field(default=1, metadata=described("Most pods one decision removes from a pool."))
+    prefill_tokens_per_s_per_pod: float = field(default=200.0, metadata=described(
+        "Prefill throughput of one busy pod (prompt tokens/s) assumed until measured."))
+    decode_step_base_s: float = field(default=0.05, metadata=described(
+        "Decode step time at batch 0 (s) assumed until measured: TPOT(batch) = base + per_seq * batch."))
+    decode_step_per_seq_s: float = field(default=0.002, metadata=described(
+        "Added decode step time per running request (s), the slope of TPOT(batch)."))
+    decode_max_batch: int = field(default=64, metadata=described(
+        "Most requests one decode pod runs at once (the pods' max_num_seqs)."))
+    kv_usage_high: float = field(default=0.9, metadata=described(
+        "KV-cache usage of the fullest decode pod above which a decode pod is added."))
+    host: str = field(default="0.0.0.0", metadata=described("Address of the planner's /metrics endpoint."))
+    metrics_port: int = field(default=9400, metadata=described("Port of the planner's /metrics endpoint (0: any)."))
+
+    def __post_init__(self) -> None:
+        for pool in ("prefill", "decode"):
+            low, high = getattr(self, f"min_{pool}_replicas"), getattr(self, f"max_{pool}_replicas")
+            if not 0 <= low <= high:
+                raise ValueError(f"need 0 <= min_{pool}_replicas <= max_{pool}_replicas, got {low} and {high}")
+        for name in ("interval_s", "window_s", "ttft_target_s", "tpot_target_s", "prefill_tokens_per_s_per_pod",
+                     "decode_step_base_s", "decode_step_per_seq_s", "decode_max_batch", "max_scale_down_step"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.target_utilization <= 1:
+            raise ValueError(f"target_utilization must be in (0, 1], got {self.target_utilization}")
+        if not 0 <= self.hysteresis < self.target_utilization:
+            raise ValueError(f"hysteresis must be in [0, target_utilization), got {self.hysteresis}")
+        for name in ("scale_up_cooldown_s", "scale_down_cooldown_s", "metrics_port"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.kv_usage_high <= 1:
+            raise ValueError(f"kv_usage_high must be in (0, 1], got {self.kv_usage_high}")

@@ -1,0 +1,82 @@
+"""The planner's loop: read the signals and the current replica counts, decide, scale (unless dry-run), export.
+
+A failed step (Prometheus unreachable, the API server refusing) is counted and logged, and changes nothing:
+the planner never scales on data it does not have.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import start_http_server
+
+from deploy.planner.capacity import POOLS, Planner, PoolDecision
+from deploy.planner.config import PlannerConfig
+from deploy.planner.metrics import PlannerMetrics
+from deploy.planner.scaler import DeploymentScaler, api_client, own_namespace
+from deploy.planner.signals import PrometheusSignals
+from splitserve.config import parse_config
+
+logger = logging.getLogger(__name__)
+
+
+class PlannerLoop:
+    """One planner process: ``tick()`` makes one decision for both pools."""
+
+    def __init__(self, config: PlannerConfig, signals: PrometheusSignals, scaler: DeploymentScaler,
+                 metrics: PlannerMetrics, clock=time.monotonic):
+        self.config, self.signals, self.scaler, self.metrics, self.clock = config, signals, scaler, metrics, clock
+        self.planner = Planner(config, started_at=clock())
+
+    def tick(self) -> list[PoolDecision]:
+        try:
+            signals = self.signals.read()
+        except OSError:
+            logger.exception("reading Prometheus failed; nothing changes")
+            self.metrics.failed("read_metrics")
+            return []
+        try:
+            current = self.scaler.replicas()
+        except Exception:  # the kubernetes client raises ApiException, urllib3 errors, ...
+            logger.exception("reading the Deployments' scale failed; nothing changes")
+            self.metrics.failed("read_replicas")
+            return []
+        decisions = self.planner.plan(signals, current, self.clock())
+        for decision in decisions:
+            self._apply(decision)
+        return decisions
+
+    def _apply(self, decision: PoolDecision) -> None:
+        logger.info("%s: %d -> %d (%s; needs %.2f pods: demand %.3g, capacity %.3g per pod)%s", decision.pool,
+                    decision.current, decision.desired, decision.reason, decision.needed, decision.demand,
+                    decision.capacity, " [dry run]" if self.config.dry_run else "")
+        if decision.desired != decision.current and not self.config.dry_run:
+            try:
+                self.scaler.scale(decision.pool, decision.desired)
+            except Exception:
+                logger.exception("scaling %s failed", decision.pool)
+                self.metrics.failed("scale")
+                return
+        self.metrics.record(decision)
+
+    def run_forever(self) -> None:
+        while True:
+            started = self.clock()
+            self.tick()
+            time.sleep(max(0.0, self.config.interval_s - (self.clock() - started)))
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = parse_config(PlannerConfig, argv, prog="python -m deploy.planner")
+    deployments = {"prefill": config.prefill_deployment, "decode": config.decode_deployment}
+    missing = [pool for pool in POOLS if not deployments[pool]]
+    if missing:
+        raise SystemExit(f"name the Deployments to scale: --{missing[0]}-deployment")
+    scaler = DeploymentScaler(api_client(config.kubeconfig), config.namespace or own_namespace(), deployments)
+    metrics = PlannerMetrics(config.model_name, config.dry_run)
+    start_http_server(config.metrics_port, config.host, metrics.registry)
+    logger.info("planner: %s in %s every %.0f s%s", ", ".join(deployments.values()), scaler.namespace,
+                config.interval_s, " (dry run)" if config.dry_run else "")
+    PlannerLoop(config, PrometheusSignals(config), scaler, metrics).run_forever()
