@@ -1,0 +1,211 @@
+"""The Helm chart's ``values.schema.json``, generated: ``python -m deploy.chart_schema`` rewrites it, and a test
+checks that the committed file is current.
+
+Two kinds of values (see ``values.yaml``):
+
+- infrastructure (replicas, resources, scheduling, ports, probes, image, model source, TLS secret, Redis): they
+  become Kubernetes fields, and the chart derives from them the flags it owns (``CHART_OWNED``: where a process
+  listens and advertises itself, which model file, which registry, the TLS files);
+- ``<component>.config``: every other field of the component's config dataclass, camelCase
+  (``max_num_seqs`` -> ``maxNumSeqs``), passed as its flag (``--max-num-seqs``) by ``splitserve.configArgs`` in
+  ``_helpers.tpl``. Their schema (type, range, allowed names, description, default) is read off the dataclass here,
+  so a field added to a service appears in the chart by running this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+
+from decode_service.config import ROLES, DecodeConfig
+from deploy.planner.config import PlannerConfig
+from engine.config import CACHE_DTYPES
+from kvtransfer.codecs import available_codecs
+from prefill_service.config import PrefillConfig
+from router.config import POLICY_NAMES, RouterConfig
+
+CHART = Path(__file__).parent / "helm" / "splitserve"
+SCHEMA_PATH = CHART / "values.schema.json"
+
+# component values block -> the dataclass its `config` block maps to
+COMPONENTS = {"router": RouterConfig, "prefill": PrefillConfig, "decode": DecodeConfig, "mixed": DecodeConfig,
+              "planner": PlannerConfig}
+
+# Fields the chart sets itself from infrastructure values; a `config` block may not name them.
+_POD_OWNED = {"host", "port", "metrics_port", "advertise_address", "model", "registry", "redis_url", "role",
+              "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert"}
+CHART_OWNED = {
+    "router": {"host", "grpc_port", "http_port", "model", "registry", "redis_url", "prefill_pods", "decode_pods",
+               "mixed_pods", "api_keys", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert"},
+    "prefill": _POD_OWNED,
+    "decode": _POD_OWNED,
+    "mixed": _POD_OWNED,
+    "planner": {"host", "metrics_port", "namespace", "prefill_deployment", "decode_deployment", "kubeconfig"},
+}
+
+_CODECS = list(available_codecs())
+CHOICES = {  # field -> allowed values (the services check the same lists at start)
+    "kv_codec": _CODECS,
+    "accepted_kv_codecs": _CODECS,
+    "policy": list(POLICY_NAMES),
+    "cache_dtype": list(CACHE_DTYPES),
+    "dtype": ["float32", "bfloat16", "float16"],
+}
+RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; durations "*_s" > 0)
+    "seed": {"minimum": 0},
+    "conditional_cached_fraction": {"minimum": 0},
+    "target_utilization": {"exclusiveMinimum": 0, "maximum": 1},
+    "kv_usage_high": {"exclusiveMinimum": 0, "maximum": 1},
+    "hysteresis": {"minimum": 0, "exclusiveMaximum": 1},
+    "scale_up_cooldown_s": {"minimum": 0},
+    "scale_down_cooldown_s": {"minimum": 0},
+    "block_size": {"minimum": 1},
+    "max_num_batched_tokens": {"minimum": 1},
+    "max_num_seqs": {"minimum": 1},
+    "max_chunk_bytes": {"minimum": 1},
+    "max_model_len": {"minimum": 1},
+}
+
+
+def camel(field_name: str) -> str:
+    head, *rest = field_name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def config_fields(component: str) -> list[dataclasses.Field]:
+    """The fields a component's `config` block may set."""
+    return [f for f in dataclasses.fields(COMPONENTS[component]) if f.name not in CHART_OWNED[component]]
+
+
+def _field_schema(f: dataclasses.Field, hint) -> dict:
+    base = typing.get_origin(hint) or hint
+    item = None
+    if base is list:
+        (item,) = typing.get_args(hint)
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}[base]
+    schema: dict = {"type": kind, "description": f.metadata.get("help", "")}
+    choices = CHOICES.get(f.name)
+    if kind == "array":
+        schema["items"] = {"type": "string", **({"enum": choices} if choices else {})}
+    elif choices:
+        schema["enum"] = choices + ([""] if f.default == "" else [])
+    if kind in ("integer", "number"):
+        schema.update(RANGES.get(f.name, {"exclusiveMinimum": 0} if f.name.endswith("_s") else {"minimum": 0}))
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    schema["default"] = default
+    return schema
+
+
+def config_schema(component: str) -> dict:
+    hints = typing.get_type_hints(COMPONENTS[component])
+    return {"type": "object", "additionalProperties": False,
+            "description": f"Flags of {COMPONENTS[component].__name__} (camelCase field names).",
+            "properties": {camel(f.name): _field_schema(f, hints[f.name]) for f in config_fields(component)}}
+
+
+# ---- infrastructure values ---------------------------------------------------------------------------------
+
+def _obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
+    schema = {"type": "object", "additionalProperties": False, "properties": properties, **extra}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+_PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_BOOL, _STR = {"type": "boolean"}, {"type": "string"}
+_COUNT = {"type": "integer", "minimum": 0}
+_SCHEDULING = {"resources": {"type": "object"}, "nodeSelector": _STRING_MAP, "tolerations": {"type": "array"},
+               "affinity": {"type": "object"}, "podAnnotations": _STRING_MAP, "podLabels": _STRING_MAP}
+_SERVICE_MONITOR = _obj({"enabled": _BOOL, "interval": _STR, "scrapeTimeout": _STR, "labels": _STRING_MAP})
+_PDB = _obj({"enabled": _BOOL, "maxUnavailable": {"type": ["integer", "string"]}})
+_HPA = _obj({"enabled": _BOOL, "minReplicas": {"type": "integer", "minimum": 1}, "maxReplicas": {
+    "type": "integer", "minimum": 1}, "targetCPUUtilizationPercentage": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 100}})
+_PROBE = _obj({"periodSeconds": {"type": "integer", "minimum": 1}, "failureThreshold": {"type": "integer",
+                                                                                        "minimum": 1},
+               "timeoutSeconds": {"type": "integer", "minimum": 1}})
+_PROBES = _obj({"startup": _PROBE, "readiness": _PROBE, "liveness": _PROBE})
+
+
+def _component(name: str, extra: dict, replicas: dict = _COUNT) -> dict:
+    properties = {"replicas": replicas, **_SCHEDULING, "terminationGraceExtraSeconds": _COUNT, **extra,
+                  "config": config_schema(name)}
+    return _obj(properties)
+
+
+def _pod_component(name: str) -> dict:
+    return _component(name, {
+        "enabled": _BOOL, "ports": _obj({"grpc": _PORT, "metrics": _PORT}), "probes": _PROBES,
+        "podDisruptionBudget": _PDB, "autoscaling": _HPA, "serviceMonitor": _SERVICE_MONITOR})
+
+
+def values_schema() -> dict:
+    image = _obj({"repository": _STR, "tag": _STR, "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}})
+    return {
+        "$schema": "https://json-schema.org/draft-07/schema#",
+        "title": "splitserve Helm chart values (generated by python -m deploy.chart_schema)",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "nameOverride": _STR, "fullnameOverride": _STR, "image": image,
+            "imagePullSecrets": {"type": "array"}, "podSecurityContext": {"type": "object"},
+            "securityContext": {"type": "object"},
+            "model": _obj({
+                "source": {"enum": ["image", "pvc", "hostPath"]}, "name": _STR, "path": _STR,
+                "mountPath": {"type": "string", "pattern": "^/"},
+                "pvc": _obj({"claimName": _STR, "subPath": _STR}),
+                "hostPath": _obj({"path": _STR, "type": {"enum": ["", "Directory", "File"]}})}),
+            "tls": _obj({"enabled": _BOOL, "secretName": _STR, "requireClientCert": _BOOL}),
+            "redis": _redis(image),
+            "router": _component("router", {
+                "service": _obj({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "grpcPort": _PORT,
+                                 "httpPort": _PORT, "annotations": _STRING_MAP}),
+                "apiKeysSecret": _obj({"name": _STR, "key": _STR}), "preStopSleepSeconds": _COUNT,
+                "probes": _PROBES, "podDisruptionBudget": _PDB, "autoscaling": _HPA,
+                "serviceMonitor": _SERVICE_MONITOR}),
+            "prefill": _pod_component("prefill"),
+            "decode": _pod_component("decode"),
+            "mixed": _pod_component("mixed"),
+            "planner": _component("planner", {"enabled": _BOOL, "metricsPort": _PORT,
+                                               "serviceMonitor": _SERVICE_MONITOR},
+                                  replicas={"type": "integer", "minimum": 0, "maximum": 1}),
+            "metrics": _obj({"scrapeAnnotations": _BOOL}),
+            "grafanaDashboards": _obj({"enabled": _BOOL, "labels": _STRING_MAP, "annotations": _STRING_MAP}),
+            "prometheusRule": _obj({
+                "enabled": _BOOL, "labels": _STRING_MAP,
+                "ttftP99TargetSeconds": {"type": "number", "exclusiveMinimum": 0},
+                "tpotP99TargetSeconds": {"type": "number", "exclusiveMinimum": 0},
+                "kvCacheUsageThreshold": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "for": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}),
+        },
+        # the planner and an HPA must not both scale a pool
+        "allOf": [{"if": {"properties": {"planner": {"properties": {"enabled": {"const": True}}}}},
+                   "then": {"properties": {pool: {"properties": {"autoscaling": {"properties": {
+                       "enabled": {"const": False}}}}} for pool in ("prefill", "decode")}}}],
+    }
+
+
+def _redis(image: dict) -> dict:
+    properties = {"enabled": _BOOL, "replicas": {"type": "integer", "minimum": 0, "maximum": 1}, **_SCHEDULING,
+                  "terminationGraceExtraSeconds": _COUNT,
+                  "image": image, "port": _PORT, "externalUrl": _STR,
+                  "externalUrlSecret": _obj({"name": _STR, "key": _STR})}
+    return _obj(properties)
+
+
+def render() -> str:
+    return json.dumps(values_schema(), indent=2) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    SCHEMA_PATH.write_text(render())
+    print(f"wrote {SCHEMA_PATH}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

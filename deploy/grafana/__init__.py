@@ -1,0 +1,1 @@
+"""Grafana dashboards generated from code (``dashboards.py``); ``python -m deploy.grafana`` writes the JSON."""

@@ -1,0 +1,246 @@
+{{/*
+Names, labels, and the one place that turns values into flags (splitserve.configArgs). Every component's
+Deployment, Service, PodDisruptionBudget, HorizontalPodAutoscaler and ServiceMonitor is rendered by the
+definitions here; the per-component template files only say which component.
+*/}}
+
+{{- define "splitserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "splitserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* <fullname>-<component>, e.g. demo-splitserve-prefill */}}
+{{- define "splitserve.componentName" -}}
+{{- printf "%s-%s" (include "splitserve.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "splitserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "splitserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "splitserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "splitserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: splitserve
+{{- end }}
+
+{{- define "splitserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+A config block as flags: camelCase key -> --kebab-case flag; booleans --flag / --no-flag; lists comma-joined;
+whole numbers printed as integers (values arrive as float64); null keys are skipped (the dataclass default).
+*/}}
+{{- define "splitserve.configArgs" -}}
+{{- range $key, $value := . }}
+{{- $flag := printf "--%s" (kebabcase $key) }}
+{{- if kindIs "bool" $value }}
+- {{ ternary $flag (printf "--no-%s" (kebabcase $key)) $value | quote }}
+{{- else if kindIs "slice" $value }}
+- {{ $flag | quote }}
+- {{ join "," $value | quote }}
+{{- else if or (kindIs "float64" $value) (kindIs "int" $value) (kindIs "int64" $value) }}
+- {{ $flag | quote }}
+- {{ ternary (int64 $value | toString) (toString $value) (eq (float64 $value) (floor $value)) | quote }}
+{{- else if not (kindIs "invalid" $value) }}
+- {{ $flag | quote }}
+- {{ toString $value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* --model: a name or path in the image, or the file in the mounted volume */}}
+{{- define "splitserve.modelArgs" -}}
+- "--model"
+{{- if eq .Values.model.source "image" }}
+- {{ required "model.name is required with model.source image" .Values.model.name | quote }}
+{{- else }}
+- {{ printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (required "model.path is required with model.source pvc or hostPath" .Values.model.path) | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "splitserve.redisUrl" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s:%d/0" (include "splitserve.componentName" (dict "root" . "component" "redis")) (int .Values.redis.port) }}
+{{- else }}
+{{- .Values.redis.externalUrl }}
+{{- end }}
+{{- end }}
+
+{{/* The registry: Redis, by URL or (a URL with a password) from a Secret through SPLITSERVE_REDIS_URL */}}
+{{- define "splitserve.registryArgs" -}}
+- "--registry"
+- "redis"
+{{- if or .Values.redis.enabled (not .Values.redis.externalUrlSecret.name) }}
+- "--redis-url"
+- {{ required "redis.externalUrl (or redis.externalUrlSecret.name) is required with redis.enabled false" (include "splitserve.redisUrl" .) | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "splitserve.registryEnv" -}}
+{{- if and (not .Values.redis.enabled) .Values.redis.externalUrlSecret.name }}
+- name: SPLITSERVE_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.externalUrlSecret.name }}
+      key: {{ .Values.redis.externalUrlSecret.key }}
+{{- end }}
+{{- end }}
+
+{{/* The router's environment: the registry's URL from a Secret, the API keys from a Secret */}}
+{{- define "splitserve.routerEnv" -}}
+{{- include "splitserve.registryEnv" . }}
+{{- with .Values.router.apiKeysSecret.name }}
+- name: SPLITSERVE_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.router.apiKeysSecret.key }}
+{{- end }}
+{{- end }}
+
+{{- define "splitserve.tlsDir" -}}/etc/splitserve/tls{{- end }}
+
+{{- define "splitserve.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+{{- $dir := include "splitserve.tlsDir" . }}
+- "--tls-cert-file"
+- "{{ $dir }}/tls.crt"
+- "--tls-key-file"
+- "{{ $dir }}/tls.key"
+- "--tls-ca-file"
+- "{{ $dir }}/ca.crt"
+- {{ ternary "--tls-require-client-cert" "--no-tls-require-client-cert" .Values.tls.requireClientCert | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes every splitserve container gets: /tmp (the root filesystem is read-only), TLS, the model */}}
+{{- define "splitserve.volumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required with tls.enabled" .Values.tls.secretName }}
+{{- end }}
+{{- if eq .Values.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required with model.source pvc" .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ required "model.hostPath.path is required with model.source hostPath" .Values.model.hostPath.path }}
+    {{- with .Values.model.hostPath.type }}
+    type: {{ . }}
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "splitserve.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ include "splitserve.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- if ne .Values.model.source "image" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+  {{- if and (eq .Values.model.source "pvc") .Values.model.pvc.subPath }}
+  subPath: {{ .Values.model.pvc.subPath }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A probe on grpc.health.v1.Health: kubelet's native gRPC probe, which speaks plaintext only; with TLS on, grpcurl
+(in the image) checks the same service over TLS, presenting the pod's own certificate for mutual TLS.
+*/}}
+{{- define "splitserve.grpcProbe" -}}
+{{- if .root.Values.tls.enabled }}
+{{- $dir := include "splitserve.tlsDir" .root }}
+exec:
+  command:
+    - sh
+    - -c
+    - grpcurl -insecure -cert {{ $dir }}/tls.crt -key {{ $dir }}/tls.key localhost:{{ .port }} grpc.health.v1.Health/Check | grep -q '"SERVING"'
+timeoutSeconds: {{ .probe.timeoutSeconds | default 5 }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+timeoutSeconds: {{ .probe.timeoutSeconds | default 2 }}
+{{- end }}
+periodSeconds: {{ .probe.periodSeconds }}
+failureThreshold: {{ .probe.failureThreshold }}
+{{- end }}
+
+{{- define "splitserve.scrapeAnnotations" -}}
+{{- if .root.Values.metrics.scrapeAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- with .scheme }}
+prometheus.io/scheme: {{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* terminationGracePeriodSeconds: the process' own drain (shutdownGraceS) plus what comes before and after it */}}
+{{- define "splitserve.terminationGrace" -}}
+{{- $drain := .drain | default 30 | float64 | ceil | int }}
+{{- add $drain (.before | default 0 | int) (.values.terminationGraceExtraSeconds | default 0 | int) }}
+{{- end }}
+
+{{- define "splitserve.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "splitserve.podSecurity" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* Replicas, unless something else (the planner, an HPA) owns the count: then upgrades leave it alone */}}
+{{- define "splitserve.replicas" -}}
+{{- $planned := and .root.Values.planner.enabled (has .component (list "prefill" "decode")) }}
+{{- $hpa := and .values.autoscaling .values.autoscaling.enabled }}
+{{- if not (or $planned $hpa) }}
+replicas: {{ .values.replicas }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,195 @@
+{{/*
+The prefill, decode and mixed pods: one Deployment shape, three roles (deployment-prefill.yaml and its siblings
+only name the component). A pod listens on its gRPC port, advertises <pod IP>:<port> in Redis, and serves
+/metrics on its metrics port. On SIGTERM it turns NOT_SERVING, leaves the registry and drains for
+config.shutdownGraceS; terminationGracePeriodSeconds covers that plus terminationGraceExtraSeconds.
+*/}}
+{{- define "splitserve.podDeployment" -}}
+{{- $root := .root }}
+{{- $values := index $root.Values .component }}
+{{- $ctx := dict "root" $root "component" .component }}
+{{- if $values.enabled }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "splitserve.componentName" $ctx }}
+  labels:
+    {{- include "splitserve.labels" $ctx | nindent 4 }}
+spec:
+  {{- include "splitserve.replicas" (dict "root" $root "component" .component "values" $values) | nindent 2 }}
+  selector:
+    matchLabels:
+      {{- include "splitserve.selectorLabels" $ctx | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "splitserve.selectorLabels" $ctx | nindent 8 }}
+        {{- with $values.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      annotations:
+        {{- include "splitserve.scrapeAnnotations" (dict "root" $root "port" $values.ports.metrics) | nindent 8 }}
+        {{- with $values.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      {{- include "splitserve.podSecurity" $root | nindent 6 }}
+      terminationGracePeriodSeconds: {{ include "splitserve.terminationGrace" (dict "drain" $values.config.shutdownGraceS "values" $values) }}
+      {{- include "splitserve.scheduling" $values | nindent 6 }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "splitserve.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          command: ["python", "-m", "{{ ternary "prefill_service" "decode_service" (eq .component "prefill") }}"]
+          args:
+            - "--host"
+            - "0.0.0.0"
+            - "--port"
+            - {{ $values.ports.grpc | quote }}
+            - "--metrics-port"
+            - {{ $values.ports.metrics | quote }}
+            - "--advertise-address"
+            - "$(POD_IP):{{ $values.ports.grpc }}"
+            {{- if ne .component "prefill" }}
+            - "--role"
+            - {{ .component | quote }}
+            {{- end }}
+            {{- include "splitserve.modelArgs" $root | nindent 12 }}
+            {{- include "splitserve.registryArgs" $root | nindent 12 }}
+            {{- include "splitserve.tlsArgs" $root | nindent 12 }}
+            {{- include "splitserve.configArgs" $values.config | nindent 12 }}
+          env:
+            - name: POD_IP
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            {{- include "splitserve.registryEnv" $root | nindent 12 }}
+          ports:
+            - name: grpc
+              containerPort: {{ $values.ports.grpc }}
+            - name: metrics
+              containerPort: {{ $values.ports.metrics }}
+          startupProbe:
+            {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.grpc "probe" $values.probes.startup) | nindent 12 }}
+          readinessProbe:
+            {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.grpc "probe" $values.probes.readiness) | nindent 12 }}
+          livenessProbe:
+            {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.grpc "probe" $values.probes.liveness) | nindent 12 }}
+          resources:
+            {{- toYaml $values.resources | nindent 12 }}
+          volumeMounts:
+            {{- include "splitserve.volumeMounts" $root | nindent 12 }}
+      volumes:
+        {{- include "splitserve.volumes" $root | nindent 8 }}
+{{- end }}
+{{- end }}
+
+{{/* Headless: the router picks pods itself (from Redis); the Service names them for monitoring and debugging */}}
+{{- define "splitserve.podService" -}}
+{{- $values := index .root.Values .component }}
+{{- $ctx := dict "root" .root "component" .component }}
+{{- if $values.enabled }}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "splitserve.componentName" $ctx }}
+  labels:
+    {{- include "splitserve.labels" $ctx | nindent 4 }}
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "splitserve.selectorLabels" $ctx | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $values.ports.grpc }}
+      targetPort: grpc
+      appProtocol: grpc
+    - name: metrics
+      port: {{ $values.ports.metrics }}
+      targetPort: metrics
+{{- end }}
+{{- end }}
+
+{{- define "splitserve.podDisruptionBudget" -}}
+{{- $values := index .root.Values .component }}
+{{- $ctx := dict "root" .root "component" .component }}
+{{- if and (ne (toString $values.enabled) "false") $values.podDisruptionBudget.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "splitserve.componentName" $ctx }}
+  labels:
+    {{- include "splitserve.labels" $ctx | nindent 4 }}
+spec:
+  maxUnavailable: {{ $values.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "splitserve.selectorLabels" $ctx | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{- define "splitserve.horizontalPodAutoscaler" -}}
+{{- $values := index .root.Values .component }}
+{{- $ctx := dict "root" .root "component" .component }}
+{{- if and (ne (toString $values.enabled) "false") $values.autoscaling.enabled }}
+{{- if and .root.Values.planner.enabled (has .component (list "prefill" "decode")) }}
+{{- fail (printf "%s.autoscaling and the planner would both scale %s: enable one" .component .component) }}
+{{- end }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "splitserve.componentName" $ctx }}
+  labels:
+    {{- include "splitserve.labels" $ctx | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "splitserve.componentName" $ctx }}
+  minReplicas: {{ $values.autoscaling.minReplicas }}
+  maxReplicas: {{ $values.autoscaling.maxReplicas }}
+  metrics:
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ $values.autoscaling.targetCPUUtilizationPercentage }}
+{{- end }}
+{{- end }}
+
+{{/* port: the Service port's name that serves /metrics */}}
+{{- define "splitserve.serviceMonitor" -}}
+{{- $values := index .root.Values .component }}
+{{- $ctx := dict "root" .root "component" .component }}
+{{- if and (ne (toString $values.enabled) "false") $values.serviceMonitor.enabled }}
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ include "splitserve.componentName" $ctx }}
+  labels:
+    {{- include "splitserve.labels" $ctx | nindent 4 }}
+    {{- with $values.serviceMonitor.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      {{- include "splitserve.selectorLabels" $ctx | nindent 6 }}
+  endpoints:
+    - port: {{ .port }}
+      path: /metrics
+      interval: {{ $values.serviceMonitor.interval }}
+      {{- with $values.serviceMonitor.scrapeTimeout }}
+      scrapeTimeout: {{ . }}
+      {{- end }}
+      {{- if .tls }}
+      scheme: https
+      tlsConfig:
+        insecureSkipVerify: true
+      {{- end }}
+{{- end }}
+{{- end }}
