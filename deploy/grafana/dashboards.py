@@ -233,7 +233,7 @@ DASHBOARDS = {"overview": overview, "prefill": prefill, "decode": decode, "route
 def render(name: str) -> str:
     built = DASHBOARDS[name]()
     for number, item in enumerate(built.panels, start=1):  # Grafana links and views panels by a unique id
-        item.id = number
+        item.id_val = number
     return JSONEncoder(sort_keys=True, indent=2).encode(built) + "\n"
 
 
