@@ -62,7 +62,7 @@ RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; dur
     "hysteresis": {"minimum": 0, "exclusiveMaximum": 1},
     "scale_up_cooldown_s": {"minimum": 0},
     "scale_down_cooldown_s": {"minimum": 0},
-    "block_size": {"minimum": 1},
+    "block_size": {"enum": [2 ** k for k in range(11)]},  # a power of two
     "max_num_batched_tokens": {"minimum": 1},
     "max_num_seqs": {"minimum": 1},
     "max_chunk_bytes": {"minimum": 1},
