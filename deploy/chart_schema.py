@@ -15,17 +15,18 @@ Two kinds of values (see ``values.yaml``):
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import sys
 import typing
 from pathlib import Path
 
-from decode_service.config import ROLES, DecodeConfig
+from decode_service.config import DecodeConfig
 from deploy.planner.config import PlannerConfig
 from engine.config import CACHE_DTYPES
 from kvtransfer.codecs import available_codecs
 from prefill_service.config import PrefillConfig
-from router.config import POLICY_NAMES, RouterConfig
+from router.config import RouterConfig
 
 CHART = Path(__file__).parent / "helm" / "splitserve"
 SCHEMA_PATH = CHART / "values.schema.json"
@@ -47,10 +48,9 @@ CHART_OWNED = {
 }
 
 _CODECS = list(available_codecs())
-CHOICES = {  # field -> allowed values (the services check the same lists at start)
+CHOICES = {  # field -> allowed values of plain-string fields (enum fields list their members)
     "kv_codec": _CODECS,
     "accepted_kv_codecs": _CODECS,
-    "policy": list(POLICY_NAMES),
     "cache_dtype": list(CACHE_DTYPES),
     "dtype": ["float32", "bfloat16", "float16"],
 }
@@ -85,9 +85,11 @@ def _field_schema(f: dataclasses.Field, hint) -> dict:
     item = None
     if base is list:
         (item,) = typing.get_args(hint)
-    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}[base]
+    enum_type = base if isinstance(base, type) and issubclass(base, enum.Enum) else None
+    kind = "string" if enum_type else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                       list: "array"}[base]
     schema: dict = {"type": kind, "description": f.metadata.get("help", "")}
-    choices = CHOICES.get(f.name)
+    choices = [member.value for member in enum_type] if enum_type else CHOICES.get(f.name)
     if kind == "array":
         schema["items"] = {"type": "string", **({"enum": choices} if choices else {})}
     elif choices:
@@ -95,7 +97,7 @@ def _field_schema(f: dataclasses.Field, hint) -> dict:
     if kind in ("integer", "number"):
         schema.update(RANGES.get(f.name, {"exclusiveMinimum": 0} if f.name.endswith("_s") else {"minimum": 0}))
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-    schema["default"] = default
+    schema["default"] = default.value if isinstance(default, enum.Enum) else default
     return schema
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ["splitserve", "router", "prefill_service", "decode_service", "kvtransfer", "runtime", "protos", "engine"]
+PACKAGES = ["splitserve", "deploy", "router", "prefill_service", "decode_service", "kvtransfer", "runtime", "protos", "engine"]
 LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.config import described
+from runtime.config import described
 
 
 @dataclass

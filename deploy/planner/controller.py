@@ -16,7 +16,7 @@ from deploy.planner.config import PlannerConfig
 from deploy.planner.metrics import PlannerMetrics
 from deploy.planner.scaler import DeploymentScaler, api_client, own_namespace
 from deploy.planner.signals import PrometheusSignals
-from splitserve.config import parse_config
+from runtime.config import parse_config
 
 logger = logging.getLogger(__name__)
 

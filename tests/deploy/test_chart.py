@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from deploy.chart_schema import CHART_OWNED, COMPONENTS, SCHEMA_PATH, camel, config_fields, render as render_schema
-from splitserve.config import parse_config
+from runtime.config import parse_config
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve"
 VALUES_FILES = {path.stem.removesuffix("-values"): path for path in sorted((CHART / "ci").glob("*-values.yaml"))}
