@@ -16,7 +16,8 @@ fi
 
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
-command -v prometheus >/dev/null || missing+=(prometheus)
+# Debian's prometheus package also ships promtool (the deploy tests check rules and dashboard queries with it).
+{ command -v prometheus && command -v promtool; } >/dev/null || missing+=(prometheus)
 command -v g++ >/dev/null || missing+=(g++)
 if ((${#missing[@]})); then
     echo "bootstrap: installing Debian packages: ${missing[*]}" >&2
