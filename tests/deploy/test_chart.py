@@ -238,7 +238,8 @@ def test_probes_are_native_grpc_on_the_serving_port_and_grpcurl_under_tls(chart)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": grpc_port}
     router = plain["router"]["spec"]["template"]["spec"]["containers"][0]
-    assert router["readinessProbe"]["grpc"] == {"port": 50051} and "tcpSocket" in router["livenessProbe"]
+    assert router["readinessProbe"]["grpc"] == {"port": 50051}
+    assert "tcpSocket" in router["livenessProbe"] and "tcpSocket" in router["startupProbe"]  # see the template
     tls = containers_by_component(objects(chart, case_values("tls")))
     probe = tls["decode"]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     assert "grpcurl" in probe["exec"]["command"][-1] and "localhost:50062" in probe["exec"]["command"][-1]
