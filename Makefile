@@ -1,7 +1,7 @@
 # The two commands of the quick start are `make run` and `make test`; each installs what is missing.
 PY := .venv/bin/python
 
-.PHONY: run test bootstrap protos bench
+.PHONY: run test bootstrap protos bench deploy-generated
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -17,3 +17,10 @@ protos: bootstrap
 
 bench: bootstrap
 	$(PY) -m splitserve bench engine
+
+# The chart's values.schema.json, the Grafana dashboards and the plain-Prometheus rules are generated (tests fail
+# when a committed copy is stale).
+deploy-generated: bootstrap
+	$(PY) -m deploy.chart_schema
+	$(PY) -m deploy.grafana
+	$(PY) -m deploy.prometheus
