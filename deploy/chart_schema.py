@@ -63,6 +63,8 @@ RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; dur
     "scale_up_cooldown_s": {"minimum": 0},
     "scale_down_cooldown_s": {"minimum": 0},
     "block_size": {"enum": [2 ** k for k in range(11)]},  # a power of two
+    "max_queue_time_s": {"minimum": 0},  # 0: never refuse for queue time
+    "inject_corrupt_chunks": {"minimum": 0, "maximum": 1},  # a probability
     "max_num_batched_tokens": {"minimum": 1},
     "max_num_seqs": {"minimum": 1},
     "max_chunk_bytes": {"minimum": 1},
