@@ -3,11 +3,11 @@ scraping them, SmolLM2) under a short load of short and long prompts plus a few 
 queries go through Prometheus' HTTP API as Grafana would send them, and so do the recording rules and the planner's
 queries.
 
-A panel passes when one of its queries returns a finite sample. A panel that returns nothing is a failure, except:
-- no process recorded a sample of its metric families: instrumentation still missing, reported by name as an
-  expected failure (a declared metric with labels shows no series until its first sample);
-- its series count events a clean run does not have (retries, KV transfer failures, migrations), checked to be
-  exported.
+A panel passes when one of its queries returns a finite sample; one that returns nothing fails, naming the metric
+families nothing recorded, unless its series count events a clean run does not have (retries, KV transfer failures,
+migrations).
+The refusal panels are checked last, after the decode pod is stopped: requests then get 503 / UNAVAILABLE, and the
+no-healthy-decode-pod alert's expression must fire on the real series.
 ``SPLITSERVE_DASHBOARD_PNG=path.png`` also draws the overview dashboard from this run (the README's picture).
 """
 
@@ -97,8 +97,8 @@ def _load(http: str, requests_per_worker: int = 6, workers: int = 3) -> list[int
 
 
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory):
-    """A loaded cluster's Prometheus URL (the cluster runs until the module's tests end)."""
+def running(tmp_path_factory):
+    """A loaded cluster and its Prometheus URL (the cluster runs until the module's tests end)."""
     base = _free_port_run(10)
     config = UpConfig(model="smollm2-135m", prefill=1, decode=1, grpc_port=base, http_port=base + 1,
                       base_pod_port=base + 2, base_metrics_port=base + 5, prometheus_port=base + 8,
@@ -116,9 +116,14 @@ def prometheus(tmp_path_factory):
         if os.environ.get("SPLITSERVE_DASHBOARD_PNG"):
             board = json.loads((OUT_DIR / "splitserve-overview.json").read_text())
             draw(board, url, started - 20, time.time(), Path(os.environ["SPLITSERVE_DASHBOARD_PNG"]), "30s")
-        yield url
+        yield cluster, url
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(running):
+    return running[1]
 
 
 def _query(prometheus: str, expr: str) -> list[dict]:
@@ -143,23 +148,26 @@ def _families(expr: str) -> set[str]:
     return {re.sub(r"_(bucket|sum|count)$", "", name) for name in re.findall(r"\b(splitserve_\w+)\{", expr)}
 
 
+REFUSAL_PANELS = [("overview", "Errors"), ("router", "Rejected requests")]
 PANELS = [(name, panel["title"]) for name in DASHBOARDS
           for panel in json.loads((OUT_DIR / f"splitserve-{name}.json").read_text())["panels"]
-          if panel["type"] != "row"]
+          if panel["type"] != "row" and (name, panel["title"]) not in REFUSAL_PANELS]
+
+
+def _panel_exprs(dashboard: str, title: str) -> list[str]:
+    board = json.loads((OUT_DIR / f"splitserve-{dashboard}.json").read_text())
+    panel = next(p for p in board["panels"] if p.get("title") == title)
+    return [grafana_expr(t["expr"], RATE_INTERVAL) for t in panel["targets"]]
 
 
 @pytest.mark.parametrize("dashboard, title", PANELS, ids=[f"{d}:{t}" for d, t in PANELS])
 def test_every_panel_returns_data(prometheus, dashboard, title):
-    board = json.loads((OUT_DIR / f"splitserve-{dashboard}.json").read_text())
-    panel = next(p for p in board["panels"] if p.get("title") == title)
-    exprs = [grafana_expr(t["expr"], RATE_INTERVAL) for t in panel["targets"]]
+    exprs = _panel_exprs(dashboard, title)
     if any(_has_data(_query(prometheus, expr)) for expr in exprs):
         return
     families = set().union(*(_families(e) for e in exprs))
     unrecorded = sorted(f for f in families if not _recorded(prometheus, f))
-    if unrecorded and title not in EVENT_PANELS:  # the metric is declared but nothing records it yet
-        pytest.xfail(f"no process recorded {', '.join(unrecorded)}")
-    assert title in EVENT_PANELS, f"{dashboard}: {title!r} returns no data: {exprs}"
+    assert title in EVENT_PANELS, f"{dashboard}: {title!r} returns no data (nothing recorded {unrecorded}): {exprs}"
 
 
 def test_recording_rules_return_data(prometheus):
@@ -178,3 +186,27 @@ def test_the_planner_reads_the_cluster(prometheus):
         value = getattr(signals, name)
         assert math.isfinite(value) and value >= 0, (name, value)
     assert signals.requests_per_s > 0 and signals.decode_pods == 1
+
+
+def test_refusals_show_once_no_decode_pod_is_left(running):
+    """Last (it stops the decode pod): requests now fail with 503, the refusal panels show them by code, and the
+    no-healthy-decode-pod alert's expression fires on the real series."""
+    import yaml
+
+    cluster, prometheus = running
+    decode = next(p for p in cluster.processes if p.name.startswith("decode"))
+    decode.popen.terminate()
+    decode.popen.wait(timeout=60)
+    http = f"http://{cluster.config.host}:{cluster.config.http_port}"
+    deadline = time.monotonic() + 60
+    statuses = []
+    while time.monotonic() < deadline and statuses.count(503) < 2:
+        statuses.append(_post(f"{http}/v1/completions", {"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4}))
+        time.sleep(1)
+    assert statuses.count(503) >= 2, statuses
+    time.sleep(6)
+    for dashboard, title in REFUSAL_PANELS:
+        assert any(_has_data(_query(prometheus, e)) for e in _panel_exprs(dashboard, title)), title
+    alerts = [r for g in yaml.safe_load(RULES_PATH.read_text())["groups"] for r in g["rules"]
+              if r.get("alert") == "SplitserveNoHealthyDecodePod"]
+    assert _query(prometheus, alerts[0]["expr"]), "the alert's condition does not hold with no decode pod"
