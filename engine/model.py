@@ -8,12 +8,8 @@ attention (attention.py) -> output projection -> residual -> RMSNorm -> SwiGLU w
 Decode streams every weight once per step; on CPU the native kernels (engine/cpu_kernels.py) run the products
 and the decode attention when ``kernels`` is given (``LlamaForCausalLM``'s default: whenever they can).
 
-Parameter names, the layout engine/weights.py produces (``random_state_dict`` builds the same for tiny models):
-``embed_tokens.weight`` [V, H]; ``layers.{i}.input_norm.weight`` [H];
-``layers.{i}.attn.qkv_proj.weight`` [(Hq + 2 Hkv) D, H], rows q then k then v in HF order (``.bias`` with qkv_bias);
-``layers.{i}.attn.o_proj.weight`` [H, Hq D]; ``layers.{i}.post_attn_norm.weight`` [H];
-``layers.{i}.mlp.gate_up_proj.weight`` [2 I, H], gate rows then up rows; ``layers.{i}.mlp.down_proj.weight`` [H, I];
-``norm.weight`` [H]; ``lm_head.weight`` [V, H], absent when the embeddings are tied.
+Its parameters are the layout of engine/parameter_layout.py (names, shapes, what each fuses), which every
+weight loader produces; ``from_state_dict`` checks a state dict against it before loading.
 """
 
 from __future__ import annotations
@@ -32,6 +28,7 @@ from engine.config import ModelConfig
 from engine.cpu_kernels import PANEL, CpuKernels, DecodeLayers, LayerTensors, packed_shape
 from engine.cpu_kernels import usable as usable_kernels
 from engine.kv_cache import PagedKVCache
+from engine.parameter_layout import check_state_dict
 
 
 class RMSNorm(nn.Module):
@@ -268,8 +265,9 @@ class LlamaForCausalLM(nn.Module):
         cls, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32, device="cpu",
         cpu_kernels: bool = True,
     ) -> "LlamaForCausalLM":
+        check_state_dict(config, state_dict)  # names the missing, unexpected or misshapen parameters
         model = cls(config, dtype, device, cpu_kernels)
-        model.load_state_dict(state_dict)  # strict: a missing or unexpected name is an error
+        model.load_state_dict(state_dict)
         return model
 
     def forward(
@@ -321,35 +319,3 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return head(hidden).float()
 
-
-def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter, in the layout documented at the top of this file."""
-    h, d = config.hidden_size, config.head_dim
-    qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * d
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, h)}
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        shapes[p + "input_norm.weight"] = (h,)
-        shapes[p + "attn.qkv_proj.weight"] = (qkv_rows, h)
-        if config.qkv_bias:
-            shapes[p + "attn.qkv_proj.bias"] = (qkv_rows,)
-        shapes[p + "attn.o_proj.weight"] = (h, config.num_heads * d)
-        shapes[p + "post_attn_norm.weight"] = (h,)
-        shapes[p + "mlp.gate_up_proj.weight"] = (2 * config.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
-    shapes["norm.weight"] = (h,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
-
-
-def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random float32 CPU weights: norms 1, everything else N(0, 0.02) (GPT-2/Llama init scale)."""
-    generator = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, shape in parameter_shapes(config).items():
-        if name.endswith("norm.weight"):
-            state[name] = torch.ones(shape)
-        else:
-            state[name] = torch.randn(shape, generator=generator) * 0.02
-    return state

@@ -3,7 +3,7 @@
 ``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` and adds what serving needs around it: BOS
 handling, EOS ids, and chat templates rendered with jinja2 in a sandbox (as ``transformers`` does). It is built
 either from a Hugging Face directory (``tokenizer.json`` + ``tokenizer_config.json``) or from the vocabulary a
-GGUF file carries (``GGUFTokenizerData``, read by ``engine.weights.load_gguf``).
+GGUF file carries (``GGUFTokenizerData``, read by ``engine.gguf_file.load_gguf``).
 
 ``IncrementalDetokenizer`` turns one request's output ids into text deltas, one token at a time:
 

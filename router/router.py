@@ -650,7 +650,7 @@ def _invalid(message: str) -> StatusError:
 
 
 def _load_tokenizer(model: str) -> Tokenizer:
-    # engine.models pulls in torch and the weight loaders; only a router that was not handed a tokenizer pays.
-    from engine.models import load_tokenizer
+    # engine.model_files pulls in torch and the weight loaders; only a router that was not handed a tokenizer pays.
+    from engine.model_files import load_tokenizer
 
     return load_tokenizer(model)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.weights import export_hf_checkpoint
+from engine.hf_checkpoint import export_hf_checkpoint
 
 pytestmark = pytest.mark.model
 

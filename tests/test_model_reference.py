@@ -18,7 +18,9 @@ from engine import model as model_module
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_cache import PagedKVCache
-from engine.model import Linear, LlamaForCausalLM, parameter_shapes, random_state_dict
+from engine.hf_checkpoint import fuse_hf_state_dict
+from engine.model import Linear, LlamaForCausalLM
+from engine.parameter_layout import parameter_shapes, random_state_dict
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -62,34 +64,13 @@ def _our_config(variant: str) -> ModelConfig:
     )
 
 
-def _fuse_hf_weights(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF names -> our fused layout (q/k/v rows concatenated, gate/up rows concatenated)."""
-    ours = {"embed_tokens.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"]}
-    if not config.tie_word_embeddings:
-        ours["lm_head.weight"] = hf_state["lm_head.weight"]
-    for i in range(config.num_layers):
-        hf, p = f"model.layers.{i}.", f"layers.{i}."
-        qkv = [hf + f"self_attn.{x}_proj" for x in "qkv"]
-        ours[p + "input_norm.weight"] = hf_state[hf + "input_layernorm.weight"]
-        ours[p + "attn.qkv_proj.weight"] = torch.cat([hf_state[n + ".weight"] for n in qkv])
-        if config.qkv_bias:
-            ours[p + "attn.qkv_proj.bias"] = torch.cat([hf_state[n + ".bias"] for n in qkv])
-        ours[p + "attn.o_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
-        ours[p + "post_attn_norm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        ours[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]]
-        )
-        ours[p + "mlp.down_proj.weight"] = hf_state[hf + "mlp.down_proj.weight"]
-    return ours
-
-
 class _Engine:
     """Just enough of an engine to drive the model: sequences of known tokens, shuffled blocks, one step at a time."""
 
     def __init__(self, variant: str, cpu_kernels: bool = True):
         self.hf = _hf_model(variant)
         config = _our_config(variant)
-        self.model = LlamaForCausalLM.from_state_dict(config, _fuse_hf_weights(self.hf.state_dict(), config),
+        self.model = LlamaForCausalLM.from_state_dict(config, fuse_hf_state_dict(self.hf.state_dict(), config),
                                                       cpu_kernels=cpu_kernels)
         self.cache = PagedKVCache(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
         self.free_blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
@@ -268,7 +249,7 @@ def test_packed_weights_round_trip_through_the_state_dict(native_kernels):
     engine = _Engine("llama_gqa_tied")
     layer = engine.model.layers[0]
     assert layer.mlp.gate_up_proj.weight.shape == (16, 64, 16)  # [256, 64] in 16 panels of 16 outputs
-    hf_state = _fuse_hf_weights(engine.hf.state_dict(), engine.model.config)
+    hf_state = fuse_hf_state_dict(engine.hf.state_dict(), engine.model.config)
     ours = engine.model.state_dict()
     assert set(ours) == set(hf_state)
     assert all(torch.equal(ours[k], hf_state[k]) for k in ours)
@@ -288,7 +269,7 @@ def test_16_bit_cache_on_the_native_path_matches_the_pytorch_path(cache_dtype, n
     # attend, which is what the PyTorch path does with the same cache: a chunked prefill, then decode steps (all
     # layers in one native call) agree within float32 noise, and stay within the cache's rounding of HF.
     config = _our_config("llama_gqa_tied")
-    state = _fuse_hf_weights(_hf_model("llama_gqa_tied").state_dict(), config)
+    state = fuse_hf_state_dict(_hf_model("llama_gqa_tied").state_dict(), config)
     prompt = _tokens(12, 14)
     logits = []
     for cpu_kernels in (True, False):
@@ -351,3 +332,15 @@ def test_heads_the_attention_kernels_do_not_take_run_on_pytorch_around_native_pr
             logits.append(model.compute_logits(model(torch.tensor([11]), torch.tensor([5]), cache, meta)))
     assert not models[0]._decodes_natively(cache, meta)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
+
+
+def test_a_state_dict_that_does_not_fit_the_layout_is_refused_by_name():
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                         num_kv_heads=2, tie_word_embeddings=True)
+    state = random_state_dict(config, seed=0)
+    del state["layers.1.mlp.down_proj.weight"]
+    state["lm_head.weight"] = torch.zeros(32, 16)  # tied: there is no head
+    state["norm.weight"] = torch.ones(15)
+    with pytest.raises(ValueError, match=r"missing: layers\.1\.mlp\.down_proj\.weight; unexpected: lm_head\.weight; "
+                                         r"wrong shape: norm\.weight \(15,\) \(expected \(16,\)\)"):
+        LlamaForCausalLM.from_state_dict(config, state)

@@ -11,9 +11,9 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from engine.models import load_tokenizer, smollm2_gguf_path, tiny_random_tokenizer_data
+from engine.gguf_file import load_gguf
+from engine.model_files import load_tokenizer, smollm2_gguf_path, tiny_random_tokenizer_data
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.weights import load_gguf
 
 IM_START, IM_END = 1, 2
 

@@ -15,10 +15,11 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine.config import ModelConfig
-from engine.model import parameter_shapes
-from engine.models import TINY_RANDOM, load_model_files, load_tokenizer, smollm2_gguf_path, tiny_random_config
+from engine.gguf_file import load_gguf
+from engine.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
+from engine.model_files import TINY_RANDOM, load_model_files, load_tokenizer, smollm2_gguf_path, tiny_random_config
+from engine.parameter_layout import parameter_shapes
 from engine.tokenizer import GGUFTokenizerData, Tokenizer
-from engine.weights import export_hf_checkpoint, load_gguf, load_hf_checkpoint
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB = 2, 4, 2, 16, 64, 96, 128
 

@@ -24,7 +24,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import CACHE_DTYPES, DEFAULT_MODEL
-from engine.weights import export_hf_checkpoint
+from engine.hf_checkpoint import export_hf_checkpoint
 from splitserve.bench import headless_pyplot
 
 PROMPT_LENS = (512, 1024)

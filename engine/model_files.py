@@ -21,9 +21,10 @@ import torch
 from tokenizers import pre_tokenizers
 
 from engine.config import DEFAULT_MODEL, ModelConfig
-from engine.model import random_state_dict
+from engine.gguf_file import load_gguf, read_gguf_tokenizer
+from engine.hf_checkpoint import load_hf_checkpoint
+from engine.parameter_layout import random_state_dict
 from engine.tokenizer import GGUFTokenizerData, Tokenizer
-from engine.weights import load_gguf, load_hf_checkpoint, read_gguf_tokenizer
 
 TINY_RANDOM = "tiny-random"
 
@@ -31,7 +32,7 @@ TINY_RANDOM = "tiny-random"
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]  # our fused layout (see engine/weights.py)
+    state_dict: dict[str, torch.Tensor]  # our fused layout (engine/parameter_layout.py)
     tokenizer: Tokenizer
 
 
