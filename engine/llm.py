@@ -15,7 +15,7 @@ from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerCon
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence
-from engine.tokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]

@@ -1,16 +1,9 @@
-"""Text <-> token ids: the ``Tokenizer`` and the ``IncrementalDetokenizer`` that streams output text.
+"""Text <-> token ids: the ``Tokenizer``. (Output text streams through detokenizer.py.)
 
 ``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` and adds what serving needs around it: BOS
 handling, EOS ids, and chat templates rendered with jinja2 in a sandbox (as ``transformers`` does). It is built
 either from a Hugging Face directory (``tokenizer.json`` + ``tokenizer_config.json``) or from the vocabulary a
-GGUF file carries (``GGUFTokenizerData``, read by ``engine.gguf_file.load_gguf``).
-
-``IncrementalDetokenizer`` turns one request's output ids into text deltas, one token at a time:
-
-    token id -> decode a small window of recent tokens (prefix/read offsets, as vLLM and TGI do)
-             -> hold back bytes that do not form a whole character yet
-             -> search the new text for stop strings, hold back a tail that may begin one
-             -> the delta the client may see
+GGUF file carries (``GGUFTokenizerData``, read by ``engine.gguf_file``).
 """
 
 from __future__ import annotations
@@ -227,104 +220,3 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._backend.id_to_token(token_id) or ""
-
-
-# Prompt tokens decoded ahead of the output: some decoders (sentencepiece's "▁") drop a leading space at the
-# start of a decode, so the first output token needs context to keep it.
-_PROMPT_CONTEXT_TOKENS = 5
-
-
-class IncrementalDetokenizer:
-    """Streams one request's output text, token by token, and ends it at the first stop string.
-
-    ``add(token_id)`` returns the text that became final with this token. ``text`` is all of it so far.
-    Text is held back while (a) its last bytes do not yet form a whole UTF-8 character, or (b) its tail could
-    be the beginning of a stop string; ``finish()`` releases what is held when generation ends for another reason.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: list[int],
-        skip_special_tokens: bool = True,
-        stop: list[str] | None = None,
-        include_stop_str_in_output: bool = False,
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._stop = [s for s in stop or [] if s]
-        self._include_stop = include_stop_str_in_output
-        # The decode window: window[:read_offset] is already text (its decode is prefix_text), the rest is not.
-        self._window = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._read_offset = len(self._window)
-        self._prefix_text = self._decode(self._window)
-        self._decoded = ""  # every whole character decoded so far (may run ahead of .text)
-        self.text = ""  # what the caller has been given
-        self.stopped_by: str | None = None
-
-    def add(self, token_id: int) -> str:
-        """Take one output token; return the new final text (possibly empty)."""
-        if self.stopped_by is not None:
-            return ""
-        self._window.append(token_id)
-        new_text = self._decode(self._window)
-        # A trailing U+FFFD means the window ends inside a character: wait for its remaining bytes.
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        searched_from = len(self._decoded)
-        self._decoded += new_text[len(self._prefix_text) :]
-        self._advance_window()
-        return self._release(searched_from)
-
-    def finish(self) -> str:
-        """Generation ended (EOS, length, abort): release whatever was held back, including an unfinished
-        character (as U+FFFD, as a full decode would show it)."""
-        if self.stopped_by is not None:
-            return ""
-        tail = self._decode(self._window)[len(self._prefix_text) :]
-        self._decoded += tail
-        delta = self._decoded[len(self.text) :]
-        self.text = self._decoded
-        return delta
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
-
-    def _advance_window(self) -> None:
-        """Everything in the window is now text: the unread tokens become the next decode's prefix."""
-        self._window = self._window[self._read_offset :]
-        self._read_offset = len(self._window)
-        self._prefix_text = self._decode(self._window)
-
-    def _release(self, searched_from: int) -> str:
-        """Hand out new decoded text up to the first stop string, or up to a tail that may start one."""
-        stop_at = self._find_stop(searched_from)
-        if stop_at is not None:
-            end = stop_at + (len(self.stopped_by) if self._include_stop else 0)
-        else:
-            end = len(self._decoded) - self._stop_prefix_length()
-        delta = self._decoded[len(self.text) : end]
-        self.text += delta
-        return delta
-
-    def _find_stop(self, searched_from: int) -> int | None:
-        """Earliest stop string ending in the new text; sets ``stopped_by``. Earlier text was searched before."""
-        best: tuple[int, int, str] | None = None
-        for stop in self._stop:
-            at = self._decoded.find(stop, max(0, searched_from - len(stop) + 1))
-            if at >= 0 and (best is None or (at, -len(stop)) < best[:2]):
-                best = (at, -len(stop), stop)
-        if best is None:
-            return None
-        self.stopped_by = best[2]
-        return best[0]
-
-    def _stop_prefix_length(self) -> int:
-        """Length of the longest tail of the decoded text that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stop:
-            for length in range(min(len(stop) - 1, len(self._decoded)), longest, -1):
-                if self._decoded.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest

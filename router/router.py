@@ -45,9 +45,10 @@ from typing import Any, AsyncIterator
 
 import grpc
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 from protos.convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_to_dict
 from protos.splitserve.v1 import decode_pb2, prefill_pb2
 from router.config import RouterConfig

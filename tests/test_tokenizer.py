@@ -1,6 +1,5 @@
-"""Tokenizer (byte-level BPE from GGUF data and from HF directories, chat templates) and the
-IncrementalDetokenizer (multi-byte characters, stop strings). Fast tests use tiny-random's byte tokenizer,
-where every byte is one token; model-marked ones use SmolLM2's real vocabulary."""
+"""Tokenizer: byte-level BPE from GGUF data and from HF directories, chat templates. Fast tests use tiny-random's
+byte tokenizer, where every byte is one token; model-marked ones use SmolLM2's real vocabulary."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 
 from engine.gguf_file import load_gguf
 from engine.model_files import load_tokenizer, smollm2_gguf_path, tiny_random_tokenizer_data
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 
 IM_START, IM_END = 1, 2
 
@@ -21,11 +20,6 @@ IM_START, IM_END = 1, 2
 @pytest.fixture(scope="module")
 def tiny() -> Tokenizer:
     return Tokenizer.from_gguf(tiny_random_tokenizer_data())
-
-
-def stream(tokenizer, ids, prompt=(), **kwargs) -> tuple[list[str], IncrementalDetokenizer]:
-    detok = IncrementalDetokenizer(tokenizer, list(prompt), **kwargs)
-    return [detok.add(i) for i in ids], detok
 
 
 # ---- Tokenizer ----------------------------------------------------------------------------------------------------
@@ -130,88 +124,6 @@ def test_unsupported_gguf_vocabularies_are_rejected():
         Tokenizer.from_gguf(data)
 
 
-# ---- IncrementalDetokenizer -------------------------------------------------------------------------------------
-
-def test_multibyte_characters_arrive_whole(tiny):
-    text = "aé😀世b"
-    ids = tiny.encode(text)
-    deltas, detok = stream(tiny, ids)
-    # One token per byte: each character appears with its last byte, nothing before.
-    assert deltas == ["a", "", "é", "", "", "", "😀", "", "", "世", "b"]
-    assert detok.text == text and detok.finish() == "" and detok.text == text
-
-
-def test_prompt_is_context_not_output(tiny):
-    prompt = tiny.encode("<|im_start|>user\n世界<|im_end|>\n")
-    deltas, detok = stream(tiny, tiny.encode("ok"), prompt=prompt)
-    assert "".join(deltas) == detok.text == "ok"
-
-
-def test_unfinished_character_is_released_by_finish_as_a_full_decode_shows_it(tiny):
-    ids = tiny.encode("x世")[:-1]  # the last byte never comes
-    deltas, detok = stream(tiny, ids)
-    assert deltas == ["x", "", ""]
-    assert detok.finish() == "\ufffd" and detok.text == tiny.decode(ids) == "x\ufffd"
-
-
-def test_stop_string_spanning_tokens_truncates(tiny):
-    deltas, detok = stream(tiny, tiny.encode("Hello STOP and more"), stop=["STOP"])
-    assert "".join(deltas) == detok.text == "Hello "
-    assert detok.stopped_by == "STOP"
-    assert detok.add(tiny.encode("x")[0]) == "" and detok.finish() == "" and detok.text == "Hello "
-
-
-def test_stop_string_included_when_asked(tiny):
-    deltas, detok = stream(tiny, tiny.encode("Hello STOP and more"), stop=["STOP"], include_stop_str_in_output=True)
-    assert "".join(deltas) == detok.text == "Hello STOP" and detok.stopped_by == "STOP"
-
-
-def test_partial_stop_prefix_is_held_then_released(tiny):
-    deltas, detok = stream(tiny, tiny.encode("a</b>c"), stop=["</s>"])
-    assert deltas == ["a", "", "", "</b", ">", "c"]
-    assert detok.stopped_by is None and detok.text == "a</b>c"
-
-
-def test_held_prefix_released_by_finish(tiny):
-    deltas, detok = stream(tiny, tiny.encode("hi\n"), stop=["\n\n"])
-    assert deltas == ["h", "i", ""]
-    assert detok.finish() == "\n" and detok.text == "hi\n"
-
-
-def test_earliest_stop_wins(tiny):
-    deltas, detok = stream(tiny, tiny.encode("xyz abc"), stop=["bc", "z a", "abc"])
-    assert detok.stopped_by == "z a" and detok.text == "xy"
-
-
-def test_multibyte_stop_string(tiny):
-    deltas, detok = stream(tiny, tiny.encode("数据世界末日"), stop=["世界"])
-    # 3 bytes a character; "世" is held as a stop prefix, "界" completes the stop, the rest is dropped.
-    assert deltas == ["", "", "数", "", "", "据"] + [""] * 12
-    assert detok.text == "数据" and detok.stopped_by == "世界"
-
-
-def test_special_tokens_in_output(tiny):
-    ids = tiny.encode("ok") + [IM_END]
-    assert "".join(stream(tiny, ids)[0]) == "ok"
-    assert "".join(stream(tiny, ids, skip_special_tokens=False)[0]) == "ok<|im_end|>"
-
-
-def test_decodes_a_small_window_per_token(tiny):
-    """The cost per token must not grow with the output: every decode sees a handful of ids."""
-    sizes = []
-
-    class Spy(Tokenizer):
-        def decode(self, ids, skip_special_tokens=True):
-            sizes.append(len(ids))
-            return super().decode(ids, skip_special_tokens)
-
-    spy = Spy.from_gguf(tiny_random_tokenizer_data())
-    text = "streaming 世界 " * 60
-    deltas, detok = stream(spy, tiny.encode(text), prompt=tiny.encode("a long prompt " * 20), stop=["never"])
-    assert "".join(deltas) == detok.text == text
-    assert max(sizes) <= 10
-
-
 # ---- SmolLM2's real vocabulary ----------------------------------------------------------------------------------
 
 SAMPLES = [
@@ -272,13 +184,3 @@ def test_smollm2_specials_and_chat_template(smollm2):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
     )
-
-
-@pytest.mark.model
-def test_smollm2_streaming_matches_full_decode(smollm2):
-    text = SAMPLES[3] + " " + SAMPLES[4]
-    deltas, detok = stream(smollm2, smollm2.encode(text), prompt=smollm2.encode(SAMPLES[5]))
-    assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == detok.text == text
-    deltas, detok = stream(smollm2, smollm2.encode(text), stop=["ñor, Zü"])
-    assert detok.text == text[: text.index("ñor, Zü")] and detok.stopped_by == "ñor, Zü"
