@@ -1,75 +1,115 @@
-"""splitserve's native CPU kernels (``engine/csrc/cpu_kernels.cpp``): built at first use, called through ctypes.
+"""splitserve's native CPU kernels (``engine/csrc/cpu_kernels.cpp``): their typed entry points, called through ctypes.
 
-Decode on a CPU is a stream of weight reads, and MKL's few-row products read weights at half the memory's speed
-on the machines measured (AMD EPYC, 2 cores: 14 GB/s against the 20 GB/s a plain sum reaches). The kernels here
-store every linear weight in panels of 16 outputs ([P, in, 16]), which a 1-row product reads as one stream at the
-memory's speed and a many-row product runs as a GEMM micro-kernel (6 rows x 16 outputs with AVX2, 12 rows x 32
-outputs with AVX-512; 80-90% of MKL's float32 peak at 512 rows); and they attend a decode step's queries over K/V
-read in place through the block tables instead of gathering a copy.
+Decode on a CPU is a stream of weight reads, and MKL's few-row products read weights well below the memory's speed
+(docs/architecture.md has the measurements). The kernels here store every linear weight in panels of 16 outputs
+([P, in, 16]), which a 1-row product reads as one stream and a many-row product runs as a GEMM micro-kernel (6 rows
+x 16 outputs with AVX2, 12 rows x 32 outputs with AVX-512); and they attend a decode step's queries over K/V read
+in place through the block tables instead of gathering a copy.
 
-``load()`` compiles the source with ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into
-``$SPLITSERVE_CACHE_DIR`` (default ``~/.cache/splitserve``), once per source, compiler and CPU, and returns None,
-after logging why, where that cannot work: not x86-64 with AVX2, FMA and F16C, no compiler, a failed build, or
-``SPLITSERVE_CPU_KERNELS=0``. Callers then keep the pure-PyTorch path, which stays the reference in the tests.
-``SPLITSERVE_CPU_KERNELS=avx2`` builds without AVX-512 where the CPU has it (for CPUs that slow their clock for
-512-bit work); both builds give the same bits, as every output sums its products in the same order.
+``load()`` finds or builds the library (engine/cpu_kernels_build.py) and opens it, once per process; it says
+which path the model's layers take (``KernelChoice``: the native kernels, or PyTorch ops and why), logging the
+reason when it is PyTorch: not x86-64 with AVX2, FMA and F16C, no compiler, no writable cache directory, a failed
+build, a library whose ABI disagrees with the declarations below, or ``SPLITSERVE_CPU_KERNELS=0``. The PyTorch path
+stays the reference in the tests.
+
+**ABI check.** ctypes trusts the declared argument types: a library built from a source whose entry points
+changed would read garbage and corrupt memory. So the library reports its ABI version and, for every entry point,
+its argument types as the compiler sees them (``ss_abi_version``, ``ss_abi_table``), and ``CpuKernels`` refuses
+one that disagrees with ``ENTRY_POINTS`` before calling anything.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from engine.cpu_kernels_build import KernelsUnavailable, library_path
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 PANEL = 16  # outputs per weight panel; kPanel in the source
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+ABI_VERSION = 1  # kAbiVersion in the source: bump both when an entry point changes
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+# Every entry point the Python side calls: argument types, return type. The library's own table must agree.
+ENTRY_POINTS: dict[str, tuple[list, type | None]] = {
+    "ss_vector_bits": ([], _int),
+    "ss_linear": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int], None),
+    "ss_paged_decode_attention": (
+        [_ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int], None),
+    "ss_prefill_attention": (
+        [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int], None),
+    "ss_attention_input": (
+        [_ptr, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _int,
+         _ptr, _int], None),
+    "ss_attention_output_and_mlp": (
+        [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _float, _ptr, _ptr, _i64, _int], None),
+    "ss_decode_layers": (
+        [_ptr, _i64, _i64, _i64, _ptr, _int, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64,
+         _ptr, _i64, _float, _int], None),
+}
+
+# How the library spells an argument's type in its table (type_code in the source).
+_TYPE_CODES = {_ptr: "p", _i64: "q", _int: "i", _float: "f"}
 
 # KV cache dtypes the kernels read and write (CacheType in the source): 16-bit caches are widened to float32 as
 # they are loaded, so the attention's arithmetic is float32 whatever the cache holds.
 CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+class KernelABIError(KernelsUnavailable):
+    """The library's entry points are not the ones declared here."""
+
+
+class _AbiEntry(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("arg_types", ctypes.c_char_p)]  # AbiEntry in the source
+
+
+def check_abi(version: int, table: dict[str, str]) -> None:
+    """Raise ``KernelABIError`` unless the library's ABI version and its table (entry point -> argument type codes)
+    are those of ``ENTRY_POINTS``."""
+    if version != ABI_VERSION:
+        raise KernelABIError(f"the kernels' library has ABI version {version}, this code needs {ABI_VERSION}")
+    declared = {name: "".join(_TYPE_CODES[t] for t in args) for name, (args, _) in ENTRY_POINTS.items()}
+    problems = [f"{name}: library takes ({table.get(name, 'absent')}), declared ({codes})"
+                for name, codes in declared.items() if table.get(name) != codes]
+    problems += [f"{name}: in the library, not declared" for name in sorted(set(table) - set(declared))]
+    if problems:
+        raise KernelABIError("the kernels' library disagrees with its declarations (p pointer, q int64, i int, "
+                             "f float): " + "; ".join(problems))
+
+
+def _library_abi(lib: ctypes.CDLL) -> tuple[int, dict[str, str]]:
+    try:
+        version_fn, table_fn = lib.ss_abi_version, lib.ss_abi_table
+    except AttributeError as e:
+        raise KernelABIError(f"the kernels' library reports no ABI ({e})") from e
+    version_fn.restype, version_fn.argtypes = _int, []
+    table_fn.restype, table_fn.argtypes = _i64, [ctypes.POINTER(ctypes.POINTER(_AbiEntry))]
+    entries = ctypes.POINTER(_AbiEntry)()
+    count = table_fn(ctypes.byref(entries))
+    return version_fn(), {entries[i].name.decode(): entries[i].arg_types.decode() for i in range(count)}
+
+
 class CpuKernels:
     """Typed entry points of the built library. Tensors are float32 (int64 for tables and lengths), on the CPU."""
 
     def __init__(self, path: Path):
+        """Open the library at ``path``; raises ``KernelABIError`` when it is not the one declared here."""
         lib = ctypes.CDLL(str(path))
-        lib.ss_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
-        lib.ss_paged_decode_attention.argtypes = [
-            _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int
-        ]
-        lib.ss_prefill_attention.argtypes = [
-            _ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int
-        ]
-        lib.ss_attention_input.argtypes = [
-            _ptr, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _int,
-            _ptr, _int,
-        ]
-        lib.ss_attention_output_and_mlp.argtypes = [
-            _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _float, _ptr, _ptr, _i64, _int
-        ]
-        lib.ss_decode_layers.argtypes = [
-            _ptr, _i64, _i64, _i64, _ptr, _int, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64,
-            _ptr, _i64, _float, _int,
-        ]
+        check_abi(*_library_abi(lib))
+        for name, (argtypes, restype) in ENTRY_POINTS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
         self._lib = lib
         self.path = path
-        lib.ss_vector_bits.restype = _int
         self.isa = "avx512" if lib.ss_vector_bits() == 512 else "avx2"  # what the GEMM micro-kernel runs on
 
     @staticmethod
@@ -255,81 +295,57 @@ def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
     return (-(-out_features // PANEL), in_features, PANEL)
 
 
-def usable(device: torch.device | str, dtype: torch.dtype) -> "CpuKernels | None":
-    """The kernels when a model on ``device`` in ``dtype`` can use them (CPU, float32), else None."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
-        return None
+class KernelChoice(NamedTuple):
+    """Which code runs a model's layers: the native kernels, or PyTorch ops and why."""
+
+    kernels: CpuKernels | None
+    reason: str = ""  # why not native
+
+    @property
+    def path(self) -> str:
+        """``native`` or ``pytorch`` (the ``kernels`` label of ``splitserve_engine_info``)."""
+        return "pytorch" if self.kernels is None else "native"
+
+    def __str__(self) -> str:
+        if self.kernels is None:
+            return f"PyTorch ops ({self.reason})"
+        return f"native CPU kernels ({self.kernels.isa.upper()}, {self.kernels.path})"
+
+
+def choose(device: torch.device | str, dtype: torch.dtype, enabled: bool = True) -> KernelChoice:
+    """The kernels for a model on ``device`` in ``dtype`` when they can run it (CPU, float32) and are enabled."""
+    if not enabled:
+        return KernelChoice(None, "cpu_kernels=False")
+    if torch.device(device).type != "cpu":
+        return KernelChoice(None, f"device {torch.device(device).type}: the native kernels are for CPUs")
+    if dtype != torch.float32:
+        return KernelChoice(None, f"dtype {str(dtype).removeprefix('torch.')}: the native kernels compute in float32")
     return load()
 
 
 @functools.cache
-def load() -> CpuKernels | None:
-    """The built kernels, or None (logged) where they cannot be used on this machine."""
+def load() -> KernelChoice:
+    """The built kernels, or why not (logged), once per process."""
     choice = os.environ.get("SPLITSERVE_CPU_KERNELS", "1")
     if choice == "0":
         logger.info("native CPU kernels disabled by SPLITSERVE_CPU_KERNELS=0")
-        return None
+        return KernelChoice(None, "SPLITSERVE_CPU_KERNELS=0")
     if choice not in ("1", "avx2"):
         logger.warning("SPLITSERVE_CPU_KERNELS must be 0, 1 or avx2, got %r; building for this CPU", choice)
-    return build(avx512=choice != "avx2")
-
-
-def build(avx512: bool = True) -> CpuKernels | None:
-    """The kernels built for this CPU (with ``avx512=False``: without its AVX-512, if it has any), or None."""
-    if not supported_cpu():
-        logger.warning("native CPU kernels need x86-64 with AVX2, FMA and F16C; using the PyTorch path")
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        logger.warning("no C++ compiler (g++ or $CXX) for the native CPU kernels; using the PyTorch path")
-        return None
     try:
-        return CpuKernels(_build(compiler, _cpu_flags(), [] if avx512 else ["-mno-avx512f"]))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        logger.warning("building the native CPU kernels failed; using the PyTorch path: %s", detail)
-        return None
+        return KernelChoice(build(avx512=choice != "avx2"))
+    except KernelABIError as e:
+        logger.error("%s; using the PyTorch path", e)
+        return KernelChoice(None, str(e))
+    except (KernelsUnavailable, OSError) as e:
+        logger.warning("%s; using the PyTorch path", e)
+        return KernelChoice(None, str(e))
 
 
-def supported_cpu() -> bool:
-    """x86-64 with AVX2, FMA and F16C, what the kernels' intrinsics need."""
-    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags()
-
-
-def _build(compiler: str, cpu_flags: set[str], extra_flags: list[str]) -> Path:
-    flags = FLAGS + extra_flags
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
-                    " ".join(sorted(cpu_flags)).encode()])
-    ).hexdigest()[:16]
-    cache = Path(os.environ.get("SPLITSERVE_CACHE_DIR") or Path.home() / ".cache" / "splitserve")
-    target = cache / f"cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    logger.info("building the native CPU kernels into %s", target)
-    # Several processes may build at once (pods starting together): each writes its own file, then renames.
-    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def build(avx512: bool = True) -> CpuKernels:
+    """The kernels built for this CPU (``avx512=False``: without its AVX-512, if it has any), built now if no
+    cache directory holds them. Raises ``KernelsUnavailable`` (``KernelABIError`` for a library that disagrees)."""
+    return CpuKernels(library_path(avx512))
 
 
 def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_kernels import KernelChoice
 from engine.model_runner import ModelRunner
 from engine.model_files import load_model_files
 from engine.sampling_params import SamplingParams
@@ -75,10 +76,15 @@ class LLMEngine:
         self.kv_export: KVExportHook | None = None
         self.last_step: StepStats | None = None  # the latest step that ran
         logger.info(
-            "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens",
+            "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens; compute path: %s",
             self.model_config.name, self.model_config.num_layers,
-            self.runner.kv_cache.num_blocks, config.cache.block_size,
+            self.runner.kv_cache.num_blocks, config.cache.block_size, self.compute_path,
         )
+
+    @property
+    def compute_path(self) -> KernelChoice:
+        """What runs the model's layers: the native CPU kernels, or PyTorch ops and why (for logs and metrics)."""
+        return self.runner.model.compute_path
 
     @property
     def max_model_len(self) -> int:

@@ -25,8 +25,8 @@ from torch.nn.utils import skip_init
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.cpu_kernels import PANEL, CpuKernels, DecodeLayers, LayerTensors, packed_shape
-from engine.cpu_kernels import usable as usable_kernels
+from engine.cpu_kernels import PANEL, CpuKernels, DecodeLayers, KernelChoice, LayerTensors, packed_shape
+from engine.cpu_kernels import choose as choose_kernels
 from engine.kv_cache import PagedKVCache
 from engine.parameter_layout import check_state_dict
 
@@ -245,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         device = torch.device(device)
         self.config = config
-        self.kernels = usable_kernels(device, dtype) if cpu_kernels else None
+        self.compute_path: KernelChoice = choose_kernels(device, dtype, cpu_kernels)
+        self.kernels = self.compute_path.kernels
         if config.tie_word_embeddings:  # one weight, laid out for the head's products, looked up by rows
             self.embed_tokens = Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.kernels)
         else:

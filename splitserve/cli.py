@@ -5,6 +5,7 @@
   splitserve router | prefill | decode [flags]          run one process (flags: --help)
   splitserve demo [--model M] [PROMPT ...]              offline generation with the engine
   splitserve bench engine | codecs | transfer [...]     benchmarks against a baseline measured in the same run
+  splitserve build-kernels                              build the engine's native CPU kernels now (set-up does)
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ COMMANDS = {
     "decode": _delegate("decode_service.server"),
     "demo": _demo,
     "bench": _bench,
+    "build-kernels": _delegate("engine.cpu_kernels_build"),
 }
 
 

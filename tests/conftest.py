@@ -18,13 +18,14 @@ def native_kernels():
     """splitserve's native CPU kernels, built (or taken from the cache) once. Only a CPU that cannot run them
     skips the tests that use them; a failed build on one that can is a failure."""
     from engine import cpu_kernels
+    from engine.cpu_kernels_build import supported_cpu
 
-    kernels = cpu_kernels.load()
-    if kernels is None:
-        if cpu_kernels.supported_cpu():
-            pytest.fail("the native CPU kernels did not build on a CPU that supports them (see the log)")
-        pytest.skip("the native CPU kernels need x86-64 with AVX2 and FMA")
-    return kernels
+    choice = cpu_kernels.load()
+    if choice.kernels is None:
+        if supported_cpu():
+            pytest.fail(f"the native CPU kernels are not used on a CPU that supports them: {choice.reason}")
+        pytest.skip(choice.reason)
+    return choice.kernels
 
 
 @pytest.fixture(params=["torch", "native"])

@@ -668,6 +668,9 @@ def test_metrics_endpoint_serves_the_pod_series(pods):
     with urllib.request.urlopen(f"http://127.0.0.1:{pods.decode_pod.metrics_port}/metrics", timeout=5) as response:
         body = response.read()
     assert b'splitserve_num_requests_running{model_name="tiny-random",role="decode"}' in body
+    path = pods.decode_pod.engine.compute_path.path  # native where the kernels build, else pytorch
+    assert (f'splitserve_engine_info{{cache_dtype="float16",device="cpu",kernels="{path}",model_name="tiny-random",'
+            f'role="decode"}} 1.0').encode() in body
 
 
 # ---- the real processes -------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 // splitserve's CPU kernels for the memory-bound half of inference: the decode step.
 //
-// Built at first use by engine/cpu_kernels.py (g++ -O3 -march=native -fopenmp) and called through ctypes with
-// raw pointers; nothing here knows about torch. OpenMP resolves to the libgomp torch already loaded, so these
-// kernels share torch's thread pool, and the caller passes torch's thread count explicitly.
+// Built by engine/cpu_kernels_build.py (g++ -O3 -march=native -fopenmp; at set-up, or at first use) and called
+// through ctypes (engine/cpu_kernels.py) with raw pointers; nothing here knows about torch. OpenMP resolves to the
+// libgomp torch already loaded, so these kernels share torch's thread pool, and the caller passes torch's thread
+// count explicitly. ss_abi_version and ss_abi_table (at the end) report the entry points' argument types as the
+// compiler sees them, which the Python side checks against its declarations before calling anything.
 //
 // The entry points (extern "C", below the helpers):
 //  - ss_linear: y[R, out] = x[R, in] W^T (+ bias) with W stored in panels of 16 outputs, [P, in, 16]. Each panel
@@ -27,8 +29,9 @@
 
 #include <algorithm>
 #include <array>
-#include <utility>
 #include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -795,6 +798,70 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
     ss_attention_output_and_mlp(x, batch, hidden, attn.get(), q_width, w.o, w.post_attn_norm, eps, w.gate_up,
                                 w.down, inter, threads);
   }
+}
+
+}  // extern "C"
+
+// ---- ABI: what the Python side checks before it calls anything -------------------------------------------------
+
+namespace {
+
+constexpr int kAbiVersion = 1;  // ABI_VERSION in engine/cpu_kernels.py: bump both when an entry point changes
+
+// An argument's type as one letter (_TYPE_CODES in engine/cpu_kernels.py): p pointer, q int64, i int, f float.
+template <typename T>
+constexpr char type_code() {
+  if constexpr (std::is_pointer_v<T>) {
+    return 'p';
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    return 'q';
+  } else if constexpr (std::is_same_v<T, int>) {
+    return 'i';
+  } else {
+    static_assert(std::is_same_v<T, float>, "an entry point takes a type the ABI table cannot spell");
+    return 'f';
+  }
+}
+
+template <typename R, typename... Args>
+struct ArgTypes {
+  static constexpr char codes[sizeof...(Args) + 1] = {type_code<Args>()..., '\0'};
+};
+
+// The argument types of an entry point, from its own signature: the table below cannot drift from the definitions.
+template <typename R, typename... Args>
+constexpr const char* arg_types(R (*)(Args...)) {
+  return ArgTypes<R, Args...>::codes;
+}
+
+}  // namespace
+
+extern "C" {
+
+struct AbiEntry {  // _AbiEntry in engine/cpu_kernels.py
+  const char* name;
+  const char* arg_types;
+};
+
+#define SS_ABI_ENTRY(fn) \
+  AbiEntry { #fn, arg_types(fn) }
+
+static const AbiEntry kAbiTable[] = {
+    SS_ABI_ENTRY(ss_vector_bits),
+    SS_ABI_ENTRY(ss_linear),
+    SS_ABI_ENTRY(ss_paged_decode_attention),
+    SS_ABI_ENTRY(ss_prefill_attention),
+    SS_ABI_ENTRY(ss_attention_input),
+    SS_ABI_ENTRY(ss_attention_output_and_mlp),
+    SS_ABI_ENTRY(ss_decode_layers),
+};
+
+int ss_abi_version() { return kAbiVersion; }
+
+// Sets *entries to the table of entry points the Python side calls; returns how many there are.
+int64_t ss_abi_table(const AbiEntry** entries) {
+  *entries = kAbiTable;
+  return sizeof(kAbiTable) / sizeof(kAbiTable[0]);
 }
 
 }  // extern "C"
