@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Sequence as SequenceType
 
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence
-from engine.detokenizer import IncrementalDetokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]

@@ -18,8 +18,8 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_kernels import KernelChoice
-from engine.model_runner import ModelRunner
 from engine.model_files import load_model_files
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence

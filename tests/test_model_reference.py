@@ -17,8 +17,8 @@ from engine import cpu_kernels
 from engine import model as model_module
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
-from engine.kv_cache import PagedKVCache
 from engine.hf_checkpoint import fuse_hf_state_dict
+from engine.kv_cache import PagedKVCache
 from engine.model import Linear, LlamaForCausalLM
 from engine.parameter_layout import parameter_shapes, random_state_dict
 

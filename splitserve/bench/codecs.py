@@ -5,18 +5,19 @@ Per codec:
   - size: encoded bytes (payload + scales) of every KV tensor the benchmark round-trips below (each prompt's and
     each perplexity context's, every layer, K and V), as a ratio to bf16 (2 bytes per element): "2.0x smaller";
   - speed: encode and decode MB/s (MB of cache-dtype input per second), best of ``--repeat`` runs on one layer's
-    K and V of a 1024-token prompt of the reference text, every codec back to back (the same load on the machine);
+    K and V of a ``SPEED_CHUNK_TOKENS``-token prompt of the reference text, every codec back to back (the same load on the machine);
   - error: the largest |decoded - original| over all the round-tripped KV;
-  - greedy agreement: ``--prompts`` prompts of 100-300 tokens (module docs and function sources of Python's
+  - greedy agreement: ``--prompts`` prompts of ``PROMPT_LENS`` tokens (module docs and function sources of Python's
     standard library, English and code) prefill losslessly and sample their first token, as on a prefill pod;
     their prompt KV then makes the codec round trip in place in the paged cache, which is what a decode pod
     receives; then greedy decoding runs to ``--tokens`` tokens, the generated tokens' KV computed locally and
     uncompressed, as on a decode pod. Reported: the share of positions equal to a run without any round trip,
     and how many continuations are equal in full;
-  - perplexity: windows of GPL-3's text (Debian ships it), 512 context tokens + 256 scored tokens each: the
+  - perplexity: windows of GPL-3's text (Debian ships it), ``CONTEXT_TOKENS`` + ``SCORED_TOKENS`` tokens each: the
     context prefills, its KV makes the round trip, then the continuation runs as one prefill chunk over the lossy
     context with every row's logits kept; perplexity = exp(mean NLL), as a % change against codec ``none``.
-Then the targets: int8 >= 1.9x smaller than bf16 within +0.5% perplexity; int4 >= 3.5x within +3%.
+Then the ``TARGETS``: how much smaller than bf16 at least, within how much of a perplexity change, per codec.
+The README holds measured figures.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """Engine benchmark: splitserve's engine against `transformers` eager on the same weights, in one run.
 
 Prints, for the chosen model (SmolLM2-135M-Instruct by default):
-  - prefill tokens/s for 512- and 1024-token prompts, and the share of the float32 matmul peak measured right
+  - prefill tokens/s for prompts of ``PROMPT_LENS`` tokens, and the share of the float32 matmul peak measured right
     before and after each (the higher of the two: the machine's clock drifts over minutes);
-  - decode ms per step at batch 1, 8 and 32 with a 512-token context, for each KV cache dtype asked for (float16,
-    the engine's default, and float32 by default); the batch sizes take turns over ``--rounds`` rounds and each
-    keeps its best round, so the batch-32 / batch-1 ratio compares the machine in the same state;
+  - decode ms per step at the batch sizes of ``DECODE_BATCHES`` with a context of ``DECODE_CONTEXT`` tokens, for
+    each KV cache dtype asked for (float16, the engine's default, and float32 by default); the batch sizes take
+    turns over ``--rounds`` rounds and each keeps its best round, so the largest / batch-1 ratio compares the
+    machine in the same state;
   - the memory-bandwidth floor of a decode step (weights + KV bytes read / the read bandwidth measured at the start
     of the round the step time comes from);
 and the ratios the targets are stated in, per cache dtype. Figures vary with the machine's load: run it on a quiet
-machine. transformers keeps its own float32 cache throughout.
+machine; the README holds measured figures. transformers keeps its own float32 cache throughout.
 """
 
 from __future__ import annotations
