@@ -118,7 +118,7 @@ def test_two_processes_building_at_once_compile_once(tmp_path, native_kernels):
                HOME=str(tmp_path / "home"), SPLITSERVE_CPU_KERNELS="1")
 
     def start() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "engine.cpu_kernels_build"], cwd=ROOT, env=env,
+        return subprocess.Popen([sys.executable, "-m", "splitserve", "build-kernels"], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     first = start()
