@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from engine.config import DEFAULT_MODEL
 from router.policies import PolicyName
 from runtime.config import described, member
+from runtime.cpus import checked_cpu_set
 from runtime.registry import RegistryKind
 
 
@@ -56,10 +57,13 @@ class RouterConfig:
         "TPOT target of splitserve_requests_within_slo_total (goodput): set it to your service level."))
     kv_lease_s: float = field(default=30.0, metadata=described(
         "How long a decode pod keeps pushed KV waiting for the router's Decode call."))
+    cpus: str = field(default="", metadata=described(
+        "CPU set the router runs on, e.g. '0-1' (empty: wherever the OS puts it)."))
 
     def __post_init__(self) -> None:
         self.policy = member(PolicyName, "policy", self.policy)
         self.registry = member(RegistryKind, "registry", self.registry)
+        checked_cpu_set("cpus", self.cpus)
         for name in ("grpc_port", "http_port", "conditional_prefill_threshold", "max_retries", "max_migrations",
                      "max_pending_requests", "max_queue_time_s"):
             if getattr(self, name) < 0:

@@ -30,6 +30,7 @@ from router.grpc_api import GenerationServicer
 from router.router import Router
 from runtime import transport
 from runtime.config import parse_config
+from runtime.cpus import apply_cpu_set
 from runtime.logs import configure_logging
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,9 @@ async def serve(config: RouterConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     configure_logging()
-    asyncio.run(serve(parse_config(RouterConfig, argv, prog="splitserve router")))
+    config = parse_config(RouterConfig, argv, prog="splitserve router")
+    apply_cpu_set(config.cpus, torch_threads=False)  # before the servers start their threads
+    asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

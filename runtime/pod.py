@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -38,6 +37,7 @@ from engine.llm_engine import LLMEngine
 from protos.splitserve.v1 import common_pb2
 from runtime import transport
 from runtime.config import described, member
+from runtime.cpus import apply_cpu_set, checked_cpu_set
 from runtime.logs import configure_logging
 from runtime.metrics import PodMetrics
 from runtime.pod_status import LoadTracker, PodStatusServicer
@@ -61,8 +61,11 @@ class PodConfig:
     device: str = field(default="cpu", metadata=described("Torch device: cpu, cuda, cuda:1."))
     dtype: str = field(default="float32", metadata=described("Compute dtype: float32, bfloat16, float16."))
     seed: int = field(default=0, metadata=described("Seeds random-weight models and unseeded sampling."))
+    cpus: str = field(default="", metadata=described(
+        "CPU set this pod runs on, e.g. '0-3,6' (empty: wherever the OS puts it); its torch and native-kernel "
+        "threads default to one per CPU of the set."))
     num_threads: int = field(default=0, metadata=described(
-        "Torch compute threads (0: torch's default, one per core); pods sharing a machine split its cores."))
+        "Torch compute threads (0: one per CPU of --cpus, else torch's default, one per core)."))
     cpu_kernels: bool = field(default=True, metadata=described(
         "Native CPU kernels for float32 on CPU (built at first use with g++); false: PyTorch ops only."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
@@ -94,6 +97,7 @@ class PodConfig:
 
     def __post_init__(self) -> None:
         self.registry = member(RegistryKind, "registry", self.registry)
+        checked_cpu_set("cpus", self.cpus)
         for name in ("port", "metrics_port", "max_waiting_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -126,8 +130,7 @@ class Pod:
     def __init__(self, config: PodConfig, role: Role):
         self.config = config
         self.role = Role(role)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        apply_cpu_set(config.cpus, config.num_threads)  # before the engine's first torch op
         self.engine = LLMEngine(config.engine_config())
         self.metrics = PodMetrics(self.role, self.engine.model_config.name)
         # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.

@@ -181,7 +181,7 @@ class Cluster:
         while pending or unseen:
             self.check_alive()
             for name, address in list(pending.items()):
-                if _serving(address):
+                if serving(address):
                     log(f"  {name} serving at {address}")
                     del pending[name]
             if not pending and unseen:
@@ -246,7 +246,8 @@ def _pods_routed_to(url: str) -> set[str]:
         return set()
 
 
-def _serving(address: str) -> bool:
+def serving(address: str) -> bool:
+    """Whether the gRPC server at ``address`` answers SERVING to a health check now."""
     try:
         with grpc.insecure_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)

@@ -32,3 +32,27 @@ def native_kernels():
 def attention_kernels(request):
     """Both decode-attention paths: the PyTorch one (None) and the native CPU kernels."""
     return None if request.param == "torch" else request.getfixturevalue("native_kernels")
+
+
+@pytest.fixture
+def free_ports():
+    """``free_ports(n)``: the first of ``n`` consecutive loopback ports free now, for processes a test starts
+    (away from the defaults a developer's own cluster uses: 6379, 8000, 9090, 50051, 50060+, 9400+)."""
+    import socket
+    import time
+
+    def port_free(port: int) -> bool:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    def first_of(count: int) -> int:
+        for base in range(20000 + (time.time_ns() // 1000) % 20000, 49000, count + 7):
+            if all(port_free(base + i) for i in range(count)):
+                return base
+        raise RuntimeError(f"no run of {count} free ports")
+
+    return first_of
