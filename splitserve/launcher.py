@@ -1,24 +1,33 @@
 """``splitserve up``: the whole system on this machine, one process per pod, as a Kubernetes deployment would run it.
 
-    splitserve up [--prefill 1] [--decode 1] [--mixed 0] [--model smollm2-135m] [--kv-codec none] ...
+    splitserve up [--prefill 1] [--decode 1] [--mixed 0] [--model smollm2-135m] [--decode-cpus 1] ...
 
-Starts (each a separate process, logs under ``--run-dir``):
+Starts, each a separate process with its log under ``--run-dir``, and in this order:
+  redis-server   with ``--registry redis``: pods heartbeat into it and the router watches it
   prefill pods   python -m prefill_service  on base_pod_port, base_pod_port+1, ...
   decode pods    python -m decode_service   next ports (``--role mixed`` for mixed pods)
   router         python -m router.server    gRPC on grpc_port, HTTP (OpenAI API, /metrics) on http_port
-  redis-server   with ``--registry redis``: pods heartbeat into it and the router watches it
   prometheus     with ``--prometheus`` (default when installed): scrapes every process's /metrics
-then waits until every pod answers SERVING on gRPC health, prints the endpoints, and on Ctrl-C (or SIGTERM)
-stops everything: SIGTERM to each process, SIGKILL after a grace period.
+each pod pinned to its CPUs with one torch thread per CPU (the plan, ``splitserve/cpu_plan.py``, is printed first);
+then waits until every pod and the router answer SERVING and the router routes to every pod, and prints the
+endpoints. From then on ``splitserve/supervisor.py`` starts again any child that exits (same ports and flags, with
+backoff) while the others keep serving; children die with the launcher.
+
+Ctrl-C or SIGTERM stops everything in an order that loses no request: the router first (health NOT_SERVING, no new
+requests, those in flight finish while every pod still serves), then the pods (each drains what is left), then
+redis-server (the pods deregister from it on their way out), then Prometheus (it scrapes until the end). Each stage
+gets SIGTERM, then SIGKILL after a grace period longer than its own drain.
+
+From Python (benchmarks, tests): ``cluster = Cluster(UpConfig(...))``; ``cluster.start()``, ``cluster.wait_ready()``,
+``cluster.endpoints()``, ``cluster.cpu_plan``, ``cluster.restarts``, ``cluster.stop()``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,11 +38,17 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, SchedulerConfig
 from router.policies import PolicyName
-from runtime.config import described, member, parse_config
+from router.server import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S
+from runtime.config import described, flag_name, member, parse_config
+from runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, thread_env
 from runtime.registry import RegistryKind
 from runtime.roles import POD_ROLES, Role
+from splitserve.cpu_plan import Placement, floating, format_plan, plan_cpus
+from splitserve.supervisor import Child, ChildSpec, Supervisor
+
+STOP_MARGIN_S = 10.0  # beyond a process's own drain, before SIGKILL: its cleanups and exit
 
 
 @dataclass
@@ -58,9 +73,26 @@ class UpConfig:
     redis_port: int = field(default=6379, metadata=described("Port of the local redis-server (--registry redis)."))
     prometheus: bool = field(default=True, metadata=described("Start Prometheus scraping every process, if installed."))
     prometheus_port: int = field(default=9090, metadata=described("Prometheus web port."))
+    # What each pod's engine gets (runtime/pod.py, PodConfig): the colocated baseline is mixed pods with chunked
+    # prefill at a token budget, so these reach every pod.
     kv_cache_memory_bytes: int = field(default=1 << 30, metadata=described("KV block pool of each pod."))
-    threads_per_pod: int = field(default=0, metadata=described(
-        "Torch threads of each pod (0: the machine's cores divided among the pods, at least 1)."))
+    max_num_batched_tokens: int = field(default=SchedulerConfig.max_num_batched_tokens, metadata=described(
+        "Token budget of one engine step of each pod (chunked prefill: how much prefill rides along with decodes)."))
+    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata=described(
+        "Requests running at once in each pod."))
+    long_prefill_token_threshold: int = field(default=SchedulerConfig.long_prefill_token_threshold,
+                                              metadata=described(
+        "Prompts longer than this prefill in chunks of this many tokens."))
+    shutdown_grace_s: float = field(default=10.0, metadata=described(
+        "On stop, time each pod's in-flight calls get to finish (the launcher waits this + 10 s, then kills)."))
+    # CPU sets (Linux CPU lists, e.g. '0-3,6'); empty: the launcher's plan (splitserve/cpu_plan.py).
+    prefill_cpus: str = field(default="", metadata=described(
+        "CPUs of the prefill pods (split among them when there are enough, else shared)."))
+    decode_cpus: str = field(default="", metadata=described("CPUs of the decode pods (split or shared likewise)."))
+    mixed_cpus: str = field(default="", metadata=described("CPUs of the mixed pods (split or shared likewise)."))
+    router_cpus: str = field(default="", metadata=described("CPUs of the router (empty: any CPU)."))
+    pin_cpus: bool = field(default=True, metadata=described(
+        "Pin each process to its planned CPUs (--no-pin-cpus: same thread counts, the OS places the threads)."))
     run_dir: str = field(default="", metadata=described("Where logs and generated configs go (empty: a new temp dir)."))
     ready_timeout_s: float = field(default=300.0, metadata=described("How long to wait for the pods to load."))
 
@@ -69,13 +101,23 @@ class UpConfig:
             raise ValueError("need at least one decode or mixed pod, and no negative counts")
         self.policy = member(PolicyName, "policy", self.policy)
         self.registry = member(RegistryKind, "registry", self.registry)
+        for name in ("prefill_cpus", "decode_cpus", "mixed_cpus", "router_cpus"):
+            checked_cpu_set(name, getattr(self, name))
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        # The engine's own checks, so that a bad value fails here, naming its field, not in every pod.
+        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
+
+    def cpu_sets(self) -> dict[Role, frozenset[int]]:
+        """The sets the operator named, by role (empty where the plan decides)."""
+        return {role: checked_cpu_set(f"{role}_cpus", getattr(self, f"{role}_cpus")) for role in (*POD_ROLES,
+                                                                                                  Role.ROUTER)}
 
 
-@dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen
-    log: Path
+# UpConfig fields every pod gets under the same flag name (runtime.config.flag_name); the router's likewise.
+POD_FLAGS = ("model", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+             "shutdown_grace_s")
+ROUTER_FLAGS = ("model", "policy", "kv_codec", "conditional_prefill_threshold")
 
 
 @dataclass
@@ -87,14 +129,15 @@ class PodPlan:
 
 
 class Cluster:
-    """The processes of one ``splitserve up``: started in order, stopped in reverse."""
+    """The processes of one ``splitserve up`` (see the module docstring)."""
 
     def __init__(self, config: UpConfig):
         self.config = config
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="splitserve-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.processes: list[Process] = []
         self.pods = self._plan_pods()
+        self.cpu_plan = self._plan_cpus()
+        self.supervisor: Supervisor | None = None
 
     def _plan_pods(self) -> list[PodPlan]:
         c = self.config
@@ -106,57 +149,89 @@ class Cluster:
             plans.append(PodPlan(f"{role}-{counters[role]}", role, c.base_pod_port + i, c.base_metrics_port + i))
         return plans
 
+    def _plan_cpus(self) -> dict[str, Placement]:
+        """Placement of every process this cluster starts, in start order."""
+        allowed = allowed_cpus()
+        plan = plan_cpus([(pod.name, pod.role) for pod in self.pods], allowed, self.config.cpu_sets())
+        if not self.config.pin_cpus:
+            plan = {name: dataclasses.replace(p, cpus=allowed, pinned=False) for name, p in plan.items()}
+        helpers = [floating("redis", allowed)] if self.config.registry is RegistryKind.REDIS else []
+        ordered = helpers + [plan[pod.name] for pod in self.pods] + [plan["router"]]
+        if self._runs_prometheus():
+            ordered.append(floating("prometheus", allowed))
+        return {p.process: p for p in ordered}
+
+    def _runs_prometheus(self) -> bool:
+        return self.config.prometheus and shutil.which("prometheus") is not None
+
     def address(self, pod: PodPlan) -> str:
         return f"{self.config.host}:{pod.port}"
 
-    # ---- starting --------------------------------------------------------------------------------------------
+    # ---- starting and stopping -------------------------------------------------------------------------------
     def start(self) -> None:
-        if self.config.registry is RegistryKind.REDIS:
-            self._spawn("redis", ["redis-server", "--port", str(self.config.redis_port), "--bind", self.config.host,
-                                  "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)])
-        for pod in self.pods:
-            self._spawn(pod.name, [sys.executable, "-m", _POD_MODULES[pod.role], *self._pod_flags(pod)])
-        self._spawn("router", [sys.executable, "-m", "router.server", *self._router_flags()])
-        if self.config.prometheus and shutil.which("prometheus"):
-            self._spawn("prometheus", self._prometheus_command())
+        """Start every process (in ``cpu_plan`` order) under a supervisor; returns once they are started."""
+        self.supervisor = Supervisor([self._child_spec(name) for name in self.cpu_plan])
+        self.supervisor.start()
 
-    def _spawn(self, name: str, command: list[str]) -> None:
-        log = self.run_dir / f"{name}.log"
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)  # Ctrl-C reaches us only; we stop them in order
-        self.processes.append(Process(name, popen, log))
+    def _child_spec(self, name: str) -> ChildSpec:
+        c, log = self.config, self.run_dir / f"{name}.log"
+        if name == "redis":
+            return ChildSpec(name, ["redis-server", "--port", str(c.redis_port), "--bind", c.host, "--save", "",
+                                    "--appendonly", "no", "--dir", str(self.run_dir)], log)
+        if name == "prometheus":
+            return ChildSpec(name, self._prometheus_command(), log)
+        if name == "router":
+            return ChildSpec(name, [sys.executable, "-m", "router.server", *self._router_flags()], log,
+                             stop_grace_s=ROUTER_SHUTDOWN_GRACE_S + STOP_MARGIN_S)
+        pod = next(pod for pod in self.pods if pod.name == name)
+        return ChildSpec(name, [sys.executable, "-m", _POD_MODULES[pod.role], *self._pod_flags(pod)], log,
+                         env=thread_env(self.cpu_plan[name].threads), stop_grace_s=c.shutdown_grace_s + STOP_MARGIN_S)
 
-    def _threads(self) -> int:
-        if self.config.threads_per_pod:
-            return self.config.threads_per_pod
-        return max(1, (os.cpu_count() or 1) // max(1, len(self.pods)))
+    def stop(self) -> None:
+        """Stop every process: the router, then the pods, then redis-server, then Prometheus (module docstring)."""
+        if self.supervisor is not None:
+            self.supervisor.stop([["router"], [pod.name for pod in self.pods], ["redis"], ["prometheus"]])
 
+    @property
+    def processes(self) -> list[Child]:
+        """The supervised processes (``name``, ``popen``, ``restarts``), in start order; none before start()."""
+        return list(self.supervisor.children.values()) if self.supervisor is not None else []
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How many times each process was started again after it exited."""
+        return self.supervisor.restarts if self.supervisor is not None else {}
+
+    def pid(self, name: str) -> int | None:
+        """The running process of ``name`` (None while it waits to restart)."""
+        return self.supervisor.children[name].pid if self.supervisor is not None else None
+
+    # ---- command lines ---------------------------------------------------------------------------------------
     def _pod_flags(self, pod: PodPlan) -> list[str]:
         c = self.config
         flags = ["--host", c.host, "--port", str(pod.port), "--metrics-port", str(pod.metrics_port),
-                 "--advertise-address", self.address(pod), "--model", c.model,
-                 "--kv-cache-memory-bytes", str(c.kv_cache_memory_bytes), "--num-threads", str(self._threads())]
-        if pod.role is Role.PREFILL:
-            flags += ["--kv-codec", c.kv_codec]
-        else:
-            flags += ["--role", pod.role]
+                 "--advertise-address", self.address(pod), *_passed(c, POD_FLAGS), *self._cpu_flags(pod.name)]
+        flags += ["--kv-codec", c.kv_codec] if pod.role is Role.PREFILL else ["--role", str(pod.role)]
         if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]
         return flags
 
     def _router_flags(self) -> list[str]:
         c = self.config
-        by_role = {role: ",".join(self.address(p) for p in self.pods if p.role is role) for role in POD_ROLES}
         flags = ["--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
-                 "--model", c.model, "--policy", c.policy, "--kv-codec", c.kv_codec,
-                 "--conditional-prefill-threshold", str(c.conditional_prefill_threshold)]
+                 *_passed(c, ROUTER_FLAGS), *self._cpu_flags("router")]
         if c.registry is RegistryKind.REDIS:
             return flags + ["--registry", "redis", "--redis-url", self._redis_url()]
-        for role, addresses in by_role.items():
+        for role in POD_ROLES:
+            addresses = ",".join(self.address(p) for p in self.pods if p.role is role)
             if addresses:
                 flags += [f"--{role}-pods", addresses]
         return flags
+
+    def _cpu_flags(self, name: str) -> list[str]:
+        placement = self.cpu_plan[name]
+        flags = ["--cpus", format_cpu_list(placement.cpus)] if placement.pinned else []
+        return flags + (["--num-threads", str(placement.threads)] if placement.threads else [])
 
     def _redis_url(self) -> str:
         return f"redis://{self.config.host}:{self.config.redis_port}/0"
@@ -172,14 +247,15 @@ class Cluster:
     # ---- readiness -------------------------------------------------------------------------------------------
     def wait_ready(self, log=print) -> None:
         """Block until every pod and the router answer SERVING and the router routes to every pod (its
-        ``GET /pods``; the router is SERVING as soon as one decode-capable pod is); fail fast if a process exits."""
+        ``GET /pods``; the router is SERVING as soon as one decode-capable pod is). Fails at once, with the tail of
+        its log, if a process exits meanwhile: a misconfiguration shows at start, not as a restart loop."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         pending = {p.name: self.address(p) for p in self.pods}
         pending["router"] = f"{self.config.host}:{self.config.grpc_port}"
         log(f"waiting for {len(pending)} processes to load the model and serve (logs: {self.run_dir}) ...")
         unseen = {self.address(p) for p in self.pods} if self.config.http_port else set()
         while pending or unseen:
-            self.check_alive()
+            self._fail_if_any_exited()
             for name, address in list(pending.items()):
                 if serving(address):
                     log(f"  {name} serving at {address}")
@@ -194,25 +270,11 @@ class Cluster:
             if pending or unseen:
                 time.sleep(0.25)
 
-    def check_alive(self) -> None:
-        for proc in self.processes:
-            if proc.popen.poll() is not None:
-                tail = proc.log.read_text(errors="replace").splitlines()[-20:]
-                raise RuntimeError(f"{proc.name} exited with code {proc.popen.returncode}; last lines of "
-                                   f"{proc.log}:\n" + "\n".join(tail))
-
-    # ---- stopping --------------------------------------------------------------------------------------------
-    def stop(self, grace_s: float = 15.0) -> None:
-        for proc in reversed(self.processes):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in reversed(self.processes):
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
+    def _fail_if_any_exited(self) -> None:
+        if self.supervisor is not None and self.supervisor.exits:
+            first = self.supervisor.exits[0]
+            log_file = self.supervisor.children[first.name].spec.log
+            raise RuntimeError(f"{first.describe()} while starting; last lines of {log_file}:\n{first.log_tail}")
 
     def endpoints(self) -> str:
         c = self.config
@@ -220,12 +282,24 @@ class Cluster:
                  f"router   HTTP http://{c.host}:{c.http_port}/v1   (OpenAI API; /health; /metrics)"]
         for pod in self.pods:
             lines.append(f"{pod.name:<8} gRPC {self.address(pod)}   metrics http://{c.host}:{pod.metrics_port}/metrics")
-        if any(p.name == "prometheus" for p in self.processes):
+        if "prometheus" in self.cpu_plan:
             lines.append(f"prometheus   http://{c.host}:{c.prometheus_port}")
         if c.registry is RegistryKind.REDIS:
             lines.append(f"redis        {self._redis_url()}")
         lines.append(f"logs         {self.run_dir}")
         return "\n".join(lines)
+
+
+def _passed(config: UpConfig, names: tuple[str, ...]) -> list[str]:
+    """``names``' values of ``config`` as the flags of the same names."""
+    flags: list[str] = []
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool):
+            flags.append(flag_name(name) if value else flag_name(f"no_{name}"))
+        else:
+            flags += [flag_name(name), str(value)]
+    return flags
 
 
 _POD_MODULES = {Role.PREFILL: "prefill_service", Role.DECODE: "decode_service", Role.MIXED: "decode_service"}
@@ -256,21 +330,32 @@ def serving(address: str) -> bool:
         return False
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the cluster as Ctrl-C does
+
+
 def main(argv: list[str]) -> None:
     config = parse_config(UpConfig, argv, prog="splitserve up")
     cluster = Cluster(config)
-    stop = lambda *_: (_ for _ in ()).throw(KeyboardInterrupt)  # noqa: E731 - SIGTERM behaves like Ctrl-C
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, _interrupt)
+    print("CPU plan (splitserve/cpu_plan.py; --prefill-cpus, --decode-cpus, --mixed-cpus, --router-cpus):\n"
+          + format_plan(list(cluster.cpu_plan.values())) + "\n", flush=True)
+    failed = False
     try:
         cluster.start()
         cluster.wait_ready()
         print("\nsplitserve is up:\n" + cluster.endpoints())
-        print(f"\ntry:  splitserve generate --router {config.host}:{config.grpc_port} \"What is the capital of France?\"")
-        print("stop: Ctrl-C", flush=True)
-        while True:
-            cluster.check_alive()
-            time.sleep(1.0)
+        print(f"\ntry:  splitserve generate --router {config.host}:{config.grpc_port} "
+              "\"What is the capital of France?\"")
+        print("stop: Ctrl-C (a process that exits is started again; events are logged here)", flush=True)
+        while True:  # the supervisor thread does the work
+            time.sleep(3600)
     except KeyboardInterrupt:
-        print("\nstopping ...", file=sys.stderr)
+        print("\nstopping ...", file=sys.stderr, flush=True)
+    except (OSError, RuntimeError, TimeoutError) as err:  # a process did not start: say why, stop the rest
+        print(f"\nsplitserve up failed: {err}", file=sys.stderr, flush=True)
+        failed = True
     finally:
         cluster.stop()
+    if failed:
+        sys.exit(1)

@@ -34,7 +34,7 @@ def attention_kernels(request):
     return None if request.param == "torch" else request.getfixturevalue("native_kernels")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def free_ports():
     """``free_ports(n)``: the first of ``n`` consecutive loopback ports free now, for processes a test starts
     (away from the defaults a developer's own cluster uses: 6379, 8000, 9090, 50051, 50060+, 9400+)."""

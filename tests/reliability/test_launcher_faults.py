@@ -1,0 +1,337 @@
+"""``splitserve up`` under faults, with real processes: a child that exits, whatever the cause, is started again on
+its ports while the rest keep serving; a child that will not start is reported with its log; stopping goes stage by
+stage; and no child outlives the launcher, even one killed with SIGKILL.
+
+First the supervisor on small stand-in processes (fast, exact timings), then real clusters on the tiny random
+model. Every wait polls against a deadline: a busy 2-core machine makes things slow, not wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from runtime.registry import pod_key
+from splitserve import supervisor
+from splitserve.launcher import Cluster, UpConfig, serving
+from splitserve.supervisor import ChildSpec, Supervisor
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_S = 240  # a pod's start on a busy 2-core machine: tens of seconds; a hang is minutes
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie (an orphan's zombie waits for whoever adopted it to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---- the supervisor, on stand-in processes --------------------------------------------------------------------------
+
+def python_child(name: str, code: str, tmp_path: Path, **spec) -> ChildSpec:
+    return ChildSpec(name, [sys.executable, "-c", code], tmp_path / f"{name}.log", **spec)
+
+
+def printed(log: Path, line: str) -> int:
+    """How many times ``line`` is a whole line of ``log`` (the start markers quote the command, not its output)."""
+    return log.read_text().splitlines().count(line)
+
+
+@pytest.fixture
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(supervisor, "FIRST_BACKOFF_S", 0.2)
+    monkeypatch.setattr(supervisor, "MAX_BACKOFF_S", 0.8)
+
+
+def test_a_killed_child_is_restarted_and_the_others_keep_running(tmp_path, fast_backoff):
+    sleeper = "import time; print('up', flush=True); time.sleep(600)"
+    supervised = Supervisor([python_child("a", sleeper, tmp_path), python_child("b", sleeper, tmp_path)])
+    supervised.start()
+    log = tmp_path / "a.log"
+    try:
+        first_a, b = supervised.children["a"].pid, supervised.children["b"].pid
+        wait_until(lambda: printed(log, "up") == 1, 30, "a to run")
+        os.kill(first_a, signal.SIGKILL)
+        wait_until(lambda: supervised.restarts["a"] == 1 and supervised.children["a"].pid, 30, "a's restart")
+        assert supervised.children["a"].pid != first_a
+        assert (supervised.children["b"].pid, supervised.restarts["b"]) == (b, 0)
+        [exit_a] = supervised.exits
+        assert (exit_a.name, exit_a.pid, exit_a.returncode) == ("a", first_a, -signal.SIGKILL)
+        assert "was killed by SIGKILL" in exit_a.describe()
+        wait_until(lambda: printed(log, "up") == 2, 30, "a to run again")
+        assert log.read_text().count("splitserve up: start") == 2  # one log, appended, each start marked
+    finally:
+        supervised.stop([["a", "b"]])
+    assert supervised.children["a"].pid is None and supervised.children["b"].pid is None
+
+
+def test_a_crash_loop_is_reported_with_the_log_tail_and_retried_with_growing_backoff(tmp_path, fast_backoff, caplog):
+    crash = "import sys; print('cannot open the model: bad path', flush=True); sys.exit(3)"
+    supervised = Supervisor([python_child("pod", crash, tmp_path)])
+    with caplog.at_level(logging.WARNING, logger="splitserve.supervisor"):
+        supervised.start()
+        try:
+            wait_until(lambda: len(supervised.exits) >= 4, 60, "four exits")
+        finally:
+            supervised.stop([["pod"]])
+    assert all(e.returncode == 3 and "bad path" in e.log_tail for e in supervised.exits)
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records if "exited with code 3" in r.getMessage()]
+    assert [level for level, _ in messages[:4]] == ["WARNING", "WARNING", "ERROR", "ERROR"]
+    assert "crash loop: 3 quick exits in a row" in messages[2][1]
+    assert "cannot open the model: bad path" in messages[2][1]  # the log's tail, in the event
+    delays = [float(message.split("again in ")[1].split(" s")[0]) for _, message in messages[:4]]
+    assert delays == [0.2, 0.4, 0.8, 0.8]  # doubling, up to the maximum
+
+
+def test_stop_goes_stage_by_stage_and_kills_what_outlives_its_grace(tmp_path):
+    events = tmp_path / "events"
+    drains = ("import signal, sys, time\n"
+              "def stop(*_):\n"
+              f"    open({str(events)!r}, 'a').write('NAME got SIGTERM\\n'); time.sleep(0.5)\n"
+              f"    open({str(events)!r}, 'a').write('NAME drained\\n'); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "print('ready', flush=True)\n"
+              "while True: time.sleep(1)\n")
+    stubborn = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+                "while True: time.sleep(1)\n")
+    supervised = Supervisor([python_child("pod", drains.replace("NAME", "pod"), tmp_path),
+                             python_child("router", drains.replace("NAME", "router"), tmp_path),
+                             python_child("stubborn", stubborn, tmp_path, stop_grace_s=0.5)])
+    supervised.start()
+    for name in ("pod", "router", "stubborn"):  # their signal handlers are in place
+        wait_until(lambda: printed(tmp_path / f"{name}.log", "ready"), 30, f"{name} to run")
+    started = time.monotonic()
+    supervised.stop([["router"], ["pod"], ["stubborn"]])
+    assert time.monotonic() - started < 10
+    assert events.read_text().splitlines() == ["router got SIGTERM", "router drained", "pod got SIGTERM",
+                                               "pod drained"]
+    assert supervised.children["stubborn"].pid is None  # killed after its 0.5 s
+    assert supervised.exits == []  # being stopped is not an exit to restart from
+
+
+def test_children_die_with_the_supervising_process(tmp_path):
+    """The launcher killed with SIGKILL: the kernel sends its children SIGTERM (PR_SET_PDEATHSIG)."""
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, time\n"
+        "from splitserve.supervisor import ChildSpec, Supervisor\n"
+        f"s = Supervisor([ChildSpec('sleeper', ['sleep', '600'], pathlib.Path({str(tmp_path)!r}) / 'sleeper.log')])\n"
+        "s.start()\n"
+        "print(s.children['sleeper'].pid, flush=True)\n"
+        "time.sleep(600)\n")], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert alive(child)
+    parent.kill()
+    parent.wait(timeout=10)
+    wait_until(lambda: not alive(child), 10, f"child {child} to exit")
+
+
+# ---- a real cluster: 2 decode pods, the Redis registry --------------------------------------------------------------
+
+def up_config(tmp_path: Path, base: int, **fields) -> UpConfig:
+    """A cluster on ports base .. base+11, tiny random model, no Prometheus unless asked."""
+    return UpConfig(**{"model": "tiny-random", "grpc_port": base, "http_port": base + 1, "base_pod_port": base + 2,
+                       "base_metrics_port": base + 6, "redis_port": base + 10, "prometheus_port": base + 11,
+                       "prometheus": False, "kv_cache_memory_bytes": 16 << 20, "run_dir": str(tmp_path),
+                       "ready_timeout_s": START_S, **fields})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, free_ports):
+    """Each test below disturbs a different process and waits until it serves again."""
+    config = up_config(tmp_path_factory.mktemp("faults"), free_ports(12), prefill=0, decode=2, registry="redis")
+    running = Cluster(config)
+    try:
+        running.start()
+        running.wait_ready(log=lambda *_: None)
+        yield running
+    finally:
+        running.stop()
+
+
+def generate(cluster: Cluster, text: str) -> int:
+    """Tokens of a greedy answer through the router's gRPC API (raises on any error)."""
+    params = common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with grpc.insecure_channel(f"{cluster.config.host}:{cluster.config.grpc_port}") as channel:
+        stream = generate_pb2_grpc.GenerationStub(channel).Generate(
+            generate_pb2.GenerateRequest(text=text, sampling_params=params), timeout=60)
+        replies = list(stream)
+    assert replies[-1].WhichOneof("response") == "complete", replies[-1]
+    return sum(len(r.chunk.token_ids) for r in replies if r.WhichOneof("response") == "chunk")
+
+
+def routed_to(cluster: Cluster) -> set[str]:
+    with urllib.request.urlopen(f"http://{cluster.config.host}:{cluster.config.http_port}/pods", timeout=5) as reply:
+        return {pod["address"] for pod in json.load(reply)["pods"] if pod["healthy"]}
+
+
+def wait_back(cluster: Cluster, name: str, restarts: int) -> None:
+    """``name`` started again (its ``restarts``-th restart), SERVING on its port, and routed to."""
+    pod = next(p for p in cluster.pods if p.name == name)
+    wait_until(lambda: cluster.restarts[name] == restarts and serving(cluster.address(pod)), START_S,
+               f"{name} to serve again")
+    wait_until(lambda: cluster.address(pod) in routed_to(cluster), 60, f"the router to route to {name} again")
+
+
+def test_a_decode_pod_killed_with_sigkill_is_restarted_on_its_port_while_the_rest_serve(cluster):
+    others = {name: cluster.pid(name) for name in ("decode-1", "router", "redis")}
+    restarts = cluster.restarts["decode-0"]
+    killed = cluster.pid("decode-0")
+    os.kill(killed, signal.SIGKILL)
+    served_meanwhile = 0
+    while cluster.pid("decode-0") is None or served_meanwhile < 3:  # the router keeps answering through decode-1
+        assert generate(cluster, f"while decode-0 is down {served_meanwhile}") == 4
+        served_meanwhile += 1
+    wait_back(cluster, "decode-0", restarts + 1)
+    assert cluster.pid("decode-0") != killed
+    assert {name: cluster.pid(name) for name in others} == others  # nothing else was stopped or restarted
+    assert generate(cluster, "after the restart") == 4
+
+
+def test_a_pod_that_drained_and_exited_after_sigterm_is_restarted(cluster):
+    restarts = cluster.restarts["decode-1"]
+    stopped = cluster.pid("decode-1")
+    os.kill(stopped, signal.SIGTERM)
+    wait_until(lambda: any(e.pid == stopped for e in cluster.supervisor.exits), 60, "decode-1 to exit")
+    [ended] = [e for e in cluster.supervisor.exits if e.pid == stopped]
+    assert ended.returncode == 0  # a clean exit after the drain, restarted all the same
+    assert "decode pod shutting down" in ended.log_tail and "decode pod stopped" in ended.log_tail
+    wait_back(cluster, "decode-1", restarts + 1)
+
+
+def test_a_killed_redis_server_is_restarted_and_the_pods_register_again(cluster):
+    restarts = cluster.restarts["redis"]
+    os.kill(cluster.pid("redis"), signal.SIGKILL)
+    wait_until(lambda: cluster.restarts["redis"] == restarts + 1 and cluster.pid("redis"), 60, "redis to restart")
+    client = redis.Redis(host=cluster.config.host, port=cluster.config.redis_port)
+    try:
+        keys = {pod_key(pod.role, cluster.address(pod)).encode() for pod in cluster.pods}
+        # The restarted server is empty; each pod's next heartbeat writes its key again.
+        wait_until(lambda: _keys(client) >= keys, 60, "the pods' heartbeats in the new redis-server")
+    finally:
+        client.close()
+    wait_until(lambda: routed_to(cluster) == {cluster.address(p) for p in cluster.pods}, 60,
+               "the router to route to both pods")
+    assert generate(cluster, "after redis came back") == 4
+
+
+def _keys(client: redis.Redis) -> set[bytes]:
+    try:
+        return set(client.keys("splitserve:pods:*"))
+    except redis.ConnectionError:
+        return set()
+
+
+# ---- startup failures ---------------------------------------------------------------------------------------------
+
+def test_a_pod_that_cannot_start_fails_wait_ready_at_once_with_its_log(tmp_path, free_ports):
+    base = free_ports(12)
+    config = up_config(tmp_path, base, prefill=0, decode=1)
+    taken = socket.socket()
+    taken.bind((config.host, config.base_pod_port))  # decode-0's port
+    taken.listen()
+    failing = Cluster(config)
+    started = time.monotonic()
+    try:
+        failing.start()
+        with pytest.raises(RuntimeError, match=r"(?s)decode-0 \(pid \d+\) exited with code 1 after .* while "
+                                               r"starting; last lines of .*decode-0.log:\n.*cannot listen on"):
+            failing.wait_ready(log=lambda *_: None)
+        assert time.monotonic() - started < START_S  # at once, not at the readiness timeout
+    finally:
+        failing.stop()
+        taken.close()
+
+
+# ---- the launcher process -------------------------------------------------------------------------------------------
+
+def launch(tmp_path: Path, base: int, *flags: str) -> subprocess.Popen:
+    """``python -m splitserve up`` (1 prefill + 1 decode, Redis registry) until it says it is up."""
+    config = up_config(tmp_path, base)
+    ports = ["--grpc-port", str(base), "--http-port", str(base + 1), "--base-pod-port", str(config.base_pod_port),
+             "--base-metrics-port", str(config.base_metrics_port), "--redis-port", str(config.redis_port),
+             "--prometheus-port", str(config.prometheus_port)]
+    out = open(tmp_path / "up.out", "wb")
+    launcher = subprocess.Popen([sys.executable, "-m", "splitserve", "up", "--model", "tiny-random", "--registry",
+                                 "redis", "--kv-cache-memory-bytes", str(16 << 20), "--run-dir", str(tmp_path),
+                                 *ports, *flags], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    out.close()
+    wait_until(lambda: launcher.poll() is None and "splitserve is up" in (tmp_path / "up.out").read_text()
+               or launcher.poll() is not None, START_S, "splitserve up to be up")
+    assert launcher.poll() is None, (tmp_path / "up.out").read_text()
+    return launcher
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """{pid: command line} of the processes whose parent is ``pid``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return found
+
+
+def ports_free(host: str, ports: list[int]) -> bool:
+    """No process listens on any of ``ports``: a new server can take them (with SO_REUSEADDR, as every server here
+    binds; the closed connections' TIME_WAIT does not count)."""
+    for port in ports:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                sock.listen()
+            except OSError:
+                return False
+    return True
+
+
+def test_killing_the_launcher_with_sigkill_leaves_no_child_and_no_port_behind(tmp_path, free_ports):
+    base = free_ports(12)
+    launcher = launch(tmp_path, base, "--prometheus")
+    children = children_of(launcher.pid)
+    commands = " | ".join(children.values())
+    assert len(children) == 5, commands  # redis-server, 2 pods, router, prometheus
+    assert all(word in commands for word in ("redis-server", "prefill_service", "decode_service", "router.server",
+                                             "prometheus"))
+    launcher.kill()
+    launcher.wait(timeout=10)
+    killed_at = time.monotonic()
+    wait_until(lambda: not any(alive(pid) for pid in children), 30, "every child to exit")
+    print(f"children gone {time.monotonic() - killed_at:.1f} s after the launcher's SIGKILL")
+    wait_until(lambda: ports_free("127.0.0.1", [base, base + 1, base + 2, base + 3, base + 6, base + 7, base + 10,
+                                                base + 11]), 10, "the ports to be free")
+
+
+def test_sigterm_to_the_launcher_stops_the_router_then_the_pods_then_redis(tmp_path, free_ports):
+    launcher = launch(tmp_path, free_ports(12), "--no-prometheus")
+    children = children_of(launcher.pid)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 0
+    assert not any(alive(pid) for pid in children)
+    events = [line.split("splitserve.supervisor: ")[1] for line in (tmp_path / "up.out").read_text().splitlines()
+              if "splitserve.supervisor: stopped" in line]
+    assert events == ["stopped router", "stopped prefill-0, decode-0", "stopped redis"]
