@@ -35,12 +35,15 @@ SCHEMA_PATH = CHART / "values.schema.json"
 COMPONENTS = {"router": RouterConfig, "prefill": PrefillConfig, "decode": DecodeConfig, "mixed": DecodeConfig,
               "planner": PlannerConfig}
 
-# Fields the chart sets itself from infrastructure values; a `config` block may not name them.
+# Fields the chart sets itself from infrastructure values; a `config` block may not name them. `cpus` is left to
+# Kubernetes: the kubelet places a container on CPUs (its CPU manager, from the resources), so host CPU ids do not
+# belong in values.
 _POD_OWNED = {"host", "port", "metrics_port", "advertise_address", "model", "registry", "redis_url", "role",
-              "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert"}
+              "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert", "cpus"}
 CHART_OWNED = {
     "router": {"host", "grpc_port", "http_port", "model", "registry", "redis_url", "prefill_pods", "decode_pods",
-               "mixed_pods", "api_keys", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert"},
+               "mixed_pods", "api_keys", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert",
+               "cpus"},
     "prefill": _POD_OWNED,
     "decode": _POD_OWNED,
     "mixed": _POD_OWNED,
