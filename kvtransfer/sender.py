@@ -110,7 +110,7 @@ class KVTransferClient:
     def stub(self, decode_address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         channel = self._channels.get(decode_address)
         if channel is None:
-            channel = transport.open_channel(decode_address)
+            channel = transport.open_channel(decode_address)  # TLS: the pod process's (configure_process_tls)
             self._channels[decode_address] = channel
         return kv_transfer_pb2_grpc.KVTransferStub(channel)
 

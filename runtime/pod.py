@@ -94,6 +94,14 @@ class PodConfig:
     load_refresh_interval_s: float = field(default=1.0, metadata=described(
         "Redis registry: seconds between refreshes of the prefix-cache block hashes the heartbeat publishes."))
     shutdown_grace_s: float = field(default=10.0, metadata=described("On SIGTERM, time in-flight calls get to finish."))
+    # TLS on every gRPC link the pod serves or opens (runtime/transport.py); all empty: plaintext.
+    tls_cert_file: str = field(default="", metadata=described(
+        "PEM certificate of this pod: its gRPC server's identity and its client identity on the channels it opens."))
+    tls_key_file: str = field(default="", metadata=described("PEM private key of tls_cert_file."))
+    tls_ca_file: str = field(default="", metadata=described(
+        "PEM CA certificates that peers' certificates must chain to (empty: the system's roots)."))
+    tls_require_client_cert: bool = field(default=False, metadata=described(
+        "Mutual TLS: the gRPC server refuses clients without a certificate signed by tls_ca_file."))
 
     def __post_init__(self) -> None:
         self.registry = member(RegistryKind, "registry", self.registry)
@@ -104,6 +112,7 @@ class PodConfig:
         for name in ("heartbeat_ttl_s", "load_refresh_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        transport.TLSConfig.of(self).check()
         self.engine_config()  # the engine's own checks, so that a bad value fails at start, naming its field
 
     def engine_config(self) -> EngineConfig:
@@ -179,7 +188,8 @@ class Pod:
         for service in services:
             service.add_to_server(self._server)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
-        self.port = transport.bind(self._server, self.config.host, self.config.port)
+        tls = transport.TLSConfig.of(self.config)
+        self.port = transport.bind(self._server, self.config.host, self.config.port, tls)
         await self._server.start()
         for name in ["", *names]:  # "" is the whole server
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -247,6 +257,7 @@ _HEARTBEAT_LOAD_FIELDS = ("num_waiting", "num_running", "free_kv_blocks", "total
 def run_pod(config: PodConfig, role: Role, build: Callable[[Pod], Awaitable[list[PodService]]]) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully."""
     configure_logging()
+    transport.configure_process_tls(transport.TLSConfig.of(config))  # the KV channels to decode pods, too
     asyncio.run(_serve(config, role, build))
 
 

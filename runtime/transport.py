@@ -1,14 +1,32 @@
-"""How every splitserve process opens gRPC servers and channels: one set of options, one place.
+"""How every splitserve process opens gRPC servers and channels: one set of options, one place, TLS included.
 
-    new_server()                       grpc.aio server with the message limits and no SO_REUSEPORT
-    bind(server, host, port)           the bound port; a RuntimeError naming the address when it is taken
-    open_channel(address)              grpc.aio channel with the same limits and a reconnect backoff capped at 1 s
+    TLSConfig.of(config)                   the tls_* fields of a service's config (empty cert and CA: plaintext)
+    new_server(max_receive_bytes, ...)     grpc.aio server with the message limits and no SO_REUSEPORT
+    bind(server, host, port, tls)          the bound port, with TLS when ``tls`` is on; a RuntimeError naming the
+                                           address when it is taken
+    open_channel(address, tls)             grpc.aio channel with the same limits, a reconnect backoff capped at
+                                           1 s, and TLS (the process's own certificate presented, for mutual TLS)
 
 Servers never share a port: grpcio binds with ``SO_REUSEPORT`` unless told otherwise, and then a second pod
 started on a taken port starts without complaint while the kernel splits connections between the two.
+
+TLS: one certificate and key per process serve as its server identity and as its client identity on the links it
+opens (mutual TLS); ``ca_file`` holds the certificates that peers' certificates must chain to. A process is on TLS
+when it has a certificate or a CA file: its servers then speak only TLS (they need the certificate) and its channels
+only TLS. With ``require_client_cert`` its servers also refuse a client without a certificate signed by ``ca_file``.
+Files are read once, when a server or channel is made: rotating a certificate takes a restart. A channel's address
+must be a name or an IP address the peer's certificate lists (subjectAltName).
+
+``configure_process_tls`` sets the TLS of channels that a library module opens for this process without being
+told (the prefill pod's KV channels to decode pods): a pod process sets it once, from its config, at start.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -33,18 +51,98 @@ SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0),
 CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, *RECONNECT_OPTIONS, *KEEPALIVE_OPTIONS]
 
 
-def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS)
+@dataclass(frozen=True)
+class TLSConfig:
+    """Certificates from files (PEM). All empty: plaintext."""
+
+    cert_file: str = ""  # this process's certificate chain: its server identity and its client identity
+    key_file: str = ""  # the certificate's private key
+    ca_file: str = ""  # peers' certificates must chain to these (empty: the system's roots, for channels only)
+    require_client_cert: bool = False  # servers refuse clients without a certificate signed by ca_file
+
+    @classmethod
+    def of(cls, config: Any) -> "TLSConfig":
+        """The ``tls_cert_file``, ``tls_key_file``, ``tls_ca_file`` and ``tls_require_client_cert`` fields of a
+        service's config dataclass."""
+        return cls(config.tls_cert_file, config.tls_key_file, config.tls_ca_file, config.tls_require_client_cert)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file or self.ca_file)
+
+    def check(self, serves: bool = True) -> None:
+        """Raises ValueError naming the config field at fault; ``serves``: the process runs servers (which need
+        their own certificate), not only channels."""
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("tls_cert_file and tls_key_file: set both or neither")
+        if serves and self.ca_file and not self.cert_file:
+            raise ValueError("tls_cert_file: a server on TLS needs its certificate (tls_ca_file is set)")
+        if self.require_client_cert and not (self.ca_file and self.cert_file):
+            raise ValueError("tls_require_client_cert: needs tls_ca_file (to verify clients) and tls_cert_file")
+        for name, path in (("tls_cert_file", self.cert_file), ("tls_key_file", self.key_file),
+                           ("tls_ca_file", self.ca_file)):
+            if path and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file: {path}")
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        root = _read(self.ca_file) if self.ca_file else None
+        return grpc.ssl_server_credentials([(_read(self.key_file), _read(self.cert_file))], root_certificates=root,
+                                           require_client_auth=self.require_client_cert)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file) if self.ca_file else None,
+            private_key=_read(self.key_file) if self.cert_file else None,
+            certificate_chain=_read(self.cert_file) if self.cert_file else None)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+PLAINTEXT = TLSConfig()
+_process_tls = PLAINTEXT
+
+
+def configure_process_tls(tls: TLSConfig) -> None:
+    """The TLS of channels opened without an explicit ``tls`` (see the module docstring)."""
+    global _process_tls
+    _process_tls = tls
+
+
+def process_tls() -> TLSConfig:
+    return _process_tls
+
+
+def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES,
+               interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """A server; ``max_receive_bytes`` caps a request message (a larger one is refused with RESOURCE_EXHAUSTED
+    before any handler runs)."""
+    options = dict(SERVER_OPTIONS, **{"grpc.max_receive_message_length": max_receive_bytes})
+    return grpc.aio.server(options=list(options.items()), interceptors=list(interceptors))
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig = PLAINTEXT) -> int:
     """Listen on ``host:port`` (0: any free port) and return the port; raises if another process holds it."""
     try:
+        if tls.enabled:
+            return server.add_secure_port(f"{host}:{port}", tls.server_credentials())
         return server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as err:
         raise RuntimeError(f"cannot listen on {host}:{port}: the port is taken or the address is not local "
                            f"({err})") from None
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
+def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
+    """A channel to ``address``; ``tls`` None: the process's TLS (``configure_process_tls``)."""
+    tls = _process_tls if tls is None else tls
+    if tls.enabled:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def open_blocking_channel(address: str, tls: TLSConfig = PLAINTEXT) -> grpc.Channel:
+    """A synchronous channel (command-line tools and health checks), with the same TLS rules."""
+    if tls.enabled:
+        return grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
