@@ -20,11 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import grpc_tools
 from grpc_tools import protoc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_PACKAGE_DIR = Path("protos/splitserve/v1")  # relative to the repository root
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+# google/protobuf/*.proto (Struct...), as grpcio-tools ships them.
+WELL_KNOWN_TYPES = Path(grpc_tools.__file__).parent / "_proto"
 
 
 def compile_protos(repo_root: Path) -> dict[str, bytes]:
@@ -36,6 +39,7 @@ def compile_protos(repo_root: Path) -> dict[str, bytes]:
         rc = protoc.main([
             "grpc_tools.protoc",
             f"--proto_path={repo_root}",
+            f"--proto_path={WELL_KNOWN_TYPES}",
             f"--python_out={out}",
             f"--pyi_out={out}",
             f"--grpc_python_out={out}",

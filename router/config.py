@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MODEL
+from engine.sampling_params import MAX_LOGPROBS
 from router.policies import PolicyName
 from runtime.config import described, member
 from runtime.cpus import checked_cpu_set
 from runtime.registry import RegistryKind
+from runtime.transport import TLSConfig
 
 
 @dataclass
@@ -60,6 +62,38 @@ class RouterConfig:
     cpus: str = field(default="", metadata=described(
         "CPU set the router runs on, e.g. '0-1' (empty: wherever the OS puts it)."))
 
+    # ---- the API edge: request limits, authentication, CORS, TLS (README: Security, Limits) -----------------
+    max_request_bytes: int = field(default=4 << 20, metadata=described(
+        "Largest HTTP request body and gRPC request message, in bytes (413 / RESOURCE_EXHAUSTED beyond)."))
+    max_prompt_bytes: int = field(default=1 << 20, metadata=described(
+        "Largest prompt in UTF-8 bytes (a chat: its rendered prompt), checked before tokenizing."))
+    max_prompt_tokens: int = field(default=0, metadata=described(
+        "Largest prompt in tokens (0: max_model_len - 1)."))
+    max_tokens_limit: int = field(default=0, metadata=described(
+        "Largest max_tokens a request may ask for; also caps a request that leaves it unset (0: max_model_len)."))
+    max_stop_strings: int = field(default=16, metadata=described("Most stop strings per request."))
+    max_stop_string_bytes: int = field(default=256, metadata=described("Longest stop string, in UTF-8 bytes."))
+    max_stop_token_ids: int = field(default=64, metadata=described("Most stop token ids per request."))
+    max_logprobs: int = field(default=MAX_LOGPROBS, metadata=described(
+        f"Most top logprobs per token a request may ask for (at most {MAX_LOGPROBS})."))
+    tokenizer_threads: int = field(default=2, metadata=described(
+        "Threads that tokenize prompts, off the event loop (a long prompt never stalls other requests)."))
+    api_keys: list[str] = field(default_factory=list, repr=False, metadata=described(
+        "API keys clients must present (HTTP 'Authorization: Bearer KEY', gRPC metadata 'authorization: Bearer "
+        "KEY'); empty: no authentication. Prefer the environment variable to the flag (ps shows flags)."))
+    auth_exempt_paths: list[str] = field(default_factory=lambda: ["/health", "/metrics"], metadata=described(
+        "HTTP paths served without an API key (empty: every path needs one). gRPC health and reflection are "
+        "always open."))
+    cors_allowed_origins: list[str] = field(default_factory=list, metadata=described(
+        "Origins browsers may call the HTTP API from ('*': any); empty: no CORS headers."))
+    tls_cert_file: str = field(default="", metadata=described(
+        "PEM certificate of the router: its gRPC and HTTPS server identity and its client identity towards pods."))
+    tls_key_file: str = field(default="", metadata=described("PEM private key of tls_cert_file."))
+    tls_ca_file: str = field(default="", metadata=described(
+        "PEM CA certificates that pods' (and, with tls_require_client_cert, clients') certificates must chain to."))
+    tls_require_client_cert: bool = field(default=False, metadata=described(
+        "Mutual TLS: the gRPC and HTTPS servers refuse clients without a certificate signed by tls_ca_file."))
+
     def __post_init__(self) -> None:
         self.policy = member(PolicyName, "policy", self.policy)
         self.registry = member(RegistryKind, "registry", self.registry)
@@ -73,5 +107,43 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.conditional_cached_fraction < 0:
             raise ValueError(f"conditional_cached_fraction must be >= 0, got {self.conditional_cached_fraction}")
+        self._check_edge()
         if self.registry is RegistryKind.STATIC and not (self.prefill_pods or self.decode_pods or self.mixed_pods):
             raise ValueError("the static registry needs pods: set decode_pods or mixed_pods (and prefill_pods)")
+
+    def _check_edge(self) -> None:
+        for name in ("max_request_bytes", "max_prompt_bytes", "max_stop_string_bytes", "tokenizer_threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_token_ids"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"max_prompt_tokens must be < max_model_len ({self.max_model_len}), "
+                             f"got {self.max_prompt_tokens}")
+        if self.max_tokens_limit > self.max_model_len:
+            raise ValueError(f"max_tokens_limit must be <= max_model_len ({self.max_model_len}), "
+                             f"got {self.max_tokens_limit}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        for key in self.api_keys:  # never echo a key: the message goes to logs
+            if not key or not key.isprintable() or " " in key or not key.isascii():
+                raise ValueError("api_keys: every key must be non-empty printable ASCII without spaces")
+        for path in self.auth_exempt_paths:
+            if not path.startswith("/"):
+                raise ValueError(f"auth_exempt_paths: paths start with '/', got {path!r}")
+        TLSConfig.of(self).check()
+
+    @property
+    def prompt_token_limit(self) -> int:
+        """Most tokens a prompt may have (``max_prompt_tokens``, or all of the context but one)."""
+        return self.max_prompt_tokens or self.max_model_len - 1
+
+    @property
+    def output_token_limit(self) -> int:
+        """Most tokens a request may ask for (``max_tokens_limit``, or the whole context)."""
+        return self.max_tokens_limit or self.max_model_len
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig.of(self)

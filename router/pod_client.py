@@ -35,9 +35,9 @@ class PodClient:
     """Stubs for one pod's services, as its role serves them: Prefill for prefill pods, Decode for decode and
     mixed pods; health and PodStatus on every pod."""
 
-    def __init__(self, address: str, role: Role):
+    def __init__(self, address: str, role: Role, tls: transport.TLSConfig = transport.PLAINTEXT):
         self.address, self.role = address, Role(role)
-        self._channel = transport.open_channel(address)
+        self._channel = transport.open_channel(address, tls)
         self._prefill = prefill_pb2_grpc.PrefillStub(self._channel) if self.role is Role.PREFILL else None
         self._decode = decode_pb2_grpc.DecodeStub(self._channel) if self.role.can_decode else None
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -69,15 +69,17 @@ class PodClient:
 
 
 class PodClientPool:
-    """One ``PodClient`` per pod address, created on first use and kept for the router's lifetime."""
+    """One ``PodClient`` per pod address, created on first use and kept for the router's lifetime; ``tls``: the
+    router's TLS towards pods."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: transport.TLSConfig = transport.PLAINTEXT) -> None:
         self._clients: dict[tuple[str, Role], PodClient] = {}
+        self._tls = tls
 
     def get(self, address: str, role: Role) -> PodClient:
         key = (address, Role(role))
         if key not in self._clients:
-            self._clients[key] = PodClient(address, role)
+            self._clients[key] = PodClient(address, role, self._tls)
         return self._clients[key]
 
     async def close(self) -> None:

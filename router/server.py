@@ -6,6 +6,10 @@
 the pods) -> the gRPC server (``Generation``, ``grpc.health.v1.Health`` reporting SERVING, server reflection
 listing the services) -> the OpenAI-compatible HTTP API (``router.openai_api.create_app``) on uvicorn.
 
+Both servers take the router's TLS settings (``tls_*``: gRPC over TLS, HTTPS; with ``tls_require_client_cert``
+both require client certificates), its API keys (``APIKeyInterceptor`` on gRPC, the app's middleware on HTTP)
+and its request size limit (``max_request_bytes``: gRPC's receive limit, the HTTP body limit).
+
 ``serve(config)`` runs that until SIGTERM or SIGINT, then stops gracefully: health turns NOT_SERVING, the
 HTTP server stops accepting and finishes its requests, the gRPC server gives in-flight calls
 ``SHUTDOWN_GRACE_S`` to end, and only then do the router's pod connections close.
@@ -17,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 import sys
 
 import grpc
@@ -24,9 +29,9 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.splitserve.v1 import generate_pb2, generate_pb2_grpc
+from router.api_keys import APIKeys
 from router.config import RouterConfig
-from router.grpc_api import GenerationServicer
+from router.grpc_api import GENERATION_SERVICE, APIKeyInterceptor, GenerationServicer, add_generation_service
 from router.router import Router
 from runtime import transport
 from runtime.config import parse_config
@@ -35,7 +40,6 @@ from runtime.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
-GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # Long enough for a typical stream to finish; Kubernetes' default termination grace period is 30 s.
 SHUTDOWN_GRACE_S = 20.0
 HEALTH_REFRESH_S = 0.25  # how often the health status follows the router's readiness
@@ -67,8 +71,11 @@ class RouterServer:
         await self._start_grpc()
         if self.config.http_port:
             await self._start_http()
-        log.info("router serving %s: gRPC on %s:%d, HTTP %s", self.router.model_name, self.config.host,
-                 self.grpc_port, f"on {self.config.host}:{self.config.http_port}" if self._http else "off")
+        scheme = "HTTPS" if self.config.tls.cert_file else "HTTP"
+        log.info("router serving %s: gRPC%s on %s:%d, %s %s; API keys %s", self.router.model_name,
+                 " (TLS)" if self.config.tls.enabled else "", self.config.host, self.grpc_port, scheme,
+                 f"on {self.config.host}:{self.config.http_port}" if self._http else "off",
+                 "required" if self.config.api_keys else "off")
 
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         if self._health_task is not None:
@@ -82,11 +89,12 @@ class RouterServer:
         await self.router.stop()
 
     async def _start_grpc(self) -> None:
-        server = transport.new_server()
-        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.router), server)
+        keys = APIKeys(self.config.api_keys)
+        server = transport.new_server(self.config.max_request_bytes, [APIKeyInterceptor(keys)] if keys else [])
+        add_generation_service(GenerationServicer(self.router), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.grpc_port = transport.bind(server, self.config.host, self.config.grpc_port)
+        self.grpc_port = transport.bind(server, self.config.host, self.config.grpc_port, self.config.tls)
         for service in ("", GENERATION_SERVICE):  # not serving until a pod is known (the servicer starts SERVING)
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
@@ -112,12 +120,21 @@ class RouterServer:
 
         app = create_app(self.router)
         self._http = _EmbeddedHTTPServer(uvicorn.Config(app, host=self.config.host, port=self.config.http_port,
-                                                        log_config=None))
+                                                        log_config=None, **_https_settings(self.config)))
         self._http_task = asyncio.create_task(self._http.serve(), name="http-api")
         while not self._http.started:
             if self._http_task.done():  # e.g. the port is taken: uvicorn logged why
                 raise RuntimeError(f"the HTTP API could not start on {self.config.host}:{self.config.http_port}")
             await asyncio.sleep(0.05)
+
+
+def _https_settings(config: RouterConfig) -> dict:
+    """uvicorn's TLS settings from the router's: HTTPS with the router's certificate when TLS is on."""
+    tls = config.tls
+    if not tls.cert_file:
+        return {}
+    return {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file, "ssl_ca_certs": tls.ca_file or None,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE}
 
 
 async def serve(config: RouterConfig) -> None:

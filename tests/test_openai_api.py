@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
 from engine.sampling_params import SamplingParams
+from router.config import RouterConfig
 from router.openai_api import ServerSentEvents, create_app
 from router.router import Completion, OutputDelta, RouterRequest
 from runtime.errors import StatusError
@@ -37,11 +38,15 @@ RANKINGS = {
     4: [(5, -0.75), (0, -1.25), (4, -2.0)],
 }
 CACHED_TOKENS = 2
+MAX_MODEL_LEN = 4096
 
 
 class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(VOCAB[token_id] for token_id in ids)
+
+    def id_to_token(self, token_id: int) -> str:
+        return VOCAB[token_id]
 
 
 class FakeRouter:
@@ -49,7 +54,8 @@ class FakeRouter:
 
     model_name = MODEL
 
-    def __init__(self):
+    def __init__(self, config: RouterConfig | None = None):
+        self.config = config or RouterConfig(model=MODEL, max_model_len=MAX_MODEL_LEN, decode_pods=["10.0.0.7:50060"])
         self.tokenizer = FakeTokenizer()
         self.metrics = RouterMetrics(MODEL)
         self.reset()
@@ -58,6 +64,8 @@ class FakeRouter:
         self.is_ready = True
         self.requests: list[RouterRequest] = []
         self.rendered_chats: list[list[dict]] = []
+        self.chat_options: list[dict] = []  # the template options of each rendered chat
+        self.tokenized: list[tuple[str, bool]] = []  # (text, add_special_tokens) of each text tokenized
         self.error_before_first: Exception | None = None
         self.error_after_deltas: Exception | None = None
         self.finish_reason = "stop"
@@ -68,19 +76,33 @@ class FakeRouter:
         self.finished = threading.Event()  # generate reached its end (its Completion or its own error)
         self.closed_early = threading.Event()  # generate was closed or cancelled before its end
 
-    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> RouterRequest:
-        if len(prompt) == 0:
+    async def make_request(self, prompt, params: SamplingParams, request_id: str | None = None, *,
+                           add_special_tokens: bool = True, timeout_s: float | None = None) -> RouterRequest:
+        token_ids = prompt if isinstance(prompt, list) else await self.tokenize(prompt, add_special_tokens)
+        if len(token_ids) == 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
-        token_ids = prompt if isinstance(prompt, list) else [7] * len(prompt)
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"logprobs: must be <= {self.config.max_logprobs}")
         text = prompt if isinstance(prompt, str) else None
         return RouterRequest(request_id=request_id or f"req{len(self.requests)}", prompt_token_ids=token_ids,
-                             params=params, prompt_text=text, arrival_time=time.monotonic())
+                             params=params, prompt_text=text, arrival_time=time.monotonic(), timeout_s=timeout_s)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.tokenized.append((text, add_special_tokens))
+        return [7] * len(text)  # one token per character
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        if any(t not in VOCAB for t in token_ids):
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "tokens: token ids must be in the vocabulary")
+        return self.tokenizer.decode(token_ids)
+
+    async def apply_chat_template(self, messages: list[dict], **options) -> str:
         self.rendered_chats.append(messages)
-        if messages[-1]["role"] == "assistant":
+        self.chat_options.append(options)
+        if messages[-1]["role"] == "assistant" and not options.get("continue_final_message"):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "messages: the conversation must end with a user's")
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
+            "<assistant>" if options.get("add_generation_prompt") else "")
 
     async def generate(self, request: RouterRequest):
         self.requests.append(request)
@@ -198,7 +220,6 @@ def test_completion_passes_every_sampling_field_to_sampling_params(http, fake):
         "presence_penalty": 0.25, "frequency_penalty": -0.5, "user": "someone", "top_k": 40, "min_p": 0.05,
         "repetition_penalty": 1.25, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [0],
         "skip_special_tokens": False, "include_stop_str_in_output": True, "logprobs": 1,
-        "some_future_field": {"ignored": True},
     }
     assert http.post("/v1/completions", json=body).status_code == 200
     assert fake.requests[0].prompt_token_ids == [3, 1, 4]
@@ -365,11 +386,12 @@ def error_of(response: httpx.Response) -> dict:
     ({"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
     ({"stop": ""}, "stop", "stop strings must be non-empty, got an empty string"),
     ({"stop": [1]}, "stop[0]", "stop[0]: Input should be a valid string"),
-    ({"logprobs": 6}, "logprobs", "logprobs: Input should be less than or equal to 5"),
-    ({"echo": True}, "echo", "echo: echo is not supported: the prompt is not returned with the completion"),
+    ({"logprobs": -1}, "logprobs", "logprobs: Input should be greater than or equal to 0"),
+    ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20] or None, got 21"),
+    ({"echo": True}, "echo", "echo: echo is not supported: the prompt is not returned with the output yet"),
     ({"best_of": 2}, "best_of", "best_of: best_of is not supported: only one sample per prompt is generated"),
     ({"logit_bias": {"50256": -100}}, "logit_bias",
-     "logit_bias: logit_bias is not supported: the sampler has no per-token biases"),
+     "logit_bias: logit_bias is not supported: the sampler has no per-token biases yet"),
     ({"stream_options": {"include_usage": True}}, "stream_options",
      "stream_options: stream_options is only allowed when stream is true"),
     ({"prompt": ["one", "two"]}, "prompt", "prompt: batched prompts are not supported; send one per request"),
@@ -394,13 +416,12 @@ def test_bad_completion_fields_are_400_naming_the_field(http, fake, body, param,
      'messages[0].content: content parts must be {"type": "text", "text": "..."}; only text is supported'),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "messages[0].content: Field required"),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs: top_logprobs needs logprobs set to true"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs",
-     "top_logprobs: Input should be less than or equal to 20"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_tokens must be >= 1 or None, got 0"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20] or None, got 21"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1 or None, got 0"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "tools: tools is not supported: the router does not parse tool calls"),
+     "tools: tools is not supported: tool calling is not supported yet"),
     ({"response_format": {"type": "json_object"}}, "response_format",
-     'response_format: response_format is not supported: only {"type": "text"} is served (no guided decoding)'),
+     "response_format: response_format is not supported: structured output (guided decoding) is not supported yet"),
     ({"messages": [{"role": "assistant", "content": "Hi"}]}, "messages",
      "messages: the conversation must end with a user's"),
 ])

@@ -196,7 +196,7 @@ async def running_cluster(num_prefill=1, num_decode=1, num_mixed=0, extra_decode
 
 
 async def generate_all(router: Router, prompt, **params):
-    req = router.make_request(prompt, SamplingParams(**params))
+    req = await router.make_request(prompt, SamplingParams(**params))
     items = [item async for item in router.generate(req)]
     assert all(isinstance(item, OutputDelta) for item in items[:-1])
     assert isinstance(items[-1], Completion)
@@ -322,7 +322,7 @@ def test_failure_on_every_attempt_is_unavailable_to_the_client():
         async with running_cluster(num_prefill=2, max_retries=1) as env:
             for pod in env.prefill:
                 pod.fail_with = grpc.StatusCode.UNAVAILABLE
-            req = env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=4))
+            req = await env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=4))
             with pytest.raises(StatusError) as caught:
                 [item async for item in env.router.generate(req)]
             assert caught.value.code == grpc.StatusCode.UNAVAILABLE
@@ -335,7 +335,7 @@ def test_no_serving_pod_is_unavailable():
     async def scenario():
         async with running_cluster(num_prefill=1, num_decode=0, extra_decode_addresses=[f"127.0.0.1:{free_port()}"]) \
                 as env:
-            req = env.router.make_request(LONG_PROMPT, SamplingParams())
+            req = await env.router.make_request(LONG_PROMPT, SamplingParams())
             with pytest.raises(StatusError) as caught:
                 [item async for item in env.router.generate(req)]
             assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.UNAVAILABLE, 503)
@@ -411,7 +411,7 @@ def test_resource_exhausted_tries_another_pod_then_reaches_the_client():
             assert (len(full.calls), len(roomy.calls), joined(deltas)[1]) == (1, 1, "The")
 
             roomy.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
-            req = env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=3))
+            req = await env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=3))
             with pytest.raises(StatusError) as caught:
                 [item async for item in env.router.generate(req)]
             assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
@@ -464,7 +464,7 @@ def test_deadline_before_the_first_token_is_deadline_exceeded():
     async def scenario():
         async with running_cluster(request_timeout_s=0.1) as env:
             env.decode[0].token_delay_s = 1.0
-            req = env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=3))
+            req = await env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=3))
             with pytest.raises(StatusError) as caught:
                 [item async for item in env.router.generate(req)]
             assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.DEADLINE_EXCEEDED, 504)
@@ -475,7 +475,7 @@ def test_client_closing_the_stream_cancels_the_decode_pod():
     async def scenario():
         async with running_cluster() as env:
             env.decode[0].token_delay_s = 0.02
-            req = env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=None))
+            req = await env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=None))
             stream = env.router.generate(req)
             received = [await anext(stream), await anext(stream)]
             await stream.aclose()
@@ -490,7 +490,7 @@ def test_abort_ends_the_stream_with_an_abort_completion():
     async def scenario():
         async with running_cluster() as env:
             env.decode[0].token_delay_s = 0.02
-            req = env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=None))
+            req = await env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=None))
             items = []
             async for item in env.router.generate(req):
                 items.append(item)
@@ -524,10 +524,10 @@ def test_invalid_requests_are_invalid_argument_naming_the_field():
             ]
             for prompt, params, message in cases:
                 with pytest.raises(StatusError) as caught:
-                    router.make_request(prompt, params)
+                    await router.make_request(prompt, params)
                 assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.INVALID_ARGUMENT, 400)
                 assert caught.value.message.startswith(message)
-            assert router.make_request("abc", SamplingParams(max_tokens=None)).params.max_tokens == 2045
+            assert (await router.make_request("abc", SamplingParams(max_tokens=None))).params.max_tokens == 2045
     run(scenario())
 
 

@@ -1,0 +1,203 @@
+"""Router outputs -> OpenAI responses: one formatter per request shapes its ``OutputDelta``s and its ``Completion``
+into stream chunks, or into one whole response, of ``/v1/completions`` or ``/v1/chat/completions``.
+
+    formatter.opening_chunks()          chat: the assistant's role, before any text
+    formatter.delta_chunk(delta)        one chunk per delta with new text (or logprobs owed), else None
+    formatter.finish_chunk(completion)  the finish reason and stop reason
+    formatter.usage_chunk(completion)   the usage, when stream_options.include_usage
+    formatter.response(deltas, completion)   the same, joined, for a request that does not stream
+
+With ``stream_options.continuous_usage_stats`` every chunk also carries the usage so far (prompt tokens, and
+the completion tokens streamed up to and including that chunk), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from router.openai_responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from router.router import Completion, OutputDelta
+
+TokenText = Callable[[int], str]  # a token id's own text, for logprobs
+
+
+class _Formatter:
+    """Shapes one request's router outputs; the stream and the whole response are built from the same deltas."""
+
+    id_prefix = ""
+
+    def __init__(self, request_id: str, model: str, token_text: TokenText, num_logprobs: int | None,
+                 prompt_tokens: int = 0, continuous_usage: bool = False):
+        self.response_id = f"{self.id_prefix}{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.token_text = token_text
+        self.num_logprobs = num_logprobs  # None: the client asked for no logprobs
+        self.prompt_tokens = prompt_tokens
+        self.continuous_usage = continuous_usage  # every chunk carries the usage so far
+        self._completion_tokens = 0  # streamed so far
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return []
+
+    def _count(self, delta: OutputDelta) -> None:
+        self._completion_tokens += len(delta.token_ids)
+
+    def _usage_so_far(self, completion: Completion | None = None) -> Usage | None:
+        if not self.continuous_usage:
+            return None
+        if completion is not None:
+            return self.usage(completion)
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self._completion_tokens,
+                     total_tokens=self.prompt_tokens + self._completion_tokens)
+
+    @staticmethod
+    def usage(completion: Completion) -> Usage:
+        return Usage(
+            prompt_tokens=completion.prompt_tokens,
+            completion_tokens=completion.completion_tokens,
+            total_tokens=completion.prompt_tokens + completion.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=completion.cached_tokens),
+        )
+
+    def _wants_chunk(self, delta: OutputDelta) -> bool:
+        # Tokens whose text is held back (a partial character, a possible stop string) still owe their logprobs.
+        return bool(delta.text) or (self.num_logprobs is not None and bool(delta.token_ids))
+
+    def _token_logprobs(self, delta: OutputDelta) -> list[tuple[int, dict[int, float]]] | None:
+        """(sampled token id, {candidate id: logprob}) per token, or None when no logprobs were asked for.
+
+        The router's dict lists the top alternatives in rank order, then the sampled token when it is not
+        among them (``protos.convert.token_logprob_to_dict``)."""
+        if self.num_logprobs is None or delta.logprobs is None:
+            return None
+        return list(zip(delta.token_ids, delta.logprobs))
+
+
+class TextCompletionFormatter(_Formatter):
+    """``/v1/completions`` responses and chunks (object ``text_completion``), with legacy logprobs."""
+
+    id_prefix = "cmpl-"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._text_offset = 0  # characters of token text reported so far, across chunks
+
+    def delta_chunk(self, delta: OutputDelta) -> CompletionResponse | None:
+        self._count(delta)
+        if not self._wants_chunk(delta):
+            return None
+        return self._response(CompletionChoice(text=delta.text, logprobs=self._logprobs(delta)), self._usage_so_far())
+
+    def finish_chunk(self, completion: Completion) -> CompletionResponse:
+        return self._response(CompletionChoice(
+            text="", finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
+            self._usage_so_far(completion))
+
+    def usage_chunk(self, completion: Completion) -> CompletionResponse:
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=[],
+                                  usage=self.usage(completion))
+
+    def response(self, deltas: list[OutputDelta], completion: Completion) -> CompletionResponse:
+        whole = _joined(deltas)
+        choice = CompletionChoice(text=whole.text, logprobs=self._logprobs(whole),
+                                  finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+        return self._response(choice, self.usage(completion))
+
+    def _response(self, choice: CompletionChoice, usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
+                                  choices=[choice], usage=usage)
+
+    def _logprobs(self, delta: OutputDelta) -> CompletionLogprobs | None:
+        per_token = self._token_logprobs(delta)
+        if per_token is None:
+            return None
+        logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for token_id, candidates in per_token:
+            text = self.token_text(token_id)
+            logprobs.tokens.append(text)
+            logprobs.token_logprobs.append(candidates[token_id])
+            # This format wants exactly what the router's dict holds: the alternatives and the sampled token.
+            logprobs.top_logprobs.append({self.token_text(other): value for other, value in candidates.items()})
+            logprobs.text_offset.append(self._text_offset)
+            self._text_offset += len(text)
+        return logprobs
+
+
+class ChatCompletionFormatter(_Formatter):
+    """``/v1/chat/completions`` responses and chunks (``chat.completion`` / ``chat.completion.chunk``)."""
+
+    id_prefix = "chatcmpl-"
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return [self._chunk(ChatChunkChoice(delta={"role": "assistant", "content": ""}), self._usage_so_far())]
+
+    def delta_chunk(self, delta: OutputDelta) -> ChatCompletionChunk | None:
+        self._count(delta)
+        if not self._wants_chunk(delta):
+            return None
+        return self._chunk(ChatChunkChoice(delta={"content": delta.text}, logprobs=self._logprobs(delta)),
+                           self._usage_so_far())
+
+    def finish_chunk(self, completion: Completion) -> ChatCompletionChunk:
+        return self._chunk(ChatChunkChoice(
+            delta={}, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
+            self._usage_so_far(completion))
+
+    def usage_chunk(self, completion: Completion) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
+                                   usage=self.usage(completion))
+
+    def response(self, deltas: list[OutputDelta], completion: Completion) -> ChatCompletionResponse:
+        whole = _joined(deltas)
+        choice = ChatChoice(message=AssistantMessage(content=whole.text), logprobs=self._logprobs(whole),
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
+                                      choices=[choice], usage=self.usage(completion))
+
+    def _chunk(self, choice: ChatChunkChoice, usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice],
+                                   usage=usage)
+
+    def _logprobs(self, delta: OutputDelta) -> ChatLogprobs | None:
+        per_token = self._token_logprobs(delta)
+        if per_token is None:
+            return None
+        return ChatLogprobs(content=[self._token_logprob(token_id, candidates) for token_id, candidates in per_token])
+
+    def _token_logprob(self, token_id: int, candidates: dict[int, float]) -> TokenLogprob:
+        text = self.token_text(token_id)
+        alternatives = list(candidates.items())[: self.num_logprobs]
+        return TokenLogprob(token=text, logprob=candidates[token_id], bytes=list(text.encode("utf-8")),
+                            top_logprobs=[self._top_logprob(other, value) for other, value in alternatives])
+
+    def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def _joined(deltas: list[OutputDelta]) -> OutputDelta:
+    """All of a request's deltas as one, for a response that is not streamed."""
+    has_logprobs = any(delta.logprobs is not None for delta in deltas)
+    return OutputDelta(
+        token_ids=[token_id for delta in deltas for token_id in delta.token_ids],
+        text="".join(delta.text for delta in deltas),
+        logprobs=[entry for delta in deltas for entry in delta.logprobs or []] if has_logprobs else None,
+    )

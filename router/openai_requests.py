@@ -1,0 +1,449 @@
+"""What the HTTP API accepts: the request bodies of ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``
+and ``/detokenize``, as strict pydantic models, and how a body becomes ``SamplingParams``.
+
+    JSON body -> CompletionRequest / ChatCompletionRequest / Tokenize... / DetokenizeRequest   shapes and types
+              -> .sampling_params()                                                          values and ranges
+
+No field is silently ignored. Each field a body may carry is one of:
+
+- honoured: OpenAI's fields this server implements, and vLLM's extras (``top_k``, ``min_p``,
+  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+  ``include_stop_str_in_output``, ``add_special_tokens``, ``request_id``; for chat ``add_generation_prompt``,
+  ``continue_final_message``, ``chat_template_kwargs``; ``stream_options.continuous_usage_stats``);
+- known but not supported yet (``UNSUPPORTED_FIELDS``: structured outputs, tools, ``n`` > 1, ``echo``,
+  ``prompt_logprobs``, ``logit_bias``, ...): accepted only at its neutral value (``null``, ``false``, ``[]``, or
+  what asks for nothing: ``best_of: 1``, ``response_format: {"type": "text"}``), refused with 400 naming it
+  otherwise;
+- ignored on purpose, and documented as such: ``user`` and ``safety_identifier`` (end-user ids for OpenAI's abuse
+  monitoring; this server keeps no per-user state);
+- anything else: unknown, refused with 400 naming it.
+
+Types are strict, as in OpenAI's API: ``"0.5"`` is not a number and ``1.0`` is not an integer, and strings must be
+valid Unicode (JSON's ``"\\ud800"`` is not). Value ranges are checked once, by ``SamplingParams``, whose error names
+the field; ``sampling_params()`` re-raises it as ``InvalidParameter`` naming the field as the client spelled it.
+The server's own limits (prompt size, stop strings, ``max_tokens``, logprobs) are the router's to check.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from engine.sampling_params import SamplingParams
+
+# Request fields passed to SamplingParams under the same name, when the client set them.
+_SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "skip_special_tokens", "include_stop_str_in_output",
+)
+
+# Known fields this server does not honour yet: {field: (the values that ask for nothing, why it is refused)}.
+_NO_STRUCTURED_OUTPUT = "structured output (guided decoding) is not supported yet"
+_NO_TOOLS = "tool calling is not supported yet"
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logit_bias": ((None, {}), "the sampler has no per-token biases yet"),
+    "best_of": ((None, 1), "only one sample per prompt is generated"),
+    "echo": ((None, False), "the prompt is not returned with the output yet"),
+    "suffix": ((None, ""), "the served models do not fill in the middle"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not computed yet"),
+    "response_format": ((None, {"type": "text"}), _NO_STRUCTURED_OUTPUT),
+    "guided_json": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_regex": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_choice": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_grammar": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_decoding_backend": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_whitespace_pattern": ((None,), _NO_STRUCTURED_OUTPUT),
+    "structured_outputs": ((None,), _NO_STRUCTURED_OUTPUT),
+    "structural_tag": ((None,), _NO_STRUCTURED_OUTPUT),
+    "tools": ((None, []), _NO_TOOLS),
+    "tool_choice": ((None, "none", "auto"), _NO_TOOLS),
+    "parallel_tool_calls": ((None, True, False), _NO_TOOLS),
+    "functions": ((None, []), _NO_TOOLS),
+    "function_call": ((None, "none", "auto"), _NO_TOOLS),
+    "bad_words": ((None, []), "the sampler has no banned words yet"),
+    "allowed_token_ids": ((None,), "the sampler has no allowed-token filter yet"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated: a prompt over the limit is refused"),
+    "logits_processors": ((None, []), "custom logits processors are not run"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1.0), "beam search is not supported"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always decoded with the tokenizer's spacing"),
+    "return_tokens_as_token_ids": ((None, False), "logprob tokens are always text"),
+    "return_token_ids": ((None, False), "token ids are returned by the gRPC API, not this one"),
+    "priority": ((None, 0), "requests have no priorities yet"),
+    "cache_salt": ((None,), "the prefix cache has no salts yet"),
+    "kv_transfer_params": ((None,), "KV transfer is the router's to arrange"),
+    "vllm_xargs": ((None,), "no extension arguments are taken"),
+    "prompt_embeds": ((None,), "prompts are text or token ids"),
+    "chat_template": ((None,), "a request may not bring its own chat template; use chat_template_kwargs"),
+    "documents": ((None, []), "the chat template gets no documents"),
+    "mm_processor_kwargs": ((None, {}), "the served models take text only"),
+    "media_io_kwargs": ((None, {}), "the served models take text only"),
+    "reasoning_effort": ((None,), "the served models have no reasoning modes"),
+    "include_reasoning": ((None, True), "the served models have no reasoning parser"),
+    "modalities": ((None, ["text"]), "the served models produce text only"),
+    "audio": ((None,), "the served models produce text only"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "the server does not search the web"),
+    "store": ((None, False), "outputs are not stored"),
+    "metadata": ((None, {}), "outputs are not stored, so they carry no metadata"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    # Fields of a message, when a client sends back an assistant message as a previous response gave it.
+    "tool_calls": ((None, []), _NO_TOOLS),
+    "tool_call_id": ((None,), _NO_TOOLS),
+    "refusal": ((None,), "assistant refusals are not modelled"),
+    "annotations": ((None, []), "message annotations are not modelled"),
+}
+
+
+class InvalidParameter(ValueError):
+    """A request field has a value this server refuses; ``param`` names the field as the client spelled it."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError("unicode", "not valid Unicode (a lone surrogate at character {at})",
+                                  {"at": exc.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _unicode_everywhere(value: Any) -> None:
+    """Every string in ``value`` (keys too) valid Unicode, for free-form JSON (``chat_template_kwargs``)."""
+    if isinstance(value, str):
+        _valid_unicode(value)
+    elif isinstance(value, list):
+        for item in value:
+            _unicode_everywhere(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _unicode_everywhere(key)
+            _unicode_everywhere(item)
+
+
+class _StrictModel(BaseModel):
+    """Strict types; unknown fields refused; known-but-unsupported fields refused unless neutral."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name in UNSUPPORTED_FIELDS:
+            neutral, why = UNSUPPORTED_FIELDS[info.field_name]
+            if not any(_same(value, v) for v in neutral):
+                raise PydanticCustomError("unsupported", "{field} is not supported: {why}",
+                                          {"field": info.field_name, "why": why})
+        return value
+
+
+class StreamOptions(_StrictModel):
+    include_usage: bool = False
+    # vLLM's: usage (so far) in every chunk, not only in the last one. Needs include_usage.
+    continuous_usage_stats: bool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _needs_usage(cls, continuous: bool, info: ValidationInfo) -> bool:
+        if continuous and not info.data.get("include_usage"):
+            raise PydanticCustomError("stream_options", "continuous_usage_stats needs include_usage set to true")
+        return continuous
+
+
+class _GenerationRequest(_StrictModel):
+    """The fields both generation endpoints share: everything that becomes a ``SamplingParams``, streaming,
+    the request id, and the known-but-unsupported fields of both."""
+
+    model: Text | None = None  # optional, as in vLLM; when given it must name the served model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[Text] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # accepted and ignored on purpose: this server keeps no per-user state
+    safety_identifier: str | None = None  # OpenAI's successor of `user`; the same
+    request_id: Text | None = None  # vLLM's: the request's id, as the X-Request-Id header gives it
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # Known, not supported yet: refused unless neutral (UNSUPPORTED_FIELDS).
+    logit_bias: Any = None
+    best_of: Any = None
+    echo: Any = None
+    prompt_logprobs: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    structural_tag: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _wrap_single_stop(cls, stop: Any) -> Any:
+        return [stop] if isinstance(stop, str) else stop
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise PydanticCustomError("stream_options", "stream_options is only allowed when stream is true")
+        return options
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def sampling_params(self) -> SamplingParams:
+        """The request's SamplingParams; raises ``InvalidParameter`` for a value out of range."""
+        fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        try:
+            return SamplingParams(**fields, max_tokens=self._max_tokens(), logprobs=self._num_logprobs())
+        except ValueError as error:
+            # SamplingParams' messages start with the field's name ("temperature must be >= 0, ...").
+            sampling_field, _, rest = str(error).partition(" ")
+            param = self.param_name(sampling_field)
+            raise InvalidParameter(param, f"{param or sampling_field} {rest}") from error
+
+    def param_name(self, field: str) -> str | None:
+        """The body's name for a field the router or ``SamplingParams`` names (``prompt``, ``max_tokens``...)."""
+        return field if field in type(self).model_fields else None
+
+    @abstractmethod
+    def _max_tokens(self) -> int | None: ...
+
+    @abstractmethod
+    def _num_logprobs(self) -> int | None: ...
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: Text | list[int]
+    max_tokens: int | None = 16  # OpenAI's default for this endpoint; null: until the context is full
+    logprobs: int | None = Field(None, ge=0)
+    add_special_tokens: bool = True  # vLLM's: BOS and the like, as the tokenizer adds them
+    suffix: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """Accept a string, a list of token ids, or a batch of exactly one of those."""
+        if isinstance(prompt, str) or _is_int_list(prompt):
+            return prompt
+        is_batch = isinstance(prompt, list) and all(isinstance(item, str) or _is_int_list(item) for item in prompt)
+        if is_batch and len(prompt) > 1:
+            raise PydanticCustomError("batched_prompt", "batched prompts are not supported; send one per request")
+        if is_batch and len(prompt) == 1:
+            return prompt[0]
+        raise PydanticCustomError("prompt_type", "prompt must be a string or a list of token ids")
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class _ChatMessage(_StrictModel):
+    """One message of the conversation; content parts ``[{"type": "text", "text": ...}]`` are joined."""
+
+    role: Literal["system", "user", "assistant"]
+    content: Text
+    name: Text | None = None  # the participant's name, given to the chat template
+    # An assistant message as a previous response gave it (OpenAI's SDK dumps these): accepted when neutral.
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        if not all(_is_text_part(part) for part in content):
+            raise PydanticCustomError(
+                "content_part", 'content parts must be {"type": "text", "text": "..."}; only text is supported')
+        # Joined by newlines, as vLLM renders multi-part text content.
+        return "\n".join(part["text"] for part in content)
+
+    def for_template(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.content}
+        return message if self.name is None else {**message, "name": self.name}
+
+
+class _ChatTemplateOptions(_StrictModel):
+    """How the conversation becomes the prompt text (vLLM's fields, shared by chat and chat tokenization)."""
+
+    messages: list[_ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True  # the template opens the assistant's turn
+    continue_final_message: bool = False  # the prompt ends inside the last message, which the model continues
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking...)
+    chat_template: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    tools: Any = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end(cls, continue_final: bool, info: ValidationInfo) -> bool:
+        if continue_final and info.data.get("add_generation_prompt", True):
+            raise PydanticCustomError("continue_final_message", "continue_final_message cannot be combined with "
+                                      "add_generation_prompt; set add_generation_prompt to false")
+        return continue_final
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _unicode_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        _unicode_everywhere(kwargs)
+        return kwargs
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The conversation as the chat template reads it."""
+        return [message.for_template() for message in self.messages]
+
+
+class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
+    """``POST /v1/chat/completions``: a conversation, rendered to a prompt by the model's chat template."""
+
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    # vLLM's default for chat: the template writes the special tokens it wants (BOS included) into the text.
+    add_special_tokens: bool = False
+    # Known, not supported (UNSUPPORTED_FIELDS).
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs set to true")
+        return top_logprobs
+
+    def _max_tokens(self) -> int | None:
+        # Unset means until the context is full, as in OpenAI's chat API.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def param_name(self, field: str) -> str | None:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        if field == "prompt":  # the prompt of a chat is its rendered messages
+            return "messages"
+        return "top_logprobs" if field == "logprobs" else super().param_name(field)
+
+
+class TokenizeCompletionRequest(_StrictModel):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's shape)."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_ChatTemplateOptions):
+    """``POST /tokenize`` with ``messages`` (vLLM's shape): the prompt a chat request would send."""
+
+    model: Text | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    media_io_kwargs: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
+
+
+class DetokenizeRequest(_StrictModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: Text | None = None
+    tokens: list[int]
+
+
+def tokenize_request(body: Any) -> type[TokenizeCompletionRequest] | type[TokenizeChatRequest]:
+    """Which tokenize request ``body`` is: a chat when it has ``messages`` (as vLLM tells them apart)."""
+    return TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality: 1 and 1.0 are the same number, but true is not 1."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    return value == neutral
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(item) for item in value)
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+__all__ = [
+    "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "InvalidParameter", "StreamOptions",
+    "TokenizeChatRequest", "TokenizeCompletionRequest", "UNSUPPORTED_FIELDS", "tokenize_request",
+]
