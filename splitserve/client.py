@@ -2,18 +2,21 @@
 
 Text is printed as it streams; a last line gives the finish reason, token counts, TTFT and the decode rate.
 The prompt is sent as one user turn of a chat (the router applies the model's chat template); ``--raw`` sends it
-as plain text to be continued.
+as plain text to be continued. ``--tls-ca-file`` (and, for mutual TLS, ``--tls-cert-file`` / ``--tls-key-file``)
+connects over TLS; ``--api-key`` (or ``SPLITSERVE_API_KEY``) authenticates to a router that requires a key.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import grpc
 
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from runtime.transport import TLSConfig, open_blocking_channel
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -26,6 +29,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--raw", action="store_true", help="send the text as is, without the ChatML user turn")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before DEADLINE_EXCEEDED")
+    parser.add_argument("--tls-ca-file", default="", help="connect over TLS, verifying the router with this CA")
+    parser.add_argument("--tls-cert-file", default="", help="client certificate, for mutual TLS")
+    parser.add_argument("--tls-key-file", default="", help="the client certificate's private key")
+    parser.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY", ""),
+                        help="API key of the router (default: $SPLITSERVE_API_KEY)")
     return parser.parse_args(argv)
 
 
@@ -42,10 +50,16 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     first_token_at = None
     tokens = 0
-    with grpc.insecure_channel(args.router) as channel:
+    tls = TLSConfig(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
+    try:
+        tls.check(serves=False)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+    with open_blocking_channel(args.router, tls) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         try:
-            for response in stub.Generate(request, timeout=args.timeout):
+            for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
                     first_token_at = first_token_at or time.perf_counter()

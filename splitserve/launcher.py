@@ -28,6 +28,7 @@ import dataclasses
 import json
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import time
@@ -49,6 +50,7 @@ from splitserve.cpu_plan import Placement, floating, format_plan, plan_cpus
 from splitserve.supervisor import Child, ChildSpec, Supervisor
 
 STOP_MARGIN_S = 10.0  # beyond a process's own drain, before SIGKILL: its cleanups and exit
+from runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
 
 
 @dataclass
@@ -95,6 +97,15 @@ class UpConfig:
         "Pin each process to its planned CPUs (--no-pin-cpus: same thread counts, the OS places the threads)."))
     run_dir: str = field(default="", metadata=described("Where logs and generated configs go (empty: a new temp dir)."))
     ready_timeout_s: float = field(default=300.0, metadata=described("How long to wait for the pods to load."))
+    # Security, passed to every process (README: Security): TLS on every gRPC link and HTTPS on the router.
+    tls_cert_file: str = field(default="", metadata=described(
+        "PEM certificate every process uses as server and client identity (must list the --host address)."))
+    tls_key_file: str = field(default="", metadata=described("PEM private key of tls_cert_file."))
+    tls_ca_file: str = field(default="", metadata=described("PEM CA certificates peers' certificates chain to."))
+    tls_require_client_cert: bool = field(default=False, metadata=described(
+        "Mutual TLS: every server refuses clients without a certificate signed by tls_ca_file."))
+    api_keys: list[str] = field(default_factory=list, repr=False, metadata=described(
+        "API keys of the router's APIs (handed to the router in its environment, not on its command line)."))
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.mixed) < 0 or self.decode + self.mixed == 0:
@@ -107,11 +118,16 @@ class UpConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         # The engine's own checks, so that a bad value fails here, naming its field, not in every pod.
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
+        self.tls.check()
 
     def cpu_sets(self) -> dict[Role, frozenset[int]]:
         """The sets the operator named, by role (empty where the plan decides)."""
         return {role: checked_cpu_set(f"{role}_cpus", getattr(self, f"{role}_cpus")) for role in (*POD_ROLES,
                                                                                                   Role.ROUTER)}
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig.of(self)
 
 
 # UpConfig fields every pod gets under the same flag name (runtime.config.flag_name); the router's likewise.
@@ -181,7 +197,9 @@ class Cluster:
         if name == "prometheus":
             return ChildSpec(name, self._prometheus_command(), log)
         if name == "router":
-            return ChildSpec(name, [sys.executable, "-m", "router.server", *self._router_flags()], log,
+            # API keys go in its environment, not on its command line (ps shows command lines).
+            env = {"SPLITSERVE_API_KEYS": ",".join(c.api_keys)} if c.api_keys else {}
+            return ChildSpec(name, [sys.executable, "-m", "router.server", *self._router_flags()], log, env=env,
                              stop_grace_s=ROUTER_SHUTDOWN_GRACE_S + STOP_MARGIN_S)
         pod = next(pod for pod in self.pods if pod.name == name)
         return ChildSpec(name, [sys.executable, "-m", _POD_MODULES[pod.role], *self._pod_flags(pod)], log,
@@ -214,12 +232,18 @@ class Cluster:
         flags += ["--kv-codec", c.kv_codec] if pod.role is Role.PREFILL else ["--role", str(pod.role)]
         if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]
-        return flags
+        return flags + self._tls_flags()
+
+    def _tls_flags(self) -> list[str]:
+        c = self.config
+        flags = [f"--{name.replace('_', '-')}={getattr(c, name)}"
+                 for name in ("tls_cert_file", "tls_key_file", "tls_ca_file") if getattr(c, name)]
+        return flags + (["--tls-require-client-cert"] if c.tls_require_client_cert else [])
 
     def _router_flags(self) -> list[str]:
         c = self.config
         flags = ["--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
-                 *_passed(c, ROUTER_FLAGS), *self._cpu_flags("router")]
+                 *_passed(c, ROUTER_FLAGS), *self._cpu_flags("router"), *self._tls_flags()]
         if c.registry is RegistryKind.REDIS:
             return flags + ["--registry", "redis", "--redis-url", self._redis_url()]
         for role in POD_ROLES:
@@ -233,14 +257,19 @@ class Cluster:
         flags = ["--cpus", format_cpu_list(placement.cpus)] if placement.pinned else []
         return flags + (["--num-threads", str(placement.threads)] if placement.threads else [])
 
+    def _https_targets(self) -> list[str]:
+        """The router's /metrics, when it is served over HTTPS (the pods' /metrics stay plain HTTP)."""
+        return [f"{self.config.host}:{self.config.http_port}"] if self.config.tls.cert_file else []
+
     def _redis_url(self) -> str:
         return f"redis://{self.config.host}:{self.config.redis_port}/0"
 
     def _prometheus_command(self) -> list[str]:
         c = self.config
-        targets = [f"{c.host}:{c.http_port}"] + [f"{c.host}:{p.metrics_port}" for p in self.pods]
+        router = [] if self._https_targets() else [f"{c.host}:{c.http_port}"]
+        targets = router + [f"{c.host}:{p.metrics_port}" for p in self.pods]
         config_file = self.run_dir / "prometheus.yml"
-        config_file.write_text(prometheus_config(targets))
+        config_file.write_text(prometheus_config(targets, https_targets=self._https_targets(), tls=c.tls))
         return ["prometheus", f"--config.file={config_file}", f"--web.listen-address={c.host}:{c.prometheus_port}",
                 f"--storage.tsdb.path={self.run_dir / 'prometheus-data'}"]
 
@@ -257,11 +286,11 @@ class Cluster:
         while pending or unseen:
             self._fail_if_any_exited()
             for name, address in list(pending.items()):
-                if serving(address):
+                if serving(address, self.config.tls):
                     log(f"  {name} serving at {address}")
                     del pending[name]
             if not pending and unseen:
-                unseen -= _pods_routed_to(f"http://{self.config.host}:{self.config.http_port}/pods")
+                unseen -= _pods_routed_to(f"{self.http_url}/pods", self.config)
                 if not unseen:
                     log("  the router routes to every pod")
             if time.monotonic() > deadline:
@@ -276,10 +305,15 @@ class Cluster:
             log_file = self.supervisor.children[first.name].spec.log
             raise RuntimeError(f"{first.describe()} while starting; last lines of {log_file}:\n{first.log_tail}")
 
+    @property
+    def http_url(self) -> str:
+        scheme = "https" if self.config.tls.cert_file else "http"
+        return f"{scheme}://{self.config.host}:{self.config.http_port}"
+
     def endpoints(self) -> str:
         c = self.config
         lines = [f"router   gRPC {c.host}:{c.grpc_port}   (splitserve.v1.Generation; health; reflection)",
-                 f"router   HTTP http://{c.host}:{c.http_port}/v1   (OpenAI API; /health; /metrics)"]
+                 f"router   HTTP {self.http_url}/v1   (OpenAI API; /health; /metrics)"]
         for pod in self.pods:
             lines.append(f"{pod.name:<8} gRPC {self.address(pod)}   metrics http://{c.host}:{pod.metrics_port}/metrics")
         if "prometheus" in self.cpu_plan:
@@ -305,25 +339,47 @@ def _passed(config: UpConfig, names: tuple[str, ...]) -> list[str]:
 _POD_MODULES = {Role.PREFILL: "prefill_service", Role.DECODE: "decode_service", Role.MIXED: "decode_service"}
 
 
-def prometheus_config(targets: list[str], interval_s: int = 2) -> str:
+def prometheus_config(targets: list[str], interval_s: int = 2, https_targets: list[str] = (),
+                      tls: TLSConfig = PLAINTEXT) -> str:
+    """One job over plain HTTP; ``https_targets`` (the router on TLS) in a second job of the same name, scraped
+    over HTTPS with ``tls``'s CA and client certificate."""
     listed = ", ".join(f"'{t}'" for t in targets)
-    return (f"global:\n  scrape_interval: {interval_s}s\n  evaluation_interval: {interval_s}s\n"
-            f"scrape_configs:\n  - job_name: splitserve\n    static_configs:\n      - targets: [{listed}]\n")
+    config = (f"global:\n  scrape_interval: {interval_s}s\n  evaluation_interval: {interval_s}s\n"
+              f"scrape_configs:\n  - job_name: splitserve\n    static_configs:\n      - targets: [{listed}]\n")
+    if https_targets:
+        listed = ", ".join(f"'{t}'" for t in https_targets)
+        files = "".join(f"      {key}: '{path}'\n" for key, path in (
+            ("ca_file", tls.ca_file), ("cert_file", tls.cert_file), ("key_file", tls.key_file)) if path)
+        config += (f"  - job_name: splitserve-https\n    scheme: https\n    tls_config:\n{files}"
+                   f"    static_configs:\n      - targets: [{listed}]\n        labels: {{job: splitserve}}\n")
+    return config
 
 
-def _pods_routed_to(url: str) -> set[str]:
+def _pods_routed_to(url: str, config: UpConfig) -> set[str]:
     """Addresses of the pods the router at ``url`` (its ``GET /pods``) would route to now."""
+    headers = {"Authorization": f"Bearer {config.api_keys[0]}"} if config.api_keys else {}
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as reply:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2.0,
+                                    context=_https_context(config.tls)) as reply:
             return {pod["address"] for pod in json.load(reply)["pods"] if pod["healthy"]}
     except OSError:  # not listening yet, or refused
         return set()
 
 
-def serving(address: str) -> bool:
+def _https_context(tls: TLSConfig) -> ssl.SSLContext | None:
+    """How this process's HTTPS requests verify the router (and, for mutual TLS, present its certificate)."""
+    if not tls.enabled:
+        return None
+    context = ssl.create_default_context(cafile=tls.ca_file or None)
+    if tls.cert_file:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    return context
+
+
+def serving(address: str, tls: TLSConfig = PLAINTEXT) -> bool:
     """Whether the gRPC server at ``address`` answers SERVING to a health check now."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with open_blocking_channel(address, tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
