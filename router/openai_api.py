@@ -410,8 +410,12 @@ _UNKNOWN_FIELD = "unknown field; this server refuses fields it does not know rat
 
 
 async def _answer_http_exception(request: Request, error: StarletteHTTPException) -> Response:
-    # Routing's own errors (404 no such route, 405 wrong method) have no gRPC code.
-    body = ErrorResponse(error=ErrorInfo(message=str(error.detail), type=_error_type(error.status_code)))
+    # Routing's own errors (404 no such route, 405 wrong method) have no gRPC code; a body FastAPI could not
+    # read (not UTF-8) is a bad argument like any other.
+    message, code = str(error.detail), None
+    if isinstance(error.__cause__, UnicodeDecodeError):
+        message, code = f"the body is not valid UTF-8: {error.__cause__}", "invalid_argument"
+    body = ErrorResponse(error=ErrorInfo(message=message, type=_error_type(error.status_code), code=code))
     return _json(body, error.status_code, headers=error.headers)
 
 

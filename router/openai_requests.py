@@ -27,7 +27,7 @@ The server's own limits (prompt size, stop strings, ``max_tokens``, logprobs) ar
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -264,7 +264,7 @@ class _GenerationRequest(_StrictModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
-    prompt: Text | list[int]
+    prompt: str | list[int]  # text checked for valid Unicode by _one_prompt
     max_tokens: int | None = 16  # OpenAI's default for this endpoint; null: until the context is full
     logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True  # vLLM's: BOS and the like, as the tokenizer adds them
@@ -274,13 +274,14 @@ class CompletionRequest(_GenerationRequest):
     @classmethod
     def _one_prompt(cls, prompt: Any) -> Any:
         """Accept a string, a list of token ids, or a batch of exactly one of those."""
-        if isinstance(prompt, str) or _is_int_list(prompt):
+        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_int_list(prompt[0])):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return _valid_unicode(prompt)
+        if _is_int_list(prompt):
             return prompt
-        is_batch = isinstance(prompt, list) and all(isinstance(item, str) or _is_int_list(item) for item in prompt)
-        if is_batch and len(prompt) > 1:
+        if isinstance(prompt, list) and all(isinstance(item, str) or _is_int_list(item) for item in prompt):
             raise PydanticCustomError("batched_prompt", "batched prompts are not supported; send one per request")
-        if is_batch and len(prompt) == 1:
-            return prompt[0]
         raise PydanticCustomError("prompt_type", "prompt must be a string or a list of token ids")
 
     def _max_tokens(self) -> int | None:

@@ -9,7 +9,6 @@ certificates nobody should accept.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime
 import ipaddress
 import json
@@ -33,11 +32,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from test_router_flow import LONG_PROMPT, MODEL, SCRIPT, running_cluster
+from served_router import RouterInThread
+from test_router_flow import LONG_PROMPT, MODEL, SCRIPT
 
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
-from router.server import RouterServer
 from runtime import transport
 from runtime.pod import PodConfig
 from runtime.transport import TLSConfig
@@ -126,12 +125,6 @@ def client_tls(pki: PKI, identity: Identity | None = None, ca: str | None = None
     return TLSConfig(identity.cert if identity else "", identity.key if identity else "", ca or pki.ca)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(coroutine):
     return asyncio.run(coroutine)
 
@@ -212,58 +205,6 @@ def test_tls_settings_are_checked_at_start_naming_the_field(pki, fields, message
 
 
 # ------------------------------------------------------------------------------------------ the router
-
-
-@dataclass
-class Endpoints:
-    grpc: str
-    http: str
-    server: RouterServer
-
-
-class RouterInThread:
-    """A RouterServer (real gRPC and HTTP servers) over fake pods, on an event loop in a thread of its own, so
-    that tests can use blocking clients (openai, httpx, grpcurl)."""
-
-    def __init__(self, **config):
-        self.config = config
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self.endpoints: Endpoints | None = None
-
-    def __enter__(self) -> Endpoints:
-        import threading
-
-        started = threading.Event()
-        self._failure: BaseException | None = None
-
-        async def serve():
-            self._stop = asyncio.Event()
-            try:
-                async with running_cluster(**self.config) as env:
-                    config = dataclasses.replace(env.router.config, http_port=free_port())
-                    server = RouterServer(config, env.router)
-                    await server.start()
-                    scheme = "https" if config.tls_cert_file else "http"
-                    self.endpoints = Endpoints(f"127.0.0.1:{server.grpc_port}",
-                                               f"{scheme}://127.0.0.1:{config.http_port}", server)
-                    started.set()
-                    await self._stop.wait()
-                    await server.stop(grace_s=0)
-            except BaseException as error:  # noqa: BLE001 - reported to the test's thread
-                self._failure = error
-                started.set()
-
-        self._thread = threading.Thread(target=lambda: self._loop.run_until_complete(serve()), daemon=True)
-        self._thread.start()
-        assert started.wait(60), "the router did not start"
-        if self._failure is not None:
-            raise self._failure
-        return self.endpoints
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
 
 
 def _openai(base: str, api_key: str = "unused", **client) -> openai.OpenAI:
