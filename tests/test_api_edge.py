@@ -5,6 +5,7 @@ chat template's options; /tokenize, /detokenize, /version, /v1/models."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -19,9 +20,12 @@ import pytest
 from served_router import RouterInThread
 from test_router_flow import LONG_PROMPT, MODEL, SCRIPT, TOKENIZER, eventually, run, running_cluster
 
+from engine.models import tiny_random_tokenizer_data
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.router import _encode_without_holding_the_gil
+from router.config import RouterConfig
+from router.router import Router, _encode_without_holding_the_gil
 from runtime.errors import StatusError
 
 LIMITS = dict(max_stop_strings=4, max_stop_string_bytes=8, max_stop_token_ids=2, max_tokens_limit=100,
@@ -233,9 +237,6 @@ def test_health_answers_while_a_prompt_at_the_byte_limit_tokenizes():
 
 
 def test_the_gil_free_encoder_gives_the_same_ids():
-    from engine.tokenizer import Tokenizer
-    from engine.models import tiny_random_tokenizer_data
-
     wrapped = Tokenizer.from_gguf(tiny_random_tokenizer_data())
     _encode_without_holding_the_gil(wrapped)
     _encode_without_holding_the_gil(wrapped)  # wrapping twice is wrapping once
@@ -371,3 +372,30 @@ def test_tokenize_detokenize_version_and_models():
         assert version["version"] and set(version) == {"version"}
         models = httpx.get(f"{router.http}/v1/models").json()["data"]
         assert [(m["id"], m["root"], m["max_model_len"]) for m in models] == [(MODEL, MODEL, 2048)]
+
+
+def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused():
+    template = ("{% if greeting %}{{ greeting }} {% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                "{% if m.name %} ({{ m.name }}){% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:"
+                "{% endif %}")
+    tokenizer = Tokenizer.from_gguf(dataclasses.replace(tiny_random_tokenizer_data(), chat_template=template))
+    router = Router(RouterConfig(model=MODEL, max_model_len=2048, decode_pods=["127.0.0.1:1"]), tokenizer=tokenizer)
+
+    async def scenario():
+        messages = [{"role": "user", "content": "Hi", "name": "ann"}]
+        assert await router.apply_chat_template(messages, template_kwargs={"greeting": "Hello"}) == \
+            "Hello user: Hi (ann)\nassistant:"
+        assert await router.apply_chat_template(messages, add_generation_prompt=False) == "user: Hi (ann)\n"
+        for reserved in ("messages", "add_generation_prompt", "bos_token", "eos_token"):
+            with pytest.raises(StatusError, match=f"^chat_template_kwargs.{reserved}: reserved"):
+                await router.apply_chat_template(messages, template_kwargs={reserved: 1})
+        with pytest.raises(StatusError, match="^continue_final_message: cannot be combined"):
+            await router.apply_chat_template(messages, continue_final_message=True)
+        continued = await router.apply_chat_template(
+            [*messages, {"role": "assistant", "content": "Once upon "}], add_generation_prompt=False,
+            continue_final_message=True)
+        assert continued == "user: Hi (ann)\nassistant: Once upon"
+    try:
+        run(scenario())
+    finally:
+        run(router.stop())
