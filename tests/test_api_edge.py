@@ -376,8 +376,8 @@ def test_tokenize_detokenize_version_and_models():
 
 def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused():
     template = ("{% if greeting %}{{ greeting }} {% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-                "{% if m.name %} ({{ m.name }}){% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:"
-                "{% endif %}")
+                "{% if m.name %} ({{ m.name }}){% endif %}{{ '\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
     tokenizer = Tokenizer.from_gguf(dataclasses.replace(tiny_random_tokenizer_data(), chat_template=template))
     router = Router(RouterConfig(model=MODEL, max_model_len=2048, decode_pods=["127.0.0.1:1"]), tokenizer=tokenizer)
 

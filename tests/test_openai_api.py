@@ -525,9 +525,9 @@ def test_chat_template_options_and_special_tokens_reach_the_router(client, fake)
 def test_continue_final_message_needs_add_generation_prompt_off(http, fake):
     body = {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True}
     error = error_of(http.post("/v1/chat/completions", json=body))
-    assert (error["param"], error["message"]) == ("continue_final_message", "continue_final_message: "
-                                                  "continue_final_message cannot be combined with add_generation_prompt;"
-                                                  " set add_generation_prompt to false")
+    assert error["param"] == "continue_final_message"
+    assert error["message"] == ("continue_final_message: continue_final_message cannot be combined with "
+                                "add_generation_prompt; set add_generation_prompt to false")
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http, fake):
