@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -117,6 +118,27 @@ def test_a_body_over_max_request_bytes_is_413_before_it_is_parsed(limited):
     assert response.status_code == 413
     assert re.fullmatch(r"the request body \((at least )?\d+ bytes\) is larger than the limit of 4096 bytes "
                         r"\(max_request_bytes\)", error_of(response)["message"])
+    assert httpx.get(f"{limited.http}/health").status_code == 200
+
+
+def test_a_50_mb_prompt_is_refused_unread_and_the_router_stays_responsive(limited):
+    """The fault probe's 50 MB prompt: refused from its Content-Length, before a byte of it is read."""
+    host, port = limited.http.removeprefix("http://").split(":")
+    start = time.perf_counter()
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 50000000\r\n\r\n" + b'{"prompt": "' + b"x" * 65536)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+            chunk = connection.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    assert time.perf_counter() - start < 2.0
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["message"] == ("the request body (50000000 bytes) is larger than the limit of "
+                                                    "4096 bytes (max_request_bytes)")
     assert httpx.get(f"{limited.http}/health").status_code == 200
 
 
