@@ -7,7 +7,12 @@ as text, over gRPC (``grpc_api``) and the OpenAI-compatible HTTP API (``openai_a
 - ``policies.py``: which pods serve a request, and whether it needs a prefill pod at all;
 - ``registry.py``: which pods exist and how loaded they are (static list or Redis heartbeats);
 - ``pod_client.py``: the gRPC calls to one pod; ``config.py``: ``RouterConfig``;
-- ``server.py``: the process (both APIs, health, reflection, graceful stop).
+- ``server.py``: the process (both APIs, health, reflection, TLS, graceful stop);
+- ``grpc_api.py``: ``splitserve.v1.Generation`` over ``Router`` (and its API-key interceptor);
+- ``openai_api.py``: the OpenAI-compatible HTTP API (routes, middleware: CORS, API keys, body limit, request ids);
+  ``openai_requests.py`` what it accepts, ``openai_responses.py`` what it answers, ``openai_format.py`` router
+  outputs -> responses and stream chunks;
+- ``api_keys.py``: the API-key check both APIs share.
 
 Errors are ``runtime.errors.StatusError``; parameters cross the wire through ``protos.convert``.
 """

@@ -7,7 +7,7 @@
 - ``registry.py``: how the router finds pods (``RegistryKind``), the Redis record and heartbeat;
 - ``roles.py``: ``Role`` (prefill, decode, mixed, router);
 - ``errors.py``: ``StatusError``, the one error model (a gRPC status and a message);
-- ``transport.py``: gRPC servers and channels, with one set of options;
+- ``transport.py``: gRPC servers and channels, with one set of options and optional (mutual) TLS;
 - ``logs.py``: the one logging setup.
 
 Nothing here imports a service (``router``, ``prefill_service``, ``decode_service``), ``kvtransfer`` or the command
