@@ -127,7 +127,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_exception_handler(InvalidParameter, _answer_invalid_parameter)
     app.add_exception_handler(RequestValidationError, _answer_validation_error)
     app.add_exception_handler(StarletteHTTPException, _answer_http_exception)
-    # Added innermost first: a request meets CORS, then the API key check, then the body limit.
+    # Added innermost first: a request meets CORS, the API key check, the body limit, then the request id.
     app.add_middleware(UnexpectedErrorsAsJSON)
     app.add_middleware(RequestIdHeader)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
@@ -165,7 +165,8 @@ class OpenAIRoutes:
         return await self._generate(request, body, None, ChatCompletionFormatter)
 
     async def tokenize(self, request: Request) -> TokenizeResponse:
-        body = await _validated(request, tokenize_request(await _json_body(request)))
+        data = await _json_body(request)
+        body = _validated(tokenize_request(data), data)  # a prompt or a chat, told apart as vLLM does
         self._check_model(body.model)
         with _params_named_by(body):
             prompt = body.prompt if isinstance(body, TokenizeCompletionRequest) else await self._render_chat(body)
@@ -276,10 +277,10 @@ async def _json_body(request: Request) -> Any:
         raise APIError(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not valid JSON: {error}") from None
 
 
-async def _validated(request: Request, model: type[T]) -> T:
-    """``model`` from the request's JSON body; errors as FastAPI's own body validation reports them."""
+def _validated(model: type[T], data: Any) -> T:
+    """``model`` from a request's JSON body; errors as FastAPI's own body validation reports them."""
     try:
-        return model.model_validate(await _json_body(request))
+        return model.model_validate(data)
     except ValidationError as error:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
 

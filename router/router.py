@@ -310,6 +310,7 @@ class Router:
         ``max_tokens_limit``). ``timeout_s``: the client's own deadline, when it has one (the request's deadline
         is the shorter of it and ``request_timeout_s``). Raises ``StatusError(INVALID_ARGUMENT)`` naming what is
         wrong."""
+        arrival = time.monotonic()  # tokenizing is part of what the client waits for
         if request_id is not None:
             check_request_id(request_id, "request_id")
         params = self._checked_params(params)
@@ -321,7 +322,8 @@ class Router:
         params = self._with_max_tokens(params, len(token_ids))
         timeout = self.config.request_timeout_s if timeout_s is None else min(timeout_s, self.config.request_timeout_s)
         return RouterRequest(request_id or uuid.uuid4().hex, token_ids, params,
-                             prompt_text=prompt if isinstance(prompt, str) else None, timeout_s=timeout)
+                             prompt_text=prompt if isinstance(prompt, str) else None, arrival_time=arrival,
+                             timeout_s=timeout)
 
     def _checked_params(self, params: SamplingParams) -> SamplingParams:
         """The request's parameters within the server's limits (``SamplingParams`` checked the rest)."""
