@@ -675,7 +675,7 @@ def test_requests_beyond_max_pending_get_resource_exhausted_with_a_retry_hint():
     async def scenario():
         async with running_cluster(num_prefill=0, num_decode=1, max_pending_requests=3) as env:
             env.decode[0].first_token_delay_s = 1.0
-            requests = [env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2)) for _ in range(4)]
+            requests = [await env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2)) for _ in range(4)]
             waiting = [asyncio.ensure_future(collect(env.router, req)) for req in requests[:3]]
             await eventually(lambda: len(env.decode[0].calls) == 3)
             with pytest.raises(StatusError) as caught:
@@ -687,7 +687,8 @@ def test_requests_beyond_max_pending_get_resource_exhausted_with_a_retry_hint():
             assert [done.finish_reason for *_, done in await asyncio.gather(*waiting)] == ["length"] * 3
             assert sample(env.router, "splitserve_router_rejected_requests_total", code="RESOURCE_EXHAUSTED") == 1
             # With the first tokens out, there is room again.
-            assert (await collect(env.router, env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2))))
+            again = await env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2))
+            assert await collect(env.router, again)
     run(scenario())
 
 
@@ -696,7 +697,7 @@ def test_a_prompt_that_would_queue_past_max_queue_time_is_refused_with_the_wait_
         async with running_cluster(num_prefill=1, num_decode=1, max_queue_time_s=30) as env:
             env.prefill[0].report(queued_prefill_tokens=10_000, prefill_tokens_per_second=200.0)  # 50 s of work
             await eventually(lambda: router_view(env.router, env.prefill[0]).load.prefill_tokens_per_second == 200)
-            req = env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=2))
+            req = await env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=2))
             with pytest.raises(StatusError) as caught:
                 await collect(env.router, req)
             assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -705,7 +706,8 @@ def test_a_prompt_that_would_queue_past_max_queue_time_is_refused_with_the_wait_
             assert env.prefill[0].calls == []
             env.prefill[0].report(queued_prefill_tokens=1_000)  # 5 s: fine
             await eventually(lambda: router_view(env.router, env.prefill[0]).load.queued_prefill_tokens == 1_000)
-            *_, done = await collect(env.router, env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=2)))
+            req = await env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=2))
+            *_, done = await collect(env.router, req)
             assert done.finish_reason == "length"
     run(scenario())
 
@@ -715,11 +717,12 @@ def test_a_pods_own_cancellation_is_unavailable_and_retried_never_cancelled():
         async with running_cluster(num_prefill=0, num_decode=2, max_retries=1) as env:
             stopping, other = sorted(env.decode, key=lambda pod: pod.address)
             stopping.fail_with = grpc.StatusCode.CANCELLED  # a pod shutting down cancels what it holds
-            *_, done = await collect(env.router, env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2)))
+            req = await env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2))
+            *_, done = await collect(env.router, req)
             assert done.finish_reason == "length" and len(other.calls) == 1
             other.fail_with = grpc.StatusCode.CANCELLED
             with pytest.raises(StatusError) as caught:
-                await collect(env.router, env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2)))
+                await collect(env.router, await env.router.make_request(SHORT_PROMPT, SamplingParams(max_tokens=2)))
             assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.UNAVAILABLE, 503)
             assert "cancelled the request" in caught.value.message
     run(scenario())

@@ -94,7 +94,7 @@ def servers(tmp_path_factory):
                                    "--mixed-pods", f"127.0.0.1:{pod_port}", "--host", "127.0.0.1",
                                    "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                                    "--max-tokens-limit", "8", "--max-prompt-bytes", str(MAX_PROMPT_BYTES),
-                                   "--max-request-bytes", str(64 << 10), "--load-poll-interval-s", "0.2"],
+                                   "--max-request-bytes", str(64 << 10)],
                                   stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_serving(f"127.0.0.1:{pod_port}", pod, pod_log)
