@@ -72,17 +72,14 @@ class TLSConfig:
 
     def check(self, serves: bool = True) -> None:
         """Raises ValueError naming the config field at fault; ``serves``: the process runs servers (which need
-        their own certificate), not only channels."""
+        their own certificate), not only channels. The files are read (and a missing one reported) when a
+        server or channel is made, at start: a config may name files mounted only where it runs."""
         if bool(self.cert_file) != bool(self.key_file):
             raise ValueError("tls_cert_file and tls_key_file: set both or neither")
         if serves and self.ca_file and not self.cert_file:
             raise ValueError("tls_cert_file: a server on TLS needs its certificate (tls_ca_file is set)")
         if self.require_client_cert and not (self.ca_file and self.cert_file):
             raise ValueError("tls_require_client_cert: needs tls_ca_file (to verify clients) and tls_cert_file")
-        for name, path in (("tls_cert_file", self.cert_file), ("tls_key_file", self.key_file),
-                           ("tls_ca_file", self.ca_file)):
-            if path and not Path(path).is_file():
-                raise ValueError(f"{name}: no such file: {path}")
 
     def server_credentials(self) -> grpc.ServerCredentials:
         root = _read(self.ca_file) if self.ca_file else None
@@ -120,9 +117,10 @@ def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES,
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig = PLAINTEXT) -> int:
     """Listen on ``host:port`` (0: any free port) and return the port; raises if another process holds it."""
+    credentials = tls.server_credentials() if tls.enabled else None  # a missing file: its own error
     try:
-        if tls.enabled:
-            return server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+        if credentials is not None:
+            return server.add_secure_port(f"{host}:{port}", credentials)
         return server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as err:
         raise RuntimeError(f"cannot listen on {host}:{port}: the port is taken or the address is not local "
@@ -145,4 +143,7 @@ def open_blocking_channel(address: str, tls: TLSConfig = PLAINTEXT) -> grpc.Chan
 
 
 def _read(path: str) -> bytes:
-    return Path(path).read_bytes()
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise RuntimeError(f"TLS: cannot read {path}: {err.strerror}") from None
