@@ -72,6 +72,12 @@ RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; dur
     "max_num_seqs": {"minimum": 1},
     "max_chunk_bytes": {"minimum": 1},
     "max_model_len": {"minimum": 1},
+    # the router's request limits (router/config.py)
+    "max_request_bytes": {"minimum": 1},
+    "max_prompt_bytes": {"minimum": 1},
+    "max_stop_string_bytes": {"minimum": 1},
+    "max_logprobs": {"minimum": 0, "maximum": 20},
+    "tokenizer_threads": {"minimum": 1},
 }
 
 

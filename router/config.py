@@ -82,8 +82,8 @@ class RouterConfig:
         "API keys clients must present (HTTP 'Authorization: Bearer KEY', gRPC metadata 'authorization: Bearer "
         "KEY'); empty: no authentication. Prefer the environment variable to the flag (ps shows flags)."))
     auth_exempt_paths: list[str] = field(default_factory=lambda: ["/health", "/metrics"], metadata=described(
-        "HTTP paths served without an API key (empty: every path needs one). gRPC health and reflection are "
-        "always open."))
+        "HTTP paths served without an API key, with or without their leading '/' (empty: every path needs one). "
+        "gRPC health and reflection are always open."))
     cors_allowed_origins: list[str] = field(default_factory=list, metadata=described(
         "Origins browsers may call the HTTP API from ('*': any); empty: no CORS headers."))
     tls_cert_file: str = field(default="", metadata=described(
@@ -129,9 +129,6 @@ class RouterConfig:
         for key in self.api_keys:  # never echo a key: the message goes to logs
             if not key or not key.isprintable() or " " in key or not key.isascii():
                 raise ValueError("api_keys: every key must be non-empty printable ASCII without spaces")
-        for path in self.auth_exempt_paths:
-            if not path.startswith("/"):
-                raise ValueError(f"auth_exempt_paths: paths start with '/', got {path!r}")
         TLSConfig.of(self).check()
 
     @property

@@ -502,7 +502,7 @@ class APIKeyAuth:
     def __init__(self, app: ASGIApp, keys: APIKeys, exempt_paths: list[str]):
         self.app = app
         self.keys = keys
-        self.exempt_paths = frozenset(exempt_paths)
+        self.exempt_paths = frozenset("/" + path.lstrip("/") for path in exempt_paths)  # "health" is "/health"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.exempt_paths:
