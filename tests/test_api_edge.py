@@ -21,7 +21,7 @@ import pytest
 from served_router import RouterInThread
 from test_router_flow import LONG_PROMPT, MODEL, SCRIPT, TOKENIZER, eventually, run, running_cluster
 
-from engine.models import tiny_random_tokenizer_data
+from engine.model_files import tiny_random_tokenizer_data
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
