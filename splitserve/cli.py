@@ -5,6 +5,8 @@
   splitserve router | prefill | decode [flags]          run one process (flags: --help)
   splitserve demo [--model M] [PROMPT ...]              offline generation with the engine
   splitserve bench engine | codecs | transfer [...]     benchmarks against a baseline measured in the same run
+  splitserve bench serve [--request-rate R ...]         load a running router: goodput, TTFT/TPOT/ITL percentiles
+  splitserve bench phases [--prompt-lens ...]           prefill and decode on this machine: throughput, roofline
   splitserve build-kernels                              build the engine's native CPU kernels now (set-up does)
 """
 
@@ -45,7 +47,8 @@ def _demo(argv: list[str]) -> None:
 
 def _bench(argv: list[str]) -> None:
     benches = {"engine": "splitserve.bench.engine", "codecs": "splitserve.bench.codecs",
-               "transfer": "splitserve.bench.transfer"}
+               "transfer": "splitserve.bench.transfer", "serve": "splitserve.bench.serve",
+               "phases": "splitserve.bench.phases"}
     if not argv or argv[0] not in benches:
         sys.exit(f"usage: splitserve bench {{{'|'.join(benches)}}} [options]")
     _delegate(benches[argv[0]])(argv[1:])

@@ -27,6 +27,7 @@ from engine import LLM, SamplingParams
 from engine.config import CACHE_DTYPES, DEFAULT_MODEL
 from engine.hf_checkpoint import export_hf_checkpoint
 from splitserve.bench import headless_pyplot
+from splitserve.bench.step_cost import decode_bytes, prefill_flops
 
 PROMPT_LENS = (512, 1024)
 DECODE_BATCHES = (1, 8, 32)
@@ -64,20 +65,6 @@ def _time(fn, repeat: int) -> float:
     for _ in range(repeat):
         fn()
     return (time.perf_counter() - start) / repeat
-
-
-def prefill_flops(cfg, num_tokens: int) -> float:
-    """Matmul FLOPs of one prefill of `num_tokens` (projections, MLP, causal attention, one lm_head row)."""
-    h, d, hq, hkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    per_token_layer = 2 * h * (hq + 2 * hkv) * d + 2 * hq * d * h + 2 * h * 2 * inter + 2 * inter * h
-    attention_layer = 2 * 2 * hq * d * num_tokens * (num_tokens + 1) / 2  # QK^T and PV, causal half
-    return cfg.num_layers * (per_token_layer * num_tokens + attention_layer) + 2 * h * cfg.vocab_size
-
-
-def decode_bytes(cfg, weight_bytes: int, batch: int, context: int, cache_elem_bytes: int = 4) -> int:
-    """Bytes a decode step must read at least: every weight once, plus each sequence's K and V."""
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cache_elem_bytes * context * batch
-    return weight_bytes + kv
 
 
 def ours_prefill(llm: LLM, prompt_len: int, repeat: int) -> float:

@@ -1,0 +1,323 @@
+"""``splitserve bench phases``: the measurements behind the Splitwise design, on this machine, with the engine
+in-process: prefill is compute-bound and decode memory-bound, so they want different hardware (and pods).
+
+  prefill  one prompt of each length (``--prompt-lens``, 64 to 4096 for the full grid) run through the engine's
+           scheduler as a pod runs it (chunks of ``long_prefill_token_threshold`` tokens): TTFT (best of
+           ``--repeat``), prompt tokens/s, and per step the FLOPs computed and the bytes moved;
+  decode   ``--batches`` x ``--contexts`` (batch 1 to 64, context 128 to 4096 for the full grid): sequences whose
+           prompt KV is admitted as a decode pod admits a transferred one (``reserve_for_transfer`` +
+           ``admit_prefilled``; the cache holds zeros, which cost the same to read), then ``--steps`` decode steps
+           timed (median): ms per step, tokens/s, FLOPs and bytes per step, and the step's bandwidth floor;
+  machine  the float32 matmul peak and the read bandwidth (``bench engine``'s measurements), before and after the
+           run, the higher of each: the roofs of the roofline.
+
+FLOPs and bytes come from the model's config (``step_cost.py``): matmul FLOPs of projections, MLP, attention and
+the sampled lm_head rows; bytes at least every weight once per step plus the K/V read and written. The roofline
+plot puts every prefill and decode point at its operational intensity (FLOP per byte) and achieved GFLOP/s under
+the machine's two roofs: prefill sits at the compute roof, decode far left under the bandwidth roof.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from splitserve.bench import headless_pyplot
+from splitserve.bench.engine import matmul_peak, read_bandwidth
+from splitserve.bench.step_cost import (
+    decode_bytes,
+    decode_flops,
+    kv_bytes_per_token,
+    prefill_bytes,
+    prefill_flops,
+)
+
+DEFAULT_PROMPT_LENS = (64, 256, 1024, 2048)
+DEFAULT_BATCHES = (1, 4, 16, 64)
+DEFAULT_CONTEXTS = (128, 1024)
+FULL_PROMPT_LENS = (64, 128, 256, 512, 1024, 2048, 4096)
+FULL_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+FULL_CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
+WARMUP_STEPS = 2  # decode steps run before the timed ones
+
+
+@dataclass
+class PhasesConfig:
+    model: str = "smollm2-135m"
+    prompt_lens: tuple[int, ...] = DEFAULT_PROMPT_LENS
+    batches: tuple[int, ...] = DEFAULT_BATCHES
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    steps: int = 16
+    repeat: int = 2
+    cache_dtype: str = "float16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_lens", "batches", "contexts"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")
+        if self.steps < 1 or self.repeat < 1:
+            raise ValueError("steps and repeat must be >= 1")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+
+
+def run(config: PhasesConfig, log=print) -> dict:
+    log("measuring the machine: fp32 matmul peak and read bandwidth ...")
+    peak_before, read_before = matmul_peak(), read_bandwidth()
+    engine = _engine(config)
+    cfg = engine.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    elem_bytes = engine.runner.kv_cache.k[0].element_size()
+    log(f"{cfg.name}: {cfg.num_layers} layers, {weight_bytes / 1e6:.0f} MB of weights, KV cache {config.cache_dtype} "
+        f"({kv_bytes_per_token(cfg, elem_bytes)} bytes per token)")
+    rng = random.Random(config.seed)
+    prompt_lens = [n for n in config.prompt_lens if n < engine.max_model_len]
+    skipped = sorted(set(config.prompt_lens) - set(prompt_lens))
+    if skipped:
+        log(f"skipping prompt lengths {skipped}: the model's context is {engine.max_model_len} tokens")
+    _prefill_once(engine, _prompt(rng, cfg, 16))  # first-use costs
+    prefill = {}
+    for i, n in enumerate(prompt_lens):
+        log(f"[{i + 1}/{len(prompt_lens)}] prefill {n} tokens, best of {config.repeat} ...")
+        best = min((_prefill_once(engine, _prompt(rng, cfg, n)) for _ in range(config.repeat)),
+                   key=lambda steps: sum(seconds for _, _, seconds in steps))
+        prefill[n] = _prefill_figures(cfg, weight_bytes, elem_bytes, n, best)
+    points = [(b, c) for c in config.contexts for b in config.batches if c + config.steps + 8 < engine.max_model_len]
+    decode = {}
+    for i, (batch, context) in enumerate(points):
+        log(f"[{i + 1}/{len(points)}] decode batch {batch}, context {context}: {config.steps} steps ...")
+        seconds = _decode_step_seconds(engine, rng, batch, context, config.steps)
+        decode[f"{batch}x{context}"] = _decode_figures(cfg, weight_bytes, elem_bytes, batch, context, seconds)
+    log("measuring the machine again ...")
+    peak, read = max(peak_before, matmul_peak()), max(read_before, read_bandwidth())
+    for figures in list(prefill.values()) + list(decode.values()):
+        figures["share_of_peak"] = figures["gflops"] / peak
+        figures["floor_ms"] = figures["bytes_per_step"] / read / 1e6
+    return {"model": cfg.name, "config": {k: list(v) if isinstance(v, tuple) else v
+                                          for k, v in config.__dict__.items()},
+            "machine": {"matmul_gflops": peak, "read_gbps": read, "matmul_gflops_before": peak_before,
+                        "read_gbps_before": read_before, "ridge_flop_per_byte": peak / read},
+            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
+            "prefill": prefill, "decode": decode}
+
+
+def _engine(config: PhasesConfig) -> LLMEngine:
+    """An engine with the pods' scheduler settings, a KV pool sized for the largest decode point and prompt, and room
+    for ``max(batches)`` sequences at once."""
+    block = CacheConfig().block_size
+    blocks_per_seq = lambda tokens: math.ceil(tokens / block) + 1  # noqa: E731
+    decode_blocks = max(b * blocks_per_seq(c + config.steps + WARMUP_STEPS + 2)
+                        for b in config.batches for c in config.contexts)
+    num_blocks = max(decode_blocks, blocks_per_seq(max(config.prompt_lens) + 2)) + 16
+    cache = CacheConfig(num_blocks=num_blocks, cache_dtype=config.cache_dtype)
+    scheduler = SchedulerConfig(max_num_seqs=max(SchedulerConfig().max_num_seqs, max(config.batches)))
+    return LLMEngine(EngineConfig(model=config.model, seed=config.seed, cache=cache, scheduler=scheduler))
+
+
+def _prompt(rng: random.Random, cfg: ModelConfig, length: int) -> list[int]:
+    # Random ids above the low (special) ids; fresh draws never hit the prefix cache.
+    return [rng.randrange(min(100, cfg.vocab_size // 2), cfg.vocab_size) for _ in range(length)]
+
+
+def _prefill_once(engine: LLMEngine, prompt: list[int]) -> list[tuple[int, int, float]]:
+    """Runs one prompt to its first token, step by step as a pod does: (context before, tokens, seconds) per step."""
+    engine.add_request(f"prefill-{time.monotonic_ns()}", prompt, SamplingParams(temperature=0, max_tokens=1))
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        batch = engine.scheduler.schedule()
+        sampled = engine.runner.execute(batch)
+        engine.scheduler.update_from_output(batch, sampled)
+        item = batch.scheduled[0]
+        steps.append((item.start, item.num_new_tokens, time.perf_counter() - start))
+    return steps
+
+
+def _prefill_figures(cfg: ModelConfig, weight_bytes: int, elem_bytes: int, n: int,
+                     steps: list[tuple[int, int, float]]) -> dict:
+    seconds = sum(s for _, _, s in steps)
+    flops = prefill_flops(cfg, n)
+    moved = sum(prefill_bytes(cfg, weight_bytes, tokens, before, elem_bytes) for before, tokens, _ in steps)
+    return {"ttft_ms": seconds * 1e3, "tok_s": n / seconds, "steps": len(steps),
+            "step_tokens": [tokens for _, tokens, _ in steps], "flops_per_step": flops / len(steps),
+            "bytes_per_step": moved / len(steps), "flop_per_byte": flops / moved, "gflops": flops / seconds / 1e9}
+
+
+def _decode_step_seconds(engine: LLMEngine, rng: random.Random, batch: int, context: int, steps: int) -> float:
+    """Median seconds of a decode step of ``batch`` sequences at ``context`` tokens, their prompt KV admitted as a
+    decode pod admits a transferred one (no prefill computed)."""
+    params = SamplingParams(temperature=0, max_tokens=steps + WARMUP_STEPS + 1, ignore_eos=True)
+    tag = time.monotonic_ns()
+    for i in range(batch):
+        prompt = _prompt(rng, engine.model_config, context)
+        seq = engine.reserve_for_transfer(f"decode-{tag}-{i}", prompt, params)
+        if seq is None:
+            raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
+        engine.admit_prefilled(seq, prompt[-1])
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        scheduled = engine.scheduler.schedule()
+        sampled = engine.runner.execute(scheduled)
+        engine.scheduler.update_from_output(scheduled, sampled)
+        if len(scheduled.scheduled) == batch and all(s.num_new_tokens == 1 for s in scheduled.scheduled):
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[WARMUP_STEPS:])
+
+
+def _decode_figures(cfg: ModelConfig, weight_bytes: int, elem_bytes: int, batch: int, context: int,
+                    seconds: float) -> dict:
+    flops = decode_flops(cfg, batch, context)
+    moved = decode_bytes(cfg, weight_bytes, batch, context, elem_bytes)
+    return {"batch": batch, "context": context, "ms_per_step": seconds * 1e3, "tok_s": batch / seconds,
+            "flops_per_step": flops, "bytes_per_step": moved, "flop_per_byte": flops / moved,
+            "gflops": flops / seconds / 1e9}
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def report(results: dict, log=print) -> None:
+    m = results["machine"]
+    log(f"\n== machine == fp32 matmul peak {m['matmul_gflops']:.1f} GFLOP/s, read bandwidth {m['read_gbps']:.1f} GB/s "
+        f"(the higher of before / after); ridge point {m['ridge_flop_per_byte']:.1f} FLOP/byte")
+    log(f"\n== prefill ({results['model']}) ==")
+    log(f"{'tokens':>7}{'TTFT ms':>10}{'tok/s':>8}{'steps':>6}{'GFLOP/step':>11}{'MB/step':>9}{'FLOP/B':>8}"
+        f"{'GFLOP/s':>9}{'of peak':>8}")
+    for n, r in results["prefill"].items():
+        log(f"{n:>7}{r['ttft_ms']:>10.1f}{r['tok_s']:>8.0f}{r['steps']:>6}{r['flops_per_step'] / 1e9:>11.2f}"
+            f"{r['bytes_per_step'] / 1e6:>9.1f}{r['flop_per_byte']:>8.1f}{r['gflops']:>9.1f}{r['share_of_peak']:>8.0%}")
+    log(f"\n== decode ({results['model']}, KV cache {results['config']['cache_dtype']}) ==")
+    log(f"{'batch':>6}{'context':>8}{'ms/step':>9}{'tok/s':>8}{'GFLOP/step':>11}{'MB/step':>9}{'FLOP/B':>8}"
+        f"{'GFLOP/s':>9}{'floor ms':>9}{'/ floor':>8}")
+    for r in results["decode"].values():
+        log(f"{r['batch']:>6}{r['context']:>8}{r['ms_per_step']:>9.2f}{r['tok_s']:>8.0f}{r['flops_per_step'] / 1e9:>11.2f}"
+            f"{r['bytes_per_step'] / 1e6:>9.1f}{r['flop_per_byte']:>8.2f}{r['gflops']:>9.1f}{r['floor_ms']:>9.2f}"
+            f"{r['ms_per_step'] / r['floor_ms']:>7.2f}x")
+    log("(floor: the step's bytes at the measured read bandwidth; FLOP/B: operational intensity; bytes are at least "
+        "the weights once per step plus the K/V read and written)")
+
+
+def plot(results: dict, path: str) -> None:
+    """Prefill TTFT and tokens/s against prompt length, decode ms/step and tokens/s against batch per context,
+    and the roofline with both phases on it."""
+    plt = headless_pyplot()
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
+    (ttft_ax, step_ax), (tok_ax, roof_ax) = axes
+    lens = [int(n) for n in results["prefill"]]
+    pre = list(results["prefill"].values())
+    ttft_ax.plot(lens, [r["ttft_ms"] for r in pre], "o-", color="tab:blue", label="TTFT")
+    ttft_ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (ms)", title="prefill")
+    rate_ax = ttft_ax.twinx()
+    rate_ax.plot(lens, [r["tok_s"] for r in pre], "s--", color="tab:orange", label="prompt tokens/s")
+    rate_ax.set(ylabel="prompt tokens/s", ylim=(0, max(r["tok_s"] for r in pre) * 1.2) if pre else None)
+    ttft_ax.set_xticks(lens, [str(n) for n in lens])
+    ttft_ax.yaxis.set_major_formatter(ScalarFormatter())
+    ttft_ax.yaxis.set_minor_formatter(NullFormatter())
+    ttft_ax.legend(loc="upper left")
+    rate_ax.legend(loc="lower right")
+    by_context: dict[int, list[dict]] = {}
+    for r in results["decode"].values():
+        by_context.setdefault(r["context"], []).append(r)
+    for context, rows in sorted(by_context.items()):
+        batches = [r["batch"] for r in rows]
+        step_ax.plot(batches, [r["ms_per_step"] for r in rows], "o-", label=f"context {context}")
+        tok_ax.plot(batches, [r["tok_s"] for r in rows], "o-", label=f"context {context}")
+    for ax, label in ((step_ax, "ms per decode step"), (tok_ax, "decode tokens/s")):
+        ax.set(xscale="log", xlabel="batch (sequences)", ylabel=label, title="decode")
+        batches = sorted({r["batch"] for r in results["decode"].values()})
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _roofline(roof_ax, results)
+    fig.suptitle(f"{results['model']}: prefill and decode on this machine (fp32 compute, "
+                 f"{results['config']['cache_dtype']} KV cache)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _roofline(ax, results: dict) -> None:
+    m = results["machine"]
+    points = [r["flop_per_byte"] for r in list(results["prefill"].values()) + list(results["decode"].values())]
+    lo, hi = min(points + [m["ridge_flop_per_byte"]]) / 3, max(points + [m["ridge_flop_per_byte"]]) * 3
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(xs, [min(m["matmul_gflops"], m["read_gbps"] * x) for x in xs], "k-", linewidth=1.5,
+            label=f"roof: {m['matmul_gflops']:.0f} GFLOP/s peak, {m['read_gbps']:.1f} GB/s")
+    pre = results["prefill"]
+    ax.plot([r["flop_per_byte"] for r in pre.values()], [r["gflops"] for r in pre.values()], "o", color="tab:blue",
+            label="prefill (label: prompt tokens)")
+    for n, r in pre.items():
+        ax.annotate(str(n), (r["flop_per_byte"], r["gflops"]), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    contexts = sorted({r["context"] for r in results["decode"].values()})
+    for marker, context in zip("sD^v<>p", contexts):
+        rows = [r for r in results["decode"].values() if r["context"] == context]
+        ax.plot([r["flop_per_byte"] for r in rows], [r["gflops"] for r in rows], marker, linestyle="none",
+                label=f"decode, context {context} (label: batch)")
+        for r in rows:
+            ax.annotate(str(r["batch"]), (r["flop_per_byte"], r["gflops"]), textcoords="offset points",
+                        xytext=(4, 3), fontsize=7)
+    ax.set(xscale="log", yscale="log", xlabel="operational intensity (FLOP / byte)", ylabel="achieved GFLOP/s",
+           title="roofline")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="splitserve bench phases", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Prefill and decode of the engine on this machine: throughput, TTFT and step time against prompt "
+                    "length, batch and context; FLOPs and bytes per step against the measured peak and bandwidth "
+                    "(a roofline).",
+        epilog="The defaults finish in a few minutes on 2 cores. The full grid (prompts 64..4096, batch 1..64 x "
+               "context 128..4096;\nabout 6 GB of float16 KV cache for the largest decode point) is --full, or "
+               "explicitly:\n  splitserve bench phases --prompt-lens 64,128,256,512,1024,2048,4096 "
+               "--batches 1,2,4,8,16,32,64 \\\n      --contexts 128,256,512,1024,2048,4096 --json phases.json "
+               "--plot phases.png")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-lens", type=_ints, default=DEFAULT_PROMPT_LENS, help="prefill prompt lengths")
+    parser.add_argument("--batches", type=_ints, default=DEFAULT_BATCHES, help="decode batch sizes")
+    parser.add_argument("--contexts", type=_ints, default=DEFAULT_CONTEXTS, help="decode context lengths")
+    parser.add_argument("--full", action="store_true", help="the full grid (overrides the three above)")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per point (median kept)")
+    parser.add_argument("--repeat", type=int, default=2, help="prefills per prompt length (best kept)")
+    parser.add_argument("--cache-dtype", choices=CACHE_DTYPES, default="float16", help="the KV cache's dtype")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--plot", help="also draw them (and the roofline) into this .png")
+    args = parser.parse_args(argv)
+    grid = (FULL_PROMPT_LENS, FULL_BATCHES, FULL_CONTEXTS) if args.full else (args.prompt_lens, args.batches,
+                                                                             args.contexts)
+    torch.manual_seed(args.seed)
+    results = run(PhasesConfig(args.model, *grid, steps=args.steps, repeat=args.repeat, cache_dtype=args.cache_dtype,
+                               seed=args.seed))
+    report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    if args.plot:
+        plot(results, args.plot)
+    return results

@@ -1,0 +1,607 @@
+"""``splitserve bench serve``: drive a running router with a seeded workload and measure it as a client sees it.
+
+    splitserve bench serve --base-url http://127.0.0.1:8000 --request-rate 2 --num-prompts 200 \\
+        --input-len 256 --output-len 64 --goodput ttft:1000 tpot:150 --json run.json --plot run.png
+
+A run, top to bottom (``run_serve_benchmark(config)``, also the library entry point):
+  1. the model's name from the router's ``GET /v1/models``, its tokenizer loaded here (``engine.models``);
+  2. the workload (``workload.py``): send times and exact prompt / output lengths, from the seed;
+  3. every prompt (``prompts.py``) and request body (``serve_client.py``) built before the clock starts;
+  4. warm-up requests (not counted), then the router's ``/metrics`` scraped;
+  5. the requests sent on schedule from one asyncio loop, at most ``max_concurrency`` in flight; each request
+     timed at the client (``RequestRecord``); a progress bar on stderr (done / total, failures, live p50 TTFT and
+     TPOT); at ``time_limit_s`` the requests still out are cancelled and reported unfinished;
+  6. ``/metrics`` scraped again: the router's TTFT / TPOT / ITL / E2E histograms over exactly this run (the
+     difference of the two scrapes), their medians estimated as ``histogram_quantile`` does, printed beside the
+     client's (``serve_metrics.py``);
+  7. the figures: successful and failed requests (by kind), throughputs, goodput and SLO attainment against the
+     ``--goodput`` targets, mean / p50 / p90 / p99 of TTFT, TPOT, ITL and E2E.
+
+``--sweep 0.5,1,2,4`` runs the same seeded workload at each rate (``--sweep-refine K`` then bisects K times between
+the last rate that met the targets and the first that did not) and reports the highest rate at which at least
+``--slo-attainment`` (90%) of the requests met every target, before the first rate that missed: DistServe's goodput
+of the deployment measured.
+
+The load generator is light (one process, one asyncio loop, no tokenization while sending), but on a small machine
+it still shares the cores with the servers: pin it away from them, e.g. ``taskset -c 1 python -m splitserve bench
+serve ...`` with the pods on the other cores, and check the reported send lag (how late requests left against
+their schedule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from splitserve.bench.prompts import PromptFactory
+from splitserve.bench.serve_client import GrpcGenerate, HttpCompletions
+from splitserve.bench.serve_metrics import (
+    SLO,
+    Histogram,
+    RequestRecord,
+    distribution,
+    histogram_quantile,
+    parse_histograms,
+    percentile,
+    summarize,
+)
+from splitserve.bench.workload import SYNTHETIC, RequestSpec, WorkloadConfig, build_workload
+
+# The router's request histograms (splitserve/metrics.py, role="router"), by the client figure they match.
+ROUTER_HISTOGRAMS = {
+    "ttft": "splitserve_time_to_first_token_seconds",
+    "tpot": "splitserve_request_time_per_output_token_seconds",
+    "itl": "splitserve_inter_token_latency_seconds",
+    "e2e": "splitserve_e2e_request_latency_seconds",
+}
+AGREEMENT = 0.10  # client and router medians of TTFT and TPOT should agree within 10%
+WARMUP_SPEC = dict(prompt_len=16, output_len=4)
+
+
+@dataclass
+class ServeBenchConfig:
+    """One run of ``bench serve`` (the library's way in; the command line fills it from flags)."""
+
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    backend: str = "http"  # http | grpc
+    base_url: str = "http://127.0.0.1:8000"  # the router's HTTP API: /v1/completions, /v1/models, /metrics
+    grpc_address: str = "127.0.0.1:50051"  # the router's gRPC API (backend grpc)
+    model: str | None = None  # None: the one the router serves (GET /v1/models)
+    tokenizer: str | None = None  # None: the model's (a name engine.models knows, a directory, a .gguf)
+    max_concurrency: int | None = None
+    prompt_format: str = "ids"  # ids (exact lengths) | text
+    shared_prefix: int = 0
+    temperature: float = 0.0
+    slo: SLO = field(default_factory=SLO)
+    request_timeout_s: float = 600.0
+    time_limit_s: float | None = None
+    warmup: int = 1
+    router_metrics: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("http", "grpc"):
+            raise ValueError(f"backend must be http or grpc, got {self.backend!r}")
+        if self.prompt_format not in ("ids", "text"):
+            raise ValueError(f"prompt_format must be ids or text, got {self.prompt_format!r}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.shared_prefix < 0 or self.warmup < 0:
+            raise ValueError("shared_prefix and warmup must be >= 0")
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
+
+    def endpoint(self) -> str:
+        return f"{self.base_url.rstrip('/')}/v1/completions" if self.backend == "http" else \
+            f"grpc://{self.grpc_address} splitserve.v1.Generation/Generate"
+
+
+@dataclass
+class ServeRun:
+    """What one run measured: every request's record, the figures, and the router's medians beside the client's."""
+
+    config: ServeBenchConfig
+    model: str
+    records: list[RequestRecord]
+    summary: dict
+    router: dict | None  # None: /metrics not scraped
+    max_in_flight: int
+
+    def to_json(self, detailed: bool = False) -> dict:
+        out = {"config": _config_json(self.config), "workload": self.config.workload.describe(), "model": self.model,
+               "endpoint": self.config.endpoint(), "summary": self.summary, "router": self.router,
+               "max_in_flight": self.max_in_flight}
+        if detailed:
+            out["requests"] = [dataclasses.asdict(r) | {"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e}
+                               for r in self.records]
+        return out
+
+
+# ------------------------------------------------------------------------------------------------- a run
+
+
+def run_serve_benchmark(config: ServeBenchConfig, log=print) -> ServeRun:
+    """One run against a router that is up; see the module docstring for its steps."""
+    return asyncio.run(_run(config, _Preparation.make(config), log))
+
+
+@dataclass
+class _Preparation:
+    """What does not change between the runs of a sweep: the model, its tokenizer's prompts."""
+
+    model: str
+    prompts: PromptFactory
+
+    @classmethod
+    def make(cls, config: ServeBenchConfig) -> "_Preparation":
+        from engine.models import load_tokenizer  # imports torch: only when a run is prepared
+
+        model = config.model or served_model(config.base_url)
+        prompts = PromptFactory(load_tokenizer(config.tokenizer or model), config.workload.seed, config.shared_prefix)
+        return cls(model, prompts)
+
+    def prompt(self, config: ServeBenchConfig, spec: RequestSpec) -> list[int] | str:
+        return self.prompts.text(spec) if config.prompt_format == "text" else self.prompts.token_ids(spec)
+
+
+def served_model(base_url: str) -> str:
+    """The model the router at ``base_url`` serves (its ``GET /v1/models``)."""
+    try:
+        reply = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=10.0)
+        reply.raise_for_status()
+        return reply.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+        raise RuntimeError(f"cannot ask {base_url}/v1/models which model the router serves ({error}); "
+                           "pass --model and --base-url") from error
+
+
+async def _run(config: ServeBenchConfig, prep: _Preparation, log) -> ServeRun:
+    specs = build_workload(config.workload)
+    client = _client(config, prep.model)
+    try:
+        payloads = [client.prepare(spec, prep.prompt(config, spec)) for spec in specs]
+        await _warm_up(config, prep, client)
+        before = scrape_router(config.base_url) if config.router_metrics else None
+        records = [RequestRecord(s.index, s.prompt_len, s.output_len, s.arrival_s) for s in specs]
+        progress = _Progress(len(records), config.progress)
+        try:
+            duration, max_in_flight = await _drive(specs, payloads, records, client, config, progress.done)
+        finally:
+            progress.close()
+        router = None
+        if before is not None:
+            router = compare_with_router(records, before, scrape_router(config.base_url))
+    finally:
+        await client.close()
+    summary = summarize(records, duration, config.slo)
+    summary["send_lag"] = distribution([r.sent_s - r.scheduled_s for r in records if r.sent_s is not None])
+    return ServeRun(config, prep.model, records, summary, router, max_in_flight)
+
+
+def _client(config: ServeBenchConfig, model: str) -> HttpCompletions | GrpcGenerate:
+    if config.backend == "http":
+        return HttpCompletions(config.base_url, model, config.temperature, config.request_timeout_s)
+    return GrpcGenerate(config.grpc_address, model, config.temperature, config.request_timeout_s)
+
+
+async def _warm_up(config: ServeBenchConfig, prep: _Preparation, client) -> None:
+    """Requests that open the connections and touch every code path once; a failure stops the benchmark here,
+    since every request of the run would fail the same way."""
+    start = time.perf_counter()
+    for i in range(config.warmup):
+        spec = RequestSpec(-1 - i, 0.0, **WARMUP_SPEC)  # negative indices: prompts no request of the run has
+        record = RequestRecord(spec.index, spec.prompt_len, spec.output_len, 0.0)
+        await client.send(record, client.prepare(spec, prep.prompt(config, spec)), lambda: time.perf_counter() - start)
+        if record.status != "ok":
+            raise RuntimeError(f"the warm-up request to {config.endpoint()} failed: {record.error} "
+                               f"{record.error_message}")
+
+
+async def _drive(specs: list[RequestSpec], payloads: list, records: list[RequestRecord], client,
+                 config: ServeBenchConfig, on_done) -> tuple[float, int]:
+    """Send every request at its time (and when a concurrency slot is free); returns the run's duration (the first
+    send to the last byte, or the time limit) and the most requests that were in flight at once."""
+    start = time.perf_counter()
+    clock = lambda: time.perf_counter() - start  # noqa: E731
+    slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    in_flight = max_in_flight = 0
+    tasks: list[asyncio.Task] = []
+
+    async def one(i: int) -> None:
+        nonlocal in_flight, max_in_flight
+        if slots is not None:
+            await slots.acquire()
+        in_flight += 1
+        max_in_flight = max(max_in_flight, in_flight)
+        try:
+            await client.send(records[i], payloads[i], clock)
+        finally:
+            in_flight -= 1
+            if slots is not None:
+                slots.release()
+        on_done(records[i])
+
+    async def dispatch() -> None:
+        try:
+            for i, spec in enumerate(specs):
+                delay = spec.arrival_s - clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
+        finally:  # the time limit cancelled us: cancel the requests still out, and let them record it
+            pending = [task for task in tasks if not task.done()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    try:
+        await asyncio.wait_for(dispatch(), config.time_limit_s)
+    except TimeoutError:
+        pass
+    return clock(), max_in_flight
+
+
+class _Progress:
+    """One line on stderr: requests done / total, failures, and the live p50 TTFT and TPOT."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.ttfts: list[float] = []
+        self.tpots: list[float] = []
+        self.failed = 0
+        self._next_postfix = 0.0
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, file=sys.stderr, unit="req", dynamic_ncols=True, mininterval=0.5)
+
+    def done(self, record: RequestRecord) -> None:
+        if record.status == "ok":
+            if record.ttft is not None:
+                self.ttfts.append(record.ttft)
+            if record.tpot is not None:
+                self.tpots.append(record.tpot)
+        else:
+            self.failed += 1
+        if self.bar is None:
+            return
+        now = time.monotonic()
+        if now >= self._next_postfix:  # medians of everything so far, at most twice a second
+            self._next_postfix = now + 0.5
+            self.bar.set_postfix_str(f"failed {self.failed}, p50 TTFT {_ms(self.ttfts)}, p50 TPOT {_ms(self.tpots)}",
+                                     refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _ms(values: list[float]) -> str:
+    return f"{percentile(values, 50) * 1e3:.0f} ms" if values else "-"
+
+
+# ------------------------------------------------------------------------------------- the router's view
+
+
+def scrape_router(base_url: str) -> dict[str, Histogram]:
+    """The router's request histograms (role="router") from its ``/metrics``."""
+    reply = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=10.0)
+    reply.raise_for_status()
+    return parse_histograms(reply.text, list(ROUTER_HISTOGRAMS.values()), {"role": "router"})
+
+
+def compare_with_router(records: list[RequestRecord], before: dict[str, Histogram],
+                        after: dict[str, Histogram]) -> dict:
+    """Per figure: the client's median, the client's values put in the router's buckets and estimated the same way
+    (what bucketing alone does to a median), and the router's median over this run's observations."""
+    ok = [r for r in records if r.status == "ok"]
+    client_values = {"ttft": [r.ttft for r in ok if r.ttft is not None],
+                     "tpot": [r.tpot for r in ok if r.tpot is not None],
+                     "itl": [gap for r in ok for gap in r.itl],
+                     "e2e": [r.e2e for r in ok]}
+    out = {}
+    for figure, name in ROUTER_HISTOGRAMS.items():
+        if name not in after:
+            continue
+        run = after[name].minus(before[name]) if name in before else after[name]
+        values = client_values[figure]
+        client = percentile(values, 50) if values else None
+        bucketed = histogram_quantile(0.5, Histogram.of(values, [le for le, _ in run.buckets])) if values else None
+        router = histogram_quantile(0.5, run)
+        out[figure] = {"client_p50": client, "client_p50_in_router_buckets": bucketed, "router_p50": router,
+                       "router_count": run.count, "client_count": len(values),
+                       "router_over_client": router / client if router is not None and client else None}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ sweeps
+
+
+def run_sweep(config: ServeBenchConfig, rates: list[float], attainment: float = 0.9, refine: int = 0,
+              log=print) -> dict:
+    """The same seeded workload at each rate (then ``refine`` bisections between the last rate that met the
+    targets and the first that did not); the highest rate meeting ``attainment`` before the first that did not."""
+    if not config.slo:
+        raise ValueError("a sweep needs latency targets (--goodput ttft:MS tpot:MS)")
+    prep = _Preparation.make(config)
+    runs: dict[float, ServeRun] = {}
+
+    def measure(rate: float) -> bool:
+        run = asyncio.run(_run(dataclasses.replace(config, workload=dataclasses.replace(
+            config.workload, request_rate=rate)), prep, log))
+        runs[rate] = run
+        log(_sweep_row_text(rate, run.summary))
+        return run.summary["slo_attainment"] >= attainment
+
+    log(_SWEEP_HEADER)
+    for rate in sorted(rates):
+        measure(rate)
+    for _ in range(refine):
+        passing, failing = _bracket(runs, attainment)
+        if passing is None or failing is None:
+            break
+        measure(round((passing + failing) / 2, 4))
+    best, first_miss = _bracket(runs, attainment)
+    return {"rates": sorted(runs), "slo": config.slo.describe(), "attainment_target": attainment,
+            "max_rate_meeting_slo": best, "first_rate_missing_slo": first_miss,
+            "runs": [runs[rate] for rate in sorted(runs)]}
+
+
+def _bracket(runs: dict[float, ServeRun], attainment: float) -> tuple[float | None, float | None]:
+    """(the highest rate meeting the target below the first that misses it, that first miss)."""
+    best = None
+    for rate in sorted(runs):
+        if runs[rate].summary["slo_attainment"] < attainment:
+            return best, rate
+        best = rate
+    return best, None
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def report(run: ServeRun, log=print) -> None:
+    s, config = run.summary, run.config
+    rule = "=" * 78
+    log(f"\n{rule}\n{'splitserve bench serve':^78}\n{rule}")
+    rows = [
+        ("Endpoint", config.endpoint()),
+        ("Model", run.model),
+        ("Workload", config.workload.describe()),
+        ("Max concurrency", f"{config.max_concurrency or 'unlimited'} (reached {run.max_in_flight})"),
+        ("Successful requests", s["successful"]),
+        ("Failed requests", f"{s['failed']}" + (f"  {_kinds(s['failures'])}" if s["failures"] else "")),
+    ]
+    if s["unfinished"] or s["not_sent"]:
+        rows.append(("Unfinished at time limit", f"{s['unfinished']} (never sent: {s['not_sent']})"))
+    rows += [
+        ("Output length mismatches", s["length_mismatches"]),
+        ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
+        ("Total prompt tokens", s["prompt_tokens"]),
+        ("Total output tokens", s["output_tokens"]),
+        ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{s['output_throughput']:.1f}"),
+        ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
+    ]
+    if s["goodput"] is not None:
+        rows.append((f"Goodput (req/s) [{config.slo.describe()}]",
+                     f"{s['goodput']:.2f}  ({s['good_requests']} of {s['requests']} requests, "
+                     f"SLO attainment {s['slo_attainment']:.1%})"))
+    if s["send_lag"]:
+        rows.append(("Send lag p50 / p99 (ms)", f"{s['send_lag']['p50'] * 1e3:.1f} / {s['send_lag']['p99'] * 1e3:.1f}"))
+    for name, value in rows:
+        log(f"{name + ':':<40}{value}")
+    log(f"{'-' * 78}\n{'(ms)':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'count':>10}")
+    for figure, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
+        d = s[figure]
+        if d is None:
+            log(f"{title:<8}{'-':>10}")
+            continue
+        log(f"{title:<8}" + "".join(f"{d[k] * 1e3:>10.1f}" for k in ("mean", "p50", "p90", "p99")) + f"{d['count']:>10}")
+    if run.router is not None:
+        report_router(run.router, log)
+    if s["length_mismatches"]:
+        log(f"WARNING: {s['length_mismatches']} successful requests did not produce the output length asked for")
+    log(rule)
+
+
+def report_router(router: dict, log=print) -> None:
+    log(f"{'-' * 78}\nmedians, client vs the router's histograms over this run (/metrics, role=router):")
+    log(f"{'(ms)':<6}{'client':>9}{'router':>9}{'router/':>9}  {'client in':>10}{'router/':>9}  {'count':>15}")
+    log(f"{'':<6}{'p50':>9}{'p50':>9}{'client':>9}  {'buckets':>10}{'that':>9}  {'client / router':>15}")
+    fmt = lambda v, scale=1e3, spec=".1f": f"{v * scale:{spec}}" if v is not None else "-"  # noqa: E731
+    coarse = []
+    for figure, row in router.items():
+        client, bucketed, ratio = row["client_p50"], row["client_p50_in_router_buckets"], row["router_over_client"]
+        same_buckets = row["router_p50"] / bucketed if row["router_p50"] is not None and bucketed else None
+        verdict = ""
+        if figure in ("ttft", "tpot") and ratio is not None:
+            verdict = "agree (within 10%)" if abs(ratio - 1) <= AGREEMENT else "DIFFER by more than 10%"
+            if client and bucketed is not None and abs(bucketed / client - 1) > AGREEMENT:
+                coarse.append(figure.upper())
+        log(f"{figure.upper():<6}{fmt(client):>9}{fmt(row['router_p50']):>9}{fmt(ratio, 1, '.3f'):>9}  "
+            f"{fmt(bucketed):>10}{fmt(same_buckets, 1, '.3f'):>9}  "
+            f"{row['client_count']:>7} / {row['router_count']:<6.0f} {verdict}")
+    log("(client in buckets: the client's own values put in the router's buckets and estimated as histogram_quantile "
+        "does; router/that compares like with like. ITL: the router counts a gap per decode chunk, an HTTP client "
+        "per chunk with text)")
+    if coarse:
+        log(f"NOTE: the router's buckets alone move the client's {' and '.join(coarse)} median by more than 10% here: "
+            "at these latencies the histograms cannot show agreement within 10%")
+
+
+def report_sweep(sweep: dict, log=print) -> None:
+    log(f"\n{'=' * 78}\nsweep: SLO {sweep['slo']}, attainment target {sweep['attainment_target']:.0%}")
+    log(_SWEEP_HEADER)
+    for run in sweep["runs"]:
+        log(_sweep_row_text(run.config.workload.request_rate, run.summary))
+    best = sweep["max_rate_meeting_slo"]
+    if best is None:
+        log(f"no rate met the targets for {sweep['attainment_target']:.0%} of requests (the lowest tried: "
+            f"{sweep['rates'][0]:g} req/s)")
+    else:
+        miss = sweep["first_rate_missing_slo"]
+        log(f"highest rate meeting the targets for >= {sweep['attainment_target']:.0%} of requests: {best:g} req/s"
+            + (f" (the next tried, {miss:g} req/s, did not)" if miss is not None else " (the highest tried)"))
+
+
+_SWEEP_HEADER = (f"{'rate':>8}{'req/s':>8}{'failed':>8}{'SLO met':>9}{'goodput':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+                 f"{'TPOT p50':>10}{'TPOT p99':>10}")
+
+
+def _sweep_row_text(rate: float, s: dict) -> str:
+    ms = lambda d, k: f"{d[k] * 1e3:.0f}" if d else "-"  # noqa: E731
+    return (f"{rate:>8g}{s['request_throughput']:>8.2f}{s['failed'] + s['unfinished']:>8}"
+            f"{s['slo_attainment']:>9.1%}{s['goodput']:>9.2f}{ms(s['ttft'], 'p50'):>10}{ms(s['ttft'], 'p99'):>10}"
+            f"{ms(s['tpot'], 'p50'):>10}{ms(s['tpot'], 'p99'):>10}")
+
+
+def _kinds(failures: dict[str, int]) -> str:
+    return ", ".join(f"{kind}: {count}" for kind, count in failures.items())
+
+
+def _config_json(config: ServeBenchConfig) -> dict:
+    out = dataclasses.asdict(config)
+    out["workload"]["request_rate"] = _finite_or_none(config.workload.request_rate)
+    return out
+
+
+def _finite_or_none(value: float) -> float | None:
+    return None if math.isinf(value) else value
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def _rate(text: str) -> float:
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a request rate must be > 0 (inf: all at once), got {text}")
+    return rate
+
+
+def _rates(text: str) -> list[float]:
+    return [_rate(t) for t in text.split(",") if t.strip()]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="splitserve bench serve", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Drive a running router (HTTP or gRPC) with a seeded workload; report throughput, goodput and "
+                    "TTFT / TPOT / ITL / E2E percentiles measured at the client, beside the router's own histograms.",
+        epilog="examples:\n"
+               "  splitserve bench serve --request-rate 2 --num-prompts 100 --input-len 256 --output-len 64 \\\n"
+               "      --goodput ttft:1000 tpot:150 --json run.json --plot run.png\n"
+               "  splitserve bench serve --backend grpc --grpc-address 127.0.0.1:50051 --max-concurrency 8\n"
+               "  splitserve bench serve --workload ../shared/workloads/AzureLLMInferenceTrace_conv.csv \\\n"
+               "      --time-scale 20 --max-prompt-tokens 1024 --max-output-tokens 64 --num-prompts 200\n"
+               "  splitserve bench serve --workload azure-code --sweep 0.25,0.5,1,2 --sweep-refine 2 \\\n"
+               "      --goodput ttft:2000 tpot:200 --max-prompt-tokens 2048 --plot sweep.png\n"
+               "pin the generator away from the servers on a small machine: taskset -c 1 python -m splitserve ...")
+    target = parser.add_argument_group("the router")
+    target.add_argument("--backend", choices=("http", "grpc"), default="http",
+                        help="http: OpenAI /v1/completions, streamed (SSE); grpc: Generation/Generate, token_ids")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="the router's HTTP API; also where /v1/models and /metrics are read")
+    target.add_argument("--grpc-address", default="127.0.0.1:50051", help="the router's gRPC API (--backend grpc)")
+    target.add_argument("--model", help="model name to send (default: what /v1/models reports)")
+    target.add_argument("--tokenizer", help="the tokenizer's model name or path (default: the model's)")
+    target.add_argument("--no-router-metrics", action="store_true",
+                        help="do not scrape the router's /metrics before and after the run")
+    load = parser.add_argument_group("the workload")
+    load.add_argument("--workload", default="random",
+                      help=f"{', '.join(SYNTHETIC)}, or a CSV trace in the Azure format "
+                           "(TIMESTAMP,ContextTokens,GeneratedTokens) to replay")
+    load.add_argument("--num-prompts", type=int, default=100, help="requests in the run (a trace: its first N rows)")
+    load.add_argument("--request-rate", type=_rate, default=math.inf,
+                      help="requests/s (default inf: all at once; a trace keeps its own timestamps unless set)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps: 1 Poisson, < 1 burstier, > 1 smoother (CV 1/sqrt(b))")
+    load.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    load.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    load.add_argument("--output-len", type=int, default=32, help="random: output tokens")
+    load.add_argument("--range-ratio", type=float, default=0.0,
+                      help="random: lengths uniform in [len*(1-r), len*(1+r)]")
+    load.add_argument("--time-scale", type=float, default=1.0,
+                      help="trace: multiply its inter-arrival times (10: ten times slower)")
+    load.add_argument("--max-prompt-tokens", type=int, help="cap every prompt length")
+    load.add_argument("--max-output-tokens", type=int, help="cap every output length")
+    load.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (prefix caching)")
+    load.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                      help="ids: token-id prompts of exact length; text: decoded text fitted to the length")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--seed", type=int, default=0)
+    measure = parser.add_argument_group("measuring")
+    measure.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                         help="targets a request must all meet to count as good: ttft:MS tpot:MS e2el:MS")
+    measure.add_argument("--sweep", type=_rates, metavar="RATES",
+                         help="comma-separated request rates to run in turn (needs --goodput)")
+    measure.add_argument("--sweep-refine", type=int, default=0, metavar="K",
+                         help="after the sweep, K bisections between the last rate meeting the targets and the next")
+    measure.add_argument("--slo-attainment", type=float, default=0.9,
+                         help="share of requests that must meet the targets for a rate to pass a sweep")
+    measure.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails")
+    measure.add_argument("--time-limit", type=float,
+                         help="seconds after which the run stops; requests still out are reported unfinished")
+    measure.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before the run")
+    measure.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", help="write the results to this file")
+    out.add_argument("--save-detailed", action="store_true", help="include every request's timings in the JSON")
+    out.add_argument("--plot", help="draw latency CDFs (and, for a sweep, goodput and p99 TPOT against the rate) "
+                                    "into this .png")
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
+    workload = WorkloadConfig(
+        workload=args.workload, num_prompts=args.num_prompts, request_rate=args.request_rate,
+        burstiness=args.burstiness, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, time_scale=args.time_scale, max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens, seed=args.seed)
+    return ServeBenchConfig(
+        workload=workload, backend=args.backend, base_url=args.base_url, grpc_address=args.grpc_address,
+        model=args.model, tokenizer=args.tokenizer, max_concurrency=args.max_concurrency,
+        prompt_format=args.prompt_format, shared_prefix=args.shared_prefix, temperature=args.temperature,
+        slo=SLO.parse(args.goodput), request_timeout_s=args.request_timeout, time_limit_s=args.time_limit,
+        warmup=args.warmup, router_metrics=not args.no_router_metrics, progress=not args.no_progress)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        sys.exit(f"splitserve bench serve: {error}")
+    if args.sweep:
+        sweep = run_sweep(config, args.sweep, args.slo_attainment, args.sweep_refine)
+        report_sweep(sweep)
+        results = {**sweep, "runs": [run.to_json(args.save_detailed) for run in sweep["runs"]]}
+        if args.plot:
+            from splitserve.bench.serve_plots import plot_sweep
+
+            plot_sweep(sweep, args.plot)
+    else:
+        run = run_serve_benchmark(config)
+        report(run)
+        results = run.to_json(args.save_detailed)
+        if args.plot:
+            from splitserve.bench.serve_plots import plot_run
+
+            plot_run(run, args.plot)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
