@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from splitserve.launcher import Cluster, UpConfig
+from splitserve.launcher import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -44,49 +43,21 @@ LONG_PROMPTS = [
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
 
-def _free_port_run(count: int) -> int:
-    """First of `count` consecutive free loopback ports."""
-    for base in range(20000 + (time.time_ns() // 1000) % 20000, 60000, count + 7):
-        if all(_port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no run of free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def _start(tmp_path: Path, **counts) -> Cluster:
-    base = _free_port_run(12)
-    config = UpConfig(model="smollm2-135m", grpc_port=base, http_port=base + 1, base_pod_port=base + 2,
-                      base_metrics_port=base + 6, prometheus_port=base + 10, kv_codec="none",
-                      conditional_prefill_threshold=THRESHOLD, kv_cache_memory_bytes=256 << 20,
-                      run_dir=str(tmp_path), prometheus=shutil.which("prometheus") is not None, **counts)
-    cluster = Cluster(config)
-    try:
-        cluster.start()
-        cluster.wait_ready(log=lambda *_: None)
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+def _start(start_cluster, tmp_path: Path, **counts) -> Cluster:
+    return start_cluster(tmp_path, model="smollm2-135m", kv_codec="none", conditional_prefill_threshold=THRESHOLD,
+                         kv_cache_memory_bytes=256 << 20, prometheus=shutil.which("prometheus") is not None, **counts)
 
 
 @pytest.fixture(scope="module")
-def disaggregated(tmp_path_factory):
-    cluster = _start(tmp_path_factory.mktemp("disagg"), prefill=1, decode=1, mixed=0)
+def disaggregated(tmp_path_factory, start_cluster):
+    cluster = _start(start_cluster, tmp_path_factory.mktemp("disagg"), prefill=1, decode=1, mixed=0)
     yield cluster
     cluster.stop()
 
 
 @pytest.fixture(scope="module")
-def mixed(tmp_path_factory):
-    cluster = _start(tmp_path_factory.mktemp("mixed"), prefill=0, decode=0, mixed=1)
+def mixed(tmp_path_factory, start_cluster):
+    cluster = _start(start_cluster, tmp_path_factory.mktemp("mixed"), prefill=0, decode=0, mixed=1)
     yield cluster
     cluster.stop()
 

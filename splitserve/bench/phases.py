@@ -61,20 +61,21 @@ class PhasesConfig:
     repeat: int = 2
     cache_dtype: str = "float16"
     seed: int = 0
+    machine_rounds: int = 3  # rounds of each machine measurement (best kept)
 
     def __post_init__(self) -> None:
         for name in ("prompt_lens", "batches", "contexts"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")
-        if self.steps < 1 or self.repeat < 1:
-            raise ValueError("steps and repeat must be >= 1")
+        if self.steps < 1 or self.repeat < 1 or self.machine_rounds < 1:
+            raise ValueError("steps, repeat and machine_rounds must be >= 1")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
 
 
 def run(config: PhasesConfig, log=print) -> dict:
     log("measuring the machine: fp32 matmul peak and read bandwidth ...")
-    peak_before, read_before = matmul_peak(), read_bandwidth()
+    peak_before, read_before = matmul_peak(config.machine_rounds), read_bandwidth(config.machine_rounds)
     engine = _engine(config)
     cfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
@@ -100,7 +101,8 @@ def run(config: PhasesConfig, log=print) -> dict:
         seconds = _decode_step_seconds(engine, rng, batch, context, config.steps)
         decode[f"{batch}x{context}"] = _decode_figures(cfg, weight_bytes, elem_bytes, batch, context, seconds)
     log("measuring the machine again ...")
-    peak, read = max(peak_before, matmul_peak()), max(read_before, read_bandwidth())
+    peak = max(peak_before, matmul_peak(config.machine_rounds))
+    read = max(read_before, read_bandwidth(config.machine_rounds))
     for figures in list(prefill.values()) + list(decode.values()):
         figures["share_of_peak"] = figures["gflops"] / peak
         figures["floor_ms"] = figures["bytes_per_step"] / read / 1e6
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeat", type=int, default=2, help="prefills per prompt length (best kept)")
     parser.add_argument("--cache-dtype", choices=CACHE_DTYPES, default="float16", help="the KV cache's dtype")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--machine-rounds", type=int, default=3,
+                        help="rounds of the peak and bandwidth measurements, before and after (best kept)")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--plot", help="also draw them (and the roofline) into this .png")
     args = parser.parse_args(argv)
@@ -313,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                              args.contexts)
     torch.manual_seed(args.seed)
     results = run(PhasesConfig(args.model, *grid, steps=args.steps, repeat=args.repeat, cache_dtype=args.cache_dtype,
-                               seed=args.seed))
+                               seed=args.seed, machine_rounds=args.machine_rounds))
     report(results)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,77 @@
+"""``bench phases`` and the step costs it plots: FLOPs and bytes of prefill and decode steps counted by hand on the
+tiny model's shape, and the benchmark run end to end on the tiny random model with a small grid.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.models import tiny_random_config
+from splitserve.bench import phases
+from splitserve.bench.step_cost import (
+    decode_bytes,
+    decode_flops,
+    kv_bytes_per_token,
+    linear_flops_per_token,
+    lm_head_flops,
+    prefill_bytes,
+    prefill_flops,
+)
+
+# tiny-random: hidden 64, 4 heads of 16 (2 KV heads), MLP 128, 4 layers, 259 tokens.
+CFG = tiny_random_config()
+
+
+def test_step_flops_counted_by_hand():
+    # Per token and layer: QKV 2*64*(4+2*2)*16 = 16384, output 2*64*64 = 8192, gate+up 2*64*256 = 32768,
+    # down 2*128*64 = 16384.
+    assert linear_flops_per_token(CFG) == 16384 + 8192 + 32768 + 16384 == 73728
+    assert lm_head_flops(CFG) == 2 * 64 * 259
+    # Decode, batch 3 at context 10: each new token attends over 10 tokens (QK^T and PV: 2 * 2 * 4 heads * 16 * 10).
+    assert decode_flops(CFG, 3, 10) == 4 * (73728 + 2560) * 3 + 2 * 64 * 259 * 3
+    # Prefill of 4 tokens: they attend over 1, 2, 3 and 4 tokens; one lm_head row.
+    assert prefill_flops(CFG, 4) == 4 * (73728 * 4 + 256 * (1 + 2 + 3 + 4)) + 2 * 64 * 259
+
+
+def test_chunked_prefill_computes_what_one_pass_does():
+    # 1000 tokens in chunks of 512 and 488: the second chunk attends over the first's 512 too; lm_head once.
+    chunks = prefill_flops(CFG, 512) - lm_head_flops(CFG) + prefill_flops(CFG, 488, context_before=512)
+    assert chunks == prefill_flops(CFG, 1000)
+
+
+def test_step_bytes():
+    per_token = kv_bytes_per_token(CFG, 2)
+    assert per_token == 2 * 4 * 2 * 16 * 2  # K and V x layers x KV heads x head_dim x float16
+    assert decode_bytes(CFG, 1000, batch=3, context=10, cache_elem_bytes=2) == 1000 + per_token * 30
+    # A chunk reads the weights, attends over cached + new K/V, and writes the new.
+    assert prefill_bytes(CFG, 1000, 488, context_before=512, cache_elem_bytes=2) == 1000 + per_token * (1000 + 488)
+
+
+def test_phases_bench_measures_both_phases_against_the_machine(tmp_path, capsys):
+    out, png = tmp_path / "phases.json", tmp_path / "phases.png"
+    phases.main(["--model", "tiny-random", "--prompt-lens", "64,600", "--batches", "1,4", "--contexts", "32,128",
+                 "--steps", "3", "--repeat", "1", "--machine-rounds", "1", "--json", str(out), "--plot", str(png)])
+    results = json.loads(out.read_text())
+    machine = results["machine"]
+    assert machine["matmul_gflops"] > 0 and machine["read_gbps"] > 0
+    assert machine["ridge_flop_per_byte"] == pytest.approx(machine["matmul_gflops"] / machine["read_gbps"])
+    prefill = results["prefill"]
+    assert list(prefill) == ["64", "600"]
+    assert prefill["600"]["step_tokens"] == [512, 88]  # chunked as a pod chunks it (long_prefill_token_threshold)
+    for n, r in prefill.items():
+        assert r["tok_s"] == pytest.approx(int(n) / (r["ttft_ms"] / 1e3))
+        assert r["flops_per_step"] * r["steps"] == pytest.approx(prefill_flops(CFG, int(n)))
+        assert r["gflops"] == pytest.approx(prefill_flops(CFG, int(n)) / (r["ttft_ms"] / 1e3) / 1e9)
+    decode = results["decode"]
+    assert list(decode) == ["1x32", "4x32", "1x128", "4x128"]
+    weights = results["weight_bytes"]
+    for r in decode.values():
+        assert r["ms_per_step"] > 0 and r["tok_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_step"])
+        assert r["bytes_per_step"] == decode_bytes(CFG, weights, r["batch"], r["context"], 2)  # float16 cache
+        assert r["flop_per_byte"] == pytest.approx(r["flops_per_step"] / r["bytes_per_step"])
+        assert r["floor_ms"] == pytest.approx(r["bytes_per_step"] / machine["read_gbps"] / 1e6)
+    printed = capsys.readouterr().out
+    assert "== prefill (tiny-random) ==" in printed and "== decode (tiny-random, KV cache float16) ==" in printed
+    assert png.stat().st_size > 0
