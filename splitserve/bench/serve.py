@@ -170,6 +170,7 @@ async def _run(config: ServeBenchConfig, prep: _Preparation, log) -> ServeRun:
     client = _client(config, prep.model)
     try:
         payloads = [client.prepare(spec, prep.prompt(config, spec)) for spec in specs]
+        log(f"benchmarking {config.endpoint()} ({prep.model}): {config.workload.describe()}")
         await _warm_up(config, prep, client)
         before = scrape_router(config.base_url) if config.router_metrics else None
         records = [RequestRecord(s.index, s.prompt_len, s.output_len, s.arrival_s) for s in specs]
@@ -586,8 +587,14 @@ def main(argv: list[str] | None = None) -> dict:
         config = config_from_args(args)
     except ValueError as error:
         sys.exit(f"splitserve bench serve: {error}")
+    try:
+        if args.sweep:
+            sweep = run_sweep(config, args.sweep, args.slo_attainment, args.sweep_refine)
+        else:
+            run = run_serve_benchmark(config)
+    except (RuntimeError, ValueError) as error:  # the router is not there, or refuses even the warm-up
+        sys.exit(f"splitserve bench serve: {error}")
     if args.sweep:
-        sweep = run_sweep(config, args.sweep, args.slo_attainment, args.sweep_refine)
         report_sweep(sweep)
         results = {**sweep, "runs": [run.to_json(args.save_detailed) for run in sweep["runs"]]}
         if args.plot:
@@ -595,7 +602,6 @@ def main(argv: list[str] | None = None) -> dict:
 
             plot_sweep(sweep, args.plot)
     else:
-        run = run_serve_benchmark(config)
         report(run)
         results = run.to_json(args.save_detailed)
         if args.plot:
