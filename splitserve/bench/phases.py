@@ -215,7 +215,7 @@ def plot(results: dict, path: str) -> None:
     """Prefill TTFT and tokens/s against prompt length, decode ms/step and tokens/s against batch per context,
     and the roofline with both phases on it."""
     plt = headless_pyplot()
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
     (ttft_ax, step_ax), (tok_ax, roof_ax) = axes
@@ -227,6 +227,7 @@ def plot(results: dict, path: str) -> None:
     rate_ax.plot(lens, [r["tok_s"] for r in pre], "s--", color="tab:orange", label="prompt tokens/s")
     rate_ax.set(ylabel="prompt tokens/s", ylim=(0, max(r["tok_s"] for r in pre) * 1.2) if pre else None)
     ttft_ax.set_xticks(lens, [str(n) for n in lens])
+    ttft_ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ttft_ax.yaxis.set_major_formatter(ScalarFormatter())
     ttft_ax.yaxis.set_minor_formatter(NullFormatter())
     ttft_ax.legend(loc="upper left")

@@ -397,9 +397,9 @@ def report(run: ServeRun, log=print) -> None:
         ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
     ]
     if s["goodput"] is not None:
-        rows.append((f"Goodput (req/s) [{config.slo.describe()}]",
-                     f"{s['goodput']:.2f}  ({s['good_requests']} of {s['requests']} requests, "
-                     f"SLO attainment {s['slo_attainment']:.1%})"))
+        rows += [("Goodput targets", config.slo.describe()),
+                 ("Goodput (req/s)", f"{s['goodput']:.2f}  ({s['good_requests']} of {s['requests']} requests, "
+                                     f"SLO attainment {s['slo_attainment']:.1%})")]
     if s["send_lag"]:
         rows.append(("Send lag p50 / p99 (ms)", f"{s['send_lag']['p50'] * 1e3:.1f} / {s['send_lag']['p99'] * 1e3:.1f}"))
     for name, value in rows:
