@@ -62,9 +62,10 @@ def test_http_run_from_the_command_line(cluster, tmp_path, capsys):
     assert s["output_tokens"] == sum(r["output_len"] for r in requests)
     assert s["good_requests"] == 12 and s["slo_attainment"] == 1.0  # targets no tiny request misses
     # The router saw exactly this run's requests in its histograms (the warm-up came before the first scrape).
-    router = results["router"]
+    router = results["router"]["medians"]
     assert router["ttft"]["router_count"] == router["ttft"]["client_count"] == 12
     assert router["tpot"]["router_count"] == 12 and router["ttft"]["router_p50"] > 0
+    assert 0 <= results["router"]["requests_within_slo"] <= 12  # this run's, by the router's own targets
     printed = capsys.readouterr().out
     assert "medians, client vs the router's histograms" in printed
     assert "TTFT" in printed.split("medians, client vs the router's histograms")[1]
@@ -77,10 +78,11 @@ def test_grpc_run_as_a_library_sees_every_decode_chunk_the_router_counts(cluster
     assert (s["successful"], s["failed"], s["length_mismatches"]) == (12, 0, 0)
     assert_exact_lengths([r.__dict__ for r in run.records])
     # A gRPC chunk is one decode step's tokens, and the router observes an ITL per chunk: the counts are equal.
-    assert run.router["itl"]["router_count"] == run.router["itl"]["client_count"] == s["itl"]["count"] > 0
-    assert run.router["tpot"]["router_count"] == s["tpot"]["count"] == 12
+    router = run.router["medians"]
+    assert router["itl"]["router_count"] == router["itl"]["client_count"] == s["itl"]["count"] > 0
+    assert router["tpot"]["router_count"] == s["tpot"]["count"] == 12
     for figure in ("ttft", "tpot"):
-        assert run.router[figure]["router_p50"] > 0 and run.router[figure]["client_p50"] > 0
+        assert router[figure]["router_p50"] > 0 and router[figure]["client_p50"] > 0
 
 
 def test_time_limit_reports_requests_unfinished_or_never_sent(cluster):

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Histogram as PromHistogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram as PromHistogram, generate_latest
 
 from splitserve.bench.serve import _bracket, compare_with_router
 from splitserve.bench.serve_metrics import (
@@ -20,6 +20,7 @@ from splitserve.bench.serve_metrics import (
     Histogram,
     RequestRecord,
     histogram_quantile,
+    parse_counter,
     parse_histograms,
     percentile,
     summarize,
@@ -204,12 +205,32 @@ def test_parse_and_subtract_scrapes_keeps_only_the_run_and_the_role_asked_for():
 def test_compare_with_router_sets_the_client_median_beside_the_routers_estimate():
     records = [record(i, sent=0.0, chunks=[ttft, ttft + 0.05], end=ttft + 0.05, output_tokens=2)
                for i, ttft in enumerate([0.030, 0.035, 0.045, 0.070])]
-    bounds = [0.02, 0.04, 0.06, 0.08]
-    before = {"splitserve_time_to_first_token_seconds": Histogram.of([0.5], bounds)}
-    after = {"splitserve_time_to_first_token_seconds": Histogram.of([0.5, 0.031, 0.036, 0.044, 0.071], bounds)}
-    row = compare_with_router(records, before, after)["ttft"]
+    registry = CollectorRegistry()
+    ttft = PromHistogram("splitserve_time_to_first_token_seconds", "TTFT", ["role", "model_name"],
+                         buckets=(0.02, 0.04, 0.06, 0.08), registry=registry).labels("router", "m")
+    within_slo = Counter("splitserve_requests_within_slo", "good", ["role", "model_name"],
+                         registry=registry).labels("router", "m")
+    ttft.observe(0.5)  # an earlier request
+    within_slo.inc()
+    before = generate_latest(registry).decode()
+    for seconds in (0.031, 0.036, 0.044, 0.071):
+        ttft.observe(seconds)
+    within_slo.inc(3)
+    router = compare_with_router(records, before, generate_latest(registry).decode())
+    row = router["medians"]["ttft"]
     assert row["client_p50"] == pytest.approx(0.040)
     assert row["router_count"] == 4 and row["client_count"] == 4
     # Ranks 2 of 4: (0.02, 0.04] holds 2 (client: 0.030, 0.035; router: 0.031, 0.036), so both estimate 0.04.
     assert row["router_p50"] == pytest.approx(0.04) and row["client_p50_in_router_buckets"] == pytest.approx(0.04)
     assert row["router_over_client"] == pytest.approx(1.0)
+    assert list(router["medians"]) == ["ttft"]  # the router exported no other histogram
+    assert router["requests_within_slo"] == 3  # this run's, not the earlier one
+
+
+def test_parse_counter_sums_the_matching_series_or_says_there_is_none():
+    text = ('# TYPE splitserve_requests_within_slo_total counter\n'
+            'splitserve_requests_within_slo_total{role="router",model_name="m"} 5.0\n'
+            'splitserve_requests_within_slo_total{role="decode",model_name="m"} 7.0\n')
+    assert parse_counter(text, "splitserve_requests_within_slo_total", {"role": "router"}) == 5.0
+    assert parse_counter(text, "splitserve_requests_within_slo_total", {}) == 12.0
+    assert parse_counter(text, "splitserve_requests_within_slo_total", {"role": "prefill"}) is None

@@ -51,6 +51,7 @@ from splitserve.bench.serve_metrics import (
     RequestRecord,
     distribution,
     histogram_quantile,
+    parse_counter,
     parse_histograms,
     percentile,
     summarize,
@@ -64,6 +65,7 @@ ROUTER_HISTOGRAMS = {
     "itl": "splitserve_inter_token_latency_seconds",
     "e2e": "splitserve_e2e_request_latency_seconds",
 }
+ROUTER_WITHIN_SLO = "splitserve_requests_within_slo_total"  # the router's own goodput count
 AGREEMENT = 0.10  # client and router medians of TTFT and TPOT should agree within 10%
 WARMUP_SPEC = dict(prompt_len=16, output_len=4)
 
@@ -296,35 +298,42 @@ def _ms(values: list[float]) -> str:
 # ------------------------------------------------------------------------------------- the router's view
 
 
-def scrape_router(base_url: str) -> dict[str, Histogram]:
-    """The router's request histograms (role="router") from its ``/metrics``."""
+def scrape_router(base_url: str) -> str:
+    """The router's ``/metrics`` exposition text."""
     reply = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=10.0)
     reply.raise_for_status()
-    return parse_histograms(reply.text, list(ROUTER_HISTOGRAMS.values()), {"role": "router"})
+    return reply.text
 
 
-def compare_with_router(records: list[RequestRecord], before: dict[str, Histogram],
-                        after: dict[str, Histogram]) -> dict:
-    """Per figure: the client's median, the client's values put in the router's buckets and estimated the same way
-    (what bucketing alone does to a median), and the router's median over this run's observations."""
+def compare_with_router(records: list[RequestRecord], before: str, after: str) -> dict:
+    """The router's view of the run, from two scrapes of its ``/metrics`` (role="router") around it.
+
+    ``medians``, per figure: the client's median, the client's values put in the router's buckets and estimated the
+    same way (what bucketing alone does to a median), and the router's median over this run's observations.
+    ``requests_within_slo``: the requests the router counted within its own targets (its ``--slo-ttft-s`` and
+    ``--slo-tpot-s``), None when it does not export the counter."""
+    labels = {"role": "router"}
+    histograms = [parse_histograms(text, list(ROUTER_HISTOGRAMS.values()), labels) for text in (before, after)]
     ok = [r for r in records if r.status == "ok"]
     client_values = {"ttft": [r.ttft for r in ok if r.ttft is not None],
                      "tpot": [r.tpot for r in ok if r.tpot is not None],
                      "itl": [gap for r in ok for gap in r.itl],
                      "e2e": [r.e2e for r in ok]}
-    out = {}
+    medians = {}
     for figure, name in ROUTER_HISTOGRAMS.items():
-        if name not in after:
+        if name not in histograms[1]:
             continue
-        run = after[name].minus(before[name]) if name in before else after[name]
+        run = histograms[1][name].minus(histograms[0][name]) if name in histograms[0] else histograms[1][name]
         values = client_values[figure]
         client = percentile(values, 50) if values else None
         bucketed = histogram_quantile(0.5, Histogram.of(values, [le for le, _ in run.buckets])) if values else None
         router = histogram_quantile(0.5, run)
-        out[figure] = {"client_p50": client, "client_p50_in_router_buckets": bucketed, "router_p50": router,
-                       "router_count": run.count, "client_count": len(values),
-                       "router_over_client": router / client if router is not None and client else None}
-    return out
+        medians[figure] = {"client_p50": client, "client_p50_in_router_buckets": bucketed, "router_p50": router,
+                           "router_count": run.count, "client_count": len(values),
+                           "router_over_client": router / client if router is not None and client else None}
+    within = [parse_counter(text, ROUTER_WITHIN_SLO, labels) for text in (before, after)]
+    return {"medians": medians,
+            "requests_within_slo": within[1] - (within[0] or 0.0) if within[1] is not None else None}
 
 
 # ------------------------------------------------------------------------------------------------ sweeps
@@ -412,19 +421,20 @@ def report(run: ServeRun, log=print) -> None:
             continue
         log(f"{title:<8}" + "".join(f"{d[k] * 1e3:>10.1f}" for k in ("mean", "p50", "p90", "p99")) + f"{d['count']:>10}")
     if run.router is not None:
-        report_router(run.router, log)
+        report_router(run.router, log, s["good_requests"])
     if s["length_mismatches"]:
         log(f"WARNING: {s['length_mismatches']} successful requests did not produce the output length asked for")
     log(rule)
 
 
-def report_router(router: dict, log=print) -> None:
+def report_router(router: dict, log=print, client_good: int | None = None) -> None:
+    """The medians of ``compare_with_router`` side by side, and the router's own count of requests within its SLO."""
     log(f"{'-' * 78}\nmedians, client vs the router's histograms over this run (/metrics, role=router):")
     log(f"{'(ms)':<6}{'client':>9}{'router':>9}{'router/':>9}  {'client in':>10}{'router/':>9}  {'count':>15}")
     log(f"{'':<6}{'p50':>9}{'p50':>9}{'client':>9}  {'buckets':>10}{'that':>9}  {'client / router':>15}")
     fmt = lambda v, scale=1e3, spec=".1f": f"{v * scale:{spec}}" if v is not None else "-"  # noqa: E731
     coarse = []
-    for figure, row in router.items():
+    for figure, row in router["medians"].items():
         client, bucketed, ratio = row["client_p50"], row["client_p50_in_router_buckets"], row["router_over_client"]
         same_buckets = row["router_p50"] / bucketed if row["router_p50"] is not None and bucketed else None
         verdict = ""
@@ -441,6 +451,10 @@ def report_router(router: dict, log=print) -> None:
     if coarse:
         log(f"NOTE: the router's buckets alone move the client's {' and '.join(coarse)} median by more than 10% here: "
             "at these latencies the histograms cannot show agreement within 10%")
+    if router["requests_within_slo"] is not None:
+        client = f"; the client counted {client_good} within --goodput" if client_good is not None else ""
+        log(f"the router counted {router['requests_within_slo']:.0f} requests within its own targets "
+            f"(splitserve_requests_within_slo_total, its --slo-ttft-s and --slo-tpot-s){client}")
 
 
 def report_sweep(sweep: dict, log=print) -> None:

@@ -224,6 +224,14 @@ def parse_histograms(text: str, names: list[str], labels: dict[str, str]) -> dic
     return found
 
 
+def parse_counter(text: str, name: str, labels: dict[str, str]) -> float | None:
+    """The sum of the samples ``name`` (as exposed: ``..._total``) whose labels include ``labels``; None when the
+    exposition has none."""
+    values = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+              if sample.name == name and labels.items() <= sample.labels.items()]
+    return sum(values) if values else None
+
+
 def histogram_quantile(q: float, histogram: Histogram) -> float | None:
     """PromQL's ``histogram_quantile(q, ...)`` for one series: None without observations. The rank ``q * count``
     is found in the first bucket whose cumulative count reaches it, and placed linearly between that bucket's
