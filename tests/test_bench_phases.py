@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.models import tiny_random_config
+from engine.model_files import tiny_random_config
 from splitserve.bench import phases
 from splitserve.bench.step_cost import (
     decode_bytes,
