@@ -67,7 +67,8 @@ class PodConfig:
     num_threads: int = field(default=0, metadata=described(
         "Torch compute threads (0: one per CPU of --cpus, else torch's default, one per core)."))
     cpu_kernels: bool = field(default=True, metadata=described(
-        "Native CPU kernels for float32 on CPU (built at first use with g++); false: PyTorch ops only."))
+        "Native CPU kernels for float32 on CPU (built by `splitserve build-kernels`, which set-up runs; built at "
+        "first use when missing); false: PyTorch ops only."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
     block_size: int = field(default=CacheConfig.block_size, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
