@@ -6,6 +6,7 @@ as text, over gRPC (``grpc_api``) and the OpenAI-compatible HTTP API (``openai_a
 - ``router.py``: ``Router``, the request's path (``make_request``, ``generate``, ``abort``);
 - ``policies.py``: which pods serve a request, and whether it needs a prefill pod at all;
 - ``registry.py``: which pods exist and how loaded they are (static list or Redis heartbeats);
+- ``pod_monitor.py``: ``PodMonitor``, the live view of one pod from the health and load streams it pushes;
 - ``pod_client.py``: the gRPC calls to one pod; ``config.py``: ``RouterConfig``;
 - ``server.py``: the process (both APIs, health, reflection, TLS, graceful stop);
 - ``grpc_api.py``: ``splitserve.v1.Generation`` over ``Router`` (and its API-key interceptor);

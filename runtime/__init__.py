@@ -3,6 +3,9 @@
 - ``config.py``: the one configuration mechanism (a dataclass per service, filled from flags and ``SPLITSERVE_*``);
 - ``pod.py``: a pod process (``PodConfig``, ``Pod``, ``run_pod``): the engine on its thread, the gRPC server with
   health and reflection, ``/metrics``, the registry heartbeat, graceful shutdown;
+- ``pod_status.py``: a pod's load (``LoadTracker``, measured on the engine thread) and the ``PodStatus`` gRPC
+  service that pushes it to the router (``PodLoad``, ``GetLoad`` / ``WatchLoad``);
+- ``cpus.py``: CPU sets (``--cpus``): pin a process's threads and size torch's thread pools;
 - ``metrics.py``: every Prometheus series, defined once (vLLM's names under ``splitserve_``);
 - ``registry.py``: how the router finds pods (``RegistryKind``), the Redis record and heartbeat;
 - ``roles.py``: ``Role`` (prefill, decode, mixed, router);

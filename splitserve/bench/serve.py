@@ -58,7 +58,7 @@ from splitserve.bench.serve_metrics import (
 )
 from splitserve.bench.workload import SYNTHETIC, RequestSpec, WorkloadConfig, build_workload
 
-# The router's request histograms (splitserve/metrics.py, role="router"), by the client figure they match.
+# The router's request histograms (runtime/metrics.py, role="router"), by the client figure they match.
 ROUTER_HISTOGRAMS = {
     "ttft": "splitserve_time_to_first_token_seconds",
     "tpot": "splitserve_request_time_per_output_token_seconds",
