@@ -13,11 +13,9 @@ import datetime
 import ipaddress
 import json
 import os
-import socket
 import ssl
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,30 +344,13 @@ def test_router_serves_https_and_grpc_over_mutual_tls(pki):
 # ------------------------------------------------------------------------ every link of a real cluster
 
 
-def _free_ports(count: int) -> int:
-    """First of ``count`` consecutive free loopback ports, away from the ones users run on."""
-    for base in range(21000 + (time.time_ns() // 1000) % 18000, 60000, count + 3):
-        if all(_port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no run of free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 @pytest.mark.e2e
-def test_a_cluster_on_mutual_tls_serves_over_every_link_and_refuses_plaintext(pki, tmp_path):
+def test_a_cluster_on_mutual_tls_serves_over_every_link_and_refuses_plaintext(pki, tmp_path, free_ports):
     """``splitserve up`` with TLS: client -> router (gRPC and HTTPS), router -> pods, prefill -> decode (the KV
     push of a long prompt), each on mutual TLS with certificates from files; ``splitserve generate`` and the
     ``openai`` client as a user runs them; a plaintext client or one without a certificate is refused by every
     process."""
-    base = _free_ports(8)
+    base = free_ports(8)
     config = UpConfig(model="tiny-random", prefill=1, decode=1, grpc_port=base, http_port=base + 1,
                       base_pod_port=base + 2, base_metrics_port=base + 4, prometheus=False, kv_codec="int8",
                       conditional_prefill_threshold=8, kv_cache_memory_bytes=32 << 20, run_dir=str(tmp_path),

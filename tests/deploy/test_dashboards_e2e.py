@@ -18,7 +18,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import threading
 import time
 import urllib.error
@@ -48,22 +47,6 @@ PROMPTS = [
     "<|im_start|>system\nYou are a helpful assistant who answers in one short sentence.<|im_end|>\n<|im_start|>user\n"
     "Why is the sky blue during the day but red at sunset? Explain it to a child.<|im_end|>\n<|im_start|>assistant\n",
 ]
-
-
-def _free_port_run(count: int) -> int:
-    for base in range(21000 + (time.time_ns() // 1000) % 19000, 60000, count + 7):
-        if all(_port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no run of free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _post(url: str, body: dict) -> int:
@@ -97,9 +80,9 @@ def _load(http: str, requests_per_worker: int = 6, workers: int = 3) -> list[int
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory):
+def running(tmp_path_factory, free_ports):
     """A loaded cluster and its Prometheus URL (the cluster runs until the module's tests end)."""
-    base = _free_port_run(10)
+    base = free_ports(10)
     config = UpConfig(model="smollm2-135m", prefill=1, decode=1, grpc_port=base, http_port=base + 1,
                       base_pod_port=base + 2, base_metrics_port=base + 5, prometheus_port=base + 8,
                       kv_cache_memory_bytes=256 << 20, conditional_prefill_threshold=32,
