@@ -32,6 +32,7 @@ import torch
 from engine.config import CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
 from splitserve.bench import headless_pyplot
 from splitserve.bench.engine import matmul_peak, read_bandwidth
 from splitserve.bench.step_cost import (
@@ -137,13 +138,20 @@ def _prefill_once(engine: LLMEngine, prompt: list[int]) -> list[tuple[int, int, 
     engine.add_request(f"prefill-{time.monotonic_ns()}", prompt, SamplingParams(temperature=0, max_tokens=1))
     steps = []
     while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        batch = engine.scheduler.schedule()
-        sampled = engine.runner.execute(batch)
-        engine.scheduler.update_from_output(batch, sampled)
+        batch, seconds = _timed_step(engine)
         item = batch.scheduled[0]
-        steps.append((item.start, item.num_new_tokens, time.perf_counter() - start))
+        steps.append((item.start, item.num_new_tokens, seconds))
     return steps
+
+
+def _timed_step(engine: LLMEngine) -> tuple[SchedulerOutput, float]:
+    """One engine step, schedule -> execute -> update as ``LLMEngine.step`` does, timed: the batch it scheduled and
+    its seconds."""
+    start = time.perf_counter()
+    batch = engine.scheduler.schedule()
+    sampled = engine.runner.execute(batch)
+    engine.scheduler.update_from_output(batch, sampled)
+    return batch, time.perf_counter() - start
 
 
 def _prefill_figures(cfg: ModelConfig, weight_bytes: int, elem_bytes: int, n: int,
@@ -169,12 +177,9 @@ def _decode_step_seconds(engine: LLMEngine, rng: random.Random, batch: int, cont
         engine.admit_prefilled(seq, prompt[-1])
     times = []
     while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        scheduled = engine.scheduler.schedule()
-        sampled = engine.runner.execute(scheduled)
-        engine.scheduler.update_from_output(scheduled, sampled)
+        scheduled, seconds = _timed_step(engine)
         if len(scheduled.scheduled) == batch and all(s.num_new_tokens == 1 for s in scheduled.scheduled):
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     return statistics.median(times[WARMUP_STEPS:])
 
 
