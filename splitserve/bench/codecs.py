@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +39,7 @@ from engine.config import DEFAULT_MODEL
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
-from splitserve.bench import headless_pyplot
+from splitserve.bench import headless_pyplot, save_results
 
 REFERENCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT_TOKENS = 512
@@ -367,8 +366,5 @@ def main(argv: list[str] | None = None) -> dict:
     codecs = ["none", *(name for name in args.codecs.split(",") if name and name != "none")]
     results = run(args.model, codecs, args.prompts, args.tokens, args.windows, args.repeat)
     report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    if args.plot:
-        plot(results, args.plot)
+    save_results(results, args.json, args.plot, plot)
     return results

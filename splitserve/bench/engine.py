@@ -16,7 +16,6 @@ machine; the README holds measured figures. transformers keeps its own float32 c
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import CACHE_DTYPES, DEFAULT_MODEL
 from engine.hf_checkpoint import export_hf_checkpoint
-from splitserve.bench import headless_pyplot
+from splitserve.bench import headless_pyplot, save_results
 from splitserve.bench.step_cost import decode_bytes, prefill_flops
 
 PROMPT_LENS = (512, 1024)
@@ -283,8 +282,4 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     results = run(args.model, args.steps, args.repeat, args.cache_dtypes, args.rounds)
     report(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    if args.plot:
-        plot(results, args.plot)
+    save_results(results, args.json, args.plot, plot)

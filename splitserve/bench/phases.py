@@ -20,7 +20,6 @@ the machine's two roofs: prefill sits at the compute roof, decode far left under
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -33,7 +32,7 @@ from engine.config import CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, 
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from splitserve.bench import headless_pyplot
+from splitserve.bench import headless_pyplot, save_results
 from splitserve.bench.engine import matmul_peak, read_bandwidth
 from splitserve.bench.step_cost import (
     decode_bytes,
@@ -325,9 +324,5 @@ def main(argv: list[str] | None = None) -> dict:
     results = run(PhasesConfig(args.model, *grid, steps=args.steps, repeat=args.repeat, cache_dtype=args.cache_dtype,
                                seed=args.seed, machine_rounds=args.machine_rounds))
     report(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    if args.plot:
-        plot(results, args.plot)
+    save_results(results, args.json, args.plot, plot)
     return results

@@ -22,7 +22,6 @@ Target: exposed transfer at most ``MAX_EXPOSED_SHARE`` of TTFT with the overlap 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -40,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.config import DEFAULT_MODEL
 from engine.model_files import load_tokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from splitserve.bench import headless_pyplot
+from splitserve.bench import headless_pyplot, save_results
 from splitserve.bench.codecs import reference_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -277,8 +276,5 @@ def main(argv: list[str] | None = None) -> dict:
     results = run(args.model, [c for c in args.codecs.split(",") if c], args.prompt_tokens, args.requests,
                   args.ready_timeout_s)
     report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    if args.plot:
-        plot(results, args.plot)
+    save_results(results, args.json, args.plot, plot)
     return results
