@@ -6,6 +6,7 @@
   splitserve demo [--model M] [PROMPT ...]              offline generation with the engine
   splitserve bench engine | codecs | transfer [...]     benchmarks against a baseline measured in the same run
   splitserve bench serve [--request-rate R ...]         load a running router: goodput, TTFT/TPOT/ITL percentiles
+  splitserve bench compare [--topologies ...]           disaggregated vs colocated vs conditional on the same cores
   splitserve bench phases [--prompt-lens ...]           prefill and decode on this machine: throughput, roofline
   splitserve build-kernels                              build the engine's native CPU kernels now (set-up does)
 """
@@ -48,7 +49,7 @@ def _demo(argv: list[str]) -> None:
 def _bench(argv: list[str]) -> None:
     benches = {"engine": "splitserve.bench.engine", "codecs": "splitserve.bench.codecs",
                "transfer": "splitserve.bench.transfer", "serve": "splitserve.bench.serve",
-               "phases": "splitserve.bench.phases"}
+               "compare": "splitserve.bench.compare", "phases": "splitserve.bench.phases"}
     if not argv or argv[0] not in benches:
         sys.exit(f"usage: splitserve bench {{{'|'.join(benches)}}} [options]")
     _delegate(benches[argv[0]])(argv[1:])

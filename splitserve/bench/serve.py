@@ -340,9 +340,11 @@ def compare_with_router(records: list[RequestRecord], before: str, after: str) -
 
 
 def run_sweep(config: ServeBenchConfig, rates: list[float], attainment: float = 0.9, refine: int = 0,
-              log=print) -> dict:
+              log=print, stop_at_miss: bool = False) -> dict:
     """The same seeded workload at each rate (then ``refine`` bisections between the last rate that met the
-    targets and the first that did not); the highest rate meeting ``attainment`` before the first that did not."""
+    targets and the first that did not); the highest rate meeting ``attainment`` before the first that did not.
+    ``stop_at_miss``: skip the rates above the first that missed (they cannot change the result; saves the time of
+    runs past capacity)."""
     if not config.slo:
         raise ValueError("a sweep needs latency targets (--goodput ttft:MS tpot:MS)")
     prep = _Preparation.make(config)
@@ -357,7 +359,8 @@ def run_sweep(config: ServeBenchConfig, rates: list[float], attainment: float = 
 
     log(_SWEEP_HEADER)
     for rate in sorted(rates):
-        measure(rate)
+        if not measure(rate) and stop_at_miss:
+            break
     for _ in range(refine):
         passing, failing = _bracket(runs, attainment)
         if passing is None or failing is None:
