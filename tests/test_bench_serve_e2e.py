@@ -113,3 +113,11 @@ def test_sweep_runs_the_same_workload_at_each_rate(cluster, tmp_path):
     assert high.records[-1].scheduled_s == pytest.approx(low.records[-1].scheduled_s / 4)
     plot_sweep(sweep, str(tmp_path / "sweep.png"))
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_a_sweep_told_to_stop_at_the_first_miss_runs_no_rate_above_it(cluster):
+    impossible = SLO(ttft=1e-6, tpot=1.0)  # no first token comes within a microsecond
+    sweep = run_sweep(config(cluster, num_prompts=3, slo=impossible), [2.0, 4.0, 8.0], log=lambda *_: None,
+                      stop_at_miss=True)
+    assert sweep["rates"] == [2.0] and len(sweep["runs"]) == 1
+    assert (sweep["max_rate_meeting_slo"], sweep["first_rate_missing_slo"]) == (None, 2.0)

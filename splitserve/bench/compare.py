@@ -40,15 +40,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.cpus import allowed_cpus, format_cpu_list, parse_cpu_list
-from splitserve.bench.serve import ServeBenchConfig, run_serve_benchmark, run_sweep
+from splitserve.bench.serve import ServeBenchConfig, rates_arg, run_serve_benchmark, run_sweep
 from splitserve.bench.serve_metrics import SLO
 from splitserve.bench.workload import WorkloadConfig
 
 KINDS = ("disaggregated", "colocated", "conditional")
 AZURE_CONV = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "AzureLLMInferenceTrace_conv.csv"
 TAIL_RATIO = 1.5  # a steady decode: p99 TPOT at most 1.5x its median (issue 10's target)
-STARTUP_S = 25.0  # estimate: a cluster of smollm2-135m pods loads and serves (2 CPUs, busy)
+STARTUP_S = 30.0  # estimate: a cluster of smollm2-135m pods loads, serves, and stops (2 CPUs)
 DRAIN_S = 10.0  # estimate: after the last send, the requests still out finish
+BUDGETS = (128, 256, 512)  # colocated chunked-prefill token budgets: from small chunks (steady decode) to none
+CONDITIONAL_THRESHOLD = 256  # prompts shorter than this prefill on the decode pod (about a third of the trace's)
 
 
 @dataclass(frozen=True)
@@ -173,8 +175,8 @@ class CompareConfig:
     reference_rate: float
     model: str = "smollm2-135m"
     topologies: list[str] = field(default_factory=list)  # kinds or names; empty: all
-    budgets: list[int] = field(default_factory=lambda: [128, 256, 512])
-    conditional_threshold: int = 256
+    budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
+    conditional_threshold: int = CONDITIONAL_THRESHOLD
     attainment: float = 0.9
     refine: int = 0
     cpus: frozenset[int] = field(default_factory=allowed_cpus)
@@ -210,7 +212,7 @@ def run_compare(config: CompareConfig, log=print) -> list[TopologyResult]:
     per_topology = config.estimate_s()
     log(f"bench compare: {len(plan)} topologies on CPUs {format_cpu_list(config.cpus)}, "
         f"{config.serve.workload.describe_requests()}; rates {', '.join(f'{r:g}' for r in config.rates)} req/s, "
-        f"targets {config.serve.slo.describe()}; estimated duration at most {_duration(per_topology * len(plan))}")
+        f"targets {config.serve.slo.describe()}; estimated duration {_duration(per_topology * len(plan))}")
     start = time.monotonic()
     results = []
     for i, topology in enumerate(plan):
@@ -354,29 +356,30 @@ def results_json(results: list[TopologyResult], config: CompareConfig) -> dict:
 # ---------------------------------------------------------------------------------------------- command line
 
 # Full defaults: chosen on the 2-CPU development machine (docs/PERFORMANCE.md says how), ~30 min; --quick: ~5 min.
-DEFAULTS = dict(rates="0.3,0.5,0.7,1.0", reference_rate=0.5, num_prompts=24, budgets="128,256,512",
+DEFAULTS = dict(rates="0.3,0.5,0.7,1.0", reference_rate=0.5, num_prompts=24, budgets=",".join(map(str, BUDGETS)),
                 topologies="")
 QUICK = dict(rates="0.3,0.6", reference_rate=0.3, num_prompts=10, budgets="256", topologies="disaggregated,colocated")
 
 
+DESCRIPTION = ("Bring up each topology in turn on the same CPUs (disaggregated P:D splits, colocated mixed pods at "
+               "several chunked-prefill budgets, conditional disaggregation), load each with the same seeded workload "
+               "over a sweep of rates, and compare their goodput and tail latencies.")
+EXAMPLES = """examples:
+  splitserve bench compare --json compare.json --plot compare.png
+  splitserve bench compare --quick
+  splitserve bench compare --topologies disaggregated,colocated-2x1cpu-b256 --rates 0.2,0.4
+the load generator is this process: pin it with --client-cpus (not taskset, which would confine the pods too)"""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="splitserve bench compare", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Bring up each topology in turn on the same CPUs (disaggregated P:D splits, colocated mixed "
-                    "pods at several chunked-prefill budgets, conditional disaggregation), load each with the same "
-                    "seeded workload over a sweep of rates, and compare their goodput and tail latencies.",
-        epilog="examples:\n"
-               "  splitserve bench compare --json compare.json --plot compare.png\n"
-               "  splitserve bench compare --quick\n"
-               "  splitserve bench compare --topologies disaggregated,colocated-2x1cpu-b256 --rates 0.2,0.4\n"
-               "the load generator is this process: pin it with --client-cpus (not taskset, which would confine "
-               "the pods too)")
+    parser = argparse.ArgumentParser(prog="splitserve bench compare", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_argument_group("what to compare")
     what.add_argument("--topologies", type=_names, help=f"kinds ({', '.join(KINDS)}) or topology names, "
                                                         "comma-separated (default: all that fit; --quick: "
                                                         f"{QUICK['topologies']})")
     what.add_argument("--budgets", type=_ints, help=f"colocated chunked-prefill token budgets (default {DEFAULTS['budgets']})")
-    what.add_argument("--conditional-threshold", type=int, default=256,
+    what.add_argument("--conditional-threshold", type=int, default=CONDITIONAL_THRESHOLD,
                       help="conditional: prompts shorter than this prefill on the decode pod")
     what.add_argument("--model", default="smollm2-135m")
     what.add_argument("--cpus", help="CPUs the topologies share (default: all this process may use)")
@@ -392,7 +395,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     load.add_argument("--max-output-tokens", type=int, default=64, help="cap every output length")
     load.add_argument("--seed", type=int, default=0)
     measure = parser.add_argument_group("measuring")
-    measure.add_argument("--rates", type=_rates, help=f"request rates to sweep (default {DEFAULTS['rates']})")
+    measure.add_argument("--rates", type=rates_arg, help=f"request rates to sweep (default {DEFAULTS['rates']})")
     measure.add_argument("--refine", type=int, default=0, metavar="K",
                          help="K bisections between the last rate meeting the targets and the first missing them")
     measure.add_argument("--reference-rate", type=float, help="the rate whose tail latencies the table shows (default "
@@ -415,10 +418,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _rates(text: str) -> list[float]:
-    return [float(t) for t in text.split(",") if t.strip()]
-
-
 def _ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
 
@@ -427,7 +426,7 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-_PARSE = {"rates": _rates, "budgets": _ints, "topologies": _names}
+_PARSE = {"rates": rates_arg, "budgets": _ints, "topologies": _names}
 
 
 def config_from_args(args: argparse.Namespace) -> CompareConfig:

@@ -503,15 +503,15 @@ def _finite_or_none(value: float) -> float | None:
 # ---------------------------------------------------------------------------------------------- command line
 
 
-def _rate(text: str) -> float:
+def rate_arg(text: str) -> float:
     rate = float(text)
     if not rate > 0:
         raise argparse.ArgumentTypeError(f"a request rate must be > 0 (inf: all at once), got {text}")
     return rate
 
 
-def _rates(text: str) -> list[float]:
-    return [_rate(t) for t in text.split(",") if t.strip()]
+def rates_arg(text: str) -> list[float]:
+    return [rate_arg(t) for t in text.split(",") if t.strip()]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -543,7 +543,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help=f"{', '.join(SYNTHETIC)}, or a CSV trace in the Azure format "
                            "(TIMESTAMP,ContextTokens,GeneratedTokens) to replay")
     load.add_argument("--num-prompts", type=int, default=100, help="requests in the run (a trace: its first N rows)")
-    load.add_argument("--request-rate", type=_rate, default=math.inf,
+    load.add_argument("--request-rate", type=rate_arg, default=math.inf,
                       help="requests/s (default inf: all at once; a trace keeps its own timestamps unless set)")
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the gaps: 1 Poisson, < 1 burstier, > 1 smoother (CV 1/sqrt(b))")
@@ -564,7 +564,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     measure = parser.add_argument_group("measuring")
     measure.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                          help="targets a request must all meet to count as good: ttft:MS tpot:MS e2el:MS")
-    measure.add_argument("--sweep", type=_rates, metavar="RATES",
+    measure.add_argument("--sweep", type=rates_arg, metavar="RATES",
                          help="comma-separated request rates to run in turn (needs --goodput)")
     measure.add_argument("--sweep-refine", type=int, default=0, metavar="K",
                          help="after the sweep, K bisections between the last rate meeting the targets and the next")
