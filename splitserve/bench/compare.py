@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import socket
 import sys
@@ -296,7 +295,7 @@ def free_port_run(count: int) -> int:
 
 
 def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
+    minutes, secs = divmod(round(seconds), 60)
     return f"{minutes}m{secs:02d}s"
 
 
@@ -323,16 +322,18 @@ def report(results: list[TopologyResult], config: CompareConfig, log=print) -> N
             + (", ".join(f"{k}: {v}" for k, v in ref["errors"].items()) or "-"))
     log(f"{'-' * 118}\ngoodput: the highest swept rate (req/s) at which >= {config.attainment:.0%} of requests met "
         f"both targets (0: not even the lowest); p99/p50: of TPOT, steady when <= {TAIL_RATIO}")
+    failed = [r.topology.name for r in results if r.error is not None]
+    if failed:
+        log(f"FAILED (not measured): {', '.join(failed)}")
     if base is None:
         log("no colocated topology was measured: no baseline, no ratios")
         return
     log(f"baseline (best colocated): {base.topology.name}, goodput {base.goodput:g} req/s")
+    if not base.goodput:
+        log(f"no ratios: no colocated setting met the targets even at {min(config.rates):g} req/s (lower --rates)")
     for r in results:
         if r.topology.kind != "colocated" and ratios[r.topology.name] is not None:
             log(f"  {r.topology.name} / best colocated: {ratios[r.topology.name]:.2f}x")
-    failed = [r.topology.name for r in results if r.error is not None]
-    if failed:
-        log(f"FAILED (not measured): {', '.join(failed)}")
 
 
 def _num(value: float | None, spec: str) -> str:

@@ -1,6 +1,6 @@
 """The picture of ``splitserve bench compare`` (one PNG, matplotlib's file-only backend): goodput per topology
-(bars, the best colocated one marked), SLO attainment against the request rate and p99 TPOT against the request
-rate (one line per topology, the targets dashed)."""
+(bars coloured by kind, the best colocated one marked), SLO attainment and p99 TPOT against the request rate
+(one line per topology: the baseline bold, the other colocated settings dotted; the targets dashed red)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,19 @@ def plot_compare(results: list[TopologyResult], config: CompareConfig, path: str
     measured = [r for r in results if r.goodput is not None]
     base = best_colocated(results)
     names = [r.topology.name + (" (baseline)" if r is base else "") for r in measured]
-    bars.barh(names, [r.goodput for r in measured], color=[KIND_COLORS[r.topology.kind] for r in measured])
+    drawn = bars.barh(names, [r.goodput for r in measured], color=[KIND_COLORS[r.topology.kind] for r in measured])
+    bars.bar_label(drawn, labels=[f"{r.goodput:.2f}" for r in measured])  # 0: not even the lowest rate met them
+    bars.set_xlim(0, max(config.rates) * 1.15)
     bars.invert_yaxis()
     bars.set_xlabel(f"goodput (req/s at >= {config.attainment:.0%} SLO attainment)")
     bars.set_title("goodput per topology")
-    for r in measured:
+    lines = plt.get_cmap("tab10")
+    for i, r in enumerate(measured):
         rows = r.sweep["runs"]
         rates = [run.config.workload.request_rate for run in rows]
-        style = dict(marker="o", label=r.topology.name, color=KIND_COLORS[r.topology.kind],
-                     linestyle="-" if r.topology.kind != "colocated" or r is base else ":")
+        # One colour per topology; the colocated settings other than the baseline dotted, the baseline bold.
+        style = dict(marker="o", label=r.topology.name, color=lines(i % 10), linewidth=2.5 if r is base else 1.5,
+                     linestyle=":" if r.topology.kind == "colocated" and r is not base else "-")
         attainment.plot(rates, [run.summary["slo_attainment"] * 100 for run in rows], **style)
         tpot.plot(rates, [run.summary["tpot"]["p99"] * 1e3 if run.summary["tpot"] else float("nan")
                           for run in rows], **style)
