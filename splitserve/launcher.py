@@ -87,6 +87,8 @@ class UpConfig:
         "Prompts longer than this prefill in chunks of this many tokens."))
     shutdown_grace_s: float = field(default=10.0, metadata=described(
         "On stop, time each pod's in-flight calls get to finish (the launcher waits this + 10 s, then kills)."))
+    inject_corrupt_chunks: float = field(default=0.0, metadata=described(
+        "Fault injection (reliability tests, bench soak): the share of KV chunks the prefill pods send corrupted."))
     # CPU sets (Linux CPU lists, e.g. '0-3,6'); empty: the launcher's plan (splitserve/cpu_plan.py).
     prefill_cpus: str = field(default="", metadata=described(
         "CPUs of the prefill pods (split among them when there are enough, else shared)."))
@@ -229,7 +231,11 @@ class Cluster:
         c = self.config
         flags = ["--host", c.host, "--port", str(pod.port), "--metrics-port", str(pod.metrics_port),
                  "--advertise-address", self.address(pod), *_passed(c, POD_FLAGS), *self._cpu_flags(pod.name)]
-        flags += ["--kv-codec", c.kv_codec] if pod.role is Role.PREFILL else ["--role", str(pod.role)]
+        if pod.role is Role.PREFILL:
+            flags += ["--kv-codec", c.kv_codec]
+            flags += ["--inject-corrupt-chunks", str(c.inject_corrupt_chunks)] if c.inject_corrupt_chunks else []
+        else:
+            flags += ["--role", str(pod.role)]
         if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]
         return flags + self._tls_flags()

@@ -8,7 +8,6 @@ model. Every wait polls against a deadline: a busy 2-core machine makes things s
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -16,28 +15,20 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import redis
+from live_cluster import START_S, routed_to, up_config, wait_back, wait_until
 
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from runtime.registry import pod_key
 from splitserve import supervisor
-from splitserve.launcher import Cluster, UpConfig, serving
+from splitserve.launcher import Cluster
 from splitserve.supervisor import ChildSpec, Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-START_S = 240  # a pod's start on a busy 2-core machine: tens of seconds; a hang is minutes
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.1)
 
 
 def alive(pid: int) -> bool:
@@ -149,14 +140,6 @@ def test_children_die_with_the_supervising_process(tmp_path):
 
 # ---- a real cluster: 2 decode pods, the Redis registry --------------------------------------------------------------
 
-def up_config(tmp_path: Path, base: int, **fields) -> UpConfig:
-    """A cluster on ports base .. base+11, tiny random model, no Prometheus unless asked."""
-    return UpConfig(**{"model": "tiny-random", "grpc_port": base, "http_port": base + 1, "base_pod_port": base + 2,
-                       "base_metrics_port": base + 6, "redis_port": base + 10, "prometheus_port": base + 11,
-                       "prometheus": False, "kv_cache_memory_bytes": 16 << 20, "run_dir": str(tmp_path),
-                       "ready_timeout_s": START_S, **fields})
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, free_ports):
     """Each test below disturbs a different process and waits until it serves again."""
@@ -179,19 +162,6 @@ def generate(cluster: Cluster, text: str) -> int:
         replies = list(stream)
     assert replies[-1].WhichOneof("response") == "complete", replies[-1]
     return sum(len(r.chunk.token_ids) for r in replies if r.WhichOneof("response") == "chunk")
-
-
-def routed_to(cluster: Cluster) -> set[str]:
-    with urllib.request.urlopen(f"http://{cluster.config.host}:{cluster.config.http_port}/pods", timeout=5) as reply:
-        return {pod["address"] for pod in json.load(reply)["pods"] if pod["healthy"]}
-
-
-def wait_back(cluster: Cluster, name: str, restarts: int) -> None:
-    """``name`` started again (its ``restarts``-th restart), SERVING on its port, and routed to."""
-    pod = next(p for p in cluster.pods if p.name == name)
-    wait_until(lambda: cluster.restarts[name] == restarts and serving(cluster.address(pod)), START_S,
-               f"{name} to serve again")
-    wait_until(lambda: cluster.address(pod) in routed_to(cluster), 60, f"the router to route to {name} again")
 
 
 def test_a_decode_pod_killed_with_sigkill_is_restarted_on_its_port_while_the_rest_serve(cluster):

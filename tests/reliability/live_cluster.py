@@ -1,0 +1,197 @@
+"""What the reliability tests share about a real ``splitserve up`` cluster on loopback (tiny random model): its
+config, waiting against deadlines, greedy requests through the router's gRPC API, the pods' KV blocks, the router's
+view and counters, and a background load of requests whose answers are checked against the offline engine.
+
+Every wait polls against a deadline: a busy 2-core machine makes things slow, not wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import grpc
+
+from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+from splitserve.bench.soak import blocks_in_use
+from splitserve.launcher import Cluster, UpConfig, serving
+
+START_S = 240  # a pod's start on a busy 2-core machine: tens of seconds; a hang is minutes
+MODEL = "tiny-random"
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.1)
+
+
+def up_config(tmp_path: Path, base: int, **fields) -> UpConfig:
+    """A cluster on ports base .. base+11, tiny random model, no Prometheus unless asked."""
+    return UpConfig(**{"model": MODEL, "grpc_port": base, "http_port": base + 1, "base_pod_port": base + 2,
+                       "base_metrics_port": base + 6, "redis_port": base + 10, "prometheus_port": base + 11,
+                       "prometheus": False, "kv_cache_memory_bytes": 16 << 20, "run_dir": str(tmp_path),
+                       "ready_timeout_s": START_S, **fields})
+
+
+def started(config: UpConfig) -> Cluster:
+    cluster = Cluster(config)
+    try:
+        cluster.start()
+        cluster.wait_ready(log=lambda *_: None)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+# ---- the router's view ----------------------------------------------------------------------------------------------
+
+def router_json(cluster: Cluster, path: str) -> dict:
+    with urllib.request.urlopen(f"{cluster.http_url}{path}", timeout=5) as reply:
+        return json.load(reply)
+
+
+def routed_to(cluster: Cluster) -> set[str]:
+    """Addresses of the pods the router would route to now."""
+    return {pod["address"] for pod in router_json(cluster, "/pods")["pods"] if pod["healthy"]}
+
+
+def router_counter(cluster: Cluster, name: str) -> float:
+    """The sum of a counter's series on the router's /metrics (0 before its first increment)."""
+    with urllib.request.urlopen(f"{cluster.http_url}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + "{", name + " ")))
+
+
+def wait_back(cluster: Cluster, name: str, restarts: int) -> None:
+    """``name`` started again (its ``restarts``-th restart), SERVING on its port, and routed to."""
+    pod = next(p for p in cluster.pods if p.name == name)
+    wait_until(lambda: cluster.restarts[name] >= restarts and serving(cluster.address(pod)), START_S,
+               f"{name} to serve again")
+    wait_until(lambda: cluster.address(pod) in routed_to(cluster), 60, f"the router to route to {name} again")
+
+
+# ---- the pods' KV blocks --------------------------------------------------------------------------------------------
+
+def pod_load(address: str) -> common_pb2.PodLoad:
+    with grpc.insecure_channel(address) as channel:
+        return pod_status_pb2_grpc.PodStatusStub(channel).GetLoad(pod_status_pb2.LoadRequest(), timeout=10)
+
+
+def wait_every_block_free(cluster: Cluster, timeout_s: float = 60) -> None:
+    """Every pod of ``cluster`` holds no KV block and runs no request (a lease left behind expires in kv_lease_s:
+    the deadline is longer)."""
+    addresses = [cluster.address(pod) for pod in cluster.pods]
+    wait_until(lambda: all(blocks_in_use(a) == 0 for a in addresses), timeout_s,
+               f"every block free on every pod, now {({a: blocks_in_use(a) for a in addresses})}")
+
+
+def running_on(cluster: Cluster, role: str = "decode") -> dict[str, int]:
+    """{name: requests running} of the pods of ``role`` with a request in their engine now."""
+    running = {pod.name: pod_load(cluster.address(pod)).num_running for pod in cluster.pods if pod.role == role}
+    return {name: count for name, count in running.items() if count}
+
+
+# ---- requests -------------------------------------------------------------------------------------------------------
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    """Token-id prompts of the tiny model (byte tokens; its first ids are ChatML control tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(32, 250) for _ in range(length)] for _ in range(count)]
+
+
+def offline_answers(prompt_list: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The greedy answers of the offline engine: what every topology must give (DESIGN.md)."""
+    from engine import LLM, SamplingParams
+
+    engine = LLM(model=MODEL, num_blocks=512)
+    outputs = engine.generate(prompt_list, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [list(output.token_ids) for output in outputs]
+
+
+def greedy_request(prompt: list[int], max_tokens: int) -> generate_pb2.GenerateRequest:
+    request = generate_pb2.GenerateRequest(sampling_params=common_pb2.SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    request.token_ids.ids.extend(prompt)
+    return request
+
+
+@dataclass
+class Answer:
+    """One request's stream as the client saw it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish: str = ""  # the Complete's finish reason name, "error" for an Error message, or the gRPC status's name
+    error: str = ""
+
+
+def stream(cluster: Cluster, prompt: list[int], max_tokens: int, timeout_s: float = 120,
+           after_first_chunk=None) -> Answer:
+    """A greedy request through the router's gRPC API; ``after_first_chunk()`` runs once the first tokens came."""
+    answer = Answer()
+    with grpc.insecure_channel(f"{cluster.config.host}:{cluster.config.grpc_port}") as channel:
+        call = generate_pb2_grpc.GenerationStub(channel).Generate(greedy_request(prompt, max_tokens),
+                                                                  timeout=timeout_s)
+        try:
+            for reply in call:
+                kind = reply.WhichOneof("response")
+                if kind == "chunk":
+                    answer.token_ids += reply.chunk.token_ids
+                    if after_first_chunk is not None and answer.token_ids:
+                        after_first_chunk, run = None, after_first_chunk
+                        run()
+                elif kind == "complete":
+                    answer.finish = common_pb2.FinishReason.Name(reply.complete.finish_reason)
+                elif kind == "error":  # a failure after output started; the stream ends here
+                    answer.finish, answer.error = "error", reply.error.message
+        except grpc.RpcError as error:
+            answer.finish, answer.error = error.code().name, error.details() or ""
+    return answer
+
+
+class BackgroundLoad:
+    """``workers`` threads sending greedy requests from a fixed set of prompts until stopped; each answer is
+    compared with the offline engine's. The load the issue asks faults to be injected under."""
+
+    def __init__(self, cluster: Cluster, prompt_list: list[list[int]], answers: list[list[int]], max_tokens: int,
+                 workers: int = 3):
+        self.cluster, self.prompts, self.answers, self.max_tokens = cluster, prompt_list, answers, max_tokens
+        self.results: list[tuple[int, Answer]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(workers)]
+
+    def __enter__(self) -> Self:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=180)
+        assert not any(thread.is_alive() for thread in self._threads), "a background request hung"
+
+    def _loop(self, worker: int) -> None:
+        i = worker
+        while not self._stop.is_set():
+            index = i % len(self.prompts)
+            self.results.append((index, stream(self.cluster, self.prompts[index], self.max_tokens)))
+            i += len(self._threads)
+
+    def wait_for(self, count: int, timeout_s: float = 120) -> None:
+        wait_until(lambda: len(self.results) >= count, timeout_s, f"{count} background requests")
+
+    def failures(self) -> list[str]:
+        """Every request that did not end with exactly the offline engine's tokens."""
+        return [f"prompt {index}: {answer.finish} {answer.error} ({len(answer.token_ids)} tokens)"
+                for index, answer in self.results
+                if answer.finish != "FINISH_REASON_LENGTH" or answer.token_ids != self.answers[index]]

@@ -1,0 +1,232 @@
+"""Pods, Redis and the router failing under a real cluster (1 prefill + 2 decode pods, the Redis registry, tiny
+random model), with a background load of greedy requests whose answers are checked against the offline engine:
+
+- a decode pod killed (SIGKILL) mid-stream: its streams migrate, every token arrives once, the answer is the
+  undisturbed one; idle, and under load;
+- a decode pod stopped (SIGTERM): the router stops routing to it at once, its running stream drains (not migrated);
+- the prefill pod killed under load: no request is lost (retried; the decode pod prefills);
+- clients that disconnect or abort at every stage: every block free on every pod afterwards;
+- Redis unreachable: the router keeps serving with the pods it knew; a restarted router finds them in Redis.
+
+Each test leaves the cluster as it found it (the supervisor restarts what was killed, and the test waits for it), so
+none depends on another. Every block is free on every pod after each test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from live_cluster import (
+    START_S,
+    BackgroundLoad,
+    greedy_request,
+    offline_answers,
+    prompts,
+    routed_to,
+    router_counter,
+    running_on,
+    started,
+    stream,
+    up_config,
+    wait_back,
+    wait_every_block_free,
+    wait_until,
+)
+
+from protos.splitserve.v1 import generate_pb2, generate_pb2_grpc
+
+LONG = 300  # output tokens of a stream to disturb: it runs for a second or more
+SHORT = 8  # output tokens of the background load's requests
+LOAD_PROMPTS = prompts(6, 48, seed=1)  # longer than the conditional-prefill threshold: they go through the P pod
+STREAM_PROMPT = prompts(1, 40, seed=2)[0]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, free_ports):
+    running = started(up_config(tmp_path_factory.mktemp("pod-faults"), free_ports(12), prefill=1, decode=2,
+                                registry="redis"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def answers():
+    """The offline engine's greedy answers: the background load's, and the disturbed stream's."""
+    return offline_answers(LOAD_PROMPTS, SHORT), offline_answers([STREAM_PROMPT], LONG)[0]
+
+
+@pytest.fixture(autouse=True)
+def every_block_free_afterwards(cluster):
+    yield
+    wait_every_block_free(cluster)
+
+
+def the_decode_pod_running_it(cluster) -> str:
+    """On an idle cluster, the decode pod of the one stream (its first token came from P: D's engine may take it a
+    moment later)."""
+    found: list[str] = []
+    wait_until(lambda: found.extend(running_on(cluster)) or found, 30, "the stream on a decode pod")
+    [name] = found
+    return name
+
+
+def load(cluster, answers) -> BackgroundLoad:
+    return BackgroundLoad(cluster, LOAD_PROMPTS, answers[0], SHORT)
+
+
+def test_a_decode_pod_killed_mid_stream_hands_the_stream_over_and_every_token_arrives_once(cluster, answers):
+    migrations = router_counter(cluster, "splitserve_router_migrations_total")
+    killed: list[str] = []
+
+    def kill_its_decode_pod() -> None:
+        name = the_decode_pod_running_it(cluster)
+        killed.append(name)
+        os.kill(cluster.pid(name), signal.SIGKILL)
+
+    restarts = dict(cluster.restarts)
+    answer = stream(cluster, STREAM_PROMPT, LONG, after_first_chunk=kill_its_decode_pod)
+    assert (answer.finish, answer.error) == ("FINISH_REASON_LENGTH", "")
+    assert answer.token_ids == answers[1]  # no token lost or repeated, the same greedy answer
+    assert router_counter(cluster, "splitserve_router_migrations_total") == migrations + 1
+    wait_back(cluster, killed[0], restarts[killed[0]] + 1)
+
+
+def test_under_load_a_killed_decode_pods_streams_all_migrate_with_their_exact_answers(cluster, answers):
+    migrations = router_counter(cluster, "splitserve_router_migrations_total")
+    restarts = dict(cluster.restarts)
+    killed: list[str] = []
+
+    def kill_the_busiest_decode_pod() -> None:
+        running = running_on(cluster)
+        killed.append(max(running, key=running.get) if running else "decode-0")
+        os.kill(cluster.pid(killed[0]), signal.SIGKILL)
+
+    with load(cluster, answers) as background:
+        background.wait_for(3)
+        answer = stream(cluster, STREAM_PROMPT, LONG, after_first_chunk=kill_the_busiest_decode_pod)
+        background.wait_for(len(background.results) + 6)
+    assert answer.token_ids == answers[1] and answer.finish == "FINISH_REASON_LENGTH", answer
+    assert background.failures() == []
+    assert router_counter(cluster, "splitserve_router_migrations_total") >= migrations + 1
+    wait_back(cluster, killed[0], restarts[killed[0]] + 1)
+
+
+def test_a_decode_pod_stopped_with_sigterm_leaves_the_routing_at_once_and_drains_its_stream(cluster, answers):
+    migrations = router_counter(cluster, "splitserve_router_migrations_total")
+    restarts = dict(cluster.restarts)
+    stopped: dict[str, object] = {}
+
+    def stop_its_decode_pod() -> None:
+        name = the_decode_pod_running_it(cluster)
+        address = cluster.address(next(p for p in cluster.pods if p.name == name))
+        stopped.update(name=name, pid=cluster.pid(name))
+        os.kill(stopped["pid"], signal.SIGTERM)
+        started_at = time.monotonic()
+        wait_until(lambda: address not in routed_to(cluster), 5, f"the router to stop routing to {name}")
+        stopped["left_routing_s"] = time.monotonic() - started_at
+
+    answer = stream(cluster, STREAM_PROMPT, LONG, after_first_chunk=stop_its_decode_pod)
+    assert answer.token_ids == answers[1] and answer.finish == "FINISH_REASON_LENGTH", answer
+    # Drained where it ran, not moved: the stream outlived the SIGTERM on its own pod.
+    assert router_counter(cluster, "splitserve_router_migrations_total") == migrations
+    with load(cluster, answers) as background:  # new requests meanwhile go to the other decode pod
+        background.wait_for(6)
+    assert background.failures() == []
+    wait_until(lambda: any(e.pid == stopped["pid"] for e in cluster.supervisor.exits), 60, "the pod to exit")
+    [ended] = [e for e in cluster.supervisor.exits if e.pid == stopped["pid"]]
+    assert ended.returncode == 0, ended.describe()
+    print(f"the router stopped routing to {stopped['name']} {stopped['left_routing_s']:.2f} s after its SIGTERM")
+    wait_back(cluster, stopped["name"], restarts[stopped["name"]] + 1)
+
+
+def test_the_prefill_pod_killed_under_load_loses_no_request(cluster, answers):
+    restarts = cluster.restarts["prefill-0"]
+    with load(cluster, answers) as background:
+        background.wait_for(4)
+        os.kill(cluster.pid("prefill-0"), signal.SIGKILL)
+        done = len(background.results)
+        background.wait_for(done + 9)  # while prefill-0 is gone: the decode pods prefill
+    assert background.failures() == []
+    wait_back(cluster, "prefill-0", restarts + 1)
+    assert stream(cluster, LOAD_PROMPTS[0], SHORT).token_ids == answers[0][0]
+
+
+async def _disconnect(address: str, prompt: list[int], how: str, delay_s: float, request_id: str) -> bool:
+    """Sends a request and goes away ``delay_s`` after sending (or after its first tokens, delay_s < 0): closing
+    the stream (``cancel``) or calling Abort. Returns whether tokens had arrived by then."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        request = greedy_request(prompt, LONG)
+        request.request_id = request_id
+        call = stub.Generate(request, timeout=120)
+        got_tokens = False
+        if delay_s >= 0:
+            await asyncio.sleep(delay_s)
+        else:
+            async for reply in call:
+                if reply.WhichOneof("response") == "chunk" and reply.chunk.token_ids:
+                    got_tokens = True
+                    break
+        if how == "abort":
+            await stub.Abort(generate_pb2.AbortRequest(request_id=request_id), timeout=30)
+            async for reply in call:  # the stream ends with the abort, promptly
+                pass
+        else:
+            call.cancel()
+        return got_tokens
+
+
+@pytest.mark.parametrize("how", ["cancel", "abort"])
+def test_clients_going_away_at_every_stage_leave_every_block_free(cluster, answers, how):
+    """A burst of long prompts, each client leaving at another moment: while it queues behind the others, while it
+    prefills or its KV travels, and while it decodes. The autouse fixture then waits for every block on every pod
+    to be free; the cluster still answers exactly."""
+    address = f"{cluster.config.host}:{cluster.config.grpc_port}"
+    burst = prompts(10, 400, seed=3)
+    delays = [0.0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.4, -1, -1, -1]  # -1: after the first tokens
+
+    async def all_of_them() -> list[bool]:
+        return await asyncio.wait_for(asyncio.gather(*(
+            _disconnect(address, prompt, how, delay, f"{how}-{i}") for i, (prompt, delay) in
+            enumerate(zip(burst, delays)))), 180)
+
+    got_tokens = asyncio.run(all_of_them())
+    assert got_tokens[-3:] == [True, True, True]
+    wait_every_block_free(cluster)
+    assert stream(cluster, LOAD_PROMPTS[1], SHORT).token_ids == answers[0][1]
+
+
+def test_with_redis_unreachable_the_router_keeps_serving_with_the_pods_it_knew(cluster, answers):
+    everyone = {cluster.address(pod) for pod in cluster.pods}
+    redis_pid = cluster.pid("redis")
+    os.kill(redis_pid, signal.SIGSTOP)  # unreachable, not refused: every Redis call hangs, the harder case
+    try:
+        with load(cluster, answers) as background:
+            background.wait_for(8)
+        assert routed_to(cluster) == everyone
+    finally:
+        os.kill(redis_pid, signal.SIGCONT)
+    assert background.failures() == []
+    assert routed_to(cluster) == everyone
+
+
+def test_a_restarted_router_finds_the_pods_in_redis(cluster, answers):
+    restarts = cluster.restarts["router"]
+    os.kill(cluster.pid("router"), signal.SIGKILL)
+    everyone = {cluster.address(pod) for pod in cluster.pods}
+
+    def routes_to_everyone() -> bool:
+        try:
+            return cluster.restarts["router"] == restarts + 1 and routed_to(cluster) == everyone
+        except OSError:  # not listening yet
+            return False
+
+    wait_until(routes_to_everyone, START_S, "the restarted router to route to every pod")
+    with load(cluster, answers) as background:
+        background.wait_for(4)
+    assert background.failures() == []
