@@ -52,6 +52,7 @@ class _LayerKV:
     v: torch.Tensor  # same
 
 
+CORE_WRITE_FAILURE = "Internal error from Core"  # grpc's own details when it ends a call whose write failed
 STATUS_WAIT_S = 5.0  # how long a failed push waits for the call's final status
 
 # Queue markers besides layers: the prefill step is over (overlap=False starts sending), the call ended early.
@@ -239,6 +240,12 @@ class KVSender:
         except asyncio.TimeoutError:
             code, details = (err.code(), err.details()) if isinstance(err, grpc.aio.AioRpcError) else (
                 grpc.StatusCode.UNAVAILABLE, f"the push failed: {err!r}")
+        if code == grpc.StatusCode.INTERNAL and details == CORE_WRITE_FAILURE:
+            # Sometimes the race is lost for good: gRPC's core ended the call itself when the write failed, before
+            # the decode pod's status (DATA_LOSS for a bad checksum, ...) arrived. The push broke off on the way,
+            # which is UNAVAILABLE (the router retries it), not a bug in either pod (INTERNAL, which it would not).
+            code, details = grpc.StatusCode.UNAVAILABLE, ("the push broke off while writing: the decode pod ended "
+                                                          "the stream (its log says why)")
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             self._client.forget_handshake(self.decode_address, self.codec.name)
         return StatusError(code, f"decode pod {self.decode_address}: {details}")

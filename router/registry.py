@@ -5,7 +5,8 @@ Membership, liveness and load are three separate things:
 - membership: ``StaticRegistry`` (addresses from flags) or ``RedisRegistry`` (pods register themselves: each pod's
   ``RedisHeartbeat``, ``runtime/registry.py``, keeps a record alive under a key with a TTL; the router rescans
   every second; an expired key is a pod gone; with Redis unreachable, the last membership stays and the pods keep
-  being watched directly);
+  being watched directly; after a Redis restart, keys not yet written again by the pods' heartbeats are not pods
+  gone, for one TTL);
 - liveness: a ``PodMonitor`` (``router/pod_monitor.py``) per member watches the pod's ``grpc.health.v1`` status
   as a stream. SERVING: routable. NOT_SERVING (the pod is draining) or a broken stream (the process died, the
   connection broke, keepalive pings went unanswered): not routable, at once. A busy pod's stream just stays
@@ -193,6 +194,8 @@ class RedisRegistry(PodRegistry):
         self.ttl_s = ttl_s
         self._redis = redis_asyncio.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._redis_reachable = True  # to log when that changes, not once a second
+        self._redis_run_id: str | None = None  # the Redis server's run_id at the last scan: a new one is a restart
+        self._refill_until = 0.0  # until then, after a restart, keys missing are not yet written again, not gone
         self._scan_interval_s = scan_interval_s
         self._scanner: asyncio.Task | None = None
 
@@ -219,6 +222,7 @@ class RedisRegistry(PodRegistry):
     async def scan(self) -> None:
         """Make the membership the keys that exist now: new keys join, expired keys (dead pods) leave."""
         try:
+            run_id = (await self._redis.info("server"))["run_id"]
             keys = [key async for key in self._redis.scan_iter(match=f"{KEY_PREFIX}:*", count=1000)]
             records = await self._redis.mget(keys) if keys else []
         except (RedisError, OSError) as exc:
@@ -231,8 +235,11 @@ class RedisRegistry(PodRegistry):
         if not self._redis_reachable:
             log.info("reading the pod registry from Redis again")
         self._redis_reachable = True
+        self._note_restart(run_id)
         listed = {record.address: record for record in map(_parse_record, records) if record is not None}
         for address in set(self.pods) - set(listed):
+            if time.monotonic() < self._refill_until:
+                continue
             log.warning("pod %s left the registry (heartbeat expired or deregistered)", address)
             await self._leave(address)
         for address, record in listed.items():
@@ -245,6 +252,17 @@ class RedisRegistry(PodRegistry):
                 pod = PodInfo(address, record.role, PodLoad.from_dict(record.load))
                 await self._join(pod)
             pod.block_hashes = set(record.block_hashes)
+
+
+    def _note_restart(self, run_id: str) -> None:
+        """A Redis server that restarted lost every key: the pods write theirs again with their next heartbeat
+        (within ttl_s / 3), so until ttl_s has passed a missing key is not a pod gone. Meanwhile a pod that did
+        die is not routed to all the same: its monitor saw its health stream break."""
+        if self._redis_run_id is not None and run_id != self._redis_run_id:
+            self._refill_until = time.monotonic() + self.ttl_s
+            log.warning("Redis restarted (its keys are gone): keeping the %d pods listed for up to %.0f s while "
+                        "their heartbeats register them again", len(self.pods), self.ttl_s)
+        self._redis_run_id = run_id
 
 
 def _parse_record(record: bytes | None) -> PodRecord | None:

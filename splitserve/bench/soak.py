@@ -8,9 +8,10 @@ fail or leak anything?
    decode pod refuses them by checksum, the router retries);
 2. sends bench serve's workload (splitserve/bench/workload.py: random lengths, Poisson arrivals) through the
    router's gRPC API with bench serve's client for ``--duration`` seconds; ``--abort-share`` of the requests are
-   abandoned by their client at a random moment in their first two seconds (expected failures, ``client_abort``);
-3. every ``--fault-interval`` seconds injects the next fault of the cycle: SIGKILL a decode pod (in turn), SIGKILL
-   redis-server; the supervisor starts each again, and the next fault waits until the cluster is whole;
+   abandoned by their client at a random moment within ``--abort-within`` seconds (expected failures,
+   ``client_abort``);
+3. every ``--fault-interval`` seconds injects the next fault of the cycle: SIGKILL redis-server, SIGKILL a decode
+   pod (each in turn); the supervisor starts each again, and the next fault waits until the cluster is whole;
 4. stops sending, lets the requests in flight finish, and reads every pod's KV blocks (PodStatus.GetLoad) until
    all are free or ``--drain-timeout`` seconds pass;
 5. prints requests served, failures by kind (expected or not), p50/p99 TTFT, TPOT and E2E, the faults injected and
@@ -48,7 +49,6 @@ from splitserve.bench.workload import WorkloadConfig, build_workload
 from splitserve.launcher import Cluster, UpConfig, serving
 
 CLIENT_ABORT = "client_abort"  # the failure kind of a request its client abandoned on purpose: expected
-ABORT_WITHIN_S = 2.0  # an abandoning client leaves within this long after sending: queued, prefilling or decoding
 
 
 @dataclass
@@ -64,13 +64,16 @@ class SoakConfig:
     input_len: int = field(default=128, metadata=described("Mean prompt length in tokens (+-50%)."))
     output_len: int = field(default=32, metadata=described("Mean output length in tokens (+-50%)."))
     fault_interval: float = field(default=20.0, metadata=described(
-        "Seconds between injected faults (SIGKILL a decode pod, SIGKILL redis-server, in turn)."))
+        "Seconds between injected faults (SIGKILL redis-server, SIGKILL a decode pod, in turn)."))
+    abort_share: float = field(default=0.05, metadata=described("Share of requests their client abandons."))
+    abort_within: float = field(default=2.0, metadata=described(
+        "An abandoning client leaves at a random moment this many seconds after sending, at most (shorter than a "
+        "request takes: it leaves while queued, prefilling or decoding)."))
     corrupt_chunks: float = field(default=0.02, metadata=described(
         "Share of KV chunks the prefill pods send corrupted (0: none)."))
-    abort_share: float = field(default=0.05, metadata=described("Share of requests their client abandons."))
+    request_timeout: float = field(default=300.0, metadata=described("The client's deadline of one request."))
     drain_timeout: float = field(default=120.0, metadata=described(
         "After the load: how long the requests in flight and then the pods' blocks get to come free."))
-    request_timeout: float = field(default=300.0, metadata=described("The client's deadline of one request."))
     kv_cache_memory_bytes: int = field(default=256 << 20, metadata=described("KV block pool of each pod."))
     base_port: int = field(default=23000, metadata=described(
         "The cluster takes ports base_port .. base_port+11 (router, pods, metrics, redis)."))
@@ -80,8 +83,8 @@ class SoakConfig:
     seed: int = field(default=0, metadata=described("Seeds the workload, the aborts and the corrupted chunks."))
 
     def __post_init__(self) -> None:
-        for name in ("duration", "request_rate", "fault_interval", "drain_timeout", "request_timeout",
-                     "progress_interval"):
+        for name in ("duration", "request_rate", "fault_interval", "abort_within", "drain_timeout",
+                     "request_timeout", "progress_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("corrupt_chunks", "abort_share"):
@@ -106,7 +109,7 @@ class FaultInjector:
     def __init__(self, cluster: Cluster, interval_s: float, log):
         self.cluster, self.interval_s, self.log = cluster, interval_s, log
         decode = [pod.name for pod in cluster.pods if pod.role is Role.DECODE]
-        self.cycle = [name for pod in decode for name in (pod, "redis")]
+        self.cycle = [name for pod in decode for name in ("redis", pod)]
         self.events: list[dict] = []
         self._started = time.monotonic()
         self._stop = threading.Event()
@@ -189,7 +192,7 @@ async def _drive(config: SoakConfig, cluster: Cluster, prompts: PromptFactory, f
                 break
             record = RequestRecord(spec.index, spec.prompt_len, spec.output_len, spec.arrival_s)
             records.append(record)
-            abort_after = aborts.uniform(0.0, ABORT_WITHIN_S) if aborts.random() < config.abort_share else None
+            abort_after = aborts.uniform(0.0, config.abort_within) if aborts.random() < config.abort_share else None
             payload = client.prepare(spec, prompts.token_ids(spec))
             tasks.append(asyncio.create_task(_send(client, record, payload, clock, abort_after)))
         log(f"[soak] load done after {clock():.0f} s; waiting for {sum(not t.done() for t in tasks)} requests in "

@@ -19,6 +19,8 @@ from typing import Self
 import grpc
 
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+from splitserve.bench.serve import scrape_router
+from splitserve.bench.serve_metrics import parse_counter
 from splitserve.bench.soak import blocks_in_use
 from splitserve.launcher import Cluster, UpConfig, serving
 
@@ -33,23 +35,16 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
+# What the tests' clusters run: the tiny model, a small KV pool, no Prometheus (conftest's ``start_cluster(run_dir,
+# **TINY, ...)`` picks the ports).
+TINY = {"model": MODEL, "prometheus": False, "kv_cache_memory_bytes": 16 << 20, "ready_timeout_s": START_S}
+
+
 def up_config(tmp_path: Path, base: int, **fields) -> UpConfig:
     """A cluster on ports base .. base+11, tiny random model, no Prometheus unless asked."""
-    return UpConfig(**{"model": MODEL, "grpc_port": base, "http_port": base + 1, "base_pod_port": base + 2,
+    return UpConfig(**{"grpc_port": base, "http_port": base + 1, "base_pod_port": base + 2,
                        "base_metrics_port": base + 6, "redis_port": base + 10, "prometheus_port": base + 11,
-                       "prometheus": False, "kv_cache_memory_bytes": 16 << 20, "run_dir": str(tmp_path),
-                       "ready_timeout_s": START_S, **fields})
-
-
-def started(config: UpConfig) -> Cluster:
-    cluster = Cluster(config)
-    try:
-        cluster.start()
-        cluster.wait_ready(log=lambda *_: None)
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+                       "run_dir": str(tmp_path), **TINY, **fields})
 
 
 # ---- the router's view ----------------------------------------------------------------------------------------------
@@ -64,12 +59,9 @@ def routed_to(cluster: Cluster) -> set[str]:
     return {pod["address"] for pod in router_json(cluster, "/pods")["pods"] if pod["healthy"]}
 
 
-def router_counter(cluster: Cluster, name: str) -> float:
-    """The sum of a counter's series on the router's /metrics (0 before its first increment)."""
-    with urllib.request.urlopen(f"{cluster.http_url}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + "{", name + " ")))
+def router_counter(cluster: Cluster, name: str, **labels: str) -> float:
+    """The sum of a counter's series with ``labels`` on the router's /metrics (0 before its first increment)."""
+    return parse_counter(scrape_router(cluster.http_url), name, labels) or 0.0
 
 
 def wait_back(cluster: Cluster, name: str, restarts: int) -> None:

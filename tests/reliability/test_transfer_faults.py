@@ -18,20 +18,8 @@ import time
 from pathlib import Path
 
 import grpc
+import live_cluster as live
 import pytest
-from live_cluster import (
-    START_S,
-    BackgroundLoad,
-    offline_answers,
-    prompts,
-    router_counter,
-    started,
-    stream,
-    up_config,
-    wait_back,
-    wait_every_block_free,
-    wait_until,
-)
 
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from splitserve.launcher import serving
@@ -39,34 +27,34 @@ from splitserve.launcher import serving
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHORT = 8
 LONG = 300
-PROMPTS = prompts(4, 48, seed=11)  # past the conditional-prefill threshold: prefilled on the P pod first
+PROMPTS = live.prompts(4, 48, seed=11)  # past the conditional-prefill threshold: prefilled on the P pod first
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, free_ports):
-    running = started(up_config(tmp_path_factory.mktemp("transfer-faults"), free_ports(12), prefill=1, decode=1,
-                                inject_corrupt_chunks=0.5))
+def cluster(tmp_path_factory, start_cluster):
+    running = start_cluster(tmp_path_factory.mktemp("transfer-faults"), **live.TINY, prefill=1, decode=1,
+                            inject_corrupt_chunks=0.5)
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="module")
 def answers():
-    return offline_answers(PROMPTS, SHORT)
+    return live.offline_answers(PROMPTS, SHORT)
 
 
 @pytest.fixture(autouse=True)
 def every_block_free_afterwards(cluster):
     yield
-    wait_every_block_free(cluster)
+    live.wait_every_block_free(cluster)
 
 
 def test_corrupted_kv_chunks_are_caught_by_their_checksum_and_the_request_is_retried(cluster, answers):
-    retried = router_counter(cluster, 'splitserve_router_retries_total{code="DATA_LOSS"')
-    with BackgroundLoad(cluster, PROMPTS, answers, SHORT, workers=2) as load:
+    retried = live.router_counter(cluster, "splitserve_router_retries_total", code="DATA_LOSS")
+    with live.BackgroundLoad(cluster, PROMPTS, answers, SHORT, workers=2) as load:
         load.wait_for(8)
     assert load.failures() == []  # every answer exact, although most pushes arrived corrupted
-    assert router_counter(cluster, 'splitserve_router_retries_total{code="DATA_LOSS"') > retried
+    assert live.router_counter(cluster, "splitserve_router_retries_total", code="DATA_LOSS") > retried
     log = (Path(cluster.run_dir) / "decode-0.log").read_text()
     assert "checksum" in log.lower(), "the decode pod does not say why it refused the push"
 
@@ -80,7 +68,8 @@ def test_pods_of_different_models_refuse_each_other_with_a_clear_error(cluster, 
                                   "--kv-cache-memory-bytes", str(16 << 20)], cwd=REPO_ROOT, stdout=log,
                                  stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: other.poll() is not None or serving(f"127.0.0.1:{port}"), START_S, "the SmolLM2 pod")
+        live.wait_until(lambda: other.poll() is not None or serving(f"127.0.0.1:{port}"), live.START_S,
+                        "the SmolLM2 pod")
         assert other.poll() is None, (tmp_path / "smollm2-decode.log").read_text()
         prefill = next(p for p in cluster.pods if p.name == "prefill-0")
         with grpc.insecure_channel(cluster.address(prefill)) as channel, pytest.raises(grpc.RpcError) as refused:
@@ -104,11 +93,11 @@ def test_with_its_only_decode_pod_killed_the_client_gets_a_clear_error_in_bounde
         os.kill(cluster.pid("decode-0"), signal.SIGKILL)
         killed_at.append(time.monotonic())
 
-    prompt = prompts(1, 16, seed=12)[0]  # short: prefilled on the decode pod, no corrupted push in the way
-    answer = stream(cluster, prompt, LONG, after_first_chunk=kill_the_decode_pod)
+    prompt = live.prompts(1, 16, seed=12)[0]  # short: prefilled on the decode pod, no corrupted push in the way
+    answer = live.stream(cluster, prompt, LONG, after_first_chunk=kill_the_decode_pod)
     ended_after = time.monotonic() - killed_at[0]
     assert answer.finish == "error" and "no other decode pod" in answer.error, answer
     assert len(answer.token_ids) < LONG
     assert ended_after < 30, f"the error came {ended_after:.1f} s after the kill"
     print(f"error {ended_after:.2f} s after the kill: {answer.error}")
-    wait_back(cluster, "decode-0", restarts + 1)
+    live.wait_back(cluster, "decode-0", restarts + 1)

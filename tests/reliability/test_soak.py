@@ -1,0 +1,34 @@
+"""``splitserve bench soak`` end to end, short, on the tiny random model: it brings up its cluster, injects its
+faults under load, prints its progress and report, writes the JSON, and exits 0 only with no block leaked and no
+unexpected failure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_short_soak_injects_every_kind_of_fault_and_leaks_nothing(tmp_path, free_ports):
+    out = tmp_path / "soak.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "splitserve", "bench", "soak", "--model", "tiny-random", "--duration", "20",
+         "--fault-interval", "5", "--request-rate", "4", "--input-len", "48", "--output-len", "16",
+         "--corrupt-chunks", "0.2", "--abort-share", "0.2", "--abort-within", "0.15", "--kv-cache-memory-bytes", str(16 << 20),
+         "--drain-timeout", "90", "--base-port", str(free_ports(12)), "--run-dir", str(tmp_path / "cluster"),
+         "--progress-interval", "5", "--json", str(out)],
+        check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert set(report["leaked_blocks"]) == {"prefill-0", "decode-0", "decode-1"}
+    assert all(n == 0 for n in report["leaked_blocks"].values())
+    requests, faults = report["requests"], report["faults"]
+    assert requests["served"] >= 10 and requests["failed_unexpected"] == {}
+    assert faults["redis_restarted"] >= 1 and faults["decode_pod_killed"] >= 1 and faults["client_aborts"] >= 1
+    assert faults["corrupt_chunk_retries"] >= 1
+    assert all(report["latency_s"][name]["p99"] > 0 for name in ("ttft", "tpot", "e2e"))
+    assert "[soak " in result.stderr and "fault at" in result.stderr  # progress lines while it runs
+    assert "leaked" in result.stdout and "PASSED" in result.stdout
