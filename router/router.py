@@ -54,7 +54,7 @@ from engine.tokenizer import Tokenizer
 from protos.convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_to_dict
 from protos.splitserve.v1 import decode_pb2, prefill_pb2
 from router.config import RouterConfig
-from router.pod_client import PodClientPool
+from router.pod_client import PodClient, PodClientPool
 from router.pod_monitor import PodMonitor
 from router.policies import RoutePlan, RoutingPolicy, blocks_for, make_policy
 from router.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
@@ -136,6 +136,7 @@ class _RequestRun:
     holds: list[_PodHold] = field(default_factory=list)  # where it is counted
     aborted: bool = False
     finish_reason: FinishReason | None = None  # set once its Completion is made
+    kv_sent_to: list[PodInfo] = field(default_factory=list)  # decode pods a prefill pod was asked to push its KV to
     output_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -202,6 +203,7 @@ class Router:
             config.policy, config.conditional_prefill_threshold, config.conditional_cached_fraction)
         self._runs: dict[str, _RequestRun] = {}
         self._num_pending = 0  # requests admitted that have no first token yet
+        self._background: set[asyncio.Task] = set()  # Aborts sent to pods for requests already ended
         self._text_workers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         _encode_without_holding_the_gil(self.tokenizer)
 
@@ -412,6 +414,8 @@ class Router:
             raise
         finally:
             run.cancel_calls()
+            if run.finish_reason in (None, FinishReason.ABORT):
+                self._drop_pushed_kv(run)
             run.release_holds()
             if run.first_token_at is None:
                 self._num_pending -= 1
@@ -426,6 +430,29 @@ class Router:
         run.aborted = True
         run.cancel_calls()  # the pods abort the request and free its blocks
         return True
+
+    def _drop_pushed_kv(self, run: _RequestRun) -> None:
+        """A request that ended early (the client went away, or aborted) may have left its KV on a decode pod: P
+        pushed it, but the Decode call that claims it was never opened, or cancelled before D saw it. Cancelling P's
+        call cannot take it back once D acknowledged it, and D would keep its blocks until the lease expires
+        (kv_lease_s). So D is asked to drop it now (its Abort releases a lease; an unknown id is a no-op), in the
+        background: the request's caller is not kept waiting."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a generator closed outside the event loop (garbage collected): the leases will do
+            return
+        for pod in run.kv_sent_to:
+            task = loop.create_task(self._abort_on_pod(self.pod_clients.get(pod.address, pod.role),
+                                                       run.request.request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    async def _abort_on_pod(client: PodClient, request_id: str) -> None:
+        try:
+            await client.abort(request_id)
+        except grpc.aio.AioRpcError as error:  # the pod is gone or busy: its lease frees the blocks anyway
+            log.debug("request %s: Abort on the decode pod failed: %s", request_id, error.code().name)
 
     async def _serve(self, run: _RequestRun) -> AsyncIterator[OutputDelta | Completion]:
         self._admit(run)
@@ -529,6 +556,7 @@ class Router:
     async def _start_disaggregated(self, run: _RequestRun, plan: RoutePlan) -> _DecodeStream:
         num_prompt = len(run.request.prompt_token_ids)
         decode_hold = run.hold(plan.decode, kv_tokens=num_prompt)  # the KV lands there during the prefill
+        run.kv_sent_to.append(plan.decode)
         prefill_hold = run.hold(plan.prefill, prompt_tokens=num_prompt)
         try:
             first = await self._prefill(run, plan)
