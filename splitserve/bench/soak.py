@@ -69,11 +69,11 @@ class SoakConfig:
     abort_within: float = field(default=2.0, metadata=described(
         "An abandoning client leaves at a random moment this many seconds after sending, at most (shorter than a "
         "request takes: it leaves while queued, prefilling or decoding)."))
-    corrupt_chunks: float = field(default=0.02, metadata=described(
-        "Share of KV chunks the prefill pods send corrupted (0: none)."))
+    corrupt_chunks: float = field(default=0.02, metadata=described("Share of KV chunks the prefill pods send "
+                                                                    "corrupted (0: none)."))
     request_timeout: float = field(default=300.0, metadata=described("The client's deadline of one request."))
-    drain_timeout: float = field(default=120.0, metadata=described(
-        "After the load: how long the requests in flight and then the pods' blocks get to come free."))
+    drain_timeout: float = field(default=120.0, metadata=described("After the load: how long the requests in "
+                                                                   "flight, then the pods' blocks, get to finish."))
     kv_cache_memory_bytes: int = field(default=256 << 20, metadata=described("KV block pool of each pod."))
     base_port: int = field(default=23000, metadata=described(
         "The cluster takes ports base_port .. base_port+11 (router, pods, metrics, redis)."))
