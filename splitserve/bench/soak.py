@@ -61,8 +61,8 @@ class SoakConfig:
     decode: int = field(default=2, metadata=described("Number of decode pods (2 or more: a killed one's streams "
                                                       "migrate)."))
     request_rate: float = field(default=2.0, metadata=described("Requests per second (Poisson arrivals)."))
-    input_len: int = field(default=128, metadata=described("Mean prompt length in tokens (+-50%)."))
-    output_len: int = field(default=32, metadata=described("Mean output length in tokens (+-50%)."))
+    input_len: int = field(default=128, metadata=described("Mean prompt length in tokens (each within half of it either way)."))
+    output_len: int = field(default=32, metadata=described("Mean output length in tokens (each within half of it either way)."))
     fault_interval: float = field(default=20.0, metadata=described(
         "Seconds between injected faults (SIGKILL redis-server, SIGKILL a decode pod, in turn)."))
     abort_share: float = field(default=0.05, metadata=described("Share of requests their client abandons."))
