@@ -21,7 +21,6 @@ Each child's stdout and stderr go to its log file, appended across restarts unde
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -99,10 +98,9 @@ class Child:
                       f"{self.starts} of {self.name}: {' '.join(self.spec.command)}\n".encode())
             out.flush()
             self._log_offset = out.tell()
-            self.popen = subprocess.Popen(self.spec.command, stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env={**os.environ, **self.spec.env},
-                                          start_new_session=True,
-                                          preexec_fn=_die_with(os.getpid()))  # noqa: PLW1509 - see _die_with
+            self.popen = subprocess.Popen(_dying_with_parent(self.spec.command), stdout=out,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **self.spec.env}, start_new_session=True)
         self.started_at = time.monotonic()
         self.restart_at = None
 
@@ -218,16 +216,22 @@ class Supervisor:
 
 # ---- children die with their parent --------------------------------------------------------------------------------
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+# Run in the child before its command: ask for SIGTERM when the parent dies (PR_SET_PDEATHSIG = 1, <linux/prctl.h>);
+# if the parent already died since the fork, the signal would never come, so exit. Not a ``preexec_fn``: with one,
+# Python forks the whole process and runs its fork handlers (gRPC's among them, in a launcher that also makes gRPC
+# calls: the soak, the tests), which crashed some children before their command ran; without one, the child is
+# vforked and execs at once.
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
-def _die_with(parent_pid: int):
-    """``preexec_fn`` of every child: SIGTERM when the forking thread (the supervisor) dies. If the parent already
-    died between the fork and the prctl, the child would never get the signal, so it checks and exits at once."""
-    def preexec() -> None:
-        if _prctl is not None:
-            _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-    return preexec
+def _dying_with_parent(command: list[str]) -> list[str]:
+    """``command``, started so that it gets SIGTERM when the forking thread (the supervisor) dies (Linux)."""
+    if sys.platform != "linux":
+        return command
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]

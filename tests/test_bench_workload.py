@@ -175,3 +175,14 @@ def test_text_prompts_encode_to_the_asked_length(tokenizer):
     for i, n in enumerate([1, 5, 64, 333]):
         text = factory.text(RequestSpec(i, 0.0, n, 1))
         assert isinstance(text, str) and len(tokenizer.encode(text)) == n
+
+
+def test_each_run_of_a_sweep_draws_its_own_prompts_of_the_same_lengths():
+    """A sweep sends the same lengths at every rate; were the ids the same too, every run after the first would hit
+    the prefix cache the first filled (found in a sweep whose TTFT fell 8x from its first rate to its second)."""
+    factory = PromptFactory(load_tokenizer("tiny-random"), seed=3)
+    spec = RequestSpec(0, 0.0, 40, 8)
+    first, second = factory.token_ids(spec, run=1), factory.token_ids(spec, run=2)
+    assert len(first) == len(second) == 40
+    assert first[:16] != second[:16]  # not one shared cache block
+    assert factory.token_ids(spec, run=1) == first  # seeded: a run can be repeated

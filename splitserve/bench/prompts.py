@@ -47,17 +47,18 @@ class PromptFactory:
         self.vocabulary = ordinary_token_ids(self.tokenizer)
         self._prefix = self._draw(random.Random(f"{self.seed}-shared-prefix"), self.shared_prefix)
 
-    def token_ids(self, spec: RequestSpec) -> list[int]:
-        """Request ``spec.index``'s prompt: ``spec.prompt_len`` ids (the shared prefix, then its own)."""
-        rng = random.Random(f"{self.seed}-prompt-{spec.index}")
+    def token_ids(self, spec: RequestSpec, run: int = 0) -> list[int]:
+        """Request ``spec.index``'s prompt in run ``run`` of a sweep: ``spec.prompt_len`` ids (the shared prefix, then
+        its own). Each run draws its own ids, so that no run's prompts hit the prefix cache its predecessors filled."""
+        rng = random.Random(f"{self.seed}-run-{run}-prompt-{spec.index}")
         prefix = self._prefix[:spec.prompt_len]
         return prefix + self._draw(rng, spec.prompt_len - len(prefix))
 
-    def text(self, spec: RequestSpec) -> str:
+    def text(self, spec: RequestSpec, run: int = 0) -> str:
         """Request ``spec.index``'s prompt as text that the tokenizer encodes to ``spec.prompt_len`` tokens (BOS
         included where the tokenizer adds one), when a few corrections get there."""
-        rng = random.Random(f"{self.seed}-text-{spec.index}")
-        ids = self.token_ids(spec)
+        rng = random.Random(f"{self.seed}-run-{run}-text-{spec.index}")
+        ids = self.token_ids(spec, run)
         best = text = self.tokenizer.decode(ids)
         best_error = None
         for _ in range(_TEXT_FIX_ATTEMPTS):

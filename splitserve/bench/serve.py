@@ -139,10 +139,12 @@ def run_serve_benchmark(config: ServeBenchConfig, log=print) -> ServeRun:
 
 @dataclass
 class _Preparation:
-    """What does not change between the runs of a sweep: the model, its tokenizer's prompts."""
+    """What does not change between the runs of a sweep: the model, its tokenizer's prompts (each run its own, of the
+    same lengths: ``runs`` counts the runs started)."""
 
     model: str
     prompts: PromptFactory
+    runs: int = 0
 
     @classmethod
     def make(cls, config: ServeBenchConfig) -> "_Preparation":
@@ -153,7 +155,9 @@ class _Preparation:
         return cls(model, prompts)
 
     def prompt(self, config: ServeBenchConfig, spec: RequestSpec) -> list[int] | str:
-        return self.prompts.text(spec) if config.prompt_format == "text" else self.prompts.token_ids(spec)
+        if config.prompt_format == "text":
+            return self.prompts.text(spec, self.runs)
+        return self.prompts.token_ids(spec, self.runs)
 
 
 def served_model(base_url: str) -> str:
@@ -170,6 +174,7 @@ def served_model(base_url: str) -> str:
 async def _run(config: ServeBenchConfig, prep: _Preparation, log) -> ServeRun:
     specs = build_workload(config.workload)
     client = _client(config, prep.model)
+    prep.runs += 1
     try:
         payloads = [client.prepare(spec, prep.prompt(config, spec)) for spec in specs]
         log(f"benchmarking {config.endpoint()} ({prep.model}): {config.workload.describe()}")
