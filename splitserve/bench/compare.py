@@ -120,7 +120,8 @@ class TopologyResult:
         sweep = None
         if self.sweep is not None:
             sweep = {**{k: v for k, v in self.sweep.items() if k != "runs"},
-                     "runs": [_rate_row(run.config.workload.request_rate, run.summary) for run in self.sweep["runs"]]}
+                     "runs": [_rate_row(run.config.workload.request_rate, run.summary) | {"router": run.router}
+                              for run in self.sweep["runs"]]}
         return {"name": self.topology.name, "kind": self.topology.kind, "settings": self.topology.fields,
                 "error": self.error, "goodput": self.goodput, "sweep": sweep,
                 "reference": reference_figures(self.reference) if self.reference else None}
