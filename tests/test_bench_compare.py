@@ -200,6 +200,6 @@ def test_pinning_the_load_generator_restores_the_mask_for_the_next_cluster():
 
 def test_quick_and_full_defaults_differ_only_where_asked():
     full, quick = compare.parse_args([]), compare.parse_args(["--quick"])
-    assert full.rates == [0.3, 0.5, 0.7, 1.0] and full.reference_rate in full.rates
+    assert full.rates == [0.2, 0.3, 0.4, 0.5, 0.7] and full.reference_rate in full.rates
     assert quick.reference_rate in quick.rates and len(quick.rates) < len(full.rates)
     assert compare.parse_args(["--quick", "--rates", "1,2"]).rates == [1.0, 2.0]

@@ -48,7 +48,7 @@ AZURE_CONV = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "Azu
 TAIL_RATIO = 1.5  # a steady decode: p99 TPOT at most 1.5x its median (issue 10's target)
 STARTUP_S = 30.0  # estimate: a cluster of smollm2-135m pods loads, serves, and stops (2 CPUs)
 DRAIN_S = 10.0  # estimate: after the last send, the requests still out finish
-BUDGETS = (128, 256, 512)  # colocated chunked-prefill token budgets: from small chunks (steady decode) to none
+BUDGETS = (64, 128, 256)  # colocated chunked-prefill token budgets: small chunks (steady decode) to large ones
 CONDITIONAL_THRESHOLD = 256  # prompts shorter than this prefill on the decode pod (about a third of the trace's)
 
 
@@ -357,8 +357,8 @@ def results_json(results: list[TopologyResult], config: CompareConfig) -> dict:
 
 # ---------------------------------------------------------------------------------------------- command line
 
-# Full defaults: chosen on the 2-CPU development machine (docs/PERFORMANCE.md says how), ~30 min; --quick: ~5 min.
-DEFAULTS = dict(rates="0.3,0.5,0.7,1.0", reference_rate=0.5, num_prompts=24, budgets=",".join(map(str, BUDGETS)),
+# Full defaults: the run of docs/PERFORMANCE.md on the 2-CPU development machine, ~45 min; --quick: ~5 min.
+DEFAULTS = dict(rates="0.2,0.3,0.4,0.5,0.7", reference_rate=0.3, num_prompts=20, budgets=",".join(map(str, BUDGETS)),
                 topologies="")
 QUICK = dict(rates="0.3,0.6", reference_rate=0.3, num_prompts=10, budgets="256", topologies="disaggregated,colocated")
 
