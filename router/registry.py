@@ -253,7 +253,6 @@ class RedisRegistry(PodRegistry):
                 await self._join(pod)
             pod.block_hashes = set(record.block_hashes)
 
-
     def _note_restart(self, run_id: str) -> None:
         """A Redis server that restarted lost every key: the pods write theirs again with their next heartbeat
         (within ttl_s / 3), so until ttl_s has passed a missing key is not a pod gone. Meanwhile a pod that did

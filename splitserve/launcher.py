@@ -28,6 +28,7 @@ import dataclasses
 import json
 import shutil
 import signal
+import socket
 import ssl
 import sys
 import tempfile
@@ -46,11 +47,11 @@ from runtime.config import described, flag_name, member, parse_config
 from runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, thread_env
 from runtime.registry import RegistryKind
 from runtime.roles import POD_ROLES, Role
+from runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
 from splitserve.cpu_plan import Placement, floating, format_plan, plan_cpus
 from splitserve.supervisor import Child, ChildSpec, Supervisor
 
 STOP_MARGIN_S = 10.0  # beyond a process's own drain, before SIGKILL: its cleanups and exit
-from runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
 
 
 @dataclass
@@ -130,6 +131,17 @@ class UpConfig:
     @property
     def tls(self) -> TLSConfig:
         return TLSConfig.of(self)
+
+    @classmethod
+    def on_ports(cls, base: int | None = None, **fields) -> "UpConfig":
+        """A config whose every port is one consecutive run from ``base`` (None: a run free now), for clusters
+        started beside others (tests, benchmarks): router gRPC and HTTP, Prometheus, redis-server, then each pod's
+        gRPC port and each pod's /metrics port."""
+        pods = sum(fields.get(role, getattr(cls, role)) for role in POD_ROLES)
+        if base is None:
+            base = free_port_run(4 + 2 * pods, fields.get("host", cls.host))
+        return cls(grpc_port=base, http_port=base + 1, prometheus_port=base + 2, redis_port=base + 3,
+                   base_pod_port=base + 4, base_metrics_port=base + 4 + pods, **fields)
 
 
 # UpConfig fields every pod gets under the same flag name (runtime.config.flag_name); the router's likewise.
@@ -380,6 +392,24 @@ def _https_context(tls: TLSConfig) -> ssl.SSLContext | None:
     if tls.cert_file:
         context.load_cert_chain(tls.cert_file, tls.key_file)
     return context
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive ports on ``host`` that are free now, away from the defaults a developer's
+    own cluster uses (6379, 8000, 9090, 9400+, 50051, 50060+)."""
+    for base in range(20000 + time.time_ns() // 1000 % 20000, 49000, count + 7):
+        if all(_port_free(host, port) for port in range(base, base + count)):
+            return base
+    raise RuntimeError(f"no run of {count} free ports on {host}")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 def serving(address: str, tls: TLSConfig = PLAINTEXT) -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import time
 
 import pytest
 
@@ -39,39 +37,20 @@ def attention_kernels(request):
 
 @pytest.fixture(scope="session")
 def free_ports():
-    """``free_ports(n)``: the first of ``n`` consecutive loopback ports free now, for processes a test starts
-    (away from the defaults a developer's own cluster uses: 6379, 8000, 9090, 50051, 50060+, 9400+)."""
-    def port_free(port: int) -> bool:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-                return True
-            except OSError:
-                return False
+    """``free_ports(n)``: the first of ``n`` consecutive loopback ports free now, for processes a test starts."""
+    from splitserve.launcher import free_port_run
 
-    def first_of(count: int) -> int:
-        for base in range(20000 + (time.time_ns() // 1000) % 20000, 49000, count + 7):
-            if all(port_free(base + i) for i in range(count)):
-                return base
-        raise RuntimeError(f"no run of {count} free ports")
-
-    return first_of
+    return free_port_run
 
 
 @pytest.fixture(scope="session")
-def start_cluster(free_ports):
+def start_cluster():
     """A function that starts a ``splitserve up`` cluster on free loopback ports and waits until it serves:
-    ``start_cluster(run_dir, **UpConfig fields) -> Cluster`` (at most 4 pods; the caller stops it)."""
+    ``start_cluster(run_dir, **UpConfig fields) -> Cluster`` (the caller stops it)."""
     from splitserve.launcher import Cluster, UpConfig
 
     def start(run_dir, **fields):
-        base = free_ports(12)
-        # router gRPC, router HTTP, 4 pod ports, 4 pod metrics ports, Prometheus, Redis
-        config = UpConfig(grpc_port=base, http_port=base + 1, base_pod_port=base + 2, base_metrics_port=base + 6,
-                          prometheus_port=base + 10, redis_port=base + 11, run_dir=str(run_dir), **fields)
-        cluster = Cluster(config)
-        if len(cluster.pods) > 4:
-            raise ValueError(f"start_cluster plans ports for 4 pods, not {len(cluster.pods)}")
+        cluster = Cluster(UpConfig.on_ports(run_dir=str(run_dir), **fields))
         try:
             cluster.start()
             cluster.wait_ready(log=lambda *_: None)

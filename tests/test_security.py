@@ -345,17 +345,15 @@ def test_router_serves_https_and_grpc_over_mutual_tls(pki):
 
 
 @pytest.mark.e2e
-def test_a_cluster_on_mutual_tls_serves_over_every_link_and_refuses_plaintext(pki, tmp_path, free_ports):
+def test_a_cluster_on_mutual_tls_serves_over_every_link_and_refuses_plaintext(pki, tmp_path):
     """``splitserve up`` with TLS: client -> router (gRPC and HTTPS), router -> pods, prefill -> decode (the KV
     push of a long prompt), each on mutual TLS with certificates from files; ``splitserve generate`` and the
     ``openai`` client as a user runs them; a plaintext client or one without a certificate is refused by every
     process."""
-    base = free_ports(8)
-    config = UpConfig(model="tiny-random", prefill=1, decode=1, grpc_port=base, http_port=base + 1,
-                      base_pod_port=base + 2, base_metrics_port=base + 4, prometheus=False, kv_codec="int8",
-                      conditional_prefill_threshold=8, kv_cache_memory_bytes=32 << 20, run_dir=str(tmp_path),
-                      tls_cert_file=pki.server.cert, tls_key_file=pki.server.key, tls_ca_file=pki.ca,
-                      tls_require_client_cert=True, api_keys=[KEY])
+    config = UpConfig.on_ports(model="tiny-random", prefill=1, decode=1, prometheus=False, kv_codec="int8",
+                               conditional_prefill_threshold=8, kv_cache_memory_bytes=32 << 20, run_dir=str(tmp_path),
+                               tls_cert_file=pki.server.cert, tls_key_file=pki.server.key, tls_ca_file=pki.ca,
+                               tls_require_client_cert=True, api_keys=[KEY])
     cluster = Cluster(config)
     try:
         cluster.start()
@@ -363,7 +361,7 @@ def test_a_cluster_on_mutual_tls_serves_over_every_link_and_refuses_plaintext(pk
         prompt = "Tell me a story about a fox, please. " * 3  # long: prefilled on the prefill pod
         generated = subprocess.run(
             [sys.executable, "-m", "splitserve", "generate", "--raw", "--max-tokens", "6", "--router",
-             f"127.0.0.1:{base}", "--tls-ca-file", pki.ca, "--tls-cert-file", pki.client.cert,
+             f"127.0.0.1:{config.grpc_port}", "--tls-ca-file", pki.ca, "--tls-cert-file", pki.client.cert,
              "--tls-key-file", pki.client.key, prompt], capture_output=True, text=True, timeout=120,
             env={**os.environ, "SPLITSERVE_API_KEY": KEY})
         assert generated.returncode == 0, generated.stderr
@@ -377,7 +375,7 @@ def test_a_cluster_on_mutual_tls_serves_over_every_link_and_refuses_plaintext(pk
             pushed = [s.value for family in text_string_to_metric_families(reply.read().decode())
                       for s in family.samples if s.name == "splitserve_kv_transfer_bytes_total"]
         assert sum(pushed) > 0  # both prompts' KV went from the prefill pod to the decode pod, over mutual TLS
-        for process in [f"127.0.0.1:{base}", *(cluster.address(p) for p in cluster.pods)]:
+        for process in [f"127.0.0.1:{config.grpc_port}", *(cluster.address(p) for p in cluster.pods)]:
             assert asyncio.run(_check(process, client_tls(pki, pki.client))) == grpc.StatusCode.OK, process
             assert asyncio.run(_check(process, transport.PLAINTEXT)) == grpc.StatusCode.UNAVAILABLE, process
             assert asyncio.run(_check(process, client_tls(pki))) == grpc.StatusCode.UNAVAILABLE, process

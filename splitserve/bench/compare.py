@@ -32,7 +32,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -233,13 +232,10 @@ def measure_topology(topology: Topology, config: CompareConfig, log=print) -> To
     """Start ``topology``'s cluster, sweep it, stop it; a failure is reported in the result, not raised."""
     from splitserve.launcher import Cluster, UpConfig
 
-    pods = topology.fields["prefill"] + topology.fields["decode"] + topology.fields["mixed"]
-    base = free_port_run(2 + 2 * pods)
     try:
-        up = UpConfig(model=config.model, grpc_port=base, http_port=base + 1, base_pod_port=base + 2,
-                      base_metrics_port=base + 2 + pods, prometheus=False, router_cpus=format_cpu_list(config.cpus),
-                      kv_cache_memory_bytes=config.kv_cache_memory_bytes, ready_timeout_s=config.ready_timeout_s,
-                      **topology.fields)
+        up = UpConfig.on_ports(model=config.model, prometheus=False, router_cpus=format_cpu_list(config.cpus),
+                               kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                               ready_timeout_s=config.ready_timeout_s, **topology.fields)
         cluster = Cluster(up)
     except ValueError as error:
         log(f"FAILED: {error}")
@@ -280,19 +276,6 @@ def pinned(cpus: frozenset[int]):
         yield
     finally:
         os.sched_setaffinity(0, before)
-
-
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive loopback ports that are free now (a cluster's router and pods)."""
-    for base in range(30000 + os.getpid() % 10000, 60000, count + 1):
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def _duration(seconds: float) -> str:

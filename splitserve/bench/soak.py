@@ -75,8 +75,9 @@ class SoakConfig:
     drain_timeout: float = field(default=120.0, metadata=described("After the load: how long the requests in "
                                                                    "flight, then the pods' blocks, get to finish."))
     kv_cache_memory_bytes: int = field(default=256 << 20, metadata=described("KV block pool of each pod."))
-    base_port: int = field(default=23000, metadata=described(
-        "The cluster takes ports base_port .. base_port+11 (router, pods, metrics, redis)."))
+    base_port: int = field(default=0, metadata=described(
+        "The cluster takes consecutive ports from here (router, Prometheus, redis, pods, their metrics; 0: ports "
+        "free now)."))
     run_dir: str = field(default="", metadata=described("Where the cluster's logs go (empty: a new temp dir)."))
     json: str = field(default="", metadata=described("Write the report as JSON to this file."))
     progress_interval: float = field(default=10.0, metadata=described("Seconds between progress lines."))
@@ -94,11 +95,10 @@ class SoakConfig:
             raise ValueError("need at least one decode pod, and no negative counts")
 
     def up_config(self) -> UpConfig:
-        base = self.base_port
-        return UpConfig(model=self.model, prefill=self.prefill, decode=self.decode, registry="redis",
-                        inject_corrupt_chunks=self.corrupt_chunks, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                        grpc_port=base, http_port=base + 1, base_pod_port=base + 2, base_metrics_port=base + 6,
-                        redis_port=base + 10, prometheus=False, run_dir=self.run_dir)
+        return UpConfig.on_ports(self.base_port or None, model=self.model, prefill=self.prefill, decode=self.decode,
+                                 registry="redis", inject_corrupt_chunks=self.corrupt_chunks,
+                                 kv_cache_memory_bytes=self.kv_cache_memory_bytes, prometheus=False,
+                                 run_dir=self.run_dir)
 
 
 # ---- faults ---------------------------------------------------------------------------------------------------------

@@ -80,13 +80,10 @@ def _load(http: str, requests_per_worker: int = 6, workers: int = 3) -> list[int
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory, free_ports):
+def running(tmp_path_factory):
     """A loaded cluster and its Prometheus URL (the cluster runs until the module's tests end)."""
-    base = free_ports(10)
-    config = UpConfig(model="smollm2-135m", prefill=1, decode=1, grpc_port=base, http_port=base + 1,
-                      base_pod_port=base + 2, base_metrics_port=base + 5, prometheus_port=base + 8,
-                      kv_cache_memory_bytes=256 << 20, conditional_prefill_threshold=32,
-                      run_dir=str(tmp_path_factory.mktemp("up")))
+    config = UpConfig.on_ports(model="smollm2-135m", prefill=1, decode=1, kv_cache_memory_bytes=256 << 20,
+                               conditional_prefill_threshold=32, run_dir=str(tmp_path_factory.mktemp("up")))
     cluster = Cluster(config)
     try:
         cluster.start()

@@ -40,11 +40,10 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
 TINY = {"model": MODEL, "prometheus": False, "kv_cache_memory_bytes": 16 << 20, "ready_timeout_s": START_S}
 
 
-def up_config(tmp_path: Path, base: int, **fields) -> UpConfig:
-    """A cluster on ports base .. base+11, tiny random model, no Prometheus unless asked."""
-    return UpConfig(**{"grpc_port": base, "http_port": base + 1, "base_pod_port": base + 2,
-                       "base_metrics_port": base + 6, "redis_port": base + 10, "prometheus_port": base + 11,
-                       "run_dir": str(tmp_path), **TINY, **fields})
+def up_config(tmp_path: Path, base: int | None, **fields) -> UpConfig:
+    """A cluster on consecutive ports from ``base`` (None: free ones), tiny random model, no Prometheus unless
+    asked."""
+    return UpConfig.on_ports(base, **{"run_dir": str(tmp_path), **TINY, **fields})
 
 
 # ---- the router's view ----------------------------------------------------------------------------------------------
