@@ -42,6 +42,9 @@ class RouterConfig:
         "Prompts shorter than this many tokens prefill on their decode pod (0: never for length)."))
     conditional_cached_fraction: float = field(default=0.8, metadata=described(
         "Prompts with at least this fraction already cached on the decode pod prefill there (> 1: never)."))
+    conditional_prefill_queue_s: float = field(default=0.0, metadata=described(
+        "Load-aware conditional disaggregation: a prompt that would wait at least this many seconds behind every "
+        "prefill pod's queue prefills on its decode pod instead, if that pod has no prompt queued (0: never)."))
     request_timeout_s: float = field(default=300.0, metadata=described("Deadline of one request, arrival to last token."))
     max_retries: int = field(default=2, metadata=described(
         "Retries on other pods of a request that failed before its first token."))
@@ -99,7 +102,7 @@ class RouterConfig:
         self.registry = member(RegistryKind, "registry", self.registry)
         checked_cpu_set("cpus", self.cpus)
         for name in ("grpc_port", "http_port", "conditional_prefill_threshold", "max_retries", "max_migrations",
-                     "max_pending_requests", "max_queue_time_s"):
+                     "max_pending_requests", "max_queue_time_s", "conditional_prefill_queue_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_model_len", "pod_ttl_s", "request_timeout_s", "kv_lease_s", "slo_ttft_s", "slo_tpot_s"):

@@ -5,9 +5,11 @@
 1. keep the decode-capable pods (decode and mixed) with room in their KV cache for the prompt; none
    -> ``RESOURCE_EXHAUSTED`` (back-pressure: the client should retry later);
 2. D = ``pick_decode(...)``, the policy's choice;
-3. conditional disaggregation (``prefill_locally``): no prefill pod, a prompt shorter than
+3. conditional disaggregation (``LocalPrefill``): no prefill pod, a prompt shorter than
    ``conditional_prefill_threshold``, or one whose prefix D mostly holds already is cheaper to prefill on D
-   than to prefill on P and ship over the network -> ``RoutePlan(prefill=None, decode=D)``;
+   than to prefill on P and ship over the network; and, load-aware, a prompt that would wait at least
+   ``conditional_prefill_queue_s`` behind every prefill pod's queue starts sooner on a D with no prompt of its own
+   queued -> ``RoutePlan(prefill=None, decode=D)``;
 4. P = ``pick_prefill(...)`` -> ``RoutePlan(prefill=P, decode=D)``.
 
 Policies differ only in steps 2 and 4, and are picked by name (``make_policy``):
@@ -42,6 +44,10 @@ from runtime.errors import StatusError
 
 if TYPE_CHECKING:
     from router.router import RouterRequest
+
+# No decode pod serving usually means one loading or restarting (seconds, under `splitserve up`'s supervisor or a
+# Kubernetes restart): the 503 tells clients to come back after this long (Retry-After, grpc-retry-pushback-ms).
+NO_DECODE_POD_RETRY_S = 2.0
 
 
 class PolicyName(enum.StrEnum):
@@ -106,17 +112,38 @@ def prefill_load(pod: PodInfo) -> tuple:
     return pod.queued_tokens, pod.busy, pod.address
 
 
-def prefill_locally(num_prompt_tokens: int, cached_on_decode: int, has_prefill_pods: bool,
-                    threshold: int, cached_fraction: float) -> str | None:
-    """Conditional disaggregation: why the decode pod should prefill this prompt itself, or None if it should not."""
-    if not has_prefill_pods:
-        return "no prefill pod: prefill on the decode pod"
-    if num_prompt_tokens < threshold:
-        return f"short prompt ({num_prompt_tokens} < {threshold} tokens): prefill on the decode pod"
-    fraction = cached_on_decode / num_prompt_tokens
-    if fraction >= cached_fraction:
-        return f"{fraction:.0%} of the prompt cached on the decode pod: prefill there"
-    return None
+@dataclass(frozen=True)
+class LocalPrefill:
+    """Conditional disaggregation: when the decode pod D prefills a prompt itself instead of a prefill pod.
+
+    By the prompt (``threshold``, ``cached_fraction``) and by load (``queue_s``), as Dynamo's conditional
+    disaggregation decides by prompt length and prefill queue size, here in seconds: when even the least queued
+    prefill pod would start the prompt ``queue_s`` or more from now (its queued prompt tokens at its measured
+    prefill rate) and D has no prompt of its own queued, D starts it at its next step. That lends the decode pod's
+    cycles to prefill when the prefill pods fall behind, at the price of one prefill's stall of D's running
+    decodes; at most one such prompt is queued on D at a time. 0 turns the load rule off.
+    """
+
+    threshold: int = 32
+    cached_fraction: float = 0.8
+    queue_s: float = 0.0
+
+    def reason(self, num_prompt_tokens: int, cached_on_decode: int, prefill_pods: list[PodInfo],
+               decode: PodInfo) -> str | None:
+        """Why ``decode`` should prefill this prompt itself, or None if a prefill pod should."""
+        if not prefill_pods:
+            return "no prefill pod: prefill on the decode pod"
+        if num_prompt_tokens < self.threshold:
+            return f"short prompt ({num_prompt_tokens} < {self.threshold} tokens): prefill on the decode pod"
+        fraction = cached_on_decode / num_prompt_tokens
+        if fraction >= self.cached_fraction:
+            return f"{fraction:.0%} of the prompt cached on the decode pod: prefill there"
+        if self.queue_s and decode.queued_tokens == 0:
+            waits = [pod.prefill_wait_s for pod in prefill_pods]
+            if all(wait is not None and wait >= self.queue_s for wait in waits):
+                return (f"every prefill pod is at least {min(waits):.1f} s behind (conditional_prefill_queue_s "
+                        f"{self.queue_s:g} s): prefill on the decode pod")
+        return None
 
 
 class RoutingPolicy:
@@ -124,17 +151,15 @@ class RoutingPolicy:
 
     name: PolicyName
 
-    def __init__(self, conditional_prefill_threshold: int = 32, conditional_cached_fraction: float = 0.8):
-        self.conditional_prefill_threshold = conditional_prefill_threshold
-        self.conditional_cached_fraction = conditional_cached_fraction
+    def __init__(self, local_prefill: LocalPrefill | None = None):
+        self.local_prefill = local_prefill or LocalPrefill()
 
     def choose_pair(self, request: RouterRequest, prefill_pods: list[PodInfo],
                     decode_pods: list[PodInfo]) -> RoutePlan:
         prompt = PromptBlocks(request.prompt_token_ids)
         num_tokens = len(prompt.token_ids)
         decode = self._choose_decode(prompt, decode_pods)
-        local_reason = prefill_locally(num_tokens, prompt.cached_tokens(decode), bool(prefill_pods),
-                                       self.conditional_prefill_threshold, self.conditional_cached_fraction)
+        local_reason = self.local_prefill.reason(num_tokens, prompt.cached_tokens(decode), prefill_pods, decode)
         if local_reason is not None:
             return RoutePlan(None, decode, local_reason)
         return RoutePlan(self.pick_prefill(prefill_pods, prompt), decode, "disaggregated")
@@ -146,7 +171,8 @@ class RoutingPolicy:
     def _choose_decode(self, prompt: PromptBlocks, decode_pods: list[PodInfo]) -> PodInfo:
         num_tokens = len(prompt.token_ids)
         if not decode_pods:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, "no decode pod is serving")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "no decode pod is serving",
+                              retry_after_s=NO_DECODE_POD_RETRY_S)
         roomy = [pod for pod in decode_pods if has_room(pod, num_tokens)]
         if not roomy:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -224,9 +250,9 @@ POLICIES: dict[PolicyName, type[RoutingPolicy]] = {
 assert set(POLICIES) == set(PolicyName), "every policy name has its class"
 
 
-def make_policy(name: PolicyName | str, conditional_prefill_threshold: int = 32,
-                conditional_cached_fraction: float = 0.8, seed: int | None = None) -> RoutingPolicy:
+def make_policy(name: PolicyName | str, local_prefill: LocalPrefill | None = None,
+                seed: int | None = None) -> RoutingPolicy:
     """The policy called ``name``; ``seed`` fixes power_of_two's draws (tests)."""
     name = member(PolicyName, "policy", name)
     extra = {"seed": seed} if name is PolicyName.POWER_OF_TWO else {}
-    return POLICIES[name](conditional_prefill_threshold, conditional_cached_fraction, **extra)
+    return POLICIES[name](local_prefill, **extra)

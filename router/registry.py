@@ -107,6 +107,13 @@ class PodInfo:
         return max(self.queued_prompt_tokens, self.load.queued_prefill_tokens)
 
     @property
+    def prefill_wait_s(self) -> float | None:
+        """Seconds the pod would take to get through the prompt tokens queued on it, at its recent prefill rate;
+        None before it has measured one."""
+        rate = self.load.prefill_tokens_per_second
+        return self.queued_tokens / rate if rate > 0 else None
+
+    @property
     def free_kv_blocks(self) -> int:
         return self.load.free_kv_blocks - self.blocks_since_report
 

@@ -56,7 +56,7 @@ from protos.splitserve.v1 import decode_pb2, prefill_pb2
 from router.config import RouterConfig
 from router.pod_client import PodClient, PodClientPool
 from router.pod_monitor import PodMonitor
-from router.policies import RoutePlan, RoutingPolicy, blocks_for, make_policy
+from router.policies import LocalPrefill, RoutePlan, RoutingPolicy, blocks_for, make_policy
 from router.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
 from runtime.errors import StatusError, from_rpc_error
 from runtime.metrics import RouterMetrics
@@ -199,8 +199,8 @@ class Router:
         self.metrics = metrics if metrics is not None else RouterMetrics(config.model)
         self.pod_clients = PodClientPool(config.tls)
         self.registry = registry if registry is not None else self._build_registry()
-        self.policy = policy if policy is not None else make_policy(
-            config.policy, config.conditional_prefill_threshold, config.conditional_cached_fraction)
+        self.policy = policy if policy is not None else make_policy(config.policy, LocalPrefill(
+            config.conditional_prefill_threshold, config.conditional_cached_fraction, config.conditional_prefill_queue_s))
         self._runs: dict[str, _RequestRun] = {}
         self._num_pending = 0  # requests admitted that have no first token yet
         self._background: set[asyncio.Task] = set()  # Aborts sent to pods for requests already ended
@@ -501,13 +501,13 @@ class Router:
     def _queue_wait_estimate(self) -> float:
         """Seconds until the least-queued prefilling pod would start a new prompt, from its measured rate."""
         pods = self.registry.prefill_pods() or self.registry.decode_pods()
-        waits = [_prefill_wait_s(pod) for pod in pods]
+        waits = [pod.prefill_wait_s for pod in pods]
         return min((w for w in waits if w is not None), default=1.0)
 
     def _check_queue_time(self, run: _RequestRun, plan: RoutePlan) -> None:
         limit = self.config.max_queue_time_s
         pod = plan.prefill or plan.decode
-        wait = _prefill_wait_s(pod)
+        wait = pod.prefill_wait_s
         if limit and wait is not None and wait > limit:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"the least loaded pod would start this prompt in about {wait:.1f} s ({pod.queued_tokens} "
@@ -769,13 +769,6 @@ class Router:
         answered = finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and run.first_token_at is not None
         if answered and ttft <= self.config.slo_ttft_s and tpot <= self.config.slo_tpot_s:
             metrics.requests_within_slo.inc()
-
-
-def _prefill_wait_s(pod: PodInfo) -> float | None:
-    """How long ``pod`` would take to get through the prompt tokens queued on it, at its recent prefill rate;
-    None before it has measured one."""
-    rate = pod.load.prefill_tokens_per_second
-    return pod.queued_tokens / rate if rate > 0 else None
 
 
 def _prefer_others(pods: list[PodInfo], avoid: set[str]) -> list[PodInfo]:

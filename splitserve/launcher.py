@@ -71,6 +71,9 @@ class UpConfig:
     policy: PolicyName = field(default=PolicyName.LEAST_LOADED, metadata=described("Routing policy."))
     conditional_prefill_threshold: int = field(default=32, metadata=described(
         "Prompts shorter than this many tokens prefill on the decode pod."))
+    conditional_prefill_queue_s: float = field(default=0.0, metadata=described(
+        "Prompts that would wait this many seconds behind the prefill pods' queues prefill on a decode pod with "
+        "none queued (0: never; the router's flag)."))
     registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
         "'static' (the router gets the pod list) or 'redis' (a local redis-server; pods heartbeat into it)."))
     redis_port: int = field(default=6379, metadata=described("Port of the local redis-server (--registry redis)."))
@@ -147,7 +150,7 @@ class UpConfig:
 # UpConfig fields every pod gets under the same flag name (runtime.config.flag_name); the router's likewise.
 POD_FLAGS = ("model", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
              "shutdown_grace_s")
-ROUTER_FLAGS = ("model", "policy", "kv_codec", "conditional_prefill_threshold")
+ROUTER_FLAGS = ("model", "policy", "kv_codec", "conditional_prefill_threshold", "conditional_prefill_queue_s")
 
 
 @dataclass

@@ -27,16 +27,18 @@ from splitserve.bench.workload import WorkloadConfig
 
 
 def test_two_cpus_give_one_split_both_colocated_layouts_per_budget_and_conditional():
-    plan = plan_topologies([0, 1], [64, 256, 512], conditional_threshold=128)
+    plan = plan_topologies([0, 1], [64, 256, 512], conditional_threshold=128, conditional_queue_s=1.5)
     assert [t.name for t in plan] == [
         "disagg-1:1",
         "colocated-2x1cpu-b64", "colocated-2x1cpu-b256", "colocated-2x1cpu-b512",
         "colocated-1x2cpu-b64", "colocated-1x2cpu-b256", "colocated-1x2cpu-b512",
-        "conditional-1:1-t128"]
-    disagg, conditional = plan[0].fields, plan[-1].fields
+        "conditional-1:1-t128", "conditional-1:1-q1.5"]
+    disagg, conditional, load_aware = plan[0].fields, plan[-2].fields, plan[-1].fields
     assert (disagg["prefill_cpus"], disagg["decode_cpus"], disagg["conditional_prefill_threshold"]) == ("0", "1", 0)
+    assert disagg["conditional_prefill_queue_s"] == 0
     assert (conditional["prefill_cpus"], conditional["decode_cpus"]) == ("0", "1")
-    assert conditional["conditional_prefill_threshold"] == 128
+    assert (conditional["conditional_prefill_threshold"], conditional["conditional_prefill_queue_s"]) == (128, 0)
+    assert (load_aware["conditional_prefill_threshold"], load_aware["conditional_prefill_queue_s"]) == (0, 1.5)
     per_cpu, one_pod = plan[2].fields, plan[5].fields
     assert (per_cpu["mixed"], per_cpu["mixed_cpus"], per_cpu["prefill"], per_cpu["decode"]) == (2, "0-1", 0, 0)
     assert (per_cpu["max_num_batched_tokens"], per_cpu["long_prefill_token_threshold"]) == (256, 256)
@@ -163,13 +165,18 @@ def test_a_pod_that_fails_to_start_fails_its_topology_with_its_log():
 @pytest.mark.e2e
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0),
                     reason="needs CPUs 0 and 1")
-def test_two_topologies_end_to_end_from_the_command_line(tmp_path, capsys):
+def test_two_topologies_end_to_end_from_the_command_line(tmp_path, capsys, monkeypatch):
     out, png = tmp_path / "compare.json", tmp_path / "compare.png"
+    preparations = []  # one per cluster, shared by its sweep and its reference run: every run's prompts are new
+    make = compare.Preparation.make
+    monkeypatch.setattr(compare.Preparation, "make", classmethod(
+        lambda cls, config: preparations.append(make(config)) or preparations[-1]))
     results = compare.main([
         "--model", "tiny-random", "--cpus", "0,1", "--topologies", "disagg-1:1,colocated-2x1cpu-b64",
         "--budgets", "64", "--workload", "random", "--max-prompt-tokens", "48", "--max-output-tokens", "8",
-        "--num-prompts", "6", "--rates", "2,4", "--reference-rate", "2", "--goodput", "ttft:5000", "tpot:1000",
+        "--num-prompts", "6", "--rates", "2,4", "--reference-rate", "3", "--goodput", "ttft:5000", "tpot:1000",
         "--kv-cache-memory-bytes", str(64 << 20), "--no-progress", "--json", str(out), "--plot", str(png)])
+    assert [prep.runs for prep in preparations] == [3, 3]  # rates 2 and 4, then the reference rate on its own
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     by_name = {t["name"]: t for t in results["topologies"]}
     assert list(by_name) == ["disagg-1:1", "colocated-2x1cpu-b64"]

@@ -7,7 +7,7 @@ import pytest
 
 from engine.block_manager import chained_block_hashes
 from engine.sampling_params import SamplingParams
-from router.policies import PromptBlocks, has_room, make_policy, prefill_locally
+from router.policies import NO_DECODE_POD_RETRY_S, LocalPrefill, PromptBlocks, has_room, make_policy
 from router.registry import PodInfo, PodLoad
 from router.router import RouterRequest
 from runtime.errors import StatusError
@@ -26,8 +26,8 @@ def request(num_tokens=64, tokens=None):
     return RouterRequest("r", token_ids, SamplingParams())
 
 
-def policy(name, threshold=32, cached_fraction=0.8, seed=None):
-    return make_policy(name, threshold, cached_fraction, seed=seed)
+def policy(name, threshold=32, cached_fraction=0.8, queue_s=0.0, seed=None):
+    return make_policy(name, LocalPrefill(threshold, cached_fraction, queue_s), seed=seed)
 
 
 def test_least_loaded_picks_the_fewest_requests_then_most_free_blocks_and_least_queued_prefill():
@@ -147,11 +147,46 @@ def test_prompt_mostly_cached_on_the_decode_pod_prefills_there():
 
 
 def test_prefill_locally_rules():
-    assert prefill_locally(100, 0, False, 32, 0.8) == "no prefill pod: prefill on the decode pod"
-    assert prefill_locally(10, 0, True, 32, 0.8).startswith("short prompt")
-    assert prefill_locally(100, 80, True, 32, 0.8).startswith("80% of the prompt cached")
-    assert prefill_locally(100, 79, True, 32, 0.8) is None
-    assert prefill_locally(100, 0, True, 0, 0.8) is None
+    rule, p, d = LocalPrefill(32, 0.8), [pod("p1", "prefill")], pod("d1")
+    assert rule.reason(100, 0, [], d) == "no prefill pod: prefill on the decode pod"
+    assert rule.reason(10, 0, p, d).startswith("short prompt")
+    assert rule.reason(100, 80, p, d).startswith("80% of the prompt cached")
+    assert rule.reason(100, 79, p, d) is None
+    assert LocalPrefill(0, 0.8).reason(100, 0, p, d) is None
+
+
+def prefill_pod(address, queued, tokens_per_s):
+    p = pod(address, "prefill", queued=queued)
+    p.load.prefill_tokens_per_second = tokens_per_s
+    return p
+
+
+def test_load_aware_rule_lends_the_decode_pod_when_every_prefill_pod_is_behind():
+    rule = LocalPrefill(threshold=0, queue_s=1.0)
+    behind = [prefill_pod("p1", queued=600, tokens_per_s=300), prefill_pod("p2", queued=300, tokens_per_s=300)]
+    assert rule.reason(400, 0, behind, pod("d1")) == (
+        "every prefill pod is at least 1.0 s behind (conditional_prefill_queue_s 1 s): prefill on the decode pod")
+    # One prefill pod that would start it sooner than queue_s: the prompt goes there.
+    assert rule.reason(400, 0, behind + [prefill_pod("p3", queued=200, tokens_per_s=300)], pod("d1")) is None
+    # The decode pod already has a prompt of its own queued: at most one at a time.
+    assert rule.reason(400, 0, behind, pod("d1", queued=128)) is None
+    # A prefill pod that has not measured its rate yet is not known to be behind.
+    assert rule.reason(400, 0, [prefill_pod("p1", queued=10_000, tokens_per_s=0)], pod("d1")) is None
+    # queue_s 0 turns the rule off, however far behind.
+    assert LocalPrefill(threshold=0).reason(400, 0, behind, pod("d1")) is None
+
+
+def test_load_aware_plan_counts_the_routers_own_queued_prompts():
+    """The router's own count of prompts it sent (queued_prompt_tokens) makes a prefill pod behind before its next
+    report says so, and makes the decode pod's one local prompt count against a second."""
+    p, d = prefill_pod("p1", queued=0, tokens_per_s=400), pod("d1")
+    least = policy("least_loaded", threshold=0, queue_s=1.0)
+    assert least.choose_pair(request(300), [p], [d]).prefill is p  # 0 s behind
+    p.queued_prompt_tokens = 500  # 1.25 s at 400 tokens/s
+    plan = least.choose_pair(request(300), [p], [d])
+    assert plan.prefill is None and plan.decode is d and plan.reason.startswith("every prefill pod")
+    d.queued_prompt_tokens = 300  # that prompt now queues on d: the next one goes to p, behind or not
+    assert least.choose_pair(request(300), [p], [d]).prefill is p
 
 
 def test_only_mixed_pods_means_every_request_prefills_locally():
@@ -180,6 +215,7 @@ def test_no_decode_pod_is_unavailable():
         policy("round_robin").choose_pair(request(64), [pod("p1", "prefill")], [])
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
     assert caught.value.message == "no decode pod is serving"
+    assert caught.value.retry_after_s == NO_DECODE_POD_RETRY_S  # a restarting pod is usually back in seconds
 
 
 def test_unknown_policy_name_is_an_error():

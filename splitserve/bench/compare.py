@@ -11,6 +11,8 @@ One run, top to bottom (``run_compare(config)``, also the library entry point):
                        prefill token budget of ``--budgets`` (``max_num_batched_tokens`` and
                        ``long_prefill_token_threshold``, as Sarathi-Serve tunes it): the best of them is the baseline;
        conditional     the even P:D split, prompts shorter than ``--conditional-threshold`` prefill on the decode pod;
+                       and load-aware: a prompt that would wait ``--conditional-queue-s`` or more behind the prefill
+                       pod's queue prefills on the decode pod when that one has none queued;
   2. for each in turn: ``splitserve up`` (``launcher.Cluster``) on free loopback ports, the same seeded workload
      swept over ``--rates`` with ``bench serve`` (``serve.run_sweep``: the highest rate at which >= 90% of requests
      meet both targets, DistServe's goodput; rates above the first miss are skipped), then the cluster stopped.
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.cpus import allowed_cpus, format_cpu_list, parse_cpu_list
-from splitserve.bench.serve import ServeBenchConfig, rates_arg, run_serve_benchmark, run_sweep
+from splitserve.bench.serve import Preparation, ServeBenchConfig, rates_arg, run_serve_benchmark, run_sweep
 from splitserve.bench.serve_metrics import SLO
 from splitserve.bench.workload import WorkloadConfig
 
@@ -49,6 +51,7 @@ STARTUP_S = 30.0  # estimate: a cluster of smollm2-135m pods loads, serves, and 
 DRAIN_S = 10.0  # estimate: after the last send, the requests still out finish
 BUDGETS = (64, 128, 256)  # colocated chunked-prefill token budgets: small chunks (steady decode) to large ones
 CONDITIONAL_THRESHOLD = 256  # prompts shorter than this prefill on the decode pod (about a third of the trace's)
+CONDITIONAL_QUEUE_S = 2.0  # load-aware: a prompt this far behind the prefill queue prefills on the decode pod (1.0: worse)
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class Topology:
         return ", ".join(f"{k}={v}" for k, v in self.fields.items())
 
 
-def plan_topologies(cpus: list[int], budgets: list[int], conditional_threshold: int) -> list[Topology]:
+def plan_topologies(cpus: list[int], budgets: list[int], conditional_threshold: int,
+                    conditional_queue_s: float = 0.0) -> list[Topology]:
     """Every topology worth measuring on ``cpus`` (sorted CPU ids), in the order they run."""
     n, every = len(cpus), format_cpu_list(frozenset(cpus))
     plans = []
@@ -79,12 +83,16 @@ def plan_topologies(cpus: list[int], budgets: list[int], conditional_threshold: 
         p = n // 2
         plans.append(Topology(f"conditional-{p}:{n - p}-t{conditional_threshold}", "conditional",
                               _pd_fields(cpus, p, threshold=conditional_threshold)))
+        if conditional_queue_s:
+            plans.append(Topology(f"conditional-{p}:{n - p}-q{conditional_queue_s:g}", "conditional",
+                                  _pd_fields(cpus, p, threshold=0, queue_s=conditional_queue_s)))
     return plans
 
 
-def _pd_fields(cpus: list[int], prefill_cpus: int, threshold: int) -> dict:
+def _pd_fields(cpus: list[int], prefill_cpus: int, threshold: int, queue_s: float = 0.0) -> dict:
     return dict(prefill=1, decode=1, mixed=0, prefill_cpus=format_cpu_list(frozenset(cpus[:prefill_cpus])),
-                decode_cpus=format_cpu_list(frozenset(cpus[prefill_cpus:])), conditional_prefill_threshold=threshold)
+                decode_cpus=format_cpu_list(frozenset(cpus[prefill_cpus:])), conditional_prefill_threshold=threshold,
+                conditional_prefill_queue_s=queue_s)
 
 
 def select_topologies(plan: list[Topology], wanted: list[str]) -> list[Topology]:
@@ -176,6 +184,7 @@ class CompareConfig:
     topologies: list[str] = field(default_factory=list)  # kinds or names; empty: all
     budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
     conditional_threshold: int = CONDITIONAL_THRESHOLD
+    conditional_queue_s: float = CONDITIONAL_QUEUE_S
     attainment: float = 0.9
     refine: int = 0
     cpus: frozenset[int] = field(default_factory=allowed_cpus)
@@ -194,8 +203,8 @@ class CompareConfig:
             raise ValueError(f"client CPUs {format_cpu_list(self.client_cpus)} are not all allowed here")
 
     def plan(self) -> list[Topology]:
-        return select_topologies(plan_topologies(sorted(self.cpus), self.budgets, self.conditional_threshold),
-                                 self.topologies)
+        return select_topologies(plan_topologies(sorted(self.cpus), self.budgets, self.conditional_threshold,
+                                                 self.conditional_queue_s), self.topologies)
 
     def estimate_s(self) -> float:
         """A topology's time, at most: start-up, then each rate's sends and drain (fewer when a rate misses)."""
@@ -246,13 +255,15 @@ def measure_topology(topology: Topology, config: CompareConfig, log=print) -> To
         cluster.start()
         cluster.wait_ready(log=log)
         with pinned(config.client_cpus):
-            sweep = run_sweep(serve, config.rates, config.attainment, config.refine, log=log, stop_at_miss=True)
+            prep = Preparation.make(serve)  # one for every run on this cluster: each run's prompts are new to it
+            sweep = run_sweep(serve, config.rates, config.attainment, config.refine, log=log, stop_at_miss=True,
+                              prep=prep)
             reference = next((run.summary for run in sweep["runs"]
                               if run.config.workload.request_rate == config.reference_rate), None)
             if reference is None:
                 log(f"the reference rate, {config.reference_rate:g} req/s, on its own:")
                 reference = run_serve_benchmark(dataclasses.replace(serve, workload=dataclasses.replace(
-                    serve.workload, request_rate=config.reference_rate)), log=log).summary
+                    serve.workload, request_rate=config.reference_rate)), log=log, prep=prep).summary
     except (OSError, RuntimeError, TimeoutError) as error:
         log(f"FAILED: {error}")
         return TopologyResult(topology, error=f"{type(error).__name__}: {error}".splitlines()[0])
@@ -366,6 +377,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     what.add_argument("--budgets", type=_ints, help=f"colocated chunked-prefill token budgets (default {DEFAULTS['budgets']})")
     what.add_argument("--conditional-threshold", type=int, default=CONDITIONAL_THRESHOLD,
                       help="conditional: prompts shorter than this prefill on the decode pod")
+    what.add_argument("--conditional-queue-s", type=float, default=CONDITIONAL_QUEUE_S,
+                      help="load-aware conditional: a prompt that would wait this many seconds behind the prefill "
+                           "pod's queue prefills on the decode pod if it has none queued (0: no such topology)")
     what.add_argument("--model", default="smollm2-135m")
     what.add_argument("--cpus", help="CPUs the topologies share (default: all this process may use)")
     what.add_argument("--client-cpus", default="", help="pin the load generator (this process) to these CPUs while "
@@ -423,7 +437,8 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
                              time_limit_s=args.num_prompts / min(args.rates) + 60.0)
     return CompareConfig(serve=serve, rates=sorted(args.rates), reference_rate=args.reference_rate,
                          model=args.model, topologies=args.topologies, budgets=args.budgets,
-                         conditional_threshold=args.conditional_threshold, attainment=args.slo_attainment,
+                         conditional_threshold=args.conditional_threshold,
+                         conditional_queue_s=args.conditional_queue_s, attainment=args.slo_attainment,
                          refine=args.refine, cpus=parse_cpu_list(args.cpus) if args.cpus else allowed_cpus(),
                          client_cpus=parse_cpu_list(args.client_cpus) if args.client_cpus else frozenset(),
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes)

@@ -132,13 +132,14 @@ class ServeRun:
 # ------------------------------------------------------------------------------------------------- a run
 
 
-def run_serve_benchmark(config: ServeBenchConfig, log=print) -> ServeRun:
-    """One run against a router that is up; see the module docstring for its steps."""
-    return asyncio.run(_run(config, _Preparation.make(config), log))
+def run_serve_benchmark(config: ServeBenchConfig, log=print, prep: Preparation | None = None) -> ServeRun:
+    """One run against a router that is up; see the module docstring for its steps. ``prep``: the one of earlier
+    runs against the same router, so that this run's prompts are new to its prefix caches."""
+    return asyncio.run(_run(config, prep or Preparation.make(config), log))
 
 
 @dataclass
-class _Preparation:
+class Preparation:
     """What does not change between the runs of a sweep: the model, its tokenizer's prompts (each run its own, of the
     same lengths: ``runs`` counts the runs started)."""
 
@@ -147,7 +148,7 @@ class _Preparation:
     runs: int = 0
 
     @classmethod
-    def make(cls, config: ServeBenchConfig) -> "_Preparation":
+    def make(cls, config: ServeBenchConfig) -> "Preparation":
         from engine.model_files import load_tokenizer  # imports torch: only when a run is prepared
 
         model = config.model or served_model(config.base_url)
@@ -171,7 +172,7 @@ def served_model(base_url: str) -> str:
                            "pass --model and --base-url") from error
 
 
-async def _run(config: ServeBenchConfig, prep: _Preparation, log) -> ServeRun:
+async def _run(config: ServeBenchConfig, prep: Preparation, log) -> ServeRun:
     specs = build_workload(config.workload)
     client = _client(config, prep.model)
     prep.runs += 1
@@ -202,7 +203,7 @@ def _client(config: ServeBenchConfig, model: str) -> HttpCompletions | GrpcGener
     return GrpcGenerate(config.grpc_address, model, config.temperature, config.request_timeout_s)
 
 
-async def _warm_up(config: ServeBenchConfig, prep: _Preparation, client) -> None:
+async def _warm_up(config: ServeBenchConfig, prep: Preparation, client) -> None:
     """Requests that open the connections and touch every code path once; a failure stops the benchmark here,
     since every request of the run would fail the same way."""
     start = time.perf_counter()
@@ -345,14 +346,14 @@ def compare_with_router(records: list[RequestRecord], before: str, after: str) -
 
 
 def run_sweep(config: ServeBenchConfig, rates: list[float], attainment: float = 0.9, refine: int = 0,
-              log=print, stop_at_miss: bool = False) -> dict:
+              log=print, stop_at_miss: bool = False, prep: Preparation | None = None) -> dict:
     """The same seeded workload at each rate (then ``refine`` bisections between the last rate that met the
     targets and the first that did not); the highest rate meeting ``attainment`` before the first that did not.
     ``stop_at_miss``: skip the rates above the first that missed (they cannot change the result; saves the time of
     runs past capacity)."""
     if not config.slo:
         raise ValueError("a sweep needs latency targets (--goodput ttft:MS tpot:MS)")
-    prep = _Preparation.make(config)
+    prep = prep or Preparation.make(config)
     runs: dict[float, ServeRun] = {}
 
     def measure(rate: float) -> bool:
