@@ -5,7 +5,8 @@
 - ``RouterMetrics``: plus the router's (routing decisions, retries, rejections, its view of each pod, goodput).
 
 Names follow vLLM's with the prefix ``splitserve_`` and vLLM's histogram buckets (TTFT's with four more between 1
-and 5 s), so that vLLM dashboards translate directly. Every series carries ``role`` (router, prefill, decode, mixed) and ``model_name``.
+and 5 s), so that vLLM dashboards translate directly. Every series carries ``role`` (router, prefill, decode,
+mixed) and ``model_name``.
 TTFT splits into queue + prefill + KV transfer (``request_queue_time``, ``request_prefill_time``,
 ``kv_transfer_time``), so a dashboard can say where the time went. The dashboards and alerts built on these
 names live in ``deploy/``.

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.cpus import allowed_cpus, format_cpu_list, parse_cpu_list
+from splitserve.bench import save_results
 from splitserve.bench.serve import Preparation, ServeBenchConfig, rates_arg, run_serve_benchmark, run_sweep
 from splitserve.bench.serve_metrics import SLO
 from splitserve.bench.workload import WorkloadConfig
@@ -455,10 +455,11 @@ def main(argv: list[str] | None = None) -> dict:
     results = run_compare(config)
     report(results, config)
     out = results_json(results, config)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    if args.plot:
-        from splitserve.bench.compare_plots import plot_compare
 
-        plot_compare(results, config, args.plot)
+    def plot(_, path: str) -> None:
+        from splitserve.bench.compare_plots import plot_compare  # it imports this module
+
+        plot_compare(results, config, path)
+
+    save_results(out, args.json, args.plot, plot)
     return out

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import os
 import random
@@ -33,14 +32,17 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
 
 from engine.config import DEFAULT_MODEL
-from protos.splitserve.v1 import pod_status_pb2, pod_status_pb2_grpc
+from protos.splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
 from runtime.config import described, parse_config
 from runtime.roles import Role
+from runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
+from splitserve.bench import save_results
 from splitserve.bench.prompts import PromptFactory
 from splitserve.bench.serve import scrape_router
 from splitserve.bench.serve_client import GrpcGenerate
@@ -149,11 +151,8 @@ class FaultInjector:
         return None
 
     def counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for event in self.events:
-            kind = "redis_restarted" if event["fault"].endswith("redis") else "decode_pod_killed"
-            counts[kind] = counts.get(kind, 0) + 1
-        return counts
+        return dict(Counter("redis_restarted" if event["fault"].endswith("redis") else "decode_pod_killed"
+                            for event in self.events))
 
 
 # ---- load -----------------------------------------------------------------------------------------------------------
@@ -218,21 +217,22 @@ async def _progress(config: SoakConfig, records: list[RequestRecord], faults: Fa
 
 
 def _failures(records: list[RequestRecord]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for record in records:
-        if record.status == "failed":
-            counts[record.error] = counts.get(record.error, 0) + 1
-    return counts
+    return dict(Counter(record.error for record in records if record.status == "failed"))
 
 
 # ---- blocks ---------------------------------------------------------------------------------------------------------
 
-def blocks_in_use(address: str) -> int | None:
+def pod_load(address: str, tls: TLSConfig = PLAINTEXT) -> common_pb2.PodLoad:
+    """The pod's load report now (``PodStatus.GetLoad``)."""
+    with open_blocking_channel(address, tls) as channel:
+        return pod_status_pb2_grpc.PodStatusStub(channel).GetLoad(pod_status_pb2.LoadRequest(), timeout=10)
+
+
+def blocks_in_use(address: str, tls: TLSConfig = PLAINTEXT) -> int | None:
     """KV blocks in use on the pod at ``address``, plus the requests still in its engine (None: it does not
     answer). 0 is a pod with nothing left of any request."""
     try:
-        with grpc.insecure_channel(address) as channel:
-            load = pod_status_pb2_grpc.PodStatusStub(channel).GetLoad(pod_status_pb2.LoadRequest(), timeout=10)
+        load = pod_load(address, tls)
     except grpc.RpcError:
         return None
     return load.total_kv_blocks - load.free_kv_blocks + load.num_running + load.num_waiting
@@ -251,7 +251,7 @@ def leaked_blocks(cluster: Cluster, timeout_s: float) -> dict[str, int | None]:
     itself after the router's kv_lease_s: the timeout should be longer)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        held = {pod.name: blocks_in_use(cluster.address(pod)) for pod in cluster.pods}
+        held = {pod.name: blocks_in_use(cluster.address(pod), cluster.config.tls) for pod in cluster.pods}
         if all(n == 0 for n in held.values()) or time.monotonic() > deadline:
             return held
         time.sleep(0.5)
@@ -348,7 +348,5 @@ def main(argv: list[str] | None = None) -> None:
     log = lambda line: print(line, file=sys.stderr, flush=True)
     report = run_soak(config, log)
     print_report(report)
-    if config.json:
-        with open(config.json, "w") as out:
-            json.dump(report, out, indent=2)
+    save_results(report, config.json)
     sys.exit(0 if report["passed"] else 1)

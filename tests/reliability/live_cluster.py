@@ -18,10 +18,10 @@ from typing import Self
 
 import grpc
 
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from splitserve.bench.serve import scrape_router
 from splitserve.bench.serve_metrics import parse_counter
-from splitserve.bench.soak import blocks_in_use
+from splitserve.bench.soak import blocks_in_use, pod_load
 from splitserve.launcher import Cluster, UpConfig, serving
 
 START_S = 240  # a pod's start on a busy 2-core machine: tens of seconds; a hang is minutes
@@ -72,11 +72,6 @@ def wait_back(cluster: Cluster, name: str, restarts: int) -> None:
 
 
 # ---- the pods' KV blocks --------------------------------------------------------------------------------------------
-
-def pod_load(address: str) -> common_pb2.PodLoad:
-    with grpc.insecure_channel(address) as channel:
-        return pod_status_pb2_grpc.PodStatusStub(channel).GetLoad(pod_status_pb2.LoadRequest(), timeout=10)
-
 
 def wait_every_block_free(cluster: Cluster, timeout_s: float = 60) -> None:
     """Every pod of ``cluster`` holds no KV block and runs no request (a lease left behind expires in kv_lease_s:
