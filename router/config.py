@@ -65,7 +65,7 @@ class RouterConfig:
     cpus: str = field(default="", metadata=described(
         "CPU set the router runs on, e.g. '0-1' (empty: wherever the OS puts it)."))
 
-    # ---- the API edge: request limits, authentication, CORS, TLS (README: Security, Limits) -----------------
+    # ---- the API edge: request limits, authentication, CORS, TLS (docs/security.md, docs/api.md) -----------------
     max_request_bytes: int = field(default=4 << 20, metadata=described(
         "Largest HTTP request body and gRPC request message, in bytes (413 / RESOURCE_EXHAUSTED beyond)."))
     max_prompt_bytes: int = field(default=1 << 20, metadata=described(

@@ -407,7 +407,7 @@ async def _answer_validation_error(request: Request, error: RequestValidationErr
     return await _answer_router_error(request, APIError(grpc.StatusCode.INVALID_ARGUMENT, message, param))
 
 
-_UNKNOWN_FIELD = "unknown field; this server refuses fields it does not know rather than ignore them (README: API)"
+_UNKNOWN_FIELD = "unknown field; this server refuses fields it does not know rather than ignore them (docs/api.md)"
 
 
 async def _answer_http_exception(request: Request, error: StarletteHTTPException) -> Response:

@@ -103,7 +103,7 @@ class UpConfig:
         "Pin each process to its planned CPUs (--no-pin-cpus: same thread counts, the OS places the threads)."))
     run_dir: str = field(default="", metadata=described("Where logs and generated configs go (empty: a new temp dir)."))
     ready_timeout_s: float = field(default=300.0, metadata=described("How long to wait for the pods to load."))
-    # Security, passed to every process (README: Security): TLS on every gRPC link and HTTPS on the router.
+    # Security, passed to every process (docs/security.md): TLS on every gRPC link and HTTPS on the router.
     tls_cert_file: str = field(default="", metadata=described(
         "PEM certificate every process uses as server and client identity (must list the --host address)."))
     tls_key_file: str = field(default="", metadata=described("PEM private key of tls_cert_file."))

@@ -35,13 +35,13 @@ P, D, M = Role.PREFILL, Role.DECODE, Role.MIXED
 # ---- the CPU plan -------------------------------------------------------------------------------------------------
 
 def test_default_plan_on_two_cpus_is_the_documented_one():
-    """README, "CPU plan": prefill on CPU 0, decode on CPU 1, one thread each, the router on any CPU; mixed pods
+    """docs/configuration.md, "CPU plan": prefill on CPU 0, decode on CPU 1, one thread each, the router on any CPU; mixed pods
     split the CPUs."""
     plan = plan_cpus([("prefill-0", P), ("decode-0", D)], TWO_CPUS, {})
     assert {name: (format_cpu_list(p.cpus), p.threads, p.pinned) for name, p in plan.items()} == {
         "prefill-0": ("0", 1, True), "decode-0": ("1", 1, True), "router": ("0-1", 0, False)}
     printed = format_plan([*plan.values(), floating("prometheus", TWO_CPUS)])  # as `make run` prints it
-    assert printed in (REPO_ROOT / "README.md").read_text()
+    assert printed in (REPO_ROOT / "docs" / "configuration.md").read_text()
     assert placements([("mixed-0", M), ("mixed-1", M)]) == {
         "mixed-0": ("0", 1, True), "mixed-1": ("1", 1, True), "router": ("0-1", 0, False)}
     assert placements([("mixed-0", M)]) == {"mixed-0": ("0-1", 2, True), "router": ("0-1", 0, False)}

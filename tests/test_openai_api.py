@@ -482,7 +482,7 @@ def test_unknown_fields_are_refused_by_name(http, fake, path, body, param):
     assert response.status_code == 400
     assert error_of(response) == {
         "message": f"{param}: unknown field; this server refuses fields it does not know rather than ignore them "
-                   "(README: API)", "type": "invalid_request_error", "param": param, "code": "invalid_argument"}
+                   "(docs/api.md)", "type": "invalid_request_error", "param": param, "code": "invalid_argument"}
 
 
 def test_the_openai_client_sees_vllm_extras_refused_by_name(client, fake):

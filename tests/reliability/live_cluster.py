@@ -96,7 +96,7 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 
 def offline_answers(prompt_list: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """The greedy answers of the offline engine: what every topology must give (DESIGN.md)."""
+    """The greedy answers of the offline engine: what every topology must give (docs/RELIABILITY.md)."""
     from engine import LLM, SamplingParams
 
     engine = LLM(model=MODEL, num_blocks=512)
