@@ -19,12 +19,15 @@ from typing import Self
 import grpc
 
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from router.config import RouterConfig
 from splitserve.bench.serve import scrape_router
 from splitserve.bench.serve_metrics import parse_counter
 from splitserve.bench.soak import blocks_in_use, pod_load
 from splitserve.launcher import Cluster, UpConfig, serving
 
 START_S = 240  # a pod's start on a busy 2-core machine: tens of seconds; a hang is minutes
+KV_LEASE_S = RouterConfig.kv_lease_s  # how long a decode pod keeps KV no Decode call claimed (the router's default)
+LEASE_MARGIN_S = 3.0  # a lease starts when its KV is in, a little after the request's start
 MODEL = "tiny-random"
 
 
@@ -74,11 +77,23 @@ def wait_back(cluster: Cluster, name: str, restarts: int) -> None:
 # ---- the pods' KV blocks --------------------------------------------------------------------------------------------
 
 def wait_every_block_free(cluster: Cluster, timeout_s: float = 60) -> None:
-    """Every pod of ``cluster`` holds no KV block and runs no request (a lease left behind expires in kv_lease_s:
-    the deadline is longer)."""
+    """Every pod of ``cluster`` holds no KV block and runs no request. The default deadline is longer than
+    ``KV_LEASE_S``, so a lease left behind (a pod killed mid-push, say) counts as freed; a test of a drop passes a
+    deadline that ends before the lease would (``free_before_the_lease``)."""
     addresses = [cluster.address(pod) for pod in cluster.pods]
     wait_until(lambda: all(blocks_in_use(a) == 0 for a in addresses), timeout_s,
                f"every block free on every pod, now {({a: blocks_in_use(a) for a in addresses})}")
+
+
+def free_before_the_lease(cluster: Cluster, leases_from: float) -> None:
+    """Every block free on every pod before a lease opened at ``leases_from`` (``time.monotonic()``) or later
+    could expire: so a KV left on a decode pod by a request that ended early must have been dropped, not leased
+    out."""
+    deadline = leases_from + KV_LEASE_S - LEASE_MARGIN_S
+    left = deadline - time.monotonic()
+    assert left >= 5, (f"only {left:.1f} s left before a lease from the start could expire: "
+                       "the check cannot tell a drop from an expired lease")
+    wait_every_block_free(cluster, timeout_s=left)
 
 
 def running_on(cluster: Cluster, role: str = "decode") -> dict[str, int]:
