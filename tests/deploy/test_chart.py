@@ -89,15 +89,6 @@ def field_names(component: str) -> set[str]:
     return {f.name for f in dataclasses.fields(COMPONENTS[component])}
 
 
-def skip_if_flags_missing(case: str) -> None:
-    """The TLS and API-key flags come with the faults issue; until the dataclasses have them, say so."""
-    needs = {"tls": {"router": {"tls_cert_file"}}, "everything": {"router": {"api_keys"}}}.get(case, {})
-    for component, names in needs.items():
-        missing = names - field_names(component)
-        if missing:
-            pytest.skip(f"{COMPONENTS[component].__name__} has no {', '.join(sorted(missing))} yet")
-
-
 # ---- lint, Kubernetes schemas ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", CASES)
@@ -191,7 +182,6 @@ def _other_value(spec: dict):
 def test_rendered_command_lines_parse_into_working_configs(chart, case):
     """No required flag without a value: each process' rendered args (and env) build its config, with the
     registry in Redis, the pods advertising their pod IP, and termination grace covering the drain."""
-    skip_if_flags_missing(case)
     values = case_values(case)
     deployments = containers_by_component(objects(chart, values))
     expected = {"router", *(c for c in ("prefill", "decode", "mixed", "planner")
@@ -243,6 +233,57 @@ def test_probes_are_native_grpc_on_the_serving_port_and_grpcurl_under_tls(chart)
     tls = containers_by_component(objects(chart, case_values("tls")))
     probe = tls["decode"]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     assert "grpcurl" in probe["exec"]["command"][-1] and "localhost:50062" in probe["exec"]["command"][-1]
+
+
+TLS_DIR = "/etc/splitserve/tls"
+
+
+@pytest.mark.parametrize("case", ["defaults", "tls"])
+def test_tls_reaches_every_process_from_the_secret(chart, case):
+    """With ``tls.enabled``, every process (router and pods) gets the certificate, key and CA files of the Secret,
+    mounted read-only, and mutual TLS as asked; the router's metrics are scraped over HTTPS. Off: none of it."""
+    values = case_values(case)
+    on = values.get("tls", {}).get("enabled", False)
+    objs = objects(chart, values)
+    for component, deployment in containers_by_component(objs).items():
+        config = parsed_config(deployment)
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        if not on:
+            assert (config.tls_cert_file, config.tls_key_file, config.tls_ca_file) == ("", "", ""), component
+            assert "tls" not in volumes and "tls" not in mounts, component
+            continue
+        assert (config.tls_cert_file, config.tls_key_file, config.tls_ca_file, config.tls_require_client_cert) == (
+            f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt", values["tls"]["requireClientCert"]), \
+            component
+        assert volumes["tls"]["secret"] == {"secretName": values["tls"]["secretName"]}, component
+        assert mounts["tls"] == {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}, component
+    router = containers_by_component(objs)["router"]["spec"]["template"]
+    assert router["metadata"]["annotations"].get("prometheus.io/scheme") == ("https" if on else None)
+    [monitor] = [o for o in objs if o["kind"] == "ServiceMonitor" and
+                 o["metadata"]["labels"]["app.kubernetes.io/component"] == "router"] or [None]
+    if monitor is not None:
+        assert (monitor["spec"]["endpoints"][0].get("scheme") == "https") == on
+
+
+@pytest.mark.parametrize("case", ["defaults", "everything"])
+def test_api_keys_reach_only_the_router_and_only_from_the_secret(chart, case):
+    """``router.apiKeysSecret`` puts the keys in the router's environment from the Secret (never on its command
+    line, which ``ps`` and the pod spec show); the pods get none."""
+    values = case_values(case)
+    secret = values.get("router", {}).get("apiKeysSecret")
+    for component, deployment in containers_by_component(objects(chart, values)).items():
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        env = {var["name"]: var for var in container.get("env") or []}
+        assert not any(arg.startswith("--api-keys") for arg in container["args"]), component
+        if component == "router" and secret:
+            assert env["SPLITSERVE_API_KEYS"] == {"name": "SPLITSERVE_API_KEYS", "valueFrom": {
+                "secretKeyRef": {"name": secret["name"], "key": secret["key"]}}}
+            assert parsed_config(deployment).api_keys == ["k1", "k2"]  # the Secret's value, as the router reads it
+        else:
+            assert "SPLITSERVE_API_KEYS" not in env, component
 
 
 def test_planner_role_allows_only_reading_and_scaling_the_two_deployments(chart):
