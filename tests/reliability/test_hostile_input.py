@@ -71,8 +71,11 @@ class Servers:
         return self.client.post(path, content=body)
 
     def healthy(self) -> None:
+        """The router is alive and answers both health checks."""
         assert self.router.poll() is None, "the router died"
         assert self.client.get("/health").status_code == 200
+        reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def close(self) -> None:
         self.client.close()
@@ -143,16 +146,42 @@ def _http_body(base: dict, fields: dict) -> bytes:
     return json.dumps({**base, **fields}).encode()  # json writes NaN and Infinity as JavaScript does
 
 
+SERVER_FAULTS = ("internal", "unknown")  # error codes that say the server broke, not the request
+
+
 def _check_http_answer(response: httpx.Response) -> None:
     event(f"HTTP {response.status_code}")  # --hypothesis-show-statistics: how many got how far
     assert response.status_code < 500, response.text
     if response.status_code == 200:
+        _check_ok_body(response)
         return
     assert response.status_code in (400, 404, 413), response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], error
     if error["param"] is not None:
         assert error["message"].startswith(error["param"]), error
+
+
+def _check_ok_body(response: httpx.Response) -> None:
+    """A 200 carries what it promises: a completion, a token list, or an SSE stream of chunks ending in [DONE] in
+    which an error event (the status line was already sent) is never a server fault."""
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = response.text.split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""], response.text
+        for text in events[:-2]:
+            assert text.startswith("data: "), response.text
+            data = json.loads(text.removeprefix("data: "))
+            if "error" in data:
+                event(f"SSE error {data['error']['code']}")
+                assert data["error"]["code"] not in SERVER_FAULTS, data
+            else:
+                assert data["object"] in ("text_completion", "chat.completion.chunk"), data
+        return
+    body = response.json()
+    if "tokens" in body:  # /tokenize
+        assert body["count"] == len(body["tokens"]) > 0, body
+    else:
+        assert body["object"] in ("text_completion", "chat.completion") and body["choices"], body
 
 
 @HOSTILE
@@ -180,6 +209,7 @@ def test_bodies_that_are_not_json_get_a_clear_answer(servers, body, path):
 def test_hostile_tokenize_requests_get_a_clear_answer(servers, fields, chat):
     base = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}
     _check_http_answer(servers.post("/tokenize", _http_body(base, fields)))
+    servers.healthy()
 
 
 # ------------------------------------------------------------------------------------------------ gRPC
@@ -223,11 +253,12 @@ def _check_grpc_answer(call) -> None:
         assert FIELD_FIRST.match(error.details()), error.details()
         return
     event("gRPC OK")
-    if responses:  # a request that parses as an empty message has no input: refused above
-        assert responses[-1].WhichOneof("response") in ("complete", "error")
-        if responses[-1].WhichOneof("response") == "error":  # failed after output started: never for bad input
-            assert responses[-1].error.code not in (grpc.StatusCode.INTERNAL.value[0],
-                                                    grpc.StatusCode.UNKNOWN.value[0]), responses[-1]
+    # An OK stream ends with its Complete (or an Error after output started); an empty one answered nothing.
+    assert responses, "an OK stream with no message"
+    assert responses[-1].WhichOneof("response") in ("complete", "error")
+    if responses[-1].WhichOneof("response") == "error":  # failed after output started: never for bad input
+        assert responses[-1].error.code not in (grpc.StatusCode.INTERNAL.value[0],
+                                                grpc.StatusCode.UNKNOWN.value[0]), responses[-1]
 
 
 @HOSTILE
@@ -250,3 +281,4 @@ def test_nan_is_refused_not_sampled(servers):
     """A check of the generators themselves: NaN reaches the server as NaN and is refused by name."""
     response = servers.post("/v1/completions", _http_body({"prompt": "Hi"}, {"temperature": math.nan}))
     assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"
+    servers.healthy()
