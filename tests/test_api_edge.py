@@ -220,7 +220,8 @@ def test_huge_top_k_is_no_filter_rather_than_a_crash(limited):
 # ---------------------------------------------------------------------- tokenizing off the event loop
 
 
-# Polls /health from another process (its own GIL) until stdin closes; prints the answers' latencies.
+# Polls /health from another process (its own GIL) until stdin closes; says "polling" once the first answer came,
+# and at the end prints the answers' latencies.
 HEALTH_POLLER = """
 import json, sys, threading, time, httpx
 latencies, done = [], threading.Event()
@@ -230,6 +231,8 @@ with httpx.Client(timeout=30) as http:
         start = time.perf_counter()
         assert http.get(sys.argv[1]).status_code == 200
         latencies.append(time.perf_counter() - start)
+        if len(latencies) == 1:
+            print("polling", flush=True)
         time.sleep(0.01)
 print(json.dumps(latencies))
 """
@@ -244,7 +247,7 @@ def test_health_answers_while_a_prompt_at_the_byte_limit_tokenizes():
         poller = subprocess.Popen([sys.executable, "-c", HEALTH_POLLER, f"{router.http}/health"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
-            time.sleep(1.0)  # the poller is up and polling
+            assert poller.stdout.readline() == "polling\n"  # its first /health answered: it is up and polling
             start = time.perf_counter()
             response = httpx.post(f"{router.http}/v1/completions", json={"prompt": "a b " * (size // 4)}, timeout=120)
             tokenizing = time.perf_counter() - start

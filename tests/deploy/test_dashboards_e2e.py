@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -91,8 +92,8 @@ def running(tmp_path_factory):
         started = time.time()
         statuses = _load(f"http://{config.host}:{config.http_port}")
         assert statuses.count(200) == 18 and statuses.count(400) == 3, statuses
-        time.sleep(6)  # three scrapes after the last request
         url = f"http://{config.host}:{config.prometheus_port}"
+        _wait_scraped_since(url, time.time())
         if os.environ.get("SPLITSERVE_DASHBOARD_PNG"):
             board = json.loads((OUT_DIR / "splitserve-overview.json").read_text())
             draw(board, url, started - 20, time.time(), Path(os.environ["SPLITSERVE_DASHBOARD_PNG"]), "30s")
@@ -112,6 +113,29 @@ def _query(prometheus: str, expr: str) -> list[dict]:
         body = json.load(reply)
     assert body["status"] == "success", body
     return body["data"]["result"]
+
+
+def _wait_scraped_since(prometheus: str, since: float, scrapes: int = 2, timeout_s: float = 60) -> None:
+    """Until Prometheus has scraped every target ``scrapes`` times after ``since`` (a Unix time): what the
+    processes counted by then is in its series, and a rate over the window has both ends."""
+    deadline = time.monotonic() + timeout_s
+    for _ in range(scrapes):
+        while True:
+            with urllib.request.urlopen(f"{prometheus}/api/v1/targets?state=active", timeout=30) as reply:
+                targets = json.load(reply)["data"]["activeTargets"]
+            last = [datetime.fromisoformat(t["lastScrape"]).timestamp() for t in targets]
+            if targets and min(last) > since:
+                break
+            assert time.monotonic() < deadline, f"Prometheus did not scrape every target after {since}: {targets}"
+            time.sleep(0.2)
+        since = max(last)
+
+
+def _wait_for_data(prometheus: str, exprs: list[str], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(_has_data(_query(prometheus, e)) for e in exprs):
+        assert time.monotonic() < deadline, f"{what} returns no data after {timeout_s:.0f} s: {exprs}"
+        time.sleep(0.5)
 
 
 def _has_data(result: list[dict]) -> bool:
@@ -184,9 +208,8 @@ def test_refusals_show_once_no_decode_pod_is_left(running):
         statuses.append(_post(f"{http}/v1/completions", {"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4}))
         time.sleep(1)
     assert statuses.count(503) >= 2, statuses
-    time.sleep(6)
     for dashboard, title in REFUSAL_PANELS:
-        assert any(_has_data(_query(prometheus, e)) for e in _panel_exprs(dashboard, title)), title
+        _wait_for_data(prometheus, _panel_exprs(dashboard, title), f"{dashboard}: {title!r}")
     alerts = [r for g in yaml.safe_load(RULES_PATH.read_text())["groups"] for r in g["rules"]
               if r.get("alert") == "SplitserveNoHealthyDecodePod"]
-    assert _query(prometheus, alerts[0]["expr"]), "the alert's condition does not hold with no decode pod"
+    _wait_for_data(prometheus, [alerts[0]["expr"]], "the no-healthy-decode-pod alert's condition")
