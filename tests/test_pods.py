@@ -673,6 +673,135 @@ def test_metrics_endpoint_serves_the_pod_series(pods):
             f'role="decode"}} 1.0').encode() in body
 
 
+# ---- the metrics count what the pods did -------------------------------------------------------------------------
+
+def metric(pod: Pod, name: str, **labels: str) -> float:
+    """A pod's sample (0 for a labelled counter before its first event)."""
+    return pod.metrics.registry.get_sample_value(name, {"role": pod.role, "model_name": MODEL, **labels}) or 0.0
+
+
+def wait_metric(pod: Pod, name: str, value: float, timeout_s: float = 10.0, **more: float) -> None:
+    """Until the gauge ``name`` reads ``value``, and each gauge of ``more`` its value, at one look (gauges follow
+    the engine's snapshots, a moment behind it)."""
+    expected = {name: value, **more}
+    deadline = time.monotonic() + timeout_s
+    while (seen := {n: metric(pod, n) for n in expected}) != expected:
+        assert time.monotonic() < deadline, f"the gauges read {seen}, not {expected}"
+        time.sleep(0.02)
+
+
+def counts(pods) -> dict[str, float]:
+    """The counters a disaggregated request moves, by what they count."""
+    prefill, decode = pods.prefill_pod, pods.decode_pod
+    return {"prefix tokens queried": metric(prefill, "splitserve_prefix_cache_queries_total"),
+            "prefix tokens hit": metric(prefill, "splitserve_prefix_cache_hits_total"),
+            "raw bytes sent": metric(prefill, "splitserve_kv_transfer_raw_bytes_total", codec="int8"),
+            "wire bytes sent": metric(prefill, "splitserve_kv_transfer_bytes_total", codec="int8"),
+            "wire bytes received": metric(decode, "splitserve_kv_transfer_bytes_total", codec="int8")}
+
+
+def test_kv_usage_prefix_hits_and_transfer_bytes_are_what_the_request_did(pods):
+    shared = prompt_of(32, seed=13000)  # two full blocks
+    pods.run_decode("metrics-a", shared + [7], GREEDY, pods.run_prefill("metrics-a", shared + [7], GREEDY))
+    before = counts(pods)
+    prompt = shared + prompt_of(8, seed=13001)  # 40 tokens: 3 blocks, the first two cached on the prefill pod
+    first = pods.run_prefill("metrics-b", prompt, GREEDY, codec="int8", lease_s=30)
+    try:
+        moved = {name: value - before[name] for name, value in counts(pods).items()}
+        wait_metric(pods.decode_pod, "splitserve_kv_cache_usage_perc", 3 / DECODE_BLOCKS)  # the leased KV
+    finally:
+        pods.run_decode("metrics-b", prompt, GREEDY, first)  # claims the lease: its blocks go back
+    wait_metric(pods.decode_pod, "splitserve_kv_cache_usage_perc", 0.0)
+    raw, wire = first.kv_transfer.raw_bytes, first.kv_transfer.bytes_sent
+    assert raw == 40 * 4 * 2 * (2 * 16 * CACHE_BYTES)  # the cache's float16 K and V, every layer
+    assert 0.5 <= wire / raw < 0.6  # int8: a byte per element, plus its scales
+    assert moved == {"prefix tokens queried": 40, "prefix tokens hit": 32, "raw bytes sent": raw,
+                     "wire bytes sent": wire, "wire bytes received": wire}
+
+
+def test_a_refused_push_counts_as_a_transfer_failure_by_code(pods):
+    failures = metric(pods.prefill_pod, "splitserve_kv_transfer_failures_total", code="FAILED_PRECONDITION")
+    error = rpc_error(pods.run_prefill, "refused-int4", prompt_of(20, seed=13100), GREEDY, codec="int4")
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert metric(pods.prefill_pod, "splitserve_kv_transfer_failures_total", code="FAILED_PRECONDITION") \
+        == failures + 1
+    assert pods.decode_pod.role == "decode" and metric(pods.decode_pod, "splitserve_kv_transfer_failures_total",
+                                                       code="FAILED_PRECONDITION") == 0  # prefill pods count them
+
+
+class SmallDecodePod:
+    """One more decode pod on the tests' event loop, with a small pool or few request slots."""
+
+    def __init__(self, thread: LoopThread, **fields):
+        self.thread = thread
+        self.config = DecodeConfig(host="127.0.0.1", port=0, metrics_port=0, model=MODEL,
+                                   load_refresh_interval_s=0.2, **fields)
+        self.pod = Pod(self.config, "decode")
+        self.thread.run(self._start())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.pod.port}")
+        self.decode = decode_pb2_grpc.DecodeStub(self.channel)
+
+    async def _start(self) -> None:
+        await self.pod.start(await build_decode_services(self.pod, self.config))
+
+    def stream(self, request_id: str, prompt: list[int], max_tokens: int):
+        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self.decode.Decode(decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
+                                                           sampling_params=params), timeout=120)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.thread.run(self.pod.stop())
+
+
+def tokens_of(stream) -> list[int]:
+    return [token for message in stream if message.HasField("chunk") for token in message.chunk.token_ids]
+
+
+PROMPT_13201 = prompt_of(20, seed=13201)
+
+
+def test_a_request_beyond_max_num_seqs_waits_and_the_gauges_say_so(pods):
+    small = SmallDecodePod(pods.thread, num_blocks=128, max_num_seqs=1)
+    try:
+        long_stream = small.stream("runs", prompt_of(20, seed=13200), 2000)  # to the end of the context: seconds
+        assert next(long_stream).HasField("chunk")
+        queued: list[list[int]] = []
+        waiter = threading.Thread(target=lambda: queued.append(tokens_of(small.stream("waits", PROMPT_13201, 4))))
+        waiter.start()
+        # One slot: the second request waits while the first runs.
+        wait_metric(small.pod, "splitserve_num_requests_waiting", 1, splitserve_num_requests_running=1)
+        long_stream.cancel()
+        waiter.join(timeout=60)
+        assert queued == [pods.offline_tokens(PROMPT_13201, SamplingParams(temperature=0.0, max_tokens=4,
+                                                                           ignore_eos=True))]
+        wait_metric(small.pod, "splitserve_num_requests_waiting", 0, splitserve_num_requests_running=0)
+    finally:
+        small.close()
+
+
+def test_requests_that_outgrow_the_pool_are_preempted_counted_and_still_exact(pods):
+    """8 blocks (128 tokens) for two requests that each grow to 7 (20 + 80 tokens): one is preempted and recomputed
+    when the other needs its blocks. A pool that holds both preempts nothing."""
+    prompt_list = [prompt_of(20, seed=13300 + i) for i in range(2)]
+    expected = [pods.offline_tokens(p, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
+                for p in prompt_list]
+    for num_blocks, preempted in ((16, False), (8, True)):
+        small = SmallDecodePod(pods.thread, num_blocks=num_blocks, max_num_seqs=2)
+        try:
+            answers: dict[int, list[int]] = {}
+            threads = [threading.Thread(target=lambda i=i: answers.__setitem__(
+                i, tokens_of(small.stream(f"grow-{i}", prompt_list[i], 80)))) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            assert [answers.get(i) for i in range(2)] == expected
+            assert (metric(small.pod, "splitserve_num_preemptions_total") > 0) == preempted, num_blocks
+        finally:
+            small.close()
+
+
 # ---- the real processes -------------------------------------------------------------------------------------------
 
 def free_port() -> int:
