@@ -10,7 +10,7 @@ run: bootstrap
 	$(PY) -m splitserve up
 
 test: bootstrap
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 protos: bootstrap
 	$(PY) -m protos.generate

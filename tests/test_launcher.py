@@ -1,6 +1,6 @@
 """``splitserve up`` without starting anything: the CPU plan (its rules, the documented default on 2 CPUs) and the
 command lines the launcher builds, parsed back by the real pod and router configs. Supervision, with real
-processes: tests/reliability/test_launcher_faults.py."""
+processes: tests/reliability/test_launcher_faults.py and test_pod_faults.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ its ports while the rest keep serving; a child that will not start is reported w
 stage; and no child outlives the launcher, even one killed with SIGKILL.
 
 First the supervisor on small stand-in processes (fast, exact timings), then real clusters on the tiny random
-model. Every wait polls against a deadline: a busy 2-core machine makes things slow, not wrong.
+model. A running cluster's pods, router and redis-server killed and started again are in ``test_pod_faults.py``,
+on its cluster. Every wait polls against a deadline: a busy 2-core machine makes things slow, not wrong.
 """
 
 from __future__ import annotations
@@ -17,13 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
-import redis
-from live_cluster import START_S, routed_to, up_config, wait_back, wait_until
+from live_cluster import START_S, up_config, wait_until
 
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from runtime.registry import pod_key
 from splitserve import supervisor
 from splitserve.launcher import Cluster
 from splitserve.supervisor import ChildSpec, Supervisor
@@ -136,81 +133,6 @@ def test_children_die_with_the_supervising_process(tmp_path):
     parent.kill()
     parent.wait(timeout=10)
     wait_until(lambda: not alive(child), 10, f"child {child} to exit")
-
-
-# ---- a real cluster: 2 decode pods, the Redis registry --------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, free_ports):
-    """Each test below disturbs a different process and waits until it serves again."""
-    config = up_config(tmp_path_factory.mktemp("faults"), free_ports(12), prefill=0, decode=2, registry="redis")
-    running = Cluster(config)
-    try:
-        running.start()
-        running.wait_ready(log=lambda *_: None)
-        yield running
-    finally:
-        running.stop()
-
-
-def generate(cluster: Cluster, text: str) -> int:
-    """Tokens of a greedy answer through the router's gRPC API (raises on any error)."""
-    params = common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    with grpc.insecure_channel(f"{cluster.config.host}:{cluster.config.grpc_port}") as channel:
-        stream = generate_pb2_grpc.GenerationStub(channel).Generate(
-            generate_pb2.GenerateRequest(text=text, sampling_params=params), timeout=60)
-        replies = list(stream)
-    assert replies[-1].WhichOneof("response") == "complete", replies[-1]
-    return sum(len(r.chunk.token_ids) for r in replies if r.WhichOneof("response") == "chunk")
-
-
-def test_a_decode_pod_killed_with_sigkill_is_restarted_on_its_port_while_the_rest_serve(cluster):
-    others = {name: cluster.pid(name) for name in ("decode-1", "router", "redis")}
-    restarts = cluster.restarts["decode-0"]
-    killed = cluster.pid("decode-0")
-    os.kill(killed, signal.SIGKILL)
-    served_meanwhile = 0
-    while cluster.pid("decode-0") is None or served_meanwhile < 3:  # the router keeps answering through decode-1
-        assert generate(cluster, f"while decode-0 is down {served_meanwhile}") == 4
-        served_meanwhile += 1
-    wait_back(cluster, "decode-0", restarts + 1)
-    assert cluster.pid("decode-0") != killed
-    assert {name: cluster.pid(name) for name in others} == others  # nothing else was stopped or restarted
-    assert generate(cluster, "after the restart") == 4
-
-
-def test_a_pod_that_drained_and_exited_after_sigterm_is_restarted(cluster):
-    restarts = cluster.restarts["decode-1"]
-    stopped = cluster.pid("decode-1")
-    os.kill(stopped, signal.SIGTERM)
-    wait_until(lambda: any(e.pid == stopped for e in cluster.supervisor.exits), 60, "decode-1 to exit")
-    [ended] = [e for e in cluster.supervisor.exits if e.pid == stopped]
-    assert ended.returncode == 0  # a clean exit after the drain, restarted all the same
-    assert "decode pod shutting down" in ended.log_tail and "decode pod stopped" in ended.log_tail
-    wait_back(cluster, "decode-1", restarts + 1)
-
-
-def test_a_killed_redis_server_is_restarted_and_the_pods_register_again(cluster):
-    restarts = cluster.restarts["redis"]
-    os.kill(cluster.pid("redis"), signal.SIGKILL)
-    wait_until(lambda: cluster.restarts["redis"] == restarts + 1 and cluster.pid("redis"), 60, "redis to restart")
-    client = redis.Redis(host=cluster.config.host, port=cluster.config.redis_port)
-    try:
-        keys = {pod_key(pod.role, cluster.address(pod)).encode() for pod in cluster.pods}
-        # The restarted server is empty; each pod's next heartbeat writes its key again.
-        wait_until(lambda: _keys(client) >= keys, 60, "the pods' heartbeats in the new redis-server")
-    finally:
-        client.close()
-    wait_until(lambda: routed_to(cluster) == {cluster.address(p) for p in cluster.pods}, 60,
-               "the router to route to both pods")
-    assert generate(cluster, "after redis came back") == 4
-
-
-def _keys(client: redis.Redis) -> set[bytes]:
-    try:
-        return set(client.keys("splitserve:pods:*"))
-    except redis.ConnectionError:
-        return set()
 
 
 # ---- startup failures ---------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ random model), with a background load of greedy requests whose answers are check
 - Redis unreachable, or restarted empty: the router keeps serving with the pods it knew; a restarted router finds
   them in Redis.
 
-Each test leaves the cluster as it found it (the supervisor restarts what was killed, and the test waits for it), so
+Each process killed (or exiting after a SIGTERM) is started again by ``splitserve up``'s supervisor on its port, the
+others untouched: the launcher's side of these faults. Each test leaves the cluster as it found it (the supervisor restarts what was killed, and the test waits for it), so
 none depends on another. Every block is free on every pod after each test.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from live_cluster import (
     START_S,
     TINY,
@@ -44,6 +46,7 @@ from live_cluster import (
 from protos.splitserve.v1 import common_pb2, generate_pb2_grpc
 from router.config import RouterConfig
 from runtime.pod import PodConfig
+from runtime.registry import pod_key
 
 LONG = 300  # output tokens of a stream to disturb: it runs for a second or more
 SHORT = 8  # output tokens of the background load's requests
@@ -83,8 +86,13 @@ def load(cluster, answers) -> BackgroundLoad:
     return BackgroundLoad(cluster, LOAD_PROMPTS, answers[0], SHORT)
 
 
+def pids(cluster) -> dict[str, int]:
+    return {name: cluster.pid(name) for name in ("prefill-0", "decode-0", "decode-1", "router", "redis")}
+
+
 def test_a_decode_pod_killed_mid_stream_hands_the_stream_over_and_every_token_arrives_once(cluster, answers):
     migrations = router_counter(cluster, "splitserve_router_migrations_total")
+    before = pids(cluster)
     killed: list[str] = []
 
     def kill_its_decode_pod() -> None:
@@ -97,7 +105,10 @@ def test_a_decode_pod_killed_mid_stream_hands_the_stream_over_and_every_token_ar
     assert (answer.finish, answer.error) == ("FINISH_REASON_LENGTH", "")
     assert answer.token_ids == answers[1]  # no token lost or repeated, the same greedy answer
     assert router_counter(cluster, "splitserve_router_migrations_total") == migrations + 1
-    wait_back(cluster, killed[0], restarts[killed[0]] + 1)
+    wait_back(cluster, killed[0], restarts[killed[0]] + 1)  # started again on its port, and routed to
+    after = pids(cluster)
+    assert after.pop(killed[0]) != before.pop(killed[0])
+    assert after == before  # nothing else was stopped or restarted
 
 
 def test_under_load_a_killed_decode_pods_streams_all_migrate_with_their_exact_answers(cluster, answers):
@@ -143,7 +154,8 @@ def test_a_decode_pod_stopped_with_sigterm_leaves_the_routing_at_once_and_drains
     assert background.failures() == []
     wait_until(lambda: any(e.pid == stopped["pid"] for e in cluster.supervisor.exits), 60, "the pod to exit")
     [ended] = [e for e in cluster.supervisor.exits if e.pid == stopped["pid"]]
-    assert ended.returncode == 0, ended.describe()
+    assert ended.returncode == 0, ended.describe()  # a clean exit after the drain, restarted all the same
+    assert "decode pod shutting down" in ended.log_tail and "decode pod stopped" in ended.log_tail
     print(f"the router stopped routing to {stopped['name']} {stopped['left_routing_s']:.2f} s after its SIGTERM")
     wait_back(cluster, stopped["name"], restarts[stopped["name"]] + 1)
 
@@ -258,6 +270,12 @@ def test_a_redis_server_restarted_empty_loses_no_request(cluster, answers):
         routes_to_everyone_for(cluster, REGISTRY_FAULT_S)
     assert background.failures() == []
     assert registry_changes(cluster) == changes, "a pod was dropped from the registry and added again"
+    client = redis.Redis(host=cluster.config.host, port=cluster.config.redis_port)
+    try:  # the new redis-server holds every pod's key again, written by its heartbeat
+        assert set(client.keys("splitserve:pods:*")) == {pod_key(p.role, cluster.address(p)).encode()
+                                                         for p in cluster.pods}
+    finally:
+        client.close()
 
 
 def test_a_restarted_router_finds_the_pods_in_redis(cluster, answers):
