@@ -96,6 +96,9 @@ class RouterConfig:
         "PEM CA certificates that pods' (and, with tls_require_client_cert, clients') certificates must chain to."))
     tls_require_client_cert: bool = field(default=False, metadata=described(
         "Mutual TLS: the gRPC and HTTPS servers refuse clients without a certificate signed by tls_ca_file."))
+    tls_server_name: str = field(default="", metadata=described(
+        "The name pods' certificates must list, when they are dialled by IP (in Kubernetes: the pods' headless "
+        "Service's DNS name); empty: the address's host."))
 
     def __post_init__(self) -> None:
         self.policy = member(PolicyName, "policy", self.policy)

@@ -103,6 +103,9 @@ class PodConfig:
         "PEM CA certificates that peers' certificates must chain to (empty: the system's roots)."))
     tls_require_client_cert: bool = field(default=False, metadata=described(
         "Mutual TLS: the gRPC server refuses clients without a certificate signed by tls_ca_file."))
+    tls_server_name: str = field(default="", metadata=described(
+        "The name the certificates of the pods this pod dials (decode pods, for KV) must list, when they are "
+        "dialled by IP (in Kubernetes: the pods' headless Service's DNS name); empty: the address's host."))
 
     def __post_init__(self) -> None:
         self.registry = member(RegistryKind, "registry", self.registry)

@@ -90,15 +90,19 @@ def _make_ca(path: Path, common_name: str) -> tuple[ec.EllipticCurvePrivateKey, 
     return key, cert
 
 
-def _make_leaf(path: Path, common_name: str, ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate]) -> Identity:
+LOOPBACK_NAMES = (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+
+
+def _make_leaf(path: Path, common_name: str, ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate],
+               names=LOOPBACK_NAMES) -> Identity:
+    """A certificate signed by ``ca`` listing ``names`` (subjectAltName), for servers and clients."""
     ca_key, ca_cert = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     cert = (x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
