@@ -123,7 +123,10 @@ class PodMetrics(ServingMetrics):
         self.engine_info.labels(self.role, self.model_name, kernels, device, cache_dtype).set(1)
 
 
-POD_LABELS = LABELS + ("pod", "pod_role")
+# The router's per-pod series name the pod by ``pod_address`` (host:port, as it registered), not ``pod``: the
+# Prometheus Operator (and any Kubernetes scrape config) sets ``pod`` on every series to the scraped pod's name,
+# which would rename the router's to ``exported_pod`` and fold every pod's series into the router's.
+POD_LABELS = LABELS + ("pod_address", "pod_role")
 
 
 class RouterMetrics(ServingMetrics):
@@ -135,7 +138,7 @@ class RouterMetrics(ServingMetrics):
         self.routing_decisions = counter("router_routing_decisions_total", "Requests placed, by how: "
                                          "'disaggregated' (prefill pod + decode pod) or 'prefill_on_decode'.",
                                          ("decision",))
-        self.pod_requests = counter("router_pod_requests_total", "Requests sent to each pod.", ("pod", "pod_role"))
+        self.pod_requests = counter("router_pod_requests_total", "Requests sent to each pod.", POD_LABELS[2:])
         self.retries = counter("router_retries_total", "Requests retried on other pods before their first token, "
                                "by the gRPC code of the failure.", ("code",))
         self.rejected = counter("router_rejected_requests_total", "Requests refused before any output, by gRPC "

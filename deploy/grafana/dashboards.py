@@ -190,24 +190,28 @@ def decode() -> Dashboard:
             .build())
 
 
+# The router names pods by pod_address: `pod` is the scraped pod's name wherever Kubernetes labels the targets.
+PER_POD = "{{pod_role}} {{pod_address}}"
+
+
 def router() -> Dashboard:
     def per_pod(metric: str) -> str:
-        return f"sum by (pod, pod_role) ({metric}{{{SEL}}})"
+        return f"sum by (pod_address, pod_role) ({metric}{{{SEL}}})"
 
     return (dashboard("splitserve-router", "splitserve / Router",
                       "The router: the load it sees on every pod, where it sends requests, retries and refusals.",
                       "router", "router")
             .with_row(Row("Per-pod load (as the router sees it)"))
             .with_panel(panel("Requests sent per pod", "reqps", [
-                Query(rate("splitserve_router_pod_requests_total", "pod, pod_role"), "{{pod_role}} {{pod}}")]))
+                Query(rate("splitserve_router_pod_requests_total", "pod_address, pod_role"), PER_POD)]))
             .with_panel(panel("Running per pod", "short", [
-                Query(per_pod("splitserve_router_pod_running_requests"), "{{pod_role}} {{pod}}")]))
+                Query(per_pod("splitserve_router_pod_running_requests"), PER_POD)]))
             .with_panel(panel("Waiting per pod", "short", [
-                Query(per_pod("splitserve_router_pod_waiting_requests"), "{{pod_role}} {{pod}}")]))
+                Query(per_pod("splitserve_router_pod_waiting_requests"), PER_POD)]))
             .with_panel(panel("KV cache usage per pod", "percentunit", [
-                Query(per_pod("splitserve_router_pod_kv_cache_usage_perc"), "{{pod_role}} {{pod}}")], max_value=1))
+                Query(per_pod("splitserve_router_pod_kv_cache_usage_perc"), PER_POD)], max_value=1))
             .with_panel(panel("Queued prefill tokens per pod", "short", [
-                Query(per_pod("splitserve_router_pod_queued_prefill_tokens"), "{{pod_role}} {{pod}}")]))
+                Query(per_pod("splitserve_router_pod_queued_prefill_tokens"), PER_POD)]))
             .with_panel(panel("Healthy pods", "short", [
                 Query(f"sum by (pod_role) (splitserve_router_pod_healthy{{{SEL}}})", "{{pod_role}}")],
                 "Pods the router routes to, by role."))
