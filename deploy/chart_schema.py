@@ -38,12 +38,12 @@ COMPONENTS = {"router": RouterConfig, "prefill": PrefillConfig, "decode": Decode
 # Fields the chart sets itself from infrastructure values; a `config` block may not name them. `cpus` is left to
 # Kubernetes: the kubelet places a container on CPUs (its CPU manager, from the resources), so host CPU ids do not
 # belong in values.
+_TLS_OWNED = {"tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert", "tls_server_name"}
 _POD_OWNED = {"host", "port", "metrics_port", "advertise_address", "model", "registry", "redis_url", "role",
-              "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert", "cpus"}
+              "cpus", *_TLS_OWNED}
 CHART_OWNED = {
-    "router": {"host", "grpc_port", "http_port", "model", "registry", "redis_url", "prefill_pods", "decode_pods",
-               "mixed_pods", "api_keys", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert",
-               "cpus"},
+    "router": {"host", "grpc_port", "http_port", "metrics_port", "model", "registry", "redis_url", "prefill_pods",
+               "decode_pods", "mixed_pods", "api_keys", "cpus", *_TLS_OWNED},
     "prefill": _POD_OWNED,
     "decode": _POD_OWNED,
     "mixed": _POD_OWNED,
@@ -129,6 +129,9 @@ def _obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
 
 
 _PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+_PORTS = {"type": "array", "items": _PORT}
+_PEERS = {"type": "array", "items": {"type": "object"}}  # NetworkPolicy peers (podSelector, namespaceSelector, ...)
+_DURATION = {"type": "string", "pattern": "^([0-9]+(\\.[0-9]+)?(ns|us|ms|s|m|h))+$"}
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 _BOOL, _STR = {"type": "boolean"}, {"type": "string"}
 _COUNT = {"type": "integer", "minimum": 0}
@@ -173,12 +176,21 @@ def values_schema() -> dict:
                 "mountPath": {"type": "string", "pattern": "^/"},
                 "pvc": _obj({"claimName": _STR, "subPath": _STR}),
                 "hostPath": _obj({"path": _STR, "type": {"enum": ["", "Directory", "File"]}})}),
-            "tls": _obj({"enabled": _BOOL, "secretName": _STR, "requireClientCert": _BOOL}),
+            "tls": _obj({"enabled": _BOOL, "secretName": _STR, "requireClientCert": _BOOL, "serverName": _STR,
+                         "certManager": _obj({
+                             "enabled": _BOOL, "issuerRef": _obj({"name": _STR, "kind": _STR, "group": _STR}),
+                             "duration": _DURATION, "renewBefore": _DURATION,
+                             "dnsNames": {"type": "array", "items": _STR}})}),
+            "networkPolicy": _obj({
+                "enabled": _BOOL, "clientsFrom": _PEERS, "metricsFrom": _PEERS,
+                "dns": _obj({"to": _PEERS, "ports": _PORTS}), "externalRedisPorts": _PORTS,
+                "plannerEgressPorts": _PORTS}),
             "redis": _redis(image),
             "router": _component("router", {
                 "service": _obj({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "grpcPort": _PORT,
                                  "httpPort": _PORT, "annotations": _STRING_MAP}),
                 "apiKeysSecret": _obj({"name": _STR, "key": _STR}), "preStopSleepSeconds": _COUNT,
+                "metricsPort": _PORT,
                 "probes": _PROBES, "podDisruptionBudget": _PDB, "autoscaling": _HPA,
                 "serviceMonitor": _SERVICE_MONITOR}),
             "prefill": _pod_component("prefill"),
@@ -206,7 +218,9 @@ def values_schema() -> dict:
 def _redis(image: dict) -> dict:
     properties = {"enabled": _BOOL, "replicas": {"type": "integer", "minimum": 0, "maximum": 1}, **_SCHEDULING,
                   "terminationGraceExtraSeconds": _COUNT,
-                  "image": image, "port": _PORT, "externalUrl": _STR,
+                  "image": image, "port": _PORT,
+                  "auth": _obj({"enabled": _BOOL, "existingSecret": _STR, "secretKey": _STR}),
+                  "externalUrl": {"type": "string", "pattern": "^(rediss?://.*)?$"},
                   "externalUrlSecret": _obj({"name": _STR, "key": _STR})}
     return _obj(properties)
 

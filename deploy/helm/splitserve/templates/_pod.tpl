@@ -24,6 +24,7 @@ spec:
     metadata:
       labels:
         {{- include "splitserve.selectorLabels" $ctx | nindent 8 }}
+        {{- include "splitserve.servingPodLabel" $root | nindent 8 }}
         {{- with $values.podLabels }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -161,7 +162,7 @@ spec:
 {{- end }}
 {{- end }}
 
-{{/* port: the Service port's name that serves /metrics */}}
+{{/* port: the Service port's name that serves /metrics (always plain HTTP: scrapers need no certificate) */}}
 {{- define "splitserve.serviceMonitor" -}}
 {{- $values := index .root.Values .component }}
 {{- $ctx := dict "root" .root "component" .component }}
@@ -185,11 +186,6 @@ spec:
       interval: {{ $values.serviceMonitor.interval }}
       {{- with $values.serviceMonitor.scrapeTimeout }}
       scrapeTimeout: {{ . }}
-      {{- end }}
-      {{- if .tls }}
-      scheme: https
-      tlsConfig:
-        insecureSkipVerify: true
       {{- end }}
 {{- end }}
 {{- end }}
