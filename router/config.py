@@ -112,7 +112,8 @@ class RouterConfig:
         self.policy = member(PolicyName, "policy", self.policy)
         self.registry = member(RegistryKind, "registry", self.registry)
         checked_cpu_set("cpus", self.cpus)
-        for name in ("grpc_port", "http_port", "metrics_port", "shutdown_grace_s", "conditional_prefill_threshold", "max_retries", "max_migrations",
+        for name in ("grpc_port", "http_port", "metrics_port", "shutdown_grace_s", "conditional_prefill_threshold",
+                     "max_retries", "max_migrations",
                      "max_pending_requests", "max_queue_time_s", "conditional_prefill_queue_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -309,7 +309,8 @@ def test_the_schema_accepts_every_ci_values_file(chart):
 OPTIONAL = {  # template -> values that turn it on (the defaults leave it off)
     "deployment-mixed.yaml": {"mixed": {"enabled": True}},
     "service-mixed.yaml": {"mixed": {"enabled": True}},
-    "pdb-mixed.yaml": {"mixed": {"enabled": True}},
+    **{f"pdb-{c}.yaml": {c: {"replicas": 2, **({"enabled": True} if c == "mixed" else {})}}  # 1 pod: no budget
+       for c in ("router", "prefill", "decode", "mixed")},
     **{f"hpa-{c}.yaml": {c: {"autoscaling": {"enabled": True}, **({"enabled": True} if c == "mixed" else {})}}
        for c in ("router", "prefill", "decode", "mixed")},
     **{f"servicemonitor-{c}.yaml": {c: {"serviceMonitor": {"enabled": True},
@@ -329,8 +330,6 @@ OFF_BY_VALUE = {  # template -> values that turn off something the defaults turn
     "configmap-dashboards.yaml": {"grafanaDashboards": {"enabled": False}},
     "deployment-prefill.yaml": {"prefill": {"enabled": False}},
     "service-prefill.yaml": {"prefill": {"enabled": False}},
-    "pdb-prefill.yaml": {"prefill": {"podDisruptionBudget": {"enabled": False}}},
-    "pdb-router.yaml": {"router": {"podDisruptionBudget": {"enabled": False}}},
     "deployment-decode.yaml": {"decode": {"enabled": False}, "mixed": {"enabled": True}},
     "secret-redis.yaml": {"redis": {"auth": {"existingSecret": "mine"}}},
     **{f"networkpolicy-{c}.yaml": {"networkPolicy": {"enabled": False}} for c in ("router", "prefill", "decode",
@@ -353,6 +352,6 @@ def test_a_default_template_renders_nothing_when_turned_off(chart, template):
 def test_every_template_is_covered_by_the_on_off_tests():
     always = {"deployment-router.yaml", "service-router.yaml", "service-pods.yaml", "NOTES.txt"}
     templates = {p.name for p in (CHART / "templates").iterdir() if not p.name.startswith("_")}
-    # decode's Service and PDB share their definitions with prefill's, which OFF_BY_VALUE covers
-    uncovered = templates - set(OPTIONAL) - set(OFF_BY_VALUE) - always - {"service-decode.yaml", "pdb-decode.yaml"}
+    # decode's Service shares its definition with prefill's, which OFF_BY_VALUE covers
+    uncovered = templates - set(OPTIONAL) - set(OFF_BY_VALUE) - always - {"service-decode.yaml"}
     assert not uncovered, uncovered

@@ -7,10 +7,14 @@ a CNI would), the bundled Redis behind a password from a Secret, and one drain s
 from __future__ import annotations
 
 import itertools
+import json
+import re
 
 import helm_python as helm
+import kubernetes_validate
 import pytest
-from test_chart import NAMESPACE, RELEASE, case_values, chart, containers_by_component, objects, parsed_config  # noqa: F401 - chart: the fixture
+from test_chart import (KUBE_VERSION, NAMESPACE, RELEASE, SCHEMA_PATH, case_values, chart,  # noqa: F401 - chart:
+                        containers_by_component, objects, parsed_config)  # the fixture
 
 SERVER_NAME = f"{RELEASE}-splitserve-pods.{NAMESPACE}.svc"
 SERVING = ("prefill", "decode", "mixed")
@@ -229,3 +233,99 @@ def test_the_routers_grace_period_is_derived_from_its_one_drain_setting(chart, g
     assert config.shutdown_grace_s == (grace or 30)
     pre_stop, margin = 5, 5
     assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == pre_stop + (grace or 30) + margin
+
+
+# ---- what operators expect of a chart ------------------------------------------------------------------------
+
+ESCAPE_HATCHES = {
+    "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+    "extraVolumes": [{"name": "scratch", "emptyDir": {}}],
+    "extraVolumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+    "tolerations": [{"key": "llm", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                         "labelSelector": {"matchLabels": {"team": "llm"}}}}]}},
+    "nodeSelector": {"pool": "llm"},
+    "topologySpreadConstraints": [{"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone",
+                                   "whenUnsatisfiable": "DoNotSchedule", "labelSelector": {"matchLabels": {"a": "b"}}}],
+    "priorityClassName": "llm-serving",
+    "podAnnotations": {"example.com/owner": "llm"},
+    "podLabels": {"team": "llm"},
+}
+COMPONENTS_WITH_HATCHES = ("router", "prefill", "decode", "mixed", "planner")
+
+
+@pytest.mark.parametrize("component", COMPONENTS_WITH_HATCHES)
+def test_every_escape_hatch_reaches_the_pod(chart, component, tmp_path):
+    values = {component: {**ESCAPE_HATCHES, **({"enabled": True} if component in ("mixed", "planner") else {})}}
+    objs = objects(chart, values)
+    for obj in objs:  # and the result is a valid manifest
+        if not obj["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    deployment = by_kind(objs, "Deployment")[component]
+    pod = deployment["spec"]["template"]
+    spec, c = pod["spec"], pod["spec"]["containers"][0]
+    assert ESCAPE_HATCHES["extraEnv"][0] in c["env"]
+    assert ESCAPE_HATCHES["extraVolumes"][0] in spec["volumes"]
+    assert ESCAPE_HATCHES["extraVolumeMounts"][0] in c["volumeMounts"]
+    for key in ("tolerations", "affinity", "nodeSelector", "topologySpreadConstraints", "priorityClassName"):
+        assert spec[key] == ESCAPE_HATCHES[key], key
+    assert pod["metadata"]["annotations"]["example.com/owner"] == "llm"
+    assert pod["metadata"]["labels"]["team"] == "llm"
+
+
+@pytest.mark.parametrize("component", COMPONENTS_WITH_HATCHES + ("redis",))
+def test_pods_spread_over_nodes_by_default(chart, component):
+    values = {component: {"enabled": True}} if component in ("mixed", "planner") else {}
+    spec = by_kind(objects(chart, values), "Deployment")[component]["spec"]
+    (spread,) = spec["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert spread["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+
+
+def test_a_cuda_pod_gets_a_memory_backed_dev_shm_and_the_image_by_digest(chart):
+    objs = objects(chart, case_values("gpu"))
+    decode = by_kind(objs, "Deployment")["decode"]["spec"]["template"]["spec"]
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in decode["volumes"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in decode["containers"][0]["volumeMounts"]
+    digest = case_values("gpu")["image"]["digest"]
+    for name, deployment in by_kind(objs, "Deployment").items():
+        if name != "redis":
+            assert container(deployment)["image"] == f"registry.example.com/splitserve@{digest}"
+    prefill = by_kind(objs, "Deployment")["prefill"]["spec"]["template"]["spec"]
+    assert all(v["name"] != "shm" for v in prefill["volumes"])  # off unless asked for
+
+
+@pytest.mark.parametrize("values, budgets", [
+    ({}, set()),  # one pod each: a budget would block every drain
+    ({"router": {"replicas": 2}, "decode": {"replicas": 3}}, {"router", "decode"}),
+    ({"prefill": {"autoscaling": {"enabled": True, "minReplicas": 2}}}, {"prefill"}),
+    ({"planner": {"enabled": True, "config": {"minDecodeReplicas": 2}}}, {"decode"}),
+])
+def test_disruption_budgets_protect_roles_of_two_pods_or_more(chart, values, budgets):
+    pdbs = by_kind(objects(chart, values), "PodDisruptionBudget")
+    assert set(pdbs) == budgets
+    for name, pdb in pdbs.items():
+        assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": {
+            "app.kubernetes.io/name": "splitserve", "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/component": name}}}
+
+
+def test_notes_warn_about_single_pod_roles(chart):
+    rendered = chart.render({"router": {"replicas": 2}}, name=RELEASE, namespace=NAMESPACE)
+    notes = rendered["splitserve/templates/NOTES.txt"]
+    warned = set(re.findall(r"WARNING: (\w+) runs a single pod", notes))
+    assert warned == {"prefill", "decode"}
+
+
+def test_every_key_of_the_schema_has_a_description():
+    schema = json.loads(SCHEMA_PATH.read_text())
+    missing = []
+
+    def walk(node: dict, path: str) -> None:
+        for name, prop in node.get("properties", {}).items():
+            if not prop.get("description"):
+                missing.append(f"{path}{name}")
+            walk(prop, f"{path}{name}.")
+    walk(schema, "")
+    assert not missing, missing

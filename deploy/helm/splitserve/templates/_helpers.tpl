@@ -45,8 +45,13 @@ app.kubernetes.io/part-of: splitserve
 splitserve.io/serving-pod: {{ .Release.Name | quote }}
 {{- end }}
 
+{{/* repository@digest when a digest is set (what runs is then exactly that image), else repository:tag */}}
 {{- define "splitserve.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -241,16 +246,35 @@ prometheus.io/path: /metrics
 {{- add $drain (.before | default 0 | int) (.values.terminationGraceExtraSeconds | default 0 | int) }}
 {{- end }}
 
+{{/*
+Where a component's pods run: nodeSelector, affinity, tolerations, priorityClassName, and topologySpreadConstraints
+(by default: spread over nodes, softly, so that one node's loss takes few pods of a role).
+*/}}
 {{- define "splitserve.scheduling" -}}
-{{- with .nodeSelector }}
+{{- $values := .values }}
+{{- with $values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+topologySpreadConstraints:
+{{- if $values.topologySpreadConstraints }}
+  {{- toYaml $values.topologySpreadConstraints | nindent 2 }}
+{{- else }}
+  - maxSkew: 1
+    topologyKey: kubernetes.io/hostname
+    whenUnsatisfiable: ScheduleAnyway
+    labelSelector:
+      matchLabels:
+        {{- include "splitserve.selectorLabels" . | nindent 8 }}
+{{- end }}
+{{- with $values.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .affinity }}
+{{- with $values.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .tolerations }}
+{{- with $values.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -271,5 +295,12 @@ securityContext:
 {{- $hpa := and .values.autoscaling .values.autoscaling.enabled }}
 {{- if not (or $planned $hpa) }}
 replicas: {{ .values.replicas }}
+{{- end }}
+{{- end }}
+
+{{/* The operator's own environment, volumes and mounts (extraEnv, extraVolumes, extraVolumeMounts) */}}
+{{- define "splitserve.extraEnv" -}}
+{{- with .extraEnv }}
+{{- toYaml . }}
 {{- end }}
 {{- end }}
