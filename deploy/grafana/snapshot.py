@@ -19,7 +19,7 @@ from pathlib import Path
 
 from deploy.grafana.dashboards import OUT_DIR
 
-ALL = {"$model_name": ".*", "$role": ".*"}
+ALL = {"$namespace": ".*", "$model_name": ".*", "$role": ".*"}
 
 
 def grafana_expr(expr: str, rate_interval: str, variables: dict[str, str] | None = None) -> str:

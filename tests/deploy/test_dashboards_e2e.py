@@ -129,7 +129,8 @@ def _families(expr: str) -> set[str]:
 
 
 REFUSAL_PANELS = [("overview", "Errors"), ("router", "Rejected requests")]
-PANELS = [(name, panel["title"]) for name in DASHBOARDS
+# `splitserve up` runs no planner (it scales Kubernetes Deployments): the planner dashboard is left out here.
+PANELS = [(name, panel["title"]) for name in DASHBOARDS if name != "planner"
           for panel in json.loads((OUT_DIR / f"splitserve-{name}.json").read_text())["panels"]
           if panel["type"] != "row" and (name, panel["title"]) not in REFUSAL_PANELS]
 

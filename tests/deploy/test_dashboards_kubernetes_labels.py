@@ -121,6 +121,20 @@ def test_no_panel_folds_series_under_one_legend(scraped, dashboard, title):
         assert not any(re.search(r"\{\{\w+\}\}", text) for text in legends), legends  # a label that is gone
 
 
+@pytest.mark.parametrize("title", ["CPU per pod", "Memory per pod", "Prompt length", "Output length",
+                                   "Finish reasons"])
+def test_the_new_overview_panels_show_every_process(scraped, title):
+    """CPU and memory: one line per process; lengths and finish reasons: from the pods that ended requests."""
+    prometheus, addresses = scraped
+    board = json.loads((OUT_DIR / "splitserve-overview.json").read_text())
+    (target,) = next(p for p in board["panels"] if p.get("title") == title)["targets"][:1]
+    result = _query(prometheus, grafana_expr(target["expr"], "1m", {"$role": ".*"}))
+    if title in ("CPU per pod", "Memory per pod"):
+        assert len(result) == len(addresses) + 1, result  # the pods and the router
+    else:
+        assert {s["metric"]["role"] for s in result} >= {"decode"}, result
+
+
 @pytest.mark.parametrize("title", PER_POD_PANELS)
 def test_the_routers_per_pod_panels_show_each_pod_by_its_address(scraped, title):
     prometheus, addresses = scraped
