@@ -254,7 +254,7 @@ def test_planner_role_allows_only_reading_and_scaling_the_two_deployments(chart)
     names = [f"{RELEASE}-splitserve-prefill", f"{RELEASE}-splitserve-decode"]
     assert role["rules"] == [
         {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": names,
-         "verbs": ["get", "patch", "update"]},
+         "verbs": ["patch"]},  # what deploy/planner/scaler.py calls, nothing more
         {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": names, "verbs": ["get"]}]
     deployments = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Deployment"}
     for name in names:  # the planner owns the counts: an upgrade must not reset them
