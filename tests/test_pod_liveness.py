@@ -5,6 +5,7 @@ stall that ends turns it SERVING again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import time
 
@@ -21,12 +22,17 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 STALL_S = 1.0
 
 
-async def _started_pod() -> Pod:
+@contextlib.asynccontextmanager
+async def started_pod():
+    """A real decode pod on loopback, stopped (drained) on leaving."""
     config = DecodeConfig(model="tiny-random", host="127.0.0.1", port=0, metrics_port=0, num_blocks=16,
                           engine_stall_s=STALL_S)
     pod = Pod(config, Role.DECODE)
     await pod.start(await build_decode_services(pod, config))
-    return pod
+    try:
+        yield pod
+    finally:
+        await pod.stop()
 
 
 async def _status(pod: Pod, service: str = "") -> int:
@@ -53,39 +59,30 @@ def _kill(thread_id: int) -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the SystemExit we raised
 def test_a_pod_whose_engine_thread_died_turns_not_serving():
     async def scenario():
-        pod = await _started_pod()
-        try:
+        async with started_pod() as pod:
             assert await _status(pod) == SERVING
             _kill(pod.engine_loop._thread.ident)
             await _wait_status(pod, NOT_SERVING, within_s=5)
             assert not pod.engine_loop.is_running()
             assert await _status(pod, "splitserve.v1.Decode") == NOT_SERVING  # every service, not only ""
-        finally:
-            await pod.stop()
     asyncio.run(scenario())
 
 
 def test_a_stalled_engine_turns_not_serving_and_serving_again_when_it_comes_round():
     async def scenario():
-        pod = await _started_pod()
-        try:
+        async with started_pod() as pod:
             held = pod.engine_loop.call(lambda engine: time.sleep(4 * STALL_S))  # the engine thread is stuck
             await _wait_status(pod, NOT_SERVING, within_s=3 * STALL_S)
             await asyncio.wrap_future(held)
             await _wait_status(pod, SERVING, within_s=3)
-        finally:
-            await pod.stop()
     asyncio.run(scenario())
 
 
 def test_an_idle_engine_stays_serving():
     async def scenario():
-        pod = await _started_pod()
-        try:
+        async with started_pod() as pod:
             await asyncio.sleep(3 * STALL_S)  # idle: the loop comes round every half second
             assert await _status(pod) == SERVING
-        finally:
-            await pod.stop()
     asyncio.run(scenario())
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography import x509
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from test_security import Identity, _check, _make_ca, _make_leaf
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_security import Identity, _check, _health_server, _make_ca, _make_leaf
 
 from runtime import transport
 from runtime.transport import TLSConfig
@@ -59,16 +59,6 @@ def _pem(ca_file: Path) -> bytes:
     return ca_file.read_bytes()
 
 
-async def _serve(tls: TLSConfig) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    server = transport.new_server()
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = transport.bind(server, "127.0.0.1", 0, tls)
-    await server.start()
-    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, servicer, port
-
-
 def test_a_pod_dialled_by_ip_is_checked_against_the_service_name(tmp_path, cas):
     """The certificate lists names only: dialling 127.0.0.1 verifies with the target name set to the Service's
     name, and fails without it or with another name."""
@@ -78,7 +68,7 @@ def test_a_pod_dialled_by_ip_is_checked_against_the_service_name(tmp_path, cas):
     ca = str(tmp_path / "ca-old.crt")
 
     async def scenario():
-        server, _, port = await _serve(TLSConfig(server_id.cert, server_id.key, ca, require_client_cert=True))
+        server, port, _ = await _health_server(TLSConfig(server_id.cert, server_id.key, ca, require_client_cert=True))
         address = f"127.0.0.1:{port}"
         try:
             named = TLSConfig(client_id.cert, client_id.key, ca, server_name=SERVICE)
@@ -109,7 +99,7 @@ def test_a_certificate_renewed_while_a_stream_runs(tmp_path, cas):
     trusts_new = client(new_client, str(tmp_path / "ca-new.crt"))
 
     async def scenario():
-        server, servicer, port = await _serve(volume.tls())
+        server, port, servicer = await _health_server(volume.tls())
         address = f"127.0.0.1:{port}"
         try:
             assert await _check(address, trusts_new) == grpc.StatusCode.UNAVAILABLE  # before: the old certificate
@@ -142,7 +132,7 @@ def test_a_half_written_certificate_is_skipped_until_its_key_arrives(tmp_path, c
     ca.write_bytes(_pem(tmp_path / "ca-old.crt") + _pem(tmp_path / "ca-new.crt"))
 
     async def scenario():
-        server, _, port = await _serve(TLSConfig(live.cert, live.key, str(ca), server_name=SERVICE))
+        server, port, _ = await _health_server(TLSConfig(live.cert, live.key, str(ca), server_name=SERVICE))
         address = f"127.0.0.1:{port}"
         trusts_old = TLSConfig(ca_file=str(tmp_path / "ca-old.crt"), server_name=SERVICE)
         trusts_new = TLSConfig(ca_file=str(tmp_path / "ca-new.crt"), server_name=SERVICE)

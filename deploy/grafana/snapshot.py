@@ -29,6 +29,16 @@ def grafana_expr(expr: str, rate_interval: str, variables: dict[str, str] | None
     return expr
 
 
+def query(prometheus: str, expr: str) -> list[dict]:
+    """An instant query's series (Prometheus' ``/api/v1/query``); raises when Prometheus refuses it."""
+    params = urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(f"{prometheus.rstrip('/')}/api/v1/query?{params}", timeout=30) as reply:
+        body = json.load(reply)
+    if body["status"] != "success":
+        raise ValueError(f"Prometheus refused {expr!r}: {body}")
+    return body["data"]["result"]
+
+
 def query_range(prometheus: str, expr: str, start: float, end: float, step: float) -> list[dict]:
     params = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
     with urllib.request.urlopen(f"{prometheus.rstrip('/')}/api/v1/query_range?{params}", timeout=30) as reply:

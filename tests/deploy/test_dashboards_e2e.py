@@ -21,14 +21,13 @@ import shutil
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from deploy.grafana.dashboards import DASHBOARDS, OUT_DIR
-from deploy.grafana.snapshot import draw, grafana_expr
+from deploy.grafana.snapshot import draw, grafana_expr, query as _query
 from deploy.planner.config import PlannerConfig
 from deploy.planner.signals import PrometheusSignals
 from deploy.prometheus import RULES_PATH
@@ -104,14 +103,6 @@ def running(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prometheus(running):
     return running[1]
-
-
-def _query(prometheus: str, expr: str) -> list[dict]:
-    params = urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(f"{prometheus}/api/v1/query?{params}", timeout=30) as reply:
-        body = json.load(reply)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
 
 
 def _has_data(result: list[dict]) -> bool:

@@ -15,13 +15,12 @@ import re
 import shutil
 import subprocess
 import time
-import urllib.parse
 import urllib.request
 
 import pytest
 
 from deploy.grafana.dashboards import DASHBOARDS, OUT_DIR
-from deploy.grafana.snapshot import grafana_expr, legend
+from deploy.grafana.snapshot import grafana_expr, legend, query as _query
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]
 
@@ -39,14 +38,6 @@ def kubernetes_style_config(targets: dict[str, str]) -> str:
     return json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                        "scrape_configs": [{"job_name": "serviceMonitor/llm/splitserve/0", "static_configs": static,
                                            "relabel_configs": relabel}]})
-
-
-def _query(prometheus: str, expr: str) -> list[dict]:
-    params = urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(f"{prometheus}/api/v1/query?{params}", timeout=30) as reply:
-        body = json.load(reply)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
 
 
 def _complete(http: str, prompt: str) -> None:
