@@ -84,7 +84,7 @@ class EngineLoop:
 
     def alive(self, stall_s: float) -> bool:
         """The thread runs and its current round (commands, then one step) has lasted at most ``stall_s``."""
-        return self._thread.is_alive() and time.monotonic() - self._last_round <= stall_s
+        return self.is_running() and time.monotonic() - self._last_round <= stall_s
 
     # ---- called from any thread ------------------------------------------------------------------------------
     def call(self, fn: Callable[[LLMEngine], object]) -> Future:
