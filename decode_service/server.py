@@ -76,8 +76,10 @@ class _TokenClock:
         self.last_token_at = now
         self.num_generated += count
 
-    def on_finish(self, reason: str, num_output_tokens: int) -> None:
+    def on_finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrived_at)
+        self.metrics.request_prompt_tokens.observe(num_prompt_tokens)  # every request ends on a decode pod
+        self.metrics.request_generation_tokens.observe(num_output_tokens)
         if num_output_tokens > 1 and self.first_token_at is not None:
             tpot = (self.last_token_at - self.first_token_at) / (num_output_tokens - 1)
             self.metrics.time_per_output_token.observe(tpot)
@@ -187,7 +189,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.write(decode_pb2.DecodeResponse(chunk=chunk))
         if not event.finished:
             return
-        clock.on_finish(event.finish_reason, event.seq.num_output_tokens)
+        clock.on_finish(event.finish_reason, event.seq.num_prompt_tokens, event.seq.num_output_tokens)
         if event.error is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {event.error}")
         if not prefilled:

@@ -7,6 +7,8 @@ of the caller. Only the engine thread touches the scheduler, the block manager a
 needs a lock.
 
 A step that raises fails the requests of that step with an error and leaves the pod serving the others.
+``alive(stall_s)`` says whether the thread still runs and came round its loop within ``stall_s`` seconds (an idle
+loop comes round every half second): the pod's health follows it, so a dead or stuck engine fails liveness.
 
 An ``observer(engine, stats)`` set at construction is called on the engine thread after every step (with its
 ``StepStats``) and after every command (with None), before the command's caller hears back: the pod builds its
@@ -20,6 +22,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -65,6 +68,7 @@ class EngineLoop:
         self._subscribers: dict[str, _Subscriber] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._last_round = time.monotonic()  # when the engine thread last came round its loop
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -74,6 +78,13 @@ class EngineLoop:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
+
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def alive(self, stall_s: float) -> bool:
+        """The thread runs and its current round (commands, then one step) has lasted at most ``stall_s``."""
+        return self.is_running() and time.monotonic() - self._last_round <= stall_s
 
     # ---- called from any thread ------------------------------------------------------------------------------
     def call(self, fn: Callable[[LLMEngine], object]) -> Future:
@@ -153,6 +164,7 @@ class EngineLoop:
     # ---- engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
+            self._last_round = time.monotonic()
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=0.5)

@@ -16,6 +16,9 @@ from runtime.cpus import checked_cpu_set
 from runtime.registry import RegistryKind
 from runtime.transport import TLSConfig
 
+# Long enough for a typical stream to finish; Kubernetes' default termination grace period is 30 s.
+SHUTDOWN_GRACE_S = 30.0
+
 
 @dataclass
 class RouterConfig:
@@ -24,6 +27,11 @@ class RouterConfig:
     host: str = field(default="0.0.0.0", metadata=described("Address both APIs listen on."))
     grpc_port: int = field(default=50051, metadata=described("Port of the gRPC Generation API (0: any free port)."))
     http_port: int = field(default=8000, metadata=described("Port of the OpenAI-compatible HTTP API (0: no HTTP API)."))
+    metrics_port: int = field(default=0, metadata=described(
+        "Port of a plain-HTTP Prometheus /metrics, without TLS or API keys, for a scraper that cannot present a "
+        "client certificate (0: none; /metrics is on the HTTP API either way)."))
+    shutdown_grace_s: float = field(default=SHUTDOWN_GRACE_S, metadata=described(
+        "On SIGTERM, time in-flight requests (HTTP and gRPC, drained together) get to finish."))
     model: str = field(default=DEFAULT_MODEL, metadata=described("Served model; the router loads only its tokenizer."))
     max_model_len: int = field(default=8192, metadata=described(
         "Context length in tokens (prompt + output); must match the pods' model (SmolLM2-135M: 8192)."))
@@ -96,12 +104,16 @@ class RouterConfig:
         "PEM CA certificates that pods' (and, with tls_require_client_cert, clients') certificates must chain to."))
     tls_require_client_cert: bool = field(default=False, metadata=described(
         "Mutual TLS: the gRPC and HTTPS servers refuse clients without a certificate signed by tls_ca_file."))
+    tls_server_name: str = field(default="", metadata=described(
+        "The name pods' certificates must list, when they are dialled by IP (in Kubernetes: the pods' headless "
+        "Service's DNS name); empty: the address's host."))
 
     def __post_init__(self) -> None:
         self.policy = member(PolicyName, "policy", self.policy)
         self.registry = member(RegistryKind, "registry", self.registry)
         checked_cpu_set("cpus", self.cpus)
-        for name in ("grpc_port", "http_port", "conditional_prefill_threshold", "max_retries", "max_migrations",
+        for name in ("grpc_port", "http_port", "metrics_port", "shutdown_grace_s", "conditional_prefill_threshold",
+                     "max_retries", "max_migrations",
                      "max_pending_requests", "max_queue_time_s", "conditional_prefill_queue_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

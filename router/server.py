@@ -4,15 +4,17 @@
 
 ``RouterServer.start()``: the router's registry starts (first load poll or scan done: the first request sees
 the pods) -> the gRPC server (``Generation``, ``grpc.health.v1.Health`` reporting SERVING, server reflection
-listing the services) -> the OpenAI-compatible HTTP API (``router.openai_api.create_app``) on uvicorn.
+listing the services) -> the OpenAI-compatible HTTP API (``router.openai_api.create_app``) on uvicorn -> with
+``metrics_port``, a plain-HTTP Prometheus ``/metrics`` (the pods have one too): under mutual TLS a scraper cannot
+reach the HTTPS API's ``/metrics`` without a client certificate.
 
 Both servers take the router's TLS settings (``tls_*``: gRPC over TLS, HTTPS; with ``tls_require_client_cert``
 both require client certificates), its API keys (``APIKeyInterceptor`` on gRPC, the app's middleware on HTTP)
 and its request size limit (``max_request_bytes``: gRPC's receive limit, the HTTP body limit).
 
 ``serve(config)`` runs that until SIGTERM or SIGINT, then stops gracefully: health turns NOT_SERVING, the
-HTTP server stops accepting and finishes its requests, the gRPC server gives in-flight calls
-``SHUTDOWN_GRACE_S`` to end, and only then do the router's pod connections close.
+HTTP and gRPC servers stop accepting together and give their in-flight requests ``shutdown_grace_s`` to end (the
+chart's terminationGracePeriodSeconds is derived from it), and only then do the router's pod connections close.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from router.api_keys import APIKeys
 from router.config import RouterConfig
@@ -40,8 +43,6 @@ from runtime.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
-# Long enough for a typical stream to finish; Kubernetes' default termination grace period is 30 s.
-SHUTDOWN_GRACE_S = 20.0
 HEALTH_REFRESH_S = 0.25  # how often the health status follows the router's readiness
 
 
@@ -60,33 +61,51 @@ class RouterServer:
         self.config = config
         self.router = router if router is not None else Router(config)
         self.grpc_port: int | None = None
+        self.metrics_port: int | None = None  # bound port of the plain /metrics, with metrics_port set
         self._grpc_server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._http: _EmbeddedHTTPServer | None = None
         self._http_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
+        self._metrics_http = None
 
     async def start(self) -> None:
         await self.router.start()
         await self._start_grpc()
         if self.config.http_port:
             await self._start_http()
+        if self.config.metrics_port:
+            http_server, _ = start_http_server(self.config.metrics_port, self.config.host,
+                                               self.router.metrics.registry)
+            self._metrics_http, self.metrics_port = http_server, http_server.server_port
         scheme = "HTTPS" if self.config.tls.cert_file else "HTTP"
         log.info("router serving %s: gRPC%s on %s:%d, %s %s; API keys %s", self.router.model_name,
                  " (TLS)" if self.config.tls.enabled else "", self.config.host, self.grpc_port, scheme,
                  f"on {self.config.host}:{self.config.http_port}" if self._http else "off",
                  "required" if self.config.api_keys else "off")
 
-    async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain both APIs at once for ``grace_s`` (default: ``config.shutdown_grace_s``), then close the pods'
+        connections."""
+        grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
         if self._health_task is not None:
             self._health_task.cancel()
         await self._health.enter_graceful_shutdown()
+        await asyncio.gather(self._stop_http(grace_s), self._stop_grpc(grace_s))
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        await self.router.stop()
+
+    async def _stop_http(self, grace_s: float) -> None:
         if self._http is not None:
+            self._http.config.timeout_graceful_shutdown = grace_s  # then uvicorn cancels what still runs
             self._http.should_exit = True
             await self._http_task
+
+    async def _stop_grpc(self, grace_s: float) -> None:
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace_s)
-        await self.router.stop()
 
     async def _start_grpc(self) -> None:
         keys = APIKeys(self.config.api_keys)
@@ -146,7 +165,7 @@ async def serve(config: RouterConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop_requested.set)
     await stop_requested.wait()
-    log.info("stopping: draining in-flight requests (up to %.0f s)", SHUTDOWN_GRACE_S)
+    log.info("stopping: draining in-flight requests (up to %.0f s)", config.shutdown_grace_s)
     await server.stop()
 
 

@@ -4,6 +4,9 @@
 - ``PodMetrics``: plus the engine's (preemptions, tokens per step, the kernel path) and the KV transfer's;
 - ``RouterMetrics``: plus the router's (routing decisions, retries, rejections, its view of each pod, goodput).
 
+Every registry also carries the process' CPU time, memory and open files (prometheus_client's process collector,
+with ``role`` and ``model_name`` added), so that a dashboard shows CPU and memory per pod with the same filters.
+
 Names follow vLLM's with the prefix ``splitserve_`` and vLLM's histogram buckets (TTFT's with four more between 1
 and 5 s), so that vLLM dashboards translate directly. Every series carries ``role`` (router, prefill, decode,
 mixed) and ``model_name``.
@@ -14,8 +17,10 @@ names live in ``deploy/``.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 # vLLM's TTFT buckets plus 1.5, 2.0, 3.0 and 4.0 s: a CPU pod's first tokens land between 1 and 5 s, where vLLM's
 # 1.0/2.5/5.0 s put a median 13% off (docs/PERFORMANCE.md). A superset, so every vLLM `le` still exists.
@@ -29,6 +34,8 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 KV_TRANSFER_BUCKETS = TTFT_BUCKETS
 # Tokens in one engine step (vLLM's vllm:iteration_tokens_total).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Prompt and output lengths of a request (vLLM's 1-2-5 buckets, up to a long context).
+REQUEST_TOKENS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 LABELS = ("role", "model_name")
 
@@ -68,9 +75,14 @@ class ServingMetrics:
         self.prefix_cache_hits = self._counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
         self.request_success = Counter("splitserve_request_success_total", "Finished requests by finish reason.",
                                        LABELS + ("finished_reason",), registry=self.registry)
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt length of each finished request, in "
+                                          "tokens.", REQUEST_TOKENS_BUCKETS)
+        self.request_generation_tokens = hist("request_generation_tokens", "Output length of each finished "
+                                              "request, in tokens.", REQUEST_TOKENS_BUCKETS)
         self.num_requests_running = self._gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
+        self.registry.register(_LabelledProcessCollector(role, model_name))
 
     def _histogram(self, name: str, doc: str, buckets) -> Histogram:
         metric = Histogram(f"splitserve_{name}", doc, LABELS, buckets=buckets, registry=self.registry)
@@ -91,6 +103,21 @@ class ServingMetrics:
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition format and its content type, for a ``/metrics`` handler."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _LabelledProcessCollector(Collector):
+    """The process collector's series (process_cpu_seconds_total, process_resident_memory_bytes, ...) with the
+    process' ``role`` and ``model_name``."""
+
+    def __init__(self, role: str, model_name: str):
+        self.labels = {"role": role, "model_name": model_name}
+
+    def collect(self):
+        for family in PROCESS_COLLECTOR.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labelled.add_sample(sample.name, {**sample.labels, **self.labels}, sample.value)
+            yield labelled
 
 
 class PodMetrics(ServingMetrics):
@@ -123,7 +150,10 @@ class PodMetrics(ServingMetrics):
         self.engine_info.labels(self.role, self.model_name, kernels, device, cache_dtype).set(1)
 
 
-POD_LABELS = LABELS + ("pod", "pod_role")
+# The router's per-pod series name the pod by ``pod_address`` (host:port, as it registered), not ``pod``: the
+# Prometheus Operator (and any Kubernetes scrape config) sets ``pod`` on every series to the scraped pod's name,
+# which would rename the router's to ``exported_pod`` and fold every pod's series into the router's.
+POD_LABELS = LABELS + ("pod_address", "pod_role")
 
 
 class RouterMetrics(ServingMetrics):
@@ -135,7 +165,7 @@ class RouterMetrics(ServingMetrics):
         self.routing_decisions = counter("router_routing_decisions_total", "Requests placed, by how: "
                                          "'disaggregated' (prefill pod + decode pod) or 'prefill_on_decode'.",
                                          ("decision",))
-        self.pod_requests = counter("router_pod_requests_total", "Requests sent to each pod.", ("pod", "pod_role"))
+        self.pod_requests = counter("router_pod_requests_total", "Requests sent to each pod.", POD_LABELS[2:])
         self.retries = counter("router_retries_total", "Requests retried on other pods before their first token, "
                                "by the gRPC code of the failure.", ("code",))
         self.rejected = counter("router_rejected_requests_total", "Requests refused before any output, by gRPC "

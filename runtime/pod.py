@@ -10,6 +10,9 @@ Prefill, decode and mixed pods all start here; only their gRPC services differ:
                                load, pushed as it changes), health (SERVING: the engine is loaded by now) and
                                reflection; Prometheus /metrics on metrics_port; with registry=redis, a RedisHeartbeat
                                publishing the load and the prefix cache's block hashes under advertise_address
+      engine watchdog          health NOT_SERVING (so liveness restarts the pod, readiness and the router stop
+                               sending to it) while the engine thread is dead or one round of it has lasted
+                               longer than engine_stall_s; SERVING again if a stall ends
       SIGTERM / SIGINT         pod.stop(), the drain: load reports say draining and health NOT_SERVING (the router
                                stops sending new requests at once), the heartbeat deregisters (best effort: Redis may
                                be gone), running calls get shutdown_grace_s to finish, cleanups run, engine stops
@@ -95,6 +98,9 @@ class PodConfig:
     load_refresh_interval_s: float = field(default=1.0, metadata=described(
         "Redis registry: seconds between refreshes of the prefix-cache block hashes the heartbeat publishes."))
     shutdown_grace_s: float = field(default=10.0, metadata=described("On SIGTERM, time in-flight calls get to finish."))
+    engine_stall_s: float = field(default=60.0, metadata=described(
+        "Health turns NOT_SERVING (liveness fails) when the engine thread died or one engine step (with the "
+        "commands before it) has run longer than this."))
     # TLS on every gRPC link the pod serves or opens (runtime/transport.py); all empty: plaintext.
     tls_cert_file: str = field(default="", metadata=described(
         "PEM certificate of this pod: its gRPC server's identity and its client identity on the channels it opens."))
@@ -103,6 +109,9 @@ class PodConfig:
         "PEM CA certificates that peers' certificates must chain to (empty: the system's roots)."))
     tls_require_client_cert: bool = field(default=False, metadata=described(
         "Mutual TLS: the gRPC server refuses clients without a certificate signed by tls_ca_file."))
+    tls_server_name: str = field(default="", metadata=described(
+        "The name the certificates of the pods this pod dials (decode pods, for KV) must list, when they are "
+        "dialled by IP (in Kubernetes: the pods' headless Service's DNS name); empty: the address's host."))
 
     def __post_init__(self) -> None:
         self.registry = member(RegistryKind, "registry", self.registry)
@@ -110,7 +119,7 @@ class PodConfig:
         for name in ("port", "metrics_port", "max_waiting_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("heartbeat_ttl_s", "load_refresh_interval_s"):
+        for name in ("heartbeat_ttl_s", "load_refresh_interval_s", "engine_stall_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         transport.TLSConfig.of(self).check()
@@ -155,6 +164,8 @@ class Pod:
         self._health: health.aio.HealthServicer | None = None
         self._metrics_http = None
         self._refresher: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._served_names: list[str] = []  # health service names: "" (the whole server) and each service
         self._heartbeat: RedisHeartbeat | None = None
 
     @property
@@ -192,8 +203,9 @@ class Pod:
         tls = transport.TLSConfig.of(self.config)
         self.port = transport.bind(self._server, self.config.host, self.config.port, tls)
         await self._server.start()
-        for name in ["", *names]:  # "" is the whole server
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._served_names = ["", *names]  # "" is the whole server
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._watchdog = asyncio.create_task(self._watch_engine(), name="pod-engine-watchdog")
         http_server, _ = start_http_server(self.config.metrics_port, self.config.host, self.metrics.registry)
         self._metrics_http, self.metrics_port = http_server, http_server.server_port
         if self.config.registry is RegistryKind.REDIS:
@@ -208,6 +220,8 @@ class Pod:
     async def stop(self) -> None:
         """The drain: no new requests from here; running ones get ``shutdown_grace_s`` to finish."""
         self.load_tracker.start_draining()
+        self._watchdog.cancel()
+        await asyncio.gather(self._watchdog, return_exceptions=True)
         await self._health.enter_graceful_shutdown()
         if self._refresher is not None:
             self._refresher.cancel()
@@ -221,6 +235,28 @@ class Pod:
         self._metrics_http.shutdown()
         self._metrics_http.server_close()
         logger.info("%s pod stopped", self.role)
+
+    async def _set_health(self, status: int) -> None:
+        for name in self._served_names:
+            await self._health.set(name, status)
+
+    async def _watch_engine(self) -> None:
+        """Health follows the engine thread (see the module docstring)."""
+        stall_s = self.config.engine_stall_s
+        serving = True
+        while True:
+            await asyncio.sleep(min(1.0, stall_s / 4))
+            alive = self.engine_loop.alive(stall_s)
+            if alive == serving:
+                continue
+            serving = alive
+            if alive:
+                logger.warning("the engine thread came round again: serving")
+            else:
+                logger.error("the engine thread is %s: health NOT_SERVING, so that liveness restarts the pod",
+                             "stuck" if self.engine_loop.is_running() else "dead")
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING if alive
+                                   else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _deregister(self) -> None:
         """Best effort: with Redis gone the key expires on its own, and the drain must not wait for it."""

@@ -2,10 +2,12 @@
 
     TLSConfig.of(config)                   the tls_* fields of a service's config (empty cert and CA: plaintext)
     new_server(max_receive_bytes, ...)     grpc.aio server with the message limits and no SO_REUSEPORT
-    bind(server, host, port, tls)          the bound port, with TLS when ``tls`` is on; a RuntimeError naming the
-                                           address when it is taken
+    bind(server, host, port, tls)          the bound port, with TLS when ``tls`` is on (certificates reloaded
+                                           when their files change); a RuntimeError naming the address when it
+                                           is taken
     open_channel(address, tls)             grpc.aio channel with the same limits, a reconnect backoff capped at
-                                           1 s, and TLS (the process's own certificate presented, for mutual TLS)
+                                           1 s, and TLS (the process's own certificate presented, for mutual TLS;
+                                           the peer checked against ``tls.server_name`` when set)
 
 Servers never share a port: grpcio binds with ``SO_REUSEPORT`` unless told otherwise, and then a second pod
 started on a taken port starts without complaint while the kernel splits connections between the two.
@@ -14,8 +16,17 @@ TLS: one certificate and key per process serve as its server identity and as its
 opens (mutual TLS); ``ca_file`` holds the certificates that peers' certificates must chain to. A process is on TLS
 when it has a certificate or a CA file: its servers then speak only TLS (they need the certificate) and its channels
 only TLS. With ``require_client_cert`` its servers also refuse a client without a certificate signed by ``ca_file``.
-Files are read once, when a server or channel is made: rotating a certificate takes a restart. A channel's address
-must be a name or an IP address the peer's certificate lists (subjectAltName).
+
+In a cluster, pods reach each other by pod IP (what they advertise), and no certificate can list every pod IP:
+``server_name`` is then the name every pod's certificate lists (the chart's headless Service's DNS name), and
+channels check the peer against it instead of the address they dial (gRPC's target name override). Without it a
+channel's address must be a name or an IP address the peer's certificate lists (subjectAltName).
+
+Certificates are renewed without a restart: a server re-reads its certificate, key and CA files before a new
+connection's handshake when any of them changed (grpc's certificate-configuration fetcher; a Kubernetes Secret
+volume swaps all three at once), so connections made after a renewal see the new ones and running calls go on.
+A half-written set (a key that does not match its certificate) is skipped until it is whole. Channels read the
+files when they are made: a channel opened before a renewal keeps presenting the certificate it started with.
 
 ``configure_process_tls`` sets the TLS of channels that a library module opens for this process without being
 told (the prefill pod's KV channels to decode pods): a pod process sets it once, from its config, at start.
@@ -23,12 +34,18 @@ told (the prefill pod's KV channels to decode pods): a pod process sets it once,
 
 from __future__ import annotations
 
+import logging
+import os
+import ssl
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+logger = logging.getLogger(__name__)
 
 # gRPC refuses messages over 4 MiB unless told otherwise. KV chunks (1 MiB by default), a long prompt's token
 # ids (about 5 bytes per token) and a top-20 logprobs stream all fit far below this.
@@ -59,12 +76,14 @@ class TLSConfig:
     key_file: str = ""  # the certificate's private key
     ca_file: str = ""  # peers' certificates must chain to these (empty: the system's roots, for channels only)
     require_client_cert: bool = False  # servers refuse clients without a certificate signed by ca_file
+    server_name: str = ""  # the name peers' certificates must list (empty: the host of the address dialled)
 
     @classmethod
     def of(cls, config: Any) -> "TLSConfig":
-        """The ``tls_cert_file``, ``tls_key_file``, ``tls_ca_file`` and ``tls_require_client_cert`` fields of a
-        service's config dataclass."""
-        return cls(config.tls_cert_file, config.tls_key_file, config.tls_ca_file, config.tls_require_client_cert)
+        """The ``tls_cert_file``, ``tls_key_file``, ``tls_ca_file``, ``tls_require_client_cert`` and (where the
+        config has it: the services, not the command-line tools) ``tls_server_name`` fields of a config."""
+        return cls(config.tls_cert_file, config.tls_key_file, config.tls_ca_file, config.tls_require_client_cert,
+                   getattr(config, "tls_server_name", ""))
 
     @property
     def enabled(self) -> bool:
@@ -80,17 +99,68 @@ class TLSConfig:
             raise ValueError("tls_cert_file: a server on TLS needs its certificate (tls_ca_file is set)")
         if self.require_client_cert and not (self.ca_file and self.cert_file):
             raise ValueError("tls_require_client_cert: needs tls_ca_file (to verify clients) and tls_cert_file")
+        if self.server_name and not self.enabled:
+            raise ValueError("tls_server_name: names the peers' certificates, so it needs TLS (tls_cert_file)")
 
     def server_credentials(self) -> grpc.ServerCredentials:
+        """Server TLS whose certificate, key and CA are re-read when their files change (``CertificateReloader``)."""
+        reloader = CertificateReloader(self)
+        return grpc.dynamic_ssl_server_credentials(reloader.current, reloader,
+                                                   require_client_authentication=self.require_client_cert)
+
+    def server_certificate_configuration(self) -> grpc.ServerCertificateConfiguration:
+        """The files as they are now; RuntimeError when one is unreadable or the key is not the certificate's."""
+        key, chain = _read(self.key_file), _read(self.cert_file)
+        try:  # the ssl module checks that the key belongs to the certificate (grpc would fail each handshake)
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert_file, self.key_file)
+        except (ssl.SSLError, ValueError) as err:
+            raise RuntimeError(f"TLS: {self.key_file} is not the key of {self.cert_file} ({err})") from None
         root = _read(self.ca_file) if self.ca_file else None
-        return grpc.ssl_server_credentials([(_read(self.key_file), _read(self.cert_file))], root_certificates=root,
-                                           require_client_auth=self.require_client_cert)
+        return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=root)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca_file) if self.ca_file else None,
             private_key=_read(self.key_file) if self.cert_file else None,
             certificate_chain=_read(self.cert_file) if self.cert_file else None)
+
+
+class CertificateReloader:
+    """grpc's certificate-configuration fetcher: called before every new connection's handshake, it returns the
+    files' new configuration when their identity (inode, size, modification time, through symlinks) changed, and
+    None (keep the current one) otherwise or while the new set is incomplete."""
+
+    def __init__(self, tls: TLSConfig):
+        self._paths = [path for path in (tls.cert_file, tls.key_file, tls.ca_file) if path]
+        self._tls = tls
+        self._lock = threading.Lock()  # handshakes of several connections may ask at once
+        self._stamp = self._stamps()
+        self.current = tls.server_certificate_configuration()
+
+    def _stamps(self) -> tuple:
+        stamps = []
+        for path in self._paths:
+            try:
+                info = os.stat(path)
+            except OSError:
+                stamps.append(None)  # being replaced: compare again at the next connection
+                continue
+            stamps.append((info.st_ino, info.st_size, info.st_mtime_ns))
+        return tuple(stamps)
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        with self._lock:
+            stamp = self._stamps()
+            if stamp == self._stamp or None in stamp:
+                return None
+            try:
+                self.current = self._tls.server_certificate_configuration()
+            except RuntimeError as err:
+                logger.warning("TLS files changed but cannot be loaded yet, keeping the current ones: %s", err)
+                return None
+            self._stamp = stamp
+            logger.info("TLS: loaded the renewed certificate %s", self._tls.cert_file)
+            return self.current
 
 
 PLAINTEXT = TLSConfig()
@@ -131,15 +201,22 @@ def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel
     """A channel to ``address``; ``tls`` None: the process's TLS (``configure_process_tls``)."""
     tls = _process_tls if tls is None else tls
     if tls.enabled:
-        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=_tls_channel_options(tls))
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 def open_blocking_channel(address: str, tls: TLSConfig = PLAINTEXT) -> grpc.Channel:
     """A synchronous channel (command-line tools and health checks), with the same TLS rules."""
     if tls.enabled:
-        return grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, tls.channel_credentials(), options=_tls_channel_options(tls))
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def _tls_channel_options(tls: TLSConfig) -> list[tuple[str, Any]]:
+    """Dialled by IP, checked by name: the peer's certificate must list ``server_name``."""
+    if not tls.server_name:
+        return CHANNEL_OPTIONS
+    return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)]
 
 
 def _read(path: str) -> bytes:

@@ -2,6 +2,7 @@
 router's registry sees them with their load, and a pod whose heartbeat stops disappears after its TTL."""
 
 import asyncio
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -26,14 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def redis_url(tmp_path):
+@contextlib.contextmanager
+def redis_server(directory, password: str = ""):
+    """A redis-server on a free loopback port (asking for ``password`` when set); yields its port."""
     port = free_port()
     server = subprocess.Popen(
         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
+         "--dir", str(directory), *(["--requirepass", password] if password else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
+    client = redis.Redis(port=port, password=password or None)
     try:
         for _ in range(200):
             try:
@@ -43,11 +45,41 @@ def redis_url(tmp_path):
                 time.sleep(0.02)
         else:
             raise RuntimeError("redis-server did not start")
-        yield f"redis://127.0.0.1:{port}/0"
+        yield port
     finally:
         client.close()
         server.terminate()
         server.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    with redis_server(tmp_path) as port:
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+def test_a_redis_with_a_password_takes_the_url_the_chart_composes(tmp_path):
+    """The chart's bundled Redis runs with --requirepass, and pods and router get redis://:<password>@host/0."""
+    async def scenario(port: int):
+        url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+        heartbeat = RedisHeartbeat(url, "decode", "10.0.0.5:50061", TTL_S, decode_pod_load)
+        registry = RedisRegistry(url, ttl_s=TTL_S, scan_interval_s=SCAN_INTERVAL_S)
+        await heartbeat.start()
+        await registry.start()
+        try:
+            assert [p.address for p in registry.decode_pods()] == ["10.0.0.5:50061"]
+        finally:
+            await registry.stop()
+            await heartbeat.stop()
+        stranger = RedisHeartbeat(f"redis://127.0.0.1:{port}/0", "decode", "10.9.9.9:1", TTL_S, decode_pod_load)
+        with pytest.raises(redis.exceptions.AuthenticationError):  # no password: no registering as a decode pod
+            await stranger.start()
+
+    with redis_server(tmp_path, PASSWORD) as port:
+        asyncio.run(scenario(port))
+
+
+PASSWORD = "Zq7bK2mR9xW4tY8pL3nV6cH1"  # letters and digits, like the chart's randAlphaNum 32
 
 
 def decode_pod_load() -> dict:

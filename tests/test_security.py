@@ -90,15 +90,19 @@ def _make_ca(path: Path, common_name: str) -> tuple[ec.EllipticCurvePrivateKey, 
     return key, cert
 
 
-def _make_leaf(path: Path, common_name: str, ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate]) -> Identity:
+LOOPBACK_NAMES = (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+
+
+def _make_leaf(path: Path, common_name: str, ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate],
+               names=LOOPBACK_NAMES) -> Identity:
+    """A certificate signed by ``ca`` listing ``names`` (subjectAltName), for servers and clients."""
     ca_key, ca_cert = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     cert = (x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
@@ -130,14 +134,15 @@ def run(coroutine):
 # ------------------------------------------------------------------------------- transport: TLS and mTLS
 
 
-async def _health_server(tls: TLSConfig) -> tuple[grpc.aio.Server, int]:
+async def _health_server(tls: TLSConfig) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A gRPC server with only the health service, SERVING: (server, port, its health servicer)."""
     server = transport.new_server()
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = transport.bind(server, "127.0.0.1", 0, tls)
     await server.start()
     await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    return server, port, servicer
 
 
 async def _check(address: str, tls: TLSConfig) -> grpc.StatusCode:
@@ -152,7 +157,7 @@ async def _check(address: str, tls: TLSConfig) -> grpc.StatusCode:
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_tls_server_and_channel_talk_and_plaintext_or_unknown_ca_do_not(pki, host):
     async def scenario():
-        server, port = await _health_server(server_tls(pki))
+        server, port, _ = await _health_server(server_tls(pki))
         try:
             address = f"{host}:{port}"
             assert await _check(address, client_tls(pki)) == grpc.StatusCode.OK
@@ -165,7 +170,7 @@ def test_tls_server_and_channel_talk_and_plaintext_or_unknown_ca_do_not(pki, hos
 
 def test_mutual_tls_refuses_clients_without_a_certificate_from_its_ca(pki):
     async def scenario():
-        server, port = await _health_server(server_tls(pki, mutual=True))
+        server, port, _ = await _health_server(server_tls(pki, mutual=True))
         try:
             address = f"127.0.0.1:{port}"
             assert await _check(address, client_tls(pki, pki.client)) == grpc.StatusCode.OK
@@ -179,7 +184,7 @@ def test_mutual_tls_refuses_clients_without_a_certificate_from_its_ca(pki):
 def test_a_process_uses_its_tls_for_channels_it_opens_without_being_told(pki):
     """The prefill pod's KV channels take the pod process's TLS (``configure_process_tls``)."""
     async def scenario():
-        server, port = await _health_server(server_tls(pki, mutual=True))
+        server, port, _ = await _health_server(server_tls(pki, mutual=True))
         try:
             transport.configure_process_tls(server_tls(pki))
             assert await _check(f"127.0.0.1:{port}", None) == grpc.StatusCode.OK

@@ -1,12 +1,13 @@
-"""splitserve's Grafana dashboards, built with grafana-foundation-sdk: overview, prefill, decode, router.
+"""splitserve's Grafana dashboards, built with grafana-foundation-sdk: overview, prefill, decode, router, planner.
 
 ``python -m deploy.grafana`` writes them as JSON into ``deploy/grafana/dashboards/`` (the Helm chart ships that
 folder as ConfigMaps for Grafana's sidecar); a test checks the committed JSON equals this module's output.
 
-Every dashboard has a datasource variable, a ``model_name`` variable and a ``role`` variable (limited to the roles
-the dashboard is about), and every query filters on both: ``{model_name=~"$model_name", role=~"$role"}``.
-Percentiles are ``histogram_quantile`` over ``sum by (le)`` of bucket rates over ``$__rate_interval``; every panel
-has a unit.
+Every dashboard has a datasource variable, a ``namespace`` variable (the label Kubernetes scrapes add; "All" also
+matches series without one), a ``model_name`` variable and a ``role`` variable (limited to the roles the dashboard
+is about), and every query filters on all three. Percentiles are ``histogram_quantile`` over ``sum by (le, role)``
+of bucket rates over ``$__rate_interval``: one line per role, so the router's histogram (what clients see) and the
+pods' (their share) never merge into one meaningless percentile. Every panel has a unit.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from grafana_foundation_sdk.models.dashboard import (DataSourceRef, DashboardCur
                                                      VariableSort)
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-SEL = 'model_name=~"$model_name", role=~"$role"'
+SEL = 'namespace=~"$namespace", model_name=~"$model_name", role=~"$role"'
 QUANTILES = (0.5, 0.9, 0.99)
 TOKENS_PER_S = "suffix: tok/s"
+VARIABLE_SERIES = "process_cpu_seconds_total"  # every splitserve process has it, with namespace, model and role
 RATIO = "suffix:x"
 
 
@@ -46,13 +48,14 @@ def rate(metric: str, by: str = "", extra: str = "") -> str:
 
 
 def quantiles(histogram: str, by: str = "") -> list[Query]:
-    """p50, p90 and p99 of a histogram (``histogram`` without the ``_bucket`` suffix)."""
-    group = f"le, {by}" if by else "le"
-    return [Query(f"histogram_quantile({q}, {rate(histogram + '_bucket', group)})",
-                  f"p{round(q * 100)}" + (f" {{{{{by}}}}}" if by else "")) for q in QUANTILES]
+    """p50, p90 and p99 of a histogram (``histogram`` without the ``_bucket`` suffix), per role (and ``by``)."""
+    group = ", ".join(["le", "role", *([by] if by else [])])
+    legend = " ".join(["{{role}}", *([f"{{{{{by}}}}}"] if by else [])])
+    return [Query(f"histogram_quantile({q}, {rate(histogram + '_bucket', group)})", f"p{round(q * 100)} {legend}")
+            for q in QUANTILES]
 
 
-def mean(histogram: str, by: str = "") -> str:
+def mean(histogram: str, by: str = "role") -> str:
     return f"{rate(histogram + '_sum', by)} / {rate(histogram + '_count', by)}"
 
 
@@ -79,12 +82,17 @@ def dashboard(uid: str, title: str, description: str, roles: str, default_role: 
     return (Dashboard(title).uid(uid).description(description).tags(["splitserve", "llm"])
             .refresh("30s").time("now-1h", "now").timezone("browser").tooltip(DashboardCursorSync.CROSSHAIR)
             .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
+            .with_variable(QueryVariable("namespace").label("Namespace").datasource(DATASOURCE)
+                           .query(f"label_values({VARIABLE_SERIES}, namespace)")
+                           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+                           .multi(True).include_all(True).all_value(".*"))
             .with_variable(QueryVariable("model_name").label("Model").datasource(DATASOURCE)
-                           .query("label_values(splitserve_num_requests_running, model_name)")
+                           .query(f'label_values({VARIABLE_SERIES}{{namespace=~"$namespace"}}, model_name)')
                            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
                            .multi(True).include_all(True).all_value(".*"))
             .with_variable(QueryVariable("role").label("Role").datasource(DATASOURCE)
-                           .query('label_values(splitserve_num_requests_running{model_name=~"$model_name"}, role)')
+                           .query(f'label_values({VARIABLE_SERIES}{{namespace=~"$namespace", '
+                                  f'model_name=~"$model_name"}}, role)')
                            .regex(f"/^({roles})$/").current(role_default)
                            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
                            .multi(True).include_all(True).all_value(roles)))
@@ -114,9 +122,9 @@ def overview() -> Dashboard:
             .with_panel(panel("End-to-end latency", "s", quantiles("splitserve_e2e_request_latency_seconds"),
                               "From request arrival to its last token."))
             .with_panel(panel("Where TTFT goes (mean)", "s", [
-                Query(mean("splitserve_request_queue_time_seconds"), "queue"),
-                Query(mean("splitserve_request_prefill_time_seconds"), "prefill"),
-                Query(mean("splitserve_kv_transfer_time_seconds"), "KV transfer (exposed)")],
+                Query(mean("splitserve_request_queue_time_seconds"), "queue {{role}}"),
+                Query(mean("splitserve_request_prefill_time_seconds"), "prefill {{role}}"),
+                Query(mean("splitserve_kv_transfer_time_seconds"), "KV transfer (exposed) {{role}}")],
                 "TTFT splits into queue + prefill + the KV transfer not hidden behind compute.", stacked=True))
             .with_row(Row("Errors and load"))
             .with_panel(panel("Errors", "reqps", [
@@ -127,6 +135,23 @@ def overview() -> Dashboard:
             .with_panel(panel("Requests running and waiting", "short", [
                 Query(f"sum by (role) (splitserve_num_requests_running{{{SEL}}})", "running {{role}}"),
                 Query(f"sum by (role) (splitserve_num_requests_waiting{{{SEL}}})", "waiting {{role}}")]))
+            .with_panel(panel("Finish reasons", "reqps", [
+                Query(rate("splitserve_request_success_total", "role, finished_reason"),
+                      "{{role}} {{finished_reason}}")],
+                "Finished requests by why they ended: stop (EOS or a stop string), length (max_tokens), abort, error."))
+            .with_row(Row("Requests"))
+            .with_panel(panel("Prompt length", "short", quantiles("splitserve_request_prompt_tokens"),
+                              "Prompt tokens per request (decode and mixed pods, where every request ends)."))
+            .with_panel(panel("Output length", "short", quantiles("splitserve_request_generation_tokens"),
+                              "Output tokens per request."))
+            .with_row(Row("Resources"))
+            .with_panel(panel("CPU per pod", "short", [
+                Query(f"sum by (role, instance) (rate(process_cpu_seconds_total{{{SEL}}}[$__rate_interval]))",
+                      "{{role}} {{instance}}")],
+                "Cores busy in each process (router, pods, planner), from the process collector."))
+            .with_panel(panel("Memory per pod", "bytes", [
+                Query(f"sum by (role, instance) (process_resident_memory_bytes{{{SEL}}})", "{{role}} {{instance}}")],
+                "Resident memory of each process (weights, KV cache, the Python heap)."))
             .build())
 
 
@@ -143,7 +168,7 @@ def prefill() -> Dashboard:
                 Query(rate("splitserve_prompt_tokens_total", "instance"), "{{instance}}")]))
             .with_panel(panel("Batch tokens per step", "short",
                               quantiles("splitserve_iteration_tokens_total")[::2] + [
-                                  Query(mean("splitserve_iteration_tokens_total"), "mean")],
+                                  Query(mean("splitserve_iteration_tokens_total"), "mean {{role}}")],
                               "Tokens in one engine step (prefill chunks and decode tokens together)."))
             .with_row(Row("KV transfer"))
             .with_panel(panel("KV transfer time", "s", quantiles("splitserve_kv_transfer_time_seconds"),
@@ -190,24 +215,28 @@ def decode() -> Dashboard:
             .build())
 
 
+# The router names pods by pod_address: `pod` is the scraped pod's name wherever Kubernetes labels the targets.
+PER_POD = "{{pod_role}} {{pod_address}}"
+
+
 def router() -> Dashboard:
     def per_pod(metric: str) -> str:
-        return f"sum by (pod, pod_role) ({metric}{{{SEL}}})"
+        return f"sum by (pod_address, pod_role) ({metric}{{{SEL}}})"
 
     return (dashboard("splitserve-router", "splitserve / Router",
                       "The router: the load it sees on every pod, where it sends requests, retries and refusals.",
                       "router", "router")
             .with_row(Row("Per-pod load (as the router sees it)"))
             .with_panel(panel("Requests sent per pod", "reqps", [
-                Query(rate("splitserve_router_pod_requests_total", "pod, pod_role"), "{{pod_role}} {{pod}}")]))
+                Query(rate("splitserve_router_pod_requests_total", "pod_address, pod_role"), PER_POD)]))
             .with_panel(panel("Running per pod", "short", [
-                Query(per_pod("splitserve_router_pod_running_requests"), "{{pod_role}} {{pod}}")]))
+                Query(per_pod("splitserve_router_pod_running_requests"), PER_POD)]))
             .with_panel(panel("Waiting per pod", "short", [
-                Query(per_pod("splitserve_router_pod_waiting_requests"), "{{pod_role}} {{pod}}")]))
+                Query(per_pod("splitserve_router_pod_waiting_requests"), PER_POD)]))
             .with_panel(panel("KV cache usage per pod", "percentunit", [
-                Query(per_pod("splitserve_router_pod_kv_cache_usage_perc"), "{{pod_role}} {{pod}}")], max_value=1))
+                Query(per_pod("splitserve_router_pod_kv_cache_usage_perc"), PER_POD)], max_value=1))
             .with_panel(panel("Queued prefill tokens per pod", "short", [
-                Query(per_pod("splitserve_router_pod_queued_prefill_tokens"), "{{pod_role}} {{pod}}")]))
+                Query(per_pod("splitserve_router_pod_queued_prefill_tokens"), PER_POD)]))
             .with_panel(panel("Healthy pods", "short", [
                 Query(f"sum by (pod_role) (splitserve_router_pod_healthy{{{SEL}}})", "{{pod_role}}")],
                 "Pods the router routes to, by role."))
@@ -227,7 +256,40 @@ def router() -> Dashboard:
             .build())
 
 
-DASHBOARDS = {"overview": overview, "prefill": prefill, "decode": decode, "router": router}
+def planner() -> Dashboard:
+    def per_pool(metric: str) -> str:
+        return f"max by (pool) ({metric}{{{SEL}}})"
+
+    return (dashboard("splitserve-planner", "splitserve / Planner",
+                      "The planner's decisions for the prefill and decode pools and the signals behind them.",
+                      "planner", "planner")
+            .with_row(Row("Decisions"))
+            .with_panel(panel("Replicas per pool", "short", [
+                Query(per_pool("splitserve_planner_current_replicas"), "current {{pool}}"),
+                Query(per_pool("splitserve_planner_desired_replicas"), "desired {{pool}}"),
+                Query(per_pool("splitserve_planner_needed_replicas"), "needed {{pool}}")],
+                "What the Deployment had, what the planner set, and what the capacity model says the load needs."))
+            .with_panel(panel("Decisions", "short", [
+                Query(f"sum by (pool, reason) (increase(splitserve_planner_decisions_total{{{SEL}}}"
+                      "[$__rate_interval]))", "{{pool}} {{reason}}")],
+                "up, down, hold, cooldown, bounds, slo, starting (a previous change not ready yet), no-data."))
+            .with_panel(panel("Errors", "short", [
+                Query(f"sum by (stage) (increase(splitserve_planner_errors_total{{{SEL}}}[$__rate_interval]))",
+                      "{{stage}}")],
+                "Failed steps: reading Prometheus, reading or setting a Deployment's scale."))
+            .with_row(Row("Signals"))
+            .with_panel(panel("Demand", "short", [Query(per_pool("splitserve_planner_demand"), "{{pool}}")],
+                              "Prefill: prompt tokens/s for prefill pods; decode: requests decoding at once."))
+            .with_panel(panel("Capacity per pod", "short", [
+                Query(per_pool("splitserve_planner_capacity_per_pod"), "{{pool}}")],
+                "Prefill: prompt tokens/s one busy pod prefills; decode: requests one pod runs within TPOT."))
+            .with_panel(panel("Dry run", "short", [
+                Query(f"max(splitserve_planner_dry_run{{{SEL}}})", "dry run")],
+                "1 while the planner only reports what it would do.", max_value=1))
+            .build())
+
+
+DASHBOARDS = {"overview": overview, "prefill": prefill, "decode": decode, "router": router, "planner": planner}
 
 
 def render(name: str) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from deploy.grafana.dashboards import OUT_DIR
 
-ALL = {"$model_name": ".*", "$role": ".*"}
+ALL = {"$namespace": ".*", "$model_name": ".*", "$role": ".*"}
 
 
 def grafana_expr(expr: str, rate_interval: str, variables: dict[str, str] | None = None) -> str:
@@ -27,6 +27,16 @@ def grafana_expr(expr: str, rate_interval: str, variables: dict[str, str] | None
     for name, value in {**ALL, **(variables or {}), "$__rate_interval": rate_interval}.items():
         expr = expr.replace(name, value)
     return expr
+
+
+def query(prometheus: str, expr: str) -> list[dict]:
+    """An instant query's series (Prometheus' ``/api/v1/query``); raises when Prometheus refuses it."""
+    params = urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(f"{prometheus.rstrip('/')}/api/v1/query?{params}", timeout=30) as reply:
+        body = json.load(reply)
+    if body["status"] != "success":
+        raise ValueError(f"Prometheus refused {expr!r}: {body}")
+    return body["data"]["result"]
 
 
 def query_range(prometheus: str, expr: str, start: float, end: float, step: float) -> list[dict]:

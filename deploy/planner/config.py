@@ -27,7 +27,11 @@ class PlannerConfig:
     promql_selector: str = field(default="", metadata=described(
         "Extra label matchers added to every query, e.g. namespace=\"llm\" (empty: none)."))
     interval_s: float = field(default=30.0, metadata=described("Seconds between decisions."))
-    window_s: int = field(default=120, metadata=described("Rates and percentiles are taken over this many seconds."))
+    window_s: int = field(default=120, metadata=described(
+        "Rates and percentiles are taken over this many seconds; after a change, a pool grows again only once "
+        "its new pods have been ready this long (the metrics then describe the new pool)."))
+    request_timeout_s: float = field(default=10.0, metadata=described(
+        "Timeout of every Prometheus query and Kubernetes API call (seconds)."))
     dry_run: bool = field(default=False, metadata=described(
         "Decide and export the decisions as metrics, but scale nothing."))
     min_prefill_replicas: int = field(default=1, metadata=described("Fewest prefill pods."))
@@ -67,7 +71,7 @@ class PlannerConfig:
             low, high = getattr(self, f"min_{pool}_replicas"), getattr(self, f"max_{pool}_replicas")
             if not 0 <= low <= high:
                 raise ValueError(f"need 0 <= min_{pool}_replicas <= max_{pool}_replicas, got {low} and {high}")
-        for name in ("interval_s", "window_s", "ttft_target_s", "tpot_target_s", "prefill_tokens_per_s_per_pod",
+        for name in ("interval_s", "window_s", "request_timeout_s", "ttft_target_s", "tpot_target_s", "prefill_tokens_per_s_per_pod",
                      "decode_step_base_s", "decode_step_per_seq_s", "decode_max_batch", "max_scale_down_step"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

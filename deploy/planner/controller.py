@@ -1,7 +1,7 @@
 """The planner's loop: read the signals and the current replica counts, decide, scale (unless dry-run), export.
 
-A failed step (Prometheus unreachable, the API server refusing) is counted and logged, and changes nothing:
-the planner never scales on data it does not have.
+A failed step (Prometheus unreachable or slow, the API server refusing or slow: every call has a timeout) is
+counted and logged, and changes nothing: the planner never scales on data it does not have, and never stops.
 """
 
 from __future__ import annotations
@@ -42,7 +42,12 @@ class PlannerLoop:
             logger.exception("reading the Deployments' scale failed; nothing changes")
             self.metrics.failed("read_replicas")
             return []
-        decisions = self.planner.plan(signals, current, self.clock())
+        try:
+            decisions = self.planner.plan(signals, current, self.clock())
+        except Exception:  # a bug on data nobody foresaw must not stop the planner: say so, keep going
+            logger.exception("deciding failed on %s; nothing changes", signals)
+            self.metrics.failed("plan")
+            return []
         for decision in decisions:
             self._apply(decision)
         return decisions
@@ -74,7 +79,8 @@ def main(argv: list[str]) -> None:
     missing = [pool for pool in POOLS if not deployments[pool]]
     if missing:
         raise SystemExit(f"name the Deployments to scale: --{missing[0]}-deployment")
-    scaler = DeploymentScaler(api_client(config.kubeconfig), config.namespace or own_namespace(), deployments)
+    scaler = DeploymentScaler(api_client(config.kubeconfig), config.namespace or own_namespace(), deployments,
+                              config.request_timeout_s)
     metrics = PlannerMetrics(config.model_name, config.dry_run)
     start_http_server(config.metrics_port, config.host, metrics.registry)
     logger.info("planner: %s in %s every %.0f s%s", ", ".join(deployments.values()), scaler.namespace,

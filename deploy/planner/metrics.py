@@ -30,9 +30,9 @@ class PlannerMetrics:
         self.capacity = gauge("capacity_per_pod", "Prefill: prompt tokens/s of one busy pod; decode: requests one "
                                                   "pod runs within the TPOT target.")
         self.decisions = Counter("splitserve_planner_decisions_total", "Decisions by outcome "
-                                 "(up, down, hold, cooldown, bounds, slo, no-data).", LABELS + ("reason",),
+                                 "(up, down, hold, cooldown, bounds, slo, starting, settling, no-data).", LABELS + ("reason",),
                                  registry=self.registry)
-        self.errors = Counter("splitserve_planner_errors_total", "Failed steps (read_metrics, read_replicas, scale).",
+        self.errors = Counter("splitserve_planner_errors_total", "Failed steps (read_metrics, read_replicas, plan, scale).",
                               ("role", "model_name", "stage"), registry=self.registry)
         Gauge("splitserve_planner_dry_run", "1 when the planner decides but scales nothing.", ("role", "model_name"),
               registry=self.registry).labels("planner", self.model_name).set(1 if dry_run else 0)

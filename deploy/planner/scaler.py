@@ -1,5 +1,6 @@
-"""The planner's hands: read and set the replica counts of the chart's prefill and decode Deployments through
-their scale subresource (``apps/v1 deployments/scale``), which is all its Role allows.
+"""The planner's hands: read the chart's prefill and decode Deployments (``get deployments``: the replicas asked for
+and those ready) and set their replica counts through the scale subresource (``patch deployments/scale``), which is
+all its Role allows. Every call has a timeout.
 """
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kubernetes import client, config as kube_config
+
+from deploy.planner.capacity import Replicas
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -28,16 +31,21 @@ def own_namespace() -> str:
 class DeploymentScaler:
     """Scales named Deployments of one namespace."""
 
-    def __init__(self, api: client.ApiClient, namespace: str, deployments: dict[str, str]):
+    def __init__(self, api: client.ApiClient, namespace: str, deployments: dict[str, str], timeout_s: float = 10.0):
         self.apps = client.AppsV1Api(api)
         self.namespace = namespace
         self.deployments = deployments  # pool -> Deployment name
+        self.timeout_s = timeout_s
 
-    def replicas(self) -> dict[str, int]:
-        """Each pool's desired replica count (``spec.replicas`` of its scale)."""
-        return {pool: self.apps.read_namespaced_deployment_scale(name, self.namespace).spec.replicas or 0
-                for pool, name in self.deployments.items()}
+    def replicas(self) -> dict[str, Replicas]:
+        """Each pool's replicas: asked for (``spec.replicas``) and ready (``status.readyReplicas``)."""
+        found = {}
+        for pool, name in self.deployments.items():
+            deployment = self.apps.read_namespaced_deployment(name, self.namespace, _request_timeout=self.timeout_s)
+            found[pool] = Replicas(deployment.spec.replicas or 0, (deployment.status.ready_replicas or 0)
+                                   if deployment.status else 0)
+        return found
 
     def scale(self, pool: str, replicas: int) -> None:
         self.apps.patch_namespaced_deployment_scale(self.deployments[pool], self.namespace,
-                                                    {"spec": {"replicas": replicas}})
+                                                    {"spec": {"replicas": replicas}}, _request_timeout=self.timeout_s)

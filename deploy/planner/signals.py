@@ -1,5 +1,8 @@
 """The planner's view of the cluster: one PromQL instant query per field of ``Signals``, through Prometheus' HTTP
-API (``GET /api/v1/query``). A query that matches no series reads NaN ("not known"), never 0.
+API (``GET /api/v1/query``, within ``request_timeout_s``). A query that matches no series reads NaN ("not known"),
+never 0. An answer that makes no sense (not JSON, several series, a value that is no number, a negative or
+infinite one) is logged and read as NaN too: that signal is skipped, the others still count. Prometheus down
+(a connection error or a timeout) raises OSError: the tick changes nothing.
 
 Every query takes the router's series for what clients see (request and token rates, TTFT and TPOT p99) and the
 pods' series for what each pool does (tokens prefilled, prefill time, running and waiting, step time, KV usage),
@@ -9,12 +12,15 @@ narrowed by ``model_name`` and ``promql_selector`` (for example the release's na
 from __future__ import annotations
 
 import json
+import logging
 import math
 import urllib.parse
 import urllib.request
 
 from deploy.planner.capacity import Signals
 from deploy.planner.config import PlannerConfig
+
+logger = logging.getLogger(__name__)
 
 
 def signal_queries(config: PlannerConfig) -> dict[str, str]:
@@ -32,13 +38,12 @@ def signal_queries(config: PlannerConfig) -> dict[str, str]:
     def p99(metric: str, role: str) -> str:
         return f"histogram_quantile(0.99, sum by (le) (rate({metric}_bucket{sel(role)}[{w}])))"
 
-    decisions, disaggregated = "splitserve_router_routing_decisions_total", 'decision="disaggregated"'
     return {
         "requests_per_s": rate("splitserve_request_success_total", "router"),
         "prompt_tokens_per_s": rate("splitserve_prompt_tokens_total", "router"),
         "output_tokens_per_s": rate("splitserve_generation_tokens_total", "router"),
-        "disaggregated_fraction": f"{rate(decisions, '', disaggregated)} / {rate(decisions, '')}",
         "prefill_tokens_per_s": rate("splitserve_prompt_tokens_total", "prefill"),
+        "decode_prefill_tokens_per_s": rate("splitserve_prompt_tokens_total", "decode"),
         "prefill_busy": rate("splitserve_request_prefill_time_seconds_sum", "prefill"),
         "prefill_queue_p99_s": p99("splitserve_request_queue_time_seconds", "prefill"),
         "decode_pods": f"count(splitserve_kv_cache_usage_perc{sel('decode')})",
@@ -52,27 +57,48 @@ def signal_queries(config: PlannerConfig) -> dict[str, str]:
     }
 
 
+class BadAnswer(ValueError):
+    """Prometheus answered, but not with one number that makes sense."""
+
+
 class PrometheusSignals:
     """Reads ``Signals`` from a Prometheus server."""
 
-    def __init__(self, config: PlannerConfig, timeout_s: float = 10.0):
+    def __init__(self, config: PlannerConfig):
         self.base_url = config.prometheus_url.rstrip("/")
         self.queries = signal_queries(config)
-        self.timeout_s = timeout_s
+        self.timeout_s = config.request_timeout_s
 
     def read(self) -> Signals:
-        return Signals(**{name: self.query(promql) for name, promql in self.queries.items()})
+        values = {}
+        for name, promql in self.queries.items():
+            try:
+                values[name] = self.query(promql)
+            except BadAnswer as err:
+                logger.warning("skipping the signal %s: %s", name, err)
+                values[name] = math.nan
+        return Signals(**values)
 
     def query(self, promql: str) -> float:
-        """The value of a query that yields one sample (or none: NaN). Raises OSError when Prometheus fails."""
+        """The value of a query that yields one sample (or none: NaN). Raises OSError when Prometheus cannot be
+        asked (down, slow past the timeout) and BadAnswer when its answer makes no sense."""
         url = f"{self.base_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
         with urllib.request.urlopen(url, timeout=self.timeout_s) as reply:
-            body = json.load(reply)
-        if body.get("status") != "success":
-            raise OSError(f"Prometheus refused {promql!r}: {body.get('error', body)}")
-        result = body["data"]["result"]
-        if not result:
-            return math.nan
-        if len(result) > 1:
-            raise OSError(f"{promql!r} returned {len(result)} series, expected one")
-        return float(result[0]["value"][1])
+            raw = reply.read()
+        try:
+            body = json.loads(raw)
+            if body.get("status") != "success":
+                raise BadAnswer(f"Prometheus refused {promql!r}: {body.get('error', body)}")
+            result = body["data"]["result"]
+            if not result:
+                return math.nan
+            if len(result) > 1:
+                raise BadAnswer(f"{promql!r} returned {len(result)} series, expected one")
+            value = float(result[0]["value"][1])
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+            if isinstance(err, BadAnswer):
+                raise
+            raise BadAnswer(f"{promql!r}: unreadable answer {raw[:200]!r} ({err!r})") from None
+        if math.isinf(value) or value < 0:  # NaN is "not known" (0/0), never bad
+            raise BadAnswer(f"{promql!r} = {value}: no rate, count or duration is that")
+        return value

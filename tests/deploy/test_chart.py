@@ -102,7 +102,7 @@ def test_lint_is_clean(case):
 def test_every_manifest_passes_strict_kubernetes_validation(chart, case, tmp_path):
     checked = set()
     for obj in objects(chart, case_values(case)):
-        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+        if obj["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
             check_prometheus_operator_object(obj, tmp_path)
         else:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
@@ -117,6 +117,8 @@ def check_prometheus_operator_object(obj: dict, tmp_path: Path) -> None:
         rules = tmp_path / "rules.yaml"
         rules.write_text(yaml.safe_dump(obj["spec"]))
         subprocess.run(["promtool", "check", "rules", str(rules)], check=True, capture_output=True)
+    elif obj["kind"] == "Certificate":  # cert-manager's: tests/deploy/test_chart_cluster.py checks its fields
+        assert obj["spec"]["secretName"] and obj["spec"]["dnsNames"] and obj["spec"]["issuerRef"]["name"]
     else:
         assert obj["kind"] == "ServiceMonitor"
         assert obj["spec"]["selector"]["matchLabels"] and obj["spec"]["endpoints"]
@@ -201,7 +203,8 @@ def test_rendered_command_lines_parse_into_working_configs(chart, case):
         assert config.registry == "redis"
         redis = values.get("redis", {})
         if redis.get("enabled", True):
-            assert config.redis_url == f"redis://{RELEASE}-splitserve-redis:6379/0"
+            # the kubelet puts the password from the Secret in place of $(REDIS_PASSWORD)
+            assert config.redis_url == f"redis://:$(REDIS_PASSWORD)@{RELEASE}-splitserve-redis:6379/0"
         else:
             assert config.redis_url == "redis://from-secret:6379/0"
         if component != "router":
@@ -292,7 +295,7 @@ def test_planner_role_allows_only_reading_and_scaling_the_two_deployments(chart)
     names = [f"{RELEASE}-splitserve-prefill", f"{RELEASE}-splitserve-decode"]
     assert role["rules"] == [
         {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": names,
-         "verbs": ["get", "patch", "update"]},
+         "verbs": ["patch"]},  # what deploy/planner/scaler.py calls, nothing more
         {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": names, "verbs": ["get"]}]
     deployments = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Deployment"}
     for name in names:  # the planner owns the counts: an upgrade must not reset them
@@ -347,7 +350,8 @@ def test_the_schema_accepts_every_ci_values_file(chart):
 OPTIONAL = {  # template -> values that turn it on (the defaults leave it off)
     "deployment-mixed.yaml": {"mixed": {"enabled": True}},
     "service-mixed.yaml": {"mixed": {"enabled": True}},
-    "pdb-mixed.yaml": {"mixed": {"enabled": True}},
+    **{f"pdb-{c}.yaml": {c: {"replicas": 2, **({"enabled": True} if c == "mixed" else {})}}  # 1 pod: no budget
+       for c in ("router", "prefill", "decode", "mixed")},
     **{f"hpa-{c}.yaml": {c: {"autoscaling": {"enabled": True}, **({"enabled": True} if c == "mixed" else {})}}
        for c in ("router", "prefill", "decode", "mixed")},
     **{f"servicemonitor-{c}.yaml": {c: {"serviceMonitor": {"enabled": True},
@@ -356,6 +360,10 @@ OPTIONAL = {  # template -> values that turn it on (the defaults leave it off)
     **{f"{kind}-planner.yaml": {"planner": {"enabled": True}}
        for kind in ("deployment", "service", "serviceaccount", "role", "rolebinding")},
     "prometheusrule.yaml": {"prometheusRule": {"enabled": True}},
+    "certificate.yaml": {"tls": {"enabled": True, "secretName": "s", "certManager": {
+        "enabled": True, "issuerRef": {"name": "ca"}}}},
+    "networkpolicy-mixed.yaml": {"mixed": {"enabled": True}},
+    "networkpolicy-planner.yaml": {"planner": {"enabled": True}},
 }
 OFF_BY_VALUE = {  # template -> values that turn off something the defaults turn on
     "deployment-redis.yaml": {"redis": {"enabled": False, "externalUrl": "redis://r:6379/0"}},
@@ -363,9 +371,10 @@ OFF_BY_VALUE = {  # template -> values that turn off something the defaults turn
     "configmap-dashboards.yaml": {"grafanaDashboards": {"enabled": False}},
     "deployment-prefill.yaml": {"prefill": {"enabled": False}},
     "service-prefill.yaml": {"prefill": {"enabled": False}},
-    "pdb-prefill.yaml": {"prefill": {"podDisruptionBudget": {"enabled": False}}},
-    "pdb-router.yaml": {"router": {"podDisruptionBudget": {"enabled": False}}},
     "deployment-decode.yaml": {"decode": {"enabled": False}, "mixed": {"enabled": True}},
+    "secret-redis.yaml": {"redis": {"auth": {"existingSecret": "mine"}}},
+    **{f"networkpolicy-{c}.yaml": {"networkPolicy": {"enabled": False}} for c in ("router", "prefill", "decode",
+                                                                                     "redis")},
 }
 
 
@@ -382,8 +391,8 @@ def test_a_default_template_renders_nothing_when_turned_off(chart, template):
 
 
 def test_every_template_is_covered_by_the_on_off_tests():
-    always = {"deployment-router.yaml", "service-router.yaml", "NOTES.txt"}
+    always = {"deployment-router.yaml", "service-router.yaml", "service-pods.yaml", "NOTES.txt"}
     templates = {p.name for p in (CHART / "templates").iterdir() if not p.name.startswith("_")}
-    # decode's Service and PDB share their definitions with prefill's, which OFF_BY_VALUE covers
-    uncovered = templates - set(OPTIONAL) - set(OFF_BY_VALUE) - always - {"service-decode.yaml", "pdb-decode.yaml"}
+    # decode's Service shares its definition with prefill's, which OFF_BY_VALUE covers
+    uncovered = templates - set(OPTIONAL) - set(OFF_BY_VALUE) - always - {"service-decode.yaml"}
     assert not uncovered, uncovered

@@ -17,7 +17,7 @@ from deploy.planner.signals import signal_queries
 from deploy.prometheus import RULES_PATH, TESTS_PATH, render_rules
 
 # What Grafana substitutes before a query reaches Prometheus (All selected).
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*", "$role": ".*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$model_name": ".*", "$role": ".*"}
 
 
 def dashboard(name: str) -> dict:
@@ -51,16 +51,18 @@ def test_dashboard_variables_units_and_filters(name):
     board = dashboard(name)
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    assert {"model_name", "role"} <= set(variables)
+    assert {"namespace", "model_name", "role"} <= set(variables)
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
     for panel in panels(board):
         assert panel["fieldConfig"]["defaults"].get("unit"), panel["title"]
         assert panel["datasource"]["uid"] == "${datasource}"
         for target in panel["targets"]:
-            assert 'model_name=~"$model_name"' in target["expr"] and 'role=~"$role"' in target["expr"], target
-            if "histogram_quantile" in target["expr"]:
-                assert "sum by (le" in target["expr"] and "[$__rate_interval]" in target["expr"]
+            for variable in ('namespace=~"$namespace"', 'model_name=~"$model_name"', 'role=~"$role"'):
+                assert variable in target["expr"], (variable, target)
+            if "histogram_quantile" in target["expr"]:  # one line per role: router and pod histograms never merge
+                assert "sum by (le, role" in target["expr"] and "[$__rate_interval]" in target["expr"]
+                assert "{{role}}" in target["legendFormat"]
 
 
 def test_every_promql_expression_passes_promtool(tmp_path):

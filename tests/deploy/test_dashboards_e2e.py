@@ -21,7 +21,6 @@ import shutil
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from datetime import datetime
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from deploy.grafana.dashboards import DASHBOARDS, OUT_DIR
-from deploy.grafana.snapshot import draw, grafana_expr
+from deploy.grafana.snapshot import draw, grafana_expr, query as _query
 from deploy.planner.config import PlannerConfig
 from deploy.planner.signals import PrometheusSignals
 from deploy.prometheus import RULES_PATH
@@ -107,14 +106,6 @@ def prometheus(running):
     return running[1]
 
 
-def _query(prometheus: str, expr: str) -> list[dict]:
-    params = urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(f"{prometheus}/api/v1/query?{params}", timeout=30) as reply:
-        body = json.load(reply)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 def _wait_scraped_since(prometheus: str, since: float, scrapes: int = 2, timeout_s: float = 60) -> None:
     """Until Prometheus has scraped every target ``scrapes`` times after ``since`` (a Unix time): what the
     processes counted by then is in its series, and a rate over the window has both ends."""
@@ -153,7 +144,8 @@ def _families(expr: str) -> set[str]:
 
 
 REFUSAL_PANELS = [("overview", "Errors"), ("router", "Rejected requests")]
-PANELS = [(name, panel["title"]) for name in DASHBOARDS
+# `splitserve up` runs no planner (it scales Kubernetes Deployments): the planner dashboard is left out here.
+PANELS = [(name, panel["title"]) for name in DASHBOARDS if name != "planner"
           for panel in json.loads((OUT_DIR / f"splitserve-{name}.json").read_text())["panels"]
           if panel["type"] != "row" and (name, panel["title"]) not in REFUSAL_PANELS]
 

@@ -2,10 +2,12 @@
 
 The traces come from ``SimulatedCluster``: a cluster whose true capacities the planner does not know (a prefill
 pod prefills 400 prompt tokens/s; a decode step takes 20 ms + 1 ms per running request), which turns the load and
-the current pod counts into what Prometheus would report. The planner's decisions are fed back each tick (closed
-loop, one tick every 30 s of simulated time), so each scenario checks where the pools settle and how they get there:
-steady, ramp, spike, prefill-heavy, decode-heavy; plus the rules one at a time (bounds, hysteresis, cooldowns,
-SLO misses, missing data).
+the ready pods into what Prometheus would report, optionally as a real cluster does it: new pods ready only
+``startup_s`` after the planner asked for them, and the metrics ``lag_s`` behind (they describe the load and the
+ready pods of that long ago). The planner's decisions are fed back each tick (closed loop, one tick every 30 s of
+simulated time), so each scenario checks where the pools settle and how they get there: steady, ramp (without
+overshoot, with start-up delay and lag), spike, prefill-heavy, decode-heavy, a TTFT target no pool can meet; plus
+the rules one at a time (bounds, readiness, hysteresis, cooldowns, SLO misses, missing data).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 
-from deploy.planner.capacity import (DecodeCapacity, Planner, PoolSizer, PrefillCapacity, Signals,
+from deploy.planner.capacity import (DecodeCapacity, Planner, PoolSizer, PrefillCapacity, Replicas, Signals,
                                      mdl1_max_utilization)
 from deploy.planner.config import PlannerConfig
 
@@ -33,13 +35,35 @@ def config(**overrides) -> PlannerConfig:
 
 
 class SimulatedCluster:
-    """Load (requests/s, prompt and output lengths) and pod counts -> the Signals Prometheus would show."""
+    """Load (requests/s, prompt and output lengths) and ready pods -> the Signals Prometheus would show."""
 
-    def __init__(self, prefill: int = 1, decode: int = 1):
-        self.replicas = {"prefill": prefill, "decode": decode}
+    def __init__(self, prefill: int = 1, decode: int = 1, startup_s: float = 0.0, lag_s: float = 0.0):
+        self.replicas = {"prefill": prefill, "decode": decode}  # what the Deployments ask for
+        self.startup_s, self.lag_s = startup_s, lag_s
+        self.pods: dict[str, list[float]] = {pool: [-math.inf] * n for pool, n in self.replicas.items()}  # ready at
+        self.ready_history: list[tuple[float, dict[str, int]]] = []
 
-    def signals(self, rate: float, prompt_len: float, output_len: float) -> Signals:
-        pods_p, pods_d = self.replicas["prefill"], self.replicas["decode"]
+    def scale(self, pool: str, desired: int, now: float) -> None:
+        started = self.pods[pool]
+        if desired > len(started):
+            started.extend([now + self.startup_s] * (desired - len(started)))
+        else:
+            del started[desired:]  # the newest go first
+        self.replicas[pool] = desired
+
+    def ready(self, now: float) -> dict[str, int]:
+        return {pool: sum(1 for at in started if at <= now) for pool, started in self.pods.items()}
+
+    def observed(self, now: float, load) -> Signals:
+        """What Prometheus shows at ``now``: the load and the ready pods of ``lag_s`` ago."""
+        self.ready_history.append((now, self.ready(now)))
+        then = now - self.lag_s
+        ready_then = next((r for t, r in reversed(self.ready_history) if t <= then), self.ready_history[0][1])
+        return self.signals(*load(then), pods=ready_then)
+
+    def signals(self, rate: float, prompt_len: float, output_len: float, pods: dict[str, int] | None = None) -> Signals:
+        pods = pods or self.replicas
+        pods_p, pods_d = max(pods["prefill"], 0), max(pods["decode"], 1)
         prompt_tps, output_tps = rate * prompt_len, rate * output_len
         rho = prompt_tps / (pods_p * PREFILL_TOKENS_PER_S) if pods_p else math.inf
         service_s = prompt_len / PREFILL_TOKENS_PER_S
@@ -53,7 +77,7 @@ class SimulatedCluster:
         step = STEP_BASE_S + STEP_PER_SEQ_S * batch
         return Signals(
             requests_per_s=rate, prompt_tokens_per_s=prompt_tps, output_tokens_per_s=output_tps,
-            disaggregated_fraction=1.0, prefill_tokens_per_s=min(prompt_tps, pods_p * PREFILL_TOKENS_PER_S),
+            prefill_tokens_per_s=min(prompt_tps, pods_p * PREFILL_TOKENS_PER_S), decode_prefill_tokens_per_s=0.0,
             prefill_busy=min(pods_p, rho * pods_p), prefill_queue_p99_s=queue_p99, decode_pods=pods_d,
             decode_running=batch * pods_d, decode_waiting=waiting, decode_step_s=step,
             kv_usage_max=min(1.0, batch / KV_SEQS_PER_POD), ttft_p99_s=service_s + queue_p99,
@@ -65,10 +89,19 @@ def run(planner: Planner, cluster: SimulatedCluster, load, ticks: int, start: fl
     history = []
     for i in range(ticks):
         now = start + (i + 1) * TICK_S
-        for decision in planner.plan(cluster.signals(*load(now)), dict(cluster.replicas), now):
-            cluster.replicas[decision.pool] = decision.desired
+        for decision in planner.plan(cluster.observed(now, load), replicas_of(cluster, now), now):
+            cluster.scale(decision.pool, decision.desired, now)
         history.append(dict(cluster.replicas))
     return history
+
+
+def replicas_of(cluster: SimulatedCluster, now: float) -> dict[str, Replicas]:
+    ready = cluster.ready(now)
+    return {pool: Replicas(desired, ready[pool]) for pool, desired in cluster.replicas.items()}
+
+
+def all_ready(**counts: int) -> dict[str, Replicas]:
+    return {pool: Replicas(n, n) for pool, n in counts.items()}
 
 
 def changes(history, pool: str) -> int:
@@ -181,8 +214,8 @@ def test_hysteresis_holds_between_the_two_utilizations():
     cluster = SimulatedCluster(prefill=3, decode=3)
     # 500 prompt tokens/s: 2 pods would do at 0.7 (560), not at the hysteresis' 0.55 (440), so 3 stay 3
     for t in range(1, 30):
-        prefill = next(d for d in planner.plan(cluster.signals(5.0, 100, 50), dict(cluster.replicas), t * TICK_S)
-                       if d.pool == "prefill")
+        prefill = next(d for d in planner.plan(cluster.signals(5.0, 100, 50), all_ready(**cluster.replicas),
+                                               t * TICK_S) if d.pool == "prefill")
         assert (prefill.desired, prefill.reason, math.ceil(prefill.needed)) == (3, "hold", 2)
 
 
@@ -207,14 +240,14 @@ def test_tpot_p99_over_target_grows_decode_even_when_the_model_says_enough():
     c = config(scale_up_cooldown_s=0)
     planner = Planner(c, started_at=0.0)
     signals = SimulatedCluster(prefill=1, decode=4).signals(0.2, 100, 100)
-    decisions = {d.pool: d for d in planner.plan(replace(signals, tpot_p99_s=0.2), {"prefill": 1, "decode": 4},
+    decisions = {d.pool: d for d in planner.plan(replace(signals, tpot_p99_s=0.2), all_ready(prefill=1, decode=4),
                                                  1.0)}
     assert decisions["decode"].needed < 4 and (decisions["decode"].desired, decisions["decode"].reason) == (5, "slo")
 
 
 def test_no_router_series_changes_nothing():
     signals = replace(SimulatedCluster().signals(1.0, 100, 100), requests_per_s=math.nan)
-    decisions = Planner(config(), started_at=-1e6).plan(signals, {"prefill": 7, "decode": 3}, 0.0)
+    decisions = Planner(config(), started_at=-1e6).plan(signals, all_ready(prefill=7, decode=3), 0.0)
     assert [(d.desired, d.reason) for d in decisions] == [(7, "no-data"), (3, "no-data")]
 
 
@@ -253,3 +286,60 @@ def test_prefill_capacity_ignores_idle_windows():
     idle = replace(SimulatedCluster().signals(0.0, 100, 100), prefill_busy=0.01, prefill_tokens_per_s=50.0)
     capacity.observe(idle)
     assert (capacity.tokens_per_s, capacity.measured) == (200.0, False)
+
+
+# ---- a cluster that takes time: pods start slowly, metrics lag ------------------------------------------------
+
+STARTUP_S, LAG_S = 90.0, 60.0  # a pod loads its model for a minute and a half; rates and p99s trail by a minute
+
+
+@pytest.mark.parametrize("ramp_s", [300.0, 1800.0])
+def test_a_ramp_with_slow_starts_and_lagging_metrics_never_overshoots(ramp_s):
+    """At most one pod above where the pool settles: pods that are starting count as capacity, and lagging
+    signals (the p99 of the smaller pool) never add pods for a need already met. The decode profile is the
+    truth here (how the line is learnt is another test's), so that what is measured is the timing alone."""
+    c = config(decode_step_base_s=STEP_BASE_S, decode_step_per_seq_s=STEP_PER_SEQ_S)
+    cluster = SimulatedCluster(startup_s=STARTUP_S, lag_s=LAG_S)
+    ramp = lambda t: (0.5 + 5.5 * min(1.0, max(t, 0) / ramp_s), 400, 150)  # noqa: E731 - up, then flat
+    history = run(Planner(c, started_at=0.0), cluster, ramp, ticks=140)
+    settled = history[-1]
+    assert all(h == settled for h in history[-30:]), "not settled after the ramp"
+    for pool in ("prefill", "decode"):
+        counts = [h[pool] for h in history]
+        assert max(counts) <= settled[pool] + 1, f"{pool} overshot: {counts}"
+        assert counts[:60] == sorted(counts[:60]), f"{pool} shrank during the ramp: {counts}"
+    assert settled["prefill"] in prefill_band(6.0, 400, c) and settled["decode"] in decode_band(6.0, 150, c)
+
+
+def test_an_unserviceable_ttft_target_does_not_climb_to_the_maximum():
+    """A 1200-token prompt prefills in 3 s on a pod: a 2 s TTFT target is out of reach whatever the pool, so the
+    pool is sized for its load, not grown pod after pod on a p99 no pod count can fix."""
+    c = config(max_prefill_replicas=20)
+    cluster = SimulatedCluster(startup_s=STARTUP_S, lag_s=LAG_S)
+    planner = Planner(c, started_at=0.0)
+    history = run(planner, cluster, lambda t: (1.0, 1200, 50), ticks=80)
+    counts = [h["prefill"] for h in history]
+    busy = 1.0 * 1200 / PREFILL_TOKENS_PER_S  # 3 pods' worth of prefill
+    assert max(counts) <= math.ceil(busy / c.target_utilization) + 1, counts
+    assert planner.unserviceable
+
+
+def test_a_pool_with_pods_starting_holds_and_grows_again_only_on_fresh_metrics():
+    sizer = PoolSizer("prefill", low=1, high=10, up_cooldown_s=0, down_cooldown_s=300, max_down_step=1,
+                      started_at=-1000.0, settle_s=120.0)
+    assert sizer.decide(2, need_up=4.0, need_down=4.0, slo_miss=False, now=0.0, ready=2) == (4, "up")
+    # two pods starting: the need (still measured on the old pool) asks for more, the planner waits
+    assert sizer.decide(4, need_up=6.0, need_down=6.0, slo_miss=True, now=30.0, ready=2) == (4, "starting")
+    assert sizer.decide(4, need_up=6.0, need_down=6.0, slo_miss=True, now=90.0, ready=4) == (4, "settling")
+    assert sizer.decide(4, need_up=6.0, need_down=6.0, slo_miss=True, now=180.0, ready=4) == (4, "settling")
+    assert sizer.decide(4, need_up=6.0, need_down=6.0, slo_miss=False, now=210.0, ready=4) == (6, "up")
+
+
+def test_prefill_demand_is_the_share_of_prompt_tokens_prefilled_on_prefill_pods():
+    """A few long prompts go to prefill pods, many short ones prefill on decode pods: by requests the share
+    would be small, by tokens it is most of the work."""
+    c = config(scale_up_cooldown_s=0, prefill_tokens_per_s_per_pod=PREFILL_TOKENS_PER_S)
+    signals = replace(SimulatedCluster(prefill=1, decode=1).signals(10.0, 180, 50),
+                      prefill_tokens_per_s=1500.0, decode_prefill_tokens_per_s=300.0)
+    prefill = Planner(c, started_at=-1e6).plan(signals, all_ready(prefill=1, decode=1), 0.0)[0]
+    assert prefill.demand == pytest.approx(1800.0 * 1500 / 1800)

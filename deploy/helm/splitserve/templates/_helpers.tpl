@@ -40,8 +40,18 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: splitserve
 {{- end }}
 
+{{/* On every prefill, decode and mixed pod: the pods' headless Service (service-pods.yaml) selects it */}}
+{{- define "splitserve.servingPodLabel" -}}
+splitserve.io/serving-pod: {{ .Release.Name | quote }}
+{{- end }}
+
+{{/* repository@digest when a digest is set (what runs is then exactly that image), else repository:tag */}}
 {{- define "splitserve.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -78,24 +88,44 @@ whole numbers printed as integers (values arrive as float64); null keys are skip
 
 {{- define "splitserve.redisUrl" -}}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://%s:%d/0" (include "splitserve.componentName" (dict "root" . "component" "redis")) (int .Values.redis.port) }}
+{{- $password := ternary ":$(REDIS_PASSWORD)@" "" .Values.redis.auth.enabled }}
+{{- printf "redis://%s%s:%d/0" $password (include "splitserve.componentName" (dict "root" . "component" "redis")) (int .Values.redis.port) }}
 {{- else }}
 {{- .Values.redis.externalUrl }}
 {{- end }}
 {{- end }}
 
-{{/* The registry: Redis, by URL or (a URL with a password) from a Secret through SPLITSERVE_REDIS_URL */}}
+{{- define "splitserve.redisSecretName" -}}
+{{- .Values.redis.auth.existingSecret | default (include "splitserve.componentName" (dict "root" . "component" "redis")) }}
+{{- end }}
+
+{{/* The URL comes through SPLITSERVE_REDIS_URL (it holds a password), not a flag (ps shows flags) */}}
+{{- define "splitserve.redisUrlInEnv" -}}
+{{- if .Values.redis.enabled }}{{ if .Values.redis.auth.enabled }}true{{ end }}
+{{- else if .Values.redis.externalUrlSecret.name }}true{{ end }}
+{{- end }}
+
+{{/* The registry: Redis, by URL or (a URL with a password) through SPLITSERVE_REDIS_URL */}}
 {{- define "splitserve.registryArgs" -}}
 - "--registry"
 - "redis"
-{{- if or .Values.redis.enabled (not .Values.redis.externalUrlSecret.name) }}
+{{- if not (include "splitserve.redisUrlInEnv" .) }}
 - "--redis-url"
 - {{ required "redis.externalUrl (or redis.externalUrlSecret.name) is required with redis.enabled false" (include "splitserve.redisUrl" .) | quote }}
 {{- end }}
 {{- end }}
 
+{{/* The bundled Redis' password from its Secret, composed into the URL by the kubelet ($(REDIS_PASSWORD)) */}}
 {{- define "splitserve.registryEnv" -}}
-{{- if and (not .Values.redis.enabled) .Values.redis.externalUrlSecret.name }}
+{{- if and .Values.redis.enabled .Values.redis.auth.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "splitserve.redisSecretName" . }}
+      key: {{ .Values.redis.auth.secretKey }}
+- name: SPLITSERVE_REDIS_URL
+  value: {{ include "splitserve.redisUrl" . | quote }}
+{{- else if and (not .Values.redis.enabled) .Values.redis.externalUrlSecret.name }}
 - name: SPLITSERVE_REDIS_URL
   valueFrom:
     secretKeyRef:
@@ -128,7 +158,14 @@ whole numbers printed as integers (values arrive as float64); null keys are skip
 - "--tls-ca-file"
 - "{{ $dir }}/ca.crt"
 - {{ ternary "--tls-require-client-cert" "--no-tls-require-client-cert" .Values.tls.requireClientCert | quote }}
+- "--tls-server-name"
+- {{ include "splitserve.tlsServerName" . | quote }}
 {{- end }}
+{{- end }}
+
+{{/* Pods are dialled by pod IP and checked against this name, which every pod's certificate lists */}}
+{{- define "splitserve.tlsServerName" -}}
+{{- .Values.tls.serverName | default (printf "%s.%s.svc" (include "splitserve.componentName" (dict "root" . "component" "pods")) .Release.Namespace) }}
 {{- end }}
 
 {{/* Volumes every splitserve container gets: /tmp (the root filesystem is read-only), TLS, the model */}}
@@ -200,9 +237,6 @@ failureThreshold: {{ .probe.failureThreshold }}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics
-{{- with .scheme }}
-prometheus.io/scheme: {{ . }}
-{{- end }}
 {{- end }}
 {{- end }}
 
@@ -212,16 +246,35 @@ prometheus.io/scheme: {{ . }}
 {{- add $drain (.before | default 0 | int) (.values.terminationGraceExtraSeconds | default 0 | int) }}
 {{- end }}
 
+{{/*
+Where a component's pods run: nodeSelector, affinity, tolerations, priorityClassName, and topologySpreadConstraints
+(by default: spread over nodes, softly, so that one node's loss takes few pods of a role).
+*/}}
 {{- define "splitserve.scheduling" -}}
-{{- with .nodeSelector }}
+{{- $values := .values }}
+{{- with $values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+topologySpreadConstraints:
+{{- if $values.topologySpreadConstraints }}
+  {{- toYaml $values.topologySpreadConstraints | nindent 2 }}
+{{- else }}
+  - maxSkew: 1
+    topologyKey: kubernetes.io/hostname
+    whenUnsatisfiable: ScheduleAnyway
+    labelSelector:
+      matchLabels:
+        {{- include "splitserve.selectorLabels" . | nindent 8 }}
+{{- end }}
+{{- with $values.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .affinity }}
+{{- with $values.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .tolerations }}
+{{- with $values.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -242,5 +295,12 @@ securityContext:
 {{- $hpa := and .values.autoscaling .values.autoscaling.enabled }}
 {{- if not (or $planned $hpa) }}
 replicas: {{ .values.replicas }}
+{{- end }}
+{{- end }}
+
+{{/* The operator's own environment, volumes and mounts (extraEnv, extraVolumes, extraVolumeMounts) */}}
+{{- define "splitserve.extraEnv" -}}
+{{- with .extraEnv }}
+{{- toYaml . }}
 {{- end }}
 {{- end }}

@@ -24,6 +24,7 @@ spec:
     metadata:
       labels:
         {{- include "splitserve.selectorLabels" $ctx | nindent 8 }}
+        {{- include "splitserve.servingPodLabel" $root | nindent 8 }}
         {{- with $values.podLabels }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -35,7 +36,7 @@ spec:
     spec:
       {{- include "splitserve.podSecurity" $root | nindent 6 }}
       terminationGracePeriodSeconds: {{ include "splitserve.terminationGrace" (dict "drain" $values.config.shutdownGraceS "values" $values) }}
-      {{- include "splitserve.scheduling" $values | nindent 6 }}
+      {{- include "splitserve.scheduling" (dict "root" $root "component" .component "values" $values) | nindent 6 }}
       containers:
         - name: {{ .component }}
           image: {{ include "splitserve.image" $root }}
@@ -66,6 +67,7 @@ spec:
                 fieldRef:
                   fieldPath: status.podIP
             {{- include "splitserve.registryEnv" $root | nindent 12 }}
+            {{- include "splitserve.extraEnv" $values | nindent 12 }}
           ports:
             - name: grpc
               containerPort: {{ $values.ports.grpc }}
@@ -81,8 +83,27 @@ spec:
             {{- toYaml $values.resources | nindent 12 }}
           volumeMounts:
             {{- include "splitserve.volumeMounts" $root | nindent 12 }}
+            {{- if $values.shm.enabled }}
+            - name: shm
+              mountPath: /dev/shm
+            {{- end }}
+            {{- with $values.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
       volumes:
         {{- include "splitserve.volumes" $root | nindent 8 }}
+        {{- if $values.shm.enabled }}
+        # CUDA and NCCL share memory through /dev/shm; the container runtime's default is 64 MiB
+        - name: shm
+          emptyDir:
+            medium: Memory
+            {{- with $values.shm.sizeLimit }}
+            sizeLimit: {{ . }}
+            {{- end }}
+        {{- end }}
+        {{- with $values.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
 {{- end }}
 {{- end }}
 
@@ -113,10 +134,27 @@ spec:
 {{- end }}
 {{- end }}
 
+{{/* The fewest pods a component runs: its replicas, or the planner's or the HPA's minimum when one owns the count */}}
+{{- define "splitserve.minReplicas" -}}
+{{- $values := index .root.Values .component }}
+{{- if and .root.Values.planner.enabled (has .component (list "prefill" "decode")) }}
+{{- $key := printf "min%sReplicas" (title .component) }}
+{{- index .root.Values.planner.config $key | default 1 | int }}
+{{- else if and $values.autoscaling $values.autoscaling.enabled }}
+{{- $values.autoscaling.minReplicas | int }}
+{{- else }}
+{{- $values.replicas | int }}
+{{- end }}
+{{- end }}
+
+{{/*
+minAvailable (1) where a role runs two pods or more: a node drain then never takes the role's last pod. At one pod
+no budget: one that protects it would block every drain (NOTES.txt says so).
+*/}}
 {{- define "splitserve.podDisruptionBudget" -}}
 {{- $values := index .root.Values .component }}
 {{- $ctx := dict "root" .root "component" .component }}
-{{- if and (ne (toString $values.enabled) "false") $values.podDisruptionBudget.enabled }}
+{{- if and (ne (toString $values.enabled) "false") $values.podDisruptionBudget.enabled (ge (include "splitserve.minReplicas" $ctx | int) 2) }}
 apiVersion: policy/v1
 kind: PodDisruptionBudget
 metadata:
@@ -124,7 +162,7 @@ metadata:
   labels:
     {{- include "splitserve.labels" $ctx | nindent 4 }}
 spec:
-  maxUnavailable: {{ $values.podDisruptionBudget.maxUnavailable }}
+  minAvailable: {{ $values.podDisruptionBudget.minAvailable }}
   selector:
     matchLabels:
       {{- include "splitserve.selectorLabels" $ctx | nindent 6 }}
@@ -161,7 +199,7 @@ spec:
 {{- end }}
 {{- end }}
 
-{{/* port: the Service port's name that serves /metrics */}}
+{{/* port: the Service port's name that serves /metrics (always plain HTTP: scrapers need no certificate) */}}
 {{- define "splitserve.serviceMonitor" -}}
 {{- $values := index .root.Values .component }}
 {{- $ctx := dict "root" .root "component" .component }}
@@ -185,11 +223,6 @@ spec:
       interval: {{ $values.serviceMonitor.interval }}
       {{- with $values.serviceMonitor.scrapeTimeout }}
       scrapeTimeout: {{ . }}
-      {{- end }}
-      {{- if .tls }}
-      scheme: https
-      tlsConfig:
-        insecureSkipVerify: true
       {{- end }}
 {{- end }}
 {{- end }}
