@@ -43,7 +43,7 @@ from runtime.config import member
 from runtime.errors import StatusError
 
 if TYPE_CHECKING:
-    from router.router import RouterRequest
+    from router.intake import RouterRequest
 
 # No decode pod serving usually means one loading or restarting (seconds, under `splitserve up`'s supervisor or a
 # Kubernetes restart): the 503 tells clients to come back after this long (Retry-After, grpc-retry-pushback-ms).

@@ -26,7 +26,8 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
-from router.router import Router, _encode_without_holding_the_gil
+from router.intake import encode_without_holding_the_gil
+from router.router import Router
 from runtime.errors import StatusError
 
 LIMITS = dict(max_stop_strings=4, max_stop_string_bytes=8, max_stop_token_ids=2, max_tokens_limit=100,
@@ -261,8 +262,8 @@ def test_health_answers_while_a_prompt_at_the_byte_limit_tokenizes():
 
 def test_the_gil_free_encoder_gives_the_same_ids():
     wrapped = Tokenizer.from_gguf(tiny_random_tokenizer_data())
-    _encode_without_holding_the_gil(wrapped)
-    _encode_without_holding_the_gil(wrapped)  # wrapping twice is wrapping once
+    encode_without_holding_the_gil(wrapped)
+    encode_without_holding_the_gil(wrapped)  # wrapping twice is wrapping once
     for text in ("", "Hi", "<|im_start|>user\nhé 😀<|im_end|>", LONG_PROMPT):
         for special in (True, False):
             assert wrapped.encode(text, special) == TOKENIZER.encode(text, special)

@@ -36,7 +36,8 @@ from protos.splitserve.v1 import (
     prefill_pb2_grpc,
 )
 from router.config import RouterConfig
-from router.router import Completion, OutputDelta, Router
+from router.request_run import Completion, OutputDelta
+from router.router import Router
 from router.server import RouterServer
 from runtime.errors import StatusError
 
