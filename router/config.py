@@ -6,15 +6,24 @@ Checked in ``__post_init__``, so a bad value stops the process at start, naming 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MODEL
 from engine.sampling_params import MAX_LOGPROBS
-from router.policies import PolicyName
 from runtime.config import described, member
 from runtime.cpus import checked_cpu_set
 from runtime.registry import RegistryKind
 from runtime.transport import TLSConfig
+
+
+class PolicyName(enum.StrEnum):
+    """The routing policies (``policies.py`` holds one class for each)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    POWER_OF_TWO = "power_of_two"
+    PREFIX_AWARE = "prefix_aware"
 
 
 @dataclass

@@ -41,7 +41,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import DEFAULT_MODEL, SchedulerConfig
-from router.policies import PolicyName
+from router.config import PolicyName
 from router.server import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S
 from runtime.config import described, flag_name, member, parse_config
 from runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, thread_env
