@@ -37,6 +37,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 from engine.tokenizer import Tokenizer
+from engine.tokenizer_files import load_tokenizer
 from router.config import RouterConfig
 from router.intake import Intake, RouterRequest, invalid
 from router.placement import MIGRATABLE_CODES, Placement
@@ -60,7 +61,7 @@ class Router:
                  policy: RoutingPolicy | None = None):
         self.config = config
         self.model_name = config.model
-        self.intake = Intake(config, tokenizer if tokenizer is not None else _load_tokenizer(config.model))
+        self.intake = Intake(config, tokenizer if tokenizer is not None else load_tokenizer(config.model))
         self.metrics = metrics if metrics is not None else RouterMetrics(config.model)
         self.pod_clients = PodClientPool(config.tls)
         self.registry = registry if registry is not None else self._build_registry()
@@ -240,10 +241,3 @@ async def _abort_on_pod(client: PodClient, request_id: str) -> None:
         await client.abort(request_id)
     except grpc.aio.AioRpcError as error:  # the pod is gone or busy: its lease frees the blocks anyway
         log.debug("request %s: Abort on the decode pod failed: %s", request_id, error.code().name)
-
-
-def _load_tokenizer(model: str) -> Tokenizer:
-    # engine.model_files pulls in torch and the weight loaders; only a router that was not handed a tokenizer pays.
-    from engine.model_files import load_tokenizer
-
-    return load_tokenizer(model)

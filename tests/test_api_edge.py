@@ -21,9 +21,9 @@ import pytest
 from served_router import RouterInThread
 from test_router_flow import LONG_PROMPT, MODEL, SCRIPT, TOKENIZER, eventually, run, running_cluster
 
-from engine.model_files import tiny_random_tokenizer_data
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.tokenizer_files import tiny_random_tokenizer_data
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
 from router.intake import encode_without_holding_the_gil

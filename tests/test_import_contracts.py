@@ -21,7 +21,7 @@ def lint(root: Path) -> subprocess.CompletedProcess:
 def test_the_repository_keeps_every_import_contract():
     result = lint(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "5 kept, 0 broken" in result.stdout
+    assert "6 kept, 0 broken" in result.stdout
 
 
 def copy_of_the_code(tmp_path: Path) -> Path:
@@ -42,7 +42,8 @@ def test_a_router_importing_a_pod_breaks_two_contracts(tmp_path):
     assert result.returncode == 1
     assert "router is not allowed to import decode_service" in result.stdout
     assert "router.policies -> decode_service.server" in result.stdout
-    assert "2 broken" in result.stdout  # the layers (siblings) and the router's forbidden list
+    # The layers (siblings), the router's forbidden list, and torch (a pod loads the model).
+    assert "3 broken" in result.stdout
 
 
 def test_the_engine_importing_network_code_or_the_runtime_breaks_the_contracts(tmp_path):
@@ -62,3 +63,25 @@ def test_a_router_import_cycle_breaks_the_acyclic_contract(tmp_path):
     assert result.returncode == 1
     assert "no import cycle inside the router BROKEN" in result.stdout
     assert "1 broken" in result.stdout
+
+
+def test_a_router_path_to_torch_breaks_the_contract(tmp_path):
+    root = copy_of_the_code(tmp_path)
+    add_import(root / "router" / "intake.py", "import engine.model_files")  # the weight loader imports torch
+    result = lint(root)
+    assert result.returncode == 1
+    assert "router is not allowed to import torch" in result.stdout
+    assert "router.intake -> engine.model_files" in result.stdout
+
+
+def test_the_router_process_loads_no_torch():
+    """What the contract says, in a fresh interpreter: the router's modules, both APIs and a Router with its
+    tokenizer loaded by name (the path that used to pull in the weight loaders) leave torch unimported."""
+    script = ("import sys, router.server, router.openai_api; from router.config import RouterConfig; "
+              "from router.router import Router; "
+              "Router(RouterConfig(model='tiny-random', decode_pods=['localhost:1'])); "
+              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": ""},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -21,9 +21,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.model_files import tiny_random_tokenizer_data
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.tokenizer_files import tiny_random_tokenizer_data
 from protos.convert import sampling_params_from_proto, sampling_params_to_proto
 from protos.splitserve.v1 import (
     common_pb2,
