@@ -16,8 +16,9 @@ For each request ``Router.generate`` walks it through these states, each a metho
    every prefill pod failed, the retry prefills on the decode pod. ``start`` returns D's ``DecodeStream`` with
    that first message in it;
 4. migration (``migrate``): when D goes away mid-stream, another decode pod prefills the prompt and the tokens
-   already sent (``resume_token_ids``) and goes on from there, ``max_migrations`` times; the client sees every
-   token once.
+   already sent (``resume_token_ids``) and goes on from there; the client sees every token once. Every pod that
+   failed the request is left out of later choices, and a target that fails too before its first message is
+   passed over for the next, ``max_migrations`` moves in all.
 
 While a request runs, it is counted on its pods (``RequestRun.hold``: ``PodInfo.active_requests``,
 ``queued_prompt_tokens``, ``blocks_since_report``), so that placement sees its own newest requests before the
@@ -192,17 +193,32 @@ class Placement:
     # -- step 4: migration ------------------------------------------------------------------------------------
 
     async def migrate(self, run: RequestRun, failed_address: str, error: StatusError) -> DecodeStream:
-        """Continue a request whose decode pod went away on another one, from the tokens the client has."""
-        others = [pod for pod in self.registry.decode_pods() if pod.address != failed_address]
-        if not others:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{error.message}; no other decode pod to continue the "
-                              f"request on after {run.num_output_tokens} tokens")
-        pod = self.policy.choose_decode(run.request.prompt_token_ids + run.output_token_ids, others)
-        log.warning("request %s: %s after %d output tokens; migrating it to decode pod %s", run.request.request_id,
-                    error.message, run.num_output_tokens, pod.address)
-        self.metrics.migrations.inc()
-        self.metrics.count(self.metrics.pod_requests, pod.address, str(pod.role))
-        return await self._start_on_decode_pod(run, pod, list(run.output_token_ids))
+        """Continue a request whose decode pod went away (``error``) on another one, from the tokens the client has.
+
+        Never on a pod that failed this request before, and while ``max_migrations`` allows: a target that fails
+        too before its first message is passed over for the next. Raises the last failure when no pod is left."""
+        worth_another_pod = MIGRATABLE_CODES  # how a stream breaks mid-way when its pod goes away
+        while True:
+            run.failed_decode_pods.add(failed_address)
+            if error.code not in worth_another_pod or run.migrations >= self.config.max_migrations or run.aborted:
+                raise error
+            others = [pod for pod in self.registry.decode_pods() if pod.address not in run.failed_decode_pods]
+            if not others:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{error.message}; no other decode pod to continue "
+                                  f"the request on after {run.num_output_tokens} tokens")
+            pod = self.policy.choose_decode(run.request.prompt_token_ids + run.output_token_ids, others)
+            log.warning("request %s: %s after %d output tokens; migrating it to decode pod %s",
+                        run.request.request_id, error.message, run.num_output_tokens, pod.address)
+            run.migrations += 1
+            self.metrics.migrations.inc()
+            self.metrics.count(self.metrics.pod_requests, pod.address, str(pod.role))
+            try:
+                return await self._start_on_decode_pod(run, pod, list(run.output_token_ids))
+            except StatusError as failed:
+                failed_address, error = pod.address, failed
+                # The target failed before its first message: worth the next one as a first attempt is retried
+                # (gone, full, draining), or as a stream that broke; past the deadline, nothing is.
+                worth_another_pod = () if run.out_of_time() else MIGRATABLE_CODES + RETRYABLE_CODES
 
 
 def _decode_request(req: RouterRequest) -> decode_pb2.DecodeRequest:

@@ -40,7 +40,7 @@ from engine.tokenizer import Tokenizer
 from engine.tokenizer_files import load_tokenizer
 from router.config import RouterConfig
 from router.intake import Intake, RouterRequest, invalid
-from router.placement import MIGRATABLE_CODES, Placement
+from router.placement import Placement
 from router.pod_client import PodClient, PodClientPool
 from router.pod_monitor import PodMonitor
 from router.policies import LocalPrefill, RoutingPolicy, make_policy
@@ -196,7 +196,6 @@ class Router:
                 raise
             yield run.complete(FinishReason.ABORT, None)
             return
-        migrations_left = self.config.max_migrations
         while True:
             try:
                 async for output in run.stream(stream):
@@ -205,16 +204,15 @@ class Router:
             except StatusError as error:
                 stream.call.cancel()
                 stream.hold.release()
-                if run.aborted:
-                    yield run.complete(FinishReason.ABORT, None)
-                    return
-                if error.code in MIGRATABLE_CODES and migrations_left > 0:
+                if not run.aborted:
                     try:
                         stream = await self.placement.migrate(run, stream.pod_address, error)
-                        migrations_left -= 1
                         continue
                     except StatusError as failed:
                         error = failed
+                if run.aborted:
+                    yield run.complete(FinishReason.ABORT, None)
+                    return
                 log.error("request %s failed after %d output tokens: %s", run.request.request_id,
                           run.num_output_tokens, error.message)
                 yield run.complete(FinishReason.ERROR, None, error)

@@ -450,6 +450,59 @@ def test_failure_after_output_started_with_nowhere_to_migrate_ends_with_an_error
     run(scenario())
 
 
+async def ranked_decode_pods(env: Env) -> list[FakePod]:
+    """The decode pods, made the least loaded policy's choices in this order (most free KV blocks first)."""
+    ranked = sorted(env.decode, key=lambda pod: pod.address)
+    for rank, pod in enumerate(ranked):
+        pod.report(free_kv_blocks=1000 - 10 * rank)
+    await eventually(lambda: all(router_view(env.router, pod).load.free_kv_blocks == pod.load.free_kv_blocks
+                                 for pod in ranked))
+    return ranked
+
+
+def test_a_migration_target_that_fails_before_its_first_token_is_passed_over_for_the_next():
+    async def scenario():
+        async with running_cluster(num_decode=3) as env:
+            first_d, dead_target, last_d = await ranked_decode_pods(env)
+            first_d.fail_after_tokens = 3
+            dead_target.fail_with = grpc.StatusCode.UNAVAILABLE
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            assert joined(deltas) == (SCRIPT[:10], "The fox ju")  # every token once, none lost
+            assert (done.finish_reason, done.completion_tokens) == ("length", 10)
+            assert [len(pod.calls) for pod in (first_d, dead_target, last_d)] == [1, 1, 1]
+            assert last_d.resumed[req.request_id] == SCRIPT[:4]
+            assert sample(env.router, "splitserve_router_migrations_total") == 2
+    run(scenario())
+
+
+def test_a_second_migration_never_goes_back_to_a_pod_that_failed_the_request():
+    async def scenario():
+        async with running_cluster(num_decode=3) as env:
+            first_d, second_d, last_d = await ranked_decode_pods(env)
+            first_d.fail_after_tokens = 3  # it would fail again: the router must not come back to it
+            second_d.fail_after_tokens = 2
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            assert joined(deltas) == (SCRIPT[:10], "The fox ju")
+            assert (done.finish_reason, done.completion_tokens) == ("length", 10)
+            assert [len(pod.calls) for pod in (first_d, second_d, last_d)] == [1, 1, 1]
+            assert (second_d.resumed[req.request_id], last_d.resumed[req.request_id]) == (SCRIPT[:4], SCRIPT[:6])
+            assert sample(env.router, "splitserve_router_migrations_total") == 2
+    run(scenario())
+
+
+def test_migrations_stop_at_max_migrations_even_with_pods_left():
+    async def scenario():
+        async with running_cluster(num_decode=3, max_migrations=1) as env:
+            first_d, second_d, last_d = await ranked_decode_pods(env)
+            first_d.fail_after_tokens = 3
+            second_d.fail_with = grpc.StatusCode.UNAVAILABLE
+            _, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            assert (done.finish_reason, joined(deltas)[0]) == ("error", SCRIPT[:4])
+            assert "fake decode pod says UNAVAILABLE" in done.error.message
+            assert (len(second_d.calls), last_d.calls) == (1, [])
+    run(scenario())
+
+
 def test_migration_can_be_turned_off():
     async def scenario():
         async with running_cluster(num_decode=2, max_migrations=0) as env:
