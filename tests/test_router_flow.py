@@ -540,6 +540,38 @@ def test_client_closing_the_stream_cancels_the_decode_pod():
     run(scenario())
 
 
+@pytest.mark.parametrize("how", ["abort", "client gone"])
+def test_a_request_ended_early_asks_the_decode_pod_to_drop_the_kv_pushed_to_it(how):
+    """P may have pushed the KV to D already while the request ends during its prefill: D would hold those blocks
+    until the lease expires, unless the router's Abort drops them at once."""
+    async def scenario():
+        async with running_cluster() as env:
+            prefill, decode = env.prefill[0], env.decode[0]
+            prefill.first_token_delay_s = 1.0
+            req = await env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=None))
+            task = asyncio.create_task(collect(env.router, req))
+            await eventually(lambda: [c[0] for c in prefill.calls] == ["Prefill"])
+            if how == "abort":
+                assert await env.router.abort(req.request_id) is True
+                assert [item.finish_reason for item in await task] == ["abort"]
+            else:
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await eventually(lambda: decode.calls == [("Abort", req.request_id)])
+    run(scenario())
+
+
+def test_a_request_that_ran_to_its_end_sends_no_abort():
+    async def scenario():
+        async with running_cluster() as env:
+            req, _, done = await generate_all(env.router, LONG_PROMPT, max_tokens=5)
+            assert done.finish_reason == "length"
+            await asyncio.sleep(0.2)  # an Abort would be sent in the background at once
+            assert [c[0] for c in env.decode[0].calls] == ["Decode"]
+    run(scenario())
+
+
 def test_abort_ends_the_stream_with_an_abort_completion():
     async def scenario():
         async with running_cluster() as env:
