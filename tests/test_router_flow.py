@@ -8,6 +8,7 @@ tokenizer is the tiny-random model's byte-level one: one token per byte, so text
 
 import asyncio
 import contextlib
+import re
 import signal
 import socket
 import subprocess
@@ -234,6 +235,21 @@ def free_port() -> int:
 
 def run(coroutine):
     return asyncio.run(coroutine)
+
+
+@pytest.mark.parametrize("codec", ["gzip", "", "int8+gzip"])
+def test_the_router_refuses_an_unknown_kv_codec_at_start(codec):
+    with pytest.raises(ValueError, match=r"^kv_codec must be one of none, bf16, fp8, int8, int4, none\+zstd, .*, "
+                                         rf"got '{re.escape(codec)}'$"):
+        RouterConfig(decode_pods=["127.0.0.1:1"], kv_codec=codec)
+    assert RouterConfig(decode_pods=["127.0.0.1:1"], kv_codec="int4+zstd").kv_codec == "int4+zstd"
+
+
+def test_the_router_process_with_an_unknown_kv_codec_exits_at_once_naming_it():
+    done = subprocess.run([sys.executable, "-m", "router.server", "--decode-pods", "127.0.0.1:1", "--kv-codec",
+                           "gzip"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "error: kv_codec must be one of none, bf16" in done.stderr and "got 'gzip'" in done.stderr
 
 
 def test_sampling_params_cross_the_wire_unchanged():
