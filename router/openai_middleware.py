@@ -10,6 +10,7 @@ untouched and a refusal is sent before the application reads a byte of the body.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 
 import grpc
 from starlette.datastructures import Headers, MutableHeaders
@@ -25,11 +26,8 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
-class UnexpectedErrorsAsJSON:
-    """ASGI middleware: an exception no handler knows (a bug) is logged and answered 500 in OpenAI's shape.
-
-    Not ``add_exception_handler(Exception, ...)``: Starlette re-raises after such a handler answers, and uvicorn
-    then closes the connection, failing whatever request the client sends next on it."""
+class _HTTPMiddleware(ABC):
+    """An ASGI middleware of HTTP requests: everything else (lifespan events) passes through to ``app`` untouched."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -38,6 +36,20 @@ class UnexpectedErrorsAsJSON:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    @abstractmethod
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The middleware's work on one HTTP request."""
+
+
+class UnexpectedErrorsAsJSON(_HTTPMiddleware):
+    """ASGI middleware: an exception no handler knows (a bug) is logged and answered 500 in OpenAI's shape.
+
+    Not ``add_exception_handler(Exception, ...)``: Starlette re-raises after such a handler answers, and uvicorn
+    then closes the connection, failing whatever request the client sends next on it."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         response_started = False
 
         async def send_noting_start(message: Message) -> None:
@@ -54,19 +66,16 @@ class UnexpectedErrorsAsJSON:
             await json_response(error_response(error), 500)(scope, receive, send)
 
 
-class BodySizeLimit:
+class BodySizeLimit(_HTTPMiddleware):
     """ASGI middleware: a request body over ``max_bytes`` is answered 413 before any of it is parsed. A declared
     Content-Length over the limit is refused unread; a body sent in chunks is read up to the limit, then refused.
     The body read here is handed on whole, so the application reads it as usual."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(int(declared), scope, receive, send)
@@ -100,17 +109,17 @@ class BodySizeLimit:
         await json_response(error_response(error), 413, headers={"Connection": "close"})(scope, receive, send)
 
 
-class APIKeyAuth:
+class APIKeyAuth(_HTTPMiddleware):
     """ASGI middleware: every path but ``exempt_paths`` needs ``Authorization: Bearer <key>`` with one of the
     router's API keys (``router.api_keys``); else 401 in OpenAI's shape."""
 
     def __init__(self, app: ASGIApp, keys: APIKeys, exempt_paths: list[str]):
-        self.app = app
+        super().__init__(app)
         self.keys = keys
         self.exempt_paths = frozenset("/" + path.lstrip("/") for path in exempt_paths)  # "health" is "/health"
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.exempt_paths:
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] in self.exempt_paths:
             await self.app(scope, receive, send)
             return
         problem = self.keys.problem(Headers(scope=scope).get("authorization"))
@@ -121,17 +130,11 @@ class APIKeyAuth:
         await json_response(error_response(error), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
-class RequestIdHeader:
+class RequestIdHeader(_HTTPMiddleware):
     """ASGI middleware: every answer to a request with an id carries it in X-Request-Id: the router's id of a
     generation (the client's, or the one the router made), or else the valid X-Request-Id the client sent."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
