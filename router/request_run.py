@@ -109,7 +109,7 @@ class RequestRun:
     aborted: bool = False
     finish_reason: FinishReason | None = None  # set once its Completion is made
     kv_sent_to: list[PodInfo] = field(default_factory=list)  # decode pods a prefill pod was asked to push its KV to
-    failed_decode_pods: set[str] = field(default_factory=set)  # addresses of decode pods that failed it mid-stream
+    failed_decode_pods: set[str] = field(default_factory=set)  # decode pods that failed it after its first token
     migrations: int = 0  # moves to another decode pod so far (placement.py), at most max_migrations
     output_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
     first_token_at: float | None = None
