@@ -3,7 +3,7 @@
 - ``load_gguf``: llama or qwen2 architecture, any quantization ``gguf`` can dequantize. llama.cpp's converter
   reorders Llama's Q and K rows for its interleaved RoPE; we undo that to get back the rotate-half layout our model
   and ``transformers`` use. Also returns the tokenizer the file carries (``GGUFTokenizerData``).
-- ``read_gguf_tokenizer``: only that tokenizer, without reading the weights (what the router needs).
+  Reading only that tokenizer, without torch or the weights, is ``engine.tokenizer_files``'s.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from engine.config import ModelConfig
 from engine.parameter_layout import StateDict, fuse
 from engine.tokenizer import GGUFTokenizerData
+from engine.tokenizer_files import gguf_field, gguf_tokenizer_data
 
 _GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -42,18 +43,13 @@ GGUF_NAMES = {
 }
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
-
-
 def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
     """GGUF's rope.scaling.* keys, in the dict form of HF configs."""
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
-    scaling = {"rope_type": kind, "factor": _field(reader, f"{arch}.rope.scaling.factor", 1.0)}
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    scaling = {"rope_type": kind, "factor": gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0)}
+    original = gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = original
     return scaling
@@ -62,49 +58,29 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
 def _gguf_config(
     reader: gguf.GGUFReader, arch: str, tensors: dict[str, torch.Tensor], tok: GGUFTokenizerData, name: str
 ) -> ModelConfig:
-    hidden, heads = _field(reader, f"{arch}.embedding_length"), _field(reader, f"{arch}.attention.head_count")
-    head_dim = _field(reader, f"{arch}.attention.key_length", hidden // heads)
-    rotary_dim = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+    hidden, heads = gguf_field(reader, f"{arch}.embedding_length"), gguf_field(reader, f"{arch}.attention.head_count")
+    head_dim = gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)
+    rotary_dim = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise ValueError(f"{name}: partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported")
     return ModelConfig(
         vocab_size=tensors["token_embd.weight"].shape[0],  # {arch}.vocab_size is optional; the embedding is not
         hidden_size=hidden,
-        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
-        num_layers=_field(reader, f"{arch}.block_count"),
+        intermediate_size=gguf_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=gguf_field(reader, f"{arch}.block_count"),
         num_heads=heads,
-        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
+        num_kv_heads=gguf_field(reader, f"{arch}.attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=_field(reader, f"{arch}.rope.freq_base", 10000.0),
+        rms_norm_eps=gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=gguf_field(reader, f"{arch}.rope.freq_base", 10000.0),
         rope_scaling=_rope_scaling(reader, arch),
-        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        max_position_embeddings=gguf_field(reader, f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors,  # llama.cpp drops the head when it is the embedding
         qkv_bias=arch == "qwen2",
         bos_token_id=tok.bos_token_id,
         eos_token_ids=list(tok.eos_token_ids),
         name=name,
     )
-
-
-def _gguf_tokenizer_data(reader: gguf.GGUFReader) -> GGUFTokenizerData:
-    eos_ids = [_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
-    return GGUFTokenizerData(
-        model=_field(reader, "tokenizer.ggml.model", "none"),
-        pre=_field(reader, "tokenizer.ggml.pre", "default"),
-        tokens=_field(reader, "tokenizer.ggml.tokens", []),
-        token_types=_field(reader, "tokenizer.ggml.token_type", []),
-        merges=_field(reader, "tokenizer.ggml.merges", []),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=list(dict.fromkeys(i for i in eos_ids if i is not None)),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-    )
-
-
-def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizerData:
-    """Only the tokenizer a GGUF file carries, without reading its weights (what the router needs)."""
-    return _gguf_tokenizer_data(gguf.GGUFReader(str(path)))
 
 
 def _dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
@@ -139,7 +115,7 @@ def load_gguf(
 ) -> tuple[ModelConfig, StateDict, GGUFTokenizerData]:
     """Config, fused state dict and tokenizer vocabulary from a llama.cpp GGUF file (llama or qwen2)."""
     reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {list(_GGUF_ARCHITECTURES)}")
     tensors = {t.name: _dequantized(t) for t in reader.tensors}
@@ -147,7 +123,7 @@ def load_gguf(
         raise ValueError(f"{path}: per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) are not supported")
     if "token_embd.weight" not in tensors:
         raise KeyError(f"{path} lacks tensor 'token_embd.weight'")
-    tokenizer_data = _gguf_tokenizer_data(reader)
+    tokenizer_data = gguf_tokenizer_data(reader)
     config = _gguf_config(reader, arch, tensors, tokenizer_data, Path(path).stem)
     if arch == "llama":  # qwen2 files are converted without the permutation
         _unpermute_llama_qk(tensors, config)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtransfer.codecs import available_codecs
 from kvtransfer.wire import MAX_CHUNK_BYTES
 from runtime.pod import PodConfig
 from runtime.transport import MAX_MESSAGE_BYTES
@@ -18,7 +17,6 @@ class PrefillConfig(PodConfig):
     """A splitserve prefill pod: prefills prompts and streams their KV to decode pods."""
 
     port: int = field(default=50061, metadata={"help": "gRPC port of the Prefill service (0: any free port)."})
-    kv_codec: str = field(default="none", metadata={"help": "KV codec of requests that name none."})
     overlap_transfer: bool = field(default=True, metadata={"help": (
         "Send each layer's KV while later layers compute (--no-overlap-transfer: after the prefill step).")})
     max_chunk_bytes: int = field(default=MAX_CHUNK_BYTES, metadata={"help": (
@@ -37,5 +35,3 @@ class PrefillConfig(PodConfig):
             raise ValueError(f"inject_corrupt_chunks must be in [0, 1], got {self.inject_corrupt_chunks}")
         if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"max_chunk_bytes must be in (0, {MAX_MESSAGE_BYTES // 2}], got {self.max_chunk_bytes}")
-        if self.kv_codec not in available_codecs():
-            raise ValueError(f"kv_codec must be one of {', '.join(available_codecs())}, got {self.kv_codec!r}")

@@ -90,7 +90,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _prefill_and_push(self, request: prefill_pb2.PrefillRequest, params: SamplingParams,
                                 timeout_s: float) -> tuple[TokenEvent, prefill_pb2.KVTransferStats | None]:
-        sender = await self._kv_client.open(request.decode_address, request.kv_codec or self._config.kv_codec,
+        sender = await self._kv_client.open(request.decode_address, request.kv_codec,
                                             request.request_id, list(request.prompt_token_ids),
                                             request.kv_lease_seconds, timeout_s)
         push = asyncio.create_task(sender.push(), name=f"push-{request.request_id}")

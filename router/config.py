@@ -6,18 +6,28 @@ Checked in ``__post_init__``, so a bad value stops the process at start, naming 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MODEL
 from engine.sampling_params import MAX_LOGPROBS
-from router.policies import PolicyName
 from runtime.config import described, member
 from runtime.cpus import checked_cpu_set
+from runtime.kv_codecs import check_kv_codec
 from runtime.registry import RegistryKind
 from runtime.transport import TLSConfig
 
 # Long enough for a typical stream to finish; Kubernetes' default termination grace period is 30 s.
 SHUTDOWN_GRACE_S = 30.0
+
+
+class PolicyName(enum.StrEnum):
+    """The routing policies (``policies.py`` holds one class for each)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    POWER_OF_TWO = "power_of_two"
+    PREFIX_AWARE = "prefix_aware"
 
 
 @dataclass
@@ -45,7 +55,8 @@ class RouterConfig:
     pod_ttl_s: float = field(default=10.0, metadata=described(
         "Redis registry: a pod whose heartbeat is older than this is dropped."))
     policy: PolicyName = field(default=PolicyName.LEAST_LOADED, metadata=described("Routing policy."))
-    kv_codec: str = field(default="none", metadata=described("KV codec prefill pods compress with (empty: the pod's)."))
+    kv_codec: str = field(default="none", metadata=described(
+        "KV codec prefill pods compress each request's KV with: none, bf16, fp8, int8, int4, each optionally +zstd."))
     conditional_prefill_threshold: int = field(default=32, metadata=described(
         "Prompts shorter than this many tokens prefill on their decode pod (0: never for length)."))
     conditional_cached_fraction: float = field(default=0.8, metadata=described(
@@ -111,6 +122,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         self.policy = member(PolicyName, "policy", self.policy)
         self.registry = member(RegistryKind, "registry", self.registry)
+        check_kv_codec("kv_codec", self.kv_codec)
         checked_cpu_set("cpus", self.cpus)
         for name in ("grpc_port", "http_port", "metrics_port", "shutdown_grace_s", "conditional_prefill_threshold",
                      "max_retries", "max_migrations",

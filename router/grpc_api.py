@@ -32,7 +32,9 @@ from google.protobuf.message import DecodeError, Message
 from protos.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_from_dict
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.api_keys import APIKeys
-from router.router import Completion, OutputDelta, Router, RouterRequest
+from router.intake import RouterRequest
+from router.request_run import Completion, OutputDelta
+from router.router import Router
 from runtime.errors import StatusError
 
 CHAT_ROLES = ("system", "user", "assistant")

@@ -2,8 +2,8 @@
 
 A request's path:
 
-    middleware (outermost first): CORS (when cors_allowed_origins) -> API key (when api_keys; 401)
-      -> body size (max_request_bytes; 413, before the body is parsed) -> X-Request-Id on every answer
+    middleware (openai_middleware.py, outermost first): CORS (when cors_allowed_origins) -> API key (when
+      api_keys; 401) -> body size (max_request_bytes; 413, before the body is parsed) -> X-Request-Id on every answer
     POST /v1/completions | /v1/chat/completions
       -> CompletionRequest / ChatCompletionRequest (openai_requests.py)  shape and types     -> 400, param named
       -> the request id: X-Request-Id header or request_id field         validated           -> 400
@@ -21,9 +21,9 @@ A client that hangs up stops its request: the generator of ``router.generate`` i
 is how the router learns to cancel the pods' work. Streams notice through Starlette's disconnect listener;
 a non-streamed request races the generation against the connection's ``http.disconnect`` message.
 
-Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status
-that ``StatusError.http_status`` gives its gRPC code; ``code`` is the gRPC code's name, lower case, so that
-HTTP and gRPC clients read the same reason. Also served: ``GET /v1/models`` (with ``max_model_len``),
+Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}`` (openai_errors.py), with
+the HTTP status that ``StatusError.http_status`` gives its gRPC code; ``code`` is the gRPC code's name, lower case,
+so that HTTP and gRPC clients read the same reason. Also served: ``GET /v1/models`` (with ``max_model_len``),
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /version``, ``GET /health`` (200 when a
 decode-capable pod is known, else 503), ``GET /pods`` (every pod the router knows: role, whether it routes to
 it, its last load report) and ``GET /metrics`` (Prometheus). With API keys configured, every path but
@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Iterator
 from contextlib import aclosing, contextmanager, suppress
@@ -47,32 +45,37 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.datastructures import Headers, MutableHeaders
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from router.api_keys import APIKeys
+from router.intake import check_request_id
+from router.openai_errors import APIError, add_error_handlers, error_response, field_named_in, json_response, renamed
 from router.openai_format import ChatCompletionFormatter, TextCompletionFormatter
+from router.openai_middleware import (
+    REQUEST_ID_HEADER,
+    APIKeyAuth,
+    BodySizeLimit,
+    RequestIdHeader,
+    UnexpectedErrorsAsJSON,
+)
 from router.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    InvalidParameter,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     tokenize_request,
 )
 from router.openai_responses import (
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeResponse,
     VersionResponse,
 )
-from router.router import Completion, OutputDelta, Router, check_request_id
+from router.request_run import Completion, OutputDelta
+from router.router import Router
 from runtime.errors import StatusError
 
 logger = logging.getLogger(__name__)
@@ -83,27 +86,6 @@ Formatter = TextCompletionFormatter | ChatCompletionFormatter
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 _DONE_EVENT = "data: [DONE]\n\n"
-REQUEST_ID_HEADER = "X-Request-Id"
-
-# OpenAI's error types by HTTP status; a status not listed gets the 4xx or 5xx default.
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    499: "cancelled_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
-
-
-class APIError(StatusError):
-    """A ``StatusError`` raised by the HTTP layer itself, naming the request field at fault (``param``)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
-        super().__init__(code, message)
-        self.param = param
 
 
 def create_app(router: Router) -> FastAPI:
@@ -123,10 +105,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/pods", api.pods, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
-    app.add_exception_handler(StatusError, _answer_router_error)
-    app.add_exception_handler(InvalidParameter, _answer_invalid_parameter)
-    app.add_exception_handler(RequestValidationError, _answer_validation_error)
-    app.add_exception_handler(StarletteHTTPException, _answer_http_exception)
+    add_error_handlers(app)
     # Added innermost first: a request meets CORS, the API key check, the body limit, then the request id.
     app.add_middleware(UnexpectedErrorsAsJSON)
     app.add_middleware(RequestIdHeader)
@@ -232,7 +211,7 @@ class OpenAIRoutes:
             return ServerSentEvents(_events(first, outputs, formatter, body.include_usage))
         deltas, completion = await _until_disconnected(request, _collect(outputs))
         _raise_unless_finished(completion, formatter.response_id)
-        return _json(formatter.response(deltas, completion))
+        return json_response(formatter.response(deltas, completion))
 
     def _token_text(self, token_id: int) -> str:
         # A token's own text, special tokens included: logprobs describe every token the model produced.
@@ -264,10 +243,10 @@ def _params_named_by(body: BaseModel) -> Iterator[None]:
     except APIError:
         raise
     except StatusError as error:
-        param = _field_named_in(error, body)
+        param = field_named_in(error, body)
         if param is None:
             raise
-        raise APIError(error.code, _renamed(error.message, param), param) from None
+        raise APIError(error.code, renamed(error.message, param), param) from None
 
 
 async def _json_body(request: Request) -> Any:
@@ -378,219 +357,9 @@ async def _events(first: OutputDelta | Completion, outputs: RouterOutputs, forma
         except Exception as error:  # the status line is gone: the error can only be an event now
             if not isinstance(error, StatusError):
                 logger.exception("stream of %s failed", formatter.response_id)
-            yield _event(_error_response(error))
+            yield _event(error_response(error))
     yield _DONE_EVENT
 
 
 def _event(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
-
-
-# ------------------------------------------------------------------------------------------------ errors
-
-
-async def _answer_router_error(request: Request, error: StatusError) -> Response:
-    headers = None if error.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}
-    return _json(_error_response(error), error.http_status, headers=headers)
-
-
-async def _answer_invalid_parameter(request: Request, error: InvalidParameter) -> Response:
-    return await _answer_router_error(request, APIError(grpc.StatusCode.INVALID_ARGUMENT, error.message, error.param))
-
-
-async def _answer_validation_error(request: Request, error: RequestValidationError) -> Response:
-    """pydantic's first complaint about the body, with the field it is about as ``param``."""
-    first = error.errors()[0]
-    param = _param_path(first["loc"])
-    complaint = _UNKNOWN_FIELD if first["type"] == "extra_forbidden" else first["msg"]
-    message = f"{param}: {complaint}" if param else complaint
-    return await _answer_router_error(request, APIError(grpc.StatusCode.INVALID_ARGUMENT, message, param))
-
-
-_UNKNOWN_FIELD = "unknown field; this server refuses fields it does not know rather than ignore them (docs/api.md)"
-
-
-async def _answer_http_exception(request: Request, error: StarletteHTTPException) -> Response:
-    # Routing's own errors (404 no such route, 405 wrong method) have no gRPC code; a body FastAPI could not
-    # read (not UTF-8) is a bad argument like any other.
-    message, code = str(error.detail), None
-    if isinstance(error.__cause__, UnicodeDecodeError):
-        message, code = f"the body is not valid UTF-8: {error.__cause__}", "invalid_argument"
-    body = ErrorResponse(error=ErrorInfo(message=message, type=_error_type(error.status_code), code=code))
-    return _json(body, error.status_code, headers=error.headers)
-
-
-class UnexpectedErrorsAsJSON:
-    """ASGI middleware: an exception no handler knows (a bug) is logged and answered 500 in OpenAI's shape.
-
-    Not ``add_exception_handler(Exception, ...)``: Starlette re-raises after such a handler answers, and uvicorn
-    then closes the connection, failing whatever request the client sends next on it."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        response_started = False
-
-        async def send_noting_start(message: Message) -> None:
-            nonlocal response_started
-            response_started = response_started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_noting_start)
-        except Exception as error:
-            if response_started:  # too late for a status: let the server end the connection
-                raise
-            logger.exception("%s %s failed", scope["method"], scope["path"])
-            await _json(_error_response(error), 500)(scope, receive, send)
-
-
-class BodySizeLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is answered 413 before any of it is parsed. A declared
-    Content-Length over the limit is refused unread; a body sent in chunks is read up to the limit, then refused.
-    The body read here is handed on whole, so the application reads it as usual."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(int(declared), scope, receive, send)
-            return
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away while sending
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_bytes:
-                await self._refuse(size, scope, receive, send, read_all=not more)
-                return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # after the body: the disconnect listener's turn
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, size: int, scope: Scope, receive: Receive, send: Send, read_all: bool = True) -> None:
-        error = APIError(grpc.StatusCode.INVALID_ARGUMENT, f"the request body ({'at least ' if not read_all else ''}"
-                         f"{size} bytes) is larger than the limit of {self.max_bytes} bytes (max_request_bytes)")
-        # The connection cannot be reused with an unread body behind the answer: close it.
-        await _json(_error_response(error), 413, headers={"Connection": "close"})(scope, receive, send)
-
-
-class APIKeyAuth:
-    """ASGI middleware: every path but ``exempt_paths`` needs ``Authorization: Bearer <key>`` with one of the
-    router's API keys (``router.api_keys``); else 401 in OpenAI's shape."""
-
-    def __init__(self, app: ASGIApp, keys: APIKeys, exempt_paths: list[str]):
-        self.app = app
-        self.keys = keys
-        self.exempt_paths = frozenset("/" + path.lstrip("/") for path in exempt_paths)  # "health" is "/health"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.exempt_paths:
-            await self.app(scope, receive, send)
-            return
-        problem = self.keys.problem(Headers(scope=scope).get("authorization"))
-        if problem is None:
-            await self.app(scope, receive, send)
-            return
-        error = APIError(grpc.StatusCode.UNAUTHENTICATED, problem)
-        await _json(_error_response(error), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-
-
-class RequestIdHeader:
-    """ASGI middleware: every answer to a request with an id carries it in X-Request-Id: the router's id of a
-    generation (the client's, or the one the router made), or else the valid X-Request-Id the client sent."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                request_id = scope.get("state", {}).get("request_id") or _valid_header_id(scope)
-                if request_id is not None:
-                    MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-def _valid_header_id(scope: Scope) -> str | None:
-    header = Headers(scope=scope).get(REQUEST_ID_HEADER)
-    try:
-        check_request_id(header, REQUEST_ID_HEADER) if header is not None else None
-    except StatusError:
-        return None
-    return header
-
-
-def _error_response(error: Exception) -> ErrorResponse:
-    if not isinstance(error, StatusError):
-        error = StatusError(grpc.StatusCode.INTERNAL, "internal server error")
-    param = error.param if isinstance(error, APIError) else None
-    info = ErrorInfo(message=error.message, type=_error_type(error.http_status), param=param,
-                     code=error.code.name.lower())
-    return ErrorResponse(error=info)
-
-
-def _field_named_in(error: StatusError, body: BaseModel) -> str | None:
-    """The body's name for the field an INVALID_ARGUMENT message starts with ("prompt: must not be empty",
-    "stop[3]: ..."), keeping its index or sub-field; None when the message names no field of the body."""
-    prefix, colon, _ = error.message.partition(":")
-    named = re.fullmatch(r"([A-Za-z_]+)((?:\[\d+\]|\.[A-Za-z_]+)*)", prefix)
-    if error.code != grpc.StatusCode.INVALID_ARGUMENT or not colon or named is None:
-        return None
-    field, rest = named.groups()
-    if hasattr(body, "param_name"):
-        param = body.param_name(field)
-    else:
-        fields = type(body).model_fields
-        param = "messages" if field == "prompt" and "messages" in fields else field if field in fields else None
-    return None if param is None else param + rest
-
-
-def _renamed(message: str, param: str) -> str:
-    """``message`` with the field it starts with replaced by ``param``."""
-    return param + ":" + message.partition(":")[2]
-
-
-def _error_type(http_status: int) -> str:
-    return _ERROR_TYPES.get(http_status, "invalid_request_error" if http_status < 500 else "server_error")
-
-
-def _param_path(loc: tuple[int | str, ...]) -> str | None:
-    """("body", "messages", 0, "content") -> "messages[0].content"; None when the error is not about a field
-    (the body is missing, or not JSON)."""
-    if len(loc) < 2 or loc[0] != "body" or not isinstance(loc[1], str):
-        return None
-    path = loc[1]
-    for part in loc[2:]:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path
-
-
-def _json(model: BaseModel, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(model.model_dump_json(), status_code=status_code, headers=headers, media_type="application/json")

@@ -33,7 +33,7 @@ from router.openai_responses import (
     TopLogprob,
     Usage,
 )
-from router.router import Completion, OutputDelta
+from router.request_run import Completion, OutputDelta
 
 TokenText = Callable[[int], str]  # a token id's own text, for logprobs
 

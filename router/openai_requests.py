@@ -10,7 +10,7 @@ No field is silently ignored. Each field a body may carry is one of:
   ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
   ``include_stop_str_in_output``, ``add_special_tokens``, ``request_id``; for chat ``add_generation_prompt``,
   ``continue_final_message``, ``chat_template_kwargs``; ``stream_options.continuous_usage_stats``);
-- known but not supported yet (``UNSUPPORTED_FIELDS``: structured outputs, tools, ``n`` > 1, ``echo``,
+- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: structured outputs, tools, ``n`` > 1, ``echo``,
   ``prompt_logprobs``, ``logit_bias``, ...): accepted only at its neutral value (``null``, ``false``, ``[]``, or
   what asks for nothing: ``best_of: 1``, ``response_format: {"type": "text"}``), refused with 400 naming it
   otherwise;
@@ -27,12 +27,13 @@ The server's own limits (prompt size, stop strings, ``max_tokens``, logprobs) ar
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams
+from router.openai_fields import InvalidParameter, StrictModel, Text, unicode_everywhere, valid_unicode
 
 # Request fields passed to SamplingParams under the same name, when the client set them.
 _SAMPLING_FIELDS = (
@@ -41,115 +42,7 @@ _SAMPLING_FIELDS = (
     "skip_special_tokens", "include_stop_str_in_output",
 )
 
-# Known fields this server does not honour yet: {field: (the values that ask for nothing, why it is refused)}.
-_NO_STRUCTURED_OUTPUT = "structured output (guided decoding) is not supported yet"
-_NO_TOOLS = "tool calling is not supported yet"
-UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": ((None, {}), "the sampler has no per-token biases yet"),
-    "best_of": ((None, 1), "only one sample per prompt is generated"),
-    "echo": ((None, False), "the prompt is not returned with the output yet"),
-    "suffix": ((None, ""), "the served models do not fill in the middle"),
-    "prompt_logprobs": ((None,), "prompt logprobs are not computed yet"),
-    "response_format": ((None, {"type": "text"}), _NO_STRUCTURED_OUTPUT),
-    "guided_json": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_regex": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_choice": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_grammar": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_decoding_backend": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_whitespace_pattern": ((None,), _NO_STRUCTURED_OUTPUT),
-    "structured_outputs": ((None,), _NO_STRUCTURED_OUTPUT),
-    "structural_tag": ((None,), _NO_STRUCTURED_OUTPUT),
-    "tools": ((None, []), _NO_TOOLS),
-    "tool_choice": ((None, "none", "auto"), _NO_TOOLS),
-    "parallel_tool_calls": ((None, True, False), _NO_TOOLS),
-    "functions": ((None, []), _NO_TOOLS),
-    "function_call": ((None, "none", "auto"), _NO_TOOLS),
-    "bad_words": ((None, []), "the sampler has no banned words yet"),
-    "allowed_token_ids": ((None,), "the sampler has no allowed-token filter yet"),
-    "truncate_prompt_tokens": ((None,), "prompts are never truncated: a prompt over the limit is refused"),
-    "logits_processors": ((None, []), "custom logits processors are not run"),
-    "use_beam_search": ((None, False), "beam search is not supported"),
-    "length_penalty": ((None, 1.0), "beam search is not supported"),
-    "spaces_between_special_tokens": ((None, True), "special tokens are always decoded with the tokenizer's spacing"),
-    "return_tokens_as_token_ids": ((None, False), "logprob tokens are always text"),
-    "return_token_ids": ((None, False), "token ids are returned by the gRPC API, not this one"),
-    "priority": ((None, 0), "requests have no priorities yet"),
-    "cache_salt": ((None,), "the prefix cache has no salts yet"),
-    "kv_transfer_params": ((None,), "KV transfer is the router's to arrange"),
-    "vllm_xargs": ((None,), "no extension arguments are taken"),
-    "prompt_embeds": ((None,), "prompts are text or token ids"),
-    "chat_template": ((None,), "a request may not bring its own chat template; use chat_template_kwargs"),
-    "documents": ((None, []), "the chat template gets no documents"),
-    "mm_processor_kwargs": ((None, {}), "the served models take text only"),
-    "media_io_kwargs": ((None, {}), "the served models take text only"),
-    "reasoning_effort": ((None,), "the served models have no reasoning modes"),
-    "include_reasoning": ((None, True), "the served models have no reasoning parser"),
-    "modalities": ((None, ["text"]), "the served models produce text only"),
-    "audio": ((None,), "the served models produce text only"),
-    "prediction": ((None,), "predicted outputs are not supported"),
-    "web_search_options": ((None,), "the server does not search the web"),
-    "store": ((None, False), "outputs are not stored"),
-    "metadata": ((None, {}), "outputs are not stored, so they carry no metadata"),
-    "service_tier": ((None, "auto", "default"), "there is one service tier"),
-    # Fields of a message, when a client sends back an assistant message as a previous response gave it.
-    "tool_calls": ((None, []), _NO_TOOLS),
-    "tool_call_id": ((None,), _NO_TOOLS),
-    "refusal": ((None,), "assistant refusals are not modelled"),
-    "annotations": ((None, []), "message annotations are not modelled"),
-}
-
-
-class InvalidParameter(ValueError):
-    """A request field has a value this server refuses; ``param`` names the field as the client spelled it."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
-        self.message = message
-
-
-def _valid_unicode(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PydanticCustomError("unicode", "not valid Unicode (a lone surrogate at character {at})",
-                                  {"at": exc.start}) from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-
-
-def _unicode_everywhere(value: Any) -> None:
-    """Every string in ``value`` (keys too) valid Unicode, for free-form JSON (``chat_template_kwargs``)."""
-    if isinstance(value, str):
-        _valid_unicode(value)
-    elif isinstance(value, list):
-        for item in value:
-            _unicode_everywhere(item)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _unicode_everywhere(key)
-            _unicode_everywhere(item)
-
-
-class _StrictModel(BaseModel):
-    """Strict types; unknown fields refused; known-but-unsupported fields refused unless neutral."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name in UNSUPPORTED_FIELDS:
-            neutral, why = UNSUPPORTED_FIELDS[info.field_name]
-            if not any(_same(value, v) for v in neutral):
-                raise PydanticCustomError("unsupported", "{field} is not supported: {why}",
-                                          {"field": info.field_name, "why": why})
-        return value
-
-
-class StreamOptions(_StrictModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     # vLLM's: usage (so far) in every chunk, not only in the last one. Needs include_usage.
     continuous_usage_stats: bool = False
@@ -162,7 +55,7 @@ class StreamOptions(_StrictModel):
         return continuous
 
 
-class _GenerationRequest(_StrictModel):
+class _GenerationRequest(StrictModel):
     """The fields both generation endpoints share: everything that becomes a ``SamplingParams``, streaming,
     the request id, and the known-but-unsupported fields of both."""
 
@@ -277,7 +170,7 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_int_list(prompt[0])):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return _valid_unicode(prompt)
+            return valid_unicode(prompt)
         if _is_int_list(prompt):
             return prompt
         if isinstance(prompt, list) and all(isinstance(item, str) or _is_int_list(item) for item in prompt):
@@ -291,7 +184,7 @@ class CompletionRequest(_GenerationRequest):
         return self.logprobs
 
 
-class _ChatMessage(_StrictModel):
+class _ChatMessage(StrictModel):
     """One message of the conversation; content parts ``[{"type": "text", "text": ...}]`` are joined."""
 
     role: Literal["system", "user", "assistant"]
@@ -321,7 +214,7 @@ class _ChatMessage(_StrictModel):
         return message if self.name is None else {**message, "name": self.name}
 
 
-class _ChatTemplateOptions(_StrictModel):
+class _ChatTemplateOptions(StrictModel):
     """How the conversation becomes the prompt text (vLLM's fields, shared by chat and chat tokenization)."""
 
     messages: list[_ChatMessage] = Field(min_length=1)
@@ -344,7 +237,7 @@ class _ChatTemplateOptions(_StrictModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _unicode_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        _unicode_everywhere(kwargs)
+        unicode_everywhere(kwargs)
         return kwargs
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -395,7 +288,7 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
         return "top_logprobs" if field == "logprobs" else super().param_name(field)
 
 
-class TokenizeCompletionRequest(_StrictModel):
+class TokenizeCompletionRequest(StrictModel):
     """``POST /tokenize`` with a ``prompt`` (vLLM's shape)."""
 
     model: Text | None = None
@@ -413,7 +306,7 @@ class TokenizeChatRequest(_ChatTemplateOptions):
     media_io_kwargs: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
 
 
-class DetokenizeRequest(_StrictModel):
+class DetokenizeRequest(StrictModel):
     """``POST /detokenize`` (vLLM's shape)."""
 
     model: Text | None = None
@@ -423,13 +316,6 @@ class DetokenizeRequest(_StrictModel):
 def tokenize_request(body: Any) -> type[TokenizeCompletionRequest] | type[TokenizeChatRequest]:
     """Which tokenize request ``body`` is: a chat when it has ``messages`` (as vLLM tells them apart)."""
     return TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
-
-
-def _same(value: Any, neutral: Any) -> bool:
-    """JSON equality: 1 and 1.0 are the same number, but true is not 1."""
-    if isinstance(value, bool) or isinstance(neutral, bool):
-        return type(value) is type(neutral) and value == neutral
-    return value == neutral
 
 
 def _is_int(value: Any) -> bool:
@@ -445,6 +331,6 @@ def _is_text_part(part: Any) -> bool:
 
 
 __all__ = [
-    "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "InvalidParameter", "StreamOptions",
-    "TokenizeChatRequest", "TokenizeCompletionRequest", "UNSUPPORTED_FIELDS", "tokenize_request",
+    "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "StreamOptions", "TokenizeChatRequest",
+    "TokenizeCompletionRequest", "tokenize_request",
 ]

@@ -29,7 +29,6 @@ block size: a pod's published hash of block i names the prompt's whole prefix up
 
 from __future__ import annotations
 
-import enum
 import math
 import random
 from dataclasses import dataclass
@@ -38,23 +37,17 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.block_manager import chained_block_hashes
+from router.config import PolicyName
 from router.registry import PodInfo
 from runtime.config import member
 from runtime.errors import StatusError
 
 if TYPE_CHECKING:
-    from router.router import RouterRequest
+    from router.intake import RouterRequest
 
 # No decode pod serving usually means one loading or restarting (seconds, under `splitserve up`'s supervisor or a
 # Kubernetes restart): the 503 tells clients to come back after this long (Retry-After, grpc-retry-pushback-ms).
 NO_DECODE_POD_RETRY_S = 2.0
-
-
-class PolicyName(enum.StrEnum):
-    ROUND_ROBIN = "round_robin"
-    LEAST_LOADED = "least_loaded"
-    POWER_OF_TWO = "power_of_two"
-    PREFIX_AWARE = "prefix_aware"
 
 
 @dataclass

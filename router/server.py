@@ -38,7 +38,7 @@ from router.grpc_api import GENERATION_SERVICE, APIKeyInterceptor, GenerationSer
 from router.router import Router
 from runtime import transport
 from runtime.config import parse_config
-from runtime.cpus import apply_cpu_set
+from runtime.cpus import allowed_cpus, format_cpu_list, pin_cpu_set
 from runtime.logs import configure_logging
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     configure_logging()
     config = parse_config(RouterConfig, argv, prog="splitserve router")
-    apply_cpu_set(config.cpus, torch_threads=False)  # before the servers start their threads
+    pinned = pin_cpu_set(config.cpus)  # before the servers start their threads
+    log.info("CPUs %s%s, no torch threads", format_cpu_list(allowed_cpus()), "" if pinned else " (not pinned)")
     asyncio.run(serve(config))
 
 

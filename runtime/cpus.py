@@ -6,8 +6,8 @@ A CPU set is written as Linux writes it (``taskset -c``, ``/proc/<pid>/status``)
     format_cpu_list({0, 1, 2, 6})      -> "0-2,6"
     checked_cpu_set(field, text)       the set, or a ValueError naming the config field when it is malformed or not
                                        a subset of the CPUs this process may run on (``os.sched_getaffinity``)
-    apply_cpu_set(text, num_threads)   at process start: pin every thread of the process to the set and size
-                                       torch's thread pools to it (or to ``num_threads`` when given); logs both
+    pin_cpu_set(text)                  at process start: pin every thread of the process to the set (the router;
+                                       a pod's ``runtime.torch_threads.apply_cpu_set`` also sizes torch's pools)
     thread_env(threads)                the environment that sizes OpenMP / MKL before torch is imported (for a child)
 
 Without a set, threads default to one per core of the machine, so pods sharing a machine oversubscribe its cores:
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -71,36 +70,14 @@ def checked_cpu_set(field_name: str, text: str) -> frozenset[int]:
     return cpus
 
 
-@dataclass(frozen=True)
-class AppliedCpus:
-    cpus: frozenset[int]  # the process's affinity after apply_cpu_set
-    threads: int  # torch.get_num_threads() after apply_cpu_set (0: torch not used)
-
-
-def apply_cpu_set(text: str, num_threads: int = 0, *, field_name: str = "cpus", torch_threads: bool = True
-                  ) -> AppliedCpus:
-    """Pin this process to the CPU set ``text`` (``""``: leave the affinity as it is) and give torch one compute
-    thread per CPU of the set, or ``num_threads`` when that is > 0. Call it before any torch work: a thread
-    reads torch's thread count at its first parallel op and keeps it (``torch_threads=False``: a process that
-    computes nothing with torch, the router)."""
+def pin_cpu_set(text: str, field_name: str = "cpus") -> frozenset[int]:
+    """Pin every thread of this process to the CPU set ``text`` (``""``: leave the affinity as it is); returns the
+    set (empty: not pinned). Without torch: the router pins itself with it, and ``runtime.torch_threads``'s
+    ``apply_cpu_set`` pins a pod with it before sizing torch's thread pools to the set."""
     cpus = checked_cpu_set(field_name, text)
     if cpus:
         _pin_every_thread(cpus)
-    threads = num_threads or len(cpus)
-    if torch_threads:
-        import torch  # here, not at the top: the router pins itself without importing torch
-
-        if threads:
-            torch.set_num_threads(threads)
-            try:
-                torch.set_num_interop_threads(threads)
-            except RuntimeError:  # allowed once, before any inter-op work; the intra-op threads are what count
-                pass
-        threads = torch.get_num_threads()
-    applied = AppliedCpus(allowed_cpus(), threads if torch_threads else 0)
-    log.info("CPUs %s%s, %s", format_cpu_list(applied.cpus), "" if cpus else " (not pinned)",
-             f"{applied.threads} torch threads" if torch_threads else "no torch threads")
-    return applied
+    return cpus
 
 
 def _pin_every_thread(cpus: frozenset[int]) -> None:
@@ -120,5 +97,5 @@ def _pin_every_thread(cpus: frozenset[int]) -> None:
 
 def thread_env(threads: int) -> dict[str, str]:
     """Environment for a child that will import torch: OpenMP and MKL size their pools from it at load, before the
-    child's own ``apply_cpu_set`` runs."""
+    child's own ``apply_cpu_set`` (runtime/torch_threads.py) runs."""
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}

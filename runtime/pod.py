@@ -40,12 +40,13 @@ from engine.llm_engine import LLMEngine
 from protos.splitserve.v1 import common_pb2
 from runtime import transport
 from runtime.config import described, member
-from runtime.cpus import apply_cpu_set, checked_cpu_set
+from runtime.cpus import checked_cpu_set
 from runtime.logs import configure_logging
 from runtime.metrics import PodMetrics
 from runtime.pod_status import LoadTracker, PodStatusServicer
 from runtime.registry import RedisHeartbeat, RegistryKind
 from runtime.roles import Role
+from runtime.torch_threads import apply_cpu_set
 
 logger = logging.getLogger(__name__)
 

@@ -41,10 +41,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import DEFAULT_MODEL, SchedulerConfig
-from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S
-from router.policies import PolicyName
+from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S, PolicyName
 from runtime.config import described, flag_name, member, parse_config
 from runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, thread_env
+from runtime.kv_codecs import check_kv_codec
 from runtime.registry import RegistryKind
 from runtime.roles import POD_ROLES, Role
 from runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
@@ -67,7 +67,8 @@ class UpConfig:
     http_port: int = field(default=8000, metadata=described("Router HTTP port (OpenAI API, /health, /metrics)."))
     base_pod_port: int = field(default=50060, metadata=described("Pods take consecutive gRPC ports from here."))
     base_metrics_port: int = field(default=9400, metadata=described("Pods take consecutive /metrics ports from here."))
-    kv_codec: str = field(default="none", metadata=described("KV codec between prefill and decode pods."))
+    kv_codec: str = field(default="none", metadata=described(
+        "KV codec between prefill and decode pods (the router's: it names one in every prefill request)."))
     policy: PolicyName = field(default=PolicyName.LEAST_LOADED, metadata=described("Routing policy."))
     conditional_prefill_threshold: int = field(default=32, metadata=described(
         "Prompts shorter than this many tokens prefill on the decode pod."))
@@ -118,6 +119,7 @@ class UpConfig:
             raise ValueError("need at least one decode or mixed pod, and no negative counts")
         self.policy = member(PolicyName, "policy", self.policy)
         self.registry = member(RegistryKind, "registry", self.registry)
+        check_kv_codec("kv_codec", self.kv_codec)  # the router's, checked here before any process starts
         for name in ("prefill_cpus", "decode_cpus", "mixed_cpus", "router_cpus"):
             checked_cpu_set(name, getattr(self, name))
         if self.shutdown_grace_s < 0:
@@ -247,7 +249,6 @@ class Cluster:
         flags = ["--host", c.host, "--port", str(pod.port), "--metrics-port", str(pod.metrics_port),
                  "--advertise-address", self.address(pod), *_passed(c, POD_FLAGS), *self._cpu_flags(pod.name)]
         if pod.role is Role.PREFILL:
-            flags += ["--kv-codec", c.kv_codec]
             flags += ["--inject-corrupt-chunks", str(c.inject_corrupt_chunks)] if c.inject_corrupt_chunks else []
         else:
             flags += ["--role", str(pod.role)]

@@ -21,12 +21,13 @@ import pytest
 from served_router import RouterInThread
 from test_router_flow import LONG_PROMPT, MODEL, SCRIPT, TOKENIZER, eventually, run, running_cluster
 
-from engine.model_files import tiny_random_tokenizer_data
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.tokenizer_files import tiny_random_tokenizer_data
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
-from router.router import Router, _encode_without_holding_the_gil
+from router.intake import encode_without_holding_the_gil
+from router.router import Router
 from runtime.errors import StatusError
 
 LIMITS = dict(max_stop_strings=4, max_stop_string_bytes=8, max_stop_token_ids=2, max_tokens_limit=100,
@@ -264,8 +265,8 @@ def test_health_answers_while_a_prompt_at_the_byte_limit_tokenizes():
 
 def test_the_gil_free_encoder_gives_the_same_ids():
     wrapped = Tokenizer.from_gguf(tiny_random_tokenizer_data())
-    _encode_without_holding_the_gil(wrapped)
-    _encode_without_holding_the_gil(wrapped)  # wrapping twice is wrapping once
+    encode_without_holding_the_gil(wrapped)
+    encode_without_holding_the_gil(wrapped)  # wrapping twice is wrapping once
     for text in ("", "Hi", "<|im_start|>user\nhé 😀<|im_end|>", LONG_PROMPT):
         for special in (True, False):
             assert wrapped.encode(text, special) == TOKENIZER.encode(text, special)

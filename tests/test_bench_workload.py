@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from engine.model_files import load_tokenizer
+from engine.tokenizer_files import load_tokenizer
 from splitserve.bench.prompts import PromptFactory, ordinary_token_ids
 from splitserve.bench.workload import (
     AZURE_LENGTHS,

@@ -79,7 +79,7 @@ def _applied_in_a_child(*call_args: str, env: dict[str, str] | None = None) -> t
     matrix product started torch's pool."""
     script = (
         "import os, torch\n"
-        "from runtime.cpus import apply_cpu_set\n"
+        "from runtime.torch_threads import apply_cpu_set\n"
         f"applied = apply_cpu_set({', '.join(call_args)})\n"
         "torch.ones(512, 512) @ torch.ones(512, 512)\n"
         "lists = {open(f'/proc/self/task/{t}/status').read().split('Cpus_allowed_list:')[1].split()[0]\n"
@@ -126,7 +126,7 @@ def test_a_pod_started_with_cpus_0_runs_every_thread_on_cpu_0_with_one_torch_thr
         tasks = Path(f"/proc/{pod.pid}/task")
         lists = {(task / "status").read_text().split("Cpus_allowed_list:")[1].split()[0] for task in tasks.iterdir()}
         assert lists == {"0"}
-        assert "runtime.cpus: CPUs 0, 1 torch threads" in log.read_text()
+        assert "runtime.torch_threads: CPUs 0, 1 torch threads" in log.read_text()
     finally:
         pod.terminate()
         pod.wait(timeout=30)

@@ -8,8 +8,8 @@ import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.gguf_file import load_gguf
-from engine.model_files import smollm2_gguf_path, tiny_random_tokenizer_data
 from engine.tokenizer import Tokenizer
+from engine.tokenizer_files import smollm2_gguf_path, tiny_random_tokenizer_data
 
 IM_START, IM_END = 1, 2
 EMOJI = "Emoji: 😀🎉👍🏽 and flags 🇫🇷"

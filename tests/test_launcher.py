@@ -94,6 +94,8 @@ def test_up_config_refuses_bad_sets_and_engine_settings_naming_the_field():
         parse_config(UpConfig, ["--decode-cpus", "x"], env={})
     with pytest.raises(ValueError, match="^max_num_seqs must be > 0, got 0$"):
         UpConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="^kv_codec must be one of none, .*, got 'gzip'$"):
+        UpConfig(kv_codec="gzip")
 
 
 # ---- command lines --------------------------------------------------------------------------------------------------
@@ -111,7 +113,7 @@ def test_every_pod_and_the_router_accept_the_flags_the_launcher_builds(tmp_path)
         assert (pod_config.model, pod_config.max_num_batched_tokens, pod_config.max_num_seqs,
                 pod_config.long_prefill_token_threshold, pod_config.shutdown_grace_s) == (
             "tiny-random", 256, 8, 128, 3.0)
-    assert (prefill.kv_codec, decode.role, mixed.role) == ("int8", "decode", "mixed")
+    assert (decode.role, mixed.role) == ("decode", "mixed")
     for pod_config, name in ((prefill, "prefill-0"), (decode, "decode-0"), (mixed, "mixed-0")):
         placement = cluster.cpu_plan[name]
         assert (pod_config.cpus, pod_config.num_threads) == (format_cpu_list(placement.cpus), placement.threads)

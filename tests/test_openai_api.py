@@ -22,8 +22,9 @@ from starlette.requests import ClientDisconnect
 
 from engine.sampling_params import SamplingParams
 from router.config import RouterConfig
+from router.intake import RouterRequest
 from router.openai_api import ServerSentEvents, create_app
-from router.router import Completion, OutputDelta, RouterRequest
+from router.request_run import Completion, OutputDelta
 from runtime.errors import StatusError
 from runtime.metrics import RouterMetrics
 

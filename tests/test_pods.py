@@ -565,9 +565,11 @@ def test_invalid_requests_are_invalid_argument(pods, where, params, prompt, mess
     assert message in error.details()
 
 
-def test_unknown_codec_is_invalid_argument(pods):
-    error = rpc_error(pods.run_prefill, "gzip", [5, 6, 7], GREEDY, codec="gzip")
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown KV codec 'gzip'" in error.details()
+@pytest.mark.parametrize("codec", ["gzip", ""])
+def test_unknown_codec_is_invalid_argument(pods, codec):
+    """The router names the codec in every request; the prefill pod has no default to fall back on."""
+    error = rpc_error(pods.run_prefill, f"codec-{codec}", [5, 6, 7], GREEDY, codec=codec)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and f"unknown KV codec '{codec}'" in error.details()
 
 
 class StallingReceiver(kv_transfer_pb2_grpc.KVTransferServicer):
@@ -910,10 +912,11 @@ def test_pod_configs_come_from_flags_and_environment_and_refuse_bad_values():
     assert (config.role, config.accepted_kv_codecs, config.kv_lease_s, config.num_blocks) == (
         "mixed", ["none", "int8"], 12.5, 128)
     assert parse_config(PrefillConfig, ["--no-overlap-transfer"], env={}).overlap_transfer is False
+    with pytest.raises(SystemExit):  # the codec is the router's to choose, per request: the prefill pod takes none
+        parse_config(PrefillConfig, ["--kv-codec", "int8"], env={})
     for build, message in [
         (lambda: DecodeConfig(role="prefill"), "role must be one of decode, mixed"),
         (lambda: DecodeConfig(accepted_kv_codecs=["gzip"]), "accepted_kv_codecs must name some of"),
-        (lambda: PrefillConfig(kv_codec="gzip"), "kv_codec must be one of"),
         (lambda: PrefillConfig(registry="consul"), "registry must be one of static, redis"),
         (lambda: PrefillConfig(block_size=12), "block_size must be a positive power of two"),
         (lambda: DecodeConfig(cache_dtype="int8"), "cache_dtype must be one of float32, bfloat16, float16"),

@@ -8,6 +8,7 @@ tokenizer is the tiny-random model's byte-level one: one token per byte, so text
 
 import asyncio
 import contextlib
+import re
 import signal
 import socket
 import subprocess
@@ -21,9 +22,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.model_files import tiny_random_tokenizer_data
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.tokenizer_files import tiny_random_tokenizer_data
 from protos.convert import sampling_params_from_proto, sampling_params_to_proto
 from protos.splitserve.v1 import (
     common_pb2,
@@ -36,7 +37,8 @@ from protos.splitserve.v1 import (
     prefill_pb2_grpc,
 )
 from router.config import RouterConfig
-from router.router import Completion, OutputDelta, Router
+from router.request_run import Completion, OutputDelta
+from router.router import Router
 from router.server import RouterServer
 from runtime.errors import StatusError
 
@@ -233,6 +235,21 @@ def free_port() -> int:
 
 def run(coroutine):
     return asyncio.run(coroutine)
+
+
+@pytest.mark.parametrize("codec", ["gzip", "", "int8+gzip"])
+def test_the_router_refuses_an_unknown_kv_codec_at_start(codec):
+    with pytest.raises(ValueError, match=r"^kv_codec must be one of none, bf16, fp8, int8, int4, none\+zstd, .*, "
+                                         rf"got '{re.escape(codec)}'$"):
+        RouterConfig(decode_pods=["127.0.0.1:1"], kv_codec=codec)
+    assert RouterConfig(decode_pods=["127.0.0.1:1"], kv_codec="int4+zstd").kv_codec == "int4+zstd"
+
+
+def test_the_router_process_with_an_unknown_kv_codec_exits_at_once_naming_it():
+    done = subprocess.run([sys.executable, "-m", "router.server", "--decode-pods", "127.0.0.1:1", "--kv-codec",
+                           "gzip"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "error: kv_codec must be one of none, bf16" in done.stderr and "got 'gzip'" in done.stderr
 
 
 def test_sampling_params_cross_the_wire_unchanged():
@@ -449,6 +466,59 @@ def test_failure_after_output_started_with_nowhere_to_migrate_ends_with_an_error
     run(scenario())
 
 
+async def ranked_decode_pods(env: Env) -> list[FakePod]:
+    """The decode pods, made the least loaded policy's choices in this order (most free KV blocks first)."""
+    ranked = sorted(env.decode, key=lambda pod: pod.address)
+    for rank, pod in enumerate(ranked):
+        pod.report(free_kv_blocks=1000 - 10 * rank)
+    await eventually(lambda: all(router_view(env.router, pod).load.free_kv_blocks == pod.load.free_kv_blocks
+                                 for pod in ranked))
+    return ranked
+
+
+def test_a_migration_target_that_fails_before_its_first_token_is_passed_over_for_the_next():
+    async def scenario():
+        async with running_cluster(num_decode=3) as env:
+            first_d, dead_target, last_d = await ranked_decode_pods(env)
+            first_d.fail_after_tokens = 3
+            dead_target.fail_with = grpc.StatusCode.UNAVAILABLE
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            assert joined(deltas) == (SCRIPT[:10], "The fox ju")  # every token once, none lost
+            assert (done.finish_reason, done.completion_tokens) == ("length", 10)
+            assert [len(pod.calls) for pod in (first_d, dead_target, last_d)] == [1, 1, 1]
+            assert last_d.resumed[req.request_id] == SCRIPT[:4]
+            assert sample(env.router, "splitserve_router_migrations_total") == 2
+    run(scenario())
+
+
+def test_a_second_migration_never_goes_back_to_a_pod_that_failed_the_request():
+    async def scenario():
+        async with running_cluster(num_decode=3) as env:
+            first_d, second_d, last_d = await ranked_decode_pods(env)
+            first_d.fail_after_tokens = 3  # it would fail again: the router must not come back to it
+            second_d.fail_after_tokens = 2
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            assert joined(deltas) == (SCRIPT[:10], "The fox ju")
+            assert (done.finish_reason, done.completion_tokens) == ("length", 10)
+            assert [len(pod.calls) for pod in (first_d, second_d, last_d)] == [1, 1, 1]
+            assert (second_d.resumed[req.request_id], last_d.resumed[req.request_id]) == (SCRIPT[:4], SCRIPT[:6])
+            assert sample(env.router, "splitserve_router_migrations_total") == 2
+    run(scenario())
+
+
+def test_migrations_stop_at_max_migrations_even_with_pods_left():
+    async def scenario():
+        async with running_cluster(num_decode=3, max_migrations=1) as env:
+            first_d, second_d, last_d = await ranked_decode_pods(env)
+            first_d.fail_after_tokens = 3
+            second_d.fail_with = grpc.StatusCode.UNAVAILABLE
+            _, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            assert (done.finish_reason, joined(deltas)[0]) == ("error", SCRIPT[:4])
+            assert "fake decode pod says UNAVAILABLE" in done.error.message
+            assert (len(second_d.calls), last_d.calls) == (1, [])
+    run(scenario())
+
+
 def test_migration_can_be_turned_off():
     async def scenario():
         async with running_cluster(num_decode=2, max_migrations=0) as env:
@@ -483,6 +553,38 @@ def test_client_closing_the_stream_cancels_the_decode_pod():
             await eventually(lambda: req.request_id in env.decode[0].cancelled)
             assert sample(env.router, "splitserve_num_requests_running") == 0
             assert sample(env.router, "splitserve_request_success_total", finished_reason="abort") == 1
+    run(scenario())
+
+
+@pytest.mark.parametrize("how", ["abort", "client gone"])
+def test_a_request_ended_early_asks_the_decode_pod_to_drop_the_kv_pushed_to_it(how):
+    """P may have pushed the KV to D already while the request ends during its prefill: D would hold those blocks
+    until the lease expires, unless the router's Abort drops them at once."""
+    async def scenario():
+        async with running_cluster() as env:
+            prefill, decode = env.prefill[0], env.decode[0]
+            prefill.first_token_delay_s = 1.0
+            req = await env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=None))
+            task = asyncio.create_task(collect(env.router, req))
+            await eventually(lambda: [c[0] for c in prefill.calls] == ["Prefill"])
+            if how == "abort":
+                assert await env.router.abort(req.request_id) is True
+                assert [item.finish_reason for item in await task] == ["abort"]
+            else:
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await eventually(lambda: decode.calls == [("Abort", req.request_id)])
+    run(scenario())
+
+
+def test_a_request_that_ran_to_its_end_sends_no_abort():
+    async def scenario():
+        async with running_cluster() as env:
+            req, _, done = await generate_all(env.router, LONG_PROMPT, max_tokens=5)
+            assert done.finish_reason == "length"
+            await asyncio.sleep(0.2)  # an Abort would be sent in the background at once
+            assert [c[0] for c in env.decode[0].calls] == ["Decode"]
     run(scenario())
 
 

@@ -7,9 +7,9 @@ import pytest
 
 from engine.block_manager import chained_block_hashes
 from engine.sampling_params import SamplingParams
+from router.intake import RouterRequest
 from router.policies import NO_DECODE_POD_RETRY_S, LocalPrefill, PromptBlocks, has_room, make_policy
 from router.registry import PodInfo, PodLoad
-from router.router import RouterRequest
 from runtime.errors import StatusError
 
 BLOCK = 4

@@ -11,8 +11,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from engine.gguf_file import load_gguf
-from engine.model_files import load_tokenizer, smollm2_gguf_path, tiny_random_tokenizer_data
 from engine.tokenizer import Tokenizer
+from engine.tokenizer_files import load_tokenizer, smollm2_gguf_path, tiny_random_tokenizer_data
 
 IM_START, IM_END = 1, 2
 

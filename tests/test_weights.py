@@ -17,9 +17,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from engine.config import ModelConfig
 from engine.gguf_file import load_gguf
 from engine.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
-from engine.model_files import TINY_RANDOM, load_model_files, load_tokenizer, smollm2_gguf_path, tiny_random_config
+from engine.model_files import load_model_files, tiny_random_config
 from engine.parameter_layout import parameter_shapes
 from engine.tokenizer import GGUFTokenizerData, Tokenizer
+from engine.tokenizer_files import TINY_RANDOM, load_tokenizer, smollm2_gguf_path
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB = 2, 4, 2, 16, 64, 96, 128
 

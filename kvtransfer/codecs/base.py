@@ -27,6 +27,8 @@ from typing import Literal
 
 import torch
 
+from runtime.kv_codecs import KV_CODECS, ZSTD_SUFFIX, kv_codec_names
+
 if sys.byteorder != "little":  # the byte layout is little-endian and tensors are copied to bytes as they lie
     raise ImportError("kvtransfer codecs need a little-endian host")
 
@@ -143,21 +145,21 @@ def tensor_from_bytes(buf: bytes, dtype: torch.dtype, shape: tuple[int, ...], de
 
 # --- registry --------------------------------------------------------------------------------------------------
 
-_CODEC_CLASSES: dict[str, str] = {
+_CODEC_CLASSES: dict[str, str] = {  # by the names of runtime/kv_codecs.py, which the router checks its setting by
     "none": "kvtransfer.codecs.raw:RawCodec",
     "bf16": "kvtransfer.codecs.raw:BF16Codec",
     "fp8": "kvtransfer.codecs.symmetric:FP8Codec",
     "int8": "kvtransfer.codecs.symmetric:Int8Codec",
     "int4": "kvtransfer.codecs.int4:Int4Codec",
 }
-ZSTD_SUFFIX = "+zstd"
+assert tuple(_CODEC_CLASSES) == KV_CODECS, "every codec name has its class, and no class goes unnamed"
 _ZSTD_CODEC_CLASS = "kvtransfer.codecs.zstd:ZstdCodec"
 DEFAULT_ZSTD_LEVEL = 3
 
 
 def available_codecs() -> list[str]:
     """Every name ``get_codec`` accepts."""
-    return [*_CODEC_CLASSES, *(name + ZSTD_SUFFIX for name in _CODEC_CLASSES)]
+    return kv_codec_names()
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,7 @@
         --input-len 256 --output-len 64 --goodput ttft:1000 tpot:150 --json run.json --plot run.png
 
 A run, top to bottom (``run_serve_benchmark(config)``, also the library entry point):
-  1. the model's name from the router's ``GET /v1/models``, its tokenizer loaded here (``engine.model_files``);
+  1. the model's name from the router's ``GET /v1/models``, its tokenizer loaded here (``engine.tokenizer_files``);
   2. the workload (``workload.py``): send times and exact prompt / output lengths, from the seed;
   3. every prompt (``prompts.py``) and request body (``serve_client.py``) built before the clock starts;
   4. warm-up requests (not counted), then the router's ``/metrics`` scraped;
@@ -43,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.tokenizer_files import load_tokenizer
 from splitserve.bench.prompts import PromptFactory
 from splitserve.bench.serve_client import GrpcGenerate, HttpCompletions
 from splitserve.bench.serve_metrics import (
@@ -79,7 +80,7 @@ class ServeBenchConfig:
     base_url: str = "http://127.0.0.1:8000"  # the router's HTTP API: /v1/completions, /v1/models, /metrics
     grpc_address: str = "127.0.0.1:50051"  # the router's gRPC API (backend grpc)
     model: str | None = None  # None: the one the router serves (GET /v1/models)
-    tokenizer: str | None = None  # None: the model's (a name engine.model_files knows, a directory, a .gguf)
+    tokenizer: str | None = None  # None: the model's (a name engine.tokenizer_files knows, a directory, a .gguf)
     max_concurrency: int | None = None
     prompt_format: str = "ids"  # ids (exact lengths) | text
     shared_prefix: int = 0
@@ -149,8 +150,6 @@ class Preparation:
 
     @classmethod
     def make(cls, config: ServeBenchConfig) -> "Preparation":
-        from engine.model_files import load_tokenizer  # imports torch: only when a run is prepared
-
         model = config.model or served_model(config.base_url)
         prompts = PromptFactory(load_tokenizer(config.tokenizer or model), config.workload.seed, config.shared_prefix)
         return cls(model, prompts)

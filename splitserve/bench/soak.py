@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.config import DEFAULT_MODEL
+from engine.tokenizer_files import load_tokenizer
 from protos.splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
 from runtime.config import described, parse_config
 from runtime.roles import Role
@@ -261,8 +262,6 @@ def leaked_blocks(cluster: Cluster, timeout_s: float) -> dict[str, int | None]:
 
 def run_soak(config: SoakConfig, log=print) -> dict:
     """Brings up the cluster, runs the soak (module docstring), stops the cluster; returns the report."""
-    from engine.model_files import load_tokenizer  # imports torch: only when a soak runs
-
     cluster = Cluster(config.up_config())
     log(f"[soak] starting {config.prefill} prefill + {config.decode} decode pods of {config.model} with redis "
         f"(logs: {cluster.run_dir})")

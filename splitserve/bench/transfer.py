@@ -37,7 +37,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import DEFAULT_MODEL
-from engine.model_files import load_tokenizer
+from engine.tokenizer_files import load_tokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from splitserve.bench import headless_pyplot, save_results
 from splitserve.bench.codecs import reference_tokens

@@ -317,7 +317,7 @@ def test_dashboards_ship_as_labelled_configmaps(chart):
 
 BAD_VALUES = {
     "negative replicas": {"decode": {"replicas": -1}},
-    "unknown codec": {"prefill": {"config": {"kvCodec": "gzip"}}},
+    "unknown codec": {"router": {"config": {"kvCodec": "gzip"}}},
     "unknown codec in a list": {"decode": {"config": {"acceptedKvCodecs": ["int8", "lz4"]}}},
     "unknown policy": {"router": {"config": {"policy": "random"}}},
     "port out of range": {"router": {"service": {"grpcPort": 70000}}},

@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.openai_requests import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from router.openai_fields import UNSUPPORTED_FIELDS
+from router.openai_requests import ChatCompletionRequest, CompletionRequest
 
 pytestmark = pytest.mark.e2e
 

@@ -1,8 +1,9 @@
-"""Pods, Redis and the router failing under a real cluster (1 prefill + 2 decode pods, the Redis registry, tiny
+"""Pods, Redis and the router failing under a real cluster (1 prefill + 3 decode pods, the Redis registry, tiny
 random model), with a background load of greedy requests whose answers are checked against the offline engine:
 
 - a decode pod killed (SIGKILL) mid-stream: its streams migrate, every token arrives once, the answer is the
-  undisturbed one; idle, and under load;
+  undisturbed one; idle, and under load; and when the pod the stream migrates to is killed too, before its first
+  token, the stream moves on to the third decode pod (never back to the first);
 - a decode pod stopped (SIGTERM): the router stops routing to it at once, its running stream drains (not migrated);
 - the prefill pod killed under load: no request is lost (retried; the decode pod prefills);
 - clients that disconnect or abort at every stage: every block free on every pod afterwards;
@@ -35,6 +36,7 @@ from live_cluster import (
     prompts,
     routed_to,
     router_counter,
+    router_json,
     running_on,
     stream,
     wait_back,
@@ -56,7 +58,7 @@ STREAM_PROMPT = prompts(1, 40, seed=2)[0]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, start_cluster):
-    running = start_cluster(tmp_path_factory.mktemp("pod-faults"), **TINY, prefill=1, decode=2, registry="redis")
+    running = start_cluster(tmp_path_factory.mktemp("pod-faults"), **TINY, prefill=1, decode=3, registry="redis")
     yield running
     running.stop()
 
@@ -109,6 +111,50 @@ def test_a_decode_pod_killed_mid_stream_hands_the_stream_over_and_every_token_ar
     after = pids(cluster)
     assert after.pop(killed[0]) != before.pop(killed[0])
     assert after == before  # nothing else was stopped or restarted
+
+
+def router_holds_it_on(cluster, names: list[str]) -> str | None:
+    """Which of the pods ``names`` the router counts a request of its own on now (``GET /pods``)."""
+    held = {pod["address"] for pod in router_json(cluster, "/pods")["pods"] if pod["router_requests"]}
+    return next((name for name in names if cluster.address(pod_named(cluster, name)) in held), None)
+
+
+def pod_named(cluster, name: str):
+    return next(pod for pod in cluster.pods if pod.name == name)
+
+
+def test_a_migration_target_killed_before_its_first_token_hands_the_stream_to_the_third_decode_pod(cluster, answers):
+    """The stream's decode pod is killed; the two others are frozen (SIGSTOP), so that the migration's Decode call
+    waits on the one the router chose, which is killed in turn; the third, thawed, must take the stream over."""
+    migrations = router_counter(cluster, "splitserve_router_migrations_total")
+    restarts = dict(cluster.restarts)
+    decode_pods = [pod.name for pod in cluster.pods if pod.role == "decode"]
+    killed: list[str] = []
+
+    def kill_its_decode_pod_then_the_migration_target() -> None:
+        first = the_decode_pod_running_it(cluster)
+        others = [name for name in decode_pods if name != first]
+        for name in others:
+            os.kill(cluster.pid(name), signal.SIGSTOP)
+        try:
+            os.kill(cluster.pid(first), signal.SIGKILL)
+            killed.append(first)
+            target: list[str] = []
+            wait_until(lambda: target.append(router_holds_it_on(cluster, others)) or target[-1], 10,
+                       "the router to migrate the stream to a frozen decode pod")
+        finally:
+            for name in others:
+                if not target or name != target[-1]:
+                    os.kill(cluster.pid(name), signal.SIGCONT)
+        os.kill(cluster.pid(target[-1]), signal.SIGKILL)  # frozen: it never sent its first token
+        killed.append(target[-1])
+
+    answer = stream(cluster, STREAM_PROMPT, LONG, after_first_chunk=kill_its_decode_pod_then_the_migration_target)
+    assert (answer.finish, answer.error) == ("FINISH_REASON_LENGTH", "")
+    assert answer.token_ids == answers[1]  # no token lost or repeated, the same greedy answer
+    assert router_counter(cluster, "splitserve_router_migrations_total") == migrations + 2
+    for name in killed:
+        wait_back(cluster, name, restarts[name] + 1)
 
 
 def test_under_load_a_killed_decode_pods_streams_all_migrate_with_their_exact_answers(cluster, answers):

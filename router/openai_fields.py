@@ -1,0 +1,136 @@
+"""Which fields an HTTP request body may carry, and how strictly: the base of every model in ``openai_requests``.
+
+``StrictModel`` refuses what this server would otherwise silently ignore:
+
+- an unknown field: pydantic's ``extra="forbid"``, a 400 naming it;
+- a known field this server does not honour yet (``UNSUPPORTED_FIELDS``: structured outputs, tools, ``n`` > 1,
+  ``echo``, ...) at any value but its neutral one (``null``, ``false``, ``[]``, or what asks for nothing), a 400
+  naming it and saying why;
+- a loose type: ``strict=True``, as in OpenAI's API (``"0.5"`` is not a number, ``1.0`` is not an integer);
+- a string that is not valid Unicode (``Text``; ``unicode_everywhere`` for free-form JSON): JSON's ``"\\ud800"``
+  parses to a lone surrogate, which no tokenizer or protobuf takes.
+
+``InvalidParameter`` is a value out of range, raised by a model's ``sampling_params()`` naming the field as the
+client spelled it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+# Known fields this server does not honour yet: {field: (the values that ask for nothing, why it is refused)}.
+_NO_STRUCTURED_OUTPUT = "structured output (guided decoding) is not supported yet"
+_NO_TOOLS = "tool calling is not supported yet"
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logit_bias": ((None, {}), "the sampler has no per-token biases yet"),
+    "best_of": ((None, 1), "only one sample per prompt is generated"),
+    "echo": ((None, False), "the prompt is not returned with the output yet"),
+    "suffix": ((None, ""), "the served models do not fill in the middle"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not computed yet"),
+    "response_format": ((None, {"type": "text"}), _NO_STRUCTURED_OUTPUT),
+    "guided_json": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_regex": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_choice": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_grammar": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_decoding_backend": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_whitespace_pattern": ((None,), _NO_STRUCTURED_OUTPUT),
+    "structured_outputs": ((None,), _NO_STRUCTURED_OUTPUT),
+    "structural_tag": ((None,), _NO_STRUCTURED_OUTPUT),
+    "tools": ((None, []), _NO_TOOLS),
+    "tool_choice": ((None, "none", "auto"), _NO_TOOLS),
+    "parallel_tool_calls": ((None, True, False), _NO_TOOLS),
+    "functions": ((None, []), _NO_TOOLS),
+    "function_call": ((None, "none", "auto"), _NO_TOOLS),
+    "bad_words": ((None, []), "the sampler has no banned words yet"),
+    "allowed_token_ids": ((None,), "the sampler has no allowed-token filter yet"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated: a prompt over the limit is refused"),
+    "logits_processors": ((None, []), "custom logits processors are not run"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1.0), "beam search is not supported"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always decoded with the tokenizer's spacing"),
+    "return_tokens_as_token_ids": ((None, False), "logprob tokens are always text"),
+    "return_token_ids": ((None, False), "token ids are returned by the gRPC API, not this one"),
+    "priority": ((None, 0), "requests have no priorities yet"),
+    "cache_salt": ((None,), "the prefix cache has no salts yet"),
+    "kv_transfer_params": ((None,), "KV transfer is the router's to arrange"),
+    "vllm_xargs": ((None,), "no extension arguments are taken"),
+    "prompt_embeds": ((None,), "prompts are text or token ids"),
+    "chat_template": ((None,), "a request may not bring its own chat template; use chat_template_kwargs"),
+    "documents": ((None, []), "the chat template gets no documents"),
+    "mm_processor_kwargs": ((None, {}), "the served models take text only"),
+    "media_io_kwargs": ((None, {}), "the served models take text only"),
+    "reasoning_effort": ((None,), "the served models have no reasoning modes"),
+    "include_reasoning": ((None, True), "the served models have no reasoning parser"),
+    "modalities": ((None, ["text"]), "the served models produce text only"),
+    "audio": ((None,), "the served models produce text only"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "the server does not search the web"),
+    "store": ((None, False), "outputs are not stored"),
+    "metadata": ((None, {}), "outputs are not stored, so they carry no metadata"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    # Fields of a message, when a client sends back an assistant message as a previous response gave it.
+    "tool_calls": ((None, []), _NO_TOOLS),
+    "tool_call_id": ((None,), _NO_TOOLS),
+    "refusal": ((None,), "assistant refusals are not modelled"),
+    "annotations": ((None, []), "message annotations are not modelled"),
+}
+
+
+class InvalidParameter(ValueError):
+    """A request field has a value this server refuses; ``param`` names the field as the client spelled it."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError("unicode", "not valid Unicode (a lone surrogate at character {at})",
+                                  {"at": exc.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+
+
+def unicode_everywhere(value: Any) -> None:
+    """Every string in ``value`` (keys too) valid Unicode, for free-form JSON (``chat_template_kwargs``)."""
+    if isinstance(value, str):
+        valid_unicode(value)
+    elif isinstance(value, list):
+        for item in value:
+            unicode_everywhere(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            unicode_everywhere(key)
+            unicode_everywhere(item)
+
+
+class StrictModel(BaseModel):
+    """Strict types; unknown fields refused; known-but-unsupported fields refused unless neutral."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name in UNSUPPORTED_FIELDS:
+            neutral, why = UNSUPPORTED_FIELDS[info.field_name]
+            if not any(_same(value, v) for v in neutral):
+                raise PydanticCustomError("unsupported", "{field} is not supported: {why}",
+                                          {"field": info.field_name, "why": why})
+        return value
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality: 1 and 1.0 are the same number, but true is not 1."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    return value == neutral

@@ -1,0 +1,231 @@
+"""``Placement``: where a request runs, and where it goes when a pod fails it; the router's scheduling state machine.
+
+For each request ``Router.generate`` walks it through these states, each a method here:
+
+1. admission (``admit``): a request is refused at once with RESOURCE_EXHAUSTED and a retry-after hint (HTTP 429)
+   when the router already has ``max_pending_requests`` waiting for their first token, or (``start``) when the pod
+   it would prefill on has more queued prompt tokens than it prefills in ``max_queue_time_s`` (its own measured
+   rate): shed now, rather than answer after the client gave up;
+2. placing (``start``): the registry's routable pods (serving, not draining) go to the routing policy, which
+   returns a ``RoutePlan``: a decode pod D, and a prefill pod P unless the prompt is short or mostly cached on D
+   (conditional disaggregation);
+3. first token: disaggregated, ``P.Prefill(decode_address=D)`` prefills, pushes the KV to D and returns the
+   first token; then ``D.Decode(first_token)`` is opened. Prefilling on D, ``D.Decode`` without a first token
+   prefills there and its first chunk holds the first token. A failure before the first token (a pod gone, full
+   or draining, P's push to D failing, corrupt or late) is retried on other pods, ``max_retries`` times; when
+   every prefill pod failed, the retry prefills on the decode pod. ``start`` returns D's ``DecodeStream`` with
+   that first message in it;
+4. migration (``migrate``): when D goes away mid-stream, another decode pod prefills the prompt and the tokens
+   already sent (``resume_token_ids``) and goes on from there; the client sees every token once. Every pod that
+   failed the request is left out of later choices, and a target that fails too before its first message is
+   passed over for the next, ``max_migrations`` moves in all.
+
+While a request runs, it is counted on its pods (``RequestRun.hold``: ``PodInfo.active_requests``,
+``queued_prompt_tokens``, ``blocks_since_report``), so that placement sees its own newest requests before the
+pods' next load reports do. The stream itself (tokens to text, the end) is the run's (``request_run.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from protos.convert import sampling_params_to_proto
+from protos.splitserve.v1 import decode_pb2, prefill_pb2
+from router.config import RouterConfig
+from router.intake import RouterRequest
+from router.pod_client import PodClientPool
+from router.policies import RoutePlan, RoutingPolicy
+from router.registry import PodInfo, PodRegistry
+from router.request_run import DecodeStream, RequestRun
+from runtime.errors import StatusError
+from runtime.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# Before the first token, worth another pair of pods: the pod is gone, full or draining, or P could not hand the
+# KV to D (refused, corrupt, or past the transfer's own deadline while the request still has time).
+RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS,
+                   grpc.StatusCode.DEADLINE_EXCEEDED)
+# After output started, a stream that broke this way moves to another decode pod.
+MIGRATABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+class Placement:
+    """Admits requests and places them on pods, with retries before the first token and migrations after it."""
+
+    def __init__(self, config: RouterConfig, registry: PodRegistry, policy: RoutingPolicy,
+                 pod_clients: PodClientPool, metrics: RouterMetrics):
+        self.config = config
+        self.registry = registry
+        self.policy = policy
+        self.pod_clients = pod_clients
+        self.metrics = metrics
+        self.num_pending = 0  # requests admitted that have no first token yet
+
+    # -- step 1: admission ------------------------------------------------------------------------------------
+
+    def admit(self, run: RequestRun) -> None:
+        """Shed load before any work: RESOURCE_EXHAUSTED (HTTP 429) with a hint of when to retry."""
+        limit = self.config.max_pending_requests
+        if limit and self.num_pending > limit:  # this request is counted already
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.num_pending - 1} requests are already waiting for their first token (the "
+                              f"router's max_pending_requests is {limit}); retry later",
+                              retry_after_s=self._queue_wait_estimate())
+
+    def _queue_wait_estimate(self) -> float:
+        """Seconds until the least-queued prefilling pod would start a new prompt, from its measured rate."""
+        pods = self.registry.prefill_pods() or self.registry.decode_pods()
+        waits = [pod.prefill_wait_s for pod in pods]
+        return min((w for w in waits if w is not None), default=1.0)
+
+    def _check_queue_time(self, plan: RoutePlan) -> None:
+        limit = self.config.max_queue_time_s
+        pod = plan.prefill or plan.decode
+        wait = pod.prefill_wait_s
+        if limit and wait is not None and wait > limit:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the least loaded pod would start this prompt in about {wait:.1f} s "
+                              f"({pod.queued_tokens} prompt tokens queued at {pod.load.prefill_tokens_per_second:.0f} "
+                              f"tokens/s), past the router's max_queue_time_s ({limit:g} s); retry later",
+                              retry_after_s=wait - limit)
+
+    # -- steps 2 and 3: placing the request and getting its first token ---------------------------------------
+
+    async def start(self, run: RequestRun) -> DecodeStream:
+        """D's stream of ``run``, its first message taken; retried on other pods while that may help."""
+        retries_left = self.config.max_retries
+        avoid: set[str] = set()  # pods of failed attempts: the next attempt prefers others
+        while True:
+            plan = self._plan(run.request, avoid)
+            self._check_queue_time(plan)
+            try:
+                return await self._start(run, plan)
+            except StatusError as error:
+                if error.code not in RETRYABLE_CODES or retries_left == 0 or run.aborted or run.out_of_time():
+                    raise
+                log.warning("request %s: %s; retrying on other pods", run.request.request_id, error.message)
+                self.metrics.count(self.metrics.retries, error.code.name)
+                retries_left -= 1
+                avoid |= {pod.address for pod in (plan.prefill, plan.decode) if pod is not None}
+
+    def _plan(self, req: RouterRequest, avoid: set[str]) -> RoutePlan:
+        # Prefill pods that failed this request are left out, even if none remain: then D prefills the prompt.
+        prefill = [pod for pod in self.registry.prefill_pods() if pod.address not in avoid]
+        decode = _prefer_others(self.registry.decode_pods(), avoid)
+        plan = self.policy.choose_pair(req, prefill, decode)
+        log.debug("request %s: prefill %s, decode %s (%s)", req.request_id,
+                  plan.prefill.address if plan.prefill else "-", plan.decode.address, plan.reason)
+        return plan
+
+    async def _start(self, run: RequestRun, plan: RoutePlan) -> DecodeStream:
+        if run.aborted:
+            raise StatusError(grpc.StatusCode.CANCELLED, "aborted")
+        metrics = self.metrics
+        metrics.count(metrics.routing_decisions, "prefill_on_decode" if plan.prefill is None else "disaggregated")
+        for pod in (plan.prefill, plan.decode):
+            if pod is not None:
+                metrics.count(metrics.pod_requests, pod.address, str(pod.role))
+        if plan.prefill is None:
+            return await self._start_on_decode_pod(run, plan.decode)
+        return await self._start_disaggregated(run, plan)
+
+    async def _start_disaggregated(self, run: RequestRun, plan: RoutePlan) -> DecodeStream:
+        num_prompt = len(run.request.prompt_token_ids)
+        decode_hold = run.hold(plan.decode, kv_tokens=num_prompt)  # the KV lands there during the prefill
+        run.kv_sent_to.append(plan.decode)
+        prefill_hold = run.hold(plan.prefill, prompt_tokens=num_prompt)
+        try:
+            first = await self._prefill(run, plan)
+        except BaseException:
+            decode_hold.release()
+            raise
+        finally:
+            prefill_hold.release()
+        # The KV now waits on D under a lease: claim it at once. D's stream starts after the first token.
+        decode_request = _decode_request(run.request)
+        decode_request.first_token_id = first.first_token_id
+        first_chunk = decode_pb2.DecodeChunk(token_ids=[first.first_token_id])
+        if first.HasField("first_token_logprob"):
+            decode_request.first_token_logprob.CopyFrom(first.first_token_logprob)
+            first_chunk.logprobs.tokens.append(first.first_token_logprob)
+        decode_pod = self.pod_clients.get(plan.decode.address, plan.decode.role)
+        decode_call = run.track(decode_pod.decode(decode_request, run.time_left()))
+        return DecodeStream(decode_call, plan.decode, decode_hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
+
+    async def _prefill(self, run: RequestRun, plan: RoutePlan) -> prefill_pb2.PrefillResponse:
+        """P prefills the prompt and pushes its KV to D; P's report is the request's queue/prefill/transfer time."""
+        req = run.request
+        prefill_pod = self.pod_clients.get(plan.prefill.address, plan.prefill.role)
+        call = run.track(prefill_pod.prefill(prefill_pb2.PrefillRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(req.params), decode_address=plan.decode.address,
+            kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s,
+        ), run.time_left()))
+        first = await run.await_pod(call, plan.prefill.address)
+        run.cached_tokens = first.num_cached_tokens
+        run.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
+                               kv_transfer=first.kv_transfer.exposed_transfer_seconds)
+        return first
+
+    async def _start_on_decode_pod(self, run: RequestRun, pod: PodInfo,
+                                   resume_token_ids: list[int] = ()) -> DecodeStream:
+        """D prefills the prompt (and, for a migrated request, the tokens already sent) and streams the rest."""
+        req = run.request
+        hold = run.hold(pod, prompt_tokens=len(req.prompt_token_ids) + len(resume_token_ids),
+                        kv_tokens=len(req.prompt_token_ids) + len(resume_token_ids))
+        request = _decode_request(req)
+        request.resume_token_ids.extend(resume_token_ids)
+        client = self.pod_clients.get(pod.address, pod.role)
+        stream = DecodeStream(run.track(client.decode(request, run.time_left())), pod, hold, [])
+        # Its first message carries the next token: until it arrives, a failure may still be retried.
+        try:
+            stream.prefetched.append(await run.read(stream))
+        except BaseException:
+            hold.release()
+            raise
+        hold.prompt_done()
+        return stream
+
+    # -- step 4: migration ------------------------------------------------------------------------------------
+
+    async def migrate(self, run: RequestRun, failed_address: str, error: StatusError) -> DecodeStream:
+        """Continue a request whose decode pod went away (``error``) on another one, from the tokens the client has.
+
+        Never on a pod that failed this request before, and while ``max_migrations`` allows: a target that fails
+        too before its first message is passed over for the next. Raises the last failure when no pod is left."""
+        worth_another_pod = MIGRATABLE_CODES  # how a stream breaks mid-way when its pod goes away
+        while True:
+            run.failed_decode_pods.add(failed_address)
+            if error.code not in worth_another_pod or run.migrations >= self.config.max_migrations or run.aborted:
+                raise error
+            others = [pod for pod in self.registry.decode_pods() if pod.address not in run.failed_decode_pods]
+            if not others:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{error.message}; no other decode pod to continue "
+                                  f"the request on after {run.num_output_tokens} tokens")
+            pod = self.policy.choose_decode(run.request.prompt_token_ids + run.output_token_ids, others)
+            log.warning("request %s: %s after %d output tokens; migrating it to decode pod %s",
+                        run.request.request_id, error.message, run.num_output_tokens, pod.address)
+            run.migrations += 1
+            self.metrics.migrations.inc()
+            self.metrics.count(self.metrics.pod_requests, pod.address, str(pod.role))
+            try:
+                return await self._start_on_decode_pod(run, pod, list(run.output_token_ids))
+            except StatusError as failed:
+                failed_address, error = pod.address, failed
+                # The target failed before its first message: worth the next one as a first attempt is retried
+                # (gone, full, draining), or as a stream that broke; past the deadline, nothing is.
+                worth_another_pod = () if run.out_of_time() else MIGRATABLE_CODES + RETRYABLE_CODES
+
+
+def _decode_request(req: RouterRequest) -> decode_pb2.DecodeRequest:
+    return decode_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                    sampling_params=sampling_params_to_proto(req.params))
+
+
+def _prefer_others(pods: list[PodInfo], avoid: set[str]) -> list[PodInfo]:
+    """Pods not in ``avoid`` (those that just failed this request), or all of them when no other is left."""
+    return [pod for pod in pods if pod.address not in avoid] or pods
