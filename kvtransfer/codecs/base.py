@@ -23,15 +23,13 @@ import importlib
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from engine.kv_cache import KV_KINDS, KVKind
+
 if sys.byteorder != "little":  # the byte layout is little-endian and tensors are copied to bytes as they lie
     raise ImportError("kvtransfer codecs need a little-endian host")
-
-KVKind = Literal["k", "v"]
-KV_KINDS: tuple[str, ...] = ("k", "v")
 
 # Cache dtypes a codec accepts, by the name an EncodedKV carries.
 CACHE_DTYPES: dict[str, torch.dtype] = {

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from engine import LLM, LLMEngine, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.config import DEFAULT_MODEL
+from engine.kv_cache import KV_KINDS
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
@@ -124,15 +125,14 @@ class KVTally:
 def round_trip(engine: LLMEngine, seq: Sequence, num_tokens: int, codec: KVCodec, tally: KVTally) -> None:
     """Replace the KV of ``seq``'s first ``num_tokens`` tokens, every layer, K and V, by its codec round trip."""
     cache = engine.runner.kv_cache
-    slots = engine.slots_of(seq, 0, num_tokens)
+    slots = cache.slots(seq.block_table, 0, num_tokens)
     for layer in range(cache.num_layers):
-        for kind, pool in (("k", cache.k[layer]), ("v", cache.v[layer])):
-            flat = pool.view(-1, *pool.shape[2:])  # [num_blocks * block_size, H, D], sharing the pool's memory
-            original = flat[slots]  # [num_tokens, H, D], a copy
+        for kind in KV_KINDS:
+            original = cache.read(layer, kind, slots)  # [num_tokens, H, D]
             encoded = codec.encode(original, kind)
             decoded = codec.decode(encoded, original.device)
             tally.add(original, decoded, encoded)
-            flat[slots] = decoded
+            cache.write(layer, kind, slots, decoded)
 
 
 # ---- greedy agreement --------------------------------------------------------------------------------------------
@@ -215,8 +215,8 @@ def speed_chunk(engine: LLMEngine, tokens: list[int]) -> dict[str, torch.Tensor]
     try:
         forward(engine, seq, 0, SPEED_CHUNK_TOKENS)
         cache, layer = engine.runner.kv_cache, engine.model_config.num_layers // 2
-        slots = engine.slots_of(seq, 0, SPEED_CHUNK_TOKENS)
-        return {kind: pool[layer].flatten(0, 1)[slots] for kind, pool in (("k", cache.k), ("v", cache.v))}
+        slots = cache.slots(seq.block_table, 0, SPEED_CHUNK_TOKENS)
+        return {kind: cache.read(layer, kind, slots) for kind in KV_KINDS}
     finally:
         engine.release_transfer(seq)
 

@@ -179,7 +179,7 @@ def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("f
             del llm
             log(f"loading {model} (KV cache {cache_dtype}) ...")
             llm = engine_for(model, cache_dtype)
-        elem_bytes = llm.engine.runner.kv_cache.k[0].element_size()
+        elem_bytes = llm.engine.runner.kv_cache.element_size
         # Per batch size: its best round's step time, and the read bandwidth measured at that round's start, which
         # its floor is computed from (the machine's bandwidth drifts over minutes as its clock does).
         best = {b: (float("inf"), 0.0) for b in DECODE_BATCHES}

@@ -79,7 +79,7 @@ def run(config: PhasesConfig, log=print) -> dict:
     engine = _engine(config)
     cfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    elem_bytes = engine.runner.kv_cache.k[0].element_size()
+    elem_bytes = engine.runner.kv_cache.element_size
     log(f"{cfg.name}: {cfg.num_layers} layers, {weight_bytes / 1e6:.0f} MB of weights, KV cache {config.cache_dtype} "
         f"({kv_bytes_per_token(cfg, elem_bytes)} bytes per token)")
     rng = random.Random(config.seed)
