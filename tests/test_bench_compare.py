@@ -9,21 +9,21 @@ import os
 
 import pytest
 
-from splitserve.bench import compare
-from splitserve.bench.compare import (
+from bench import compare, compare_plan
+from bench.compare import measure_topology
+from bench.compare_plan import (
     CompareConfig,
     Topology,
     TopologyResult,
     best_colocated,
     goodput_ratios,
-    measure_topology,
     plan_topologies,
     reference_figures,
     select_topologies,
 )
-from splitserve.bench.serve import ServeBenchConfig
-from splitserve.bench.serve_metrics import SLO
-from splitserve.bench.workload import WorkloadConfig
+from bench.serve_metrics import SLO
+from bench.serve_run import ServeBenchConfig
+from bench.workload import WorkloadConfig
 
 
 def test_two_cpus_give_one_split_both_colocated_layouts_per_budget_and_conditional():
@@ -116,9 +116,9 @@ def config(**fields) -> CompareConfig:
 
 def test_the_estimate_counts_start_up_and_every_rate_and_a_reference_rate_off_the_sweep():
     swept = config(rates=[1.0, 2.0], reference_rate=1.0)
-    assert swept.estimate_s() == compare.STARTUP_S + (10 / 1 + compare.DRAIN_S) + (10 / 2 + compare.DRAIN_S)
+    assert swept.estimate_s() == compare_plan.STARTUP_S + (10 / 1 + compare_plan.DRAIN_S) + (10 / 2 + compare_plan.DRAIN_S)
     extra = config(rates=[1.0, 2.0], reference_rate=0.5)
-    assert extra.estimate_s() == swept.estimate_s() + 10 / 0.5 + compare.DRAIN_S
+    assert extra.estimate_s() == swept.estimate_s() + 10 / 0.5 + compare_plan.DRAIN_S
 
 
 def test_a_topology_that_cannot_be_set_up_is_reported_and_the_run_goes_on(monkeypatch, capsys):

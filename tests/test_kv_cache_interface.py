@@ -103,7 +103,7 @@ def first_party_packages() -> list[str]:
 
 def test_nothing_outside_the_engine_touches_the_pool_tensors():
     packages = [p for p in first_party_packages() if p != "engine"]
-    assert {"kvtransfer", "prefill_service", "splitserve"} <= set(packages)
+    assert {"kvtransfer", "prefill_service", "bench"} <= set(packages)
     found = [f"{path.relative_to(ROOT)}:{line}" for package in packages
              for path in sorted((ROOT / package).rglob("*.py")) for line in pool_accesses(path.read_text())]
     assert not found, f"use PagedKVCache.slots/read/write instead of the pool tensors: {found}"

@@ -28,19 +28,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from splitserve.bench import headless_pyplot, save_results
-from splitserve.bench.engine import matmul_peak, read_bandwidth
-from splitserve.bench.step_cost import (
+from bench import headless_pyplot, save_results
+from bench.engine import matmul_peak, read_bandwidth
+from bench.step_cost import (
     decode_bytes,
     decode_flops,
     kv_bytes_per_token,
     prefill_bytes,
     prefill_flops,
 )
+from engine.config import CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
 
 DEFAULT_PROMPT_LENS = (64, 256, 1024, 2048)
 DEFAULT_BATCHES = (1, 4, 16, 64)

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench import headless_pyplot, save_results
 from engine import LLM, LLMEngine, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.config import DEFAULT_MODEL
@@ -40,7 +41,6 @@ from engine.kv_cache import KV_KINDS
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
-from splitserve.bench import headless_pyplot, save_results
 
 REFERENCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT_TOKENS = 512

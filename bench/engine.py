@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from bench import headless_pyplot, save_results
+from bench.step_cost import decode_bytes, prefill_flops
 from engine import LLM, SamplingParams
 from engine.config import CACHE_DTYPES, DEFAULT_MODEL
 from engine.hf_checkpoint import export_hf_checkpoint
-from splitserve.bench import headless_pyplot, save_results
-from splitserve.bench.step_cost import decode_bytes, prefill_flops
 
 PROMPT_LENS = (512, 1024)
 DECODE_BATCHES = (1, 8, 32)

@@ -36,13 +36,13 @@ from statistics import mean
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench import headless_pyplot, save_results
+from bench.codecs import reference_tokens
 from engine.config import DEFAULT_MODEL
 from engine.model_files import load_tokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from splitserve.bench import headless_pyplot, save_results
-from splitserve.bench.codecs import reference_tokens
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CODECS = ("none", "int8+zstd", "int4")
 BLOCK_SIZE = 16
 MAX_EXPOSED_SHARE = 0.10  # the target, with the overlap on
