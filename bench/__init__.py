@@ -16,7 +16,19 @@ in-process; nothing imports them (``splitserve/cli.py`` loads ``bench.NAME`` by 
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from runtime.config import described
+
+
+@dataclass
+class FiguresOutput:
+    """Where a benchmark also puts its figures; its config dataclass extends this one, and its command line comes
+    from that dataclass (``runtime.config.parse_config``, as the services' do)."""
+
+    json: str = field(default="", metadata=described("Also write the figures to this JSON file."))
+    plot: str = field(default="", metadata=described("Also draw the figures into this .png file."))
 
 
 def headless_pyplot():

@@ -22,31 +22,31 @@ The README holds measured figures.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench import headless_pyplot, save_results
+from bench import FiguresOutput, headless_pyplot, save_results
 from engine import LLM, LLMEngine, SamplingParams
 from engine.attention import AttentionMetadata
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, CacheConfig
 from engine.kv_cache import KV_KINDS
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
-from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
+from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, check_codec_names, get_codec
+from runtime.config import described, parse_config
 
 REFERENCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT_TOKENS = 512
 SCORED_TOKENS = 256
 SPEED_CHUNK_TOKENS = 1024
-BLOCK_SIZE = 16
+BLOCK_SIZE = CacheConfig.block_size
 PROMPT_LENS = (100, 300)  # shortest and longest agreement prompt, in tokens
 BF16_BYTES = 2
 # (size ratio to bf16 at least, perplexity change in % at most)
@@ -351,20 +351,28 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+@dataclass
+class CodecsBenchConfig(FiguresOutput):
+    """KV codec benchmark: each codec's size, speed and model quality against the lossless path, in one run."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=described("Model to load (tiny-random for a quick run)."))
+    codecs: list[str] = field(default_factory=available_codecs, metadata=described(
+        "Codecs to measure (none is always measured: it is the baseline)."))
+    prompts: int = field(default=20, metadata=described("Greedy-agreement prompts."))
+    tokens: int = field(default=128, metadata=described("Greedy tokens per prompt."))
+    windows: int = field(default=6, metadata=described("Perplexity windows."))
+    repeat: int = field(default=10, metadata=described("Encode/decode timing runs (best is kept)."))
+
+    def __post_init__(self) -> None:
+        check_codec_names("codecs", self.codecs)
+        if min(self.prompts, self.tokens, self.windows, self.repeat) < 1:
+            raise ValueError("prompts, tokens, windows and repeat must be >= 1")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="splitserve bench codecs", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--codecs", default=",".join(available_codecs()),
-                        help="comma-separated codec names (none is always measured: it is the baseline)")
-    parser.add_argument("--prompts", type=int, default=20, help="greedy-agreement prompts")
-    parser.add_argument("--tokens", type=int, default=128, help="greedy tokens per prompt")
-    parser.add_argument("--windows", type=int, default=6, help="perplexity windows")
-    parser.add_argument("--repeat", type=int, default=10, help="encode/decode timing runs (best is kept)")
-    parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--plot", help="also draw the figures into this .png")
-    args = parser.parse_args(argv)
-    codecs = ["none", *(name for name in args.codecs.split(",") if name and name != "none")]
-    results = run(args.model, codecs, args.prompts, args.tokens, args.windows, args.repeat)
+    config = parse_config(CodecsBenchConfig, argv, prog="splitserve bench codecs")
+    codecs = ["none", *(name for name in config.codecs if name != "none")]
+    results = run(config.model, codecs, config.prompts, config.tokens, config.windows, config.repeat)
     report(results)
-    save_results(results, args.json, args.plot, plot)
+    save_results(results, config.json, config.plot, plot)
     return results

@@ -28,20 +28,17 @@ alone, only while it measures; the router floats over every CPU, as ``splitserve
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import time
+from dataclasses import dataclass, field
 
-from bench import save_results
+from bench import FiguresOutput, save_results
 from bench.compare_plan import (
     AZURE_CONV,
     BUDGETS,
-    CONDITIONAL_QUEUE_S,
-    CONDITIONAL_THRESHOLD,
     KINDS,
     TAIL_RATIO,
     CompareConfig,
@@ -52,10 +49,11 @@ from bench.compare_plan import (
     reference_figures,
 )
 from bench.compare_plots import plot_compare
-from bench.serve import Preparation, rates_arg, run_serve_benchmark, run_sweep
-from bench.serve_metrics import SLO
+from bench.serve import Preparation, run_serve_benchmark, run_sweep
+from bench.serve_metrics import SLO, SLO_ATTAINMENT
 from bench.serve_run import ServeBenchConfig
 from bench.workload import WorkloadConfig
+from runtime.config import described, parse_config, passed_to, passed_values
 from runtime.cpus import allowed_cpus, format_cpu_list, parse_cpu_list
 
 
@@ -196,15 +194,12 @@ def results_json(results: list[TopologyResult], config: CompareConfig) -> dict:
 
 # ---------------------------------------------------------------------------------------------- command line
 
-# Full defaults: the run of docs/PERFORMANCE.md on the 2-CPU development machine, ~45 min; --quick: ~5 min.
-DEFAULTS = dict(rates="0.2,0.3,0.4,0.5,0.7", reference_rate=0.3, num_prompts=20, budgets=",".join(map(str, BUDGETS)),
-                topologies="")
-QUICK = dict(rates="0.3,0.6", reference_rate=0.3, num_prompts=10, budgets="256", topologies="disaggregated,colocated")
-
-
-DESCRIPTION = ("Bring up each topology in turn on the same CPUs (disaggregated P:D splits, colocated mixed pods at "
-               "several chunked-prefill budgets, conditional disaggregation), load each with the same seeded workload "
-               "over a sweep of rates, and compare their goodput and tail latencies.")
+# Full defaults: the run of docs/PERFORMANCE.md on the 2-CPU development machine, ~45 min; --quick: ~5 min. A flag
+# left empty (0) takes its preset.
+DEFAULTS = dict(rates=[0.2, 0.3, 0.4, 0.5, 0.7], reference_rate=0.3, num_prompts=20, budgets=list(BUDGETS),
+                topologies=[])
+QUICK = dict(rates=[0.3, 0.6], reference_rate=0.3, num_prompts=10, budgets=[256],
+             topologies=["disaggregated", "colocated"])
 EXAMPLES = """examples:
   splitserve bench compare --json compare.json --plot compare.png
   splitserve bench compare --quick
@@ -212,94 +207,79 @@ EXAMPLES = """examples:
 the load generator is this process: pin it with --client-cpus (not taskset, which would confine the pods too)"""
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="splitserve bench compare", description=DESCRIPTION, epilog=EXAMPLES,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    what = parser.add_argument_group("what to compare")
-    what.add_argument("--topologies", type=_names, help=f"kinds ({', '.join(KINDS)}) or topology names, "
-                                                        "comma-separated (default: all that fit; --quick: "
-                                                        f"{QUICK['topologies']})")
-    what.add_argument("--budgets", type=_ints, help=f"colocated chunked-prefill token budgets (default {DEFAULTS['budgets']})")
-    what.add_argument("--conditional-threshold", type=int, default=CONDITIONAL_THRESHOLD,
-                      help="conditional: prompts shorter than this prefill on the decode pod")
-    what.add_argument("--conditional-queue-s", type=float, default=CONDITIONAL_QUEUE_S,
-                      help="load-aware conditional: a prompt that would wait this many seconds behind the prefill "
-                           "pod's queue prefills on the decode pod if it has none queued (0: no such topology)")
-    what.add_argument("--model", default="smollm2-135m")
-    what.add_argument("--cpus", help="CPUs the topologies share (default: all this process may use)")
-    what.add_argument("--client-cpus", default="", help="pin the load generator (this process) to these CPUs while "
-                                                        "it measures (default: it floats, like the router)")
-    what.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="KV block pool of each pod")
-    load = parser.add_argument_group("the workload (the same for every topology)")
-    load.add_argument("--workload", default=str(AZURE_CONV),
-                      help="an Azure-format CSV trace (its lengths; arrivals Poisson at each rate) or random, "
-                           "azure-conv, azure-code (default: the Azure conversation trace)")
-    load.add_argument("--num-prompts", type=int, help=f"requests per rate (default {DEFAULTS['num_prompts']}; --quick {QUICK['num_prompts']})")
-    load.add_argument("--max-prompt-tokens", type=int, default=512, help="cap every prompt length")
-    load.add_argument("--max-output-tokens", type=int, default=64, help="cap every output length")
-    load.add_argument("--seed", type=int, default=0)
-    measure = parser.add_argument_group("measuring")
-    measure.add_argument("--rates", type=rates_arg, help=f"request rates to sweep (default {DEFAULTS['rates']})")
-    measure.add_argument("--refine", type=int, default=0, metavar="K",
-                         help="K bisections between the last rate meeting the targets and the first missing them")
-    measure.add_argument("--reference-rate", type=float, help="the rate whose tail latencies the table shows (default "
-                         f"{DEFAULTS['reference_rate']}; measured on its own if not swept)")
-    measure.add_argument("--goodput", nargs="+", default=["ttft:4000", "tpot:100"], metavar="NAME:MS",
-                         help="targets every good request meets (default ttft:4000 tpot:100)")
-    measure.add_argument("--slo-attainment", type=float, default=0.9)
-    measure.add_argument("--quick", action="store_true",
-                         help=f"a ~5 minute look: rates {QUICK['rates']}, {QUICK['num_prompts']} requests each, budget "
-                              f"{QUICK['budgets']} only, {QUICK['topologies']}")
-    measure.add_argument("--no-progress", action="store_true", help="no progress bar per run on stderr")
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", help="write the results to this file")
-    out.add_argument("--plot", help="goodput per topology, SLO attainment and p99 TPOT against the rate (.png)")
-    args = parser.parse_args(argv)
-    defaults = QUICK if args.quick else DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, _PARSE[name](value) if name in _PARSE else value)
-    return args
+def _preset(name: str) -> str:
+    return f"(empty: {DEFAULTS[name] or 'all that fit'}; --quick: {QUICK[name]})"
 
 
-def _ints(text: str) -> list[int]:
-    return [int(t) for t in text.split(",") if t.strip()]
+@dataclass
+class CompareCommand(FiguresOutput):
+    """Bring up each topology in turn on the same CPUs (disaggregated P:D splits, colocated mixed pods at several
+    chunked-prefill budgets, conditional disaggregation), load each with the same seeded workload over a sweep of
+    rates, and compare their goodput and tail latencies.
 
+    The command line of ``bench compare``: fields handed to ``CompareConfig`` and the workload take their defaults
+    and help from there; the others are this command's presets (``--quick`` or the full run)."""
 
-def _names(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+    topologies: list[str] = field(default_factory=list, metadata=described(
+        f"Kinds ({', '.join(KINDS)}) or topology names {_preset('topologies')}."))
+    budgets: list[int] = field(default_factory=list, metadata=described(
+        f"Colocated chunked-prefill token budgets {_preset('budgets')}."))
+    conditional_threshold: int = passed_to(CompareConfig, name="conditional_threshold")
+    conditional_queue_s: float = passed_to(CompareConfig, name="conditional_queue_s")
+    model: str = passed_to(CompareConfig, name="model")
+    cpus: str = field(default="", metadata=described("CPUs the topologies share (empty: all this process may use)."))
+    client_cpus: str = field(default="", metadata=described(
+        "Pin the load generator (this process) to these CPUs while it measures (empty: it floats, like the router)."))
+    kv_cache_memory_bytes: int = passed_to(CompareConfig, name="kv_cache_memory_bytes")
+    ready_timeout_s: float = passed_to(CompareConfig, name="ready_timeout_s")
+    workload: str = field(default=str(AZURE_CONV), metadata=described(
+        "An Azure-format CSV trace (its lengths; arrivals Poisson at each rate) or random, azure-conv, azure-code "
+        "(default: the Azure conversation trace)."))
+    num_prompts: int = field(default=0, metadata=described(f"Requests per rate {_preset('num_prompts')}."))
+    max_prompt_tokens: int = field(default=512, metadata=described("Cap every prompt length."))
+    max_output_tokens: int = field(default=64, metadata=described("Cap every output length."))
+    seed: int = passed_to(WorkloadConfig, name="seed")
+    rates: list[float] = field(default_factory=list, metadata=described(f"Request rates to sweep {_preset('rates')}."))
+    refine: int = passed_to(CompareConfig, name="refine")
+    reference_rate: float = field(default=0.0, metadata=described(
+        f"The rate whose tail latencies the table shows, measured on its own if not swept "
+        f"{_preset('reference_rate')}."))
+    goodput: list[str] = field(default_factory=lambda: ["ttft:4000", "tpot:100"], metadata=described(
+        "Targets every good request meets, NAME:MS."))
+    slo_attainment: float = field(default=SLO_ATTAINMENT, metadata=described(
+        "Share of requests that must meet the targets for a rate to count."))
+    quick: bool = field(default=False, metadata=described(
+        "A ~5 minute look: the --quick presets for the flags left empty."))
+    progress: bool = passed_to(ServeBenchConfig, name="progress")
 
+    def __post_init__(self) -> None:
+        for name, value in (QUICK if self.quick else DEFAULTS).items():
+            if not getattr(self, name):
+                setattr(self, name, value)
+        self.compare_config().plan()  # every field's checks, and unknown topology names, before anything starts
 
-_PARSE = {"rates": rates_arg, "budgets": _ints, "topologies": _names}
-
-
-def config_from_args(args: argparse.Namespace) -> CompareConfig:
-    workload = WorkloadConfig(workload=args.workload, num_prompts=args.num_prompts, request_rate=args.rates[0],
-                              max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                              seed=args.seed)
-    # Each run stops at the longest schedule's end plus a minute: a topology past capacity costs bounded time.
-    serve = ServeBenchConfig(workload=workload, slo=SLO.parse(args.goodput), progress=not args.no_progress,
-                             time_limit_s=args.num_prompts / min(args.rates) + 60.0)
-    return CompareConfig(serve=serve, rates=sorted(args.rates), reference_rate=args.reference_rate,
-                         model=args.model, topologies=args.topologies, budgets=args.budgets,
-                         conditional_threshold=args.conditional_threshold,
-                         conditional_queue_s=args.conditional_queue_s, attainment=args.slo_attainment,
-                         refine=args.refine, cpus=parse_cpu_list(args.cpus) if args.cpus else allowed_cpus(),
-                         client_cpus=parse_cpu_list(args.client_cpus) if args.client_cpus else frozenset(),
-                         kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    def compare_config(self) -> CompareConfig:
+        if not self.rates or min(self.rates) <= 0:
+            raise ValueError(f"rates must be > 0, got {self.rates}")
+        workload = WorkloadConfig(workload=self.workload, num_prompts=self.num_prompts, request_rate=self.rates[0],
+                                  max_prompt_tokens=self.max_prompt_tokens, max_output_tokens=self.max_output_tokens,
+                                  seed=self.seed)
+        # Each run stops at the longest schedule's end plus a minute: a topology past capacity costs bounded time.
+        serve = ServeBenchConfig(workload=workload, slo=SLO.parse(self.goodput), progress=self.progress,
+                                 time_limit_s=self.num_prompts / min(self.rates) + 60.0)
+        return CompareConfig(serve=serve, rates=sorted(self.rates), reference_rate=self.reference_rate,
+                             topologies=self.topologies, budgets=self.budgets, attainment=self.slo_attainment,
+                             cpus=parse_cpu_list(self.cpus) if self.cpus else allowed_cpus(),
+                             client_cpus=parse_cpu_list(self.client_cpus) if self.client_cpus else frozenset(),
+                             **passed_values(self, CompareConfig))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    command = parse_config(CompareCommand, argv, prog="splitserve bench compare", epilog=EXAMPLES)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        config = config_from_args(args)
-        config.plan()  # unknown topology names fail here, before anything starts
-    except ValueError as error:
-        sys.exit(f"splitserve bench compare: {error}")
+    config = command.compare_config()
     results = run_compare(config)
     report(results, config)
     out = results_json(results, config)
-
-    save_results(out, args.json, args.plot, lambda _, path: plot_compare(results, config, path))
+    save_results(out, command.json, command.plot, lambda _, path: plot_compare(results, config, path))
     return out

@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.serve_metrics import SLO_ATTAINMENT
 from bench.serve_run import ServeBenchConfig
+from engine.config import DEFAULT_MODEL, CacheConfig
+from runtime.config import described
 from runtime.cpus import allowed_cpus, format_cpu_list
 
 KINDS = ("disaggregated", "colocated", "conditional")
@@ -147,17 +150,22 @@ class CompareConfig:
     serve: ServeBenchConfig  # the workload and targets every topology gets; its URLs are each cluster's
     rates: list[float]
     reference_rate: float
-    model: str = "smollm2-135m"
+    model: str = field(default=DEFAULT_MODEL, metadata=described("Model every pod serves."))
     topologies: list[str] = field(default_factory=list)  # kinds or names; empty: all
     budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
-    conditional_threshold: int = CONDITIONAL_THRESHOLD
-    conditional_queue_s: float = CONDITIONAL_QUEUE_S
-    attainment: float = 0.9
-    refine: int = 0
+    conditional_threshold: int = field(default=CONDITIONAL_THRESHOLD, metadata=described(
+        "conditional: prompts shorter than this prefill on the decode pod."))
+    conditional_queue_s: float = field(default=CONDITIONAL_QUEUE_S, metadata=described(
+        "Load-aware conditional: a prompt that would wait this many seconds behind the prefill pod's queue "
+        "prefills on the decode pod if it has none queued (0: no such topology)."))
+    attainment: float = SLO_ATTAINMENT
+    refine: int = field(default=0, metadata=described(
+        "K bisections between the last rate meeting the targets and the first missing them."))
     cpus: frozenset[int] = field(default_factory=allowed_cpus)
     client_cpus: frozenset[int] = frozenset()  # empty: the load generator floats
-    kv_cache_memory_bytes: int = 1 << 30
-    ready_timeout_s: float = 300.0
+    kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
+        "KV block pool of each pod."))
+    ready_timeout_s: float = field(default=300.0, metadata=described("How long each cluster's pods may take to load."))
 
     def __post_init__(self) -> None:
         if not self.rates or min(self.rates) <= 0 or self.reference_rate <= 0:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from bench.serve_metrics import SLO, RequestRecord
 from bench.workload import WorkloadConfig
+from runtime.config import described
 
 
 @dataclass
@@ -18,21 +19,29 @@ class ServeBenchConfig:
     """One run of ``bench serve`` (the library's way in; the command line fills it from flags)."""
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    backend: str = "http"  # http | grpc
-    base_url: str = "http://127.0.0.1:8000"  # the router's HTTP API: /v1/completions, /v1/models, /metrics
-    grpc_address: str = "127.0.0.1:50051"  # the router's gRPC API (backend grpc)
-    model: str | None = None  # None: the one the router serves (GET /v1/models)
-    tokenizer: str | None = None  # None: the model's (a name engine.model_files knows, a directory, a .gguf)
-    max_concurrency: int | None = None
-    prompt_format: str = "ids"  # ids (exact lengths) | text
-    shared_prefix: int = 0
-    temperature: float = 0.0
+    backend: str = field(default="http", metadata=described(
+        "http: OpenAI /v1/completions, streamed (SSE); grpc: Generation/Generate, token_ids."))
+    base_url: str = field(default="http://127.0.0.1:8000", metadata=described(
+        "The router's HTTP API; also where /v1/models and /metrics are read."))
+    grpc_address: str = field(default="127.0.0.1:50051", metadata=described(
+        "The router's gRPC API (--backend grpc)."))
+    model: str | None = field(default=None, metadata=described(
+        "Model name to send (default: what /v1/models reports)."))
+    tokenizer: str | None = field(default=None, metadata=described(
+        "The tokenizer's model name or path (default: the model's)."))
+    max_concurrency: int | None = field(default=None, metadata=described("At most this many requests in flight."))
+    prompt_format: str = field(default="ids", metadata=described(
+        "ids: token-id prompts of exact length; text: decoded text fitted to the length."))
+    shared_prefix: int = field(default=0, metadata=described("Tokens every prompt starts with (prefix caching)."))
+    temperature: float = field(default=0.0, metadata=described("Sampling temperature of every request."))
     slo: SLO = field(default_factory=SLO)
-    request_timeout_s: float = 600.0
-    time_limit_s: float | None = None
-    warmup: int = 1
-    router_metrics: bool = True
-    progress: bool = True
+    request_timeout_s: float = field(default=600.0, metadata=described("Seconds before a request fails."))
+    time_limit_s: float | None = field(default=None, metadata=described(
+        "Seconds after which the run stops; requests still out are reported unfinished."))
+    warmup: int = field(default=1, metadata=described("Requests sent (and not counted) before the run."))
+    router_metrics: bool = field(default=True, metadata=described(
+        "Scrape the router's /metrics before and after the run."))
+    progress: bool = field(default=True, metadata=described("A progress bar on stderr."))
 
     def __post_init__(self) -> None:
         if self.backend not in ("http", "grpc"):

@@ -7,9 +7,10 @@ A push's path through ``PushKV``:
               engine.reserve_for_transfer, filed on the lease there (None: RESOURCE_EXHAUSTED)
     chunks    sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk verifies the checksum
               (DATA_LOSS), codec, range and shape and decodes on a worker thread; the event loop then writes the
-              tensor into the cache (PagedKVCache.write at the slots of the sequence's tokens). The blocks belong to the reserved
-              sequence alone, which the engine does not schedule yet, so writing beside the running engine
-              thread is safe; writing on the event loop (not the worker) means no write can outlive the handler
+              tensor into the cache (PagedKVCache.write, at the slots of the sequence's tokens). The blocks belong
+              to the reserved sequence alone, which the engine does not schedule yet, so writing beside the running
+              engine thread is safe; writing on the event loop (not the worker) means no write can outlive the
+              handler
     trailer   every (layer, K/V, token) of the prompt must have arrived exactly once (else DATA_LOSS); the
               lease moves to WAITING and the response tells the sender how long it lasts
 

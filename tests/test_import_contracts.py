@@ -9,6 +9,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 LINTER = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
 PACKAGES = LINTER["root_packages"]
@@ -37,33 +39,28 @@ def add_import(module: Path, statement: str) -> None:
     module.write_text(module.read_text() + f"\n{statement}\n")
 
 
-def test_a_router_importing_a_pod_breaks_two_contracts(tmp_path):
+WRONG_IMPORTS = {  # name: (where, the import added, what the linter must say)
+    "a router importing a pod": ({"router/policies.py": "import decode_service.server"}, [
+        "router is not allowed to import decode_service", "router.policies -> decode_service.server",
+        "2 broken"]),  # the layers (siblings) and the router's forbidden list
+    "the engine importing network code or the runtime": (
+        {"engine/scheduler.py": "import grpc", "engine/sequence.py": "import runtime.metrics"},
+        ["engine is not allowed to import grpc", "engine.sequence -> runtime.metrics"]),
+    "a package importing the benchmarks": ({"splitserve/launcher.py": "import bench.serve"}, [
+        "splitserve is not allowed to import bench", "splitserve.launcher -> bench.serve"]),
+}
+
+
+@pytest.mark.parametrize("case", WRONG_IMPORTS)
+def test_a_wrong_import_breaks_the_contracts(tmp_path, case):
     root = copy_of_the_code(tmp_path)
-    add_import(root / "router" / "policies.py", "import decode_service.server")
+    added, expected = WRONG_IMPORTS[case]
+    for module, statement in added.items():
+        add_import(root / module, statement)
     result = lint(root)
     assert result.returncode == 1
-    assert "router is not allowed to import decode_service" in result.stdout
-    assert "router.policies -> decode_service.server" in result.stdout
-    assert "2 broken" in result.stdout  # the layers (siblings) and the router's forbidden list
-
-
-def test_the_engine_importing_network_code_or_the_runtime_breaks_the_contracts(tmp_path):
-    root = copy_of_the_code(tmp_path)
-    add_import(root / "engine" / "scheduler.py", "import grpc")
-    add_import(root / "engine" / "sequence.py", "import runtime.metrics")
-    result = lint(root)
-    assert result.returncode == 1
-    assert "engine is not allowed to import grpc" in result.stdout
-    assert "engine.sequence -> runtime.metrics" in result.stdout
-
-
-def test_a_package_importing_the_benchmarks_breaks_the_contracts(tmp_path):
-    root = copy_of_the_code(tmp_path)
-    add_import(root / "splitserve" / "launcher.py", "import bench.serve")
-    result = lint(root)
-    assert result.returncode == 1
-    assert "splitserve is not allowed to import bench" in result.stdout
-    assert "splitserve.launcher -> bench.serve" in result.stdout
+    for line in expected:
+        assert line in result.stdout
 
 
 def test_the_command_line_loads_a_benchmark_only_when_its_subcommand_runs():

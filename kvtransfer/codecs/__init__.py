@@ -14,6 +14,6 @@
 Only base.py is imported here; a codec's module (and zstandard) loads when the codec is first requested.
 """
 
-from kvtransfer.codecs.base import EncodedKV, KVCodec, available_codecs, get_codec
+from kvtransfer.codecs.base import EncodedKV, KVCodec, available_codecs, check_codec_names, get_codec
 
-__all__ = ["EncodedKV", "KVCodec", "available_codecs", "get_codec"]
+__all__ = ["EncodedKV", "KVCodec", "available_codecs", "check_codec_names", "get_codec"]

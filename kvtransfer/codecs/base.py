@@ -26,17 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import config as engine_config
 from engine.kv_cache import KV_KINDS, KVKind
 
 if sys.byteorder != "little":  # the byte layout is little-endian and tensors are copied to bytes as they lie
     raise ImportError("kvtransfer codecs need a little-endian host")
 
-# Cache dtypes a codec accepts, by the name an EncodedKV carries.
-CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# Cache dtypes a codec accepts, by the name an EncodedKV carries: the engine's (engine/config.py).
+CACHE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in engine_config.CACHE_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -156,6 +153,12 @@ DEFAULT_ZSTD_LEVEL = 3
 def available_codecs() -> list[str]:
     """Every name ``get_codec`` accepts."""
     return [*_CODEC_CLASSES, *(name + ZSTD_SUFFIX for name in _CODEC_CLASSES)]
+
+
+def check_codec_names(field_name: str, names: list[str]) -> None:
+    """For a config's ``__post_init__``: ``names`` are some registered codecs, else a ValueError naming the field."""
+    if not names or not set(names) <= set(available_codecs()):
+        raise ValueError(f"{field_name} must name some of {', '.join(available_codecs())}, got {names!r}")
 
 
 @functools.lru_cache(maxsize=None)
