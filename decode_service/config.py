@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import KV_LEASE_S
 from kvtransfer.codecs import available_codecs
 from runtime.config import member
+from runtime.kv_codecs import check_kv_codecs
 from runtime.pod import PodConfig
 from runtime.roles import Role
 
@@ -21,7 +23,7 @@ class DecodeConfig(PodConfig):
     role: Role = field(default=Role.DECODE, metadata={"help": (
         "'decode' (prompts prefilled on prefill pods, or here when the router says so) or 'mixed' (the colocated "
         "baseline: both phases here); it names the pod in the registry and the metrics.")})
-    kv_lease_s: float = field(default=30.0, metadata={"help": (
+    kv_lease_s: float = field(default=KV_LEASE_S, metadata={"help": (
         "How long pushed KV waits for its Decode call when the push names no lease.")})
     accepted_kv_codecs: list[str] = field(default_factory=available_codecs, metadata={"help": (
         "KV codecs this pod decodes (comma-separated); pushes with others fail the handshake.")})
@@ -33,7 +35,4 @@ class DecodeConfig(PodConfig):
             raise ValueError(f"role must be one of {Role.DECODE}, {Role.MIXED}, got {self.role.value!r}")
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
-        unknown = sorted(set(self.accepted_kv_codecs) - set(available_codecs()))
-        if unknown or not self.accepted_kv_codecs:
-            raise ValueError(f"accepted_kv_codecs must name some of {', '.join(available_codecs())}, got "
-                             f"{self.accepted_kv_codecs!r}")
+        check_kv_codecs("accepted_kv_codecs", self.accepted_kv_codecs)

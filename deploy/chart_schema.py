@@ -23,7 +23,7 @@ from pathlib import Path
 
 from decode_service.config import DecodeConfig
 from deploy.planner.config import PlannerConfig
-from engine.config import CACHE_DTYPES
+from engine.config import CACHE_DTYPES, COMPUTE_DTYPES
 from kvtransfer.codecs import available_codecs
 from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
@@ -55,7 +55,7 @@ CHOICES = {  # field -> allowed values of plain-string fields (enum fields list 
     "kv_codec": _CODECS,
     "accepted_kv_codecs": _CODECS,
     "cache_dtype": list(CACHE_DTYPES),
-    "dtype": ["float32", "bfloat16", "float16"],
+    "dtype": list(COMPUTE_DTYPES),
 }
 RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; durations "*_s" > 0)
     "seed": {"minimum": 0},

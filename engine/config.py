@@ -71,7 +71,15 @@ class ModelConfig:
 # (engine/model_files.py resolves names to files).
 DEFAULT_MODEL = "smollm2-135m"
 
+# How long blocks reserved for a pushed prompt's KV (LLMEngine.reserve_for_transfer) wait for the request to be
+# admitted before they are reclaimed, unless the push names its own lease: the decode pod's kv_lease_s, and the
+# lease the router asks for on every push.
+KV_LEASE_S = 30.0
+
+# The names of the dtypes K/V may be stored as (CacheConfig.cache_dtype, the KV codecs' EncodedKV.dtype) and the
+# engine may compute in (EngineConfig.dtype).
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -126,5 +134,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")

@@ -1,6 +1,6 @@
 """Building the native CPU kernels' library (``engine/csrc/cpu_kernels.cpp``) once per machine, before serving.
 
-    splitserve build-kernels      (``main`` below; ``scripts/bootstrap.sh`` runs it)
+    splitserve build-kernels      (``splitserve/cli.py``; ``scripts/bootstrap.sh`` runs it)
 
 compiles the source with ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into the cache directory, as
 ``cpu_kernels-<key>.so``, the key hashing the source, the flags, the compiler's version and the CPU's flags. A
@@ -18,14 +18,12 @@ bits, as every output sums its products in the same order.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -140,16 +138,3 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Build (or find) the library this machine's processes will load, and load it once, which checks its ABI.
-    Exits 1 when a CPU that can run the kernels cannot have them; elsewhere says so and exits 0."""
-    from engine import cpu_kernels  # it imports this module; and building alone needs no torch
-
-    argparse.ArgumentParser(prog="splitserve build-kernels", description=main.__doc__).parse_args(argv)
-    choice = cpu_kernels.load()
-    print(f"engine compute path on this machine: {choice}")
-    if choice.kernels is None and supported_cpu() and os.environ.get("SPLITSERVE_CPU_KERNELS", "1") != "0":
-        sys.exit(1)
-

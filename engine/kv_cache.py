@@ -1,16 +1,35 @@
 """The paged KV cache: one pool of K blocks and one of V blocks per layer, sized from a memory budget.
 
-``k[layer]`` and ``v[layer]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``. The token at position ``p``
-of a sequence lives in block ``block_table[p // block_size]`` at offset ``p % block_size``, i.e. in slot
-``block_id * block_size + offset`` of the flattened pool. Which block belongs to whom is the ``BlockManager``'s
-business; this file only owns the memory. ``attention.py`` writes and reads it.
+``k_blocks[layer]`` and ``v_blocks[layer]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``. The token at
+position ``p`` of a sequence lives in block ``block_table[p // block_size]`` at offset ``p % block_size``, i.e. in
+slot ``block_id * block_size + offset`` of the flattened pool. Which block belongs to whom is the ``BlockManager``'s
+business; this file only owns the memory.
+
+Two kinds of reader and writer:
+
+- the engine's attention and model code (``attention.py``, ``model.py``, the native kernels) take the pool tensors
+  themselves, ``k_blocks`` / ``v_blocks``, and nothing outside ``engine/`` may (``tests/test_kv_pool_interface.py``);
+- everyone else (the prefill pod's KV export, the decode pod's KV receiver, the benchmarks) goes through
+
+      slots(block_table, token_start, token_end) -> [n] long     where a token range of a sequence lives
+      read(layer, kind, slots) -> [n, Hkv, D]                    a copy of that layer's K ("k") or V ("v")
+      write(layer, kind, slots, values [n, Hkv, D])             stored in the cache's dtype
+
+  plus ``dtype``, ``element_size`` and ``device``. Slots are computed once per token range and reused for every
+  layer and for K and V (the prefill export reads all layers of a step at the same slots).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal
+
 import torch
 
 from engine.config import CacheConfig, ModelConfig
+
+KVKind = Literal["k", "v"]  # keys or values, as the cache, the codecs and the KV wire name them
+KV_KINDS: tuple[KVKind, ...] = ("k", "v")
 
 
 class PagedKVCache:
@@ -30,8 +49,8 @@ class PagedKVCache:
         shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
         # Zeros, not empty: a decode step gathers whole blocks and masks the unused slots, and a masked score
         # is only harmless when the garbage behind it is finite (NaN * 0 is NaN).
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(model_config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(model_config.num_layers)]
+        self.k_blocks = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(model_config.num_layers)]
+        self.v_blocks = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(model_config.num_layers)]
 
     @classmethod
     def from_config(
@@ -46,10 +65,49 @@ class PagedKVCache:
 
     @property
     def num_layers(self) -> int:
-        return len(self.k)
+        return len(self.k_blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_blocks[0].device
+
+    @property
+    def element_size(self) -> int:
+        """Bytes of one stored K or V element."""
+        return self.k_blocks[0].element_size()
 
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.k[0].shape[2], self.k[0].shape[3], self.num_layers, self.block_size, self.dtype)
+        _, _, num_kv_heads, head_dim = self.k_blocks[0].shape
+        return bytes_per_block(num_kv_heads, head_dim, self.num_layers, self.block_size, self.dtype)
+
+    # ---- the interface for code outside the engine ------------------------------------------------------------
+    def slots(self, block_table: Sequence[int], token_start: int, token_end: int) -> torch.Tensor:
+        """[token_end - token_start] long on the cache's device: the slot of each token in [token_start, token_end)
+        of the sequence whose blocks are ``block_table``."""
+        if not 0 <= token_start <= token_end <= len(block_table) * self.block_size:
+            raise ValueError(f"tokens [{token_start}, {token_end}) are not within {len(block_table)} blocks of "
+                             f"{self.block_size}")
+        positions = torch.arange(token_start, token_end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return (table[positions // self.block_size] * self.block_size + positions % self.block_size).to(self.device)
+
+    def read(self, layer: int, kind: KVKind, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of ``layer``'s K (``kind`` "k") or V ("v") at ``slots``: [len(slots), Hkv, D], the cache's dtype.
+        A copy, so that it stays valid after the blocks are freed and reused."""
+        return self._flat(layer, kind)[slots]
+
+    def write(self, layer: int, kind: KVKind, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values`` [len(slots), Hkv, D] (any float dtype, rounded to the cache's) as ``layer``'s K or V at
+        ``slots``."""
+        flat = self._flat(layer, kind)
+        flat.index_copy_(0, slots, values.to(device=flat.device, dtype=flat.dtype))
+
+    def _flat(self, layer: int, kind: KVKind) -> torch.Tensor:
+        """[num_blocks * block_size, Hkv, D], a view of the pool."""
+        if kind not in KV_KINDS:
+            raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+        return (self.k_blocks if kind == "k" else self.v_blocks)[layer].flatten(0, 1)
+
 
     def memory_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block()

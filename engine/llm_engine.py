@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-import torch
-
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_kernels import KernelChoice
@@ -152,13 +150,6 @@ class LLMEngine:
         if not self.block_manager.allocate_slots(seq, len(prompt_token_ids)):
             return None
         return seq
-
-    def slots_of(self, seq: Sequence, token_start: int, token_end: int) -> torch.Tensor:
-        """Cache slot of each token in [token_start, token_end) of ``seq``: [n] long."""
-        positions = torch.arange(token_start, token_end)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        bs = self.config.cache.block_size
-        return (table[positions // bs] * bs + positions % bs).to(self.runner.device)
 
     def admit_prefilled(self, seq: Sequence, first_token_id: int,
                         first_logprobs: dict[int, float] | None = None) -> Sequence:

@@ -291,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
                                        group.seq_lens)
             return self.norm(x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rotary, kv_cache.k[i], kv_cache.v[i], attn_metadata)
+            x = layer(x, rotary, kv_cache.k_blocks[i], kv_cache.v_blocks[i], attn_metadata)
             if layer_done is not None:
                 layer_done(i)
         return self.norm(x)
@@ -302,13 +302,13 @@ class LlamaForCausalLM(nn.Module):
                 and self.kernels.supports_head_dim(self.config.head_dim))
 
     def _decode_layers(self, kv_cache: PagedKVCache) -> DecodeLayers:
-        key = (id(kv_cache), kv_cache.k[0].data_ptr())
+        key = (id(kv_cache), kv_cache.k_blocks[0].data_ptr())
         if self._decode_table is None or self._decode_table[0] != key:
             layers = [
                 LayerTensors(layer.input_norm.weight, layer.attn.qkv_proj.weight, layer.attn.qkv_proj.bias,
                              layer.attn.o_proj.weight, layer.post_attn_norm.weight, layer.mlp.gate_up_proj.weight,
                              layer.mlp.down_proj.weight, k, v)
-                for layer, k, v in zip(self.layers, kv_cache.k, kv_cache.v)
+                for layer, k, v in zip(self.layers, kv_cache.k_blocks, kv_cache.v_blocks)
             ]
             config = self.config
             self._decode_table = key, DecodeLayers(layers, config.num_heads, config.num_kv_heads,

@@ -7,9 +7,10 @@ A push's path through ``PushKV``:
               engine.reserve_for_transfer, filed on the lease there (None: RESOURCE_EXHAUSTED)
     chunks    sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk verifies the checksum
               (DATA_LOSS), codec, range and shape and decodes on a worker thread; the event loop then writes the
-              tensor into the cache at engine.slots_of(seq, start, end). The blocks belong to the reserved
-              sequence alone, which the engine does not schedule yet, so writing beside the running engine
-              thread is safe; writing on the event loop (not the worker) means no write can outlive the handler
+              tensor into the cache (PagedKVCache.write, at the slots of the sequence's tokens). The blocks belong
+              to the reserved sequence alone, which the engine does not schedule yet, so writing beside the running
+              engine thread is safe; writing on the event loop (not the worker) means no write can outlive the
+              handler
     trailer   every (layer, K/V, token) of the prompt must have arrived exactly once (else DATA_LOSS); the
               lease moves to WAITING and the response tells the sender how long it lasts
 
@@ -49,7 +50,6 @@ class KVIntake:
         self.next_seq = 0
         self.bytes_received = 0
         self.codec: str | None = None  # the push's codec, fixed by its first chunk
-        self._engine = engine_loop.engine
         self._kv_cache = engine_loop.engine.runner.kv_cache
         # [layers, K/V, tokens]: which KV has arrived, so that the trailer can tell a complete push.
         self._received = torch.zeros(expected.num_layers, 2, expected.num_tokens, dtype=torch.bool)
@@ -62,16 +62,15 @@ class KVIntake:
         if self.codec not in (None, chunk.codec):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk {chunk.seq} uses codec {chunk.codec!r}; this push uses {self.codec!r}")
-        device = self._kv_cache.k[0].device
-        decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, chunk, self.expected, device)
+        decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, chunk, self.expected,
+                                                                   self._kv_cache.device)
         arrived = self._received[decoded.layer, _KIND_INDEX[decoded.kind], decoded.token_start:decoded.token_end]
         if bool(arrived.any()):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk {chunk.seq} repeats KV already received (layer {decoded.layer}, "
                               f"{decoded.kind.upper()}, tokens [{decoded.token_start}, {decoded.token_end}))")
-        pool = (self._kv_cache.k if decoded.kind == "k" else self._kv_cache.v)[decoded.layer]
-        slots = self._engine.slots_of(self.seq, decoded.token_start, decoded.token_end)  # [T] long
-        pool.flatten(0, 1).index_copy_(0, slots, decoded.tensor.to(pool.dtype))
+        slots = self._kv_cache.slots(self.seq.block_table, decoded.token_start, decoded.token_end)  # [T] long
+        self._kv_cache.write(decoded.layer, decoded.kind, slots, decoded.tensor)
         arrived.fill_(True)
         self.bytes_received += len(chunk.payload) + len(chunk.scales)
         self.codec = chunk.codec

@@ -49,7 +49,6 @@ class PrefillKVExport:
     """Implements the engine's ``KVExportHook`` for the requests that registered a sender."""
 
     def __init__(self, engine: LLMEngine):
-        self._engine = engine
         self._kv_cache = engine.runner.kv_cache
         self._last_layer = engine.model_config.num_layers - 1
         self._exports: dict[str, _Export] = {}
@@ -69,20 +68,19 @@ class PrefillKVExport:
             if export is None or token_end <= export.num_exported_tokens:
                 continue  # not ours, or recomputing tokens already sent (after a preemption)
             token_start = export.num_exported_tokens
-            self._step.append(_StepExport(export.sender, self._engine.slots_of(item.seq, token_start, token_end),
-                                          token_start, token_end, token_end == item.seq.num_prompt_tokens))
+            slots = self._kv_cache.slots(item.seq.block_table, token_start, token_end)
+            self._step.append(_StepExport(export.sender, slots, token_start, token_end,
+                                          token_end == item.seq.num_prompt_tokens))
             export.num_exported_tokens = token_end
         return bool(self._step)
 
     def on_layer(self, layer: int, batch: SchedulerOutput) -> None:
-        # [num_blocks * block_size, H, D] views; indexing by slots copies, so the sender owns what it gets even
-        # after the request's blocks are freed and reused.
-        k_slots = self._kv_cache.k[layer].flatten(0, 1)
-        v_slots = self._kv_cache.v[layer].flatten(0, 1)
+        # read() copies, so the sender owns what it gets even after the request's blocks are freed and reused.
+        cache = self._kv_cache
         for part in self._step:
             if part.completes_prompt and layer == self._last_layer:
                 # Before the last layer goes out: the decode pod's acknowledgement may otherwise arrive first,
                 # and the exposed transfer time would read 0.
                 part.sender.mark_compute_done()
-            part.sender.submit_layer(layer, part.token_start, part.token_end, k_slots[part.slots],
-                                     v_slots[part.slots])
+            part.sender.submit_layer(layer, part.token_start, part.token_end, cache.read(layer, "k", part.slots),
+                                     cache.read(layer, "v", part.slots))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, KV_LEASE_S
 from engine.sampling_params import MAX_LOGPROBS
 from runtime.config import described, member
 from runtime.cpus import checked_cpu_set
@@ -79,7 +79,7 @@ class RouterConfig:
         "TTFT target of splitserve_requests_within_slo_total (goodput): set it to your service level."))
     slo_tpot_s: float = field(default=0.1, metadata=described(
         "TPOT target of splitserve_requests_within_slo_total (goodput): set it to your service level."))
-    kv_lease_s: float = field(default=30.0, metadata=described(
+    kv_lease_s: float = field(default=KV_LEASE_S, metadata=described(
         "How long a decode pod keeps pushed KV waiting for the router's Decode call."))
     cpus: str = field(default="", metadata=described(
         "CPU set the router runs on, e.g. '0-1' (empty: wherever the OS puts it)."))

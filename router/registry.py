@@ -31,6 +31,7 @@ from typing import Any, Callable
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
+from engine.config import CacheConfig
 from protos.splitserve.v1 import common_pb2
 from runtime.registry import KEY_PREFIX, PodRecord
 from runtime.roles import Role
@@ -49,7 +50,7 @@ class PodLoad:
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     queued_prefill_tokens: int = 0
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size  # until the pod's first report says its own
     draining: bool = False
     version: int = 0
     prefill_tokens_per_second: float = 0.0

@@ -3,7 +3,8 @@
 
 Field ``max_num_seqs`` of a service's dataclass becomes flag ``--max-num-seqs`` and environment variable
 ``SPLITSERVE_MAX_NUM_SEQS``. Precedence: flag, then environment, then the dataclass default. Booleans accept
-``--flag`` / ``--no-flag`` and ``true/false/1/0`` in the environment; list fields take comma-separated values;
+``--flag`` / ``--no-flag`` and ``true/false/1/0`` in the environment; list fields take comma-separated values
+(on the command line also space-separated: ``--goodput ttft:500 tpot:100``);
 ``enum.StrEnum`` fields take one of their values (listed in ``--help``). The Helm chart
 (``deploy/helm/splitserve``) maps its values to these flags and nothing else.
 """
@@ -14,16 +15,49 @@ import argparse
 import dataclasses
 import enum
 import os
+import textwrap
 import typing
 from typing import Any, Mapping, TypeVar
 
 T = TypeVar("T")
 ENV_PREFIX = "SPLITSERVE_"
+PASSED_TO = "passed_to"  # field metadata: the config classes a field is handed on to (``passed_to``)
 
 
 def described(text: str) -> dict[str, str]:
     """Field metadata carrying the flag's help text: ``field(default=1, metadata=described("..."))``."""
     return {"help": text}
+
+
+def passed_to(*configs: type, name: str, help: str | None = None) -> Any:
+    """A field of a config that starts other processes (``splitserve up``'s ``UpConfig``) which is field ``name`` of
+    each of ``configs`` and is handed to them as its flag: the default and the help come from the first of them
+    (``help`` replaces the text), and ``passed_on(config, cls)`` lists the flags for a process configured by ``cls``."""
+    source = next((f for f in dataclasses.fields(configs[0]) if f.name == name), None)
+    if source is None:
+        raise TypeError(f"{configs[0].__name__} has no field {name!r}")
+    default = ({"default": source.default} if source.default is not dataclasses.MISSING
+               else {"default_factory": source.default_factory})
+    return dataclasses.field(**default, metadata={"help": help or source.metadata.get("help", ""),
+                                                  PASSED_TO: configs})
+
+
+def passed_values(config: Any, cls: type) -> dict[str, Any]:
+    """The fields of ``config`` declared ``passed_to`` ``cls`` or one of its bases, with ``config``'s values: the
+    keyword arguments of a ``cls`` built in this process."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if any(issubclass(cls, target) for target in f.metadata.get(PASSED_TO, ()))}
+
+
+def passed_on(config: Any, cls: type) -> list[str]:
+    """``passed_values(config, cls)`` as flags, for a process configured by ``cls``."""
+    flags: list[str] = []
+    for name, value in passed_values(config, cls).items():
+        if isinstance(value, bool):
+            flags.append(flag_name(name if value else f"no_{name}"))
+        else:
+            flags += [flag_name(name), ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return flags
 
 
 def flag_name(field_name: str) -> str:
@@ -35,10 +69,14 @@ def env_name(field_name: str) -> str:
 
 
 def parse_config(cls: type[T], argv: list[str] | None = None, env: Mapping[str, str] | None = None,
-                 prog: str | None = None) -> T:
-    """Build ``cls`` from ``argv`` and ``env`` (os.environ by default). Bad values exit with a usage error."""
+                 prog: str | None = None, epilog: str | None = None) -> T:
+    """Build ``cls`` from ``argv`` and ``env`` (os.environ by default). Bad values exit with a usage error.
+    ``--help`` says the first paragraph of ``cls``'s docstring, then every flag, then ``epilog`` (examples) as
+    written."""
     env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0])
+    summary = textwrap.fill(" ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()), width=100)
+    parser = argparse.ArgumentParser(prog=prog, description=summary, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         _add_flag(parser, f, hints[f.name])
@@ -47,7 +85,7 @@ def parse_config(cls: type[T], argv: list[str] | None = None, env: Mapping[str, 
     for f in dataclasses.fields(cls):
         given = getattr(args, f.name)
         if given is not None:
-            values[f.name] = given
+            values[f.name] = [item for part in given for item in part] if _base_type(hints[f.name]) is list else given
         elif env_name(f.name) in env:
             try:
                 values[f.name] = _convert(env[env_name(f.name)], hints[f.name])
@@ -68,7 +106,8 @@ def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any) 
         base = _base_type(hint)
         choices = list(base) if isinstance(base, type) and issubclass(base, enum.Enum) else None
         parser.add_argument(flag_name(f.name), dest=f.name, default=None, choices=choices,
-                            type=lambda s, h=hint: _convert(s, h), help=help_text)
+                            nargs="+" if base is list else None, type=lambda s, h=hint: _convert(s, h),
+                            help=help_text)
 
 
 def _default_repr(f: dataclasses.Field) -> str:

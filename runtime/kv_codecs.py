@@ -5,6 +5,7 @@ sent in every ``PrefillRequest``) and what a decode pod accepts (``accepted_kv_c
     ZSTD_SUFFIX        "+zstd": any of them, then zstd over its payload and scales (lossless)
     kv_codec_names()   every name: the base ones, then each with "+zstd"
     check_kv_codec(field_name, name)   ValueError naming the config field unless ``name`` is one of them
+    check_kv_codecs(field_name, names) the same for a non-empty list of names
 
 Names only, without torch: the router, which never imports the KV transfer, refuses an unknown codec at start. The
 codecs themselves register under these names in ``kvtransfer/codecs/base.py``, which checks that it has a class for
@@ -24,3 +25,8 @@ def kv_codec_names() -> list[str]:
 def check_kv_codec(field_name: str, name: str) -> None:
     if name not in kv_codec_names():
         raise ValueError(f"{field_name} must be one of {', '.join(kv_codec_names())}, got {name!r}")
+
+
+def check_kv_codecs(field_name: str, names: list[str]) -> None:
+    if not names or not set(names) <= set(kv_codec_names()):
+        raise ValueError(f"{field_name} must name some of {', '.join(kv_codec_names())}, got {names!r}")

@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import COMPUTE_DTYPES, DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from protos.splitserve.v1 import common_pb2
@@ -60,17 +60,18 @@ class PodConfig:
     advertise_address: str = field(default="", metadata=described(
         "host:port other pods and the router reach this pod at (empty: this host's name and the port)."))
     metrics_port: int = field(default=9400, metadata=described("Port of the Prometheus /metrics endpoint (0: any free)."))
-    model: str = field(default=DEFAULT_MODEL, metadata=described(
+    model: str = field(default=EngineConfig.model, metadata=described(
         f"{DEFAULT_MODEL}, tiny-random, a HF checkpoint directory or a .gguf file."))
-    device: str = field(default="cpu", metadata=described("Torch device: cpu, cuda, cuda:1."))
-    dtype: str = field(default="float32", metadata=described("Compute dtype: float32, bfloat16, float16."))
-    seed: int = field(default=0, metadata=described("Seeds random-weight models and unseeded sampling."))
+    device: str = field(default=EngineConfig.device, metadata=described("Torch device: cpu, cuda, cuda:1."))
+    dtype: str = field(default=EngineConfig.dtype, metadata=described(f"Compute dtype: {', '.join(COMPUTE_DTYPES)}."))
+    seed: int = field(default=EngineConfig.seed, metadata=described(
+        "Seeds random-weight models and unseeded sampling."))
     cpus: str = field(default="", metadata=described(
         "CPU set this pod runs on, e.g. '0-3,6' (empty: wherever the OS puts it); its torch and native-kernel "
         "threads default to one per CPU of the set."))
     num_threads: int = field(default=0, metadata=described(
         "Torch compute threads (0: one per CPU of --cpus, else torch's default, one per core)."))
-    cpu_kernels: bool = field(default=True, metadata=described(
+    cpu_kernels: bool = field(default=EngineConfig.cpu_kernels, metadata=described(
         "Native CPU kernels for float32 on CPU (built by `splitserve build-kernels`, which set-up runs; built at "
         "first use when missing); false: PyTorch ops only."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).

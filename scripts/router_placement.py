@@ -69,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     configure_logging()
     base = args.base_port
-    cluster = Cluster(UpConfig(model="smollm2-135m", prefill_cpus="0", decode_cpus="1", grpc_port=base,
+    cluster = Cluster(UpConfig(prefill_cpus="0", decode_cpus="1", grpc_port=base,
                                http_port=base + 1, base_pod_port=base + 2, base_metrics_port=base + 6,
                                prometheus=False, kv_cache_memory_bytes=256 << 20))
     cluster.start()

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -47,14 +48,28 @@ def _demo(argv: list[str]) -> None:
     print(f"\n{len(outputs)} requests, {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)")
 
 
+def _build_kernels(argv: list[str]) -> None:
+    """Build (or find) the native CPU kernels' library this machine's processes will load, and load it once, which
+    checks its ABI. Exits 1 when a CPU that can run the kernels cannot have them; elsewhere says so and exits 0."""
+    from engine import cpu_kernels
+    from engine.cpu_kernels_build import supported_cpu
+
+    argparse.ArgumentParser(prog="splitserve build-kernels", description=_build_kernels.__doc__).parse_args(argv)
+    choice = cpu_kernels.load()
+    print(f"engine compute path on this machine: {choice}")
+    if choice.kernels is None and supported_cpu() and os.environ.get("SPLITSERVE_CPU_KERNELS", "1") != "0":
+        sys.exit(1)
+
+
+BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak")  # modules of the bench package
+
+
 def _bench(argv: list[str]) -> None:
-    benches = {"engine": "splitserve.bench.engine", "codecs": "splitserve.bench.codecs",
-               "transfer": "splitserve.bench.transfer", "serve": "splitserve.bench.serve",
-               "compare": "splitserve.bench.compare", "phases": "splitserve.bench.phases",
-               "soak": "splitserve.bench.soak"}
-    if not argv or argv[0] not in benches:
-        sys.exit(f"usage: splitserve bench {{{'|'.join(benches)}}} [options]")
-    _delegate(benches[argv[0]])(argv[1:])
+    """``splitserve bench NAME``: the top-level ``bench`` package's module NAME, imported only now (nothing else
+    imports the benchmarks: pyproject's import contracts)."""
+    if not argv or argv[0] not in BENCHMARKS:
+        sys.exit(f"usage: splitserve bench {{{'|'.join(BENCHMARKS)}}} [options]")
+    _delegate(f"bench.{argv[0]}")(argv[1:])
 
 
 def _delegate(module: str):
@@ -74,7 +89,7 @@ COMMANDS = {
     "decode": _delegate("decode_service.server"),
     "demo": _demo,
     "bench": _bench,
-    "build-kernels": _delegate("engine.cpu_kernels_build"),
+    "build-kernels": _build_kernels,
 }
 
 

@@ -40,11 +40,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import DEFAULT_MODEL, SchedulerConfig
-from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S, PolicyName
-from runtime.config import described, flag_name, member, parse_config
+from decode_service.config import DecodeConfig
+from engine.config import SchedulerConfig
+from prefill_service.config import PrefillConfig
+from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S, PolicyName, RouterConfig
+from runtime.config import described, member, parse_config, passed_on, passed_to
 from runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, thread_env
 from runtime.kv_codecs import check_kv_codec
+from runtime.pod import PodConfig
 from runtime.registry import RegistryKind
 from runtime.roles import POD_ROLES, Role
 from runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
@@ -58,7 +61,7 @@ STOP_MARGIN_S = 10.0  # beyond a process's own drain, before SIGKILL: its cleanu
 class UpConfig:
     """Run a router, prefill pods and decode pods on this machine, each as its own process."""
 
-    model: str = field(default=DEFAULT_MODEL, metadata=described("Model every pod serves."))
+    model: str = passed_to(PodConfig, RouterConfig, name="model", help="Model every pod serves.")
     prefill: int = field(default=1, metadata=described("Number of prefill pods."))
     decode: int = field(default=1, metadata=described("Number of decode pods."))
     mixed: int = field(default=0, metadata=described("Number of mixed pods (both phases in one process)."))
@@ -67,32 +70,26 @@ class UpConfig:
     http_port: int = field(default=8000, metadata=described("Router HTTP port (OpenAI API, /health, /metrics)."))
     base_pod_port: int = field(default=50060, metadata=described("Pods take consecutive gRPC ports from here."))
     base_metrics_port: int = field(default=9400, metadata=described("Pods take consecutive /metrics ports from here."))
-    kv_codec: str = field(default="none", metadata=described(
+    # The router's settings: defaults and help from RouterConfig, passed as its flags (runtime.config.passed_to).
+    kv_codec: str = passed_to(RouterConfig, name="kv_codec", help=(
         "KV codec between prefill and decode pods (the router's: it names one in every prefill request)."))
-    policy: PolicyName = field(default=PolicyName.LEAST_LOADED, metadata=described("Routing policy."))
-    conditional_prefill_threshold: int = field(default=32, metadata=described(
-        "Prompts shorter than this many tokens prefill on the decode pod."))
-    conditional_prefill_queue_s: float = field(default=0.0, metadata=described(
-        "Prompts that would wait this many seconds behind the prefill pods' queues prefill on a decode pod with "
-        "none queued (0: never; the router's flag)."))
+    policy: PolicyName = passed_to(RouterConfig, name="policy")
+    conditional_prefill_threshold: int = passed_to(RouterConfig, name="conditional_prefill_threshold")
+    conditional_prefill_queue_s: float = passed_to(RouterConfig, name="conditional_prefill_queue_s")
     registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
         "'static' (the router gets the pod list) or 'redis' (a local redis-server; pods heartbeat into it)."))
     redis_port: int = field(default=6379, metadata=described("Port of the local redis-server (--registry redis)."))
     prometheus: bool = field(default=True, metadata=described("Start Prometheus scraping every process, if installed."))
     prometheus_port: int = field(default=9090, metadata=described("Prometheus web port."))
-    # What each pod's engine gets (runtime/pod.py, PodConfig): the colocated baseline is mixed pods with chunked
-    # prefill at a token budget, so these reach every pod.
-    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=described("KV block pool of each pod."))
-    max_num_batched_tokens: int = field(default=SchedulerConfig.max_num_batched_tokens, metadata=described(
-        "Token budget of one engine step of each pod (chunked prefill: how much prefill rides along with decodes)."))
-    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata=described(
-        "Requests running at once in each pod."))
-    long_prefill_token_threshold: int = field(default=SchedulerConfig.long_prefill_token_threshold,
-                                              metadata=described(
-        "Prompts longer than this prefill in chunks of this many tokens."))
-    shutdown_grace_s: float = field(default=10.0, metadata=described(
+    # What each pod's engine gets (PodConfig's defaults and help, passed as its flags): the colocated baseline is
+    # mixed pods with chunked prefill at a token budget, so these reach every pod.
+    kv_cache_memory_bytes: int = passed_to(PodConfig, name="kv_cache_memory_bytes")
+    max_num_batched_tokens: int = passed_to(PodConfig, name="max_num_batched_tokens")
+    max_num_seqs: int = passed_to(PodConfig, name="max_num_seqs")
+    long_prefill_token_threshold: int = passed_to(PodConfig, name="long_prefill_token_threshold")
+    shutdown_grace_s: float = passed_to(PodConfig, name="shutdown_grace_s", help=(
         "On stop, time each pod's in-flight calls get to finish (the launcher waits this + 10 s, then kills)."))
-    inject_corrupt_chunks: float = field(default=0.0, metadata=described(
+    inject_corrupt_chunks: float = passed_to(PrefillConfig, name="inject_corrupt_chunks", help=(
         "Fault injection (reliability tests, bench soak): the share of KV chunks the prefill pods send corrupted."))
     # CPU sets (Linux CPU lists, e.g. '0-3,6'); empty: the launcher's plan (splitserve/cpu_plan.py).
     prefill_cpus: str = field(default="", metadata=described(
@@ -105,11 +102,12 @@ class UpConfig:
     run_dir: str = field(default="", metadata=described("Where logs and generated configs go (empty: a new temp dir)."))
     ready_timeout_s: float = field(default=300.0, metadata=described("How long to wait for the pods to load."))
     # Security, passed to every process (docs/security.md): TLS on every gRPC link and HTTPS on the router.
-    tls_cert_file: str = field(default="", metadata=described(
+    tls_cert_file: str = passed_to(PodConfig, RouterConfig, name="tls_cert_file", help=(
         "PEM certificate every process uses as server and client identity (must list the --host address)."))
-    tls_key_file: str = field(default="", metadata=described("PEM private key of tls_cert_file."))
-    tls_ca_file: str = field(default="", metadata=described("PEM CA certificates peers' certificates chain to."))
-    tls_require_client_cert: bool = field(default=False, metadata=described(
+    tls_key_file: str = passed_to(PodConfig, RouterConfig, name="tls_key_file")
+    tls_ca_file: str = passed_to(PodConfig, RouterConfig, name="tls_ca_file", help=(
+        "PEM CA certificates peers' certificates chain to."))
+    tls_require_client_cert: bool = passed_to(PodConfig, RouterConfig, name="tls_require_client_cert", help=(
         "Mutual TLS: every server refuses clients without a certificate signed by tls_ca_file."))
     api_keys: list[str] = field(default_factory=list, repr=False, metadata=described(
         "API keys of the router's APIs (handed to the router in its environment, not on its command line)."))
@@ -147,12 +145,6 @@ class UpConfig:
             base = free_port_run(4 + 2 * pods, fields.get("host", cls.host))
         return cls(grpc_port=base, http_port=base + 1, prometheus_port=base + 2, redis_port=base + 3,
                    base_pod_port=base + 4, base_metrics_port=base + 4 + pods, **fields)
-
-
-# UpConfig fields every pod gets under the same flag name (runtime.config.flag_name); the router's likewise.
-POD_FLAGS = ("model", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-             "shutdown_grace_s")
-ROUTER_FLAGS = ("model", "policy", "kv_codec", "conditional_prefill_threshold", "conditional_prefill_queue_s")
 
 
 @dataclass
@@ -247,25 +239,20 @@ class Cluster:
     def _pod_flags(self, pod: PodPlan) -> list[str]:
         c = self.config
         flags = ["--host", c.host, "--port", str(pod.port), "--metrics-port", str(pod.metrics_port),
-                 "--advertise-address", self.address(pod), *_passed(c, POD_FLAGS), *self._cpu_flags(pod.name)]
+                 "--advertise-address", self.address(pod), *passed_on(c, _POD_CONFIGS[pod.role]),
+                 *self._cpu_flags(pod.name)]
         if pod.role is Role.PREFILL:
             flags += ["--inject-corrupt-chunks", str(c.inject_corrupt_chunks)] if c.inject_corrupt_chunks else []
         else:
             flags += ["--role", str(pod.role)]
         if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]
-        return flags + self._tls_flags()
-
-    def _tls_flags(self) -> list[str]:
-        c = self.config
-        flags = [f"--{name.replace('_', '-')}={getattr(c, name)}"
-                 for name in ("tls_cert_file", "tls_key_file", "tls_ca_file") if getattr(c, name)]
-        return flags + (["--tls-require-client-cert"] if c.tls_require_client_cert else [])
+        return flags
 
     def _router_flags(self) -> list[str]:
         c = self.config
         flags = ["--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
-                 *_passed(c, ROUTER_FLAGS), *self._cpu_flags("router"), *self._tls_flags()]
+                 *passed_on(c, RouterConfig), *self._cpu_flags("router")]
         if c.registry is RegistryKind.REDIS:
             return flags + ["--registry", "redis", "--redis-url", self._redis_url()]
         for role in POD_ROLES:
@@ -346,19 +333,8 @@ class Cluster:
         return "\n".join(lines)
 
 
-def _passed(config: UpConfig, names: tuple[str, ...]) -> list[str]:
-    """``names``' values of ``config`` as the flags of the same names."""
-    flags: list[str] = []
-    for name in names:
-        value = getattr(config, name)
-        if isinstance(value, bool):
-            flags.append(flag_name(name) if value else flag_name(f"no_{name}"))
-        else:
-            flags += [flag_name(name), str(value)]
-    return flags
-
-
 _POD_MODULES = {Role.PREFILL: "prefill_service", Role.DECODE: "decode_service", Role.MIXED: "decode_service"}
+_POD_CONFIGS = {Role.PREFILL: PrefillConfig, Role.DECODE: DecodeConfig, Role.MIXED: DecodeConfig}
 
 
 def prometheus_config(targets: list[str], interval_s: int = 2, https_targets: list[str] = (),

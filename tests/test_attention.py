@@ -192,9 +192,9 @@ CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_
 
 def test_kv_cache_shapes():
     cache = PagedKVCache(CONFIG, num_blocks=10, block_size=8, dtype=torch.float32)
-    assert len(cache.k) == len(cache.v) == 3
-    assert all(t.shape == (10, 8, 2, 16) and t.dtype == torch.float32 for t in cache.k + cache.v)
-    assert all(t.abs().sum() == 0 for t in cache.k + cache.v)
+    assert len(cache.k_blocks) == len(cache.v_blocks) == 3
+    assert all(t.shape == (10, 8, 2, 16) and t.dtype == torch.float32 for t in cache.k_blocks + cache.v_blocks)
+    assert all(t.abs().sum() == 0 for t in cache.k_blocks + cache.v_blocks)
     # K and V, 3 layers, 8 slots, 2 heads of 16 floats.
     assert cache.bytes_per_block() == 2 * 3 * 8 * 2 * 16 * 4 == 6144
     assert cache.memory_bytes() == 61440
@@ -204,10 +204,10 @@ def test_kv_cache_sized_from_budget_or_override():
     budget = CacheConfig(block_size=8, kv_cache_memory_bytes=6144 * 7 + 100, cache_dtype="float32")
     assert PagedKVCache.from_config(CONFIG, budget).num_blocks == 7
     default = PagedKVCache.from_config(CONFIG, CacheConfig(block_size=8, kv_cache_memory_bytes=6144 * 7 + 100))
-    assert default.k[0].dtype == torch.float16 and default.num_blocks == 14  # the default: 2 bytes per element
+    assert default.k_blocks[0].dtype == torch.float16 and default.num_blocks == 14  # the default: 2 bytes per element
     assert PagedKVCache.from_config(CONFIG, CacheConfig(block_size=8, num_blocks=3)).num_blocks == 3
     half = PagedKVCache.from_config(CONFIG, CacheConfig(block_size=8, num_blocks=2, cache_dtype="bfloat16"))
-    assert half.k[0].dtype == torch.bfloat16 and half.bytes_per_block() == 3072
+    assert half.k_blocks[0].dtype == torch.bfloat16 and half.bytes_per_block() == 3072
     assert bytes_per_block(2, 16, 3, 8, torch.float32) == 6144
     with pytest.raises(ValueError, match="less than one block"):
         num_blocks_for_budget(CONFIG, 8, torch.float32, 6143)

@@ -9,21 +9,22 @@ import os
 
 import pytest
 
-from splitserve.bench import compare
-from splitserve.bench.compare import (
+from bench import compare, compare_plan
+from bench.compare import measure_topology
+from bench.compare_plan import (
     CompareConfig,
     Topology,
     TopologyResult,
     best_colocated,
     goodput_ratios,
-    measure_topology,
     plan_topologies,
     reference_figures,
     select_topologies,
 )
-from splitserve.bench.serve import ServeBenchConfig
-from splitserve.bench.serve_metrics import SLO
-from splitserve.bench.workload import WorkloadConfig
+from bench.serve_metrics import SLO
+from bench.serve_run import ServeBenchConfig
+from bench.workload import WorkloadConfig
+from runtime.config import parse_config
 
 
 def test_two_cpus_give_one_split_both_colocated_layouts_per_budget_and_conditional():
@@ -116,9 +117,9 @@ def config(**fields) -> CompareConfig:
 
 def test_the_estimate_counts_start_up_and_every_rate_and_a_reference_rate_off_the_sweep():
     swept = config(rates=[1.0, 2.0], reference_rate=1.0)
-    assert swept.estimate_s() == compare.STARTUP_S + (10 / 1 + compare.DRAIN_S) + (10 / 2 + compare.DRAIN_S)
+    assert swept.estimate_s() == compare_plan.STARTUP_S + (10 / 1 + compare_plan.DRAIN_S) + (10 / 2 + compare_plan.DRAIN_S)
     extra = config(rates=[1.0, 2.0], reference_rate=0.5)
-    assert extra.estimate_s() == swept.estimate_s() + 10 / 0.5 + compare.DRAIN_S
+    assert extra.estimate_s() == swept.estimate_s() + 10 / 0.5 + compare_plan.DRAIN_S
 
 
 def test_a_topology_that_cannot_be_set_up_is_reported_and_the_run_goes_on(monkeypatch, capsys):
@@ -205,8 +206,25 @@ def test_pinning_the_load_generator_restores_the_mask_for_the_next_cluster():
         assert os.sched_getaffinity(0) == before
 
 
+def command(*flags: str) -> compare.CompareCommand:
+    """The command line as ``splitserve bench compare`` parses it (on the random workload: no trace needed)."""
+    return parse_config(compare.CompareCommand, ["--workload", "random", *flags], env={})
+
+
 def test_quick_and_full_defaults_differ_only_where_asked():
-    full, quick = compare.parse_args([]), compare.parse_args(["--quick"])
+    full, quick = command(), command("--quick")
     assert full.rates == [0.2, 0.3, 0.4, 0.5, 0.7] and full.reference_rate in full.rates
     assert quick.reference_rate in quick.rates and len(quick.rates) < len(full.rates)
-    assert compare.parse_args(["--quick", "--rates", "1,2"]).rates == [1.0, 2.0]
+    assert command("--quick", "--rates", "1,2").rates == [1.0, 2.0]
+    assert (quick.budgets, quick.topologies) == ([256], ["disaggregated", "colocated"])
+
+
+def test_the_command_line_hands_on_the_library_defaults_and_refuses_bad_values_at_once():
+    config = command().compare_config()
+    library = CompareConfig(serve=config.serve, rates=[1.0], reference_rate=1.0)
+    assert (config.model, config.kv_cache_memory_bytes, config.conditional_threshold, config.conditional_queue_s) == (
+        library.model, library.kv_cache_memory_bytes, library.conditional_threshold, library.conditional_queue_s)
+    assert config.serve.slo.describe() == "ttft<=4000ms, tpot<=100ms" and config.attainment == 0.9
+    for bad in (["--topologies", "no-such"], ["--rates", "0"], ["--goodput", "ttft"], ["--budgets", "0"]):
+        with pytest.raises(SystemExit):
+            command(*bad)

@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram as PromHistogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import Histogram as PromHistogram
 
-from splitserve.bench.serve import _bracket, compare_with_router
-from splitserve.bench.serve_metrics import (
+from bench.serve import _bracket, compare_with_router
+from bench.serve_metrics import (
     SLO,
     Histogram,
     RequestRecord,

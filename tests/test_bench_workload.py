@@ -11,8 +11,8 @@ import statistics
 import pytest
 
 from engine.tokenizer_files import load_tokenizer
-from splitserve.bench.prompts import PromptFactory, ordinary_token_ids
-from splitserve.bench.workload import (
+from bench.prompts import PromptFactory, ordinary_token_ids
+from bench.workload import (
     AZURE_LENGTHS,
     LengthDistribution,
     RequestSpec,

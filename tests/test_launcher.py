@@ -4,6 +4,8 @@ processes: tests/reliability/test_launcher_faults.py and test_pod_faults.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from decode_service.config import DecodeConfig
 from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
-from runtime.config import parse_config
+from runtime.config import PASSED_TO, parse_config
 from runtime.cpus import allowed_cpus, format_cpu_list
 from runtime.roles import Role
 from splitserve.cpu_plan import floating, format_plan, plan_cpus
@@ -137,3 +139,15 @@ def test_without_pinning_the_pods_keep_their_thread_counts_but_float(tmp_path):
     assert "--cpus" not in flags
     assert flags[flags.index("--num-threads") + 1] == str(max(1, len(allowed_cpus()) // 2))
     assert not any(p.pinned for p in cluster.cpu_plan.values())
+
+
+def test_fields_handed_on_are_the_fields_of_the_configs_they_reach():
+    # UpConfig restates no per-role default: a field passed to pods or the router has their type and default.
+    handed_on = [f for f in dataclasses.fields(UpConfig) if PASSED_TO in f.metadata]
+    assert {"model", "kv_cache_memory_bytes", "max_num_seqs", "kv_codec", "policy"} <= {f.name for f in handed_on}
+    up_hints = typing.get_type_hints(UpConfig)
+    for f in handed_on:
+        for target in f.metadata[PASSED_TO]:
+            (own,) = [g for g in dataclasses.fields(target) if g.name == f.name]
+            assert up_hints[f.name] == typing.get_type_hints(target)[f.name], f.name
+            assert own.default == f.default, f.name

@@ -308,7 +308,7 @@ def test_native_decode_step_in_one_call_equals_layer_by_layer(native_kernels):
     for hook in (None, lambda layer: None):
         with torch.inference_mode():
             outs.append(engine.model(ids, positions, engine.cache, meta, layer_done=hook))
-        caches.append([k.clone() for k in engine.cache.k] + [v.clone() for v in engine.cache.v])
+        caches.append([k.clone() for k in engine.cache.k_blocks] + [v.clone() for v in engine.cache.v_blocks])
     assert engine.model._decodes_natively(engine.cache, meta)
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(*caches))

@@ -273,9 +273,9 @@ def offline_prompt_kv(pods, prompt: list[int]) -> list[tuple[torch.Tensor, torch
     engine = pods.offline.engine
     seq = engine.add_request("reference-kv", prompt, SamplingParams(temperature=0.0, max_tokens=2))
     engine.step()  # the whole prompt in one step; the sequence keeps its blocks
-    slots = engine.slots_of(seq, 0, len(prompt))
     cache = engine.runner.kv_cache
-    kv = [(cache.k[layer].flatten(0, 1)[slots], cache.v[layer].flatten(0, 1)[slots]) for layer in range(4)]
+    slots = cache.slots(seq.block_table, 0, len(prompt))
+    kv = [(cache.read(layer, "k", slots), cache.read(layer, "v", slots)) for layer in range(4)]
     engine.abort_request("reference-kv")
     return kv
 
@@ -286,10 +286,9 @@ def test_kv_that_arrived_equals_the_prefill_kv(pods, codec):
     pods.run_prefill(f"kv-{codec}", prompt, GREEDY, codec=codec, lease_s=30)
     seq = pods.transfers.get(f"kv-{codec}").seq
     cache = pods.decode_pod.engine.runner.kv_cache
-    slots = pods.decode_pod.engine.slots_of(seq, 0, len(prompt))
+    slots = cache.slots(seq.block_table, 0, len(prompt))
     for layer, (k_ref, v_ref) in enumerate(offline_prompt_kv(pods, prompt)):
-        for arrived, reference in ((cache.k[layer].flatten(0, 1)[slots], k_ref),
-                                   (cache.v[layer].flatten(0, 1)[slots], v_ref)):
+        for arrived, reference in ((cache.read(layer, "k", slots), k_ref), (cache.read(layer, "v", slots), v_ref)):
             if codec == "none":
                 assert torch.equal(arrived, reference)
             else:  # int8: at most half a quantization step of absmax / 127 per (token, head)

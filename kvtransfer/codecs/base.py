@@ -23,24 +23,18 @@ import importlib
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from engine import config as engine_config
+from engine.kv_cache import KV_KINDS, KVKind
 from runtime.kv_codecs import KV_CODECS, ZSTD_SUFFIX, kv_codec_names
 
 if sys.byteorder != "little":  # the byte layout is little-endian and tensors are copied to bytes as they lie
     raise ImportError("kvtransfer codecs need a little-endian host")
 
-KVKind = Literal["k", "v"]
-KV_KINDS: tuple[str, ...] = ("k", "v")
-
-# Cache dtypes a codec accepts, by the name an EncodedKV carries.
-CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# Cache dtypes a codec accepts, by the name an EncodedKV carries: the engine's (engine/config.py).
+CACHE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in engine_config.CACHE_DTYPES}
 
 
 @dataclass(frozen=True)

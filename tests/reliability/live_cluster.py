@@ -18,11 +18,11 @@ from typing import Self
 
 import grpc
 
+from bench.serve import scrape_router
+from bench.serve_metrics import parse_counter
+from bench.soak import blocks_in_use, pod_load
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
-from splitserve.bench.serve import scrape_router
-from splitserve.bench.serve_metrics import parse_counter
-from splitserve.bench.soak import blocks_in_use, pod_load
 from splitserve.launcher import Cluster, UpConfig, serving
 
 START_S = 240  # a pod's start on a busy 2-core machine: tens of seconds; a hang is minutes

@@ -95,6 +95,9 @@ def distribution(values: list[float]) -> dict[str, float] | None:
     return stats
 
 
+SLO_ATTAINMENT = 0.9  # DistServe's goodput: the share of requests that must meet every target
+
+
 @dataclass(frozen=True)
 class SLO:
     """Latency targets in seconds; a target left None is not checked."""

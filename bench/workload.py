@@ -23,10 +23,12 @@ from __future__ import annotations
 import csv
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from statistics import NormalDist
+
+from runtime.config import described
 
 SYNTHETIC = ("random", "azure-conv", "azure-code")
 
@@ -41,17 +43,25 @@ class RequestSpec:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    workload: str = "random"  # random | azure-conv | azure-code | path to an Azure-format CSV trace
-    num_prompts: int = 100
-    request_rate: float = math.inf  # requests/s; inf: all at t=0, or for a trace its own timestamps
-    burstiness: float = 1.0
-    input_len: int = 128  # random
-    output_len: int = 32  # random
-    range_ratio: float = 0.0  # random: lengths uniform in [len * (1 - r), len * (1 + r)]
-    time_scale: float = 1.0  # trace: multiply its inter-arrival times
-    max_prompt_tokens: int | None = None
-    max_output_tokens: int | None = None
-    seed: int = 0
+    """What to send and when (the module docstring); its fields are ``bench serve``'s workload flags."""
+
+    workload: str = field(default="random", metadata=described(
+        f"{', '.join(SYNTHETIC)}, or a CSV trace in the Azure format (TIMESTAMP,ContextTokens,GeneratedTokens) to "
+        "replay."))
+    num_prompts: int = field(default=100, metadata=described("Requests in the run (a trace: its first N rows)."))
+    request_rate: float = field(default=math.inf, metadata=described(
+        "Requests/s (inf: all at once; a trace keeps its own timestamps unless set)."))
+    burstiness: float = field(default=1.0, metadata=described(
+        "Gamma shape of the gaps: 1 Poisson, < 1 burstier, > 1 smoother (CV 1/sqrt(b))."))
+    input_len: int = field(default=128, metadata=described("random: prompt tokens."))
+    output_len: int = field(default=32, metadata=described("random: output tokens."))
+    range_ratio: float = field(default=0.0, metadata=described(
+        "random: lengths uniform in [len*(1-r), len*(1+r)]."))
+    time_scale: float = field(default=1.0, metadata=described(
+        "trace: multiply its inter-arrival times (10: ten times slower)."))
+    max_prompt_tokens: int | None = field(default=None, metadata=described("Cap every prompt length."))
+    max_output_tokens: int | None = field(default=None, metadata=described("Cap every output length."))
+    seed: int = field(default=0, metadata=described("Seeds the lengths and the arrival times."))
 
     def __post_init__(self) -> None:
         if self.workload not in SYNTHETIC and not Path(self.workload).is_file():

@@ -15,18 +15,18 @@ machine; the README holds measured figures. transformers keeps its own float32 c
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from bench import FiguresOutput, headless_pyplot, save_results
+from bench.step_cost import decode_bytes, prefill_flops
 from engine import LLM, SamplingParams
 from engine.config import CACHE_DTYPES, DEFAULT_MODEL
 from engine.hf_checkpoint import export_hf_checkpoint
-from splitserve.bench import headless_pyplot, save_results
-from splitserve.bench.step_cost import decode_bytes, prefill_flops
+from runtime.config import described, parse_config
 
 PROMPT_LENS = (512, 1024)
 DECODE_BATCHES = (1, 8, 32)
@@ -179,7 +179,7 @@ def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("f
             del llm
             log(f"loading {model} (KV cache {cache_dtype}) ...")
             llm = engine_for(model, cache_dtype)
-        elem_bytes = llm.engine.runner.kv_cache.k[0].element_size()
+        elem_bytes = llm.engine.runner.kv_cache.element_size
         # Per batch size: its best round's step time, and the read bandwidth measured at that round's start, which
         # its floor is computed from (the machine's bandwidth drifts over minutes as its clock does).
         best = {b: (float("inf"), 0.0) for b in DECODE_BATCHES}
@@ -259,27 +259,28 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _cache_dtypes(text: str) -> tuple[str, ...]:
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
-    bad = [n for n in names if n not in CACHE_DTYPES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"cache dtypes must be among {', '.join(CACHE_DTYPES)}, got {text!r}")
-    return names
+@dataclass
+class EngineBenchConfig(FiguresOutput):
+    """Engine benchmark: splitserve's engine against `transformers` eager on the same weights, in one run."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=described("Model to load (tiny-random for a quick run)."))
+    steps: int = field(default=24, metadata=described("Decode steps timed per batch size."))
+    repeat: int = field(default=3, metadata=described("Prefill repetitions (best is kept)."))
+    cache_dtypes: list[str] = field(default_factory=lambda: ["float16", "float32"], metadata=described(
+        "Our engine's KV cache dtypes for the decode figures; the first also runs the prefill (transformers keeps "
+        "float32)."))
+    rounds: int = field(default=3, metadata=described("Interleaved decode rounds (best is kept)."))
+
+    def __post_init__(self) -> None:
+        if min(self.steps, self.repeat, self.rounds) < 1:
+            raise ValueError("steps, repeat and rounds must be >= 1")
+        if not self.cache_dtypes or not set(self.cache_dtypes) <= set(CACHE_DTYPES):
+            raise ValueError(f"cache_dtypes must be among {', '.join(CACHE_DTYPES)}, got {self.cache_dtypes}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="splitserve bench engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
-    parser.add_argument("--repeat", type=int, default=3, help="prefill repetitions (best is kept)")
-    parser.add_argument("--cache-dtypes", default="float16,float32", type=_cache_dtypes,
-                        help="our engine's KV cache dtypes for the decode figures, comma-separated; the first also "
-                             "runs the prefill (transformers keeps float32)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved decode rounds (best is kept)")
-    parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--plot", help="also draw the figures into this .png")
-    args = parser.parse_args(argv)
+    config = parse_config(EngineBenchConfig, argv, prog="splitserve bench engine")
     torch.manual_seed(0)
-    results = run(args.model, args.steps, args.repeat, args.cache_dtypes, args.rounds)
+    results = run(config.model, config.steps, config.repeat, tuple(config.cache_dtypes), config.rounds)
     report(results)
-    save_results(results, args.json, args.plot, plot)
+    save_results(results, config.json, config.plot, plot)

@@ -30,24 +30,21 @@ their schedule).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import json
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
-from engine.tokenizer_files import load_tokenizer
-from splitserve.bench.prompts import PromptFactory
-from splitserve.bench.serve_client import GrpcGenerate, HttpCompletions
-from splitserve.bench.serve_metrics import (
+from bench import FiguresOutput, save_results
+from bench.prompts import PromptFactory
+from bench.serve_client import GrpcGenerate, HttpCompletions
+from bench.serve_metrics import (
     SLO,
+    SLO_ATTAINMENT,
     Histogram,
     RequestRecord,
     distribution,
@@ -57,7 +54,11 @@ from splitserve.bench.serve_metrics import (
     percentile,
     summarize,
 )
-from splitserve.bench.workload import SYNTHETIC, RequestSpec, WorkloadConfig, build_workload
+from bench.serve_plots import plot_run, plot_sweep
+from bench.serve_run import ServeBenchConfig, ServeRun
+from bench.workload import RequestSpec, WorkloadConfig, build_workload
+from engine.tokenizer_files import load_tokenizer
+from runtime.config import described, parse_config, passed_to, passed_values
 
 # The router's request histograms (runtime/metrics.py, role="router"), by the client figure they match.
 ROUTER_HISTOGRAMS = {
@@ -69,65 +70,6 @@ ROUTER_HISTOGRAMS = {
 ROUTER_WITHIN_SLO = "splitserve_requests_within_slo_total"  # the router's own goodput count
 AGREEMENT = 0.10  # client and router medians of TTFT and TPOT should agree within 10%
 WARMUP_SPEC = dict(prompt_len=16, output_len=4)
-
-
-@dataclass
-class ServeBenchConfig:
-    """One run of ``bench serve`` (the library's way in; the command line fills it from flags)."""
-
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    backend: str = "http"  # http | grpc
-    base_url: str = "http://127.0.0.1:8000"  # the router's HTTP API: /v1/completions, /v1/models, /metrics
-    grpc_address: str = "127.0.0.1:50051"  # the router's gRPC API (backend grpc)
-    model: str | None = None  # None: the one the router serves (GET /v1/models)
-    tokenizer: str | None = None  # None: the model's (a name engine.tokenizer_files knows, a directory, a .gguf)
-    max_concurrency: int | None = None
-    prompt_format: str = "ids"  # ids (exact lengths) | text
-    shared_prefix: int = 0
-    temperature: float = 0.0
-    slo: SLO = field(default_factory=SLO)
-    request_timeout_s: float = 600.0
-    time_limit_s: float | None = None
-    warmup: int = 1
-    router_metrics: bool = True
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("http", "grpc"):
-            raise ValueError(f"backend must be http or grpc, got {self.backend!r}")
-        if self.prompt_format not in ("ids", "text"):
-            raise ValueError(f"prompt_format must be ids or text, got {self.prompt_format!r}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.shared_prefix < 0 or self.warmup < 0:
-            raise ValueError("shared_prefix and warmup must be >= 0")
-        if self.time_limit_s is not None and self.time_limit_s <= 0:
-            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
-
-    def endpoint(self) -> str:
-        return f"{self.base_url.rstrip('/')}/v1/completions" if self.backend == "http" else \
-            f"grpc://{self.grpc_address} splitserve.v1.Generation/Generate"
-
-
-@dataclass
-class ServeRun:
-    """What one run measured: every request's record, the figures, and the router's medians beside the client's."""
-
-    config: ServeBenchConfig
-    model: str
-    records: list[RequestRecord]
-    summary: dict
-    router: dict | None  # None: /metrics not scraped
-    max_in_flight: int
-
-    def to_json(self, detailed: bool = False) -> dict:
-        out = {"config": _config_json(self.config), "workload": self.config.workload.describe(), "model": self.model,
-               "endpoint": self.config.endpoint(), "summary": self.summary, "router": self.router,
-               "max_in_flight": self.max_in_flight}
-        if detailed:
-            out["requests"] = [dataclasses.asdict(r) | {"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e}
-                               for r in self.records]
-        return out
 
 
 # ------------------------------------------------------------------------------------------------- a run
@@ -344,7 +286,7 @@ def compare_with_router(records: list[RequestRecord], before: str, after: str) -
 # ------------------------------------------------------------------------------------------------ sweeps
 
 
-def run_sweep(config: ServeBenchConfig, rates: list[float], attainment: float = 0.9, refine: int = 0,
+def run_sweep(config: ServeBenchConfig, rates: list[float], attainment: float = SLO_ATTAINMENT, refine: int = 0,
               log=print, stop_at_miss: bool = False, prep: Preparation | None = None) -> dict:
     """The same seeded workload at each rate (then ``refine`` bisections between the last rate that met the
     targets and the first that did not); the highest rate meeting ``attainment`` before the first that did not.
@@ -495,141 +437,92 @@ def _kinds(failures: dict[str, int]) -> str:
     return ", ".join(f"{kind}: {count}" for kind, count in failures.items())
 
 
-def _config_json(config: ServeBenchConfig) -> dict:
-    out = dataclasses.asdict(config)
-    out["workload"]["request_rate"] = _finite_or_none(config.workload.request_rate)
-    return out
-
-
-def _finite_or_none(value: float) -> float | None:
-    return None if math.isinf(value) else value
-
-
 # ---------------------------------------------------------------------------------------------- command line
 
 
-def rate_arg(text: str) -> float:
-    rate = float(text)
-    if not rate > 0:
-        raise argparse.ArgumentTypeError(f"a request rate must be > 0 (inf: all at once), got {text}")
-    return rate
+EXAMPLES = """examples:
+  splitserve bench serve --request-rate 2 --num-prompts 100 --input-len 256 --output-len 64 \\
+      --goodput ttft:1000 tpot:150 --json run.json --plot run.png
+  splitserve bench serve --backend grpc --grpc-address 127.0.0.1:50051 --max-concurrency 8
+  splitserve bench serve --workload ../shared/workloads/AzureLLMInferenceTrace_conv.csv \\
+      --time-scale 20 --max-prompt-tokens 1024 --max-output-tokens 64 --num-prompts 200
+  splitserve bench serve --workload azure-code --sweep 0.25,0.5,1,2 --sweep-refine 2 \\
+      --goodput ttft:2000 tpot:200 --max-prompt-tokens 2048 --plot sweep.png
+pin the generator away from the servers on a small machine: taskset -c 1 python -m splitserve ..."""
 
 
-def rates_arg(text: str) -> list[float]:
-    return [rate_arg(t) for t in text.split(",") if t.strip()]
+@dataclass
+class ServeCommand(FiguresOutput):
+    """Drive a running router (HTTP or gRPC) with a seeded workload; report throughput, goodput and TTFT / TPOT /
+    ITL / E2E percentiles measured at the client, beside the router's own histograms.
 
+    The command line of ``bench serve``: the run's fields and the workload's come with their defaults and help
+    from ``ServeBenchConfig`` and ``WorkloadConfig`` (``runtime.config.passed_to``); the rest say what to do with
+    the runs."""
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="splitserve bench serve", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Drive a running router (HTTP or gRPC) with a seeded workload; report throughput, goodput and "
-                    "TTFT / TPOT / ITL / E2E percentiles measured at the client, beside the router's own histograms.",
-        epilog="examples:\n"
-               "  splitserve bench serve --request-rate 2 --num-prompts 100 --input-len 256 --output-len 64 \\\n"
-               "      --goodput ttft:1000 tpot:150 --json run.json --plot run.png\n"
-               "  splitserve bench serve --backend grpc --grpc-address 127.0.0.1:50051 --max-concurrency 8\n"
-               "  splitserve bench serve --workload ../shared/workloads/AzureLLMInferenceTrace_conv.csv \\\n"
-               "      --time-scale 20 --max-prompt-tokens 1024 --max-output-tokens 64 --num-prompts 200\n"
-               "  splitserve bench serve --workload azure-code --sweep 0.25,0.5,1,2 --sweep-refine 2 \\\n"
-               "      --goodput ttft:2000 tpot:200 --max-prompt-tokens 2048 --plot sweep.png\n"
-               "pin the generator away from the servers on a small machine: taskset -c 1 python -m splitserve ...")
-    target = parser.add_argument_group("the router")
-    target.add_argument("--backend", choices=("http", "grpc"), default="http",
-                        help="http: OpenAI /v1/completions, streamed (SSE); grpc: Generation/Generate, token_ids")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="the router's HTTP API; also where /v1/models and /metrics are read")
-    target.add_argument("--grpc-address", default="127.0.0.1:50051", help="the router's gRPC API (--backend grpc)")
-    target.add_argument("--model", help="model name to send (default: what /v1/models reports)")
-    target.add_argument("--tokenizer", help="the tokenizer's model name or path (default: the model's)")
-    target.add_argument("--no-router-metrics", action="store_true",
-                        help="do not scrape the router's /metrics before and after the run")
-    load = parser.add_argument_group("the workload")
-    load.add_argument("--workload", default="random",
-                      help=f"{', '.join(SYNTHETIC)}, or a CSV trace in the Azure format "
-                           "(TIMESTAMP,ContextTokens,GeneratedTokens) to replay")
-    load.add_argument("--num-prompts", type=int, default=100, help="requests in the run (a trace: its first N rows)")
-    load.add_argument("--request-rate", type=rate_arg, default=math.inf,
-                      help="requests/s (default inf: all at once; a trace keeps its own timestamps unless set)")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of the gaps: 1 Poisson, < 1 burstier, > 1 smoother (CV 1/sqrt(b))")
-    load.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
-    load.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
-    load.add_argument("--output-len", type=int, default=32, help="random: output tokens")
-    load.add_argument("--range-ratio", type=float, default=0.0,
-                      help="random: lengths uniform in [len*(1-r), len*(1+r)]")
-    load.add_argument("--time-scale", type=float, default=1.0,
-                      help="trace: multiply its inter-arrival times (10: ten times slower)")
-    load.add_argument("--max-prompt-tokens", type=int, help="cap every prompt length")
-    load.add_argument("--max-output-tokens", type=int, help="cap every output length")
-    load.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (prefix caching)")
-    load.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
-                      help="ids: token-id prompts of exact length; text: decoded text fitted to the length")
-    load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--seed", type=int, default=0)
-    measure = parser.add_argument_group("measuring")
-    measure.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
-                         help="targets a request must all meet to count as good: ttft:MS tpot:MS e2el:MS")
-    measure.add_argument("--sweep", type=rates_arg, metavar="RATES",
-                         help="comma-separated request rates to run in turn (needs --goodput)")
-    measure.add_argument("--sweep-refine", type=int, default=0, metavar="K",
-                         help="after the sweep, K bisections between the last rate meeting the targets and the next")
-    measure.add_argument("--slo-attainment", type=float, default=0.9,
-                         help="share of requests that must meet the targets for a rate to pass a sweep")
-    measure.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails")
-    measure.add_argument("--time-limit", type=float,
-                         help="seconds after which the run stops; requests still out are reported unfinished")
-    measure.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before the run")
-    measure.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", help="write the results to this file")
-    out.add_argument("--save-detailed", action="store_true", help="include every request's timings in the JSON")
-    out.add_argument("--plot", help="draw latency CDFs (and, for a sweep, goodput and p99 TPOT against the rate) "
-                                    "into this .png")
-    return parser.parse_args(argv)
+    backend: str = passed_to(ServeBenchConfig, name="backend")
+    base_url: str = passed_to(ServeBenchConfig, name="base_url")
+    grpc_address: str = passed_to(ServeBenchConfig, name="grpc_address")
+    model: str | None = passed_to(ServeBenchConfig, name="model")
+    tokenizer: str | None = passed_to(ServeBenchConfig, name="tokenizer")
+    router_metrics: bool = passed_to(ServeBenchConfig, name="router_metrics")
+    workload: str = passed_to(WorkloadConfig, name="workload")
+    num_prompts: int = passed_to(WorkloadConfig, name="num_prompts")
+    request_rate: float = passed_to(WorkloadConfig, name="request_rate")
+    burstiness: float = passed_to(WorkloadConfig, name="burstiness")
+    max_concurrency: int | None = passed_to(ServeBenchConfig, name="max_concurrency")
+    input_len: int = passed_to(WorkloadConfig, name="input_len")
+    output_len: int = passed_to(WorkloadConfig, name="output_len")
+    range_ratio: float = passed_to(WorkloadConfig, name="range_ratio")
+    time_scale: float = passed_to(WorkloadConfig, name="time_scale")
+    max_prompt_tokens: int | None = passed_to(WorkloadConfig, name="max_prompt_tokens")
+    max_output_tokens: int | None = passed_to(WorkloadConfig, name="max_output_tokens")
+    shared_prefix: int = passed_to(ServeBenchConfig, name="shared_prefix")
+    prompt_format: str = passed_to(ServeBenchConfig, name="prompt_format")
+    temperature: float = passed_to(ServeBenchConfig, name="temperature")
+    seed: int = passed_to(WorkloadConfig, name="seed")
+    goodput: list[str] = field(default_factory=list, metadata=described(
+        "Targets a request must all meet to count as good, NAME:MS: ttft:MS tpot:MS e2el:MS."))
+    sweep: list[float] = field(default_factory=list, metadata=described(
+        "Request rates to run in turn (needs --goodput); empty: one run at --request-rate."))
+    sweep_refine: int = field(default=0, metadata=described(
+        "After the sweep, K bisections between the last rate meeting the targets and the next."))
+    slo_attainment: float = field(default=SLO_ATTAINMENT, metadata=described(
+        "Share of requests that must meet the targets for a rate to pass a sweep."))
+    request_timeout_s: float = passed_to(ServeBenchConfig, name="request_timeout_s")
+    time_limit_s: float | None = passed_to(ServeBenchConfig, name="time_limit_s")
+    warmup: int = passed_to(ServeBenchConfig, name="warmup")
+    progress: bool = passed_to(ServeBenchConfig, name="progress")
+    save_detailed: bool = field(default=False, metadata=described("Include every request's timings in the JSON."))
 
+    def __post_init__(self) -> None:
+        if any(not rate > 0 for rate in self.sweep):
+            raise ValueError(f"sweep rates must be > 0, got {self.sweep}")
+        self.bench_config()  # every field's own checks, naming it, before anything runs
 
-def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
-    workload = WorkloadConfig(
-        workload=args.workload, num_prompts=args.num_prompts, request_rate=args.request_rate,
-        burstiness=args.burstiness, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, time_scale=args.time_scale, max_prompt_tokens=args.max_prompt_tokens,
-        max_output_tokens=args.max_output_tokens, seed=args.seed)
-    return ServeBenchConfig(
-        workload=workload, backend=args.backend, base_url=args.base_url, grpc_address=args.grpc_address,
-        model=args.model, tokenizer=args.tokenizer, max_concurrency=args.max_concurrency,
-        prompt_format=args.prompt_format, shared_prefix=args.shared_prefix, temperature=args.temperature,
-        slo=SLO.parse(args.goodput), request_timeout_s=args.request_timeout, time_limit_s=args.time_limit,
-        warmup=args.warmup, router_metrics=not args.no_router_metrics, progress=not args.no_progress)
+    def bench_config(self) -> ServeBenchConfig:
+        return ServeBenchConfig(workload=WorkloadConfig(**passed_values(self, WorkloadConfig)),
+                                slo=SLO.parse(self.goodput), **passed_values(self, ServeBenchConfig))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    command = parse_config(ServeCommand, argv, prog="splitserve bench serve", epilog=EXAMPLES)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    config = command.bench_config()
     try:
-        config = config_from_args(args)
-    except ValueError as error:
-        sys.exit(f"splitserve bench serve: {error}")
-    try:
-        if args.sweep:
-            sweep = run_sweep(config, args.sweep, args.slo_attainment, args.sweep_refine)
+        if command.sweep:
+            sweep = run_sweep(config, command.sweep, command.slo_attainment, command.sweep_refine)
         else:
             run = run_serve_benchmark(config)
     except (RuntimeError, ValueError) as error:  # the router is not there, or refuses even the warm-up
         sys.exit(f"splitserve bench serve: {error}")
-    if args.sweep:
+    if command.sweep:
         report_sweep(sweep)
-        results = {**sweep, "runs": [run.to_json(args.save_detailed) for run in sweep["runs"]]}
-        if args.plot:
-            from splitserve.bench.serve_plots import plot_sweep
-
-            plot_sweep(sweep, args.plot)
+        results = {**sweep, "runs": [run.to_json(command.save_detailed) for run in sweep["runs"]]}
+        draw = lambda _, path: plot_sweep(sweep, path)  # noqa: E731
     else:
         report(run)
-        results = run.to_json(args.save_detailed)
-        if args.plot:
-            from splitserve.bench.serve_plots import plot_run
-
-            plot_run(run, args.plot)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        results = run.to_json(command.save_detailed)
+        draw = lambda _, path: plot_run(run, path)  # noqa: E731
+    save_results(results, command.json, command.plot, draw)
     return results

@@ -19,28 +19,29 @@ the machine's two roofs: prefill sits at the compute roof, decode far left under
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from splitserve.bench import headless_pyplot, save_results
-from splitserve.bench.engine import matmul_peak, read_bandwidth
-from splitserve.bench.step_cost import (
+from bench import FiguresOutput, headless_pyplot, save_results
+from bench.engine import matmul_peak, read_bandwidth
+from bench.step_cost import (
     decode_bytes,
     decode_flops,
     kv_bytes_per_token,
     prefill_bytes,
     prefill_flops,
 )
+from engine.config import CACHE_DTYPES, DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from runtime.config import described, parse_config
 
 DEFAULT_PROMPT_LENS = (64, 256, 1024, 2048)
 DEFAULT_BATCHES = (1, 4, 16, 64)
@@ -52,18 +53,30 @@ WARMUP_STEPS = 2  # decode steps run before the timed ones
 
 
 @dataclass
-class PhasesConfig:
-    model: str = "smollm2-135m"
-    prompt_lens: tuple[int, ...] = DEFAULT_PROMPT_LENS
-    batches: tuple[int, ...] = DEFAULT_BATCHES
-    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
-    steps: int = 16
-    repeat: int = 2
-    cache_dtype: str = "float16"
-    seed: int = 0
-    machine_rounds: int = 3  # rounds of each machine measurement (best kept)
+class PhasesConfig(FiguresOutput):
+    """Prefill and decode of the engine on this machine: throughput, TTFT and step time against prompt length, batch
+    and context; FLOPs and bytes per step against the measured peak and bandwidth (a roofline)."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=described("Model to load (tiny-random for a quick run)."))
+    prompt_lens: list[int] = field(default_factory=lambda: list(DEFAULT_PROMPT_LENS), metadata=described(
+        "Prefill prompt lengths."))
+    batches: list[int] = field(default_factory=lambda: list(DEFAULT_BATCHES), metadata=described(
+        "Decode batch sizes."))
+    contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS), metadata=described(
+        "Decode context lengths."))
+    full: bool = field(default=False, metadata=described(
+        "The full grid (prompts 64..4096, batch 1..64 x context 128..4096), in place of the three above."))
+    steps: int = field(default=16, metadata=described("Decode steps timed per point (median kept)."))
+    repeat: int = field(default=2, metadata=described("Prefills per prompt length (best kept)."))
+    cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=described("The KV cache's dtype."))
+    seed: int = field(default=0, metadata=described("Seeds the prompts and torch."))
+    machine_rounds: int = field(default=3, metadata=described(
+        "Rounds of the peak and bandwidth measurements, before and after (best kept)."))
 
     def __post_init__(self) -> None:
+        if self.full:
+            self.prompt_lens, self.batches, self.contexts = (list(FULL_PROMPT_LENS), list(FULL_BATCHES),
+                                                             list(FULL_CONTEXTS))
         for name in ("prompt_lens", "batches", "contexts"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")
@@ -79,7 +92,7 @@ def run(config: PhasesConfig, log=print) -> dict:
     engine = _engine(config)
     cfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    elem_bytes = engine.runner.kv_cache.k[0].element_size()
+    elem_bytes = engine.runner.kv_cache.element_size
     log(f"{cfg.name}: {cfg.num_layers} layers, {weight_bytes / 1e6:.0f} MB of weights, KV cache {config.cache_dtype} "
         f"({kv_bytes_per_token(cfg, elem_bytes)} bytes per token)")
     rng = random.Random(config.seed)
@@ -106,8 +119,7 @@ def run(config: PhasesConfig, log=print) -> dict:
     for figures in list(prefill.values()) + list(decode.values()):
         figures["share_of_peak"] = figures["gflops"] / peak
         figures["floor_ms"] = figures["bytes_per_step"] / read / 1e6
-    return {"model": cfg.name, "config": {k: list(v) if isinstance(v, tuple) else v
-                                          for k, v in config.__dict__.items()},
+    return {"model": cfg.name, "config": dataclasses.asdict(config),
             "machine": {"matmul_gflops": peak, "read_gbps": read, "matmul_gflops_before": peak_before,
                         "read_gbps_before": read_before, "ridge_flop_per_byte": peak / read},
             "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
@@ -286,43 +298,16 @@ def _roofline(ax, results: dict) -> None:
 # ---------------------------------------------------------------------------------------------- command line
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+EXAMPLES = """The defaults finish in a few minutes on 2 cores. The full grid (about 6 GB of float16 KV cache for the
+largest decode point) is --full, or explicitly:
+  splitserve bench phases --prompt-lens 64,128,256,512,1024,2048,4096 --batches 1,2,4,8,16,32,64 \\
+      --contexts 128,256,512,1024,2048,4096 --json phases.json --plot phases.png"""
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="splitserve bench phases", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Prefill and decode of the engine on this machine: throughput, TTFT and step time against prompt "
-                    "length, batch and context; FLOPs and bytes per step against the measured peak and bandwidth "
-                    "(a roofline).",
-        epilog="The defaults finish in a few minutes on 2 cores. The full grid (prompts 64..4096, batch 1..64 x "
-               "context 128..4096;\nabout 6 GB of float16 KV cache for the largest decode point) is --full, or "
-               "explicitly:\n  splitserve bench phases --prompt-lens 64,128,256,512,1024,2048,4096 "
-               "--batches 1,2,4,8,16,32,64 \\\n      --contexts 128,256,512,1024,2048,4096 --json phases.json "
-               "--plot phases.png")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--prompt-lens", type=_ints, default=DEFAULT_PROMPT_LENS, help="prefill prompt lengths")
-    parser.add_argument("--batches", type=_ints, default=DEFAULT_BATCHES, help="decode batch sizes")
-    parser.add_argument("--contexts", type=_ints, default=DEFAULT_CONTEXTS, help="decode context lengths")
-    parser.add_argument("--full", action="store_true", help="the full grid (overrides the three above)")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per point (median kept)")
-    parser.add_argument("--repeat", type=int, default=2, help="prefills per prompt length (best kept)")
-    parser.add_argument("--cache-dtype", choices=CACHE_DTYPES, default="float16", help="the KV cache's dtype")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--machine-rounds", type=int, default=3,
-                        help="rounds of the peak and bandwidth measurements, before and after (best kept)")
-    parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--plot", help="also draw them (and the roofline) into this .png")
-    args = parser.parse_args(argv)
-    grid = (FULL_PROMPT_LENS, FULL_BATCHES, FULL_CONTEXTS) if args.full else (args.prompt_lens, args.batches,
-                                                                             args.contexts)
-    torch.manual_seed(args.seed)
-    results = run(PhasesConfig(args.model, *grid, steps=args.steps, repeat=args.repeat, cache_dtype=args.cache_dtype,
-                               seed=args.seed, machine_rounds=args.machine_rounds))
+    config = parse_config(PhasesConfig, argv, prog="splitserve bench phases", epilog=EXAMPLES)
+    torch.manual_seed(config.seed)
+    results = run(config)
     report(results)
-    save_results(results, args.json, args.plot, plot)
+    save_results(results, config.json, config.plot, plot)
     return results

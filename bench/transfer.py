@@ -21,7 +21,6 @@ Target: exposed transfer at most ``MAX_EXPOSED_SHARE`` of TTFT with the overlap 
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -29,22 +28,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import mean
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import DEFAULT_MODEL
+from bench import FiguresOutput, headless_pyplot, save_results
+from bench.codecs import reference_tokens
+from engine.config import DEFAULT_MODEL, CacheConfig
 from engine.tokenizer_files import load_tokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from splitserve.bench import headless_pyplot, save_results
-from splitserve.bench.codecs import reference_tokens
+from runtime.config import described, parse_config
+from runtime.kv_codecs import check_kv_codecs
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CODECS = ("none", "int8+zstd", "int4")
-BLOCK_SIZE = 16
+BLOCK_SIZE = CacheConfig.block_size
 MAX_EXPOSED_SHARE = 0.10  # the target, with the overlap on
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
 CALL_TIMEOUT_S = 120.0
@@ -263,18 +264,25 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+@dataclass
+class TransferBenchConfig(FiguresOutput):
+    """KV transfer benchmark: a prompt's KV pushed between real pods, layer-by-layer overlap on and off, per codec."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=described("Model the pods serve (tiny-random for a quick run)."))
+    codecs: list[str] = field(default_factory=lambda: list(DEFAULT_CODECS), metadata=described("Codecs to measure."))
+    prompt_tokens: int = field(default=1024, metadata=described("Tokens of each prompt pushed."))
+    requests: int = field(default=3, metadata=described("Measured calls per configuration."))
+    ready_timeout_s: float = field(default=300.0, metadata=described("How long the pods may take to load."))
+
+    def __post_init__(self) -> None:
+        check_kv_codecs("codecs", self.codecs)
+        if min(self.prompt_tokens, self.requests) < 1 or self.ready_timeout_s <= 0:
+            raise ValueError("prompt_tokens, requests and ready_timeout_s must be > 0")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="splitserve bench transfer", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated codec names")
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--requests", type=int, default=3, help="measured calls per configuration")
-    parser.add_argument("--ready-timeout-s", type=float, default=300.0, help="how long the pods may take to load")
-    parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--plot", help="also draw the figures into this .png")
-    args = parser.parse_args(argv)
-    results = run(args.model, [c for c in args.codecs.split(",") if c], args.prompt_tokens, args.requests,
-                  args.ready_timeout_s)
+    config = parse_config(TransferBenchConfig, argv, prog="splitserve bench transfer")
+    results = run(config.model, config.codecs, config.prompt_tokens, config.requests, config.ready_timeout_s)
     report(results)
-    save_results(results, args.json, args.plot, plot)
+    save_results(results, config.json, config.plot, plot)
     return results

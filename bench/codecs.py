@@ -22,30 +22,32 @@ The README holds measured figures.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench import FiguresOutput, headless_pyplot, save_results
 from engine import LLM, LLMEngine, SamplingParams
 from engine.attention import AttentionMetadata
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, CacheConfig
+from engine.kv_cache import KV_KINDS
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
-from splitserve.bench import headless_pyplot, save_results
+from runtime.config import described, parse_config
+from runtime.kv_codecs import check_kv_codecs
 
 REFERENCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT_TOKENS = 512
 SCORED_TOKENS = 256
 SPEED_CHUNK_TOKENS = 1024
-BLOCK_SIZE = 16
+BLOCK_SIZE = CacheConfig.block_size
 PROMPT_LENS = (100, 300)  # shortest and longest agreement prompt, in tokens
 BF16_BYTES = 2
 # (size ratio to bf16 at least, perplexity change in % at most)
@@ -124,15 +126,14 @@ class KVTally:
 def round_trip(engine: LLMEngine, seq: Sequence, num_tokens: int, codec: KVCodec, tally: KVTally) -> None:
     """Replace the KV of ``seq``'s first ``num_tokens`` tokens, every layer, K and V, by its codec round trip."""
     cache = engine.runner.kv_cache
-    slots = engine.slots_of(seq, 0, num_tokens)
+    slots = cache.slots(seq.block_table, 0, num_tokens)
     for layer in range(cache.num_layers):
-        for kind, pool in (("k", cache.k[layer]), ("v", cache.v[layer])):
-            flat = pool.view(-1, *pool.shape[2:])  # [num_blocks * block_size, H, D], sharing the pool's memory
-            original = flat[slots]  # [num_tokens, H, D], a copy
+        for kind in KV_KINDS:
+            original = cache.read(layer, kind, slots)  # [num_tokens, H, D]
             encoded = codec.encode(original, kind)
             decoded = codec.decode(encoded, original.device)
             tally.add(original, decoded, encoded)
-            flat[slots] = decoded
+            cache.write(layer, kind, slots, decoded)
 
 
 # ---- greedy agreement --------------------------------------------------------------------------------------------
@@ -215,8 +216,8 @@ def speed_chunk(engine: LLMEngine, tokens: list[int]) -> dict[str, torch.Tensor]
     try:
         forward(engine, seq, 0, SPEED_CHUNK_TOKENS)
         cache, layer = engine.runner.kv_cache, engine.model_config.num_layers // 2
-        slots = engine.slots_of(seq, 0, SPEED_CHUNK_TOKENS)
-        return {kind: pool[layer].flatten(0, 1)[slots] for kind, pool in (("k", cache.k), ("v", cache.v))}
+        slots = cache.slots(seq.block_table, 0, SPEED_CHUNK_TOKENS)
+        return {kind: cache.read(layer, kind, slots) for kind in KV_KINDS}
     finally:
         engine.release_transfer(seq)
 
@@ -351,20 +352,28 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+@dataclass
+class CodecsBenchConfig(FiguresOutput):
+    """KV codec benchmark: each codec's size, speed and model quality against the lossless path, in one run."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=described("Model to load (tiny-random for a quick run)."))
+    codecs: list[str] = field(default_factory=available_codecs, metadata=described(
+        "Codecs to measure (none is always measured: it is the baseline)."))
+    prompts: int = field(default=20, metadata=described("Greedy-agreement prompts."))
+    tokens: int = field(default=128, metadata=described("Greedy tokens per prompt."))
+    windows: int = field(default=6, metadata=described("Perplexity windows."))
+    repeat: int = field(default=10, metadata=described("Encode/decode timing runs (best is kept)."))
+
+    def __post_init__(self) -> None:
+        check_kv_codecs("codecs", self.codecs)
+        if min(self.prompts, self.tokens, self.windows, self.repeat) < 1:
+            raise ValueError("prompts, tokens, windows and repeat must be >= 1")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="splitserve bench codecs", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--codecs", default=",".join(available_codecs()),
-                        help="comma-separated codec names (none is always measured: it is the baseline)")
-    parser.add_argument("--prompts", type=int, default=20, help="greedy-agreement prompts")
-    parser.add_argument("--tokens", type=int, default=128, help="greedy tokens per prompt")
-    parser.add_argument("--windows", type=int, default=6, help="perplexity windows")
-    parser.add_argument("--repeat", type=int, default=10, help="encode/decode timing runs (best is kept)")
-    parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--plot", help="also draw the figures into this .png")
-    args = parser.parse_args(argv)
-    codecs = ["none", *(name for name in args.codecs.split(",") if name and name != "none")]
-    results = run(args.model, codecs, args.prompts, args.tokens, args.windows, args.repeat)
+    config = parse_config(CodecsBenchConfig, argv, prog="splitserve bench codecs")
+    codecs = ["none", *(name for name in config.codecs if name != "none")]
+    results = run(config.model, codecs, config.prompts, config.tokens, config.windows, config.repeat)
     report(results)
-    save_results(results, args.json, args.plot, plot)
+    save_results(results, config.json, config.plot, plot)
     return results
