@@ -5,8 +5,10 @@ checked in ``__post_init__``, so a bad value stops the pod at start, naming the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from engine.config import SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 from kvtransfer.codecs import available_codecs
 from runtime.config import member
 from runtime.pod import PodConfig
@@ -25,6 +27,15 @@ class DecodeConfig(PodConfig):
         "How long pushed KV waits for its Decode call when the push names no lease.")})
     accepted_kv_codecs: list[str] = field(default_factory=available_codecs, metadata={"help": (
         "KV codecs this pod decodes (comma-separated); pushes with others fail the handshake.")})
+    # Speculative decoding (engine/speculative.py, docs/speculative.md), vLLM's speculative_config as flags.
+    speculative_method: str = field(default="", metadata={"help": (
+        f"Speculative decoding: '' (off) or {', '.join(SPECULATIVE_METHODS)} (prompt lookup).")})
+    num_speculative_tokens: int = field(default=SpeculativeConfig.num_speculative_tokens, metadata={"help": (
+        "Most draft tokens a request verifies per step (each request adapts below it to its acceptance).")})
+    prompt_lookup_max: int = field(default=SpeculativeConfig.prompt_lookup_max, metadata={"help": (
+        "ngram: longest suffix looked up in the prompt and output.")})
+    prompt_lookup_min: int = field(default=SpeculativeConfig.prompt_lookup_min, metadata={"help": (
+        "ngram: shortest suffix looked up.")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -37,3 +48,12 @@ class DecodeConfig(PodConfig):
         if unknown or not self.accepted_kv_codecs:
             raise ValueError(f"accepted_kv_codecs must name some of {', '.join(available_codecs())}, got "
                              f"{self.accepted_kv_codecs!r}")
+
+    def engine_config(self) -> EngineConfig:
+        return dataclasses.replace(super().engine_config(), speculative=self.speculative_config())
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if not self.speculative_method:
+            return None
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
+                                 self.prompt_lookup_min)

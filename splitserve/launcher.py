@@ -40,7 +40,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import DEFAULT_MODEL, SchedulerConfig
+from engine.config import DEFAULT_MODEL, SchedulerConfig, SpeculativeConfig
 from router.policies import PolicyName
 from router.server import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S
 from runtime.config import described, flag_name, member, parse_config
@@ -89,6 +89,14 @@ class UpConfig:
     long_prefill_token_threshold: int = field(default=SchedulerConfig.long_prefill_token_threshold,
                                               metadata=described(
         "Prompts longer than this prefill in chunks of this many tokens."))
+    speculative_method: str = field(default="", metadata=described(
+        "Speculative decoding on the decode and mixed pods: '' (off) or ngram (prompt lookup)."))
+    num_speculative_tokens: int = field(default=SpeculativeConfig.num_speculative_tokens, metadata=described(
+        "Most draft tokens a request verifies per step."))
+    prompt_lookup_max: int = field(default=SpeculativeConfig.prompt_lookup_max, metadata=described(
+        "ngram: longest suffix looked up."))
+    prompt_lookup_min: int = field(default=SpeculativeConfig.prompt_lookup_min, metadata=described(
+        "ngram: shortest suffix looked up."))
     shutdown_grace_s: float = field(default=10.0, metadata=described(
         "On stop, time each pod's in-flight calls get to finish (the launcher waits this + 10 s, then kills)."))
     inject_corrupt_chunks: float = field(default=0.0, metadata=described(
@@ -124,6 +132,9 @@ class UpConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         # The engine's own checks, so that a bad value fails here, naming its field, not in every pod.
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
+        if self.speculative_method:
+            SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
+                              self.prompt_lookup_min)
         self.tls.check()
 
     def cpu_sets(self) -> dict[Role, frozenset[int]]:
@@ -150,6 +161,8 @@ class UpConfig:
 # UpConfig fields every pod gets under the same flag name (runtime.config.flag_name); the router's likewise.
 POD_FLAGS = ("model", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
              "shutdown_grace_s")
+# Speculative decoding reaches the decode and mixed pods (decode_service/config.py).
+DECODE_POD_FLAGS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 ROUTER_FLAGS = ("model", "policy", "kv_codec", "conditional_prefill_threshold", "conditional_prefill_queue_s")
 
 
@@ -250,7 +263,7 @@ class Cluster:
             flags += ["--kv-codec", c.kv_codec]
             flags += ["--inject-corrupt-chunks", str(c.inject_corrupt_chunks)] if c.inject_corrupt_chunks else []
         else:
-            flags += ["--role", str(pod.role)]
+            flags += ["--role", str(pod.role), *_passed(c, DECODE_POD_FLAGS)]
         if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]
         return flags + self._tls_flags()

@@ -189,6 +189,40 @@ def test_rejected_drafts_kv_is_never_read(llm_pair):
     assert [seq.output_token_ids for seq in seqs] == expected
 
 
+def test_a_resumed_request_keeps_its_tokens_once_and_continues_exactly(llm_pair):
+    """Migration: another pod gets the prompt and the tokens already sent as ``resume_token_ids``."""
+    plain, spec = llm_pair
+    prompt = _prompts(plain.engine.model_config.vocab_size)[0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    whole = plain.generate(prompt, params)[0].token_ids
+    for split in (1, 13, 30):
+        seq = spec.engine.add_request(f"resumed-{split}", prompt, params, resume_token_ids=whole[:split])
+        while not seq.is_finished:
+            spec.engine.step()
+        assert seq.output_token_ids == whole
+
+
+def test_preemption_under_speculation_gives_the_same_tokens_as_a_roomy_pool():
+    prompts = [list(range(3 + i, 40 + i)) * 2 for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    tight = LLM(model="tiny-random", num_blocks=24, block_size=16, speculative_config=FIXED_K)
+    roomy = LLM(model="tiny-random", num_blocks=512, block_size=16)
+    preempted = []
+    step = tight.engine.step
+
+    def counting_step():
+        updated = step()
+        preempted.append(tight.engine.last_step.num_preempted if tight.engine.last_step else 0)
+        return updated
+
+    tight.engine.step = counting_step
+    squeezed = tight.generate(prompts, params)
+    assert sum(preempted) > 0, "the pool was not tight enough to preempt"
+    assert [out.token_ids for out in squeezed] == [out.token_ids for out in roomy.generate(prompts, params)]
+    assert tight.engine.spec_decode.num_accepted_tokens > 0
+    assert tight.engine.block_manager.num_free_blocks == 24
+
+
 # ---- the acceptance rule keeps the target distribution ---------------------------------------------------------
 
 
