@@ -9,6 +9,7 @@
   splitserve bench compare [--topologies ...]           disaggregated vs colocated vs conditional on the same cores
   splitserve bench phases [--prompt-lens ...]           prefill and decode on this machine: throughput, roofline
   splitserve bench soak [--duration 180 ...]            a cluster under load with injected faults: failures, leaks
+  splitserve bench spec [--batches 1,4,16 ...]          speculative decoding on vs off: tokens/s, TPOT, acceptance
   splitserve build-kernels                              build the engine's native CPU kernels now (set-up does)
 """
 
@@ -51,7 +52,7 @@ def _bench(argv: list[str]) -> None:
     benches = {"engine": "splitserve.bench.engine", "codecs": "splitserve.bench.codecs",
                "transfer": "splitserve.bench.transfer", "serve": "splitserve.bench.serve",
                "compare": "splitserve.bench.compare", "phases": "splitserve.bench.phases",
-               "soak": "splitserve.bench.soak"}
+               "soak": "splitserve.bench.soak", "spec": "splitserve.bench.spec"}
     if not argv or argv[0] not in benches:
         sys.exit(f"usage: splitserve bench {{{'|'.join(benches)}}} [options]")
     _delegate(benches[argv[0]])(argv[1:])
