@@ -29,13 +29,14 @@ class DecodeConfig(PodConfig):
         "KV codecs this pod decodes (comma-separated); pushes with others fail the handshake.")})
     # Speculative decoding (engine/speculative.py, docs/speculative.md), vLLM's speculative_config as flags.
     speculative_method: str = field(default="", metadata={"help": (
-        f"Speculative decoding: '' (off) or {', '.join(SPECULATIVE_METHODS)} (prompt lookup).")})
+        f"Speculative decoding: '' (off) or {', '.join(SPECULATIVE_METHODS)} (prompt lookup; suffix: also the pod's "
+        "recent responses).")})
     num_speculative_tokens: int = field(default=SpeculativeConfig.num_speculative_tokens, metadata={"help": (
         "Most draft tokens a request verifies per step (each request adapts below it to its acceptance).")})
     prompt_lookup_max: int = field(default=SpeculativeConfig.prompt_lookup_max, metadata={"help": (
-        "ngram: longest suffix looked up in the prompt and output.")})
+        "ngram, suffix: longest suffix looked up in the prompt and output (and, suffix, recent responses).")})
     prompt_lookup_min: int = field(default=SpeculativeConfig.prompt_lookup_min, metadata={"help": (
-        "ngram: shortest suffix looked up.")})
+        "ngram, suffix: shortest suffix looked up.")})
 
     def __post_init__(self) -> None:
         super().__post_init__()

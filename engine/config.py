@@ -112,7 +112,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 @dataclass
@@ -121,12 +121,14 @@ class SpeculativeConfig:
     to ``num_speculative_tokens`` proposed tokens at once (engine/speculative.py).
 
     ``ngram`` proposes the tokens that followed the latest earlier occurrence of the sequence's last n tokens, for n
-    from ``prompt_lookup_max`` down to ``prompt_lookup_min`` (prompt lookup decoding). ``adaptive`` lets each request
+    from ``prompt_lookup_max`` down to ``prompt_lookup_min`` (prompt lookup decoding). ``suffix`` also looks them up
+    in the engine's last ``suffix_decoding_max_cached_requests`` responses (as Arctic's suffix decoding and
+    llama.cpp's n-gram cache do), for the repetitive requests agents and code tools send. ``adaptive`` lets each request
     propose fewer tokens, or none, when its proposals are not being accepted, so that speculation does not slow it;
     ``False`` always proposes up to ``num_speculative_tokens`` (tests use it to exercise every rejection path).
     ``row_cost``: what one more row adds to a decode step, as a fraction of the step's cost at one row (reading the
-    weights); the adaptive draft length weighs it against the tokens a proposal is expected to yield. 0.15 is this
-    project's CPU kernels at 1 thread (docs/speculative.md); a GPU's is near 0.
+    weights); the adaptive draft length weighs it against the tokens a proposal is expected to yield. 0.2 is about
+    this project's CPU kernels at 1 thread, rounded up (docs/speculative.md); a GPU's is near 0.
     """
 
     method: str = "ngram"
@@ -134,7 +136,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     adaptive: bool = True
-    row_cost: float = 0.15
+    row_cost: float = 0.2
+    suffix_decoding_max_cached_requests: int = 256
 
     def __post_init__(self) -> None:
         if not (isinstance(self.row_cost, (int, float)) and 0 <= self.row_cost <= 10):
@@ -143,6 +146,9 @@ class SpeculativeConfig:
             raise ValueError(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        if not isinstance(self.suffix_decoding_max_cached_requests, int) or self.suffix_decoding_max_cached_requests < 1:
+            raise ValueError(f"suffix_decoding_max_cached_requests must be an integer >= 1, got "
+                             f"{self.suffix_decoding_max_cached_requests!r}")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be an integer >= 1, got {self.prompt_lookup_min!r}")
         if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:

@@ -114,7 +114,10 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str) -> Sequence | None:
-        return self.scheduler.abort(request_id)
+        seq = self.scheduler.abort(request_id)
+        if seq is not None and self.proposer is not None:
+            self.proposer.finished(seq)
+        return seq
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -143,6 +146,10 @@ class LLMEngine:
             raise EngineStepError(failed, exc) from exc
         self._count_accepted(scheduled, sampled, stats.spec_decode)
         updated = self.scheduler.update_from_output(scheduled, sampled)
+        if self.proposer is not None:
+            for seq in updated:
+                if seq.is_finished:
+                    self.proposer.finished(seq)
         stats.seconds = time.perf_counter() - started
         self.last_step = stats
         return updated

@@ -41,7 +41,7 @@ from engine.sequence import Sequence
 # How fast a request's acceptance history forgets: the weight of the older observations after each new one.
 ACCEPTANCE_DECAY = 0.8
 # The acceptance rate a request starts from (as this many pseudo-observations), before its own proposals are judged.
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 2.0
 # A request that stopped speculating proposes one token again after this many steps, doubling up to the maximum
 # while those probes fail: what it pays for finding out that its text became predictable is a fraction of a row.
 FIRST_BACKOFF_STEPS, MAX_BACKOFF_STEPS = 4, 64
@@ -66,28 +66,76 @@ class NgramIndex:
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> index just past its latest indexed occurrence
         self._indexed_to = 0  # n-grams ending at indices < this are indexed
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """``k`` tokens that followed the latest earlier occurrence of the longest suffix found (none when no suffix
-        of at least ``n_min`` tokens occurred before)."""
+    def match(self, seq: Sequence) -> tuple[int, int] | None:
+        """(n, end) of the longest suffix of ``seq`` that occurred before, ending at ``end``; None if none did."""
         num_tokens = seq.num_tokens
         # Index every n-gram that ends before the last token: the suffix itself must not be its own match.
-        self._index(seq, num_tokens - 1)
+        if num_tokens - 1 > self._indexed_to:
+            start = max(0, self._indexed_to - self.n_max + 1)
+            tokens = seq.token_slice(start, num_tokens - 1)
+            for ngram, end in ngrams(tokens, self._indexed_to + 1 - start, len(tokens), self.n_min, self.n_max):
+                self._ends[ngram] = start + end
+            self._indexed_to = num_tokens - 1
         tail = seq.token_slice(max(0, num_tokens - self.n_max), num_tokens)
         for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
             end = self._ends.get(tuple(tail[len(tail) - n:]))
             if end is not None:
-                return _copy_on(seq.token_slice(end, min(end + k, num_tokens)), num_tokens - end, k)
-        return []
+                return n, end
+        return None
 
-    def _index(self, seq: Sequence, up_to: int) -> None:
-        if up_to <= self._indexed_to:
-            return
-        start = max(0, self._indexed_to - self.n_max + 1)
-        tokens = seq.token_slice(start, up_to)
-        for end in range(self._indexed_to + 1, up_to + 1):
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                self._ends[tuple(tokens[end - n - start:end - start])] = end
-        self._indexed_to = up_to
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """``k`` tokens that followed the latest earlier occurrence of the longest suffix found (none when no suffix
+        of at least ``n_min`` tokens occurred before)."""
+        found = self.match(seq)
+        if found is None:
+            return []
+        end, num_tokens = found[1], seq.num_tokens
+        return _copy_on(seq.token_slice(end, min(end + k, num_tokens)), num_tokens - end, k)
+
+
+def ngrams(tokens: list[int], first_end: int, last_end: int, n_min: int, n_max: int):
+    """(n-gram, end) of every n-gram of ``tokens`` ending at ``first_end`` .. ``last_end`` (exclusive ends, both
+    included), ``n_min`` <= n <= ``n_max``, shorter ones first."""
+    for end in range(max(first_end, n_min), last_end + 1):
+        for n in range(n_min, min(n_max, end) + 1):
+            yield tuple(tokens[end - n:end]), end
+
+
+class ResponseCache:
+    """The ``suffix`` method's memory of the pod's recent responses: every n-gram of the last
+    ``max_responses`` responses (each with the end of its prompt, so that an answer's first tokens are found too),
+    mapped to where its latest occurrence ends. Agents and code tools send requests whose answers repeat earlier
+    ones; a request's suffix found here proposes what followed it there."""
+
+    def __init__(self, n_min: int, n_max: int, max_responses: int):
+        self.n_min, self.n_max, self.max_responses = n_min, n_max, max_responses
+        self._responses: dict[int, list[int]] = {}  # response number -> its tokens, oldest first
+        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (response number, end)
+        self._count = 0
+
+    def add(self, seq: Sequence) -> None:
+        tokens = seq.prompt_token_ids[-self.n_max:] + seq.output_token_ids
+        number, self._count = self._count, self._count + 1
+        self._responses[number] = tokens
+        for ngram, end in ngrams(tokens, self.n_min, len(tokens) - 1, self.n_min, self.n_max):
+            self._ends[ngram] = (number, end)
+        if len(self._responses) > self.max_responses:
+            self._forget(next(iter(self._responses)))
+
+    def _forget(self, number: int) -> None:
+        tokens = self._responses.pop(number)
+        for ngram, _ in ngrams(tokens, self.n_min, len(tokens) - 1, self.n_min, self.n_max):
+            if self._ends.get(ngram, (None,))[0] == number:
+                del self._ends[ngram]
+
+    def match(self, tail: list[int]) -> tuple[int, list[int]] | None:
+        """(n, the tokens that followed) for the longest suffix of ``tail`` found; None when none is."""
+        for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
+            found = self._ends.get(tuple(tail[len(tail) - n:]))
+            if found is not None:
+                number, end = found
+                return n, self._responses[number][end:]
+        return None
 
 
 def _copy_on(copied: list[int], period: int, k: int) -> list[int]:
@@ -180,10 +228,12 @@ class SpecDecodeCounts:
 
 
 class SpeculativeProposer:
-    """The engine's proposer: ``propose`` before each step, ``observe`` after it."""
+    """The engine's proposer: ``propose`` before each step, ``observe`` after it, ``finished`` as a request ends."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self.responses = ResponseCache(config.prompt_lookup_min, config.prompt_lookup_max,
+                                       config.suffix_decoding_max_cached_requests) if config.method == "suffix" else None
 
     def propose(self, decoding: list[Sequence]) -> None:
         """Set ``draft_token_ids`` of each sequence that decodes next step (``decoding``, all of them)."""
@@ -191,12 +241,28 @@ class SpeculativeProposer:
         for seq in decoding:
             state = seq.speculation or self._new_state(seq)
             k = state.length.choose(step_rows, step_tokens, self.config.row_cost)
-            seq.draft_token_ids = state.index.propose(seq, k) if k else []
+            seq.draft_token_ids = self._draft(seq, state, k) if k else []
             step_rows += len(seq.draft_token_ids)
             step_tokens += state.length.expected_tokens(len(seq.draft_token_ids)) - 1
 
+    def _draft(self, seq: Sequence, state: DraftState, k: int) -> list[int]:
+        if self.responses is None:
+            return state.index.propose(seq, k)
+        # suffix: the longer match of the request's own tokens and the pod's recent responses (its own on a tie).
+        own = state.index.match(seq)
+        cached = self.responses.match(seq.token_slice(max(0, seq.num_tokens - self.config.prompt_lookup_max),
+                                                      seq.num_tokens))
+        if cached is not None and (own is None or cached[0] > own[0]):
+            return cached[1][:k]
+        return state.index.propose(seq, k) if own is not None else []
+
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         seq.speculation.length.observe(num_proposed, num_accepted)
+
+    def finished(self, seq: Sequence) -> None:
+        """A request ended (finished or aborted): the suffix method remembers its response."""
+        if self.responses is not None and seq.output_token_ids:
+            self.responses.add(seq)
 
     def _new_state(self, seq: Sequence) -> DraftState:
         config = self.config

@@ -90,13 +90,13 @@ class UpConfig:
                                               metadata=described(
         "Prompts longer than this prefill in chunks of this many tokens."))
     speculative_method: str = field(default="", metadata=described(
-        "Speculative decoding on the decode and mixed pods: '' (off) or ngram (prompt lookup)."))
+        "Speculative decoding on the decode and mixed pods: '' (off), ngram (prompt lookup) or suffix (also recent responses)."))
     num_speculative_tokens: int = field(default=SpeculativeConfig.num_speculative_tokens, metadata=described(
         "Most draft tokens a request verifies per step."))
     prompt_lookup_max: int = field(default=SpeculativeConfig.prompt_lookup_max, metadata=described(
-        "ngram: longest suffix looked up."))
+        "ngram, suffix: longest suffix looked up."))
     prompt_lookup_min: int = field(default=SpeculativeConfig.prompt_lookup_min, metadata=described(
-        "ngram: shortest suffix looked up."))
+        "ngram, suffix: shortest suffix looked up."))
     shutdown_grace_s: float = field(default=10.0, metadata=described(
         "On stop, time each pod's in-flight calls get to finish (the launcher waits this + 10 s, then kills)."))
     inject_corrupt_chunks: float = field(default=0.0, metadata=described(

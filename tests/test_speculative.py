@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.sampler import Sampler, SamplingRow
 from engine.sequence import Sequence
-from engine.speculative import FIRST_BACKOFF_STEPS, DraftLength, NgramIndex, accept_drafts
+from engine.speculative import FIRST_BACKOFF_STEPS, DraftLength, NgramIndex, ResponseCache, accept_drafts
 from tests.test_sampler import chi_square
 
 FIXED_K = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
@@ -67,6 +67,18 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longe
 def test_ngram_in_a_loop_proposes_the_loop():
     index = NgramIndex(n_min=1, n_max=2)
     assert index.propose(_seq([5, 1, 2, 1, 2]), 5) == [1, 2, 1, 2, 1]  # the copy overlaps its own output
+
+
+def test_response_cache_finds_the_longest_suffix_in_recent_responses_and_forgets_the_oldest():
+    cache = ResponseCache(n_min=2, n_max=3, max_responses=2)
+    cache.add(_seq([1, 2, 3, 9, 4, 5, 6, 7], split=4))  # indexed: the prompt's last 3 tokens, then the output
+    cache.add(_seq([8, 8, 4, 5, 20, 21], split=2))
+    assert cache.match([0, 4, 5]) == (2, [20, 21])  # "4 5": the latest response that has it
+    assert cache.match([9, 4, 5]) == (3, [6, 7])  # "9 4 5" only in the first, and longer
+    assert cache.match([2, 3, 9]) == (3, [4, 5, 6, 7])  # an answer's first tokens, from its prompt's end
+    cache.add(_seq([30, 31, 32], split=1))  # a third response: the first is forgotten
+    assert cache.match([9, 4, 5]) == (2, [20, 21])
+    assert cache.match([2, 3, 9]) is None
 
 
 def test_accept_drafts_keeps_rows_up_to_the_first_disagreement():
@@ -221,6 +233,28 @@ def test_preemption_under_speculation_gives_the_same_tokens_as_a_roomy_pool():
     assert [out.token_ids for out in squeezed] == [out.token_ids for out in roomy.generate(prompts, params)]
     assert tight.engine.spec_decode.num_accepted_tokens > 0
     assert tight.engine.block_manager.num_free_blocks == 24
+
+
+def test_suffix_method_is_exact_and_proposes_earlier_responses():
+    """The same request twice (an agent's retry): the second's answer is proposed from the first's from its first
+    token on, where its own prompt and output have little to match yet."""
+    plain = LLM(model="tiny-random", num_blocks=256)
+    engines = {method: LLM(model="tiny-random", num_blocks=256, speculative_config={**FIXED_K, "method": method})
+               for method in ("ngram", "suffix")}
+    prompts = _prompts(plain.engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    accepted = {}
+    for method, llm in engines.items():
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        before = llm.engine.spec_decode.num_accepted_tokens
+        again = llm.generate(prompts[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        assert again.token_ids == expected[2][:12]
+        accepted[method] = llm.engine.spec_decode.num_accepted_tokens - before
+        assert llm.engine.block_manager.num_free_blocks == 256
+    # 12 tokens: the first from the prefill, then 3 steps of 4 drafts accepted and the model's own token (the last
+    # step has room for none): every draft accepted, where prompt lookup alone misses some.
+    assert accepted["suffix"] == 8 > accepted["ngram"]
 
 
 # ---- the acceptance rule keeps the target distribution ---------------------------------------------------------
