@@ -112,7 +112,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 
 
 @dataclass
@@ -123,7 +123,9 @@ class SpeculativeConfig:
     ``ngram`` proposes the tokens that followed the latest earlier occurrence of the sequence's last n tokens, for n
     from ``prompt_lookup_max`` down to ``prompt_lookup_min`` (prompt lookup decoding). ``suffix`` also looks them up
     in the engine's last ``suffix_decoding_max_cached_requests`` responses (as Arctic's suffix decoding and
-    llama.cpp's n-gram cache do), for the repetitive requests agents and code tools send. ``adaptive`` lets each request
+    llama.cpp's n-gram cache do), for the repetitive requests agents and code tools send. ``draft`` runs ``model``, a
+    smaller model of the same tokenizer, with its own paged KV on the same engine (engine/draft_model.py); a
+    random-weight draft is built with ``draft_seed`` (None: the engine's seed). ``adaptive`` lets each request
     propose fewer tokens, or none, when its proposals are not being accepted, so that speculation does not slow it;
     ``False`` always proposes up to ``num_speculative_tokens`` (tests use it to exercise every rejection path).
     ``row_cost``: what one more row adds to a decode step, as a fraction of the step's cost at one row (reading the
@@ -138,6 +140,8 @@ class SpeculativeConfig:
     adaptive: bool = True
     row_cost: float = 0.2
     suffix_decoding_max_cached_requests: int = 256
+    model: str | None = None
+    draft_seed: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.row_cost, (int, float)) and 0 <= self.row_cost <= 10):
@@ -146,6 +150,9 @@ class SpeculativeConfig:
             raise ValueError(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError(f"model (the draft model) is required by method 'draft' and only by it; got method "
+                             f"{self.method!r} and model {self.model!r}")
         if not isinstance(self.suffix_decoding_max_cached_requests, int) or self.suffix_decoding_max_cached_requests < 1:
             raise ValueError(f"suffix_decoding_max_cached_requests must be an integer >= 1, got "
                              f"{self.suffix_decoding_max_cached_requests!r}")

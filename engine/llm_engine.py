@@ -20,6 +20,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_kernels import KernelChoice
+from engine.draft_model import DraftModel
 from engine.model_files import load_model_files
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -79,7 +80,7 @@ class LLMEngine:
             config.scheduler, self.block_manager, eos_ids, self.model_config.max_position_embeddings
         )
         self.kv_export: KVExportHook | None = None
-        self.proposer = SpeculativeProposer(config.speculative) if config.speculative else None
+        self.proposer = self._proposer(config, loaded.tokenizer) if config.speculative else None
         self.spec_decode = SpecDecodeCounts()  # since the engine started
         self.last_step: StepStats | None = None  # the latest step that ran
         logger.info(
@@ -87,6 +88,15 @@ class LLMEngine:
             self.model_config.name, self.model_config.num_layers,
             self.runner.kv_cache.num_blocks, config.cache.block_size, self.compute_path,
         )
+
+    def _proposer(self, config: EngineConfig, tokenizer) -> SpeculativeProposer:
+        if config.speculative.method != "draft":
+            return SpeculativeProposer(config.speculative)
+        draft = DraftModel(config, self.model_config, tokenizer, self.runner.kv_cache.num_blocks)
+        logger.info("draft model %s: %.0f%% of the target's parameters", draft.config.name,
+                    100 * draft.parameter_ratio(self.runner.model))
+        return SpeculativeProposer(config.speculative, draft, self.block_manager,
+                                   draft.parameter_ratio(self.runner.model))
 
     @property
     def compute_path(self) -> KernelChoice:

@@ -152,8 +152,9 @@ class DraftLength:
 
     Acceptance is modelled per position (a draft is accepted with probability ``a`` once the ones before it were),
     estimated from the request's recent steps: a step that proposed k and accepted m judged min(m + 1, k) drafts and
-    accepted m. Proposing k tokens yields 1 + a + ... + a^k tokens per step and costs k more rows; ``choose`` takes
-    the k that most raises the step's tokens per second, given the rows and tokens the step already has. When that
+    accepted m. Proposing k tokens yields 1 + a + ... + a^k tokens per step and costs k more rows (and, for a draft
+    model, k draft steps); ``choose`` takes the k that most raises the step's tokens per second, given the cost and
+    tokens the step already has. When that
     is none, the request stops speculating and probes again later with a single token (backing off while it fails).
     """
 
@@ -168,20 +169,21 @@ class DraftLength:
     def acceptance(self) -> float:
         return self.accepted / self.judged
 
-    def choose(self, step_rows: int, step_tokens: float, row_cost: float) -> int:
-        """Tokens to propose, joining a step of ``step_rows`` rows expected to yield ``step_tokens`` tokens (this
-        request's own row and token included), where one row costs ``row_cost`` times the step's fixed cost."""
+    def choose(self, step_cost: float, step_tokens: float, draft_cost: float) -> int:
+        """Tokens to propose, joining a step that costs ``step_cost`` (1: the step's fixed cost, reading the weights;
+        each row and each proposal adds its share) and is expected to yield ``step_tokens`` tokens (this request's
+        own row and token included), where each draft adds ``draft_cost``."""
         if not self.adaptive:
             return self.max_tokens
         if self.skip_steps > 0:
             self.skip_steps -= 1
             return 1 if self.skip_steps == 0 else 0  # the probe
         a = self.acceptance
-        best_k, best_rate = 0, step_tokens / (1 + row_cost * step_rows)
+        best_k, best_rate = 0, step_tokens / step_cost
         gain = 0.0
         for k in range(1, self.max_tokens + 1):
             gain += a**k
-            rate = (step_tokens + gain) / (1 + row_cost * (step_rows + k))
+            rate = (step_tokens + gain) / (step_cost + draft_cost * k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
@@ -202,10 +204,13 @@ class DraftLength:
 
 @dataclass
 class DraftState:
-    """A request's speculation: its n-gram index and its draft length."""
+    """A request's speculation: its n-gram index, its draft length, and how many of its tokens a draft model's KV
+    holds (engine/draft_model.py)."""
 
     index: NgramIndex
     length: DraftLength
+    draft_computed: int = 0
+    draft_preemptions: int = 0  # seq.num_preemptions when draft_computed was set: a preemption drops the KV
 
 
 @dataclass
@@ -228,24 +233,40 @@ class SpecDecodeCounts:
 
 
 class SpeculativeProposer:
-    """The engine's proposer: ``propose`` before each step, ``observe`` after it, ``finished`` as a request ends."""
+    """The engine's proposer: ``propose`` before each step, ``observe`` after it, ``finished`` as a request ends.
 
-    def __init__(self, config: SpeculativeConfig):
+    ``draft_model`` (the ``draft`` method: engine/draft_model.py) proposes with a model, into slots that
+    ``block_manager`` allocates for the drafts before the scheduler runs; ``draft_cost`` is what one draft step costs
+    next to a target step."""
+
+    def __init__(self, config: SpeculativeConfig, draft_model=None, block_manager=None, draft_cost: float = 0.0):
         self.config = config
+        self.draft_model, self.block_manager = draft_model, block_manager
+        self.draft_cost = config.row_cost + draft_cost
         self.responses = ResponseCache(config.prompt_lookup_min, config.prompt_lookup_max,
                                        config.suffix_decoding_max_cached_requests) if config.method == "suffix" else None
 
     def propose(self, decoding: list[Sequence]) -> None:
         """Set ``draft_token_ids`` of each sequence that decodes next step (``decoding``, all of them)."""
-        step_rows, step_tokens = len(decoding), float(len(decoding))
+        step_cost, step_tokens = 1 + self.config.row_cost * len(decoding), float(len(decoding))
+        by_model: list[tuple[Sequence, int]] = []
         for seq in decoding:
             state = seq.speculation or self._new_state(seq)
-            k = state.length.choose(step_rows, step_tokens, self.config.row_cost)
-            seq.draft_token_ids = self._draft(seq, state, k) if k else []
-            step_rows += len(seq.draft_token_ids)
-            step_tokens += state.length.expected_tokens(len(seq.draft_token_ids)) - 1
+            k = state.length.choose(step_cost, step_tokens, self.draft_cost)
+            seq.draft_token_ids = []
+            if self.draft_model is None:
+                seq.draft_token_ids = self._lookup(seq, state, k) if k else []
+                k = len(seq.draft_token_ids)
+            elif k and self.block_manager.allocate_slots(seq, k):  # the draft writes KV at the drafts' positions
+                by_model.append((seq, k))
+            else:
+                k = 0
+            step_cost += self.draft_cost * k
+            step_tokens += state.length.expected_tokens(k) - 1
+        if by_model:
+            self.draft_model.propose([seq for seq, _ in by_model], [k for _, k in by_model])
 
-    def _draft(self, seq: Sequence, state: DraftState, k: int) -> list[int]:
+    def _lookup(self, seq: Sequence, state: DraftState, k: int) -> list[int]:
         if self.responses is None:
             return state.index.propose(seq, k)
         # suffix: the longer match of the request's own tokens and the pod's recent responses (its own on a tie).
@@ -257,7 +278,13 @@ class SpeculativeProposer:
         return state.index.propose(seq, k) if own is not None else []
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        """The step verified ``num_proposed`` drafts of ``seq`` and accepted ``num_accepted`` (before its tokens are
+        appended)."""
         seq.speculation.length.observe(num_proposed, num_accepted)
+        if self.draft_model is not None:
+            # The draft's KV holds the tokens it fed back, d0..d(k-2): those accepted are the sequence's now.
+            seq.speculation.draft_computed = seq.num_tokens + min(num_accepted, num_proposed - 1)
+            seq.speculation.draft_preemptions = seq.num_preemptions
 
     def finished(self, seq: Sequence) -> None:
         """A request ended (finished or aborted): the suffix method remembers its response."""

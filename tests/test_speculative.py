@@ -214,22 +214,29 @@ def test_a_resumed_request_keeps_its_tokens_once_and_continues_exactly(llm_pair)
         assert seq.output_token_ids == whole
 
 
+def _generate_counting_preemptions(llm: LLM, prompts, params):
+    preempted = []
+    step = llm.engine.step
+
+    def counting_step():
+        updated = step()
+        preempted.append(llm.engine.last_step.num_preempted if llm.engine.last_step else 0)
+        return updated
+
+    llm.engine.step = counting_step
+    try:
+        return llm.generate(prompts, params), sum(preempted)
+    finally:
+        del llm.engine.step
+
+
 def test_preemption_under_speculation_gives_the_same_tokens_as_a_roomy_pool():
     prompts = [list(range(3 + i, 40 + i)) * 2 for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     tight = LLM(model="tiny-random", num_blocks=24, block_size=16, speculative_config=FIXED_K)
     roomy = LLM(model="tiny-random", num_blocks=512, block_size=16)
-    preempted = []
-    step = tight.engine.step
-
-    def counting_step():
-        updated = step()
-        preempted.append(tight.engine.last_step.num_preempted if tight.engine.last_step else 0)
-        return updated
-
-    tight.engine.step = counting_step
-    squeezed = tight.generate(prompts, params)
-    assert sum(preempted) > 0, "the pool was not tight enough to preempt"
+    squeezed, num_preempted = _generate_counting_preemptions(tight, prompts, params)
+    assert num_preempted > 0, "the pool was not tight enough to preempt"
     assert [out.token_ids for out in squeezed] == [out.token_ids for out in roomy.generate(prompts, params)]
     assert tight.engine.spec_decode.num_accepted_tokens > 0
     assert tight.engine.block_manager.num_free_blocks == 24
@@ -255,6 +262,40 @@ def test_suffix_method_is_exact_and_proposes_earlier_responses():
     # 12 tokens: the first from the prefill, then 3 steps of 4 drafts accepted and the model's own token (the last
     # step has room for none): every draft accepted, where prompt lookup alone misses some.
     assert accepted["suffix"] == 8 > accepted["ngram"]
+
+
+def _draft_llm(draft_seed: int | None, **settings) -> LLM:
+    return LLM(model="tiny-random", block_size=16, speculative_config={
+        **FIXED_K, "method": "draft", "model": "tiny-random", "draft_seed": draft_seed}, **settings)
+
+
+def test_a_draft_model_with_the_targets_weights_has_every_draft_accepted_through_preemptions():
+    """A draft that is the target (same random weights) proposes exactly the target's tokens, as long as its own KV
+    is right: every catch-up, every fed-back draft, every rollback and every preemption's recompute. Any slot it
+    read wrong would cost acceptance."""
+    prompts = [list(range(3 + i, 40 + i)) * 2 for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    roomy = LLM(model="tiny-random", num_blocks=512, block_size=16)
+    expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    tight = _draft_llm(None, num_blocks=24)  # too few blocks for all six: some are preempted and recomputed
+    outputs, num_preempted = _generate_counting_preemptions(tight, prompts, params)
+    assert num_preempted > 0, "the pool was not tight enough to preempt"
+    assert [o.token_ids for o in outputs] == expected
+    counts = tight.engine.spec_decode
+    assert counts.num_draft_tokens > 0 and counts.num_accepted_tokens == counts.num_draft_tokens
+    assert tight.engine.block_manager.num_free_blocks == 24
+
+
+def test_a_draft_model_of_other_weights_and_the_same_vocabulary_is_exact(llm_pair):
+    plain, _ = llm_pair
+    prompts = _prompts(plain.engine.model_config.vocab_size)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)] * 2
+    other = _draft_llm(draft_seed=5, num_blocks=256, cpu_kernels=plain.engine.config.cpu_kernels)
+    assert [o.token_ids for o in other.generate(prompts, params)] == \
+        [o.token_ids for o in plain.generate(prompts, params)]
+    assert other.engine.spec_decode.num_draft_tokens > 0  # verified, and (another model) mostly rejected
+    assert other.engine.block_manager.num_free_blocks == 256
 
 
 # ---- the acceptance rule keeps the target distribution ---------------------------------------------------------
@@ -296,19 +337,19 @@ def test_verification_keeps_the_target_distribution_chi_square():
 
 def test_adaptive_length_proposes_while_accepted_and_stops_when_not():
     length = DraftLength(max_tokens=4, adaptive=True)
-    assert length.choose(step_rows=1, step_tokens=1, row_cost=0.15) >= 2  # the prior: worth a try
+    assert length.choose(step_cost=1.15, step_tokens=1, draft_cost=0.15) >= 2  # the prior: worth a try
     for _ in range(10):
         length.observe(num_proposed=4, num_accepted=4)
-    assert length.choose(1, 1, 0.15) == 4
+    assert length.choose(1.15, 1, 0.15) == 4
     # In a big batch a row costs relatively more: fewer drafts are worth it at the same acceptance.
     for _ in range(4):
         length.observe(num_proposed=4, num_accepted=1)
-    assert length.choose(1, 1, 0.15) > length.choose(16, 16, 0.15)
+    assert length.choose(1.15, 1, 0.15) > length.choose(3.4, 16, 0.15)
     for _ in range(15):
         length.observe(num_proposed=2, num_accepted=0)
-    assert [length.choose(1, 1, 0.15) for _ in range(FIRST_BACKOFF_STEPS + 1)] == [0] * FIRST_BACKOFF_STEPS + [1]
+    assert [length.choose(1.15, 1, 0.15) for _ in range(FIRST_BACKOFF_STEPS + 1)] == [0] * FIRST_BACKOFF_STEPS + [1]
     length.observe(num_proposed=1, num_accepted=1)  # the probe was accepted: back to speculating
-    assert length.choose(1, 1, 0.15) >= 1
+    assert length.choose(1.15, 1, 0.15) >= 1
 
 
 def test_adaptive_length_costs_a_never_accepting_request_under_5_percent():
@@ -318,7 +359,7 @@ def test_adaptive_length_costs_a_never_accepting_request_under_5_percent():
     length = DraftLength(max_tokens=4, adaptive=True)
     draft_rows = 0
     for _ in range(1000):
-        k = length.choose(1, 1, row_cost)
+        k = length.choose(1 + row_cost, 1, row_cost)
         draft_rows += k
         if k:
             length.observe(k, 0)
@@ -330,7 +371,7 @@ def test_fixed_length_always_proposes_the_maximum():
     length = DraftLength(max_tokens=3, adaptive=False)
     for _ in range(5):
         length.observe(3, 0)
-    assert length.choose(16, 16, 0.15) == 3
+    assert length.choose(3.4, 16, 0.15) == 3
 
 
 # ---- the real model ----------------------------------------------------------------------------------------------
