@@ -30,13 +30,16 @@ class DecodeConfig(PodConfig):
     # Speculative decoding (engine/speculative.py, docs/speculative.md), vLLM's speculative_config as flags.
     speculative_method: str = field(default="", metadata={"help": (
         f"Speculative decoding: '' (off) or {', '.join(SPECULATIVE_METHODS)} (prompt lookup; suffix: also the pod's "
-        "recent responses).")})
+        "recent responses; draft: --speculative-model).")})
     num_speculative_tokens: int = field(default=SpeculativeConfig.num_speculative_tokens, metadata={"help": (
         "Most draft tokens a request verifies per step (each request adapts below it to its acceptance).")})
     prompt_lookup_max: int = field(default=SpeculativeConfig.prompt_lookup_max, metadata={"help": (
         "ngram, suffix: longest suffix looked up in the prompt and output (and, suffix, recent responses).")})
     prompt_lookup_min: int = field(default=SpeculativeConfig.prompt_lookup_min, metadata={"help": (
         "ngram, suffix: shortest suffix looked up.")})
+    speculative_model: str = field(default="", metadata={"help": (
+        "draft: the draft model (a smaller model of the same tokenizer; names as --model), run on this pod with "
+        "its own KV cache.")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,4 +60,4 @@ class DecodeConfig(PodConfig):
         if not self.speculative_method:
             return None
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
-                                 self.prompt_lookup_min)
+                                 self.prompt_lookup_min, model=self.speculative_model or None)

@@ -90,13 +90,16 @@ class UpConfig:
                                               metadata=described(
         "Prompts longer than this prefill in chunks of this many tokens."))
     speculative_method: str = field(default="", metadata=described(
-        "Speculative decoding on the decode and mixed pods: '' (off), ngram (prompt lookup) or suffix (also recent responses)."))
+        "Speculative decoding on the decode and mixed pods: '' (off), ngram (prompt lookup), suffix (also recent "
+        "responses) or draft (--speculative-model)."))
     num_speculative_tokens: int = field(default=SpeculativeConfig.num_speculative_tokens, metadata=described(
         "Most draft tokens a request verifies per step."))
     prompt_lookup_max: int = field(default=SpeculativeConfig.prompt_lookup_max, metadata=described(
         "ngram, suffix: longest suffix looked up."))
     prompt_lookup_min: int = field(default=SpeculativeConfig.prompt_lookup_min, metadata=described(
         "ngram, suffix: shortest suffix looked up."))
+    speculative_model: str = field(default="", metadata=described(
+        "draft: the draft model every decode and mixed pod runs (same tokenizer as --model)."))
     shutdown_grace_s: float = field(default=10.0, metadata=described(
         "On stop, time each pod's in-flight calls get to finish (the launcher waits this + 10 s, then kills)."))
     inject_corrupt_chunks: float = field(default=0.0, metadata=described(
@@ -134,7 +137,7 @@ class UpConfig:
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
         if self.speculative_method:
             SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
-                              self.prompt_lookup_min)
+                              self.prompt_lookup_min, model=self.speculative_model or None)
         self.tls.check()
 
     def cpu_sets(self) -> dict[Role, frozenset[int]]:
@@ -162,7 +165,8 @@ class UpConfig:
 POD_FLAGS = ("model", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
              "shutdown_grace_s")
 # Speculative decoding reaches the decode and mixed pods (decode_service/config.py).
-DECODE_POD_FLAGS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+DECODE_POD_FLAGS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "speculative_model")
 ROUTER_FLAGS = ("model", "policy", "kv_codec", "conditional_prefill_threshold", "conditional_prefill_queue_s")
 
 
