@@ -18,6 +18,7 @@ from engine.config import SpeculativeConfig
 from engine.sampler import Sampler, SamplingRow
 from engine.sequence import Sequence
 from engine.speculative import FIRST_BACKOFF_STEPS, DraftLength, NgramIndex, ResponseCache, accept_drafts
+from tests.test_resume import generate_counting_preemptions
 from tests.test_sampler import chi_square
 
 FIXED_K = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
@@ -214,28 +215,12 @@ def test_a_resumed_request_keeps_its_tokens_once_and_continues_exactly(llm_pair)
         assert seq.output_token_ids == whole
 
 
-def _generate_counting_preemptions(llm: LLM, prompts, params):
-    preempted = []
-    step = llm.engine.step
-
-    def counting_step():
-        updated = step()
-        preempted.append(llm.engine.last_step.num_preempted if llm.engine.last_step else 0)
-        return updated
-
-    llm.engine.step = counting_step
-    try:
-        return llm.generate(prompts, params), sum(preempted)
-    finally:
-        del llm.engine.step
-
-
 def test_preemption_under_speculation_gives_the_same_tokens_as_a_roomy_pool():
     prompts = [list(range(3 + i, 40 + i)) * 2 for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     tight = LLM(model="tiny-random", num_blocks=24, block_size=16, speculative_config=FIXED_K)
     roomy = LLM(model="tiny-random", num_blocks=512, block_size=16)
-    squeezed, num_preempted = _generate_counting_preemptions(tight, prompts, params)
+    squeezed, num_preempted = generate_counting_preemptions(tight, prompts, params)
     assert num_preempted > 0, "the pool was not tight enough to preempt"
     assert [out.token_ids for out in squeezed] == [out.token_ids for out in roomy.generate(prompts, params)]
     assert tight.engine.spec_decode.num_accepted_tokens > 0
@@ -278,7 +263,7 @@ def test_a_draft_model_with_the_targets_weights_has_every_draft_accepted_through
     roomy = LLM(model="tiny-random", num_blocks=512, block_size=16)
     expected = [o.token_ids for o in roomy.generate(prompts, params)]
     tight = _draft_llm(None, num_blocks=24)  # too few blocks for all six: some are preempted and recomputed
-    outputs, num_preempted = _generate_counting_preemptions(tight, prompts, params)
+    outputs, num_preempted = generate_counting_preemptions(tight, prompts, params)
     assert num_preempted > 0, "the pool was not tight enough to preempt"
     assert [o.token_ids for o in outputs] == expected
     counts = tight.engine.spec_decode
