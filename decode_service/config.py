@@ -59,5 +59,7 @@ class DecodeConfig(PodConfig):
     def speculative_config(self) -> SpeculativeConfig | None:
         if not self.speculative_method:
             return None
+        # The flags are independent (as the chart's values are): --speculative-model counts only for draft.
+        model = self.speculative_model if self.speculative_method == "draft" else None
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
-                                 self.prompt_lookup_min, model=self.speculative_model or None)
+                                 self.prompt_lookup_min, model=model)

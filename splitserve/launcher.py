@@ -137,7 +137,8 @@ class UpConfig:
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
         if self.speculative_method:
             SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
-                              self.prompt_lookup_min, model=self.speculative_model or None)
+                              self.prompt_lookup_min,
+                              model=self.speculative_model if self.speculative_method == "draft" else None)
         self.tls.check()
 
     def cpu_sets(self) -> dict[Role, frozenset[int]]:
