@@ -5,7 +5,7 @@ Two kinds of prompts, built from local text (this repository's own source files 
     (what prompt lookup predicts);
   - open-ended: questions and stories with nothing to copy from (where speculation must not cost more than ~5%).
 For each batch size (1, 4 and 16 by default) and each kind, one engine with speculation and one without decode the
-same batch greedily, taking turns over ``--rounds`` rounds (each keeps its best); the figures are decode tokens/s
+same batch greedily, taking turns step by step, over ``--rounds`` rounds (each keeps its best); the figures are decode tokens/s
 (output tokens after each request's first, over the wall time of the steps that decoded), TPOT (mean over
 requests), and for speculation the acceptance rate (accepted / draft tokens) and the mean accepted length (tokens
 per verification: 1 + accepted / drafts). Greedy outputs must be identical; the run says so.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine import LLM, SamplingParams
@@ -71,43 +70,58 @@ def open_ended_prompts(count: int) -> list[str]:
             for i in range(count)]
 
 
-@dataclass
-class DecodeRun:
-    tokens_per_s: float
-    tpot_s: float
-    token_ids: list[list[int]]
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    drafts: int = 0
+class BatchRun:
+    """One engine decoding one batch to the end, a step at a time (so that two runs can take turns step by step),
+    timing the steps in which no prompt was prefilled."""
 
+    def __init__(self, llm: LLM, prompts: list[str], max_tokens: int, tag: str):
+        self.engine = engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        counts = engine.spec_decode
+        self._counts_before = (counts.num_draft_tokens, counts.num_accepted_tokens, counts.num_drafts)
+        self.seqs = [engine.add_request(f"spec-bench-{tag}-{i}", llm.tokenizer.encode(p), params)
+                     for i, p in enumerate(prompts)]
+        self.decode_seconds, self.decode_tokens = 0.0, 0
+        # Per request: this engine's step time since its first token (the other run's steps do not count).
+        self._seconds_since_first = [0.0] * len(self.seqs)
 
-def decode_batch(llm: LLM, prompts: list[str], max_tokens: int) -> DecodeRun:
-    """Run ``prompts`` as one batch to the end; time the steps in which every running request decoded."""
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    counts_before = (engine.spec_decode.num_draft_tokens, engine.spec_decode.num_accepted_tokens,
-                     engine.spec_decode.num_drafts)
-    seqs = [engine.add_request(f"spec-bench-{time.monotonic_ns()}-{i}", llm.tokenizer.encode(p), params)
-            for i, p in enumerate(prompts)]
-    decode_seconds, decode_tokens, done_at = 0.0, 0, {}
-    while engine.has_unfinished_requests():
-        before = {seq.request_id: seq.num_output_tokens for seq in seqs}
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    def step(self) -> None:
+        before = sum(seq.num_output_tokens for seq in self.seqs)
+        decoding = [i for i, seq in enumerate(self.seqs) if seq.num_output_tokens and not seq.is_finished]
         start = time.perf_counter()
-        engine.step()
+        self.engine.step()
         elapsed = time.perf_counter() - start
-        stats = engine.last_step
-        for seq in seqs:
-            if seq.is_finished and seq.request_id not in done_at:
-                done_at[seq.request_id] = time.monotonic()
-        if stats.num_prefill_tokens == 0:  # a pure decode step (speculation's verified drafts included)
-            decode_seconds += elapsed
-            decode_tokens += sum(seq.num_output_tokens - before[seq.request_id] for seq in seqs)
-    tpots = [(done_at[seq.request_id] - seq.first_token_time) / (seq.num_output_tokens - 1)
-             for seq in seqs if seq.num_output_tokens > 1]
-    counts = engine.spec_decode
-    return DecodeRun(decode_tokens / decode_seconds, sum(tpots) / len(tpots), [seq.output_token_ids for seq in seqs],
-                     counts.num_draft_tokens - counts_before[0], counts.num_accepted_tokens - counts_before[1],
-                     counts.num_drafts - counts_before[2])
+        for i in decoding:
+            self._seconds_since_first[i] += elapsed
+        if self.engine.last_step.num_prefill_tokens == 0:  # a pure decode step (verified drafts included)
+            self.decode_seconds += elapsed
+            self.decode_tokens += sum(seq.num_output_tokens for seq in self.seqs) - before
+
+    def figures(self) -> dict:
+        tpots = [seconds / (seq.num_output_tokens - 1)
+                 for seq, seconds in zip(self.seqs, self._seconds_since_first) if seq.num_output_tokens > 1]
+        counts = self.engine.spec_decode
+        drafted, accepted, drafts = (counts.num_draft_tokens - self._counts_before[0],
+                                     counts.num_accepted_tokens - self._counts_before[1],
+                                     counts.num_drafts - self._counts_before[2])
+        return {"tok_s": self.decode_tokens / self.decode_seconds, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
+                "draft_tokens": drafted, "accepted_tokens": accepted, "drafts": drafts,
+                "token_ids": [seq.output_token_ids for seq in self.seqs]}
+
+
+def decode_side_by_side(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int, tag: str) -> tuple[dict, dict]:
+    """Both engines decode the batch, taking turns step by step: a machine whose load drifts (a shared one) slows
+    both alike, which separate runs one after the other would not."""
+    runs = [BatchRun(plain, prompts, max_tokens, tag), BatchRun(spec, prompts, max_tokens, tag)]
+    while not all(run.finished for run in runs):
+        for run in runs:
+            if not run.finished:
+                run.step()
+    return runs[0].figures(), runs[1].figures()
 
 
 def run(model: str, batches: tuple[int, ...], max_tokens: int, rounds: int, num_speculative_tokens: int,
@@ -122,22 +136,23 @@ def run(model: str, batches: tuple[int, ...], max_tokens: int, rounds: int, num_
     for kind, prompts_for in (("input-grounded", grounded_prompts), ("open-ended", open_ended_prompts)):
         for batch in batches:
             prompts = prompts_for(batch)
-            best: dict[str, DecodeRun] = {}
+            best_off = best_on = None
             for r in range(rounds):
-                for name, llm in (("off", plain), ("on", spec)):
-                    log(f"{kind}, batch {batch}, round {r + 1}/{rounds}: speculation {name} ...")
-                    result = decode_batch(llm, prompts, max_tokens)
-                    if name not in best or result.tokens_per_s > best[name].tokens_per_s:
-                        best[name] = result
-            off, on = best["off"], best["on"]
+                log(f"{kind}, batch {batch}, round {r + 1}/{rounds}: with and without speculation, step by step ...")
+                off, on = decode_side_by_side(plain, spec, prompts, max_tokens, f"{kind}-{batch}-{r}")
+                best_off = off if best_off is None or off["tok_s"] > best_off["tok_s"] else best_off
+                best_on = on if best_on is None or on["tok_s"] > best_on["tok_s"] else best_on
             results["rows"].append({
                 "kind": kind, "batch": batch,
-                "off_tok_s": off.tokens_per_s, "on_tok_s": on.tokens_per_s, "speedup": on.tokens_per_s / off.tokens_per_s,
-                "off_tpot_ms": off.tpot_s * 1e3, "on_tpot_ms": on.tpot_s * 1e3,
-                "acceptance_rate": on.accepted_tokens / on.draft_tokens if on.draft_tokens else 0.0,
-                "mean_accepted_length": 1 + on.accepted_tokens / on.drafts if on.drafts else 1.0,
-                "draft_tokens": on.draft_tokens, "identical": on.token_ids == off.token_ids,
-                "output_tokens": sum(len(t) for t in on.token_ids),
+                "off_tok_s": best_off["tok_s"], "on_tok_s": best_on["tok_s"],
+                "speedup": best_on["tok_s"] / best_off["tok_s"],
+                "off_tpot_ms": best_off["tpot_ms"], "on_tpot_ms": best_on["tpot_ms"],
+                "acceptance_rate": best_on["accepted_tokens"] / best_on["draft_tokens"] if best_on["draft_tokens"]
+                else 0.0,
+                "mean_accepted_length": 1 + best_on["accepted_tokens"] / best_on["drafts"] if best_on["drafts"]
+                else 1.0,
+                "draft_tokens": best_on["draft_tokens"], "identical": best_on["token_ids"] == best_off["token_ids"],
+                "output_tokens": sum(len(t) for t in best_on["token_ids"]),
             })
     return results
 
@@ -149,7 +164,7 @@ TARGETS = {("input-grounded", 1): (1.8, ">= 1.8x"), ("open-ended", 1): (0.95, ">
 
 def report(results: dict, log=print) -> None:
     log(f"\n== speculative decoding (ngram, k <= {results['num_speculative_tokens']}), greedy, "
-        f"{results['max_tokens']} tokens max, best of {results['rounds']} interleaved rounds ==")
+        f"{results['max_tokens']} tokens max, steps taking turns, best of {results['rounds']} round(s) ==")
     log(f"{'prompts':<15} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} {'off TPOT':>9} "
         f"{'on TPOT':>8} {'accept':>7} {'acc.len':>8} {'identical':>10}")
     for row in results["rows"]:
@@ -192,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)),
                         type=lambda s: tuple(int(b) for b in s.split(",")), help="batch sizes, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (each setting keeps its best)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds (each setting keeps its best)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--plot", help="also draw the figures into this .png")
