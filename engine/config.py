@@ -149,11 +149,13 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got "
+                             f"{self.num_speculative_tokens!r}")
         if (self.method == "draft") != (self.model is not None):
             raise ValueError(f"model (the draft model) is required by method 'draft' and only by it; got method "
                              f"{self.method!r} and model {self.model!r}")
-        if not isinstance(self.suffix_decoding_max_cached_requests, int) or self.suffix_decoding_max_cached_requests < 1:
+        cached = self.suffix_decoding_max_cached_requests
+        if not isinstance(cached, int) or cached < 1:
             raise ValueError(f"suffix_decoding_max_cached_requests must be an integer >= 1, got "
                              f"{self.suffix_decoding_max_cached_requests!r}")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
@@ -168,7 +170,8 @@ class SpeculativeConfig:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(fields) - known)
         if unknown:
-            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
         return cls(**fields)
 
 

@@ -6,10 +6,10 @@ A request's path through the scheduler:
   pod, so it joins ``running`` directly);
 - ``schedule`` first gives every ``running`` sequence its next tokens (a prefill chunk, or one token when
   decoding, plus the draft tokens proposed for it when speculating, as far as the budget, ``max_tokens`` and the
-  context allow: engine/speculative.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup, while the token budget,
-  the sequence cap and the block pool allow. When a running sequence needs a block and none is left, the most
-  recently admitted one is preempted: its blocks are freed and it goes back to the front of ``waiting``, to be
-  recomputed later (cheaply, from its prefix-cached blocks);
+  context allow: engine/speculative.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup,
+  while the token budget, the sequence cap and the block pool allow. When a running sequence needs a block and none
+  is left, the most recently admitted one is preempted: its blocks are freed and it goes back to the front of
+  ``waiting``, to be recomputed later (cheaply, from its prefix-cached blocks);
 - ``update_from_output`` records the step: computed tokens advance, newly full blocks enter the prefix cache,
   sampled tokens are appended (several when drafts were accepted, each checked before the next), and a sequence
   that hits EOS, a stop token id or its length limit is finished and its blocks freed, its later tokens dropped;

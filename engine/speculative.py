@@ -243,8 +243,10 @@ class SpeculativeProposer:
         self.config = config
         self.draft_model, self.block_manager = draft_model, block_manager
         self.draft_cost = config.row_cost + draft_cost
-        self.responses = ResponseCache(config.prompt_lookup_min, config.prompt_lookup_max,
-                                       config.suffix_decoding_max_cached_requests) if config.method == "suffix" else None
+        self.responses = None
+        if config.method == "suffix":
+            self.responses = ResponseCache(config.prompt_lookup_min, config.prompt_lookup_max,
+                                           config.suffix_decoding_max_cached_requests)
 
     def propose(self, decoding: list[Sequence]) -> None:
         """Set ``draft_token_ids`` of each sequence that decodes next step (``decoding``, all of them)."""

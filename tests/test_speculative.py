@@ -7,6 +7,7 @@ The tiny random model falls into loops after a few tokens, which prompt lookup p
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -392,3 +393,24 @@ def test_greedy_outputs_identical_on_the_real_model(smollm2, method):
         assert g.token_ids == e.token_ids
     counts = spec.engine.spec_decode
     assert counts.num_accepted_tokens > 100  # the input-grounded answers copy from their prompts
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------------------
+
+
+def test_bench_spec_runs_side_by_side_on_the_tiny_model(tmp_path, capsys):
+    from splitserve.bench import spec as spec_bench
+
+    out, png = tmp_path / "spec.json", tmp_path / "spec.png"
+    spec_bench.main(["--model", "tiny-random", "--batches", "1,2", "--max-tokens", "12", "--json", str(out),
+                     "--plot", str(png)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["kind"], row["batch"]) for row in rows] == [
+        ("input-grounded", 1), ("input-grounded", 2), ("open-ended", 1), ("open-ended", 2)]
+    for row in rows:
+        assert row["identical"] and row["off_tok_s"] > 0 and row["on_tok_s"] > 0
+        assert row["output_tokens"] == 12 * row["batch"]  # ignore_eos is off: the tiny model never says EOS here
+        assert row["speedup"] == pytest.approx(row["on_tok_s"] / row["off_tok_s"])
+        assert 0 <= row["acceptance_rate"] <= 1 and row["mean_accepted_length"] >= 1
+    assert sum(row["draft_tokens"] for row in rows) > 0
+    assert "input-grounded, batch 1:" in capsys.readouterr().out and png.stat().st_size > 0

@@ -5,10 +5,11 @@ Two kinds of prompts, built from local text (this repository's own source files 
     (what prompt lookup predicts);
   - open-ended: questions and stories with nothing to copy from (where speculation must not cost more than ~5%).
 For each batch size (1, 4 and 16 by default) and each kind, one engine with speculation and one without decode the
-same batch greedily, taking turns step by step, over ``--rounds`` rounds (each keeps its best); the figures are decode tokens/s
-(output tokens after each request's first, over the wall time of the steps that decoded), TPOT (mean over
-requests), and for speculation the acceptance rate (accepted / draft tokens) and the mean accepted length (tokens
-per verification: 1 + accepted / drafts). Greedy outputs must be identical; the run says so.
+same batch greedily, taking turns step by step, over ``--rounds`` rounds (each keeps its best); the figures are
+decode tokens/s (output tokens over the wall time of the steps that prefilled nothing), TPOT (mean over requests of
+each engine's own step time per token after the first), and for speculation the acceptance rate (accepted / draft
+tokens) and the mean accepted length (tokens per verification: 1 + accepted / drafts). Greedy outputs must be
+identical; the run says so.
 
 Pin it to a core (``taskset -c 1 splitserve bench spec``): a machine shared with other work moves the figures, the
 ratios measured side by side move less.
