@@ -11,7 +11,8 @@ in-process; nothing imports them (``splitserve/cli.py`` loads ``bench.NAME`` by 
   ``serve_metrics.py``, ``serve_plots.py``);
 - ``compare.py``: disaggregated, colocated and conditional serving on the same cores (``compare_plan.py``: the
   topologies and their results; ``compare_plots.py``);
-- ``soak.py``: a cluster under load with injected faults.
+- ``soak.py``: a cluster under load with injected faults;
+- ``spec.py``: speculative decoding on vs off, the same requests through two engines taking turns.
 """
 
 import json

@@ -5,9 +5,10 @@ checked in ``__post_init__``, so a bad value stops the pod at start, naming the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from engine.config import KV_LEASE_S
+from engine.config import KV_LEASE_S, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 from kvtransfer.codecs import available_codecs
 from runtime.config import member
 from runtime.kv_codecs import check_kv_codecs
@@ -27,6 +28,19 @@ class DecodeConfig(PodConfig):
         "How long pushed KV waits for its Decode call when the push names no lease.")})
     accepted_kv_codecs: list[str] = field(default_factory=available_codecs, metadata={"help": (
         "KV codecs this pod decodes (comma-separated); pushes with others fail the handshake.")})
+    # Speculative decoding (engine/speculative.py, docs/speculative.md), vLLM's speculative_config as flags.
+    speculative_method: str = field(default="", metadata={"help": (
+        f"Speculative decoding: '' (off) or {', '.join(SPECULATIVE_METHODS)} (prompt lookup; suffix: also the pod's "
+        "recent responses; draft: --speculative-model).")})
+    num_speculative_tokens: int = field(default=SpeculativeConfig.num_speculative_tokens, metadata={"help": (
+        "Most draft tokens a request verifies per step (each request adapts below it to its acceptance).")})
+    prompt_lookup_max: int = field(default=SpeculativeConfig.prompt_lookup_max, metadata={"help": (
+        "ngram, suffix: longest suffix looked up in the prompt and output (and, suffix, recent responses).")})
+    prompt_lookup_min: int = field(default=SpeculativeConfig.prompt_lookup_min, metadata={"help": (
+        "ngram, suffix: shortest suffix looked up.")})
+    speculative_model: str = field(default="", metadata={"help": (
+        "draft: the draft model (a smaller model of the same tokenizer; names as --model), run on this pod with "
+        "its own KV cache.")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -36,3 +50,14 @@ class DecodeConfig(PodConfig):
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         check_kv_codecs("accepted_kv_codecs", self.accepted_kv_codecs)
+
+    def engine_config(self) -> EngineConfig:
+        return dataclasses.replace(super().engine_config(), speculative=self.speculative_config())
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if not self.speculative_method:
+            return None
+        # The flags are independent (as the chart's values are): --speculative-model counts only for draft.
+        model = self.speculative_model if self.speculative_method == "draft" else None
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
+                                 self.prompt_lookup_min, model=model)

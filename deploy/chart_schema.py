@@ -23,7 +23,7 @@ from pathlib import Path
 
 from decode_service.config import DecodeConfig
 from deploy.planner.config import PlannerConfig
-from engine.config import CACHE_DTYPES, COMPUTE_DTYPES
+from engine.config import CACHE_DTYPES, COMPUTE_DTYPES, SPECULATIVE_METHODS
 from kvtransfer.codecs import available_codecs
 from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
@@ -56,6 +56,7 @@ CHOICES = {  # field -> allowed values of plain-string fields (enum fields list 
     "accepted_kv_codecs": _CODECS,
     "cache_dtype": list(CACHE_DTYPES),
     "dtype": list(COMPUTE_DTYPES),
+    "speculative_method": list(SPECULATIVE_METHODS),
 }
 RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; durations "*_s" > 0)
     "seed": {"minimum": 0},
@@ -72,6 +73,9 @@ RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; dur
     "max_num_seqs": {"minimum": 1},
     "max_chunk_bytes": {"minimum": 1},
     "max_model_len": {"minimum": 1},
+    "num_speculative_tokens": {"minimum": 1, "maximum": 16},
+    "prompt_lookup_max": {"minimum": 1},
+    "prompt_lookup_min": {"minimum": 1},
     # the router's request limits (router/config.py)
     "max_request_bytes": {"minimum": 1},
     "max_prompt_bytes": {"minimum": 1},

@@ -120,6 +120,69 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``speculative_config`` spells it: each step a decoding request verifies up
+    to ``num_speculative_tokens`` proposed tokens at once (engine/speculative.py).
+
+    ``ngram`` proposes the tokens that followed the latest earlier occurrence of the sequence's last n tokens, for n
+    from ``prompt_lookup_max`` down to ``prompt_lookup_min`` (prompt lookup decoding). ``suffix`` also looks them up
+    in the engine's last ``suffix_decoding_max_cached_requests`` responses (as Arctic's suffix decoding and
+    llama.cpp's n-gram cache do), for the repetitive requests agents and code tools send. ``draft`` runs ``model``, a
+    smaller model of the same tokenizer, with its own paged KV on the same engine (engine/draft_model.py); a
+    random-weight draft is built with ``draft_seed`` (None: the engine's seed). ``adaptive`` lets each request
+    propose fewer tokens, or none, when its proposals are not being accepted, so that speculation does not slow it;
+    ``False`` always proposes up to ``num_speculative_tokens`` (tests use it to exercise every rejection path).
+    ``row_cost``: what one more row adds to a decode step, as a fraction of the step's cost at one row (reading the
+    weights); the adaptive draft length weighs it against the tokens a proposal is expected to yield. 0.2 is about
+    this project's CPU kernels at 1 thread, rounded up (docs/speculative.md); a GPU's is near 0.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    adaptive: bool = True
+    row_cost: float = 0.2
+    suffix_decoding_max_cached_requests: int = 256
+    model: str | None = None
+    draft_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.row_cost, (int, float)) and 0 <= self.row_cost <= 10):
+            raise ValueError(f"row_cost must be a number in [0, 10], got {self.row_cost!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got "
+                             f"{self.num_speculative_tokens!r}")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError(f"model (the draft model) is required by method 'draft' and only by it; got method "
+                             f"{self.method!r} and model {self.model!r}")
+        cached = self.suffix_decoding_max_cached_requests
+        if not isinstance(cached, int) or cached < 1:
+            raise ValueError(f"suffix_decoding_max_cached_requests must be an integer >= 1, got "
+                             f"{self.suffix_decoding_max_cached_requests!r}")
+        if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be an integer >= 1, got {self.prompt_lookup_min!r}")
+        if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), "
+                             f"got {self.prompt_lookup_max!r}")
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "SpeculativeConfig":
+        """vLLM's ``speculative_config`` dict; unknown keys are an error, naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        return cls(**fields)
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine instance needs: which model, where to run it, and the cache/scheduler settings."""
@@ -132,6 +195,7 @@ class EngineConfig:
     cpu_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: one token per decode step
 
     def __post_init__(self) -> None:
         if self.dtype not in COMPUTE_DTYPES:

@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence as SequenceType
 
-from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -38,17 +38,19 @@ class RequestOutput:
 
 class LLM:
     """Offline batched generation. Engine settings can be given as keyword arguments, e.g.
-    ``LLM(model="tiny-random", block_size=16, num_blocks=256, max_num_seqs=32)``."""
+    ``LLM(model="tiny-random", block_size=16, num_blocks=256, max_num_seqs=32)``; speculative decoding as vLLM
+    spells it, ``speculative_config={"method": "ngram", "num_speculative_tokens": 4}`` (SpeculativeConfig's keys)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
-                 seed: int = 0, cpu_kernels: bool = True, **settings):
+                 seed: int = 0, cpu_kernels: bool = True, speculative_config: dict | None = None, **settings):
         cache = CacheConfig(**{k: settings.pop(k) for k in list(settings) if k in CacheConfig.__dataclass_fields__})
         sched = SchedulerConfig(
             **{k: settings.pop(k) for k in list(settings) if k in SchedulerConfig.__dataclass_fields__}
         )
         if settings:
             raise TypeError(f"unknown LLM settings: {sorted(settings)}")
-        self.engine = LLMEngine(EngineConfig(model, device, dtype, seed, cpu_kernels, cache, sched))
+        speculative = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+        self.engine = LLMEngine(EngineConfig(model, device, dtype, seed, cpu_kernels, cache, sched, speculative))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -89,15 +91,18 @@ class _PendingRequest:
     num_detokenized: int = 0
 
     def on_tokens(self, engine: LLMEngine) -> None:
-        """Detokenize the tokens the engine appended; a stop string ends the request."""
-        new_tokens = self.seq.output_token_ids[self.num_detokenized:]
-        self.num_detokenized = len(self.seq.output_token_ids)
+        """Detokenize the tokens the engine appended; a stop string ends the request, at the token that completed
+        it (a step that accepted drafts may have appended more)."""
+        seq = self.seq
+        new_tokens = seq.output_token_ids[self.num_detokenized:]
         for token_id in new_tokens:
+            self.num_detokenized += 1
             self.detokenizer.add(token_id)
             if self.detokenizer.stopped_by is not None:
-                engine.abort_request(self.seq.request_id)
-                self.seq.finish_reason = FinishReason.STOP
-                self.seq.stop_reason = self.detokenizer.stopped_by
+                engine.abort_request(seq.request_id)
+                del seq.output_token_ids[self.num_detokenized:], seq.output_logprobs[self.num_detokenized:]
+                seq.finish_reason = FinishReason.STOP
+                seq.stop_reason = self.detokenizer.stopped_by
                 return
 
     def output(self) -> RequestOutput:

@@ -2,7 +2,9 @@
 
 ``add_request`` wraps a prompt in a ``Sequence`` and hands it to the ``Scheduler``; each ``step`` asks the
 scheduler what to run, runs it through the ``ModelRunner`` (model + sampler) and feeds the sampled tokens back,
-which appends them, checks stop conditions and frees finished sequences' blocks. The engine knows token ids
+which appends them, checks stop conditions and frees finished sequences' blocks. With speculative decoding
+configured, the ``SpeculativeProposer`` proposes draft tokens for the decoding sequences before the scheduler runs
+and learns after the step how many were accepted (engine/speculative.py). The engine knows token ids
 only; text lives in the layer above (the offline ``LLM`` and the router).
 """
 
@@ -10,17 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_kernels import KernelChoice
+from engine.draft_model import DraftModel
 from engine.model_files import load_model_files
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative import SpecDecodeCounts, SpeculativeProposer
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +42,17 @@ class StepStats:
     """What one engine step did: the pod's load reports and metrics are made of these."""
 
     num_prefill_tokens: int  # prompt (or recomputed) tokens computed
-    num_decode_tokens: int  # sequences that decoded one token
+    num_decode_tokens: int  # sequences that decoded (one token, or drafts verified after one)
     num_preempted: int  # sequences preempted to make room
     seconds: float = 0.0  # wall time of the model run and the bookkeeping around it
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)  # the step's drafts and acceptances
 
     @classmethod
     def of(cls, batch: SchedulerOutput) -> "StepStats":
-        decodes = sum(1 for item in batch.scheduled
-                      if item.num_new_tokens == 1 and item.start >= item.seq.num_prompt_tokens)
-        return cls(batch.num_batched_tokens - decodes, decodes, len(batch.preempted))
+        decodes = [item for item in batch.scheduled if item.num_new_tokens - len(item.draft_token_ids) == 1
+                   and item.start >= item.seq.num_prompt_tokens]
+        decode_rows = sum(item.num_new_tokens for item in decodes)
+        return cls(batch.num_batched_tokens - decode_rows, len(decodes), len(batch.preempted))
 
 
 class EngineStepError(RuntimeError):
@@ -72,12 +78,23 @@ class LLMEngine:
             config.scheduler, self.block_manager, eos_ids, self.model_config.max_position_embeddings
         )
         self.kv_export: KVExportHook | None = None
+        self.proposer = self._proposer(config, loaded.tokenizer) if config.speculative else None
+        self.spec_decode = SpecDecodeCounts()  # since the engine started
         self.last_step: StepStats | None = None  # the latest step that ran
         logger.info(
             "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens; compute path: %s",
             self.model_config.name, self.model_config.num_layers,
             self.runner.kv_cache.num_blocks, config.cache.block_size, self.compute_path,
         )
+
+    def _proposer(self, config: EngineConfig, tokenizer) -> SpeculativeProposer:
+        if config.speculative.method != "draft":
+            return SpeculativeProposer(config.speculative)
+        draft = DraftModel(config, self.model_config, tokenizer, self.runner.kv_cache.num_blocks)
+        logger.info("draft model %s: %.0f%% of the target's parameters", draft.config.name,
+                    100 * draft.parameter_ratio(self.runner.model))
+        return SpeculativeProposer(config.speculative, draft, self.block_manager,
+                                   draft.parameter_ratio(self.runner.model))
 
     @property
     def compute_path(self) -> KernelChoice:
@@ -105,7 +122,10 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str) -> Sequence | None:
-        return self.scheduler.abort(request_id)
+        seq = self.scheduler.abort(request_id)
+        if seq is not None and self.proposer is not None:
+            self.proposer.finished(seq)
+        return seq
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -117,6 +137,9 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one scheduled batch; returns the sequences that got a token or finished in it."""
+        if self.proposer is not None:
+            self.proposer.propose([seq for seq in self.scheduler.running
+                                   if seq.num_computed_tokens == seq.num_tokens - 1])
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
@@ -129,10 +152,23 @@ class LLMEngine:
             for seq in failed:
                 self.scheduler.abort(seq.request_id)
             raise EngineStepError(failed, exc) from exc
+        self._count_accepted(scheduled, sampled, stats.spec_decode)
         updated = self.scheduler.update_from_output(scheduled, sampled)
+        if self.proposer is not None:
+            for seq in updated:
+                if seq.is_finished:
+                    self.proposer.finished(seq)
         stats.seconds = time.perf_counter() - started
         self.last_step = stats
         return updated
+
+    def _count_accepted(self, batch: SchedulerOutput, sampled, counts: SpecDecodeCounts) -> None:
+        for item in batch.scheduled:
+            if item.draft_token_ids and item.seq.request_id in sampled:
+                num_accepted = len(sampled[item.seq.request_id]) - 1
+                self.proposer.observe(item.seq, len(item.draft_token_ids), num_accepted)
+                counts.add(len(item.draft_token_ids), num_accepted)
+                self.spec_decode.add(len(item.draft_token_ids), num_accepted)
 
     def _layer_hook(self, batch: SchedulerOutput) -> Callable[[int], None] | None:
         hook = self.kv_export

@@ -4,10 +4,16 @@ Owns the model weights, the ``PagedKVCache`` and the ``Sampler`` of one engine. 
 sequences run and how many new tokens each contributes; the runner flattens them into one varlen batch
 (``input_ids``/``positions``: [T]), maps every new token to its cache slot through the sequence's block table,
 and samples one token for each sequence whose scheduled tokens reach the end of its known tokens.
+
+A sequence verifying k draft tokens (engine/speculative.py) becomes k + 1 decode rows of the step, row j at
+position start + j attending to keys 0..start + j through the sequence's block table: each row is the decode step
+sequential decoding would run there, in the same kernels. Every row samples, and ``accept_drafts`` keeps the rows
+up to the first disagreement.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -17,9 +23,11 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import PagedKVCache
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.speculative import accept_drafts
 
-SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
+# request id -> the step's tokens for it, each with its logprobs (or None): one, or 1 + accepted drafts.
+SampledTokens = dict[str, list[tuple[int, dict[int, float] | None]]]
 
 
 class ModelRunner:
@@ -35,38 +43,55 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, layer_done: Callable[[int], None] | None = None) -> SampledTokens:
-        """Run one step; returns {request_id: (token_id, logprobs)} for the sequences that sample."""
+        """Run one step; returns {request_id: [(token_id, logprobs)]} for the sequences that sample."""
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, layer_done)  # [T, hidden]
-        sampling = [i for i, s in enumerate(batch.scheduled) if s.samples]
+        sampling = [s for s in batch.scheduled if s.samples]
         if not sampling:
             return {}
-        # The last new token of each sampling sequence is the one whose logits predict the next token.
-        last_rows = meta.query_start_loc[1:][sampling] - 1
-        logits = self.model.compute_logits(hidden[last_rows])  # [N, vocab] float32
-        rows = [_sampling_row(batch.scheduled[i].seq) for i in sampling]
-        out = self.sampler.sample(logits, rows)
-        return {
-            batch.scheduled[i].seq.request_id: (token, lp)
-            for i, token, lp in zip(sampling, out.token_ids, out.logprobs)
-        }
+        # The last 1 + k rows of each sampling sequence (k drafts) predict its next tokens; the step's rows are its
+        # tokens, in batch order.
+        ends = list(accumulate(s.num_new_tokens for s in batch.scheduled))
+        rows = [row for s, end in zip(batch.scheduled, ends) if s.samples
+                for row in range(end - 1 - len(s.draft_token_ids), end)]
+        logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
+        out = self.sampler.sample(logits, [row for s in sampling for row in _sampling_rows(s)])
+        sampled: SampledTokens = {}
+        first = 0
+        for s in sampling:
+            tokens, logprobs = out.token_ids[first:], out.logprobs[first:]
+            emitted = accept_drafts(tokens, s.draft_token_ids)
+            sampled[s.seq.request_id] = list(zip(tokens[:emitted], logprobs[:emitted]))
+            first += 1 + len(s.draft_token_ids)
+        return sampled
 
     def _prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         tokens: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
         for s in batch.scheduled:
             end = s.start + s.num_new_tokens
-            tokens.extend(s.seq.token_slice(s.start, end))
+            tokens.extend(s.seq.token_slice(s.start, end - len(s.draft_token_ids)))
+            tokens.extend(s.draft_token_ids)
             positions.extend(range(s.start, end))
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-        block_tables = [s.seq.block_table for s in batch.scheduled]
+            if s.draft_token_ids:  # one decode row per verified position, each attending up to itself
+                query_lens.extend([1] * s.num_new_tokens)
+                seq_lens.extend(range(s.start + 1, end + 1))
+                block_tables.extend([s.seq.block_table] * s.num_new_tokens)
+            else:
+                query_lens.append(s.num_new_tokens)
+                seq_lens.append(end)
+                block_tables.append(s.seq.block_table)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(tokens), as_tensor(positions), meta
 
 
-def _sampling_row(seq) -> SamplingRow:
-    return SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids)
+def _sampling_rows(s: ScheduledSeq) -> list[SamplingRow]:
+    """The sampling row of each verified position: row j samples as if drafts 0..j-1 were already output (penalties,
+    min_tokens and the seeded draw's position see them)."""
+    seq = s.seq
+    return [SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids + s.draft_token_ids[:j])
+            for j in range(len(s.draft_token_ids) + 1)]

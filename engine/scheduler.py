@@ -5,13 +5,14 @@ A request's path through the scheduler:
 - ``add`` puts it at the back of ``waiting`` (``add_prefilled`` skips the queue: its KV arrived from a prefill
   pod, so it joins ``running`` directly);
 - ``schedule`` first gives every ``running`` sequence its next tokens (a prefill chunk, or one token when
-  decoding), then admits ``waiting`` sequences in order, after a prefix-cache lookup, while the token budget,
-  the sequence cap and the block pool allow. When a running sequence needs a block and none is left, the most
-  recently admitted one is preempted: its blocks are freed and it goes back to the front of ``waiting``, to be
-  recomputed later (cheaply, from its prefix-cached blocks);
+  decoding, plus the draft tokens proposed for it when speculating, as far as the budget, ``max_tokens`` and the
+  context allow: engine/speculative.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup,
+  while the token budget, the sequence cap and the block pool allow. When a running sequence needs a block and none
+  is left, the most recently admitted one is preempted: its blocks are freed and it goes back to the front of
+  ``waiting``, to be recomputed later (cheaply, from its prefix-cached blocks);
 - ``update_from_output`` records the step: computed tokens advance, newly full blocks enter the prefix cache,
-  sampled tokens are appended, and a sequence that hits EOS, a stop token id or its length limit is finished
-  and its blocks freed;
+  sampled tokens are appended (several when drafts were accepted, each checked before the next), and a sequence
+  that hits EOS, a stop token id or its length limit is finished and its blocks freed, its later tokens dropped;
 - ``abort`` finishes a request wherever it is and frees its blocks.
 
 Progress is counted in tokens, as in vLLM v1: each step schedules up to ``num_tokens - num_computed_tokens``
@@ -34,9 +35,11 @@ class ScheduledSeq:
     """One sequence's share of a step: tokens ``[start, start + num_new_tokens)`` get computed."""
 
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # draft tokens included
     start: int  # seq.num_computed_tokens before the step
     samples: bool  # the scheduled tokens reach the end of the known tokens: the step samples the next one
+    # Proposed tokens verified after the sequence's last token (the last num_new_tokens - 1 computed positions).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -152,14 +155,27 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new_tokens = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
             start = seq.num_computed_tokens
+            drafts = self._drafts_to_verify(seq, budget)
+            if drafts and not self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+                drafts = []  # no room for them: decode one token, preempting for it if need be
+            num_new_tokens = self._num_new_tokens(seq, start, budget) + len(drafts)
             if not self._allocate_or_preempt(seq, num_new_tokens, out.preempted):
                 break  # seq itself, the last one running, was preempted
-            out.scheduled.append(self._scheduled(seq, num_new_tokens, start))
+            out.scheduled.append(self._scheduled(seq, num_new_tokens, start, drafts))
             budget -= num_new_tokens
             index += 1
         return budget
+
+    def _drafts_to_verify(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposed tokens of a decoding sequence that fit: a step emits up to one more token than it verifies
+        drafts, and none may pass the token budget, ``max_tokens`` or the context."""
+        if not seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1:
+            return []
+        room = min(budget, self._max_len - seq.num_tokens) - 1
+        if seq.sampling_params.max_tokens is not None:
+            room = min(room, seq.sampling_params.max_tokens - seq.num_output_tokens - 1)
+        return seq.draft_token_ids[:max(room, 0)]
 
     def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int, preempted: list[Sequence]) -> bool:
         """Preempt from the end of ``running`` (the most recently admitted) until ``seq`` fits."""
@@ -208,34 +224,46 @@ class Scheduler:
         return min(seq.num_tokens - num_computed_tokens, budget, self.config.long_prefill_token_threshold)
 
     @staticmethod
-    def _scheduled(seq: Sequence, num_new_tokens: int, start: int) -> ScheduledSeq:
-        return ScheduledSeq(seq, num_new_tokens, start, samples=start + num_new_tokens == seq.num_tokens)
+    def _scheduled(seq: Sequence, num_new_tokens: int, start: int, drafts: list[int] = ()) -> ScheduledSeq:
+        samples = start + num_new_tokens - len(drafts) == seq.num_tokens
+        return ScheduledSeq(seq, num_new_tokens, start, samples, list(drafts))
 
     # ---- after the step ---------------------------------------------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]
+        self, out: SchedulerOutput, sampled: dict[str, list[tuple[int, dict[int, float] | None]]]
     ) -> list[Sequence]:
         """Record a step's results; returns the sequences that got a token (finished ones included), in batch
-        order. ``sampled`` maps request id -> (token id, logprobs or None) for each scheduled seq that samples."""
+        order. ``sampled`` maps request id -> [(token id, logprobs or None)] for each scheduled seq that samples:
+        one token, or up to 1 + its drafts when speculating (the accepted drafts and the token after them)."""
         updated = []
         for item in out.scheduled:
             seq = item.seq
+            seq.draft_token_ids = []
             if seq.is_finished:
                 continue  # aborted while the step ran: its blocks are already free
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+            tokens = sampled[seq.request_id] if item.samples else []
+            # A rejected draft's KV stays in its slot past the computed tokens, to be written over by the next step.
+            num_rejected = len(item.draft_token_ids) + 1 - len(tokens) if item.draft_token_ids else 0
+            seq.num_computed_tokens += item.num_new_tokens - num_rejected
+            # Blocks whose tokens are known (an accepted draft's becomes known as it is appended, below).
+            self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, seq.num_tokens))
             if item.samples:
-                self._append_sampled(seq, *sampled[seq.request_id])
+                self._append_sampled(seq, tokens)
                 updated.append(seq)
         self.running = [seq for seq in self.running if not seq.is_finished]
         return updated
 
-    def _append_sampled(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> None:
-        seq.append_token(token_id, logprobs)
-        if seq.num_output_tokens == 1:
-            seq.first_token_time = time.monotonic()
-        self._check_stop(seq)
+    def _append_sampled(self, seq: Sequence, tokens: list[tuple[int, dict[int, float] | None]]) -> None:
+        for token_id, logprobs in tokens:
+            seq.append_token(token_id, logprobs)
+            if seq.num_output_tokens == 1:
+                seq.first_token_time = time.monotonic()
+            self._check_stop(seq)
+            if seq.is_finished:
+                return  # the tokens after a stop are not the request's
+        if len(tokens) > 1:
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
 
     def _check_stop(self, seq: Sequence) -> None:
         params = seq.sampling_params

@@ -10,7 +10,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.speculative import DraftState
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +52,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # Speculative decoding (engine/speculative.py): tokens proposed for the next step, and the request's proposer state.
+    draft_token_ids: list[int] = field(default_factory=list)
+    speculation: DraftState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

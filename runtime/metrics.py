@@ -22,6 +22,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from engine.speculative import SpecDecodeCounts
+
 # vLLM's TTFT buckets plus 1.5, 2.0, 3.0 and 4.0 s: a CPU pod's first tokens land between 1 and 5 s, where vLLM's
 # 1.0/2.5/5.0 s put a median 13% off (docs/PERFORMANCE.md). A superset, so every vLLM `le` still exists.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0,
@@ -136,6 +138,17 @@ class PodMetrics(ServingMetrics):
         self.kv_transfer_failures = Counter("splitserve_kv_transfer_failures_total",
                                             "KV pushes that failed, by gRPC status code (prefill pods).",
                                             LABELS + ("code",), registry=self.registry)
+        # Speculative decoding, as vLLM's spec_decode series (acceptance rate: accepted / draft tokens).
+        self.spec_decode_num_drafts = self._counter("spec_decode_num_drafts_total",
+                                                    "Draft proposals verified (a request's drafts in one step).")
+        self.spec_decode_num_draft_tokens = self._counter("spec_decode_num_draft_tokens_total",
+                                                          "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = self._counter("spec_decode_num_accepted_tokens_total",
+                                                             "Draft tokens accepted.")
+        self.spec_decode_accepted_per_position = Counter(
+            "splitserve_spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by their position in the proposal (0: the first).", LABELS + ("position",),
+            registry=self.registry)
         self.engine_info = Gauge("splitserve_engine_info", "The engine's compute path: kernels (native or pytorch), "
                                  "device and KV cache dtype; always 1.", LABELS + ("kernels", "device", "cache_dtype"),
                                  registry=self.registry)
@@ -145,6 +158,16 @@ class PodMetrics(ServingMetrics):
 
     def transfer_failed(self, code: str) -> None:
         self.kv_transfer_failures.labels(self.role, self.model_name, code).inc()
+
+    def spec_decoded(self, counts: SpecDecodeCounts) -> None:
+        if not counts.num_drafts:
+            return
+        self.spec_decode_num_drafts.inc(counts.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(counts.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(counts.num_accepted_tokens)
+        for position, accepted in enumerate(counts.accepted_per_position):
+            if accepted:
+                self.spec_decode_accepted_per_position.labels(self.role, self.model_name, str(position)).inc(accepted)
 
     def set_engine_info(self, kernels: str, device: str, cache_dtype: str) -> None:
         self.engine_info.labels(self.role, self.model_name, kernels, device, cache_dtype).set(1)

@@ -65,6 +65,7 @@ class LoadTracker:
         self.metrics.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
         if stats.num_preempted:
             self.metrics.num_preemptions.inc(stats.num_preempted)
+        self.metrics.spec_decoded(stats.spec_decode)
         if stats.seconds <= 0:
             return
         if stats.num_prefill_tokens:

@@ -9,6 +9,7 @@
   splitserve bench compare [--topologies ...]           disaggregated vs colocated vs conditional on the same cores
   splitserve bench phases [--prompt-lens ...]           prefill and decode on this machine: throughput, roofline
   splitserve bench soak [--duration 180 ...]            a cluster under load with injected faults: failures, leaks
+  splitserve bench spec [--batches 1,4,16 ...]          speculative decoding on vs off: tokens/s, TPOT, acceptance
   splitserve build-kernels                              build the engine's native CPU kernels now (set-up does)
 """
 
@@ -61,7 +62,7 @@ def _build_kernels(argv: list[str]) -> None:
         sys.exit(1)
 
 
-BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak")  # modules of the bench package
+BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec")  # modules of the bench package
 
 
 def _bench(argv: list[str]) -> None:

@@ -89,6 +89,12 @@ class UpConfig:
     long_prefill_token_threshold: int = passed_to(PodConfig, name="long_prefill_token_threshold")
     shutdown_grace_s: float = passed_to(PodConfig, name="shutdown_grace_s", help=(
         "On stop, time each pod's in-flight calls get to finish (the launcher waits this + 10 s, then kills)."))
+    # Speculative decoding on the decode and mixed pods (DecodeConfig's defaults and help, passed as its flags).
+    speculative_method: str = passed_to(DecodeConfig, name="speculative_method")
+    num_speculative_tokens: int = passed_to(DecodeConfig, name="num_speculative_tokens")
+    prompt_lookup_max: int = passed_to(DecodeConfig, name="prompt_lookup_max")
+    prompt_lookup_min: int = passed_to(DecodeConfig, name="prompt_lookup_min")
+    speculative_model: str = passed_to(DecodeConfig, name="speculative_model")
     inject_corrupt_chunks: float = passed_to(PrefillConfig, name="inject_corrupt_chunks", help=(
         "Fault injection (reliability tests, bench soak): the share of KV chunks the prefill pods send corrupted."))
     # CPU sets (Linux CPU lists, e.g. '0-3,6'); empty: the launcher's plan (splitserve/cpu_plan.py).
@@ -124,6 +130,10 @@ class UpConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         # The engine's own checks, so that a bad value fails here, naming its field, not in every pod.
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
+        if self.speculative_method:
+            SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
+                              self.prompt_lookup_min,
+                              model=self.speculative_model if self.speculative_method == "draft" else None)
         self.tls.check()
 
     def cpu_sets(self) -> dict[Role, frozenset[int]]:
@@ -241,9 +251,7 @@ class Cluster:
         flags = ["--host", c.host, "--port", str(pod.port), "--metrics-port", str(pod.metrics_port),
                  "--advertise-address", self.address(pod), *passed_on(c, _POD_CONFIGS[pod.role]),
                  *self._cpu_flags(pod.name)]
-        if pod.role is Role.PREFILL:
-            flags += ["--inject-corrupt-chunks", str(c.inject_corrupt_chunks)] if c.inject_corrupt_chunks else []
-        else:
+        if pod.role is not Role.PREFILL:
             flags += ["--role", str(pod.role)]
         if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]

@@ -57,6 +57,23 @@ def test_resume_token_ids_are_validated(tiny):
         tiny.engine.add_request("bad", PROMPTS[0], SamplingParams(), resume_token_ids=[3, 10**6])
 
 
+def generate_counting_preemptions(llm: LLM, prompts, params):
+    """``llm.generate(prompts, params)``, and how many preemptions its steps made."""
+    preempted = []
+    step = llm.engine.step
+
+    def counting_step():
+        updated = step()
+        preempted.append(llm.engine.last_step.num_preempted if llm.engine.last_step else 0)
+        return updated
+
+    llm.engine.step = counting_step
+    try:
+        return llm.generate(prompts, params), sum(preempted)
+    finally:
+        del llm.engine.step  # the class's step again
+
+
 def test_preemption_by_recompute_gives_the_same_tokens_as_a_roomy_pool():
     """Eight requests that outgrow a 20-block pool: the scheduler preempts and recomputes some of them."""
     prompts = [list(range(3 + i, 40 + i)) for i in range(8)]
@@ -64,17 +81,8 @@ def test_preemption_by_recompute_gives_the_same_tokens_as_a_roomy_pool():
               SamplingParams(temperature=0.9, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(8)]
     tight = LLM(model="tiny-random", num_blocks=20, block_size=16)
     roomy = LLM(model="tiny-random", num_blocks=512, block_size=16)
-    preempted = []
-    step = tight.engine.step
-
-    def counting_step():
-        updated = step()
-        preempted.append(tight.engine.last_step.num_preempted if tight.engine.last_step else 0)
-        return updated
-
-    tight.engine.step = counting_step
-    squeezed = tight.generate(prompts, params)
-    assert sum(preempted) > 0, "the pool was not tight enough to preempt"
+    squeezed, num_preempted = generate_counting_preemptions(tight, prompts, params)
+    assert num_preempted > 0, "the pool was not tight enough to preempt"
     assert [out.token_ids for out in squeezed] == [out.token_ids for out in roomy.generate(prompts, params)]
     assert tight.engine.block_manager.num_free_blocks == 20
 

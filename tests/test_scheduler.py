@@ -42,7 +42,7 @@ def step(scheduler: Scheduler, **tokens: int) -> tuple[SchedulerOutput, list[Seq
     """One engine step: the "model" samples ``tokens[request_id]``, or 1000 + the output index."""
     out = scheduler.schedule()
     sampled = {
-        item.seq.request_id: (tokens.get(item.seq.request_id, fake_token(item.seq)), None)
+        item.seq.request_id: [(tokens.get(item.seq.request_id, fake_token(item.seq)), None)]
         for item in out.scheduled
         if item.samples
     }
@@ -164,7 +164,7 @@ def test_preemption_takes_the_last_admitted_and_it_resumes_later():
     out = scheduler.schedule()
     assert plan(out) == [("b", 4, 5, True)]
     assert b.block_table == [2, 3, 1]
-    scheduler.update_from_output(out, {"b": (1002, None)})
+    scheduler.update_from_output(out, {"b": [(1002, None)]})
     assert b.output_token_ids == [1000, 1001, 1002]
     assert b.finish_reason is FinishReason.LENGTH
     assert b.num_cached_tokens == 0  # the cache hit of its first admission
@@ -218,7 +218,7 @@ def test_abort_between_schedule_and_update():
     b = add(scheduler, "b", [6, 7, 8], max_tokens=2)
     out = scheduler.schedule()
     scheduler.abort("b")
-    updated = scheduler.update_from_output(out, {"a": (50, None), "b": (60, {60: -0.5})})
+    updated = scheduler.update_from_output(out, {"a": [(50, None)], "b": [(60, {60: -0.5})]})
     assert updated == [a]
     assert (a.num_computed_tokens, a.output_token_ids) == (5, [50])
     assert (b.num_computed_tokens, b.output_token_ids, b.finish_reason) == (0, [], FinishReason.ABORT)
@@ -287,7 +287,7 @@ def test_logprobs_are_appended_with_the_token():
     scheduler = make_scheduler()
     a = add(scheduler, "a", [1, 2, 3], max_tokens=1)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, {"a": (5, {5: -0.25, 6: -1.5})})
+    scheduler.update_from_output(out, {"a": [(5, {5: -0.25, 6: -1.5})]})
     assert (a.output_token_ids, a.output_logprobs) == ([5], [{5: -0.25, 6: -1.5}])
     assert_all_free(scheduler)
 

@@ -187,7 +187,7 @@ def prefill() -> Dashboard:
 
 def decode() -> Dashboard:
     return (dashboard("splitserve-decode", "splitserve / Decode",
-                      "Decode pods: the running batch, the KV cache, token pace and preemptions.",
+                      "Decode pods: the running batch, the KV cache, token pace, preemptions and speculation.",
                       "decode|mixed", "decode")
             .with_row(Row("Batch and KV cache"))
             .with_panel(panel("Running and waiting", "short", [
@@ -212,6 +212,20 @@ def decode() -> Dashboard:
                 Query(f'{rate("splitserve_prefix_cache_hits_total")} / '
                       f'{rate("splitserve_prefix_cache_queries_total")}', "hit rate")],
                 "Prompt tokens found in the prefix cache over prompt tokens looked up.", max_value=1))
+            .with_row(Row("Speculative decoding"))
+            .with_panel(panel("Draft acceptance rate", "percentunit", [
+                Query(f'{rate("splitserve_spec_decode_num_accepted_tokens_total", "instance")} / '
+                      f'{rate("splitserve_spec_decode_num_draft_tokens_total", "instance")}', "{{instance}}")],
+                "Draft tokens accepted over draft tokens verified (--speculative-method).", max_value=1))
+            .with_panel(panel("Mean accepted length", "short", [
+                Query(f'1 + {rate("splitserve_spec_decode_num_accepted_tokens_total", "instance")} / '
+                      f'{rate("splitserve_spec_decode_num_drafts_total", "instance")}', "{{instance}}")],
+                "Tokens a speculating request gets per step: its accepted drafts and the model's own token."))
+            .with_panel(panel("Acceptance by draft position", "percentunit", [
+                Query(f'{rate("splitserve_spec_decode_num_accepted_tokens_per_pos_total", "position")} / '
+                      f'scalar({rate("splitserve_spec_decode_num_drafts_total")})', "position {{position}}")],
+                "Share of proposals whose draft at this position was accepted (position 0: the first).",
+                max_value=1))
             .build())
 
 
