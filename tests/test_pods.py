@@ -227,7 +227,8 @@ def test_seeded_sampling_and_logprobs_match_the_offline_engine(pods):
 def test_concurrent_prefills_all_match_the_offline_engine(pods):
     prompts = {f"together-{i}": prompt_of(20 + 7 * i, seed=2000 + i) for i in range(3)}
     futures = {rid: pods.prefill.Prefill.future(prefill_pb2.PrefillRequest(
-        request_id=rid, prompt_token_ids=prompt, sampling_params=GREEDY, decode_address=pods.decode_address))
+        request_id=rid, prompt_token_ids=prompt, sampling_params=GREEDY, decode_address=pods.decode_address,
+        kv_codec="none"))
         for rid, prompt in prompts.items()}
     firsts = {rid: future.result(timeout=60) for rid, future in futures.items()}
     for rid, prompt in prompts.items():
@@ -614,7 +615,7 @@ def stalling_decode_pod(pods):
 
 def prefill_request_to(address: str, request_id: str) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_of(30, seed=13000),
-                                      sampling_params=GREEDY, decode_address=address)
+                                      sampling_params=GREEDY, decode_address=address, kv_codec="none")
 
 
 def wait_until(condition, timeout_s: float = 5.0) -> None:
@@ -877,7 +878,8 @@ def test_pods_as_processes_serve_register_and_shut_down_on_sigterm(redis_url):
         prompt = prompt_of(40, seed=12000)
         with grpc.insecure_channel(f"127.0.0.1:{ports['prefill']}") as p, grpc.insecure_channel(decode_address) as d:
             first = prefill_pb2_grpc.PrefillStub(p).Prefill(prefill_pb2.PrefillRequest(
-                request_id="e2e", prompt_token_ids=prompt, sampling_params=GREEDY, decode_address=decode_address),
+                request_id="e2e", prompt_token_ids=prompt, sampling_params=GREEDY, decode_address=decode_address,
+                kv_codec="none"),
                 timeout=60)
             request = decode_pb2.DecodeRequest(request_id="e2e", prompt_token_ids=prompt, sampling_params=GREEDY,
                                                first_token_id=first.first_token_id)
