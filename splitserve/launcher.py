@@ -41,7 +41,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_service.config import DecodeConfig
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from prefill_service.config import PrefillConfig
 from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S, PolicyName, RouterConfig
 from runtime.config import described, member, parse_config, passed_on, passed_to

@@ -16,14 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grafana_foundation_sdk.builders import common as common_builders
-from grafana_foundation_sdk.builders.dashboard import (Dashboard, DatasourceVariable, QueryVariable, Row,
-                                                       ThresholdsConfig)
+from grafana_foundation_sdk.builders.dashboard import (Dashboard, DatasourceVariable, QueryVariable, Row)
 from grafana_foundation_sdk.builders.prometheus import Dataquery
 from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models.dashboard import (DataSourceRef, DashboardCursorSync, Threshold,
-                                                     ThresholdsMode, VariableOption, VariableRefresh,
+from grafana_foundation_sdk.models.dashboard import (DataSourceRef, DashboardCursorSync, VariableOption, VariableRefresh,
                                                      VariableSort)
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")

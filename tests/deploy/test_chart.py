@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.chart_schema import CHART_OWNED, COMPONENTS, SCHEMA_PATH, camel, config_fields, render as render_schema
+from deploy.chart_schema import COMPONENTS, SCHEMA_PATH, camel, config_fields, render as render_schema
 from runtime.config import parse_config
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve"
