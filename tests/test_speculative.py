@@ -193,12 +193,13 @@ def test_rejected_drafts_kv_is_never_read(llm_pair):
     rejected_before = engine.spec_decode.num_draft_tokens - engine.spec_decode.num_accepted_tokens
     while engine.has_unfinished_requests():
         engine.step()
+        pool = engine.runner.kv_cache
         for seq in engine.scheduler.running:
-            slots = engine.slots_of(seq, seq.num_computed_tokens, len(seq.block_table) * engine.config.cache.block_size)
-            for cache in engine.runner.kv_cache.k + engine.runner.kv_cache.v:
-                flat = cache.flatten(0, 1)
-                garbage = torch.randn((len(slots), *flat.shape[1:]), generator=generator) * 100
-                flat.index_copy_(0, slots, garbage.to(flat.dtype))
+            slots = pool.slots(seq.block_table, seq.num_computed_tokens, len(seq.block_table) * pool.block_size)
+            for layer in range(pool.num_layers):
+                for kind in ("k", "v"):
+                    shape = pool.read(layer, kind, slots[:1]).shape[1:]
+                    pool.write(layer, kind, slots, torch.randn((len(slots), *shape), generator=generator) * 100)
     assert engine.spec_decode.num_draft_tokens - engine.spec_decode.num_accepted_tokens > rejected_before
     assert [seq.output_token_ids for seq in seqs] == expected
 

@@ -82,8 +82,10 @@ def _load(http: str, requests_per_worker: int = 6, workers: int = 3) -> list[int
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
     """A loaded cluster and its Prometheus URL (the cluster runs until the module's tests end)."""
+    # Speculation on (prompt lookup), so that the decode dashboard's speculative-decoding panels have data too.
     config = UpConfig.on_ports(model="smollm2-135m", prefill=1, decode=1, kv_cache_memory_bytes=256 << 20,
-                               conditional_prefill_threshold=32, run_dir=str(tmp_path_factory.mktemp("up")))
+                               conditional_prefill_threshold=32, speculative_method="ngram",
+                               run_dir=str(tmp_path_factory.mktemp("up")))
     cluster = Cluster(config)
     try:
         cluster.start()
