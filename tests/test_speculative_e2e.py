@@ -1,4 +1,5 @@
-"""Speculative decoding through a real cluster (`splitserve up --speculative-method ngram`, then ``suffix``): the
+"""Speculative decoding through a real cluster (`splitserve up --speculative-method ngram`, then ``suffix``, then
+``draft`` with the model drafting for itself, since SmolLM2-135M is the smallest of its family): the
 decode pod's greedy answers equal the offline engine's without speculation, token for token, and its /metrics count
 the drafts it verified and accepted.
 """
@@ -16,13 +17,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 MAX_TOKENS = 24  # what _grpc_generate asks for
 
 
-@pytest.fixture(scope="module", params=["ngram", "suffix"])
+@pytest.fixture(scope="module", params=["ngram", "suffix", "draft"])
 def speculating(request, tmp_path_factory, start_cluster):
     # Prompts under 4096 tokens prefill on the decode pod here, and the rest would go to the prefill pod; the
     # e2e serving tests cover that path, this one covers the decode pod's speculation.
     cluster = start_cluster(tmp_path_factory.mktemp("spec"), model="smollm2-135m", kv_codec="none", prefill=1,
                             decode=1, mixed=0, conditional_prefill_threshold=64, kv_cache_memory_bytes=256 << 20,
-                            prometheus=False, speculative_method=request.param, num_speculative_tokens=4)
+                            prometheus=False, speculative_method=request.param, num_speculative_tokens=4,
+                            speculative_model="smollm2-135m" if request.param == "draft" else "")
     yield cluster
     cluster.stop()
 
