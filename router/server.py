@@ -44,6 +44,7 @@ from runtime.logs import configure_logging
 log = logging.getLogger(__name__)
 
 HEALTH_REFRESH_S = 0.25  # how often the health status follows the router's readiness
+CERTIFICATE_CHECK_S = 1.0  # how often the HTTPS listener looks for renewed certificate files
 
 
 class _EmbeddedHTTPServer(uvicorn.Server):
@@ -67,6 +68,7 @@ class RouterServer:
         self._http: _EmbeddedHTTPServer | None = None
         self._http_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
+        self._https_reload_task: asyncio.Task | None = None
         self._metrics_http = None
 
     async def start(self) -> None:
@@ -88,8 +90,9 @@ class RouterServer:
         """Drain both APIs at once for ``grace_s`` (default: ``config.shutdown_grace_s``), then close the pods'
         connections."""
         grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._https_reload_task):
+            if task is not None:
+                task.cancel()
         await self._health.enter_graceful_shutdown()
         await asyncio.gather(self._stop_http(grace_s), self._stop_grpc(grace_s))
         if self._metrics_http is not None:
@@ -145,6 +148,29 @@ class RouterServer:
             if self._http_task.done():  # e.g. the port is taken: uvicorn logged why
                 raise RuntimeError(f"the HTTP API could not start on {self.config.host}:{self.config.http_port}")
             await asyncio.sleep(0.05)
+        if self._http.config.ssl is not None:
+            self._https_reload_task = asyncio.create_task(self._reload_https_certificate(self._http.config.ssl),
+                                                          name="https-certificate")
+
+    async def _reload_https_certificate(self, context: ssl.SSLContext) -> None:
+        """uvicorn reads the certificate once, but every new connection's handshake uses ``context``: renewed files
+        (the gRPC servers' test of them, ``transport.CertificateReloader``) are loaded into it in place, so a
+        renewal needs no restart here either. A renewed CA is added to the trusted ones (the old stays trusted
+        until the router restarts: an SSLContext cannot forget a CA)."""
+        tls = self.config.tls
+        renewed = transport.CertificateReloader(tls)
+        while True:
+            await asyncio.sleep(CERTIFICATE_CHECK_S)
+            if renewed() is None:
+                continue
+            try:
+                context.load_cert_chain(tls.cert_file, tls.key_file)
+                if tls.ca_file:
+                    context.load_verify_locations(tls.ca_file)
+            except (OSError, ssl.SSLError) as err:  # a set still being written: its next change is tried again
+                log.warning("HTTPS: renewed TLS files cannot be loaded yet, keeping the current ones: %s", err)
+                continue
+            log.info("HTTPS: loaded the renewed certificate %s", tls.cert_file)
 
 
 def _https_settings(config: RouterConfig) -> dict:

@@ -7,7 +7,11 @@ stream goes on, and the next connection sees the new certificate without a resta
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import socket
+import ssl
+import time
 from pathlib import Path
 
 import grpc
@@ -16,6 +20,8 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_security import Identity, _check, _health_server, _make_ca, _make_leaf
 
+from router.config import RouterConfig
+from router.server import CERTIFICATE_CHECK_S, RouterServer
 from runtime import transport
 from runtime.transport import TLSConfig
 
@@ -155,3 +161,42 @@ def _copy(source: str, staging: Path) -> Path:
 def test_a_server_name_without_tls_is_refused():
     with pytest.raises(ValueError, match="^tls_server_name: names the peers' certificates, so it needs TLS"):
         TLSConfig(server_name=SERVICE).check()
+
+
+def _served_certificate_issuer(port: int, ca_file: str) -> str:
+    """The issuer's common name of the certificate a new HTTPS connection to the router is handed."""
+    context = ssl.create_default_context(cafile=ca_file)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname=SERVICE) as conn:
+            cert = x509.load_der_x509_certificate(conn.getpeercert(binary_form=True))
+    return cert.issuer.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value
+
+
+def test_the_routers_https_certificate_is_renewed_without_a_restart(tmp_path, cas, free_ports):
+    """uvicorn reads its certificate once: the router loads the renewed files into its TLS context, so the next
+    HTTPS connection is handed the new certificate while the router keeps running."""
+    old_ca, new_ca = cas
+    old_pem, new_pem = _pem(tmp_path / "ca-old.crt"), _pem(tmp_path / "ca-new.crt")
+    volume = SecretVolume(tmp_path / "secret")
+    volume.publish(_make_leaf(tmp_path / "router-1", "router", old_ca, NAMES), [old_pem])
+    both = tmp_path / "both.crt"
+    both.write_bytes(old_pem + new_pem)
+    tls = volume.tls(mutual=False)
+    config = RouterConfig(model="tiny-random", decode_pods=["127.0.0.1:1"], host="127.0.0.1", grpc_port=0,
+                          http_port=free_ports(1), tls_cert_file=tls.cert_file, tls_key_file=tls.key_file,
+                          tls_ca_file=tls.ca_file)
+
+    async def scenario():
+        server = RouterServer(config)
+        await server.start()
+        try:
+            issuer = functools.partial(_served_certificate_issuer, config.http_port, str(both))
+            assert await asyncio.to_thread(issuer) == "old CA"
+            volume.publish(_make_leaf(tmp_path / "router-2", "router", new_ca, NAMES), [old_pem, new_pem])
+            deadline = time.monotonic() + 10 * CERTIFICATE_CHECK_S
+            while await asyncio.to_thread(issuer) != "new CA":
+                assert time.monotonic() < deadline, "the router still serves the old certificate"
+                await asyncio.sleep(0.2)
+        finally:
+            await server.stop(grace_s=0)
+    asyncio.run(scenario())
