@@ -42,6 +42,14 @@ def headless_pyplot():
     return plt
 
 
+def save_figure(fig, path: str, dpi: int = 120) -> None:
+    """A benchmark's finished matplotlib figure, laid out and written to ``path`` (then closed: pyplot keeps every
+    open figure)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    headless_pyplot().close(fig)
+
+
 def save_results(results, json_path: str | None, plot_path: str | None = None,
                  plot: Callable[[object, str], None] | None = None) -> None:
     """What ``--json`` and ``--plot`` ask for: the figures as JSON, and drawn by ``plot(results, path)``."""

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench import FiguresOutput, headless_pyplot, save_results
+from bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from engine import LLM, LLMEngine, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.config import DEFAULT_MODEL, CacheConfig
@@ -347,9 +347,7 @@ def plot(results: dict, path: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[-1].tick_params(axis="x", rotation=30)
     fig.suptitle(f"KV codecs on {results['model']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @dataclass

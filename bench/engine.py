@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench import FiguresOutput, headless_pyplot, save_results
+from bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from bench.step_cost import decode_bytes, prefill_flops
 from engine import LLM, SamplingParams
 from engine.config import CACHE_DTYPES, DEFAULT_MODEL
@@ -254,9 +254,7 @@ def plot(results: dict, path: str) -> None:
                    title="prefill")
     prefill_ax.legend()
     fig.suptitle(f"{results['model']}: engine vs transformers, same weights, same run")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench import FiguresOutput, headless_pyplot, save_results
+from bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from bench.engine import matmul_peak, read_bandwidth
 from bench.step_cost import (
     decode_bytes,
@@ -264,9 +264,7 @@ def plot(results: dict, path: str) -> None:
     _roofline(roof_ax, results)
     fig.suptitle(f"{results['model']}: prefill and decode on this machine (fp32 compute, "
                  f"{results['config']['cache_dtype']} KV cache)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _roofline(ax, results: dict) -> None:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import FiguresOutput, headless_pyplot, save_results
+from bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from engine import LLM, SamplingParams
 from engine.config import DEFAULT_MODEL
 from runtime.config import described, parse_config
@@ -198,9 +198,7 @@ def plot(results: dict, path: str) -> None:
                ylabel="decode tokens/s", title=f"{kind} prompts")
         ax.legend(loc="upper left")
     fig.suptitle(f"{results['model']}: speculative decoding on vs off, same run")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @dataclass

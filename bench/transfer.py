@@ -35,7 +35,7 @@ from statistics import mean
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench import FiguresOutput, headless_pyplot, save_results
+from bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from bench.codecs import reference_tokens
 from engine.config import DEFAULT_MODEL, CacheConfig
 from engine.tokenizer_files import load_tokenizer
@@ -259,9 +259,7 @@ def plot(results: dict, path: str) -> None:
     ax.set_title(f"TTFT of {results['prompt_tokens']}-token prompts on {results['model']}, prefill pod -> decode pod")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @dataclass
