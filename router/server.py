@@ -184,12 +184,14 @@ def _https_settings(config: RouterConfig) -> dict:
 
 async def serve(config: RouterConfig) -> None:
     """Runs the router until SIGTERM or SIGINT, then stops it gracefully."""
-    server = RouterServer(config)
-    await server.start()
+    # The handlers go in before the servers start: a SIGTERM that arrives while they start (the HTTP API may already
+    # answer) still stops the router gracefully instead of killing it.
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop_requested.set)
+    server = RouterServer(config)
+    await server.start()
     await stop_requested.wait()
     log.info("stopping: draining in-flight requests (up to %.0f s)", config.shutdown_grace_s)
     await server.stop()
