@@ -108,7 +108,6 @@ class PagedKVCache:
             raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
         return (self.k_blocks if kind == "k" else self.v_blocks)[layer].flatten(0, 1)
 
-
     def memory_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block()
 

@@ -87,9 +87,12 @@ class NgramIndex:
         """``k`` tokens that followed the latest earlier occurrence of the longest suffix found (none when no suffix
         of at least ``n_min`` tokens occurred before)."""
         found = self.match(seq)
-        if found is None:
-            return []
-        end, num_tokens = found[1], seq.num_tokens
+        return [] if found is None else self.following(seq, found[1], k)
+
+    @staticmethod
+    def following(seq: Sequence, end: int, k: int) -> list[int]:
+        """``k`` tokens of ``seq`` from ``end``, where a match ended, continued as an overlapping copy."""
+        num_tokens = seq.num_tokens
         return _copy_on(seq.token_slice(end, min(end + k, num_tokens)), num_tokens - end, k)
 
 
@@ -277,7 +280,7 @@ class SpeculativeProposer:
                                                       seq.num_tokens))
         if cached is not None and (own is None or cached[0] > own[0]):
             return cached[1][:k]
-        return state.index.propose(seq, k) if own is not None else []
+        return state.index.following(seq, own[1], k) if own is not None else []
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """The step verified ``num_proposed`` drafts of ``seq`` and accepted ``num_accepted`` (before its tokens are
