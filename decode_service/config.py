@@ -58,6 +58,6 @@ class DecodeConfig(PodConfig):
         if not self.speculative_method:
             return None
         # The flags are independent (as the chart's values are): --speculative-model counts only for draft.
-        model = self.speculative_model if self.speculative_method == "draft" else None
+        model = (self.speculative_model or None) if self.speculative_method == "draft" else None
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
                                  self.prompt_lookup_min, model=model)

@@ -41,10 +41,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_service.config import DecodeConfig
-from engine.config import SchedulerConfig, SpeculativeConfig
 from prefill_service.config import PrefillConfig
-from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S, PolicyName, RouterConfig
-from runtime.config import described, member, parse_config, passed_on, passed_to
+from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S
+from router.config import PolicyName, RouterConfig
+from runtime.config import described, member, parse_config, passed_on, passed_to, passed_values
 from runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, thread_env
 from runtime.kv_codecs import check_kv_codec
 from runtime.pod import PodConfig
@@ -128,12 +128,9 @@ class UpConfig:
             checked_cpu_set(name, getattr(self, name))
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        # The engine's own checks, so that a bad value fails here, naming its field, not in every pod.
-        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.long_prefill_token_threshold)
-        if self.speculative_method:
-            SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max,
-                              self.prompt_lookup_min,
-                              model=self.speculative_model if self.speculative_method == "draft" else None)
+        # A decode pod's own checks and its engine's (scheduler, speculation), so that a bad value fails here,
+        # naming its field, not in every pod.
+        DecodeConfig(**passed_values(self, DecodeConfig)).engine_config()
         self.tls.check()
 
     def cpu_sets(self) -> dict[Role, frozenset[int]]:

@@ -98,6 +98,12 @@ def test_up_config_refuses_bad_sets_and_engine_settings_naming_the_field():
         UpConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="^kv_codec must be one of none, .*, got 'gzip'$"):
         UpConfig(kv_codec="gzip")
+    with pytest.raises(ValueError, match="^method must be one of ngram, suffix, draft, got 'bogus'$"):
+        UpConfig(speculative_method="bogus")
+    with pytest.raises(ValueError, match="required by method 'draft'"):  # a draft method needs its draft model
+        UpConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="required by method 'draft'"):
+        DecodeConfig(speculative_method="draft").engine_config()
 
 
 # ---- command lines --------------------------------------------------------------------------------------------------
