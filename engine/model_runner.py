@@ -93,5 +93,6 @@ def _sampling_rows(s: ScheduledSeq) -> list[SamplingRow]:
     """The sampling row of each verified position: row j samples as if drafts 0..j-1 were already output (penalties,
     min_tokens and the seeded draw's position see them)."""
     seq = s.seq
-    return [SamplingRow(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids + s.draft_token_ids[:j])
+    outputs = seq.output_token_ids  # as it is for row 0 (every row when not speculating): no copy per step
+    return [SamplingRow(seq.sampling_params, seq.prompt_token_ids, outputs + s.draft_token_ids[:j] if j else outputs)
             for j in range(len(s.draft_token_ids) + 1)]
