@@ -81,6 +81,11 @@ KV_LEASE_S = 30.0
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
+# The formats the weights may be kept in (EngineConfig.quantization, every pod's --quantization): "none" widens
+# everything to the compute dtype (the reference, and the fallback on any device); "gguf" keeps a GGUF file's own
+# quantized blocks; "int8" / "int4" quantize a float checkpoint at load (docs/quantization.md).
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+
 
 @dataclass
 class CacheConfig:
@@ -196,7 +201,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: one token per decode step
+    quantization: str = "none"  # the weights' format, one of QUANTIZATIONS
 
     def __post_init__(self) -> None:
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
