@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 
@@ -60,3 +62,18 @@ def start_cluster():
 
     return start
 
+
+
+@pytest.fixture(scope="session")
+def smollm2_up(tmp_path_factory, start_cluster):
+    """One ``splitserve up`` of the real SmolLM2 for the modules that check the whole system (the e2e serving checks,
+    every dashboard panel): a router, a prefill pod, a decode pod with prompt-lookup speculation (exact for greedy
+    requests, and the speculative panels get data) and a Prometheus scraping them. Prompts under 32 tokens prefill on
+    the decode pod, longer ones on the prefill pod; codec ``none``. Its users count what they send as differences,
+    and one that stops a pod leaves the supervisor to restart it and waits until it serves again."""
+    cluster = start_cluster(tmp_path_factory.mktemp("smollm2-up"), model="smollm2-135m", prefill=1, decode=1,
+                            mixed=0, kv_codec="none", conditional_prefill_threshold=32,
+                            kv_cache_memory_bytes=256 << 20, speculative_method="ngram",
+                            prometheus=shutil.which("prometheus") is not None)
+    yield cluster
+    cluster.stop()

@@ -1,17 +1,17 @@
 """The whole system, as `splitserve up` runs it: real processes on loopback serving the real SmolLM2 weights.
 
-Two clusters: disaggregated (1 prefill + 1 decode pod; prompts shorter than the conditional-disaggregation
-threshold prefill on the decode pod, longer ones on the prefill pod, so both paths run), and mixed (one pod doing
-both phases). Through the router, over gRPC and over HTTP, greedy answers must equal the offline
-``LLM.generate`` answers token for token (codec ``none``). Outside clients are the real ones: the ``openai``
-package and ``grpcurl``. Every process's /metrics must count exactly the requests sent, and a real Prometheus
+Two clusters: disaggregated (the session's shared ``smollm2_up``: 1 prefill + 1 decode pod; prompts shorter than the
+conditional-disaggregation threshold prefill on the decode pod, longer ones on the prefill pod, so both paths run),
+and mixed (one pod doing both phases). Through the router, over gRPC and over HTTP, greedy answers must equal the
+offline ``LLM.generate`` answers token for token (codec ``none``). Outside clients are the real ones: the ``openai``
+package and ``grpcurl``. Every process's /metrics must count exactly the requests this module sent (differences
+from a snapshot taken before its first request, since other modules share the cluster), and a real Prometheus
 must have scraped them.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -43,21 +43,27 @@ LONG_PROMPTS = [
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
 
-def _start(start_cluster, tmp_path: Path, **counts) -> Cluster:
-    return start_cluster(tmp_path, model="smollm2-135m", kv_codec="none", conditional_prefill_threshold=THRESHOLD,
-                         kv_cache_memory_bytes=256 << 20, prometheus=shutil.which("prometheus") is not None, **counts)
+@pytest.fixture(scope="module")
+def disaggregated(smollm2_up):
+    assert smollm2_up.config.conditional_prefill_threshold == THRESHOLD
+    return smollm2_up
 
 
 @pytest.fixture(scope="module")
-def disaggregated(tmp_path_factory, start_cluster):
-    cluster = _start(start_cluster, tmp_path_factory.mktemp("disagg"), prefill=1, decode=1, mixed=0)
-    yield cluster
-    cluster.stop()
+def before(disaggregated):
+    """Every process's samples before this module's first request, and what Prometheus holds of them."""
+    snapshot = {role: _metrics(_pod_metrics_url(disaggregated, role)) for role in ("prefill", "decode")}
+    snapshot["router"] = _metrics(f"{_http(disaggregated)}/metrics")
+    snapshot["prometheus"] = _scraped_by_role(disaggregated, {
+        "router": _value(snapshot["router"], "splitserve_e2e_request_latency_seconds_count", role="router"),
+        "decode": _value(snapshot["decode"], "splitserve_e2e_request_latency_seconds_count", role="decode")})
+    return snapshot
 
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory, start_cluster):
-    cluster = _start(start_cluster, tmp_path_factory.mktemp("mixed"), prefill=0, decode=0, mixed=1)
+    cluster = start_cluster(tmp_path_factory.mktemp("mixed"), model="smollm2-135m", prefill=0, decode=0, mixed=1,
+                            kv_codec="none", kv_cache_memory_bytes=256 << 20, prometheus=False)
     yield cluster
     cluster.stop()
 
@@ -114,6 +120,11 @@ def _value(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, lab), v in samples.items() if n == name and set(labels.items()) <= set(lab))
 
 
+def _added(samples: dict, before: dict, name: str, **labels) -> float:
+    """How much ``name`` (with ``labels``) grew since the ``before`` snapshot."""
+    return _value(samples, name, **labels) - _value(before, name, **labels)
+
+
 def _pod_metrics_url(cluster: Cluster, role: str) -> str:
     pod = next(p for p in cluster.pods if p.role == role)
     return f"http://{cluster.config.host}:{pod.metrics_port}/metrics"
@@ -121,7 +132,7 @@ def _pod_metrics_url(cluster: Cluster, role: str) -> str:
 
 # ---- disaggregated cluster (tests run in file order: the metrics test counts what the earlier ones sent) ----
 
-def test_disaggregated_grpc_matches_offline_token_for_token(disaggregated, reference):
+def test_disaggregated_grpc_matches_offline_token_for_token(disaggregated, reference, before):
     for prompt, expected in reference.items():
         tokens, text, complete = _grpc_generate(disaggregated, prompt)
         assert tokens == expected.token_ids, prompt
@@ -137,37 +148,43 @@ def test_disaggregated_http_matches_offline(disaggregated, reference):
         assert reply["usage"]["completion_tokens"] == len(expected.token_ids)
 
 
-def test_long_prompts_went_through_the_prefill_pod_and_short_ones_did_not(disaggregated, reference):
+def test_long_prompts_went_through_the_prefill_pod_and_short_ones_did_not(disaggregated, reference, before):
     prefill = _metrics(_pod_metrics_url(disaggregated, "prefill"))
     long_prompts_sent = 2 * len(LONG_PROMPTS)  # once over gRPC, once over HTTP
-    assert _value(prefill, "splitserve_request_prefill_time_seconds_count") == long_prompts_sent
-    assert _value(prefill, "splitserve_kv_transfer_bytes_total", codec="none") > 0
+    assert _added(prefill, before["prefill"], "splitserve_request_prefill_time_seconds_count") == long_prompts_sent
+    assert _added(prefill, before["prefill"], "splitserve_kv_transfer_bytes_total", codec="none") > 0
     decode = _metrics(_pod_metrics_url(disaggregated, "decode"))
-    assert _value(decode, "splitserve_kv_transfer_bytes_total", codec="none") == \
-        _value(prefill, "splitserve_kv_transfer_bytes_total", codec="none")
+    assert _added(decode, before["decode"], "splitserve_kv_transfer_bytes_total", codec="none") == \
+        _added(prefill, before["prefill"], "splitserve_kv_transfer_bytes_total", codec="none")
 
 
-def test_every_process_counts_the_requests_sent(disaggregated, reference):
+def test_every_process_counts_the_requests_sent(disaggregated, reference, before):
     sent = 2 * len(reference)
     router = _metrics(f"{_http(disaggregated)}/metrics")
     for name in ("splitserve_time_to_first_token_seconds_count", "splitserve_e2e_request_latency_seconds_count",
                  "splitserve_request_time_per_output_token_seconds_count"):
-        assert _value(router, name, role="router") == sent, name
-    assert _value(router, "splitserve_request_success_total", finished_reason="length") + \
-        _value(router, "splitserve_request_success_total", finished_reason="stop") == sent
+        assert _added(router, before["router"], name, role="router") == sent, name
+    assert _added(router, before["router"], "splitserve_request_success_total", finished_reason="length") + \
+        _added(router, before["router"], "splitserve_request_success_total", finished_reason="stop") == sent
     expected_tokens = 2 * sum(len(o.token_ids) for o in reference.values())
-    assert _value(router, "splitserve_generation_tokens_total") == expected_tokens
+    assert _added(router, before["router"], "splitserve_generation_tokens_total") == expected_tokens
     decode = _metrics(_pod_metrics_url(disaggregated, "decode"))
-    assert _value(decode, "splitserve_e2e_request_latency_seconds_count", role="decode") == sent
-    assert _value(decode, "splitserve_request_success_total") == sent
+    assert _added(decode, before["decode"], "splitserve_e2e_request_latency_seconds_count", role="decode") == sent
+    assert _added(decode, before["decode"], "splitserve_request_success_total") == sent
 
 
-def test_prometheus_scraped_every_process(disaggregated, reference):
-    if not any(p.name == "prometheus" for p in disaggregated.processes):
-        pytest.fail("prometheus is not installed (the bootstrap installs it)")
+def test_prometheus_scraped_every_process(disaggregated, reference, before):
     sent = 2 * len(reference)
+    expected = {role: before["prometheus"][role] + sent for role in ("router", "decode")}
+    _scraped_by_role(disaggregated, expected)
+
+
+def _scraped_by_role(cluster: Cluster, expected: dict[str, float]) -> dict[str, float]:
+    """Polls Prometheus until its per-role request counts are ``expected`` (what the processes' /metrics say)."""
+    if not any(p.name == "prometheus" for p in cluster.processes):
+        pytest.fail("prometheus is not installed (the bootstrap installs it)")
     query = "sum by (role) (splitserve_e2e_request_latency_seconds_count)"
-    url = (f"http://{disaggregated.config.host}:{disaggregated.config.prometheus_port}/api/v1/query?"
+    url = (f"http://{cluster.config.host}:{cluster.config.prometheus_port}/api/v1/query?"
            + urllib.parse.urlencode({"query": query}))
     deadline = time.monotonic() + 30
     by_role: dict[str, float] = {}
@@ -175,10 +192,10 @@ def test_prometheus_scraped_every_process(disaggregated, reference):
         with urllib.request.urlopen(url, timeout=10) as reply:
             result = json.load(reply)["data"]["result"]
         by_role = {r["metric"]["role"]: float(r["value"][1]) for r in result}
-        if by_role.get("router") == sent and by_role.get("decode") == sent:
-            break
+        if all(by_role.get(role, 0.0) == count for role, count in expected.items()):
+            return by_role
         time.sleep(1)
-    assert by_role.get("router") == sent and by_role.get("decode") == sent, by_role
+    pytest.fail(f"Prometheus holds {by_role}, not {expected}")
 
 
 def test_openai_client_completions_and_chat(disaggregated, smollm2):

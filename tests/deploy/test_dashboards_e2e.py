@@ -32,7 +32,6 @@ from deploy.grafana.snapshot import draw, grafana_expr, query as _query
 from deploy.planner.config import PlannerConfig
 from deploy.planner.signals import PrometheusSignals
 from deploy.prometheus import RULES_PATH
-from splitserve.launcher import Cluster, UpConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model,
               pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]
@@ -80,27 +79,19 @@ def _load(http: str, requests_per_worker: int = 6, workers: int = 3) -> list[int
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory):
-    """A loaded cluster and its Prometheus URL (the cluster runs until the module's tests end)."""
-    # Speculation on (prompt lookup), so that the decode dashboard's speculative-decoding panels have data too.
-    config = UpConfig.on_ports(model="smollm2-135m", prefill=1, decode=1, kv_cache_memory_bytes=256 << 20,
-                               conditional_prefill_threshold=32, speculative_method="ngram",
-                               run_dir=str(tmp_path_factory.mktemp("up")))
-    cluster = Cluster(config)
-    try:
-        cluster.start()
-        cluster.wait_ready(log=lambda *_: None)
-        started = time.time()
-        statuses = _load(f"http://{config.host}:{config.http_port}")
-        assert statuses.count(200) == 18 and statuses.count(400) == 3, statuses
-        url = f"http://{config.host}:{config.prometheus_port}"
-        _wait_scraped_since(url, time.time())
-        if os.environ.get("SPLITSERVE_DASHBOARD_PNG"):
-            board = json.loads((OUT_DIR / "splitserve-overview.json").read_text())
-            draw(board, url, started - 20, time.time(), Path(os.environ["SPLITSERVE_DASHBOARD_PNG"]), "30s")
-        yield cluster, url
-    finally:
-        cluster.stop()
+def running(smollm2_up):
+    """The session's SmolLM2 cluster (tests/conftest.py; it speculates, so the decode dashboard's speculative
+    panels have data too) once this module's load went through and was scraped, and its Prometheus URL."""
+    cluster, config = smollm2_up, smollm2_up.config
+    started = time.time()
+    statuses = _load(f"http://{config.host}:{config.http_port}")
+    assert statuses.count(200) == 18 and statuses.count(400) == 3, statuses
+    url = f"http://{config.host}:{config.prometheus_port}"
+    _wait_scraped_since(url, time.time())
+    if os.environ.get("SPLITSERVE_DASHBOARD_PNG"):
+        board = json.loads((OUT_DIR / "splitserve-overview.json").read_text())
+        draw(board, url, started - 20, time.time(), Path(os.environ["SPLITSERVE_DASHBOARD_PNG"]), "30s")
+    yield cluster, url
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +178,9 @@ def test_the_planner_reads_the_cluster(prometheus):
 
 
 def test_refusals_show_once_no_decode_pod_is_left(running):
-    """Last (it stops the decode pod): requests now fail with 503, the refusal panels show them by code, and the
-    no-healthy-decode-pod alert's expression fires on the real series."""
+    """Last (it stops the decode pod, which the supervisor then restarts for the cluster's next users): requests
+    now fail with 503, the refusal panels show them by code, and the no-healthy-decode-pod alert's expression fires
+    on the real series."""
     import yaml
 
     cluster, prometheus = running
@@ -207,3 +199,8 @@ def test_refusals_show_once_no_decode_pod_is_left(running):
     alerts = [r for g in yaml.safe_load(RULES_PATH.read_text())["groups"] for r in g["rules"]
               if r.get("alert") == "SplitserveNoHealthyDecodePod"]
     _wait_for_data(prometheus, [alerts[0]["expr"]], "the no-healthy-decode-pod alert's condition")
+    # The cluster is the session's: the supervisor starts the decode pod again; wait until requests succeed.
+    deadline = time.monotonic() + 120
+    while _post(f"{http}/v1/completions", {"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4}) != 200:
+        assert time.monotonic() < deadline, "the restarted decode pod did not serve within 120 s"
+        time.sleep(1)
