@@ -55,6 +55,10 @@ class ClusterSpec:
     block_size: int = 16
     max_model_len: int = 8192
     codec_ratio: float = 1.0  # the KV codec's wire bytes over raw bytes (none: 1)
+    span_s: float = 0.0  # longest span of steady decode steps taken at once (simulator/pod.py; 0: single steps)
+    # The workloads' prompts are fresh to every pod (as bench serve's are), so the prefix cache never hits: off, the
+    # pods skip hashing every full block (the same schedule, faster); on, it runs as the real pods run it.
+    prefix_caching: bool = False
     router_s: float = 0.0  # the router's time per request before placing it (the profile's fitted overhead)
 
 
@@ -67,6 +71,7 @@ class _InFlight:
     prefill: SimPod | None = None
     decode: SimPod | None = None
     decode_seq: Sequence | None = None
+    released: bool = False  # the router's hold on D ended (the request's last token)
 
 
 class SimCluster:
@@ -76,6 +81,7 @@ class SimCluster:
         self.spec, self.policy = spec, policy
         self.loop = loop or EventLoop()
         self.pods: list[SimPod] = []
+        self._by_name: dict[str, SimPod] = {}
         for pool in spec.pools:
             for _ in range(pool.count):
                 self.add_pod(pool)
@@ -84,8 +90,12 @@ class SimCluster:
     def add_pod(self, pool: PodPool) -> SimPod:
         """One more pod of ``pool``, serving at once (the planner's replay adds pods after their start-up)."""
         pod = SimPod(f"{pool.role}-{len(self.pods)}", pool.role, pool.profile, self.spec.scheduler,
-                     self.spec.num_blocks, self.spec.block_size, self.spec.max_model_len, self.loop, self._on_token)
+                     self.spec.num_blocks, self.spec.block_size, self.spec.max_model_len, self.loop, self._on_token,
+                     self.spec.span_s, self._release, self.spec.prefix_caching)
         self.pods.append(pod)
+        self._by_name[pod.name] = pod
+        self._prefill_infos = [p.info for p in self.pods if p.role is Role.PREFILL]
+        self._decode_infos = [p.info for p in self.pods if p.info.can_decode]
         return pod
 
     def run(self, specs: list[RequestSpec], until: float = float("inf")) -> list[RequestRecord]:
@@ -110,14 +120,12 @@ class SimCluster:
         spec, record = flight.spec, flight.record
         request_id = f"r{spec.index}"
         prompt = [spec.index + 1] * spec.prompt_len  # fresh per request: no prefix-cache hits, as bench serve's
-        prefill_pods = [p.info for p in self.pods if p.info.healthy and p.role is Role.PREFILL]
-        decode_pods = [p.info for p in self.pods if p.info.healthy and p.info.can_decode]
-        try:
-            plan = self.policy.choose_pair(_Prompt(prompt), prefill_pods, decode_pods)
+        try:  # every pod serves (the registry's routable pods): the lists change only as pods are added
+            plan = self.policy.choose_pair(_Prompt(prompt), self._prefill_infos, self._decode_infos)
         except StatusError as error:
             record.status, record.end_s, record.error = "failed", self.loop.now, f"grpc_{error.code.name}"
             return
-        by_name = {pod.name: pod for pod in self.pods}
+        by_name = self._by_name
         flight.decode = by_name[plan.decode.address]
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
         seq = Sequence(request_id, prompt, params)
@@ -140,7 +148,8 @@ class SimCluster:
 
     # ---- tokens -----------------------------------------------------------------------------------------
 
-    def _on_token(self, pod: SimPod, seq: Sequence, now: float) -> None:
+    def _on_token(self, pod: SimPod, seq: Sequence, times: list[float]) -> None:
+        """``seq`` sampled tokens on ``pod`` at ``times`` (one, or each step of a span)."""
         flight = self._flights[seq.request_id]
         if pod is flight.prefill:
             self._prefilled(flight, seq)
@@ -148,9 +157,9 @@ class SimCluster:
         record = flight.record
         if not record.chunk_s:
             flight.decode.info.queued_prompt_tokens -= seq.num_prompt_tokens  # the hold's prompt_done
-        record.chunk_s.append(now)
+        record.chunk_s.extend(times)
         if seq.is_finished:
-            self._finish(flight, seq, now)
+            self._finish(flight, seq, times[-1])
 
     def _prefilled(self, flight: _InFlight, seq: Sequence) -> None:
         """P sampled the first token: P's hold ends; after the KV's exposed transfer, the client has the first
@@ -172,8 +181,15 @@ class SimCluster:
         record = flight.record
         record.status, record.end_s = "ok", now
         record.prompt_tokens, record.output_tokens = seq.num_prompt_tokens, seq.num_output_tokens
-        flight.decode.info.active_requests -= 1
+        self._release(flight.decode, seq)
         del self._flights[seq.request_id]
+
+    def _release(self, pod: SimPod, seq: Sequence) -> None:
+        """The request's last token: the router's hold on D ends (at that step, also inside a span)."""
+        flight = self._flights[seq.request_id]
+        if not flight.released:
+            flight.released = True
+            pod.info.active_requests -= 1
 
 
 @dataclass

@@ -73,6 +73,8 @@ class SimulateConfig:
     long_prefill_token_threshold: int = passed_to(PodConfig, name="long_prefill_token_threshold")
     kv_cache_memory_bytes: int = passed_to(PodConfig, name="kv_cache_memory_bytes")
     block_size: int = passed_to(PodConfig, name="block_size")
+    span_s: float = field(default=2.0, metadata=described(
+        "Longest span of steady decode steps simulated at once (0: every step on its own; docs/simulator.md)."))
     json: str = field(default="", metadata=described("Also write the figures to this JSON file."))
 
     def __post_init__(self) -> None:
@@ -102,7 +104,7 @@ class SimulateConfig:
         return ClusterSpec(tuple(pools), SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                                          self.long_prefill_token_threshold),
                            num_blocks=self.kv_cache_memory_bytes // per_block, block_size=self.block_size,
-                           codec_ratio=self.codec_ratio,
+                           codec_ratio=self.codec_ratio, span_s=self.span_s,
                            router_s=default.router_s if self.router_s < 0 else self.router_s)
 
     def _profile(self, path: str) -> PhaseProfile:

@@ -25,11 +25,11 @@ def hand_profile(**changes) -> PhaseProfile:
     return PhaseProfile(**(fields | changes))
 
 
-def cluster(pools: dict[Role, int], profile: PhaseProfile | None = None, router_s: float = 0.0,
+def cluster(pools: dict[Role, int], profile: PhaseProfile | None = None, router_s: float = 0.0, span_s: float = 0.0,
             **scheduler) -> SimCluster:
     profile = profile or hand_profile()
     spec = ClusterSpec(tuple(PodPool(role, count, profile) for role, count in pools.items()),
-                       SchedulerConfig(**scheduler), num_blocks=1000, router_s=router_s)
+                       SchedulerConfig(**scheduler), num_blocks=1000, router_s=router_s, span_s=span_s)
     return SimCluster(spec, make_policy("least_loaded", LocalPrefill(threshold=0)))
 
 
@@ -102,6 +102,24 @@ def test_a_full_kv_pool_preempts_and_every_request_still_finishes():
     pod = sim.pods[0]
     assert pod.num_preemptions > 0
     assert pod.block_manager.num_free_blocks == 12  # everything free again
+
+
+@pytest.mark.parametrize("pools", [{Role.MIXED: 1}, {Role.PREFILL: 1, Role.DECODE: 1}])
+def test_spans_of_decode_steps_give_the_times_of_single_steps(pools):
+    # Requests arriving while others decode interrupt the spans; a decode step's time grows with context and batch.
+    profile = hand_profile(decode=StepFit(DECODE_A, 1e-5, 3e-3))
+    specs = [request(i, 50 + 37 * i, 20 + 13 * i, at=0.15 * i) for i in range(8)]
+
+    def times(span_s):
+        sim = cluster(pools, profile, span_s=span_s, max_num_batched_tokens=256, long_prefill_token_threshold=128)
+        return [(r.status, r.chunk_s) for r in sim.run(specs)], sum(p.num_steps for p in sim.pods), sim
+
+    single, steps, _ = times(0.0)
+    spanned, spanned_steps, sim = times(0.3)
+    assert [status for status, _ in single] == ["ok"] * 8
+    assert [(status, pytest.approx(chunks, abs=1e-9)) for status, chunks in spanned] == single
+    assert spanned_steps == steps
+    assert all(pod.block_manager.num_free_blocks == 1000 for pod in sim.pods)
 
 
 def test_fit_step_recovers_known_coefficients_and_keeps_them_non_negative():
