@@ -20,6 +20,7 @@ Each request ends as a ``bench.serve_metrics.RequestRecord``: the same figures, 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from bench.phase_profile import PhaseProfile
@@ -82,24 +83,40 @@ class SimCluster:
         self.loop = loop or EventLoop()
         self.pods: list[SimPod] = []
         self._by_name: dict[str, SimPod] = {}
+        self._names = itertools.count()
         for pool in spec.pools:
             for _ in range(pool.count):
                 self.add_pod(pool)
         self._flights: dict[str, _InFlight] = {}
+        self.records: list[RequestRecord] = []
 
     def add_pod(self, pool: PodPool) -> SimPod:
         """One more pod of ``pool``, serving at once (the planner's replay adds pods after their start-up)."""
-        pod = SimPod(f"{pool.role}-{len(self.pods)}", pool.role, pool.profile, self.spec.scheduler,
+        pod = SimPod(f"{pool.role}-{next(self._names)}", pool.role, pool.profile, self.spec.scheduler,
                      self.spec.num_blocks, self.spec.block_size, self.spec.max_model_len, self.loop, self._on_token,
                      self.spec.span_s, self._release, self.spec.prefix_caching)
         self.pods.append(pod)
         self._by_name[pod.name] = pod
-        self._prefill_infos = [p.info for p in self.pods if p.role is Role.PREFILL]
-        self._decode_infos = [p.info for p in self.pods if p.info.can_decode]
+        self._routable()
         return pod
 
+    def drain(self, pod: SimPod) -> None:
+        """The pod takes no new request (the planner scaled its pool down); its requests finish there."""
+        pod.info.serving = False
+        self._routable()
+
+    def remove(self, pod: SimPod) -> None:
+        """A drained pod with nothing left leaves."""
+        self.pods.remove(pod)
+        del self._by_name[pod.name]
+
+    def _routable(self) -> None:
+        # The registry's routable pods of each role: they change only as pods come and go.
+        self._prefill_infos = [p.info for p in self.pods if p.info.healthy and p.role is Role.PREFILL]
+        self._decode_infos = [p.info for p in self.pods if p.info.healthy and p.info.can_decode]
+
     def run(self, specs: list[RequestSpec], until: float = float("inf")) -> list[RequestRecord]:
-        records = []
+        records = self.records = []  # filled as they go: a planner reads them while the run goes on
         for spec in specs:
             record = RequestRecord(spec.index, spec.prompt_len, spec.output_len, spec.arrival_s)
             records.append(record)
@@ -120,7 +137,10 @@ class SimCluster:
         spec, record = flight.spec, flight.record
         request_id = f"r{spec.index}"
         prompt = [spec.index + 1] * spec.prompt_len  # fresh per request: no prefix-cache hits, as bench serve's
-        try:  # every pod serves (the registry's routable pods): the lists change only as pods are added
+        if len(prompt) >= self.spec.max_model_len:  # the router's 400: the prompt fills the model's context
+            record.status, record.end_s, record.error = "failed", self.loop.now, "http_400"
+            return
+        try:
             plan = self.policy.choose_pair(_Prompt(prompt), self._prefill_infos, self._decode_infos)
         except StatusError as error:
             record.status, record.end_s, record.error = "failed", self.loop.now, f"grpc_{error.code.name}"

@@ -160,7 +160,8 @@ class SimPod:
         lengths = [min(steps, seq.sampling_params.max_tokens - seq.num_output_tokens,
                        self.max_model_len - seq.num_tokens) for seq in running]
         size = blocks.block_size
-        needed = sum(-(-(seq.num_computed_tokens + n) // size) - len(seq.block_table) for seq, n in zip(running, lengths))
+        needed = sum(-(-(seq.num_computed_tokens + n) // size) - len(seq.block_table)
+                     for seq, n in zip(running, lengths))
         if max(lengths) < 2 or blocks.num_free_blocks - needed < blocks.num_blocks // 4:
             return False
         ends = self._span_step_ends(running, lengths)

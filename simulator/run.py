@@ -1,6 +1,9 @@
 """``splitserve simulate``: a cluster of pods of given roles, counts and speeds, loaded with ``bench serve``'s seeded
 workloads over a sweep of rates, in virtual time; the report is ``bench compare``'s (goodput, TTFT and TPOT per rate).
 
+    splitserve simulate validate --measured compare.json [--calibrate]   (simulator/validate.py)
+    splitserve simulate ratios [--pods 8,32,128]                         (simulator/ratios.py)
+    splitserve simulate planner [--peak-rate 2 --day-s 3600]             (simulator/planner_replay.py)
     splitserve simulate [--pools prefill:1,decode:1] [--profile simulator/profiles/....json] [--rates 0.2,0.3] \\
         [--workload PATH|azure-conv|azure-code] [--num-prompts 20] [--goodput ttft:4000 tpot:100] [--json F]
 
@@ -18,7 +21,7 @@ from pathlib import Path
 from bench import save_results
 from bench.compare_plan import AZURE_CONV
 from bench.phase_profile import PhaseProfile
-from bench.serve_metrics import SLO, SLO_ATTAINMENT, summarize
+from bench.serve_metrics import SLO, SLO_ATTAINMENT, RequestRecord, summarize
 from bench.workload import WorkloadConfig, build_workload
 from engine.config import SchedulerConfig
 from router.config import RouterConfig
@@ -124,16 +127,26 @@ class SimulateConfig:
         return SimCluster(spec or self.cluster_spec(), make_policy(self.policy, local, seed=self.seed))
 
 
+def simulate_records(config: SimulateConfig, rate: float, spec: ClusterSpec | None = None,
+                     cluster: SimCluster | None = None) -> list[RequestRecord]:
+    """One run at ``rate``: bench serve's records of the simulated requests."""
+    specs = build_workload(config.workload_at(rate))
+    cluster = cluster or config.cluster(spec)
+    return cluster.run(specs, until=run_limit_s(config, rate, specs))
+
+
+def run_limit_s(config: SimulateConfig, rate: float, specs: list) -> float:
+    """As bench compare stops each run: the longest schedule's end plus a minute."""
+    return specs[-1].arrival_s + 60.0 if math.isinf(rate) else config.num_prompts / min(config.rates) + 60.0
+
+
 def simulate_rate(config: SimulateConfig, rate: float, spec: ClusterSpec | None = None) -> dict:
     """One run at ``rate``: the ``bench serve`` summary of the simulated requests, with the run's wall time."""
     started = time.perf_counter()
-    specs = build_workload(config.workload_at(rate))
     cluster = config.cluster(spec)
-    # As bench compare stops each run: the longest schedule's end plus a minute.
-    limit = specs[-1].arrival_s + 60.0 if math.isinf(rate) else config.num_prompts / min(config.rates) + 60.0
-    records = cluster.run(specs, until=limit)
+    records = simulate_records(config, rate, cluster=cluster)
     ends = [r.end_s for r in records if r.end_s is not None]
-    duration = min(max(ends, default=0.0), limit)
+    duration = max(ends, default=0.0)
     summary = summarize(records, duration, config.slo())
     summary["wall_s"] = time.perf_counter() - started
     summary["pods"] = len(cluster.pods)
@@ -177,7 +190,15 @@ EXAMPLES = """examples:
 the profile (bench phases --profile-out) says how fast a pod is; see docs/simulator.md"""
 
 
+# ``splitserve simulate NAME ...``: the studies built on the simulator, each a module of this package.
+STUDIES = {"validate": "simulator.validate", "ratios": "simulator.ratios", "planner": "simulator.planner_replay"}
+
+
 def main(argv: list[str] | None = None) -> dict:
+    if argv and argv[0] in STUDIES:
+        import importlib
+
+        return importlib.import_module(STUDIES[argv[0]]).main(argv[1:])
     config = parse_config(SimulateConfig, argv, prog="splitserve simulate", epilog=EXAMPLES)
     spec = config.cluster_spec()
     print(f"splitserve simulate: {', '.join(config.pools)} ({sum(p.count for p in spec.pools)} pods); "
