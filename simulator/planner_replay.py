@@ -193,7 +193,7 @@ def run(config: PlannerReplayConfig, log=print) -> dict:
         ttft_target_s=slo.ttft, tpot_target_s=slo.tpot, interval_s=config.interval_s, window_s=config.window_s,
         max_prefill_replicas=config.max_replicas, max_decode_replicas=config.max_replicas,
         prefill_tokens_per_s_per_pod=1.0 / base.prefill.b, decode_step_base_s=base.decode.a + base.step_overhead_s,
-        decode_step_per_seq_s=base.decode.c + base.decode.b * 500)
+        decode_step_per_seq_s=max(1e-6, base.decode.c + base.decode.b * 500))  # at a 500-token context
     started = time.perf_counter()
     planned = ReplayedDay(config, {"prefill": 1, "decode": 1}, Planner(planner_config, started_at=0.0))
     planned.run(specs)

@@ -14,6 +14,7 @@ from engine.scheduler import Scheduler
 from router.policies import LocalPrefill, make_policy
 from runtime.roles import Role
 from simulator.cluster import ClusterSpec, PodPool, SimCluster
+from simulator.run import DEFAULT_PROFILE
 
 PREFILL_A, PREFILL_B, DECODE_A = 0.1, 0.001, 0.02
 
@@ -150,3 +151,42 @@ def test_splitserve_simulate_on_a_small_trace(tmp_path, capsys):
     assert result["runs"]["1.0"]["successful"] == 8
     assert result["runs"]["1.0"]["slo_attainment"] == 1.0
     assert result["runs"]["100.0"]["slo_attainment"] < 0.9
+
+
+def test_the_planner_replay_grows_the_pools_a_day_needs(tmp_path):
+    from simulator.planner_replay import PlannerReplayConfig, day_workload, run
+
+    profile = tmp_path / "profile.json"
+    hand_profile(decode=StepFit(DECODE_A, 0.0, 1e-3), kv_bytes_per_token=50_000).save(profile)  # 1,342 blocks
+    config = PlannerReplayConfig(peak_rate=3.0, trough_rate=0.2, day_s=300, startup_s=10, lag_s=5, interval_s=10,
+                                 window_s=20, max_replicas=6, max_prompt_tokens=512, max_output_tokens=8,
+                                 profile=str(profile))
+    specs = day_workload(config)
+    halves = [sum(1 for s in specs if lo <= s.arrival_s < lo + 75) for lo in (0, 112.5)]
+    assert halves[1] > 2 * halves[0]  # the curve: night, then noon
+    out = run(config, log=lambda line: None)
+    # One prefill pod prefills 1 / (0.1 s + 1 ms x ~400 tokens) = 2 prompts/s: noon's 3 req/s needs more.
+    assert out["peak_pods"]["prefill"] > 1
+    assert out["timeline"][0]["prefill"] == 1
+    assert out["planner"]["pod_hours"] < out["static-at-peak"]["pod_hours"]
+
+
+def test_validation_maps_bench_compare_topologies_and_counts_rate_steps():
+    from simulator.validate import ValidateConfig, _goodput_flags, _rate_steps, simulate_config
+
+    assert _goodput_flags("ttft<=4000ms, tpot<=100ms") == ["ttft:4000", "tpot:100"]
+    assert _rate_steps([0.1, 0.2, 0.3], 0.1, 0.3) == 2 and _rate_steps([0.1, 0.2], 0.0, 0.1) == 1
+    config = ValidateConfig.__new__(ValidateConfig)  # the mapping reads only these fields
+    config.profile_threads, config.workload, config.num_prompts, config.seed = 1, "random", 5, 0
+    config.max_prompt_tokens, config.max_output_tokens = 512, 64
+    measured = {"slo": "ttft<=4000ms, tpot<=100ms", "attainment_target": 0.9}
+    colocated = {"settings": dict(prefill=0, decode=0, mixed=2, mixed_cpus="0-1", max_num_batched_tokens=256,
+                                  long_prefill_token_threshold=256)}
+    sim = simulate_config(config, colocated, [0.1], measured, str(DEFAULT_PROFILE))
+    assert sim.pools == ["mixed:2"] and sim.max_num_batched_tokens == 256 and sim.long_prefill_token_threshold == 256
+    one_pod_on_both = {"settings": dict(colocated["settings"], mixed=1)}
+    assert simulate_config(config, one_pod_on_both, [0.1], measured, str(DEFAULT_PROFILE)) is None  # 2 threads
+    split = {"settings": dict(prefill=1, decode=1, mixed=0, prefill_cpus="0", decode_cpus="1",
+                              conditional_prefill_threshold=0, conditional_prefill_queue_s=2.0)}
+    sim = simulate_config(config, split, [0.1], measured, str(DEFAULT_PROFILE))
+    assert sim.pools == ["prefill:1", "decode:1"] and sim.conditional_prefill_queue_s == 2.0
