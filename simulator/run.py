@@ -207,9 +207,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"{config.workload_at(config.rates[0]).describe_requests()}; targets {config.slo().describe()}")
     print(HEADER)
     result = sweep(config, spec)
-    print(f"goodput: {result['max_rate_meeting_slo'] or 0:g} req/s (the highest rate with >= "
-          f"{config.slo_attainment:.0%} of requests meeting the targets, before the first miss)")
+    if all(math.isinf(rate) for rate in config.rates):  # a trace at its own timestamps: no rate to report
+        print(f"at the trace's own timestamps: {'met' if result['max_rate_meeting_slo'] else 'missed'} "
+              f">= {config.slo_attainment:.0%} of requests within the targets")
+    else:
+        print(f"goodput: {result['max_rate_meeting_slo'] or 0:g} req/s (the highest rate with >= "
+              f"{config.slo_attainment:.0%} of requests meeting the targets, before the first miss)")
     out = {"pools": config.pools, "slo": config.slo().describe(), "goodput": result["max_rate_meeting_slo"] or 0.0,
+           "profile": config.profile,
            "runs": {str(rate): summary for rate, summary in result["runs"].items()}}
     save_results(out, config.json, None)
     return out
