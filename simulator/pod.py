@@ -33,7 +33,6 @@ ships to another decode pod (``SimCluster._prefilled``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,7 +68,8 @@ def step_seconds(profile: PhaseProfile, out: SchedulerOutput) -> tuple[float, in
 
 
 class SimPod:
-    """One pod; ``on_token(pod, seq, now)`` hears of every sampled token (the first of a prefill included)."""
+    """One pod; ``on_token(pod, seq, times)`` hears of the tokens a sequence sampled and when (one per step; a
+    prefill's first included), ``on_finish(pod, seq)`` of a sequence that ends inside a span, at its last step."""
 
     def __init__(self, name: str, role: Role, profile: PhaseProfile, scheduler_config: SchedulerConfig,
                  num_blocks: int, block_size: int, max_model_len: int, loop: EventLoop,
@@ -252,9 +252,6 @@ class SimPod:
             free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
             queued_prefill_tokens=queued, prefill_tokens_per_second=self._prefill_rate,
             decode_step_seconds=self._decode_step_s))
-
-    def blocks_for(self, tokens: int) -> int:
-        return math.ceil(tokens / self.block_manager.block_size)
 
 
 @dataclass
