@@ -107,7 +107,10 @@ class TopologyResult:
 def _rate_row(rate: float, s: dict) -> dict:
     return {"rate": rate, "slo_attainment": s["slo_attainment"], "goodput": s["goodput"], "failed": s["failed"],
             "unfinished": s["unfinished"], "ttft_p99": _pick(s["ttft"], "p99"), "tpot_p50": _pick(s["tpot"], "p50"),
-            "tpot_p99": _pick(s["tpot"], "p99")}
+            "tpot_p99": _pick(s["tpot"], "p99"),
+            # Every percentile, for the simulator's validation (simulator/validate.py) to hold its predictions to.
+            "ttft": {k: _pick(s["ttft"], k) for k in ("p50", "p90", "p99")},
+            "tpot": {k: _pick(s["tpot"], k) for k in ("p50", "p90", "p99")}}
 
 
 def reference_figures(s: dict) -> dict:

@@ -30,6 +30,7 @@ import torch
 
 from bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from bench.engine import matmul_peak, read_bandwidth
+from bench.phase_profile import profile_from_phases
 from bench.step_cost import (
     decode_bytes,
     decode_flops,
@@ -72,6 +73,12 @@ class PhasesConfig(FiguresOutput):
     seed: int = field(default=0, metadata=described("Seeds the prompts and torch."))
     machine_rounds: int = field(default=3, metadata=described(
         "Rounds of the peak and bandwidth measurements, before and after (best kept)."))
+    threads: int = field(default=0, metadata=described("Torch compute threads (0: torch's default)."))
+    profile_out: str = field(default="", metadata=described(
+        "Also fit the step times to DistServe's forms and write the simulator's profile file here "
+        "(bench/phase_profile.py, splitserve simulate)."))
+    profile_note: str = field(default="", metadata=described(
+        "The profile's note: the machine and its conditions (loaded? pinned?)."))
 
     def __post_init__(self) -> None:
         if self.full:
@@ -101,12 +108,13 @@ def run(config: PhasesConfig, log=print) -> dict:
     if skipped:
         log(f"skipping prompt lengths {skipped}: the model's context is {engine.max_model_len} tokens")
     _prefill_once(engine, _prompt(rng, cfg, 16))  # first-use costs
-    prefill = {}
+    prefill, prefill_steps = {}, {}
     for i, n in enumerate(prompt_lens):
         log(f"[{i + 1}/{len(prompt_lens)}] prefill {n} tokens, best of {config.repeat} ...")
         best = min((_prefill_once(engine, _prompt(rng, cfg, n)) for _ in range(config.repeat)),
                    key=lambda steps: sum(seconds for _, _, seconds in steps))
         prefill[n] = _prefill_figures(cfg, weight_bytes, elem_bytes, n, best)
+        prefill_steps[n] = best
     points = [(b, c) for c in config.contexts for b in config.batches if c + config.steps + 8 < engine.max_model_len]
     decode = {}
     for i, (batch, context) in enumerate(points):
@@ -123,7 +131,8 @@ def run(config: PhasesConfig, log=print) -> dict:
             "machine": {"matmul_gflops": peak, "read_gbps": read, "matmul_gflops_before": peak_before,
                         "read_gbps_before": read_before, "ridge_flop_per_byte": peak / read},
             "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
-            "prefill": prefill, "decode": decode}
+            "prefill": prefill, "decode": decode, "threads": torch.get_num_threads(),
+            "prefill_steps": {n: [list(step) for step in steps] for n, steps in prefill_steps.items()}}
 
 
 def _engine(config: PhasesConfig) -> LLMEngine:
@@ -305,7 +314,19 @@ largest decode point) is --full, or explicitly:
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(PhasesConfig, argv, prog="splitserve bench phases", epilog=EXAMPLES)
     torch.manual_seed(config.seed)
+    if config.threads:
+        torch.set_num_threads(config.threads)
     results = run(config)
     report(results)
     save_results(results, config.json, config.plot, plot)
+    if config.profile_out:
+        profile = profile_from_phases(results, results["threads"], config.profile_note)
+        profile.save(config.profile_out)
+        print(f"profile ({profile.threads} threads) written to {config.profile_out}: prefill step s = "
+              f"{_fit_text(profile.prefill, 'sum(n)', 'sum(n(s+n))')}; decode step s = "
+              f"{_fit_text(profile.decode, 'sum(ctx)', 'batch')}")
     return results
+
+
+def _fit_text(fit, x1: str, x2: str) -> str:
+    return f"{fit.a:.3g} + {fit.b:.3g} {x1} + {fit.c:.3g} {x2} (rms error {fit.rms_error * 1e3:.1f} ms)"

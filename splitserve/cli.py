@@ -10,6 +10,7 @@
   splitserve bench phases [--prompt-lens ...]           prefill and decode on this machine: throughput, roofline
   splitserve bench soak [--duration 180 ...]            a cluster under load with injected faults: failures, leaks
   splitserve bench spec [--batches 1,4,16 ...]          speculative decoding on vs off: tokens/s, TPOT, acceptance
+  splitserve simulate [--pools prefill:1,decode:1 ...]  the router and pods on a virtual clock, from a profile
   splitserve build-kernels                              build the engine's native CPU kernels now (set-up does)
 """
 
@@ -90,6 +91,7 @@ COMMANDS = {
     "decode": _delegate("decode_service.server"),
     "demo": _demo,
     "bench": _bench,
+    "simulate": _delegate("simulator.run"),  # the top of the house: imported only when it runs
     "build-kernels": _build_kernels,
 }
 

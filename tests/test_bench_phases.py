@@ -9,6 +9,7 @@ import json
 import pytest
 
 from bench import phases
+from bench.phase_profile import PhaseProfile
 from bench.step_cost import (
     decode_bytes,
     decode_flops,
@@ -50,9 +51,10 @@ def test_step_bytes():
 
 
 def test_phases_bench_measures_both_phases_against_the_machine(tmp_path, capsys):
-    out, png = tmp_path / "phases.json", tmp_path / "phases.png"
+    out, png, profile_path = tmp_path / "phases.json", tmp_path / "phases.png", tmp_path / "profile.json"
     phases.main(["--model", "tiny-random", "--prompt-lens", "64,600", "--batches", "1,4", "--contexts", "32,128",
-                 "--steps", "3", "--repeat", "1", "--machine-rounds", "1", "--json", str(out), "--plot", str(png)])
+                 "--steps", "3", "--repeat", "1", "--machine-rounds", "1", "--json", str(out), "--plot", str(png),
+                 "--threads", "1", "--profile-out", str(profile_path), "--profile-note", "test"])
     results = json.loads(out.read_text())
     machine = results["machine"]
     assert machine["matmul_gflops"] > 0 and machine["read_gbps"] > 0
@@ -75,3 +77,9 @@ def test_phases_bench_measures_both_phases_against_the_machine(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "== prefill (tiny-random) ==" in printed and "== decode (tiny-random, KV cache float16) ==" in printed
     assert png.stat().st_size > 0
+    # The simulator's profile: every prefill step (600 tokens: two chunks) and decode point, fitted.
+    profile = PhaseProfile.load(profile_path)
+    assert (profile.threads, profile.note, profile.model) == (1, "test", "tiny-random")
+    assert len(profile.points["prefill"]) == 3 and len(profile.points["decode"]) == 4
+    assert profile.points["prefill"][-1][:2] == [88, 88 * (512 + 88)]  # the second chunk attends over the first
+    assert min(profile.prefill.a, profile.prefill.b, profile.prefill.c, profile.decode.a) >= 0

@@ -1,0 +1,226 @@
+"""A simulated cluster: the router's placement over ``SimPod``s, and each request's path as ``bench serve`` sees it.
+
+A request's path, as in DESIGN.md ("One request, disaggregated") and ``router/placement.py``:
+
+  arrival (the workload's send time)
+  + ``router_s`` (HTTP, tokenizing, placing: the profile's fitted overhead)
+  -> the routing policy (``router.policies``, the real one) picks D, and P unless the prompt prefills on D
+     (conditional disaggregation, or no prefill pod: a colocated cluster of mixed pods);
+     no decode pod with room -> RESOURCE_EXHAUSTED, the request fails as a real client's would (HTTP 429)
+  -> disaggregated: D reserves the prompt's blocks (the push lands there), P's scheduler prefills the prompt
+     (``max_tokens = 1``), the KV's exposed transfer time passes, the first token reaches the client, and D admits
+     the sequence with it (``admit_prefilled``) and decodes the rest;
+     on D: D's scheduler prefills and decodes it;
+  -> every token D samples reaches the client at the step's end; the last one ends the request.
+
+The router's own bookkeeping on each pod (``PodInfo.active_requests``, ``queued_prompt_tokens``,
+``blocks_since_report``) is kept as ``RequestRun.hold`` keeps it, so the policies see what the real router sees.
+Each request ends as a ``bench.serve_metrics.RequestRecord``: the same figures, by the same code, as a real run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from bench.phase_profile import PhaseProfile
+from bench.serve_metrics import RequestRecord
+from bench.workload import RequestSpec
+from engine.config import SchedulerConfig
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from router.policies import RoutingPolicy
+from router.registry import PodInfo
+from runtime.errors import StatusError
+from runtime.roles import Role
+from simulator.events import EventLoop
+from simulator.pod import SimPod
+
+
+@dataclass(frozen=True)
+class PodPool:
+    """``count`` pods of one role running at one profile's speed."""
+
+    role: Role
+    count: int
+    profile: PhaseProfile
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What every pod shares (``splitserve up``'s pod flags) and how requests reach them."""
+
+    pools: tuple[PodPool, ...]
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_blocks: int = 0  # KV blocks per pod
+    block_size: int = 16
+    max_model_len: int = 8192
+    codec_ratio: float = 1.0  # the KV codec's wire bytes over raw bytes (none: 1)
+    span_s: float = 0.0  # longest span of steady decode steps taken at once (simulator/pod.py; 0: single steps)
+    # The workloads' prompts are fresh to every pod (as bench serve's are), so the prefix cache never hits: off, the
+    # pods skip hashing every full block (the same schedule, faster); on, it runs as the real pods run it.
+    prefix_caching: bool = False
+    router_s: float = 0.0  # the router's time per request before placing it (the profile's fitted overhead)
+
+
+@dataclass
+class _InFlight:
+    """One request's simulated state: its record, and where it is counted (the router's holds)."""
+
+    spec: RequestSpec
+    record: RequestRecord
+    prefill: SimPod | None = None
+    decode: SimPod | None = None
+    decode_seq: Sequence | None = None
+    released: bool = False  # the router's hold on D ended (the request's last token)
+
+
+class SimCluster:
+    """Pods, the router's policy, and the requests of one run; ``run(specs)`` returns their records."""
+
+    def __init__(self, spec: ClusterSpec, policy: RoutingPolicy, loop: EventLoop | None = None):
+        self.spec, self.policy = spec, policy
+        self.loop = loop or EventLoop()
+        self.pods: list[SimPod] = []
+        self._by_name: dict[str, SimPod] = {}
+        self._names = itertools.count()
+        for pool in spec.pools:
+            for _ in range(pool.count):
+                self.add_pod(pool)
+        self._flights: dict[str, _InFlight] = {}
+        self.records: list[RequestRecord] = []
+
+    def add_pod(self, pool: PodPool) -> SimPod:
+        """One more pod of ``pool``, serving at once (the planner's replay adds pods after their start-up)."""
+        pod = SimPod(f"{pool.role}-{next(self._names)}", pool.role, pool.profile, self.spec.scheduler,
+                     self.spec.num_blocks, self.spec.block_size, self.spec.max_model_len, self.loop, self._on_token,
+                     self.spec.span_s, self._release, self.spec.prefix_caching)
+        self.pods.append(pod)
+        self._by_name[pod.name] = pod
+        self._routable()
+        return pod
+
+    def drain(self, pod: SimPod) -> None:
+        """The pod takes no new request (the planner scaled its pool down); its requests finish there."""
+        pod.info.serving = False
+        self._routable()
+
+    def remove(self, pod: SimPod) -> None:
+        """A drained pod with nothing left leaves."""
+        self.pods.remove(pod)
+        del self._by_name[pod.name]
+
+    def _routable(self) -> None:
+        # The registry's routable pods of each role: they change only as pods come and go.
+        self._prefill_infos = [p.info for p in self.pods if p.info.healthy and p.role is Role.PREFILL]
+        self._decode_infos = [p.info for p in self.pods if p.info.healthy and p.info.can_decode]
+
+    def run(self, specs: list[RequestSpec], until: float = float("inf")) -> list[RequestRecord]:
+        records = self.records = []  # filled as they go: a planner reads them while the run goes on
+        for spec in specs:
+            record = RequestRecord(spec.index, spec.prompt_len, spec.output_len, spec.arrival_s)
+            records.append(record)
+            self.loop.at(spec.arrival_s, self.arrive, spec, record)
+        self.loop.run(until)
+        for record in records:
+            if record.status == "sent":
+                record.status = "unfinished"
+        return records
+
+    # ---- the router -------------------------------------------------------------------------------------
+
+    def arrive(self, spec: RequestSpec, record: RequestRecord) -> None:
+        record.status, record.sent_s = "sent", self.loop.now
+        self.loop.after(self.spec.router_s, self._place, _InFlight(spec, record))
+
+    def _place(self, flight: _InFlight) -> None:
+        spec, record = flight.spec, flight.record
+        request_id = f"r{spec.index}"
+        prompt = [spec.index + 1] * spec.prompt_len  # fresh per request: no prefix-cache hits, as bench serve's
+        if len(prompt) >= self.spec.max_model_len:  # the router's 400: the prompt fills the model's context
+            record.status, record.end_s, record.error = "failed", self.loop.now, "http_400"
+            return
+        try:
+            plan = self.policy.choose_pair(_Prompt(prompt), self._prefill_infos, self._decode_infos)
+        except StatusError as error:
+            record.status, record.end_s, record.error = "failed", self.loop.now, f"grpc_{error.code.name}"
+            return
+        by_name = self._by_name
+        flight.decode = by_name[plan.decode.address]
+        params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
+        seq = Sequence(request_id, prompt, params)
+        self._flights[request_id] = flight
+        if plan.prefill is None:
+            _hold(plan.decode, prompt_tokens=len(prompt), kv_tokens=len(prompt))
+            flight.decode_seq = seq
+            flight.decode.add(seq)
+            return
+        flight.prefill = by_name[plan.prefill.address]
+        if not flight.decode.reserve(seq):
+            self._flights.pop(request_id)
+            record.status, record.end_s, record.error = "failed", self.loop.now, "grpc_RESOURCE_EXHAUSTED"
+            return
+        flight.decode_seq = seq
+        _hold(plan.decode, kv_tokens=len(prompt))
+        _hold(plan.prefill, prompt_tokens=len(prompt))
+        prefill_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        flight.prefill.add(Sequence(request_id, prompt, prefill_params))
+
+    # ---- tokens -----------------------------------------------------------------------------------------
+
+    def _on_token(self, pod: SimPod, seq: Sequence, times: list[float]) -> None:
+        """``seq`` sampled tokens on ``pod`` at ``times`` (one, or each step of a span)."""
+        flight = self._flights[seq.request_id]
+        if pod is flight.prefill:
+            self._prefilled(flight, seq)
+            return
+        record = flight.record
+        if not record.chunk_s:
+            flight.decode.info.queued_prompt_tokens -= seq.num_prompt_tokens  # the hold's prompt_done
+        record.chunk_s.extend(times)
+        if seq.is_finished:
+            self._finish(flight, seq, times[-1])
+
+    def _prefilled(self, flight: _InFlight, seq: Sequence) -> None:
+        """P sampled the first token: P's hold ends; after the KV's exposed transfer, the client has the first
+        token and D admits the sequence."""
+        prefill = flight.prefill
+        prefill.info.queued_prompt_tokens -= seq.num_prompt_tokens
+        prefill.info.active_requests -= 1
+        transfer_s = prefill.profile.transfer_s(seq.num_prompt_tokens, self.spec.codec_ratio)
+        self.loop.after(transfer_s, self._first_token, flight)
+
+    def _first_token(self, flight: _InFlight) -> None:
+        flight.record.chunk_s.append(self.loop.now)
+        seq = flight.decode_seq
+        flight.decode.admit_prefilled(seq)
+        if seq.is_finished:  # max_tokens 1: done with the first token
+            self._finish(flight, seq, self.loop.now)
+
+    def _finish(self, flight: _InFlight, seq: Sequence, now: float) -> None:
+        record = flight.record
+        record.status, record.end_s = "ok", now
+        record.prompt_tokens, record.output_tokens = seq.num_prompt_tokens, seq.num_output_tokens
+        self._release(flight.decode, seq)
+        del self._flights[seq.request_id]
+
+    def _release(self, pod: SimPod, seq: Sequence) -> None:
+        """The request's last token: the router's hold on D ends (at that step, also inside a span)."""
+        flight = self._flights[seq.request_id]
+        if not flight.released:
+            flight.released = True
+            pod.info.active_requests -= 1
+
+
+@dataclass
+class _Prompt:
+    """What the policies read of a request (``RouterRequest.prompt_token_ids``)."""
+
+    prompt_token_ids: list[int]
+
+
+def _hold(pod: PodInfo, prompt_tokens: int = 0, kv_tokens: int = 0) -> None:
+    """``RequestRun.hold``: the request counted on ``pod`` before the pod's next report shows it."""
+    pod.active_requests += 1
+    pod.queued_prompt_tokens += prompt_tokens
+    pod.blocks_since_report += -(-kv_tokens // pod.load.block_size) if kv_tokens else 0

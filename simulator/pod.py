@@ -1,0 +1,269 @@
+"""A simulated pod: the engine's own ``Scheduler`` and ``BlockManager`` stepping on a virtual clock, with a step-time
+model (``PhaseProfile``) in place of the model.
+
+A step, as ``LLMEngine.step`` runs it, but timed by the profile instead of computed:
+
+  ``Scheduler.schedule()``  -> which sequences run and how many tokens each (chunked prefill budget, batch cap,
+                               KV blocks, preemption: all the real scheduler's decisions)
+  ``step_seconds(out)``     -> the profile's prefill and decode forms over that batch, plus the pod loop's overhead
+  at the step's end         -> ``Scheduler.update_from_output`` with one token for every sequence that samples
+                               (the outputs are forced lengths, ``ignore_eos``, so the token ids do not matter);
+                               the cluster hears of each token (``on_token``); the next step starts at once if
+                               anything is left, else the pod idles until a request arrives (``wake``).
+
+Steady decoding goes faster in *spans* (``span_s`` > 0): when every running sequence is decoding and none waits,
+the next k decode steps are one ``schedule()`` in which each sequence verifies k - 1 proposed tokens (the
+scheduler's own speculative path: its budget, ``max_tokens``, context and KV checks apply) and all are accepted,
+each step timed on its own by the decode form as the batch thins out. Anything that reaches the pod meanwhile
+(``interrupt``: a request placed here, a prefilled one admitted) cuts the span after the step in flight, as the
+scheduler cuts rejected drafts (their slots stay allocated and are written over), so the pod's own schedule is
+exactly the one of single steps. The router's view is kept too: each sequence that ends inside a span is reported
+at its last step's end (``on_finish``: the pod's count and blocks, the router's hold), as a real pod's per-step
+report would show it; only the blocks the span's tokens fill are reported at the span's end (at most ``span_s``
+seconds late), so spans are taken only while at least a quarter of the KV pool stays free.
+
+``info`` is the pod as the router sees it (``router.registry.PodInfo``): its ``load`` is refreshed after every step
+and admission, as a real pod's ``LoadTracker`` publishes one within milliseconds of each step.
+
+Lending (issue 20's hybrid scheduling) plugs in here: a pod's ``role`` only decides which router lists it is in,
+and ``scheduler.add`` / ``admit_prefilled`` are open to any pod, so a decode pod lent to prefill is a ``SimPod``
+that the placement hands a prompt with ``max_tokens = 1`` (what a prefill pod gets) and whose KV the cluster then
+ships to another decode pod (``SimCluster._prefilled``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.phase_profile import PhaseProfile
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+from router.registry import PodInfo, PodLoad
+from runtime.pod_status import RECENT_WEIGHT
+from runtime.roles import Role
+from simulator.events import EventLoop
+
+SAMPLED = [(0, None)]  # the token every sampling step appends (any id: no EOS is configured, lengths are forced)
+DRAFT = 0  # the proposed token a span's sequences verify (the same id: every proposal is accepted)
+MAX_SPAN_STEPS = 256
+
+
+def step_seconds(profile: PhaseProfile, out: SchedulerOutput) -> tuple[float, int]:
+    """The profile's time for one scheduled batch, and its prefill tokens: prefill chunks by the prefill form,
+    decoding sequences (one new token at the end of their known tokens) by the decode form's context and batch
+    terms, and the decode form's constant when the step has no prefill in it."""
+    tokens = attention = context = batch = 0
+    for item in out.scheduled:
+        if item.num_new_tokens == 1 and item.start == item.seq.num_tokens - 1:
+            context += item.start + 1
+            batch += 1
+        else:  # a prompt chunk (or a preempted sequence's recompute)
+            tokens += item.num_new_tokens
+            attention += item.num_new_tokens * (item.start + item.num_new_tokens)
+    seconds = profile.step_overhead_s + profile.decode.b * context + profile.decode.c * batch
+    return seconds + (profile.prefill_s(tokens, attention) if tokens else profile.decode.a), tokens
+
+
+class SimPod:
+    """One pod; ``on_token(pod, seq, times)`` hears of the tokens a sequence sampled and when (one per step; a
+    prefill's first included), ``on_finish(pod, seq)`` of a sequence that ends inside a span, at its last step."""
+
+    def __init__(self, name: str, role: Role, profile: PhaseProfile, scheduler_config: SchedulerConfig,
+                 num_blocks: int, block_size: int, max_model_len: int, loop: EventLoop,
+                 on_token: Callable[["SimPod", Sequence, list[float]], None], span_s: float = 0.0,
+                 on_finish: Callable[["SimPod", Sequence], None] = lambda pod, seq: None,
+                 prefix_caching: bool = False):
+        self.name, self.role, self.profile, self.loop, self.on_token = name, role, profile, loop, on_token
+        self.on_finish = on_finish
+        self.scheduler_config, self.max_model_len, self.span_s = scheduler_config, max_model_len, span_s
+        self.span: _Span | None = None
+        self.block_manager = BlockManager(num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, eos_token_ids=[],
+                                   max_model_len=max_model_len)
+        self.info = PodInfo(address=name, role=role, serving=True)
+        self.stepping = False
+        self.busy_s = 0.0  # seconds spent in steps
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._prefill_rate = 0.0  # recent prompt tokens/s, as LoadTracker measures it
+        self._decode_step_s = 0.0
+        self.publish()
+
+    # ---- requests in ------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """A prompt to prefill here (``Scheduler.add``); the pod starts stepping if it was idle."""
+        self.interrupt()
+        self.scheduler.add(seq)
+        self.publish()
+        self.wake()
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Blocks for a prompt whose KV a prefill pod will push (``LLMEngine.reserve_for_transfer``)."""
+        self.interrupt()
+        return self.block_manager.allocate_slots(seq, seq.num_prompt_tokens)
+
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """The pushed KV arrived and the first token with it (``LLMEngine.admit_prefilled``)."""
+        self.interrupt()
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.append_token(*SAMPLED[0])
+        self.scheduler.add_prefilled(seq)
+        self.publish()
+        self.wake()
+
+    # ---- steps ------------------------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        if not self.stepping and self.scheduler.has_unfinished():
+            self._start_step()
+
+    def _start_step(self) -> None:
+        if self.span_s and self._start_span():
+            return
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return  # nothing fits until a request finishes elsewhere; an admission wakes the pod again
+        seconds, prefill_tokens = step_seconds(self.profile, out)
+        self.num_preemptions += len(out.preempted)
+        self.stepping = True
+        self.busy_s += seconds
+        self.num_steps += 1
+        self.loop.after(seconds, self._end_step, out, seconds, prefill_tokens)
+
+    def _end_step(self, out: SchedulerOutput, seconds: float, prefill_tokens: int) -> None:
+        sampled = {item.seq.request_id: SAMPLED for item in out.scheduled if item.samples}
+        updated = self.scheduler.update_from_output(out, sampled)
+        if prefill_tokens:
+            self._prefill_rate = _recent(self._prefill_rate, prefill_tokens / seconds)
+        else:
+            self._decode_step_s = _recent(self._decode_step_s, seconds)
+        self.stepping = False
+        self.publish()
+        now = [self.loop.now]
+        for seq in updated:
+            self.on_token(self, seq, now)
+        self.wake()
+
+    # ---- spans of steady decoding -----------------------------------------------------------------------
+
+    def _start_span(self) -> bool:
+        """Start a span of decode steps (the module docstring) if the pod is steadily decoding; False if not."""
+        scheduler, blocks = self.scheduler, self.block_manager
+        running = scheduler.running
+        if scheduler.waiting or not running or any(seq.num_computed_tokens != seq.num_tokens - 1 for seq in running):
+            return False
+        steps = min(MAX_SPAN_STEPS, self.scheduler_config.max_num_batched_tokens // len(running))
+        lengths = [min(steps, seq.sampling_params.max_tokens - seq.num_output_tokens,
+                       self.max_model_len - seq.num_tokens) for seq in running]
+        size = blocks.block_size
+        needed = sum(-(-(seq.num_computed_tokens + n) // size) - len(seq.block_table)
+                     for seq, n in zip(running, lengths))
+        if max(lengths) < 2 or blocks.num_free_blocks - needed < blocks.num_blocks // 4:
+            return False
+        ends = self._span_step_ends(running, lengths)
+        lengths = [min(n, len(ends)) for n in lengths]
+        if len(ends) < 2:
+            return False
+        for seq, n in zip(running, lengths):
+            seq.draft_token_ids = [DRAFT] * (n - 1)
+        finishing = [seq.sampling_params.max_tokens - seq.num_output_tokens == n for seq, n in zip(running, lengths)]
+        out = scheduler.schedule()
+        assert [item.num_new_tokens for item in out.scheduled] == lengths, "a span's steps must all fit"
+        self.span = _Span(out, ends, self.loop.now)
+        self.stepping = True
+        self.loop.at(ends[-1], self._end_span, self.span, 0)
+        for item, n, ends_here in zip(out.scheduled, lengths, finishing):
+            if ends_here and n < len(ends):
+                self.loop.at(ends[n - 1], self._finish_in_span, item, n)
+        return True
+
+    def _finish_in_span(self, item: ScheduledSeq, n: int) -> None:
+        """A sequence's last token inside a span, unless an interrupt cut the span before it."""
+        if item.num_new_tokens == n:
+            self.info.load.num_running -= 1
+            self.info.load.free_kv_blocks += len(item.seq.block_table)
+            self.on_finish(self, item.seq)
+
+    def _span_step_ends(self, running: list[Sequence], lengths: list[int]) -> list[float]:
+        """Absolute end times of the span's steps, each timed by the decode form over the sequences still in it,
+        as long as they end within ``span_s``."""
+        profile, now = self.profile, self.loop.now
+        base = profile.step_overhead_s + profile.decode.a
+        order = sorted(zip(lengths, (seq.num_tokens for seq in running)))
+        context, batch = sum(ctx for _, ctx in order), len(order)
+        ends, done, t = [], 0, now
+        for i in range(order[-1][0]):
+            while order[done][0] <= i:  # sequences whose last token came in an earlier step
+                context -= order[done][1]
+                batch -= 1
+                done += 1
+            t += base + profile.decode.b * (context + i * batch) + profile.decode.c * batch
+            if t - now > self.span_s and ends:
+                break
+            ends.append(t)
+        return ends
+
+    def interrupt(self) -> None:
+        """Something reached the pod: a span in flight ends after its step in flight, as single steps would."""
+        span = self.span
+        if span is None:
+            return
+        now = self.loop.now
+        started = sum(1 for start in [span.start] + span.ends[:-1] if start < now)
+        keep = max(1, started)
+        if keep >= len(span.ends):
+            return
+        for item in span.out.scheduled:
+            item.num_new_tokens = min(item.num_new_tokens, keep)
+            item.draft_token_ids = item.draft_token_ids[:item.num_new_tokens - 1]
+        del span.ends[keep:]
+        span.version += 1
+        self.loop.at(span.ends[-1], self._end_span, span, span.version)
+
+    def _end_span(self, span: "_Span", version: int) -> None:
+        if version != span.version:
+            return  # cut short by an interrupt: its new end is scheduled
+        self.span = None
+        lengths = {item.seq.request_id: item.num_new_tokens for item in span.out.scheduled}
+        updated = self.scheduler.update_from_output(span.out, {rid: SAMPLED * n for rid, n in lengths.items()})
+        seconds = span.ends[-1] - span.start
+        self.busy_s += seconds
+        self.num_steps += len(span.ends)
+        self._decode_step_s = _recent(self._decode_step_s, seconds / len(span.ends))
+        self.stepping = False
+        self.publish()
+        for seq in updated:
+            self.on_token(self, seq, span.ends[:lengths[seq.request_id]])
+        self.wake()
+
+    # ---- the router's view ------------------------------------------------------------------------------
+
+    def publish(self) -> None:
+        """The pod's load report, as ``runtime.pod_status.LoadTracker`` snapshots it after each step."""
+        scheduler, blocks = self.scheduler, self.block_manager
+        queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
+        queued += sum(max(0, seq.num_tokens - 1 - seq.num_computed_tokens) for seq in scheduler.running)
+        self.info.take_report(PodLoad(
+            num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
+            free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
+            queued_prefill_tokens=queued, prefill_tokens_per_second=self._prefill_rate,
+            decode_step_seconds=self._decode_step_s))
+
+
+@dataclass
+class _Span:
+    """A span of decode steps in flight: the scheduler's output, each step's end, and a version that an interrupt
+    bumps when it moves the end."""
+
+    out: SchedulerOutput
+    ends: list[float]
+    start: float
+    version: int = 0
+
+
+def _recent(average: float, value: float) -> float:
+    return value if average == 0 else (1 - RECENT_WEIGHT) * average + RECENT_WEIGHT * value

@@ -1,0 +1,139 @@
+"""``splitserve simulate ratios``: the best P:D ratio, and the colocated alternative, per trace, cluster size and SLO
+regime, by goodput per pod (the plot Splitwise and DistServe draw).
+
+    splitserve simulate ratios [--pods 8,32,128] [--traces conv,code] [--json ratios.json] [--plot ratios.png]
+
+For each trace and cluster size, every layout (``--prefill-shares`` of the pods prefilling, the rest decoding; and
+all of them mixed) is swept up a ladder of per-pod rates (``--per-pod-rates``), each run simulated once and judged
+against every SLO regime (``--regimes``) from the same requests; a layout's goodput under a regime is bench
+compare's: the highest rate at which >= 90% of requests meet both targets, before the first miss. The ladder stops
+once every regime has missed. Lengths are the trace's rows (prompts capped at ``--max-prompt-tokens``, inside the
+model's context), arrivals Poisson at each rate, the same seed everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from bench import headless_pyplot, save_figure, save_results
+from bench.compare_plan import AZURE_CONV
+from bench.serve_metrics import SLO, SLO_ATTAINMENT
+from runtime.config import described, parse_config
+from simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_records
+
+TRACES = {"conv": str(AZURE_CONV), "code": str(AZURE_CONV).replace("_conv", "_code")}
+# name: (TTFT, TPOT) targets in ms, for SmolLM2-135M on one core of this machine (a 1,000-token prompt prefills in
+# about 1.2 s, a decode step at batch 1 takes about 30 ms).
+REGIMES = {"tight-ttft": ("ttft:2500", "tpot:150"), "balanced": ("ttft:5000", "tpot:100"),
+           "tight-tpot": ("ttft:10000", "tpot:60")}
+
+
+@dataclass
+class RatiosConfig:
+    """Goodput per pod of every P:D split and of colocation, per trace, cluster size and SLO regime."""
+
+    pods: list[int] = field(default_factory=lambda: [8, 32, 128], metadata=described("Cluster sizes."))
+    traces: list[str] = field(default_factory=lambda: list(TRACES), metadata=described(
+        f"Traces ({', '.join(TRACES)})."))
+    regimes: list[str] = field(default_factory=lambda: list(REGIMES), metadata=described(
+        f"SLO regimes ({', '.join(f'{k}: {v[0]} {v[1]}' for k, v in REGIMES.items())})."))
+    prefill_shares: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.375, 0.5, 0.625, 0.75],
+                                        metadata=described("Shares of the pods that prefill (the rest decode)."))
+    per_pod_rates: list[float] = field(default_factory=lambda: [0.02, 0.04, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.25],
+                                       metadata=described("Request rates per pod to sweep."))
+    seconds: float = field(default=120.0, metadata=described(
+        "Seconds of arrivals per run (at least 150 requests)."))
+    max_prompt_tokens: int = field(default=2048, metadata=described(
+        "Cap every prompt (2,048: the longest prompt the shipped profile measured; the context is 8,192)."))
+    max_output_tokens: int = field(default=1000, metadata=described("Cap every output."))
+    profile: str = field(default=str(DEFAULT_PROFILE), metadata=described("Profile of every pod."))
+    seed: int = field(default=0, metadata=described("Seeds the lengths and arrivals."))
+    json: str = field(default="", metadata=described("Also write the figures to this JSON file."))
+    plot: str = field(default="", metadata=described("Also draw goodput per pod against the prefill share here."))
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.traces if t not in TRACES] + [r for r in self.regimes if r not in REGIMES]
+        if unknown:
+            raise ValueError(f"unknown traces or regimes: {', '.join(unknown)}")
+
+
+def layouts(pods: int, shares: list[float]) -> list[tuple[str, list[str]]]:
+    """(name, pools) of every distinct P:D split of ``pods`` at ``shares``, then all of them mixed."""
+    splits = sorted({min(pods - 1, max(1, round(pods * share))) for share in shares})
+    return [(f"{p}:{pods - p}", [f"prefill:{p}", f"decode:{pods - p}"]) for p in splits] + [
+        ("colocated", [f"mixed:{pods}"])]
+
+
+def sweep_layout(config: RatiosConfig, trace: str, pods: int, pools: list[str], log=print) -> dict[str, float]:
+    """Goodput (req/s) of one layout under every regime."""
+    slos = {name: SLO.parse(list(REGIMES[name])) for name in config.regimes}
+    goodput = {name: 0.0 for name in slos}
+    missed: set[str] = set()
+    for per_pod in sorted(config.per_pod_rates):
+        rate = per_pod * pods
+        sim = SimulateConfig(pools=pools, profile=config.profile, workload=TRACES[trace],
+                             num_prompts=max(150, math.ceil(rate * config.seconds)),
+                             max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens,
+                             seed=config.seed, rates=[rate], conditional_prefill_threshold=0)
+        records = simulate_records(sim, rate)
+        for name, slo in slos.items():
+            if name in missed:
+                continue
+            attainment = sum(slo.met_by(r) for r in records) / len(records)
+            if attainment >= SLO_ATTAINMENT:
+                goodput[name] = rate
+            else:
+                missed.add(name)
+        if missed == set(slos):
+            break
+    return goodput
+
+
+def run(config: RatiosConfig, log=print) -> dict:
+    results = {}
+    for trace in config.traces:
+        for pods in config.pods:
+            started = time.perf_counter()
+            rows = {}
+            for name, pools in layouts(pods, config.prefill_shares):
+                rows[name] = sweep_layout(config, trace, pods, pools, log)
+            results[f"{trace}/{pods}"] = rows
+            log(f"{trace}, {pods} pods ({time.perf_counter() - started:.0f} s of simulation):")
+            for regime in config.regimes:
+                best = max(rows, key=lambda layout: rows[layout][regime])
+                cells = "  ".join(f"{layout} {rows[layout][regime] / pods:.3f}" for layout in rows)
+                log(f"  {regime:<11} best {best:<10} goodput/pod: {cells}")
+    return results
+
+
+def plot(results: dict, config: RatiosConfig, path: str) -> None:
+    plt = headless_pyplot()
+    fig, axes = plt.subplots(len(config.traces), len(config.regimes), figsize=(5 * len(config.regimes),
+                                                                              4 * len(config.traces)), squeeze=False)
+    for row, trace in enumerate(config.traces):
+        for col, regime in enumerate(config.regimes):
+            ax = axes[row][col]
+            for pods in config.pods:
+                layout_rows = results[f"{trace}/{pods}"]
+                splits = [(int(name.split(":")[0]) / pods, g[regime] / pods) for name, g in layout_rows.items()
+                          if name != "colocated"]
+                line, = ax.plot(*zip(*splits), "o-", label=f"{pods} pods, P:D")
+                ax.axhline(layout_rows["colocated"][regime] / pods, color=line.get_color(), linestyle="--",
+                           label=f"{pods} pods, colocated")
+            targets = " ".join(REGIMES[regime])
+            ax.set(xlabel="share of pods prefilling", ylabel="goodput per pod (req/s)",
+                   title=f"{trace} trace, {regime} ({targets})")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle("Simulated goodput per pod by P:D split (SmolLM2-135M, 1 core per pod, profile measured on a loaded "
+                 "2-core machine): a projection")
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    config = parse_config(RatiosConfig, argv, prog="splitserve simulate ratios")
+    results = run(config)
+    save_results(results, config.json, config.plot, lambda r, path: plot(r, config, path))
+    return results
