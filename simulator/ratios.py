@@ -7,13 +7,13 @@ For each trace and cluster size, every layout (``--prefill-shares`` of the pods 
 all of them mixed) is swept up a ladder of per-pod rates (``--per-pod-rates``), each run simulated once and judged
 against every SLO regime (``--regimes``) from the same requests; a layout's goodput under a regime is bench
 compare's: the highest rate at which >= 90% of requests meet both targets, before the first miss. The ladder stops
-once every regime has missed. Lengths are the trace's rows (prompts capped at ``--max-prompt-tokens``, inside the
-model's context), arrivals Poisson at each rate, the same seed everywhere.
+once every regime has missed. Lengths are the trace's first rows (``--requests-per-pod`` per pod: the same rows at
+every rate of a cluster size; prompts capped at ``--max-prompt-tokens``), arrivals Poisson at each rate, the same
+seed everywhere.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -39,12 +39,13 @@ class RatiosConfig:
         f"Traces ({', '.join(TRACES)})."))
     regimes: list[str] = field(default_factory=lambda: list(REGIMES), metadata=described(
         f"SLO regimes ({', '.join(f'{k}: {v[0]} {v[1]}' for k, v in REGIMES.items())})."))
-    prefill_shares: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.375, 0.5, 0.625, 0.75],
+    prefill_shares: list[float] = field(default_factory=lambda: [0.25, 0.375, 0.5, 0.625, 0.75, 0.875],
                                         metadata=described("Shares of the pods that prefill (the rest decode)."))
-    per_pod_rates: list[float] = field(default_factory=lambda: [0.02, 0.04, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.25],
+    per_pod_rates: list[float] = field(default_factory=lambda: [0.02, 0.04, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.25,
+                                                                0.3, 0.36, 0.43],
                                        metadata=described("Request rates per pod to sweep."))
-    seconds: float = field(default=120.0, metadata=described(
-        "Seconds of arrivals per run (at least 150 requests)."))
+    requests_per_pod: int = field(default=10, metadata=described(
+        "Requests per run per pod (at least 150): the same trace rows at every rate of a cluster size."))
     max_prompt_tokens: int = field(default=2048, metadata=described(
         "Cap every prompt (2,048: the longest prompt the shipped profile measured; the context is 8,192)."))
     max_output_tokens: int = field(default=1000, metadata=described("Cap every output."))
@@ -74,7 +75,7 @@ def sweep_layout(config: RatiosConfig, trace: str, pods: int, pools: list[str], 
     for per_pod in sorted(config.per_pod_rates):
         rate = per_pod * pods
         sim = SimulateConfig(pools=pools, profile=config.profile, workload=TRACES[trace],
-                             num_prompts=max(150, math.ceil(rate * config.seconds)),
+                             num_prompts=max(150, config.requests_per_pod * pods),
                              max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens,
                              seed=config.seed, rates=[rate], conditional_prefill_threshold=0)
         records = simulate_records(sim, rate)
