@@ -227,7 +227,8 @@ class KVSender:
         chunks = []
         for kind, tensor in (("k", item.k), ("v", item.v)):
             chunks += encode_chunks(self.request_id, item.layer, kind, item.token_start, item.token_end, tensor,
-                                    self.codec, self._client.max_chunk_bytes, first_seq + len(chunks))
+                                    self.codec, self.num_prompt_tokens, self._client.max_chunk_bytes,
+                                    first_seq + len(chunks))
         if self._client.corrupt_chunk_rate:
             self._client.corrupt(chunks)
         return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]

@@ -1,7 +1,7 @@
 """The KV codecs' names: what the router asks prefill pods to compress each request's KV with (its ``kv_codec``,
 sent in every ``PrefillRequest``) and what a decode pod accepts (``accepted_kv_codecs``).
 
-    KV_CODECS          the base names: none (raw), bf16, fp8, int8, int4
+    KV_CODECS          the base names: none (raw), bf16, fp8, int8, int4, kivi8, kivi4, kivi2
     ZSTD_SUFFIX        "+zstd": any of them, then zstd over its payload and scales (lossless)
     kv_codec_names()   every name: the base ones, then each with "+zstd"
     check_kv_codec(field_name, name)   ValueError naming the config field unless ``name`` is one of them
@@ -14,7 +14,7 @@ each.
 
 from __future__ import annotations
 
-KV_CODECS: tuple[str, ...] = ("none", "bf16", "fp8", "int8", "int4")
+KV_CODECS: tuple[str, ...] = ("none", "bf16", "fp8", "int8", "int4", "kivi8", "kivi4", "kivi2")
 ZSTD_SUFFIX = "+zstd"
 
 
