@@ -45,7 +45,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, pod: Pod, config: PrefillConfig, kv_client: KVTransferClient, export: PrefillKVExport):
         self._pod = pod
         self._config = config
-        self._kv_client = kv_client
+        self.kv_client = kv_client
         self._export = export
         self._in_flight: dict[str, asyncio.Task] = {}  # request id -> its prefill-and-push work
 
@@ -90,7 +90,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _prefill_and_push(self, request: prefill_pb2.PrefillRequest, params: SamplingParams,
                                 timeout_s: float) -> tuple[TokenEvent, prefill_pb2.KVTransferStats | None]:
-        sender = await self._kv_client.open(request.decode_address, request.kv_codec,
+        sender = await self.kv_client.open(request.decode_address, request.kv_codec,
                                             request.request_id, list(request.prompt_token_ids),
                                             request.kv_lease_seconds, timeout_s)
         push = asyncio.create_task(sender.push(), name=f"push-{request.request_id}")

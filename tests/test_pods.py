@@ -10,6 +10,8 @@ real processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -99,6 +101,7 @@ class Pods:
 
     async def _start(self) -> None:
         prefill_services = await build_prefill_services(self.prefill_pod, self.prefill_config)
+        self.kv_client = prefill_services[0].kv_client
         await self.prefill_pod.start(prefill_services)
         decode_services = await build_decode_services(self.decode_pod, self.decode_config)
         self.transfers = decode_services[0].transfers
@@ -614,6 +617,18 @@ def stalling_decode_pod(pods):
     pods.thread.run(server.stop(None))
 
 
+def test_the_prefill_pod_holds_the_prompts_blocks_until_the_decode_pod_acknowledges(pods, stalling_decode_pod):
+    receiver, address = stalling_decode_pod
+    call = pods.prefill.Prefill.future(prefill_request_to(address, "unacknowledged"))
+    # The prefill request finishes with its step; its 30 tokens' 2 blocks stay held while the push waits.
+    wait_until(lambda: receiver.opened_pushes == ["unacknowledged"]
+               and not pods.prefill_pod.engine.has_unfinished_requests())
+    load = pods.load("prefill")
+    assert load.total_kv_blocks - load.free_kv_blocks == 2
+    call.cancel()  # the push fails: the blocks go back (every_block_free_afterwards checks)
+    wait_until(lambda: receiver.cancelled_pushes == ["unacknowledged"])
+
+
 def prefill_request_to(address: str, request_id: str) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_of(30, seed=13000),
                                       sampling_params=GREEDY, decode_address=address, kv_codec="none")
@@ -674,6 +689,81 @@ def test_metrics_endpoint_serves_the_pod_series(pods):
     path = pods.decode_pod.engine.compute_path.path  # native where the kernels build, else pytorch
     assert (f'splitserve_engine_info{{cache_dtype="float16",device="cpu",kernels="{path}",model_name="tiny-random",'
             f'role="decode"}} 1.0').encode() in body
+
+
+# ---- kv_load_failure_policy: a push whose KV fails to load -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def recompute_pod(pods):
+    """A second decode pod, whose kv_load_failure_policy is recompute, on the pods' event loop."""
+    config = dataclasses.replace(pods.decode_config, kv_load_failure_policy="recompute")
+    pod = Pod(config, "decode")
+
+    async def start():
+        await pod.start(await build_decode_services(pod, config))
+
+    pods.thread.run(start())
+    channel = grpc.insecure_channel(f"127.0.0.1:{pod.port}")
+    yield pod, decode_pb2_grpc.DecodeStub(channel)
+    channel.close()
+    pods.thread.run(pod.stop())
+
+
+@contextlib.contextmanager
+def corrupting_every_chunk(pods):
+    pods.kv_client.corrupt_chunk_rate = 1.0
+    try:
+        yield
+    finally:
+        pods.kv_client.corrupt_chunk_rate = 0.0
+
+
+def decode_tokens(stub: decode_pb2_grpc.DecodeStub, request: decode_pb2.DecodeRequest) -> list[int]:
+    return [token for message in stub.Decode(request, timeout=60) if message.HasField("chunk")
+            for token in message.chunk.token_ids]
+
+
+def test_a_corrupted_push_to_a_recompute_pod_is_recomputed_there_with_the_same_answer(pods, recompute_pod):
+    pod, stub = recompute_pod
+    prompt = prompt_of(40, seed=14000)
+    with corrupting_every_chunk(pods):
+        first = pods.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="recomputed", prompt_token_ids=prompt, sampling_params=GREEDY,
+            decode_address=f"127.0.0.1:{pod.port}", kv_codec="none"), timeout=60)
+    request = decode_pb2.DecodeRequest(request_id="recomputed", prompt_token_ids=prompt, sampling_params=GREEDY,
+                                       first_token_id=first.first_token_id)
+    tokens = [first.first_token_id, *decode_tokens(stub, request)]
+    assert tokens == pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    assert metric(pod, "splitserve_kv_load_total", outcome="recomputed") == 1
+    assert metric(pod, "splitserve_kv_load_total", outcome="loaded") == 0
+    assert pod.engine.block_manager.num_free_blocks == pod.engine.block_manager.num_blocks
+
+
+def test_a_lost_push_is_recomputed_on_a_recompute_pod_and_fails_on_a_fail_pod(pods, recompute_pod):
+    pod, stub = recompute_pod
+    prompt = prompt_of(20, seed=14100)
+    expected = pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    request = decode_pb2.DecodeRequest(request_id="never-arrived", prompt_token_ids=prompt, sampling_params=GREEDY,
+                                       first_token_id=expected[0])
+    before = metric(pod, "splitserve_kv_load_total", outcome="recomputed")
+    assert decode_tokens(stub, request) == expected[1:]
+    assert metric(pod, "splitserve_kv_load_total", outcome="recomputed") == before + 1
+    failed = metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed")
+    assert rpc_error(pods.decode.Decode, request).code() == grpc.StatusCode.NOT_FOUND
+    assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed") == failed + 1
+
+
+def test_a_corrupted_push_to_a_fail_pod_fails_the_request_and_counts(pods):
+    prompt = prompt_of(40, seed=14200)
+    failed = metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed")
+    loaded = metric(pods.decode_pod, "splitserve_kv_load_total", outcome="loaded")
+    with corrupting_every_chunk(pods):
+        error = rpc_error(pods.run_prefill, "refused-bad-kv", prompt, GREEDY)
+    assert error.code() == grpc.StatusCode.DATA_LOSS and "failed its checksum" in error.details()
+    assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed") == failed + 1
+    first = pods.run_prefill("good-kv", prompt, GREEDY)
+    pods.run_decode("good-kv", prompt, GREEDY, first)
+    assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="loaded") == loaded + 1
 
 
 # ---- the metrics count what the pods did -------------------------------------------------------------------------
