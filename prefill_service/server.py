@@ -29,6 +29,7 @@ import grpc
 from engine.engine_loop import TokenEvent
 from engine.sampling_params import SamplingParams
 from kvtransfer.handshake import KVLayout
+from kvtransfer.link_codec import LinkCodecChooser, QualityTable
 from kvtransfer.sender import KVSender, KVTransferClient
 from prefill_service.config import PrefillConfig
 from prefill_service.kv_export import PrefillKVExport
@@ -169,8 +170,12 @@ async def _checked_params(request: prefill_pb2.PrefillRequest, context) -> Sampl
 async def build_prefill_services(pod: Pod, config: PrefillConfig) -> list[PodService]:
     export = PrefillKVExport(pod.engine)
     pod.engine.kv_export = export
-    kv_client = KVTransferClient(KVLayout.of_engine(pod.engine), config.max_chunk_bytes, config.overlap_transfer,
-                                 corrupt_chunk_rate=config.inject_corrupt_chunks)
+    layout = KVLayout.of_engine(pod.engine)
+    table = (QualityTable.load(config.kv_quality_table) if config.kv_quality_table
+             else QualityTable.shipped(layout.model_name))
+    kv_client = KVTransferClient(layout, config.max_chunk_bytes, config.overlap_transfer,
+                                 corrupt_chunk_rate=config.inject_corrupt_chunks,
+                                 link_codecs=LinkCodecChooser(layout, table, config.kv_min_agreement))
     pod.on_stop(kv_client.close)
     return [PrefillServicer(pod, config, kv_client, export)]
 

@@ -37,6 +37,7 @@ from engine import LLM, SamplingParams
 from engine.block_manager import chained_block_hashes
 from kvtransfer.codecs import get_codec
 from kvtransfer.handshake import KVLayout
+from kvtransfer.link_codec import CodecQuality, LinkCodecChooser, QualityTable
 from kvtransfer.wire import encode_chunks
 from prefill_service.config import PrefillConfig
 from prefill_service.server import build_prefill_services
@@ -764,6 +765,83 @@ def test_a_corrupted_push_to_a_fail_pod_fails_the_request_and_counts(pods):
     first = pods.run_prefill("good-kv", prompt, GREEDY)
     pods.run_decode("good-kv", prompt, GREEDY, first)
     assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="loaded") == loaded + 1
+
+
+# ---- kv_codec auto over a real slow link ------------------------------------------------------------------------
+
+class ThrottlingProxy:
+    """A TCP proxy on the pods' loop that forwards real bytes both ways at ``rate`` bytes/s (None: as fast as it
+    can): the link between the prefill and the decode pod, slowed down."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.rate: float | None = None
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(self._pump(reader, upstream_writer), self._pump(upstream_reader, writer),
+                             return_exceptions=True)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(4096):
+                if self.rate is not None:
+                    await asyncio.sleep(len(data) / self.rate)
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+def auto_link(pods):
+    """The prefill pod reaching the decode pod through a ThrottlingProxy, kv_codec auto choosing from a hand-made
+    quality table (int8 clears the floor, fp8 does not; the decode pod accepts none, int8 and int8+zstd). int8 is
+    made slow (1 MB/s each way), so that it pays only on a link slower than ~220 KB/s: a loaded machine's loopback
+    stays far above that, the proxy's 40 KB/s far below."""
+    proxy = ThrottlingProxy(pods.decode_pod.port)
+    port = pods.thread.run(proxy.start())
+    layout = KVLayout.of_engine(pods.prefill_pod.engine)
+    table = QualityTable(MODEL, {"float16": {"none": CodecQuality(1.0, 10000.0, 30000.0),
+                                             "int8": CodecQuality(0.99, 1.0, 1.0),
+                                             "fp8": CodecQuality(0.5, 1000.0, 1000.0)}})
+    shipped = pods.kv_client.link_codecs
+    pods.kv_client.link_codecs = LinkCodecChooser(layout, table, min_agreement=0.9)
+    yield proxy, f"127.0.0.1:{port}"
+    pods.kv_client.link_codecs = shipped
+    pods.thread.run(proxy.stop())
+
+
+def test_auto_switches_codecs_as_the_link_slows_down_and_speeds_up(pods, auto_link):
+    proxy, address = auto_link
+    prompt = prompt_of(150, seed=15000)
+    expected = pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+
+    def request(n: int) -> tuple[str, list[int]]:
+        request_id = f"auto-{n}"
+        first = pods.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling_params=GREEDY, decode_address=address,
+            kv_codec="auto"), timeout=60)
+        tokens, _, complete = pods.run_decode(request_id, prompt, GREEDY, first)
+        assert complete.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(tokens) == 16  # a whole answer
+        return first.kv_transfer.codec, tokens
+
+    codec, tokens = request(0)  # a link not measured yet counts as fast: lossless, the offline answer
+    assert (codec, tokens) == ("none", expected)
+    proxy.rate = 40_000.0  # 40 KB/s: the prompt's 76.8 KB of float16 KV take ~2 s uncompressed
+    codecs = [request(n)[0] for n in range(1, 4)]
+    assert codecs[0] == "none" and codecs[-1] == "int8", codecs  # measured slow once: int8 from then on
+    proxy.rate = None  # fast again: a few measurements outweigh the slow ones
+    codecs = [request(n)[0] for n in range(4, 8)]
+    assert codecs[0] == "int8" and codecs[-1] == "none", codecs
 
 
 # ---- the metrics count what the pods did -------------------------------------------------------------------------
