@@ -446,13 +446,15 @@ def targets(figures: dict[str, CodecFigures], num_prompts: int) -> list[dict]:
 
 
 def quality_table(results: dict) -> dict:
-    """What the prefill pods read (kvtransfer/quality/): per cache dtype, per codec, agreement and size."""
+    """What the prefill pods read (kvtransfer/quality/): per cache dtype, per codec, agreement, size and speed."""
     return {"model": results["model"], "prompts": results["prompts"], "tokens": results["tokens"],
             "measured_by": "splitserve bench codecs",
             "cache_dtypes": {dtype: {name: {"agreement": round(f["agreement"], 4),
                                             "identical_share": round(f["identical"] / results["prompts"], 4),
                                             "ppl_change_pct": round(f["ppl_change_pct"], 3),
-                                            "ratio_to_bf16": round(f["ratio_to_bf16"], 3)}
+                                            "ratio_to_bf16": round(f["ratio_to_bf16"], 3),
+                                            "encode_mb_s": round(f["encode_mb_s"]),
+                                            "decode_mb_s": round(f["decode_mb_s"])}
                                      for name, f in run["codecs"].items()}
                              for dtype, run in results["cache_dtypes"].items()}}
 
