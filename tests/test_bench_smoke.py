@@ -58,6 +58,9 @@ def test_transfer_bench_measures_overlap_on_and_off_per_codec(tmp_path):
     none_row = results["rows"][0]
     assert none_row["wire_mb"] == none_row["raw_mb"] == 64 * 4 * 2 * (2 * 16 * 4) / 1e6  # tokens x layers x K/V x bytes
     assert [t["codec"] for t in results["targets"]] == ["none", "int8+zstd"]
+    push = results["push"]  # the raw push of none (overlap off) against grpcio alone with the same messages
+    assert push["raw_push_mb_s"] == results["rows"][1]["raw_mb_s"] and push["grpc_ceiling_mb_s"] > 0
+    assert push["ratio_to_ceiling"] == push["raw_push_mb_s"] / push["grpc_ceiling_mb_s"]
     assert png.stat().st_size > 0
 
 

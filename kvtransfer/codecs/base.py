@@ -140,9 +140,10 @@ def check_kv(x: torch.Tensor, kind: str) -> None:
     if dtype_name(x.dtype) not in CACHE_DTYPES:
         raise ValueError(f"unsupported KV dtype {x.dtype}; supported: {', '.join(CACHE_DTYPES)}")
     # A real model's KV is finite; inf/nan here means a broken forward pass, and a quantizer would hide it.
-    # Fast path: inf/nan make the float32 sum non-finite; the slow exact check runs only when the sum is not
-    # finite, which a finite tensor reaches only by overflow.
-    if not bool(torch.isfinite(x.sum(dtype=torch.float32))) and not bool(torch.isfinite(x).all()):
+    # Fast path: inf/nan make the sum non-finite; the slow exact check runs only when the sum is not finite, which a
+    # finite tensor reaches only by overflow. The sum in the tensor's own dtype: a float16 -> float32 sum is ~40x
+    # slower on CPU, a third of a KIVI encode.
+    if not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(x).all()):
         raise ValueError("KV tensor holds inf or nan values; refusing to encode it")
 
 
