@@ -51,6 +51,7 @@ from engine.config import DEFAULT_MODEL, CacheConfig
 from engine.kv_cache import KV_KINDS
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+from engine.tokenizer_files import load_tokenizer
 from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
 from runtime.config import described, parse_config
 from runtime.kv_codecs import ZSTD_SUFFIX, check_kv_codecs
@@ -373,10 +374,10 @@ def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_t
     """Every figure of every codec in ``codecs`` (``none`` among them: the perplexity baseline) on a cache of
     ``cache_dtype``."""
     log(f"loading {model} with a {cache_dtype} KV cache ...")
-    llm = _load(model, cache_dtype, num_prompts, max_tokens)
-    engine = llm.engine
-    text = reference_tokens(llm.tokenizer)
-    prompts, windows = agreement_prompts(llm.tokenizer, num_prompts), perplexity_windows(text, num_windows)
+    tokenizer = load_tokenizer(model)
+    text = reference_tokens(tokenizer)
+    prompts, windows = agreement_prompts(tokenizer, num_prompts), perplexity_windows(text, num_windows)
+    engine = _load(model, cache_dtype, prompts, max_tokens).engine
     chunk = speed_chunk(engine, text)
     # Back to back, so that every codec's speed is taken under the same load on the machine.
     speeds = {name: codec_speed(get_codec(name), chunk, repeat) for name in codecs}
@@ -407,18 +408,19 @@ def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_t
             "targets": targets(figures, len(prompts))}
 
 
-def _load(model: str, cache_dtype: str, num_prompts: int, max_tokens: int) -> LLM:
+def _load(model: str, cache_dtype: str, prompts: list[list[int]], max_tokens: int) -> LLM:
     # All prompts prefill in steps of at most max_num_batched_tokens, and the cache holds them with their outputs:
     # no preemption.
-    return LLM(model=model, enable_prefix_caching=False, max_num_seqs=num_prompts, block_size=BLOCK_SIZE,
-               cache_dtype=cache_dtype, num_blocks=_cache_blocks(num_prompts, max_tokens),
+    return LLM(model=model, enable_prefix_caching=False, max_num_seqs=len(prompts), block_size=BLOCK_SIZE,
+               cache_dtype=cache_dtype, num_blocks=_cache_blocks(prompts, max_tokens),
                long_prefill_token_threshold=LONG_PROMPT_CAP, max_num_batched_tokens=4096)
 
 
-def _cache_blocks(num_prompts: int, max_tokens: int) -> int:
-    """Blocks for the agreement batch at its longest, or for the speed chunk (the largest single sequence)."""
-    per_prompt = -(-(max(PROMPT_LENS[1], LONG_PROMPT_CAP) + max_tokens) // BLOCK_SIZE)
-    return max(num_prompts * per_prompt, -(-SPEED_CHUNK_TOKENS // BLOCK_SIZE))
+def _cache_blocks(prompts: list[list[int]], max_tokens: int) -> int:
+    """Blocks for the agreement batch with its outputs, or for the speed chunk (the largest single sequence):
+    no more, since a float32 cache of 40 long prompts is gigabytes."""
+    batch = sum(-(-(len(prompt) + max_tokens) // BLOCK_SIZE) for prompt in prompts)
+    return max(batch, -(-SPEED_CHUNK_TOKENS // BLOCK_SIZE), -(-(CONTEXT_TOKENS + SCORED_TOKENS) // BLOCK_SIZE))
 
 
 def measure_codec(engine: LLMEngine, codec: KVCodec, prompts: list[PromptKV], max_tokens: int,
