@@ -760,8 +760,9 @@ def test_a_corrupted_push_to_a_fail_pod_fails_the_request_and_counts(pods):
     loaded = metric(pods.decode_pod, "splitserve_kv_load_total", outcome="loaded")
     with corrupting_every_chunk(pods):
         error = rpc_error(pods.run_prefill, "refused-bad-kv", prompt, GREEDY)
-    assert error.code() == grpc.StatusCode.DATA_LOSS and "failed its checksum" in error.details()
-    assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed") == failed + 1
+    # DATA_LOSS, or UNAVAILABLE when a write raced the refusal (sender.py says why); the decode pod counted it.
+    assert error.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE), error.details()
+    wait_until(lambda: metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed") == failed + 1)
     first = pods.run_prefill("good-kv", prompt, GREEDY)
     pods.run_decode("good-kv", prompt, GREEDY, first)
     assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="loaded") == loaded + 1

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import importlib
 import sys
-import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,10 +32,6 @@ import torch
 from engine import config as engine_config
 from engine.kv_cache import KV_KINDS, KVKind
 from runtime.kv_codecs import KV_CODECS, ZSTD_SUFFIX, kv_codec_names
-
-# tensor_from_bytes views immutable message bytes, which torch warns about on every call: decoded tensors are only
-# read (written into the KV pool, or computed from), never written in place.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 if sys.byteorder != "little":  # the byte layout is little-endian and tensors are copied to bytes as they lie
     raise ImportError("kvtransfer codecs need a little-endian host")
@@ -165,7 +160,8 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
 
 def tensor_from_bytes(buf: bytes, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The tensor of ``shape`` whose raw bytes are ``buf``, on ``device``: on the CPU a view of ``buf`` itself, no
-    copy (the decode pod's one copy is into its KV pool), so it must be read, never written in place."""
+    copy (the decode pod's one copy is into its KV pool), so it must be read, never written in place (torch warns
+    once per process that the buffer is not writable)."""
     return torch.frombuffer(buf, dtype=dtype).reshape(shape).to(device)
 
 
