@@ -22,7 +22,7 @@ from protos.splitserve.v1 import kv_transfer_pb2
 from runtime.errors import StatusError
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
-ALL_CODECS = frozenset(["none", "int8+zstd", "int4", "bf16", "kivi2", "kivi4+zstd"])
+ALL_CODECS = frozenset(["none", "int8+zstd", "int4", "bf16", "kivi2", "kivi4", "kivi4+zstd"])
 
 
 def kv(num_tokens: int, seed: int = 0) -> torch.Tensor:
@@ -211,3 +211,14 @@ def test_handshake_refuses_an_unaccepted_codec_and_a_foreign_hash():
 
 def test_layout_round_trips_through_its_proto():
     assert KVLayout.from_proto(LAYOUT.to_proto()) == LAYOUT
+
+
+def test_kivi_chunks_keep_the_prompts_first_and_last_tokens_wherever_the_cut_falls():
+    """Each side places a chunk in the prompt from its range and the prompt's length: the sinks and the window
+    come back exactly however the tensor is cut into chunks."""
+    tensor = kv(130, seed=2).half()
+    chunks = encode_chunks("req-1", 0, "k", 0, 130, tensor, get_codec("kivi4"), 130, max_chunk_bytes=1024)
+    assert len(chunks) > 3
+    out = reassemble(chunks, 130)
+    assert torch.equal(out[:4].half(), tensor[:4]) and torch.equal(out[-32:].half(), tensor[-32:])
+    assert not torch.equal(out[4:-32].half(), tensor[4:-32])  # the middle is quantized
