@@ -29,7 +29,6 @@ docs/PERFORMANCE.md holds measured figures.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import json
@@ -65,6 +64,7 @@ PROMPT_LENS = (100, 300)  # shortest and longest short agreement prompt, in toke
 # Long agreement prompts take the workloads' prompt lengths (bench/workload.py) at evenly spaced quantiles, capped
 # here (as bench serve's --max-prompt-tokens scales traces down to small machines).
 LONG_PROMPT_CAP = 1024
+AGREEMENT_GROUP = 10  # prompts decoded together (and their lossless KV held at once)
 BF16_BYTES = 2
 CACHE_DTYPES = ("float16", "float32")  # the pods' default first: what is served
 # (size ratio to bf16 at least, perplexity change in % at most, agreement at least): the issue's targets
@@ -372,47 +372,60 @@ class CodecFigures:
 def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_tokens: int, num_windows: int,
         repeat: int, log=print) -> dict:
     """Every figure of every codec in ``codecs`` (``none`` among them: the perplexity baseline) on a cache of
-    ``cache_dtype``."""
+    ``cache_dtype``. The prompts go in groups of ``AGREEMENT_GROUP`` (each group's lossless KV held while every
+    codec runs on it), so that the memory held is a group's, not all prompts' (a float32 run of 40 long prompts at
+    once was killed for memory on a shared machine)."""
     log(f"loading {model} with a {cache_dtype} KV cache ...")
     tokenizer = load_tokenizer(model)
     text = reference_tokens(tokenizer)
     prompts, windows = agreement_prompts(tokenizer, num_prompts), perplexity_windows(text, num_windows)
-    engine = _load(model, cache_dtype, prompts, max_tokens).engine
+    groups = [prompts[i:i + AGREEMENT_GROUP] for i in range(0, len(prompts), AGREEMENT_GROUP)]
+    engine = _load(model, cache_dtype, groups, max_tokens).engine
     chunk = speed_chunk(engine, text)
     # Back to back, so that every codec's speed is taken under the same load on the machine.
     speeds = {name: codec_speed(get_codec(name), chunk, repeat) for name in codecs}
     log(f"measured encode/decode speeds on one layer's K and V of {SPEED_CHUNK_TOKENS} tokens, best of {repeat} runs")
-    log(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {max_tokens} greedy "
-        f"tokens each; {len(windows)} perplexity windows of {CONTEXT_TOKENS}+{SCORED_TOKENS} tokens")
-    start = time.perf_counter()
-    reference, prefilled = reference_run(engine, prompts, max_tokens)
-    contexts = prefill_contexts(engine, windows)
-    log(f"lossless reference run and prefill of the perplexity contexts: {time.perf_counter() - start:.1f} s")
-    figures: dict[str, CodecFigures] = {}
-    for name in codecs:
-        if name.endswith(ZSTD_SUFFIX) and name.removesuffix(ZSTD_SUFFIX) in codecs:
-            continue  # measured with its inner codec, below
+    log(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens in groups of "
+        f"{AGREEMENT_GROUP}, {max_tokens} greedy tokens each; {len(windows)} perplexity windows of "
+        f"{CONTEXT_TOKENS}+{SCORED_TOKENS} tokens")
+    # Codecs measured themselves; X+zstd comes with X (the same decoded KV), its size tallied on the side.
+    measured = [name for name in codecs
+                if not (name.endswith(ZSTD_SUFFIX) and name.removesuffix(ZSTD_SUFFIX) in codecs)]
+    zstd_of = {name: [other for other in codecs if other == name + ZSTD_SUFFIX] for name in measured}
+    tallies = {name: KVTally() for name in codecs}
+    reference: list[list[int]] = []
+    outputs: dict[str, list[list[int]]] = {name: [] for name in measured}
+    for number, group in enumerate(groups, start=1):
         start = time.perf_counter()
-        sized = {other: (get_codec(other), KVTally()) for other in codecs if other == name + ZSTD_SUFFIX}
-        figures[name] = measure_codec(engine, get_codec(name), prefilled, max_tokens, reference, contexts, sized)
-        for other, (_, tally) in sized.items():
-            figures[other] = dataclasses.replace(figures[name], ratio_to_bf16=tally.ratio_to_bf16)
-        for measured in (name, *sized):
-            f = figures[measured]
-            f.encode_mb_s, f.decode_mb_s = speeds[measured]
-            log(f"{measured}: {f.ratio_to_bf16:.2f}x smaller than bf16, agreement {f.agreement:.1%}, identical "
-                f"{f.identical}/{len(prompts)}, perplexity {f.perplexity:.3f} ({time.perf_counter() - start:.1f} s)")
+        group_reference, prefilled = reference_run(engine, group, max_tokens)
+        reference += group_reference
+        for name in measured:
+            sized = {other: (get_codec(other), tallies[other]) for other in zstd_of[name]}
+            outputs[name] += greedy_outputs(engine, prefilled, max_tokens, get_codec(name), tallies[name], sized)
+        log(f"group {number}/{len(groups)}: every codec's greedy run ({time.perf_counter() - start:.1f} s)")
+    contexts = prefill_contexts(engine, windows)
+    figures: dict[str, CodecFigures] = {}
+    for name in measured:
+        sized = {other: (get_codec(other), tallies[other]) for other in zstd_of[name]}
+        ppl = perplexity(engine, contexts, get_codec(name), tallies[name], sized)
+        agree, identical = agreement(reference, outputs[name])
+        for figured in (name, *sized):
+            tally = tallies[figured]
+            f = figures[figured] = CodecFigures(tally.ratio_to_bf16, tallies[name].max_abs_error, agree, identical,
+                                                ppl, 0.0, *speeds[figured])
+            log(f"{figured}: {f.ratio_to_bf16:.2f}x smaller than bf16, agreement {f.agreement:.1%}, identical "
+                f"{f.identical}/{len(prompts)}, perplexity {f.perplexity:.3f}")
     for f in figures.values():
         f.ppl_change_pct = 100.0 * (f.perplexity / figures["none"].perplexity - 1.0)
     return {"cache_dtype": cache_dtype, "codecs": {name: asdict(figures[name]) for name in codecs},
             "targets": targets(figures, len(prompts))}
 
 
-def _load(model: str, cache_dtype: str, prompts: list[list[int]], max_tokens: int) -> LLM:
-    # All prompts prefill in steps of at most max_num_batched_tokens, and the cache holds them with their outputs:
-    # no preemption.
-    return LLM(model=model, enable_prefix_caching=False, max_num_seqs=len(prompts), block_size=BLOCK_SIZE,
-               cache_dtype=cache_dtype, num_blocks=_cache_blocks(prompts, max_tokens),
+def _load(model: str, cache_dtype: str, groups: list[list[list[int]]], max_tokens: int) -> LLM:
+    # A group's prompts prefill in steps of at most max_num_batched_tokens, and the cache holds them with their
+    # outputs: no preemption.
+    return LLM(model=model, enable_prefix_caching=False, max_num_seqs=max(map(len, groups)), block_size=BLOCK_SIZE,
+               cache_dtype=cache_dtype, num_blocks=max(_cache_blocks(group, max_tokens) for group in groups),
                long_prefill_token_threshold=LONG_PROMPT_CAP, max_num_batched_tokens=4096)
 
 
@@ -421,17 +434,6 @@ def _cache_blocks(prompts: list[list[int]], max_tokens: int) -> int:
     no more, since a float32 cache of 40 long prompts is gigabytes."""
     batch = sum(-(-(len(prompt) + max_tokens) // BLOCK_SIZE) for prompt in prompts)
     return max(batch, -(-SPEED_CHUNK_TOKENS // BLOCK_SIZE), -(-(CONTEXT_TOKENS + SCORED_TOKENS) // BLOCK_SIZE))
-
-
-def measure_codec(engine: LLMEngine, codec: KVCodec, prompts: list[PromptKV], max_tokens: int,
-                  reference: list[list[int]], contexts: list[PromptKV],
-                  sized: dict[str, tuple[KVCodec, KVTally]]) -> CodecFigures:
-    """Size, error, agreement and perplexity of one codec (its speed is measured apart)."""
-    tally = KVTally()
-    outputs = greedy_outputs(engine, prompts, max_tokens, codec, tally, sized)
-    agree, identical = agreement(reference, outputs)
-    ppl = perplexity(engine, contexts, codec, tally, sized)
-    return CodecFigures(tally.ratio_to_bf16, tally.max_abs_error, agree, identical, ppl)
 
 
 def targets(figures: dict[str, CodecFigures], num_prompts: int) -> list[dict]:
