@@ -16,11 +16,18 @@ Per (codec, overlap), means over the measured calls:
   - push throughput: wire bytes (after the codec) and raw bytes (the cache dtype) over the transfer's span (first
     chunk written -> acknowledgement). With the overlap on, that span includes waiting for layers still computing,
     so it measures the pipeline, not the link.
-Target: exposed transfer at most ``MAX_EXPOSED_SHARE`` of TTFT with the overlap on. The README holds measured figures.
+Then the ceiling the raw push is held against: grpcio alone over loopback (``grpc_ceiling``), a client stream of
+``max_chunk_bytes`` messages of plain bytes (no protobuf, no codec, no KV pool) to a sink in another process, as
+many bytes as one prompt's raw KV, best of ``CEILING_REPEAT``; reported beside the raw push throughput of codec
+``none`` with the overlap off (where the span is the transfer alone), their ratio, and the 1 GiB/s target.
+Target: exposed transfer at most ``MAX_EXPOSED_SHARE`` of TTFT with the overlap on. docs/PERFORMANCE.md holds
+measured figures.
 """
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
 import os
 import signal
 import socket
@@ -39,8 +46,10 @@ from bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from bench.codecs import reference_tokens
 from engine.config import DEFAULT_MODEL, CacheConfig
 from engine.tokenizer_files import load_tokenizer
+from kvtransfer.wire import MAX_CHUNK_BYTES
 from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from runtime.config import described, parse_config
+from runtime import transport
 from runtime.kv_codecs import check_kv_codecs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +58,8 @@ BLOCK_SIZE = CacheConfig.block_size
 MAX_EXPOSED_SHARE = 0.10  # the target, with the overlap on
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
 CALL_TIMEOUT_S = 120.0
+CEILING_REPEAT = 5
+RAW_PUSH_TARGET_BYTES_S = 1 << 30  # 1 GiB/s with codec none
 
 
 # ---- the pods, as processes --------------------------------------------------------------------------------------
@@ -118,6 +129,59 @@ def pod_flags(model: str, prompt_tokens: int) -> list[str]:
     # float32 caches: codec "none" then moves 4 bytes per element, the baseline the codecs' sizes compare with.
     return ["--model", model, "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks),
             "--cache-dtype", "float32", "--no-enable-prefix-caching"]
+
+
+# ---- the grpcio ceiling ----------------------------------------------------------------------------------------
+
+_SINK_METHOD = "/bench.Sink/Push"
+
+
+def _serve_sink(ports: multiprocessing.Queue) -> None:
+    """Child process: a gRPC server whose one client-streaming method counts the bytes it receives."""
+    async def serve() -> None:
+        async def push(request_iterator, context) -> bytes:
+            received = 0
+            async for message in request_iterator:
+                received += len(message)
+            return str(received).encode()
+
+        server = transport.new_server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Sink", {
+            "Push": grpc.stream_unary_rpc_method_handler(push)})])
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def grpc_ceiling(total_bytes: int, message_bytes: int = MAX_CHUNK_BYTES, repeat: int = CEILING_REPEAT) -> float:
+    """Bytes per second of grpcio alone: ``total_bytes`` as one client stream of ``message_bytes`` messages to a
+    sink in another process on loopback, with the pods' channel options; best of ``repeat``."""
+    context = multiprocessing.get_context("spawn")
+    ports = context.Queue()
+    sink = context.Process(target=_serve_sink, args=(ports,), daemon=True)
+    sink.start()
+    try:
+        address = f"127.0.0.1:{ports.get(timeout=60)}"
+        return asyncio.run(_best_stream_rate(address, total_bytes, message_bytes, repeat))
+    finally:
+        sink.terminate()
+        sink.join()
+
+
+async def _best_stream_rate(address: str, total_bytes: int, message_bytes: int, repeat: int) -> float:
+    message = bytes(message_bytes)
+    count = -(-total_bytes // message_bytes)
+    async with grpc.aio.insecure_channel(address, options=transport.CHANNEL_OPTIONS) as channel:
+        push = channel.stream_unary(_SINK_METHOD)
+        await push(iter([b"warm-up"]))
+        best = 0.0
+        for _ in range(repeat):
+            start = time.perf_counter()
+            received = int(await push(iter([message] * count)))
+            best = max(best, received / (time.perf_counter() - start))
+    return best
 
 
 # ---- the calls ---------------------------------------------------------------------------------------------------
@@ -216,8 +280,21 @@ def run(model: str, codecs: list[str], prompt_tokens: int, requests: int, ready_
                     rows.append(measure(pod.address, decode.address, codec, overlap, prompts, log))
         finally:
             stop_pods(pods)
+    raw_bytes = int(max(row.raw_mb for row in rows) * 1e6)
+    log(f"grpcio ceiling: {raw_bytes / 1e6:.1f} MB in {MAX_CHUNK_BYTES}-byte messages, best of {CEILING_REPEAT}")
+    ceiling = grpc_ceiling(raw_bytes)
     return {"model": model, "prompt_tokens": prompt_tokens, "requests": requests,
-            "rows": [asdict(row) for row in rows], "targets": targets(rows)}
+            "rows": [asdict(row) for row in rows], "targets": targets(rows),
+            "push": push_figures(rows, ceiling)}
+
+
+def push_figures(rows: list[ConfigFigures], ceiling_bytes_s: float) -> dict:
+    """The raw push of codec none, overlap off (the transfer alone), against grpcio's ceiling and the target."""
+    serial = [row for row in rows if row.codec == "none" and not row.overlap]
+    raw = serial[0].raw_mb_s * 1e6 if serial else 0.0
+    return {"raw_push_mb_s": raw / 1e6, "grpc_ceiling_mb_s": ceiling_bytes_s / 1e6,
+            "ratio_to_ceiling": raw / ceiling_bytes_s, "target_mb_s": RAW_PUSH_TARGET_BYTES_S / 1e6,
+            "passed": raw >= RAW_PUSH_TARGET_BYTES_S}
 
 
 def targets(rows: list[ConfigFigures]) -> list[dict]:
@@ -234,7 +311,12 @@ def report(results: dict, log=print) -> None:
         log(f"{r['codec']:<10} {'on' if r['overlap'] else 'off':>7} {r['ttft_s'] * 1e3:>8.0f} "
             f"{r['queue_s'] * 1e3:>9.1f} {r['prefill_s'] * 1e3:>11.0f} {r['exposed_s'] * 1e3:>11.1f} "
             f"{r['exposed_share']:>9.1%} {r['wire_mb']:>8.1f} {r['wire_mb_s']:>10.0f} {r['raw_mb_s']:>9.0f}")
+    push = results["push"]
+    log(f"\n== raw push, codec none, overlap off: {push['raw_push_mb_s']:.0f} MB/s; grpcio alone, same messages: "
+        f"{push['grpc_ceiling_mb_s']:.0f} MB/s; ratio {push['ratio_to_ceiling']:.2f} ==")
     log("\n== targets ==")
+    log(f"raw push {push['raw_push_mb_s']:.0f} MB/s (target >= {push['target_mb_s']:.0f} MB/s, 1 GiB/s): "
+        f"{'PASS' if push['passed'] else 'FAIL'}")
     for t in results["targets"]:
         log(f"{t['codec']}: exposed transfer {t['exposed_share']:.1%} of TTFT with overlap "
             f"(target <= {t['max_exposed_share']:.0%}): {'PASS' if t['passed'] else 'FAIL'}")

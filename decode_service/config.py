@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine.config import KV_LEASE_S, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from kvtransfer.receiver import KV_LOAD_FAILURE_POLICIES
 from kvtransfer.codecs import available_codecs
 from runtime.config import member
 from runtime.kv_codecs import check_kv_codecs
@@ -28,6 +29,10 @@ class DecodeConfig(PodConfig):
         "How long pushed KV waits for its Decode call when the push names no lease.")})
     accepted_kv_codecs: list[str] = field(default_factory=available_codecs, metadata={"help": (
         "KV codecs this pod decodes (comma-separated); pushes with others fail the handshake.")})
+    kv_load_failure_policy: str = field(default="fail", metadata={"help": (
+        "When pushed KV fails to load (a corrupt chunk, a lease gone): 'fail' the request (the router retries it "
+        "elsewhere, and the failure shows) or 'recompute' the prompt on this pod. 'fail' by default, as vLLM's: a "
+        "silent recompute hides a broken link or a misconfigured pod behind slow answers.")})
     # Speculative decoding (engine/speculative.py, docs/speculative.md), vLLM's speculative_config as flags.
     speculative_method: str = field(default="", metadata={"help": (
         f"Speculative decoding: '' (off) or {', '.join(SPECULATIVE_METHODS)} (prompt lookup; suffix: also the pod's "
@@ -50,6 +55,9 @@ class DecodeConfig(PodConfig):
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         check_kv_codecs("accepted_kv_codecs", self.accepted_kv_codecs)
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
+                             f"got {self.kv_load_failure_policy!r}")
 
     def engine_config(self) -> EngineConfig:
         return dataclasses.replace(super().engine_config(), speculative=self.speculative_config())

@@ -6,7 +6,10 @@ A request's path:
     Decode(request)
       with first_token_id             claim the lease (NOT_FOUND: never pushed or expired; FAILED_PRECONDITION:
                                       still arriving), then admit the sequence with its first token through
-                                      EngineLoop.generate(add=engine.admit_prefilled): it joins the running batch
+                                      EngineLoop.generate(add=engine.admit_prefilled): it joins the running batch.
+                                      No KV here (never pushed, expired, or dropped as bad): per
+                                      kv_load_failure_policy, NOT_FOUND ("fail") or the prompt and the first
+                                      token prefill here ("recompute"), as a migrated request's do
       without first_token_id          conditional disaggregation / the mixed role: the prompt prefills here;
                                       with resume_token_ids (a request migrated from a decode pod that went away)
                                       the prompt and those tokens prefill here and generation goes on after them
@@ -112,9 +115,10 @@ class _Admission:
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     service_name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
-    def __init__(self, pod: Pod, transfers: TransferTable):
+    def __init__(self, pod: Pod, transfers: TransferTable, load_failure_policy: str = "fail"):
         self._pod = pod
         self.transfers = transfers
+        self.load_failure_policy = load_failure_policy
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(self, server)
@@ -129,7 +133,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             seq = self.transfers.claim(request.request_id, list(request.prompt_token_ids))
         except StatusError as err:
-            await context.abort(err.code, err.message)
+            if err.code != grpc.StatusCode.NOT_FOUND:
+                await context.abort(err.code, err.message)  # not a failed load: a bad request, or too early
+            await self._load_failed(request, params, err, context)
+            return
+        self._pod.metrics.kv_loaded("loaded")
         admission = _Admission(seq, request, params)
         try:
             await self._stream(request, params, admission, context)
@@ -137,6 +145,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.transfers.forget(request.request_id)  # from here the engine owns admitted blocks
             # Runs after the admission command (if it was queued at all), so it knows whether it happened.
             await self._pod.engine_loop.run(admission.release_unless_admitted)
+
+    async def _load_failed(self, request: decode_pb2.DecodeRequest, params: SamplingParams, err: StatusError,
+                           context) -> None:
+        """No KV for a prefilled request: fail it, or prefill its prompt and first token here."""
+        if self.load_failure_policy != "recompute":
+            self._pod.metrics.kv_loaded("failed")
+            await context.abort(err.code, err.message)
+        self._pod.metrics.kv_loaded("recomputed")
+        recompute = decode_pb2.DecodeRequest()
+        recompute.CopyFrom(request)
+        recompute.ClearField("first_token_id")
+        recompute.ClearField("first_token_logprob")
+        recompute.resume_token_ids[:] = [request.first_token_id]
+        await self._stream(recompute, params, None, context)
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         if await self.transfers.abort(request.request_id):
@@ -228,8 +250,9 @@ async def build_decode_services(pod: Pod, config: DecodeConfig) -> list[PodServi
     transfers = TransferTable(pod.engine_loop, config.kv_lease_s)
     await transfers.start()
     pod.on_stop(transfers.stop)
-    receiver = KVTransferServicer(pod.engine_loop, transfers, pod.metrics, config.accepted_kv_codecs)
-    return [DecodeServicer(pod, transfers), receiver]
+    receiver = KVTransferServicer(pod.engine_loop, transfers, pod.metrics, config.accepted_kv_codecs,
+                                  config.kv_load_failure_policy)
+    return [DecodeServicer(pod, transfers, config.kv_load_failure_policy), receiver]
 
 
 def main(argv: list[str]) -> None:

@@ -25,6 +25,8 @@ from decode_service.config import DecodeConfig
 from deploy.planner.config import PlannerConfig
 from engine.config import CACHE_DTYPES, COMPUTE_DTYPES, SPECULATIVE_METHODS
 from kvtransfer.codecs import available_codecs
+from kvtransfer.receiver import KV_LOAD_FAILURE_POLICIES
+from runtime.kv_codecs import AUTO
 from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
 
@@ -52,8 +54,9 @@ CHART_OWNED = {
 
 _CODECS = list(available_codecs())
 CHOICES = {  # field -> allowed values of plain-string fields (enum fields list their members)
-    "kv_codec": _CODECS,
+    "kv_codec": [*_CODECS, AUTO],
     "accepted_kv_codecs": _CODECS,
+    "kv_load_failure_policy": list(KV_LOAD_FAILURE_POLICIES),
     "cache_dtype": list(CACHE_DTYPES),
     "dtype": list(COMPUTE_DTYPES),
     "speculative_method": list(SPECULATIVE_METHODS),

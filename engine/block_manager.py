@@ -196,6 +196,16 @@ class BlockManager:
         seq.block_table.clear()
         self._seq_block_hashes.pop(seq.request_id, None)
 
+    def hold(self, seq: Sequence) -> Sequence:
+        """A second reference to every block of ``seq``, as a holder sequence of its own: the blocks stay allocated,
+        their KV intact, until ``free(holder)``, whatever becomes of ``seq`` meanwhile (a prefill pod holds a
+        prompt's blocks until the decode pod acknowledged its KV)."""
+        holder = Sequence(f"{seq.request_id}#held", seq.prompt_token_ids, seq.sampling_params)
+        for block_id in seq.block_table:
+            self._touch(block_id)
+        holder.block_table = list(seq.block_table)
+        return holder
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights). Refused (False) while any block is in use."""
         if self.num_free_blocks < self.num_blocks:

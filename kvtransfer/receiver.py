@@ -14,7 +14,11 @@ A push's path through ``PushKV``:
     trailer   every (layer, K/V, token) of the prompt must have arrived exactly once (else DATA_LOSS); the
               lease moves to WAITING and the response tells the sender how long it lasts
 
-Any error or cancellation on the way releases the blocks: nothing of a failed push stays behind.
+Any error or cancellation on the way releases the blocks: nothing of a failed push stays behind. A push whose KV
+fails its checks (a bad chunk: DATA_LOSS or INVALID_ARGUMENT from decode_chunk, or an incomplete trailer) follows
+the pod's ``kv_load_failure_policy``: ``fail`` answers with that status (counted kv_load outcome "failed");
+``recompute`` reads the rest of the stream, keeps nothing, and acknowledges with ``recompute`` set, so the
+prefill pod answers the router with its first token and the Decode call prefills the prompt here.
 """
 
 from __future__ import annotations
@@ -32,13 +36,19 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kvtransfer.handshake import KVLayout, check_compatible
 from kvtransfer.leases import KVLease, TransferTable
-from kvtransfer.wire import ExpectedChunks, decode_chunk
+from kvtransfer.wire import ExpectedChunks, KVChunkError, decode_chunk
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from runtime.errors import StatusError
 from runtime.metrics import PodMetrics
 
 logger = logging.getLogger(__name__)
 _KIND_INDEX = {"k": 0, "v": 1}
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")  # what a decode pod does when pushed KV fails to load
+
+
+class KVLoadError(StatusError):
+    """The pushed KV itself is bad (a chunk failed its checks, or some never came): the load failure policy
+    applies, unlike a malformed stream or a refusal."""
 
 
 class KVIntake:
@@ -62,8 +72,11 @@ class KVIntake:
         if self.codec not in (None, chunk.codec):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk {chunk.seq} uses codec {chunk.codec!r}; this push uses {self.codec!r}")
-        decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, chunk, self.expected,
-                                                                   self._kv_cache.device)
+        try:
+            decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, chunk, self.expected,
+                                                                       self._kv_cache.device)
+        except KVChunkError as err:
+            raise KVLoadError(err.code, err.message) from err
         arrived = self._received[decoded.layer, _KIND_INDEX[decoded.kind], decoded.token_start:decoded.token_end]
         if bool(arrived.any()):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -80,12 +93,12 @@ class KVIntake:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"trailer covers {trailer.num_tokens} tokens, "
                               f"the header's prompt has {self.expected.num_tokens}")
         if trailer.num_chunks != self.next_seq:
-            raise StatusError(grpc.StatusCode.DATA_LOSS,
+            raise KVLoadError(grpc.StatusCode.DATA_LOSS,
                               f"trailer says {trailer.num_chunks} chunks were sent, {self.next_seq} arrived")
         missing = (~self._received).nonzero()
         if len(missing):
             layer, kind, token = missing[0].tolist()
-            raise StatusError(grpc.StatusCode.DATA_LOSS,
+            raise KVLoadError(grpc.StatusCode.DATA_LOSS,
                               f"incomplete KV: {len(missing)} (layer, K/V, token) entries missing, the first "
                               f"at layer {layer}, {'KV'[kind]}, token {token}")
 
@@ -94,8 +107,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     service_name = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
     def __init__(self, engine_loop: EngineLoop, transfers: TransferTable, metrics: PodMetrics,
-                 accepted_codecs: Iterable[str]):
+                 accepted_codecs: Iterable[str], load_failure_policy: str = "fail"):
         self._engine_loop = engine_loop
+        self.load_failure_policy = load_failure_policy
         self._transfers = transfers
         self._metrics = metrics
         self.layout = KVLayout.of_engine(engine_loop.engine)
@@ -124,12 +138,27 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             response = await self._receive(intake, request_iterator)
             acknowledged = True
             return response
+        except KVLoadError as err:
+            if self.load_failure_policy == "recompute":
+                logger.info("KV of request %s failed to load (%s); it will prefill here", lease.request_id,
+                            err.message)
+                return await self._drain(request_iterator)  # the finally releases the blocks
+            self._metrics.kv_loaded("failed")
+            logger.info("KV push refused: %s", err.message)
+            await context.abort(err.code, err.message)
         except StatusError as err:
             logger.info("KV push refused: %s", err.message)
             await context.abort(err.code, err.message)
         finally:
             if lease is not None and not acknowledged:  # refused, cancelled, or an unexpected error
                 await asyncio.shield(self._transfers.release(lease.request_id))
+
+    async def _drain(self, request_iterator) -> kv_transfer_pb2.PushKVResponse:
+        """Read the rest of a push whose KV will not be used, then acknowledge it as to be recomputed."""
+        async for push in request_iterator:
+            if push.WhichOneof("item") == "trailer":
+                break
+        return kv_transfer_pb2.PushKVResponse(recompute=True)
 
     async def _header(self, request_iterator) -> kv_transfer_pb2.KVTransferHeader:
         first = await anext(aiter(request_iterator), None)

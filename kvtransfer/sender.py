@@ -3,7 +3,9 @@
 One request's path through this module:
 
     KVTransferClient.open(decode_address, codec, request_id, prompt)  asyncio; one cached channel per decode pod,
-                                                                      Handshake once per (address, codec)
+                                                                      Handshake once per (address, codec); codec
+                                                                      "auto": the LinkCodecChooser's pick for
+                                                                      that decode pod (kvtransfer/link_codec.py)
       -> KVSender
     sender.push()                                                     asyncio task, concurrent with the prefill:
         PushKV: header (request, prompt, lease, compat hash)          -> the decode pod reserves blocks
@@ -12,7 +14,8 @@ One request's path through this module:
         sender.mark_compute_done()                                    after the last layer of the last prompt token
     push(), for each layer as it arrives:
         encode_chunks on a worker thread, then write the chunks       while the engine computes the next layer
-    push(): trailer (num_chunks, num_tokens), then the decode pod's acknowledgement -> KVTransferStats
+    push(): trailer (num_chunks, num_tokens), then the decode pod's acknowledgement -> KVTransferStats; the link
+            time (writes held up by flow control, then the wait for the acknowledgement) goes to the chooser
 
 With ``overlap=False`` the layers wait until the prefill step is over (``prefill_finished``) and only then are
 encoded and sent: the baseline that shows what the overlap saves. Either way ``exposed_transfer_seconds`` is the
@@ -35,10 +38,12 @@ import torch
 
 from kvtransfer.codecs import KVCodec, get_codec
 from kvtransfer.handshake import KVLayout
+from kvtransfer.link_codec import LinkCodecChooser
 from kvtransfer.wire import MAX_CHUNK_BYTES, encode_chunks, raw_nbytes
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
 from runtime import transport
 from runtime.errors import StatusError
+from runtime.kv_codecs import AUTO
 
 
 @dataclass
@@ -64,8 +69,10 @@ class KVTransferClient:
     """The prefill pod's connections to decode pods: one channel per address, handshakes cached."""
 
     def __init__(self, layout: KVLayout, max_chunk_bytes: int = MAX_CHUNK_BYTES, overlap: bool = True,
-                 encode_threads: int = 2, corrupt_chunk_rate: float = 0.0):
+                 encode_threads: int = 2, corrupt_chunk_rate: float = 0.0,
+                 link_codecs: LinkCodecChooser | None = None):
         self.layout = layout
+        self.link_codecs = link_codecs or LinkCodecChooser(layout, None, 1.0)
         self.max_chunk_bytes = max_chunk_bytes
         self.overlap = overlap
         # Fault injection (reliability tests, soak runs): this share of chunks leaves with a flipped payload byte,
@@ -74,13 +81,18 @@ class KVTransferClient:
         self._fault_rng = random.Random(0)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._handshaken: set[tuple[str, str]] = set()
+        self._accepted: dict[str, list[str]] = {}  # decode address -> the codecs it accepts (its handshake's)
         # Encoding runs off the event loop, so sockets keep moving; two threads keep K and V of different
         # requests going without oversubscribing the cores the engine computes on.
         self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="kv-encode")
 
     async def open(self, decode_address: str, codec_name: str, request_id: str, prompt_token_ids: list[int],
                    lease_s: float = 0.0, timeout_s: float | None = None) -> "KVSender":
-        """A sender for one request, after the handshake with ``decode_address`` for ``codec_name``."""
+        """A sender for one request, after the handshake with ``decode_address`` for ``codec_name`` (AUTO: the
+        chooser's pick for that link among the codecs the decode pod accepts)."""
+        if codec_name == AUTO:
+            accepted = await self.accepted_codecs(decode_address, timeout_s)
+            codec_name = self.link_codecs.choose(decode_address, len(prompt_token_ids), accepted)
         try:
             codec = get_codec(codec_name)
         except ValueError as err:
@@ -92,6 +104,19 @@ class KVTransferClient:
         """Check once per (address, codec) that the decode pod takes our KV with this codec."""
         if (decode_address, codec_name) in self._handshaken:
             return
+        response = await self._handshake(decode_address, codec_name, timeout_s)
+        self._accepted[decode_address] = list(response.supported_codecs)
+        self._handshaken.add((decode_address, codec_name))
+
+    async def accepted_codecs(self, decode_address: str, timeout_s: float | None = None) -> list[str]:
+        """The codecs ``decode_address`` accepts, from a handshake of the layout alone (once per address)."""
+        if decode_address not in self._accepted:
+            response = await self._handshake(decode_address, "", timeout_s)
+            self._accepted[decode_address] = list(response.supported_codecs)
+        return self._accepted[decode_address]
+
+    async def _handshake(self, decode_address: str, codec_name: str,
+                         timeout_s: float | None) -> kv_transfer_pb2.HandshakeResponse:
         request = kv_transfer_pb2.HandshakeRequest(layout=self.layout.to_proto(),
                                                    compat_hash=self.layout.compat_hash, codec=codec_name)
         try:
@@ -102,11 +127,12 @@ class KVTransferClient:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"decode pod {decode_address}: compat_hash: sender {self.layout.compat_hash!r}, "
                               f"receiver {response.compat_hash!r}")
-        self._handshaken.add((decode_address, codec_name))
+        return response
 
     def forget_handshake(self, decode_address: str, codec_name: str) -> None:
         """The decode pod refused a push as incompatible (restarted with another model?): handshake again."""
         self._handshaken.discard((decode_address, codec_name))
+        self._accepted.pop(decode_address, None)
 
     def stub(self, decode_address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         channel = self._channels.get(decode_address)
@@ -149,6 +175,8 @@ class KVSender:
         self._compute_done_at: float | None = None  # perf_counter seconds, set on the engine thread
         self._stats = prefill_pb2.KVTransferStats(codec=codec.name)
         self._first_write_at: float | None = None
+        self._last_write_at: float | None = None
+        self._write_seconds = 0.0  # time spent in call.write: flow control holding the writes back
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -184,6 +212,8 @@ class KVSender:
         ack_at = time.perf_counter()
         self._stats.transfer_seconds = ack_at - (self._first_write_at or ack_at)
         self._stats.exposed_transfer_seconds = max(0.0, ack_at - (self._compute_done_at or ack_at))
+        link_seconds = self._write_seconds + ack_at - (self._last_write_at or ack_at)
+        self._client.link_codecs.observe(self.decode_address, self._stats.bytes_sent, link_seconds)
         return self._stats
 
     async def _stream(self, call) -> kv_transfer_pb2.PushKVResponse:
@@ -215,7 +245,10 @@ class KVSender:
             pushes = await self._client.encode(self._encode, item, self._stats.num_chunks)
             self._first_write_at = self._first_write_at or time.perf_counter()
             for push in pushes:
+                started = time.perf_counter()
                 await call.write(push)
+                self._last_write_at = time.perf_counter()
+                self._write_seconds += self._last_write_at - started
             self._stats.num_chunks += len(pushes)
             self._stats.bytes_sent += sum(len(p.chunk.payload) + len(p.chunk.scales) for p in pushes)
             self._stats.raw_bytes += raw_nbytes(item.k) + raw_nbytes(item.v)
@@ -227,7 +260,8 @@ class KVSender:
         chunks = []
         for kind, tensor in (("k", item.k), ("v", item.v)):
             chunks += encode_chunks(self.request_id, item.layer, kind, item.token_start, item.token_end, tensor,
-                                    self.codec, self._client.max_chunk_bytes, first_seq + len(chunks))
+                                    self.codec, self.num_prompt_tokens, self._client.max_chunk_bytes,
+                                    first_seq + len(chunks))
         if self._client.corrupt_chunk_rate:
             self._client.corrupt(chunks)
         return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]

@@ -2,13 +2,15 @@
 
 A tensor's path through this module:
 
-    prefill pod:  encode_chunks(request, layer, kind, [start, end), tensor [T, H, D], codec)
+    prefill pod:  encode_chunks(request, layer, kind, [start, end), tensor [T, H, D], codec, prompt length)
                     -> split along tokens so that each chunk's payload + scales fit in ``max_chunk_bytes``
-                    -> codec.encode each piece, CRC-32C over payload then scales, a stream sequence number
+                    -> codec.encode each piece at its KVSpan (its tokens, the prompt's length: what KIVI keeps
+                       in float16 depends on it), CRC-32C over payload then scales, a stream sequence number
                     -> [KVChunk, ...]
     decode pod:   decode_chunk(chunk, ExpectedChunks)
                     -> checksum first (DATA_LOSS), then request, codec, layer, range and shape against what
-                       this stream may carry (FAILED_PRECONDITION / INVALID_ARGUMENT), then codec.decode
+                       this stream may carry (FAILED_PRECONDITION / INVALID_ARGUMENT), then codec.decode at the
+                       chunk's span (its token range in the pushed prompt, whose length the header gave)
                     -> DecodedKVChunk(layer, kind, token_start, token_end, tensor [T, H, D])
 
 Errors on the KV path are ``StatusError``s carrying the gRPC status the receiving side answers with; a bad
@@ -25,7 +27,7 @@ import google_crc32c
 import grpc
 import torch
 
-from kvtransfer.codecs import EncodedKV, KVCodec, get_codec
+from kvtransfer.codecs import EncodedKV, KVCodec, KVSpan, get_codec
 from protos.splitserve.v1 import kv_transfer_pb2
 from runtime.errors import StatusError
 
@@ -50,28 +52,33 @@ def chunk_checksum(payload: bytes, scales: bytes) -> int:
 # ---- prefill side -------------------------------------------------------------------------------------------
 
 def encode_chunks(request_id: str, layer: int, kind: str, token_start: int, token_end: int, tensor: torch.Tensor,
-                  codec: KVCodec, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                  codec: KVCodec, num_prompt_tokens: int, max_chunk_bytes: int = MAX_CHUNK_BYTES,
                   first_seq: int = 0) -> list[kv_transfer_pb2.KVChunk]:
-    """Encode ``tensor`` ([token_end - token_start, H, D], the K or V of ``layer``) as chunks numbered from
-    ``first_seq``, each carrying at most ``max_chunk_bytes`` of payload + scales."""
-    if tensor.dim() != 3 or tensor.shape[0] != token_end - token_start or token_start < 0:
-        raise ValueError(f"tensor of shape {tuple(tensor.shape)} does not cover tokens [{token_start}, {token_end})")
+    """Encode ``tensor`` ([token_end - token_start, H, D], the K or V of ``layer`` for those tokens of a prompt of
+    ``num_prompt_tokens``) as chunks numbered from ``first_seq``, each carrying at most ``max_chunk_bytes`` of
+    payload + scales."""
+    if (tensor.dim() != 3 or tensor.shape[0] != token_end - token_start or token_start < 0
+            or token_end > num_prompt_tokens):
+        raise ValueError(f"tensor of shape {tuple(tensor.shape)} does not cover tokens [{token_start}, {token_end}) "
+                         f"of a prompt of {num_prompt_tokens}")
     num_tokens, num_heads, head_dim = tensor.shape
     bytes_per_token = codec.bytes_per_element(head_dim, tensor.dtype) * num_heads * head_dim
     tokens_per_chunk = max(1, int(max_chunk_bytes * _CHUNK_SIZE_MARGIN // bytes_per_token))
     chunks: list[kv_transfer_pb2.KVChunk] = []
     for lo in range(0, num_tokens, tokens_per_chunk):
         hi = min(lo + tokens_per_chunk, num_tokens)
-        chunks.extend(_encode_fitting(request_id, layer, kind, token_start, lo, hi, tensor, codec, max_chunk_bytes))
+        chunks.extend(_encode_fitting(request_id, layer, kind, token_start, lo, hi, tensor, codec, num_prompt_tokens,
+                                      max_chunk_bytes))
     for seq, chunk in enumerate(chunks, start=first_seq):
         chunk.seq = seq
     return chunks
 
 
 def _encode_fitting(request_id: str, layer: int, kind: str, token_start: int, lo: int, hi: int,
-                    tensor: torch.Tensor, codec: KVCodec, max_chunk_bytes: int) -> list[kv_transfer_pb2.KVChunk]:
+                    tensor: torch.Tensor, codec: KVCodec, num_prompt_tokens: int,
+                    max_chunk_bytes: int) -> list[kv_transfer_pb2.KVChunk]:
     """Encode rows [lo, hi) of ``tensor``; halve the range while the encoding exceeds the limit."""
-    encoded = codec.encode(tensor[lo:hi], kind)
+    encoded = codec.encode(tensor[lo:hi], kind, KVSpan(token_start + lo, num_prompt_tokens))
     if encoded.nbytes <= max_chunk_bytes:
         return [kv_transfer_pb2.KVChunk(
             request_id=request_id, layer=layer, kind=KIND_TO_PROTO[kind],
@@ -84,8 +91,10 @@ def _encode_fitting(request_id: str, layer: int, kind: str, token_start: int, lo
         raise ValueError(f"one token of {codec.name} takes {encoded.nbytes} bytes, over max_chunk_bytes="
                          f"{max_chunk_bytes}")
     mid = (lo + hi) // 2
-    return (_encode_fitting(request_id, layer, kind, token_start, lo, mid, tensor, codec, max_chunk_bytes)
-            + _encode_fitting(request_id, layer, kind, token_start, mid, hi, tensor, codec, max_chunk_bytes))
+    return (_encode_fitting(request_id, layer, kind, token_start, lo, mid, tensor, codec, num_prompt_tokens,
+                            max_chunk_bytes)
+            + _encode_fitting(request_id, layer, kind, token_start, mid, hi, tensor, codec, num_prompt_tokens,
+                              max_chunk_bytes))
 
 
 # ---- decode side --------------------------------------------------------------------------------------------
@@ -125,7 +134,7 @@ def decode_chunk(chunk: kv_transfer_pb2.KVChunk, expected: ExpectedChunks,
     codec = _accepted_codec(chunk.codec, expected, where)
     _check_placement(chunk, expected, where)
     try:
-        tensor = codec.decode(_encoded(chunk), device)
+        tensor = codec.decode(_encoded(chunk, expected.num_tokens), device)
     except ValueError as err:
         raise KVChunkError(grpc.StatusCode.INVALID_ARGUMENT, f"{where} does not decode: {err}") from err
     return DecodedKVChunk(chunk.layer, PROTO_TO_KIND[chunk.kind], chunk.token_start, chunk.token_end, tensor)
@@ -158,9 +167,9 @@ def _check_placement(chunk: kv_transfer_pb2.KVChunk, expected: ExpectedChunks, w
         raise KVChunkError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {problem}")
 
 
-def _encoded(chunk: kv_transfer_pb2.KVChunk) -> EncodedKV:
+def _encoded(chunk: kv_transfer_pb2.KVChunk, num_prompt_tokens: int) -> EncodedKV:
     return EncodedKV(chunk.codec, PROTO_TO_KIND[chunk.kind], chunk.dtype, tuple(chunk.shape), chunk.payload,
-                     chunk.scales)
+                     chunk.scales, KVSpan(chunk.token_start, num_prompt_tokens))
 
 
 def raw_nbytes(tensor: torch.Tensor) -> int:

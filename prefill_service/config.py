@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvtransfer.wire import MAX_CHUNK_BYTES
 from runtime.pod import PodConfig
@@ -24,6 +25,12 @@ class PrefillConfig(PodConfig):
     inject_corrupt_chunks: float = field(default=0.0, metadata={"help": (
         "Fault injection, for reliability tests and soak runs only: the share of KV chunks sent with a flipped byte "
         "after their checksum (the decode pod refuses them, DATA_LOSS; the router retries). 0 in production.")})
+    kv_min_agreement: float = field(default=0.97, metadata={"help": (
+        "kv_codec auto: the least greedy agreement with the lossless path (from the quality table) a codec needs "
+        "to be chosen; lossless codecs always qualify.")})
+    kv_quality_table: str = field(default="", metadata={"help": (
+        "kv_codec auto: the codecs' measured quality (bench codecs --quality-table); empty: the table shipped for "
+        "the model in kvtransfer/quality/, or none (then auto picks among lossless codecs).")})
     kv_transfer_timeout_s: float = field(default=60.0, metadata={"help": (
         "Longest a prefill waits for the decode pod to acknowledge its KV (a shorter call deadline wins).")})
 
@@ -31,6 +38,10 @@ class PrefillConfig(PodConfig):
         super().__post_init__()
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+        if not 0.0 <= self.kv_min_agreement <= 1.0:
+            raise ValueError(f"kv_min_agreement must be in [0, 1], got {self.kv_min_agreement}")
+        if self.kv_quality_table and not Path(self.kv_quality_table).is_file():
+            raise ValueError(f"kv_quality_table: no file {self.kv_quality_table!r}")
         if not 0.0 <= self.inject_corrupt_chunks <= 1.0:
             raise ValueError(f"inject_corrupt_chunks must be in [0, 1], got {self.inject_corrupt_chunks}")
         if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:

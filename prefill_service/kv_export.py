@@ -10,9 +10,13 @@ A request's path through the hook (all on the engine thread):
                                      and nobody computed; later chunks of a chunked prefill start where the last
                                      one ended, so the export covers the whole prompt exactly once.
       on_layer(layer, batch)         after the layer wrote its K/V: gather them by slot, hand them over; after the
-                                     last layer of the step that reaches the prompt's end, mark compute done
-    unregister(request_id)           when the Prefill call ends, whichever way (an engine command too, so it
-                                     runs after the registration even when the call was cancelled mid-admission)
+                                     last layer of the step that reaches the prompt's end, mark compute done and
+                                     hold the prompt's blocks (BlockManager.hold): the request finishes with
+                                     this step, but its blocks stay allocated until the push is over
+    unregister(request_id)           when the Prefill call ends, whichever way, so after the decode pod's
+                                     acknowledgement (or the push's failure): frees the held blocks. An engine
+                                     command too, so it runs after the registration even when the call was
+                                     cancelled mid-admission
 
 Only the engine thread touches the table, so it needs no lock.
 """
@@ -25,6 +29,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
 from kvtransfer.sender import KVSender
 
 
@@ -32,13 +37,15 @@ from kvtransfer.sender import KVSender
 class _Export:
     sender: KVSender
     num_exported_tokens: int = 0  # prompt tokens whose KV is already handed over
+    held: Sequence | None = None  # the holder of the prompt's blocks once it is computed, until unregister
 
 
 @dataclass
 class _StepExport:
     """One request's share of the current step's export."""
 
-    sender: KVSender
+    export: _Export
+    seq: Sequence
     slots: torch.Tensor  # [token_end - token_start] long, cache slots of the tokens to copy
     token_start: int
     token_end: int
@@ -50,6 +57,7 @@ class PrefillKVExport:
 
     def __init__(self, engine: LLMEngine):
         self._kv_cache = engine.runner.kv_cache
+        self._block_manager = engine.block_manager
         self._last_layer = engine.model_config.num_layers - 1
         self._exports: dict[str, _Export] = {}
         self._step: list[_StepExport] = []
@@ -58,7 +66,9 @@ class PrefillKVExport:
         self._exports[request_id] = _Export(sender)
 
     def unregister(self, request_id: str) -> None:
-        self._exports.pop(request_id, None)
+        export = self._exports.pop(request_id, None)
+        if export is not None and export.held is not None:
+            self._block_manager.free(export.held)
 
     def wants(self, batch: SchedulerOutput) -> bool:
         self._step = []
@@ -69,7 +79,7 @@ class PrefillKVExport:
                 continue  # not ours, or recomputing tokens already sent (after a preemption)
             token_start = export.num_exported_tokens
             slots = self._kv_cache.slots(item.seq.block_table, token_start, token_end)
-            self._step.append(_StepExport(export.sender, slots, token_start, token_end,
+            self._step.append(_StepExport(export, item.seq, slots, token_start, token_end,
                                           token_end == item.seq.num_prompt_tokens))
             export.num_exported_tokens = token_end
         return bool(self._step)
@@ -78,9 +88,11 @@ class PrefillKVExport:
         # read() copies, so the sender owns what it gets even after the request's blocks are freed and reused.
         cache = self._kv_cache
         for part in self._step:
+            sender = part.export.sender
             if part.completes_prompt and layer == self._last_layer:
                 # Before the last layer goes out: the decode pod's acknowledgement may otherwise arrive first,
                 # and the exposed transfer time would read 0.
-                part.sender.mark_compute_done()
-            part.sender.submit_layer(layer, part.token_start, part.token_end, cache.read(layer, "k", part.slots),
+                sender.mark_compute_done()
+                part.export.held = self._block_manager.hold(part.seq)
+            sender.submit_layer(layer, part.token_start, part.token_end, cache.read(layer, "k", part.slots),
                                      cache.read(layer, "v", part.slots))

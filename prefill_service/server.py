@@ -29,6 +29,7 @@ import grpc
 from engine.engine_loop import TokenEvent
 from engine.sampling_params import SamplingParams
 from kvtransfer.handshake import KVLayout
+from kvtransfer.link_codec import LinkCodecChooser, QualityTable
 from kvtransfer.sender import KVSender, KVTransferClient
 from prefill_service.config import PrefillConfig
 from prefill_service.kv_export import PrefillKVExport
@@ -45,7 +46,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, pod: Pod, config: PrefillConfig, kv_client: KVTransferClient, export: PrefillKVExport):
         self._pod = pod
         self._config = config
-        self._kv_client = kv_client
+        self.kv_client = kv_client
         self._export = export
         self._in_flight: dict[str, asyncio.Task] = {}  # request id -> its prefill-and-push work
 
@@ -90,7 +91,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _prefill_and_push(self, request: prefill_pb2.PrefillRequest, params: SamplingParams,
                                 timeout_s: float) -> tuple[TokenEvent, prefill_pb2.KVTransferStats | None]:
-        sender = await self._kv_client.open(request.decode_address, request.kv_codec,
+        sender = await self.kv_client.open(request.decode_address, request.kv_codec,
                                             request.request_id, list(request.prompt_token_ids),
                                             request.kv_lease_seconds, timeout_s)
         push = asyncio.create_task(sender.push(), name=f"push-{request.request_id}")
@@ -169,8 +170,12 @@ async def _checked_params(request: prefill_pb2.PrefillRequest, context) -> Sampl
 async def build_prefill_services(pod: Pod, config: PrefillConfig) -> list[PodService]:
     export = PrefillKVExport(pod.engine)
     pod.engine.kv_export = export
-    kv_client = KVTransferClient(KVLayout.of_engine(pod.engine), config.max_chunk_bytes, config.overlap_transfer,
-                                 corrupt_chunk_rate=config.inject_corrupt_chunks)
+    layout = KVLayout.of_engine(pod.engine)
+    table = (QualityTable.load(config.kv_quality_table) if config.kv_quality_table
+             else QualityTable.shipped(layout.model_name))
+    kv_client = KVTransferClient(layout, config.max_chunk_bytes, config.overlap_transfer,
+                                 corrupt_chunk_rate=config.inject_corrupt_chunks,
+                                 link_codecs=LinkCodecChooser(layout, table, config.kv_min_agreement))
     pod.on_stop(kv_client.close)
     return [PrefillServicer(pod, config, kv_client, export)]
 

@@ -56,7 +56,9 @@ class RouterConfig:
         "Redis registry: a pod whose heartbeat is older than this is dropped."))
     policy: PolicyName = field(default=PolicyName.LEAST_LOADED, metadata=described("Routing policy."))
     kv_codec: str = field(default="none", metadata=described(
-        "KV codec prefill pods compress each request's KV with: none, bf16, fp8, int8, int4, each optionally +zstd."))
+        "KV codec prefill pods compress each request's KV with: none, bf16, fp8, int8, int4, kivi8, kivi4, kivi2, "
+        "each optionally +zstd, or auto (each prefill pod picks per decode pod from the link's measured throughput, "
+        "among the codecs its kv_min_agreement allows)."))
     conditional_prefill_threshold: int = field(default=32, metadata=described(
         "Prompts shorter than this many tokens prefill on their decode pod (0: never for length)."))
     conditional_cached_fraction: float = field(default=0.8, metadata=described(

@@ -138,6 +138,11 @@ class PodMetrics(ServingMetrics):
         self.kv_transfer_failures = Counter("splitserve_kv_transfer_failures_total",
                                             "KV pushes that failed, by gRPC status code (prefill pods).",
                                             LABELS + ("code",), registry=self.registry)
+        self.kv_loads = Counter("splitserve_kv_load_total",
+                                "Pushed prompt KV a decode pod took in, by outcome: loaded (admitted from the push), "
+                                "recomputed (the KV failed to load; the prompt prefilled here, kv_load_failure_policy "
+                                "recompute), failed (the KV failed to load and the request failed: policy fail).",
+                                LABELS + ("outcome",), registry=self.registry)
         # Speculative decoding, as vLLM's spec_decode series (acceptance rate: accepted / draft tokens).
         self.spec_decode_num_drafts = self._counter("spec_decode_num_drafts_total",
                                                     "Draft proposals verified (a request's drafts in one step).")
@@ -158,6 +163,9 @@ class PodMetrics(ServingMetrics):
 
     def transfer_failed(self, code: str) -> None:
         self.kv_transfer_failures.labels(self.role, self.model_name, code).inc()
+
+    def kv_loaded(self, outcome: str) -> None:
+        self.kv_loads.labels(self.role, self.model_name, outcome).inc()
 
     def spec_decoded(self, counts: SpecDecodeCounts) -> None:
         if not counts.num_drafts:

@@ -15,22 +15,33 @@ from bench import transfer as transfer_bench
 from kvtransfer.codecs import available_codecs
 
 
-def test_codecs_bench_measures_every_codec_against_the_lossless_one(tmp_path, capsys):
-    out, png = tmp_path / "codecs.json", tmp_path / "codecs.png"
+def test_codecs_bench_measures_every_codec_against_the_lossless_one_per_cache_dtype(tmp_path, capsys):
+    out, png, table = tmp_path / "codecs.json", tmp_path / "codecs.png", tmp_path / "quality.json"
     codecs_bench.main(["--model", "tiny-random", "--prompts", "2", "--tokens", "4", "--windows", "1", "--repeat",
-                       "1", "--json", str(out), "--plot", str(png)])
+                       "1", "--json", str(out), "--plot", str(png), "--quality-table", str(table)])
     results = json.loads(out.read_text())
-    figures = results["codecs"]
-    assert list(figures) == available_codecs()
-    for name, f in figures.items():
-        assert f["ratio_to_bf16"] > 0 and f["encode_mb_s"] > 0 and f["decode_mb_s"] > 0, name
-        assert 0 <= f["agreement"] <= 1 and 0 <= f["identical"] <= 2 and f["perplexity"] > 0, name
-    none = figures["none"]
-    assert (none["agreement"], none["identical"], none["ppl_change_pct"], none["max_abs_error"]) == (1.0, 2, 0.0, 0.0)
-    assert figures["bf16"]["ratio_to_bf16"] == 1.0 and none["ratio_to_bf16"] == 0.5  # float32 cache: 4 bytes
-    assert [t["codec"] for t in results["targets"]] == ["int8", "int4"]
+    assert list(results["cache_dtypes"]) == ["float16", "float32"]
+    for dtype, run in results["cache_dtypes"].items():
+        figures = run["codecs"]
+        assert list(figures) == available_codecs()
+        for name, f in figures.items():
+            assert f["ratio_to_bf16"] > 0 and f["encode_mb_s"] > 0 and f["decode_mb_s"] > 0, name
+            assert 0 <= f["agreement"] <= 1 and 0 <= f["identical"] <= 2 and f["perplexity"] > 0, name
+        # The transfer path (reserve, write, admit) with the lossless codec is the reference run, token for token.
+        none = figures["none"]
+        assert (none["agreement"], none["identical"], none["ppl_change_pct"], none["max_abs_error"]) == (
+            1.0, 2, 0.0, 0.0)
+        assert none["ratio_to_bf16"] == (1.0 if dtype == "float16" else 0.5)  # 2 or 4 bytes per element
+        for name in ("int8", "kivi2"):  # zstd is lossless: the same quality, its own size
+            plain, zstd = figures[name], figures[name + "+zstd"]
+            assert (zstd["agreement"], zstd["perplexity"]) == (plain["agreement"], plain["perplexity"])
+            assert zstd["ratio_to_bf16"] != plain["ratio_to_bf16"]
+        assert [t["codec"] for t in run["targets"]] == ["int8", "kivi8", "int4", "kivi4", "kivi2"]
+    quality = json.loads(table.read_text())
+    assert quality["cache_dtypes"]["float16"]["none"]["agreement"] == 1.0
+    assert set(quality["cache_dtypes"]["float32"]) == set(available_codecs())
     assert png.stat().st_size > 0
-    assert "== targets ==" in capsys.readouterr().out
+    assert "== targets, float16 cache ==" in capsys.readouterr().out
 
 
 @pytest.mark.e2e
@@ -47,6 +58,9 @@ def test_transfer_bench_measures_overlap_on_and_off_per_codec(tmp_path):
     none_row = results["rows"][0]
     assert none_row["wire_mb"] == none_row["raw_mb"] == 64 * 4 * 2 * (2 * 16 * 4) / 1e6  # tokens x layers x K/V x bytes
     assert [t["codec"] for t in results["targets"]] == ["none", "int8+zstd"]
+    push = results["push"]  # the raw push of none (overlap off) against grpcio alone with the same messages
+    assert push["raw_push_mb_s"] == results["rows"][1]["raw_mb_s"] and push["grpc_ceiling_mb_s"] > 0
+    assert push["ratio_to_ceiling"] == pytest.approx(push["raw_push_mb_s"] / push["grpc_ceiling_mb_s"])
     assert png.stat().st_size > 0
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer import EncodedKV, available_codecs, get_codec
+from kvtransfer import EncodedKV, KVSpan, available_codecs, get_codec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM = 3, 64  # SmolLM2-135M's KV layout
 TOKEN_COUNTS = (1, 17, 100)  # one token, a partial key group, three full groups and a tail
 DTYPES = (torch.float32, torch.bfloat16)
-BASE_CODECS = ("none", "bf16", "fp8", "int8", "int4")
+BASE_CODECS = ("none", "bf16", "fp8", "int8", "int4", "kivi8", "kivi4", "kivi2")
 ALL_CODECS = BASE_CODECS + tuple(name + "+zstd" for name in BASE_CODECS)
 KEY_GROUP = 32
 
@@ -72,10 +72,10 @@ def test_codec_modules_load_only_when_requested():
         """
         import sys
         import kvtransfer
-        lazy = ("kvtransfer.codecs.int4", "kvtransfer.codecs.zstd", "kvtransfer.codecs.symmetric", "zstandard")
+        lazy = ("kvtransfer.codecs.kivi", "kvtransfer.codecs.zstd", "kvtransfer.codecs.symmetric", "zstandard")
         assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]
         kvtransfer.get_codec("int4")
-        assert "kvtransfer.codecs.int4" in sys.modules
+        assert "kvtransfer.codecs.kivi" in sys.modules
         assert "kvtransfer.codecs.zstd" not in sys.modules and "zstandard" not in sys.modules
         kvtransfer.get_codec("int8+zstd")
         assert "kvtransfer.codecs.zstd" in sys.modules and "zstandard" in sys.modules
@@ -253,7 +253,8 @@ def test_bytes_per_element_formulas_and_size_targets():
 def test_sizes_are_exactly_as_bytes_per_element_predicts(name, dtype):
     codec = get_codec(name)
     tokens = 2 * KEY_GROUP  # full key groups: the steady state bytes_per_element describes
-    encoded = [codec.encode(kv_like(tokens, kind, dtype), kind) for kind in "kv"]
+    mid_prompt = KVSpan(100, 1000)  # clear of the tokens KIVI keeps at the prompt's ends
+    encoded = [codec.encode(kv_like(tokens, kind, dtype), kind, mid_prompt) for kind in "kv"]
     numel = tokens * HEADS * HEAD_DIM
     assert sum(enc.nbytes for enc in encoded) == 2 * numel * codec.bytes_per_element(HEAD_DIM, dtype)
 
@@ -383,3 +384,84 @@ def test_cuda_encoding_matches_cpu_and_decodes_on_either_device(name):
         decoded = codec.decode(on_cuda, device="cuda")
         assert decoded.device.type == "cuda"
         assert torch.equal(decoded.cpu(), codec.decode(on_cpu))
+
+
+# --- KIVI: kept tokens, bit widths -------------------------------------------------------------------------------
+
+KIVI_BITS = {"kivi8": 8, "kivi4": 4, "kivi2": 2, "int4": 4}
+
+
+@pytest.mark.parametrize(
+    "span, tokens, expected",
+    [
+        (None, 100, (4, 32)),  # a whole prompt: its sinks and its window
+        (None, 30, (4, 26)),  # shorter than sinks + window: every token kept
+        (KVSpan(0, 1000), 100, (4, 0)),  # the prompt's start
+        (KVSpan(2, 1000), 100, (2, 0)),  # two of the four sinks
+        (KVSpan(500, 1000), 100, (0, 0)),  # the middle: nothing kept
+        (KVSpan(900, 1000), 100, (0, 32)),  # the prompt's end
+        (KVSpan(950, 1000), 40, (0, 22)),  # reaches into the window: the rows from token 968 on
+        (KVSpan(970, 1000), 30, (0, 30)),  # inside the window
+    ],
+)
+def test_kivi_keeps_the_prompts_first_and_last_tokens(span, tokens, expected):
+    assert get_codec("kivi4").kept_rows(tokens, span) == expected
+    assert get_codec("int4").kept_rows(tokens, span) == (0, 0)
+
+
+@pytest.mark.parametrize("name", ["kivi8", "kivi4", "kivi2"])
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_kivi_round_trips_the_kept_tokens_exactly_and_lays_out_its_bytes(name, kind):
+    codec = get_codec(name)
+    x = kv_like(100, kind, torch.float16)
+    for span in (None, KVSpan(0, 1000), KVSpan(880, 1000), KVSpan(400, 1000)):
+        enc = codec.encode(x, kind, span)
+        head, tail = codec.kept_rows(100, span)
+        middle = 100 - head - tail
+        packed = -(-middle * HEADS * HEAD_DIM * KIVI_BITS[name] // 8)
+        assert len(enc.payload) == packed + (head + tail) * HEADS * HEAD_DIM * 2
+        kept = enc.payload[packed:]
+        assert kept == torch.cat([x[:head], x[100 - tail:]]).numpy().tobytes()
+        decoded = codec.decode(enc)
+        assert decoded.dtype == torch.float16 and decoded.shape == x.shape
+        assert torch.equal(decoded[:head], x[:head]) and torch.equal(decoded[100 - tail:], x[100 - tail:])
+        assert (len(enc.payload), len(enc.scales)) == codec.encoded_nbytes(enc.shape, kind, enc.dtype, span)
+
+
+@pytest.mark.parametrize("name", ["kivi8", "kivi4", "kivi2"])
+def test_kivi_error_bounds_per_bit_width(name):
+    """Values within half a step of their row's range, keys of their channel group's coded range, at 2^bits - 1
+    steps: the middle tokens of a long prompt, where nothing is kept."""
+    codec, levels = get_codec(name), 2 ** KIVI_BITS[name] - 1
+    mid_prompt = KVSpan(100, 1000)
+    for tokens in TOKEN_COUNTS:
+        v = kv_like(tokens, "v", seed=tokens)
+        decoded = codec.decode(codec.encode(v, "v", mid_prompt))
+        coded_range = v.amax(-1, keepdim=True) - v.amin(-1, keepdim=True) + 2.0**-10 * (
+            v.amin(-1, keepdim=True).abs() + v.amax(-1, keepdim=True).abs())
+        assert ((decoded - v).abs() <= coded_range / (2 * levels) + output_rounding(decoded)).all()
+        k = kv_like(tokens, "k", seed=tokens)
+        decoded = codec.decode(codec.encode(k, "k", mid_prompt))
+        for start in range(0, tokens, KEY_GROUP):
+            group, group_decoded = k[start:start + KEY_GROUP], decoded[start:start + KEY_GROUP]
+            channel_lo, channel_hi = group.amin(0), group.amax(0)
+            head_lo, head_hi = channel_lo.amin(-1, keepdim=True), channel_hi.amax(-1, keepdim=True)
+            head_range = head_hi - head_lo + 2.0**-10 * (head_lo.abs() + head_hi.abs())
+            coded_range = channel_hi - channel_lo + 2 * head_range / 255
+            error = (group_decoded - group).abs()
+            assert (error <= coded_range / (2 * levels) + output_rounding(group_decoded)).all()
+
+
+def test_kivi_error_shrinks_with_more_bits():
+    x = kv_like(100, "k")
+    errors = [(get_codec(name).decode(get_codec(name).encode(x, "k", KVSpan(100, 1000))) - x).abs().mean()
+              for name in ("kivi2", "kivi4", "kivi8")]
+    assert errors[0] > 3 * errors[1] > 9 * errors[2]
+
+
+def test_a_span_outside_its_prompt_is_refused():
+    with pytest.raises(ValueError, match="do not fit a prompt of 50"):
+        get_codec("kivi4").encode(kv_like(10, "v"), "v", KVSpan(45, 50))
+    enc = get_codec("kivi4").encode(kv_like(10, "v"), "v", KVSpan(40, 50))
+    with pytest.raises(ValueError, match="do not fit a prompt of 45"):
+        get_codec("kivi4").decode(dataclasses.replace(enc, span=KVSpan(40, 45)))

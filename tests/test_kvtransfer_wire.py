@@ -22,7 +22,7 @@ from protos.splitserve.v1 import kv_transfer_pb2
 from runtime.errors import StatusError
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
-ALL_CODECS = frozenset(["none", "int8+zstd", "int4", "bf16"])
+ALL_CODECS = frozenset(["none", "int8+zstd", "int4", "bf16", "kivi2", "kivi4", "kivi4+zstd"])
 
 
 def kv(num_tokens: int, seed: int = 0) -> torch.Tensor:
@@ -42,12 +42,12 @@ def reassemble(chunks, num_tokens: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("codec_name", ["none", "int8+zstd", "int4"])
+@pytest.mark.parametrize("codec_name", ["none", "int8+zstd", "int4", "kivi2", "kivi4+zstd"])
 def test_chunks_respect_the_size_limit_and_cover_the_range_exactly(codec_name):
     # 300 tokens x 2 heads x 16 dims x 4 bytes = 38400 bytes raw: a 4 KiB limit forces many chunks.
     tensor = kv(300)
-    chunks = encode_chunks("req-1", 2, "v", 100, 400, tensor, get_codec(codec_name), max_chunk_bytes=4096,
-                           first_seq=7)
+    chunks = encode_chunks("req-1", 2, "v", 100, 400, tensor, get_codec(codec_name), 400,
+                           max_chunk_bytes=4096,                           first_seq=7)
     assert len(chunks) > 1
     assert all(len(c.payload) + len(c.scales) <= 4096 for c in chunks)
     assert [c.seq for c in chunks] == list(range(7, 7 + len(chunks)))
@@ -63,7 +63,7 @@ def test_chunks_respect_the_size_limit_and_cover_the_range_exactly(codec_name):
 
 def test_raw_chunks_take_as_many_tokens_as_fit():
     # none: 2 * 16 * 4 = 128 bytes per token; 95% of 4096 bytes is 30 tokens per chunk.
-    chunks = encode_chunks("req-1", 0, "k", 0, 100, kv(100), get_codec("none"), max_chunk_bytes=4096)
+    chunks = encode_chunks("req-1", 0, "k", 0, 100, kv(100), get_codec("none"), 100, max_chunk_bytes=4096)
     assert [(c.token_start, c.token_end) for c in chunks] == [(0, 30), (30, 60), (60, 90), (90, 100)]
     assert [len(c.payload) for c in chunks] == [3840, 3840, 3840, 1280]
 
@@ -71,7 +71,7 @@ def test_raw_chunks_take_as_many_tokens_as_fit():
 @pytest.mark.parametrize("codec_name", ["none", "int8+zstd"])
 def test_round_trip(codec_name):
     tensor = kv(130, seed=1)
-    chunks = encode_chunks("req-1", 3, "k", 0, 130, tensor, get_codec(codec_name), max_chunk_bytes=2048)
+    chunks = encode_chunks("req-1", 3, "k", 0, 130, tensor, get_codec(codec_name), 130, max_chunk_bytes=2048)
     decoded = decode_chunk(chunks[0], expected(130))
     assert (decoded.layer, decoded.kind, decoded.token_start) == (3, "k", 0)
     out = reassemble(chunks, 130)
@@ -84,7 +84,7 @@ def test_round_trip(codec_name):
 
 
 def test_corrupted_payload_fails_the_checksum():
-    chunk = encode_chunks("req-1", 1, "k", 0, 20, kv(20), get_codec("none"))[0]
+    chunk = encode_chunks("req-1", 1, "k", 0, 20, kv(20), get_codec("none"), 20)[0]
     corrupted = bytearray(chunk.payload)
     corrupted[17] ^= 0x01
     chunk.payload = bytes(corrupted)
@@ -101,7 +101,7 @@ def test_fault_injection_corrupts_the_share_of_chunks_asked_for_and_each_fails_i
     for rate, expected_bad in ((0.0, 0), (1.0, 40)):
         client = KVTransferClient(layout, corrupt_chunk_rate=rate)
         chunks = [chunk for seed in range(40) for chunk in encode_chunks("req-1", 0, "k", 0, 20, kv(20, seed),
-                                                                        get_codec("none"))]
+                                                                        get_codec("none"), 20)]
         originals = [bytes(chunk.payload) for chunk in chunks]
         client.corrupt(chunks)
         bad = 0
@@ -116,7 +116,7 @@ def test_fault_injection_corrupts_the_share_of_chunks_asked_for_and_each_fails_i
 
 
 def test_corrupted_scales_fail_the_checksum():
-    chunk = encode_chunks("req-1", 1, "v", 0, 20, kv(20), get_codec("int8"))[0]
+    chunk = encode_chunks("req-1", 1, "v", 0, 20, kv(20), get_codec("int8"), 20)[0]
     assert chunk.scales
     chunk.scales = bytes(len(chunk.scales))
     with pytest.raises(KVChunkError) as caught:
@@ -125,7 +125,7 @@ def test_corrupted_scales_fail_the_checksum():
 
 
 def test_unknown_or_unaccepted_codec_is_refused():
-    chunk = encode_chunks("req-1", 0, "k", 0, 8, kv(8), get_codec("none"))[0]
+    chunk = encode_chunks("req-1", 0, "k", 0, 8, kv(8), get_codec("none"), 8)[0]
     with pytest.raises(KVChunkError) as caught:
         decode_chunk(chunk, expected(8, codecs=frozenset(["int8"])))
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -141,13 +141,13 @@ def wrong_layout_cases():
     # Each builds a chunk for another layout than the receiver's [T, 2, 16] with 4 layers and 8 prompt tokens.
     other_heads = torch.randn(8, 4, HEAD_DIM)
     return {
-        "heads": (lambda: encode_chunks("req-1", 0, "k", 0, 8, other_heads, get_codec("none"))[0],
+        "heads": (lambda: encode_chunks("req-1", 0, "k", 0, 8, other_heads, get_codec("none"), 8)[0],
                   "does not match [tokens, num_kv_heads, head_dim] = [8, 2, 16]"),
-        "layer": (lambda: encode_chunks("req-1", 4, "k", 0, 8, kv(8), get_codec("none"))[0],
+        "layer": (lambda: encode_chunks("req-1", 4, "k", 0, 8, kv(8), get_codec("none"), 8)[0],
                   "layer 4 is out of range"),
-        "range": (lambda: encode_chunks("req-1", 0, "k", 4, 12, kv(8), get_codec("none"))[0],
+        "range": (lambda: encode_chunks("req-1", 0, "k", 4, 12, kv(8), get_codec("none"), 12)[0],
                   "token range [4, 12) is empty or outside the prompt's 8 tokens"),
-        "request": (lambda: encode_chunks("req-2", 0, "k", 0, 8, kv(8), get_codec("none"))[0],
+        "request": (lambda: encode_chunks("req-2", 0, "k", 0, 8, kv(8), get_codec("none"), 8)[0],
                     "belongs to another request"),
     }
 
@@ -162,7 +162,7 @@ def test_chunks_that_do_not_fit_the_layout_are_refused(case):
 
 
 def test_shape_field_inconsistent_with_the_range_is_refused():
-    chunk = encode_chunks("req-1", 0, "k", 0, 8, kv(8), get_codec("none"))[0]
+    chunk = encode_chunks("req-1", 0, "k", 0, 8, kv(8), get_codec("none"), 8)[0]
     chunk.token_end = 7  # the payload still holds 8 tokens
     with pytest.raises(KVChunkError) as caught:
         decode_chunk(chunk, expected(8))
@@ -172,7 +172,7 @@ def test_shape_field_inconsistent_with_the_range_is_refused():
 
 def test_tensor_not_covering_its_range_is_a_programming_error():
     with pytest.raises(ValueError, match=r"does not cover tokens \[0, 9\)"):
-        encode_chunks("req-1", 0, "k", 0, 9, kv(8), get_codec("none"))
+        encode_chunks("req-1", 0, "k", 0, 9, kv(8), get_codec("none"), 9)
 
 
 # ---- handshake ------------------------------------------------------------------------------------------------
@@ -211,3 +211,14 @@ def test_handshake_refuses_an_unaccepted_codec_and_a_foreign_hash():
 
 def test_layout_round_trips_through_its_proto():
     assert KVLayout.from_proto(LAYOUT.to_proto()) == LAYOUT
+
+
+def test_kivi_chunks_keep_the_prompts_first_and_last_tokens_wherever_the_cut_falls():
+    """Each side places a chunk in the prompt from its range and the prompt's length: the sinks and the window
+    come back exactly however the tensor is cut into chunks."""
+    tensor = kv(130, seed=2).half()
+    chunks = encode_chunks("req-1", 0, "k", 0, 130, tensor, get_codec("kivi4"), 130, max_chunk_bytes=1024)
+    assert len(chunks) > 3
+    out = reassemble(chunks, 130)
+    assert torch.equal(out[:4].half(), tensor[:4]) and torch.equal(out[-32:].half(), tensor[-32:])
+    assert not torch.equal(out[4:-32].half(), tensor[4:-32])  # the middle is quantized

@@ -10,6 +10,8 @@ real processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -35,6 +37,7 @@ from engine import LLM, SamplingParams
 from engine.block_manager import chained_block_hashes
 from kvtransfer.codecs import get_codec
 from kvtransfer.handshake import KVLayout
+from kvtransfer.link_codec import CodecQuality, LinkCodecChooser, QualityTable
 from kvtransfer.wire import encode_chunks
 from prefill_service.config import PrefillConfig
 from prefill_service.server import build_prefill_services
@@ -99,6 +102,7 @@ class Pods:
 
     async def _start(self) -> None:
         prefill_services = await build_prefill_services(self.prefill_pod, self.prefill_config)
+        self.kv_client = prefill_services[0].kv_client
         await self.prefill_pod.start(prefill_services)
         decode_services = await build_decode_services(self.decode_pod, self.decode_config)
         self.transfers = decode_services[0].transfers
@@ -331,7 +335,7 @@ def layer_chunks(request_id: str, num_tokens: int, layers=range(4)) -> list[kv_t
     for layer in layers:
         for kind in ("k", "v"):
             chunks += encode_chunks(request_id, layer, kind, 0, num_tokens, torch.randn(num_tokens, 2, 16),
-                                    get_codec("none"), first_seq=len(chunks))
+                                    get_codec("none"), num_tokens, first_seq=len(chunks))
     return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]
 
 
@@ -380,7 +384,7 @@ def test_a_push_refuses_a_gap_or_a_repeat_in_the_chunk_sequence(pods, fault):
 def test_a_push_refuses_a_codec_switch_midway(pods):
     prompt = prompt_of(20, seed=7310)
     chunks = layer_chunks("switch", 20)
-    int8 = encode_chunks("switch", 0, "v", 0, 20, torch.randn(20, 2, 16), get_codec("int8"), first_seq=1)
+    int8 = encode_chunks("switch", 0, "v", 0, 20, torch.randn(20, 2, 16), get_codec("int8"), 20, first_seq=1)
     chunks[1] = kv_transfer_pb2.KVPush(chunk=int8[0])
     error = push_error(pods, [handshaken_header(pods, "switch", prompt), *chunks, trailer(len(chunks), 20)])
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -389,7 +393,8 @@ def test_a_push_refuses_a_codec_switch_midway(pods):
 
 def test_a_push_refuses_a_token_range_it_already_received(pods):
     prompt = prompt_of(20, seed=7320)
-    again = encode_chunks("twice", 0, "k", 5, 12, torch.randn(7, 2, 16), get_codec("none"), first_seq=1)
+    again = encode_chunks("twice", 0, "k", 5, 12, torch.randn(7, 2, 16), get_codec("none"), 20,
+                          first_seq=1)
     chunks = layer_chunks("twice", 20)[:1] + [kv_transfer_pb2.KVPush(chunk=again[0])]
     error = push_error(pods, [handshaken_header(pods, "twice", prompt), *chunks])
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -613,6 +618,18 @@ def stalling_decode_pod(pods):
     pods.thread.run(server.stop(None))
 
 
+def test_the_prefill_pod_holds_the_prompts_blocks_until_the_decode_pod_acknowledges(pods, stalling_decode_pod):
+    receiver, address = stalling_decode_pod
+    call = pods.prefill.Prefill.future(prefill_request_to(address, "unacknowledged"))
+    # The prefill request finishes with its step; its 30 tokens' 2 blocks stay held while the push waits.
+    wait_until(lambda: receiver.opened_pushes == ["unacknowledged"]
+               and not pods.prefill_pod.engine.has_unfinished_requests())
+    load = pods.load("prefill")
+    assert load.total_kv_blocks - load.free_kv_blocks == 2
+    call.cancel()  # the push fails: the blocks go back (every_block_free_afterwards checks)
+    wait_until(lambda: receiver.cancelled_pushes == ["unacknowledged"])
+
+
 def prefill_request_to(address: str, request_id: str) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_of(30, seed=13000),
                                       sampling_params=GREEDY, decode_address=address, kv_codec="none")
@@ -673,6 +690,159 @@ def test_metrics_endpoint_serves_the_pod_series(pods):
     path = pods.decode_pod.engine.compute_path.path  # native where the kernels build, else pytorch
     assert (f'splitserve_engine_info{{cache_dtype="float16",device="cpu",kernels="{path}",model_name="tiny-random",'
             f'role="decode"}} 1.0').encode() in body
+
+
+# ---- kv_load_failure_policy: a push whose KV fails to load -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def recompute_pod(pods):
+    """A second decode pod, whose kv_load_failure_policy is recompute, on the pods' event loop."""
+    config = dataclasses.replace(pods.decode_config, kv_load_failure_policy="recompute")
+    pod = Pod(config, "decode")
+
+    async def start():
+        await pod.start(await build_decode_services(pod, config))
+
+    pods.thread.run(start())
+    channel = grpc.insecure_channel(f"127.0.0.1:{pod.port}")
+    yield pod, decode_pb2_grpc.DecodeStub(channel)
+    channel.close()
+    pods.thread.run(pod.stop())
+
+
+@contextlib.contextmanager
+def corrupting_every_chunk(pods):
+    pods.kv_client.corrupt_chunk_rate = 1.0
+    try:
+        yield
+    finally:
+        pods.kv_client.corrupt_chunk_rate = 0.0
+
+
+def decode_tokens(stub: decode_pb2_grpc.DecodeStub, request: decode_pb2.DecodeRequest) -> list[int]:
+    return [token for message in stub.Decode(request, timeout=60) if message.HasField("chunk")
+            for token in message.chunk.token_ids]
+
+
+def test_a_corrupted_push_to_a_recompute_pod_is_recomputed_there_with_the_same_answer(pods, recompute_pod):
+    pod, stub = recompute_pod
+    prompt = prompt_of(40, seed=14000)
+    with corrupting_every_chunk(pods):
+        first = pods.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="recomputed", prompt_token_ids=prompt, sampling_params=GREEDY,
+            decode_address=f"127.0.0.1:{pod.port}", kv_codec="none"), timeout=60)
+    request = decode_pb2.DecodeRequest(request_id="recomputed", prompt_token_ids=prompt, sampling_params=GREEDY,
+                                       first_token_id=first.first_token_id)
+    tokens = [first.first_token_id, *decode_tokens(stub, request)]
+    assert tokens == pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    assert metric(pod, "splitserve_kv_load_total", outcome="recomputed") == 1
+    assert metric(pod, "splitserve_kv_load_total", outcome="loaded") == 0
+    assert pod.engine.block_manager.num_free_blocks == pod.engine.block_manager.num_blocks
+
+
+def test_a_lost_push_is_recomputed_on_a_recompute_pod_and_fails_on_a_fail_pod(pods, recompute_pod):
+    pod, stub = recompute_pod
+    prompt = prompt_of(20, seed=14100)
+    expected = pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    request = decode_pb2.DecodeRequest(request_id="never-arrived", prompt_token_ids=prompt, sampling_params=GREEDY,
+                                       first_token_id=expected[0])
+    before = metric(pod, "splitserve_kv_load_total", outcome="recomputed")
+    assert decode_tokens(stub, request) == expected[1:]
+    assert metric(pod, "splitserve_kv_load_total", outcome="recomputed") == before + 1
+    failed = metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed")
+    assert rpc_error(pods.decode.Decode, request).code() == grpc.StatusCode.NOT_FOUND
+    assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed") == failed + 1
+
+
+def test_a_corrupted_push_to_a_fail_pod_fails_the_request_and_counts(pods):
+    prompt = prompt_of(40, seed=14200)
+    failed = metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed")
+    loaded = metric(pods.decode_pod, "splitserve_kv_load_total", outcome="loaded")
+    with corrupting_every_chunk(pods):
+        error = rpc_error(pods.run_prefill, "refused-bad-kv", prompt, GREEDY)
+    # DATA_LOSS, or UNAVAILABLE when a write raced the refusal (sender.py says why); the decode pod counted it.
+    assert error.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE), error.details()
+    wait_until(lambda: metric(pods.decode_pod, "splitserve_kv_load_total", outcome="failed") == failed + 1)
+    first = pods.run_prefill("good-kv", prompt, GREEDY)
+    pods.run_decode("good-kv", prompt, GREEDY, first)
+    assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="loaded") == loaded + 1
+
+
+# ---- kv_codec auto over a real slow link ------------------------------------------------------------------------
+
+class ThrottlingProxy:
+    """A TCP proxy on the pods' loop that forwards real bytes both ways at ``rate`` bytes/s (None: as fast as it
+    can): the link between the prefill and the decode pod, slowed down."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.rate: float | None = None
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(self._pump(reader, upstream_writer), self._pump(upstream_reader, writer),
+                             return_exceptions=True)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(4096):
+                if self.rate is not None:
+                    await asyncio.sleep(len(data) / self.rate)
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+def auto_link(pods):
+    """The prefill pod reaching the decode pod through a ThrottlingProxy, kv_codec auto choosing from a hand-made
+    quality table (int8 clears the floor, fp8 does not; the decode pod accepts none, int8 and int8+zstd). int8 is
+    made slow (1 MB/s each way), so that it pays only on a link slower than ~220 KB/s: a loaded machine's loopback
+    stays far above that, the proxy's 40 KB/s far below."""
+    proxy = ThrottlingProxy(pods.decode_pod.port)
+    port = pods.thread.run(proxy.start())
+    layout = KVLayout.of_engine(pods.prefill_pod.engine)
+    table = QualityTable(MODEL, {"float16": {"none": CodecQuality(1.0, 10000.0, 30000.0),
+                                             "int8": CodecQuality(0.99, 1.0, 1.0),
+                                             "fp8": CodecQuality(0.5, 1000.0, 1000.0)}})
+    shipped = pods.kv_client.link_codecs
+    pods.kv_client.link_codecs = LinkCodecChooser(layout, table, min_agreement=0.9)
+    yield proxy, f"127.0.0.1:{port}"
+    pods.kv_client.link_codecs = shipped
+    pods.thread.run(proxy.stop())
+
+
+def test_auto_switches_codecs_as_the_link_slows_down_and_speeds_up(pods, auto_link):
+    proxy, address = auto_link
+    prompt = prompt_of(150, seed=15000)
+    expected = pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+
+    def request(n: int) -> tuple[str, list[int]]:
+        request_id = f"auto-{n}"
+        first = pods.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling_params=GREEDY, decode_address=address,
+            kv_codec="auto"), timeout=60)
+        tokens, _, complete = pods.run_decode(request_id, prompt, GREEDY, first)
+        assert complete.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(tokens) == 16  # a whole answer
+        return first.kv_transfer.codec, tokens
+
+    codec, tokens = request(0)  # a link not measured yet counts as fast: lossless, the offline answer
+    assert (codec, tokens) == ("none", expected)
+    proxy.rate = 40_000.0  # 40 KB/s: the prompt's 76.8 KB of float16 KV take ~2 s uncompressed
+    codecs = [request(n)[0] for n in range(1, 4)]
+    assert codecs[0] == "none" and codecs[-1] == "int8", codecs  # measured slow once: int8 from then on
+    proxy.rate = None  # fast again: a few measurements outweigh the slow ones
+    codecs = [request(n)[0] for n in range(4, 8)]
+    assert codecs[0] == "int8" and codecs[-1] == "none", codecs
 
 
 # ---- the metrics count what the pods did -------------------------------------------------------------------------

@@ -239,10 +239,11 @@ def run(coroutine):
 
 @pytest.mark.parametrize("codec", ["gzip", "", "int8+gzip"])
 def test_the_router_refuses_an_unknown_kv_codec_at_start(codec):
-    with pytest.raises(ValueError, match=r"^kv_codec must be one of none, bf16, fp8, int8, int4, none\+zstd, .*, "
-                                         rf"got '{re.escape(codec)}'$"):
+    with pytest.raises(ValueError, match=r"^kv_codec must be one of none, bf16, fp8, int8, int4, kivi8, kivi4, "
+                                         rf"kivi2, none\+zstd, .*, kivi2\+zstd, auto, got '{re.escape(codec)}'$"):
         RouterConfig(decode_pods=["127.0.0.1:1"], kv_codec=codec)
-    assert RouterConfig(decode_pods=["127.0.0.1:1"], kv_codec="int4+zstd").kv_codec == "int4+zstd"
+    for good in ("int4+zstd", "kivi2", "auto"):
+        assert RouterConfig(decode_pods=["127.0.0.1:1"], kv_codec=good).kv_codec == good
 
 
 def test_the_router_process_with_an_unknown_kv_codec_exits_at_once_naming_it():

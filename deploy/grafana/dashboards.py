@@ -264,7 +264,9 @@ def router() -> Dashboard:
                 "Refused before any output: load shedding (RESOURCE_EXHAUSTED), bad input, no pod."))
             .with_panel(panel("KV transfer failures and migrations", "reqps", [
                 Query(rate("splitserve_kv_transfer_failures_total", "code"), "KV transfer failed {{code}}"),
-                Query(rate("splitserve_router_migrations_total"), "migrated")]))
+                Query(rate("splitserve_kv_load_total", "outcome"), "KV load {{outcome}}"),
+                Query(rate("splitserve_router_migrations_total"), "migrated")],
+                "KV load outcomes on decode pods: loaded, recomputed (kv_load_failure_policy recompute), failed."))
             .build())
 
 

@@ -8,12 +8,15 @@
 | bf16   | raw.py        | bfloat16                                                        | 2                    |
 | fp8    | symmetric.py  | float8 e4m3fn, float16 scale per (token, head)                  | 1.03125              |
 | int8   | symmetric.py  | int8, float16 scale per (token, head)                           | 1.03125              |
-| int4   | int4.py       | 4 bits; keys per channel over 32-token groups, values per token | 0.5635               |
+| int4   | kivi.py       | 4 bits; keys per channel over 32-token groups, values per token | 0.5635               |
+| kivi8  | kivi.py       | as int4 at 8 bits; the prompt's first 4 and last 32 tokens fp16 | 1.0635 (+ kept rows) |
+| kivi4  | kivi.py       | as int4, the prompt's first 4 and last 32 tokens in float16     | 0.5635 (+ kept rows) |
+| kivi2  | kivi.py       | as kivi4 at 2 bits                                              | 0.3135 (+ kept rows) |
 | X+zstd | zstd.py       | codec X, then zstd over payload and scales (lossless)           | data-dependent       |
 
 Only base.py is imported here; a codec's module (and zstandard) loads when the codec is first requested.
 """
 
-from kvtransfer.codecs.base import EncodedKV, KVCodec, available_codecs, get_codec
+from kvtransfer.codecs.base import EncodedKV, KVCodec, KVSpan, available_codecs, get_codec
 
-__all__ = ["EncodedKV", "KVCodec", "available_codecs", "get_codec"]
+__all__ = ["EncodedKV", "KVCodec", "KVSpan", "available_codecs", "get_codec"]

@@ -15,6 +15,7 @@ from kvtransfer.codecs.base import (
     EncodedKV,
     KVCodec,
     KVKind,
+    KVSpan,
     dtype_name,
     tensor_from_bytes,
     tensor_to_bytes,
@@ -30,10 +31,11 @@ class RawCodec(KVCodec):
     def bytes_per_element(self, head_dim: int, cache_dtype: torch.dtype = torch.float32) -> float:
         return float((self.wire_dtype or cache_dtype).itemsize)
 
-    def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str) -> tuple[int, int]:
+    def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str,
+                       span: KVSpan | None = None) -> tuple[int, int]:
         return math.prod(shape) * (self.wire_dtype or CACHE_DTYPES[dtype]).itemsize, 0
 
-    def _encode(self, x: torch.Tensor, kind: KVKind) -> EncodedKV:
+    def _encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
         payload = tensor_to_bytes(x.to(self.wire_dtype or x.dtype))
         return EncodedKV(self.name, kind, dtype_name(x.dtype), tuple(x.shape), payload, b"")
 

@@ -18,7 +18,15 @@ from abc import abstractmethod
 
 import torch
 
-from kvtransfer.codecs.base import EncodedKV, KVCodec, KVKind, dtype_name, tensor_from_bytes, tensor_to_bytes
+from kvtransfer.codecs.base import (
+    EncodedKV,
+    KVCodec,
+    KVKind,
+    KVSpan,
+    dtype_name,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
 from kvtransfer.codecs.scales import round_up_to_float16
 
 _SCALE_BYTES = 2  # float16
@@ -34,11 +42,12 @@ class SymmetricScaledCodec(KVCodec):
     def bytes_per_element(self, head_dim: int, cache_dtype: torch.dtype = torch.float32) -> float:
         return 1 + _SCALE_BYTES / head_dim
 
-    def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str) -> tuple[int, int]:
+    def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str,
+                       span: KVSpan | None = None) -> tuple[int, int]:
         tokens, heads, _ = shape
         return math.prod(shape), tokens * heads * _SCALE_BYTES
 
-    def _encode(self, x: torch.Tensor, kind: KVKind) -> EncodedKV:
+    def _encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
         x32 = x.float()  # [T, H, D]
         amax = x32.abs().amax(dim=-1, keepdim=True)  # [T, H, 1]
         scale = round_up_to_float16(amax / self.qmax)  # [T, H, 1] float16

@@ -13,7 +13,7 @@ import threading
 import torch
 import zstandard
 
-from kvtransfer.codecs.base import ZSTD_SUFFIX, EncodedKV, KVCodec, KVKind
+from kvtransfer.codecs.base import ZSTD_SUFFIX, EncodedKV, KVCodec, KVKind, KVSpan
 
 
 class ZstdCodec(KVCodec):
@@ -31,17 +31,17 @@ class ZstdCodec(KVCodec):
     def bytes_per_element(self, head_dim: int, cache_dtype: torch.dtype = torch.float32) -> float:
         return self.inner.bytes_per_element(head_dim, cache_dtype)
 
-    def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str) -> None:
+    def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str, span: KVSpan | None = None) -> None:
         return None
 
-    def _encode(self, x: torch.Tensor, kind: KVKind) -> EncodedKV:
-        inner = self.inner.encode(x, kind)
+    def _encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
+        inner = self.inner.encode(x, kind, span)
         compress = self._compressor().compress
         scales = compress(inner.scales) if inner.scales else b""
         return dataclasses.replace(inner, codec=self.name, payload=compress(inner.payload), scales=scales)
 
     def _decode(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
-        payload_size, scales_size = self.inner.encoded_nbytes(enc.shape, enc.kind, enc.dtype)
+        payload_size, scales_size = self.inner.encoded_nbytes(enc.shape, enc.kind, enc.dtype, enc.span)
         payload = self._decompress(enc.payload, payload_size)
         scales = self._decompress(enc.scales, scales_size) if enc.scales else b""
         inner = dataclasses.replace(enc, codec=self.inner.name, payload=payload, scales=scales)

@@ -111,11 +111,13 @@ class KVTransferTrailer(_message.Message):
     def __init__(self, num_chunks: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
-    __slots__ = ("bytes_received", "num_blocks", "lease_remaining_seconds")
+    __slots__ = ("bytes_received", "num_blocks", "lease_remaining_seconds", "recompute")
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     bytes_received: int
     num_blocks: int
     lease_remaining_seconds: float
-    def __init__(self, bytes_received: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_remaining_seconds: _Optional[float] = ...) -> None: ...
+    recompute: bool
+    def __init__(self, bytes_received: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_remaining_seconds: _Optional[float] = ..., recompute: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,134 @@
+"""``kv_codec=auto``: the prefill pod picks, per decode pod, the codec that moves a prompt's KV soonest over that
+link, among the codecs whose measured quality clears ``kv_min_agreement`` (as CacheGen adapts its bitrate to the
+link).
+
+A request's path through this module, on the prefill pod:
+
+    QualityTable.load(path)                 once: the shipped table (kvtransfer/quality/<model>.json, written by
+                                            ``bench codecs --quality-table``): per cache dtype, per codec, the greedy
+                                            agreement with the lossless path and the encode/decode speed
+    LinkCodecChooser.choose(address, T, accepted)   per request with kv_codec "auto": for each codec that clears the
+                                            floor and the decode pod accepts (its handshake says which),
+                                            expected seconds = wire bytes of T tokens / the link's measured
+                                            throughput + raw bytes / encode speed + raw bytes / decode speed;
+                                            the least wins. A link not measured yet counts as infinitely fast (so
+                                            the first push goes uncompressed, and measures it)
+    LinkCodecChooser.observe(address, bytes, seconds)   after each push: the bytes on the wire and the seconds the
+                                            link took to carry them (write backpressure and the wait for the
+                                            acknowledgement), folded into the link's seconds per byte (EWMA)
+
+Wire bytes are exact for the codecs with a fixed layout (``encoded_nbytes`` of the prompt's shape) and the inner
+codec's for ``+zstd`` (an upper bound). Codecs the decode pod does not accept fail its handshake, as any codec.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtransfer.codecs import get_codec
+from kvtransfer.codecs.base import CACHE_DTYPES
+from kvtransfer.handshake import KVLayout
+from runtime.kv_codecs import ZSTD_SUFFIX
+
+QUALITY_DIR = Path(__file__).resolve().parent / "quality"
+# Weight of the newest measurement in a link's seconds per byte (averaged, not bytes per second: the time a push
+# takes is linear in it, and one slow push then counts at once).
+THROUGHPUT_SMOOTHING = 0.7
+LOSSLESS_CODECS = ("none", "none+zstd")  # always eligible, whatever the table says
+
+
+@dataclass(frozen=True)
+class CodecQuality:
+    agreement: float  # share of greedy tokens before the first divergence from the lossless path
+    encode_mb_s: float  # MB of cache-dtype KV per second, as bench codecs measured them
+    decode_mb_s: float
+
+
+class QualityTable:
+    """Per cache dtype, per codec, what ``bench codecs`` measured."""
+
+    def __init__(self, model: str, by_dtype: dict[str, dict[str, CodecQuality]]):
+        self.model = model
+        self._by_dtype = by_dtype
+
+    @classmethod
+    def load(cls, path: str | Path) -> "QualityTable":
+        data = json.loads(Path(path).read_text())
+        return cls(data["model"], {
+            dtype: {name: CodecQuality(f["agreement"], f.get("encode_mb_s", 0.0), f.get("decode_mb_s", 0.0))
+                    for name, f in codecs.items()}
+            for dtype, codecs in data["cache_dtypes"].items()})
+
+    @classmethod
+    def shipped(cls, model: str) -> "QualityTable | None":
+        """The table shipped for ``model`` (kvtransfer/quality/<model>.json), if any."""
+        path = QUALITY_DIR / f"{model}.json"
+        return cls.load(path) if path.is_file() else None
+
+    def eligible(self, cache_dtype: str, min_agreement: float) -> dict[str, CodecQuality]:
+        """The codecs measured on ``cache_dtype`` whose agreement is at least ``min_agreement``."""
+        measured = self._by_dtype.get(cache_dtype, {})
+        return {name: quality for name, quality in measured.items() if quality.agreement >= min_agreement}
+
+
+class LinkCodecChooser:
+    """Picks a codec per decode pod from its link's measured throughput. Thread-safe (pushes finish on the event
+    loop, encoding threads do not touch it, but the lock keeps it honest)."""
+
+    def __init__(self, layout: KVLayout, table: QualityTable | None, min_agreement: float):
+        self.layout = layout
+        self.min_agreement = min_agreement
+        eligible = table.eligible(layout.cache_dtype, min_agreement) if table is not None else {}
+        # Lossless codecs are always allowed; speeds unknown (0) count as free.
+        self.candidates = {name: eligible.get(name, CodecQuality(1.0, 0.0, 0.0)) for name in LOSSLESS_CODECS}
+        self.candidates.update(eligible)
+        self._seconds_per_byte: dict[str, float] = {}  # by decode address
+        self._lock = threading.Lock()
+
+    def throughput(self, address: str) -> float | None:
+        """The link's measured bytes per second; None before its first push."""
+        with self._lock:
+            seconds_per_byte = self._seconds_per_byte.get(address)
+        return None if seconds_per_byte is None else 1.0 / seconds_per_byte
+
+    def observe(self, address: str, wire_bytes: int, seconds: float) -> None:
+        """A push to ``address`` carried ``wire_bytes`` in ``seconds`` of link time."""
+        if wire_bytes <= 0 or seconds <= 0:
+            return
+        measured = seconds / wire_bytes
+        with self._lock:
+            previous = self._seconds_per_byte.get(address)
+            self._seconds_per_byte[address] = measured if previous is None else (
+                THROUGHPUT_SMOOTHING * measured + (1 - THROUGHPUT_SMOOTHING) * previous)
+
+    def choose(self, address: str, num_tokens: int, accepted: list[str]) -> str:
+        """The candidate ``address`` accepts with the least expected transfer seconds for a ``num_tokens`` prompt
+        ("none" when it accepts no candidate: its handshake then refuses, naming what it accepts)."""
+        link = self.throughput(address)
+        usable = [name for name in self.candidates if name in accepted] or ["none"]
+        return min(usable, key=lambda name: (self.expected_seconds(name, num_tokens, link), name))
+
+    def expected_seconds(self, name: str, num_tokens: int, link_bytes_s: float | None) -> float:
+        raw = self.raw_bytes(num_tokens)
+        quality = self.candidates[name]
+        seconds = sum(raw / (speed * 1e6) for speed in (quality.encode_mb_s, quality.decode_mb_s) if speed > 0)
+        if link_bytes_s is not None:
+            seconds += self.wire_bytes(name, num_tokens) / link_bytes_s
+        return seconds
+
+    def raw_bytes(self, num_tokens: int) -> int:
+        layout = self.layout
+        itemsize = CACHE_DTYPES[layout.cache_dtype].itemsize
+        return 2 * layout.num_layers * num_tokens * layout.num_kv_heads * layout.head_dim * itemsize
+
+    def wire_bytes(self, name: str, num_tokens: int) -> int:
+        """Payload + scales of a whole prompt's KV (every layer, K and V) with codec ``name``."""
+        layout = self.layout
+        codec = get_codec(name.removesuffix(ZSTD_SUFFIX))  # zstd: its inner codec's size, an upper bound
+        shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
+        per_layer = sum(sum(codec.encoded_nbytes(shape, kind, layout.cache_dtype)) for kind in ("k", "v"))
+        return layout.num_layers * per_layer
+
