@@ -76,6 +76,8 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams) -> "_PendingRequest":
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        if params.bad_words:
+            params = params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
         seq = self.engine.add_request(str(next(self._ids)), ids, params)
         return _PendingRequest(seq, text, IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # seeds are fed to 63-bit generator keys
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 
 @dataclass
@@ -40,6 +42,12 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per output token (plus the sampled token's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Token-level constraints, applied before the penalties (vLLM's order); ids are checked against the vocabulary
+    # by the router, which knows it.
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled; None: any
+    bad_words: list[str] = field(default_factory=list)  # text; the router turns it into bad_words_token_ids
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # never completed in the output
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +62,11 @@ class SamplingParams:
         self.frequency_penalty = float(self.frequency_penalty)
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = {token_id: float(bias) for token_id, bias in self.logit_bias.items()}
+        self.bad_words = list(self.bad_words)
+        self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
 
     def _check_types(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -72,6 +85,19 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
             _require_int("stop_token_ids", token_id)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a map of token ids to numbers, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias.items():
+            _require_int("logit_bias", token_id)
+            _require_number("logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            _require_int_list("allowed_token_ids", self.allowed_token_ids)
+        if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        if not isinstance(self.bad_words_token_ids, (list, tuple)):
+            raise ValueError(f"bad_words_token_ids must be a list of token id lists, got {self.bad_words_token_ids!r}")
+        for ids in self.bad_words_token_ids:
+            _require_int_list("bad_words_token_ids", ids)
 
     def _check_ranges(self) -> None:
         if self.n != 1:
@@ -103,14 +129,46 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-{MAX_LOGIT_BIAS}, "
+                                 f"{MAX_LOGIT_BIAS}], got {token_id}: {bias}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got "
+                             f"{self.allowed_token_ids}")
+        if any(w.strip() == "" for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty words, got an empty one")
+        if any(not ids or min(ids) < 0 for ids in self.bad_words_token_ids):
+            raise ValueError(f"bad_words_token_ids must be non-empty lists of token ids >= 0, got "
+                             f"{self.bad_words_token_ids}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def constrains_tokens(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad words change the logits before sampling."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict of every field (for the wire between router and pods)."""
         return dataclasses.asdict(self)
+
+    def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> "SamplingParams":
+        """A copy whose ``bad_words_token_ids`` also hold ``bad_words`` as ``encode`` (text -> ids, no special
+        tokens) spells them: each word as it starts a text and, when that is a different token of the same length,
+        after a space (vLLM's rule: a word is banned at the start and in the middle of the output)."""
+        token_ids = []
+        for word in self.bad_words:
+            alone = encode(word.lstrip())
+            if not alone:
+                raise ValueError(f"bad_words must have tokens, got {word!r}")
+            token_ids.append(alone)
+            after_space = encode(" " + word.lstrip())
+            if after_space[0] != alone[0] and len(after_space) == len(alone):
+                token_ids.append(after_space)
+        return dataclasses.replace(self, bad_words_token_ids=self.bad_words_token_ids + token_ids)
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> "SamplingParams":
@@ -126,6 +184,13 @@ def _require_int(name: str, value: Any) -> None:
     # bool is a subclass of int in Python; True as a token count or seed is a client bug, not a 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _require_int_list(name: str, values: Any) -> None:
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integers, got {values!r}")
+    for value in values:
+        _require_int(name, value)
 
 
 def _require_number(name: str, value: Any) -> None:

@@ -35,6 +35,10 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids or [],
+        bad_words=params.bad_words,
+        bad_words_token_ids=[common_pb2.BadWord(token_ids=ids) for ids in params.bad_words_token_ids],
     )
     # None means "unset" for these, which proto3 spells as an absent optional field.
     for name in ("seed", "max_tokens", "logprobs"):
@@ -56,6 +60,10 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         stop_token_ids=list(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         include_stop_str_in_output=message.include_stop_str_in_output,
+        logit_bias=dict(message.logit_bias),
+        allowed_token_ids=list(message.allowed_token_ids) or None,
+        bad_words=list(message.bad_words),
+        bad_words_token_ids=[list(word.token_ids) for word in message.bad_words_token_ids],
         # Unset max_tokens is "until the context is full", not SamplingParams' default of 16.
         max_tokens=message.max_tokens if message.HasField("max_tokens") else None,
         **optional,

@@ -25,7 +25,6 @@ from pydantic_core import PydanticCustomError
 _NO_STRUCTURED_OUTPUT = "structured output (guided decoding) is not supported yet"
 _NO_TOOLS = "tool calling is not supported yet"
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": ((None, {}), "the sampler has no per-token biases yet"),
     "best_of": ((None, 1), "only one sample per prompt is generated"),
     "echo": ((None, False), "the prompt is not returned with the output yet"),
     "suffix": ((None, ""), "the served models do not fill in the middle"),
@@ -44,8 +43,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "parallel_tool_calls": ((None, True, False), _NO_TOOLS),
     "functions": ((None, []), _NO_TOOLS),
     "function_call": ((None, "none", "auto"), _NO_TOOLS),
-    "bad_words": ((None, []), "the sampler has no banned words yet"),
-    "allowed_token_ids": ((None,), "the sampler has no allowed-token filter yet"),
     "truncate_prompt_tokens": ((None,), "prompts are never truncated: a prompt over the limit is refused"),
     "logits_processors": ((None, []), "custom logits processors are not run"),
     "use_beam_search": ((None, False), "beam search is not supported"),

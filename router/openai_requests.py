@@ -6,12 +6,13 @@ and ``/detokenize``, as strict pydantic models, and how a body becomes ``Samplin
 
 No field is silently ignored. Each field a body may carry is one of:
 
-- honoured: OpenAI's fields this server implements, and vLLM's extras (``top_k``, ``min_p``,
-  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-  ``include_stop_str_in_output``, ``add_special_tokens``, ``request_id``; for chat ``add_generation_prompt``,
-  ``continue_final_message``, ``chat_template_kwargs``; ``stream_options.continuous_usage_stats``);
+- honoured: OpenAI's fields this server implements (``logit_bias`` included), and vLLM's extras (``top_k``,
+  ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+  ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``add_special_tokens``, ``request_id``; for
+  chat ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
+  ``stream_options.continuous_usage_stats``);
 - known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: structured outputs, tools, ``n`` > 1, ``echo``,
-  ``prompt_logprobs``, ``logit_bias``, ...): accepted only at its neutral value (``null``, ``false``, ``[]``, or
+  ``prompt_logprobs``, ...): accepted only at its neutral value (``null``, ``false``, ``[]``, or
   what asks for nothing: ``best_of: 1``, ``response_format: {"type": "text"}``), refused with 400 naming it
   otherwise;
 - ignored on purpose, and documented as such: ``user`` and ``safety_identifier`` (end-user ids for OpenAI's abuse
@@ -39,7 +40,7 @@ from router.openai_fields import InvalidParameter, StrictModel, Text, unicode_ev
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
 )
 
 class StreamOptions(StrictModel):
@@ -81,8 +82,10 @@ class _GenerationRequest(StrictModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a JSON key, a string) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
     # Known, not supported yet: refused unless neutral (UNSUPPORTED_FIELDS).
-    logit_bias: Any = None
     best_of: Any = None
     echo: Any = None
     prompt_logprobs: Any = None
@@ -95,8 +98,6 @@ class _GenerationRequest(StrictModel):
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
     structural_tag: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
@@ -135,6 +136,8 @@ class _GenerationRequest(StrictModel):
     def sampling_params(self) -> SamplingParams:
         """The request's SamplingParams; raises ``InvalidParameter`` for a value out of range."""
         fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        if self.logit_bias is not None:
+            fields["logit_bias"] = _token_id_keys(self.logit_bias)
         try:
             return SamplingParams(**fields, max_tokens=self._max_tokens(), logprobs=self._num_logprobs())
         except ValueError as error:
@@ -316,6 +319,16 @@ class DetokenizeRequest(StrictModel):
 def tokenize_request(body: Any) -> type[TokenizeCompletionRequest] | type[TokenizeChatRequest]:
     """Which tokenize request ``body`` is: a chat when it has ``messages`` (as vLLM tells them apart)."""
     return TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+
+
+def _token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``{"50256": -100}``: JSON keys are strings, each must spell a token id."""
+    biases = {}
+    for key, bias in logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        biases[int(key)] = bias
+    return biases
 
 
 def _is_int(value: Any) -> bool:

@@ -221,13 +221,15 @@ def test_completion_passes_every_sampling_field_to_sampling_params(http, fake):
         "presence_penalty": 0.25, "frequency_penalty": -0.5, "user": "someone", "top_k": 40, "min_p": 0.05,
         "repetition_penalty": 1.25, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [0],
         "skip_special_tokens": False, "include_stop_str_in_output": True, "logprobs": 1,
+        "logit_bias": {"5": -2.5, "7": 100}, "allowed_token_ids": [5, 6, 7], "bad_words": ["darn"],
     }
     assert http.post("/v1/completions", json=body).status_code == 200
     assert fake.requests[0].prompt_token_ids == [3, 1, 4]
     assert fake.requests[0].params == SamplingParams(
         max_tokens=9, temperature=0.5, top_p=0.9, stop=["END"], seed=11, presence_penalty=0.25,
         frequency_penalty=-0.5, top_k=40, min_p=0.05, repetition_penalty=1.25, min_tokens=2, ignore_eos=True,
-        stop_token_ids=[0], skip_special_tokens=False, include_stop_str_in_output=True, logprobs=1)
+        stop_token_ids=[0], skip_special_tokens=False, include_stop_str_in_output=True, logprobs=1,
+        logit_bias={5: -2.5, 7: 100.0}, allowed_token_ids=[5, 6, 7], bad_words=["darn"])
 
 
 def test_a_batch_of_one_prompt_is_that_prompt(http, fake):
@@ -391,8 +393,15 @@ def error_of(response: httpx.Response) -> dict:
     ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20] or None, got 21"),
     ({"echo": True}, "echo", "echo: echo is not supported: the prompt is not returned with the output yet"),
     ({"best_of": 2}, "best_of", "best_of: best_of is not supported: only one sample per prompt is generated"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias",
-     "logit_bias: logit_bias is not supported: the sampler has no per-token biases yet"),
+    ({"logit_bias": {"x1": -100}}, "logit_bias", "logit_bias keys must be token ids, got 'x1'"),
+    ({"logit_bias": {"1": 101}}, "logit_bias", "logit_bias must map token ids >= 0 to biases in [-100.0, 100.0], "
+     "got 1: 101.0"),
+    ({"logit_bias": {"1": "big"}}, "logit_bias.1", "logit_bias.1: Input should be a valid number"),
+    ({"allowed_token_ids": []}, "allowed_token_ids",
+     "allowed_token_ids must be a non-empty list of token ids >= 0, got []"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids",
+     "allowed_token_ids must be a non-empty list of token ids >= 0, got [-1]"),
+    ({"bad_words": [" "]}, "bad_words", "bad_words must be non-empty words, got an empty one"),
     ({"stream_options": {"include_usage": True}}, "stream_options",
      "stream_options: stream_options is only allowed when stream is true"),
     ({"prompt": ["one", "two"]}, "prompt", "prompt: batched prompts are not supported; send one per request"),
@@ -438,8 +447,7 @@ def test_bad_chat_fields_are_400_naming_the_field(http, fake, body, param, messa
 UNSUPPORTED = [
     ("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]), ("guided_regex", "a+"),
     ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}), ("prompt_logprobs", 1),
-    ("bad_words", ["darn"]), ("allowed_token_ids", [1, 2]), ("truncate_prompt_tokens", 10),
-    ("logit_bias", {"1": 5}), ("best_of", 3), ("echo", True), ("use_beam_search", True), ("priority", 1),
+    ("truncate_prompt_tokens", 10), ("best_of", 3), ("echo", True), ("use_beam_search", True), ("priority", 1),
     ("response_format", {"type": "json_schema", "json_schema": {}}), ("logits_processors", ["x"]),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("store", True),
     ("service_tier", "flex"), ("cache_salt", "s"), ("kv_transfer_params", {}), ("metadata", {"a": "b"}),
