@@ -74,6 +74,9 @@ class LLM:
         return self.generate(prompts, params)
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> "_PendingRequest":
+        if params.n != 1:  # RequestOutput holds one sample; the router serves n (SamplingParams.for_sample)
+            raise ValueError(f"n must be 1 offline (one output per prompt), got {params.n}; pass the prompt n times "
+                             "with params.for_sample(i)")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         if params.bad_words:

@@ -25,7 +25,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 @dataclass
 class SamplingParams:
-    n: int = 1  # samples per prompt; only 1 is supported
+    n: int = 1  # samples per prompt: the router runs each as a request of its own (``for_sample``)
     temperature: float = 1.0  # 0 (or < 1e-5) is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -100,8 +100,8 @@ class SamplingParams:
             _require_int_list("bad_words_token_ids", ids)
 
     def _check_ranges(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (several samples per prompt are not supported), got {self.n}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not (0 < self.top_p <= 1):
@@ -154,6 +154,12 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict of every field (for the wire between router and pods)."""
         return dataclasses.asdict(self)
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of sample ``index`` of ``n``: one sample, and a seeded request's seed + index (vLLM v1's
+        rule), so that seeded samples are the same as separate requests seeded seed, seed + 1, ..."""
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> "SamplingParams":
         """A copy whose ``bad_words_token_ids`` also hold ``bad_words`` as ``encode`` (text -> ids, no special

@@ -9,8 +9,10 @@ A request's path:
       -> the request id: X-Request-Id header or request_id field         validated           -> 400
       -> .sampling_params()                                               values and ranges   -> 400, param named
       -> chat only: router.apply_chat_template(messages, options)         the prompt text     -> StatusError
-      -> router.make_request(prompt, params, id)                          limits, tokenized   -> StatusError
+      -> router.make_request(prompt, params, id) per choice               limits, tokenized   -> StatusError
+         (a choice per prompt and sample: prompts x n, each its own request, ``<id>-<index>`` when several)
       -> router.generate(request): OutputDelta..., then one Completion     routed to the pods  -> StatusError
+         (several choices: side by side, their outputs merged as they come, each tagged with its index)
       -> stream: the first item is awaited before any byte is sent, so an error that comes before it
                  (429 full, 503 no pod, 504 deadline) is still an HTTP status; then one SSE event per
                  delta, a finish chunk, a usage chunk if stream_options.include_usage, and [DONE].
@@ -35,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Iterator
 from contextlib import aclosing, contextmanager, suppress
 from importlib import metadata
@@ -48,10 +51,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
+from engine.sampling_params import SamplingParams
 from router.api_keys import APIKeys
-from router.intake import check_request_id
+from router.intake import RouterRequest, check_request_id
 from router.openai_errors import APIError, add_error_handlers, error_response, field_named_in, json_response, renamed
-from router.openai_format import ChatCompletionFormatter, TextCompletionFormatter
+from router.openai_format import ChatCompletionFormatter, TextCompletionFormatter, joined_responses, joined_usage
 from router.openai_middleware import (
     REQUEST_ID_HEADER,
     APIKeyAuth,
@@ -86,6 +90,8 @@ Formatter = TextCompletionFormatter | ChatCompletionFormatter
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 _DONE_EVENT = "data: [DONE]\n\n"
+# Choices per request (prompts x n): each is a request of its own on the pods.
+MAX_CHOICES = 128
 
 
 def create_app(router: Router) -> FastAPI:
@@ -137,7 +143,7 @@ class OpenAIRoutes:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        return await self._generate(request, body, body.prompt, TextCompletionFormatter)
+        return await self._generate(request, body, body.prompts, TextCompletionFormatter)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -192,30 +198,67 @@ class OpenAIRoutes:
             body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
 
-    async def _generate(self, request: Request, body: GenerationRequest, prompt: str | list[int] | None,
+    async def _generate(self, request: Request, body: GenerationRequest, prompts: list[str | list[int]] | None,
                         formatter_class: type[Formatter]) -> Response:
         request_id = _request_id(request, body.request_id)
         with _params_named_by(body):
             params = body.sampling_params()  # the cheap checks before the chat template and the tokenizer
-            if prompt is None:
-                prompt = await self._render_chat(body)
-            router_request = await self.router.make_request(prompt, params, request_id,
-                                                            add_special_tokens=body.add_special_tokens)
-        request.state.request_id = router_request.request_id  # the X-Request-Id of the answer
-        formatter = formatter_class(router_request.request_id, self.router.model_name, self._token_text,
-                                    router_request.params.logprobs, len(router_request.prompt_token_ids),
-                                    body.continuous_usage)
-        outputs = self.router.generate(router_request)
+            _check_choices(len(prompts or [None]), params.n)
+            if prompts is None:
+                prompts = [await self._render_chat(body)]
+            router_requests = await self._make_requests(prompts, params, request_id, body.add_special_tokens)
+        response_id = router_requests[0].request_id if len(router_requests) == 1 else request_id
+        request.state.request_id = response_id  # the X-Request-Id of the answer
+        prompt_of = [index // params.n for index in range(len(router_requests))]  # each choice's prompt
+        formatters = [formatter_class(response_id, self.router.model_name, self._token_text, choice.params.logprobs,
+                                      len(choice.prompt_token_ids), body.continuous_usage, index=index,
+                                      echo=self._echo(body, choice))
+                      for index, choice in enumerate(router_requests)]
+        outputs = [self.router.generate(choice) for choice in router_requests]
         if body.stream:
-            first = await _first_output(request, outputs)
-            return ServerSentEvents(_events(first, outputs, formatter, body.include_usage))
-        deltas, completion = await _until_disconnected(request, _collect(outputs))
-        _raise_unless_finished(completion, formatter.response_id)
-        return json_response(formatter.response(deltas, completion))
+            merged = _merged(outputs)
+            first = await _first_output(request, merged)
+            return ServerSentEvents(_events(first, merged, formatters, prompt_of, body.include_usage))
+        results = await _until_disconnected(request, _collect_all(outputs))
+        for formatter, (_, completion) in zip(formatters, results):
+            _raise_unless_finished(completion, formatter.response_id)
+        responses = [formatter.response(*result) for formatter, result in zip(formatters, results)]
+        return json_response(joined_responses(responses, [completion for _, completion in results], prompt_of))
+
+    async def _make_requests(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str | None,
+                             add_special_tokens: bool) -> list[RouterRequest]:
+        """One request per choice, prompt by prompt, ``n`` samples each (``SamplingParams.for_sample``); a single
+        choice keeps the request's id, several are ``<id>-<index>``. All are checked before any starts."""
+        if len(prompts) == 1 and params.n == 1:
+            return [await self.router.make_request(prompts[0], params, request_id,
+                                                   add_special_tokens=add_special_tokens)]
+        request_id = request_id or uuid.uuid4().hex
+        made = []
+        for prompt_index, prompt in enumerate(prompts):
+            for sample in range(params.n):
+                index = prompt_index * params.n + sample
+                made.append(await self.router.make_request(prompt, params.for_sample(sample), f"{request_id}-{index}",
+                                                           add_special_tokens=add_special_tokens))
+        return made
+
+    def _echo(self, body: GenerationRequest, choice: RouterRequest) -> str:
+        """A completion's echo: its prompt's text, as given or decoded from the token ids."""
+        if not getattr(body, "echo", False):
+            return ""
+        if choice.prompt_text is not None:
+            return choice.prompt_text
+        return self.router.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
 
     def _token_text(self, token_id: int) -> str:
         # A token's own text, special tokens included: logprobs describe every token the model produced.
         return self.router.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _check_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES:
+        param = "n" if num_prompts == 1 else "prompt"
+        raise APIError(grpc.StatusCode.INVALID_ARGUMENT, f"{param}: {num_prompts} prompt(s) x n = {n} make "
+                       f"{num_prompts * n} choices, more than the limit of {MAX_CHOICES} per request", param=param)
 
 
 def _request_id(request: Request, in_body: str | None) -> str | None:
@@ -267,7 +310,7 @@ def _validated(model: type[T], data: Any) -> T:
 # ------------------------------------------------------------------------------------------- generation
 
 
-async def _first_output(request: Request, outputs: RouterOutputs) -> OutputDelta | Completion:
+async def _first_output(request: Request, outputs: AsyncGenerator[T, None]) -> T:
     """The first output, awaited before the response starts, so that an early error is still an HTTP status."""
     try:
         return await _until_disconnected(request, anext(outputs))
@@ -280,6 +323,44 @@ async def _collect(outputs: RouterOutputs) -> tuple[list[OutputDelta], Completio
     async with aclosing(outputs):
         *deltas, completion = [output async for output in outputs]
     return deltas, completion
+
+
+async def _collect_all(outputs: list[RouterOutputs]) -> list[tuple[list[OutputDelta], Completion]]:
+    """Every choice's outputs, collected side by side; one failing (or the client leaving) stops them all."""
+    tasks = [asyncio.ensure_future(_collect(choice)) for choice in outputs]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merged(outputs: list[RouterOutputs]) -> AsyncGenerator[tuple[int, OutputDelta | Completion], None]:
+    """The choices' outputs as they come, each with its choice's index, until every choice completed. Closing it
+    (or a choice failing) stops every choice still running."""
+    reading: dict[asyncio.Future, int] = {}
+
+    def read(index: int) -> None:
+        reading[asyncio.ensure_future(anext(outputs[index]))] = index
+
+    try:
+        for index in range(len(outputs)):
+            read(index)
+        while reading:
+            done, _ = await asyncio.wait(reading, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=reading.__getitem__):
+                index = reading.pop(task)
+                output = task.result()
+                if isinstance(output, OutputDelta):
+                    read(index)
+                yield index, output
+    finally:
+        for task in reading:
+            task.cancel()
+        await asyncio.gather(*reading, return_exceptions=True)
+        for choice in outputs:
+            await choice.aclose()
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -336,27 +417,36 @@ class ServerSentEvents(StreamingResponse):
             await self.events.aclose()
 
 
-async def _events(first: OutputDelta | Completion, outputs: RouterOutputs, formatter: Formatter,
-                  include_usage: bool) -> AsyncGenerator[str, None]:
-    """The SSE body: opening chunks, one chunk per delta, the finish chunk, the usage chunk, then [DONE];
+async def _events(first: tuple[int, OutputDelta | Completion], merged: AsyncGenerator, formatters: list[Formatter],
+                  prompt_of: list[int], include_usage: bool) -> AsyncGenerator[str, None]:
+    """The SSE body: opening chunks, one chunk per delta, each choice's finish chunk, the usage chunk, then [DONE];
     an error on the way becomes an ``{"error": ...}`` event before [DONE]."""
-    async with aclosing(outputs):
+    async with aclosing(merged):
         try:
-            for chunk in formatter.opening_chunks():
-                yield _event(chunk)
-            output = first
-            while isinstance(output, OutputDelta):
-                chunk = formatter.delta_chunk(output)
-                if chunk is not None:
+            for formatter in formatters:
+                for chunk in formatter.opening_chunks():
                     yield _event(chunk)
-                output = await anext(outputs)
-            _raise_unless_finished(output, formatter.response_id)
-            yield _event(formatter.finish_chunk(output))
+            completions: list[tuple[int, Completion]] = []  # (choice index, its completion), as they end
+            item: tuple[int, OutputDelta | Completion] | None = first
+            while item is not None:
+                index, output = item
+                formatter = formatters[index]
+                if isinstance(output, OutputDelta):
+                    chunk = formatter.delta_chunk(output)
+                    if chunk is not None:
+                        yield _event(chunk)
+                else:
+                    _raise_unless_finished(output, formatter.response_id)
+                    yield _event(formatter.finish_chunk(output))
+                    completions.append((index, output))
+                item = await anext(merged, None)
             if include_usage:
-                yield _event(formatter.usage_chunk(output))
+                completions.sort(key=lambda pair: pair[0])
+                usage = joined_usage([completion for _, completion in completions], prompt_of)
+                yield _event(formatters[0].usage_chunk(usage))
         except Exception as error:  # the status line is gone: the error can only be an event now
             if not isinstance(error, StatusError):
-                logger.exception("stream of %s failed", formatter.response_id)
+                logger.exception("stream of %s failed", formatters[0].response_id)
             yield _event(error_response(error))
     yield _DONE_EVENT
 

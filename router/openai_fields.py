@@ -3,9 +3,9 @@
 ``StrictModel`` refuses what this server would otherwise silently ignore:
 
 - an unknown field: pydantic's ``extra="forbid"``, a 400 naming it;
-- a known field this server does not honour yet (``UNSUPPORTED_FIELDS``: structured outputs, tools, ``n`` > 1,
-  ``echo``, ...) at any value but its neutral one (``null``, ``false``, ``[]``, or what asks for nothing), a 400
-  naming it and saying why;
+- a known field this server does not honour yet (``UNSUPPORTED_FIELDS``: structured outputs, tools,
+  ``prompt_logprobs``, ...) at any value but its neutral one (``null``, ``false``, ``[]``, or what asks for
+  nothing), a 400 naming it and saying why;
 - a loose type: ``strict=True``, as in OpenAI's API (``"0.5"`` is not a number, ``1.0`` is not an integer);
 - a string that is not valid Unicode (``Text``; ``unicode_everywhere`` for free-form JSON): JSON's ``"\\ud800"``
   parses to a lone surrogate, which no tokenizer or protobuf takes.
@@ -26,7 +26,6 @@ _NO_STRUCTURED_OUTPUT = "structured output (guided decoding) is not supported ye
 _NO_TOOLS = "tool calling is not supported yet"
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "only one sample per prompt is generated"),
-    "echo": ((None, False), "the prompt is not returned with the output yet"),
     "suffix": ((None, ""), "the served models do not fill in the middle"),
     "prompt_logprobs": ((None,), "prompt logprobs are not computed yet"),
     "response_format": ((None, {"type": "text"}), _NO_STRUCTURED_OUTPUT),

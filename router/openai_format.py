@@ -4,8 +4,11 @@ into stream chunks, or into one whole response, of ``/v1/completions`` or ``/v1/
     formatter.opening_chunks()          chat: the assistant's role, before any text
     formatter.delta_chunk(delta)        one chunk per delta with new text (or logprobs owed), else None
     formatter.finish_chunk(completion)  the finish reason and stop reason
-    formatter.usage_chunk(completion)   the usage, when stream_options.include_usage
+    formatter.usage_chunk(usage)        the usage, when stream_options.include_usage
     formatter.response(deltas, completion)   the same, joined, for a request that does not stream
+
+A request with several choices (a list of prompts, ``n`` > 1) has one formatter per choice, each with its index;
+``joined_responses`` and ``joined_usage`` put their answers together, each prompt's tokens counted once.
 
 With ``stream_options.continuous_usage_stats`` every chunk also carries the usage so far (prompt tokens, and
 the completion tokens streamed up to and including that chunk), as vLLM does.
@@ -44,8 +47,10 @@ class _Formatter:
     id_prefix = ""
 
     def __init__(self, request_id: str, model: str, token_text: TokenText, num_logprobs: int | None,
-                 prompt_tokens: int = 0, continuous_usage: bool = False):
+                 prompt_tokens: int = 0, continuous_usage: bool = False, index: int = 0, echo: str = ""):
         self.response_id = f"{self.id_prefix}{request_id}"
+        self.index = index  # the choice's index: prompt index * n + sample index
+        self.echo = echo  # text before the output (completions' echo: the prompt)
         self.model = model
         self.created = int(time.time())
         self.token_text = token_text
@@ -104,20 +109,24 @@ class TextCompletionFormatter(_Formatter):
         self._count(delta)
         if not self._wants_chunk(delta):
             return None
-        return self._response(CompletionChoice(text=delta.text, logprobs=self._logprobs(delta)), self._usage_so_far())
+        return self._response(CompletionChoice(index=self.index, text=delta.text, logprobs=self._logprobs(delta)),
+                              self._usage_so_far())
 
     def finish_chunk(self, completion: Completion) -> CompletionResponse:
         return self._response(CompletionChoice(
-            text="", finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
+            index=self.index, text="", finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
             self._usage_so_far(completion))
 
-    def usage_chunk(self, completion: Completion) -> CompletionResponse:
+    def usage_chunk(self, usage: Usage) -> CompletionResponse:
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=[],
-                                  usage=self.usage(completion))
+                                  usage=usage)
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return [self._response(CompletionChoice(index=self.index, text=self.echo))] if self.echo else []
 
     def response(self, deltas: list[OutputDelta], completion: Completion) -> CompletionResponse:
         whole = _joined(deltas)
-        choice = CompletionChoice(text=whole.text, logprobs=self._logprobs(whole),
+        choice = CompletionChoice(index=self.index, text=self.echo + whole.text, logprobs=self._logprobs(whole),
                                   finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
         return self._response(choice, self.usage(completion))
 
@@ -147,27 +156,29 @@ class ChatCompletionFormatter(_Formatter):
     id_prefix = "chatcmpl-"
 
     def opening_chunks(self) -> list[BaseModel]:
-        return [self._chunk(ChatChunkChoice(delta={"role": "assistant", "content": ""}), self._usage_so_far())]
+        return [self._chunk(ChatChunkChoice(index=self.index, delta={"role": "assistant", "content": ""}),
+                            self._usage_so_far())]
 
     def delta_chunk(self, delta: OutputDelta) -> ChatCompletionChunk | None:
         self._count(delta)
         if not self._wants_chunk(delta):
             return None
-        return self._chunk(ChatChunkChoice(delta={"content": delta.text}, logprobs=self._logprobs(delta)),
-                           self._usage_so_far())
+        return self._chunk(ChatChunkChoice(index=self.index, delta={"content": delta.text},
+                                           logprobs=self._logprobs(delta)), self._usage_so_far())
 
     def finish_chunk(self, completion: Completion) -> ChatCompletionChunk:
         return self._chunk(ChatChunkChoice(
-            delta={}, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
+            index=self.index, delta={}, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
             self._usage_so_far(completion))
 
-    def usage_chunk(self, completion: Completion) -> ChatCompletionChunk:
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
-                                   usage=self.usage(completion))
+                                   usage=usage)
 
     def response(self, deltas: list[OutputDelta], completion: Completion) -> ChatCompletionResponse:
         whole = _joined(deltas)
-        choice = ChatChoice(message=AssistantMessage(content=whole.text), logprobs=self._logprobs(whole),
+        choice = ChatChoice(index=self.index, message=AssistantMessage(content=whole.text),
+                            logprobs=self._logprobs(whole),
                             finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                       choices=[choice], usage=self.usage(completion))
@@ -191,6 +202,28 @@ class ChatCompletionFormatter(_Formatter):
     def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.token_text(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def joined_responses(responses: list[CompletionResponse | ChatCompletionResponse], completions: list[Completion],
+                     prompt_of: list[int]) -> CompletionResponse | ChatCompletionResponse:
+    """The responses of a request's choices (in index order) as one: every choice, and the usage of all of them,
+    each prompt counted once (``prompt_of``: the prompt index of each choice)."""
+    whole = responses[0].model_copy(update={"choices": [r.choices[0] for r in responses]})
+    whole.usage = joined_usage(completions, prompt_of)
+    return whole
+
+
+def joined_usage(completions: list[Completion], prompt_of: list[int]) -> Usage:
+    """Usage of a request's choices: each prompt's tokens (and cached tokens) once, every choice's output."""
+    prompts: dict[int, Completion] = {}  # each prompt's first choice
+    for prompt_index, completion in zip(prompt_of, completions):
+        prompts.setdefault(prompt_index, completion)
+    prompt_tokens = sum(completion.prompt_tokens for completion in prompts.values())
+    completion_tokens = sum(completion.completion_tokens for completion in completions)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=sum(completion.cached_tokens for completion in prompts.values())))
 
 
 def _joined(deltas: list[OutputDelta]) -> OutputDelta:

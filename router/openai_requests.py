@@ -11,7 +11,7 @@ No field is silently ignored. Each field a body may carry is one of:
   ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``add_special_tokens``, ``request_id``; for
   chat ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
   ``stream_options.continuous_usage_stats``);
-- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: structured outputs, tools, ``n`` > 1, ``echo``,
+- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: structured outputs, tools,
   ``prompt_logprobs``, ...): accepted only at its neutral value (``null``, ``false``, ``[]``, or
   what asks for nothing: ``best_of: 1``, ``response_format: {"type": "text"}``), refused with 400 naming it
   otherwise;
@@ -87,7 +87,6 @@ class _GenerationRequest(StrictModel):
     bad_words: list[Text] | None = None
     # Known, not supported yet: refused unless neutral (UNSUPPORTED_FIELDS).
     best_of: Any = None
-    echo: Any = None
     prompt_logprobs: Any = None
     response_format: Any = None
     guided_json: Any = None
@@ -158,18 +157,19 @@ class _GenerationRequest(StrictModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: a prompt, as text or token ids, or a list of prompts (one choice each, n each)."""
 
-    prompt: str | list[int]  # text checked for valid Unicode by _one_prompt
+    prompt: str | list[int] | list[str | list[int]]  # text checked for valid Unicode by _prompts
     max_tokens: int | None = 16  # OpenAI's default for this endpoint; null: until the context is full
     logprobs: int | None = Field(None, ge=0)
+    echo: bool = False  # the prompt's text before each choice's output
     add_special_tokens: bool = True  # vLLM's: BOS and the like, as the tokenizer adds them
     suffix: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        """Accept a string, a list of token ids, or a batch of exactly one of those."""
+    def _prompts(cls, prompt: Any) -> Any:
+        """A string, a list of token ids, or a list of those; a list of one is that one."""
         if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_int_list(prompt[0])):
             prompt = prompt[0]
         if isinstance(prompt, str):
@@ -177,8 +177,14 @@ class CompletionRequest(_GenerationRequest):
         if _is_int_list(prompt):
             return prompt
         if isinstance(prompt, list) and all(isinstance(item, str) or _is_int_list(item) for item in prompt):
-            raise PydanticCustomError("batched_prompt", "batched prompts are not supported; send one per request")
-        raise PydanticCustomError("prompt_type", "prompt must be a string or a list of token ids")
+            return [valid_unicode(item) if isinstance(item, str) else item for item in prompt]
+        raise PydanticCustomError("prompt_type", "prompt must be a string, a list of token ids, or a list of those")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, in order (one for a single prompt)."""
+        single = isinstance(self.prompt, str) or _is_int_list(self.prompt)
+        return [self.prompt] if single else list(self.prompt)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -257,6 +263,7 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0)
     # vLLM's default for chat: the template writes the special tokens it wants (BOS included) into the text.
     add_special_tokens: bool = False
+    echo: bool = False  # vLLM's chat echo (the last message before the answer): refused when true
     # Known, not supported (UNSUPPORTED_FIELDS).
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -275,6 +282,13 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
         if top_logprobs is not None and not info.data.get("logprobs"):
             raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs set to true")
         return top_logprobs
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise PydanticCustomError("unsupported", "echo is not supported for chat; use continue_final_message")
+        return echo
 
     def _max_tokens(self) -> int | None:
         # Unset means until the context is full, as in OpenAI's chat API.

@@ -383,7 +383,10 @@ def error_of(response: httpx.Response) -> dict:
     ({"temperature": -1}, "temperature", "temperature must be >= 0 and finite, got -1.0"),
     ({"temperature": "hot"}, "temperature", "temperature: Input should be a valid number"),
     ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0"),
-    ({"n": 2}, "n", "n must be 1 (several samples per prompt are not supported), got 2"),
+    ({"n": 0}, "n", "n must be >= 1, got 0"),
+    ({"n": 129}, "n", "n: 1 prompt(s) x n = 129 make 129 choices, more than the limit of 128 per request"),
+    ({"prompt": ["a"] * 65, "n": 2}, "prompt",
+     "prompt: 65 prompt(s) x n = 2 make 130 choices, more than the limit of 128 per request"),
     ({"n": 1.0}, "n", "n: Input should be a valid integer"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1 or None, got 0"),
     ({"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
@@ -391,7 +394,6 @@ def error_of(response: httpx.Response) -> dict:
     ({"stop": [1]}, "stop[0]", "stop[0]: Input should be a valid string"),
     ({"logprobs": -1}, "logprobs", "logprobs: Input should be greater than or equal to 0"),
     ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20] or None, got 21"),
-    ({"echo": True}, "echo", "echo: echo is not supported: the prompt is not returned with the output yet"),
     ({"best_of": 2}, "best_of", "best_of: best_of is not supported: only one sample per prompt is generated"),
     ({"logit_bias": {"x1": -100}}, "logit_bias", "logit_bias keys must be token ids, got 'x1'"),
     ({"logit_bias": {"1": 101}}, "logit_bias", "logit_bias must map token ids >= 0 to biases in [-100.0, 100.0], "
@@ -404,9 +406,9 @@ def error_of(response: httpx.Response) -> dict:
     ({"bad_words": [" "]}, "bad_words", "bad_words must be non-empty words, got an empty one"),
     ({"stream_options": {"include_usage": True}}, "stream_options",
      "stream_options: stream_options is only allowed when stream is true"),
-    ({"prompt": ["one", "two"]}, "prompt", "prompt: batched prompts are not supported; send one per request"),
-    ({"prompt": [1, "two"]}, "prompt", "prompt: prompt must be a string or a list of token ids"),
-    ({"prompt": None}, "prompt", "prompt: prompt must be a string or a list of token ids"),
+    ({"prompt": [1, "two"]}, "prompt", "prompt: prompt must be a string, a list of token ids, or a list of those"),
+    ({"prompt": None}, "prompt", "prompt: prompt must be a string, a list of token ids, or a list of those"),
+    ({"prompt": []}, "prompt", "prompt: must not be empty"),
     ({"min_tokens": 20}, "min_tokens", "min_tokens must be <= max_tokens (16), got 20"),
 ])
 def test_bad_completion_fields_are_400_naming_the_field(http, fake, body, param, message):
@@ -447,7 +449,7 @@ def test_bad_chat_fields_are_400_naming_the_field(http, fake, body, param, messa
 UNSUPPORTED = [
     ("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]), ("guided_regex", "a+"),
     ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}), ("prompt_logprobs", 1),
-    ("truncate_prompt_tokens", 10), ("best_of", 3), ("echo", True), ("use_beam_search", True), ("priority", 1),
+    ("truncate_prompt_tokens", 10), ("best_of", 3), ("use_beam_search", True), ("priority", 1),
     ("response_format", {"type": "json_schema", "json_schema": {}}), ("logits_processors", ["x"]),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("store", True),
     ("service_tier", "flex"), ("cache_salt", "s"), ("kv_transfer_params", {}), ("metadata", {"a": "b"}),
@@ -571,7 +573,7 @@ def test_body_that_is_not_json_is_400_without_param(http, fake):
 
 def test_bad_request_is_a_bad_request_error_in_the_openai_client(client, fake):
     with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model=MODEL, prompt="Hi", n=2)
+        client.completions.create(model=MODEL, prompt="Hi", n=0)
     assert raised.value.status_code == 400
     assert raised.value.param == "n"
     assert raised.value.code == "invalid_argument"

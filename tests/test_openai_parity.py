@@ -70,3 +70,68 @@ def test_token_constraints_are_kept_by_both_pods_and_match_the_offline_engine(cl
         assert banned not in output
     for word in asked.get("bad_words", []):
         assert word not in answer.choices[0].text
+
+
+# --- several choices: n samples, a list of prompts, echo -----------------------------------------------------------
+
+
+def offline_text(offline: LLM, prompt: str | list[int], **params) -> str:
+    return offline.generate(prompt, SamplingParams(max_tokens=8, **params))[0].text
+
+
+def test_seeded_samples_equal_separate_requests_seeded_seed_plus_their_index(client, offline):
+    answer = client.completions.create(model="tiny-random", prompt=PROMPT, n=3, seed=7, temperature=1.0,
+                                       max_tokens=8)
+    assert [choice.index for choice in answer.choices] == [0, 1, 2]
+    texts = [choice.text for choice in answer.choices]
+    assert texts == [offline_text(offline, PROMPT, seed=7 + i, temperature=1.0) for i in range(3)]
+    assert len(set(texts)) == 3
+    assert answer.usage.prompt_tokens == len(tokens_of(offline, PROMPT))  # the prompt counted once
+    assert answer.usage.completion_tokens == 3 * 8
+
+
+def test_a_list_of_prompts_gets_n_choices_each_in_prompt_order(client, offline):
+    prompts = ["abc", [80, 81, 82, 83]]
+    answer = client.completions.create(model="tiny-random", prompt=prompts, n=2, seed=3, temperature=1.0,
+                                       max_tokens=8)
+    expected = [offline_text(offline, prompt, seed=3 + sample, temperature=1.0)
+                for prompt in prompts for sample in range(2)]
+    assert [choice.text for choice in answer.choices] == expected
+    assert answer.usage.prompt_tokens == len(tokens_of(offline, "abc")) + 4
+
+
+def test_streamed_choices_carry_their_index_and_the_usage_of_all(client, offline):
+    stream = client.completions.create(model="tiny-random", prompt=["abc", PROMPT], seed=1, temperature=1.0,
+                                       max_tokens=8, stream=True, stream_options={"include_usage": True})
+    texts, finished, usage = ["", ""], [None, None], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+        usage = chunk.usage or usage
+    expected = offline.generate(["abc", PROMPT], SamplingParams(max_tokens=8, seed=1, temperature=1.0))
+    assert texts == [output.text for output in expected]
+    assert finished == [output.finish_reason for output in expected]
+    assert usage.completion_tokens == sum(len(output.token_ids) for output in expected)
+    assert usage.prompt_tokens == 3 + len(tokens_of(offline, PROMPT))
+
+
+def test_chat_with_n_samples(client):
+    answer = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}], n=2,
+                                            seed=5, temperature=1.0, max_tokens=6)
+    assert [choice.index for choice in answer.choices] == [0, 1]
+    assert answer.choices[0].message.content != answer.choices[1].message.content
+    assert answer.usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_before_the_output(client, offline, stream):
+    answer = client.completions.create(model="tiny-random", prompt=[PROMPT, [80, 81]], echo=True, temperature=0,
+                                       max_tokens=8, stream=stream)
+    chunks = answer if stream else [answer]
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [PROMPT + offline_text(offline, PROMPT, temperature=0),
+                     offline.tokenizer.decode([80, 81]) + offline_text(offline, [80, 81], temperature=0)]
