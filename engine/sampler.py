@@ -2,8 +2,8 @@
 
 A row's logits go through, in vLLM's order:
 
-    token constraints       allowed_token_ids (every other token at -inf), bad words (the token that would
-                            complete one at -inf), logit_bias (added)
+    token constraints       the grammar's mask and allowed_token_ids (every other token at -inf), bad words (the
+                            token that would complete one at -inf), logit_bias (added)
     min_tokens masking      EOS (unless ignore_eos) and stop_token_ids at -inf until min_tokens are out
     repetition penalty      over prompt + output tokens, HF/CTRL style (positive / p, negative * p)
     presence, frequency     over output tokens, OpenAI's formula
@@ -48,6 +48,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    allowed: torch.Tensor | None = None  # [V] bool: the tokens its grammar allows next (structured output)
 
     @property
     def position(self) -> int:
@@ -246,12 +247,14 @@ class Sampler:
 
     def _constrain_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """allowed_token_ids, bad words and logit_bias, on the rows that set them (few: a loop over them)."""
-        constrained = [i for i, row in enumerate(rows) if row.params.constrains_tokens]
+        constrained = [i for i, row in enumerate(rows) if row.params.constrains_tokens or row.allowed is not None]
         if not constrained:
             return logits
         logits = logits.clone()
         for i in constrained:
             params, row = rows[i].params, logits[i]  # row: [V], a view of logits
+            if rows[i].allowed is not None:
+                row.masked_fill_(~rows[i].allowed.to(row.device), float("-inf"))
             if params.allowed_token_ids is not None:
                 allowed = torch.zeros_like(row, dtype=torch.bool)
                 allowed[self._in_vocabulary(params.allowed_token_ids)] = True
@@ -340,4 +343,5 @@ def _changes_logits(row: SamplingRow) -> bool:
         or p.frequency_penalty != 0.0
         or len(row.output_token_ids) < p.min_tokens
         or p.constrains_tokens
+        or row.allowed is not None
     )

@@ -23,6 +23,45 @@ MAX_SEED = 2**63 - 1  # seeds are fed to 63-bit generator keys
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of a JSON schema (as JSON
+    text), a regular expression, a choice of strings, a grammar (Lark or GBNF, as llguidance reads them), or any
+    JSON object. ``engine/structured_output.py`` compiles it."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_output.choice must be a list of strings, got {self.choice!r}")
+            if not self.choice:
+                raise ValueError("structured_output.choice must not be empty")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_output.{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_output.json_object must be a bool, got {self.json_object!r}")
+        if len(self.kinds) != 1:
+            raise ValueError(f"structured_output must set exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {list(self.kinds) or 'none'}")
+
+    @property
+    def kinds(self) -> list[str]:
+        """The constraints set (exactly one once constructed)."""
+        set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        return set_ + (["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # samples per prompt: the router runs each as a request of its own (``for_sample``)
@@ -48,6 +87,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled; None: any
     bad_words: list[str] = field(default_factory=list)  # text; the router turns it into bad_words_token_ids
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # never completed in the output
+    structured_output: StructuredOutput | None = None  # the output must match it (guided decoding)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +138,10 @@ class SamplingParams:
             raise ValueError(f"bad_words_token_ids must be a list of token id lists, got {self.bad_words_token_ids!r}")
         for ids in self.bad_words_token_ids:
             _require_int_list("bad_words_token_ids", ids)
+        if isinstance(self.structured_output, dict):  # from to_dict
+            self.structured_output = StructuredOutput(**self.structured_output)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
 
     def _check_ranges(self) -> None:
         if self.n < 1:
@@ -138,6 +182,9 @@ class SamplingParams:
                              f"{self.allowed_token_ids}")
         if any(w.strip() == "" for w in self.bad_words):
             raise ValueError("bad_words must be non-empty words, got an empty one")
+        if self.structured_output is not None and (self.ignore_eos or self.min_tokens):
+            # The grammar ends the output with EOS when it is complete; nothing may hold EOS back.
+            raise ValueError("structured_output cannot be combined with ignore_eos or min_tokens")
         if any(not ids or min(ids) < 0 for ids in self.bad_words_token_ids):
             raise ValueError(f"bad_words_token_ids must be non-empty lists of token ids >= 0, got "
                              f"{self.bad_words_token_ids}")

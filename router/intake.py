@@ -3,8 +3,9 @@
 The HTTP and gRPC layers depend on this file (through ``Router``, which hands them its ``Intake``'s methods):
 
 1. cheap checks first, before any work they bound: the request id (``check_request_id``), the sampling
-   parameters within the server's limits (stop strings, stop token ids, logprobs, max_tokens), a text's size in
-   UTF-8 bytes (``max_prompt_bytes``);
+   parameters within the server's limits (stop strings, stop token ids, logprobs, max_tokens, bad words, token
+   ids of logit_bias and allowed_token_ids), a text's size in UTF-8 bytes (``max_prompt_bytes``); a structured
+   output's grammar compiled (``engine/structured_output.py``), on a worker thread;
 2. then the work: a chat rendered by the model's template (``apply_chat_template``), a prompt tokenized
    (``tokenize``), both on worker threads: a prompt at the byte limit takes about a second to tokenize, and the
    event loop serves every other request (and /health) meanwhile;
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 import grpc
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from runtime.errors import StatusError
@@ -64,6 +66,7 @@ class Intake:
         self.config = config
         self.tokenizer = tokenizer
         self._text_workers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.grammars = GrammarCompiler(tokenizer)  # checks structured outputs; built on first use
         encode_without_holding_the_gil(self.tokenizer)
 
     def close(self) -> None:
@@ -127,6 +130,8 @@ class Intake:
         if request_id is not None:
             check_request_id(request_id, "request_id")
         params = self._checked_params(params)
+        if params.structured_output is not None:
+            await self._off_loop(self._check_structured_output, params)
         if params.bad_words:
             try:
                 params = await self._off_loop(params.with_bad_words_tokenized, self._encode_word)
@@ -175,6 +180,14 @@ class Intake:
         if params.top_k > self.tokenizer.vocab_size:  # the same as no top-k filter; keeps the wire's int32
             params = dataclasses.replace(params, top_k=0)
         return params
+
+    def _check_structured_output(self, params: SamplingParams) -> None:
+        """The grammar compiles (within llguidance's fuel limits: a pathological regex fails fast), before any pod
+        works on the request."""
+        try:
+            self.grammars.check(params.structured_output)
+        except ValueError as error:
+            raise invalid(f"structured_output: {error}") from None
 
     def _encode_word(self, word: str) -> list[int]:
         return self.tokenizer.encode(word, add_special_tokens=False)

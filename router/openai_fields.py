@@ -3,8 +3,8 @@
 ``StrictModel`` refuses what this server would otherwise silently ignore:
 
 - an unknown field: pydantic's ``extra="forbid"``, a 400 naming it;
-- a known field this server does not honour yet (``UNSUPPORTED_FIELDS``: structured outputs, tools,
-  ``prompt_logprobs``, ...) at any value but its neutral one (``null``, ``false``, ``[]``, or what asks for
+- a known field this server does not honour yet (``UNSUPPORTED_FIELDS``: tools, ``prompt_logprobs``, ...) at
+  any value but its neutral one (``null``, ``false``, ``[]``, or what asks for
   nothing), a 400 naming it and saying why;
 - a loose type: ``strict=True``, as in OpenAI's API (``"0.5"`` is not a number, ``1.0`` is not an integer);
 - a string that is not valid Unicode (``Text``; ``unicode_everywhere`` for free-form JSON): JSON's ``"\\ud800"``
@@ -22,21 +22,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, fiel
 from pydantic_core import PydanticCustomError
 
 # Known fields this server does not honour yet: {field: (the values that ask for nothing, why it is refused)}.
-_NO_STRUCTURED_OUTPUT = "structured output (guided decoding) is not supported yet"
 _NO_TOOLS = "tool calling is not supported yet"
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "only one sample per prompt is generated"),
     "suffix": ((None, ""), "the served models do not fill in the middle"),
     "prompt_logprobs": ((None,), "prompt logprobs are not computed yet"),
-    "response_format": ((None, {"type": "text"}), _NO_STRUCTURED_OUTPUT),
-    "guided_json": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_regex": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_choice": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_grammar": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_decoding_backend": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_whitespace_pattern": ((None,), _NO_STRUCTURED_OUTPUT),
-    "structured_outputs": ((None,), _NO_STRUCTURED_OUTPUT),
-    "structural_tag": ((None,), _NO_STRUCTURED_OUTPUT),
+    "guided_decoding_backend": ((None,), "the grammar engine is the server's choice (llguidance)"),
+    "guided_whitespace_pattern": ((None,), "JSON output takes any whitespace between tokens"),
+    "structural_tag": ((None,), "structural tags are not supported"),
     "tools": ((None, []), _NO_TOOLS),
     "tool_choice": ((None, "none", "auto"), _NO_TOOLS),
     "parallel_tool_calls": ((None, True, False), _NO_TOOLS),

@@ -6,13 +6,15 @@ and ``/detokenize``, as strict pydantic models, and how a body becomes ``Samplin
 
 No field is silently ignored. Each field a body may carry is one of:
 
-- honoured: OpenAI's fields this server implements (``logit_bias`` included), and vLLM's extras (``top_k``,
+- honoured: OpenAI's fields this server implements (``logit_bias``, ``response_format``, ``n``, ``echo``...), and
+  vLLM's extras (structured outputs: ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
+  ``structured_outputs``; ``top_k``,
   ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
   ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``add_special_tokens``, ``request_id``; for
   chat ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
   ``stream_options.continuous_usage_stats``);
-- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: structured outputs, tools,
-  ``prompt_logprobs``, ...): accepted only at its neutral value (``null``, ``false``, ``[]``, or
+- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: tools, ``prompt_logprobs``, ...): accepted
+  only at its neutral value (``null``, ``false``, ``[]``, or
   what asks for nothing: ``best_of: 1``, ``response_format: {"type": "text"}``), refused with 400 naming it
   otherwise;
 - ignored on purpose, and documented as such: ``user`` and ``safety_identifier`` (end-user ids for OpenAI's abuse
@@ -27,13 +29,15 @@ The server's own limits (prompt size, stop strings, ``max_tokens``, logprobs) ar
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
+from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from router.openai_fields import InvalidParameter, StrictModel, Text, unicode_everywhere, valid_unicode
 
 # Request fields passed to SamplingParams under the same name, when the client set them.
@@ -54,6 +58,58 @@ class StreamOptions(StrictModel):
         if continuous and not info.data.get("include_usage"):
             raise PydanticCustomError("stream_options", "continuous_usage_stats needs include_usage set to true")
         return continuous
+
+
+class JsonSchemaFormat(StrictModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: Text
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # null: any JSON value
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise PydanticCustomError("json_schema", 'json_schema is required with (and only with) type "json_schema"')
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutput(json=_schema_text(self.json_schema.schema_ or {}))
+        return None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs`` object: exactly one of its constraints."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+    def structured_output(self) -> StructuredOutput:
+        asked = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": self.json_object or None}
+        set_ = [name for name, value in asked.items() if value is not None]
+        if len(set_) != 1:
+            raise InvalidParameter("structured_outputs", f"structured_outputs: set exactly one of "
+                                   f"{', '.join(asked)}; got {', '.join(set_) or 'none'}")
+        if self.json_ is not None:
+            return StructuredOutput(json=_schema_text(self.json_))
+        if self.choice is not None:
+            return _choice("structured_outputs.choice", self.choice)
+        return StructuredOutput(**{set_[0]: asked[set_[0]]})
 
 
 class _GenerationRequest(StrictModel):
@@ -85,17 +141,18 @@ class _GenerationRequest(StrictModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a JSON key, a string) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
+    # Structured outputs: at most one of these (structured_output()).
+    response_format: ResponseFormat | None = None  # OpenAI's
+    guided_json: dict[str, Any] | Text | None = None  # vLLM's: a JSON schema
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None  # Lark or GBNF
+    structured_outputs: StructuredOutputs | None = None  # vLLM's newer object
     # Known, not supported yet: refused unless neutral (UNSUPPORTED_FIELDS).
     best_of: Any = None
     prompt_logprobs: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
     structural_tag: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
@@ -137,6 +194,9 @@ class _GenerationRequest(StrictModel):
         fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         if self.logit_bias is not None:
             fields["logit_bias"] = _token_id_keys(self.logit_bias)
+        constrained = self._structured_output()
+        if constrained is not None:
+            fields["structured_output"] = constrained[1]
         try:
             return SamplingParams(**fields, max_tokens=self._max_tokens(), logprobs=self._num_logprobs())
         except ValueError as error:
@@ -147,7 +207,31 @@ class _GenerationRequest(StrictModel):
 
     def param_name(self, field: str) -> str | None:
         """The body's name for a field the router or ``SamplingParams`` names (``prompt``, ``max_tokens``...)."""
+        if field == "structured_output":
+            constrained = self._structured_output()
+            return None if constrained is None else constrained[0]
         return field if field in type(self).model_fields else None
+
+    def _structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """(the field that asked, what it asked) for the one structured-output field set; InvalidParameter for two."""
+        asked = [(name, spec) for name, spec in self._structured_outputs_asked() if spec is not None]
+        if len(asked) > 1:
+            raise InvalidParameter(asked[1][0], f"{asked[1][0]}: only one structured output per request; "
+                                                f"{asked[0][0]} is set too")
+        return asked[0] if asked else None
+
+    def _structured_outputs_asked(self) -> Iterator[tuple[str, StructuredOutput | None]]:
+        yield "response_format", self.response_format.structured_output() if self.response_format else None
+        if self.guided_json is not None:
+            yield "guided_json", StructuredOutput(json=_schema_text(self.guided_json))
+        if self.guided_regex is not None:
+            yield "guided_regex", StructuredOutput(regex=self.guided_regex)
+        if self.guided_choice is not None:
+            yield "guided_choice", _choice("guided_choice", self.guided_choice)
+        if self.guided_grammar is not None:
+            yield "guided_grammar", StructuredOutput(grammar=self.guided_grammar)
+        if self.structured_outputs is not None:
+            yield "structured_outputs", self.structured_outputs.structured_output()
 
     @abstractmethod
     def _max_tokens(self) -> int | None: ...
@@ -333,6 +417,17 @@ class DetokenizeRequest(StrictModel):
 def tokenize_request(body: Any) -> type[TokenizeCompletionRequest] | type[TokenizeChatRequest]:
     """Which tokenize request ``body`` is: a chat when it has ``messages`` (as vLLM tells them apart)."""
     return TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    """A JSON schema as JSON text (vLLM takes it as an object or as a string of JSON)."""
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def _choice(param: str, choices: list[str]) -> StructuredOutput:
+    if not choices:
+        raise InvalidParameter(param, f"{param}: must list at least one choice")
+    return StructuredOutput(choice=tuple(choices))
 
 
 def _token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:

@@ -20,7 +20,7 @@ import uvicorn
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from router.config import RouterConfig
 from router.intake import RouterRequest
 from router.openai_api import ServerSentEvents, create_app
@@ -232,6 +232,28 @@ def test_completion_passes_every_sampling_field_to_sampling_params(http, fake):
         logit_bias={5: -2.5, 7: 100.0}, allowed_token_ids=[5, 6, 7], bad_words=["darn"])
 
 
+@pytest.mark.parametrize("field, value, expected", [
+    ("response_format", {"type": "json_object"}, StructuredOutput(json_object=True)),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string"}}},
+     StructuredOutput(json='{"type": "string"}')),
+    ("guided_json", {"type": "integer"}, StructuredOutput(json='{"type": "integer"}')),
+    ("guided_json", '{"type": "integer"}', StructuredOutput(json='{"type": "integer"}')),
+    ("guided_regex", "a+", StructuredOutput(regex="a+")),
+    ("guided_choice", ["x", "y"], StructuredOutput(choice=("x", "y"))),
+    ("guided_grammar", 'start: "a"', StructuredOutput(grammar='start: "a"')),
+    ("structured_outputs", {"json": {"type": "null"}}, StructuredOutput(json='{"type": "null"}')),
+    ("structured_outputs", {"choice": ["x"]}, StructuredOutput(choice=("x",))),
+    ("structured_outputs", {"json_object": True}, StructuredOutput(json_object=True)),
+    ("response_format", {"type": "text"}, None),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_each_structured_output_field_becomes_the_requests_structured_output(http, fake, path, field, value,
+                                                                              expected):
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    assert http.post(path, json={**body, field: value}).status_code == 200
+    assert fake.requests[0].params.structured_output == expected
+
+
 def test_a_batch_of_one_prompt_is_that_prompt(http, fake):
     assert http.post("/v1/completions", json={"prompt": ["Hi"]}).status_code == 200
     assert http.post("/v1/completions", json={"prompt": [[5, 6]]}).status_code == 200
@@ -432,8 +454,10 @@ def test_bad_completion_fields_are_400_naming_the_field(http, fake, body, param,
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1 or None, got 0"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "tools: tools is not supported: tool calling is not supported yet"),
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     "response_format: response_format is not supported: structured output (guided decoding) is not supported yet"),
+    ({"response_format": {"type": "xml"}}, "response_format.type",
+     "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
+     "guided_regex: only one structured output per request; response_format is set too"),
     ({"messages": [{"role": "assistant", "content": "Hi"}]}, "messages",
      "messages: the conversation must end with a user's"),
 ])
@@ -447,10 +471,9 @@ def test_bad_chat_fields_are_400_naming_the_field(http, fake, body, param, messa
 
 # Known fields this server does not honour yet, each with a value that asks for something: refused by name.
 UNSUPPORTED = [
-    ("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]), ("guided_regex", "a+"),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}), ("prompt_logprobs", 1),
+    ("guided_decoding_backend", "xgrammar"), ("structural_tag", {"type": "structural_tag"}), ("prompt_logprobs", 1),
     ("truncate_prompt_tokens", 10), ("best_of", 3), ("use_beam_search", True), ("priority", 1),
-    ("response_format", {"type": "json_schema", "json_schema": {}}), ("logits_processors", ["x"]),
+    ("logits_processors", ["x"]),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("store", True),
     ("service_tier", "flex"), ("cache_salt", "s"), ("kv_transfer_params", {}), ("metadata", {"a": "b"}),
 ]
@@ -497,7 +520,8 @@ def test_unknown_fields_are_refused_by_name(http, fake, path, body, param):
 
 
 def test_the_openai_client_sees_vllm_extras_refused_by_name(client, fake):
-    for extra, param in (({"guided_choice": ["yes", "no"]}, "guided_choice"), ({"typo_field": 1}, "typo_field")):
+    for extra, param in (({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+                         ({"typo_field": 1}, "typo_field")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                            extra_body=extra)
