@@ -79,6 +79,7 @@ from router.openai_responses import (
     VersionResponse,
 )
 from router.request_run import Completion, OutputDelta
+from router.tool_calls import messages_for_template, template_knows_tools
 from router.router import Router
 from runtime.errors import StatusError
 
@@ -194,9 +195,16 @@ class OpenAIRoutes:
                            param="model")
 
     async def _render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest) -> str:
+        tools, messages = body.offered_tools(), body.chat_messages()
+        template_kwargs = body.chat_template_kwargs
+        if tools or any(message["role"] == "tool" or "tool_calls" in message for message in messages):
+            knows_tools = template_knows_tools(self.router.tokenizer.chat_template)
+            messages = messages_for_template(messages, tools, knows_tools)
+            if tools and knows_tools:
+                template_kwargs = {**(template_kwargs or {}), "tools": tools}
         return await self.router.apply_chat_template(
-            body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
+            messages, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, template_kwargs=template_kwargs)
 
     async def _generate(self, request: Request, body: GenerationRequest, prompts: list[str | list[int]] | None,
                         formatter_class: type[Formatter]) -> Response:
@@ -212,7 +220,7 @@ class OpenAIRoutes:
         prompt_of = [index // params.n for index in range(len(router_requests))]  # each choice's prompt
         formatters = [formatter_class(response_id, self.router.model_name, self._token_text, choice.params.logprobs,
                                       len(choice.prompt_token_ids), body.continuous_usage, index=index,
-                                      echo=self._echo(body, choice))
+                                      **self._choice_options(body, choice))
                       for index, choice in enumerate(router_requests)]
         outputs = [self.router.generate(choice) for choice in router_requests]
         if body.stream:
@@ -241,13 +249,15 @@ class OpenAIRoutes:
                                                            add_special_tokens=add_special_tokens))
         return made
 
-    def _echo(self, body: GenerationRequest, choice: RouterRequest) -> str:
-        """A completion's echo: its prompt's text, as given or decoded from the token ids."""
-        if not getattr(body, "echo", False):
-            return ""
+    def _choice_options(self, body: GenerationRequest, choice: RouterRequest) -> dict[str, Any]:
+        """A chat's tool call parser; a completion's echo: its prompt's text, as given or decoded from the ids."""
+        if isinstance(body, ChatCompletionRequest):
+            return {"tool_parser": body.tool_parser()}
+        if not body.echo:
+            return {}
         if choice.prompt_text is not None:
-            return choice.prompt_text
-        return self.router.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
+            return {"echo": choice.prompt_text}
+        return {"echo": self.router.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)}
 
     def _token_text(self, token_id: int) -> str:
         # A token's own text, special tokens included: logprobs describe every token the model produced.
@@ -437,7 +447,8 @@ async def _events(first: tuple[int, OutputDelta | Completion], merged: AsyncGene
                         yield _event(chunk)
                 else:
                     _raise_unless_finished(output, formatter.response_id)
-                    yield _event(formatter.finish_chunk(output))
+                    for chunk in formatter.finish_chunks(output):
+                        yield _event(chunk)
                     completions.append((index, output))
                 item = await anext(merged, None)
             if include_usage:

@@ -22,7 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, fiel
 from pydantic_core import PydanticCustomError
 
 # Known fields this server does not honour yet: {field: (the values that ask for nothing, why it is refused)}.
-_NO_TOOLS = "tool calling is not supported yet"
+_NO_TOOLS = "the legacy function-calling fields are not supported; use tools and tool_choice"
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "only one sample per prompt is generated"),
     "suffix": ((None, ""), "the served models do not fill in the middle"),
@@ -30,9 +30,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_decoding_backend": ((None,), "the grammar engine is the server's choice (llguidance)"),
     "guided_whitespace_pattern": ((None,), "JSON output takes any whitespace between tokens"),
     "structural_tag": ((None,), "structural tags are not supported"),
-    "tools": ((None, []), _NO_TOOLS),
-    "tool_choice": ((None, "none", "auto"), _NO_TOOLS),
-    "parallel_tool_calls": ((None, True, False), _NO_TOOLS),
     "functions": ((None, []), _NO_TOOLS),
     "function_call": ((None, "none", "auto"), _NO_TOOLS),
     "truncate_prompt_tokens": ((None,), "prompts are never truncated: a prompt over the limit is refused"),
@@ -61,8 +58,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "metadata": ((None, {}), "outputs are not stored, so they carry no metadata"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     # Fields of a message, when a client sends back an assistant message as a previous response gave it.
-    "tool_calls": ((None, []), _NO_TOOLS),
-    "tool_call_id": ((None,), _NO_TOOLS),
     "refusal": ((None,), "assistant refusals are not modelled"),
     "annotations": ((None, []), "message annotations are not modelled"),
 }

@@ -39,6 +39,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams, StructuredOutput
 from router.openai_fields import InvalidParameter, StrictModel, Text, unicode_everywhere, valid_unicode
+from router.tool_calls import ToolCallParser, forced_output
 
 # Request fields passed to SamplingParams under the same name, when the client set them.
 _SAMPLING_FIELDS = (
@@ -277,19 +278,61 @@ class CompletionRequest(_GenerationRequest):
         return self.logprobs
 
 
+class FunctionCallIn(StrictModel):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class ToolCallIn(StrictModel):
+    """A call an earlier assistant message made, as a previous response gave it."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDefinition(StrictModel):
+    name: Text = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # a forced call always follows the schema; an auto one is parsed as it comes
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: Text
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class _ChatMessage(StrictModel):
     """One message of the conversation; content parts ``[{"type": "text", "text": ...}]`` are joined."""
 
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text | None = None  # null only for an assistant message that made tool calls
     name: Text | None = None  # the participant's name, given to the chat template
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
     # An assistant message as a previous response gave it (OpenAI's SDK dumps these): accepted when neutral.
-    tool_calls: Any = None
-    tool_call_id: Any = None
     function_call: Any = None
     refusal: Any = None
     annotations: Any = None
     audio: Any = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "_ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", "content is required (null only for an assistant's tool calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "only an assistant message makes tool calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -302,9 +345,15 @@ class _ChatMessage(StrictModel):
         # Joined by newlines, as vLLM renders multi-part text content.
         return "\n".join(part["text"] for part in content)
 
-    def for_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.content}
-        return message if self.name is None else {**message, "name": self.name}
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class _ChatTemplateOptions(StrictModel):
@@ -317,7 +366,8 @@ class _ChatTemplateOptions(StrictModel):
     chat_template: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
     documents: Any = None
     mm_processor_kwargs: Any = None
-    tools: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # unset: auto with tools
 
     @field_validator("continue_final_message")
     @classmethod
@@ -333,9 +383,27 @@ class _ChatTemplateOptions(StrictModel):
         unicode_everywhere(kwargs)
         return kwargs
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_the_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if choice not in (None, "none", "auto") and not tools:
+            named = choice if isinstance(choice, str) else choice.function.name
+            raise PydanticCustomError("tool_choice", "tool_choice {choice} needs tools", {"choice": repr(named)})
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise PydanticCustomError("tool_choice", "tool_choice names {name}, which is not one of the tools",
+                                      {"name": repr(choice.function.name)})
+        return choice
+
+    def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as the chat template reads it."""
         return [message.for_template() for message in self.messages]
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the model is told about (none with ``tool_choice: "none"``), as OpenAI's dicts."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
@@ -348,9 +416,8 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
     # vLLM's default for chat: the template writes the special tokens it wants (BOS included) into the text.
     add_special_tokens: bool = False
     echo: bool = False  # vLLM's chat echo (the last message before the answer): refused when true
+    parallel_tool_calls: bool = True  # a forced tool_choice may make several calls
     # Known, not supported (UNSUPPORTED_FIELDS).
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     reasoning_effort: Any = None
@@ -373,6 +440,20 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
         if echo:
             raise PydanticCustomError("unsupported", "echo is not supported for chat; use continue_final_message")
         return echo
+
+    def _structured_outputs_asked(self) -> Iterator[tuple[str, StructuredOutput | None]]:
+        yield from super()._structured_outputs_asked()
+        tools = self.offered_tools()
+        yield "tool_choice", forced_output(tools, self._tool_choice_dict(), self.parallel_tool_calls) if tools else None
+
+    def _tool_choice_dict(self) -> str | dict[str, Any]:
+        choice = self.tool_choice or "auto"
+        return choice if isinstance(choice, str) else choice.model_dump()
+
+    def tool_parser(self) -> ToolCallParser | None:
+        """How the answer's tool calls are found, when tools are offered."""
+        tools = self.offered_tools()
+        return ToolCallParser(tools, forced=self._tool_choice_dict() != "auto") if tools else None
 
     def _max_tokens(self) -> int | None:
         # Unset means until the context is full, as in OpenAI's chat API.

@@ -186,3 +186,70 @@ def test_a_pathological_regex_compiles_and_constrains_without_blowing_up(client)
     reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=16, temperature=1.0, seed=0,
                                       extra_body={"guided_regex": "((a{1,100}){1,100}){1,100}b{1,1000}"})
     assert re.fullmatch("a*b*", reply.choices[0].text)
+
+
+# --- tool calls ----------------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+
+
+def check_calls(calls, names) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        schema = next(t for t in TOOLS if t["function"]["name"] == call.function.name)["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("tool_choice, names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forced_tool_calls_always_parse(client, tool_choice, names, temperature):
+    for seed in range(3):
+        reply = client.chat.completions.create(model=MODEL, messages=ask("What is the weather in Paris?"), tools=TOOLS,
+                                               tool_choice=tool_choice, temperature=temperature, seed=seed,
+                                               max_tokens=MAX_TOKENS)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        check_calls(choice.message.tool_calls, names)
+
+
+def test_streamed_tool_calls_arrive_as_deltas_the_client_assembles(client):
+    stream = client.chat.completions.create(model=MODEL, messages=ask("What is the weather in Oslo?"), tools=TOOLS,
+                                            tool_choice="required", temperature=0.0, max_tokens=MAX_TOKENS,
+                                            stream=True, parallel_tool_calls=False)
+    calls, finish_reason = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            finish_reason = choice.finish_reason or finish_reason
+    assert finish_reason == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] in {"get_weather", "get_time"}
+    json.loads(calls[0]["arguments"])
+
+
+def test_a_conversation_with_calls_and_their_results_goes_on(client):
+    first = client.chat.completions.create(model=MODEL, messages=ask("Weather in Rome?"), tools=TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           temperature=0.0, max_tokens=MAX_TOKENS)
+    message = first.choices[0].message
+    call = message.tool_calls[0]
+    follow_up = ask("Weather in Rome?") + [message.model_dump(exclude_none=True),
+                                           {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]
+    reply = client.chat.completions.create(model=MODEL, messages=follow_up, tools=TOOLS, temperature=0.0,
+                                           max_tokens=32)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
