@@ -108,7 +108,7 @@ class TextCompletionFormatter(_Formatter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._text_offset = 0  # characters of token text reported so far, across chunks
+        self._text_offset = len(self.echo)  # characters of text before the next token, across chunks
 
     def delta_chunk(self, delta: OutputDelta) -> CompletionResponse | None:
         self._count(delta)

@@ -308,6 +308,12 @@ def test_completion_logprobs_in_openai_legacy_format(client, fake):
     assert fake.requests[0].params.logprobs == 2
 
 
+def test_echoed_completion_counts_text_offsets_after_the_prompt(client, fake):
+    completion = client.completions.create(model=MODEL, prompt="Hi yo", logprobs=0, echo=True)
+    assert completion.choices[0].text == "Hi yoHello, world!"
+    assert completion.choices[0].logprobs.text_offset == [5, 10, 11, 17]
+
+
 def test_completion_logprobs_zero_gives_only_the_sampled_token(http, fake):
     choice = http.post("/v1/completions", json={"prompt": "Hi", "logprobs": 0}).json()["choices"][0]
     assert choice["logprobs"]["top_logprobs"] == [{"Hello": -0.25}, {",": -0.5}, {" world": -0.125}, {"!": -2.0}]

@@ -6,6 +6,8 @@ the rest, so a constraint that one of them dropped shows."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from openai import OpenAI
 
@@ -135,3 +137,48 @@ def test_echo_puts_the_prompt_before_the_output(client, offline, stream):
             texts[choice.index] += choice.text
     assert texts == [PROMPT + offline_text(offline, PROMPT, temperature=0),
                      offline.tokenizer.decode([80, 81]) + offline_text(offline, [80, 81], temperature=0)]
+
+
+# --- gRPC: the same fields in SamplingParams ----------------------------------------------------------------------
+
+
+def grpc_text(cluster, **params) -> tuple[str, int]:
+    import grpc
+
+    from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+    text, finish_reason = "", None
+    with grpc.insecure_channel(f"{cluster.config.host}:{cluster.config.grpc_port}") as channel:
+        request = generate_pb2.GenerateRequest(text=PROMPT, sampling_params=common_pb2.SamplingParams(**params))
+        for response in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120):
+            assert response.WhichOneof("response") != "error", response.error.message
+            if response.HasField("chunk"):
+                text += response.chunk.text
+            else:
+                finish_reason = response.complete.finish_reason
+    return text, finish_reason
+
+
+def test_grpc_structured_output_and_token_constraints(cluster):
+    from protos.splitserve.v1 import common_pb2
+
+    for seed in range(4):
+        text, finish_reason = grpc_text(cluster, temperature=1.0, seed=seed, max_tokens=16, structured_output=(
+            common_pb2.StructuredOutput(regex="[a-c]{2,5}x")))
+        assert re.fullmatch("[a-c]{2,5}x", text) and finish_reason == common_pb2.FINISH_REASON_STOP
+        text, _ = grpc_text(cluster, temperature=1.0, seed=seed, max_tokens=16, structured_output=(
+            common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=["alpha", "beta"]))))
+        assert text in ("alpha", "beta")
+    text, _ = grpc_text(cluster, temperature=0.0, max_tokens=5, logit_bias={72: 100.0})
+    assert text == "fffff"
+
+
+def test_grpc_refuses_a_spec_that_does_not_compile(cluster):
+    import grpc
+
+    from protos.splitserve.v1 import common_pb2
+
+    with pytest.raises(grpc.RpcError) as raised:
+        grpc_text(cluster, max_tokens=4, structured_output=common_pb2.StructuredOutput(regex="(unclosed"))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output" in raised.value.details() and "cannot compile the regex" in raised.value.details()
