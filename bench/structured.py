@@ -1,6 +1,6 @@
 """Structured outputs' cost: decode step time (TPOT) with a JSON schema against an unconstrained request, side by side.
 
-    python -m bench.structured [--batches 1,16] [--tokens 48] [--rounds 3]
+    splitserve bench structured [--batches 1,16] [--tokens 48] [--rounds 3]
 
 Two engines of the same model decode the same chat prompts, one with a JSON schema (an object with one string of
 exactly 400 characters, so that no request ends before ``--tokens``), one unconstrained (``ignore_eos``), taking

@@ -62,7 +62,7 @@ def _build_kernels(argv: list[str]) -> None:
         sys.exit(1)
 
 
-BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec")  # modules of the bench package
+BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec", "structured")  # modules of the bench package
 
 
 def _bench(argv: list[str]) -> None:
