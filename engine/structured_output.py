@@ -87,7 +87,12 @@ class GrammarCompiler:
 
     def check(self, spec: StructuredOutput) -> None:
         """ValueError saying why, when ``spec`` does not compile (within ``GRAMMAR_LIMITS``)."""
-        error = llguidance.LLMatcher.validate_grammar(grammar_text(spec), self.ll_tokenizer, limits=_limits())
+        try:
+            error = llguidance.LLMatcher.validate_grammar(grammar_text(spec), self.ll_tokenizer, limits=_limits())
+        except ValueError:
+            raise
+        except Exception as exc:  # llguidance's own complaints about a spec (a schema that is not an object...)
+            error = str(exc) or type(exc).__name__
         if error:
             raise ValueError(f"cannot compile the {_described(spec)}: {error.strip()}")
 

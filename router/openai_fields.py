@@ -84,6 +84,11 @@ def valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(valid_unicode)]
 
 
+def _unicode_json(value: Any) -> Any:
+    unicode_everywhere(value)
+    return value
+
+
 def unicode_everywhere(value: Any) -> None:
     """Every string in ``value`` (keys too) valid Unicode, for free-form JSON (``chat_template_kwargs``)."""
     if isinstance(value, str):
@@ -95,6 +100,10 @@ def unicode_everywhere(value: Any) -> None:
         for key, item in value.items():
             unicode_everywhere(key)
             unicode_everywhere(item)
+
+
+# A JSON object of the client's (a JSON schema), every string in it valid Unicode.
+JsonObject = Annotated[dict[str, Any], AfterValidator(_unicode_json)]
 
 
 class StrictModel(BaseModel):

@@ -38,7 +38,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams, StructuredOutput
-from router.openai_fields import InvalidParameter, StrictModel, Text, unicode_everywhere, valid_unicode
+from router.openai_fields import InvalidParameter, JsonObject, StrictModel, Text, unicode_everywhere, valid_unicode
 from router.tool_calls import ToolCallParser, forced_output
 
 # Request fields passed to SamplingParams under the same name, when the client set them.
@@ -66,7 +66,7 @@ class JsonSchemaFormat(StrictModel):
 
     name: Text
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")  # null: any JSON value
+    schema_: JsonObject | None = Field(None, alias="schema")  # null: any JSON value
     strict: bool | None = None  # the output always follows the schema here, strict or not
 
 
@@ -93,7 +93,7 @@ class ResponseFormat(StrictModel):
 class StructuredOutputs(StrictModel):
     """vLLM's ``structured_outputs`` object: exactly one of its constraints."""
 
-    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    json_: JsonObject | Text | None = Field(None, alias="json")
     regex: Text | None = None
     choice: list[Text] | None = None
     grammar: Text | None = None
@@ -144,7 +144,7 @@ class _GenerationRequest(StrictModel):
     bad_words: list[Text] | None = None
     # Structured outputs: at most one of these (structured_output()).
     response_format: ResponseFormat | None = None  # OpenAI's
-    guided_json: dict[str, Any] | Text | None = None  # vLLM's: a JSON schema
+    guided_json: JsonObject | Text | None = None  # vLLM's: a JSON schema
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None  # Lark or GBNF
@@ -294,7 +294,7 @@ class ToolCallIn(StrictModel):
 class FunctionDefinition(StrictModel):
     name: Text = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: Text | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    parameters: JsonObject | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # a forced call always follows the schema; an auto one is parsed as it comes
 
 
