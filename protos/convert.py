@@ -39,6 +39,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         allowed_token_ids=params.allowed_token_ids or [],
         bad_words=params.bad_words,
         bad_words_token_ids=[common_pb2.BadWord(token_ids=ids) for ids in params.bad_words_token_ids],
+        n=params.n,
     )
     if params.structured_output is not None:
         message.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
@@ -68,6 +69,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         bad_words_token_ids=[list(word.token_ids) for word in message.bad_words_token_ids],
         structured_output=(structured_output_from_proto(message.structured_output)
                            if message.HasField("structured_output") else None),
+        n=message.n or 1,
         # Unset max_tokens is "until the context is full", not SamplingParams' default of 16.
         max_tokens=message.max_tokens if message.HasField("max_tokens") else None,
         **optional,

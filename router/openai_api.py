@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Iterator
 from contextlib import aclosing, contextmanager, suppress
 from importlib import metadata
@@ -51,7 +50,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
-from engine.sampling_params import SamplingParams
 from router.api_keys import APIKeys
 from router.intake import RouterRequest, check_request_id
 from router.openai_errors import APIError, add_error_handlers, error_response, field_named_in, json_response, renamed
@@ -78,6 +76,7 @@ from router.openai_responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
 from router.request_run import Completion, OutputDelta
 from router.tool_calls import messages_for_template, template_knows_tools
 from router.router import Router
@@ -91,8 +90,6 @@ Formatter = TextCompletionFormatter | ChatCompletionFormatter
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 _DONE_EVENT = "data: [DONE]\n\n"
-# Choices per request (prompts x n): each is a request of its own on the pods.
-MAX_CHOICES = 128
 
 
 def create_app(router: Router) -> FastAPI:
@@ -211,10 +208,14 @@ class OpenAIRoutes:
         request_id = _request_id(request, body.request_id)
         with _params_named_by(body):
             params = body.sampling_params()  # the cheap checks before the chat template and the tokenizer
-            _check_choices(len(prompts or [None]), params.n)
+            num_prompts = 1 if prompts is None else len(prompts)
+            if num_prompts * params.n > MAX_CHOICES:
+                param = "n" if num_prompts == 1 else "prompt"
+                raise APIError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{param}: {too_many_choices(num_prompts, params.n)}", param=param)
             if prompts is None:
                 prompts = [await self._render_chat(body)]
-            router_requests = await self._make_requests(prompts, params, request_id, body.add_special_tokens)
+            router_requests = await make_choices(self.router, prompts, params, request_id, body.add_special_tokens)
         response_id = router_requests[0].request_id if len(router_requests) == 1 else request_id
         request.state.request_id = response_id  # the X-Request-Id of the answer
         prompt_of = [index // params.n for index in range(len(router_requests))]  # each choice's prompt
@@ -224,7 +225,7 @@ class OpenAIRoutes:
                       for index, choice in enumerate(router_requests)]
         outputs = [self.router.generate(choice) for choice in router_requests]
         if body.stream:
-            merged = _merged(outputs)
+            merged = merged_outputs(outputs)
             first = await _first_output(request, merged)
             return ServerSentEvents(_events(first, merged, formatters, prompt_of, body.include_usage))
         results = await _until_disconnected(request, _collect_all(outputs))
@@ -232,22 +233,6 @@ class OpenAIRoutes:
             _raise_unless_finished(completion, formatter.response_id)
         responses = [formatter.response(*result) for formatter, result in zip(formatters, results)]
         return json_response(joined_responses(responses, [completion for _, completion in results], prompt_of))
-
-    async def _make_requests(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str | None,
-                             add_special_tokens: bool) -> list[RouterRequest]:
-        """One request per choice, prompt by prompt, ``n`` samples each (``SamplingParams.for_sample``); a single
-        choice keeps the request's id, several are ``<id>-<index>``. All are checked before any starts."""
-        if len(prompts) == 1 and params.n == 1:
-            return [await self.router.make_request(prompts[0], params, request_id,
-                                                   add_special_tokens=add_special_tokens)]
-        request_id = request_id or uuid.uuid4().hex
-        made = []
-        for prompt_index, prompt in enumerate(prompts):
-            for sample in range(params.n):
-                index = prompt_index * params.n + sample
-                made.append(await self.router.make_request(prompt, params.for_sample(sample), f"{request_id}-{index}",
-                                                           add_special_tokens=add_special_tokens))
-        return made
 
     def _choice_options(self, body: GenerationRequest, choice: RouterRequest) -> dict[str, Any]:
         """A chat's tool call parser; a completion's echo: its prompt's text, as given or decoded from the ids."""
@@ -262,13 +247,6 @@ class OpenAIRoutes:
     def _token_text(self, token_id: int) -> str:
         # A token's own text, special tokens included: logprobs describe every token the model produced.
         return self.router.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _check_choices(num_prompts: int, n: int) -> None:
-    if num_prompts * n > MAX_CHOICES:
-        param = "n" if num_prompts == 1 else "prompt"
-        raise APIError(grpc.StatusCode.INVALID_ARGUMENT, f"{param}: {num_prompts} prompt(s) x n = {n} make "
-                       f"{num_prompts * n} choices, more than the limit of {MAX_CHOICES} per request", param=param)
 
 
 def _request_id(request: Request, in_body: str | None) -> str | None:
@@ -344,33 +322,6 @@ async def _collect_all(outputs: list[RouterOutputs]) -> list[tuple[list[OutputDe
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _merged(outputs: list[RouterOutputs]) -> AsyncGenerator[tuple[int, OutputDelta | Completion], None]:
-    """The choices' outputs as they come, each with its choice's index, until every choice completed. Closing it
-    (or a choice failing) stops every choice still running."""
-    reading: dict[asyncio.Future, int] = {}
-
-    def read(index: int) -> None:
-        reading[asyncio.ensure_future(anext(outputs[index]))] = index
-
-    try:
-        for index in range(len(outputs)):
-            read(index)
-        while reading:
-            done, _ = await asyncio.wait(reading, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=reading.__getitem__):
-                index = reading.pop(task)
-                output = task.result()
-                if isinstance(output, OutputDelta):
-                    read(index)
-                yield index, output
-    finally:
-        for task in reading:
-            task.cancel()
-        await asyncio.gather(*reading, return_exceptions=True)
-        for choice in outputs:
-            await choice.aclose()
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:

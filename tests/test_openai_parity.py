@@ -182,3 +182,24 @@ def test_grpc_refuses_a_spec_that_does_not_compile(cluster):
         grpc_text(cluster, max_tokens=4, structured_output=common_pb2.StructuredOutput(regex="(unclosed"))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_output" in raised.value.details() and "cannot compile the regex" in raised.value.details()
+
+
+def test_grpc_n_streams_each_sample_with_its_index_equal_to_separate_seeded_requests(cluster):
+    import grpc
+
+    from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+    texts, completes, ids = ["", "", ""], [None, None, None], set()
+    params = common_pb2.SamplingParams(n=3, seed=9, temperature=1.0, max_tokens=8)
+    with grpc.insecure_channel(f"{cluster.config.host}:{cluster.config.grpc_port}") as channel:
+        request = generate_pb2.GenerateRequest(request_id="grpc-n", text=PROMPT, sampling_params=params)
+        for response in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120):
+            assert response.WhichOneof("response") != "error", response.error.message
+            ids.add(response.request_id)
+            if response.HasField("chunk"):
+                texts[response.index] += response.chunk.text
+            else:
+                completes[response.index] = response.complete
+    assert ids == {"grpc-n"} and all(complete is not None for complete in completes)
+    assert texts == [grpc_text(cluster, seed=9 + i, temperature=1.0, max_tokens=8)[0] for i in range(3)]
+    assert len(set(texts)) == 3
