@@ -246,7 +246,8 @@ class Sampler:
         return logits
 
     def _constrain_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """allowed_token_ids, bad words and logit_bias, on the rows that set them (few: a loop over them)."""
+        """The grammar's mask, allowed_token_ids, bad words and logit_bias, on the rows that have them (few: a loop
+        over them)."""
         constrained = [i for i, row in enumerate(rows) if row.params.constrains_tokens or row.allowed is not None]
         if not constrained:
             return logits

@@ -398,3 +398,15 @@ def test_bad_words_ban_the_token_that_would_complete_one():
     # Only the output counts, not the prompt (vLLM's rule).
     assert sampler().sample(logits, [row(prompt=(1, 4), temperature=0.0, bad_words_token_ids=two_tokens)]).token_ids \
         == [7]
+
+
+def test_a_rows_grammar_mask_leaves_only_the_tokens_it_allows():
+    logits = random_logits(2, seed=13)
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[3, 400, 401]] = True
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], allowed), row(temperature=0.0)]
+    out = sampler().sample(logits, rows)
+    assert out.token_ids == [[3, 400, 401][int(logits[0, [3, 400, 401]].argmax())], int(logits[1].argmax())]
+    for seed in range(10):
+        drawn = SamplingRow(SamplingParams(temperature=1.0, seed=seed), [1], [], allowed)
+        assert sampler().sample(logits[:1], [drawn]).token_ids[0] in (3, 400, 401)
