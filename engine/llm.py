@@ -74,8 +74,13 @@ class LLM:
         return self.generate(prompts, params)
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> "_PendingRequest":
+        if params.n != 1:  # RequestOutput holds one sample; the router serves n (SamplingParams.for_sample)
+            raise ValueError(f"n must be 1 offline (one output per prompt), got {params.n}; pass the prompt n times "
+                             "with params.for_sample(i)")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        if params.bad_words:
+            params = params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
         seq = self.engine.add_request(str(next(self._ids)), ids, params)
         return _PendingRequest(seq, text, IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,

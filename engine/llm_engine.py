@@ -19,12 +19,14 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_kernels import KernelChoice
 from engine.draft_model import DraftModel
+from engine.grammar_masks import GrammarMasks
 from engine.model_files import load_model_files
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import SpecDecodeCounts, SpeculativeProposer
+from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(config, loaded.config, loaded.state_dict)
+        self.runner.grammar_masks = GrammarMasks(GrammarCompiler(self.tokenizer, self.model_config.vocab_size),
+                                                 self.model_config.vocab_size, self.tokenizer.eos_token_ids)
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -138,8 +142,10 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one scheduled batch; returns the sequences that got a token or finished in it."""
         if self.proposer is not None:
+            # A guided sequence is not speculated for: its drafts would be verified without the grammar's masks.
             self.proposer.propose([seq for seq in self.scheduler.running
-                                   if seq.num_computed_tokens == seq.num_tokens - 1])
+                                   if seq.num_computed_tokens == seq.num_tokens - 1
+                                   and seq.sampling_params.structured_output is None])
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []

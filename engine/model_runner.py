@@ -22,6 +22,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import PagedKVCache
 from engine.model import LlamaForCausalLM
+from engine.grammar_masks import GrammarMasks
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.speculative import accept_drafts
@@ -40,13 +41,16 @@ class ModelRunner:
         )
         self.kv_cache = PagedKVCache.from_config(model_config, config.cache, self.device)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed)
+        self.grammar_masks: GrammarMasks | None = None  # set by the engine, which has the tokenizer
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, layer_done: Callable[[int], None] | None = None) -> SampledTokens:
         """Run one step; returns {request_id: [(token_id, logprobs)]} for the sequences that sample."""
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, layer_done)  # [T, hidden]
         sampling = [s for s in batch.scheduled if s.samples]
+        # Structured outputs: their masks are computed on other threads while the model runs.
+        pending_masks = self.grammar_masks.start([s.seq for s in sampling]) if self.grammar_masks else None
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, layer_done)  # [T, hidden]
         if not sampling:
             return {}
         # The last 1 + k rows of each sampling sequence (k drafts) predict its next tokens; the step's rows are its
@@ -55,7 +59,9 @@ class ModelRunner:
         rows = [row for s, end in zip(batch.scheduled, ends) if s.samples
                 for row in range(end - 1 - len(s.draft_token_ids), end)]
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
-        out = self.sampler.sample(logits, [row for s in sampling for row in _sampling_rows(s)])
+        allowed = pending_masks.result() if pending_masks is not None else {}
+        out = self.sampler.sample(logits, [row for s in sampling
+                                           for row in _sampling_rows(s, allowed.get(s.seq.request_id))])
         sampled: SampledTokens = {}
         first = 0
         for s in sampling:
@@ -89,10 +95,12 @@ class ModelRunner:
         return as_tensor(tokens), as_tensor(positions), meta
 
 
-def _sampling_rows(s: ScheduledSeq) -> list[SamplingRow]:
+def _sampling_rows(s: ScheduledSeq, allowed: torch.Tensor | None = None) -> list[SamplingRow]:
     """The sampling row of each verified position: row j samples as if drafts 0..j-1 were already output (penalties,
-    min_tokens and the seeded draw's position see them)."""
+    min_tokens and the seeded draw's position see them). ``allowed``: the grammar's mask of a guided sequence (which
+    never has drafts: the engine does not speculate for it)."""
     seq = s.seq
     outputs = seq.output_token_ids  # as it is for row 0 (every row when not speculating): no copy per step
-    return [SamplingRow(seq.sampling_params, seq.prompt_token_ids, outputs + s.draft_token_ids[:j] if j else outputs)
+    return [SamplingRow(seq.sampling_params, seq.prompt_token_ids, outputs + s.draft_token_ids[:j] if j else outputs,
+                        allowed if j == 0 else None)
             for j in range(len(s.draft_token_ids) + 1)]

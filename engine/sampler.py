@@ -2,6 +2,8 @@
 
 A row's logits go through, in vLLM's order:
 
+    token constraints       the grammar's mask and allowed_token_ids (every other token at -inf), bad words (the
+                            token that would complete one at -inf), logit_bias (added)
     min_tokens masking      EOS (unless ignore_eos) and stop_token_ids at -inf until min_tokens are out
     repetition penalty      over prompt + output tokens, HF/CTRL style (positive / p, negative * p)
     presence, frequency     over output tokens, OpenAI's formula
@@ -46,6 +48,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    allowed: torch.Tensor | None = None  # [V] bool: the tokens its grammar allows next (structured output)
 
     @property
     def position(self) -> int:
@@ -128,6 +131,17 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def banned_by_bad_words(bad_words_token_ids: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: a one-token word always, a longer one when the output
+    ends with all of it but its last token (vLLM's rule: only the output counts, not the prompt)."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = word[:-1]
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned
+
+
 def seeded_draw_key(seed: int, position: int) -> int:
     """63-bit generator key for (seed, position); hashlib, because Python's hash() is salted per process."""
     digest = hashlib.blake2b(struct.pack("<QQ", seed, position), digest_size=8).digest()
@@ -194,7 +208,9 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     def penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """logits [N, V] after min_tokens masking, repetition and presence/frequency penalties."""
+        """logits [N, V] after token constraints, min_tokens masking, repetition and presence/frequency
+        penalties."""
+        logits = self._constrain_tokens(logits, rows)
         logits = self._block_stop_tokens(logits, rows)
         repeating = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
         if repeating:
@@ -228,6 +244,34 @@ class Sampler:
             m = self._column([params[i].min_p for i in min_p], logits)
             logits = _on_rows(logits, min_p, lambda x: apply_min_p(x, m))
         return logits
+
+    def _constrain_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The grammar's mask, allowed_token_ids, bad words and logit_bias, on the rows that have them (few: a loop
+        over them)."""
+        constrained = [i for i, row in enumerate(rows) if row.params.constrains_tokens or row.allowed is not None]
+        if not constrained:
+            return logits
+        logits = logits.clone()
+        for i in constrained:
+            params, row = rows[i].params, logits[i]  # row: [V], a view of logits
+            if rows[i].allowed is not None:
+                row.masked_fill_(~rows[i].allowed.to(row.device), float("-inf"))
+            if params.allowed_token_ids is not None:
+                allowed = torch.zeros_like(row, dtype=torch.bool)
+                allowed[self._in_vocabulary(params.allowed_token_ids)] = True
+                row.masked_fill_(~allowed, float("-inf"))
+            banned = self._in_vocabulary(banned_by_bad_words(params.bad_words_token_ids, rows[i].output_token_ids))
+            row[banned] = float("-inf")
+            biased = [(t, b) for t, b in params.logit_bias.items() if t < self.vocab_size]
+            if biased:
+                ids, biases = zip(*biased)
+                row[list(ids)] += torch.tensor(biases, dtype=row.dtype, device=row.device)
+        return logits
+
+    def _in_vocabulary(self, token_ids: list[int]) -> list[int]:
+        # The router checks ids against the tokenizer's vocabulary, which may be smaller than the model's rows;
+        # an id past the logits can never be sampled, so constraining it is a no-op.
+        return [t for t in token_ids if t < self.vocab_size]
 
     def _block_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """While a row has fewer than min_tokens outputs, it may not sample a token that would end it."""
@@ -299,4 +343,6 @@ def _changes_logits(row: SamplingRow) -> bool:
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
         or len(row.output_token_ids) < p.min_tokens
+        or p.constrains_tokens
+        or row.allowed is not None
     )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.structured_output import GrammarState
     from engine.speculative import DraftState
 
 
@@ -55,6 +56,8 @@ class Sequence:
     # Speculative decoding (engine/speculative.py): tokens proposed for the next step, and the request's proposer state.
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: DraftState | None = None
+    # Structured output (engine/grammar_masks.py): the request's grammar matcher, made on its first guided step.
+    grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

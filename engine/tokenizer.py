@@ -191,6 +191,10 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    def backend_json(self) -> str:
+        """The HF ``tokenizers`` definition as JSON (what llguidance builds its view of the vocabulary from)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         # A tokenizer.json post-processor may already add BOS (Llama 2/3); never add it twice.

@@ -12,7 +12,7 @@ among them (the order vLLM's OpenAI server shows).
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import FinishReason
 from protos.splitserve.v1 import common_pb2
 
@@ -35,7 +35,14 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids or [],
+        bad_words=params.bad_words,
+        bad_words_token_ids=[common_pb2.BadWord(token_ids=ids) for ids in params.bad_words_token_ids],
+        n=params.n,
     )
+    if params.structured_output is not None:
+        message.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     # None means "unset" for these, which proto3 spells as an absent optional field.
     for name in ("seed", "max_tokens", "logprobs"):
         if getattr(params, name) is not None:
@@ -56,10 +63,33 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         stop_token_ids=list(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         include_stop_str_in_output=message.include_stop_str_in_output,
+        logit_bias=dict(message.logit_bias),
+        allowed_token_ids=list(message.allowed_token_ids) or None,
+        bad_words=list(message.bad_words),
+        bad_words_token_ids=[list(word.token_ids) for word in message.bad_words_token_ids],
+        structured_output=(structured_output_from_proto(message.structured_output)
+                           if message.HasField("structured_output") else None),
+        n=message.n or 1,
         # Unset max_tokens is "until the context is full", not SamplingParams' default of 16.
         max_tokens=message.max_tokens if message.HasField("max_tokens") else None,
         **optional,
     )
+
+def structured_output_to_proto(spec: StructuredOutput) -> common_pb2.StructuredOutput:
+    if spec.choice is not None:
+        return common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=spec.choice))
+    return common_pb2.StructuredOutput(**{spec.kind: getattr(spec, spec.kind)})
+
+
+def structured_output_from_proto(message: common_pb2.StructuredOutput) -> StructuredOutput:
+    """Raises ValueError for a message that sets no constraint."""
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError("structured_output must set one of json, regex, choice, grammar, json_object")
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(message.choice.choices))
+    return StructuredOutput(**{kind: getattr(message, kind)})
+
 
 _FINISH_REASON_TO_PROTO = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,

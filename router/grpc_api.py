@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError, Message
 from protos.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_from_dict
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.api_keys import APIKeys
+from router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
 from router.intake import RouterRequest
 from router.request_run import Completion, OutputDelta
 from router.router import Router
@@ -83,11 +84,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext):
         try:
-            req = await self._router_request(request, context)
-            async with aclosing(self._router.generate(req)) as outputs:
-                async for output in outputs:
-                    yield self._response(req, output)
-        except StatusError as error:  # only ever before the first output: the router's contract
+            choices = await self._router_requests(request, context)
+            if len(choices) == 1:
+                async with aclosing(self._router.generate(choices[0])) as outputs:
+                    async for output in outputs:
+                        yield self._response(choices[0], output)
+                return
+            request_id = choices[0].request_id.rpartition("-")[0]  # the samples' ids are <id>-<index>
+            async with aclosing(merged_outputs([self._router.generate(choice) for choice in choices])) as merged:
+                async for index, output in merged:
+                    yield self._response(choices[index], output, index, request_id)
+        except StatusError as error:  # before the first output (n > 1: before a sample's first output)
             pushback = () if error.retry_after_s is None else (
                 ("grpc-retry-pushback-ms", str(math.ceil(error.retry_after_s * 1000))),)
             await context.abort(error.code, error.message, trailing_metadata=pushback)
@@ -97,8 +104,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.why}")
         return common_pb2.AbortResponse(found=await self._router.abort(request.request_id))
 
-    async def _router_request(self, request: generate_pb2.GenerateRequest | MalformedRequest,
-                              context: grpc.aio.ServicerContext) -> RouterRequest:
+    async def _router_requests(self, request: generate_pb2.GenerateRequest | MalformedRequest,
+                               context: grpc.aio.ServicerContext) -> list[RouterRequest]:
         if isinstance(request, MalformedRequest):
             raise _invalid(f"request: {request.why}")
         if request.model and request.model != self._router.model_name:
@@ -109,13 +116,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as exc:  # SamplingParams names the field first
             raise _invalid(f"sampling_params.{exc}") from None
+        if params.n > MAX_CHOICES:
+            raise _invalid(f"sampling_params.n: {too_many_choices(1, params.n)}")
         which = request.WhichOneof("input")
         try:
             prompt = await self._prompt(request)
             # The client's deadline (None without one) bounds the request, as its own timeout would.
-            return await self._router.make_request(prompt, params, request.request_id or None,
-                                                   add_special_tokens=self._add_special_tokens(request),
-                                                   timeout_s=context.time_remaining())
+            return await make_choices(self._router, [prompt], params, request.request_id or None,
+                                      self._add_special_tokens(request), timeout_s=context.time_remaining())
         except StatusError as error:
             raise _named_as_in_the_proto(error, which) from None
 
@@ -149,14 +157,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             messages, add_generation_prompt=add_generation_prompt, continue_final_message=chat.continue_final_message,
             template_kwargs=_whole_numbers_as_ints(json_format.MessageToDict(chat.chat_template_kwargs)))
 
-    def _response(self, req: RouterRequest, output: OutputDelta | Completion) -> generate_pb2.GenerateResponse:
+    def _response(self, req: RouterRequest, output: OutputDelta | Completion, index: int = 0,
+                  request_id: str | None = None) -> generate_pb2.GenerateResponse:
+        response = generate_pb2.GenerateResponse(request_id=request_id or req.request_id, index=index)
         if isinstance(output, OutputDelta):
-            return generate_pb2.GenerateResponse(request_id=req.request_id, chunk=self._chunk(req, output))
-        if output.finish_reason == "error":
-            error = output.error
-            return generate_pb2.GenerateResponse(request_id=req.request_id, error=generate_pb2.Error(
-                code=error.code.value[0], message=error.message))
-        return generate_pb2.GenerateResponse(request_id=req.request_id, complete=_complete(output))
+            response.chunk.CopyFrom(self._chunk(req, output))
+        elif output.finish_reason == "error":
+            response.error.CopyFrom(generate_pb2.Error(code=output.error.code.value[0], message=output.error.message))
+        else:
+            response.complete.CopyFrom(_complete(output))
+        return response
 
     def _chunk(self, req: RouterRequest, delta: OutputDelta) -> generate_pb2.Chunk:
         chunk = generate_pb2.Chunk(token_ids=delta.token_ids, text=delta.text)

@@ -3,8 +3,9 @@
 The HTTP and gRPC layers depend on this file (through ``Router``, which hands them its ``Intake``'s methods):
 
 1. cheap checks first, before any work they bound: the request id (``check_request_id``), the sampling
-   parameters within the server's limits (stop strings, stop token ids, logprobs, max_tokens), a text's size in
-   UTF-8 bytes (``max_prompt_bytes``);
+   parameters within the server's limits (stop strings, stop token ids, logprobs, max_tokens, bad words, token
+   ids of logit_bias and allowed_token_ids), a text's size in UTF-8 bytes (``max_prompt_bytes``); a structured
+   output's grammar compiled (``engine/structured_output.py``), on a worker thread;
 2. then the work: a chat rendered by the model's template (``apply_chat_template``), a prompt tokenized
    (``tokenize``), both on worker threads: a prompt at the byte limit takes about a second to tokenize, and the
    event loop serves every other request (and /health) meanwhile;
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 import grpc
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from runtime.errors import StatusError
@@ -41,6 +43,8 @@ T = TypeVar("T")
 
 # Request ids travel in headers, logs and metadata: short and printable, no spaces.
 MAX_REQUEST_ID_LENGTH = 128
+# Bad words per request: each is tokenized twice and checked against the output at every step.
+MAX_BAD_WORDS = 64
 # Variables the router gives every chat template itself; chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -62,6 +66,7 @@ class Intake:
         self.config = config
         self.tokenizer = tokenizer
         self._text_workers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.grammars = GrammarCompiler(tokenizer)  # checks structured outputs; built on first use
         encode_without_holding_the_gil(self.tokenizer)
 
     def close(self) -> None:
@@ -125,6 +130,13 @@ class Intake:
         if request_id is not None:
             check_request_id(request_id, "request_id")
         params = self._checked_params(params)
+        if params.structured_output is not None:
+            await self._off_loop(self._check_structured_output, params)
+        if params.bad_words:
+            try:
+                params = await self._off_loop(params.with_bad_words_tokenized, self._encode_word)
+            except ValueError as error:
+                raise invalid(f"bad_words: {error}") from None
         if isinstance(prompt, str):
             token_ids = await self.tokenize(prompt, add_special_tokens)
         else:
@@ -150,6 +162,16 @@ class Intake:
             raise invalid(f"stop_token_ids: {len(params.stop_token_ids)} ids, more than the limit of "
                           f"{config.max_stop_token_ids} (max_stop_token_ids)")
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self._check_token_ids(list(params.logit_bias), "logit_bias")
+        self._check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
+        for word in params.bad_words_token_ids:  # the gRPC API may send them tokenized
+            self._check_token_ids(word, "bad_words_token_ids")
+        if len(params.bad_words) + len(params.bad_words_token_ids) > MAX_BAD_WORDS:
+            raise invalid(f"bad_words: more than the limit of {MAX_BAD_WORDS} words")
+        for i, word in enumerate(params.bad_words):
+            if _utf8_length(word, f"bad_words[{i}]") > config.max_stop_string_bytes:
+                raise invalid(f"bad_words[{i}]: {len(word.encode())} bytes, more than the limit of "
+                              f"{config.max_stop_string_bytes} bytes per word (max_stop_string_bytes)")
         if params.logprobs is not None and params.logprobs > config.max_logprobs:
             raise invalid(f"logprobs: must be <= {config.max_logprobs} (max_logprobs), got {params.logprobs}")
         if params.max_tokens is not None and params.max_tokens > config.output_token_limit:
@@ -158,6 +180,17 @@ class Intake:
         if params.top_k > self.tokenizer.vocab_size:  # the same as no top-k filter; keeps the wire's int32
             params = dataclasses.replace(params, top_k=0)
         return params
+
+    def _check_structured_output(self, params: SamplingParams) -> None:
+        """The grammar compiles (within llguidance's fuel limits: a pathological regex fails fast), before any pod
+        works on the request."""
+        try:
+            self.grammars.check(params.structured_output)
+        except ValueError as error:
+            raise invalid(f"structured_output: {error}") from None
+
+    def _encode_word(self, word: str) -> list[int]:
+        return self.tokenizer.encode(word, add_special_tokens=False)
 
     def _with_max_tokens(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
         room = self.config.max_model_len - prompt_tokens

@@ -9,8 +9,10 @@ A request's path:
       -> the request id: X-Request-Id header or request_id field         validated           -> 400
       -> .sampling_params()                                               values and ranges   -> 400, param named
       -> chat only: router.apply_chat_template(messages, options)         the prompt text     -> StatusError
-      -> router.make_request(prompt, params, id)                          limits, tokenized   -> StatusError
+      -> router.make_request(prompt, params, id) per choice               limits, tokenized   -> StatusError
+         (a choice per prompt and sample: prompts x n, each its own request, ``<id>-<index>`` when several)
       -> router.generate(request): OutputDelta..., then one Completion     routed to the pods  -> StatusError
+         (several choices: side by side, their outputs merged as they come, each tagged with its index)
       -> stream: the first item is awaited before any byte is sent, so an error that comes before it
                  (429 full, 503 no pod, 504 deadline) is still an HTTP status; then one SSE event per
                  delta, a finish chunk, a usage chunk if stream_options.include_usage, and [DONE].
@@ -49,9 +51,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from router.api_keys import APIKeys
-from router.intake import check_request_id
+from router.intake import RouterRequest, check_request_id
 from router.openai_errors import APIError, add_error_handlers, error_response, field_named_in, json_response, renamed
-from router.openai_format import ChatCompletionFormatter, TextCompletionFormatter
+from router.openai_format import ChatCompletionFormatter, TextCompletionFormatter, joined_responses, joined_usage
 from router.openai_middleware import (
     REQUEST_ID_HEADER,
     APIKeyAuth,
@@ -74,7 +76,9 @@ from router.openai_responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
 from router.request_run import Completion, OutputDelta
+from router.tool_calls import messages_for_template, template_knows_tools
 from router.router import Router
 from runtime.errors import StatusError
 
@@ -137,7 +141,7 @@ class OpenAIRoutes:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        return await self._generate(request, body, body.prompt, TextCompletionFormatter)
+        return await self._generate(request, body, body.prompts, TextCompletionFormatter)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -188,30 +192,57 @@ class OpenAIRoutes:
                            param="model")
 
     async def _render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest) -> str:
+        tools, messages = body.offered_tools(), body.chat_messages()
+        template_kwargs = body.chat_template_kwargs
+        if tools or any(message["role"] == "tool" or "tool_calls" in message for message in messages):
+            knows_tools = template_knows_tools(self.router.tokenizer.chat_template)
+            messages = messages_for_template(messages, tools, knows_tools)
+            if tools and knows_tools:
+                template_kwargs = {**(template_kwargs or {}), "tools": tools}
         return await self.router.apply_chat_template(
-            body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
+            messages, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, template_kwargs=template_kwargs)
 
-    async def _generate(self, request: Request, body: GenerationRequest, prompt: str | list[int] | None,
+    async def _generate(self, request: Request, body: GenerationRequest, prompts: list[str | list[int]] | None,
                         formatter_class: type[Formatter]) -> Response:
         request_id = _request_id(request, body.request_id)
         with _params_named_by(body):
             params = body.sampling_params()  # the cheap checks before the chat template and the tokenizer
-            if prompt is None:
-                prompt = await self._render_chat(body)
-            router_request = await self.router.make_request(prompt, params, request_id,
-                                                            add_special_tokens=body.add_special_tokens)
-        request.state.request_id = router_request.request_id  # the X-Request-Id of the answer
-        formatter = formatter_class(router_request.request_id, self.router.model_name, self._token_text,
-                                    router_request.params.logprobs, len(router_request.prompt_token_ids),
-                                    body.continuous_usage)
-        outputs = self.router.generate(router_request)
+            num_prompts = 1 if prompts is None else len(prompts)
+            if num_prompts * params.n > MAX_CHOICES:
+                param = "n" if num_prompts == 1 else "prompt"
+                raise APIError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{param}: {too_many_choices(num_prompts, params.n)}", param=param)
+            if prompts is None:
+                prompts = [await self._render_chat(body)]
+            router_requests = await make_choices(self.router, prompts, params, request_id, body.add_special_tokens)
+        response_id = router_requests[0].request_id if len(router_requests) == 1 else request_id
+        request.state.request_id = response_id  # the X-Request-Id of the answer
+        prompt_of = [index // params.n for index in range(len(router_requests))]  # each choice's prompt
+        formatters = [formatter_class(response_id, self.router.model_name, self._token_text, choice.params.logprobs,
+                                      len(choice.prompt_token_ids), body.continuous_usage, index=index,
+                                      **self._choice_options(body, choice))
+                      for index, choice in enumerate(router_requests)]
+        outputs = [self.router.generate(choice) for choice in router_requests]
         if body.stream:
-            first = await _first_output(request, outputs)
-            return ServerSentEvents(_events(first, outputs, formatter, body.include_usage))
-        deltas, completion = await _until_disconnected(request, _collect(outputs))
-        _raise_unless_finished(completion, formatter.response_id)
-        return json_response(formatter.response(deltas, completion))
+            merged = merged_outputs(outputs)
+            first = await _first_output(request, merged)
+            return ServerSentEvents(_events(first, merged, formatters, prompt_of, body.include_usage))
+        results = await _until_disconnected(request, _collect_all(outputs))
+        for formatter, (_, completion) in zip(formatters, results):
+            _raise_unless_finished(completion, formatter.response_id)
+        responses = [formatter.response(*result) for formatter, result in zip(formatters, results)]
+        return json_response(joined_responses(responses, [completion for _, completion in results], prompt_of))
+
+    def _choice_options(self, body: GenerationRequest, choice: RouterRequest) -> dict[str, Any]:
+        """A chat's tool call parser; a completion's echo: its prompt's text, as given or decoded from the ids."""
+        if isinstance(body, ChatCompletionRequest):
+            return {"tool_parser": body.tool_parser()}
+        if not body.echo:
+            return {}
+        if choice.prompt_text is not None:
+            return {"echo": choice.prompt_text}
+        return {"echo": self.router.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)}
 
     def _token_text(self, token_id: int) -> str:
         # A token's own text, special tokens included: logprobs describe every token the model produced.
@@ -267,7 +298,7 @@ def _validated(model: type[T], data: Any) -> T:
 # ------------------------------------------------------------------------------------------- generation
 
 
-async def _first_output(request: Request, outputs: RouterOutputs) -> OutputDelta | Completion:
+async def _first_output(request: Request, outputs: AsyncGenerator[T, None]) -> T:
     """The first output, awaited before the response starts, so that an early error is still an HTTP status."""
     try:
         return await _until_disconnected(request, anext(outputs))
@@ -280,6 +311,17 @@ async def _collect(outputs: RouterOutputs) -> tuple[list[OutputDelta], Completio
     async with aclosing(outputs):
         *deltas, completion = [output async for output in outputs]
     return deltas, completion
+
+
+async def _collect_all(outputs: list[RouterOutputs]) -> list[tuple[list[OutputDelta], Completion]]:
+    """Every choice's outputs, collected side by side; one failing (or the client leaving) stops them all."""
+    tasks = [asyncio.ensure_future(_collect(choice)) for choice in outputs]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -336,27 +378,37 @@ class ServerSentEvents(StreamingResponse):
             await self.events.aclose()
 
 
-async def _events(first: OutputDelta | Completion, outputs: RouterOutputs, formatter: Formatter,
-                  include_usage: bool) -> AsyncGenerator[str, None]:
-    """The SSE body: opening chunks, one chunk per delta, the finish chunk, the usage chunk, then [DONE];
+async def _events(first: tuple[int, OutputDelta | Completion], merged: AsyncGenerator, formatters: list[Formatter],
+                  prompt_of: list[int], include_usage: bool) -> AsyncGenerator[str, None]:
+    """The SSE body: opening chunks, one chunk per delta, each choice's finish chunk, the usage chunk, then [DONE];
     an error on the way becomes an ``{"error": ...}`` event before [DONE]."""
-    async with aclosing(outputs):
+    async with aclosing(merged):
         try:
-            for chunk in formatter.opening_chunks():
-                yield _event(chunk)
-            output = first
-            while isinstance(output, OutputDelta):
-                chunk = formatter.delta_chunk(output)
-                if chunk is not None:
+            for formatter in formatters:
+                for chunk in formatter.opening_chunks():
                     yield _event(chunk)
-                output = await anext(outputs)
-            _raise_unless_finished(output, formatter.response_id)
-            yield _event(formatter.finish_chunk(output))
+            completions: list[tuple[int, Completion]] = []  # (choice index, its completion), as they end
+            item: tuple[int, OutputDelta | Completion] | None = first
+            while item is not None:
+                index, output = item
+                formatter = formatters[index]
+                if isinstance(output, OutputDelta):
+                    chunk = formatter.delta_chunk(output)
+                    if chunk is not None:
+                        yield _event(chunk)
+                else:
+                    _raise_unless_finished(output, formatter.response_id)
+                    for chunk in formatter.finish_chunks(output):
+                        yield _event(chunk)
+                    completions.append((index, output))
+                item = await anext(merged, None)
             if include_usage:
-                yield _event(formatter.usage_chunk(output))
+                completions.sort(key=lambda pair: pair[0])
+                usage = joined_usage([completion for _, completion in completions], prompt_of)
+                yield _event(formatters[0].usage_chunk(usage))
         except Exception as error:  # the status line is gone: the error can only be an event now
             if not isinstance(error, StatusError):
-                logger.exception("stream of %s failed", formatter.response_id)
+                logger.exception("stream of %s failed", formatters[0].response_id)
             yield _event(error_response(error))
     yield _DONE_EVENT
 

@@ -3,9 +3,9 @@
 ``StrictModel`` refuses what this server would otherwise silently ignore:
 
 - an unknown field: pydantic's ``extra="forbid"``, a 400 naming it;
-- a known field this server does not honour yet (``UNSUPPORTED_FIELDS``: structured outputs, tools, ``n`` > 1,
-  ``echo``, ...) at any value but its neutral one (``null``, ``false``, ``[]``, or what asks for nothing), a 400
-  naming it and saying why;
+- a known field this server does not honour yet (``UNSUPPORTED_FIELDS``: tools, ``prompt_logprobs``, ...) at
+  any value but its neutral one (``null``, ``false``, ``[]``, or what asks for
+  nothing), a 400 naming it and saying why;
 - a loose type: ``strict=True``, as in OpenAI's API (``"0.5"`` is not a number, ``1.0`` is not an integer);
 - a string that is not valid Unicode (``Text``; ``unicode_everywhere`` for free-form JSON): JSON's ``"\\ud800"``
   parses to a lone surrogate, which no tokenizer or protobuf takes.
@@ -22,30 +22,16 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, fiel
 from pydantic_core import PydanticCustomError
 
 # Known fields this server does not honour yet: {field: (the values that ask for nothing, why it is refused)}.
-_NO_STRUCTURED_OUTPUT = "structured output (guided decoding) is not supported yet"
-_NO_TOOLS = "tool calling is not supported yet"
+_NO_TOOLS = "the legacy function-calling fields are not supported; use tools and tool_choice"
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": ((None, {}), "the sampler has no per-token biases yet"),
     "best_of": ((None, 1), "only one sample per prompt is generated"),
-    "echo": ((None, False), "the prompt is not returned with the output yet"),
     "suffix": ((None, ""), "the served models do not fill in the middle"),
     "prompt_logprobs": ((None,), "prompt logprobs are not computed yet"),
-    "response_format": ((None, {"type": "text"}), _NO_STRUCTURED_OUTPUT),
-    "guided_json": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_regex": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_choice": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_grammar": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_decoding_backend": ((None,), _NO_STRUCTURED_OUTPUT),
-    "guided_whitespace_pattern": ((None,), _NO_STRUCTURED_OUTPUT),
-    "structured_outputs": ((None,), _NO_STRUCTURED_OUTPUT),
-    "structural_tag": ((None,), _NO_STRUCTURED_OUTPUT),
-    "tools": ((None, []), _NO_TOOLS),
-    "tool_choice": ((None, "none", "auto"), _NO_TOOLS),
-    "parallel_tool_calls": ((None, True, False), _NO_TOOLS),
+    "guided_decoding_backend": ((None,), "the grammar engine is the server's choice (llguidance)"),
+    "guided_whitespace_pattern": ((None,), "JSON output takes any whitespace between tokens"),
+    "structural_tag": ((None,), "structural tags are not supported"),
     "functions": ((None, []), _NO_TOOLS),
     "function_call": ((None, "none", "auto"), _NO_TOOLS),
-    "bad_words": ((None, []), "the sampler has no banned words yet"),
-    "allowed_token_ids": ((None,), "the sampler has no allowed-token filter yet"),
     "truncate_prompt_tokens": ((None,), "prompts are never truncated: a prompt over the limit is refused"),
     "logits_processors": ((None, []), "custom logits processors are not run"),
     "use_beam_search": ((None, False), "beam search is not supported"),
@@ -72,8 +58,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "metadata": ((None, {}), "outputs are not stored, so they carry no metadata"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     # Fields of a message, when a client sends back an assistant message as a previous response gave it.
-    "tool_calls": ((None, []), _NO_TOOLS),
-    "tool_call_id": ((None,), _NO_TOOLS),
     "refusal": ((None,), "assistant refusals are not modelled"),
     "annotations": ((None, []), "message annotations are not modelled"),
 }
@@ -100,6 +84,11 @@ def valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(valid_unicode)]
 
 
+def _unicode_json(value: Any) -> Any:
+    unicode_everywhere(value)
+    return value
+
+
 def unicode_everywhere(value: Any) -> None:
     """Every string in ``value`` (keys too) valid Unicode, for free-form JSON (``chat_template_kwargs``)."""
     if isinstance(value, str):
@@ -111,6 +100,10 @@ def unicode_everywhere(value: Any) -> None:
         for key, item in value.items():
             unicode_everywhere(key)
             unicode_everywhere(item)
+
+
+# A JSON object of the client's (a JSON schema), every string in it valid Unicode.
+JsonObject = Annotated[dict[str, Any], AfterValidator(_unicode_json)]
 
 
 class StrictModel(BaseModel):

@@ -3,9 +3,12 @@ into stream chunks, or into one whole response, of ``/v1/completions`` or ``/v1/
 
     formatter.opening_chunks()          chat: the assistant's role, before any text
     formatter.delta_chunk(delta)        one chunk per delta with new text (or logprobs owed), else None
-    formatter.finish_chunk(completion)  the finish reason and stop reason
-    formatter.usage_chunk(completion)   the usage, when stream_options.include_usage
+    formatter.finish_chunks(completion) the finish reason and stop reason (chat with tools: the calls before it)
+    formatter.usage_chunk(usage)        the usage, when stream_options.include_usage
     formatter.response(deltas, completion)   the same, joined, for a request that does not stream
+
+A request with several choices (a list of prompts, ``n`` > 1) has one formatter per choice, each with its index;
+``joined_responses`` and ``joined_usage`` put their answers together, each prompt's tokens counted once.
 
 With ``stream_options.continuous_usage_stats`` every chunk also carries the usage so far (prompt tokens, and
 the completion tokens streamed up to and including that chunk), as vLLM does.
@@ -28,12 +31,15 @@ from router.openai_responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCall,
     PromptTokensDetails,
     TokenLogprob,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
 from router.request_run import Completion, OutputDelta
+from router.tool_calls import ToolCall, ToolCallParser
 
 TokenText = Callable[[int], str]  # a token id's own text, for logprobs
 
@@ -44,8 +50,12 @@ class _Formatter:
     id_prefix = ""
 
     def __init__(self, request_id: str, model: str, token_text: TokenText, num_logprobs: int | None,
-                 prompt_tokens: int = 0, continuous_usage: bool = False):
+                 prompt_tokens: int = 0, continuous_usage: bool = False, index: int = 0, echo: str = "",
+                 tool_parser: ToolCallParser | None = None):
         self.response_id = f"{self.id_prefix}{request_id}"
+        self.index = index  # the choice's index: prompt index * n + sample index
+        self.echo = echo  # text before the output (completions' echo: the prompt)
+        self.tool_parser = tool_parser  # chat with tools: the answer's tool calls
         self.model = model
         self.created = int(time.time())
         self.token_text = token_text
@@ -98,26 +108,30 @@ class TextCompletionFormatter(_Formatter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._text_offset = 0  # characters of token text reported so far, across chunks
+        self._text_offset = len(self.echo)  # characters of text before the next token, across chunks
 
     def delta_chunk(self, delta: OutputDelta) -> CompletionResponse | None:
         self._count(delta)
         if not self._wants_chunk(delta):
             return None
-        return self._response(CompletionChoice(text=delta.text, logprobs=self._logprobs(delta)), self._usage_so_far())
+        return self._response(CompletionChoice(index=self.index, text=delta.text, logprobs=self._logprobs(delta)),
+                              self._usage_so_far())
 
-    def finish_chunk(self, completion: Completion) -> CompletionResponse:
-        return self._response(CompletionChoice(
-            text="", finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
-            self._usage_so_far(completion))
+    def finish_chunks(self, completion: Completion) -> list[CompletionResponse]:
+        return [self._response(CompletionChoice(
+            index=self.index, text="", finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
+            self._usage_so_far(completion))]
 
-    def usage_chunk(self, completion: Completion) -> CompletionResponse:
+    def usage_chunk(self, usage: Usage) -> CompletionResponse:
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=[],
-                                  usage=self.usage(completion))
+                                  usage=usage)
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return [self._response(CompletionChoice(index=self.index, text=self.echo))] if self.echo else []
 
     def response(self, deltas: list[OutputDelta], completion: Completion) -> CompletionResponse:
         whole = _joined(deltas)
-        choice = CompletionChoice(text=whole.text, logprobs=self._logprobs(whole),
+        choice = CompletionChoice(index=self.index, text=self.echo + whole.text, logprobs=self._logprobs(whole),
                                   finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
         return self._response(choice, self.usage(completion))
 
@@ -146,29 +160,55 @@ class ChatCompletionFormatter(_Formatter):
 
     id_prefix = "chatcmpl-"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._holding: str | None = "" if self.tool_parser is not None else None  # text held back, or None
+
     def opening_chunks(self) -> list[BaseModel]:
-        return [self._chunk(ChatChunkChoice(delta={"role": "assistant", "content": ""}), self._usage_so_far())]
+        return [self._chunk(ChatChunkChoice(index=self.index, delta={"role": "assistant", "content": ""}),
+                            self._usage_so_far())]
 
     def delta_chunk(self, delta: OutputDelta) -> ChatCompletionChunk | None:
         self._count(delta)
+        if self.tool_parser is not None and self._holding is not None:
+            # Text that may still become a tool call is held back until it cannot (then it is content).
+            self._holding += delta.text
+            if self.tool_parser.may_be_call(self._holding):
+                return None
+            delta, self._holding = OutputDelta(delta.token_ids, self._holding, delta.logprobs), None
         if not self._wants_chunk(delta):
             return None
-        return self._chunk(ChatChunkChoice(delta={"content": delta.text}, logprobs=self._logprobs(delta)),
-                           self._usage_so_far())
+        return self._chunk(ChatChunkChoice(index=self.index, delta={"content": delta.text},
+                                           logprobs=self._logprobs(delta)), self._usage_so_far())
 
-    def finish_chunk(self, completion: Completion) -> ChatCompletionChunk:
-        return self._chunk(ChatChunkChoice(
-            delta={}, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
-            self._usage_so_far(completion))
+    def finish_chunks(self, completion: Completion) -> list[ChatCompletionChunk]:
+        chunks, finish_reason = [], completion.finish_reason
+        if self._holding:
+            content, calls = self.tool_parser.parse(self._holding)
+            delta: dict = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **_tool_call(call).model_dump()} for i, call in enumerate(calls)]
+                finish_reason = _with_calls(finish_reason)
+            if delta:
+                chunks.append(self._chunk(ChatChunkChoice(index=self.index, delta=delta)))
+        chunks.append(self._chunk(ChatChunkChoice(
+            index=self.index, delta={}, finish_reason=finish_reason, stop_reason=completion.stop_reason),
+            self._usage_so_far(completion)))
+        return chunks
 
-    def usage_chunk(self, completion: Completion) -> ChatCompletionChunk:
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
-                                   usage=self.usage(completion))
+                                   usage=usage)
 
     def response(self, deltas: list[OutputDelta], completion: Completion) -> ChatCompletionResponse:
         whole = _joined(deltas)
-        choice = ChatChoice(message=AssistantMessage(content=whole.text), logprobs=self._logprobs(whole),
-                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+        content, calls, finish_reason = whole.text, [], completion.finish_reason
+        if self.tool_parser is not None:
+            content, calls = self.tool_parser.parse(whole.text)
+            finish_reason = _with_calls(finish_reason) if calls else finish_reason
+        message = AssistantMessage(content=content, tool_calls=[_tool_call(call) for call in calls] or None)
+        choice = ChatChoice(index=self.index, message=message, logprobs=self._logprobs(whole),
+                            finish_reason=finish_reason, stop_reason=completion.stop_reason)
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                       choices=[choice], usage=self.usage(completion))
 
@@ -191,6 +231,37 @@ class ChatCompletionFormatter(_Formatter):
     def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.token_text(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def _tool_call(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _with_calls(finish_reason: str) -> str:
+    """OpenAI's finish reason for an answer that called tools (one cut off at max_tokens stays "length")."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def joined_responses(responses: list[CompletionResponse | ChatCompletionResponse], completions: list[Completion],
+                     prompt_of: list[int]) -> CompletionResponse | ChatCompletionResponse:
+    """The responses of a request's choices (in index order) as one: every choice, and the usage of all of them,
+    each prompt counted once (``prompt_of``: the prompt index of each choice)."""
+    whole = responses[0].model_copy(update={"choices": [r.choices[0] for r in responses]})
+    whole.usage = joined_usage(completions, prompt_of)
+    return whole
+
+
+def joined_usage(completions: list[Completion], prompt_of: list[int]) -> Usage:
+    """Usage of a request's choices: each prompt's tokens (and cached tokens) once, every choice's output."""
+    prompts: dict[int, Completion] = {}  # each prompt's first choice
+    for prompt_index, completion in zip(prompt_of, completions):
+        prompts.setdefault(prompt_index, completion)
+    prompt_tokens = sum(completion.prompt_tokens for completion in prompts.values())
+    completion_tokens = sum(completion.completion_tokens for completion in completions)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=sum(completion.cached_tokens for completion in prompts.values())))
 
 
 def _joined(deltas: list[OutputDelta]) -> OutputDelta:

@@ -6,12 +6,15 @@ and ``/detokenize``, as strict pydantic models, and how a body becomes ``Samplin
 
 No field is silently ignored. Each field a body may carry is one of:
 
-- honoured: OpenAI's fields this server implements, and vLLM's extras (``top_k``, ``min_p``,
-  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-  ``include_stop_str_in_output``, ``add_special_tokens``, ``request_id``; for chat ``add_generation_prompt``,
-  ``continue_final_message``, ``chat_template_kwargs``; ``stream_options.continuous_usage_stats``);
-- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: structured outputs, tools, ``n`` > 1, ``echo``,
-  ``prompt_logprobs``, ``logit_bias``, ...): accepted only at its neutral value (``null``, ``false``, ``[]``, or
+- honoured: OpenAI's fields this server implements (``logit_bias``, ``response_format``, ``n``, ``echo``...), and
+  vLLM's extras (structured outputs: ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
+  ``structured_outputs``; ``top_k``,
+  ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+  ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``add_special_tokens``, ``request_id``; for
+  chat ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
+  ``stream_options.continuous_usage_stats``);
+- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: tools, ``prompt_logprobs``, ...): accepted
+  only at its neutral value (``null``, ``false``, ``[]``, or
   what asks for nothing: ``best_of: 1``, ``response_format: {"type": "text"}``), refused with 400 naming it
   otherwise;
 - ignored on purpose, and documented as such: ``user`` and ``safety_identifier`` (end-user ids for OpenAI's abuse
@@ -26,20 +29,23 @@ The server's own limits (prompt size, stop strings, ``max_tokens``, logprobs) ar
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
+from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import SamplingParams
-from router.openai_fields import InvalidParameter, StrictModel, Text, unicode_everywhere, valid_unicode
+from engine.sampling_params import SamplingParams, StructuredOutput
+from router.openai_fields import InvalidParameter, JsonObject, StrictModel, Text, unicode_everywhere, valid_unicode
+from router.tool_calls import ToolCallParser, forced_output
 
 # Request fields passed to SamplingParams under the same name, when the client set them.
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
 )
 
 class StreamOptions(StrictModel):
@@ -53,6 +59,58 @@ class StreamOptions(StrictModel):
         if continuous and not info.data.get("include_usage"):
             raise PydanticCustomError("stream_options", "continuous_usage_stats needs include_usage set to true")
         return continuous
+
+
+class JsonSchemaFormat(StrictModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: Text
+    description: Text | None = None
+    schema_: JsonObject | None = Field(None, alias="schema")  # null: any JSON value
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise PydanticCustomError("json_schema", 'json_schema is required with (and only with) type "json_schema"')
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutput(json=_schema_text(self.json_schema.schema_ or {}))
+        return None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs`` object: exactly one of its constraints."""
+
+    json_: JsonObject | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+    def structured_output(self) -> StructuredOutput:
+        asked = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": self.json_object or None}
+        set_ = [name for name, value in asked.items() if value is not None]
+        if len(set_) != 1:
+            raise InvalidParameter("structured_outputs", f"structured_outputs: set exactly one of "
+                                   f"{', '.join(asked)}; got {', '.join(set_) or 'none'}")
+        if self.json_ is not None:
+            return StructuredOutput(json=_schema_text(self.json_))
+        if self.choice is not None:
+            return _choice("structured_outputs.choice", self.choice)
+        return StructuredOutput(**{set_[0]: asked[set_[0]]})
 
 
 class _GenerationRequest(StrictModel):
@@ -81,22 +139,22 @@ class _GenerationRequest(StrictModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a JSON key, a string) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
+    # Structured outputs: at most one of these (structured_output()).
+    response_format: ResponseFormat | None = None  # OpenAI's
+    guided_json: JsonObject | Text | None = None  # vLLM's: a JSON schema
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None  # Lark or GBNF
+    structured_outputs: StructuredOutputs | None = None  # vLLM's newer object
     # Known, not supported yet: refused unless neutral (UNSUPPORTED_FIELDS).
-    logit_bias: Any = None
     best_of: Any = None
-    echo: Any = None
     prompt_logprobs: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
     structural_tag: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
@@ -135,6 +193,11 @@ class _GenerationRequest(StrictModel):
     def sampling_params(self) -> SamplingParams:
         """The request's SamplingParams; raises ``InvalidParameter`` for a value out of range."""
         fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        if self.logit_bias is not None:
+            fields["logit_bias"] = _token_id_keys(self.logit_bias)
+        constrained = self._structured_output()
+        if constrained is not None:
+            fields["structured_output"] = constrained[1]
         try:
             return SamplingParams(**fields, max_tokens=self._max_tokens(), logprobs=self._num_logprobs())
         except ValueError as error:
@@ -145,7 +208,31 @@ class _GenerationRequest(StrictModel):
 
     def param_name(self, field: str) -> str | None:
         """The body's name for a field the router or ``SamplingParams`` names (``prompt``, ``max_tokens``...)."""
+        if field == "structured_output":
+            constrained = self._structured_output()
+            return None if constrained is None else constrained[0]
         return field if field in type(self).model_fields else None
+
+    def _structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """(the field that asked, what it asked) for the one structured-output field set; InvalidParameter for two."""
+        asked = [(name, spec) for name, spec in self._structured_outputs_asked() if spec is not None]
+        if len(asked) > 1:
+            raise InvalidParameter(asked[1][0], f"{asked[1][0]}: only one structured output per request; "
+                                                f"{asked[0][0]} is set too")
+        return asked[0] if asked else None
+
+    def _structured_outputs_asked(self) -> Iterator[tuple[str, StructuredOutput | None]]:
+        yield "response_format", self.response_format.structured_output() if self.response_format else None
+        if self.guided_json is not None:
+            yield "guided_json", StructuredOutput(json=_schema_text(self.guided_json))
+        if self.guided_regex is not None:
+            yield "guided_regex", StructuredOutput(regex=self.guided_regex)
+        if self.guided_choice is not None:
+            yield "guided_choice", _choice("guided_choice", self.guided_choice)
+        if self.guided_grammar is not None:
+            yield "guided_grammar", StructuredOutput(grammar=self.guided_grammar)
+        if self.structured_outputs is not None:
+            yield "structured_outputs", self.structured_outputs.structured_output()
 
     @abstractmethod
     def _max_tokens(self) -> int | None: ...
@@ -155,18 +242,19 @@ class _GenerationRequest(StrictModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: a prompt, as text or token ids, or a list of prompts (one choice each, n each)."""
 
-    prompt: str | list[int]  # text checked for valid Unicode by _one_prompt
+    prompt: str | list[int] | list[str | list[int]]  # text checked for valid Unicode by _prompts
     max_tokens: int | None = 16  # OpenAI's default for this endpoint; null: until the context is full
     logprobs: int | None = Field(None, ge=0)
+    echo: bool = False  # the prompt's text before each choice's output
     add_special_tokens: bool = True  # vLLM's: BOS and the like, as the tokenizer adds them
     suffix: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        """Accept a string, a list of token ids, or a batch of exactly one of those."""
+    def _prompts(cls, prompt: Any) -> Any:
+        """A string, a list of token ids, or a list of those; a list of one is that one."""
         if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_int_list(prompt[0])):
             prompt = prompt[0]
         if isinstance(prompt, str):
@@ -174,8 +262,14 @@ class CompletionRequest(_GenerationRequest):
         if _is_int_list(prompt):
             return prompt
         if isinstance(prompt, list) and all(isinstance(item, str) or _is_int_list(item) for item in prompt):
-            raise PydanticCustomError("batched_prompt", "batched prompts are not supported; send one per request")
-        raise PydanticCustomError("prompt_type", "prompt must be a string or a list of token ids")
+            return [valid_unicode(item) if isinstance(item, str) else item for item in prompt]
+        raise PydanticCustomError("prompt_type", "prompt must be a string, a list of token ids, or a list of those")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, in order (one for a single prompt)."""
+        single = isinstance(self.prompt, str) or _is_int_list(self.prompt)
+        return [self.prompt] if single else list(self.prompt)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -184,19 +278,61 @@ class CompletionRequest(_GenerationRequest):
         return self.logprobs
 
 
+class FunctionCallIn(StrictModel):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class ToolCallIn(StrictModel):
+    """A call an earlier assistant message made, as a previous response gave it."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDefinition(StrictModel):
+    name: Text = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: JsonObject | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # a forced call always follows the schema; an auto one is parsed as it comes
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: Text
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class _ChatMessage(StrictModel):
     """One message of the conversation; content parts ``[{"type": "text", "text": ...}]`` are joined."""
 
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text | None = None  # null only for an assistant message that made tool calls
     name: Text | None = None  # the participant's name, given to the chat template
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
     # An assistant message as a previous response gave it (OpenAI's SDK dumps these): accepted when neutral.
-    tool_calls: Any = None
-    tool_call_id: Any = None
     function_call: Any = None
     refusal: Any = None
     annotations: Any = None
     audio: Any = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "_ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", "content is required (null only for an assistant's tool calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "only an assistant message makes tool calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -209,9 +345,15 @@ class _ChatMessage(StrictModel):
         # Joined by newlines, as vLLM renders multi-part text content.
         return "\n".join(part["text"] for part in content)
 
-    def for_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.content}
-        return message if self.name is None else {**message, "name": self.name}
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class _ChatTemplateOptions(StrictModel):
@@ -224,7 +366,8 @@ class _ChatTemplateOptions(StrictModel):
     chat_template: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
     documents: Any = None
     mm_processor_kwargs: Any = None
-    tools: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # unset: auto with tools
 
     @field_validator("continue_final_message")
     @classmethod
@@ -240,9 +383,27 @@ class _ChatTemplateOptions(StrictModel):
         unicode_everywhere(kwargs)
         return kwargs
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_the_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if choice not in (None, "none", "auto") and not tools:
+            named = choice if isinstance(choice, str) else choice.function.name
+            raise PydanticCustomError("tool_choice", "tool_choice {choice} needs tools", {"choice": repr(named)})
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise PydanticCustomError("tool_choice", "tool_choice names {name}, which is not one of the tools",
+                                      {"name": repr(choice.function.name)})
+        return choice
+
+    def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as the chat template reads it."""
         return [message.for_template() for message in self.messages]
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the model is told about (none with ``tool_choice: "none"``), as OpenAI's dicts."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
@@ -254,9 +415,9 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0)
     # vLLM's default for chat: the template writes the special tokens it wants (BOS included) into the text.
     add_special_tokens: bool = False
+    echo: bool = False  # vLLM's chat echo (the last message before the answer): refused when true
+    parallel_tool_calls: bool = True  # a forced tool_choice may make several calls
     # Known, not supported (UNSUPPORTED_FIELDS).
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     reasoning_effort: Any = None
@@ -272,6 +433,27 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
         if top_logprobs is not None and not info.data.get("logprobs"):
             raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs set to true")
         return top_logprobs
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise PydanticCustomError("unsupported", "echo is not supported for chat; use continue_final_message")
+        return echo
+
+    def _structured_outputs_asked(self) -> Iterator[tuple[str, StructuredOutput | None]]:
+        yield from super()._structured_outputs_asked()
+        tools = self.offered_tools()
+        yield "tool_choice", forced_output(tools, self._tool_choice_dict(), self.parallel_tool_calls) if tools else None
+
+    def _tool_choice_dict(self) -> str | dict[str, Any]:
+        choice = self.tool_choice or "auto"
+        return choice if isinstance(choice, str) else choice.model_dump()
+
+    def tool_parser(self) -> ToolCallParser | None:
+        """How the answer's tool calls are found, when tools are offered."""
+        tools = self.offered_tools()
+        return ToolCallParser(tools, forced=self._tool_choice_dict() != "auto") if tools else None
 
     def _max_tokens(self) -> int | None:
         # Unset means until the context is full, as in OpenAI's chat API.
@@ -316,6 +498,27 @@ class DetokenizeRequest(StrictModel):
 def tokenize_request(body: Any) -> type[TokenizeCompletionRequest] | type[TokenizeChatRequest]:
     """Which tokenize request ``body`` is: a chat when it has ``messages`` (as vLLM tells them apart)."""
     return TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    """A JSON schema as JSON text (vLLM takes it as an object or as a string of JSON)."""
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def _choice(param: str, choices: list[str]) -> StructuredOutput:
+    if not choices:
+        raise InvalidParameter(param, f"{param}: must list at least one choice")
+    return StructuredOutput(choice=tuple(choices))
+
+
+def _token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``{"50256": -100}``: JSON keys are strings, each must spell a token id."""
+    biases = {}
+    for key, bias in logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        biases[int(key)] = bias
+    return biases
 
 
 def _is_int(value: Any) -> bool:

@@ -7,7 +7,7 @@ stop string or token id that ended the request).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -66,9 +66,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the answer is tool calls only
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -90,7 +102,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # only what is new: {"role": ...} first, then {"content": ...}, {} at the end
+    # Only what is new: {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}, {} at the end.
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -389,7 +389,8 @@ def test_tokenize_detokenize_version_and_models():
         assert httpx.post(f"{router.http}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "Hi é"}
         for path, body, param in (("/tokenize", {"prompt": "Hi", "add_generation_prompt": True},
                                    "add_generation_prompt"),
-                                  ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+                                  ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]},
+                                   "tools[0].function"),
                                   ("/detokenize", {"tokens": [300]}, "tokens"),
                                   ("/detokenize", {"tokens": "Hi"}, "tokens"),
                                   ("/tokenize", {"prompt": "Hi", "model": "gpt-4"}, "model")):

@@ -20,7 +20,7 @@ import uvicorn
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from router.config import RouterConfig
 from router.intake import RouterRequest
 from router.openai_api import ServerSentEvents, create_app
@@ -221,13 +221,37 @@ def test_completion_passes_every_sampling_field_to_sampling_params(http, fake):
         "presence_penalty": 0.25, "frequency_penalty": -0.5, "user": "someone", "top_k": 40, "min_p": 0.05,
         "repetition_penalty": 1.25, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [0],
         "skip_special_tokens": False, "include_stop_str_in_output": True, "logprobs": 1,
+        "logit_bias": {"5": -2.5, "7": 100}, "allowed_token_ids": [5, 6, 7], "bad_words": ["darn"],
     }
     assert http.post("/v1/completions", json=body).status_code == 200
     assert fake.requests[0].prompt_token_ids == [3, 1, 4]
     assert fake.requests[0].params == SamplingParams(
         max_tokens=9, temperature=0.5, top_p=0.9, stop=["END"], seed=11, presence_penalty=0.25,
         frequency_penalty=-0.5, top_k=40, min_p=0.05, repetition_penalty=1.25, min_tokens=2, ignore_eos=True,
-        stop_token_ids=[0], skip_special_tokens=False, include_stop_str_in_output=True, logprobs=1)
+        stop_token_ids=[0], skip_special_tokens=False, include_stop_str_in_output=True, logprobs=1,
+        logit_bias={5: -2.5, 7: 100.0}, allowed_token_ids=[5, 6, 7], bad_words=["darn"])
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("response_format", {"type": "json_object"}, StructuredOutput(json_object=True)),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string"}}},
+     StructuredOutput(json='{"type": "string"}')),
+    ("guided_json", {"type": "integer"}, StructuredOutput(json='{"type": "integer"}')),
+    ("guided_json", '{"type": "integer"}', StructuredOutput(json='{"type": "integer"}')),
+    ("guided_regex", "a+", StructuredOutput(regex="a+")),
+    ("guided_choice", ["x", "y"], StructuredOutput(choice=("x", "y"))),
+    ("guided_grammar", 'start: "a"', StructuredOutput(grammar='start: "a"')),
+    ("structured_outputs", {"json": {"type": "null"}}, StructuredOutput(json='{"type": "null"}')),
+    ("structured_outputs", {"choice": ["x"]}, StructuredOutput(choice=("x",))),
+    ("structured_outputs", {"json_object": True}, StructuredOutput(json_object=True)),
+    ("response_format", {"type": "text"}, None),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_each_structured_output_field_becomes_the_requests_structured_output(http, fake, path, field, value,
+                                                                              expected):
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    assert http.post(path, json={**body, field: value}).status_code == 200
+    assert fake.requests[0].params.structured_output == expected
 
 
 def test_a_batch_of_one_prompt_is_that_prompt(http, fake):
@@ -282,6 +306,12 @@ def test_completion_logprobs_in_openai_legacy_format(client, fake):
     ]
     assert logprobs.text_offset == [0, 5, 6, 12]
     assert fake.requests[0].params.logprobs == 2
+
+
+def test_echoed_completion_counts_text_offsets_after_the_prompt(client, fake):
+    completion = client.completions.create(model=MODEL, prompt="Hi yo", logprobs=0, echo=True)
+    assert completion.choices[0].text == "Hi yoHello, world!"
+    assert completion.choices[0].logprobs.text_offset == [5, 10, 11, 17]
 
 
 def test_completion_logprobs_zero_gives_only_the_sampled_token(http, fake):
@@ -381,7 +411,10 @@ def error_of(response: httpx.Response) -> dict:
     ({"temperature": -1}, "temperature", "temperature must be >= 0 and finite, got -1.0"),
     ({"temperature": "hot"}, "temperature", "temperature: Input should be a valid number"),
     ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0"),
-    ({"n": 2}, "n", "n must be 1 (several samples per prompt are not supported), got 2"),
+    ({"n": 0}, "n", "n must be >= 1, got 0"),
+    ({"n": 129}, "n", "n: 1 prompt(s) x n = 129 make 129 choices, more than the limit of 128 per request"),
+    ({"prompt": ["a"] * 65, "n": 2}, "prompt",
+     "prompt: 65 prompt(s) x n = 2 make 130 choices, more than the limit of 128 per request"),
     ({"n": 1.0}, "n", "n: Input should be a valid integer"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1 or None, got 0"),
     ({"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
@@ -389,15 +422,21 @@ def error_of(response: httpx.Response) -> dict:
     ({"stop": [1]}, "stop[0]", "stop[0]: Input should be a valid string"),
     ({"logprobs": -1}, "logprobs", "logprobs: Input should be greater than or equal to 0"),
     ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20] or None, got 21"),
-    ({"echo": True}, "echo", "echo: echo is not supported: the prompt is not returned with the output yet"),
     ({"best_of": 2}, "best_of", "best_of: best_of is not supported: only one sample per prompt is generated"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias",
-     "logit_bias: logit_bias is not supported: the sampler has no per-token biases yet"),
+    ({"logit_bias": {"x1": -100}}, "logit_bias", "logit_bias keys must be token ids, got 'x1'"),
+    ({"logit_bias": {"1": 101}}, "logit_bias", "logit_bias must map token ids >= 0 to biases in [-100.0, 100.0], "
+     "got 1: 101.0"),
+    ({"logit_bias": {"1": "big"}}, "logit_bias.1", "logit_bias.1: Input should be a valid number"),
+    ({"allowed_token_ids": []}, "allowed_token_ids",
+     "allowed_token_ids must be a non-empty list of token ids >= 0, got []"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids",
+     "allowed_token_ids must be a non-empty list of token ids >= 0, got [-1]"),
+    ({"bad_words": [" "]}, "bad_words", "bad_words must be non-empty words, got an empty one"),
     ({"stream_options": {"include_usage": True}}, "stream_options",
      "stream_options: stream_options is only allowed when stream is true"),
-    ({"prompt": ["one", "two"]}, "prompt", "prompt: batched prompts are not supported; send one per request"),
-    ({"prompt": [1, "two"]}, "prompt", "prompt: prompt must be a string or a list of token ids"),
-    ({"prompt": None}, "prompt", "prompt: prompt must be a string or a list of token ids"),
+    ({"prompt": [1, "two"]}, "prompt", "prompt: prompt must be a string, a list of token ids, or a list of those"),
+    ({"prompt": None}, "prompt", "prompt: prompt must be a string, a list of token ids, or a list of those"),
+    ({"prompt": []}, "prompt", "prompt: must not be empty"),
     ({"min_tokens": 20}, "min_tokens", "min_tokens must be <= max_tokens (16), got 20"),
 ])
 def test_bad_completion_fields_are_400_naming_the_field(http, fake, body, param, message):
@@ -410,19 +449,25 @@ def test_bad_completion_fields_are_400_naming_the_field(http, fake, body, param,
 
 @pytest.mark.parametrize("body, param, message", [
     ({"messages": []}, "messages", "messages: List should have at least 1 item after validation, not 0"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role",
-     "messages[0].role: Input should be 'system', 'user' or 'assistant'"),
+    ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role",
+     "messages[0].role: Input should be 'system', 'user', 'assistant' or 'tool'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content",
      'messages[0].content: content parts must be {"type": "text", "text": "..."}; only text is supported'),
-    ({"messages": [{"role": "user"}]}, "messages[0].content", "messages[0].content: Field required"),
+    ({"messages": [{"role": "user"}]}, "messages[0]",
+     "messages[0]: content is required (null only for an assistant's tool calls)"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice: tool_choice 'required' needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+      "function": {"name": "g"}}}, "tool_choice", "tool_choice: tool_choice names 'g', which is not one of the tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name",
+     "tools[0].function.name: String should match pattern '^[A-Za-z0-9_.-]{1,64}$'"),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs: top_logprobs needs logprobs set to true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20] or None, got 21"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1 or None, got 0"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "tools: tools is not supported: tool calling is not supported yet"),
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     "response_format: response_format is not supported: structured output (guided decoding) is not supported yet"),
+    ({"response_format": {"type": "xml"}}, "response_format.type",
+     "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
+     "guided_regex: only one structured output per request; response_format is set too"),
     ({"messages": [{"role": "assistant", "content": "Hi"}]}, "messages",
      "messages: the conversation must end with a user's"),
 ])
@@ -436,16 +481,13 @@ def test_bad_chat_fields_are_400_naming_the_field(http, fake, body, param, messa
 
 # Known fields this server does not honour yet, each with a value that asks for something: refused by name.
 UNSUPPORTED = [
-    ("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]), ("guided_regex", "a+"),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}), ("prompt_logprobs", 1),
-    ("bad_words", ["darn"]), ("allowed_token_ids", [1, 2]), ("truncate_prompt_tokens", 10),
-    ("logit_bias", {"1": 5}), ("best_of", 3), ("echo", True), ("use_beam_search", True), ("priority", 1),
-    ("response_format", {"type": "json_schema", "json_schema": {}}), ("logits_processors", ["x"]),
+    ("guided_decoding_backend", "xgrammar"), ("structural_tag", {"type": "structural_tag"}), ("prompt_logprobs", 1),
+    ("truncate_prompt_tokens", 10), ("best_of", 3), ("use_beam_search", True), ("priority", 1),
+    ("logits_processors", ["x"]),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("store", True),
     ("service_tier", "flex"), ("cache_salt", "s"), ("kv_transfer_params", {}), ("metadata", {"a": "b"}),
 ]
 CHAT_ONLY_UNSUPPORTED = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("chat_template", "{{ messages }}"), ("documents", [{"text": "d"}]), ("reasoning_effort", "high"),
     ("modalities", ["text", "audio"]), ("functions", [{"name": "f"}]),
 ]
@@ -487,7 +529,8 @@ def test_unknown_fields_are_refused_by_name(http, fake, path, body, param):
 
 
 def test_the_openai_client_sees_vllm_extras_refused_by_name(client, fake):
-    for extra, param in (({"guided_choice": ["yes", "no"]}, "guided_choice"), ({"typo_field": 1}, "typo_field")):
+    for extra, param in (({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+                         ({"typo_field": 1}, "typo_field")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                            extra_body=extra)
@@ -563,7 +606,7 @@ def test_body_that_is_not_json_is_400_without_param(http, fake):
 
 def test_bad_request_is_a_bad_request_error_in_the_openai_client(client, fake):
     with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model=MODEL, prompt="Hi", n=2)
+        client.completions.create(model=MODEL, prompt="Hi", n=0)
     assert raised.value.status_code == 400
     assert raised.value.param == "n"
     assert raised.value.code == "invalid_argument"

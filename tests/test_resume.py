@@ -8,9 +8,12 @@ penalties and ``max_tokens`` counting the earlier tokens as output.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutput
 
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 23, 40)]
 PARAMS = [
@@ -94,3 +97,14 @@ def test_smollm2_greedy_continues_identically_after_a_resume(smollm2):
     whole = run_to_end(smollm2, "smol-whole", prompt, params)
     for split in (1, 8, 20):
         assert run_to_end(smollm2, f"smol-resumed-{split}", prompt, params, resume=whole[:split]) == whole
+
+
+@pytest.mark.parametrize("split", [1, 4, 9])
+def test_a_resumed_guided_request_rebuilds_its_grammar_from_the_replayed_tokens(tiny, split):
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=24,
+                            structured_output=StructuredOutput(regex="[a-f]{3,6}-[0-9]{2,8}x"))
+    whole = run_to_end(tiny, f"guided-whole-{split}", PROMPTS[1], params)
+    text = tiny.tokenizer.decode(whole)
+    assert re.fullmatch("[a-f]{3,6}-[0-9]{2,8}x", text), text
+    resumed = run_to_end(tiny, f"guided-resumed-{split}", PROMPTS[1], params, resume=whole[:split])
+    assert resumed == whole  # the grammar state after the replayed tokens is the undisturbed one

@@ -359,3 +359,54 @@ def test_logprobs_include_a_sampled_token_outside_the_top_n():
 
 def test_empty_batch():
     assert sampler().sample(torch.zeros(0, V), []).token_ids == []
+
+
+# --- token constraints: logit_bias, allowed_token_ids, bad words --------------------------------------------------
+
+
+def test_allowed_token_ids_leave_only_those_tokens_for_greedy_and_drawn_rows():
+    logits = random_logits(2, seed=11)
+    allowed = [5, 17, 999]
+    rows = [row(temperature=0.0, allowed_token_ids=allowed), row(temperature=1.0, seed=3, allowed_token_ids=allowed)]
+    out = sampler().sample(logits, rows)
+    assert out.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+    for seed in range(20):
+        drawn = sampler().sample(logits[1:], [row(temperature=1.0, seed=seed, allowed_token_ids=allowed)]).token_ids[0]
+        assert drawn in allowed
+
+
+def test_logit_bias_adds_to_the_logits_and_leaves_other_rows_alone():
+    logits = random_logits(2, seed=12)
+    loser = int(logits[0].argmin())
+    rows = [row(temperature=0.0, logit_bias={loser: 100.0}), row(temperature=0.0)]
+    penalized = sampler().penalize(logits, rows)
+    assert penalized[0, loser] == logits[0, loser] + 100.0
+    assert torch.equal(penalized[0, :loser], logits[0, :loser]) and torch.equal(penalized[1], logits[1])
+    assert sampler().sample(logits, rows).token_ids == [loser, int(logits[1].argmax())]
+
+
+def test_bad_words_ban_the_token_that_would_complete_one():
+    logits = torch.zeros(1, V)
+    logits[0, 7] = 5.0  # the greedy choice
+    one_token, two_tokens = [[7]], [[4, 7]]
+    assert sampler().sample(logits, [row(temperature=0.0, bad_words_token_ids=one_token)]).token_ids != [7]
+    # A two-token word is banned only after its first token.
+    assert sampler().sample(logits, [row(output=(9,), temperature=0.0, bad_words_token_ids=two_tokens)]).token_ids \
+        == [7]
+    assert sampler().sample(logits, [row(output=(9, 4), temperature=0.0, bad_words_token_ids=two_tokens)]).token_ids \
+        != [7]
+    # Only the output counts, not the prompt (vLLM's rule).
+    assert sampler().sample(logits, [row(prompt=(1, 4), temperature=0.0, bad_words_token_ids=two_tokens)]).token_ids \
+        == [7]
+
+
+def test_a_rows_grammar_mask_leaves_only_the_tokens_it_allows():
+    logits = random_logits(2, seed=13)
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[3, 400, 401]] = True
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], allowed), row(temperature=0.0)]
+    out = sampler().sample(logits, rows)
+    assert out.token_ids == [[3, 400, 401][int(logits[0, [3, 400, 401]].argmax())], int(logits[1].argmax())]
+    for seed in range(10):
+        drawn = SamplingRow(SamplingParams(temperature=1.0, seed=seed), [1], [], allowed)
+        assert sampler().sample(logits[:1], [drawn]).token_ids[0] in (3, 400, 401)

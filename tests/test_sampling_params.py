@@ -43,7 +43,6 @@ def test_boundary_values_are_accepted():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("n", 2),
         ("n", 0),
         ("temperature", -1),
         ("temperature", float("inf")),
@@ -100,8 +99,15 @@ def test_invalid_field_raises_naming_it(field, value):
 def test_range_message_says_the_allowed_range_and_the_value():
     with pytest.raises(ValueError, match=r"^temperature must be >= 0 and finite, got -1$"):
         SamplingParams(temperature=-1)
-    with pytest.raises(ValueError, match=r"^n must be 1 .*not supported.*got 3$"):
-        SamplingParams(n=3)
+    with pytest.raises(ValueError, match=r"^n must be >= 1, got 0$"):
+        SamplingParams(n=0)
+
+
+def test_each_sample_is_one_request_seeded_seed_plus_its_index():
+    params = SamplingParams(n=3, seed=2**63 - 2, temperature=0.5)
+    assert [p.seed for p in map(params.for_sample, range(3))] == [2**63 - 2, 2**63 - 1, 0]
+    assert params.for_sample(2) == SamplingParams(seed=0, temperature=0.5)
+    assert SamplingParams(n=2).for_sample(1).seed is None
 
 
 def test_dict_round_trip():
