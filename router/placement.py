@@ -85,7 +85,9 @@ class Placement:
     def _check_queue_time(self, plan: RoutePlan) -> None:
         limit = self.config.max_queue_time_s
         pod = plan.prefill or plan.decode
-        wait = pod.prefill_wait_s
+        # Hybrid placement predicted the whole TTFT (a lent prompt's chunks included, which a pod's rate measured
+        # from its chunks beside decodes would overstate); otherwise the queue at the pod's measured rate.
+        wait = plan.predicted_ttft_s if plan.predicted_ttft_s is not None else pod.prefill_wait_s
         if limit and wait is not None and wait > limit:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"the least loaded pod would start this prompt in about {wait:.1f} s "

@@ -60,6 +60,7 @@ class RoutePlan:
     prefill: PodInfo | None  # None: D prefills the prompt itself
     decode: PodInfo
     reason: str  # why this shape, for logs
+    predicted_ttft_s: float | None = None  # hybrid placement's prediction (None: not predicted)
 
     @property
     def decision(self) -> str:
@@ -206,9 +207,9 @@ class HybridPlacement:
             return RoutePlan(None, decode, "no prefill pod: prefill on the decode pod")
         remote, lent = self.remote(prompt, prefill), self.lent(prompt, decode)
         if lent.ttft_s < remote.ttft_s:
-            chosen, plan = lent, RoutePlan(None, decode, "")
+            chosen, plan = lent, RoutePlan(None, decode, "", lent.ttft_s)
         else:
-            chosen, plan = remote, RoutePlan(prefill, decode, "")
+            chosen, plan = remote, RoutePlan(prefill, decode, "", remote.ttft_s)
         verdict = "meets" if chosen.ttft_s <= targets.ttft_s else "misses"
         plan.reason = (f"hybrid {'lent' if plan.prefill is None else 'remote'}: predicted TTFT remote "
                        f"{remote.ttft_s:.3f} s [{remote.detail}], lent {lent.ttft_s:.3f} s [{lent.detail}]; "
