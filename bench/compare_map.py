@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from bench.compare_plan import Topology, _pd_fields
 from bench.serve import Preparation, run_serve_benchmark
-from bench.serve_metrics import SLO, RequestRecord
+from bench.serve_metrics import SLO, RequestRecord, distribution
 from bench.serve_run import ServeBenchConfig
 from runtime.cpus import format_cpu_list
 
@@ -223,7 +223,19 @@ def score(results: list[TopologyRuns], config: MapConfig, ttft0: float, tpot0: f
             "regimes": regimes, "scales": list(SCALES), "scale_curve": curve,
             "failed": {r.topology.name: r.error for r in results if r.error is not None},
             "errors": {r.topology.name: {rate: sum(x.status != "ok" for x in records)
-                                         for rate, records in sorted(r.records.items())} for r in measured}}
+                                         for rate, records in sorted(r.records.items())} for r in measured},
+            "latency": {r.topology.name: {rate: _latency(records) for rate, records in sorted(r.records.items())}
+                        for r in measured},
+            # Every request's (status, TTFT, TPOT), so that a run can be scored again against other targets.
+            "requests": {r.topology.name: {rate: [(x.status, x.ttft, x.tpot) for x in records]
+                                           for rate, records in sorted(r.records.items())} for r in measured}}
+
+
+def _latency(records: list[RequestRecord]) -> dict:
+    ok = [r for r in records if r.status == "ok"]
+    ttft, tpot = distribution([r.ttft for r in ok]), distribution([r.tpot for r in ok if r.tpot is not None])
+    return {"ttft": ttft, "tpot": tpot,
+            "tpot_p99_over_p50": tpot["p99"] / tpot["p50"] if tpot and tpot["p50"] else None}
 
 
 def verdicts(regime: dict, regime_name: str) -> list[str]:
@@ -261,6 +273,13 @@ def report(result: dict, log=print) -> None:
     log(f"    {'scale':<24}" + "".join(f"{s:>7g}" for s in result["scales"]))
     for topology, shares in result["scale_curve"].items():
         log(f"    {topology:<24}" + "".join(f"{share:>7.0%}" for share in shares))
+    log("TTFT and TPOT p50 / p99 (ms) and TPOT p99/p50, per rate:")
+    for topology, by_rate in result["latency"].items():
+        cells = [f"{rate:g}: " + (f"TTFT {row['ttft']['p50'] * 1e3:.0f}/{row['ttft']['p99'] * 1e3:.0f} TPOT "
+                                  f"{row['tpot']['p50'] * 1e3:.0f}/{row['tpot']['p99'] * 1e3:.0f} "
+                                  f"({row['tpot_p99_over_p50']:.2f})" if row["tpot"] else "-")
+                 for rate, row in by_rate.items()]
+        log(f"    {topology:<24}" + "   ".join(cells))
     log(f"requests not ok (failed or unfinished) per rate: {result['errors']}")
     for topology, error in result["failed"].items():
         log(f"FAILED: {topology}: {error}")
