@@ -4,15 +4,18 @@ A decode pod lent prefill work (a prompt the router placed there, or the rest of
 interleaved with its decode steps. ``TPOTSlackBudget.tokens(decoding, now)`` sizes the chunk of the next step:
 
 1. each decoding sequence with a TPOT target (its own, ``Sequence.tpot_target_s``, else the pod's default) has a
-   *slack*: how long its next token may take. Its TPOT so far counts from ``Sequence.tpot_clock`` (its first token
-   on this pod), so the next gap may take ``target * gaps_after_it - elapsed``: the time it banked by running
-   faster than its target, but never more than one ``target`` (no single gap beyond the target);
+   *slack*: the target less the part of its current inter-token gap already gone (since
+   ``Sequence.last_token_time``). Every gap within the target keeps the request's TPOT, an average of its gaps,
+   within it too; a request is never held to gaps shorter than its target for having been slow before, so a lent
+   prompt is not starved by a decode's history;
 2. the step's allowance is the smallest slack, times ``headroom`` (the model's error and the loop's own overhead);
+   with no decoding sequence, the pod's default target's (a request prefilled elsewhere may join at any step, and
+   must not wait behind a whole prompt);
 3. the chunk is the most tokens the measured ``StepTimeModel`` predicts to fit in that allowance beside those
    decode rows (``largest_chunk``); 0 when none fits, so the prompt waits a step and the decodes go on.
 
-No decoding sequence with a target: None, no bound (the scheduler's token budget applies as ever). A model that
-has not measured a prompt token yet allows ``probe_tokens``, so that it can.
+No target anywhere (no decoding sequence has one, and no default): None, no bound (the scheduler's token budget
+applies as ever). A model that has not measured a prompt token yet allows ``probe_tokens``, so that it can.
 """
 
 from __future__ import annotations
@@ -41,16 +44,16 @@ class TPOTSlackBudget:
         target = seq.tpot_target_s or self.default_target_s
         if not target:
             return None
-        if seq.tpot_clock is None:
+        if seq.last_token_time is None:
             return target
-        started_at, tokens_then = seq.tpot_clock
-        gaps = seq.num_output_tokens + 1 - tokens_then  # gaps since the clock started, the next one included
-        return min(target, target * gaps - (now - started_at))
+        return target - (now - seq.last_token_time)
 
     def allowance_s(self, decoding: list[Sequence], now: float) -> float | None:
         """The longest step the decoding sequences allow (headroom applied); None: none of them has a target."""
         slacks = [s for s in (self.slack_s(seq, now) for seq in decoding) if s is not None]
-        return self.headroom * min(slacks) if slacks else None
+        if not slacks:
+            return self.headroom * self.default_target_s if self.default_target_s else None
+        return self.headroom * min(slacks)
 
     def tokens(self, decoding: list[Sequence], now: float, chunk_start: int = 0) -> int | None:
         """Prompt tokens the next step may prefill beside ``decoding`` (each decodes one token); None: no bound.

@@ -115,7 +115,7 @@ class Scheduler:
         self._check_admissible(seq)
         self._unfinished[seq.request_id] = seq
         self._mark_scheduled(seq)
-        seq.tpot_clock = (time.monotonic(), seq.num_output_tokens)  # its first token here is the one it brought
+        seq.last_token_time = time.monotonic()  # its first token here is the one it brought
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
         self._check_stop(seq)
         if not seq.is_finished:
@@ -286,8 +286,7 @@ class Scheduler:
             seq.append_token(token_id, logprobs)
             if seq.num_output_tokens == 1:
                 seq.first_token_time = time.monotonic()
-            if seq.tpot_clock is None:
-                seq.tpot_clock = (time.monotonic(), seq.num_output_tokens)
+            seq.last_token_time = time.monotonic()
             self._check_stop(seq)
             if seq.is_finished:
                 return  # the tokens after a stop are not the request's

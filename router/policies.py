@@ -181,9 +181,10 @@ class HybridPlacement:
              at P's measured step-time model + the KV transfer's exposed time (the router's running average per
              prompt token, for its codec); it costs D's decodes one more row.
     lent     D prefills what it has queued and then the prompt's uncached tokens on D, in chunks: each step the
-             largest chunk D's measured model fits in the allowance its decoding requests report (their smallest
-             TPOT slack, ``PodLoad.tpot_allowance_seconds``), so TTFT = steps x that step's time; D with no decode
-             to keep prefills in whole steps at its model's rate; D with no model (not warmed up) cannot be lent to.
+             largest chunk D's measured model fits in the allowance it reports (its decoding requests' smallest
+             TPOT slack, or its default target's when none decodes: ``PodLoad.tpot_allowance_seconds``), so
+             TTFT = steps x that step's time; D with no TPOT to keep prefills in whole steps at its model's rate;
+             D with no model (not warmed up) cannot be lent to.
 
     The prompt goes where its first token is predicted to come first (a prefix cached on either pod counts there);
     ties go to the prefill pod, which keeps D's steps short. The request's TTFT target says, in the log, whether the
@@ -240,9 +241,9 @@ class HybridPlacement:
         todo = pod.queued_tokens + len(prompt.token_ids) - cached
         rows, context = pod.load.num_running, pod.load.running_context_tokens
         allowance = pod.load.tpot_allowance_seconds
-        if allowance is None or rows == 0:
+        if allowance is None:  # no TPOT to keep: the token budget alone bounds its steps
             return PrefillEstimate(model.predict(rows, todo, context + attention_positions(cached, todo)),
-                                   f"{todo} tokens in one step, no decode to keep")
+                                   f"{todo} tokens in one step, no TPOT to keep")
         start = cached + int(MEAN_CHUNK_START * todo)
         chunk = model.largest_chunk(rows, context, allowance, start)
         if chunk == 0:

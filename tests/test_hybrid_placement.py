@@ -80,9 +80,13 @@ def test_a_prompt_mostly_cached_on_the_decode_pod_prefills_there():
     assert plan.prefill is not None
 
 
-def test_an_idle_decode_pod_prefills_at_its_full_rate():
+def test_a_decode_pod_with_no_tpot_to_keep_prefills_at_its_full_rate():
     estimate = HybridPlacement().lent(prompt(), decode_pod(running=0))
     assert estimate.ttft_s == pytest.approx(MODEL.prefill_seconds(384), rel=1e-6)
+    # An idle lending pod still keeps room for a decode to join: it reports its default target's allowance.
+    idle = decode_pod(running=0)
+    idle.load.tpot_allowance_seconds = 0.8 * BALANCED.tpot_s
+    assert "16 chunks of 25 tokens" in HybridPlacement().lent(prompt(), idle).detail
 
 
 def test_a_decode_pod_without_a_step_time_model_is_never_lent_to():

@@ -152,6 +152,14 @@ def test_without_targets_the_prompt_takes_the_whole_token_budget(monkeypatch):
     assert (chunk, allowance) == (600, None)
 
 
+def test_with_no_decode_running_the_chunk_still_leaves_room_for_one_to_join(monkeypatch):
+    clock = FakeClock()
+    scheduler = lending_scheduler(TRUE, 0.3, clock, monkeypatch)
+    scheduler.add(Sequence("p", list(range(5, 605)), SamplingParams(max_tokens=2)))
+    chunk, seconds, allowance = run_step(scheduler, TRUE, clock)
+    assert allowance == pytest.approx(0.8 * 0.3) and 0 < chunk < 600 and seconds <= allowance
+
+
 def test_a_decode_behind_its_target_lets_no_chunk_in(monkeypatch):
     clock = FakeClock()
     scheduler = lending_scheduler(TRUE, 0.05, clock, monkeypatch)
@@ -160,7 +168,7 @@ def test_a_decode_behind_its_target_lets_no_chunk_in(monkeypatch):
     seq.append_token(1000)
     assert scheduler.block_manager.allocate_slots(seq, seq.num_prompt_tokens)
     scheduler.add_prefilled(seq)
-    seq.tpot_clock = (clock.now - 1.0, 1)  # one token in a second: far behind 50 ms per token
+    seq.last_token_time = clock.now - 0.045  # 45 ms of its 50 ms gap gone already
     scheduler.add(Sequence("lent", list(range(5, 305)), SamplingParams(max_tokens=2)))
     chunk, _, _ = run_step(scheduler, TRUE, clock)
     assert chunk == 0
