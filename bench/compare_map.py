@@ -257,7 +257,8 @@ def verdicts(regime: dict, regime_name: str) -> list[str]:
 
 def report(result: dict, log=print) -> None:
     rule = "=" * 110
-    log(f"\n{rule}\nbench compare --slo-map: {result['workload']}\nsingle-request TTFT {result['ttft0_s'] * 1e3:.0f} ms,"
+    log(f"\n{rule}\nbench compare --slo-map: {result['workload']}\n"
+        f"single-request TTFT {result['ttft0_s'] * 1e3:.0f} ms,"
         f" TPOT {result['tpot0_s'] * 1e3:.1f} ms; goodput: the highest rate (of {result['rates']}) at which >= "
         f"{result['attainment_target']:.0%} of requests meet both targets; [5th-95th percentile over "
         f"{BOOTSTRAP} bootstrap resamples]\n{rule}")

@@ -9,9 +9,9 @@ A request's path through the scheduler:
   context allow: engine/speculative.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup,
   while the token budget, the sequence cap and the block pool allow. On a pod that lends its decode steps to
   prefills (``SchedulerConfig.tpot_slack_chunking``), the prompt tokens of a step are bounded as well, by the
-  chunk that keeps every decoding sequence within its TPOT target (``engine/prefill_budget.py``). When a running sequence needs a block and none
-  is left, the most recently admitted one is preempted: its blocks are freed and it goes back to the front of
-  ``waiting``, to be recomputed later (cheaply, from its prefix-cached blocks);
+  chunk that keeps every decoding sequence within its TPOT target (``engine/prefill_budget.py``). When a running
+  sequence needs a block and none is left, the most recently admitted one is preempted: its blocks are freed and
+  it goes back to the front of ``waiting``, to be recomputed later (cheaply, from its prefix-cached blocks);
 - ``update_from_output`` records the step: computed tokens advance, newly full blocks enter the prefix cache,
   sampled tokens are appended (several when drafts were accepted, each checked before the next), and a sequence
   that hits EOS, a stop token id or its length limit is finished and its blocks freed, its later tokens dropped;

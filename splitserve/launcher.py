@@ -2,10 +2,10 @@
 
     splitserve up [--prefill 1] [--decode 1] [--mixed 0] [--scheduling disaggregated] [--model smollm2-135m] ...
 
-``--scheduling`` (docs/architecture.md, "Hybrid scheduling"): ``hybrid`` runs the prefill and decode
-pods with the router placing each prompt from predicted latency and the decode pods prefilling lent prompts in
-TPOT-bounded chunks (``--tpot-slack-chunking``, their target the router's ``--slo-tpot-s``); ``disaggregated`` (the
-default) is the pure split (prompts on prefill pods but for the router's conditional_* rules); ``colocated`` starts every
+``--scheduling`` (docs/architecture.md, "Hybrid scheduling"): ``hybrid`` runs the prefill and decode pods with
+the router placing each prompt from predicted latency and the decode pods prefilling lent prompts in TPOT-bounded
+chunks (``--tpot-slack-chunking``, their target the router's ``--slo-tpot-s``); ``disaggregated`` (the default) is
+the pure split (prompts on prefill pods but for the router's conditional_* rules); ``colocated`` starts every
 prefill and decode pod as a mixed pod instead (both phases in one process), for comparison.
 
 Starts, each a separate process with its log under ``--run-dir``, and in this order:
