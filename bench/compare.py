@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from bench import FiguresOutput, save_results
 from bench.compare_plan import (
+    AZURE_CODE,
     AZURE_CONV,
     BUDGETS,
     KINDS,
@@ -48,6 +49,8 @@ from bench.compare_plan import (
     goodput_ratios,
     reference_figures,
 )
+from bench.compare_map import REGIMES, MapConfig, plot_map, run_map
+from bench.compare_map import report as report_map
 from bench.compare_plots import plot_compare
 from bench.serve import Preparation, run_serve_benchmark, run_sweep
 from bench.serve_metrics import SLO, SLO_ATTAINMENT
@@ -251,6 +254,14 @@ class CompareCommand(FiguresOutput):
     quick: bool = field(default=False, metadata=described(
         "A ~5 minute look: the --quick presets for the flags left empty."))
     progress: bool = passed_to(ServeBenchConfig, name="progress")
+    slo_map: bool = field(default=False, metadata=described(
+        "The SLO map instead (bench/compare_map.py): the best colocated setting, the pure split and the hybrid "
+        "(one per regime) interleaved at each of --rates, scored against TaiChi's three regimes and an SLO-scale "
+        "curve derived from this machine's single-request TTFT and TPOT, for each of --map-workloads."))
+    map_workloads: list[str] = field(default_factory=lambda: [str(AZURE_CONV), str(AZURE_CODE)], metadata=described(
+        "--slo-map: the workloads, each mapped in turn (default: the Azure conversation and code traces)."))
+    map_hybrids: list[str] = field(default_factory=lambda: [r.name for r in REGIMES], metadata=described(
+        "--slo-map: the regimes that get a hybrid told their targets (the others are scored on the balanced one)."))
 
     def __post_init__(self) -> None:
         for name, value in (QUICK if self.quick else DEFAULTS).items():
@@ -274,9 +285,28 @@ class CompareCommand(FiguresOutput):
                              **passed_values(self, CompareConfig))
 
 
+def map_configs(command: CompareCommand) -> list[MapConfig]:
+    config = command.compare_config()
+    return [MapConfig(serve=dataclasses.replace(config.serve, workload=dataclasses.replace(
+                          config.serve.workload, workload=workload)),
+                      rates=config.rates, cpus=config.cpus, model=config.model,
+                      kv_cache_memory_bytes=config.kv_cache_memory_bytes, ready_timeout_s=config.ready_timeout_s,
+                      reference_rate=config.reference_rate, attainment=config.attainment,
+                      hybrid_regimes=tuple(command.map_hybrids))
+            for workload in command.map_workloads]
+
+
 def main(argv: list[str] | None = None) -> dict:
     command = parse_config(CompareCommand, argv, prog="splitserve bench compare", epilog=EXAMPLES)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if command.slo_map:
+        results = []
+        for map_config in map_configs(command):
+            results.append(run_map(map_config))  # the load generator floats, as the router does
+            report_map(results[-1])
+        out = {"slo_map": results}
+        save_results(out, command.json, command.plot, lambda _, path: plot_map(results, path))
+        return out
     config = command.compare_config()
     results = run_compare(config)
     report(results, config)

@@ -16,6 +16,7 @@ from runtime.cpus import allowed_cpus, format_cpu_list
 
 KINDS = ("disaggregated", "colocated", "conditional")
 AZURE_CONV = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "AzureLLMInferenceTrace_conv.csv"
+AZURE_CODE = AZURE_CONV.with_name("AzureLLMInferenceTrace_code.csv")
 TAIL_RATIO = 1.5  # a steady decode: p99 TPOT at most 1.5x its median (issue 10's target)
 STARTUP_S = 30.0  # estimate: a cluster of smollm2-135m pods loads, serves, and stops (2 CPUs)
 DRAIN_S = 10.0  # estimate: after the last send, the requests still out finish

@@ -46,6 +46,13 @@ class DecodeConfig(PodConfig):
     speculative_model: str = field(default="", metadata={"help": (
         "draft: the draft model (a smaller model of the same tokenizer; names as --model), run on this pod with "
         "its own KV cache.")})
+    # Hybrid scheduling (docs/architecture.md, "Hybrid scheduling"): prefills lent to this pod in chunks.
+    tpot_slack_chunking: bool = field(default=False, metadata={"help": (
+        "Prefill prompts here in chunks sized each step to the largest whose predicted step time (the pod's "
+        "measured step-time model) keeps every decoding request within its TPOT target; the pod warms its "
+        "step-time model up before serving.")})
+    tpot_target_s: float = field(default=0.0, metadata={"help": (
+        "TPOT target of decoding requests whose Decode call names none (0: none; with --tpot-slack-chunking).")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,9 +65,14 @@ class DecodeConfig(PodConfig):
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
                              f"got {self.kv_load_failure_policy!r}")
+        if self.tpot_target_s < 0:
+            raise ValueError(f"tpot_target_s must be >= 0, got {self.tpot_target_s}")
 
     def engine_config(self) -> EngineConfig:
-        return dataclasses.replace(super().engine_config(), speculative=self.speculative_config())
+        config = super().engine_config()
+        scheduler = dataclasses.replace(config.scheduler, tpot_slack_chunking=self.tpot_slack_chunking,
+                                        default_tpot_target_s=self.tpot_target_s)
+        return dataclasses.replace(config, scheduler=scheduler, speculative=self.speculative_config())
 
     def speculative_config(self) -> SpeculativeConfig | None:
         if not self.speculative_method:

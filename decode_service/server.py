@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ from runtime.config import parse_config
 from runtime.errors import StatusError
 from runtime.metrics import PodMetrics
 from runtime.pod import Pod, PodService, run_pod
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,6 +106,7 @@ class _Admission:
         first_logprobs = (token_logprob_to_dict(self.request.first_token_logprob)
                           if self.request.HasField("first_token_logprob") else None)
         self.seq.sampling_params = self.params  # the push reserved the blocks before the params were known
+        self.seq.tpot_target_s = self.request.tpot_target_seconds
         seq = engine.admit_prefilled(self.seq, self.request.first_token_id, first_logprobs)
         self.admitted = True
         return seq
@@ -191,7 +195,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         clock = _TokenClock.start(self._pod.metrics, prefilled=admission is not None or bool(request.resume_token_ids))
         prompt, resumed = list(request.prompt_token_ids), list(request.resume_token_ids)
         add = admission.admit if admission is not None else (
-            lambda engine: engine.add_request(request.request_id, prompt, params, resumed))
+            lambda engine: _with_target(engine.add_request(request.request_id, prompt, params, resumed), request))
         events = self._pod.engine_loop.generate(request.request_id, prompt, params, add=add)
         try:
             async with contextlib.aclosing(events):
@@ -228,6 +232,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         metrics.prompt_tokens.inc(seq.num_prompt_tokens)
 
 
+def _with_target(seq: Sequence, request: decode_pb2.DecodeRequest) -> Sequence:
+    seq.tpot_target_s = request.tpot_target_seconds  # 0 when unset: the pod's default
+    return seq
+
+
 def _complete(event: TokenEvent, params: SamplingParams, prefilled: bool,
               arrived_at: float) -> decode_pb2.DecodeComplete:
     seq = event.seq
@@ -247,6 +256,9 @@ def _complete(event: TokenEvent, params: SamplingParams, prefilled: bool,
 
 
 async def build_decode_services(pod: Pod, config: DecodeConfig) -> list[PodService]:
+    if config.tpot_slack_chunking:  # before the engine loop starts: the engine is this thread's alone
+        await asyncio.to_thread(pod.engine.warm_up_step_times)
+        logger.info("step-time model after warm-up: %s", pod.engine.step_times.model)
     transfers = TransferTable(pod.engine_loop, config.kv_lease_s)
     await transfers.start()
     pod.on_stop(transfers.stop)

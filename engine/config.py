@@ -118,11 +118,17 @@ class SchedulerConfig:
     # A prompt longer than this is prefilled in chunks of at most this many tokens per step,
     # so that decodes of running requests are not stalled behind one long prompt.
     long_prefill_token_threshold: int = 512
+    # Lending a decode pod's steps to prefills (engine/prefill_budget.py): each step prefills at most the chunk
+    # whose predicted time keeps every decoding request within its TPOT target (its own, else this default).
+    tpot_slack_chunking: bool = False
+    default_tpot_target_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.default_tpot_target_s < 0:
+            raise ValueError(f"default_tpot_target_s must be >= 0, got {self.default_tpot_target_s}")
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")

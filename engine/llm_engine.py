@@ -22,13 +22,18 @@ from engine.draft_model import DraftModel
 from engine.grammar_masks import GrammarMasks
 from engine.model_files import load_model_files
 from engine.model_runner import ModelRunner
+from engine.prefill_budget import TPOTSlackBudget
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import SpecDecodeCounts, SpeculativeProposer
+from engine.step_time import StepSample, StepTimeFit, attention_positions
 from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+
+# Prompt lengths of warm_up_step_times: a spread of chunk sizes and starts for the fit of a prompt token's cost.
+WARM_UP_PROMPTS = (32, 96, 192, 320)
 
 
 class KVExportHook(Protocol):
@@ -46,6 +51,7 @@ class StepStats:
     num_prefill_tokens: int  # prompt (or recomputed) tokens computed
     num_decode_tokens: int  # sequences that decoded (one token, or drafts verified after one)
     num_preempted: int  # sequences preempted to make room
+    num_context_tokens: int = 0  # positions the step's attention reads, over all its tokens (step_time.py)
     seconds: float = 0.0  # wall time of the model run and the bookkeeping around it
     spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)  # the step's drafts and acceptances
 
@@ -54,7 +60,12 @@ class StepStats:
         decodes = [item for item in batch.scheduled if item.num_new_tokens - len(item.draft_token_ids) == 1
                    and item.start >= item.seq.num_prompt_tokens]
         decode_rows = sum(item.num_new_tokens for item in decodes)
-        return cls(batch.num_batched_tokens - decode_rows, len(decodes), len(batch.preempted))
+        context = sum(attention_positions(item.start, item.num_new_tokens) for item in batch.scheduled)
+        return cls(batch.num_batched_tokens - decode_rows, len(decodes), len(batch.preempted), context)
+
+    def sample(self) -> StepSample:
+        """What the step-time fit learns from this step."""
+        return StepSample(self.num_decode_tokens, self.num_prefill_tokens, self.num_context_tokens, self.seconds)
 
 
 class EngineStepError(RuntimeError):
@@ -78,8 +89,11 @@ class LLMEngine:
             self.runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         eos_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
+        self.step_times = StepTimeFit()  # this engine's measured step-time model (engine/step_time.py)
+        budget = (TPOTSlackBudget(lambda: self.step_times.model, config.scheduler.default_tpot_target_s)
+                  if config.scheduler.tpot_slack_chunking else None)
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, eos_ids, self.model_config.max_position_embeddings
+            config.scheduler, self.block_manager, eos_ids, self.model_config.max_position_embeddings, budget
         )
         self.kv_export: KVExportHook | None = None
         self.proposer = self._proposer(config, loaded.tokenizer) if config.speculative else None
@@ -165,8 +179,24 @@ class LLMEngine:
                 if seq.is_finished:
                     self.proposer.finished(seq)
         stats.seconds = time.perf_counter() - started
+        self.step_times.observe(stats.sample())
         self.last_step = stats
         return updated
+
+    def warm_up_step_times(self, max_tokens: int = 4) -> None:
+        """Run made-up prompts before serving so that the step-time fit has measured prompt tokens, decode rows and
+        attention context (a decode pod may otherwise see no prefill until it is lent one): prompts of growing length
+        over one token stream, each prefilling after the previous one's cached prefix (chunks that start late),
+        then fresh ones together. Call it before the engine loop starts; every request finishes here."""
+        vocab = self.model_config.vocab_size
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        rounds = [[(n, 1)] for n in WARM_UP_PROMPTS] + [[(n, 2 + i) for i, n in enumerate(WARM_UP_PROMPTS)]]
+        for r, prompts in enumerate(rounds):
+            for n, stream in prompts:
+                n = min(n, self.max_model_len - max_tokens - 1)
+                self.add_request(f"warm-up-{r}-{stream}", [(97 * stream * (k + 1)) % vocab for k in range(n)], params)
+            while self.has_unfinished_requests():
+                self.step()
 
     def _count_accepted(self, batch: SchedulerOutput, sampled, counts: SpecDecodeCounts) -> None:
         for item in batch.scheduled:

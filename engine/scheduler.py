@@ -7,9 +7,11 @@ A request's path through the scheduler:
 - ``schedule`` first gives every ``running`` sequence its next tokens (a prefill chunk, or one token when
   decoding, plus the draft tokens proposed for it when speculating, as far as the budget, ``max_tokens`` and the
   context allow: engine/speculative.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup,
-  while the token budget, the sequence cap and the block pool allow. When a running sequence needs a block and none
-  is left, the most recently admitted one is preempted: its blocks are freed and it goes back to the front of
-  ``waiting``, to be recomputed later (cheaply, from its prefix-cached blocks);
+  while the token budget, the sequence cap and the block pool allow. On a pod that lends its decode steps to
+  prefills (``SchedulerConfig.tpot_slack_chunking``), the prompt tokens of a step are bounded as well, by the
+  chunk that keeps every decoding sequence within its TPOT target (``engine/prefill_budget.py``). When a running
+  sequence needs a block and none is left, the most recently admitted one is preempted: its blocks are freed and
+  it goes back to the front of ``waiting``, to be recomputed later (cheaply, from its prefix-cached blocks);
 - ``update_from_output`` records the step: computed tokens advance, newly full blocks enter the prefix cache,
   sampled tokens are appended (several when drafts were accepted, each checked before the next), and a sequence
   that hits EOS, a stop token id or its length limit is finished and its blocks freed, its later tokens dropped;
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.prefill_budget import TPOTSlackBudget
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -54,15 +57,18 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: list[int], max_model_len: int
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: list[int], max_model_len: int,
+        prefill_budget: TPOTSlackBudget | None = None,
     ):
         self.config = config
+        self.prefill_budget = prefill_budget  # None: prompt tokens are bounded by the token budget alone
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._unfinished: dict[str, Sequence] = {}
+        self._prefill_left: int | None = None  # this step's prompt tokens still allowed (None: no bound)
         # A sequence can hold at most the whole pool (its last sampled token needs no slot): past that it
         # finishes with LENGTH, instead of preempting itself and coming back forever.
         self._pool_tokens = block_manager.num_blocks * block_manager.block_size
@@ -109,6 +115,7 @@ class Scheduler:
         self._check_admissible(seq)
         self._unfinished[seq.request_id] = seq
         self._mark_scheduled(seq)
+        seq.last_token_time = time.monotonic()  # its first token here is the one it brought
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
         self._check_stop(seq)
         if not seq.is_finished:
@@ -145,17 +152,31 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._prefill_left = self._step_prefill_budget()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # A preemption means the pool is full: admitting someone now would only preempt again.
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
+    def _step_prefill_budget(self) -> int | None:
+        """Prompt tokens this step may compute beside its decodes (None: no bound but the token budget)."""
+        if self.prefill_budget is None:
+            return None
+        decoding = [seq for seq in self.running if _decodes(seq)]
+        prefilling = next((seq for seq in self.running if not _decodes(seq)), self.waiting[0] if self.waiting else None)
+        if prefilling is None:
+            return None
+        return self.prefill_budget.tokens(decoding, time.monotonic(), prefilling.num_computed_tokens)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             start = seq.num_computed_tokens
+            if self._prefill_left == 0 and not _decodes(seq):
+                index += 1  # its next chunk waits for a step with slack to spare
+                continue
             drafts = self._drafts_to_verify(seq, budget)
             if drafts and not self.block_manager.allocate_slots(seq, 1 + len(drafts)):
                 drafts = []  # no room for them: decode one token, preempting for it if need be
@@ -196,7 +217,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and self._prefill_left != 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             computed_blocks, num_cached_tokens = self.block_manager.get_computed_blocks(seq)
             num_new_tokens = self._num_new_tokens(seq, num_cached_tokens, budget)
@@ -221,7 +243,12 @@ class Scheduler:
 
     def _num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int) -> int:
         # The chunk cap keeps one long prompt from stalling every running decode for a whole step.
-        return min(seq.num_tokens - num_computed_tokens, budget, self.config.long_prefill_token_threshold)
+        num_new = min(seq.num_tokens - num_computed_tokens, budget, self.config.long_prefill_token_threshold)
+        if self._prefill_left is None or num_computed_tokens == seq.num_tokens - 1:
+            return num_new  # no slack bound, or a decode
+        num_new = min(num_new, self._prefill_left)
+        self._prefill_left -= num_new
+        return num_new
 
     @staticmethod
     def _scheduled(seq: Sequence, num_new_tokens: int, start: int, drafts: list[int] = ()) -> ScheduledSeq:
@@ -259,6 +286,7 @@ class Scheduler:
             seq.append_token(token_id, logprobs)
             if seq.num_output_tokens == 1:
                 seq.first_token_time = time.monotonic()
+            seq.last_token_time = time.monotonic()
             self._check_stop(seq)
             if seq.is_finished:
                 return  # the tokens after a stop are not the request's
@@ -285,3 +313,8 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         del self._unfinished[seq.request_id]
+
+
+def _decodes(seq: Sequence) -> bool:
+    """All its tokens but the last are computed: its next step decodes (not a prefill chunk)."""
+    return seq.num_computed_tokens == seq.num_tokens - 1

@@ -53,6 +53,10 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # TPOT target of this request on a decode pod that lends its steps to prefills (engine/prefill_budget.py);
+    # 0: the pod's default. last_token_time: time.monotonic() when its latest token here came out.
+    tpot_target_s: float = 0.0
+    last_token_time: float | None = None
     # Speculative decoding (engine/speculative.py): tokens proposed for the next step, and the request's proposer state.
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: DraftState | None = None

@@ -14,7 +14,20 @@ from __future__ import annotations
 
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import FinishReason
+from engine.step_time import StepTimeModel
 from protos.splitserve.v1 import common_pb2
+
+def step_time_to_proto(model: StepTimeModel) -> common_pb2.StepTimeModel:
+    return common_pb2.StepTimeModel(
+        base_seconds=model.base, per_decode_row_seconds=model.per_decode_row,
+        per_prefill_token_seconds=model.per_prefill_token, per_context_token_seconds=model.per_context_token,
+        num_samples=model.num_samples)
+
+
+def step_time_from_proto(message: common_pb2.StepTimeModel) -> StepTimeModel:
+    return StepTimeModel(message.base_seconds, message.per_decode_row_seconds, message.per_prefill_token_seconds,
+                         message.per_context_token_seconds, message.num_samples)
+
 
 # Optional proto fields that, unset, take SamplingParams' own default.
 _OPTIONAL_FIELDS = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens")

@@ -30,6 +30,14 @@ class PolicyName(enum.StrEnum):
     PREFIX_AWARE = "prefix_aware"
 
 
+class Scheduling(enum.StrEnum):
+    """How prompts and decodes share the pods (docs/architecture.md, "Hybrid scheduling")."""
+
+    HYBRID = "hybrid"  # per request, from predicted latency: prefill pod, or lent to the decode pod in chunks
+    DISAGGREGATED = "disaggregated"  # prefill pods prefill, but for the conditional_* rules
+    COLOCATED = "colocated"  # mixed pods run both phases (splitserve up starts mixed pods instead of P and D)
+
+
 @dataclass
 class RouterConfig:
     """The splitserve router: client-facing gRPC and HTTP APIs in front of prefill and decode pods."""
@@ -77,10 +85,16 @@ class RouterConfig:
         "Refuse (429 / RESOURCE_EXHAUSTED, with Retry-After) a request whose prompt would wait longer than this "
         "before its prefill starts, by the least loaded pod's queued prompt tokens and measured prefill rate "
         "(0: never)."))
+    scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
+        "'hybrid': each prompt prefills where its first token is predicted to come first, on a prefill pod or lent "
+        "to its decode pod in TPOT-bounded chunks (the decode pods need --tpot-slack-chunking; splitserve up sets "
+        "it); 'disaggregated' or 'colocated': by the conditional_* rules."))
     slo_ttft_s: float = field(default=1.0, metadata=described(
-        "TTFT target of splitserve_requests_within_slo_total (goodput): set it to your service level."))
+        "TTFT target: of splitserve_requests_within_slo_total (goodput), and of hybrid placement's predictions "
+        "(a request may name its own: docs/api.md)."))
     slo_tpot_s: float = field(default=0.1, metadata=described(
-        "TPOT target of splitserve_requests_within_slo_total (goodput): set it to your service level."))
+        "TPOT target: of splitserve_requests_within_slo_total (goodput), and the one hybrid decode pods keep while "
+        "they prefill lent prompts (a request may name its own: docs/api.md)."))
     kv_lease_s: float = field(default=KV_LEASE_S, metadata=described(
         "How long a decode pod keeps pushed KV waiting for the router's Decode call."))
     cpus: str = field(default="", metadata=described(
@@ -123,6 +137,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         self.policy = member(PolicyName, "policy", self.policy)
+        self.scheduling = member(Scheduling, "scheduling", self.scheduling)
         self.registry = member(RegistryKind, "registry", self.registry)
         check_kv_codec("kv_codec", self.kv_codec)
         checked_cpu_set("cpus", self.cpus)

@@ -57,6 +57,9 @@ class RouterRequest:
     prompt_text: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     timeout_s: float | None = None  # arrival to last token; None: the router's request_timeout_s
+    # The request's own latency targets (docs/api.md, the "slo" extension); None: the router's --slo-*-s.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 class Intake:

@@ -36,7 +36,7 @@ from protos.splitserve.v1 import decode_pb2, prefill_pb2
 from router.config import RouterConfig
 from router.intake import RouterRequest
 from router.pod_client import PodClientPool
-from router.policies import RoutePlan, RoutingPolicy
+from router.policies import RoutePlan, RoutingPolicy, SLOTargets
 from router.registry import PodInfo, PodRegistry
 from router.request_run import DecodeStream, RequestRun
 from runtime.errors import StatusError
@@ -85,7 +85,9 @@ class Placement:
     def _check_queue_time(self, plan: RoutePlan) -> None:
         limit = self.config.max_queue_time_s
         pod = plan.prefill or plan.decode
-        wait = pod.prefill_wait_s
+        # Hybrid placement predicted the whole TTFT (a lent prompt's chunks included, which a pod's rate measured
+        # from its chunks beside decodes would overstate); otherwise the queue at the pod's measured rate.
+        wait = plan.predicted_ttft_s if plan.predicted_ttft_s is not None else pod.prefill_wait_s
         if limit and wait is not None and wait > limit:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"the least loaded pod would start this prompt in about {wait:.1f} s "
@@ -116,16 +118,20 @@ class Placement:
         # Prefill pods that failed this request are left out, even if none remain: then D prefills the prompt.
         prefill = [pod for pod in self.registry.prefill_pods() if pod.address not in avoid]
         decode = _prefer_others(self.registry.decode_pods(), avoid)
-        plan = self.policy.choose_pair(req, prefill, decode)
+        plan = self.policy.choose_pair(req, prefill, decode, self.targets(req))
         log.debug("request %s: prefill %s, decode %s (%s)", req.request_id,
                   plan.prefill.address if plan.prefill else "-", plan.decode.address, plan.reason)
         return plan
+
+    def targets(self, req: RouterRequest) -> SLOTargets:
+        """The request's latency targets: its own where it named them, else the router's."""
+        return SLOTargets(req.slo_ttft_s or self.config.slo_ttft_s, req.slo_tpot_s or self.config.slo_tpot_s)
 
     async def _start(self, run: RequestRun, plan: RoutePlan) -> DecodeStream:
         if run.aborted:
             raise StatusError(grpc.StatusCode.CANCELLED, "aborted")
         metrics = self.metrics
-        metrics.count(metrics.routing_decisions, "prefill_on_decode" if plan.prefill is None else "disaggregated")
+        metrics.count(metrics.routing_decisions, plan.decision)
         for pod in (plan.prefill, plan.decode):
             if pod is not None:
                 metrics.count(metrics.pod_requests, pod.address, str(pod.role))
@@ -145,8 +151,10 @@ class Placement:
             raise
         finally:
             prefill_hold.release()
+        if self.policy.hybrid is not None:
+            self.policy.hybrid.observe_transfer(num_prompt, first.kv_transfer.exposed_transfer_seconds)
         # The KV now waits on D under a lease: claim it at once. D's stream starts after the first token.
-        decode_request = _decode_request(run.request)
+        decode_request = self._decode_request(run.request)
         decode_request.first_token_id = first.first_token_id
         first_chunk = decode_pb2.DecodeChunk(token_ids=[first.first_token_id])
         if first.HasField("first_token_logprob"):
@@ -177,7 +185,7 @@ class Placement:
         req = run.request
         hold = run.hold(pod, prompt_tokens=len(req.prompt_token_ids) + len(resume_token_ids),
                         kv_tokens=len(req.prompt_token_ids) + len(resume_token_ids))
-        request = _decode_request(req)
+        request = self._decode_request(req)
         request.resume_token_ids.extend(resume_token_ids)
         client = self.pod_clients.get(pod.address, pod.role)
         stream = DecodeStream(run.track(client.decode(request, run.time_left())), pod, hold, [])
@@ -189,6 +197,12 @@ class Placement:
             raise
         hold.prompt_done()
         return stream
+
+    def _decode_request(self, req: RouterRequest) -> decode_pb2.DecodeRequest:
+        # The TPOT target travels with it: a hybrid decode pod keeps it while it prefills lent prompts.
+        return decode_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                        sampling_params=sampling_params_to_proto(req.params),
+                                        tpot_target_seconds=self.targets(req).tpot_s)
 
     # -- step 4: migration ------------------------------------------------------------------------------------
 
@@ -221,9 +235,6 @@ class Placement:
                 worth_another_pod = () if run.out_of_time() else MIGRATABLE_CODES + RETRYABLE_CODES
 
 
-def _decode_request(req: RouterRequest) -> decode_pb2.DecodeRequest:
-    return decode_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                    sampling_params=sampling_params_to_proto(req.params))
 
 
 def _prefer_others(pods: list[PodInfo], avoid: set[str]) -> list[PodInfo]:

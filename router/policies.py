@@ -12,6 +12,10 @@
    queued -> ``RoutePlan(prefill=None, decode=D)``;
 4. P = ``pick_prefill(...)`` -> ``RoutePlan(prefill=P, decode=D)``.
 
+With hybrid scheduling (``HybridPlacement``), step 3 is decided from predicted latency instead of these rules:
+the prompt prefills where its first token is predicted to come first, on a prefill pod (remote) or lent to D in
+chunks bounded by its running requests' TPOT slack (see the class).
+
 Policies differ only in steps 2 and 4, and are picked by name (``make_policy``):
 
 - ``round_robin``: in turn, by address order;
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.block_manager import chained_block_hashes
+from engine.step_time import StepTimeModel, attention_positions
 from router.config import PolicyName
 from router.registry import PodInfo
 from runtime.config import member
@@ -55,6 +60,20 @@ class RoutePlan:
     prefill: PodInfo | None  # None: D prefills the prompt itself
     decode: PodInfo
     reason: str  # why this shape, for logs
+    predicted_ttft_s: float | None = None  # hybrid placement's prediction (None: not predicted)
+
+    @property
+    def decision(self) -> str:
+        """The routing-decision metric's label."""
+        return "prefill_on_decode" if self.prefill is None else "disaggregated"
+
+
+@dataclass(frozen=True)
+class SLOTargets:
+    """A request's latency targets, seconds: the router's --slo-ttft-s / --slo-tpot-s or the request's own."""
+
+    ttft_s: float
+    tpot_s: float
 
 
 class PromptBlocks:
@@ -139,19 +158,121 @@ class LocalPrefill:
         return None
 
 
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """One way to prefill a prompt, predicted: its TTFT and what it costs the decodes already running on D."""
+
+    ttft_s: float  # math.inf: this way cannot prefill it now
+    detail: str  # the inputs, for the debug log
+    tpot_cost_s: float = 0.0  # time added to each running request's next tokens on D, over the whole prefill
+
+
+# A lent prompt's chunks start, on average, this far into what D has to prefill (its attention grows with it).
+MEAN_CHUNK_START = 0.5
+# Weight of the newest KV transfer in the router's average transfer time per prompt token.
+TRANSFER_RECENT_WEIGHT = 0.2
+
+
+class HybridPlacement:
+    """Per request, from predicted latency: prefill on a prefill pod and ship the KV (remote), or lend the prompt
+    to the decode pod D, which prefills it in chunks interleaved with its decodes (lent).
+
+    remote   TTFT = P's queue (its queued prompt tokens at its measured rate) + the prompt's uncached tokens on P
+             at P's measured step-time model + the KV transfer's exposed time (the router's running average per
+             prompt token, for its codec); it costs D's decodes one more row.
+    lent     D prefills what it has queued and then the prompt's uncached tokens on D, in chunks: each step the
+             largest chunk D's measured model fits in the allowance it reports (its decoding requests' smallest
+             TPOT slack, or its default target's when none decodes: ``PodLoad.tpot_allowance_seconds``), so
+             TTFT = steps x that step's time; D with no TPOT to keep prefills in whole steps at its model's rate;
+             D with no model (not warmed up) cannot be lent to.
+
+    The prompt goes where its first token is predicted to come first (a prefix cached on either pod counts there);
+    ties go to the prefill pod, which keeps D's steps short. The request's TTFT target says, in the log, whether the
+    choice is predicted to meet it; its TPOT target is kept by D itself, which never takes a chunk that breaks it.
+    """
+
+    def __init__(self) -> None:
+        self.transfer_s_per_token = 0.0  # exposed KV transfer time per prompt token, measured (router's average)
+
+    def observe_transfer(self, num_prompt_tokens: int, exposed_s: float) -> None:
+        """A remote prefill's exposed KV transfer time, for the next predictions."""
+        if num_prompt_tokens <= 0:
+            return
+        per_token = exposed_s / num_prompt_tokens
+        weight = TRANSFER_RECENT_WEIGHT if self.transfer_s_per_token else 1.0
+        self.transfer_s_per_token += weight * (per_token - self.transfer_s_per_token)
+
+    def decide(self, prompt: PromptBlocks, prefill: PodInfo | None, decode: PodInfo,
+               targets: SLOTargets) -> RoutePlan:
+        if prefill is None:
+            return RoutePlan(None, decode, "no prefill pod: prefill on the decode pod")
+        remote, lent = self.remote(prompt, prefill), self.lent(prompt, decode)
+        if lent.ttft_s < remote.ttft_s:
+            chosen, plan = lent, RoutePlan(None, decode, "", lent.ttft_s)
+        else:
+            chosen, plan = remote, RoutePlan(prefill, decode, "", remote.ttft_s)
+        verdict = "meets" if chosen.ttft_s <= targets.ttft_s else "misses"
+        plan.reason = (f"hybrid {'lent' if plan.prefill is None else 'remote'}: predicted TTFT remote "
+                       f"{remote.ttft_s:.3f} s [{remote.detail}], lent {lent.ttft_s:.3f} s [{lent.detail}]; "
+                       f"{verdict} the {targets.ttft_s:g} s TTFT target")
+        return plan
+
+    def remote(self, prompt: PromptBlocks, pod: PodInfo) -> PrefillEstimate:
+        cached = prompt.cached_tokens(pod)
+        todo = len(prompt.token_ids) - cached
+        model = pod.load.step_time
+        if model.known:
+            prefill_s = model.predict(0, todo, attention_positions(cached, todo))
+        elif pod.load.prefill_tokens_per_second > 0:
+            prefill_s = todo / pod.load.prefill_tokens_per_second
+        else:
+            prefill_s = 0.0  # nothing measured yet: the prefill pod is the default
+        queue_s = pod.prefill_wait_s or 0.0
+        transfer_s = self.transfer_s_per_token * len(prompt.token_ids)
+        return PrefillEstimate(queue_s + prefill_s + transfer_s,
+                               f"queue {queue_s:.3f} + prefill {prefill_s:.3f} ({todo} tokens) + transfer "
+                               f"{transfer_s:.3f}")
+
+    def lent(self, prompt: PromptBlocks, pod: PodInfo) -> PrefillEstimate:
+        model: StepTimeModel = pod.load.step_time
+        if not model.known:
+            return PrefillEstimate(math.inf, "no step-time model")
+        cached = prompt.cached_tokens(pod)
+        todo = pod.queued_tokens + len(prompt.token_ids) - cached
+        rows, context = pod.load.num_running, pod.load.running_context_tokens
+        allowance = pod.load.tpot_allowance_seconds
+        if allowance is None:  # no TPOT to keep: the token budget alone bounds its steps
+            return PrefillEstimate(model.predict(rows, todo, context + attention_positions(cached, todo)),
+                                   f"{todo} tokens in one step, no TPOT to keep")
+        start = cached + int(MEAN_CHUNK_START * todo)
+        chunk = model.largest_chunk(rows, context, allowance, start)
+        if chunk == 0:
+            return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
+        steps = math.ceil(todo / chunk)
+        step_s = model.predict(rows, chunk, context + attention_positions(start, chunk))
+        decode_s = model.predict(rows, 0, context)
+        return PrefillEstimate(steps * step_s,
+                               f"{steps} chunks of {chunk} tokens at {step_s:.3f} s beside {rows} decodes, "
+                               f"allowance {allowance:.3f} s", tpot_cost_s=steps * (step_s - decode_s))
+
+
 class RoutingPolicy:
     """Base policy: the shared steps of ``choose_pair``; subclasses pick among candidates."""
 
     name: PolicyName
 
-    def __init__(self, local_prefill: LocalPrefill | None = None):
+    def __init__(self, local_prefill: LocalPrefill | None = None, hybrid: HybridPlacement | None = None):
         self.local_prefill = local_prefill or LocalPrefill()
+        self.hybrid = hybrid  # None: step 3 by LocalPrefill's rules
 
     def choose_pair(self, request: RouterRequest, prefill_pods: list[PodInfo],
-                    decode_pods: list[PodInfo]) -> RoutePlan:
+                    decode_pods: list[PodInfo], targets: SLOTargets | None = None) -> RoutePlan:
         prompt = PromptBlocks(request.prompt_token_ids)
         num_tokens = len(prompt.token_ids)
         decode = self._choose_decode(prompt, decode_pods)
+        if self.hybrid is not None and targets is not None:
+            prefill = self.pick_prefill(prefill_pods, prompt) if prefill_pods else None
+            return self.hybrid.decide(prompt, prefill, decode, targets)
         local_reason = self.local_prefill.reason(num_tokens, prompt.cached_tokens(decode), prefill_pods, decode)
         if local_reason is not None:
             return RoutePlan(None, decode, local_reason)
@@ -244,8 +365,9 @@ assert set(POLICIES) == set(PolicyName), "every policy name has its class"
 
 
 def make_policy(name: PolicyName | str, local_prefill: LocalPrefill | None = None,
-                seed: int | None = None) -> RoutingPolicy:
-    """The policy called ``name``; ``seed`` fixes power_of_two's draws (tests)."""
+                seed: int | None = None, hybrid: HybridPlacement | None = None) -> RoutingPolicy:
+    """The policy called ``name``; ``seed`` fixes power_of_two's draws (tests); ``hybrid``: step 3 from predicted
+    latency."""
     name = member(PolicyName, "policy", name)
     extra = {"seed": seed} if name is PolicyName.POWER_OF_TWO else {}
-    return POLICIES[name](local_prefill, **extra)
+    return POLICIES[name](local_prefill, hybrid=hybrid, **extra)

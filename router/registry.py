@@ -32,6 +32,8 @@ import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
 from engine.config import CacheConfig
+from engine.step_time import StepTimeModel
+from protos.convert import step_time_from_proto
 from protos.splitserve.v1 import common_pb2
 from runtime.registry import KEY_PREFIX, PodRecord
 from runtime.roles import Role
@@ -55,16 +57,25 @@ class PodLoad:
     version: int = 0
     prefill_tokens_per_second: float = 0.0
     decode_step_seconds: float = 0.0
+    running_context_tokens: int = 0
+    # The measured step-time model and TPOT allowance (hybrid placement): from the load stream only, not Redis.
+    step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    tpot_allowance_seconds: float | None = None
 
     @classmethod
     def from_proto(cls, message: common_pb2.PodLoad) -> "PodLoad":
-        return cls(**{f.name: getattr(message, f.name) for f in dataclasses.fields(cls)})
+        plain = {f.name: getattr(message, f.name) for f in dataclasses.fields(cls) if f.name in _PLAIN_FIELDS}
+        allowance = message.tpot_allowance_seconds if message.HasField("tpot_allowance_seconds") else None
+        return cls(**plain, step_time=step_time_from_proto(message.step_time), tpot_allowance_seconds=allowance)
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> "PodLoad":
         """From a Redis record's load; unknown names are ignored, values take the field's type."""
-        types = {f.name: type(f.default) for f in dataclasses.fields(cls)}
+        types = {f.name: type(f.default) for f in dataclasses.fields(cls) if f.name in _PLAIN_FIELDS}
         return cls(**{name: types[name](value) for name, value in fields.items() if name in types})
+
+
+_PLAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(PodLoad)) - {"step_time", "tpot_allowance_seconds"}
 
 
 @dataclass

@@ -43,7 +43,8 @@ from router.intake import Intake, RouterRequest, invalid
 from router.placement import Placement
 from router.pod_client import PodClient, PodClientPool
 from router.pod_monitor import PodMonitor
-from router.policies import LocalPrefill, RoutingPolicy, make_policy
+from router.config import Scheduling
+from router.policies import HybridPlacement, LocalPrefill, RoutingPolicy, make_policy
 from router.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
 from router.request_run import Completion, OutputDelta, RequestRun
 from runtime.errors import StatusError
@@ -66,9 +67,10 @@ class Router:
         self.pod_clients = PodClientPool(config.tls)
         self.registry = registry if registry is not None else self._build_registry()
         if policy is None:
+            hybrid = HybridPlacement() if config.scheduling is Scheduling.HYBRID else None
             policy = make_policy(config.policy, LocalPrefill(config.conditional_prefill_threshold,
                                                               config.conditional_cached_fraction,
-                                                              config.conditional_prefill_queue_s))
+                                                              config.conditional_prefill_queue_s), hybrid=hybrid)
         self.placement = Placement(config, self.registry, policy, self.pod_clients, self.metrics)
         self._runs: dict[str, RequestRun] = {}
         self._background: set[asyncio.Task] = set()  # Aborts sent to pods for requests already ended

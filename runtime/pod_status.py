@@ -19,7 +19,10 @@ import logging
 
 import grpc
 
+import time
+
 from engine.llm_engine import LLMEngine, StepStats
+from protos.convert import step_time_to_proto
 from protos.splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
 from runtime.metrics import PodMetrics
 
@@ -90,12 +93,16 @@ class LoadTracker:
         # migrated ones included), the rest of a running one's prefill (0 once it decodes).
         queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
         queued += sum(max(0, seq.num_tokens - 1 - seq.num_computed_tokens) for seq in scheduler.running)
+        decoding = [seq for seq in scheduler.running if seq.num_computed_tokens == seq.num_tokens - 1]
+        allowance = (scheduler.prefill_budget.allowance_s(decoding, time.monotonic())
+                     if scheduler.prefill_budget is not None else None)
         return common_pb2.PodLoad(
             num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
             free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
             queued_prefill_tokens=queued, draining=self._draining, version=self._version,
             prefill_tokens_per_second=self._prefill_tokens_per_second,
-            decode_step_seconds=self._decode_step_seconds)
+            decode_step_seconds=self._decode_step_seconds, step_time=step_time_to_proto(engine.step_times.model),
+            running_context_tokens=sum(seq.num_tokens for seq in decoding), tpot_allowance_seconds=allowance)
 
     # ---- event loop ------------------------------------------------------------------------------------------
 

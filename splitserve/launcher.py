@@ -1,6 +1,12 @@
 """``splitserve up``: the whole system on this machine, one process per pod, as a Kubernetes deployment would run it.
 
-    splitserve up [--prefill 1] [--decode 1] [--mixed 0] [--model smollm2-135m] [--decode-cpus 1] ...
+    splitserve up [--prefill 1] [--decode 1] [--mixed 0] [--scheduling disaggregated] [--model smollm2-135m] ...
+
+``--scheduling`` (docs/architecture.md, "Hybrid scheduling"): ``hybrid`` runs the prefill and decode pods with
+the router placing each prompt from predicted latency and the decode pods prefilling lent prompts in TPOT-bounded
+chunks (``--tpot-slack-chunking``, their target the router's ``--slo-tpot-s``); ``disaggregated`` (the default) is
+the pure split (prompts on prefill pods but for the router's conditional_* rules); ``colocated`` starts every
+prefill and decode pod as a mixed pod instead (both phases in one process), for comparison.
 
 Starts, each a separate process with its log under ``--run-dir``, and in this order:
   redis-server   with ``--registry redis``: pods heartbeat into it and the router watches it
@@ -43,7 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decode_service.config import DecodeConfig
 from prefill_service.config import PrefillConfig
 from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S
-from router.config import PolicyName, RouterConfig
+from router.config import PolicyName, RouterConfig, Scheduling
 from runtime.config import described, member, parse_config, passed_on, passed_to, passed_values
 from runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, thread_env
 from runtime.kv_codecs import check_kv_codec
@@ -74,6 +80,11 @@ class UpConfig:
     kv_codec: str = passed_to(RouterConfig, name="kv_codec", help=(
         "KV codec between prefill and decode pods (the router's: it names one in every prefill request)."))
     policy: PolicyName = passed_to(RouterConfig, name="policy")
+    scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
+        "'hybrid' (each prompt on a prefill pod or lent to its decode pod in TPOT-bounded chunks, by predicted "
+        "latency), 'disaggregated' (the pure split) or 'colocated' (the prefill and decode pods become mixed pods)."))
+    slo_ttft_s: float = passed_to(RouterConfig, name="slo_ttft_s")
+    slo_tpot_s: float = passed_to(RouterConfig, name="slo_tpot_s")
     conditional_prefill_threshold: int = passed_to(RouterConfig, name="conditional_prefill_threshold")
     conditional_prefill_queue_s: float = passed_to(RouterConfig, name="conditional_prefill_queue_s")
     registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
@@ -122,6 +133,7 @@ class UpConfig:
         if min(self.prefill, self.decode, self.mixed) < 0 or self.decode + self.mixed == 0:
             raise ValueError("need at least one decode or mixed pod, and no negative counts")
         self.policy = member(PolicyName, "policy", self.policy)
+        self.scheduling = member(Scheduling, "scheduling", self.scheduling)
         self.registry = member(RegistryKind, "registry", self.registry)
         check_kv_codec("kv_codec", self.kv_codec)  # the router's, checked here before any process starts
         for name in ("prefill_cpus", "decode_cpus", "mixed_cpus", "router_cpus"):
@@ -176,6 +188,8 @@ class Cluster:
     def _plan_pods(self) -> list[PodPlan]:
         c = self.config
         roles = [Role.PREFILL] * c.prefill + [Role.DECODE] * c.decode + [Role.MIXED] * c.mixed
+        if c.scheduling is Scheduling.COLOCATED:
+            roles = [Role.MIXED] * len(roles)
         counters: dict[str, int] = {}
         plans = []
         for i, role in enumerate(roles):
@@ -250,6 +264,8 @@ class Cluster:
                  *self._cpu_flags(pod.name)]
         if pod.role is not Role.PREFILL:
             flags += ["--role", str(pod.role)]
+        if pod.role is Role.DECODE and c.scheduling is Scheduling.HYBRID:
+            flags += ["--tpot-slack-chunking", "--tpot-target-s", str(c.slo_tpot_s)]
         if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]
         return flags
@@ -257,7 +273,7 @@ class Cluster:
     def _router_flags(self) -> list[str]:
         c = self.config
         flags = ["--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port),
-                 *passed_on(c, RouterConfig), *self._cpu_flags("router")]
+                 "--scheduling", str(c.scheduling), *passed_on(c, RouterConfig), *self._cpu_flags("router")]
         if c.registry is RegistryKind.REDIS:
             return flags + ["--registry", "redis", "--redis-url", self._redis_url()]
         for role in POD_ROLES:

@@ -157,3 +157,17 @@ def test_fields_handed_on_are_the_fields_of_the_configs_they_reach():
             (own,) = [g for g in dataclasses.fields(target) if g.name == f.name]
             assert up_hints[f.name] == typing.get_type_hints(target)[f.name], f.name
             assert own.default == f.default, f.name
+
+
+@pytest.mark.parametrize("scheduling", ["hybrid", "disaggregated", "colocated"])
+def test_scheduling_shapes_the_pods_and_the_router(tmp_path, scheduling):
+    cluster = Cluster(UpConfig(model="tiny-random", run_dir=str(tmp_path), prometheus=False, scheduling=scheduling,
+                               slo_tpot_s=0.2))
+    roles = [pod.role for pod in cluster.pods]
+    assert roles == ([M, M] if scheduling == "colocated" else [P, D])
+    router = parse_config(RouterConfig, cluster._router_flags(), env={})
+    assert (router.scheduling, router.slo_tpot_s) == (scheduling, 0.2)
+    decode = parse_config(DecodeConfig, cluster._pod_flags(cluster.pods[1]), env={})
+    # Hybrid decode pods keep the router's TPOT target while they prefill lent prompts; no other pod lends.
+    assert (decode.tpot_slack_chunking, decode.tpot_target_s) == ((True, 0.2) if scheduling == "hybrid" else
+                                                                   (False, 0.0))

@@ -150,7 +150,7 @@ class Timings(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ...) -> None: ...
 
 class PodLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "free_kv_blocks", "total_kv_blocks", "block_size", "queued_prefill_tokens", "draining", "version", "prefill_tokens_per_second", "decode_step_seconds")
+    __slots__ = ("num_waiting", "num_running", "free_kv_blocks", "total_kv_blocks", "block_size", "queued_prefill_tokens", "draining", "version", "prefill_tokens_per_second", "decode_step_seconds", "step_time", "running_context_tokens", "tpot_allowance_seconds")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,9 @@ class PodLoad(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_ALLOWANCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     free_kv_blocks: int
@@ -171,7 +174,24 @@ class PodLoad(_message.Message):
     version: int
     prefill_tokens_per_second: float
     decode_step_seconds: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., version: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., decode_step_seconds: _Optional[float] = ...) -> None: ...
+    step_time: StepTimeModel
+    running_context_tokens: int
+    tpot_allowance_seconds: float
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., version: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., decode_step_seconds: _Optional[float] = ..., step_time: _Optional[_Union[StepTimeModel, _Mapping]] = ..., running_context_tokens: _Optional[int] = ..., tpot_allowance_seconds: _Optional[float] = ...) -> None: ...
+
+class StepTimeModel(_message.Message):
+    __slots__ = ("base_seconds", "per_decode_row_seconds", "per_prefill_token_seconds", "per_context_token_seconds", "num_samples")
+    BASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PER_DECODE_ROW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PER_PREFILL_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PER_CONTEXT_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    base_seconds: float
+    per_decode_row_seconds: float
+    per_prefill_token_seconds: float
+    per_context_token_seconds: float
+    num_samples: int
+    def __init__(self, base_seconds: _Optional[float] = ..., per_decode_row_seconds: _Optional[float] = ..., per_prefill_token_seconds: _Optional[float] = ..., per_context_token_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

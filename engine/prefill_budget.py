@@ -1,0 +1,68 @@
+"""How many prompt tokens one step may prefill beside running decodes, so that each keeps its TPOT target.
+
+A decode pod lent prefill work (a prompt the router placed there, or the rest of one) prefills it in chunks
+interleaved with its decode steps. ``TPOTSlackBudget.tokens(decoding, now)`` sizes the chunk of the next step:
+
+1. each decoding sequence with a TPOT target (its own, ``Sequence.tpot_target_s``, else the pod's default) has a
+   *slack*: the target less the part of its current inter-token gap already gone (since
+   ``Sequence.last_token_time``). Every gap within the target keeps the request's TPOT, an average of its gaps,
+   within it too; a request is never held to gaps shorter than its target for having been slow before, so a lent
+   prompt is not starved by a decode's history;
+2. the step's allowance is the smallest slack, times ``headroom`` (the model's error and the loop's own overhead);
+   with no decoding sequence, the pod's default target's (a request prefilled elsewhere may join at any step, and
+   must not wait behind a whole prompt);
+3. the chunk is the most tokens the measured ``StepTimeModel`` predicts to fit in that allowance beside those
+   decode rows (``largest_chunk``); 0 when none fits, so the prompt waits a step and the decodes go on.
+
+No target anywhere (no decoding sequence has one, and no default): None, no bound (the scheduler's token budget
+applies as ever). A model that has not measured a prompt token yet allows ``probe_tokens``, so that it can.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.sequence import Sequence
+from engine.step_time import StepTimeModel
+
+HEADROOM = 0.8  # of the smallest slack a step may fill: the fit's error and the engine loop's own time
+PROBE_TOKENS = 16  # a chunk's size before any prompt token was measured
+
+
+class TPOTSlackBudget:
+    """The per-step prefill chunk of a decode pod (module docstring); engine thread only."""
+
+    def __init__(self, model: Callable[[], StepTimeModel], default_target_s: float = 0.0,
+                 headroom: float = HEADROOM, probe_tokens: int = PROBE_TOKENS):
+        self._model = model  # the pod's latest fit
+        self.default_target_s = default_target_s
+        self.headroom = headroom
+        self.probe_tokens = probe_tokens
+
+    def slack_s(self, seq: Sequence, now: float) -> float | None:
+        """How long ``seq``'s next token may take and keep its TPOT target; None: it has no target."""
+        target = seq.tpot_target_s or self.default_target_s
+        if not target:
+            return None
+        if seq.last_token_time is None:
+            return target
+        return target - (now - seq.last_token_time)
+
+    def allowance_s(self, decoding: list[Sequence], now: float) -> float | None:
+        """The longest step the decoding sequences allow (headroom applied); None: none of them has a target."""
+        slacks = [s for s in (self.slack_s(seq, now) for seq in decoding) if s is not None]
+        if not slacks:
+            return self.headroom * self.default_target_s if self.default_target_s else None
+        return self.headroom * min(slacks)
+
+    def tokens(self, decoding: list[Sequence], now: float, chunk_start: int = 0) -> int | None:
+        """Prompt tokens the next step may prefill beside ``decoding`` (each decodes one token); None: no bound.
+        ``chunk_start``: tokens of the prompt already computed (the chunk's attention reads them)."""
+        allowance = self.allowance_s(decoding, now)
+        if allowance is None:
+            return None
+        model = self._model()
+        if not model.known:
+            return self.probe_tokens
+        context = sum(seq.num_tokens for seq in decoding)  # each decode row attends to all its tokens
+        return model.largest_chunk(len(decoding), context, allowance, chunk_start)

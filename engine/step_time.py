@@ -1,0 +1,166 @@
+"""The measured step-time model: how long an engine step takes, from what it holds, fitted online on the pod.
+
+    time(step) ~= base + per_decode_row * decode rows + per_prefill_token * chunk tokens + per_context_token * context
+
+where ``decode rows`` are the sequences that decode one token, ``chunk tokens`` the prompt tokens prefilled, and
+``context`` the attention's work: over every token the step computes, the positions it attends to (a decode row at
+position p: p + 1; a chunk of n tokens from position s: n * s + n * (n + 1) / 2, ``attention_positions``).
+A step is weight-bound for decode rows (they share one pass over the weights: ``base`` is most of a decode step),
+compute-bound for prompt tokens, and attention grows with the context.
+
+``StepTimeFit`` keeps the engine's recent steps (``observe``, a sliding window) and refits the coefficients by
+least squares every ``REFIT_EVERY`` steps. A decode pod's steps are mostly decode-only, which says nothing about a
+prompt token's cost; so the fit keeps a *prior*: the pod's first ``prior_steps`` steps (its warm-up prefills and
+decodes among them), always in the fit with the weight of ``prior_weight`` steps in all. Coefficients are kept
+>= 0 (a step never gets faster with more work).
+
+``StepTimeModel`` is the fitted coefficients: ``predict`` a step, and ``largest_chunk``, the most prompt tokens a
+step may prefill beside given decode rows and still end within a time: the decode pod's per-step prefill chunk
+(``engine/scheduler.py``) and the router's estimate of a lent prompt's TTFT (``router/policies.py``) both use it.
+Pure Python (no torch, no numpy): the router imports it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+FEATURES = ("base", "per_decode_row", "per_prefill_token", "per_context_token")
+WINDOW_STEPS = 256  # recent steps the fit uses: seconds of a busy pod, so it follows load from other processes
+REFIT_EVERY = 8  # steps between refits (a 4x4 solve: microseconds)
+PRIOR_STEPS = 32
+PRIOR_WEIGHT = 16.0  # the prior counts as this many steps against the window's
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step as measured: what it computed and how long it took (seconds)."""
+
+    decode_rows: int
+    chunk_tokens: int
+    context_tokens: int
+    seconds: float
+
+    def features(self) -> tuple[float, float, float, float]:
+        return 1.0, float(self.decode_rows), float(self.chunk_tokens), float(self.context_tokens)
+
+
+def attention_positions(start: int, num_tokens: int) -> int:
+    """Positions attended to by ``num_tokens`` tokens computed from position ``start`` (causal attention)."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Seconds of one step, linear in its decode rows, prompt tokens and attention context (module docstring)."""
+
+    base: float = 0.0
+    per_decode_row: float = 0.0
+    per_prefill_token: float = 0.0
+    per_context_token: float = 0.0
+    num_samples: int = 0  # steps the fit saw (0: nothing measured yet, every prediction is 0)
+
+    @property
+    def known(self) -> bool:
+        """Whether it has measured a prompt token's cost (without that, it cannot size a chunk)."""
+        return self.num_samples > 0 and self.per_prefill_token > 0
+
+    def predict(self, decode_rows: int, chunk_tokens: int, context_tokens: int) -> float:
+        return (self.base + self.per_decode_row * decode_rows + self.per_prefill_token * chunk_tokens
+                + self.per_context_token * context_tokens)
+
+    def largest_chunk(self, decode_rows: int, context_tokens: int, within_s: float, chunk_start: int = 0) -> int:
+        """The most prompt tokens a step beside ``decode_rows`` decodes (their attention positions:
+        ``context_tokens``) may prefill and still be predicted to take at most ``within_s``; the chunk starts at
+        position ``chunk_start`` of its prompt. 0 when even the decodes alone do not fit, or when the model has not
+        measured a prompt token yet."""
+        if not self.known:
+            return 0
+
+        def fits(n: int) -> bool:
+            return self.predict(decode_rows, n, context_tokens + attention_positions(chunk_start, n)) <= within_s
+
+        if not fits(1):
+            return 0
+        low, high = 1, 2
+        while fits(high):  # the time grows with the chunk: double, then bisect
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
+
+    def prefill_seconds(self, num_tokens: int) -> float:
+        """A prompt of ``num_tokens`` prefilled in one step on an idle pod."""
+        return self.predict(0, num_tokens, attention_positions(0, num_tokens))
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return self.base, self.per_decode_row, self.per_prefill_token, self.per_context_token
+
+
+class StepTimeFit:
+    """The online fit of a pod's ``StepTimeModel`` (module docstring); engine thread only."""
+
+    def __init__(self, window: int = WINDOW_STEPS, prior_steps: int = PRIOR_STEPS,
+                 prior_weight: float = PRIOR_WEIGHT, refit_every: int = REFIT_EVERY):
+        self.window: deque[StepSample] = deque(maxlen=window)
+        self.prior_steps = prior_steps
+        self.prior_weight = prior_weight
+        self.refit_every = refit_every
+        self.num_samples = 0
+        self.first: list[StepSample] = []  # the prior: the pod's first steps, kept for good
+        self.model = StepTimeModel()
+
+    def observe(self, sample: StepSample) -> None:
+        if sample.seconds <= 0:
+            return
+        self.num_samples += 1
+        if len(self.first) < self.prior_steps:
+            self.first.append(sample)
+        else:
+            self.window.append(sample)
+        if self.num_samples <= self.prior_steps or self.num_samples % self.refit_every == 0:
+            self.model = StepTimeModel(*self._fit(), num_samples=self.num_samples)
+
+    def _fit(self) -> tuple[float, ...]:
+        """Weighted least squares over the window and the prior's steps (together worth ``prior_weight``
+        steps once the window has any), with a tiny ridge for the features no step has varied yet."""
+        # Relative errors (each step weighs 1 / its time squared): a long prefill's noise must not drown a decode's.
+        recent = [(s, 1.0 / s.seconds ** 2) for s in self.window]
+        first = [(s, 1.0 / s.seconds ** 2) for s in self.first]
+        if recent:  # the prior's steps weigh as much, together, as prior_weight average recent ones
+            scale = self.prior_weight / len(recent) * sum(w for _, w in recent) / sum(w for _, w in first)
+            first = [(s, w * scale) for s, w in first]
+        n = len(FEATURES)
+        a = [[0.0] * n for _ in range(n)]
+        b = [0.0] * n
+        for sample, weight in recent + first:
+            x = sample.features()
+            for i in range(n):
+                b[i] += weight * x[i] * sample.seconds
+                for j in range(n):
+                    a[i][j] += weight * x[i] * x[j]
+        for i in range(n):
+            a[i][i] += 1e-9 * (a[i][i] or 1.0)
+        return tuple(max(0.0, c) for c in _solve(a, b))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; ``a`` is positive definite (the ridge sees to it)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0:
+            continue
+        for r in range(col + 1, n):
+            factor = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= factor * m[col][c]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        if m[r][r] == 0:
+            continue
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x

@@ -1,0 +1,82 @@
+"""The scoring of ``bench compare --slo-map`` (bench/compare_map.py) on made-up request records: attainment and
+goodput per SLO pair, their bootstrap intervals, the regimes' targets, and when a ratio counts as a win."""
+
+import pytest
+
+from bench.compare_map import (
+    REGIMES,
+    MapConfig,
+    TopologyRuns,
+    attainment,
+    goodput,
+    goodput_interval,
+    score,
+    topologies,
+    verdicts,
+)
+from bench.compare_plan import Topology
+from bench.serve_metrics import SLO, RequestRecord
+from bench.serve_run import ServeBenchConfig
+
+
+def record(i: int, ttft: float, tpot: float, status: str = "ok", tokens: int = 11) -> RequestRecord:
+    chunks = [ttft + k * tpot for k in range(tokens)]
+    return RequestRecord(i, 100, tokens, 0.0, status=status, sent_s=0.0, chunk_s=chunks, end_s=chunks[-1],
+                         output_tokens=tokens)
+
+
+def run(ttft: float, tpot: float, count: int = 60, slow: int = 0) -> list[RequestRecord]:
+    """``count`` requests, the last ``slow`` of them 10x slower in both."""
+    return [record(i, ttft * (10 if i >= count - slow else 1), tpot * (10 if i >= count - slow else 1))
+            for i in range(count)]
+
+
+def map_config(**fields) -> MapConfig:
+    return MapConfig(serve=ServeBenchConfig(), rates=[0.2, 0.3], cpus=frozenset({0, 1}), model="tiny-random",
+                     kv_cache_memory_bytes=1 << 20, ready_timeout_s=10.0, reference_rate=0.2, **fields)
+
+
+def test_attainment_counts_failed_requests_as_misses():
+    records = run(1.0, 0.05, count=9) + [record(9, 1.0, 0.05, status="failed")]
+    assert attainment(records, SLO(ttft=2.0, tpot=0.1)) == pytest.approx(0.9)
+    assert attainment(records, SLO(ttft=0.5, tpot=0.1)) == 0.0
+
+
+def test_goodput_is_the_highest_rate_met_with_every_lower_rate_met_too():
+    slo = SLO(ttft=2.0, tpot=0.1)
+    by_rate = {0.2: run(1.0, 0.05), 0.3: run(1.0, 0.05, slow=30), 0.4: run(1.0, 0.05)}
+    assert goodput(by_rate, slo, 0.9) == 0.2  # 0.4 met again, but after a miss at 0.3
+    assert goodput({0.2: run(3.0, 0.05)}, slo, 0.9) == 0.0
+
+
+def test_the_interval_is_tight_when_every_request_is_far_from_the_line_and_wide_near_it():
+    slo = SLO(ttft=2.0, tpot=0.1)
+    assert goodput_interval({0.2: run(1.0, 0.05), 0.3: run(1.0, 0.05)}, slo, 0.9) == (0.3, 0.3)
+    low, high = goodput_interval({0.2: run(1.0, 0.05), 0.3: run(1.0, 0.05, slow=6)}, slo, 0.9)  # exactly 90%
+    assert (low, high) == (0.2, 0.3)
+
+
+def test_regimes_are_multiples_of_the_single_request_latencies_and_get_their_own_hybrid():
+    plans = topologies(map_config(), ttft0=1.0, tpot0=0.04)
+    hybrid = {t.name: t.fields for t in plans if t.kind == "hybrid"}
+    assert set(hybrid) == {f"hybrid-{r.name}" for r in REGIMES}
+    assert (hybrid["hybrid-tight-ttft"]["slo_ttft_s"], hybrid["hybrid-tight-ttft"]["slo_tpot_s"]) == (2.0, 0.2)
+    assert (hybrid["hybrid-tight-tpot"]["slo_ttft_s"], hybrid["hybrid-tight-tpot"]["slo_tpot_s"]) == (12.0, 0.06)
+    assert [t.kind for t in plans[:2]] == ["colocated", "disaggregated"]
+    only_balanced = topologies(map_config(hybrid_regimes=("balanced",)), 1.0, 0.04)
+    assert [t.name for t in only_balanced if t.kind == "hybrid"] == ["hybrid-balanced"]
+
+
+def test_a_ratio_is_a_win_only_when_the_intervals_do_not_overlap():
+    def runs(name, kind, ttft, slow=0):
+        return TopologyRuns(Topology(name, kind, {}), {0.2: run(ttft, 0.02), 0.3: run(ttft, 0.02, slow=slow)})
+
+    results = [runs("colocated-x", "colocated", 1.0, slow=20), runs("disagg-1:1", "disaggregated", 1.0, slow=7),
+               runs("hybrid-balanced", "hybrid", 1.0)]
+    result = score(results, map_config(), ttft0=1.0, tpot0=0.02)
+    balanced = result["regimes"]["balanced"]
+    assert balanced["topologies"]["hybrid-balanced"]["goodput"] == 0.3
+    assert verdicts(balanced, "balanced") == ["hybrid / colocated-x: 1.50x (win)",
+                                              "hybrid / disagg-1:1: 1.50x (intervals overlap)"]  # 88%: near
+    # The regimes without a hybrid of their own are scored on the balanced one.
+    assert verdicts(result["regimes"]["tight-ttft"], "tight-ttft")[0].startswith("hybrid / colocated-x")

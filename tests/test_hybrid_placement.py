@@ -1,0 +1,122 @@
+"""Hybrid placement (router/policies.py, HybridPlacement) on hand-made pod states, one per SLO regime: the prompt
+goes where its first token is predicted first, the decode pod's TPOT slack bounding what it may be lent."""
+
+import math
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from engine.step_time import StepTimeModel
+from router.config import RouterConfig
+from router.intake import RouterRequest
+from router.placement import Placement
+from router.policies import HybridPlacement, LocalPrefill, PromptBlocks, SLOTargets, make_policy
+from router.registry import PodInfo, PodLoad
+
+BLOCK = 16
+# This machine's SmolLM2 pods, roughly: a decode step ~30 ms, a prompt token ~3.5 ms.
+MODEL = StepTimeModel(base=0.028, per_decode_row=0.001, per_prefill_token=0.0035, per_context_token=2e-7,
+                      num_samples=100)
+TIGHT_TTFT = SLOTargets(ttft_s=2.0, tpot_s=0.5)  # TaiChi's regimes, in this machine's terms
+BALANCED = SLOTargets(ttft_s=3.0, tpot_s=0.15)
+TIGHT_TPOT = SLOTargets(ttft_s=8.0, tpot_s=0.04)
+
+
+def prefill_pod(queued=0, model=MODEL, hashes=()):
+    load = PodLoad(free_kv_blocks=1000, total_kv_blocks=1000, block_size=BLOCK, queued_prefill_tokens=queued,
+                   prefill_tokens_per_second=1 / MODEL.per_prefill_token, step_time=model)
+    return PodInfo("p", "prefill", load, set(hashes), serving=True)
+
+
+def decode_pod(running=2, targets=BALANCED, model=MODEL, hashes=(), behind_s=0.0):
+    """A decode pod with ``running`` decodes of 300 tokens each under ``targets``' TPOT: the allowance it reports
+    is that target (less ``behind_s`` the decodes already lost), headroom applied, as the pod computes it."""
+    allowance = 0.8 * (targets.tpot_s - behind_s) if running else None
+    load = PodLoad(num_running=running, free_kv_blocks=1000, total_kv_blocks=1000, block_size=BLOCK,
+                   running_context_tokens=300 * running, step_time=model, tpot_allowance_seconds=allowance)
+    return PodInfo("d", "decode", load, set(hashes), serving=True)
+
+
+def prompt(num_tokens=384) -> PromptBlocks:
+    return PromptBlocks([10 + i % 200 for i in range(num_tokens)])
+
+
+def decide(prefill, decode, targets, num_tokens=384, hybrid=None):
+    return (hybrid or HybridPlacement()).decide(prompt(num_tokens), prefill, decode, targets)
+
+
+def test_tight_ttft_relaxed_tpot_lends_the_prompt_when_the_prefill_pod_has_a_queue():
+    plan = decide(prefill_pod(queued=600), decode_pod(targets=TIGHT_TTFT), TIGHT_TTFT)
+    assert plan.prefill is None and plan.reason.startswith("hybrid lent")
+    assert "meets the 2 s TTFT target" in plan.reason
+
+
+def test_tight_ttft_with_an_idle_prefill_pod_prefills_there():
+    plan = decide(prefill_pod(queued=0), decode_pod(targets=TIGHT_TTFT), TIGHT_TTFT)
+    assert plan.prefill is not None and plan.reason.startswith("hybrid remote")
+
+
+def test_tight_tpot_never_lends_a_decode_pod_with_no_slack_to_spare():
+    # The decodes' 40 ms target leaves room for a few tokens a step: the prompt waits in a queue instead.
+    plan = decide(prefill_pod(queued=1200), decode_pod(targets=TIGHT_TPOT), TIGHT_TPOT)
+    assert plan.prefill is not None
+    # Decodes already behind their target: no chunk at all.
+    estimate = HybridPlacement().lent(prompt(), decode_pod(targets=TIGHT_TPOT, behind_s=0.02))
+    assert estimate.ttft_s == math.inf and "no slack" in estimate.detail
+
+
+@pytest.mark.parametrize("queued,lent", [(0, False), (100, False), (900, True)])
+def test_balanced_lends_once_the_prefill_queue_makes_the_chunks_faster(queued, lent):
+    plan = decide(prefill_pod(queued=queued), decode_pod(targets=BALANCED), BALANCED)
+    assert (plan.prefill is None) == lent
+
+
+def test_a_prompt_mostly_cached_on_the_decode_pod_prefills_there():
+    blocks = prompt().hashes(BLOCK)
+    plan = decide(prefill_pod(), decode_pod(targets=BALANCED, hashes=blocks[:22]), BALANCED)
+    assert plan.prefill is None
+    # ... and one cached on the prefill pod prefills there, even behind a queue the decode pod could beat.
+    plan = decide(prefill_pod(queued=300, hashes=blocks[:22]), decode_pod(targets=BALANCED), BALANCED)
+    assert plan.prefill is not None
+
+
+def test_a_decode_pod_with_no_tpot_to_keep_prefills_at_its_full_rate():
+    estimate = HybridPlacement().lent(prompt(), decode_pod(running=0))
+    assert estimate.ttft_s == pytest.approx(MODEL.prefill_seconds(384), rel=1e-6)
+    # An idle lending pod still keeps room for a decode to join: it reports its default target's allowance.
+    idle = decode_pod(running=0)
+    idle.load.tpot_allowance_seconds = 0.8 * BALANCED.tpot_s
+    assert "16 chunks of 25 tokens" in HybridPlacement().lent(prompt(), idle).detail
+
+
+def test_a_decode_pod_without_a_step_time_model_is_never_lent_to():
+    plan = decide(prefill_pod(queued=5000), decode_pod(model=StepTimeModel()), BALANCED)
+    assert plan.prefill is not None and "no step-time model" in plan.reason
+
+
+def test_no_prefill_pod_lends_everything():
+    assert decide(None, decode_pod(), TIGHT_TPOT).prefill is None
+
+
+def test_a_slow_kv_transfer_counts_against_the_prefill_pod():
+    hybrid = HybridPlacement()
+    assert decide(prefill_pod(queued=100), decode_pod(), BALANCED, hybrid=hybrid).prefill is not None
+    hybrid.observe_transfer(384, 1.5)  # the KV took 1.5 s to land after the prefill
+    assert decide(prefill_pod(queued=100), decode_pod(), BALANCED, hybrid=hybrid).prefill is None
+
+
+def test_the_policy_decides_by_prediction_only_with_hybrid_scheduling():
+    request = RouterRequest("r", prompt().token_ids, SamplingParams())
+    rules = make_policy("least_loaded", LocalPrefill(threshold=32))
+    hybrid = make_policy("least_loaded", LocalPrefill(threshold=32), hybrid=HybridPlacement())
+    state = ([prefill_pod(queued=600)], [decode_pod(targets=TIGHT_TTFT)])
+    assert rules.choose_pair(request, *state, TIGHT_TTFT).reason == "disaggregated"
+    assert hybrid.choose_pair(request, *state, TIGHT_TTFT).decision == "prefill_on_decode"
+
+
+def test_a_request_names_its_own_targets():
+    config = RouterConfig(decode_pods=["d:1"], slo_ttft_s=2.0, slo_tpot_s=0.1)
+    placement = Placement(config, None, make_policy("least_loaded"), None, None)
+    own = RouterRequest("r", [1, 2], SamplingParams(), slo_ttft_s=0.5)
+    assert placement.targets(own) == SLOTargets(0.5, 0.1)
+    assert placement.targets(RouterRequest("s", [1], SamplingParams())) == SLOTargets(2.0, 0.1)

@@ -1,0 +1,174 @@
+"""The measured step-time model (engine/step_time.py) on synthetic step logs, and the TPOT-slack prefill chunk
+(engine/prefill_budget.py) driving the real Scheduler on a fake step-time model and a fake clock."""
+
+import random
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.prefill_budget import TPOTSlackBudget
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.step_time import StepSample, StepTimeFit, StepTimeModel, attention_positions
+
+TRUE = StepTimeModel(base=0.020, per_decode_row=0.002, per_prefill_token=0.003, per_context_token=2e-7,
+                     num_samples=1)
+
+
+def synthetic_steps(model: StepTimeModel, count: int, rng: random.Random, prefill_share: float = 0.3,
+                    noise: float = 0.03) -> list[StepSample]:
+    steps = []
+    for _ in range(count):
+        rows = rng.randint(0, 8)
+        chunk = rng.choice([0, 16, 64, 200, 384]) if rng.random() < prefill_share or rows == 0 else 0
+        context = rows * rng.randint(50, 600) + attention_positions(rng.randint(0, 300), chunk)
+        seconds = model.predict(rows, chunk, context) * (1 + rng.uniform(-noise, noise))
+        steps.append(StepSample(rows, chunk, context, seconds))
+    return steps
+
+
+def fitted(steps: list[StepSample], **kwargs) -> StepTimeModel:
+    fit = StepTimeFit(**kwargs)
+    for sample in steps:
+        fit.observe(sample)
+    return fit.model
+
+
+def test_the_fit_recovers_the_coefficients_of_a_mixed_step_log():
+    model = fitted(synthetic_steps(TRUE, 300, random.Random(0)))
+    # Rows and context grow together in a decode batch, so their split is loose; what a step costs is not.
+    assert model.base == pytest.approx(TRUE.base, rel=0.1)
+    assert model.per_prefill_token == pytest.approx(TRUE.per_prefill_token, rel=0.05)
+    for rows, chunk, context in ((1, 0, 300), (8, 0, 3000), (0, 384, 74000), (4, 64, 9000), (8, 200, 40000)):
+        assert model.predict(rows, chunk, context) == pytest.approx(TRUE.predict(rows, chunk, context), rel=0.05)
+    assert model.num_samples > 300 - 8  # refitted every 8 steps
+
+
+def test_decode_only_steps_keep_the_prompt_token_cost_of_the_prior():
+    rng = random.Random(1)
+    steps = synthetic_steps(TRUE, 32, rng)  # the prior: the pod's first steps, prefills among them
+    steps += synthetic_steps(TRUE, 400, rng, prefill_share=0.0)  # then a window of decodes only
+    model = fitted(steps, window=128, prior_steps=32)
+    assert model.per_prefill_token == pytest.approx(TRUE.per_prefill_token, rel=0.2)
+    assert model.base == pytest.approx(TRUE.base, rel=0.15)
+
+
+def test_the_fit_follows_the_pod_getting_slower():
+    rng = random.Random(2)
+    slower = StepTimeModel(*(2 * c for c in TRUE.as_tuple()), num_samples=1)
+    model = fitted(synthetic_steps(TRUE, 64, rng) + synthetic_steps(slower, 256, rng), window=128, prior_steps=32)
+    for rows, chunk, context in ((1, 0, 300), (4, 64, 9000), (0, 300, 45000)):
+        assert model.predict(rows, chunk, context) == pytest.approx(slower.predict(rows, chunk, context), rel=0.15)
+
+
+@pytest.mark.parametrize("rows,context,within", [(0, 0, 0.5), (3, 900, 0.1), (8, 4000, 0.05), (8, 4000, 0.03)])
+def test_largest_chunk_is_the_largest_that_fits(rows, context, within):
+    chunk = TRUE.largest_chunk(rows, context, within, chunk_start=100)
+    def predicted(n: int) -> float:
+        return TRUE.predict(rows, n, context + attention_positions(100, n))
+
+    assert chunk == 0 or predicted(chunk) <= within
+    assert predicted(chunk + 1) > within
+
+
+def test_an_unmeasured_model_sizes_no_chunk():
+    assert StepTimeModel().largest_chunk(1, 100, 10.0) == 0
+    assert TRUE.largest_chunk(4, 100, within_s=0.001) == 0  # the decodes alone take longer
+
+
+# ---- the slack-bounded chunk in the scheduler ---------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lending_scheduler(model: StepTimeModel, target_s: float, clock: FakeClock, monkeypatch) -> Scheduler:
+    monkeypatch.setattr("engine.scheduler.time.monotonic", clock)
+    config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, long_prefill_token_threshold=2048,
+                             tpot_slack_chunking=True, default_tpot_target_s=target_s)
+    budget = TPOTSlackBudget(lambda: model, target_s)
+    return Scheduler(config, BlockManager(512, 16), [2], 4096, budget)
+
+
+def run_step(scheduler: Scheduler, model: StepTimeModel, clock: FakeClock):
+    """One step on the fake model: the clock advances by the step's predicted time; returns the plan and the
+    allowance the budget gave it."""
+    decoding = [seq for seq in scheduler.running if seq.num_computed_tokens == seq.num_tokens - 1]
+    allowance = scheduler.prefill_budget.allowance_s(decoding, clock.now)
+    out = scheduler.schedule()
+    rows = sum(1 for item in out.scheduled if item.samples and item.start >= item.seq.num_prompt_tokens)
+    chunk = sum(item.num_new_tokens for item in out.scheduled) - rows
+    context = sum(attention_positions(item.start, item.num_new_tokens) for item in out.scheduled)
+    seconds = model.predict(rows, chunk, context)
+    clock.now += seconds
+    sampled = {item.seq.request_id: [(1000, None)] for item in out.scheduled if item.samples}
+    scheduler.update_from_output(out, sampled)
+    return chunk, seconds, allowance
+
+
+# 40 ms: the 4 decodes alone soon take that long, so the prompt waits for them to finish (no chunk breaks it).
+@pytest.mark.parametrize("target_s,interleaved", [(0.04, False), (0.08, True), (0.3, True)])
+def test_a_lent_prompt_prefills_in_chunks_that_never_break_the_slack(target_s, interleaved, monkeypatch):
+    clock = FakeClock()
+    scheduler = lending_scheduler(TRUE, target_s, clock, monkeypatch)
+    for i in range(4):  # running decodes, admitted with their first token from a prefill pod
+        seq = Sequence(f"d{i}", list(range(10, 10 + 200 + 50 * i)), SamplingParams(max_tokens=400, ignore_eos=True))
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.append_token(1000)
+        assert scheduler.block_manager.allocate_slots(seq, seq.num_prompt_tokens)
+        scheduler.add_prefilled(seq)
+    lent = Sequence("lent", list(range(5, 5 + 700)), SamplingParams(max_tokens=4))
+    scheduler.add(lent)
+    last_token_at = {seq.request_id: clock.now for seq in scheduler.running}
+    chunks = []
+    while lent.num_output_tokens == 0:
+        chunk, seconds, allowance = run_step(scheduler, TRUE, clock)
+        chunks.append(chunk)
+        if chunk and allowance is not None:  # (None: the decodes finished, nothing to keep)
+            assert seconds <= allowance  # the step it prefilled in fits what the decodes allowed
+        for seq in scheduler.running:
+            if seq.request_id != "lent":
+                # A step that prefilled keeps every gap within the target (decodes alone may not: not ours).
+                assert not chunk or clock.now - last_token_at[seq.request_id] <= target_s
+                last_token_at[seq.request_id] = clock.now
+        assert len(chunks) < 2000, "the lent prompt never finished"
+    assert sum(chunks) == 700
+    decodes_running = all(scheduler.get(f"d{i}") is not None for i in range(4))
+    assert (max(chunks) < 700 and decodes_running) == interleaved  # in chunks beside the decodes
+
+
+def test_without_targets_the_prompt_takes_the_whole_token_budget(monkeypatch):
+    clock = FakeClock()
+    scheduler = lending_scheduler(TRUE, 0.0, clock, monkeypatch)
+    scheduler.add(Sequence("p", list(range(5, 605)), SamplingParams(max_tokens=2)))
+    chunk, _, allowance = run_step(scheduler, TRUE, clock)
+    assert (chunk, allowance) == (600, None)
+
+
+def test_with_no_decode_running_the_chunk_still_leaves_room_for_one_to_join(monkeypatch):
+    clock = FakeClock()
+    scheduler = lending_scheduler(TRUE, 0.3, clock, monkeypatch)
+    scheduler.add(Sequence("p", list(range(5, 605)), SamplingParams(max_tokens=2)))
+    chunk, seconds, allowance = run_step(scheduler, TRUE, clock)
+    assert allowance == pytest.approx(0.8 * 0.3) and 0 < chunk < 600 and seconds <= allowance
+
+
+def test_a_decode_behind_its_target_lets_no_chunk_in(monkeypatch):
+    clock = FakeClock()
+    scheduler = lending_scheduler(TRUE, 0.05, clock, monkeypatch)
+    seq = Sequence("d", list(range(10, 60)), SamplingParams(max_tokens=100))
+    seq.num_computed_tokens = seq.num_prompt_tokens
+    seq.append_token(1000)
+    assert scheduler.block_manager.allocate_slots(seq, seq.num_prompt_tokens)
+    scheduler.add_prefilled(seq)
+    seq.last_token_time = clock.now - 0.045  # 45 ms of its 50 ms gap gone already
+    scheduler.add(Sequence("lent", list(range(5, 305)), SamplingParams(max_tokens=2)))
+    chunk, _, _ = run_step(scheduler, TRUE, clock)
+    assert chunk == 0
