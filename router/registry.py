@@ -55,6 +55,7 @@ class PodLoad:
     version: int = 0
     prefill_tokens_per_second: float = 0.0
     decode_step_seconds: float = 0.0
+    quantization: str = ""  # the pod's weight format; "" until its first report says
 
     @classmethod
     def from_proto(cls, message: common_pb2.PodLoad) -> "PodLoad":

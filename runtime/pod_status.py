@@ -95,7 +95,7 @@ class LoadTracker:
             free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
             queued_prefill_tokens=queued, draining=self._draining, version=self._version,
             prefill_tokens_per_second=self._prefill_tokens_per_second,
-            decode_step_seconds=self._decode_step_seconds)
+            decode_step_seconds=self._decode_step_seconds, quantization=engine.config.quantization)
 
     # ---- event loop ------------------------------------------------------------------------------------------
 
