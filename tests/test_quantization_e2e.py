@@ -89,9 +89,9 @@ def test_prefill_and_decode_pods_of_different_formats_serve_together(mixed_forma
     prefill_format, decode_format = MIXED_FORMATS
     for prompt in PROMPTS:  # short ones prefill on the decode pod, long ones on the prefill pod (KV handed over)
         tokens, text, complete = _grpc_generate(mixed_formats, prompt)
-        assert len(tokens) == MAX_TOKENS == complete.usage.completion_tokens and text, prompt
+        assert 0 < len(tokens) == complete.usage.completion_tokens <= MAX_TOKENS and text, prompt
         choice = _http_completion(mixed_formats, prompt)["choices"][0]
-        assert choice["finish_reason"] == "length" and choice["text"], prompt
+        assert choice["finish_reason"] in ("length", "stop") and choice["text"], prompt
     assert {(pod["role"], pod["quantization"]) for pod in _pods(mixed_formats)} == {
         ("prefill", prefill_format), ("decode", decode_format)}
     for role, quantization in (("prefill", prefill_format), ("decode", decode_format)):
