@@ -10,6 +10,7 @@
   splitserve bench phases [--prompt-lens ...]           prefill and decode on this machine: throughput, roofline
   splitserve bench soak [--duration 180 ...]            a cluster under load with injected faults: failures, leaks
   splitserve bench spec [--batches 1,4,16 ...]          speculative decoding on vs off: tokens/s, TPOT, acceptance
+  splitserve bench llamacpp [--threads 1,2 ...]         beside llama.cpp on the same GGUF: ms/token, tokens/s, lookup
   splitserve build-kernels                              build the engine's native CPU kernels now (set-up does)
 """
 
@@ -62,7 +63,7 @@ def _build_kernels(argv: list[str]) -> None:
         sys.exit(1)
 
 
-BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec")  # modules of the bench package
+BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec", "llamacpp")  # modules of the bench package
 
 
 def _bench(argv: list[str]) -> None:
