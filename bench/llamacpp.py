@@ -223,7 +223,7 @@ def run_pinned(job: dict, cpus: list[int]) -> dict:
 def run(config: "LlamaCppBenchConfig", log=print) -> dict:
     kind, path = resolve_model_name(config.model)
     peer = llamacpp_absence() or (None if kind == "gguf" else f"n/a: {config.model} is not a GGUF file")
-    log(f"llama.cpp: {peer or 'llama-cpp-python ' + _llamacpp_version()}; model {path or config.model}")
+    log(f"llama.cpp: {peer or _llamacpp_version()}; model {path or config.model}")
     common = {"model": config.model, "model_path": str(path), "max_tokens": config.max_tokens}
     results: dict = {"model": config.model, "max_tokens": config.max_tokens, "parallel": config.parallel,
                      "repeats": config.repeats, "cpus": config.cpus, "llamacpp": peer or _llamacpp_version(),
