@@ -63,7 +63,8 @@ def _build_kernels(argv: list[str]) -> None:
         sys.exit(1)
 
 
-BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec", "llamacpp")  # modules of the bench package
+# modules of the bench package
+BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec", "llamacpp")
 
 
 def _bench(argv: list[str]) -> None:
