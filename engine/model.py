@@ -29,8 +29,8 @@ from engine.config import ModelConfig
 from engine.cpu_kernels import PANEL, CpuKernels, DecodeLayers, KernelChoice, LayerTensors, packed_shape, weight_shape
 from engine.cpu_kernels import choose as choose_kernels
 from engine.kv_cache import PagedKVCache
-from engine.parameter_layout import check_state_dict
-from engine.quantized_weights import BlockQuantized, pack_panels, quantized_parameters
+from engine.parameter_layout import check_state_dict, product_weights
+from engine.quantized_weights import BlockQuantized, pack_panels
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         """The model with ``state_dict``'s weights. Weights in quantized blocks (``BlockQuantized``) stay in them
         where the native kernels run the model, and are widened to ``dtype`` everywhere else (the fallback)."""
         check_state_dict(config, state_dict)  # names the missing, unexpected or misshapen parameters
-        blocks = set(quantized_parameters(config))
+        blocks = set(product_weights(config))
         formats = {n: t.format for n, t in state_dict.items() if isinstance(t, BlockQuantized) and n in blocks}
         model = cls(config, dtype, device, cpu_kernels, formats)
         if formats and model.kernels is None:

@@ -10,7 +10,8 @@ makes of a checkpoint, from the loader to the native kernels' panels.
   weights of every path that does not run the kernels (CUDA, other dtypes, CPUs without them).
 - ``pack_panels``: the kernels' layout (engine/csrc/quant_kernels.cpp), the same scales and quants reordered into
   panels of 16 outputs that a product streams linearly.
-- ``quantize_state_dict``: a float state dict's products' weights -> int8 or int4 (``QUANTIZED_PARAMETERS``).
+- ``quantize_state_dict``: a float state dict's products' weights (``parameter_layout.product_weights``) -> int8
+  or int4.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.cpu_kernels import PANEL, QUANT_BLOCK, quantized_shape
-from engine.parameter_layout import EMBEDDING, HEAD_PARAMETERS, LAYER_PARAMETERS, StateDict
+from engine.parameter_layout import EMBEDDING, HEAD_PARAMETERS, StateDict, product_weights
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,12 @@ class BlockQuantized:
         return BlockQuantized(self.format, fn(self.q), fn(self.scale), None if self.min is None else fn(self.min))
 
     @staticmethod
-    def cat(parts: list["BlockQuantized"]) -> "BlockQuantized":
-        """The parts' rows, in order (a fused product's weight); all in one format."""
-        formats = {p.format for p in parts}
-        if len(formats) != 1:
-            raise ValueError(f"cannot fuse weights in different formats: {sorted(formats)}")
+    def cat(parts: list["BlockQuantized | torch.Tensor"]) -> "BlockQuantized | torch.Tensor":
+        """The parts' rows, in order (a fused product's weight): in their blocks when all share one format, else
+        widened to float32 (a file may store q, k and v differently)."""
+        if len({p.format if isinstance(p, BlockQuantized) else "float" for p in parts}) != 1:
+            logger.info("fused weight with parts in different formats: widened to float32")
+            return torch.cat([p.dequantize() if isinstance(p, BlockQuantized) else p.float() for p in parts])
         mins = None if parts[0].min is None else torch.cat([p.min for p in parts])
         return BlockQuantized(parts[0].format, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                               mins)
@@ -131,18 +133,8 @@ def pack_panels(weight: BlockQuantized) -> torch.Tensor:
     return packed
 
 
-def quantized_parameters(config: ModelConfig) -> list[str]:
-    """The parameters that a quantized model keeps in blocks: every product's weight, and the embedding when the
-    head is tied to it (one weight, read by the head's product). An untied embedding is looked up, not streamed,
-    so it stays float."""
-    names = [p.name.format(i=i) for i in range(config.num_layers) for p in LAYER_PARAMETERS
-             if p.columns is not None and p.present(config)]
-    names += [p.name for p in HEAD_PARAMETERS if p.columns is not None and p.present(config)]
-    return names + ([EMBEDDING.name] if config.tie_word_embeddings else [])
-
-
 def quantize_state_dict(state: StateDict, config: ModelConfig, method: str) -> StateDict:
-    """``state`` with its ``quantized_parameters`` quantized by ``method``: ``int8`` (all Q8_0 per channel) or
+    """``state`` with its ``product_weights`` quantized by ``method``: ``int8`` (all Q8_0 per channel) or
     ``int4`` (the layers' products Q4_1 group 32; the head, read once per step but the largest weight of a small
     model and the most sensitive, int8, as llama.cpp keeps its output tensor at 8 bits or more). Weights whose
     input size is not a multiple of 32, and any already quantized, are kept as they are."""
@@ -150,7 +142,7 @@ def quantize_state_dict(state: StateDict, config: ModelConfig, method: str) -> S
         raise ValueError(f"quantize_state_dict: method must be int8 or int4, got {method!r}")
     head = {p.name for p in HEAD_PARAMETERS} | {EMBEDDING.name}
     quantized = dict(state)
-    for name in quantized_parameters(config):
+    for name in product_weights(config):
         weight = state[name]
         if isinstance(weight, BlockQuantized):
             continue
@@ -160,14 +152,3 @@ def quantize_state_dict(state: StateDict, config: ModelConfig, method: str) -> S
             continue
         quantized[name] = quantize_int4(weight) if method == "int4" and name not in head else quantize_int8(weight)
     return quantized
-
-
-def dequantize_state_dict(state: StateDict, dtype: torch.dtype = torch.float32) -> StateDict:
-    """Every ``BlockQuantized`` entry of ``state`` widened to ``dtype``."""
-    return {name: t.dequantize().to(dtype) if isinstance(t, BlockQuantized) else t for name, t in state.items()}
-
-
-def weight_formats(state: StateDict) -> dict[str, str]:
-    """Name -> format of every quantized entry of ``state``."""
-    return {name: t.format for name, t in state.items() if isinstance(t, BlockQuantized)}
-
