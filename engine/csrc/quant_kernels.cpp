@@ -13,17 +13,18 @@
 //   - Q8_0: 32 rows of 16 signed bytes, row k holding the 16 outputs' quants for input k (weight d q).
 // These are GGUF's blocks, the same scales and quants, in another order: the weights are exactly the file's.
 //
-// Few rows (decode, speculative verification; rows < kDequantRows) are computed in registers: a block's quants
-// become 16 outputs' float32 weights in two instructions (a shift, and a permutation that looks the nibble up in a
-// 16-entry table; Q8_0: sign extension and conversion), each serving up to kTileRows rows, and the rows' products
-// are summed in float32, each block's scaled once: y += d * sum(q x) (+ m * sum(x) for Q4_1). The activations stay
-// float32 (llama.cpp quantizes them to int8; we keep the float32 path's answers, see docs/quantization.md). An
-// output's sum is formed in a fixed order whatever the row count below kDequantRows and whatever the ISA: a row
-// gets the same bits alone or in a batch, from the AVX2 or the AVX-512 build.
+// Every weight is dequantized exactly as the float32 path dequantizes the file (gguf's numpy code: d * q rounded,
+// then + m rounded), and every output sums its products in order of the inputs, one fused multiply-add each, then
+// adds its bias: ss_linear's arithmetic on the float32 path's weights. So a product over quantized blocks gives the
+// float32 path's bits, whatever the row count and the ISA: "gguf" answers as "none" does, token for token, and a
+// row gets the same bits alone, in a batch, in a speculative verification or in a prefill.
 //
-// Many rows (prefill) dequantize two panels at a time into float32 panels ([in, 16], the float32 weights'
-// layout), exactly as the float32 path dequantizes the file (d * q, then + m), and run ss_linear's GEMM
-// micro-kernel on them: the same bits as the float32 path, reading a fifth of its bytes.
+// Few rows (decode, speculative verification; rows < kDequantRows) are computed in registers: a block's quants
+// become 16 outputs' weights in a few instructions (a shift, and a permutation that looks the nibble up in a
+// 16-entry table, then the scale and minimum; Q8_0: sign extension and conversion), each serving up to kTileRows
+// rows, over several panels at once so that enough sums are in flight. Many rows (prefill) dequantize two panels at
+// a time into float32 panels ([in, 16]) and run ss_linear's GEMM micro-kernel on them. Either way a decode step
+// reads the blocks' bytes (a fifth of float32's for Q4_1), not float32's.
 
 #include "quant_kernels.h"
 
@@ -64,9 +65,12 @@ struct Format<kWeightQ8_0> {
 };
 
 // 16 outputs' float32 values, and a chunk of 16 lanes of 8 nibbles: one register with AVX-512, two with AVX2. The
-// tile below is written once over these; both ISAs round every operation the same way.
+// tiles below are written once over these; both ISAs round every operation the same way.
 #ifdef __AVX512F__
-constexpr int kTileRows = 4;  // 4 rows x 4 partial sums + 4 sums + 4 chunks + table of the 32 registers
+constexpr int kTileRows = 4;
+constexpr int kPanelGroup = 4;
+// Panels per tile of R rows: R x NP sums + NP scales, minimums and quant chunks within the 32 registers.
+constexpr int panels_per_tile(int rows) { return rows <= 2 ? 4 : 2; }
 
 struct V16 {
   __m512 v;
@@ -101,6 +105,8 @@ inline V16 q8(const uint8_t* p) {
 }
 #else
 constexpr int kTileRows = 2;
+constexpr int kPanelGroup = 2;
+constexpr int panels_per_tile(int rows) { return rows == 1 ? 2 : 1; }  // sums, scales, quants in 16 registers
 
 struct V16 {
   __m256 lo, hi;
@@ -148,77 +154,86 @@ inline V16 q8(const uint8_t* p) {
 }
 #endif
 
-// Rows [0, R) of x (stride ldx) times one panel of nb blocks -> y rows (stride ldy), `valid` outputs kept;
-// bias: nullptr or the panel's 16 (padded) values; xsum [R, nb] (stride nb): each row's block sums (Q4_1 only).
-// Per output and row: four partial sums of eight products each (inputs 8g .. 8g + 7, in order), added pairwise,
-// scaled by d into the running sum, then m * sum(x) added (Q4_1).
-template <int F, int R>
-void quant_tile(const float* x, int64_t ldx, const float* xsum, const uint8_t* panel, int64_t nb, const float* bias,
-                float* y, int64_t ldy, int valid) {
-  V16 acc[R];
+// Rows [0, R) of x (stride ldx) times NP consecutive panels (panel j at panels + j * panel_bytes) of nb blocks each
+// -> y rows (stride ldy), the last panel keeping `valid_last` outputs; bias: nullptr or the panels' (padded)
+// values. Each weight is dequantized in registers as dequantize_panel rounds it (no contraction into a fused
+// multiply-add), and each output sums its products in order of the inputs: the bits of ss_linear. NP panels' sums
+// (R x NP chains) keep the multiply-add units busy.
+template <int F, int R, int NP>
+__attribute__((optimize("fp-contract=off"))) void quant_tile(const float* x, int64_t ldx, const uint8_t* panels,
+                                                             int64_t panel_bytes, int64_t nb, const float* bias,
+                                                             float* y, int64_t ldy, int valid_last) {
+  V16 acc[R][NP];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) acc[r][j] = vzero();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* block = panel + b * Format<F>::kBytes;
+    const uint8_t* block[NP];
+    V16 d[NP], m[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      block[j] = panels + j * panel_bytes + b * Format<F>::kBytes;
+      d[j] = vhalf(block[j]);
+      m[j] = F == kWeightQ4_1 ? vhalf(block[j] + 32) : vzero();
+    }
     const float* xb = x + b * kBlock;
-    const uint8_t* quants = block + Format<F>::kHeader;
-    V16 part[R][4];
+#pragma GCC unroll 1
+    for (int g = 0; g < 4; ++g) {
+      N16 q[NP];
+      if constexpr (F != kWeightQ8_0) {
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) part[r][g] = vzero();
-    if constexpr (F == kWeightQ8_0) {
+        for (int j = 0; j < NP; ++j) q[j] = nload(block[j] + Format<F>::kHeader + 64 * g);
+      }
 #pragma GCC unroll 8
-      for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < 8; ++n) {
+        const int k = 8 * g + n;
 #pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) {
-          const V16 w = q8(quants + (8 * g + n) * kQPanel);
+        for (int j = 0; j < NP; ++j) {
+          V16 w;
+          if constexpr (F == kWeightQ8_0) {
+            w = vmul(d[j], q8(block[j] + Format<F>::kHeader + k * kQPanel));
+          } else {
+            w = vmul(d[j], nibble<F>(q[j], n));
+            if constexpr (F == kWeightQ4_1) w = vadd(w, m[j]);
+          }
 #pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) part[r][g] = vfma(vbcast(xb + r * ldx + 8 * g + n), w, part[r][g]);
+          for (int r = 0; r < R; ++r) acc[r][j] = vfma(vbcast(xb + r * ldx + k), w, acc[r][j]);
         }
-    } else {
-      N16 q[4];
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) q[g] = nload(quants + 64 * g);
-#pragma GCC unroll 8
-      for (int n = 0; n < 8; ++n)
-#pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) {
-          const V16 w = nibble<F>(q[g], n);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) part[r][g] = vfma(vbcast(xb + r * ldx + 8 * g + n), w, part[r][g]);
-        }
-    }
-    const V16 d = vhalf(block);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      acc[r] = vfma(d, vadd(vadd(part[r][0], part[r][1]), vadd(part[r][2], part[r][3])), acc[r]);
-    }
-    if constexpr (F == kWeightQ4_1) {
-      const V16 m = vhalf(block + 32);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r] = vfma(m, vbcast(xsum + r * nb + b), acc[r]);
+      }
     }
   }
   alignas(64) float tmp[kQPanel];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    const V16 out = bias != nullptr ? vadd(acc[r], vload(bias)) : acc[r];
-    if (valid == kQPanel) {
-      vstore(y + r * ldy, out);
-    } else {
-      vstore(tmp, out);
-      memcpy(y + r * ldy, tmp, sizeof(float) * valid);
+  for (int j = 0; j < NP; ++j) {
+    const int valid = j == NP - 1 ? valid_last : kQPanel;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const V16 out = bias != nullptr ? vadd(acc[r][j], vload(bias + j * kQPanel)) : acc[r][j];
+      if (valid == kQPanel) {
+        vstore(y + r * ldy + j * kQPanel, out);
+      } else {
+        vstore(tmp, out);
+        memcpy(y + r * ldy + j * kQPanel, tmp, sizeof(float) * valid);
+      }
     }
   }
 }
 
-using QuantTileFn = void (*)(const float*, int64_t, const float*, const uint8_t*, int64_t, const float*, float*,
-                             int64_t, int);
+using QuantTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, int64_t,
+                             int);
+
+// kTiles[R][NP]: the tile of R rows (1..kTileRows) and NP panels (1..kPanelGroup).
+template <int F, int R, int... NP>
+constexpr std::array<QuantTileFn, sizeof...(NP) + 1> tiles_of_rows(std::integer_sequence<int, NP...>) {
+  return {nullptr, quant_tile<F, R, NP + 1>...};
+}
 
 template <int F, int... R>
-constexpr std::array<QuantTileFn, sizeof...(R) + 1> quant_tiles(std::integer_sequence<int, R...>) {
-  return {nullptr, quant_tile<F, R + 1>...};
+constexpr std::array<std::array<QuantTileFn, kPanelGroup + 1>, sizeof...(R) + 1> quant_tiles(
+    std::integer_sequence<int, R...>) {
+  return {std::array<QuantTileFn, kPanelGroup + 1>{},
+          tiles_of_rows<F, R + 1>(std::make_integer_sequence<int, kPanelGroup>())...};
 }
 
 // Panel p's weights as float32, [in, 16] (the float32 weights' panel layout): d * q, then + m for Q4_1, rounded
@@ -274,25 +289,21 @@ void quant_linear(const float* x, int64_t rows, int64_t ldx, const uint8_t* pack
     }
     return;
   }
-  std::vector<float> xsum;  // [rows, nb]: each row's block sums, in order of the inputs (Q4_1's min term)
-  if constexpr (F == kWeightQ4_1) {
-    xsum.resize(rows * nb);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t b = 0; b < nb; ++b) {
-        float s = 0.0f;
-        for (int k = 0; k < kBlock; ++k) s += x[r * ldx + b * kBlock + k];
-        xsum[r * nb + b] = s;
-      }
-    }
-  }
   static constexpr auto tiles = quant_tiles<F>(std::make_integer_sequence<int, kTileRows>());
+  const int64_t groups = (panels + kPanelGroup - 1) / kPanelGroup;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int valid = static_cast<int>(std::min<int64_t>(kQPanel, out - p * kQPanel));
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t p0 = g * kPanelGroup, np = std::min<int64_t>(kPanelGroup, panels - p0);
     for (int64_t r = 0; r < rows; r += kTileRows) {
       const int n = static_cast<int>(std::min<int64_t>(kTileRows, rows - r));
-      tiles[n](x + r * ldx, ldx, xsum.empty() ? nullptr : xsum.data() + r * nb, packed + p * panel_bytes, nb,
-               padded != nullptr ? padded + p * kQPanel : nullptr, y + r * ldy + p * kQPanel, ldy, valid);
+      // Tiles of up to panels_per_tile(n) panels: as many sums as the registers hold.
+      for (int64_t p = p0; p < p0 + np; p += panels_per_tile(n)) {
+        const int64_t count = std::min<int64_t>(panels_per_tile(n), p0 + np - p);
+        const int valid_last = static_cast<int>(std::min<int64_t>(kQPanel, out - (p + count - 1) * kQPanel));
+        tiles[n][count](x + r * ldx, ldx, packed + p * panel_bytes, panel_bytes, nb,
+                        padded != nullptr ? padded + p * kQPanel : nullptr, y + r * ldy + p * kQPanel, ldy,
+                        valid_last);
+      }
     }
   }
 }
