@@ -67,11 +67,11 @@ def test_a_library_that_disagrees_is_refused_before_any_call(tmp_path):
         extern "C" {
         struct AbiEntry { const char* name; const char* arg_types; };
         static const AbiEntry kTable[] = {{"ss_linear", "pqqpqqppq"}};  // an older ss_linear, one argument fewer
-        int ss_abi_version() { return 1; }
+        int ss_abi_version() { return %d; }
         int64_t ss_abi_table(const AbiEntry** entries) { *entries = kTable; return 1; }
         void ss_linear() {}
         }
-    """, tmp_path / "stale.so")
+    """ % cpu_kernels.ABI_VERSION, tmp_path / "stale.so")
     with pytest.raises(KernelABIError, match=r"ss_linear: library takes \(pqqpqqppq\), declared \(pqqpqqppqi\)"):
         CpuKernels(stale)
     silent = _compile('extern "C" void ss_linear() {}', tmp_path / "silent.so")
