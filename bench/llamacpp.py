@@ -80,10 +80,8 @@ def _splitserve_engine(job: dict, speculative: dict | None):
     from runtime.torch_threads import apply_cpu_set
 
     apply_cpu_set("", job["threads"])  # taskset pinned the process; this sizes torch and the native kernels
-    # "none" is LLM's default: only the other formats are named.
-    fmt = {} if job["quantization"] == "none" else {"quantization": job["quantization"]}
-    return LLM(model=job["model"], max_num_seqs=max(8, job.get("parallel", 1)), kv_cache_memory_bytes=256 << 20,
-               speculative_config=speculative, **fmt)
+    return LLM(model=job["model"], quantization=job["quantization"], max_num_seqs=max(8, job.get("parallel", 1)),
+               kv_cache_memory_bytes=256 << 20, speculative_config=speculative)
 
 
 def llamacpp_decode(job: dict) -> dict:

@@ -34,8 +34,8 @@ from tests.test_e2e_serving import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-# The formats the engine serves the default model in: the one-format case runs for each.
-ONE_FORMAT = ["none"]
+# The one-format case runs for each of these; none everywhere is tests/test_e2e_serving.py's cluster already.
+ONE_FORMAT = ["gguf"]
 # (prefill pods' format, decode pods' format): float prefill, decode on the GGUF file's own blocks.
 MIXED_FORMATS = ("none", "gguf")
 PROMPTS = SHORT_PROMPTS + LONG_PROMPTS
