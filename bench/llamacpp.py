@@ -242,6 +242,8 @@ def run(config: "LlamaCppBenchConfig", log=print) -> dict:
                     log(f"  {name}: {figures['error']}")
                     results["refused"][name] = figures["error"]
                 else:
+                    log(f"  {figures['batch1_ms']:.1f} ms/token at batch 1, {figures['parallel_tok_s']:.1f} tokens/s "
+                        f"with {config.parallel} sequences")
                     rounds[name].append(figures)
         for name, figures in rounds.items():
             if figures:
@@ -267,6 +269,7 @@ def _run_lookup(config: "LlamaCppBenchConfig", common: dict, peer: str | None, l
                                       "lookup": lookup}, cpus)
                 if "error" in figures:
                     raise RuntimeError(f"{side}, prompt lookup {'on' if lookup else 'off'}: {figures['error']}")
+                log(f"  {figures['tok_s']:.1f} tokens/s ({figures['tokens']} tokens)")
                 by_lookup[lookup].append(figures)
         rows.append({"side": "llama.cpp" if side == "llamacpp" else "splitserve ngram",
                      "off_tok_s": _spread([f["tok_s"] for f in by_lookup[False]]),
