@@ -134,8 +134,9 @@ def _llamacpp_context(job: dict, prompts: list[str]):
     vocab = lc.llama_model_get_vocab(model)
     longest = max(len(_llamacpp_tokens(vocab, p)) for p in prompts)
     params = lc.llama_context_default_params()
-    # Each sequence gets n_ctx / n_seq_max cells of the KV cache: room for its prompt and its tokens.
-    params.n_seq_max = len(prompts)
+    # One KV cache the sequences share (as llama-server's parallel slots do): a step's tokens of every sequence then
+    # go through the model together, where separate per-sequence caches split the batch by sequence.
+    params.n_seq_max, params.kv_unified = len(prompts), True
     params.n_ctx = len(prompts) * (longest + job["max_tokens"] + 32)
     params.n_batch = params.n_ubatch = max(512, len(prompts) * longest)
     params.n_threads = params.n_threads_batch = job["threads"]
