@@ -58,6 +58,7 @@ from bench.serve_run import ServeBenchConfig
 from bench.workload import WorkloadConfig
 from runtime.config import described, parse_config, passed_to, passed_values
 from runtime.cpus import allowed_cpus, format_cpu_list, parse_cpu_list
+from splitserve.launcher import Cluster, UpConfig
 
 
 def run_compare(config: CompareConfig, log=print) -> list[TopologyResult]:
@@ -83,14 +84,19 @@ def run_compare(config: CompareConfig, log=print) -> list[TopologyResult]:
     return results
 
 
+def up_config(topology: Topology, config: CompareConfig) -> UpConfig:
+    """``splitserve up``'s settings for ``topology`` on free ports: its own fields, and the run's model, KV budget and
+    weight formats."""
+    return UpConfig.on_ports(model=config.model, prometheus=False, router_cpus=format_cpu_list(config.cpus),
+                             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                             ready_timeout_s=config.ready_timeout_s, **passed_values(config, UpConfig),
+                             **topology.fields)
+
+
 def measure_topology(topology: Topology, config: CompareConfig, log=print) -> TopologyResult:
     """Start ``topology``'s cluster, sweep it, stop it; a failure is reported in the result, not raised."""
-    from splitserve.launcher import Cluster, UpConfig
-
     try:
-        up = UpConfig.on_ports(model=config.model, prometheus=False, router_cpus=format_cpu_list(config.cpus),
-                               kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                               ready_timeout_s=config.ready_timeout_s, **topology.fields)
+        up = up_config(topology, config)
         cluster = Cluster(up)
     except ValueError as error:
         log(f"FAILED: {error}")
@@ -234,6 +240,9 @@ class CompareCommand(FiguresOutput):
     client_cpus: str = field(default="", metadata=described(
         "Pin the load generator (this process) to these CPUs while it measures (empty: it floats, like the router)."))
     kv_cache_memory_bytes: int = passed_to(CompareConfig, name="kv_cache_memory_bytes")
+    prefill_quantization: str = passed_to(CompareConfig, name="prefill_quantization")
+    decode_quantization: str = passed_to(CompareConfig, name="decode_quantization")
+    mixed_quantization: str = passed_to(CompareConfig, name="mixed_quantization")
     ready_timeout_s: float = passed_to(CompareConfig, name="ready_timeout_s")
     workload: str = field(default=str(AZURE_CONV), metadata=described(
         "An Azure-format CSV trace (its lengths; arrivals Poisson at each rate) or random, azure-conv, azure-code "

@@ -11,8 +11,9 @@ from pathlib import Path
 from bench.serve_metrics import SLO_ATTAINMENT
 from bench.serve_run import ServeBenchConfig
 from engine.config import DEFAULT_MODEL, CacheConfig
-from runtime.config import described
+from runtime.config import described, passed_to, passed_values
 from runtime.cpus import allowed_cpus, format_cpu_list
+from splitserve.launcher import UpConfig
 
 KINDS = ("disaggregated", "colocated", "conditional")
 AZURE_CONV = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "AzureLLMInferenceTrace_conv.csv"
@@ -170,6 +171,11 @@ class CompareConfig:
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
         "KV block pool of each pod."))
     ready_timeout_s: float = field(default=300.0, metadata=described("How long each cluster's pods may take to load."))
+    # The weights' format of each role's pods in every topology (docs/quantization.md): e.g. decode pods on the GGUF
+    # file's blocks beside float prefill pods.
+    prefill_quantization: str = passed_to(UpConfig, name="prefill_quantization")
+    decode_quantization: str = passed_to(UpConfig, name="decode_quantization")
+    mixed_quantization: str = passed_to(UpConfig, name="mixed_quantization")
 
     def __post_init__(self) -> None:
         if not self.rates or min(self.rates) <= 0 or self.reference_rate <= 0:
@@ -180,6 +186,7 @@ class CompareConfig:
             raise ValueError("budgets must be > 0")
         if not self.client_cpus <= allowed_cpus():
             raise ValueError(f"client CPUs {format_cpu_list(self.client_cpus)} are not all allowed here")
+        UpConfig(**passed_values(self, UpConfig))  # its checks of what every topology's UpConfig gets, at once
 
     def plan(self) -> list[Topology]:
         return select_topologies(plan_topologies(sorted(self.cpus), self.budgets, self.conditional_threshold,

@@ -76,9 +76,9 @@ class BatchRun:
     """One engine decoding one batch to the end, a step at a time (so that two runs can take turns step by step),
     timing the steps in which no prompt was prefilled."""
 
-    def __init__(self, llm: LLM, prompts: list[str], max_tokens: int, tag: str):
+    def __init__(self, llm: LLM, prompts: list[str], max_tokens: int, tag: str, ignore_eos: bool = False):
         self.engine = engine = llm.engine
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         counts = engine.spec_decode
         self._counts_before = (counts.num_draft_tokens, counts.num_accepted_tokens, counts.num_drafts)
         self.seqs = [engine.add_request(f"spec-bench-{tag}-{i}", llm.tokenizer.encode(p), params)

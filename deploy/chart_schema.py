@@ -23,7 +23,7 @@ from pathlib import Path
 
 from decode_service.config import DecodeConfig
 from deploy.planner.config import PlannerConfig
-from engine.config import CACHE_DTYPES, COMPUTE_DTYPES, SPECULATIVE_METHODS
+from engine.config import CACHE_DTYPES, COMPUTE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS
 from kvtransfer.codecs import available_codecs
 from kvtransfer.receiver import KV_LOAD_FAILURE_POLICIES
 from runtime.kv_codecs import AUTO
@@ -60,6 +60,7 @@ CHOICES = {  # field -> allowed values of plain-string fields (enum fields list 
     "cache_dtype": list(CACHE_DTYPES),
     "dtype": list(COMPUTE_DTYPES),
     "speculative_method": list(SPECULATIVE_METHODS),
+    "quantization": list(QUANTIZATIONS),
 }
 RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; durations "*_s" > 0)
     "seed": {"minimum": 0},

@@ -34,7 +34,13 @@ from engine.cpu_kernels_build import KernelsUnavailable, library_path
 logger = logging.getLogger(__name__)
 
 PANEL = 16  # outputs per weight panel; kPanel in the source
-ABI_VERSION = 1  # kAbiVersion in the source: bump both when an entry point changes
+ABI_VERSION = 2  # kAbiVersion in the source: bump both when an entry point changes
+
+# How a product's weight is stored (WeightFormat in csrc/quant_kernels.h): float32 panels [P, in, 16], or panels
+# of GGUF blocks (engine/quantized_weights.py packs them), [P, in / 32 * bytes per panel block] uint8.
+WEIGHT_FORMATS = {"float32": 0, "q4_0": 1, "q4_1": 2, "q8_0": 3}
+QUANT_BLOCK = 32  # inputs per block
+QUANTIZED_FORMATS = {"q4_0": 16 * 2 + 256, "q4_1": 16 * 4 + 256, "q8_0": 16 * 2 + 512}  # bytes per panel block
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -42,15 +48,17 @@ _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes
 ENTRY_POINTS: dict[str, tuple[list, type | None]] = {
     "ss_vector_bits": ([], _int),
     "ss_linear": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int], None),
+    "ss_quant_linear": ([_ptr, _i64, _i64, _ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int], None),
+    "ss_quant_rows": ([_ptr, _int, _i64, _ptr, _i64, _ptr, _int], None),
     "ss_paged_decode_attention": (
         [_ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int], None),
     "ss_prefill_attention": (
         [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int], None),
     "ss_attention_input": (
-        [_ptr, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _int,
-         _ptr, _int], None),
+        [_ptr, _i64, _i64, _ptr, _float, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
+         _int, _ptr, _int], None),
     "ss_attention_output_and_mlp": (
-        [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _float, _ptr, _ptr, _i64, _int], None),
+        [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _float, _ptr, _int, _ptr, _int, _i64, _int], None),
     "ss_decode_layers": (
         [_ptr, _i64, _i64, _i64, _ptr, _int, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64,
          _ptr, _i64, _float, _int], None),
@@ -136,6 +144,34 @@ class CpuKernels:
         )
         return y
 
+    def quant_linear(self, x: torch.Tensor, packed: torch.Tensor, weight_format: str, out_features: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] (rows contiguous) @ W^T + bias -> [rows, out_features], W packed in quantized blocks
+        (``weight_format``, one of ``QUANTIZED_FORMATS``)."""
+        rows, in_features = x.shape
+        _check(x.stride(1) == 1 and x.dtype == torch.float32
+               and _is_weight(packed, weight_format, out_features, in_features), "quant_linear: x does not match the weight")
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        self._lib.ss_quant_linear(
+            x.data_ptr(), rows, x.stride(0), packed.data_ptr(), WEIGHT_FORMATS[weight_format], out_features,
+            in_features, None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+            torch.get_num_threads(),
+        )
+        return y
+
+    def quant_rows(self, packed: torch.Tensor, weight_format: str, in_features: int,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [n] of a weight packed in quantized blocks, as float32 [n, in_features]."""
+        ids = ids.contiguous()
+        _check(packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64
+               and packed.shape[1] == in_features // QUANT_BLOCK * QUANTIZED_FORMATS[weight_format]
+               and (len(ids) == 0 or 0 <= int(ids.min()) and int(ids.max()) < len(packed) * PANEL),
+               "quant_rows: bad weight or ids")
+        y = torch.empty(len(ids), in_features, dtype=torch.float32)
+        self._lib.ss_quant_rows(packed.data_ptr(), WEIGHT_FORMATS[weight_format], in_features, ids.data_ptr(),
+                                len(ids), y.data_ptr(), torch.get_num_threads())
+        return y
+
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D] (a ``CACHE_TYPES`` dtype); block_tables [B, nb]
@@ -179,15 +215,16 @@ class CpuKernels:
     def attention_input(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor,
                         qkv_bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor,
                         sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, qkv_format: str = "float32") -> torch.Tensor:
         """A decoder layer up to its attention: qkv = RMSNorm(x) Wqkv^T (+ bias), q and k rotated (cos,
         sin_signed: [P, D] tables, indexed by positions [T]), k and v written to the caches at slot_mapping.
-        x [T, H]; packed qkv weight; caches [num_blocks, block_size, Hkv, D] -> qkv [T, (Hq + 2 Hkv) D]."""
+        x [T, H]; packed qkv weight (in ``qkv_format``); caches [num_blocks, block_size, Hkv, D]
+        -> qkv [T, (Hq + 2 Hkv) D]."""
         tokens, hidden = x.shape
         head_dim = cos.shape[1]
         width = (num_heads + 2 * num_kv_heads) * head_dim
-        _check(x.is_contiguous() and norm_weight.shape == (hidden,) and qkv_weight.shape[1] == hidden
-               and qkv_weight.shape[0] * PANEL >= width and self.supports_head_dim(head_dim)
+        _check(x.is_contiguous() and norm_weight.shape == (hidden,)
+               and _is_weight(qkv_weight, qkv_format, width, hidden) and self.supports_head_dim(head_dim)
                and head_dim == sin_signed.shape[1],
                "attention_input: x, norm and qkv weights do not match")
         _check(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
@@ -197,7 +234,7 @@ class CpuKernels:
         _check_caches(k_cache, v_cache, "attention_input")
         qkv = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.ss_attention_input(
-            x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
+            x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(), WEIGHT_FORMATS[qkv_format],
             None if qkv_bias is None else qkv_bias.data_ptr(), qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(),
             sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
             CACHE_TYPES[k_cache.dtype], slot_mapping.data_ptr(), torch.get_num_threads(),
@@ -206,18 +243,22 @@ class CpuKernels:
 
     def attention_output_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor,
                                  norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
-                                 down_weight: torch.Tensor) -> None:
+                                 down_weight: torch.Tensor, formats: tuple[str, str, str] = ("float32",) * 3) -> None:
         """The rest of a decoder layer, in place on the residual stream x [T, H]: x += attn Wo^T, then
-        x += down(silu(gate) * up) of RMSNorm(x). attn: [T, Hq D]; weights packed."""
+        x += down(silu(gate) * up) of RMSNorm(x). attn: [T, Hq D]; weights packed, in ``formats`` (o, gate_up,
+        down)."""
         tokens, hidden = x.shape
-        inter = down_weight.shape[1]
+        o_format, gate_up_format, down_format = formats
+        inter = _in_features(down_weight, down_format)
         _check(x.is_contiguous() and attn.is_contiguous() and len(attn) == tokens
-               and o_weight.shape[1] == attn.shape[1] and o_weight.shape[0] * PANEL >= hidden
-               and norm_weight.shape == (hidden,) and gate_up_weight.shape[:2] == (-(-2 * inter // PANEL), hidden)
-               and down_weight.shape[0] * PANEL >= hidden, "attention_output_and_mlp: shapes do not match")
+               and _is_weight(o_weight, o_format, hidden, attn.shape[1]) and norm_weight.shape == (hidden,)
+               and _is_weight(gate_up_weight, gate_up_format, 2 * inter, hidden)
+               and _is_weight(down_weight, down_format, hidden, inter), "attention_output_and_mlp: shapes do not match")
         self._lib.ss_attention_output_and_mlp(
-            x.data_ptr(), tokens, hidden, attn.data_ptr(), attn.shape[1], o_weight.data_ptr(), norm_weight.data_ptr(),
-            eps, gate_up_weight.data_ptr(), down_weight.data_ptr(), inter, torch.get_num_threads(),
+            x.data_ptr(), tokens, hidden, attn.data_ptr(), attn.shape[1], o_weight.data_ptr(),
+            WEIGHT_FORMATS[o_format], norm_weight.data_ptr(), eps, gate_up_weight.data_ptr(),
+            WEIGHT_FORMATS[gate_up_format], down_weight.data_ptr(), WEIGHT_FORMATS[down_format], inter,
+            torch.get_num_threads(),
         )
 
     def decode_layers(self, x: torch.Tensor, layers: "DecodeLayers", positions: torch.Tensor, cos: torch.Tensor,
@@ -242,7 +283,8 @@ class CpuKernels:
 
 
 class LayerTensors(NamedTuple):
-    """One decoder layer for ``DecodeLayers``: packed linear weights, norm weights, QKV bias (or None), caches."""
+    """One decoder layer for ``DecodeLayers``: packed linear weights, norm weights, QKV bias (or None), caches,
+    and each product's ``WEIGHT_FORMATS`` name."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -253,10 +295,23 @@ class LayerTensors(NamedTuple):
     down: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    qkv_format: str = "float32"
+    o_format: str = "float32"
+    gate_up_format: str = "float32"
+    down_format: str = "float32"
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self[:9]
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return self[9:]
 
 
-class _DecodeLayer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in LayerTensors._fields]  # DecodeLayer in the source
+class _DecodeLayer(ctypes.Structure):  # DecodeLayer in the source
+    _fields_ = ([(name, ctypes.c_void_p) for name in LayerTensors._fields[:9]]
+                + [(name, ctypes.c_int64) for name in LayerTensors._fields[9:]])
 
 
 class DecodeLayers:
@@ -267,32 +322,63 @@ class DecodeLayers:
         first = layers[0]
         self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
         self.hidden = first.input_norm.shape[0]
-        self.inter = first.down.shape[1]
+        self.inter = _in_features(first.down, first.down_format)
         _, self.block_size, _, self.head_dim = first.k_cache.shape
         _check_caches(first.k_cache, first.v_cache, "DecodeLayers")
         self.cache_dtype = first.k_cache.dtype
         width = (num_heads + 2 * num_kv_heads) * self.head_dim
         for layer in layers:
-            *weights, k_cache, v_cache = layer
-            _check(all(t.dtype == torch.float32 and t.is_contiguous() for t in weights if t is not None)
-                   and all(t.dtype == self.cache_dtype and t.is_contiguous() for t in (k_cache, v_cache))
+            vectors = (layer.input_norm, layer.post_attn_norm, layer.qkv_bias)
+            _check(all(t.dtype == torch.float32 and t.is_contiguous() for t in vectors if t is not None)
+                   and all(t.dtype == self.cache_dtype and t.is_contiguous() for t in (layer.k_cache, layer.v_cache))
                    and layer.input_norm.shape == layer.post_attn_norm.shape == (self.hidden,)
-                   and layer.qkv.shape == packed_shape(width, self.hidden)
+                   and _is_weight(layer.qkv, layer.qkv_format, width, self.hidden)
                    and (layer.qkv_bias is None or layer.qkv_bias.shape == (width,))
-                   and layer.o.shape == packed_shape(self.hidden, num_heads * self.head_dim)
-                   and layer.gate_up.shape == packed_shape(2 * self.inter, self.hidden)
-                   and layer.down.shape == packed_shape(self.hidden, self.inter)
+                   and _is_weight(layer.o, layer.o_format, self.hidden, num_heads * self.head_dim)
+                   and _is_weight(layer.gate_up, layer.gate_up_format, 2 * self.inter, self.hidden)
+                   and _is_weight(layer.down, layer.down_format, self.hidden, self.inter)
                    and layer.k_cache.shape == layer.v_cache.shape == first.k_cache.shape
                    and layer.k_cache.shape[2] == num_kv_heads and CpuKernels.supports_head_dim(self.head_dim),
                    "DecodeLayers: a layer's tensors do not match")
         self._layers = layers  # keeps the tensors alive while the table points at them
-        self.table = (_DecodeLayer * len(layers))(
-            *(_DecodeLayer(*(None if t is None else t.data_ptr() for t in layer)) for layer in layers)
-        )
+        self.table = (_DecodeLayer * len(layers))(*(
+            _DecodeLayer(*(None if t is None else t.data_ptr() for t in layer.tensors),
+                         *(WEIGHT_FORMATS[f] for f in layer.formats))
+            for layer in layers
+        ))
 
 
 def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """A float32 weight's panels: [ceil(out / 16), in, 16]."""
     return (-(-out_features // PANEL), in_features, PANEL)
+
+
+def quantized_shape(weight_format: str, out_features: int, in_features: int) -> tuple[int, int]:
+    """A quantized weight's panels (one of ``QUANTIZED_FORMATS``): [ceil(out / 16), in / 32 * bytes per block]."""
+    return (-(-out_features // PANEL), in_features // QUANT_BLOCK * QUANTIZED_FORMATS[weight_format])
+
+
+def weight_shape(weight_format: str, out_features: int, in_features: int) -> tuple[int, ...]:
+    """The packed shape of a product's weight in any of ``WEIGHT_FORMATS``."""
+    if weight_format == "float32":
+        return packed_shape(out_features, in_features)
+    return quantized_shape(weight_format, out_features, in_features)
+
+
+def _is_weight(weight: torch.Tensor, weight_format: str, out_features: int, in_features: int) -> bool:
+    """Whether ``weight`` is a product's packed weight of that format and size, ready for the kernels."""
+    if weight_format != "float32" and in_features % QUANT_BLOCK:
+        return False
+    dtype = torch.float32 if weight_format == "float32" else torch.uint8
+    return (weight.dtype == dtype and weight.is_contiguous()
+            and weight.shape == weight_shape(weight_format, out_features, in_features))
+
+
+def _in_features(weight: torch.Tensor, weight_format: str) -> int:
+    """The input size of a packed weight."""
+    if weight_format == "float32":
+        return weight.shape[1]
+    return weight.shape[1] // QUANTIZED_FORMATS[weight_format] * QUANT_BLOCK
 
 
 class KernelChoice(NamedTuple):

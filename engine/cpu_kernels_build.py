@@ -1,9 +1,9 @@
-"""Building the native CPU kernels' library (``engine/csrc/cpu_kernels.cpp``) once per machine, before serving.
+"""Building the native CPU kernels' library (``engine/csrc/*.cpp``) once per machine, before serving.
 
     splitserve build-kernels      (``splitserve/cli.py``; ``scripts/bootstrap.sh`` runs it)
 
-compiles the source with ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into the cache directory, as
-``cpu_kernels-<key>.so``, the key hashing the source, the flags, the compiler's version and the CPU's flags. A
+compiles the sources (``SOURCES``, with their header) into one library with ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into the cache directory, as
+``cpu_kernels-<key>.so``, the key hashing the sources, the flags, the compiler's version and the CPU's flags. A
 process that finds no library there builds it at first use, as a fallback (``engine/cpu_kernels.py``). So that
 pods starting together compile once, a build holds a file lock next to its target and looks again for the library
 once it has the lock; the compiler writes a temporary file that is renamed into place, so no process ever loads a
@@ -31,7 +31,9 @@ from filelock import FileLock, Timeout
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "quant_kernels.cpp"]  # the decode step; quantized-weight products
+HEADERS = [_CSRC / "quant_kernels.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 LOCK_TIMEOUT_S = 600  # a build takes seconds; a lock held this long belongs to a process that hangs
 
@@ -106,7 +108,7 @@ def _build(compiler: str, flags: list[str], target: Path) -> Path:
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
             os.close(fd)
             try:
-                subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                                check=True)
                 os.replace(tmp, target)
             finally:
@@ -125,7 +127,7 @@ def _build(compiler: str, flags: list[str], target: Path) -> Path:
 
 def _key(compiler: str, flags: list[str]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), " ".join(sorted(_cpu_flags())).encode()]
+    parts = [*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(flags).encode(), version.encode(), " ".join(sorted(_cpu_flags())).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

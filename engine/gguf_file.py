@@ -2,7 +2,9 @@
 
 - ``load_gguf``: llama or qwen2 architecture, any quantization ``gguf`` can dequantize. llama.cpp's converter
   reorders Llama's Q and K rows for its interleaved RoPE; we undo that to get back the rotate-half layout our model
-  and ``transformers`` use. Also returns the tokenizer the file carries (``GGUFTokenizerData``).
+  and ``transformers`` use. Also returns the tokenizer the file carries (``GGUFTokenizerData``). With
+  ``keep_blocks`` (``quantization="gguf"``), matrices stored as Q4_0, Q4_1 or Q8_0 stay in the file's blocks
+  (``BlockQuantized``, engine/quantized_weights.py) instead of being widened.
   Reading only that tokenizer, without torch or the weights, is ``engine.tokenizer_files``'s.
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.parameter_layout import StateDict, fuse
+from engine.quantized_weights import GGUF_TYPES, BlockQuantized
 from engine.tokenizer import GGUFTokenizerData
 from engine.tokenizer_files import gguf_field, gguf_tokenizer_data
 
@@ -83,6 +86,15 @@ def _gguf_config(
     )
 
 
+def _read(tensor: gguf.ReaderTensor, keep_blocks: bool) -> torch.Tensor | BlockQuantized:
+    """A GGUF tensor as float32 in PyTorch's [rows, cols] order (GGUF lists dims innermost first), or, with
+    ``keep_blocks``, in its own blocks where it is a matrix in a format the kernels run."""
+    format = GGUF_TYPES.get(int(tensor.tensor_type))
+    if keep_blocks and format is not None and len(tensor.shape) == 2:
+        return BlockQuantized.from_gguf(np.array(tensor.data), format)
+    return _dequantized(tensor)
+
+
 def _dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
     """A GGUF tensor as float32 in PyTorch's [rows, cols] order (GGUF lists dims innermost first)."""
     # A plain in-memory copy: slicing the file's memmap row group by row group is twice as slow.
@@ -91,12 +103,14 @@ def _dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(shape))
 
 
-def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute_rope_rows(weight: torch.Tensor | BlockQuantized, num_heads: int) -> torch.Tensor | BlockQuantized:
     """Undo llama.cpp's Q/K row order (within each head: pairs interleaved) back to HF's rotate-half order.
 
     The converter maps each head's rows [first half | second half] to [h0, s0, h1, s1, ...] (reshape to
     [heads, 2, D/2], swap the last two axes). Reading it back as [heads, D/2, 2] and swapping inverts it.
     """
+    if isinstance(weight, BlockQuantized):  # whole rows move: a row's blocks, scales and minimums with it
+        return weight.map_rows(lambda t: _unpermute_rope_rows(t, num_heads))
     rows = weight.shape[0]
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
@@ -111,14 +125,15 @@ def _unpermute_llama_qk(tensors: dict[str, torch.Tensor], config: ModelConfig) -
 
 
 def load_gguf(
-    path: str | Path, dtype: str | torch.dtype = "float32"
+    path: str | Path, dtype: str | torch.dtype = "float32", keep_blocks: bool = False
 ) -> tuple[ModelConfig, StateDict, GGUFTokenizerData]:
-    """Config, fused state dict and tokenizer vocabulary from a llama.cpp GGUF file (llama or qwen2)."""
+    """Config, fused state dict and tokenizer vocabulary from a llama.cpp GGUF file (llama or qwen2);
+    ``keep_blocks``: its Q4_0 / Q4_1 / Q8_0 matrices as ``BlockQuantized``, the rest widened to ``dtype``."""
     reader = gguf.GGUFReader(str(path))
     arch = gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {list(_GGUF_ARCHITECTURES)}")
-    tensors = {t.name: _dequantized(t) for t in reader.tensors}
+    tensors = {t.name: _read(t, keep_blocks) for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) are not supported")
     if "token_embd.weight" not in tensors:

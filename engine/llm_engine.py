@@ -79,7 +79,7 @@ class EngineStepError(RuntimeError):
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        loaded = load_model_files(config.model, seed=config.seed)
+        loaded = load_model_files(config.model, seed=config.seed, quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(config, loaded.config, loaded.state_dict)

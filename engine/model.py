@@ -15,6 +15,7 @@ weight loader produces; ``from_state_dict`` checks a state dict against it befor
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Callable
 
@@ -25,10 +26,13 @@ from torch.nn.utils import skip_init
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.cpu_kernels import PANEL, CpuKernels, DecodeLayers, KernelChoice, LayerTensors, packed_shape
+from engine.cpu_kernels import PANEL, CpuKernels, DecodeLayers, KernelChoice, LayerTensors, packed_shape, weight_shape
 from engine.cpu_kernels import choose as choose_kernels
 from engine.kv_cache import PagedKVCache
-from engine.parameter_layout import check_state_dict
+from engine.parameter_layout import check_state_dict, product_weights
+from engine.quantized_weights import BlockQuantized, pack_panels
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -47,35 +51,52 @@ class Linear(nn.Module):
     With the native CPU kernels (``kernels``, engine/cpu_kernels.py) the weight is held in panels of 16 outputs,
     [ceil(out / 16), in, 16], converted on ``load_state_dict`` and back on ``state_dict``, and the product runs in
     the kernels: a decode step then reads each weight at the memory's speed. Otherwise it is a plain ``F.linear``.
-    Parameters are uninitialized until loaded.
+    ``weight_format`` other than float32 (with the kernels only): the weight is loaded from a ``BlockQuantized``
+    in that format and kept in its blocks, packed into panels (engine/quantized_weights.py), [P, in / 32 * bytes]
+    uint8, which ``state_dict`` returns as they are. Parameters are uninitialized until loaded.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
-                 kernels: CpuKernels | None):
+                 kernels: CpuKernels | None, weight_format: str = "float32"):
         super().__init__()
         self.in_features, self.out_features, self.kernels = in_features, out_features, kernels
-        shape = packed_shape(out_features, in_features) if kernels else (out_features, in_features)
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        self.weight_format = weight_format if kernels is not None else "float32"
+        if self.weight_format != "float32":
+            self.weight = nn.Parameter(torch.empty(weight_shape(weight_format, out_features, in_features),
+                                                   dtype=torch.uint8, device=device), requires_grad=False)
+        else:
+            shape = packed_shape(out_features, in_features) if kernels else (out_features, in_features)
+            self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         if kernels is not None:
             self.register_load_state_dict_pre_hook(Linear._pack_on_load)
-            self.register_state_dict_post_hook(Linear._unpack_on_save)
+            if self.weight_format == "float32":
+                self.register_state_dict_post_hook(Linear._unpack_on_save)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, in] -> [rows, out]."""
         if self.kernels is None:
             return F.linear(x, self.weight, self.bias)
+        if self.weight_format != "float32":
+            return self.kernels.quant_linear(x, self.weight, self.weight_format, self.out_features, self.bias)
         return self.kernels.linear(x, self.weight, self.out_features, self.bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, [len(ids), in]: the embedding lookup of a head tied to the embeddings."""
         if self.kernels is None:
             return F.embedding(ids, self.weight)
+        if self.weight_format != "float32":
+            return self.kernels.quant_rows(self.weight, self.weight_format, self.in_features, ids)
         return self.weight[ids // PANEL, :, ids % PANEL]
 
     def _pack_on_load(self, state_dict, prefix, *_) -> None:
         key = prefix + "weight"
         weight = state_dict.get(key)
+        if isinstance(weight, BlockQuantized):
+            if weight.format == self.weight_format and weight.shape == (self.out_features, self.in_features):
+                self.weight.data.copy_(pack_panels(weight))
+                state_dict[key] = self.weight
+            return  # a mismatch is reported by loading, which refuses a non-tensor
         if weight is not None and weight.shape == (self.out_features, self.in_features):
             padding = self.weight.shape[0] * PANEL - len(weight)
             padded = F.pad(weight.detach().to(self.weight.dtype), (0, 0, 0, padding))
@@ -156,15 +177,23 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(in_band, interpolated, scaled)
 
 
+# A layer's products' weight formats, by parameter name within the layer ("attn.qkv_proj.weight": "q4_1"); absent:
+# float32.
+LayerFormats = dict[str, str]
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
+                 formats: LayerFormats):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.qk_size = self.q_size + config.num_kv_heads * config.head_dim
         qkv_rows = self.qk_size + config.num_kv_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_rows, config.qkv_bias, dtype, device, kernels)
-        self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype, device, kernels)
+        self.qkv_proj = Linear(config.hidden_size, qkv_rows, config.qkv_bias, dtype, device, kernels,
+                               formats.get("attn.qkv_proj.weight", "float32"))
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype, device, kernels,
+                             formats.get("attn.o_proj.weight", "float32"))
         self.scale = config.head_dim**-0.5
         self.kernels = kernels
 
@@ -184,11 +213,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
+                 formats: LayerFormats):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device, kernels)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device, kernels)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device, kernels,
+                                   formats.get("mlp.gate_up_proj.weight", "float32"))
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device, kernels,
+                                formats.get("mlp.down_proj.weight", "float32"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
@@ -197,12 +229,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
+                 formats: LayerFormats | None = None):
         super().__init__()
+        formats = formats or {}
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.attn = Attention(config, dtype, device, kernels)
+        self.attn = Attention(config, dtype, device, kernels, formats)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device, kernels)
+        self.mlp = MLP(config, dtype, device, kernels, formats)
         # The layer's halves around its attention run natively when the kernels take its heads (and, per step,
         # the cache's dtype); its products use the kernels either way.
         self.kernels = kernels if kernels is not None and kernels.supports_head_dim(config.head_dim) else None
@@ -223,12 +257,14 @@ class DecoderLayer(nn.Module):
         qkv = kernels.attention_input(
             x, self.input_norm.weight, self.input_norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
             rotary.positions, rotary.cos_table, rotary.sin_signed_table, attn.num_heads, attn.num_kv_heads,
-            k_cache, v_cache, meta.slot_mapping,
+            k_cache, v_cache, meta.slot_mapping, attn.qkv_proj.weight_format,
         )
         qk = qkv[:, : attn.qk_size].view(len(qkv), -1, attn.head_dim)  # rotated in place
         out = attn.attend(qk, qkv, k_cache, v_cache, meta, kv_written=True)
         kernels.attention_output_and_mlp(x, out, attn.o_proj.weight, self.post_attn_norm.weight,
-                                         self.post_attn_norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+                                         self.post_attn_norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                                         (attn.o_proj.weight_format, mlp.gate_up_proj.weight_format,
+                                          mlp.down_proj.weight_format))
         return x
 
 
@@ -237,25 +273,33 @@ class LlamaForCausalLM(nn.Module):
 
     ``cpu_kernels``: run the products and the decode attention in the native CPU kernels when they can serve this
     device and dtype (CPU, float32) and build on this machine; False keeps the pure-PyTorch path everywhere.
+    ``weight_formats``: parameter name -> format of the products' weights kept in quantized blocks (the native
+    kernels only; engine/quantized_weights.py); the rest are float.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | str = torch.float32, device="cpu",
-                 cpu_kernels: bool = True):
+                 cpu_kernels: bool = True, weight_formats: dict[str, str] | None = None):
         super().__init__()
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         device = torch.device(device)
         self.config = config
         self.compute_path: KernelChoice = choose_kernels(device, dtype, cpu_kernels)
         self.kernels = self.compute_path.kernels
+        formats = weight_formats or {}
+        fmt = lambda name: formats.get(name, "float32")  # noqa: E731
         if config.tie_word_embeddings:  # one weight, laid out for the head's products, looked up by rows
-            self.embed_tokens = Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.kernels)
+            self.embed_tokens = Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.kernels,
+                                       fmt("embed_tokens.weight"))
         else:
             self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype,
                                           device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, self.kernels) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, device, self.kernels, _layer_formats(formats, i))
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, False, dtype, device, self.kernels
+            config.hidden_size, config.vocab_size, False, dtype, device, self.kernels, fmt("lm_head.weight")
         )
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.requires_grad_(False)
@@ -266,9 +310,18 @@ class LlamaForCausalLM(nn.Module):
         cls, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32, device="cpu",
         cpu_kernels: bool = True,
     ) -> "LlamaForCausalLM":
+        """The model with ``state_dict``'s weights. Weights in quantized blocks (``BlockQuantized``) stay in them
+        where the native kernels run the model, and are widened to ``dtype`` everywhere else (the fallback)."""
         check_state_dict(config, state_dict)  # names the missing, unexpected or misshapen parameters
-        model = cls(config, dtype, device, cpu_kernels)
-        model.load_state_dict(state_dict)
+        blocks = set(product_weights(config))
+        formats = {n: t.format for n, t in state_dict.items() if isinstance(t, BlockQuantized) and n in blocks}
+        model = cls(config, dtype, device, cpu_kernels, formats)
+        if formats and model.kernels is None:
+            logger.warning("weights in quantized blocks widened to %s: %s", str(model.norm.weight.dtype),
+                           model.compute_path.reason)
+        kept = formats if model.kernels is not None else {}
+        model.load_state_dict({n: t if n in kept else _widened(t, model.norm.weight.dtype)
+                               for n, t in state_dict.items()})
         return model
 
     def forward(
@@ -307,7 +360,9 @@ class LlamaForCausalLM(nn.Module):
             layers = [
                 LayerTensors(layer.input_norm.weight, layer.attn.qkv_proj.weight, layer.attn.qkv_proj.bias,
                              layer.attn.o_proj.weight, layer.post_attn_norm.weight, layer.mlp.gate_up_proj.weight,
-                             layer.mlp.down_proj.weight, k, v)
+                             layer.mlp.down_proj.weight, k, v, layer.attn.qkv_proj.weight_format,
+                             layer.attn.o_proj.weight_format, layer.mlp.gate_up_proj.weight_format,
+                             layer.mlp.down_proj.weight_format)
                 for layer, k, v in zip(self.layers, kv_cache.k_blocks, kv_cache.v_blocks)
             ]
             config = self.config
@@ -320,3 +375,11 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return head(hidden).float()
 
+
+def _layer_formats(formats: dict[str, str], layer: int) -> LayerFormats:
+    prefix = f"layers.{layer}."
+    return {name.removeprefix(prefix): f for name, f in formats.items() if name.startswith(prefix)}
+
+
+def _widened(t: torch.Tensor | BlockQuantized, dtype: torch.dtype) -> torch.Tensor:
+    return t.dequantize().to(dtype) if isinstance(t, BlockQuantized) else t

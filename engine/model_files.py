@@ -22,6 +22,7 @@ from engine.config import DEFAULT_MODEL, ModelConfig
 from engine.gguf_file import load_gguf
 from engine.hf_checkpoint import load_hf_checkpoint
 from engine.parameter_layout import random_state_dict
+from engine.quantized_weights import quantize_state_dict
 from engine.tokenizer import Tokenizer
 from engine.tokenizer_files import TINY_RANDOM, resolve_model_name, tiny_random_tokenizer_data
 
@@ -29,7 +30,8 @@ from engine.tokenizer_files import TINY_RANDOM, resolve_model_name, tiny_random_
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]  # our fused layout (engine/parameter_layout.py)
+    # Our fused layout (engine/parameter_layout.py); products' weights may be BlockQuantized (quantized_weights.py).
+    state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
 
 
@@ -55,8 +57,8 @@ def _load_tiny_random(seed: int, dtype: str) -> LoadedModel:
     return LoadedModel(config, state, Tokenizer.from_gguf(tiny_random_tokenizer_data()))
 
 
-def _load_gguf_file(path: Path, dtype: str, name: str) -> LoadedModel:
-    config, state, tokenizer_data = load_gguf(path, dtype)
+def _load_gguf_file(path: Path, dtype: str, name: str, keep_blocks: bool) -> LoadedModel:
+    config, state, tokenizer_data = load_gguf(path, dtype, keep_blocks)
     config.name = name
     return LoadedModel(config, state, Tokenizer.from_gguf(tokenizer_data))
 
@@ -69,11 +71,21 @@ def _load_hf_directory(path: Path, dtype: str) -> LoadedModel:
     return LoadedModel(config, state, tokenizer)
 
 
-def load_model_files(name: str = DEFAULT_MODEL, seed: int = 0, dtype: str = "float32") -> LoadedModel:
-    """Resolve ``name`` (see the module docstring) and load its config, weights (as ``dtype``) and tokenizer."""
+def load_model_files(name: str = DEFAULT_MODEL, seed: int = 0, dtype: str = "float32",
+                     quantization: str = "none") -> LoadedModel:
+    """Resolve ``name`` (see the module docstring) and load its config, weights (as ``dtype``, or in quantized
+    blocks per ``quantization``: docs/quantization.md) and tokenizer."""
     kind, path = resolve_model_name(name)
+    if quantization == "gguf" and kind != "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, and {name!r} is not a GGUF file; "
+                         "quantize it at load with 'int8' or 'int4'")
     if kind == "tiny":
-        return _load_tiny_random(seed, dtype)
-    if kind == "gguf":
-        return _load_gguf_file(path, dtype, DEFAULT_MODEL if name == DEFAULT_MODEL else path.stem)
-    return _load_hf_directory(path, dtype)
+        loaded = _load_tiny_random(seed, dtype)
+    elif kind == "gguf":
+        name = DEFAULT_MODEL if name == DEFAULT_MODEL else path.stem
+        loaded = _load_gguf_file(path, dtype, name, keep_blocks=quantization == "gguf")
+    else:
+        loaded = _load_hf_directory(path, dtype)
+    if quantization in ("int8", "int4"):
+        loaded.state_dict = quantize_state_dict(loaded.state_dict, loaded.config, quantization)
+    return loaded

@@ -106,15 +106,33 @@ def fuse(tensors: dict[str, torch.Tensor], source_names: dict[str, str], config:
     def take(name: str) -> torch.Tensor:
         if name not in unused:
             raise KeyError(f"{source} lacks tensor {name!r}")
-        return unused.pop(name).to(dtype)
+        tensor = unused.pop(name)
+        return tensor.to(dtype) if isinstance(tensor, torch.Tensor) else tensor  # a weight kept in its blocks
 
     state = {}
     for name, p, layer in _entries(config):
         parts = [take(source_names[part].format(**layer)) for part in p.parts]
-        state[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        state[name] = parts[0] if len(parts) == 1 else _cat(parts)
     if unused:
         raise ValueError(f"{source} has tensors this loader does not map: {sorted(unused)[:8]}")
     return state
+
+
+def _cat(parts: list):
+    """A fused parameter's rows from its parts': tensors, or weights kept in quantized blocks (a loader's
+    ``BlockQuantized``, engine/quantized_weights.py, which fuses its own)."""
+    kept = [p for p in parts if not isinstance(p, torch.Tensor)]
+    return type(kept[0]).cat(parts) if kept else torch.cat(parts)
+
+
+def product_weights(config: ModelConfig) -> list[str]:
+    """The weights that products read (every layer's matrices, the head's, and the embedding when the head is tied
+    to it: one weight, read by the head's product), the ones a quantized model keeps in blocks. An untied embedding
+    is looked up, not streamed, so it is not one."""
+    names = [p.name.format(i=i) for i in range(config.num_layers) for p in LAYER_PARAMETERS
+             if p.columns is not None and p.present(config)]
+    names += [p.name for p in HEAD_PARAMETERS if p.columns is not None and p.present(config)]
+    return names + ([EMBEDDING.name] if config.tie_word_embeddings else [])
 
 
 def unfuse(state: StateDict, source_names: dict[str, str], config: ModelConfig) -> StateDict:

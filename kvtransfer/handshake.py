@@ -10,13 +10,16 @@ A prefill pod calls ``KVTransfer.Handshake`` once per (decode pod, codec) before
 
 KV is interchangeable when the model and its attention shape agree: model name, layers, KV heads, head dim
 (``COMPAT_FIELDS``, digested into ``compat_hash``). Block size and cache dtype may differ: chunks address tokens,
-not blocks, and the receiver converts dtypes. Each push's header repeats the hash, which catches a decode pod
-restarted with another model since the handshake.
+not blocks, and the receiver converts dtypes. The weights' format (``quantization``) may differ too: each side
+learns the other's from the handshake and says so in its log, since answers may then differ from a single-format
+deployment's (docs/quantization.md). Each push's header repeats the hash, which catches a decode pod restarted with
+another model since the handshake.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -25,13 +28,15 @@ import grpc
 from protos.splitserve.v1 import kv_transfer_pb2
 from runtime.errors import StatusError
 
+logger = logging.getLogger(__name__)
+
 COMPAT_FIELDS = ("model_name", "num_layers", "num_kv_heads", "head_dim")
 _COMPAT_HASH_VERSION = "splitserve-kv-v1"  # bump when the digest's input changes
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of a pod's KV cache."""
+    """The shape of a pod's KV cache, and the format of the weights that computed it."""
 
     model_name: str
     num_layers: int
@@ -39,6 +44,7 @@ class KVLayout:
     head_dim: int
     block_size: int
     cache_dtype: str  # "float32", "bfloat16", "float16"
+    quantization: str = "none"  # the weights' format (engine/config.py QUANTIZATIONS); not in the compat hash
 
     @classmethod
     def of_engine(cls, engine) -> "KVLayout":
@@ -46,17 +52,18 @@ class KVLayout:
         model = engine.model_config
         cache = engine.config.cache
         return cls(model.name, model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
-                   cache.cache_dtype)
+                   cache.cache_dtype, engine.config.quantization)
 
     @classmethod
     def from_proto(cls, message: kv_transfer_pb2.KVLayout) -> "KVLayout":
         return cls(message.model_name, message.num_layers, message.num_kv_heads, message.head_dim,
-                   message.block_size, message.cache_dtype)
+                   message.block_size, message.cache_dtype, message.quantization)
 
     def to_proto(self) -> kv_transfer_pb2.KVLayout:
         return kv_transfer_pb2.KVLayout(model_name=self.model_name, num_layers=self.num_layers,
                                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                                        block_size=self.block_size, cache_dtype=self.cache_dtype)
+                                        block_size=self.block_size, cache_dtype=self.cache_dtype,
+                                        quantization=self.quantization)
 
     @property
     def compat_hash(self) -> str:
@@ -82,3 +89,12 @@ def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, cod
     if codec and codec not in accepted:
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"codec: {codec!r} is not accepted by the receiver; accepted: {', '.join(accepted)}")
+
+
+def note_formats(here: KVLayout, peer: KVLayout, peer_name: str) -> None:
+    """Log, at each handshake, a peer whose weights are in another format than this pod's: allowed (the KV layout
+    is what must match), but its answers may then differ from a single-format deployment's."""
+    if peer.quantization != here.quantization:
+        logger.info("%s keeps its weights as %r, this pod as %r: KV is interchangeable, answers may differ from "
+                    "those of pods of one format (docs/quantization.md)", peer_name, peer.quantization,
+                    here.quantization)

@@ -34,7 +34,7 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from kvtransfer.handshake import KVLayout, check_compatible
+from kvtransfer.handshake import KVLayout, check_compatible, note_formats
 from kvtransfer.leases import KVLease, TransferTable
 from kvtransfer.wire import ExpectedChunks, KVChunkError, decode_chunk
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -119,11 +119,12 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self, server)
 
     async def Handshake(self, request: kv_transfer_pb2.HandshakeRequest, context) -> kv_transfer_pb2.HandshakeResponse:
+        sender = KVLayout.from_proto(request.layout)
         try:
-            check_compatible(self.layout, KVLayout.from_proto(request.layout), request.compat_hash, request.codec,
-                             self.accepted_codecs)
+            check_compatible(self.layout, sender, request.compat_hash, request.codec, self.accepted_codecs)
         except StatusError as err:
             await context.abort(err.code, err.message)
+        note_formats(self.layout, sender, f"prefill pod {context.peer()}")
         return kv_transfer_pb2.HandshakeResponse(layout=self.layout.to_proto(), supported_codecs=self.accepted_codecs,
                                                  compat_hash=self.layout.compat_hash)
 

@@ -37,7 +37,7 @@ import grpc
 import torch
 
 from kvtransfer.codecs import KVCodec, get_codec
-from kvtransfer.handshake import KVLayout
+from kvtransfer.handshake import KVLayout, note_formats
 from kvtransfer.link_codec import LinkCodecChooser
 from kvtransfer.wire import MAX_CHUNK_BYTES, encode_chunks, raw_nbytes
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
@@ -127,6 +127,7 @@ class KVTransferClient:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"decode pod {decode_address}: compat_hash: sender {self.layout.compat_hash!r}, "
                               f"receiver {response.compat_hash!r}")
+        note_formats(self.layout, KVLayout.from_proto(response.layout), f"decode pod {decode_address}")
         return response
 
     def forget_handshake(self, decode_address: str, codec_name: str) -> None:

@@ -61,6 +61,7 @@ class PodLoad:
     # The measured step-time model and TPOT allowance (hybrid placement): from the load stream only, not Redis.
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     tpot_allowance_seconds: float | None = None
+    quantization: str = ""  # the pod's weight format; "" until its first report says
 
     @classmethod
     def from_proto(cls, message: common_pb2.PodLoad) -> "PodLoad":

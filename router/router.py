@@ -94,9 +94,11 @@ class Router:
         return bool(self.registry.decode_pods())
 
     def pods(self) -> list[dict[str, Any]]:
-        """The pods as the router sees them now (``GET /pods``): role, whether it routes to them, their load."""
+        """The pods as the router sees them now (``GET /pods``): role, weight format (null before the pod's first
+        report), whether it routes to them, their load."""
         now = time.monotonic()
-        return [{"address": pod.address, "role": str(pod.role), "healthy": pod.healthy, "serving": pod.serving,
+        return [{"address": pod.address, "role": str(pod.role), "quantization": pod.load.quantization or None,
+                 "healthy": pod.healthy, "serving": pod.serving,
                  "seconds_since_report": round(now - pod.load_at, 3) if pod.load_at else None,
                  "load": dataclasses.asdict(pod.load), "cached_blocks": len(pod.block_hashes),
                  "router_requests": pod.active_requests, "router_queued_prompt_tokens": pod.queued_prompt_tokens}

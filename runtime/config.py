@@ -22,6 +22,8 @@ from typing import Any, Mapping, TypeVar
 T = TypeVar("T")
 ENV_PREFIX = "SPLITSERVE_"
 PASSED_TO = "passed_to"  # field metadata: the config classes a field is handed on to (``passed_to``)
+PASSED_AS = "passed_as"  # field metadata: the name of the field it is handed on to
+PASSED_SCOPE = "passed_scope"  # field metadata: handed on only to the processes of this scope (a pod role)
 
 
 def described(text: str) -> dict[str, str]:
@@ -29,30 +31,34 @@ def described(text: str) -> dict[str, str]:
     return {"help": text}
 
 
-def passed_to(*configs: type, name: str, help: str | None = None) -> Any:
+def passed_to(*configs: type, name: str, help: str | None = None, scope: str | None = None) -> Any:
     """A field of a config that starts other processes (``splitserve up``'s ``UpConfig``) which is field ``name`` of
     each of ``configs`` and is handed to them as its flag: the default and the help come from the first of them
-    (``help`` replaces the text), and ``passed_on(config, cls)`` lists the flags for a process configured by ``cls``."""
+    (``help`` replaces the text), and ``passed_on(config, cls)`` lists the flags for a process configured by ``cls``.
+    With a ``scope`` (a pod role), the field goes only to the processes of that scope, as their ``name``: so
+    ``prefill_quantization`` and ``decode_quantization`` both become the pods' ``--quantization``."""
     source = next((f for f in dataclasses.fields(configs[0]) if f.name == name), None)
     if source is None:
         raise TypeError(f"{configs[0].__name__} has no field {name!r}")
     default = ({"default": source.default} if source.default is not dataclasses.MISSING
                else {"default_factory": source.default_factory})
     return dataclasses.field(**default, metadata={"help": help or source.metadata.get("help", ""),
-                                                  PASSED_TO: configs})
+                                                  PASSED_TO: configs, PASSED_AS: name, PASSED_SCOPE: scope})
 
 
-def passed_values(config: Any, cls: type) -> dict[str, Any]:
-    """The fields of ``config`` declared ``passed_to`` ``cls`` or one of its bases, with ``config``'s values: the
-    keyword arguments of a ``cls`` built in this process."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-            if any(issubclass(cls, target) for target in f.metadata.get(PASSED_TO, ()))}
+def passed_values(config: Any, cls: type, scope: str | None = None) -> dict[str, Any]:
+    """The fields of ``config`` declared ``passed_to`` ``cls`` or one of its bases (and, those with a scope, to
+    ``scope``), under the names ``cls`` gives them, with ``config``'s values: the keyword arguments of a ``cls``
+    built in this process."""
+    return {f.metadata[PASSED_AS]: getattr(config, f.name) for f in dataclasses.fields(config)
+            if any(issubclass(cls, target) for target in f.metadata.get(PASSED_TO, ()))
+            and f.metadata[PASSED_SCOPE] in (None, scope)}
 
 
-def passed_on(config: Any, cls: type) -> list[str]:
-    """``passed_values(config, cls)`` as flags, for a process configured by ``cls``."""
+def passed_on(config: Any, cls: type, scope: str | None = None) -> list[str]:
+    """``passed_values(config, cls, scope)`` as flags, for a process configured by ``cls``."""
     flags: list[str] = []
-    for name, value in passed_values(config, cls).items():
+    for name, value in passed_values(config, cls, scope).items():
         if isinstance(value, bool):
             flags.append(flag_name(name if value else f"no_{name}"))
         else:

@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from engine.config import COMPUTE_DTYPES, DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import COMPUTE_DTYPES, DEFAULT_MODEL, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from protos.splitserve.v1 import common_pb2
@@ -74,6 +74,10 @@ class PodConfig:
     cpu_kernels: bool = field(default=EngineConfig.cpu_kernels, metadata=described(
         "Native CPU kernels for float32 on CPU (built by `splitserve build-kernels`, which set-up runs; built at "
         "first use when missing); false: PyTorch ops only."))
+    quantization: str = field(default=EngineConfig.quantization, metadata=described(
+        f"Format the weights are kept in, one of {', '.join(QUANTIZATIONS)}: none widens them to float (the "
+        "reference), gguf keeps a GGUF file's own quantized blocks, int8/int4 quantize a float checkpoint at load. "
+        "Prefill and decode pods may differ (docs/quantization.md)."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
     block_size: int = field(default=CacheConfig.block_size, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
@@ -130,6 +134,7 @@ class PodConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model, device=self.device, dtype=self.dtype, seed=self.seed, cpu_kernels=self.cpu_kernels,
+            quantization=self.quantization,
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_blocks,
                               self.enable_prefix_caching, self.cache_dtype),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
@@ -155,7 +160,8 @@ class Pod:
         self.engine = LLMEngine(config.engine_config())
         self.metrics = PodMetrics(self.role, self.engine.model_config.name)
         # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.
-        self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype)
+        self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype,
+                                     self.engine.config.quantization)
         self.load_tracker = LoadTracker(self.metrics)
         self.engine_loop = EngineLoop(self.engine, observer=self.load_tracker.observe)
         self.cached_block_hashes: list[int] = []  # the prefix cache's, oldest first (Redis heartbeat)
@@ -288,7 +294,7 @@ class Pod:
 
 # The load fields a Redis record carries (the registry reads them until the pod's own load stream answers).
 _HEARTBEAT_LOAD_FIELDS = ("num_waiting", "num_running", "free_kv_blocks", "total_kv_blocks", "block_size",
-                          "queued_prefill_tokens")
+                          "queued_prefill_tokens", "quantization")
 
 
 # ---- process entry ----------------------------------------------------------------------------------------------

@@ -102,7 +102,8 @@ class LoadTracker:
             queued_prefill_tokens=queued, draining=self._draining, version=self._version,
             prefill_tokens_per_second=self._prefill_tokens_per_second,
             decode_step_seconds=self._decode_step_seconds, step_time=step_time_to_proto(engine.step_times.model),
-            running_context_tokens=sum(seq.num_tokens for seq in decoding), tpot_allowance_seconds=allowance)
+            running_context_tokens=sum(seq.num_tokens for seq in decoding), tpot_allowance_seconds=allowance,
+            quantization=engine.config.quantization)
 
     # ---- event loop ------------------------------------------------------------------------------------------
 

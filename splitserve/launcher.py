@@ -47,6 +47,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_service.config import DecodeConfig
+from engine.config import QUANTIZATIONS
 from prefill_service.config import PrefillConfig
 from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S
 from router.config import PolicyName, RouterConfig, Scheduling
@@ -100,6 +101,14 @@ class UpConfig:
     long_prefill_token_threshold: int = passed_to(PodConfig, name="long_prefill_token_threshold")
     shutdown_grace_s: float = passed_to(PodConfig, name="shutdown_grace_s", help=(
         "On stop, time each pod's in-flight calls get to finish (the launcher waits this + 10 s, then kills)."))
+    # The weights' format per role (each becomes that role's pods' --quantization): the phase split lets prefill and
+    # decode pods differ (docs/quantization.md).
+    prefill_quantization: str = passed_to(PrefillConfig, name="quantization", scope=Role.PREFILL, help=(
+        "Weight format of the prefill pods: none (float), gguf (the GGUF file's own blocks), int8, int4."))
+    decode_quantization: str = passed_to(DecodeConfig, name="quantization", scope=Role.DECODE, help=(
+        "Weight format of the decode pods (may differ from the prefill pods': the KV layout is what must match)."))
+    mixed_quantization: str = passed_to(DecodeConfig, name="quantization", scope=Role.MIXED, help=(
+        "Weight format of the mixed pods."))
     # Speculative decoding on the decode and mixed pods (DecodeConfig's defaults and help, passed as its flags).
     speculative_method: str = passed_to(DecodeConfig, name="speculative_method")
     num_speculative_tokens: int = passed_to(DecodeConfig, name="num_speculative_tokens")
@@ -140,9 +149,14 @@ class UpConfig:
             checked_cpu_set(name, getattr(self, name))
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        # A decode pod's own checks and its engine's (scheduler, speculation), so that a bad value fails here,
+        for role in POD_ROLES:
+            name = f"{role}_quantization"
+            if getattr(self, name) not in QUANTIZATIONS:
+                raise ValueError(f"{name} must be one of {', '.join(QUANTIZATIONS)}, got {getattr(self, name)!r}")
+        # Each role's pod checks and its engine's (scheduler, speculation), so that a bad value fails here,
         # naming its field, not in every pod.
-        DecodeConfig(**passed_values(self, DecodeConfig)).engine_config()
+        for role, pod_config in _POD_CONFIGS.items():
+            pod_config(**passed_values(self, pod_config, scope=role)).engine_config()
         self.tls.check()
 
     def cpu_sets(self) -> dict[Role, frozenset[int]]:
@@ -260,8 +274,8 @@ class Cluster:
     def _pod_flags(self, pod: PodPlan) -> list[str]:
         c = self.config
         flags = ["--host", c.host, "--port", str(pod.port), "--metrics-port", str(pod.metrics_port),
-                 "--advertise-address", self.address(pod), *passed_on(c, _POD_CONFIGS[pod.role]),
-                 *self._cpu_flags(pod.name)]
+                 "--advertise-address", self.address(pod),
+                 *passed_on(c, _POD_CONFIGS[pod.role], scope=pod.role), *self._cpu_flags(pod.name)]
         if pod.role is not Role.PREFILL:
             flags += ["--role", str(pod.role)]
         if pod.role is Role.DECODE and c.scheduling is Scheduling.HYBRID:

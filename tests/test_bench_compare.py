@@ -219,6 +219,16 @@ def test_quick_and_full_defaults_differ_only_where_asked():
     assert (quick.budgets, quick.topologies) == ([256], ["disaggregated", "colocated"])
 
 
+def test_topologies_can_run_quantized_decode_pods_and_a_bad_format_is_refused_at_once():
+    config = command("--decode-quantization", "gguf").compare_config()
+    for topology in config.plan():
+        up = compare.up_config(topology, config)
+        assert (up.prefill_quantization, up.decode_quantization, up.mixed_quantization) == ("none", "gguf", "none")
+        assert {name: getattr(up, name) for name in topology.fields} == topology.fields, topology.name
+    with pytest.raises(SystemExit):
+        command("--mixed-quantization", "q4_k")
+
+
 def test_the_command_line_hands_on_the_library_defaults_and_refuses_bad_values_at_once():
     config = command().compare_config()
     library = CompareConfig(serve=config.serve, rates=[1.0], reference_rate=1.0)

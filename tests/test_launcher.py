@@ -13,7 +13,7 @@ import pytest
 from decode_service.config import DecodeConfig
 from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
-from runtime.config import PASSED_TO, parse_config
+from runtime.config import PASSED_AS, PASSED_TO, parse_config
 from runtime.cpus import allowed_cpus, format_cpu_list
 from runtime.roles import Role
 from splitserve.cpu_plan import floating, format_plan, plan_cpus
@@ -106,12 +106,25 @@ def test_up_config_refuses_bad_sets_and_engine_settings_naming_the_field():
         DecodeConfig(speculative_method="draft").engine_config()
 
 
+def test_a_bad_weight_format_is_refused_naming_the_role_field_or_the_pod_flag():
+    for role in ("prefill", "decode", "mixed"):
+        with pytest.raises(ValueError, match=f"^{role}_quantization must be one of none, gguf, int8, int4, "
+                                             "got 'q4_k'$"):
+            UpConfig(**{f"{role}_quantization": "q4_k"})
+    with pytest.raises(SystemExit):
+        parse_config(UpConfig, ["--decode-quantization", "fp4"], env={})
+    for pod_config in (PrefillConfig, DecodeConfig):
+        with pytest.raises(ValueError, match="^quantization must be one of none, gguf, int8, int4, got 'fp4'$"):
+            pod_config(quantization="fp4")
+
+
 # ---- command lines --------------------------------------------------------------------------------------------------
 
 def test_every_pod_and_the_router_accept_the_flags_the_launcher_builds(tmp_path):
     config = UpConfig(model="tiny-random", prefill=1, decode=1, mixed=1, max_num_batched_tokens=256,
                       max_num_seqs=8, long_prefill_token_threshold=128, shutdown_grace_s=3.0,
-                      mixed_cpus=format_cpu_list(allowed_cpus()), kv_codec="int8", run_dir=str(tmp_path))
+                      mixed_cpus=format_cpu_list(allowed_cpus()), kv_codec="int8", run_dir=str(tmp_path),
+                      prefill_quantization="none", decode_quantization="gguf", mixed_quantization="int8")
     cluster = Cluster(config)
     by_role = {pod.role: pod for pod in cluster.pods}
     prefill = parse_config(PrefillConfig, cluster._pod_flags(by_role[P]), env={})
@@ -122,6 +135,8 @@ def test_every_pod_and_the_router_accept_the_flags_the_launcher_builds(tmp_path)
                 pod_config.long_prefill_token_threshold, pod_config.shutdown_grace_s) == (
             "tiny-random", 256, 8, 128, 3.0)
     assert (decode.role, mixed.role) == ("decode", "mixed")
+    # Each role's pods get their own weight format, as the one --quantization flag of their config.
+    assert [c.engine_config().quantization for c in (prefill, decode, mixed)] == ["none", "gguf", "int8"]
     for pod_config, name in ((prefill, "prefill-0"), (decode, "decode-0"), (mixed, "mixed-0")):
         placement = cluster.cpu_plan[name]
         assert (pod_config.cpus, pod_config.num_threads) == (format_cpu_list(placement.cpus), placement.threads)
@@ -154,8 +169,8 @@ def test_fields_handed_on_are_the_fields_of_the_configs_they_reach():
     up_hints = typing.get_type_hints(UpConfig)
     for f in handed_on:
         for target in f.metadata[PASSED_TO]:
-            (own,) = [g for g in dataclasses.fields(target) if g.name == f.name]
-            assert up_hints[f.name] == typing.get_type_hints(target)[f.name], f.name
+            (own,) = [g for g in dataclasses.fields(target) if g.name == f.metadata[PASSED_AS]]
+            assert up_hints[f.name] == typing.get_type_hints(target)[own.name], f.name
             assert own.default == f.default, f.name
 
 

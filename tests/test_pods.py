@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +40,7 @@ from engine.block_manager import chained_block_hashes
 from kvtransfer.codecs import get_codec
 from kvtransfer.handshake import KVLayout
 from kvtransfer.link_codec import CodecQuality, LinkCodecChooser, QualityTable
+from kvtransfer.sender import KVTransferClient
 from kvtransfer.wire import encode_chunks
 from prefill_service.config import PrefillConfig
 from prefill_service.server import build_prefill_services
@@ -516,6 +519,28 @@ def test_handshake_mismatch_is_failed_precondition(pods):
     assert "codec: 'int4' is not accepted by the receiver" in error.details()
 
 
+def test_the_handshake_carries_both_weight_formats_which_may_differ(pods, caplog):
+    """The KV layout must match, the weights' formats need not: a prefill pod whose weights are int8 handshakes with
+    the float decode pod, each learns the other's format (and logs it), and each pod's load report says its own."""
+    caplog.set_level(logging.INFO, logger="kvtransfer.handshake")
+    layout = KVLayout.of_engine(pods.prefill_pod.engine)
+    assert layout.quantization == pods.load("prefill").quantization == pods.load("decode").quantization == "none"
+    int8_layout = dataclasses.replace(layout, quantization="int8")
+    assert int8_layout.compat_hash == layout.compat_hash and KVLayout.from_proto(int8_layout.to_proto()) == int8_layout
+    client = KVTransferClient(int8_layout)
+    try:
+        pods.thread.run(client.handshake(pods.decode_address, "none", timeout_s=10))
+    finally:
+        pods.thread.run(client.close())
+    notes = {re.match(r"(\w+ pod) \S+ keeps its weights as '(\w+)', this pod as '(\w+)'", record.getMessage())
+             for record in caplog.records}
+    assert {note.groups() for note in notes if note} == {("prefill pod", "int8", "none"),  # the decode pod's note
+                                                         ("decode pod", "none", "int8")}  # the prefill side's
+    response = pods.kv.Handshake(kv_transfer_pb2.HandshakeRequest(
+        layout=int8_layout.to_proto(), compat_hash=int8_layout.compat_hash, codec="none"), timeout=10)
+    assert KVLayout.from_proto(response.layout).quantization == "none"
+
+
 def test_a_full_decode_pod_answers_resource_exhausted_through_prefill(pods):
     for i in range(2):  # 150 tokens = 10 blocks each: 20 of 24 taken
         pods.run_prefill(f"hog-{i}", prompt_of(150, seed=9000 + i), GREEDY, lease_s=30)
@@ -689,7 +714,7 @@ def test_metrics_endpoint_serves_the_pod_series(pods):
     assert b'splitserve_num_requests_running{model_name="tiny-random",role="decode"}' in body
     path = pods.decode_pod.engine.compute_path.path  # native where the kernels build, else pytorch
     assert (f'splitserve_engine_info{{cache_dtype="float16",device="cpu",kernels="{path}",model_name="tiny-random",'
-            f'role="decode"}} 1.0').encode() in body
+            f'quantization="none",role="decode"}} 1.0').encode() in body
 
 
 # ---- kv_load_failure_policy: a push whose KV fails to load -------------------------------------------------------

@@ -379,6 +379,17 @@ def test_a_pod_that_dies_is_skipped_at_once_and_its_last_load_is_shown():
     run(scenario())
 
 
+def test_pods_shows_the_weight_format_each_pod_reports():
+    async def scenario():
+        async with running_cluster(num_prefill=1, num_decode=1) as env:
+            assert {pod["quantization"] for pod in env.router.pods()} == {None}  # the fake pods say none yet
+            env.prefill[0].report(quantization="none")
+            env.decode[0].report(quantization="gguf")
+            await eventually(lambda: [(pod["role"], pod["quantization"]) for pod in env.router.pods()] == [
+                ("decode", "gguf"), ("prefill", "none")], timeout_s=2.0)
+    run(scenario())
+
+
 def test_a_draining_pod_gets_no_new_requests_and_a_quiet_one_stays_routable():
     async def scenario():
         async with running_cluster(num_prefill=0, num_decode=2) as env:

@@ -17,11 +17,14 @@
 //    bfloat16 or float16 (CacheType), widened to float32 as it is loaded; ss_rope_and_cache writes it rounded.
 //  - ss_attention_input / ss_attention_output_and_mlp: a decoder layer's two halves around its attention (norm,
 //    QKV, rotary, cache write; output product, residual, norm, SwiGLU MLP, residual), built from ss_add_rms_norm,
-//    ss_linear, ss_rope_and_cache and ss_silu_mul.
+//    ss_linear (or ss_quant_linear, quant_kernels.cpp, for a weight in quantized blocks: every weight is passed
+//    with its WeightFormat), ss_rope_and_cache and ss_silu_mul.
 //  - ss_decode_layers: every layer of a decode-only step in one call.
 
 #include <immintrin.h>
 #include <math.h>
+
+#include "quant_kernels.h"
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -732,14 +735,15 @@ void ss_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter, 
 // The first half of a decoder layer for the step's tokens, up to its attention: h = RMSNorm(x);
 // qkv [T, (Hq + 2 Hkv) D] = h Wqkv^T (+ bias); q and k rotated in place; k and v written to the caches at slots.
 void ss_attention_input(const float* x, int64_t tokens, int64_t hidden, const float* norm_weight, float eps,
-                        const float* qkv_weight, const float* qkv_bias, float* qkv, const int64_t* positions,
+                        const void* qkv_weight, int qkv_format, const float* qkv_bias, float* qkv,
+                        const int64_t* positions,
                         const float* cos, const float* sin_signed, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, void* k_cache, void* v_cache, int cache_type, const int64_t* slot_mapping,
                         int threads) {
   std::unique_ptr<float[]> h(new float[tokens * hidden]);
   ss_add_rms_norm(const_cast<float*>(x), nullptr, norm_weight, eps, h.get(), tokens, hidden, threads);
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
-  ss_linear(h.get(), tokens, hidden, qkv_weight, width, hidden, qkv_bias, qkv, width, threads);
+  weight_product(h.get(), tokens, hidden, qkv_weight, qkv_format, width, hidden, qkv_bias, qkv, width, threads);
   ss_rope_and_cache(qkv, tokens, positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
                     cache_type, slot_mapping, threads);
 }
@@ -747,31 +751,38 @@ void ss_attention_input(const float* x, int64_t tokens, int64_t hidden, const fl
 // The second half of a decoder layer, from its attention's output attn [T, attn_width] on: x += attn Wo^T;
 // h = RMSNorm(x); x += down(silu(gate) * up) with [gate, up] = h Wgate_up^T. x: the residual stream [T, hidden].
 void ss_attention_output_and_mlp(float* x, int64_t tokens, int64_t hidden, const float* attn, int64_t attn_width,
-                                 const float* o_weight, const float* norm_weight, float eps,
-                                 const float* gate_up_weight, const float* down_weight, int64_t inter, int threads) {
+                                 const void* o_weight, int o_format, const float* norm_weight, float eps,
+                                 const void* gate_up_weight, int gate_up_format, const void* down_weight,
+                                 int down_format, int64_t inter, int threads) {
   std::unique_ptr<float[]> o(new float[tokens * hidden]), h(new float[tokens * hidden]);
   std::unique_ptr<float[]> gate_up(new float[tokens * 2 * inter]), act(new float[tokens * inter]);
-  ss_linear(attn, tokens, attn_width, o_weight, hidden, attn_width, nullptr, o.get(), hidden, threads);
+  weight_product(attn, tokens, attn_width, o_weight, o_format, hidden, attn_width, nullptr, o.get(), hidden, threads);
   ss_add_rms_norm(x, o.get(), norm_weight, eps, h.get(), tokens, hidden, threads);
-  ss_linear(h.get(), tokens, hidden, gate_up_weight, 2 * inter, hidden, nullptr, gate_up.get(), 2 * inter, threads);
+  weight_product(h.get(), tokens, hidden, gate_up_weight, gate_up_format, 2 * inter, hidden, nullptr, gate_up.get(),
+                 2 * inter, threads);
   ss_silu_mul(gate_up.get(), act.get(), tokens, inter, threads);
-  ss_linear(act.get(), tokens, inter, down_weight, hidden, inter, nullptr, o.get(), hidden, threads);
+  weight_product(act.get(), tokens, inter, down_weight, down_format, hidden, inter, nullptr, o.get(), hidden, threads);
   const int64_t n = tokens * hidden;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n >= (1 << 16))
   for (int64_t i = 0; i < n; ++i) x[i] += o[i];
 }
 
-// One decoder layer's weights (packed linear weights, norm weights, optional QKV bias) and its KV caches.
+// One decoder layer's weights (packed linear weights, norm weights, optional QKV bias), its KV caches, and the
+// WeightFormat of each linear weight.
 struct DecodeLayer {
   const float* input_norm;
-  const float* qkv;
+  const void* qkv;
   const float* qkv_bias;
-  const float* o;
+  const void* o;
   const float* post_attn_norm;
-  const float* gate_up;
-  const float* down;
+  const void* gate_up;
+  const void* down;
   void* k_cache;  // elements of the step's cache type
   void* v_cache;
+  int64_t qkv_format;
+  int64_t o_format;
+  int64_t gate_up_format;
+  int64_t down_format;
 };
 
 // A whole decode step's layers: one new token per sequence (token b is sequence b), every layer run as
@@ -789,14 +800,15 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
   std::unique_ptr<float[]> attn(new float[batch * q_width]);
   for (int64_t l = 0; l < num_layers; ++l) {
     const DecodeLayer& w = layers[l];
-    ss_attention_input(x, batch, hidden, w.input_norm, eps, w.qkv, w.qkv_bias, qkv.get(), positions, cos,
-                       sin_signed, num_heads, num_kv_heads, head_dim, w.k_cache, w.v_cache, cache_type, slot_mapping,
-                       threads);
+    ss_attention_input(x, batch, hidden, w.input_norm, eps, w.qkv, static_cast<int>(w.qkv_format), w.qkv_bias,
+                       qkv.get(), positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, w.k_cache, w.v_cache,
+                       cache_type, slot_mapping, threads);
     for (int64_t b = 0; b < batch; ++b) memcpy(q.get() + b * q_width, qkv.get() + b * width, sizeof(float) * q_width);
     ss_paged_decode_attention(q.get(), w.k_cache, w.v_cache, cache_type, block_tables, table_stride, seq_lens, batch,
                               num_heads, num_kv_heads, head_dim, block_size, scale, attn.get(), threads);
-    ss_attention_output_and_mlp(x, batch, hidden, attn.get(), q_width, w.o, w.post_attn_norm, eps, w.gate_up,
-                                w.down, inter, threads);
+    ss_attention_output_and_mlp(x, batch, hidden, attn.get(), q_width, w.o, static_cast<int>(w.o_format),
+                                w.post_attn_norm, eps, w.gate_up, static_cast<int>(w.gate_up_format), w.down,
+                                static_cast<int>(w.down_format), inter, threads);
   }
 }
 
@@ -806,7 +818,7 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
 
 namespace {
 
-constexpr int kAbiVersion = 1;  // ABI_VERSION in engine/cpu_kernels.py: bump both when an entry point changes
+constexpr int kAbiVersion = 2;  // ABI_VERSION in engine/cpu_kernels.py: bump both when an entry point changes
 
 // An argument's type as one letter (_TYPE_CODES in engine/cpu_kernels.py): p pointer, q int64, i int, f float.
 template <typename T>
@@ -849,6 +861,8 @@ struct AbiEntry {  // _AbiEntry in engine/cpu_kernels.py
 static const AbiEntry kAbiTable[] = {
     SS_ABI_ENTRY(ss_vector_bits),
     SS_ABI_ENTRY(ss_linear),
+    SS_ABI_ENTRY(ss_quant_linear),
+    SS_ABI_ENTRY(ss_quant_rows),
     SS_ABI_ENTRY(ss_paged_decode_attention),
     SS_ABI_ENTRY(ss_prefill_attention),
     SS_ABI_ENTRY(ss_attention_input),

@@ -223,6 +223,19 @@ def test_rendered_command_lines_parse_into_working_configs(chart, case):
             assert mount["mountPath"] == "/models" and mount["readOnly"]
 
 
+def test_each_component_gets_its_own_weight_format(chart):
+    """Prefill on float weights, decode on the GGUF file's blocks, mixed on int8: each Deployment's command line
+    gives its pods their own --quantization (and the defaults give every pod none)."""
+    values = {"prefill": {"config": {"quantization": "none"}}, "decode": {"config": {"quantization": "gguf"}},
+              "mixed": {"enabled": True, "config": {"quantization": "int8"}}}
+    formats = {component: parsed_config(deployment).engine_config().quantization
+               for component, deployment in containers_by_component(objects(chart, values)).items()
+               if component != "router"}
+    assert formats == {"prefill": "none", "decode": "gguf", "mixed": "int8"}
+    defaults = containers_by_component(objects(chart, {"mixed": {"enabled": True}}))
+    assert {parsed_config(defaults[c]).quantization for c in ("prefill", "decode", "mixed")} == {"none"}
+
+
 def test_probes_are_native_grpc_on_the_serving_port_and_grpcurl_under_tls(chart):
     plain = containers_by_component(objects(chart, {}))
     for component in ("prefill", "decode"):
@@ -321,6 +334,7 @@ BAD_VALUES = {
     "negative replicas": {"decode": {"replicas": -1}},
     "unknown codec": {"router": {"config": {"kvCodec": "gzip"}}},
     "unknown codec in a list": {"decode": {"config": {"acceptedKvCodecs": ["int8", "lz4"]}}},
+    "unknown weight format": {"decode": {"config": {"quantization": "q4_k_m"}}},
     "unknown policy": {"router": {"config": {"policy": "random"}}},
     "port out of range": {"router": {"service": {"grpcPort": 70000}}},
     "metrics port zero": {"prefill": {"ports": {"metrics": 0}}},
