@@ -150,7 +150,8 @@ class CpuKernels:
         (``weight_format``, one of ``QUANTIZED_FORMATS``)."""
         rows, in_features = x.shape
         _check(x.stride(1) == 1 and x.dtype == torch.float32
-               and _is_weight(packed, weight_format, out_features, in_features), "quant_linear: x does not match the weight")
+               and _is_weight(packed, weight_format, out_features, in_features),
+               "quant_linear: x does not match the weight")
         y = torch.empty(rows, out_features, dtype=torch.float32)
         self._lib.ss_quant_linear(
             x.data_ptr(), rows, x.stride(0), packed.data_ptr(), WEIGHT_FORMATS[weight_format], out_features,
@@ -234,7 +235,8 @@ class CpuKernels:
         _check_caches(k_cache, v_cache, "attention_input")
         qkv = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.ss_attention_input(
-            x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(), WEIGHT_FORMATS[qkv_format],
+            x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
+            WEIGHT_FORMATS[qkv_format],
             None if qkv_bias is None else qkv_bias.data_ptr(), qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(),
             sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
             CACHE_TYPES[k_cache.dtype], slot_mapping.data_ptr(), torch.get_num_threads(),

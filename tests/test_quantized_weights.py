@@ -22,7 +22,7 @@ from engine.hf_checkpoint import fuse_hf_state_dict
 from engine.kv_cache import PagedKVCache
 from engine.model import Linear, LlamaForCausalLM
 from engine.quantized_weights import BlockQuantized, pack_panels, quantize_int4, quantize_int8, quantize_state_dict
-from tests.test_model_reference import VARIANTS, _hf_model, _our_config
+from tests.test_model_reference import _hf_model, _our_config
 from tests.test_weights import tiny_llama, tiny_qwen2, write_gguf
 
 FORMATS = ("q4_0", "q4_1", "q8_0")
