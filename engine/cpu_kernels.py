@@ -6,6 +6,10 @@ Decode on a CPU is a stream of weight reads, and MKL's few-row products read wei
 x 16 outputs with AVX2, 12 rows x 32 outputs with AVX-512); and they attend a decode step's queries over K/V read
 in place through the block tables instead of gathering a copy.
 
+Weights kept in quantized blocks (``quantization``: docs/quantization.md) are panels of GGUF blocks instead
+(``WEIGHT_FORMATS``, packed by engine/quantized_weights.py), dequantized in registers by ``csrc/quant_kernels.cpp``
+with the float32 path's arithmetic; every product entry point takes a weight with its format.
+
 ``load()`` finds or builds the library (engine/cpu_kernels_build.py) and opens it, once per process; it says
 which path the model's layers take (``KernelChoice``: the native kernels, or PyTorch ops and why), logging the
 reason when it is PyTorch: not x86-64 with AVX2, FMA and F16C, no compiler, no writable cache directory, a failed
