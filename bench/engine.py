@@ -12,8 +12,8 @@ Prints, for the chosen model (SmolLM2-135M-Instruct by default):
 and the ratios the targets are stated in, per cache dtype. Figures vary with the machine's load: run it on a quiet
 machine; the README holds measured figures. transformers keeps its own float32 cache throughout.
 
-With ``--quantizations none,gguf,int8,int4`` it compares the weight formats instead (docs/quantization.md), every
-format loaded at once and measured in interleaved rounds, at each of ``--threads``: decode ms per step at the batch
+With ``--quantizations none,gguf,int8,int4`` it compares the weight formats instead (docs/quantization.md), one
+engine at a time, at each of ``--threads``: decode ms per step at the batch
 sizes of ``DECODE_BATCHES`` against each format's own floor (its weights' bytes + K/V over the read bandwidth),
 prefill tokens/s at ``QUANT_PROMPT_LENS``, the weights' resident bytes, and perplexity on the codec benchmark's
 text (GPL-3) against float32's.
@@ -21,6 +21,7 @@ text (GPL-3) against float32's.
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -184,48 +185,47 @@ def perplexity(llm: LLM, tokens: list[int], windows: int) -> float:
 
 def run_quantizations(model: str, quantizations: tuple[str, ...], threads: tuple[int, ...], steps: int,
                       repeat: int, rounds: int, windows: int, log=print) -> dict:
-    """Every weight format side by side (module docstring): loaded together, measured in interleaved rounds."""
+    """Every weight format in turn, one engine at a time (four at once do not fit a small machine's memory beside
+    its other work), each measured over ``rounds`` rounds per thread count (module docstring)."""
     from bench.codecs import reference_tokens  # the codec benchmark's perplexity text
 
     peaks = measure_machine(log)
-    # Room for every decode batch's sequences (context + steps) and the longest prefill, float16 K/V.
-    llms = {}
-    for q in quantizations:
-        log(f"loading {model} with quantization {q} ...")
-        llms[q] = engine_for(model, "float16", q, kv_bytes=768 << 20)
-    cfg = next(iter(llms.values())).engine.model_config
-    elem_bytes = next(iter(llms.values())).engine.runner.kv_cache.element_size
-    text = reference_tokens(next(iter(llms.values())).tokenizer)
-    lens = tuple(n for n in QUANT_PROMPT_LENS if n < cfg.max_position_embeddings)  # prompts the model takes
     results: dict = {"model": model, "machine": peaks.__dict__, "rounds": rounds, "formats": {}}
-    for q, llm in llms.items():
-        log(f"perplexity of {q} over {windows} windows of {PERPLEXITY_WINDOW} tokens ...")
-        results["formats"][q] = {"weight_bytes": weight_bytes_of(llm), "perplexity": perplexity(llm, text, windows),
-                                 "threads": {}}
     saved_threads = torch.get_num_threads()
     try:
-        for t in threads:
-            torch.set_num_threads(t)
-            prefill = {q: {n: 0.0 for n in lens} for q in llms}
-            best = {q: {b: (float("inf"), 0.0) for b in DECODE_BATCHES} for q in llms}
-            for r in range(rounds):
-                read_gbps = read_bandwidth()
-                for q, llm in llms.items():
-                    log(f"{t} thread(s), round {r + 1}/{rounds} (read {read_gbps:.1f} GB/s): {q} ...")
+        for q in quantizations:
+            log(f"loading {model} with quantization {q} ...")
+            # Room for every decode batch's sequences (context + steps) and the longest prefill, float16 K/V.
+            llm = engine_for(model, "float16", q, kv_bytes=512 << 20)
+            cfg = llm.engine.model_config
+            elem_bytes = llm.engine.runner.kv_cache.element_size
+            lens = tuple(n for n in QUANT_PROMPT_LENS if n < cfg.max_position_embeddings)  # prompts it takes
+            weights = weight_bytes_of(llm)
+            log(f"perplexity of {q} over {windows} windows of {PERPLEXITY_WINDOW} tokens ...")
+            result = results["formats"][q] = {
+                "weight_bytes": weights, "perplexity": perplexity(llm, reference_tokens(llm.tokenizer), windows),
+                "threads": {}}
+            for t in threads:
+                torch.set_num_threads(t)
+                prefill = {n: 0.0 for n in lens}
+                best = {b: (float("inf"), 0.0) for b in DECODE_BATCHES}
+                for r in range(rounds):
+                    read_gbps = read_bandwidth()
+                    log(f"{q}, {t} thread(s), round {r + 1}/{rounds} (read {read_gbps:.1f} GB/s) ...")
                     for n in lens:
                         salt = 1 + r + rounds * threads.index(t)  # fresh prompts every round (no prefix hits)
-                        prefill[q][n] = max(prefill[q][n], ours_prefill(llm, n, repeat, salt))
+                        prefill[n] = max(prefill[n], ours_prefill(llm, n, repeat, salt))
                     for b in DECODE_BATCHES:
-                        seconds = ours_decode(llm, b, DECODE_CONTEXT, steps, tag=f"{q}-{t}-{r}-")
-                        best[q][b] = min(best[q][b], (seconds, read_gbps))
-            for q in llms:
-                weights = results["formats"][q]["weight_bytes"]
-                results["formats"][q]["threads"][t] = {
-                    "prefill_tok_s": prefill[q],
+                        best[b] = min(best[b], (ours_decode(llm, b, DECODE_CONTEXT, steps, tag=f"{t}-{r}-"),
+                                                read_gbps))
+                result["threads"][t] = {
+                    "prefill_tok_s": prefill,
                     "decode": {b: {"ms": s * 1e3, "read_gbps": g,
                                    "floor_ms": decode_bytes(cfg, weights, b, DECODE_CONTEXT, elem_bytes) / g / 1e6}
-                               for b, (s, g) in best[q].items()},
+                               for b, (s, g) in best.items()},
                 }
+            del llm
+            gc.collect()
     finally:
         torch.set_num_threads(saved_threads)
     return results
@@ -234,7 +234,7 @@ def run_quantizations(model: str, quantizations: tuple[str, ...], threads: tuple
 def report_quantizations(results: dict, log=print) -> None:
     formats = results["formats"]
     base = formats.get("none")
-    log(f"\n== weight formats ({results['model']}; best of {results['rounds']} interleaved rounds) ==")
+    log(f"\n== weight formats ({results['model']}; best of {results['rounds']} rounds per format) ==")
     log(f"{'format':>7} {'weights MB':>11} {'vs none':>8} {'perplexity':>11} {'vs none':>8}")
     for q, f in formats.items():
         mem = f"{f['weight_bytes'] / base['weight_bytes']:.2f}x" if base else "-"
