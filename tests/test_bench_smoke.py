@@ -92,7 +92,8 @@ def test_engine_bench_compares_weight_formats_side_by_side(tmp_path, capsys):
         assert f["perplexity"] > 1
         decode = f["threads"]["1"]["decode"]
         assert [int(b) for b in decode] == list(engine_bench.DECODE_BATCHES)
-        assert all(0 < d["floor_ms"] < d["ms"] for d in decode.values())
+        # The tiny model's weights sit in the caches, so its steps may beat a floor computed from DRAM's bandwidth.
+        assert all(d["floor_ms"] > 0 and d["ms"] > 0 for d in decode.values())
         assert list(f["threads"]["1"]["prefill_tok_s"]) == ["512"]  # 2048 is past tiny-random's context
     printed = capsys.readouterr().out
     assert "== weight formats" in printed and "int4: batch-1" in printed
