@@ -14,10 +14,11 @@
 // These are GGUF's blocks, the same scales and quants, in another order: the weights are exactly the file's.
 //
 // Every weight is dequantized exactly as the float32 path dequantizes the file (gguf's numpy code: d * q, exact in
-// float32 for a float16 scale and a quant of at most 8 bits, then + m, rounded), and every output sums its products in order of the inputs, one fused multiply-add each, then
-// adds its bias: ss_linear's arithmetic on the float32 path's weights. So a product over quantized blocks gives the
-// float32 path's bits, whatever the row count and the ISA: "gguf" answers as "none" does, token for token, and a
-// row gets the same bits alone, in a batch, in a speculative verification or in a prefill.
+// float32 for a float16 scale and a quant of at most 8 bits, then + m, rounded), and every output sums its products
+// in order of the inputs, one fused multiply-add each, then adds its bias: ss_linear's arithmetic on the float32
+// path's weights. So a product over quantized blocks gives the float32 path's bits, whatever the row count and the
+// ISA: "gguf" answers as "none" does, token for token, and a row gets the same bits alone, in a batch, in a
+// speculative verification or in a prefill.
 //
 // Few rows (decode, speculative verification; rows < kDequantRows) are computed in registers: a block's quants
 // become 16 outputs' weights in a few instructions (a shift, and a permutation that looks the nibble up in a
