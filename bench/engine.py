@@ -11,10 +11,17 @@ Prints, for the chosen model (SmolLM2-135M-Instruct by default):
     of the round the step time comes from);
 and the ratios the targets are stated in, per cache dtype. Figures vary with the machine's load: run it on a quiet
 machine; the README holds measured figures. transformers keeps its own float32 cache throughout.
+
+With ``--quantizations none,gguf,int8,int4`` it compares the weight formats instead (docs/quantization.md), one
+engine at a time, at each of ``--threads``: decode ms per step at the batch
+sizes of ``DECODE_BATCHES`` against each format's own floor (its weights' bytes + K/V over the read bandwidth),
+prefill tokens/s at ``QUANT_PROMPT_LENS``, the weights' resident bytes, and perplexity on the codec benchmark's
+text (GPL-3) against float32's.
 """
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -24,11 +31,15 @@ import torch
 from bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from bench.step_cost import decode_bytes, prefill_flops
 from engine import LLM, SamplingParams
-from engine.config import CACHE_DTYPES, DEFAULT_MODEL
+from engine.attention import AttentionMetadata
+from engine.config import CACHE_DTYPES, DEFAULT_MODEL, QUANTIZATIONS
 from engine.hf_checkpoint import export_hf_checkpoint
+from engine.kv_cache import PagedKVCache
 from runtime.config import described, parse_config
 
 PROMPT_LENS = (512, 1024)
+QUANT_PROMPT_LENS = (512, 2048)
+PERPLEXITY_WINDOW = 512  # tokens per perplexity window (each scores its 511 next-token predictions)
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXT = 512
 
@@ -66,14 +77,16 @@ def _time(fn, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def ours_prefill(llm: LLM, prompt_len: int, repeat: int) -> float:
+def ours_prefill(llm: LLM, prompt_len: int, repeat: int, salt: int = 0) -> float:
+    """Prefill tokens/s of fresh prompts of ``prompt_len`` tokens, best of ``repeat`` (after one warm-up); calls
+    on one engine with the same length need distinct ``salt`` values, or their prompts would be cached."""
     greedy1 = SamplingParams(temperature=0, max_tokens=1)
     vocab = llm.engine.model_config.vocab_size
     times = []
     for r in range(repeat + 1):
         # A seed per (length, repeat): prompts of one seed share their first tokens, which the prefix cache would
         # serve instead of computing them.
-        seed = prompt_len * (repeat + 1) + r
+        seed = (salt * 100_003 + prompt_len) * (repeat + 1) + r
         prompt = torch.randint(100, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
         start = time.perf_counter()
         out = llm.generate(prompt, greedy1)[0]
@@ -139,11 +152,119 @@ def hf_decode(model, batch: int, context: int, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def engine_for(model: str, cache_dtype: str) -> LLM:
+def engine_for(model: str, cache_dtype: str, quantization: str = "none", kv_bytes: int = 4 << 30) -> LLM:
     # Prefix caching lets the decode rounds reuse their prompts' KV; the prefill prompts never repeat, so their
     # figures are whole prefills.
     return LLM(model=model, max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=2048,
-               kv_cache_memory_bytes=4 << 30, cache_dtype=cache_dtype)
+               kv_cache_memory_bytes=kv_bytes, cache_dtype=cache_dtype, quantization=quantization)
+
+
+def weight_bytes_of(llm: LLM) -> int:
+    """The bytes the model's parameters hold (what a decode step streams): packed floats or quantized blocks."""
+    return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+
+
+@torch.inference_mode()
+def perplexity(llm: LLM, tokens: list[int], windows: int) -> float:
+    """exp(mean next-token NLL) over ``windows`` consecutive windows of ``PERPLEXITY_WINDOW`` tokens, each prefilled
+    alone into a float32 cache of its own (the weights' format is the only difference between engines)."""
+    model, block_size = llm.engine.runner.model, 16
+    blocks = -(-PERPLEXITY_WINDOW // block_size)
+    cache = PagedKVCache(model.config, blocks, block_size, torch.float32)
+    nll, count = 0.0, 0
+    for w in range(windows):
+        ids = torch.tensor(tokens[w * PERPLEXITY_WINDOW:(w + 1) * PERPLEXITY_WINDOW])
+        if len(ids) < PERPLEXITY_WINDOW:
+            raise SystemExit(f"the perplexity text has {len(tokens)} tokens, fewer than {windows} windows")
+        meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], block_size)
+        logits = model.compute_logits(model(ids, torch.arange(len(ids)), cache, meta))  # [n, V]
+        nll += torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum").item()
+        count += len(ids) - 1
+    return float(torch.tensor(nll / count).exp())
+
+
+def run_quantizations(model: str, quantizations: tuple[str, ...], threads: tuple[int, ...], steps: int,
+                      repeat: int, rounds: int, windows: int, log=print) -> dict:
+    """Every weight format in turn, one engine at a time (four at once do not fit a small machine's memory beside
+    its other work), each measured over ``rounds`` rounds per thread count (module docstring)."""
+    from bench.codecs import reference_tokens  # the codec benchmark's perplexity text
+
+    peaks = measure_machine(log)
+    results: dict = {"model": model, "machine": peaks.__dict__, "rounds": rounds, "formats": {}}
+    saved_threads = torch.get_num_threads()
+    try:
+        for q in quantizations:
+            log(f"loading {model} with quantization {q} ...")
+            # Room for every decode batch's sequences (context + steps) and the longest prefill, float16 K/V.
+            llm = engine_for(model, "float16", q, kv_bytes=512 << 20)
+            cfg = llm.engine.model_config
+            elem_bytes = llm.engine.runner.kv_cache.element_size
+            lens = tuple(n for n in QUANT_PROMPT_LENS if n < cfg.max_position_embeddings)  # prompts it takes
+            weights = weight_bytes_of(llm)
+            log(f"perplexity of {q} over {windows} windows of {PERPLEXITY_WINDOW} tokens ...")
+            result = results["formats"][q] = {
+                "weight_bytes": weights, "perplexity": perplexity(llm, reference_tokens(llm.tokenizer), windows),
+                "threads": {}}
+            for t in threads:
+                torch.set_num_threads(t)
+                prefill = {n: 0.0 for n in lens}
+                best = {b: (float("inf"), 0.0) for b in DECODE_BATCHES}
+                for r in range(rounds):
+                    read_gbps = read_bandwidth()
+                    log(f"{q}, {t} thread(s), round {r + 1}/{rounds} (read {read_gbps:.1f} GB/s) ...")
+                    for n in lens:
+                        salt = 1 + r + rounds * threads.index(t)  # fresh prompts every round (no prefix hits)
+                        prefill[n] = max(prefill[n], ours_prefill(llm, n, repeat, salt))
+                    for b in DECODE_BATCHES:
+                        best[b] = min(best[b], (ours_decode(llm, b, DECODE_CONTEXT, steps, tag=f"{t}-{r}-"),
+                                                read_gbps))
+                result["threads"][t] = {
+                    "prefill_tok_s": prefill,
+                    "decode": {b: {"ms": s * 1e3, "read_gbps": g,
+                                   "floor_ms": decode_bytes(cfg, weights, b, DECODE_CONTEXT, elem_bytes) / g / 1e6}
+                               for b, (s, g) in best.items()},
+                }
+            del llm
+            gc.collect()
+    finally:
+        torch.set_num_threads(saved_threads)
+    return results
+
+
+def report_quantizations(results: dict, log=print) -> None:
+    formats = results["formats"]
+    base = formats.get("none")
+    log(f"\n== weight formats ({results['model']}; best of {results['rounds']} rounds per format) ==")
+    log(f"{'format':>7} {'weights MB':>11} {'vs none':>8} {'perplexity':>11} {'vs none':>8}")
+    for q, f in formats.items():
+        mem = f"{f['weight_bytes'] / base['weight_bytes']:.2f}x" if base else "-"
+        ppl = f"{f['perplexity'] / base['perplexity'] - 1:+.2%}" if base else "-"
+        log(f"{q:>7} {f['weight_bytes'] / 1e6:>11.1f} {mem:>8} {f['perplexity']:>11.3f} {ppl:>8}")
+    first = next(iter(formats.values()))["threads"]
+    lens = list(next(iter(first.values()))["prefill_tok_s"])
+    for t in first:
+        log(f"\n== {t} thread(s): decode ms per step (context {DECODE_CONTEXT}) and its floor, prefill tok/s ==")
+        log(f"{'format':>7} " + " ".join(f"{'b' + str(b) + ' ms':>9} {'floor':>6} {'x':>5}" for b in DECODE_BATCHES)
+            + " " + " ".join(f"{'pf' + str(n):>8}" for n in lens))
+        for q, f in formats.items():
+            run_t = f["threads"][t]
+            cells = [f"{d['ms']:>9.2f} {d['floor_ms']:>6.2f} {d['ms'] / d['floor_ms']:>5.2f}"
+                     for d in run_t["decode"].values()]
+            log(f"{q:>7} " + " ".join(cells) + " " + " ".join(f"{v:>8.0f}" for v in run_t["prefill_tok_s"].values()))
+        if base:
+            none_t = base["threads"][t]
+            big = max(DECODE_BATCHES)
+            for q, f in formats.items():
+                if q == "none":
+                    continue
+                run_t = f["threads"][t]
+                one, many = run_t["decode"][1], run_t["decode"][big]
+                log(f"{q}: batch-1 {one['ms'] / one['floor_ms']:.2f}x its floor (target <= 1.5x); batch-{big} "
+                    f"throughput {none_t['decode'][big]['ms'] / many['ms']:.2f}x float32's (target >= 1); prefill "
+                    + ", ".join(
+                        f"{n}: {run_t['prefill_tok_s'][n] / none_t['prefill_tok_s'][n]:.0%}" for n in lens)
+                    + " of float32's (target >= 90%)")
+    log("(floor: the format's weight bytes + K/V bytes / the read bandwidth measured at the start of that round)")
 
 
 def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("float16", "float32"), rounds: int = 3,
@@ -152,7 +273,7 @@ def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("f
     log(f"loading {model} (KV cache {cache_dtypes[0]}) ...")
     llm = engine_for(model, cache_dtypes[0])
     cfg = llm.engine.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weight_bytes = weight_bytes_of(llm)
     kernels = llm.engine.runner.model.kernels
     log(f"native CPU kernels: {kernels.isa if kernels else 'off (PyTorch path)'}")
     results: dict = {"model": model, "machine": peaks.__dict__, "kernels": kernels.isa if kernels else None,
@@ -268,10 +389,19 @@ class EngineBenchConfig(FiguresOutput):
         "Our engine's KV cache dtypes for the decode figures; the first also runs the prefill (transformers keeps "
         "float32)."))
     rounds: int = field(default=3, metadata=described("Interleaved decode rounds (best is kept)."))
+    quantizations: list[str] = field(default_factory=list, metadata=described(
+        "Weight formats to compare side by side instead of the comparison with transformers, e.g. "
+        "none,gguf,int8,int4: decode against each format's floor, prefill, weight bytes, perplexity."))
+    threads: list[int] = field(default_factory=lambda: [1, 2], metadata=described(
+        "Thread counts the weight formats are compared at (with --quantizations)."))
+    perplexity_windows: int = field(default=4, metadata=described(
+        "Windows of 512 tokens of GPL-3's text the perplexity of each format is measured on."))
 
     def __post_init__(self) -> None:
-        if min(self.steps, self.repeat, self.rounds) < 1:
-            raise ValueError("steps, repeat and rounds must be >= 1")
+        if min(self.steps, self.repeat, self.rounds, self.perplexity_windows, *self.threads) < 1:
+            raise ValueError("steps, repeat, rounds, perplexity_windows and threads must be >= 1")
+        if not set(self.quantizations) <= set(QUANTIZATIONS):
+            raise ValueError(f"quantizations must be among {', '.join(QUANTIZATIONS)}, got {self.quantizations}")
         if not self.cache_dtypes or not set(self.cache_dtypes) <= set(CACHE_DTYPES):
             raise ValueError(f"cache_dtypes must be among {', '.join(CACHE_DTYPES)}, got {self.cache_dtypes}")
 
@@ -279,6 +409,12 @@ class EngineBenchConfig(FiguresOutput):
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(EngineBenchConfig, argv, prog="splitserve bench engine")
     torch.manual_seed(0)
+    if config.quantizations:
+        results = run_quantizations(config.model, tuple(config.quantizations), tuple(config.threads), config.steps,
+                                    config.repeat, config.rounds, config.perplexity_windows)
+        report_quantizations(results)
+        save_results(results, config.json)
+        return
     results = run(config.model, config.steps, config.repeat, tuple(config.cache_dtypes), config.rounds)
     report(results)
     save_results(results, config.json, config.plot, plot)

@@ -6,6 +6,10 @@ Decode on a CPU is a stream of weight reads, and MKL's few-row products read wei
 x 16 outputs with AVX2, 12 rows x 32 outputs with AVX-512); and they attend a decode step's queries over K/V read
 in place through the block tables instead of gathering a copy.
 
+Weights kept in quantized blocks (``quantization``: docs/quantization.md) are panels of GGUF blocks instead
+(``WEIGHT_FORMATS``, packed by engine/quantized_weights.py), dequantized in registers by ``csrc/quant_kernels.cpp``
+with the float32 path's arithmetic; every product entry point takes a weight with its format.
+
 ``load()`` finds or builds the library (engine/cpu_kernels_build.py) and opens it, once per process; it says
 which path the model's layers take (``KernelChoice``: the native kernels, or PyTorch ops and why), logging the
 reason when it is PyTorch: not x86-64 with AVX2, FMA and F16C, no compiler, no writable cache directory, a failed
@@ -150,7 +154,8 @@ class CpuKernels:
         (``weight_format``, one of ``QUANTIZED_FORMATS``)."""
         rows, in_features = x.shape
         _check(x.stride(1) == 1 and x.dtype == torch.float32
-               and _is_weight(packed, weight_format, out_features, in_features), "quant_linear: x does not match the weight")
+               and _is_weight(packed, weight_format, out_features, in_features),
+               "quant_linear: x does not match the weight")
         y = torch.empty(rows, out_features, dtype=torch.float32)
         self._lib.ss_quant_linear(
             x.data_ptr(), rows, x.stride(0), packed.data_ptr(), WEIGHT_FORMATS[weight_format], out_features,
@@ -234,7 +239,8 @@ class CpuKernels:
         _check_caches(k_cache, v_cache, "attention_input")
         qkv = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.ss_attention_input(
-            x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(), WEIGHT_FORMATS[qkv_format],
+            x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
+            WEIGHT_FORMATS[qkv_format],
             None if qkv_bias is None else qkv_bias.data_ptr(), qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(),
             sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
             CACHE_TYPES[k_cache.dtype], slot_mapping.data_ptr(), torch.get_num_threads(),

@@ -2,7 +2,8 @@
 
     splitserve build-kernels      (``splitserve/cli.py``; ``scripts/bootstrap.sh`` runs it)
 
-compiles the sources (``SOURCES``, with their header) into one library with ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into the cache directory, as
+compiles the sources (``SOURCES``, with their header) into one library with ``$CXX`` (default ``g++``)
+``-O3 -march=native -fopenmp`` into the cache directory, as
 ``cpu_kernels-<key>.so``, the key hashing the sources, the flags, the compiler's version and the CPU's flags. A
 process that finds no library there builds it at first use, as a fallback (``engine/cpu_kernels.py``). So that
 pods starting together compile once, a build holds a file lock next to its target and looks again for the library
@@ -127,7 +128,8 @@ def _build(compiler: str, flags: list[str], target: Path) -> Path:
 
 def _key(compiler: str, flags: list[str]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(flags).encode(), version.encode(), " ".join(sorted(_cpu_flags())).encode()]
+    parts = [*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(flags).encode(), version.encode(),
+             " ".join(sorted(_cpu_flags())).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

@@ -92,3 +92,22 @@ def test_engine_bench_measures_ours_and_transformers_side_by_side(tmp_path, caps
     printed = capsys.readouterr().out
     assert "== targets (KV cache float16) ==" in printed and "== targets (KV cache float32) ==" in printed
     assert png.stat().st_size > 0
+
+
+def test_engine_bench_compares_weight_formats_side_by_side(tmp_path, capsys):
+    out = tmp_path / "formats.json"
+    engine_bench.main(["--model", "tiny-random", "--quantizations", "none,int8,int4", "--threads", "1", "--steps", "2",
+                       "--repeat", "1", "--rounds", "1", "--perplexity-windows", "1", "--json", str(out)])
+    results = json.loads(out.read_text())
+    formats = results["formats"]
+    assert list(formats) == ["none", "int8", "int4"]
+    assert formats["int4"]["weight_bytes"] < formats["int8"]["weight_bytes"] < formats["none"]["weight_bytes"]
+    for f in formats.values():
+        assert f["perplexity"] > 1
+        decode = f["threads"]["1"]["decode"]
+        assert [int(b) for b in decode] == list(engine_bench.DECODE_BATCHES)
+        # The tiny model's weights sit in the caches, so its steps may beat a floor computed from DRAM's bandwidth.
+        assert all(d["floor_ms"] > 0 and d["ms"] > 0 for d in decode.values())
+        assert list(f["threads"]["1"]["prefill_tok_s"]) == ["512"]  # 2048 is past tiny-random's context
+    printed = capsys.readouterr().out
+    assert "== weight formats" in printed and "int4: batch-1" in printed

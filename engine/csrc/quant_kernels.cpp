@@ -13,11 +13,12 @@
 //   - Q8_0: 32 rows of 16 signed bytes, row k holding the 16 outputs' quants for input k (weight d q).
 // These are GGUF's blocks, the same scales and quants, in another order: the weights are exactly the file's.
 //
-// Every weight is dequantized exactly as the float32 path dequantizes the file (gguf's numpy code: d * q rounded,
-// then + m rounded), and every output sums its products in order of the inputs, one fused multiply-add each, then
-// adds its bias: ss_linear's arithmetic on the float32 path's weights. So a product over quantized blocks gives the
-// float32 path's bits, whatever the row count and the ISA: "gguf" answers as "none" does, token for token, and a
-// row gets the same bits alone, in a batch, in a speculative verification or in a prefill.
+// Every weight is dequantized exactly as the float32 path dequantizes the file (gguf's numpy code: d * q, exact in
+// float32 for a float16 scale and a quant of at most 8 bits, then + m, rounded), and every output sums its products
+// in order of the inputs, one fused multiply-add each, then adds its bias: ss_linear's arithmetic on the float32
+// path's weights. So a product over quantized blocks gives the float32 path's bits, whatever the row count and the
+// ISA: "gguf" answers as "none" does, token for token, and a row gets the same bits alone, in a batch, in a
+// speculative verification or in a prefill.
 //
 // Few rows (decode, speculative verification; rows < kDequantRows) are computed in registers: a block's quants
 // become 16 outputs' weights in a few instructions (a shift, and a permutation that looks the nibble up in a
@@ -156,13 +157,11 @@ inline V16 q8(const uint8_t* p) {
 
 // Rows [0, R) of x (stride ldx) times NP consecutive panels (panel j at panels + j * panel_bytes) of nb blocks each
 // -> y rows (stride ldy), the last panel keeping `valid_last` outputs; bias: nullptr or the panels' (padded)
-// values. Each weight is dequantized in registers as dequantize_panel rounds it (no contraction into a fused
-// multiply-add), and each output sums its products in order of the inputs: the bits of ss_linear. NP panels' sums
-// (R x NP chains) keep the multiply-add units busy.
+// values. Each weight is dequantized in registers as dequantize_panel does it, and each output sums its products in
+// order of the inputs: the bits of ss_linear. NP panels' sums (R x NP chains) keep the multiply-add units busy.
 template <int F, int R, int NP>
-__attribute__((optimize("fp-contract=off"))) void quant_tile(const float* x, int64_t ldx, const uint8_t* panels,
-                                                             int64_t panel_bytes, int64_t nb, const float* bias,
-                                                             float* y, int64_t ldy, int valid_last) {
+void quant_tile(const float* x, int64_t ldx, const uint8_t* panels, int64_t panel_bytes, int64_t nb,
+                const float* bias, float* y, int64_t ldy, int valid_last) {
   V16 acc[R][NP];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -236,10 +235,10 @@ constexpr std::array<std::array<QuantTileFn, kPanelGroup + 1>, sizeof...(R) + 1>
           tiles_of_rows<F, R + 1>(std::make_integer_sequence<int, kPanelGroup>())...};
 }
 
-// Panel p's weights as float32, [in, 16] (the float32 weights' panel layout): d * q, then + m for Q4_1, rounded
-// after each operation as the float32 path's dequantization (gguf's, in numpy) rounds them.
+// Panel p's weights as float32, [in, 16] (the float32 weights' panel layout): d * q (exact), then + m for Q4_1,
+// as the float32 path's dequantization (gguf's, in numpy) computes them.
 template <int F>
-__attribute__((optimize("fp-contract=off"))) void dequantize_panel(const uint8_t* panel, int64_t nb, float* out) {
+void dequantize_panel(const uint8_t* panel, int64_t nb, float* out) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = panel + b * Format<F>::kBytes;
     const uint8_t* quants = block + Format<F>::kHeader;
@@ -323,11 +322,10 @@ void with_format(int format, Fn&& f) {
   }
 }
 
-// Row o of a packed weight as float32 (the embedding lookup of a head tied to the embeddings), rounded as the
-// dequantization for many rows rounds it.
+// Row o of a packed weight as float32 (the embedding lookup of a head tied to the embeddings), as dequantize_panel
+// computes it.
 template <int F>
-__attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* packed, int64_t in, int64_t o,
-                                                                 float* y) {
+void dequantize_row(const uint8_t* packed, int64_t in, int64_t o, float* y) {
   const int64_t nb = in / kBlock;
   const uint8_t* panel = packed + (o / kQPanel) * nb * Format<F>::kBytes;
   const int lane = static_cast<int>(o % kQPanel);
