@@ -73,6 +73,7 @@ RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; dur
     "block_size": {"enum": [2 ** k for k in range(11)]},  # a power of two
     "max_queue_time_s": {"minimum": 0},  # 0: never refuse for queue time
     "inject_corrupt_chunks": {"minimum": 0, "maximum": 1},  # a probability
+    "kv_min_agreement": {"minimum": 0, "maximum": 1},  # a share of tokens
     "max_num_batched_tokens": {"minimum": 1},
     "max_num_seqs": {"minimum": 1},
     "max_chunk_bytes": {"minimum": 1},

@@ -147,7 +147,7 @@ def test_every_config_key_reaches_its_flag(chart, component):
     the process' config through the rendered command line."""
     hints = {f.name: f.type for f in dataclasses.fields(COMPONENTS[component])}
     schema = json.loads(SCHEMA_PATH.read_text())["properties"][component]["properties"]["config"]["properties"]
-    chosen = {name: _other_value(spec) for name, spec in schema.items()}
+    chosen = {name: EXISTING_FILES.get(name) or _other_value(spec) for name, spec in schema.items()}
     values = {component: {"config": chosen}, "planner": {"enabled": component == "planner",
                                                            "config": {} if component != "planner" else chosen}}
     if component == "mixed":
@@ -160,6 +160,10 @@ def test_every_config_key_reaches_its_flag(chart, component):
         name = re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), key)
         assert name in hints, key
         assert getattr(config, name) == value, f"{component}.config.{key}"
+
+
+# Keys naming a file the process reads at start: another value must be a file that exists.
+EXISTING_FILES = {"kvQualityTable": str(Path(__file__).parents[2] / "kvtransfer" / "quality" / "smollm2-135m.json")}
 
 
 def _other_value(spec: dict):
