@@ -44,7 +44,7 @@ class PodRecord:
 
     address: str
     role: Role
-    load: dict[str, int] = field(default_factory=dict)
+    load: dict[str, int | float | str] = field(default_factory=dict)  # numbers, and the weight format's name
     block_hashes: list[int] = field(default_factory=list)  # most recent last
     published_at: float = 0.0  # time.time() of the beat
 
@@ -58,9 +58,16 @@ class PodRecord:
         """Raises ValueError (or KeyError, TypeError) for a record that is not one."""
         fields = json.loads(text)
         return cls(address=fields["address"], role=Role(fields["role"]),
-                   load={name: int(value) for name, value in fields["load"].items()},
+                   load={name: _load_value(name, value) for name, value in fields["load"].items()},
                    block_hashes=[int(h) for h in fields.get("block_hashes", [])],
                    published_at=float(fields.get("published_at", 0.0)))
+
+
+def _load_value(name: str, value: Any) -> int | float | str:
+    """A load field as published: a number (flags count as 0/1, rates stay floats) or a name (the weight format)."""
+    if not isinstance(value, (int, float, str)):
+        raise ValueError(f"load field {name!r}: {value!r} is not a number or a name")
+    return int(value) if isinstance(value, bool) else value
 
 
 class RedisHeartbeat:

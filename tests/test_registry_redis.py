@@ -167,3 +167,24 @@ def test_unreadable_records_are_skipped(redis_url):
 def test_heartbeat_rejects_an_unknown_role():
     with pytest.raises(ValueError, match="role must be one of prefill, decode, mixed, got 'router'"):
         RedisHeartbeat("redis://127.0.0.1:1/0", "router", "x:1", 1.0, dict)
+
+
+def test_a_heartbeat_carries_the_weight_format_and_rates_through_redis(redis_url):
+    """The load a pod publishes holds a name (its weight format) and rates beside its counts: the router reads each
+    with its own type (a record that cast every field to int was skipped as unreadable, so no pod was routed to)."""
+    load = {"num_running": 2, "draining": False, "prefill_tokens_per_second": 812.5, "quantization": "gguf"}
+
+    async def scenario():
+        registry = RedisRegistry(redis_url, ttl_s=TTL_S, scan_interval_s=SCAN_INTERVAL_S)
+        beat = RedisHeartbeat(redis_url, "decode", "10.0.0.7:50063", TTL_S, lambda: dict(load))
+        await beat.start()
+        await registry.start()
+        try:
+            await wait_for(lambda: "10.0.0.7:50063" in registry.pods, timeout_s=5 * SCAN_INTERVAL_S)
+            pod = registry.pods["10.0.0.7:50063"]
+            assert (pod.load.quantization, pod.load.prefill_tokens_per_second, pod.load.num_running) == \
+                ("gguf", 812.5, 2)
+        finally:
+            await beat.stop()
+            await registry.stop()
+    asyncio.run(scenario())
