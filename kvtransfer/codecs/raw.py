@@ -10,16 +10,8 @@ import math
 
 import torch
 
-from kvtransfer.codecs.base import (
-    CACHE_DTYPES,
-    EncodedKV,
-    KVCodec,
-    KVKind,
-    KVSpan,
-    dtype_name,
-    tensor_from_bytes,
-    tensor_to_bytes,
-)
+from kvtransfer.codecs import base
+from kvtransfer.codecs.base import EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_from_bytes, tensor_to_bytes
 
 
 class RawCodec(KVCodec):
@@ -33,14 +25,14 @@ class RawCodec(KVCodec):
 
     def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str,
                        span: KVSpan | None = None) -> tuple[int, int]:
-        return math.prod(shape) * (self.wire_dtype or CACHE_DTYPES[dtype]).itemsize, 0
+        return math.prod(shape) * (self.wire_dtype or base.CACHE_DTYPES[dtype]).itemsize, 0
 
     def _encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
         payload = tensor_to_bytes(x.to(self.wire_dtype or x.dtype))
         return EncodedKV(self.name, kind, dtype_name(x.dtype), tuple(x.shape), payload, b"")
 
     def _decode(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
-        return tensor_from_bytes(enc.payload, self.wire_dtype or CACHE_DTYPES[enc.dtype], enc.shape, device)
+        return tensor_from_bytes(enc.payload, self.wire_dtype or base.CACHE_DTYPES[enc.dtype], enc.shape, device)
 
 
 class BF16Codec(RawCodec):
