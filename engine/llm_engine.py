@@ -82,9 +82,9 @@ class LLMEngine:
         loaded = load_model_files(config.model, seed=config.seed, quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(config, loaded.config, loaded.state_dict)
-        self.runner.grammar_masks = GrammarMasks(GrammarCompiler(self.tokenizer, self.model_config.vocab_size),
-                                                 self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+        masks = GrammarMasks(GrammarCompiler(self.tokenizer, self.model_config.vocab_size),
+                             self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(config, loaded.config, loaded.state_dict, masks)
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )

@@ -32,7 +32,8 @@ SampledTokens = dict[str, list[tuple[int, dict[int, float] | None]]]
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict: dict[str, torch.Tensor]):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                 grammar_masks: GrammarMasks | None = None):
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.block_size = config.cache.block_size
@@ -41,7 +42,7 @@ class ModelRunner:
         )
         self.kv_cache = PagedKVCache.from_config(model_config, config.cache, self.device)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed)
-        self.grammar_masks: GrammarMasks | None = None  # set by the engine, which has the tokenizer
+        self.grammar_masks = grammar_masks  # structured outputs' masks (None: no request may be guided)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, layer_done: Callable[[int], None] | None = None) -> SampledTokens:
