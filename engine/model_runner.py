@@ -5,10 +5,13 @@ sequences run and how many new tokens each contributes; the runner flattens them
 (``input_ids``/``positions``: [T]), maps every new token to its cache slot through the sequence's block table,
 and samples one token for each sequence whose scheduled tokens reach the end of its known tokens.
 
-A sequence verifying k draft tokens (engine/speculative.py) becomes k + 1 decode rows of the step, row j at
-position start + j attending to keys 0..start + j through the sequence's block table: each row is the decode step
-sequential decoding would run there, in the same kernels. Every row samples, and ``accept_drafts`` keeps the rows
-up to the first disagreement.
+Every output position runs as a decode row, attending to keys 0..its position through the sequence's block
+table: the decode step sequential decoding runs there, in the same kernels, so the same bits. A prefill's rows are
+summed in another order than a decode step's (GEMM tiles and one softmax against flash-decoding's chunks), so this
+is what makes recomputed outputs exact: a request preempted and prefilled again, or migrated with its
+``resume_token_ids``, gets the very KV the undisturbed run had, and continues as it would have. A sequence
+verifying k draft tokens (engine/speculative.py) likewise becomes k + 1 decode rows; every row samples, and
+``accept_drafts`` keeps the rows up to the first disagreement.
 """
 
 from __future__ import annotations
@@ -83,14 +86,16 @@ class ModelRunner:
             tokens.extend(s.seq.token_slice(s.start, end - len(s.draft_token_ids)))
             tokens.extend(s.draft_token_ids)
             positions.extend(range(s.start, end))
-            if s.draft_token_ids:  # one decode row per verified position, each attending up to itself
-                query_lens.extend([1] * s.num_new_tokens)
-                seq_lens.extend(range(s.start + 1, end + 1))
-                block_tables.extend([s.seq.block_table] * s.num_new_tokens)
-            else:
-                query_lens.append(s.num_new_tokens)
-                seq_lens.append(end)
+            # Output positions (verified drafts, or outputs recomputed after a preemption or a migration) run as
+            # one decode row each, attending up to itself: the arithmetic that computed them the first time.
+            outputs_from = min(end, max(s.start, s.seq.num_prompt_tokens))
+            if outputs_from > s.start:  # prompt positions: one prefill segment
+                query_lens.append(outputs_from - s.start)
+                seq_lens.append(outputs_from)
                 block_tables.append(s.seq.block_table)
+            query_lens.extend([1] * (end - outputs_from))
+            seq_lens.extend(range(outputs_from + 1, end + 1))
+            block_tables.extend([s.seq.block_table] * (end - outputs_from))
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(tokens), as_tensor(positions), meta

@@ -245,6 +245,22 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// x[0]^2 + ... + x[n-1]^2 in one fixed order whatever vector width the build targets: sixteen lanes (two 8-lane
+// halves), added half to half, then across. An `omp simd` reduction summed in 16 lanes under AVX-512 and 8 under
+// AVX2, so the two builds' norms differed in the last bits; this is the AVX-512 build's order, for both.
+inline float sum_of_squares(const float* x, int64_t n) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    lo = _mm256_fmadd_ps(a, a, lo);
+    hi = _mm256_fmadd_ps(b, b, hi);
+  }
+  float sum = hsum(_mm256_add_ps(lo, hi));
+  for (; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
 // [sum a0, sum a1, sum a2, sum a3]: four dot products' accumulators reduced together.
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -663,18 +679,12 @@ void ss_add_rms_norm(float* x, const float* delta, const float* weight, float ep
   for (int64_t r = 0; r < rows; ++r) {
     float* xr = x + r * dim;
     float* outr = out + r * dim;
-    float sum = 0.0f;
     if (delta != nullptr) {
       const float* dr = delta + r * dim;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < dim; ++i) {
-        xr[i] += dr[i];
-        sum += xr[i] * xr[i];
-      }
-    } else {
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < dim; ++i) sum += xr[i] * xr[i];
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) xr[i] += dr[i];
     }
+    const float sum = sum_of_squares(xr, dim);
     const float inv = 1.0f / sqrtf(sum / static_cast<float>(dim) + eps);
 #pragma omp simd
     for (int64_t i = 0; i < dim; ++i) outr[i] = xr[i] * inv * weight[i];
