@@ -3,11 +3,11 @@
 A step concatenates the new tokens of all its sequences (``q``: [T, Hq, D]). ``paged_attention`` first writes the
 step's new K/V into the cache through ``slot_mapping``, then attends, each sequence by the cheapest exact path:
 
-- **decode** (one new token): every such sequence of the step together. With the native CPU kernels
+- **decode** (one new token past the prompt): every such sequence of the step together. With the native CPU kernels
   (engine/cpu_kernels.py) they attend over K/V read in place through their block tables; otherwise with ONE
   gather of their blocks into [Bd, Hkv, S, D] and ONE SDPA whose key-padding mask hides the slots past each
   sequence's length;
-- **prefill** (several new tokens): with the native CPU kernels, each sequence's queries attend causally over its
+- **prefill** (prompt tokens, however many): with the native CPU kernels, each sequence's queries attend causally over its
   K/V read through its block table (its cached prefix, if any, and the new tokens just written), on the kernels'
   GEMM tiles. Otherwise: with nothing cached before it, causal SDPA on the fresh q/k/v (the cache is not read
   back, unless it stores 16-bit values: attention always sees K/V as the cache holds them); after a cached prefix
@@ -84,16 +84,20 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] long
     slot_mapping: torch.Tensor  # [T] long: cache slot of every new token
     block_tables: torch.Tensor  # [B, max_blocks] long, padded with a valid block id (build pads with 0)
-    is_decode_only: bool  # every query_len is 1: the batched fast path covers the whole step
+    is_decode_only: bool  # every row decodes: the batched fast path covers the whole step
     block_size: int
+    # Sequences whose one new token is a prompt token: a one-row prefill, summed as a prefill sums (a chunked
+    # prompt's last chunk may hold a single token), so a prompt position's bits never depend on its chunking.
+    one_row_prefills: frozenset[int] = frozenset()
     decode: DecodeGroup | None = field(init=False)
     prefills: list[PrefillSegment] = field(init=False)
 
     def __post_init__(self) -> None:
         starts = [0, *accumulate(self.query_lens)]
-        decoding = [i for i, n in enumerate(self.query_lens) if n == 1]
+        decoding = [i for i, n in enumerate(self.query_lens) if n == 1 and i not in self.one_row_prefills]
         self.decode = self._decode_group(decoding, starts) if decoding else None
-        self.prefills = [self._prefill_segment(i, starts[i]) for i, n in enumerate(self.query_lens) if n > 1]
+        self.prefills = [self._prefill_segment(i, starts[i]) for i, n in enumerate(self.query_lens)
+                         if n > 1 or i in self.one_row_prefills]
 
     @classmethod
     def build(
@@ -103,8 +107,10 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        one_row_prefills: frozenset[int] = frozenset(),
     ) -> "AttentionMetadata":
-        """Metadata of one step from per-sequence lengths and block tables (host lists)."""
+        """Metadata of one step from per-sequence lengths and block tables (host lists). A sequence with one new
+        token decodes, unless its index is in ``one_row_prefills`` (a prompt token)."""
         slots = [
             table[p // block_size] * block_size + p % block_size
             for n, seq_len, table in zip(query_lens, seq_lens, block_tables)
@@ -119,8 +125,9 @@ class AttentionMetadata:
             query_start_loc=as_tensor([0, *accumulate(query_lens)]),
             slot_mapping=as_tensor(slots),
             block_tables=as_tensor(padded),
-            is_decode_only=all(n == 1 for n in query_lens),
+            is_decode_only=not one_row_prefills and all(n == 1 for n in query_lens),
             block_size=block_size,
+            one_row_prefills=one_row_prefills,
         )
 
     def _decode_group(self, seqs: list[int], starts: list[int]) -> DecodeGroup:

@@ -81,6 +81,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
+        one_row_prefills: set[int] = set()
         for s in batch.scheduled:
             end = s.start + s.num_new_tokens
             tokens.extend(s.seq.token_slice(s.start, end - len(s.draft_token_ids)))
@@ -90,13 +91,16 @@ class ModelRunner:
             # one decode row each, attending up to itself: the arithmetic that computed them the first time.
             outputs_from = min(end, max(s.start, s.seq.num_prompt_tokens))
             if outputs_from > s.start:  # prompt positions: one prefill segment
+                if outputs_from - s.start == 1:
+                    one_row_prefills.add(len(query_lens))
                 query_lens.append(outputs_from - s.start)
                 seq_lens.append(outputs_from)
                 block_tables.append(s.seq.block_table)
             query_lens.extend([1] * (end - outputs_from))
             seq_lens.extend(range(outputs_from + 1, end + 1))
             block_tables.extend([s.seq.block_table] * (end - outputs_from))
-        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device,
+                                       frozenset(one_row_prefills))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(tokens), as_tensor(positions), meta
 

@@ -67,6 +67,19 @@ def test_recomputed_outputs_give_the_undisturbed_runs_logprobs_bit_for_bit(cache
         assert resumed.output_logprobs[-(40 - split):] == whole.output_logprobs[split:]
 
 
+@pytest.mark.parametrize("chunk", [39, 16, 1])
+def test_a_prompt_prefilled_in_chunks_gives_the_same_bits_as_in_one(chunk):
+    """A chunk of a single prompt token is still summed as a prefill (not as a decode step), so a prompt's KV and the
+    answer's logprobs do not depend on where the chunks fell: a migrated request prefilled in other chunks than the
+    first time continues exactly."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    whole = LLM(model="tiny-random", num_blocks=64, enable_prefix_caching=False).generate([PROMPTS[2]], params)
+    chunked = LLM(model="tiny-random", num_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=chunk,
+                  long_prefill_token_threshold=chunk).generate([PROMPTS[2]], params)
+    assert chunked[0].token_ids == whole[0].token_ids
+    assert chunked[0].logprobs == whole[0].logprobs
+
+
 def test_a_resumed_request_that_already_reached_max_tokens_finishes_at_once(tiny):
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     whole = run_to_end(tiny, "five", PROMPTS[0], params)
