@@ -83,8 +83,10 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 # The formats the weights may be kept in (EngineConfig.quantization, every pod's --quantization): "none" widens
 # everything to the compute dtype (the reference, and the fallback on any device); "gguf" keeps a GGUF file's own
-# quantized blocks; "int8" / "int4" quantize a float checkpoint at load (docs/quantization.md).
-QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+# quantized blocks; "int8" / "int4" quantize a float checkpoint at load; "auto" (the default) is "gguf" for a GGUF
+# file where the native kernels run (the same logits as "none", bit for bit, from ~5.5x fewer weight bytes) and
+# "none" everywhere else (docs/quantization.md).
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 
 
 @dataclass
@@ -207,7 +209,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: one token per decode step
-    quantization: str = "none"  # the weights' format, one of QUANTIZATIONS
+    quantization: str = "auto"  # the weights' format, one of QUANTIZATIONS (the engine resolves "auto" at load)
 
     def __post_init__(self) -> None:
         if self.dtype not in COMPUTE_DTYPES:

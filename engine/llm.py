@@ -40,12 +40,13 @@ class LLM:
     """Offline batched generation. Engine settings can be given as keyword arguments, e.g.
     ``LLM(model="tiny-random", block_size=16, num_blocks=256, max_num_seqs=32)``; speculative decoding as vLLM
     spells it, ``speculative_config={"method": "ngram", "num_speculative_tokens": 4}`` (SpeculativeConfig's keys).
-    ``quantization``: the weights' format, ``"none"`` (float), ``"gguf"`` (a GGUF file's own blocks), ``"int8"`` or
-    ``"int4"`` (quantized at load); docs/quantization.md."""
+    ``quantization``: the weights' format, ``"auto"`` (the default: a GGUF file's own blocks where the native
+    kernels run, else float), ``"none"`` (float), ``"gguf"`` (a GGUF file's own blocks), ``"int8"`` or ``"int4"``
+    (quantized at load); docs/quantization.md."""
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  seed: int = 0, cpu_kernels: bool = True, speculative_config: dict | None = None,
-                 quantization: str = "none", **settings):
+                 quantization: str = EngineConfig.quantization, **settings):
         cache = CacheConfig(**{k: settings.pop(k) for k in list(settings) if k in CacheConfig.__dataclass_fields__})
         sched = SchedulerConfig(
             **{k: settings.pop(k) for k in list(settings) if k in SchedulerConfig.__dataclass_fields__}

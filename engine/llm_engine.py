@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from engine.block_manager import BlockManager
@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.cpu_kernels import KernelChoice
 from engine.draft_model import DraftModel
 from engine.grammar_masks import GrammarMasks
-from engine.model_files import load_model_files
+from engine.model_files import load_model_files, resolve_quantization
 from engine.model_runner import ModelRunner
 from engine.prefill_budget import TPOTSlackBudget
 from engine.sampling_params import SamplingParams
@@ -78,6 +78,7 @@ class EngineStepError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        config = replace(config, quantization=resolve_quantization(config))  # "auto" decided, as reported
         self.config = config
         loaded = load_model_files(config.model, seed=config.seed, quantization=config.quantization)
         self.model_config = loaded.config

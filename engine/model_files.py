@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_MODEL, ModelConfig
+from engine.config import DEFAULT_MODEL, EngineConfig, ModelConfig
+from engine.cpu_kernels import choose as choose_kernels
 from engine.gguf_file import load_gguf
 from engine.hf_checkpoint import load_hf_checkpoint
 from engine.parameter_layout import random_state_dict
@@ -69,6 +70,16 @@ def _load_hf_directory(path: Path, dtype: str) -> LoadedModel:
     # Stop on what either file calls EOS: config.json and generation_config.json do not always agree.
     config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))
     return LoadedModel(config, state, tokenizer)
+
+
+def resolve_quantization(config: EngineConfig) -> str:
+    """``config.quantization``, with ``auto`` decided: a GGUF file's own blocks where the native kernels run its
+    products (the same logits as widened float32, bit for bit, from ~5.5x fewer weight bytes), else ``none``."""
+    if config.quantization != "auto":
+        return config.quantization
+    kind, _ = resolve_model_name(config.model)
+    kernels = choose_kernels(config.device, getattr(torch, config.dtype), config.cpu_kernels).kernels
+    return "gguf" if kind == "gguf" and kernels is not None else "none"
 
 
 def load_model_files(name: str = DEFAULT_MODEL, seed: int = 0, dtype: str = "float32",

@@ -76,8 +76,9 @@ class PodConfig:
         "first use when missing); false: PyTorch ops only."))
     quantization: str = field(default=EngineConfig.quantization, metadata=described(
         f"Format the weights are kept in, one of {', '.join(QUANTIZATIONS)}: none widens them to float (the "
-        "reference), gguf keeps a GGUF file's own quantized blocks, int8/int4 quantize a float checkpoint at load. "
-        "Prefill and decode pods may differ (docs/quantization.md)."))
+        "reference), gguf keeps a GGUF file's own quantized blocks, int8/int4 quantize a float checkpoint at load, "
+        "auto is gguf for a GGUF file where the native kernels run (the same answers as none, bit for bit) and none "
+        "elsewhere. Prefill and decode pods may differ (docs/quantization.md)."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
     block_size: int = field(default=CacheConfig.block_size, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(

@@ -104,7 +104,8 @@ class UpConfig:
     # The weights' format per role (each becomes that role's pods' --quantization): the phase split lets prefill and
     # decode pods differ (docs/quantization.md).
     prefill_quantization: str = passed_to(PrefillConfig, name="quantization", scope=Role.PREFILL, help=(
-        "Weight format of the prefill pods: none (float), gguf (the GGUF file's own blocks), int8, int4."))
+        "Weight format of the prefill pods: auto (gguf for a GGUF file where the native kernels run, else none), "
+        "none (float), gguf (the GGUF file's own blocks), int8, int4."))
     decode_quantization: str = passed_to(DecodeConfig, name="quantization", scope=Role.DECODE, help=(
         "Weight format of the decode pods (may differ from the prefill pods': the KV layout is what must match)."))
     mixed_quantization: str = passed_to(DecodeConfig, name="quantization", scope=Role.MIXED, help=(

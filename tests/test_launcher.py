@@ -108,13 +108,13 @@ def test_up_config_refuses_bad_sets_and_engine_settings_naming_the_field():
 
 def test_a_bad_weight_format_is_refused_naming_the_role_field_or_the_pod_flag():
     for role in ("prefill", "decode", "mixed"):
-        with pytest.raises(ValueError, match=f"^{role}_quantization must be one of none, gguf, int8, int4, "
+        with pytest.raises(ValueError, match=f"^{role}_quantization must be one of auto, none, gguf, int8, int4, "
                                              "got 'q4_k'$"):
             UpConfig(**{f"{role}_quantization": "q4_k"})
     with pytest.raises(SystemExit):
         parse_config(UpConfig, ["--decode-quantization", "fp4"], env={})
     for pod_config in (PrefillConfig, DecodeConfig):
-        with pytest.raises(ValueError, match="^quantization must be one of none, gguf, int8, int4, got 'fp4'$"):
+        with pytest.raises(ValueError, match="^quantization must be one of auto, none, gguf, int8, int4, got 'fp4'$"):
             pod_config(quantization="fp4")
 
 

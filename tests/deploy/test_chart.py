@@ -237,7 +237,7 @@ def test_each_component_gets_its_own_weight_format(chart):
                if component != "router"}
     assert formats == {"prefill": "none", "decode": "gguf", "mixed": "int8"}
     defaults = containers_by_component(objects(chart, {"mixed": {"enabled": True}}))
-    assert {parsed_config(defaults[c]).quantization for c in ("prefill", "decode", "mixed")} == {"none"}
+    assert {parsed_config(defaults[c]).quantization for c in ("prefill", "decode", "mixed")} == {"auto"}
 
 
 def test_probes_are_native_grpc_on_the_serving_port_and_grpcurl_under_tls(chart):
