@@ -35,6 +35,7 @@ from engine.attention import AttentionMetadata
 from engine.config import CACHE_DTYPES, DEFAULT_MODEL, QUANTIZATIONS
 from engine.hf_checkpoint import export_hf_checkpoint
 from engine.kv_cache import PagedKVCache
+from engine.model_files import load_model_files
 from runtime.config import described, parse_config
 
 PROMPT_LENS = (512, 1024)
@@ -125,7 +126,8 @@ def ours_decode(llm: LLM, batch: int, context: int, steps: int, tag: str = "") -
 def hf_model(llm: LLM, tmp: str):
     from transformers import AutoModelForCausalLM
 
-    state = {k: v for k, v in llm.engine.runner.model.state_dict().items()}
+    # The model's weights widened to float32 (the engine may keep a file's quantized blocks: the same model).
+    state = load_model_files(llm.engine.config.model, seed=llm.engine.config.seed, quantization="none").state_dict
     export_hf_checkpoint(llm.engine.model_config, state, tmp)
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager")
     return model.eval()

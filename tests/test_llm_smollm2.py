@@ -12,6 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.hf_checkpoint import export_hf_checkpoint
+from engine.model_files import load_model_files
 
 pytestmark = pytest.mark.model
 
@@ -37,7 +38,9 @@ def hf_reference(smollm2, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     directory = tmp_path_factory.mktemp("smollm2-hf")
-    export_hf_checkpoint(smollm2.engine.model_config, smollm2.engine.runner.model.state_dict(), directory)
+    # The same file's weights widened to float32 (the session's engine keeps the file's blocks: the same model).
+    export_hf_checkpoint(smollm2.engine.model_config, load_model_files("smollm2-135m", quantization="none").state_dict,
+                         directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
     model.generation_config.eos_token_id = None  # like our ignore_eos: always NEW_TOKENS tokens to compare
     return model.eval()
