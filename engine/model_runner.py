@@ -3,7 +3,8 @@
 Owns the model weights, the ``PagedKVCache`` and the ``Sampler`` of one engine. The scheduler says which
 sequences run and how many new tokens each contributes; the runner flattens them into one varlen batch
 (``input_ids``/``positions``: [T]), maps every new token to its cache slot through the sequence's block table,
-and samples one token for each sequence whose scheduled tokens reach the end of its known tokens.
+and samples one token for each sequence whose scheduled tokens reach the end of its known tokens. A sequence that
+asked for prompt logprobs gets them from the rows of its prompt positions (``Sequence.prompt_logprobs``).
 
 Every output position runs as a decode row, attending to keys 0..its position through the sequence's block
 table: the decode step sequential decoding runs there, in the same kernels, so the same bits. A prefill's rows are
@@ -26,9 +27,12 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import PagedKVCache
 from engine.model import LlamaForCausalLM
 from engine.grammar_masks import GrammarMasks
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.speculative import accept_drafts
+
+# Prompt positions whose logits are computed at a time for prompt logprobs: [64, V] float32 is 12 MiB for SmolLM2.
+PROMPT_LOGPROB_ROWS = 64
 
 # request id -> the step's tokens for it, each with its logprobs (or None): one, or 1 + accepted drafts.
 SampledTokens = dict[str, list[tuple[int, dict[int, float] | None]]]
@@ -55,6 +59,7 @@ class ModelRunner:
         # Structured outputs: their masks are computed on other threads while the model runs.
         pending_masks = self.grammar_masks.start([s.seq for s in sampling]) if self.grammar_masks else None
         hidden = self.model(input_ids, positions, self.kv_cache, meta, layer_done)  # [T, hidden]
+        self._record_prompt_logprobs(batch, hidden)
         if not sampling:
             return {}
         # The last 1 + k rows of each sampling sequence (k drafts) predict its next tokens; the step's rows are its
@@ -74,6 +79,23 @@ class ModelRunner:
             sampled[s.seq.request_id] = list(zip(tokens[:emitted], logprobs[:emitted]))
             first += 1 + len(s.draft_token_ids)
         return sampled
+
+    def _record_prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Append to ``seq.prompt_logprobs`` the entries of the prompt positions this step computed: the row of
+        position p predicts prompt token p + 1. Positions whose entries a sequence already has (recomputed after a
+        preemption) are skipped."""
+        first_row = 0  # the scheduled sequence's first row in hidden
+        for s in batch.scheduled:
+            seq = s.seq
+            if seq.needs_prompt_logprobs:
+                end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+                for lo in range(max(s.start, len(seq.prompt_logprobs)), end, PROMPT_LOGPROB_ROWS):
+                    hi = min(lo + PROMPT_LOGPROB_ROWS, end)
+                    logits = self.model.compute_logits(hidden[first_row + lo - s.start:first_row + hi - s.start])
+                    targets = torch.tensor(seq.prompt_token_ids[lo + 1:hi + 1], dtype=torch.long, device=self.device)
+                    seq.prompt_logprobs.extend(prompt_logprobs(logits.log_softmax(dim=-1), targets,
+                                                               seq.sampling_params.prompt_logprobs))
+            first_row += s.num_new_tokens
 
     def _prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         tokens: list[int] = []
