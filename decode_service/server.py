@@ -10,11 +10,15 @@ A request's path:
                                       No KV here (never pushed, expired, or dropped as bad): per
                                       kv_load_failure_policy, NOT_FOUND ("fail") or the prompt and the first
                                       token prefill here ("recompute"), as a migrated request's do
+                                      (prompt logprobs are the prefill pod's: a pod that prefills a request it was
+                                      not the first to prefill still sends its own, which the router ignores)
       without first_token_id          conditional disaggregation / the mixed role: the prompt prefills here;
                                       with resume_token_ids (a request migrated from a decode pod that went away)
                                       the prompt and those tokens prefill here and generation goes on after them
       stream                          DecodeChunk per engine event with the tokens new to the router (from the
-                                      second when the prefill pod sampled the first), then DecodeComplete with the
+                                      second when the prefill pod sampled the first; the first chunk of a prompt
+                                      prefilled here carries its prompt logprobs, when asked: alone, with no token,
+                                      for a request that generates nothing), then DecodeComplete with the
                                       finish reason, stop token id, usage and this pod's queue/prefill seconds
       cancelled or failed             the engine request is aborted, or the unadmitted lease released: every
                                       block goes back either way
@@ -41,6 +45,7 @@ from kvtransfer.leases import TransferTable
 from kvtransfer.receiver import KVTransferServicer
 from protos.convert import (
     finish_reason_to_proto,
+    prompt_logprobs_to_proto,
     sampling_params_from_proto,
     token_logprob_from_dict,
     token_logprob_to_dict,
@@ -206,12 +211,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _send(self, event: TokenEvent, params: SamplingParams, prefilled: bool, clock: _TokenClock,
                     context) -> None:
-        if event.token_ids:
-            clock.on_tokens(len(event.token_ids))
+        if event.token_ids or event.prompt_logprobs is not None:  # a scored prompt's: its logprobs, no token
+            if event.token_ids:
+                clock.on_tokens(len(event.token_ids))
             chunk = decode_pb2.DecodeChunk(token_ids=event.token_ids)
             if params.logprobs is not None:
                 chunk.logprobs.tokens.extend(token_logprob_from_dict(token_id, logprobs, params.logprobs)
                                              for token_id, logprobs in zip(event.token_ids, event.logprobs))
+            if event.prompt_logprobs is not None:
+                chunk.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(event.prompt_logprobs))
             await context.write(decode_pb2.DecodeResponse(chunk=chunk))
         if not event.finished:
             return

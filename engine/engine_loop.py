@@ -46,8 +46,9 @@ class TokenEvent:
     num_cached_tokens: int = 0
     error: str | None = None
     seq: Sequence | None = None
-    # The prompt's logprobs (Sequence.prompt_logprobs), on the first event after the prompt was computed here.
-    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # The prompt's logprobs (Sequence.prompt_logprobs), when asked for, on the first event after the prompt was
+    # computed here; None on every other event (and for a sequence prefilled elsewhere).
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass
@@ -209,9 +210,10 @@ class EngineLoop:
         new = seq.output_token_ids[sub.num_sent:]
         logprobs = seq.output_logprobs[sub.num_sent:] if seq.output_logprobs else []
         sub.num_sent = len(seq.output_token_ids)
-        # A sequence prefilled elsewhere has none: the pod that prefilled it sent them.
-        prompt_logprobs = [] if sub.prompt_logprobs_sent else list(seq.prompt_logprobs)
-        sub.prompt_logprobs_sent = True
+        prompt_logprobs = None
+        if not sub.prompt_logprobs_sent and seq.sampling_params.prompt_logprobs is not None \
+                and not seq.needs_prompt_logprobs:
+            prompt_logprobs, sub.prompt_logprobs_sent = list(seq.prompt_logprobs), True
         event = TokenEvent(new, logprobs, seq.is_finished,
                            seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
                            seq.num_cached_tokens, seq=seq, prompt_logprobs=prompt_logprobs)

@@ -3,9 +3,9 @@
 The HTTP and gRPC layers depend on this file (through ``Router``, which hands them its ``Intake``'s methods):
 
 1. cheap checks first, before any work they bound: the request id (``check_request_id``), the sampling
-   parameters within the server's limits (stop strings, stop token ids, logprobs, max_tokens, bad words, token
-   ids of logit_bias and allowed_token_ids), a text's size in UTF-8 bytes (``max_prompt_bytes``); a structured
-   output's grammar compiled (``engine/structured_output.py``), on a worker thread;
+   parameters within the server's limits (stop strings, stop token ids, logprobs and prompt logprobs, max_tokens,
+   bad words, token ids of logit_bias and allowed_token_ids), a text's size in UTF-8 bytes (``max_prompt_bytes``);
+   a structured output's grammar compiled (``engine/structured_output.py``), on a worker thread;
 2. then the work: a chat rendered by the model's template (``apply_chat_template``), a prompt tokenized
    (``tokenize``), both on worker threads: a prompt at the byte limit takes about a second to tokenize, and the
    event loop serves every other request (and /health) meanwhile;
@@ -177,6 +177,9 @@ class Intake:
                               f"{config.max_stop_string_bytes} bytes per word (max_stop_string_bytes)")
         if params.logprobs is not None and params.logprobs > config.max_logprobs:
             raise invalid(f"logprobs: must be <= {config.max_logprobs} (max_logprobs), got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > config.max_logprobs:
+            raise invalid(f"prompt_logprobs: must be <= {config.max_logprobs} (max_logprobs), got "
+                          f"{params.prompt_logprobs}")
         if params.max_tokens is not None and params.max_tokens > config.output_token_limit:
             raise invalid(f"max_tokens: must be <= {config.output_token_limit} (max_tokens_limit), got "
                           f"{params.max_tokens}")

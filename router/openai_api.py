@@ -235,14 +235,16 @@ class OpenAIRoutes:
         return json_response(joined_responses(responses, [completion for _, completion in results], prompt_of))
 
     def _choice_options(self, body: GenerationRequest, choice: RouterRequest) -> dict[str, Any]:
-        """A chat's tool call parser; a completion's echo: its prompt's text, as given or decoded from the ids."""
+        """A chat's tool call parser; a completion's prompt logprobs, and its echo: its prompt's text, as given or
+        decoded from the ids, and its ids (for the prompt's logprobs)."""
         if isinstance(body, ChatCompletionRequest):
             return {"tool_parser": body.tool_parser()}
         if not body.echo:
-            return {}
-        if choice.prompt_text is not None:
-            return {"echo": choice.prompt_text}
-        return {"echo": self.router.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)}
+            return {"prompt_logprobs": body.prompt_logprobs}
+        echo = choice.prompt_text
+        if echo is None:
+            echo = self.router.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
+        return {"prompt_logprobs": body.prompt_logprobs, "echo": echo, "prompt_token_ids": choice.prompt_token_ids}
 
     def _token_text(self, token_id: int) -> str:
         # A token's own text, special tokens included: logprobs describe every token the model produced.

@@ -6,14 +6,15 @@ and ``/detokenize``, as strict pydantic models, and how a body becomes ``Samplin
 
 No field is silently ignored. Each field a body may carry is one of:
 
-- honoured: OpenAI's fields this server implements (``logit_bias``, ``response_format``, ``n``, ``echo``...), and
+- honoured: OpenAI's fields this server implements (``logit_bias``, ``response_format``, ``n``, ``echo``...,
+  ``max_tokens: 0`` with ``echo`` to score a prompt), vLLM's ``prompt_logprobs`` on completions, and
   vLLM's extras (structured outputs: ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
   ``structured_outputs``; ``top_k``,
   ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
   ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``add_special_tokens``, ``request_id``; for
   chat ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
   ``stream_options.continuous_usage_stats``);
-- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: tools, ``prompt_logprobs``, ...): accepted
+- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: ``suffix``, chat's ``prompt_logprobs``...): accepted
   only at its neutral value (``null``, ``false``, ``[]``, or
   what asks for nothing: ``best_of: 1``, ``response_format: {"type": "text"}``), refused with 400 naming it
   otherwise;
@@ -151,7 +152,6 @@ class _GenerationRequest(StrictModel):
     structured_outputs: StructuredOutputs | None = None  # vLLM's newer object
     # Known, not supported yet: refused unless neutral (UNSUPPORTED_FIELDS).
     best_of: Any = None
-    prompt_logprobs: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
@@ -199,12 +199,18 @@ class _GenerationRequest(StrictModel):
         if constrained is not None:
             fields["structured_output"] = constrained[1]
         try:
-            return SamplingParams(**fields, max_tokens=self._max_tokens(), logprobs=self._num_logprobs())
+            params = SamplingParams(**fields, max_tokens=self._max_tokens(), logprobs=self._num_logprobs(),
+                                    prompt_logprobs=self._num_prompt_logprobs())
         except ValueError as error:
             # SamplingParams' messages start with the field's name ("temperature must be >= 0, ...").
             sampling_field, _, rest = str(error).partition(" ")
             param = self.param_name(sampling_field)
             raise InvalidParameter(param, f"{param or sampling_field} {rest}") from error
+        if params.max_tokens == 0 and not self._scores():
+            param = self.param_name("max_tokens")
+            raise InvalidParameter(param, f"{param} must be >= 1 (0, which generates nothing, is for scoring a "
+                                          f"prompt: /v1/completions with echo)")
+        return params
 
     def param_name(self, field: str) -> str | None:
         """The body's name for a field the router or ``SamplingParams`` names (``prompt``, ``max_tokens``...)."""
@@ -237,6 +243,13 @@ class _GenerationRequest(StrictModel):
     @abstractmethod
     def _max_tokens(self) -> int | None: ...
 
+    def _num_prompt_logprobs(self) -> int | None:
+        return None
+
+    def _scores(self) -> bool:
+        """Whether ``max_tokens: 0`` (nothing generated, the prompt scored) may be asked for."""
+        return False
+
     @abstractmethod
     def _num_logprobs(self) -> int | None: ...
 
@@ -244,10 +257,13 @@ class _GenerationRequest(StrictModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: a prompt, as text or token ids, or a list of prompts (one choice each, n each)."""
 
+    honoured_fields = frozenset({"prompt_logprobs"})
+
     prompt: str | list[int] | list[str | list[int]]  # text checked for valid Unicode by _prompts
-    max_tokens: int | None = 16  # OpenAI's default for this endpoint; null: until the context is full
+    max_tokens: int | None = 16  # OpenAI's default for this endpoint; null: until the context is full; 0 with echo
     logprobs: int | None = Field(None, ge=0)
-    echo: bool = False  # the prompt's text before each choice's output
+    echo: bool = False  # the prompt's text before each choice's output (with logprobs: its tokens' logprobs too)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top-N, in the choice
     add_special_tokens: bool = True  # vLLM's: BOS and the like, as the tokenizer adds them
     suffix: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
 
@@ -276,6 +292,15 @@ class CompletionRequest(_GenerationRequest):
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def _num_prompt_logprobs(self) -> int | None:
+        """The top-N the pods compute per prompt token: for vLLM's ``prompt_logprobs``, and for the prompt's entries
+        of ``logprobs`` when echoing (OpenAI's legacy scoring), the larger of the two."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked, default=None)
+
+    def _scores(self) -> bool:
+        return self.echo
 
 
 class FunctionCallIn(StrictModel):
@@ -418,6 +443,7 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
     echo: bool = False  # vLLM's chat echo (the last message before the answer): refused when true
     parallel_tool_calls: bool = True  # a forced tool_choice may make several calls
     # Known, not supported (UNSUPPORTED_FIELDS).
+    prompt_logprobs: Any = None
     functions: Any = None
     function_call: Any = None
     reasoning_effort: Any = None

@@ -11,7 +11,9 @@ For each request ``Router.generate`` walks it through these states, each a metho
    (conditional disaggregation);
 3. first token: disaggregated, ``P.Prefill(decode_address=D)`` prefills, pushes the KV to D and returns the
    first token; then ``D.Decode(first_token)`` is opened. Prefilling on D, ``D.Decode`` without a first token
-   prefills there and its first chunk holds the first token. A failure before the first token (a pod gone, full
+   prefills there and its first chunk holds the first token. A request that generates nothing (``max_tokens`` 0,
+   scoring its prompt) is prefilled on P alone, for its prompt logprobs: no KV moves, no decode pod is called
+   (on D alone when the plan prefills there). A failure before the first token (a pod gone, full
    or draining, P's push to D failing, corrupt or late) is retried on other pods, ``max_retries`` times; when
    every prefill pod failed, the retry prefills on the decode pod. ``start`` returns D's ``DecodeStream`` with
    that first message in it;
@@ -32,13 +34,13 @@ import logging
 import grpc
 
 from protos.convert import sampling_params_to_proto
-from protos.splitserve.v1 import decode_pb2, prefill_pb2
+from protos.splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.config import RouterConfig
 from router.intake import RouterRequest
 from router.pod_client import PodClientPool
 from router.policies import RoutePlan, RoutingPolicy, SLOTargets
 from router.registry import PodInfo, PodRegistry
-from router.request_run import DecodeStream, RequestRun
+from router.request_run import AnsweredCall, DecodeStream, RequestRun
 from runtime.errors import StatusError
 from runtime.metrics import RouterMetrics
 
@@ -132,12 +134,31 @@ class Placement:
             raise StatusError(grpc.StatusCode.CANCELLED, "aborted")
         metrics = self.metrics
         metrics.count(metrics.routing_decisions, plan.decision)
-        for pod in (plan.prefill, plan.decode):
+        scoring = plan.prefill is not None and run.request.params.max_tokens == 0
+        for pod in (plan.prefill,) if scoring else (plan.prefill, plan.decode):
             if pod is not None:
                 metrics.count(metrics.pod_requests, pod.address, str(pod.role))
         if plan.prefill is None:
             return await self._start_on_decode_pod(run, plan.decode)
+        if scoring:
+            return await self._score_on_prefill_pod(run, plan.prefill)
         return await self._start_disaggregated(run, plan)
+
+    async def _score_on_prefill_pod(self, run: RequestRun, pod: PodInfo) -> DecodeStream:
+        """A request that generates nothing (max_tokens 0, scoring its prompt): P prefills it for its prompt logprobs
+        and answers; no decode pod is called and no KV moves."""
+        hold = run.hold(pod, prompt_tokens=len(run.request.prompt_token_ids))
+        try:
+            scored = await self._prefill(run, pod, decode_address="")
+        finally:
+            hold.release()
+        chunk = decode_pb2.DecodeChunk()
+        if scored.HasField("prompt_logprobs"):
+            chunk.prompt_logprobs.CopyFrom(scored.prompt_logprobs)
+        complete = decode_pb2.DecodeComplete(finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=common_pb2.Usage(
+            prompt_tokens=len(run.request.prompt_token_ids), cached_tokens=scored.num_cached_tokens))
+        return DecodeStream(AnsweredCall(), pod, hold, [decode_pb2.DecodeResponse(chunk=chunk),
+                                                         decode_pb2.DecodeResponse(complete=complete)])
 
     async def _start_disaggregated(self, run: RequestRun, plan: RoutePlan) -> DecodeStream:
         num_prompt = len(run.request.prompt_token_ids)
@@ -145,7 +166,7 @@ class Placement:
         run.kv_sent_to.append(plan.decode)
         prefill_hold = run.hold(plan.prefill, prompt_tokens=num_prompt)
         try:
-            first = await self._prefill(run, plan)
+            first = await self._prefill(run, plan.prefill, plan.decode.address)
         except BaseException:
             decode_hold.release()
             raise
@@ -157,6 +178,8 @@ class Placement:
         decode_request = self._decode_request(run.request)
         decode_request.first_token_id = first.first_token_id
         first_chunk = decode_pb2.DecodeChunk(token_ids=[first.first_token_id])
+        if first.HasField("prompt_logprobs"):
+            first_chunk.prompt_logprobs.CopyFrom(first.prompt_logprobs)
         if first.HasField("first_token_logprob"):
             decode_request.first_token_logprob.CopyFrom(first.first_token_logprob)
             first_chunk.logprobs.tokens.append(first.first_token_logprob)
@@ -164,16 +187,17 @@ class Placement:
         decode_call = run.track(decode_pod.decode(decode_request, run.time_left()))
         return DecodeStream(decode_call, plan.decode, decode_hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
 
-    async def _prefill(self, run: RequestRun, plan: RoutePlan) -> prefill_pb2.PrefillResponse:
-        """P prefills the prompt and pushes its KV to D; P's report is the request's queue/prefill/transfer time."""
+    async def _prefill(self, run: RequestRun, pod: PodInfo, decode_address: str) -> prefill_pb2.PrefillResponse:
+        """P prefills the prompt and pushes its KV to the decode pod at ``decode_address`` (none: scoring); P's report
+        is the request's queue/prefill/transfer time."""
         req = run.request
-        prefill_pod = self.pod_clients.get(plan.prefill.address, plan.prefill.role)
+        prefill_pod = self.pod_clients.get(pod.address, pod.role)
         call = run.track(prefill_pod.prefill(prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling_params=sampling_params_to_proto(req.params), decode_address=plan.decode.address,
+            sampling_params=sampling_params_to_proto(req.params), decode_address=decode_address,
             kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s,
         ), run.time_left()))
-        first = await run.await_pod(call, plan.prefill.address)
+        first = await run.await_pod(call, pod.address)
         run.cached_tokens = first.num_cached_tokens
         run.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
                                kv_transfer=first.kv_transfer.exposed_transfer_seconds)

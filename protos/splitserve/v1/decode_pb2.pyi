@@ -34,12 +34,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[DecodeChunk, _Mapping]] = ..., complete: _Optional[_Union[DecodeComplete, _Mapping]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
+    __slots__ = ("token_ids", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _common_pb2.Logprobs
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.Logprobs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeComplete(_message.Message):
     __slots__ = ("finish_reason", "stop_token_id", "usage", "queue_seconds", "prefill_seconds")
