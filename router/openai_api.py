@@ -26,9 +26,9 @@ a non-streamed request races the generation against the connection's ``http.disc
 Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}`` (openai_errors.py), with
 the HTTP status that ``StatusError.http_status`` gives its gRPC code; ``code`` is the gRPC code's name, lower case,
 so that HTTP and gRPC clients read the same reason. Also served: ``GET /v1/models`` (with ``max_model_len``),
-``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /version``, ``GET /health`` (200 when a
-decode-capable pod is known, else 503), ``GET /pods`` (every pod the router knows: role, whether it routes to
-it, its last load report) and ``GET /metrics`` (Prometheus). With API keys configured, every path but
+``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's shapes), ``GET /version``,
+``GET /health`` (200 when a decode-capable pod is known, else 503), ``GET /pods`` (every pod the router knows:
+role, whether it routes to it, its last load report) and ``GET /metrics`` (Prometheus). With API keys configured, every path but
 ``auth_exempt_paths`` (``/health`` and ``/metrics`` by default) needs ``Authorization: Bearer <key>``.
 """
 
@@ -74,6 +74,7 @@ from router.openai_responses import (
     ModelCard,
     ModelList,
     TokenizeResponse,
+    TokenizerInfoResponse,
     VersionResponse,
 )
 from router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
@@ -105,6 +106,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/pods", api.pods, methods=["GET"])
@@ -162,6 +164,14 @@ class OpenAIRoutes:
         self._check_model(body.model)
         with _params_named_by(body):
             return DetokenizeResponse(prompt=await self.router.detokenize(body.tokens))
+
+    async def tokenizer_info(self) -> TokenizerInfoResponse:
+        tokenizer = self.router.tokenizer
+        text = lambda token_id: None if token_id is None else tokenizer.id_to_token(token_id)  # noqa: E731
+        return TokenizerInfoResponse(eos_token=text(next(iter(tokenizer.eos_token_ids), None)),
+                                     bos_token=text(tokenizer.bos_token_id),
+                                     model_max_length=self.router.config.max_model_len,
+                                     chat_template=tokenizer.chat_template)
 
     async def version(self) -> VersionResponse:
         return VersionResponse(version=package_version())

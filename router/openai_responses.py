@@ -150,6 +150,17 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None  # each token's own text, when return_token_strs
 
 
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's ``GET /tokenizer_info``: what a client needs to tokenize as the server does (evaluation harnesses then
+    tokenize through ``/tokenize`` and ``/detokenize``)."""
+
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None = None  # the served models have none
+    model_max_length: int
+    chat_template: str | None
+
+
 class DetokenizeResponse(BaseModel):
     prompt: str
 

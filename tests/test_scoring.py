@@ -166,3 +166,15 @@ def test_scoring_fields_out_of_range_are_a_400_naming_the_field(cluster, body, p
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param, reply.text
     assert param in reply.json()["error"]["message"]
+
+
+def test_tokenizer_info_names_the_special_tokens_as_lm_evals_remote_tokenizer_reads_them(cluster, offline):
+    base = f"http://{cluster.config.host}:{cluster.config.http_port}"
+    info = httpx.get(f"{base}/tokenizer_info", timeout=30).json()
+    tokenizer = offline.tokenizer
+    assert info["eos_token"] == tokenizer.id_to_token(tokenizer.eos_token_ids[0])
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] > 0
+    # The remote tokenizer finds EOS's id by tokenizing its text without special tokens added.
+    tokens = httpx.post(f"{base}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
+                        timeout=30).json()["tokens"]
+    assert tokens == [tokenizer.eos_token_ids[0]]
