@@ -28,8 +28,8 @@ the HTTP status that ``StatusError.http_status`` gives its gRPC code; ``code`` i
 so that HTTP and gRPC clients read the same reason. Also served: ``GET /v1/models`` (with ``max_model_len``),
 ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's shapes), ``GET /version``,
 ``GET /health`` (200 when a decode-capable pod is known, else 503), ``GET /pods`` (every pod the router knows:
-role, whether it routes to it, its last load report) and ``GET /metrics`` (Prometheus). With API keys configured, every path but
-``auth_exempt_paths`` (``/health`` and ``/metrics`` by default) needs ``Authorization: Bearer <key>``.
+role, whether it routes to it, its last load report) and ``GET /metrics`` (Prometheus). With API keys configured,
+every path but ``auth_exempt_paths`` (``/health`` and ``/metrics`` by default) needs ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
