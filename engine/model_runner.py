@@ -65,8 +65,9 @@ class ModelRunner:
         # The last 1 + k rows of each sampling sequence (k drafts) predict its next tokens; the step's rows are its
         # tokens, in batch order.
         ends = list(accumulate(s.num_new_tokens for s in batch.scheduled))
+        # A first token of n > 1 samples: the prompt's last row once per sample.
         rows = [row for s, end in zip(batch.scheduled, ends) if s.samples
-                for row in range(end - 1 - len(s.draft_token_ids), end)]
+                for row in [*range(end - 1 - len(s.draft_token_ids), end)] + [end - 1] * (_num_samples(s) - 1)]
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
         allowed = pending_masks.result() if pending_masks is not None else {}
         out = self.sampler.sample(logits, [row for s in sampling
@@ -77,7 +78,10 @@ class ModelRunner:
             tokens, logprobs = out.token_ids[first:], out.logprobs[first:]
             emitted = accept_drafts(tokens, s.draft_token_ids)
             sampled[s.seq.request_id] = list(zip(tokens[:emitted], logprobs[:emitted]))
-            first += 1 + len(s.draft_token_ids)
+            samples = _num_samples(s)
+            if samples > 1:
+                s.seq.sample_first_tokens = list(zip(tokens[1:samples], logprobs[1:samples]))
+            first += len(s.draft_token_ids) + samples
         return sampled
 
     def _record_prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor) -> None:
@@ -123,12 +127,21 @@ class ModelRunner:
         return as_tensor(tokens), as_tensor(positions), meta
 
 
+def _num_samples(s: ScheduledSeq) -> int:
+    """Rows a sampling sequence draws at the prompt's last position: ``n`` for the first token of n > 1 samples."""
+    seq = s.seq
+    return seq.sampling_params.n if seq.num_output_tokens == 0 and not s.draft_token_ids else 1
+
+
 def _sampling_rows(s: ScheduledSeq, allowed: torch.Tensor | None = None) -> list[SamplingRow]:
     """The sampling row of each verified position: row j samples as if drafts 0..j-1 were already output (penalties,
-    min_tokens and the seeded draw's position see them). ``allowed``: the grammar's mask of a guided sequence (which
-    never has drafts: the engine does not speculate for it)."""
+    min_tokens and the seeded draw's position see them); then, for the first token of n > 1 samples, one row per
+    further sample, seeded seed + i (``SamplingParams.for_sample``). ``allowed``: the grammar's mask of a guided
+    sequence (which never has drafts: the engine does not speculate for it)."""
     seq = s.seq
     outputs = seq.output_token_ids  # as it is for row 0 (every row when not speculating): no copy per step
-    return [SamplingRow(seq.sampling_params, seq.prompt_token_ids, outputs + s.draft_token_ids[:j] if j else outputs,
+    rows = [SamplingRow(seq.sampling_params, seq.prompt_token_ids, outputs + s.draft_token_ids[:j] if j else outputs,
                         allowed if j == 0 else None)
             for j in range(len(s.draft_token_ids) + 1)]
+    return rows + [SamplingRow(seq.sampling_params.for_sample(i), seq.prompt_token_ids, outputs, allowed)
+                   for i in range(1, _num_samples(s))]

@@ -76,6 +76,9 @@ class Sequence:
     speculation: DraftState | None = None
     # Structured output (engine/grammar_masks.py): the request's grammar matcher, made on its first guided step.
     grammar: GrammarState | None = None
+    # With SamplingParams.n > 1: the first tokens of samples 1..n-1 (token id, logprobs), drawn with the prompt's
+    # first (seeds seed + i) from the same logits; a decode pod forks the sequence for each (engine/llm_engine.py).
+    sample_first_tokens: list[tuple[int, dict[int, float] | None]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
