@@ -14,6 +14,8 @@ A request's path:
                             seconds, stats)
       either fails       -> the other is cancelled: an aborted engine request frees its blocks, a cancelled push
                             makes the decode pod release its reservation; the failure's status is the answer
+    n > 1 samples        one prefill samples every sample's first token (sample i seeded seed + i), and the KV goes
+                         once, for n claims: each sample's Decode call forks its own sequence off it
     scoring              a request that generates nothing (max_tokens 0, no decode_address): the prompt is
                          prefilled for its prompt logprobs, nothing is sampled, no KV goes anywhere
     Abort(request_id)    cancels the call's work the same way; the call ends CANCELLED
@@ -98,7 +100,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return await self._prefill(request, params, None), None
         sender = await self.kv_client.open(request.decode_address, request.kv_codec,
                                             request.request_id, list(request.prompt_token_ids),
-                                            request.kv_lease_seconds, timeout_s)
+                                            request.kv_lease_seconds, timeout_s, num_claims=params.n)
         push = asyncio.create_task(sender.push(), name=f"push-{request.request_id}")
         prefill = asyncio.create_task(self._prefill(request, params, sender), name=f"prefill-{request.request_id}")
         try:
@@ -159,6 +161,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 token_logprob_from_dict(event.token_ids[0], event.logprobs[0], params.logprobs))
         if params.prompt_logprobs is not None:
             response.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(seq.prompt_logprobs))
+        for token_id, logprobs in seq.sample_first_tokens:  # samples 1..n-1 of an n > 1 request
+            response.more_first_token_ids.append(token_id)
+            if params.logprobs is not None:
+                response.more_first_token_logprobs.append(token_logprob_from_dict(token_id, logprobs, params.logprobs))
         return response
 
 

@@ -50,6 +50,27 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "
 
 
 @dataclass
+class SampleGroup:
+    """The n samples of one prompt (``n`` > 1): the first sample's placement prefills the prompt once on a prefill pod
+    for all of them (every sample's first token drawn from the same logits) and pushes its KV once, to one decode pod,
+    where each sample's Decode call claims it (``placement.py``). The others wait for that (``shared``) and go on
+    their own when there is none (the prompt prefilled on a decode pod, or the first sample failed)."""
+
+    request_ids: list[str]  # the samples' requests, the first one's id naming the pushed KV
+    params: SamplingParams  # the first sample's, with n: what the prefill pod samples with
+    shared: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def kv_request_id(self) -> str:
+        return self.request_ids[0]
+
+    def share(self, outcome: Any) -> None:
+        """What the others start from (None: each on its own); once, later calls are ignored."""
+        if not self.shared.done():
+            self.shared.set_result(outcome)
+
+
+@dataclass
 class RouterRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -60,6 +81,7 @@ class RouterRequest:
     # The request's own latency targets (docs/api.md, the "slo" extension); None: the router's --slo-*-s.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    samples: SampleGroup | None = None  # the n > 1 samples of its prompt, it among them
 
 
 class Intake:

@@ -29,6 +29,7 @@ pods' next load reports do. The stream itself (tokens to text, the end) is the r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -40,7 +41,7 @@ from router.intake import RouterRequest
 from router.pod_client import PodClientPool
 from router.policies import RoutePlan, RoutingPolicy, SLOTargets
 from router.registry import PodInfo, PodRegistry
-from router.request_run import AnsweredCall, DecodeStream, RequestRun
+from router.request_run import AnsweredCall, DecodeStream, PodHold, RequestRun
 from runtime.errors import StatusError
 from runtime.metrics import RouterMetrics
 
@@ -100,7 +101,30 @@ class Placement:
     # -- steps 2 and 3: placing the request and getting its first token ---------------------------------------
 
     async def start(self, run: RequestRun) -> DecodeStream:
-        """D's stream of ``run``, its first message taken; retried on other pods while that may help."""
+        """D's stream of ``run``, its first message taken. The n samples of a prompt (``SampleGroup``): the first
+        one's placement prefills for all of them and shares the KV it pushed, which the others claim; they go on
+        their own when it shares none."""
+        group = run.request.samples
+        if group is None:
+            return await self._place(run)
+        if group.kv_request_id == run.request.request_id:
+            try:
+                return await self._place(run)
+            finally:
+                group.share(None)  # unless it shared its KV already (_start_disaggregated)
+        try:
+            shared = await asyncio.wait_for(asyncio.shield(group.shared), run.time_left())
+        except TimeoutError:
+            run.time_left()  # raises DEADLINE_EXCEEDED
+            raise
+        if run.aborted:
+            raise StatusError(grpc.StatusCode.CANCELLED, "aborted")
+        if shared is not None:
+            return await self._start_on_shared_kv(run, *shared)
+        return await self._place(run)
+
+    async def _place(self, run: RequestRun) -> DecodeStream:
+        """Placed on a pair of pods, retried on others while that may help."""
         retries_left = self.config.max_retries
         avoid: set[str] = set()  # pods of failed attempts: the next attempt prefers others
         while True:
@@ -174,27 +198,55 @@ class Placement:
             prefill_hold.release()
         if self.policy.hybrid is not None:
             self.policy.hybrid.observe_transfer(num_prompt, first.kv_transfer.exposed_transfer_seconds)
+        group = run.request.samples
+        if group is not None:  # the first of n samples: the others claim the same KV with their first tokens
+            group.share((plan.decode, first) if len(first.more_first_token_ids) == len(group.request_ids) - 1
+                        else None)
         # The KV now waits on D under a lease: claim it at once. D's stream starts after the first token.
+        first_logprob = first.first_token_logprob if first.HasField("first_token_logprob") else None
+        return self._claim(run, plan.decode, decode_hold, first, first.first_token_id, first_logprob)
+
+    async def _start_on_shared_kv(self, run: RequestRun, pod: PodInfo,
+                                  first: prefill_pb2.PrefillResponse) -> DecodeStream:
+        """Sample i > 0 of a prompt: its first token came with sample 0's (P's ``more_first_token_ids``), and its
+        Decode call claims the KV pushed once for all of them, on the same decode pod."""
+        group = run.request.samples
+        index = group.request_ids.index(run.request.request_id) - 1
+        run.cached_tokens = first.num_cached_tokens
+        run.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
+                               kv_transfer=first.kv_transfer.exposed_transfer_seconds)
+        self.metrics.count(self.metrics.pod_requests, pod.address, str(pod.role))
+        logprobs = first.more_first_token_logprobs
+        return self._claim(run, pod, run.hold(pod), first, first.more_first_token_ids[index],
+                           logprobs[index] if logprobs else None)
+
+    def _claim(self, run: RequestRun, pod: PodInfo, hold: PodHold, first: prefill_pb2.PrefillResponse,
+               first_token_id: int, first_logprob: common_pb2.TokenLogprob | None) -> DecodeStream:
+        """D's stream of a request whose prompt's KV waits there (pushed by P's ``first``), with its first token."""
         decode_request = self._decode_request(run.request)
-        decode_request.first_token_id = first.first_token_id
-        first_chunk = decode_pb2.DecodeChunk(token_ids=[first.first_token_id])
+        decode_request.first_token_id = first_token_id
+        if run.request.samples is not None:
+            decode_request.kv_request_id = run.request.samples.kv_request_id
+        first_chunk = decode_pb2.DecodeChunk(token_ids=[first_token_id])
         if first.HasField("prompt_logprobs"):
             first_chunk.prompt_logprobs.CopyFrom(first.prompt_logprobs)
-        if first.HasField("first_token_logprob"):
-            decode_request.first_token_logprob.CopyFrom(first.first_token_logprob)
-            first_chunk.logprobs.tokens.append(first.first_token_logprob)
-        decode_pod = self.pod_clients.get(plan.decode.address, plan.decode.role)
+        if first_logprob is not None:
+            decode_request.first_token_logprob.CopyFrom(first_logprob)
+            first_chunk.logprobs.tokens.append(first_logprob)
+        decode_pod = self.pod_clients.get(pod.address, pod.role)
         decode_call = run.track(decode_pod.decode(decode_request, run.time_left()))
-        return DecodeStream(decode_call, plan.decode, decode_hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
+        return DecodeStream(decode_call, pod, hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
 
     async def _prefill(self, run: RequestRun, pod: PodInfo, decode_address: str) -> prefill_pb2.PrefillResponse:
         """P prefills the prompt and pushes its KV to the decode pod at ``decode_address`` (none: scoring); P's report
         is the request's queue/prefill/transfer time."""
         req = run.request
+        # The first of n samples prefills for all of them (decode_address set: not when scoring).
+        params = req.samples.params if req.samples is not None and decode_address else req.params
         prefill_pod = self.pod_clients.get(pod.address, pod.role)
         call = run.track(prefill_pod.prefill(prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling_params=sampling_params_to_proto(req.params), decode_address=decode_address,
+            sampling_params=sampling_params_to_proto(params), decode_address=decode_address,
             kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s,
         ), run.time_left()))
         first = await run.await_pod(call, pod.address)

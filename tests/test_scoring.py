@@ -7,6 +7,7 @@ logprob must equal the offline engine's to the bit: the same model, the same ker
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -178,3 +179,44 @@ def test_tokenizer_info_names_the_special_tokens_as_lm_evals_remote_tokenizer_re
     tokens = httpx.post(f"{base}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
                         timeout=30).json()["tokens"]
     assert tokens == [tokenizer.eos_token_ids[0]]
+
+
+# --- n samples of one prompt: one prefill, one transfer, the prompt's blocks shared on the decode pod ---------------
+
+
+def test_n_seeded_samples_share_one_prefill_and_one_kv_transfer(client, cluster, offline):
+    def counters():
+        return (pod_metric(cluster, "prefill", "splitserve_prompt_tokens_total"),
+                pod_metric(cluster, "decode", "splitserve_kv_transfer_bytes_total"))
+
+    prompt = LONG + " jumps"
+    before = counters()
+    client.completions.create(model="tiny-random", prompt=prompt, max_tokens=2, temperature=0)
+    one = counters()
+    answer = client.completions.create(model="tiny-random", prompt=prompt, n=3, seed=7, temperature=1.0,
+                                       max_tokens=24)
+    three = counters()
+    expected = [offline.generate(prompt, SamplingParams(max_tokens=24, seed=7 + i, temperature=1.0))[0].text
+                for i in range(3)]
+    assert [choice.text for choice in answer.choices] == expected and len(set(expected)) == 3
+    # The prefill pod computed the prompt once and the decode pod received its KV once, as for one sample.
+    assert [b - a for a, b in zip(one, three)] == [b - a for a, b in zip(before, one)]
+    assert one[0] - before[0] == len(offline.tokenizer.encode(prompt))
+
+
+def test_every_block_of_the_samples_is_free_afterwards(client, cluster):
+    client.completions.create(model="tiny-random", prompt=LONG * 2, n=4, seed=3, temperature=1.0, max_tokens=40,
+                              extra_body={"ignore_eos": True})
+    base = f"http://{cluster.config.host}:{cluster.config.http_port}"
+
+    def decode_load() -> dict:
+        pods = httpx.get(f"{base}/pods", timeout=30).json()["pods"]
+        return next(pod for pod in pods if pod["role"] == "decode")["load"]
+
+    load = decode_load()
+    for _ in range(100):  # the pod's next load reports
+        if load["free_kv_blocks"] == load["total_kv_blocks"]:
+            break
+        time.sleep(0.1)
+        load = decode_load()
+    assert load["free_kv_blocks"] == load["total_kv_blocks"] and load["num_running"] == 0
