@@ -54,19 +54,23 @@ def test_chunked_cached_and_generating_requests_get_the_same_entries(llm):
     generating = llm.generate(PROMPT, SamplingParams(max_tokens=3, prompt_logprobs=3, temperature=0.0))[0]
     assert generating.prompt_logprobs == whole.prompt_logprobs and len(generating.token_ids) == 3
     chunked = LLM(model="tiny-random", num_blocks=64, long_prefill_token_threshold=8)
-    assert score(chunked, PROMPT).prompt_logprobs == pytest.approx(whole.prompt_logprobs)
+    assert score(chunked, PROMPT).prompt_logprobs == whole.prompt_logprobs
 
 
-def test_a_preempted_request_keeps_one_entry_per_position():
-    # 8 blocks of 16 tokens: two 40-token prompts generating 50 tokens each cannot both fit, so one is preempted
-    # and computes its prompt again.
-    engine = LLM(model="tiny-random", num_blocks=8).engine
-    params = SamplingParams(max_tokens=50, ignore_eos=True, prompt_logprobs=2, temperature=0.0)
-    prompts = [PROMPT, PROMPT[::-1]]
-    seqs = [engine.add_request(str(i), prompt, params) for i, prompt in enumerate(prompts)]
-    while engine.has_unfinished_requests():
+def test_a_request_preempted_inside_its_prompt_keeps_one_entry_per_position(llm):
+    # 5 blocks of 16 tokens, prompts in chunks of 8: a 30-token request decoding takes a third block while a 40-token
+    # prompt has two, so the prompt is preempted with 32 of its tokens computed, and computes them again.
+    engine = LLM(model="tiny-random", num_blocks=5, long_prefill_token_threshold=8).engine
+    engine.add_request("decoding", PROMPT[:30], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0))
+    for _ in range(3):
         engine.step()
-    assert max(seq.num_preemptions for seq in seqs) > 0
-    reference = LLM(model="tiny-random", num_blocks=64)
-    for seq, prompt in zip(seqs, prompts):
-        assert [None, *seq.prompt_logprobs] == reference.generate(prompt, params)[0].prompt_logprobs
+    params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2, temperature=0.0)
+    seq = engine.add_request("scored", PROMPT, params)
+    entries_when_preempted = []
+    while engine.has_unfinished_requests():
+        entries, preemptions = len(seq.prompt_logprobs), seq.num_preemptions
+        engine.step()
+        if seq.num_preemptions > preemptions:
+            entries_when_preempted.append(entries)
+    assert entries_when_preempted and 0 < min(entries_when_preempted) < len(PROMPT) - 1
+    assert [None, *seq.prompt_logprobs] == llm.generate(PROMPT, params)[0].prompt_logprobs
