@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 # Known fields this server does not honour yet: {field: (the values that ask for nothing, why it is refused)}.
 _NO_TOOLS = "the legacy function-calling fields are not supported; use tools and tool_choice"
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "best_of": ((None, 1), "only one sample per prompt is generated"),
+    "best_of": ((None, 1), "samples are ranked by /v1/completions only"),
     "suffix": ((None, ""), "the served models do not fill in the middle"),
     "prompt_logprobs": ((None,), "prompt logprobs are returned by /v1/completions"),
     "guided_decoding_backend": ((None,), "the grammar engine is the server's choice (llguidance)"),

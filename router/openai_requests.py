@@ -151,7 +151,6 @@ class _GenerationRequest(StrictModel):
     guided_grammar: Text | None = None  # Lark or GBNF
     structured_outputs: StructuredOutputs | None = None  # vLLM's newer object
     # Known, not supported yet: refused unless neutral (UNSUPPORTED_FIELDS).
-    best_of: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
@@ -181,6 +180,11 @@ class _GenerationRequest(StrictModel):
         if options is not None and not info.data.get("stream"):
             raise PydanticCustomError("stream_options", "stream_options is only allowed when stream is true")
         return options
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Samples generated per prompt: ``n``, or more when the ``n`` most likely are kept (``best_of``)."""
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -257,13 +261,14 @@ class _GenerationRequest(StrictModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: a prompt, as text or token ids, or a list of prompts (one choice each, n each)."""
 
-    honoured_fields = frozenset({"prompt_logprobs"})
+    honoured_fields = frozenset({"prompt_logprobs", "best_of"})
 
     prompt: str | list[int] | list[str | list[int]]  # text checked for valid Unicode by _prompts
     max_tokens: int | None = 16  # OpenAI's default for this endpoint; null: until the context is full; 0 with echo
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False  # the prompt's text before each choice's output (with logprobs: its tokens' logprobs too)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top-N, in the choice
+    best_of: int | None = Field(None, ge=1)  # samples per prompt, of which the n most likely are returned
     add_special_tokens: bool = True  # vLLM's: BOS and the like, as the tokenizer adds them
     suffix: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
 
@@ -286,6 +291,19 @@ class CompletionRequest(_GenerationRequest):
         """The request's prompts, in order (one for a single prompt)."""
         single = isinstance(self.prompt, str) or _is_int_list(self.prompt)
         return [self.prompt] if single else list(self.prompt)
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.best_of or self.n
+
+    def sampling_params(self) -> SamplingParams:
+        params = super().sampling_params()
+        if self.best_of is not None and self.best_of < params.n:
+            raise InvalidParameter("best_of", f"best_of must be >= n ({params.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > params.n and self.stream:
+            raise InvalidParameter("best_of", "best_of: the samples are ranked once they are all done, so they "
+                                              "cannot be streamed; set stream to false")
+        return params
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -444,6 +462,7 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
     parallel_tool_calls: bool = True  # a forced tool_choice may make several calls
     # Known, not supported (UNSUPPORTED_FIELDS).
     prompt_logprobs: Any = None
+    best_of: Any = None
     functions: Any = None
     function_call: Any = None
     reasoning_effort: Any = None

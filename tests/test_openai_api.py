@@ -454,7 +454,12 @@ def error_of(response: httpx.Response) -> dict:
     ({"stop": [1]}, "stop[0]", "stop[0]: Input should be a valid string"),
     ({"logprobs": -1}, "logprobs", "logprobs: Input should be greater than or equal to 0"),
     ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20] or None, got 21"),
-    ({"best_of": 2}, "best_of", "best_of: best_of is not supported: only one sample per prompt is generated"),
+    ({"best_of": 2, "n": 3}, "best_of", "best_of must be >= n (3), got 2"),
+    ({"best_of": 0}, "best_of", "best_of: Input should be greater than or equal to 1"),
+    ({"best_of": 2, "stream": True}, "best_of", "best_of: the samples are ranked once they are all done, so they "
+     "cannot be streamed; set stream to false"),
+    ({"best_of": 129}, "best_of", "best_of: 1 prompt(s) x n = 129 make 129 choices, more than the limit of 128 per "
+     "request"),
     ({"logit_bias": {"x1": -100}}, "logit_bias", "logit_bias keys must be token ids, got 'x1'"),
     ({"logit_bias": {"1": 101}}, "logit_bias", "logit_bias must map token ids >= 0 to biases in [-100.0, 100.0], "
      "got 1: 101.0"),
@@ -515,14 +520,14 @@ def test_bad_chat_fields_are_400_naming_the_field(http, fake, body, param, messa
 # Known fields this server does not honour yet, each with a value that asks for something: refused by name.
 UNSUPPORTED = [
     ("guided_decoding_backend", "xgrammar"), ("structural_tag", {"type": "structural_tag"}),
-    ("truncate_prompt_tokens", 10), ("best_of", 3), ("use_beam_search", True), ("priority", 1),
+    ("truncate_prompt_tokens", 10), ("use_beam_search", True), ("priority", 1),
     ("logits_processors", ["x"]),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("store", True),
     ("service_tier", "flex"), ("cache_salt", "s"), ("kv_transfer_params", {}), ("metadata", {"a": "b"}),
 ]
 CHAT_ONLY_UNSUPPORTED = [
     ("chat_template", "{{ messages }}"), ("documents", [{"text": "d"}]), ("reasoning_effort", "high"),
-    ("modalities", ["text", "audio"]), ("functions", [{"name": "f"}]), ("prompt_logprobs", 1),
+    ("modalities", ["text", "audio"]), ("functions", [{"name": "f"}]), ("prompt_logprobs", 1), ("best_of", 3),
 ]
 
 

@@ -220,3 +220,15 @@ def test_every_block_of_the_samples_is_free_afterwards(client, cluster):
         time.sleep(0.1)
         load = decode_load()
     assert load["free_kv_blocks"] == load["total_kv_blocks"] and load["num_running"] == 0
+
+
+def test_best_of_returns_the_n_most_likely_of_its_seeded_samples(client, offline):
+    answer = client.completions.create(model="tiny-random", prompt=LONG, n=2, best_of=4, seed=5, temperature=1.0,
+                                       max_tokens=8)
+    samples = [offline.generate(LONG, SamplingParams(max_tokens=8, seed=5 + i, temperature=1.0, logprobs=0))[0]
+               for i in range(4)]
+    cumulative = [sum(entry[token] for token, entry in zip(s.token_ids, s.logprobs)) for s in samples]
+    ranked = sorted(range(4), key=lambda i: -cumulative[i])
+    assert [choice.text for choice in answer.choices] == [samples[i].text for i in ranked[:2]]
+    assert [choice.index for choice in answer.choices] == [0, 1] and answer.choices[0].logprobs is None
+    assert answer.usage.completion_tokens == sum(len(s.token_ids) for s in samples)  # every sample generated
