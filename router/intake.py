@@ -83,6 +83,11 @@ class RouterRequest:
     slo_tpot_s: float | None = None
     samples: SampleGroup | None = None  # the n > 1 samples of its prompt, it among them
 
+    @property
+    def leads_samples(self) -> bool:
+        """The first of its prompt's samples: its prefill is for all of them."""
+        return self.samples is not None and self.samples.kv_request_id == self.request_id
+
 
 class Intake:
     """Tokenizes and checks requests against the ``RouterConfig``'s limits, off the event loop."""

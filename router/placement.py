@@ -107,7 +107,7 @@ class Placement:
         group = run.request.samples
         if group is None:
             return await self._place(run)
-        if group.kv_request_id == run.request.request_id:
+        if run.request.leads_samples:
             try:
                 return await self._place(run)
             finally:
@@ -199,7 +199,7 @@ class Placement:
         if self.policy.hybrid is not None:
             self.policy.hybrid.observe_transfer(num_prompt, first.kv_transfer.exposed_transfer_seconds)
         group = run.request.samples
-        if group is not None:  # the first of n samples: the others claim the same KV with their first tokens
+        if run.request.leads_samples:  # the first of n samples: the others claim the same KV with their first tokens
             group.share((plan.decode, first) if len(first.more_first_token_ids) == len(group.request_ids) - 1
                         else None)
         # The KV now waits on D under a lease: claim it at once. D's stream starts after the first token.
@@ -218,15 +218,16 @@ class Placement:
         self.metrics.count(self.metrics.pod_requests, pod.address, str(pod.role))
         logprobs = first.more_first_token_logprobs
         return self._claim(run, pod, run.hold(pod), first, first.more_first_token_ids[index],
-                           logprobs[index] if logprobs else None)
+                           logprobs[index] if logprobs else None, kv_request_id=group.kv_request_id)
 
     def _claim(self, run: RequestRun, pod: PodInfo, hold: PodHold, first: prefill_pb2.PrefillResponse,
-               first_token_id: int, first_logprob: common_pb2.TokenLogprob | None) -> DecodeStream:
-        """D's stream of a request whose prompt's KV waits there (pushed by P's ``first``), with its first token."""
+               first_token_id: int, first_logprob: common_pb2.TokenLogprob | None,
+               kv_request_id: str = "") -> DecodeStream:
+        """D's stream of a request whose prompt's KV waits there (pushed by P's ``first``, under ``kv_request_id``
+        when not the request's own id), with its first token."""
         decode_request = self._decode_request(run.request)
         decode_request.first_token_id = first_token_id
-        if run.request.samples is not None:
-            decode_request.kv_request_id = run.request.samples.kv_request_id
+        decode_request.kv_request_id = kv_request_id
         first_chunk = decode_pb2.DecodeChunk(token_ids=[first_token_id])
         if first.HasField("prompt_logprobs"):
             first_chunk.prompt_logprobs.CopyFrom(first.prompt_logprobs)
@@ -242,7 +243,7 @@ class Placement:
         is the request's queue/prefill/transfer time."""
         req = run.request
         # The first of n samples prefills for all of them (decode_address set: not when scoring).
-        params = req.samples.params if req.samples is not None and decode_address else req.params
+        params = req.samples.params if req.leads_samples and decode_address else req.params
         prefill_pod = self.pod_clients.get(pod.address, pod.role)
         call = run.track(prefill_pod.prefill(prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,

@@ -171,7 +171,7 @@ class Router:
             raise
         finally:
             run.cancel_calls()
-            if req.samples is not None and req.samples.kv_request_id == req.request_id:
+            if req.leads_samples:
                 req.samples.share(None)  # refused before it placed: the other samples go on their own
             if run.finish_reason in (None, FinishReason.ABORT):
                 self._drop_pushed_kv(run)

@@ -204,6 +204,12 @@ def test_n_seeded_samples_share_one_prefill_and_one_kv_transfer(client, cluster,
     assert one[0] - before[0] == len(offline.tokenizer.encode(prompt))
 
 
+def test_samples_of_a_prompt_prefilled_on_the_decode_pod_go_on_their_own(client, offline):
+    answer = client.completions.create(model="tiny-random", prompt=SHORT, n=3, seed=9, temperature=1.0, max_tokens=8)
+    assert [choice.text for choice in answer.choices] == [
+        offline.generate(SHORT, SamplingParams(max_tokens=8, seed=9 + i, temperature=1.0))[0].text for i in range(3)]
+
+
 def test_every_block_of_the_samples_is_free_afterwards(client, cluster):
     client.completions.create(model="tiny-random", prompt=LONG * 2, n=4, seed=3, temperature=1.0, max_tokens=40,
                               extra_body={"ignore_eos": True})
