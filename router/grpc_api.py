@@ -3,9 +3,10 @@
 ``Generate``: GenerateRequest -> checks here (a message that does not parse, the model name, the input, the
 sampling parameters) -> ``Router.make_request`` (the server's limits, tokenized off the event loop; the call's
 deadline, when the client set one, becomes the request's) -> ``Router.generate`` -> one ``chunk`` per
-``OutputDelta`` (the first with the prompt's logprobs, when asked) -> one ``complete`` (or, for a request that failed after output started, one ``error``) -> status
-OK. A request refused before any output (``StatusError``) ends the call with that status code and no message; an
-INVALID_ARGUMENT names the field as the proto spells it (``sampling_params.stop[3]: ...``). Cancelling the call
+``OutputDelta`` (the first with the prompt's logprobs, when asked) -> one ``complete`` (or, for a request that
+failed after output started, one ``error``) -> status OK. A request refused before any output (``StatusError``)
+ends the call with that status code and no message; an INVALID_ARGUMENT names the field as the proto spells it
+(``sampling_params.stop[3]: ...``). Cancelling the call
 (client gone, deadline passed) closes the router's stream, which cancels the pod calls.
 
 ``Abort``: ``Router.abort``; the aborted request's own stream ends with ``complete`` (finish reason ABORT). It

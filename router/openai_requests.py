@@ -14,9 +14,9 @@ No field is silently ignored. Each field a body may carry is one of:
   ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``add_special_tokens``, ``request_id``; for
   chat ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
   ``stream_options.continuous_usage_stats``);
-- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: ``suffix``, chat's ``prompt_logprobs``...): accepted
-  only at its neutral value (``null``, ``false``, ``[]``, or
-  what asks for nothing: ``best_of: 1``, ``response_format: {"type": "text"}``), refused with 400 naming it
+- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: ``suffix``, chat's ``prompt_logprobs``...):
+  accepted only at its neutral value (``null``, ``false``, ``[]``, or what asks for nothing: chat's ``best_of: 1``,
+  ``response_format: {"type": "text"}``), refused with 400 naming it
   otherwise;
 - ignored on purpose, and documented as such: ``user`` and ``safety_identifier`` (end-user ids for OpenAI's abuse
   monitoring; this server keeps no per-user state);
