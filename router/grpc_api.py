@@ -6,8 +6,8 @@ deadline, when the client set one, becomes the request's) -> ``Router.generate``
 ``OutputDelta`` (the first with the prompt's logprobs, when asked) -> one ``complete`` (or, for a request that
 failed after output started, one ``error``) -> status OK. A request refused before any output (``StatusError``)
 ends the call with that status code and no message; an INVALID_ARGUMENT names the field as the proto spells it
-(``sampling_params.stop[3]: ...``). Cancelling the call
-(client gone, deadline passed) closes the router's stream, which cancels the pod calls.
+(``sampling_params.stop[3]: ...``). Cancelling the call (client gone, deadline passed) closes the router's stream,
+which cancels the pod calls.
 
 ``Abort``: ``Router.abort``; the aborted request's own stream ends with ``complete`` (finish reason ABORT). It
 takes any request id, the X-Request-Id of an HTTP request included.
