@@ -7,14 +7,21 @@ A request's path:
       with first_token_id             claim the lease (NOT_FOUND: never pushed or expired; FAILED_PRECONDITION:
                                       still arriving), then admit the sequence with its first token through
                                       EngineLoop.generate(add=engine.admit_prefilled): it joins the running batch.
+                                      The n samples of one prompt claim the one KV pushed for them
+                                      (kv_request_id): each forks a sequence sharing its full blocks, with a copy
+                                      of the last partly filled one (LLMEngine.fork_prefilled).
                                       No KV here (never pushed, expired, or dropped as bad): per
                                       kv_load_failure_policy, NOT_FOUND ("fail") or the prompt and the first
                                       token prefill here ("recompute"), as a migrated request's do
+                                      (prompt logprobs are the prefill pod's: a pod that prefills a request it was
+                                      not the first to prefill still sends its own, which the router ignores)
       without first_token_id          conditional disaggregation / the mixed role: the prompt prefills here;
                                       with resume_token_ids (a request migrated from a decode pod that went away)
                                       the prompt and those tokens prefill here and generation goes on after them
       stream                          DecodeChunk per engine event with the tokens new to the router (from the
-                                      second when the prefill pod sampled the first), then DecodeComplete with the
+                                      second when the prefill pod sampled the first; the first chunk of a prompt
+                                      prefilled here carries its prompt logprobs, when asked: alone, with no token,
+                                      for a request that generates nothing), then DecodeComplete with the
                                       finish reason, stop token id, usage and this pod's queue/prefill seconds
       cancelled or failed             the engine request is aborted, or the unadmitted lease released: every
                                       block goes back either way
@@ -37,10 +44,11 @@ from engine.engine_loop import TokenEvent
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from kvtransfer.leases import TransferTable
+from kvtransfer.leases import KVLease, TransferTable
 from kvtransfer.receiver import KVTransferServicer
 from protos.convert import (
     finish_reason_to_proto,
+    prompt_logprobs_to_proto,
     sampling_params_from_proto,
     token_logprob_from_dict,
     token_logprob_to_dict,
@@ -94,26 +102,45 @@ class _TokenClock:
 
 
 class _Admission:
-    """Joins a claimed sequence, whose KV arrived, to the running batch (on the engine thread)."""
+    """Joins a claimed sequence, whose KV arrived, to the running batch (on the engine thread). KV pushed for the n
+    samples of one prompt is shared: each claim forks a sequence of its own off the lease's, and the last one gives
+    the lease's reference back."""
 
-    def __init__(self, seq: Sequence, request: decode_pb2.DecodeRequest, params: SamplingParams):
-        self.seq = seq
+    def __init__(self, lease: KVLease, request: decode_pb2.DecodeRequest, params: SamplingParams):
+        self.lease = lease
+        self.last_claim = lease.claims_left == 0
         self.request = request
         self.params = params
         self.admitted = False  # written and read on the engine thread only
+        self.lease_released = False  # likewise
 
     def admit(self, engine: LLMEngine) -> Sequence:
         first_logprobs = (token_logprob_to_dict(self.request.first_token_logprob)
                           if self.request.HasField("first_token_logprob") else None)
-        self.seq.sampling_params = self.params  # the push reserved the blocks before the params were known
-        self.seq.tpot_target_s = self.request.tpot_target_seconds
-        seq = engine.admit_prefilled(self.seq, self.request.first_token_id, first_logprobs)
+        seq = self.lease.seq
+        if self.lease.shared:
+            seq = engine.fork_prefilled(self.lease.seq, self.request.request_id, self.params)
+            self._release_shared_lease(engine)
+            if seq is None:
+                raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  "no KV block free for this sample's copy of the prompt's last block")
+        seq.sampling_params = self.params  # the push reserved the blocks before the params were known
+        seq.tpot_target_s = self.request.tpot_target_seconds
+        seq = engine.admit_prefilled(seq, self.request.first_token_id, first_logprobs)
         self.admitted = True
         return seq
 
     def release_unless_admitted(self, engine: LLMEngine) -> None:
-        if not self.admitted:
-            engine.release_transfer(self.seq)
+        if self.lease.shared:
+            self._release_shared_lease(engine)
+        elif not self.admitted:
+            engine.release_transfer(self.lease.seq)
+
+    def _release_shared_lease(self, engine: LLMEngine) -> None:
+        """After the last sample forked off it, the shared KV's own reference goes (the samples keep theirs)."""
+        if self.last_claim and not self.lease_released:
+            engine.release_transfer(self.lease.seq)
+            self.lease_released = True
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -134,19 +161,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the decode pod's queue is full")
             await self._stream(request, params, None, context)
             return
+        kv_request_id = request.kv_request_id or request.request_id
         try:
-            seq = self.transfers.claim(request.request_id, list(request.prompt_token_ids))
+            lease = self.transfers.claim(kv_request_id, list(request.prompt_token_ids))
         except StatusError as err:
             if err.code != grpc.StatusCode.NOT_FOUND:
                 await context.abort(err.code, err.message)  # not a failed load: a bad request, or too early
             await self._load_failed(request, params, err, context)
             return
-        self._pod.metrics.kv_loaded("loaded")
-        admission = _Admission(seq, request, params)
+        if lease.claims_left == lease.num_claims - 1:  # one load per transfer, however many samples claim it
+            self._pod.metrics.kv_loaded("loaded")
+        admission = _Admission(lease, request, params)
         try:
             await self._stream(request, params, admission, context)
         finally:
-            self.transfers.forget(request.request_id)  # from here the engine owns admitted blocks
+            if admission.last_claim:
+                self.transfers.forget(kv_request_id)  # from here the engine owns admitted blocks
             # Runs after the admission command (if it was queued at all), so it knows whether it happened.
             await self._pod.engine_loop.run(admission.release_unless_admitted)
 
@@ -203,15 +233,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     await self._send(event, params, admission is not None, clock, context)
         except ValueError as err:  # the engine refused the request
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except StatusError as err:  # no room for a sample's copy of the prompt's last block
+            await context.abort(err.code, err.message)
 
     async def _send(self, event: TokenEvent, params: SamplingParams, prefilled: bool, clock: _TokenClock,
                     context) -> None:
-        if event.token_ids:
-            clock.on_tokens(len(event.token_ids))
+        if event.token_ids or event.prompt_logprobs is not None:  # a scored prompt's: its logprobs, no token
+            if event.token_ids:
+                clock.on_tokens(len(event.token_ids))
             chunk = decode_pb2.DecodeChunk(token_ids=event.token_ids)
             if params.logprobs is not None:
                 chunk.logprobs.tokens.extend(token_logprob_from_dict(token_id, logprobs, params.logprobs)
                                              for token_id, logprobs in zip(event.token_ids, event.logprobs))
+            if event.prompt_logprobs is not None:
+                chunk.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(event.prompt_logprobs))
             await context.write(decode_pb2.DecodeResponse(chunk=chunk))
         if not event.finished:
             return

@@ -6,6 +6,8 @@ A sequence's path through the pool:
   then ``allocate_slots`` takes a reference on those blocks and allocates fresh ones for the tokens to compute;
 - each step: ``allocate_slots`` grows its ``block_table`` for the step's new tokens, and after the step
   ``cache_full_blocks`` gives every block that became full a hash, so later requests can reuse it;
+- the samples of one prompt (n > 1): ``fork`` gives each a reference on the prompt's full blocks and a copy of
+  its last, partly filled block, so that the prompt's KV is held once, plus one block per sample;
 - finish, abort or preemption: ``free`` drops its references. A freed block that has a hash keeps its KV and
   stays in the cache as *evictable*: a later prefix hit revives it; allocation reuses it only when no
   hash-less block is left, least recently freed first.
@@ -205,6 +207,22 @@ class BlockManager:
             self._touch(block_id)
         holder.block_table = list(seq.block_table)
         return holder
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Give ``child`` the blocks of ``parent``'s first ``parent.num_computed_tokens`` tokens (the samples of one
+        prompt): a reference on each full block, and a fresh block for the last, partly filled one, which each
+        sample fills with tokens of its own (copy-on-write, copied at once). Returns the (source, copy) block pairs
+        whose KV the caller copies (none or one); None, changing nothing, when the pool has no block for the copy."""
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and self.num_free_blocks == 0:
+            return None
+        for block_id in parent.block_table[:num_full]:
+            self._touch(block_id)
+        child.block_table = parent.block_table[:num_full]
+        if not partial:
+            return []
+        child.block_table.append(self._take_free_block())
+        return [(parent.block_table[num_full], child.block_table[-1])]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights). Refused (False) while any block is in use."""

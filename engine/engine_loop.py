@@ -29,7 +29,7 @@ from typing import AsyncIterator, Callable
 
 from engine.llm_engine import EngineStepError, LLMEngine, StepStats
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import PromptLogprob, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ class TokenEvent:
     num_cached_tokens: int = 0
     error: str | None = None
     seq: Sequence | None = None
+    # The prompt's logprobs (Sequence.prompt_logprobs), when asked for, on the first event after the prompt was
+    # computed here; None on every other event (and for a sequence prefilled elsewhere).
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass
@@ -54,6 +57,7 @@ class _Subscriber:
     events: asyncio.Queue
     seq: Sequence
     num_sent: int = 0
+    prompt_logprobs_sent: bool = False
 
 
 EngineObserver = Callable[[LLMEngine, "StepStats | None"], None]
@@ -206,9 +210,13 @@ class EngineLoop:
         new = seq.output_token_ids[sub.num_sent:]
         logprobs = seq.output_logprobs[sub.num_sent:] if seq.output_logprobs else []
         sub.num_sent = len(seq.output_token_ids)
+        prompt_logprobs = None
+        if not sub.prompt_logprobs_sent and seq.sampling_params.prompt_logprobs is not None \
+                and not seq.needs_prompt_logprobs:
+            prompt_logprobs, sub.prompt_logprobs_sent = list(seq.prompt_logprobs), True
         event = TokenEvent(new, logprobs, seq.is_finished,
                            seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
-                           seq.num_cached_tokens, seq=seq)
+                           seq.num_cached_tokens, seq=seq, prompt_logprobs=prompt_logprobs)
         if seq.is_finished:
             del self._subscribers[seq.request_id]
         sub.loop.call_soon_threadsafe(sub.events.put_nowait, event)

@@ -15,7 +15,7 @@ from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerCon
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, PromptLogprob, Sequence
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -32,6 +32,9 @@ class RequestOutput:
     stop_reason: int | str | None = None
     # Per output token: {token_id: logprob} for the top-N and the sampled token (when params.logprobs is set).
     logprobs: list[dict[int, float]] | None = None
+    # Per prompt token (when params.prompt_logprobs is set), as vLLM gives them: None for the first, which has no
+    # context, then each token's logprob, rank and the top-N.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -127,6 +130,7 @@ class _PendingRequest:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
             logprobs=seq.output_logprobs if seq.sampling_params.logprobs is not None else None,
+            prompt_logprobs=[None, *seq.prompt_logprobs] if seq.sampling_params.prompt_logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
         )
 

@@ -232,6 +232,23 @@ class LLMEngine:
         self.scheduler.add_prefilled(seq)
         return seq
 
+    def fork_prefilled(self, seq: Sequence, request_id: str, params: SamplingParams) -> Sequence | None:
+        """A sequence of its own for one sample of a prompt whose KV ``seq`` holds (reserved for a transfer, never
+        scheduled): it shares the prompt's full blocks and gets a copy of the last, partly filled one. Admit it with
+        ``admit_prefilled`` and its own first token. None when the pool has no block for the copy."""
+        child = Sequence(request_id, list(seq.prompt_token_ids), params)
+        seq.num_computed_tokens = seq.num_prompt_tokens  # its KV is all there
+        copies = self.block_manager.fork(seq, child)
+        if copies is None:
+            return None
+        cache = self.runner.kv_cache
+        for blocks in copies:
+            source, copy = (cache.slots([block], 0, cache.block_size) for block in blocks)
+            for layer in range(cache.num_layers):
+                for kind in ("k", "v"):
+                    cache.write(layer, kind, copy, cache.read(layer, kind, source))
+        return child
+
     def release_transfer(self, seq: Sequence) -> None:
         """Free the blocks of a reserved transfer that will never be admitted (lease expired, abort, bad KV)."""
         self.block_manager.free(seq)

@@ -3,7 +3,8 @@
 Owns the model weights, the ``PagedKVCache`` and the ``Sampler`` of one engine. The scheduler says which
 sequences run and how many new tokens each contributes; the runner flattens them into one varlen batch
 (``input_ids``/``positions``: [T]), maps every new token to its cache slot through the sequence's block table,
-and samples one token for each sequence whose scheduled tokens reach the end of its known tokens.
+and samples one token for each sequence whose scheduled tokens reach the end of its known tokens. A sequence that
+asked for prompt logprobs gets them from the rows of its prompt positions (``Sequence.prompt_logprobs``).
 
 Every output position runs as a decode row, attending to keys 0..its position through the sequence's block
 table: the decode step sequential decoding runs there, in the same kernels, so the same bits. A prefill's rows are
@@ -26,9 +27,12 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import PagedKVCache
 from engine.model import LlamaForCausalLM
 from engine.grammar_masks import GrammarMasks
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.speculative import accept_drafts
+
+# Prompt positions whose logits are computed at a time for prompt logprobs: [64, V] float32 is 12 MiB for SmolLM2.
+PROMPT_LOGPROB_ROWS = 64
 
 # request id -> the step's tokens for it, each with its logprobs (or None): one, or 1 + accepted drafts.
 SampledTokens = dict[str, list[tuple[int, dict[int, float] | None]]]
@@ -55,13 +59,15 @@ class ModelRunner:
         # Structured outputs: their masks are computed on other threads while the model runs.
         pending_masks = self.grammar_masks.start([s.seq for s in sampling]) if self.grammar_masks else None
         hidden = self.model(input_ids, positions, self.kv_cache, meta, layer_done)  # [T, hidden]
+        self._record_prompt_logprobs(batch, hidden)
         if not sampling:
             return {}
         # The last 1 + k rows of each sampling sequence (k drafts) predict its next tokens; the step's rows are its
         # tokens, in batch order.
         ends = list(accumulate(s.num_new_tokens for s in batch.scheduled))
+        # A first token of n > 1 samples: the prompt's last row once per sample.
         rows = [row for s, end in zip(batch.scheduled, ends) if s.samples
-                for row in range(end - 1 - len(s.draft_token_ids), end)]
+                for row in [*range(end - 1 - len(s.draft_token_ids), end)] + [end - 1] * (_num_samples(s) - 1)]
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
         allowed = pending_masks.result() if pending_masks is not None else {}
         out = self.sampler.sample(logits, [row for s in sampling
@@ -72,8 +78,28 @@ class ModelRunner:
             tokens, logprobs = out.token_ids[first:], out.logprobs[first:]
             emitted = accept_drafts(tokens, s.draft_token_ids)
             sampled[s.seq.request_id] = list(zip(tokens[:emitted], logprobs[:emitted]))
-            first += 1 + len(s.draft_token_ids)
+            samples = _num_samples(s)
+            if samples > 1:
+                s.seq.sample_first_tokens = list(zip(tokens[1:samples], logprobs[1:samples]))
+            first += len(s.draft_token_ids) + samples
         return sampled
+
+    def _record_prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Append to ``seq.prompt_logprobs`` the entries of the prompt positions this step computed: the row of
+        position p predicts prompt token p + 1. Positions whose entries a sequence already has (recomputed after a
+        preemption) are skipped."""
+        first_row = 0  # the scheduled sequence's first row in hidden
+        for s in batch.scheduled:
+            seq = s.seq
+            if seq.needs_prompt_logprobs:
+                end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+                for lo in range(max(s.start, len(seq.prompt_logprobs)), end, PROMPT_LOGPROB_ROWS):
+                    hi = min(lo + PROMPT_LOGPROB_ROWS, end)
+                    logits = self.model.compute_logits(hidden[first_row + lo - s.start:first_row + hi - s.start])
+                    targets = torch.tensor(seq.prompt_token_ids[lo + 1:hi + 1], dtype=torch.long, device=self.device)
+                    seq.prompt_logprobs.extend(prompt_logprobs(logits.log_softmax(dim=-1), targets,
+                                                               seq.sampling_params.prompt_logprobs))
+            first_row += s.num_new_tokens
 
     def _prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         tokens: list[int] = []
@@ -105,12 +131,21 @@ class ModelRunner:
         return as_tensor(tokens), as_tensor(positions), meta
 
 
+def _num_samples(s: ScheduledSeq) -> int:
+    """Rows a sampling sequence draws at the prompt's last position: ``n`` for the first token of n > 1 samples."""
+    seq = s.seq
+    return seq.sampling_params.n if seq.num_output_tokens == 0 and not s.draft_token_ids else 1
+
+
 def _sampling_rows(s: ScheduledSeq, allowed: torch.Tensor | None = None) -> list[SamplingRow]:
     """The sampling row of each verified position: row j samples as if drafts 0..j-1 were already output (penalties,
-    min_tokens and the seeded draw's position see them). ``allowed``: the grammar's mask of a guided sequence (which
-    never has drafts: the engine does not speculate for it)."""
+    min_tokens and the seeded draw's position see them); then, for the first token of n > 1 samples, one row per
+    further sample, seeded seed + i (``SamplingParams.for_sample``). ``allowed``: the grammar's mask of a guided
+    sequence (which never has drafts: the engine does not speculate for it)."""
     seq = s.seq
     outputs = seq.output_token_ids  # as it is for row 0 (every row when not speculating): no copy per step
-    return [SamplingRow(seq.sampling_params, seq.prompt_token_ids, outputs + s.draft_token_ids[:j] if j else outputs,
+    rows = [SamplingRow(seq.sampling_params, seq.prompt_token_ids, outputs + s.draft_token_ids[:j] if j else outputs,
                         allowed if j == 0 else None)
             for j in range(len(s.draft_token_ids) + 1)]
+    return rows + [SamplingRow(seq.sampling_params.for_sample(i), seq.prompt_token_ids, outputs, allowed)
+                   for i in range(1, _num_samples(s))]

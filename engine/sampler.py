@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.sequence import PromptLogprob
 
 
 @dataclass
@@ -160,6 +161,16 @@ def top_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, num_top: list[in
         entry[token] = value
         result.append(entry)
     return result
+
+
+def prompt_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[PromptLogprob]:
+    """Per row: the prompt token's logprob and rank, and the num_top most probable tokens. logprobs: [M, V] (the
+    log-softmax at the positions before the tokens); token_ids: [M] long, the prompt's tokens."""
+    actual = logprobs.gather(1, token_ids.unsqueeze(1))  # [M, 1]
+    ranks = (logprobs > actual).sum(dim=-1) + 1  # [M]; ties share the better rank
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [M, num_top]
+    rows = zip(token_ids.tolist(), actual.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist())
+    return [PromptLogprob(token, value, rank, dict(zip(ids, values))) for token, value, rank, ids, values in rows]
 
 
 # --- the sampler -------------------------------------------------------------------------------------------------

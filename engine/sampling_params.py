@@ -79,6 +79,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are blocked until this many tokens are out
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per output token (plus the sampled token's)
+    # top-N logprobs per prompt token from the second on (plus the prompt token's own, and its rank); None: none
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Token-level constraints, applied before the penalties (vLLM's order); ids are checked against the vocabulary
@@ -113,7 +115,7 @@ class SamplingParams:
             _require_number(name, getattr(self, name))
         for name in ("n", "top_k", "min_tokens"):
             _require_int(name, getattr(self, name))
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _require_int(name, getattr(self, name))
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
@@ -165,14 +167,17 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty, got an empty string")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            # 0 scores the prompt: it is prefilled (for its prompt_logprobs) and nothing is generated.
+            raise ValueError(f"max_tokens must be >= 0 or None, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs}")
         for token_id, bias in self.logit_bias.items():
             if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-{MAX_LOGIT_BIAS}, "

@@ -6,7 +6,8 @@ A request's path through the scheduler:
   pod, so it joins ``running`` directly);
 - ``schedule`` first gives every ``running`` sequence its next tokens (a prefill chunk, or one token when
   decoding, plus the draft tokens proposed for it when speculating, as far as the budget, ``max_tokens`` and the
-  context allow: engine/speculative.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup,
+  context allow: engine/speculative.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup
+  (none for a request still owed its prompt logprobs: it computes its whole prompt),
   while the token budget, the sequence cap and the block pool allow. On a pod that lends its decode steps to
   prefills (``SchedulerConfig.tpot_slack_chunking``), the prompt tokens of a step are bounded as well, by the
   chunk that keeps every decoding sequence within its TPOT target (``engine/prefill_budget.py``). When a running
@@ -15,6 +16,8 @@ A request's path through the scheduler:
 - ``update_from_output`` records the step: computed tokens advance, newly full blocks enter the prefix cache,
   sampled tokens are appended (several when drafts were accepted, each checked before the next), and a sequence
   that hits EOS, a stop token id or its length limit is finished and its blocks freed, its later tokens dropped;
+  one that generates nothing (``max_tokens`` 0, scoring its prompt) finishes with ``length`` once its prompt is
+  computed, without sampling;
 - ``abort`` finishes a request wherever it is and frees its blocks.
 
 Progress is counted in tokens, as in vLLM v1: each step schedules up to ``num_tokens - num_computed_tokens``
@@ -220,7 +223,10 @@ class Scheduler:
         while (self.waiting and budget > 0 and self._prefill_left != 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            computed_blocks, num_cached_tokens = self.block_manager.get_computed_blocks(seq)
+            # Positions served from the prefix cache would have no logprobs: a request still owed its prompt
+            # logprobs computes its whole prompt (vLLM recomputes them the same way).
+            computed_blocks, num_cached_tokens = (
+                ([], 0) if seq.needs_prompt_logprobs else self.block_manager.get_computed_blocks(seq))
             num_new_tokens = self._num_new_tokens(seq, num_cached_tokens, budget)
             if not self.block_manager.allocate_slots(seq, num_new_tokens, computed_blocks):
                 break  # no room: later requests wait too, so a long prompt is not starved by short ones
@@ -252,7 +258,8 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(seq: Sequence, num_new_tokens: int, start: int, drafts: list[int] = ()) -> ScheduledSeq:
-        samples = start + num_new_tokens - len(drafts) == seq.num_tokens
+        # A request that generates nothing (max_tokens 0: scoring its prompt) never samples.
+        samples = start + num_new_tokens - len(drafts) == seq.num_tokens and seq.sampling_params.max_tokens != 0
         return ScheduledSeq(seq, num_new_tokens, start, samples, list(drafts))
 
     # ---- after the step ---------------------------------------------------------------------------------
@@ -277,6 +284,10 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, seq.num_tokens))
             if item.samples:
                 self._append_sampled(seq, tokens)
+                updated.append(seq)
+            elif seq.sampling_params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                seq.first_token_time = time.monotonic()  # its prompt logprobs are its whole output
+                self._finish(seq, FinishReason.LENGTH)
                 updated.append(seq)
         self.running = [seq for seq in self.running if not seq.is_finished]
         return updated

@@ -25,6 +25,17 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class PromptLogprob:
+    """The model's logprob of one prompt token given the tokens before it (vLLM's ``prompt_logprobs`` entry), from
+    the raw distribution, as output logprobs are."""
+
+    token_id: int  # the prompt's token at this position
+    logprob: float
+    rank: int  # its rank in the distribution at this position: 1 is the most probable token
+    top: dict[int, float]  # the SamplingParams.prompt_logprobs most probable tokens -> logprob, most probable first
+
+
 class FinishReason(enum.StrEnum):
     """Why a request ended; the values are OpenAI's ``finish_reason`` and the ``finished_reason`` metric label
     (``protos/convert.py`` maps them to the wire's enum)."""
@@ -43,6 +54,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # Logprobs per output token: ({token_id: logprob} of the top-N plus the sampled token), or None.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token from the second on (the first has no context),
+    # filled as the prompt's chunks are computed.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
@@ -62,6 +76,9 @@ class Sequence:
     speculation: DraftState | None = None
     # Structured output (engine/grammar_masks.py): the request's grammar matcher, made on its first guided step.
     grammar: GrammarState | None = None
+    # With SamplingParams.n > 1: the first tokens of samples 1..n-1 (token id, logprobs), drawn with the prompt's
+    # first (seeds seed + i) from the same logits; a decode pod forks the sequence for each (engine/llm_engine.py).
+    sample_first_tokens: list[tuple[int, dict[int, float] | None]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,6 +108,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some of the prompt's are still to compute."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)

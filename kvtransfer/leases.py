@@ -6,7 +6,10 @@ A lease's path, one ordered ``TransferState``:
                 onto the lease) and chunks are written into them
     WAITING     mark_received(): every chunk is in; the KV waits for Decode under a lease of ``lease_s`` seconds
     CLAIMED     claim(): Decode took it and is admitting the sequence into the running batch; forget() then
-                drops the entry, the engine owning the blocks from there
+                drops the entry, the engine owning the blocks from there. KV pushed for the n samples of one
+                prompt (``num_claims`` > 1) stays WAITING through its first n - 1 claims: each Decode call forks
+                a sequence of its own off the lease's (LLMEngine.fork_prefilled), and after the last one the
+                lease's own reference goes back (release)
     RELEASED    release(): the blocks went back to the pool (lease expired, Abort, a failed push or admission)
 
 The reaper releases WAITING leases whose time is up. It never touches a RECEIVING one: its PushKV handler may be
@@ -52,6 +55,13 @@ class KVLease:
     state: TransferState = TransferState.RECEIVING
     expires_at: float = float("inf")  # time.monotonic(); set when the KV is complete
     abort_requested: bool = False
+    num_claims: int = 1  # Decode calls that claim it: the samples of one prompt (n)
+    claims_left: int = 1
+
+    @property
+    def shared(self) -> bool:
+        """Pushed for several samples: every claim forks its own sequence off the lease's."""
+        return self.num_claims > 1
 
 
 class TransferTable:
@@ -69,12 +79,12 @@ class TransferTable:
 
     # ---- PushKV ----------------------------------------------------------------------------------------------
 
-    def open(self, request_id: str, lease_s: float = 0.0) -> KVLease:
+    def open(self, request_id: str, lease_s: float = 0.0, num_claims: int = 1) -> KVLease:
         """A RECEIVING lease for a push, before its blocks are reserved; ALREADY_EXISTS if the request id already
-        has KV here. ``lease_s`` 0 takes the pod's default."""
+        has KV here. ``lease_s`` 0 takes the pod's default; ``num_claims``: the Decode calls that will claim it."""
         if request_id in self._leases:
             raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} already has KV here")
-        lease = KVLease(request_id, lease_s or self.default_lease_s)
+        lease = KVLease(request_id, lease_s or self.default_lease_s, claims_left=num_claims, num_claims=num_claims)
         self._leases[request_id] = lease
         return lease
 
@@ -87,9 +97,10 @@ class TransferTable:
 
     # ---- Decode ----------------------------------------------------------------------------------------------
 
-    def claim(self, request_id: str, prompt_token_ids: list[int]) -> Sequence:
-        """WAITING -> CLAIMED: the sequence to admit. NOT_FOUND when no KV is here (never pushed, expired,
-        released), FAILED_PRECONDITION while it is still arriving, INVALID_ARGUMENT for another prompt."""
+    def claim(self, request_id: str, prompt_token_ids: list[int]) -> KVLease:
+        """WAITING -> CLAIMED (shared KV: at its last claim): the lease whose sequence to admit (or, shared, to fork
+        off). NOT_FOUND when no KV is here (never pushed, expired, released, every claim made), FAILED_PRECONDITION
+        while it is still arriving, INVALID_ARGUMENT for another prompt."""
         lease = self._leases.get(request_id)
         if lease is None:
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"no KV for request {request_id!r} on this pod: never "
@@ -100,8 +111,10 @@ class TransferTable:
         if lease.seq.prompt_token_ids != list(prompt_token_ids):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"prompt_token_ids differ from the prompt pushed for request {request_id!r}")
-        lease.state = TransferState.CLAIMED
-        return lease.seq
+        lease.claims_left -= 1
+        if lease.claims_left == 0:
+            lease.state = TransferState.CLAIMED
+        return lease
 
     def forget(self, request_id: str) -> None:
         """A CLAIMED entry leaves the table: the engine owns its blocks now."""

@@ -134,7 +134,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         acknowledged = False
         try:
             header = await self._header(request_iterator)
-            lease = self._transfers.open(header.request_id, header.lease_seconds)
+            lease = self._transfers.open(header.request_id, header.lease_seconds, max(header.num_claims, 1))
             intake = await self._reserve(lease, list(header.prompt_token_ids))
             response = await self._receive(intake, request_iterator)
             acknowledged = True

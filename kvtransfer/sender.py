@@ -87,9 +87,10 @@ class KVTransferClient:
         self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="kv-encode")
 
     async def open(self, decode_address: str, codec_name: str, request_id: str, prompt_token_ids: list[int],
-                   lease_s: float = 0.0, timeout_s: float | None = None) -> "KVSender":
+                   lease_s: float = 0.0, timeout_s: float | None = None, num_claims: int = 1) -> "KVSender":
         """A sender for one request, after the handshake with ``decode_address`` for ``codec_name`` (AUTO: the
-        chooser's pick for that link among the codecs the decode pod accepts)."""
+        chooser's pick for that link among the codecs the decode pod accepts). ``num_claims``: the Decode calls
+        that will claim the KV (the samples of an n > 1 request)."""
         if codec_name == AUTO:
             accepted = await self.accepted_codecs(decode_address, timeout_s)
             codec_name = self.link_codecs.choose(decode_address, len(prompt_token_ids), accepted)
@@ -98,7 +99,7 @@ class KVTransferClient:
         except ValueError as err:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"kv_codec: {err}") from err
         await self.handshake(decode_address, codec_name, timeout_s)
-        return KVSender(self, decode_address, request_id, prompt_token_ids, codec, lease_s, timeout_s)
+        return KVSender(self, decode_address, request_id, prompt_token_ids, codec, lease_s, timeout_s, num_claims)
 
     async def handshake(self, decode_address: str, codec_name: str, timeout_s: float | None = None) -> None:
         """Check once per (address, codec) that the decode pod takes our KV with this codec."""
@@ -163,8 +164,10 @@ class KVSender:
     """One request's push. Layers come in from the engine thread; ``push`` runs on the event loop."""
 
     def __init__(self, client: KVTransferClient, decode_address: str, request_id: str,
-                 prompt_token_ids: list[int], codec: KVCodec, lease_s: float, timeout_s: float | None):
+                 prompt_token_ids: list[int], codec: KVCodec, lease_s: float, timeout_s: float | None,
+                 num_claims: int = 1):
         self.request_id = request_id
+        self.num_claims = num_claims
         self.decode_address = decode_address
         self.codec = codec
         self._client = client
@@ -220,7 +223,7 @@ class KVSender:
     async def _stream(self, call) -> kv_transfer_pb2.PushKVResponse:
         await call.write(kv_transfer_pb2.KVPush(header=kv_transfer_pb2.KVTransferHeader(
             request_id=self.request_id, prompt_token_ids=self._prompt_token_ids,
-            compat_hash=self._client.layout.compat_hash, lease_seconds=self._lease_s)))
+            compat_hash=self._client.layout.compat_hash, lease_seconds=self._lease_s, num_claims=self.num_claims)))
         held: list[_LayerKV] = []
         sending = self._client.overlap
         while True:

@@ -10,9 +10,14 @@ A request's path:
                          registered in the KV export hook, so each step's layers stream out as they finish.
                          Concurrent Prefill calls join the same engine steps under the token budget.
         push             KVSender.push(): header, chunks as layers arrive, trailer, the decode pod's ack
-      both done          -> PrefillResponse(first token, logprobs, cached tokens, queue/prefill seconds, stats)
+      both done          -> PrefillResponse(first token, logprobs, prompt logprobs, cached tokens, queue/prefill
+                            seconds, stats)
       either fails       -> the other is cancelled: an aborted engine request frees its blocks, a cancelled push
                             makes the decode pod release its reservation; the failure's status is the answer
+    n > 1 samples        one prefill samples every sample's first token (sample i seeded seed + i), and the KV goes
+                         once, for n claims: each sample's Decode call forks its own sequence off it
+    scoring              a request that generates nothing (max_tokens 0, no decode_address): the prompt is
+                         prefilled for its prompt logprobs, nothing is sampled, no KV goes anywhere
     Abort(request_id)    cancels the call's work the same way; the call ends CANCELLED
 (The pod's load is served by ``PodStatus``, runtime/pod_status.py, on every pod.)
 """
@@ -33,7 +38,7 @@ from kvtransfer.link_codec import LinkCodecChooser, QualityTable
 from kvtransfer.sender import KVSender, KVTransferClient
 from prefill_service.config import PrefillConfig
 from prefill_service.kv_export import PrefillKVExport
-from protos.convert import sampling_params_from_proto, token_logprob_from_dict
+from protos.convert import prompt_logprobs_to_proto, sampling_params_from_proto, token_logprob_from_dict
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from runtime.config import parse_config
 from runtime.errors import StatusError
@@ -91,9 +96,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _prefill_and_push(self, request: prefill_pb2.PrefillRequest, params: SamplingParams,
                                 timeout_s: float) -> tuple[TokenEvent, prefill_pb2.KVTransferStats | None]:
+        if not request.decode_address:  # scoring: nothing is generated, so no decode pod needs the KV
+            return await self._prefill(request, params, None), None
         sender = await self.kv_client.open(request.decode_address, request.kv_codec,
                                             request.request_id, list(request.prompt_token_ids),
-                                            request.kv_lease_seconds, timeout_s)
+                                            request.kv_lease_seconds, timeout_s, num_claims=params.n)
         push = asyncio.create_task(sender.push(), name=f"push-{request.request_id}")
         prefill = asyncio.create_task(self._prefill(request, params, sender), name=f"prefill-{request.request_id}")
         try:
@@ -113,20 +120,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._pod.engine_loop.call(lambda engine: self._export.unregister(request.request_id))
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest, params: SamplingParams,
-                       sender: KVSender) -> TokenEvent:
-        """Run the prompt through the engine with its sender registered; the final event (first token)."""
+                       sender: KVSender | None) -> TokenEvent:
+        """Run the prompt through the engine with its sender (if any) registered; the final event (first token)."""
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
 
         def add(engine):
             seq = engine.add_request(request_id, prompt, params)
-            self._export.register(request_id, sender)  # same engine command: no step can run in between
+            if sender is not None:
+                self._export.register(request_id, sender)  # same engine command: no step can run in between
             return seq
 
         async with contextlib.aclosing(self._pod.engine_loop.generate(request_id, prompt, params, add=add)) as events:
             async for event in events:
                 if event.finished:
                     break
-        sender.prefill_finished()
+        if sender is not None:
+            sender.prefill_finished()
         return event
 
     def _respond(self, request: prefill_pb2.PrefillRequest, params: SamplingParams, event: TokenEvent,
@@ -137,16 +146,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         metrics = self._pod.metrics
         metrics.request_queue_time.observe(queue_s)
         metrics.request_prefill_time.observe(prefill_s)
-        metrics.kv_transfer_time.observe(stats.exposed_transfer_seconds)
-        metrics.transfer_bytes(stats.codec).inc(stats.bytes_sent)
-        metrics.transfer_raw_bytes(stats.codec).inc(stats.raw_bytes)
         metrics.prompt_tokens.inc(len(request.prompt_token_ids))
-        response = prefill_pb2.PrefillResponse(first_token_id=event.token_ids[0],
-                                               num_cached_tokens=event.num_cached_tokens, queue_seconds=queue_s,
-                                               prefill_seconds=prefill_s, kv_transfer=stats)
-        if params.logprobs is not None:
+        response = prefill_pb2.PrefillResponse(num_cached_tokens=event.num_cached_tokens, queue_seconds=queue_s,
+                                               prefill_seconds=prefill_s)
+        if stats is not None:
+            metrics.kv_transfer_time.observe(stats.exposed_transfer_seconds)
+            metrics.transfer_bytes(stats.codec).inc(stats.bytes_sent)
+            metrics.transfer_raw_bytes(stats.codec).inc(stats.raw_bytes)
+            response.kv_transfer.CopyFrom(stats)
+        if event.token_ids:
+            response.first_token_id = event.token_ids[0]
+        if event.token_ids and params.logprobs is not None:
             response.first_token_logprob.CopyFrom(
                 token_logprob_from_dict(event.token_ids[0], event.logprobs[0], params.logprobs))
+        if params.prompt_logprobs is not None:
+            response.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(seq.prompt_logprobs))
+        for token_id, logprobs in seq.sample_first_tokens:  # samples 1..n-1 of an n > 1 request
+            response.more_first_token_ids.append(token_id)
+            if params.logprobs is not None:
+                response.more_first_token_logprobs.append(token_logprob_from_dict(token_id, logprobs, params.logprobs))
         return response
 
 
@@ -155,16 +173,20 @@ def _failed(event: TokenEvent) -> bool:
 
 
 async def _checked_params(request: prefill_pb2.PrefillRequest, context) -> SamplingParams:
-    """The request's sampling params for the prefill step (max_tokens=1); INVALID_ARGUMENT naming the field."""
-    for name in ("request_id", "decode_address"):
-        if not getattr(request, name):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be set")
+    """The request's sampling params for the prefill step (max_tokens=1, or 0 when scoring); INVALID_ARGUMENT
+    naming the field."""
+    if not request.request_id:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be set")
     try:
         params = sampling_params_from_proto(request.sampling_params)
     except ValueError as err:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{err}")
+    scoring = params.max_tokens == 0
+    if scoring == bool(request.decode_address):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address must be set, except for a request "
+                            "that generates nothing (sampling_params.max_tokens 0), which must leave it empty")
     # One token here; min_tokens still holds EOS back for it if the request asked for any.
-    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    return dataclasses.replace(params, max_tokens=0 if scoring else 1, min_tokens=min(params.min_tokens, 1))
 
 
 async def build_prefill_services(pod: Pod, config: PrefillConfig) -> list[PodService]:

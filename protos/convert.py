@@ -7,13 +7,14 @@ directions live here so that a field added to one cannot be forgotten in the oth
 
 Logprobs travel as ``TokenLogprob`` messages and reach the HTTP layer as one ``{token_id: logprob}`` dict
 per output token: the ``top_logprobs`` alternatives in rank order, then the sampled token when it is not
-among them (the order vLLM's OpenAI server shows).
+among them (the order vLLM's OpenAI server shows). Prompt logprobs travel in the same messages, each with its
+token's rank, and reach the router as the engine's ``PromptLogprob``s.
 """
 
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.sequence import FinishReason
+from engine.sequence import FinishReason, PromptLogprob
 from engine.step_time import StepTimeModel
 from protos.splitserve.v1 import common_pb2
 
@@ -30,7 +31,8 @@ def step_time_from_proto(message: common_pb2.StepTimeModel) -> StepTimeModel:
 
 
 # Optional proto fields that, unset, take SamplingParams' own default.
-_OPTIONAL_FIELDS = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens")
+_OPTIONAL_FIELDS = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens",
+                    "prompt_logprobs")
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -57,7 +59,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     if params.structured_output is not None:
         message.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     # None means "unset" for these, which proto3 spells as an absent optional field.
-    for name in ("seed", "max_tokens", "logprobs"):
+    for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
         if getattr(params, name) is not None:
             setattr(message, name, getattr(params, name))
     return message
@@ -137,3 +139,16 @@ def token_logprob_from_dict(token_id: int, logprobs: dict[int, float], num_top: 
         logprob=logprobs[token_id],
         top_logprobs=[common_pb2.TopLogprob(token_id=top_id, logprob=value) for top_id, value in tops],
     )
+
+
+def prompt_logprobs_to_proto(entries: list[PromptLogprob]) -> common_pb2.Logprobs:
+    """A prompt's logprobs (one entry per prompt token from the second on), each with its rank."""
+    return common_pb2.Logprobs(tokens=[common_pb2.TokenLogprob(
+        token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+        top_logprobs=[common_pb2.TopLogprob(token_id=token_id, logprob=value) for token_id, value in entry.top.items()],
+    ) for entry in entries])
+
+
+def prompt_logprobs_from_proto(message: common_pb2.Logprobs) -> list[PromptLogprob]:
+    return [PromptLogprob(entry.token_id, entry.logprob, entry.rank,
+                          {top.token_id: top.logprob for top in entry.top_logprobs}) for entry in message.tokens]

@@ -4,7 +4,9 @@ by side, their outputs merged as they come. Both APIs use it: the HTTP API for `
 
     make_choices(router, prompts, params, id)   choice index = prompt index * n + sample index, each checked and
                                                 tokenized before any starts; sample i seeded seed + i
-                                                (``SamplingParams.for_sample``); ids ``<id>-<index>`` when several
+                                                (``SamplingParams.for_sample``); ids ``<id>-<index>`` when several;
+                                                the n samples of a prompt share a ``SampleGroup``: one prefill, one
+                                                KV transfer, the prompt's blocks shared on the decode pod
     merged_outputs([router.generate(r)...])    (index, OutputDelta | Completion) as they come; closing it, or a
                                                 choice failing, stops every choice still running
 """
@@ -12,12 +14,13 @@ by side, their outputs merged as they come. Both APIs use it: the HTTP API for `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
-from router.intake import RouterRequest
+from router.intake import RouterRequest, SampleGroup
 from router.request_run import Completion, OutputDelta
 
 if TYPE_CHECKING:
@@ -43,10 +46,16 @@ async def make_choices(router: Router, prompts: list[str | list[int]], params: S
     request_id = request_id or uuid.uuid4().hex
     made = []
     for prompt_index, prompt in enumerate(prompts):
+        samples = []
         for sample in range(params.n):
             index = prompt_index * params.n + sample
-            made.append(await router.make_request(prompt, params.for_sample(sample), f"{request_id}-{index}",
-                                                  **options))
+            samples.append(await router.make_request(prompt, params.for_sample(sample), f"{request_id}-{index}",
+                                                     **options))
+        if params.n > 1 and params.max_tokens != 0:  # one prefill and one KV transfer for the prompt's samples
+            group = SampleGroup([r.request_id for r in samples], dataclasses.replace(samples[0].params, n=params.n))
+            for request in samples:
+                request.samples = group
+        made.extend(samples)
     return made
 
 

@@ -3,10 +3,11 @@
 ``Generate``: GenerateRequest -> checks here (a message that does not parse, the model name, the input, the
 sampling parameters) -> ``Router.make_request`` (the server's limits, tokenized off the event loop; the call's
 deadline, when the client set one, becomes the request's) -> ``Router.generate`` -> one ``chunk`` per
-``OutputDelta`` -> one ``complete`` (or, for a request that failed after output started, one ``error``) -> status
-OK. A request refused before any output (``StatusError``) ends the call with that status code and no message; an
-INVALID_ARGUMENT names the field as the proto spells it (``sampling_params.stop[3]: ...``). Cancelling the call
-(client gone, deadline passed) closes the router's stream, which cancels the pod calls.
+``OutputDelta`` (the first with the prompt's logprobs, when asked) -> one ``complete`` (or, for a request that
+failed after output started, one ``error``) -> status OK. A request refused before any output (``StatusError``)
+ends the call with that status code and no message; an INVALID_ARGUMENT names the field as the proto spells it
+(``sampling_params.stop[3]: ...``). Cancelling the call (client gone, deadline passed) closes the router's stream,
+which cancels the pod calls.
 
 ``Abort``: ``Router.abort``; the aborted request's own stream ends with ``complete`` (finish reason ABORT). It
 takes any request id, the X-Request-Id of an HTTP request included.
@@ -29,7 +30,12 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
-from protos.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_from_dict
+from protos.convert import (
+    finish_reason_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_params_from_proto,
+    token_logprob_from_dict,
+)
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.api_keys import APIKeys
 from router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
@@ -174,6 +180,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             num_top = req.params.logprobs
             chunk.logprobs.tokens.extend(token_logprob_from_dict(token_id, entry, num_top)
                                          for token_id, entry in zip(delta.token_ids, delta.logprobs))
+        if delta.prompt_logprobs is not None:
+            chunk.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(delta.prompt_logprobs))
         return chunk
 
 

@@ -3,9 +3,9 @@
 The HTTP and gRPC layers depend on this file (through ``Router``, which hands them its ``Intake``'s methods):
 
 1. cheap checks first, before any work they bound: the request id (``check_request_id``), the sampling
-   parameters within the server's limits (stop strings, stop token ids, logprobs, max_tokens, bad words, token
-   ids of logit_bias and allowed_token_ids), a text's size in UTF-8 bytes (``max_prompt_bytes``); a structured
-   output's grammar compiled (``engine/structured_output.py``), on a worker thread;
+   parameters within the server's limits (stop strings, stop token ids, logprobs and prompt logprobs, max_tokens,
+   bad words, token ids of logit_bias and allowed_token_ids), a text's size in UTF-8 bytes (``max_prompt_bytes``);
+   a structured output's grammar compiled (``engine/structured_output.py``), on a worker thread;
 2. then the work: a chat rendered by the model's template (``apply_chat_template``), a prompt tokenized
    (``tokenize``), both on worker threads: a prompt at the byte limit takes about a second to tokenize, and the
    event loop serves every other request (and /health) meanwhile;
@@ -50,6 +50,27 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "
 
 
 @dataclass
+class SampleGroup:
+    """The n samples of one prompt (``n`` > 1): the first sample's placement prefills the prompt once on a prefill pod
+    for all of them (every sample's first token drawn from the same logits) and pushes its KV once, to one decode pod,
+    where each sample's Decode call claims it (``placement.py``). The others wait for that (``shared``) and go on
+    their own when there is none (the prompt prefilled on a decode pod, or the first sample failed)."""
+
+    request_ids: list[str]  # the samples' requests, the first one's id naming the pushed KV
+    params: SamplingParams  # the first sample's, with n: what the prefill pod samples with
+    shared: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def kv_request_id(self) -> str:
+        return self.request_ids[0]
+
+    def share(self, outcome: Any) -> None:
+        """What the others start from (None: each on its own); once, later calls are ignored."""
+        if not self.shared.done():
+            self.shared.set_result(outcome)
+
+
+@dataclass
 class RouterRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -60,6 +81,12 @@ class RouterRequest:
     # The request's own latency targets (docs/api.md, the "slo" extension); None: the router's --slo-*-s.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    samples: SampleGroup | None = None  # the n > 1 samples of its prompt, it among them
+
+    @property
+    def leads_samples(self) -> bool:
+        """The first of its prompt's samples: its prefill is for all of them."""
+        return self.samples is not None and self.samples.kv_request_id == self.request_id
 
 
 class Intake:
@@ -177,6 +204,9 @@ class Intake:
                               f"{config.max_stop_string_bytes} bytes per word (max_stop_string_bytes)")
         if params.logprobs is not None and params.logprobs > config.max_logprobs:
             raise invalid(f"logprobs: must be <= {config.max_logprobs} (max_logprobs), got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > config.max_logprobs:
+            raise invalid(f"prompt_logprobs: must be <= {config.max_logprobs} (max_logprobs), got "
+                          f"{params.prompt_logprobs}")
         if params.max_tokens is not None and params.max_tokens > config.output_token_limit:
             raise invalid(f"max_tokens: must be <= {config.output_token_limit} (max_tokens_limit), got "
                           f"{params.max_tokens}")

@@ -26,15 +26,16 @@ a non-streamed request races the generation against the connection's ``http.disc
 Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}`` (openai_errors.py), with
 the HTTP status that ``StatusError.http_status`` gives its gRPC code; ``code`` is the gRPC code's name, lower case,
 so that HTTP and gRPC clients read the same reason. Also served: ``GET /v1/models`` (with ``max_model_len``),
-``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /version``, ``GET /health`` (200 when a
-decode-capable pod is known, else 503), ``GET /pods`` (every pod the router knows: role, whether it routes to
-it, its last load report) and ``GET /metrics`` (Prometheus). With API keys configured, every path but
-``auth_exempt_paths`` (``/health`` and ``/metrics`` by default) needs ``Authorization: Bearer <key>``.
+``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's shapes), ``GET /version``,
+``GET /health`` (200 when a decode-capable pod is known, else 503), ``GET /pods`` (every pod the router knows:
+role, whether it routes to it, its last load report) and ``GET /metrics`` (Prometheus). With API keys configured,
+every path but ``auth_exempt_paths`` (``/health`` and ``/metrics`` by default) needs ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Iterator
@@ -74,6 +75,7 @@ from router.openai_responses import (
     ModelCard,
     ModelList,
     TokenizeResponse,
+    TokenizerInfoResponse,
     VersionResponse,
 )
 from router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
@@ -105,6 +107,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/pods", api.pods, methods=["GET"])
@@ -163,6 +166,14 @@ class OpenAIRoutes:
         with _params_named_by(body):
             return DetokenizeResponse(prompt=await self.router.detokenize(body.tokens))
 
+    async def tokenizer_info(self) -> TokenizerInfoResponse:
+        tokenizer = self.router.tokenizer
+        text = lambda token_id: None if token_id is None else tokenizer.id_to_token(token_id)  # noqa: E731
+        return TokenizerInfoResponse(eos_token=text(next(iter(tokenizer.eos_token_ids), None)),
+                                     bos_token=text(tokenizer.bos_token_id),
+                                     model_max_length=self.router.config.max_model_len,
+                                     chat_template=tokenizer.chat_template)
+
     async def version(self) -> VersionResponse:
         return VersionResponse(version=package_version())
 
@@ -209,17 +220,21 @@ class OpenAIRoutes:
         with _params_named_by(body):
             params = body.sampling_params()  # the cheap checks before the chat template and the tokenizer
             num_prompts = 1 if prompts is None else len(prompts)
-            if num_prompts * params.n > MAX_CHOICES:
-                param = "n" if num_prompts == 1 else "prompt"
+            samples = body.samples_per_prompt  # n, or best_of
+            if num_prompts * samples > MAX_CHOICES:
+                param = "prompt" if num_prompts > 1 else "n" if samples == params.n else "best_of"
                 raise APIError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{param}: {too_many_choices(num_prompts, params.n)}", param=param)
+                               f"{param}: {too_many_choices(num_prompts, samples)}", param=param)
             if prompts is None:
                 prompts = [await self._render_chat(body)]
-            router_requests = await make_choices(self.router, prompts, params, request_id, body.add_special_tokens)
+            # best_of ranks its samples by their tokens' logprobs: the pods return them whether asked for or not.
+            generated = params if samples == params.n else dataclasses.replace(
+                params, n=samples, logprobs=params.logprobs or 0)
+            router_requests = await make_choices(self.router, prompts, generated, request_id, body.add_special_tokens)
         response_id = router_requests[0].request_id if len(router_requests) == 1 else request_id
         request.state.request_id = response_id  # the X-Request-Id of the answer
-        prompt_of = [index // params.n for index in range(len(router_requests))]  # each choice's prompt
-        formatters = [formatter_class(response_id, self.router.model_name, self._token_text, choice.params.logprobs,
+        prompt_of = [index // samples for index in range(len(router_requests))]  # each choice's prompt
+        formatters = [formatter_class(response_id, self.router.model_name, self._token_text, params.logprobs,
                                       len(choice.prompt_token_ids), body.continuous_usage, index=index,
                                       **self._choice_options(body, choice))
                       for index, choice in enumerate(router_requests)]
@@ -231,18 +246,24 @@ class OpenAIRoutes:
         results = await _until_disconnected(request, _collect_all(outputs))
         for formatter, (_, completion) in zip(formatters, results):
             _raise_unless_finished(completion, formatter.response_id)
-        responses = [formatter.response(*result) for formatter, result in zip(formatters, results)]
+        kept = _most_likely(results, samples, params.n)
+        for index, kept_index in enumerate(kept):
+            formatters[kept_index].index = index
+        responses = [formatters[i].response(*results[i]) for i in kept]
+        # The usage counts every sample generated, kept or not (as OpenAI bills best_of).
         return json_response(joined_responses(responses, [completion for _, completion in results], prompt_of))
 
     def _choice_options(self, body: GenerationRequest, choice: RouterRequest) -> dict[str, Any]:
-        """A chat's tool call parser; a completion's echo: its prompt's text, as given or decoded from the ids."""
+        """A chat's tool call parser; a completion's prompt logprobs, and its echo: its prompt's text, as given or
+        decoded from the ids, and its ids (for the prompt's logprobs)."""
         if isinstance(body, ChatCompletionRequest):
             return {"tool_parser": body.tool_parser()}
         if not body.echo:
-            return {}
-        if choice.prompt_text is not None:
-            return {"echo": choice.prompt_text}
-        return {"echo": self.router.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)}
+            return {"prompt_logprobs": body.prompt_logprobs}
+        echo = choice.prompt_text
+        if echo is None:
+            echo = self.router.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
+        return {"prompt_logprobs": body.prompt_logprobs, "echo": echo, "prompt_token_ids": choice.prompt_token_ids}
 
     def _token_text(self, token_id: int) -> str:
         # A token's own text, special tokens included: logprobs describe every token the model produced.
@@ -347,6 +368,22 @@ async def _hangup(request: Request) -> None:
     server has for us is ``http.disconnect``."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _most_likely(results: list[tuple[list[OutputDelta], Completion]], samples: int, n: int) -> list[int]:
+    """The indices of the choices to answer with: all of them, or with best_of (``samples`` > ``n``), each prompt's
+    ``n`` samples whose tokens are the most likely together (cumulative logprob), the most likely first."""
+    if samples == n:
+        return list(range(len(results)))
+    kept = []
+    for first in range(0, len(results), samples):
+        ranked = sorted(range(first, first + samples), key=lambda i: -_cumulative_logprob(results[i][0]))
+        kept.extend(ranked[:n])
+    return kept
+
+
+def _cumulative_logprob(deltas: list[OutputDelta]) -> float:
+    return sum(entry[token_id] for delta in deltas for token_id, entry in zip(delta.token_ids, delta.logprobs or []))
 
 
 def _raise_unless_finished(completion: Completion, response_id: str) -> None:

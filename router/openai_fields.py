@@ -3,7 +3,7 @@
 ``StrictModel`` refuses what this server would otherwise silently ignore:
 
 - an unknown field: pydantic's ``extra="forbid"``, a 400 naming it;
-- a known field this server does not honour yet (``UNSUPPORTED_FIELDS``: tools, ``prompt_logprobs``, ...) at
+- a known field this server does not honour yet (``UNSUPPORTED_FIELDS``: ``suffix``, chat's ``prompt_logprobs``...) at
   any value but its neutral one (``null``, ``false``, ``[]``, or what asks for
   nothing), a 400 naming it and saying why;
 - a loose type: ``strict=True``, as in OpenAI's API (``"0.5"`` is not a number, ``1.0`` is not an integer);
@@ -16,7 +16,7 @@ client spelled it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -24,9 +24,9 @@ from pydantic_core import PydanticCustomError
 # Known fields this server does not honour yet: {field: (the values that ask for nothing, why it is refused)}.
 _NO_TOOLS = "the legacy function-calling fields are not supported; use tools and tool_choice"
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "best_of": ((None, 1), "only one sample per prompt is generated"),
+    "best_of": ((None, 1), "samples are ranked by /v1/completions only"),
     "suffix": ((None, ""), "the served models do not fill in the middle"),
-    "prompt_logprobs": ((None,), "prompt logprobs are not computed yet"),
+    "prompt_logprobs": ((None,), "prompt logprobs are returned by /v1/completions"),
     "guided_decoding_backend": ((None,), "the grammar engine is the server's choice (llguidance)"),
     "guided_whitespace_pattern": ((None,), "JSON output takes any whitespace between tokens"),
     "structural_tag": ((None,), "structural tags are not supported"),
@@ -107,14 +107,16 @@ JsonObject = Annotated[dict[str, Any], AfterValidator(_unicode_json)]
 
 
 class StrictModel(BaseModel):
-    """Strict types; unknown fields refused; known-but-unsupported fields refused unless neutral."""
+    """Strict types; unknown fields refused; known-but-unsupported fields refused unless neutral (or honoured by this
+    model: ``honoured_fields``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+    honoured_fields: ClassVar[frozenset[str]] = frozenset()  # of UNSUPPORTED_FIELDS, those this endpoint implements
 
     @field_validator("*", mode="before")
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name in UNSUPPORTED_FIELDS:
+        if info.field_name in UNSUPPORTED_FIELDS and info.field_name not in cls.honoured_fields:
             neutral, why = UNSUPPORTED_FIELDS[info.field_name]
             if not any(_same(value, v) for v in neutral):
                 raise PydanticCustomError("unsupported", "{field} is not supported: {why}",

@@ -32,6 +32,7 @@ from router.openai_responses import (
     CompletionLogprobs,
     CompletionResponse,
     FunctionCall,
+    PromptTokenLogprob,
     PromptTokensDetails,
     TokenLogprob,
     ToolCallOut,
@@ -102,38 +103,57 @@ class _Formatter:
 
 
 class TextCompletionFormatter(_Formatter):
-    """``/v1/completions`` responses and chunks (object ``text_completion``), with legacy logprobs."""
+    """``/v1/completions`` responses and chunks (object ``text_completion``), with legacy logprobs.
+
+    Echo with logprobs scores the prompt as OpenAI's legacy API does: ``logprobs`` starts with an entry per prompt
+    token (the first one's logprob and alternatives null), its text offsets counted from the start of the prompt's
+    tokens' text; streamed, the echoed text goes out with those entries in the first delta's chunk. vLLM's
+    ``prompt_logprobs`` come in the choice as vLLM shapes them (``prompt_token_ids``: the prompt's ids, given when
+    echoing; ``prompt_logprobs``: the top-N asked for, None when not)."""
 
     id_prefix = "cmpl-"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, prompt_token_ids: list[int] | None = None, prompt_logprobs: int | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
-        self._text_offset = len(self.echo)  # characters of text before the next token, across chunks
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_logprobs = prompt_logprobs
+        self._scores_echo = prompt_token_ids is not None and self.num_logprobs is not None
+        self._echo_waits = self._scores_echo  # the echo waits for its logprobs, in the first delta
+        self._text_offset = 0 if self._scores_echo else len(self.echo)  # characters before the next token
 
     def delta_chunk(self, delta: OutputDelta) -> CompletionResponse | None:
         self._count(delta)
-        if not self._wants_chunk(delta):
+        echo = self._take_echo() if delta.prompt_logprobs is not None else ""
+        if not (echo or delta.prompt_logprobs is not None or self._wants_chunk(delta)):
             return None
-        return self._response(CompletionChoice(index=self.index, text=delta.text, logprobs=self._logprobs(delta)),
-                              self._usage_so_far())
+        return self._response(CompletionChoice(index=self.index, text=echo + delta.text, logprobs=self._logprobs(delta),
+                                               prompt_logprobs=self._prompt_logprobs(delta)), self._usage_so_far())
 
     def finish_chunks(self, completion: Completion) -> list[CompletionResponse]:
         return [self._response(CompletionChoice(
-            index=self.index, text="", finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
-            self._usage_so_far(completion))]
+            index=self.index, text=self._take_echo(), finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason), self._usage_so_far(completion))]
 
     def usage_chunk(self, usage: Usage) -> CompletionResponse:
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=[],
                                   usage=usage)
 
     def opening_chunks(self) -> list[BaseModel]:
-        return [self._response(CompletionChoice(index=self.index, text=self.echo))] if self.echo else []
+        echo = self.echo if not self._echo_waits else ""
+        return [self._response(CompletionChoice(index=self.index, text=echo))] if echo else []
 
     def response(self, deltas: list[OutputDelta], completion: Completion) -> CompletionResponse:
         whole = _joined(deltas)
         choice = CompletionChoice(index=self.index, text=self.echo + whole.text, logprobs=self._logprobs(whole),
-                                  finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                                  finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                                  prompt_logprobs=self._prompt_logprobs(whole))
         return self._response(choice, self.usage(completion))
+
+    def _take_echo(self) -> str:
+        """The echoed text still owed (streaming echo with logprobs), once."""
+        echo, self._echo_waits = (self.echo if self._echo_waits else ""), False
+        return echo
 
     def _response(self, choice: CompletionChoice, usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
@@ -144,15 +164,39 @@ class TextCompletionFormatter(_Formatter):
         if per_token is None:
             return None
         logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        if self._scores_echo and delta.prompt_logprobs is not None:
+            self._add_entry(logprobs, self.prompt_token_ids[0], None, None)  # the first token has no context
+            for entry in delta.prompt_logprobs:
+                top = dict(list(entry.top.items())[:self.num_logprobs])
+                self._add_entry(logprobs, entry.token_id, entry.logprob, {**top, entry.token_id: entry.logprob})
         for token_id, candidates in per_token:
-            text = self.token_text(token_id)
-            logprobs.tokens.append(text)
-            logprobs.token_logprobs.append(candidates[token_id])
             # This format wants exactly what the router's dict holds: the alternatives and the sampled token.
-            logprobs.top_logprobs.append({self.token_text(other): value for other, value in candidates.items()})
-            logprobs.text_offset.append(self._text_offset)
-            self._text_offset += len(text)
+            self._add_entry(logprobs, token_id, candidates[token_id], candidates)
         return logprobs
+
+    def _add_entry(self, logprobs: CompletionLogprobs, token_id: int, logprob: float | None,
+                   candidates: dict[int, float] | None) -> None:
+        text = self.token_text(token_id)
+        logprobs.tokens.append(text)
+        logprobs.token_logprobs.append(logprob)
+        logprobs.top_logprobs.append(None if candidates is None else
+                                     {self.token_text(other): value for other, value in candidates.items()})
+        logprobs.text_offset.append(self._text_offset)
+        self._text_offset += len(text)
+
+    def _prompt_logprobs(self, delta: OutputDelta) -> list[dict[str, PromptTokenLogprob] | None] | None:
+        """vLLM's ``prompt_logprobs``: None for the first token, then the prompt's token and the top-N of each."""
+        if self.num_prompt_logprobs is None or delta.prompt_logprobs is None:
+            return None
+        entries: list[dict[str, PromptTokenLogprob] | None] = [None]
+        for entry in delta.prompt_logprobs:
+            ranked = {entry.token_id: (entry.logprob, entry.rank)}
+            for rank, (token_id, value) in enumerate(list(entry.top.items())[:self.num_prompt_logprobs], start=1):
+                ranked.setdefault(token_id, (value, rank))
+            entries.append({str(token_id): PromptTokenLogprob(logprob=value, rank=rank,
+                                                              decoded_token=self.token_text(token_id))
+                            for token_id, (value, rank) in ranked.items()})
+        return entries
 
 
 class ChatCompletionFormatter(_Formatter):
@@ -271,4 +315,5 @@ def _joined(deltas: list[OutputDelta]) -> OutputDelta:
         token_ids=[token_id for delta in deltas for token_id in delta.token_ids],
         text="".join(delta.text for delta in deltas),
         logprobs=[entry for delta in deltas for entry in delta.logprobs or []] if has_logprobs else None,
+        prompt_logprobs=next((delta.prompt_logprobs for delta in deltas if delta.prompt_logprobs is not None), None),
     )

@@ -6,16 +6,17 @@ and ``/detokenize``, as strict pydantic models, and how a body becomes ``Samplin
 
 No field is silently ignored. Each field a body may carry is one of:
 
-- honoured: OpenAI's fields this server implements (``logit_bias``, ``response_format``, ``n``, ``echo``...), and
+- honoured: OpenAI's fields this server implements (``logit_bias``, ``response_format``, ``n``, ``echo``...,
+  ``max_tokens: 0`` with ``echo`` to score a prompt), vLLM's ``prompt_logprobs`` on completions, and
   vLLM's extras (structured outputs: ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
   ``structured_outputs``; ``top_k``,
   ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
   ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``add_special_tokens``, ``request_id``; for
   chat ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
   ``stream_options.continuous_usage_stats``);
-- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: tools, ``prompt_logprobs``, ...): accepted
-  only at its neutral value (``null``, ``false``, ``[]``, or
-  what asks for nothing: ``best_of: 1``, ``response_format: {"type": "text"}``), refused with 400 naming it
+- known but not supported yet (``openai_fields.UNSUPPORTED_FIELDS``: ``suffix``, chat's ``prompt_logprobs``...):
+  accepted only at its neutral value (``null``, ``false``, ``[]``, or what asks for nothing: chat's ``best_of: 1``,
+  ``response_format: {"type": "text"}``), refused with 400 naming it
   otherwise;
 - ignored on purpose, and documented as such: ``user`` and ``safety_identifier`` (end-user ids for OpenAI's abuse
   monitoring; this server keeps no per-user state);
@@ -150,8 +151,6 @@ class _GenerationRequest(StrictModel):
     guided_grammar: Text | None = None  # Lark or GBNF
     structured_outputs: StructuredOutputs | None = None  # vLLM's newer object
     # Known, not supported yet: refused unless neutral (UNSUPPORTED_FIELDS).
-    best_of: Any = None
-    prompt_logprobs: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
@@ -183,6 +182,11 @@ class _GenerationRequest(StrictModel):
         return options
 
     @property
+    def samples_per_prompt(self) -> int:
+        """Samples generated per prompt: ``n``, or more when the ``n`` most likely are kept (``best_of``)."""
+        return self.n
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -199,12 +203,18 @@ class _GenerationRequest(StrictModel):
         if constrained is not None:
             fields["structured_output"] = constrained[1]
         try:
-            return SamplingParams(**fields, max_tokens=self._max_tokens(), logprobs=self._num_logprobs())
+            params = SamplingParams(**fields, max_tokens=self._max_tokens(), logprobs=self._num_logprobs(),
+                                    prompt_logprobs=self._num_prompt_logprobs())
         except ValueError as error:
             # SamplingParams' messages start with the field's name ("temperature must be >= 0, ...").
             sampling_field, _, rest = str(error).partition(" ")
             param = self.param_name(sampling_field)
             raise InvalidParameter(param, f"{param or sampling_field} {rest}") from error
+        if params.max_tokens == 0 and not self._scores():
+            param = self.param_name("max_tokens")
+            raise InvalidParameter(param, f"{param} must be >= 1 (0, which generates nothing, is for scoring a "
+                                          f"prompt: /v1/completions with echo)")
+        return params
 
     def param_name(self, field: str) -> str | None:
         """The body's name for a field the router or ``SamplingParams`` names (``prompt``, ``max_tokens``...)."""
@@ -237,6 +247,13 @@ class _GenerationRequest(StrictModel):
     @abstractmethod
     def _max_tokens(self) -> int | None: ...
 
+    def _num_prompt_logprobs(self) -> int | None:
+        return None
+
+    def _scores(self) -> bool:
+        """Whether ``max_tokens: 0`` (nothing generated, the prompt scored) may be asked for."""
+        return False
+
     @abstractmethod
     def _num_logprobs(self) -> int | None: ...
 
@@ -244,10 +261,14 @@ class _GenerationRequest(StrictModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: a prompt, as text or token ids, or a list of prompts (one choice each, n each)."""
 
+    honoured_fields = frozenset({"prompt_logprobs", "best_of"})
+
     prompt: str | list[int] | list[str | list[int]]  # text checked for valid Unicode by _prompts
-    max_tokens: int | None = 16  # OpenAI's default for this endpoint; null: until the context is full
+    max_tokens: int | None = 16  # OpenAI's default for this endpoint; null: until the context is full; 0 with echo
     logprobs: int | None = Field(None, ge=0)
-    echo: bool = False  # the prompt's text before each choice's output
+    echo: bool = False  # the prompt's text before each choice's output (with logprobs: its tokens' logprobs too)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top-N, in the choice
+    best_of: int | None = Field(None, ge=1)  # samples per prompt, of which the n most likely are returned
     add_special_tokens: bool = True  # vLLM's: BOS and the like, as the tokenizer adds them
     suffix: Any = None  # known, not supported (UNSUPPORTED_FIELDS)
 
@@ -271,11 +292,33 @@ class CompletionRequest(_GenerationRequest):
         single = isinstance(self.prompt, str) or _is_int_list(self.prompt)
         return [self.prompt] if single else list(self.prompt)
 
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.best_of or self.n
+
+    def sampling_params(self) -> SamplingParams:
+        params = super().sampling_params()
+        if self.best_of is not None and self.best_of < params.n:
+            raise InvalidParameter("best_of", f"best_of must be >= n ({params.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > params.n and self.stream:
+            raise InvalidParameter("best_of", "best_of: the samples are ranked once they are all done, so they "
+                                              "cannot be streamed; set stream to false")
+        return params
+
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def _num_prompt_logprobs(self) -> int | None:
+        """The top-N the pods compute per prompt token: for vLLM's ``prompt_logprobs``, and for the prompt's entries
+        of ``logprobs`` when echoing (OpenAI's legacy scoring), the larger of the two."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked, default=None)
+
+    def _scores(self) -> bool:
+        return self.echo
 
 
 class FunctionCallIn(StrictModel):
@@ -418,6 +461,8 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
     echo: bool = False  # vLLM's chat echo (the last message before the answer): refused when true
     parallel_tool_calls: bool = True  # a forced tool_choice may make several calls
     # Known, not supported (UNSUPPORTED_FIELDS).
+    prompt_logprobs: Any = None
+    best_of: Any = None
     functions: Any = None
     function_call: Any = None
     reasoning_effort: Any = None

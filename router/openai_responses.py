@@ -25,12 +25,21 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy per-token logprobs: parallel lists, one entry per output token."""
+    """OpenAI's legacy per-token logprobs: parallel lists, one entry per token of the output (with echo, of the prompt
+    first: its first token's entries are null, it has no context)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]  # the top alternatives and the sampled token
-    text_offset: list[int]  # where each token starts in the output text, in characters
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # the top alternatives and the sampled (or prompt) token
+    text_offset: list[int]  # where each token starts in the text, in characters
+
+
+class PromptTokenLogprob(BaseModel):
+    """One token of a ``prompt_logprobs`` entry, as vLLM shapes it."""
+
+    logprob: float
+    rank: int  # 1: the most probable token at this position
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -39,6 +48,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: per prompt token, null for the first, then {token id: ...} of the prompt's token and the top-N.
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -137,6 +148,17 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None  # each token's own text, when return_token_strs
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's ``GET /tokenizer_info``: what a client needs to tokenize as the server does (evaluation harnesses then
+    tokenize through ``/tokenize`` and ``/detokenize``)."""
+
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None = None  # the served models have none
+    model_max_length: int
+    chat_template: str | None
 
 
 class DetokenizeResponse(BaseModel):

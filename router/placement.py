@@ -11,7 +11,9 @@ For each request ``Router.generate`` walks it through these states, each a metho
    (conditional disaggregation);
 3. first token: disaggregated, ``P.Prefill(decode_address=D)`` prefills, pushes the KV to D and returns the
    first token; then ``D.Decode(first_token)`` is opened. Prefilling on D, ``D.Decode`` without a first token
-   prefills there and its first chunk holds the first token. A failure before the first token (a pod gone, full
+   prefills there and its first chunk holds the first token. A request that generates nothing (``max_tokens`` 0,
+   scoring its prompt) is prefilled on P alone, for its prompt logprobs: no KV moves, no decode pod is called
+   (on D alone when the plan prefills there). A failure before the first token (a pod gone, full
    or draining, P's push to D failing, corrupt or late) is retried on other pods, ``max_retries`` times; when
    every prefill pod failed, the retry prefills on the decode pod. ``start`` returns D's ``DecodeStream`` with
    that first message in it;
@@ -27,18 +29,19 @@ pods' next load reports do. The stream itself (tokens to text, the end) is the r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 
 from protos.convert import sampling_params_to_proto
-from protos.splitserve.v1 import decode_pb2, prefill_pb2
+from protos.splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.config import RouterConfig
 from router.intake import RouterRequest
 from router.pod_client import PodClientPool
 from router.policies import RoutePlan, RoutingPolicy, SLOTargets
 from router.registry import PodInfo, PodRegistry
-from router.request_run import DecodeStream, RequestRun
+from router.request_run import AnsweredCall, DecodeStream, PodHold, RequestRun
 from runtime.errors import StatusError
 from runtime.metrics import RouterMetrics
 
@@ -98,7 +101,30 @@ class Placement:
     # -- steps 2 and 3: placing the request and getting its first token ---------------------------------------
 
     async def start(self, run: RequestRun) -> DecodeStream:
-        """D's stream of ``run``, its first message taken; retried on other pods while that may help."""
+        """D's stream of ``run``, its first message taken. The n samples of a prompt (``SampleGroup``): the first
+        one's placement prefills for all of them and shares the KV it pushed, which the others claim; they go on
+        their own when it shares none."""
+        group = run.request.samples
+        if group is None:
+            return await self._place(run)
+        if run.request.leads_samples:
+            try:
+                return await self._place(run)
+            finally:
+                group.share(None)  # unless it shared its KV already (_start_disaggregated)
+        try:
+            shared = await asyncio.wait_for(asyncio.shield(group.shared), run.time_left())
+        except TimeoutError:
+            run.time_left()  # raises DEADLINE_EXCEEDED
+            raise
+        if run.aborted:
+            raise StatusError(grpc.StatusCode.CANCELLED, "aborted")
+        if shared is not None:
+            return await self._start_on_shared_kv(run, *shared)
+        return await self._place(run)
+
+    async def _place(self, run: RequestRun) -> DecodeStream:
+        """Placed on a pair of pods, retried on others while that may help."""
         retries_left = self.config.max_retries
         avoid: set[str] = set()  # pods of failed attempts: the next attempt prefers others
         while True:
@@ -132,12 +158,31 @@ class Placement:
             raise StatusError(grpc.StatusCode.CANCELLED, "aborted")
         metrics = self.metrics
         metrics.count(metrics.routing_decisions, plan.decision)
-        for pod in (plan.prefill, plan.decode):
+        scoring = plan.prefill is not None and run.request.params.max_tokens == 0
+        for pod in (plan.prefill,) if scoring else (plan.prefill, plan.decode):
             if pod is not None:
                 metrics.count(metrics.pod_requests, pod.address, str(pod.role))
         if plan.prefill is None:
             return await self._start_on_decode_pod(run, plan.decode)
+        if scoring:
+            return await self._score_on_prefill_pod(run, plan.prefill)
         return await self._start_disaggregated(run, plan)
+
+    async def _score_on_prefill_pod(self, run: RequestRun, pod: PodInfo) -> DecodeStream:
+        """A request that generates nothing (max_tokens 0, scoring its prompt): P prefills it for its prompt logprobs
+        and answers; no decode pod is called and no KV moves."""
+        hold = run.hold(pod, prompt_tokens=len(run.request.prompt_token_ids))
+        try:
+            scored = await self._prefill(run, pod, decode_address="")
+        finally:
+            hold.release()
+        chunk = decode_pb2.DecodeChunk()
+        if scored.HasField("prompt_logprobs"):
+            chunk.prompt_logprobs.CopyFrom(scored.prompt_logprobs)
+        complete = decode_pb2.DecodeComplete(finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=common_pb2.Usage(
+            prompt_tokens=len(run.request.prompt_token_ids), cached_tokens=scored.num_cached_tokens))
+        return DecodeStream(AnsweredCall(), pod, hold, [decode_pb2.DecodeResponse(chunk=chunk),
+                                                         decode_pb2.DecodeResponse(complete=complete)])
 
     async def _start_disaggregated(self, run: RequestRun, plan: RoutePlan) -> DecodeStream:
         num_prompt = len(run.request.prompt_token_ids)
@@ -145,7 +190,7 @@ class Placement:
         run.kv_sent_to.append(plan.decode)
         prefill_hold = run.hold(plan.prefill, prompt_tokens=num_prompt)
         try:
-            first = await self._prefill(run, plan)
+            first = await self._prefill(run, plan.prefill, plan.decode.address)
         except BaseException:
             decode_hold.release()
             raise
@@ -153,27 +198,59 @@ class Placement:
             prefill_hold.release()
         if self.policy.hybrid is not None:
             self.policy.hybrid.observe_transfer(num_prompt, first.kv_transfer.exposed_transfer_seconds)
+        group = run.request.samples
+        if run.request.leads_samples:  # the first of n samples: the others claim the same KV with their first tokens
+            group.share((plan.decode, first) if len(first.more_first_token_ids) == len(group.request_ids) - 1
+                        else None)
         # The KV now waits on D under a lease: claim it at once. D's stream starts after the first token.
-        decode_request = self._decode_request(run.request)
-        decode_request.first_token_id = first.first_token_id
-        first_chunk = decode_pb2.DecodeChunk(token_ids=[first.first_token_id])
-        if first.HasField("first_token_logprob"):
-            decode_request.first_token_logprob.CopyFrom(first.first_token_logprob)
-            first_chunk.logprobs.tokens.append(first.first_token_logprob)
-        decode_pod = self.pod_clients.get(plan.decode.address, plan.decode.role)
-        decode_call = run.track(decode_pod.decode(decode_request, run.time_left()))
-        return DecodeStream(decode_call, plan.decode, decode_hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
+        first_logprob = first.first_token_logprob if first.HasField("first_token_logprob") else None
+        return self._claim(run, plan.decode, decode_hold, first, first.first_token_id, first_logprob)
 
-    async def _prefill(self, run: RequestRun, plan: RoutePlan) -> prefill_pb2.PrefillResponse:
-        """P prefills the prompt and pushes its KV to D; P's report is the request's queue/prefill/transfer time."""
+    async def _start_on_shared_kv(self, run: RequestRun, pod: PodInfo,
+                                  first: prefill_pb2.PrefillResponse) -> DecodeStream:
+        """Sample i > 0 of a prompt: its first token came with sample 0's (P's ``more_first_token_ids``), and its
+        Decode call claims the KV pushed once for all of them, on the same decode pod."""
+        group = run.request.samples
+        index = group.request_ids.index(run.request.request_id) - 1
+        run.cached_tokens = first.num_cached_tokens
+        run.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
+                               kv_transfer=first.kv_transfer.exposed_transfer_seconds)
+        self.metrics.count(self.metrics.pod_requests, pod.address, str(pod.role))
+        logprobs = first.more_first_token_logprobs
+        return self._claim(run, pod, run.hold(pod), first, first.more_first_token_ids[index],
+                           logprobs[index] if logprobs else None, kv_request_id=group.kv_request_id)
+
+    def _claim(self, run: RequestRun, pod: PodInfo, hold: PodHold, first: prefill_pb2.PrefillResponse,
+               first_token_id: int, first_logprob: common_pb2.TokenLogprob | None,
+               kv_request_id: str = "") -> DecodeStream:
+        """D's stream of a request whose prompt's KV waits there (pushed by P's ``first``, under ``kv_request_id``
+        when not the request's own id), with its first token."""
+        decode_request = self._decode_request(run.request)
+        decode_request.first_token_id = first_token_id
+        decode_request.kv_request_id = kv_request_id
+        first_chunk = decode_pb2.DecodeChunk(token_ids=[first_token_id])
+        if first.HasField("prompt_logprobs"):
+            first_chunk.prompt_logprobs.CopyFrom(first.prompt_logprobs)
+        if first_logprob is not None:
+            decode_request.first_token_logprob.CopyFrom(first_logprob)
+            first_chunk.logprobs.tokens.append(first_logprob)
+        decode_pod = self.pod_clients.get(pod.address, pod.role)
+        decode_call = run.track(decode_pod.decode(decode_request, run.time_left()))
+        return DecodeStream(decode_call, pod, hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
+
+    async def _prefill(self, run: RequestRun, pod: PodInfo, decode_address: str) -> prefill_pb2.PrefillResponse:
+        """P prefills the prompt and pushes its KV to the decode pod at ``decode_address`` (none: scoring); P's report
+        is the request's queue/prefill/transfer time."""
         req = run.request
-        prefill_pod = self.pod_clients.get(plan.prefill.address, plan.prefill.role)
+        # The first of n samples prefills for all of them (decode_address set: not when scoring).
+        params = req.samples.params if req.leads_samples and decode_address else req.params
+        prefill_pod = self.pod_clients.get(pod.address, pod.role)
         call = run.track(prefill_pod.prefill(prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling_params=sampling_params_to_proto(req.params), decode_address=plan.decode.address,
+            sampling_params=sampling_params_to_proto(params), decode_address=decode_address,
             kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s,
         ), run.time_left()))
-        first = await run.await_pod(call, plan.prefill.address)
+        first = await run.await_pod(call, pod.address)
         run.cached_tokens = first.num_cached_tokens
         run.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
                                kv_transfer=first.kv_transfer.exposed_transfer_seconds)

@@ -26,8 +26,8 @@ from typing import Any, AsyncIterator
 import grpc
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sequence import FinishReason
-from protos.convert import finish_reason_from_proto, token_logprob_to_dict
+from engine.sequence import FinishReason, PromptLogprob
+from protos.convert import finish_reason_from_proto, prompt_logprobs_from_proto, token_logprob_to_dict
 from protos.splitserve.v1 import decode_pb2
 from router.config import RouterConfig
 from router.intake import RouterRequest
@@ -47,6 +47,8 @@ class OutputDelta:
     token_ids: list[int]
     text: str
     logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token (protos/convert.py)
+    # The prompt's logprobs (one per prompt token from the second on), in the first delta, when asked for.
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass
@@ -81,6 +83,17 @@ class PodHold:
             self.released = True
 
 
+class AnsweredCall:
+    """Stands for the pod call of a ``DecodeStream`` whose every message is already in hand (a prompt scored on a
+    prefill pod: nothing to decode, so no decode pod is called)."""
+
+    def cancel(self) -> bool:
+        return False
+
+    async def read(self) -> object:
+        return grpc.aio.EOF
+
+
 @dataclass
 class DecodeStream:
     """D's Decode call, with the messages already taken from it (or made from P's first token)."""
@@ -112,6 +125,7 @@ class RequestRun:
     failed_decode_pods: set[str] = field(default_factory=set)  # decode pods that failed it after its first token
     migrations: int = 0  # moves to another decode pod so far (placement.py), at most max_migrations
     output_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
+    prompt_logprobs_sent: bool = False  # a pod that prefills it again (migration) sends them again: not the client
     first_token_at: float | None = None
     last_token_at: float | None = None
     cached_tokens: int = 0
@@ -207,7 +221,7 @@ class RequestRun:
                 yield self._complete_from_pod(message.complete, stream.pod_address)
                 return
             delta = self._take_chunk(message.chunk)
-            if delta.token_ids or delta.text:
+            if delta.token_ids or delta.text or delta.prompt_logprobs is not None:
                 yield delta
             if self.detokenizer.stopped_by is not None:
                 stream.call.cancel()  # D aborts the request and frees its blocks
@@ -226,7 +240,10 @@ class RequestRun:
         if self.request.params.logprobs is not None:
             logprobs = [token_logprob_to_dict(entry) for entry in chunk.logprobs.tokens[:len(token_ids)]]
         self._count_tokens(token_ids)
-        return OutputDelta(token_ids, "".join(text), logprobs)
+        prompt_logprobs = None
+        if chunk.HasField("prompt_logprobs") and not self.prompt_logprobs_sent:
+            prompt_logprobs, self.prompt_logprobs_sent = prompt_logprobs_from_proto(chunk.prompt_logprobs), True
+        return OutputDelta(token_ids, "".join(text), logprobs, prompt_logprobs)
 
     def _count_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:

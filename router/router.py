@@ -171,6 +171,8 @@ class Router:
             raise
         finally:
             run.cancel_calls()
+            if req.leads_samples:
+                req.samples.share(None)  # refused before it placed: the other samples go on their own
             if run.finish_reason in (None, FinishReason.ABORT):
                 self._drop_pushed_kv(run)
             run.release_holds()

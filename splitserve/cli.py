@@ -12,6 +12,7 @@
   splitserve bench spec [--batches 1,4,16 ...]          speculative decoding on vs off: tokens/s, TPOT, acceptance
   splitserve simulate [--pools prefill:1,decode:1 ...]  the router and pods on a virtual clock, from a profile
   splitserve bench llamacpp [--threads 1,2 ...]         beside llama.cpp on the same GGUF: ms/token, tokens/s, lookup
+  splitserve bench lm_eval [--lm-eval-python PATH]      lm-eval against a cluster, each answer checked offline
   splitserve build-kernels                              build the engine's native CPU kernels now (set-up does)
 """
 
@@ -65,7 +66,8 @@ def _build_kernels(argv: list[str]) -> None:
 
 
 # Modules of the bench package.
-BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec", "structured", "llamacpp")
+BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec", "structured", "llamacpp",
+              "lm_eval")
 
 
 def _bench(argv: list[str]) -> None:

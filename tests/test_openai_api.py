@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
 from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sequence import PromptLogprob
 from router.config import RouterConfig
 from router.intake import RouterRequest
 from router.openai_api import ServerSentEvents, create_app
@@ -111,10 +112,13 @@ class FakeRouter:
         try:
             if self.error_before_first is not None:
                 raise self.error_before_first
+            prompt_logprobs = self._prompt_logprobs(request)
             for _ in range(self.repeat):
                 for token_ids, text in ANSWER:
                     await asyncio.sleep(self.pause_s)
-                    yield OutputDelta(token_ids, text, self._logprobs(token_ids, request.params.logprobs))
+                    yield OutputDelta(token_ids, text, self._logprobs(token_ids, request.params.logprobs),
+                                      prompt_logprobs)
+                    prompt_logprobs = None  # in the first delta only
             if self.error_after_deltas is not None:
                 raise self.error_after_deltas
             self.finished.set()
@@ -127,6 +131,14 @@ class FakeRouter:
         finally:
             if not self.finished.is_set():
                 self.closed_early.set()
+
+    @staticmethod
+    def _prompt_logprobs(request: RouterRequest) -> list[PromptLogprob] | None:
+        """Every prompt token after the first at -0.5, ranked second after "!"."""
+        if request.params.prompt_logprobs is None:
+            return None
+        return [PromptLogprob(token_id, -0.5, 2, {4: -0.25, token_id: -0.5, 0: -1.0})
+                for token_id in request.prompt_token_ids[1:]]
 
     @staticmethod
     def _logprobs(token_ids: list[int], num_top: int | None) -> list[dict[int, float]] | None:
@@ -285,10 +297,14 @@ def test_completion_stream_is_server_sent_events_ending_in_done(http, fake):
     events = sse_data(response)
     assert events[-1] == "[DONE]"
     assert [e["choices"] for e in events[:-1]] == [
-        [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None, "stop_reason": None}],
-        [{"index": 0, "text": ", world", "logprobs": None, "finish_reason": None, "stop_reason": None}],
-        [{"index": 0, "text": "!", "logprobs": None, "finish_reason": None, "stop_reason": None}],
-        [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": None}],
+        [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None, "stop_reason": None,
+         "prompt_logprobs": None}],
+        [{"index": 0, "text": ", world", "logprobs": None, "finish_reason": None, "stop_reason": None,
+         "prompt_logprobs": None}],
+        [{"index": 0, "text": "!", "logprobs": None, "finish_reason": None, "stop_reason": None,
+         "prompt_logprobs": None}],
+        [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": None,
+         "prompt_logprobs": None}],
     ]
     assert all(e["usage"] is None for e in events[:-1])  # no usage chunk unless include_usage
 
@@ -308,10 +324,25 @@ def test_completion_logprobs_in_openai_legacy_format(client, fake):
     assert fake.requests[0].params.logprobs == 2
 
 
-def test_echoed_completion_counts_text_offsets_after_the_prompt(client, fake):
-    completion = client.completions.create(model=MODEL, prompt="Hi yo", logprobs=0, echo=True)
-    assert completion.choices[0].text == "Hi yoHello, world!"
-    assert completion.choices[0].logprobs.text_offset == [5, 10, 11, 17]
+def test_echo_with_logprobs_scores_the_prompt_before_the_output(client, fake):
+    completion = client.completions.create(model=MODEL, prompt=[1, 5], logprobs=1, echo=True)
+    logprobs = completion.choices[0].logprobs
+    assert completion.choices[0].text == "Hello thereHello, world!"
+    assert logprobs.tokens == ["Hello", " there", "Hello", ",", " world", "!"]
+    assert logprobs.token_logprobs == [None, -0.5, -0.25, -0.5, -0.125, -2.0]
+    assert logprobs.top_logprobs[:2] == [None, {"!": -0.25, " there": -0.5}]  # the top 1 and the prompt's token
+    assert logprobs.text_offset == [0, 5, 11, 16, 17, 23]  # counted from the prompt's first token
+    assert fake.requests[0].params.prompt_logprobs == 1
+
+
+def test_prompt_logprobs_come_in_vllms_shape(http, fake):
+    choice = http.post("/v1/completions", json={"prompt": [1, 5, 6], "prompt_logprobs": 2}).json()["choices"][0]
+    assert choice["logprobs"] is None and choice["text"] == "Hello, world!"
+    entry = {"logprob": -0.5, "rank": 2}
+    assert choice["prompt_logprobs"] == [None] + [
+        {str(token_id): {**entry, "decoded_token": VOCAB[token_id]}, "4": {"logprob": -0.25, "rank": 1,
+                                                                          "decoded_token": "!"}}
+        for token_id in (5, 6)]
 
 
 def test_completion_logprobs_zero_gives_only_the_sampled_token(http, fake):
@@ -416,13 +447,19 @@ def error_of(response: httpx.Response) -> dict:
     ({"prompt": ["a"] * 65, "n": 2}, "prompt",
      "prompt: 65 prompt(s) x n = 2 make 130 choices, more than the limit of 128 per request"),
     ({"n": 1.0}, "n", "n: Input should be a valid integer"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1 or None, got 0"),
+    ({"max_tokens": 0}, "max_tokens",
+     "max_tokens must be >= 1 (0, which generates nothing, is for scoring a prompt: /v1/completions with echo)"),
     ({"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
     ({"stop": ""}, "stop", "stop strings must be non-empty, got an empty string"),
     ({"stop": [1]}, "stop[0]", "stop[0]: Input should be a valid string"),
     ({"logprobs": -1}, "logprobs", "logprobs: Input should be greater than or equal to 0"),
     ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20] or None, got 21"),
-    ({"best_of": 2}, "best_of", "best_of: best_of is not supported: only one sample per prompt is generated"),
+    ({"best_of": 2, "n": 3}, "best_of", "best_of must be >= n (3), got 2"),
+    ({"best_of": 0}, "best_of", "best_of: Input should be greater than or equal to 1"),
+    ({"best_of": 2, "stream": True}, "best_of", "best_of: the samples are ranked once they are all done, so they "
+     "cannot be streamed; set stream to false"),
+    ({"best_of": 129}, "best_of", "best_of: 1 prompt(s) x n = 129 make 129 choices, more than the limit of 128 per "
+     "request"),
     ({"logit_bias": {"x1": -100}}, "logit_bias", "logit_bias keys must be token ids, got 'x1'"),
     ({"logit_bias": {"1": 101}}, "logit_bias", "logit_bias must map token ids >= 0 to biases in [-100.0, 100.0], "
      "got 1: 101.0"),
@@ -463,7 +500,8 @@ def test_bad_completion_fields_are_400_naming_the_field(http, fake, body, param,
      "tools[0].function.name: String should match pattern '^[A-Za-z0-9_.-]{1,64}$'"),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs: top_logprobs needs logprobs set to true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20] or None, got 21"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1 or None, got 0"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1 (0, which generates "
+     "nothing, is for scoring a prompt: /v1/completions with echo)"),
     ({"response_format": {"type": "xml"}}, "response_format.type",
      "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
@@ -481,15 +519,15 @@ def test_bad_chat_fields_are_400_naming_the_field(http, fake, body, param, messa
 
 # Known fields this server does not honour yet, each with a value that asks for something: refused by name.
 UNSUPPORTED = [
-    ("guided_decoding_backend", "xgrammar"), ("structural_tag", {"type": "structural_tag"}), ("prompt_logprobs", 1),
-    ("truncate_prompt_tokens", 10), ("best_of", 3), ("use_beam_search", True), ("priority", 1),
+    ("guided_decoding_backend", "xgrammar"), ("structural_tag", {"type": "structural_tag"}),
+    ("truncate_prompt_tokens", 10), ("use_beam_search", True), ("priority", 1),
     ("logits_processors", ["x"]),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("store", True),
     ("service_tier", "flex"), ("cache_salt", "s"), ("kv_transfer_params", {}), ("metadata", {"a": "b"}),
 ]
 CHAT_ONLY_UNSUPPORTED = [
     ("chat_template", "{{ messages }}"), ("documents", [{"text": "d"}]), ("reasoning_effort", "high"),
-    ("modalities", ["text", "audio"]), ("functions", [{"name": "f"}]),
+    ("modalities", ["text", "audio"]), ("functions", [{"name": "f"}]), ("prompt_logprobs", 1), ("best_of", 3),
 ]
 
 

@@ -76,7 +76,7 @@ def test_boundary_values_are_accepted():
         ("stop_token_ids", [1.0]),
         ("stop_token_ids", [True]),
         ("stop_token_ids", 3),
-        ("max_tokens", 0),
+        ("max_tokens", -1),  # 0 is scoring: the prompt prefilled, nothing generated
         ("max_tokens", -5),
         ("max_tokens", 2.0),
         ("min_tokens", -1),
@@ -85,6 +85,9 @@ def test_boundary_values_are_accepted():
         ("logprobs", -1),
         ("logprobs", 21),
         ("logprobs", True),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", 1.0),
         ("skip_special_tokens", "yes"),
         ("include_stop_str_in_output", None),
     ],

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/splitserve/v1/common.proto\x12\rsplitserve.v1\"\x95\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\x05\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x33\n\x13\x62\x61\x64_words_token_ids\x18\x14 \x03(\x0b\x32\x16.splitserve.v1.BadWord\x12:\n\x11structured_output\x18\x15 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12\t\n\x01n\x18\x16 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x95\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x16.splitserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x1c\n\x07\x42\x61\x64Word\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"7\n\x08Logprobs\x12+\n\x06tokens\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x81\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x05 \x01(\x01\"\xa1\x03\n\x07PodLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x06 \x01(\x03\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x0f\n\x07version\x18\x08 \x01(\x04\x12!\n\x19prefill_tokens_per_second\x18\t \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_step_seconds\x18\n \x01(\x01\x12/\n\tstep_time\x18\x0b \x01(\x0b\x32\x1c.splitserve.v1.StepTimeModel\x12\x1e\n\x16running_context_tokens\x18\x0c \x01(\x03\x12#\n\x16tpot_allowance_seconds\x18\r \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cquantization\x18\x0e \x01(\tB\x19\n\x17_tpot_allowance_seconds\"\xa0\x01\n\rStepTimeModel\x12\x14\n\x0c\x62\x61se_seconds\x18\x01 \x01(\x01\x12\x1e\n\x16per_decode_row_seconds\x18\x02 \x01(\x01\x12!\n\x19per_prefill_token_seconds\x18\x03 \x01(\x01\x12!\n\x19per_context_token_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/splitserve/v1/common.proto\x12\rsplitserve.v1\"\xc7\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\x05\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x33\n\x13\x62\x61\x64_words_token_ids\x18\x14 \x03(\x0b\x32\x16.splitserve.v1.BadWord\x12:\n\x11structured_output\x18\x15 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12\t\n\x01n\x18\x16 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x17 \x01(\x05H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x95\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x16.splitserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x1c\n\x07\x42\x61\x64Word\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x07\n\x05_rank\"7\n\x08Logprobs\x12+\n\x06tokens\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x81\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x05 \x01(\x01\"\xa1\x03\n\x07PodLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x06 \x01(\x03\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x0f\n\x07version\x18\x08 \x01(\x04\x12!\n\x19prefill_tokens_per_second\x18\t \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_step_seconds\x18\n \x01(\x01\x12/\n\tstep_time\x18\x0b \x01(\x0b\x32\x1c.splitserve.v1.StepTimeModel\x12\x1e\n\x16running_context_tokens\x18\x0c \x01(\x03\x12#\n\x16tpot_allowance_seconds\x18\r \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cquantization\x18\x0e \x01(\tB\x19\n\x17_tpot_allowance_seconds\"\xa0\x01\n\rStepTimeModel\x12\x14\n\x0c\x62\x61se_seconds\x18\x01 \x01(\x01\x12\x1e\n\x16per_decode_row_seconds\x18\x02 \x01(\x01\x12!\n\x19per_prefill_token_seconds\x18\x03 \x01(\x01\x12!\n\x19per_context_token_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2126
-  _globals['_FINISHREASON']._serialized_end=2271
+  _globals['_FINISHREASON']._serialized_start=2204
+  _globals['_FINISHREASON']._serialized_end=2349
   _globals['_SAMPLINGPARAMS']._serialized_start=53
-  _globals['_SAMPLINGPARAMS']._serialized_end=842
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=684
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=732
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=845
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=994
-  _globals['_CHOICES']._serialized_start=996
-  _globals['_CHOICES']._serialized_end=1022
-  _globals['_BADWORD']._serialized_start=1024
-  _globals['_BADWORD']._serialized_end=1052
-  _globals['_TOPLOGPROB']._serialized_start=1054
-  _globals['_TOPLOGPROB']._serialized_end=1101
-  _globals['_TOKENLOGPROB']._serialized_start=1103
-  _globals['_TOKENLOGPROB']._serialized_end=1201
-  _globals['_LOGPROBS']._serialized_start=1203
-  _globals['_LOGPROBS']._serialized_end=1258
-  _globals['_USAGE']._serialized_start=1260
-  _globals['_USAGE']._serialized_end=1340
-  _globals['_TIMINGS']._serialized_start=1343
-  _globals['_TIMINGS']._serialized_end=1472
-  _globals['_PODLOAD']._serialized_start=1475
-  _globals['_PODLOAD']._serialized_end=1892
-  _globals['_STEPTIMEMODEL']._serialized_start=1895
-  _globals['_STEPTIMEMODEL']._serialized_end=2055
-  _globals['_ABORTREQUEST']._serialized_start=2057
-  _globals['_ABORTREQUEST']._serialized_end=2091
-  _globals['_ABORTRESPONSE']._serialized_start=2093
-  _globals['_ABORTRESPONSE']._serialized_end=2123
+  _globals['_SAMPLINGPARAMS']._serialized_end=892
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=714
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=762
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=895
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1044
+  _globals['_CHOICES']._serialized_start=1046
+  _globals['_CHOICES']._serialized_end=1072
+  _globals['_BADWORD']._serialized_start=1074
+  _globals['_BADWORD']._serialized_end=1102
+  _globals['_TOPLOGPROB']._serialized_start=1104
+  _globals['_TOPLOGPROB']._serialized_end=1151
+  _globals['_TOKENLOGPROB']._serialized_start=1153
+  _globals['_TOKENLOGPROB']._serialized_end=1279
+  _globals['_LOGPROBS']._serialized_start=1281
+  _globals['_LOGPROBS']._serialized_end=1336
+  _globals['_USAGE']._serialized_start=1338
+  _globals['_USAGE']._serialized_end=1418
+  _globals['_TIMINGS']._serialized_start=1421
+  _globals['_TIMINGS']._serialized_end=1550
+  _globals['_PODLOAD']._serialized_start=1553
+  _globals['_PODLOAD']._serialized_end=1970
+  _globals['_STEPTIMEMODEL']._serialized_start=1973
+  _globals['_STEPTIMEMODEL']._serialized_end=2133
+  _globals['_ABORTREQUEST']._serialized_start=2135
+  _globals['_ABORTREQUEST']._serialized_end=2169
+  _globals['_ABORTRESPONSE']._serialized_start=2171
+  _globals['_ABORTRESPONSE']._serialized_end=2201
 # @@protoc_insertion_point(module_scope)

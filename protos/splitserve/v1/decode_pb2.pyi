@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "first_token_id", "first_token_logprob", "resume_token_ids", "tpot_target_seconds")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "first_token_id", "first_token_logprob", "resume_token_ids", "tpot_target_seconds", "kv_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TPOT_TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class DecodeRequest(_message.Message):
     first_token_logprob: _common_pb2.TokenLogprob
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tpot_target_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tpot_target_seconds: _Optional[float] = ...) -> None: ...
+    kv_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tpot_target_seconds: _Optional[float] = ..., kv_request_id: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("chunk", "complete")
@@ -34,12 +36,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[DecodeChunk, _Mapping]] = ..., complete: _Optional[_Union[DecodeComplete, _Mapping]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
+    __slots__ = ("token_ids", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _common_pb2.Logprobs
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.Logprobs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeComplete(_message.Message):
     __slots__ = ("finish_reason", "stop_token_id", "usage", "queue_seconds", "prefill_seconds")

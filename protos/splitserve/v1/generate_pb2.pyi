@@ -69,14 +69,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _common_pb2.Logprobs
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.Logprobs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "stop_str", "stop_token_id", "usage", "timings")

@@ -65,16 +65,18 @@ class KVPush(_message.Message):
     def __init__(self, header: _Optional[_Union[KVTransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTransferTrailer, _Mapping]] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "compat_hash", "lease_seconds")
+    __slots__ = ("request_id", "prompt_token_ids", "compat_hash", "lease_seconds", "num_claims")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLAIMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compat_hash: str
     lease_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    num_claims: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., num_claims: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "seq", "layer", "kind", "token_start", "token_end", "codec", "dtype", "shape", "payload", "scales", "crc32c")

@@ -24,20 +24,26 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_codec: _Optional[str] = ..., kv_lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "num_cached_tokens", "queue_seconds", "prefill_seconds", "kv_transfer")
+    __slots__ = ("first_token_id", "first_token_logprob", "num_cached_tokens", "queue_seconds", "prefill_seconds", "kv_transfer", "prompt_logprobs", "more_first_token_ids", "more_first_token_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: _common_pb2.TokenLogprob
     num_cached_tokens: int
     queue_seconds: float
     prefill_seconds: float
     kv_transfer: KVTransferStats
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer: _Optional[_Union[KVTransferStats, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.Logprobs
+    more_first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    more_first_token_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer: _Optional[_Union[KVTransferStats, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., more_first_token_ids: _Optional[_Iterable[int]] = ..., more_first_token_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
     __slots__ = ("codec", "bytes_sent", "raw_bytes", "num_chunks", "transfer_seconds", "exposed_transfer_seconds")
