@@ -33,16 +33,20 @@ ships to another decode pod (``SimCluster._prefilled``).
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.phase_profile import PhaseProfile
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.prefill_budget import TPOTSlackBudget
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.step_time import StepSample, StepTimeFit, StepTimeModel, attention_positions
 from router.registry import PodInfo, PodLoad
-from runtime.pod_status import RECENT_WEIGHT
+from runtime.pod_status import RECENT_WEIGHT, scheduler_load
 from runtime.roles import Role
 from simulator.events import EventLoop
 
@@ -52,9 +56,7 @@ MAX_SPAN_STEPS = 256
 
 
 def step_seconds(profile: PhaseProfile, out: SchedulerOutput) -> tuple[float, int]:
-    """The profile's time for one scheduled batch, and its prefill tokens: prefill chunks by the prefill form,
-    decoding sequences (one new token at the end of their known tokens) by the decode form's context and batch
-    terms, and the decode form's constant when the step has no prefill in it."""
+    """The profile's time for one scheduled batch, and its prefill tokens (``form_seconds``)."""
     tokens = attention = context = batch = 0
     for item in out.scheduled:
         if item.num_new_tokens == 1 and item.start == item.seq.num_tokens - 1:
@@ -63,8 +65,77 @@ def step_seconds(profile: PhaseProfile, out: SchedulerOutput) -> tuple[float, in
         else:  # a prompt chunk (or a preempted sequence's recompute)
             tokens += item.num_new_tokens
             attention += item.num_new_tokens * (item.start + item.num_new_tokens)
+    return form_seconds(profile, tokens, attention, context, batch), tokens
+
+
+def form_seconds(profile: PhaseProfile, tokens: int, attention: int, context: int, batch: int) -> float:
+    """A step of prompt chunks (``tokens`` = sum(n), ``attention`` = sum(n * (s + n))) beside ``batch`` decoding
+    sequences (``context``: their tokens): the prefill form over the chunks, the decode form's context and batch
+    terms over the decodes, the decode form's constant when the step has no prefill in it, the pod loop's
+    overhead."""
     seconds = profile.step_overhead_s + profile.decode.b * context + profile.decode.c * batch
-    return seconds + (profile.prefill_s(tokens, attention) if tokens else profile.decode.a), tokens
+    return seconds + (profile.prefill_s(tokens, attention) if tokens else profile.decode.a)
+
+
+# The steps ``profile_step_time`` fits on: what a decode pod lent prompts runs (rows decoding at a context each,
+# beside a chunk of a prompt from a start), and the engine's warm-up prompts (one whole prompt, nothing beside).
+FIT_ROWS = (0, 1, 2, 4, 8, 16, 32)
+FIT_CONTEXTS = (128, 512, 1536)
+FIT_CHUNKS = (0, 8, 32, 128, 512)
+FIT_STARTS = (0, 256, 1024)
+
+
+@dataclass(frozen=True)
+class ProfileStepTime(StepTimeModel):
+    """The step-time model of a pod running at ``profile``'s speed, as its ``PodLoad.step_time`` publishes it and
+    its ``TPOTSlackBudget`` sizes chunks with it (``profile_step_time``)."""
+
+    profile: PhaseProfile | None = None
+
+    def largest_chunk(self, decode_rows: int, context_tokens: int, within_s: float, chunk_start: int = 0) -> int:
+        """``StepTimeModel.largest_chunk`` by the profile's own forms (a chunk of n from s beside the rows)."""
+        profile = self.profile
+
+        def fits(n: int) -> bool:
+            return form_seconds(profile, n, n * (chunk_start + n), context_tokens, decode_rows) <= within_s
+
+        if not fits(1):
+            return 0
+        low, high = 1, 2
+        while fits(high):
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
+
+    def prefill_seconds(self, num_tokens: int) -> float:
+        return form_seconds(self.profile, num_tokens, num_tokens * num_tokens, 0, 0)
+
+
+@functools.cache
+def profile_step_time(profile: PhaseProfile) -> ProfileStepTime:
+    """The step-time model of a pod at ``profile``'s speed. The engine's model (``engine/step_time.py``: base + per
+    decode row + per prompt token + per attention position) has not the profile's form (the profile has a prefill
+    constant apart from the decode one, and prices a chunk's attention by the prefill form's own coefficient), so:
+
+    - the chunk a decode pod lends (``largest_chunk``, what ``TPOTSlackBudget`` asks) and a whole prompt's time are
+      the profile's own: the pod knows its steps as well as the simulation times them (a real pod's online fit
+      tracks the steps it runs; its residual error is what the budget's headroom is for);
+    - ``predict`` (the router's other estimates: a prompt's time on P, a lent chunk's step beside decodes, which
+      mix decode context and chunk attention in one figure) is the linear model's best relative fit, by the
+      engine's ``StepTimeFit``, over steps timed by the profile: rows decoding beside a chunk from a start, and
+      whole prompts."""
+    samples = []
+    for rows, per_row, chunk, start in itertools.product(FIT_ROWS, FIT_CONTEXTS, FIT_CHUNKS, FIT_STARTS):
+        if rows or chunk:
+            attention = chunk * (start + chunk)
+            seconds = form_seconds(profile, chunk, attention, rows * per_row, rows)
+            samples.append(StepSample(rows, chunk, rows * per_row + attention_positions(start, chunk), seconds))
+    fit = StepTimeFit(prior_steps=len(samples))
+    for sample in samples:
+        fit.observe(sample)
+    return ProfileStepTime(*fit.model.as_tuple(), num_samples=fit.model.num_samples, profile=profile)
 
 
 class SimPod:
@@ -81,8 +152,11 @@ class SimPod:
         self.scheduler_config, self.max_model_len, self.span_s = scheduler_config, max_model_len, span_s
         self.span: _Span | None = None
         self.block_manager = BlockManager(num_blocks, block_size, prefix_caching)
+        self.step_time = profile_step_time(profile)
+        budget = (TPOTSlackBudget(lambda: self.step_time, scheduler_config.default_tpot_target_s)
+                  if scheduler_config.tpot_slack_chunking else None)  # as LLMEngine builds it
         self.scheduler = Scheduler(scheduler_config, self.block_manager, eos_token_ids=[],
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len, prefill_budget=budget, clock=lambda: loop.now)
         self.info = PodInfo(address=name, role=role, serving=True)
         self.stepping = False
         self.busy_s = 0.0  # seconds spent in steps
@@ -244,14 +318,9 @@ class SimPod:
 
     def publish(self) -> None:
         """The pod's load report, as ``runtime.pod_status.LoadTracker`` snapshots it after each step."""
-        scheduler, blocks = self.scheduler, self.block_manager
-        queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
-        queued += sum(max(0, seq.num_tokens - 1 - seq.num_computed_tokens) for seq in scheduler.running)
         self.info.take_report(PodLoad(
-            num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
-            free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
-            queued_prefill_tokens=queued, prefill_tokens_per_second=self._prefill_rate,
-            decode_step_seconds=self._decode_step_s))
+            **scheduler_load(self.scheduler, self.loop.now), prefill_tokens_per_second=self._prefill_rate,
+            decode_step_seconds=self._decode_step_s, step_time=self.step_time))
 
 
 @dataclass
