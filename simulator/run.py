@@ -11,7 +11,8 @@ workloads over a sweep of rates, in virtual time; the report is ``bench compare`
 A pool is ``ROLE:COUNT`` or ``ROLE:COUNT:PROFILE`` (its own profile file: pods of different speeds in one cluster);
 ``--rates inf`` replays a trace at its own timestamps (``--time-scale``). ``--scheduling`` is ``splitserve up``'s:
 ``hybrid`` places each prompt by ``HybridPlacement`` and lets the decode pods prefill lent prompts in TPOT-bounded
-chunks, both aiming at the ``--goodput`` targets (as ``bench compare --slo-map`` tells each hybrid its regime's);
+chunks, both aiming at ``--slo-ttft-s`` / ``--slo-tpot-s`` (by default the ``--goodput`` targets, as ``bench
+compare --slo-map`` tells each hybrid its regime's);
 ``colocated`` makes every prefill and decode pool a pool of mixed pods. The wall time of each run is printed.
 """
 
@@ -70,8 +71,13 @@ class SimulateConfig:
     policy: str = passed_to(RouterConfig, name="policy")
     scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
         "As splitserve up's: 'hybrid' (each prompt on a prefill pod or lent to its decode pod in TPOT-bounded "
-        "chunks, by predicted latency, aiming at the --goodput targets), 'disaggregated' (the pure split) or "
+        "chunks, by predicted latency, aiming at --slo-ttft-s / --slo-tpot-s), 'disaggregated' (the pure split) or "
         "'colocated' (the prefill and decode pools become mixed pods)."))
+    slo_ttft_s: float = field(default=0.0, metadata=described(
+        "The router's TTFT target (hybrid placement's), seconds (0: the --goodput TTFT target)."))
+    slo_tpot_s: float = field(default=0.0, metadata=described(
+        "The router's TPOT target, which hybrid decode pods keep while they prefill lent prompts, seconds (0: the "
+        "--goodput TPOT target)."))
     conditional_prefill_threshold: int = field(default=0, metadata=described(
         "Prompts shorter than this prefill on the decode pod (0: every prompt on a prefill pod, as bench compare's "
         "disaggregated topology)."))
@@ -123,9 +129,10 @@ class SimulateConfig:
                            scheduling=self.scheduling, targets=self.targets())
 
     def targets(self) -> SLOTargets:
-        """The router's SLO targets: the --goodput ones (the router's defaults for a target it does not name)."""
+        """The router's SLO targets: its own flags, else the --goodput ones, else the router's defaults."""
         slo, defaults = self.slo(), {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-        return SLOTargets(slo.ttft or defaults["slo_ttft_s"], slo.tpot or defaults["slo_tpot_s"])
+        return SLOTargets(self.slo_ttft_s or slo.ttft or defaults["slo_ttft_s"],
+                          self.slo_tpot_s or slo.tpot or defaults["slo_tpot_s"])
 
     def _profile(self, path: str) -> PhaseProfile:
         profile = PhaseProfile.load(path)
