@@ -4,6 +4,7 @@ workloads over a sweep of rates, in virtual time; the report is ``bench compare`
     splitserve simulate validate --measured compare.json [--calibrate]   (simulator/validate.py)
     splitserve simulate ratios [--pods 8,32,128]                         (simulator/ratios.py)
     splitserve simulate planner [--peak-rate 2 --day-s 3600]             (simulator/planner_replay.py)
+    splitserve simulate slo-map [--pods 2,8,32,128]                      (simulator/slo_map.py)
     splitserve simulate [--pools prefill:1,decode:1] [--profile simulator/profiles/....json] [--rates 0.2,0.3] \\
         [--workload PATH|azure-conv|azure-code] [--num-prompts 20] [--goodput ttft:4000 tpot:100] [--json F] \\
         [--scheduling hybrid|disaggregated|colocated]
@@ -218,7 +219,8 @@ the profile (bench phases --profile-out) says how fast a pod is; see docs/simula
 
 
 # ``splitserve simulate NAME ...``: the studies built on the simulator, each a module of this package.
-STUDIES = {"validate": "simulator.validate", "ratios": "simulator.ratios", "planner": "simulator.planner_replay"}
+STUDIES = {"validate": "simulator.validate", "ratios": "simulator.ratios", "planner": "simulator.planner_replay",
+           "slo-map": "simulator.slo_map"}
 
 
 def main(argv: list[str] | None = None) -> dict:
