@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from bench.phase_profile import PhaseProfile
@@ -101,6 +102,7 @@ class SimCluster:
                 self.add_pod(pool)
         self._flights: dict[str, _InFlight] = {}
         self.records: list[RequestRecord] = []
+        self.decisions: Counter[str] = Counter()  # RoutePlan.decision of each placed request (the router's metric)
 
     def add_pod(self, pool: PodPool) -> SimPod:
         """One more pod of ``pool``, serving at once (the planner's replay adds pods after their start-up)."""
@@ -162,6 +164,7 @@ class SimCluster:
         except StatusError as error:
             record.status, record.end_s, record.error = "failed", self.loop.now, f"grpc_{error.code.name}"
             return
+        self.decisions[plan.decision] += 1
         by_name = self._by_name
         flight.decode = by_name[plan.decode.address]
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)

@@ -93,21 +93,25 @@ def single_request_latencies(config: SLOMapConfig) -> tuple[float, float]:
 
 
 def sweep(config: SLOMapConfig, pods: int, scheduling: Scheduling, slos: dict[str, SLO],
-          router_slo: SLO | None = None) -> dict[str, float]:
-    """Goodput (req/s) of one scheduling on ``pods`` under each of ``slos``, from one sweep of rates."""
-    goodput, missed = {name: 0.0 for name in slos}, set()
+          router_slo: SLO | None = None) -> dict[str, dict]:
+    """Per regime of ``slos``: the goodput (req/s) of one scheduling on ``pods``, from one sweep of rates, and the
+    share of requests prefilled on their decode pod at that rate (hybrid: lent)."""
+    result, missed = {name: {"goodput": 0.0, "on_decode": 0.0} for name in slos}, set()
     for per_pod in sorted(config.per_pod_rates):
         rate = per_pod * pods
-        records = simulate_records(config.simulation(pods, scheduling, rate, router_slo), rate)
+        simulation = config.simulation(pods, scheduling, rate, router_slo)
+        cluster = simulation.cluster()
+        records = simulate_records(simulation, rate, cluster=cluster)
+        on_decode = cluster.decisions["prefill_on_decode"] / max(1, sum(cluster.decisions.values()))
         for name, slo in slos.items():
             if name not in missed:
                 if sum(slo.met_by(r) for r in records) / len(records) >= SLO_ATTAINMENT:
-                    goodput[name] = rate
+                    result[name] = {"goodput": rate, "on_decode": on_decode}
                 else:
                     missed.add(name)
         if missed == set(slos):
             break
-    return goodput
+    return result
 
 
 def run(config: SLOMapConfig, log=print) -> dict:
@@ -123,9 +127,9 @@ def run(config: SLOMapConfig, log=print) -> dict:
                                         for name, slo in slos.items()}
         results["goodput"][str(pods)] = rows
         for name in slos:
-            cells = "  ".join(f"{s} {rows[str(s)][name]:.2f} ({rows[str(s)][name] / pods:.3f}/pod)"
-                              for s in SCHEDULINGS)
-            log(f"{pods:>4} pods  {name:<11} goodput req/s: {cells}")
+            cells = "  ".join(f"{s} {rows[str(s)][name]['goodput']:.2f}" for s in SCHEDULINGS)
+            log(f"{pods:>4} pods  {name:<11} goodput req/s: {cells} (hybrid lent "
+                f"{rows[str(Scheduling.HYBRID)][name]['on_decode']:.0%} of prompts at its goodput)")
     return results
 
 
