@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 from bench import save_results
 from bench.compare_map import REGIMES, MapConfig
 from bench.compare_plan import AZURE_CONV
-from bench.serve_metrics import SLO, SLO_ATTAINMENT
+from bench.serve_metrics import SLO
 from bench.workload import build_workload
 from router.config import Scheduling
 from runtime.config import described, parse_config
-from simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_records
+from simulator.cluster import SimCluster
+from simulator.ratios import goodput_sweep
+from simulator.run import DEFAULT_PROFILE, SimulateConfig
 
 SCHEDULINGS = (Scheduling.COLOCATED, Scheduling.DISAGGREGATED, Scheduling.HYBRID)
 PER_POD_RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0, 1.2, 1.5)
@@ -96,22 +98,14 @@ def sweep(config: SLOMapConfig, pods: int, scheduling: Scheduling, slos: dict[st
           router_slo: SLO | None = None) -> dict[str, dict]:
     """Per regime of ``slos``: the goodput (req/s) of one scheduling on ``pods``, from one sweep of rates, and the
     share of requests prefilled on their decode pod at that rate (hybrid: lent)."""
-    result, missed = {name: {"goodput": 0.0, "on_decode": 0.0} for name in slos}, set()
-    for per_pod in sorted(config.per_pod_rates):
-        rate = per_pod * pods
-        simulation = config.simulation(pods, scheduling, rate, router_slo)
-        cluster = simulation.cluster()
-        records = simulate_records(simulation, rate, cluster=cluster)
-        on_decode = cluster.decisions["prefill_on_decode"] / max(1, sum(cluster.decisions.values()))
-        for name, slo in slos.items():
-            if name not in missed:
-                if sum(slo.met_by(r) for r in records) / len(records) >= SLO_ATTAINMENT:
-                    result[name] = {"goodput": rate, "on_decode": on_decode}
-                else:
-                    missed.add(name)
-        if missed == set(slos):
-            break
-    return result
+    rates = [per_pod * pods for per_pod in config.per_pod_rates]
+    swept = goodput_sweep(lambda rate: config.simulation(pods, scheduling, rate, router_slo), rates, slos)
+    return {name: {"goodput": rate, "on_decode": _on_decode(cluster)} for name, (rate, cluster) in swept.items()}
+
+
+def _on_decode(cluster: SimCluster | None) -> float:
+    decisions = cluster.decisions if cluster is not None else {}
+    return decisions.get("prefill_on_decode", 0) / max(1, sum(decisions.values()))
 
 
 def run(config: SLOMapConfig, log=print) -> dict:
