@@ -120,3 +120,26 @@ def test_disaggregated_and_colocated_give_exactly_the_records_of_before():
     assert records(["prefill:1", "decode:2"], scheduling="disaggregated") == before["prefill:1,decode:2"]
     assert records(["prefill:1", "decode:1"], scheduling="colocated") == before["mixed:2"]
     assert records(["prefill:1", "decode:2"], scheduling="hybrid") != before["prefill:1,decode:2"]
+
+
+def test_slo_map_derives_the_regimes_from_single_requests_and_maps_every_scheduling(tmp_path):
+    from simulator.slo_map import SLOMapConfig, run
+
+    trace = tmp_path / "trace.csv"
+    prompts = [100, 300, 200, 500, 150, 260]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(f"{i},{p},8\n"
+                                                                           for i, p in enumerate(prompts)))
+    profile = tmp_path / "profile.json"
+    lendable_profile(kv_bytes_per_token=50_000).save(profile)  # 1,342 blocks in the pods' default pool
+    config = SLOMapConfig(pods=[2], per_pod_rates=[0.5, 1.0], requests_per_pod=3, workload=str(trace),
+                          profile=str(profile))
+    results = run(config, log=lambda line: None)
+    # Alone on a mixed pod at the 128-token budget: a chunk of at most 128 tokens per step, 20 ms each + 1 ms per
+    # token; then 20 ms + 2 ms per decode step.
+    ttfts = sorted(-(-p // 128) * 0.02 + p * 0.001 for p in prompts)
+    assert results["ttft0_s"] == pytest.approx((ttfts[2] + ttfts[3]) / 2)
+    assert results["tpot0_s"] == pytest.approx(0.022)
+    rows = results["goodput"]["2"]
+    assert set(rows) == {"colocated", "disaggregated", "hybrid"}
+    assert all(set(row) == {"tight-ttft", "balanced", "tight-tpot"} for row in rows.values())
+    assert rows["disaggregated"]["balanced"]["on_decode"] == 0.0
