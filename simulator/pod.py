@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.phase_profile import PhaseProfile
 from engine.block_manager import BlockManager
@@ -77,11 +77,11 @@ def form_seconds(profile: PhaseProfile, tokens: int, attention: int, context: in
     return seconds + (profile.prefill_s(tokens, attention) if tokens else profile.decode.a)
 
 
-# The steps ``profile_step_time`` fits on: what a decode pod lent prompts runs (rows decoding at a context each,
-# beside a chunk of a prompt from a start), and the engine's warm-up prompts (one whole prompt, nothing beside).
-FIT_ROWS = (0, 1, 2, 4, 8, 16, 32)
+# The steps ``profile_step_time`` fits its mixed-step estimate on: rows decoding at a context each beside a chunk of a
+# prompt from a start, as a decode pod lent prompts runs them.
+FIT_ROWS = (1, 2, 4, 8, 16, 32)
 FIT_CONTEXTS = (128, 512, 1536)
-FIT_CHUNKS = (0, 8, 32, 128, 512)
+FIT_CHUNKS = (8, 32, 128, 512)
 FIT_STARTS = (0, 256, 1024)
 
 
@@ -90,7 +90,19 @@ class ProfileStepTime(StepTimeModel):
     """The step-time model of a pod running at ``profile``'s speed, as its ``PodLoad.step_time`` publishes it and
     its ``TPOTSlackBudget`` sizes chunks with it (``profile_step_time``)."""
 
-    profile: PhaseProfile | None = None
+    profile: PhaseProfile | None = field(default=None, repr=False)
+
+    def predict(self, decode_rows: int, chunk_tokens: int, context_tokens: int) -> float:
+        """The profile's forms where the figures say what they are: decodes alone, or one chunk alone (its start
+        follows from its attention positions); a chunk beside decodes (their context and its attention in one
+        figure) by the fitted linear model."""
+        if chunk_tokens == 0:
+            return form_seconds(self.profile, 0, 0, context_tokens, decode_rows)
+        if decode_rows == 0:
+            n = chunk_tokens
+            start = (context_tokens - attention_positions(0, n)) / n
+            return form_seconds(self.profile, n, round(n * (start + n)), 0, 0)
+        return super().predict(decode_rows, chunk_tokens, context_tokens)
 
     def largest_chunk(self, decode_rows: int, context_tokens: int, within_s: float, chunk_start: int = 0) -> int:
         """``StepTimeModel.largest_chunk`` by the profile's own forms (a chunk of n from s beside the rows)."""
@@ -109,29 +121,21 @@ class ProfileStepTime(StepTimeModel):
             low, high = (middle, high) if fits(middle) else (low, middle)
         return low
 
-    def prefill_seconds(self, num_tokens: int) -> float:
-        return form_seconds(self.profile, num_tokens, num_tokens * num_tokens, 0, 0)
-
 
 @functools.cache
 def profile_step_time(profile: PhaseProfile) -> ProfileStepTime:
     """The step-time model of a pod at ``profile``'s speed. The engine's model (``engine/step_time.py``: base + per
     decode row + per prompt token + per attention position) has not the profile's form (the profile has a prefill
-    constant apart from the decode one, and prices a chunk's attention by the prefill form's own coefficient), so:
-
-    - the chunk a decode pod lends (``largest_chunk``, what ``TPOTSlackBudget`` asks) and a whole prompt's time are
-      the profile's own: the pod knows its steps as well as the simulation times them (a real pod's online fit
-      tracks the steps it runs; its residual error is what the budget's headroom is for);
-    - ``predict`` (the router's other estimates: a prompt's time on P, a lent chunk's step beside decodes, which
-      mix decode context and chunk attention in one figure) is the linear model's best relative fit, by the
-      engine's ``StepTimeFit``, over steps timed by the profile: rows decoding beside a chunk from a start, and
-      whole prompts."""
+    constant apart from the decode one, and prices a chunk's attention with the prefill form's own coefficient), so
+    a small adapter answers by the profile's forms wherever the question says which tokens are which: the chunk a
+    decode pod lends (``largest_chunk``, what ``TPOTSlackBudget`` asks), a step of decodes alone, a chunk alone (a
+    prompt on a prefill pod). A chunk beside decodes, given as one context figure (the router's estimate of a lent
+    chunk's step), goes by the engine's linear model fitted (``StepTimeFit``) over such steps timed by the
+    profile. A real pod's online fit has an error the simulated pod has not; the budget's headroom is for it."""
     samples = []
     for rows, per_row, chunk, start in itertools.product(FIT_ROWS, FIT_CONTEXTS, FIT_CHUNKS, FIT_STARTS):
-        if rows or chunk:
-            attention = chunk * (start + chunk)
-            seconds = form_seconds(profile, chunk, attention, rows * per_row, rows)
-            samples.append(StepSample(rows, chunk, rows * per_row + attention_positions(start, chunk), seconds))
+        seconds = form_seconds(profile, chunk, chunk * (start + chunk), rows * per_row, rows)
+        samples.append(StepSample(rows, chunk, rows * per_row + attention_positions(start, chunk), seconds))
     fit = StepTimeFit(prior_steps=len(samples))
     for sample in samples:
         fit.observe(sample)

@@ -14,6 +14,7 @@ from bench.workload import RequestSpec
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.step_time import attention_positions
 from router.config import Scheduling
 from router.policies import HybridPlacement, LocalPrefill, SLOTargets, make_policy
 from runtime.roles import Role
@@ -102,6 +103,9 @@ def test_the_decode_pods_step_time_is_the_profiles_where_it_sizes_chunks():
     # 4 decodes at 2 ms each beside a chunk of n at 20 ms + 1 ms each (the prefill form): n = 52 in 80 ms.
     assert model.largest_chunk(4, 4000, 0.0805) == 52
     assert model.prefill_seconds(500) == pytest.approx(0.52)
+    # Decodes alone, and a chunk alone (its start read off its attention positions), by the profile's forms.
+    assert model.predict(3, 0, 900) == pytest.approx(0.02 + 3 * 0.002)
+    assert model.predict(0, 100, attention_positions(400, 100)) == pytest.approx(0.02 + 0.1)
 
 
 def records(pools: list[str], **flags) -> list:
