@@ -103,9 +103,11 @@ def test_the_decode_pods_step_time_is_the_profiles_where_it_sizes_chunks():
     # 4 decodes at 2 ms each beside a chunk of n at 20 ms + 1 ms each (the prefill form): n = 52 in 80 ms.
     assert model.largest_chunk(4, 4000, 0.0805) == 52
     assert model.prefill_seconds(500) == pytest.approx(0.52)
-    # Decodes alone, and a chunk alone (its start read off its attention positions), by the profile's forms.
-    assert model.predict(3, 0, 900) == pytest.approx(0.02 + 3 * 0.002)
-    assert model.predict(0, 100, attention_positions(400, 100)) == pytest.approx(0.02 + 0.1)
+    # Decodes alone, and a chunk alone (its start read off its attention positions), by the profile's forms, here
+    # with the prefill form's attention term: 1 us per n * (s + n).
+    model = profile_step_time(lendable_profile(prefill=StepFit(0.02, 0.001, 1e-6), decode=StepFit(0.02, 1e-5, 0.002)))
+    assert model.predict(3, 0, 900) == pytest.approx(0.02 + 900 * 1e-5 + 3 * 0.002)
+    assert model.predict(0, 100, attention_positions(400, 100)) == pytest.approx(0.02 + 0.1 + 100 * 500 * 1e-6)
 
 
 def records(pools: list[str], **flags) -> list:
