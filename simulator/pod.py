@@ -25,10 +25,12 @@ seconds late), so spans are taken only while at least a quarter of the KV pool s
 ``info`` is the pod as the router sees it (``router.registry.PodInfo``): its ``load`` is refreshed after every step
 and admission, as a real pod's ``LoadTracker`` publishes one within milliseconds of each step.
 
-Lending (issue 20's hybrid scheduling) plugs in here: a pod's ``role`` only decides which router lists it is in,
-and ``scheduler.add`` / ``admit_prefilled`` are open to any pod, so a decode pod lent to prefill is a ``SimPod``
-that the placement hands a prompt with ``max_tokens = 1`` (what a prefill pod gets) and whose KV the cluster then
-ships to another decode pod (``SimCluster._prefilled``).
+Lending (issue 20's hybrid scheduling): a decode pod whose ``SchedulerConfig.tpot_slack_chunking`` is set gets the
+engine's ``TPOTSlackBudget``, as ``LLMEngine`` builds it, over the pod's step-time model (``profile_step_time``: the
+profile's forms behind the engine's ``StepTimeModel`` interface), and the scheduler runs on the virtual clock, so a
+prompt lent to it prefills in chunks that keep its decoding requests within their TPOT target. The pod's load report
+carries what the router's ``HybridPlacement`` reads (the step-time model, the TPOT allowance, the decoding context),
+from the same function a real pod's ``LoadTracker`` uses (``runtime.pod_status.scheduler_load``).
 """
 
 from __future__ import annotations
