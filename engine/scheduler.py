@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -61,9 +62,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: list[int], max_model_len: int,
-        prefill_budget: TPOTSlackBudget | None = None,
+        prefill_budget: TPOTSlackBudget | None = None, clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
+        self.clock = clock  # seconds, for token times and TPOT slack (the simulator passes its virtual clock)
         self.prefill_budget = prefill_budget  # None: prompt tokens are bounded by the token budget alone
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -118,7 +120,7 @@ class Scheduler:
         self._check_admissible(seq)
         self._unfinished[seq.request_id] = seq
         self._mark_scheduled(seq)
-        seq.last_token_time = time.monotonic()  # its first token here is the one it brought
+        seq.last_token_time = self.clock()  # its first token here is the one it brought
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
         self._check_stop(seq)
         if not seq.is_finished:
@@ -170,7 +172,7 @@ class Scheduler:
         prefilling = next((seq for seq in self.running if not _decodes(seq)), self.waiting[0] if self.waiting else None)
         if prefilling is None:
             return None
-        return self.prefill_budget.tokens(decoding, time.monotonic(), prefilling.num_computed_tokens)
+        return self.prefill_budget.tokens(decoding, self.clock(), prefilling.num_computed_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
@@ -245,7 +247,7 @@ class Scheduler:
     def _mark_scheduled(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = time.monotonic()
+            seq.first_scheduled_time = self.clock()
 
     def _num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int) -> int:
         # The chunk cap keeps one long prompt from stalling every running decode for a whole step.
@@ -296,8 +298,8 @@ class Scheduler:
         for token_id, logprobs in tokens:
             seq.append_token(token_id, logprobs)
             if seq.num_output_tokens == 1:
-                seq.first_token_time = time.monotonic()
-            seq.last_token_time = time.monotonic()
+                seq.first_token_time = self.clock()
+            seq.last_token_time = self.clock()
             self._check_stop(seq)
             if seq.is_finished:
                 return  # the tokens after a stop are not the request's

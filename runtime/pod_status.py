@@ -22,6 +22,7 @@ import grpc
 import time
 
 from engine.llm_engine import LLMEngine, StepStats
+from engine.scheduler import Scheduler
 from protos.convert import step_time_to_proto
 from protos.splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
 from runtime.metrics import PodMetrics
@@ -88,21 +89,10 @@ class LoadTracker:
         self._prefix_counts_seen = (max(seen_queries, blocks.prefix_queries), max(seen_hits, blocks.prefix_hits))
 
     def _snapshot(self, engine: LLMEngine) -> common_pb2.PodLoad:
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        # Tokens still to compute before each request samples again: all of a waiting one's (preempted or
-        # migrated ones included), the rest of a running one's prefill (0 once it decodes).
-        queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
-        queued += sum(max(0, seq.num_tokens - 1 - seq.num_computed_tokens) for seq in scheduler.running)
-        decoding = [seq for seq in scheduler.running if seq.num_computed_tokens == seq.num_tokens - 1]
-        allowance = (scheduler.prefill_budget.allowance_s(decoding, time.monotonic())
-                     if scheduler.prefill_budget is not None else None)
         return common_pb2.PodLoad(
-            num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
-            free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
-            queued_prefill_tokens=queued, draining=self._draining, version=self._version,
+            **scheduler_load(engine.scheduler, time.monotonic()), draining=self._draining, version=self._version,
             prefill_tokens_per_second=self._prefill_tokens_per_second,
             decode_step_seconds=self._decode_step_seconds, step_time=step_time_to_proto(engine.step_times.model),
-            running_context_tokens=sum(seq.num_tokens for seq in decoding), tpot_allowance_seconds=allowance,
             quantization=engine.config.quantization)
 
     # ---- event loop ------------------------------------------------------------------------------------------
@@ -133,6 +123,22 @@ class LoadTracker:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
         except asyncio.TimeoutError:
             pass
+
+
+def scheduler_load(scheduler: Scheduler, now: float) -> dict:
+    """The load fields a pod's scheduler and block pool say at ``now`` (the simulator's pods publish them too)."""
+    blocks = scheduler.block_manager
+    # Tokens still to compute before each request samples again: all of a waiting one's (preempted or
+    # migrated ones included), the rest of a running one's prefill (0 once it decodes).
+    queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
+    queued += sum(max(0, seq.num_tokens - 1 - seq.num_computed_tokens) for seq in scheduler.running)
+    decoding = [seq for seq in scheduler.running if seq.num_computed_tokens == seq.num_tokens - 1]
+    allowance = (scheduler.prefill_budget.allowance_s(decoding, now)
+                 if scheduler.prefill_budget is not None else None)
+    return dict(num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
+                free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
+                queued_prefill_tokens=queued, running_context_tokens=sum(seq.num_tokens for seq in decoding),
+                tpot_allowance_seconds=allowance)
 
 
 def _recent(average: float, value: float) -> float:

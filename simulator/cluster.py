@@ -4,23 +4,29 @@ A request's path, as in DESIGN.md ("One request, disaggregated") and ``router/pl
 
   arrival (the workload's send time)
   + ``router_s`` (HTTP, tokenizing, placing: the profile's fitted overhead)
-  -> the routing policy (``router.policies``, the real one) picks D, and P unless the prompt prefills on D
-     (conditional disaggregation, or no prefill pod: a colocated cluster of mixed pods);
+  -> the routing policy (``router.policies``, the real one, given the router's SLO targets) picks D, and P unless
+     the prompt prefills on D (conditional disaggregation, no prefill pod: a colocated cluster of mixed pods, or,
+     hybrid, ``HybridPlacement`` predicting that a prompt lent to D gets its first token sooner);
      no decode pod with room -> RESOURCE_EXHAUSTED, the request fails as a real client's would (HTTP 429)
   -> disaggregated: D reserves the prompt's blocks (the push lands there), P's scheduler prefills the prompt
      (``max_tokens = 1``), the KV's exposed transfer time passes, the first token reaches the client, and D admits
      the sequence with it (``admit_prefilled``) and decodes the rest;
-     on D: D's scheduler prefills and decodes it;
+     on D: D's scheduler prefills and decodes it (hybrid: a decode pod's ``TPOTSlackBudget`` chunks a lent prompt
+     so that its running requests keep the TPOT target);
   -> every token D samples reaches the client at the step's end; the last one ends the request.
 
 The router's own bookkeeping on each pod (``PodInfo.active_requests``, ``queued_prompt_tokens``,
-``blocks_since_report``) is kept as ``RequestRun.hold`` keeps it, so the policies see what the real router sees.
+``blocks_since_report``) is kept as ``RequestRun.hold`` keeps it, so the policies see what the real router sees;
+with hybrid scheduling each remote prefill's exposed KV transfer time is fed back to the placement
+(``HybridPlacement.observe_transfer``), as ``router/placement.py`` does.
 Each request ends as a ``bench.serve_metrics.RequestRecord``: the same figures, by the same code, as a real run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from bench.phase_profile import PhaseProfile
@@ -29,7 +35,8 @@ from bench.workload import RequestSpec
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from router.policies import RoutingPolicy
+from router.config import Scheduling
+from router.policies import RoutingPolicy, SLOTargets
 from router.registry import PodInfo
 from runtime.errors import StatusError
 from runtime.roles import Role
@@ -61,6 +68,10 @@ class ClusterSpec:
     # pods skip hashing every full block (the same schedule, faster); on, it runs as the real pods run it.
     prefix_caching: bool = False
     router_s: float = 0.0  # the router's time per request before placing it (the profile's fitted overhead)
+    # splitserve up's --scheduling: hybrid gives the decode pods TPOT-slack chunking at the router's TPOT target
+    # (the policy must then carry a HybridPlacement); colocated clusters come as pools of mixed pods.
+    scheduling: Scheduling = Scheduling.DISAGGREGATED
+    targets: SLOTargets = SLOTargets(1.0, 0.1)  # the router's --slo-ttft-s / --slo-tpot-s
 
 
 @dataclass
@@ -79,6 +90,8 @@ class SimCluster:
     """Pods, the router's policy, and the requests of one run; ``run(specs)`` returns their records."""
 
     def __init__(self, spec: ClusterSpec, policy: RoutingPolicy, loop: EventLoop | None = None):
+        if spec.scheduling is Scheduling.HYBRID and policy.hybrid is None:
+            raise ValueError("hybrid scheduling needs a policy with a HybridPlacement (make_policy(hybrid=...))")
         self.spec, self.policy = spec, policy
         self.loop = loop or EventLoop()
         self.pods: list[SimPod] = []
@@ -89,10 +102,15 @@ class SimCluster:
                 self.add_pod(pool)
         self._flights: dict[str, _InFlight] = {}
         self.records: list[RequestRecord] = []
+        self.decisions: Counter[str] = Counter()  # RoutePlan.decision of each placed request (the router's metric)
 
     def add_pod(self, pool: PodPool) -> SimPod:
         """One more pod of ``pool``, serving at once (the planner's replay adds pods after their start-up)."""
-        pod = SimPod(f"{pool.role}-{next(self._names)}", pool.role, pool.profile, self.spec.scheduler,
+        scheduler = self.spec.scheduler
+        if pool.role is Role.DECODE and self.spec.scheduling is Scheduling.HYBRID:  # as splitserve up starts them
+            scheduler = dataclasses.replace(scheduler, tpot_slack_chunking=True,
+                                            default_tpot_target_s=self.spec.targets.tpot_s)
+        pod = SimPod(f"{pool.role}-{next(self._names)}", pool.role, pool.profile, scheduler,
                      self.spec.num_blocks, self.spec.block_size, self.spec.max_model_len, self.loop, self._on_token,
                      self.spec.span_s, self._release, self.spec.prefix_caching)
         self.pods.append(pod)
@@ -141,10 +159,12 @@ class SimCluster:
             record.status, record.end_s, record.error = "failed", self.loop.now, "http_400"
             return
         try:
-            plan = self.policy.choose_pair(_Prompt(prompt), self._prefill_infos, self._decode_infos)
+            plan = self.policy.choose_pair(_Prompt(prompt), self._prefill_infos, self._decode_infos,
+                                           self.spec.targets)
         except StatusError as error:
             record.status, record.end_s, record.error = "failed", self.loop.now, f"grpc_{error.code.name}"
             return
+        self.decisions[plan.decision] += 1
         by_name = self._by_name
         flight.decode = by_name[plan.decode.address]
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
@@ -188,6 +208,8 @@ class SimCluster:
         prefill.info.queued_prompt_tokens -= seq.num_prompt_tokens
         prefill.info.active_requests -= 1
         transfer_s = prefill.profile.transfer_s(seq.num_prompt_tokens, self.spec.codec_ratio)
+        if self.policy.hybrid is not None:
+            self.policy.hybrid.observe_transfer(seq.num_prompt_tokens, transfer_s)
         self.loop.after(transfer_s, self._first_token, flight)
 
     def _first_token(self, flight: _InFlight) -> None:

@@ -25,24 +25,30 @@ seconds late), so spans are taken only while at least a quarter of the KV pool s
 ``info`` is the pod as the router sees it (``router.registry.PodInfo``): its ``load`` is refreshed after every step
 and admission, as a real pod's ``LoadTracker`` publishes one within milliseconds of each step.
 
-Lending (issue 20's hybrid scheduling) plugs in here: a pod's ``role`` only decides which router lists it is in,
-and ``scheduler.add`` / ``admit_prefilled`` are open to any pod, so a decode pod lent to prefill is a ``SimPod``
-that the placement hands a prompt with ``max_tokens = 1`` (what a prefill pod gets) and whose KV the cluster then
-ships to another decode pod (``SimCluster._prefilled``).
+Lending (issue 20's hybrid scheduling): a decode pod whose ``SchedulerConfig.tpot_slack_chunking`` is set gets the
+engine's ``TPOTSlackBudget``, as ``LLMEngine`` builds it, over the pod's step-time model (``profile_step_time``: the
+profile's forms behind the engine's ``StepTimeModel`` interface), and the scheduler runs on the virtual clock, so a
+prompt lent to it prefills in chunks that keep its decoding requests within their TPOT target. The pod's load report
+carries what the router's ``HybridPlacement`` reads (the step-time model, the TPOT allowance, the decoding context),
+from the same function a real pod's ``LoadTracker`` uses (``runtime.pod_status.scheduler_load``).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.phase_profile import PhaseProfile
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.prefill_budget import TPOTSlackBudget
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.step_time import StepSample, StepTimeFit, StepTimeModel, attention_positions
 from router.registry import PodInfo, PodLoad
-from runtime.pod_status import RECENT_WEIGHT
+from runtime.pod_status import RECENT_WEIGHT, scheduler_load
 from runtime.roles import Role
 from simulator.events import EventLoop
 
@@ -52,9 +58,7 @@ MAX_SPAN_STEPS = 256
 
 
 def step_seconds(profile: PhaseProfile, out: SchedulerOutput) -> tuple[float, int]:
-    """The profile's time for one scheduled batch, and its prefill tokens: prefill chunks by the prefill form,
-    decoding sequences (one new token at the end of their known tokens) by the decode form's context and batch
-    terms, and the decode form's constant when the step has no prefill in it."""
+    """The profile's time for one scheduled batch, and its prefill tokens (``form_seconds``)."""
     tokens = attention = context = batch = 0
     for item in out.scheduled:
         if item.num_new_tokens == 1 and item.start == item.seq.num_tokens - 1:
@@ -63,8 +67,81 @@ def step_seconds(profile: PhaseProfile, out: SchedulerOutput) -> tuple[float, in
         else:  # a prompt chunk (or a preempted sequence's recompute)
             tokens += item.num_new_tokens
             attention += item.num_new_tokens * (item.start + item.num_new_tokens)
+    return form_seconds(profile, tokens, attention, context, batch), tokens
+
+
+def form_seconds(profile: PhaseProfile, tokens: int, attention: int, context: int, batch: int) -> float:
+    """A step of prompt chunks (``tokens`` = sum(n), ``attention`` = sum(n * (s + n))) beside ``batch`` decoding
+    sequences (``context``: their tokens): the prefill form over the chunks, the decode form's context and batch
+    terms over the decodes, the decode form's constant when the step has no prefill in it, the pod loop's
+    overhead."""
     seconds = profile.step_overhead_s + profile.decode.b * context + profile.decode.c * batch
-    return seconds + (profile.prefill_s(tokens, attention) if tokens else profile.decode.a), tokens
+    return seconds + (profile.prefill_s(tokens, attention) if tokens else profile.decode.a)
+
+
+# The steps ``profile_step_time`` fits its mixed-step estimate on: rows decoding at a context each beside a chunk of a
+# prompt from a start, as a decode pod lent prompts runs them.
+FIT_ROWS = (1, 2, 4, 8, 16, 32)
+FIT_CONTEXTS = (128, 512, 1536)
+FIT_CHUNKS = (8, 32, 128, 512)
+FIT_STARTS = (0, 256, 1024)
+
+
+@dataclass(frozen=True)
+class ProfileStepTime(StepTimeModel):
+    """The step-time model of a pod running at ``profile``'s speed, as its ``PodLoad.step_time`` publishes it and
+    its ``TPOTSlackBudget`` sizes chunks with it (``profile_step_time``)."""
+
+    profile: PhaseProfile | None = field(default=None, repr=False)
+
+    def predict(self, decode_rows: int, chunk_tokens: int, context_tokens: int) -> float:
+        """The profile's forms where the figures say what they are: decodes alone, or one chunk alone (its start
+        follows from its attention positions); a chunk beside decodes (their context and its attention in one
+        figure) by the fitted linear model."""
+        if chunk_tokens == 0:
+            return form_seconds(self.profile, 0, 0, context_tokens, decode_rows)
+        if decode_rows == 0:
+            n = chunk_tokens
+            start = (context_tokens - attention_positions(0, n)) / n
+            return form_seconds(self.profile, n, round(n * (start + n)), 0, 0)
+        return super().predict(decode_rows, chunk_tokens, context_tokens)
+
+    def largest_chunk(self, decode_rows: int, context_tokens: int, within_s: float, chunk_start: int = 0) -> int:
+        """``StepTimeModel.largest_chunk`` by the profile's own forms (a chunk of n from s beside the rows)."""
+        profile = self.profile
+
+        def fits(n: int) -> bool:
+            return form_seconds(profile, n, n * (chunk_start + n), context_tokens, decode_rows) <= within_s
+
+        if not fits(1):
+            return 0
+        low, high = 1, 2
+        while fits(high):
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
+
+
+@functools.cache
+def profile_step_time(profile: PhaseProfile) -> ProfileStepTime:
+    """The step-time model of a pod at ``profile``'s speed. The engine's model (``engine/step_time.py``: base + per
+    decode row + per prompt token + per attention position) has not the profile's form (the profile has a prefill
+    constant apart from the decode one, and prices a chunk's attention with the prefill form's own coefficient), so
+    a small adapter answers by the profile's forms wherever the question says which tokens are which: the chunk a
+    decode pod lends (``largest_chunk``, what ``TPOTSlackBudget`` asks), a step of decodes alone, a chunk alone (a
+    prompt on a prefill pod). A chunk beside decodes, given as one context figure (the router's estimate of a lent
+    chunk's step), goes by the engine's linear model fitted (``StepTimeFit``) over such steps timed by the
+    profile. A real pod's online fit has an error the simulated pod has not; the budget's headroom is for it."""
+    samples = []
+    for rows, per_row, chunk, start in itertools.product(FIT_ROWS, FIT_CONTEXTS, FIT_CHUNKS, FIT_STARTS):
+        seconds = form_seconds(profile, chunk, chunk * (start + chunk), rows * per_row, rows)
+        samples.append(StepSample(rows, chunk, rows * per_row + attention_positions(start, chunk), seconds))
+    fit = StepTimeFit(prior_steps=len(samples))
+    for sample in samples:
+        fit.observe(sample)
+    return ProfileStepTime(*fit.model.as_tuple(), num_samples=fit.model.num_samples, profile=profile)
 
 
 class SimPod:
@@ -81,8 +158,11 @@ class SimPod:
         self.scheduler_config, self.max_model_len, self.span_s = scheduler_config, max_model_len, span_s
         self.span: _Span | None = None
         self.block_manager = BlockManager(num_blocks, block_size, prefix_caching)
+        self.step_time = profile_step_time(profile)
+        budget = (TPOTSlackBudget(lambda: self.step_time, scheduler_config.default_tpot_target_s)
+                  if scheduler_config.tpot_slack_chunking else None)  # as LLMEngine builds it
         self.scheduler = Scheduler(scheduler_config, self.block_manager, eos_token_ids=[],
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len, prefill_budget=budget, clock=lambda: loop.now)
         self.info = PodInfo(address=name, role=role, serving=True)
         self.stepping = False
         self.busy_s = 0.0  # seconds spent in steps
@@ -244,14 +324,9 @@ class SimPod:
 
     def publish(self) -> None:
         """The pod's load report, as ``runtime.pod_status.LoadTracker`` snapshots it after each step."""
-        scheduler, blocks = self.scheduler, self.block_manager
-        queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
-        queued += sum(max(0, seq.num_tokens - 1 - seq.num_computed_tokens) for seq in scheduler.running)
         self.info.take_report(PodLoad(
-            num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
-            free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
-            queued_prefill_tokens=queued, prefill_tokens_per_second=self._prefill_rate,
-            decode_step_seconds=self._decode_step_s))
+            **scheduler_load(self.scheduler, self.loop.now), prefill_tokens_per_second=self._prefill_rate,
+            decode_step_seconds=self._decode_step_s, step_time=self.step_time))
 
 
 @dataclass

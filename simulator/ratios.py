@@ -1,7 +1,8 @@
 """``splitserve simulate ratios``: the best P:D ratio, and the colocated alternative, per trace, cluster size and SLO
 regime, by goodput per pod (the plot Splitwise and DistServe draw).
 
-    splitserve simulate ratios [--pods 8,32,128] [--traces conv,code] [--json ratios.json] [--plot ratios.png]
+    splitserve simulate ratios [--pods 8,32,128] [--traces conv,code] [--json ratios.json] [--plot ratios.png] \
+        [--scheduling disaggregated|hybrid]
 
 For each trace and cluster size, every layout (``--prefill-shares`` of the pods prefilling, the rest decoding; and
 all of them mixed) is swept up a ladder of per-pod rates (``--per-pod-rates``), each run simulated once and judged
@@ -15,12 +16,15 @@ seed everywhere.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench import headless_pyplot, save_figure, save_results
 from bench.compare_plan import AZURE_CONV
 from bench.serve_metrics import SLO, SLO_ATTAINMENT
-from runtime.config import described, parse_config
+from router.config import Scheduling
+from runtime.config import described, member, parse_config
+from simulator.cluster import SimCluster
 from simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_records
 
 TRACES = {"conv": str(AZURE_CONV), "code": str(AZURE_CONV).replace("_conv", "_code")}
@@ -50,11 +54,19 @@ class RatiosConfig:
         "Cap every prompt (2,048: the longest prompt the shipped profile measured; the context is 8,192)."))
     max_output_tokens: int = field(default=1000, metadata=described("Cap every output."))
     profile: str = field(default=str(DEFAULT_PROFILE), metadata=described("Profile of every pod."))
+    scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
+        "Of the P:D layouts, as splitserve up's: 'disaggregated' (every prompt on a prefill pod) or 'hybrid' (each "
+        "prompt prefilled remotely or lent to its decode pod, one sweep per regime, the router told its targets); "
+        "the colocated layout is always there."))
     seed: int = field(default=0, metadata=described("Seeds the lengths and arrivals."))
     json: str = field(default="", metadata=described("Also write the figures to this JSON file."))
     plot: str = field(default="", metadata=described("Also draw goodput per pod against the prefill share here."))
 
     def __post_init__(self) -> None:
+        self.scheduling = member(Scheduling, "scheduling", self.scheduling)
+        if self.scheduling is Scheduling.COLOCATED:
+            raise ValueError("--scheduling colocated: the colocated layout is always there; pick the P:D layouts' "
+                             "scheduling (disaggregated or hybrid)")
         unknown = [t for t in self.traces if t not in TRACES] + [r for r in self.regimes if r not in REGIMES]
         if unknown:
             raise ValueError(f"unknown traces or regimes: {', '.join(unknown)}")
@@ -68,28 +80,47 @@ def layouts(pods: int, shares: list[float]) -> list[tuple[str, list[str]]]:
 
 
 def sweep_layout(config: RatiosConfig, trace: str, pods: int, pools: list[str], log=print) -> dict[str, float]:
-    """Goodput (req/s) of one layout under every regime."""
+    """Goodput (req/s) of one layout under every regime (hybrid: one sweep per regime, its router told the
+    regime's targets)."""
     slos = {name: SLO.parse(list(REGIMES[name])) for name in config.regimes}
-    goodput = {name: 0.0 for name in slos}
+
+    def simulation_at(rate: float, router_slo: SLO | None = None) -> SimulateConfig:
+        scheduling = Scheduling.DISAGGREGATED if pools[0].startswith("mixed") else config.scheduling
+        targets = {"slo_ttft_s": router_slo.ttft, "slo_tpot_s": router_slo.tpot} if router_slo else {}
+        return SimulateConfig(pools=pools, profile=config.profile, workload=TRACES[trace],
+                              num_prompts=max(150, config.requests_per_pod * pods),
+                              max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens,
+                              seed=config.seed, rates=[rate], conditional_prefill_threshold=0,
+                              scheduling=scheduling, **targets)
+
+    rates = [per_pod * pods for per_pod in config.per_pod_rates]
+    if config.scheduling is Scheduling.HYBRID and not pools[0].startswith("mixed"):
+        return {name: goodput_sweep(lambda rate: simulation_at(rate, slo), rates, {name: slo})[name][0]
+                for name, slo in slos.items()}
+    return {name: rate for name, (rate, _) in goodput_sweep(simulation_at, rates, slos).items()}
+
+
+def goodput_sweep(simulation_at: Callable[[float], SimulateConfig], rates: list[float],
+                  slos: dict[str, SLO]) -> dict[str, tuple[float, SimCluster | None]]:
+    """Per regime of ``slos``: bench compare's goodput over ``rates`` (the highest at which >= 90% of requests meet
+    the targets, before the first miss; 0 if none) and the simulated cluster of that run (None if none). The rates
+    go up until every regime has missed."""
+    result: dict[str, tuple[float, SimCluster | None]] = {name: (0.0, None) for name in slos}
     missed: set[str] = set()
-    for per_pod in sorted(config.per_pod_rates):
-        rate = per_pod * pods
-        sim = SimulateConfig(pools=pools, profile=config.profile, workload=TRACES[trace],
-                             num_prompts=max(150, config.requests_per_pod * pods),
-                             max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens,
-                             seed=config.seed, rates=[rate], conditional_prefill_threshold=0)
-        records = simulate_records(sim, rate)
+    for rate in sorted(rates):
+        simulation = simulation_at(rate)
+        cluster = simulation.cluster()
+        records = simulate_records(simulation, rate, cluster=cluster)
         for name, slo in slos.items():
             if name in missed:
                 continue
-            attainment = sum(slo.met_by(r) for r in records) / len(records)
-            if attainment >= SLO_ATTAINMENT:
-                goodput[name] = rate
+            if sum(slo.met_by(r) for r in records) / len(records) >= SLO_ATTAINMENT:
+                result[name] = (rate, cluster)
             else:
                 missed.add(name)
         if missed == set(slos):
             break
-    return goodput
+    return result
 
 
 def run(config: RatiosConfig, log=print) -> dict:

@@ -4,15 +4,22 @@ workloads over a sweep of rates, in virtual time; the report is ``bench compare`
     splitserve simulate validate --measured compare.json [--calibrate]   (simulator/validate.py)
     splitserve simulate ratios [--pods 8,32,128]                         (simulator/ratios.py)
     splitserve simulate planner [--peak-rate 2 --day-s 3600]             (simulator/planner_replay.py)
+    splitserve simulate slo-map [--pods 2,8,32,128]                      (simulator/slo_map.py)
     splitserve simulate [--pools prefill:1,decode:1] [--profile simulator/profiles/....json] [--rates 0.2,0.3] \\
-        [--workload PATH|azure-conv|azure-code] [--num-prompts 20] [--goodput ttft:4000 tpot:100] [--json F]
+        [--workload PATH|azure-conv|azure-code] [--num-prompts 20] [--goodput ttft:4000 tpot:100] [--json F] \\
+        [--scheduling hybrid|disaggregated|colocated]
 
 A pool is ``ROLE:COUNT`` or ``ROLE:COUNT:PROFILE`` (its own profile file: pods of different speeds in one cluster);
-``--rates inf`` replays a trace at its own timestamps (``--time-scale``). The wall time of each run is printed.
+``--rates inf`` replays a trace at its own timestamps (``--time-scale``). ``--scheduling`` is ``splitserve up``'s:
+``hybrid`` places each prompt by ``HybridPlacement`` and lets the decode pods prefill lent prompts in TPOT-bounded
+chunks, both aiming at ``--slo-ttft-s`` / ``--slo-tpot-s`` (by default the ``--goodput`` targets, as ``bench
+compare --slo-map`` tells each hybrid its regime's);
+``colocated`` makes every prefill and decode pool a pool of mixed pods. The wall time of each run is printed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,9 +31,9 @@ from bench.phase_profile import PhaseProfile
 from bench.serve_metrics import SLO, SLO_ATTAINMENT, RequestRecord, summarize
 from bench.workload import WorkloadConfig, build_workload
 from engine.config import SchedulerConfig
-from router.config import RouterConfig
-from router.policies import LocalPrefill, make_policy
-from runtime.config import described, parse_config, passed_to
+from router.config import RouterConfig, Scheduling
+from router.policies import HybridPlacement, LocalPrefill, SLOTargets, make_policy
+from runtime.config import described, member, parse_config, passed_to
 from runtime.pod import PodConfig
 from runtime.roles import POD_ROLES, Role
 from simulator.cluster import ClusterSpec, PodPool, SimCluster
@@ -63,6 +70,15 @@ class SimulateConfig:
         "Share of requests that must meet the targets for a rate to count."))
     stop_at_miss: bool = field(default=True, metadata=described("Skip the rates above the first that misses."))
     policy: str = passed_to(RouterConfig, name="policy")
+    scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
+        "As splitserve up's: 'hybrid' (each prompt on a prefill pod or lent to its decode pod in TPOT-bounded "
+        "chunks, by predicted latency, aiming at --slo-ttft-s / --slo-tpot-s), 'disaggregated' (the pure split) or "
+        "'colocated' (the prefill and decode pools become mixed pods)."))
+    slo_ttft_s: float = field(default=0.0, metadata=described(
+        "The router's TTFT target (hybrid placement's), seconds (0: the --goodput TTFT target)."))
+    slo_tpot_s: float = field(default=0.0, metadata=described(
+        "The router's TPOT target, which hybrid decode pods keep while they prefill lent prompts, seconds (0: the "
+        "--goodput TPOT target)."))
     conditional_prefill_threshold: int = field(default=0, metadata=described(
         "Prompts shorter than this prefill on the decode pod (0: every prompt on a prefill pod, as bench compare's "
         "disaggregated topology)."))
@@ -81,6 +97,7 @@ class SimulateConfig:
     json: str = field(default="", metadata=described("Also write the figures to this JSON file."))
 
     def __post_init__(self) -> None:
+        self.scheduling = member(Scheduling, "scheduling", self.scheduling)
         self.cluster_spec()
         self.slo()
         if not self.rates or min(self.rates) <= 0:
@@ -100,7 +117,8 @@ class SimulateConfig:
                 raise ValueError(f"pool {item!r}: expected ROLE:COUNT[:PROFILE], ROLE one of "
                                  f"{', '.join(POD_ROLES)}")
             if int(count):
-                pools.append(PodPool(Role(role), int(count), self._profile(path) if path else default))
+                role = Role.MIXED if self.scheduling is Scheduling.COLOCATED else Role(role)
+                pools.append(PodPool(role, int(count), self._profile(path) if path else default))
         if not any(pool.role.can_decode for pool in pools):
             raise ValueError(f"pools {self.pools}: no decode or mixed pod")
         per_block = default.kv_bytes_per_token * self.block_size
@@ -108,7 +126,14 @@ class SimulateConfig:
                                                          self.long_prefill_token_threshold),
                            num_blocks=self.kv_cache_memory_bytes // per_block, block_size=self.block_size,
                            codec_ratio=self.codec_ratio, span_s=self.span_s,
-                           router_s=default.router_s if self.router_s < 0 else self.router_s)
+                           router_s=default.router_s if self.router_s < 0 else self.router_s,
+                           scheduling=self.scheduling, targets=self.targets())
+
+    def targets(self) -> SLOTargets:
+        """The router's SLO targets: its own flags, else the --goodput ones, else the router's defaults."""
+        slo, defaults = self.slo(), {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+        return SLOTargets(self.slo_ttft_s or slo.ttft or defaults["slo_ttft_s"],
+                          self.slo_tpot_s or slo.tpot or defaults["slo_tpot_s"])
 
     def _profile(self, path: str) -> PhaseProfile:
         profile = PhaseProfile.load(path)
@@ -124,7 +149,8 @@ class SimulateConfig:
     def cluster(self, spec: ClusterSpec | None = None) -> SimCluster:
         local = LocalPrefill(threshold=self.conditional_prefill_threshold,
                              queue_s=self.conditional_prefill_queue_s)
-        return SimCluster(spec or self.cluster_spec(), make_policy(self.policy, local, seed=self.seed))
+        hybrid = HybridPlacement() if self.scheduling is Scheduling.HYBRID else None
+        return SimCluster(spec or self.cluster_spec(), make_policy(self.policy, local, seed=self.seed, hybrid=hybrid))
 
 
 def simulate_records(config: SimulateConfig, rate: float, spec: ClusterSpec | None = None,
@@ -193,7 +219,8 @@ the profile (bench phases --profile-out) says how fast a pod is; see docs/simula
 
 
 # ``splitserve simulate NAME ...``: the studies built on the simulator, each a module of this package.
-STUDIES = {"validate": "simulator.validate", "ratios": "simulator.ratios", "planner": "simulator.planner_replay"}
+STUDIES = {"validate": "simulator.validate", "ratios": "simulator.ratios", "planner": "simulator.planner_replay",
+           "slo-map": "simulator.slo_map"}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -203,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
         return importlib.import_module(STUDIES[argv[0]]).main(argv[1:])
     config = parse_config(SimulateConfig, argv, prog="splitserve simulate", epilog=EXAMPLES)
     spec = config.cluster_spec()
-    print(f"splitserve simulate: {', '.join(config.pools)} ({sum(p.count for p in spec.pools)} pods); "
+    print(f"splitserve simulate: {', '.join(config.pools)} ({sum(p.count for p in spec.pools)} pods, "
+          f"{config.scheduling}); "
           f"{config.workload_at(config.rates[0]).describe_requests()}; targets {config.slo().describe()}")
     print(HEADER)
     result = sweep(config, spec)
@@ -213,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         print(f"goodput: {result['max_rate_meeting_slo'] or 0:g} req/s (the highest rate with >= "
               f"{config.slo_attainment:.0%} of requests meeting the targets, before the first miss)")
-    out = {"pools": config.pools, "slo": config.slo().describe(), "goodput": result["max_rate_meeting_slo"] or 0.0,
+    out = {"pools": config.pools, "scheduling": str(config.scheduling), "slo": config.slo().describe(),
+           "goodput": result["max_rate_meeting_slo"] or 0.0,
            "profile": config.profile,
            "runs": {str(rate): summary for rate, summary in result["runs"].items()}}
     save_results(out, config.json, None)

@@ -5,7 +5,8 @@ workload (the same trace rows, seed, caps and rates), topology by topology.
 
 1. Each topology of the run (its JSON's ``settings``) becomes the same cluster in simulation: ``disagg-P:D`` one
    prefill and one decode pod, ``colocated-NxMcpu-bB`` N mixed pods at budget B, ``conditional-*`` with its
-   threshold or queue rule; a pod on M CPUs needs a profile of M threads (``--profile`` is one of
+   threshold or queue rule, a ``hybrid-*`` (``--slo-map``) with its scheduling and its router's SLO targets; a pod
+   on M CPUs needs a profile of M threads (``--profile`` is one of
    ``--profile-threads``; other topologies are reported as not simulated).
 2. ``--calibrate``: what a bench does not see is fitted on one point of the run, the lowest rate of
    ``--calibrate-on``: a factor on every step time (the pods' share of a loaded machine, the pod loop) so that the
@@ -71,12 +72,15 @@ def simulate_config(config: ValidateConfig, topology: dict, rates: list[float], 
     if threads != config.profile_threads:
         return None
     scheduler = {name: s[name] for name in ("max_num_batched_tokens", "long_prefill_token_threshold") if name in s}
+    # The topology's scheduling (bench compare --slo-map's hybrids carry their router's targets), as splitserve up's.
+    scheduling = {name: s[name] for name in ("scheduling", "slo_ttft_s", "slo_tpot_s") if name in s}
     return SimulateConfig(pools=pools, profile=profile, workload=config.workload, num_prompts=config.num_prompts,
                           max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens,
                           seed=config.seed, rates=rates, goodput=_goodput_flags(measured["slo"]),
                           slo_attainment=measured["attainment_target"], stop_at_miss=False,
                           conditional_prefill_threshold=s.get("conditional_prefill_threshold", 0),
-                          conditional_prefill_queue_s=s.get("conditional_prefill_queue_s", 0.0), **scheduler)
+                          conditional_prefill_queue_s=s.get("conditional_prefill_queue_s", 0.0), **scheduler,
+                          **scheduling)
 
 
 def _cpus(text: str) -> list[int]:
