@@ -41,11 +41,12 @@ class LLM:
     ``LLM(model="tiny-random", block_size=16, num_blocks=256, max_num_seqs=32)``; speculative decoding as vLLM
     spells it, ``speculative_config={"method": "ngram", "num_speculative_tokens": 4}`` (SpeculativeConfig's keys).
     ``quantization``: the weights' format, ``"none"`` (float), ``"gguf"`` (a GGUF file's own blocks), ``"int8"`` or
-    ``"int4"`` (quantized at load); docs/quantization.md."""
+    ``"int4"`` (quantized at load); ``int8_activations``: the products over quantized weights quantize their inputs
+    to int8 (faster, not the float32 path's bits); docs/quantization.md."""
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  seed: int = 0, cpu_kernels: bool = True, speculative_config: dict | None = None,
-                 quantization: str = "none", **settings):
+                 quantization: str = "none", int8_activations: bool = False, **settings):
         cache = CacheConfig(**{k: settings.pop(k) for k in list(settings) if k in CacheConfig.__dataclass_fields__})
         sched = SchedulerConfig(
             **{k: settings.pop(k) for k in list(settings) if k in SchedulerConfig.__dataclass_fields__}
@@ -54,7 +55,7 @@ class LLM:
             raise TypeError(f"unknown LLM settings: {sorted(settings)}")
         speculative = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         self.engine = LLMEngine(EngineConfig(model, device, dtype, seed, cpu_kernels, cache, sched, speculative,
-                                             quantization))
+                                             quantization, int8_activations))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
