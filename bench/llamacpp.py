@@ -11,7 +11,8 @@ pinned with ``taskset`` to the same CPUs (the first ``threads`` of ``--cpus``) a
                decoding one sequence, and tokens/s with ``--parallel`` sequences decoding together
   splitserve   ``LLM(model, quantization=Q)`` for each weight format the engine names (``engine.config.QUANTIZATIONS``;
                a format the engine refuses for this model is reported with its reason), the same prompts, measured
-               the same way (decode steps only: the prompt's prefill is not counted)
+               the same way (decode steps only: the prompt's prefill is not counted); and for each format of
+               ``--int8-activations`` also ``LLM(model, quantization=Q, int8_activations=True)`` ("Q int8-act")
 
 Each decodes ``--max-tokens`` greedy tokens per sequence, past EOS. Then prompt lookup (issue 22), at one thread:
 the input-grounded prompts of ``bench spec`` at batch 1, each side with and without its own prompt-lookup decoding
@@ -81,7 +82,8 @@ def _splitserve_engine(job: dict, speculative: dict | None):
 
     apply_cpu_set("", job["threads"])  # taskset pinned the process; this sizes torch and the native kernels
     return LLM(model=job["model"], quantization=job["quantization"], max_num_seqs=max(8, job.get("parallel", 1)),
-               kv_cache_memory_bytes=256 << 20, speculative_config=speculative)
+               kv_cache_memory_bytes=256 << 20, speculative_config=speculative,
+               int8_activations=job.get("int8_activations", False))
 
 
 def llamacpp_decode(job: dict) -> dict:
@@ -228,7 +230,9 @@ def run(config: "LlamaCppBenchConfig", log=print) -> dict:
                      "repeats": config.repeats, "cpus": config.cpus, "llamacpp": peer or _llamacpp_version(),
                      "decode": [], "lookup": [], "refused": {}}
     sides = ([] if peer else [("llama.cpp", {"side": "llamacpp"})]) + [
-        (f"splitserve {q}", {"side": "splitserve", "quantization": q}) for q in config.quantizations]
+        (f"splitserve {q}", {"side": "splitserve", "quantization": q}) for q in config.quantizations] + [
+        (f"splitserve {q} int8-act", {"side": "splitserve", "quantization": q, "int8_activations": True})
+        for q in config.int8_activations]
     for threads in config.threads:
         cpus = config.cpus[:threads]
         rounds: dict[str, list[dict]] = {name: [] for name, _ in sides}
@@ -336,6 +340,8 @@ class LlamaCppBenchConfig:
     max_tokens: int = field(default=128, metadata=described("Greedy tokens decoded per sequence."))
     parallel: int = field(default=8, metadata=described("Sequences decoding together for the throughput figure."))
     repeats: int = field(default=3, metadata=described("Rounds; the table shows their median and spread."))
+    int8_activations: list[str] = field(default_factory=lambda: ["gguf"], metadata=described(
+        "Weight formats also measured with int8 activations (EngineConfig.int8_activations; empty: none)."))
     lookup_prompts: int = field(default=4, metadata=described(
         "Input-grounded prompts of the prompt-lookup comparison (0: skip it)."))
     num_speculative_tokens: int = field(default=SpeculativeConfig.num_speculative_tokens, metadata=described(
@@ -345,7 +351,8 @@ class LlamaCppBenchConfig:
     json: str = field(default="", metadata=described("Also write the figures to this JSON file."))
 
     def __post_init__(self) -> None:
-        unknown = [q for q in [*self.quantizations, self.lookup_quantization] if q not in QUANTIZATIONS]
+        unknown = [q for q in [*self.quantizations, self.lookup_quantization, *self.int8_activations]
+                   if q not in QUANTIZATIONS]
         if not self.quantizations or unknown:
             raise ValueError(f"quantizations must name some of {', '.join(QUANTIZATIONS)}, got {self.quantizations}")
         if not self.threads or min(self.threads) < 1 or max(self.threads) > len(self.cpus):
