@@ -114,7 +114,8 @@ inline V16 q8(const uint8_t* p, int byte) {
 
 // The int8-activation path's integers: 16 outputs' int32 sums, and their chunks' bytes.
 #ifndef __AVX512BW__
-#error "the AVX-512 build needs AVX512BW (every AVX-512 CPU but Xeon Phi has it); build with SPLITSERVE_CPU_KERNELS=avx2"
+// Every AVX-512 CPU but Xeon Phi has AVX512BW; on one without, SPLITSERVE_CPU_KERNELS=avx2 builds the AVX2 kernels.
+#error "the AVX-512 build needs AVX512BW"
 #endif
 struct I16 {
   __m512i v;
@@ -555,8 +556,8 @@ void int8_linear(const float* x, int64_t rows, int64_t ldx, const uint8_t* packe
   const Int8Rows a = quantize_rows(x, rows, ldx, in, threads);
   static constexpr auto tiles = tile_table<Int8Tile, F>(std::make_integer_sequence<int, kTileRows>());
   over_tiles(rows, out, threads, [&](int64_t r, int n, int64_t p, int count, int valid_last) {
-    tiles[n][count](a, r, packed + p * panel_bytes, panel_bytes, bias != nullptr ? padded.data() + p * kQPanel : nullptr,
-                    y + r * ldy + p * kQPanel, ldy, valid_last);
+    const float* tile_bias = bias != nullptr ? padded.data() + p * kQPanel : nullptr;
+    tiles[n][count](a, r, packed + p * panel_bytes, panel_bytes, tile_bias, y + r * ldy + p * kQPanel, ldy, valid_last);
   });
 }
 
