@@ -10,7 +10,8 @@
 //   - d[16], the 16 outputs' scales (float16), then for Q4_1 m[16], their minimums (float16);
 //   - Q4_0 / Q4_1: 4 chunks of 64 bytes, chunk g = 16 little-endian 32-bit lanes, lane o's nibble n (bits 4n..4n+3)
 //     being output o's quant for input 8g + n (0..15; the weight is d (q - 8) for Q4_0, d q + m for Q4_1);
-//   - Q8_0: 32 rows of 16 signed bytes, row k holding the 16 outputs' quants for input k (weight d q).
+//   - Q8_0: 8 chunks of 64 bytes, chunk c = 16 32-bit lanes, byte t of lane o being output o's quant for input
+//     8 (c / 2) + 2t + c % 2 (weight d q): the inputs of a 4-bit chunk's low (c even) or high nibbles.
 // These are GGUF's blocks, the same scales and quants, in another order: the weights are exactly the file's.
 //
 // Every weight is dequantized exactly as the float32 path dequantizes the file (gguf's numpy code: d * q, exact in
@@ -26,6 +27,11 @@
 // rows, over several panels at once so that enough sums are in flight. Many rows (prefill) dequantize two panels at
 // a time into float32 panels ([in, 16]) and run ss_linear's GEMM micro-kernel on them. Either way a decode step
 // reads the blocks' bytes (a fifth of float32's for Q4_1), not float32's.
+//
+// Opt-in (kInt8Activations in the format, EngineConfig.int8_activations): llama.cpp's int8 activations, any row
+// count. The rows are quantized to int8 per block of 32 once per call, and each weight block meets them in exact
+// int32 dot products (VNNI's vpdpbusd, AVX2's vpmaddubsw + vpmaddwd without it), scaled in float32 in one fixed
+// order: the same bits in every build, a row's bits independent of its batch, but not the float32 path's.
 
 #include "quant_kernels.h"
 
