@@ -210,6 +210,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: one token per decode step
     quantization: str = "auto"  # the weights' format, one of QUANTIZATIONS (the engine resolves "auto" at load)
+    # The products over quantized weights (quantization other than none, on the native kernels) quantize their input
+    # rows to int8 per block of 32 and sum integer dot products, as llama.cpp does: faster decode, but no longer the
+    # float32 path's bits (docs/quantization.md). Off: those products give exactly the float32 path's results.
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in COMPUTE_DTYPES:

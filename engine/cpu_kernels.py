@@ -38,13 +38,23 @@ from engine.cpu_kernels_build import KernelsUnavailable, library_path
 logger = logging.getLogger(__name__)
 
 PANEL = 16  # outputs per weight panel; kPanel in the source
-ABI_VERSION = 2  # kAbiVersion in the source: bump both when an entry point changes
+ABI_VERSION = 3  # kAbiVersion in the source: bump both when an entry point changes
 
 # How a product's weight is stored (WeightFormat in csrc/quant_kernels.h): float32 panels [P, in, 16], or panels
 # of GGUF blocks (engine/quantized_weights.py packs them), [P, in / 32 * bytes per panel block] uint8.
 WEIGHT_FORMATS = {"float32": 0, "q4_0": 1, "q4_1": 2, "q8_0": 3}
 QUANT_BLOCK = 32  # inputs per block
 QUANTIZED_FORMATS = {"q4_0": 16 * 2 + 256, "q4_1": 16 * 4 + 256, "q8_0": 16 * 2 + 512}  # bytes per panel block
+# OR'd into a quantized format's code (kInt8Activations in csrc/quant_kernels.h): the product quantizes its input
+# rows to int8 per block of 32 and sums integer dot products (EngineConfig.int8_activations, docs/quantization.md).
+INT8_ACTIVATIONS = 16
+
+
+def format_code(weight_format: str, int8_activations: bool = False) -> int:
+    """The kernels' code for a product over a weight in ``weight_format`` (``WEIGHT_FORMATS``), with int8
+    activations where asked and the weight is quantized (a float32 weight's product stays float32)."""
+    code = WEIGHT_FORMATS[weight_format]
+    return code | INT8_ACTIVATIONS if int8_activations and weight_format != "float32" else code
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -149,16 +159,18 @@ class CpuKernels:
         return y
 
     def quant_linear(self, x: torch.Tensor, packed: torch.Tensor, weight_format: str, out_features: int,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
         """x [rows, in] (rows contiguous) @ W^T + bias -> [rows, out_features], W packed in quantized blocks
-        (``weight_format``, one of ``QUANTIZED_FORMATS``)."""
+        (``weight_format``, one of ``QUANTIZED_FORMATS``); ``int8_activations``: x quantized to int8 per block of
+        32, integer dot products (``format_code``)."""
         rows, in_features = x.shape
         _check(x.stride(1) == 1 and x.dtype == torch.float32
                and _is_weight(packed, weight_format, out_features, in_features),
                "quant_linear: x does not match the weight")
         y = torch.empty(rows, out_features, dtype=torch.float32)
         self._lib.ss_quant_linear(
-            x.data_ptr(), rows, x.stride(0), packed.data_ptr(), WEIGHT_FORMATS[weight_format], out_features,
+            x.data_ptr(), rows, x.stride(0), packed.data_ptr(), format_code(weight_format, int8_activations),
+            out_features,
             in_features, None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
             torch.get_num_threads(),
         )
@@ -220,11 +232,12 @@ class CpuKernels:
     def attention_input(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor,
                         qkv_bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor,
                         sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, qkv_format: str = "float32") -> torch.Tensor:
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, qkv_format: str = "float32",
+                        int8_activations: bool = False) -> torch.Tensor:
         """A decoder layer up to its attention: qkv = RMSNorm(x) Wqkv^T (+ bias), q and k rotated (cos,
         sin_signed: [P, D] tables, indexed by positions [T]), k and v written to the caches at slot_mapping.
-        x [T, H]; packed qkv weight (in ``qkv_format``); caches [num_blocks, block_size, Hkv, D]
-        -> qkv [T, (Hq + 2 Hkv) D]."""
+        x [T, H]; packed qkv weight (in ``qkv_format``, with int8 activations where asked: ``format_code``);
+        caches [num_blocks, block_size, Hkv, D] -> qkv [T, (Hq + 2 Hkv) D]."""
         tokens, hidden = x.shape
         head_dim = cos.shape[1]
         width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -240,7 +253,7 @@ class CpuKernels:
         qkv = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.ss_attention_input(
             x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
-            WEIGHT_FORMATS[qkv_format],
+            format_code(qkv_format, int8_activations),
             None if qkv_bias is None else qkv_bias.data_ptr(), qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(),
             sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
             CACHE_TYPES[k_cache.dtype], slot_mapping.data_ptr(), torch.get_num_threads(),
@@ -249,21 +262,23 @@ class CpuKernels:
 
     def attention_output_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor,
                                  norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
-                                 down_weight: torch.Tensor, formats: tuple[str, str, str] = ("float32",) * 3) -> None:
+                                 down_weight: torch.Tensor, formats: tuple[str, str, str] = ("float32",) * 3,
+                                 int8_activations: bool = False) -> None:
         """The rest of a decoder layer, in place on the residual stream x [T, H]: x += attn Wo^T, then
         x += down(silu(gate) * up) of RMSNorm(x). attn: [T, Hq D]; weights packed, in ``formats`` (o, gate_up,
-        down)."""
+        down), with int8 activations where asked (``format_code``)."""
         tokens, hidden = x.shape
         o_format, gate_up_format, down_format = formats
+        o_code, gate_up_code, down_code = (format_code(f, int8_activations) for f in formats)
         inter = _in_features(down_weight, down_format)
         _check(x.is_contiguous() and attn.is_contiguous() and len(attn) == tokens
                and _is_weight(o_weight, o_format, hidden, attn.shape[1]) and norm_weight.shape == (hidden,)
                and _is_weight(gate_up_weight, gate_up_format, 2 * inter, hidden)
                and _is_weight(down_weight, down_format, hidden, inter), "attention_output_and_mlp: shapes do not match")
         self._lib.ss_attention_output_and_mlp(
-            x.data_ptr(), tokens, hidden, attn.data_ptr(), attn.shape[1], o_weight.data_ptr(),
-            WEIGHT_FORMATS[o_format], norm_weight.data_ptr(), eps, gate_up_weight.data_ptr(),
-            WEIGHT_FORMATS[gate_up_format], down_weight.data_ptr(), WEIGHT_FORMATS[down_format], inter,
+            x.data_ptr(), tokens, hidden, attn.data_ptr(), attn.shape[1], o_weight.data_ptr(), o_code,
+            norm_weight.data_ptr(), eps, gate_up_weight.data_ptr(), gate_up_code, down_weight.data_ptr(), down_code,
+            inter,
             torch.get_num_threads(),
         )
 
@@ -290,7 +305,7 @@ class CpuKernels:
 
 class LayerTensors(NamedTuple):
     """One decoder layer for ``DecodeLayers``: packed linear weights, norm weights, QKV bias (or None), caches,
-    and each product's ``WEIGHT_FORMATS`` name."""
+    each product's ``WEIGHT_FORMATS`` name, and whether its quantized products take int8 activations."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -305,6 +320,7 @@ class LayerTensors(NamedTuple):
     o_format: str = "float32"
     gate_up_format: str = "float32"
     down_format: str = "float32"
+    int8_activations: bool = False
 
     @property
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
@@ -312,12 +328,12 @@ class LayerTensors(NamedTuple):
 
     @property
     def formats(self) -> tuple[str, ...]:
-        return self[9:]
+        return self[9:13]
 
 
 class _DecodeLayer(ctypes.Structure):  # DecodeLayer in the source
     _fields_ = ([(name, ctypes.c_void_p) for name in LayerTensors._fields[:9]]
-                + [(name, ctypes.c_int64) for name in LayerTensors._fields[9:]])
+                + [(name, ctypes.c_int64) for name in LayerTensors._fields[9:13]])
 
 
 class DecodeLayers:
@@ -349,7 +365,7 @@ class DecodeLayers:
         self._layers = layers  # keeps the tensors alive while the table points at them
         self.table = (_DecodeLayer * len(layers))(*(
             _DecodeLayer(*(None if t is None else t.data_ptr() for t in layer.tensors),
-                         *(WEIGHT_FORMATS[f] for f in layer.formats))
+                         *(format_code(f, layer.int8_activations) for f in layer.formats))
             for layer in layers
         ))
 
@@ -434,10 +450,11 @@ def load() -> KernelChoice:
         return KernelChoice(None, str(e))
 
 
-def build(avx512: bool = True) -> CpuKernels:
-    """The kernels built for this CPU (``avx512=False``: without its AVX-512, if it has any), built now if no
-    cache directory holds them. Raises ``KernelsUnavailable`` (``KernelABIError`` for a library that disagrees)."""
-    return CpuKernels(library_path(avx512))
+def build(avx512: bool = True, vnni: bool = True) -> CpuKernels:
+    """The kernels built for this CPU (``avx512=False``: without its AVX-512, if it has any; ``vnni=False``:
+    without its VNNI dot products), built now if no cache directory holds them. Raises ``KernelsUnavailable``
+    (``KernelABIError`` for a library that disagrees)."""
+    return CpuKernels(library_path(avx512, vnni))
 
 
 def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:

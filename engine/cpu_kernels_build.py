@@ -14,7 +14,9 @@ The cache directory is the first of ``$SPLITSERVE_CACHE_DIR`` and ``~/.cache/spl
 or can be written (a library built into a read-only image is used where it lies). Where none can,
 ``KernelsUnavailable`` says why, and callers run the model on PyTorch ops. ``SPLITSERVE_CPU_KERNELS=avx2`` builds
 without AVX-512 where the CPU has it (for CPUs that slow their clock for 512-bit work); both builds give the same
-bits, as every output sums its products in the same order.
+bits, as every output sums its products in the same order. The int8-activation products use the CPU's VNNI dot
+products (AVX512-VNNI, AVX-VNNI) where it has them and AVX2's ``vpmaddubsw`` otherwise, the same exact integer
+sums either way.
 """
 
 from __future__ import annotations
@@ -48,15 +50,16 @@ def supported_cpu() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
-def library_path(avx512: bool = True) -> Path:
-    """The library built for this CPU (with ``avx512=False``: without its AVX-512, if it has any), built now if no
-    cache directory holds it yet. Raises ``KernelsUnavailable``."""
+def library_path(avx512: bool = True, vnni: bool = True) -> Path:
+    """The library built for this CPU (with ``avx512=False``: without its AVX-512, if it has any; ``vnni=False``:
+    without its VNNI integer dot products, the int8-activation path's AVX2 fallback), built now if no cache
+    directory holds it yet. Raises ``KernelsUnavailable``."""
     if not supported_cpu():
         raise KernelsUnavailable("the native CPU kernels need x86-64 with AVX2, FMA and F16C")
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise KernelsUnavailable("no C++ compiler (g++ or $CXX) for the native CPU kernels")
-    flags = FLAGS + ([] if avx512 else ["-mno-avx512f"])
+    flags = FLAGS + ([] if avx512 else ["-mno-avx512f"]) + ([] if vnni else ["-mno-avx512vnni", "-mno-avxvnni"])
     name = f"cpu_kernels-{_key(compiler, flags)}.so"
     directories = cache_dirs()
     for directory in directories:

@@ -45,11 +45,12 @@ class LLM:
     spells it, ``speculative_config={"method": "ngram", "num_speculative_tokens": 4}`` (SpeculativeConfig's keys).
     ``quantization``: the weights' format, ``"auto"`` (the default: a GGUF file's own blocks where the native
     kernels run, else float), ``"none"`` (float), ``"gguf"`` (a GGUF file's own blocks), ``"int8"`` or ``"int4"``
-    (quantized at load); docs/quantization.md."""
+    (quantized at load); ``int8_activations``: the products over quantized weights quantize their inputs to int8
+    (faster, not the float32 path's bits); docs/quantization.md."""
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  seed: int = 0, cpu_kernels: bool = True, speculative_config: dict | None = None,
-                 quantization: str = EngineConfig.quantization, **settings):
+                 quantization: str = EngineConfig.quantization, int8_activations: bool = False, **settings):
         cache = CacheConfig(**{k: settings.pop(k) for k in list(settings) if k in CacheConfig.__dataclass_fields__})
         sched = SchedulerConfig(
             **{k: settings.pop(k) for k in list(settings) if k in SchedulerConfig.__dataclass_fields__}
@@ -58,7 +59,7 @@ class LLM:
             raise TypeError(f"unknown LLM settings: {sorted(settings)}")
         speculative = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         self.engine = LLMEngine(EngineConfig(model, device, dtype, seed, cpu_kernels, cache, sched, speculative,
-                                             quantization))
+                                             quantization, int8_activations))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -53,14 +54,16 @@ class Linear(nn.Module):
     the kernels: a decode step then reads each weight at the memory's speed. Otherwise it is a plain ``F.linear``.
     ``weight_format`` other than float32 (with the kernels only): the weight is loaded from a ``BlockQuantized``
     in that format and kept in its blocks, packed into panels (engine/quantized_weights.py), [P, in / 32 * bytes]
-    uint8, which ``state_dict`` returns as they are. Parameters are uninitialized until loaded.
+    uint8, which ``state_dict`` returns as they are; with ``int8_activations`` its products quantize their input
+    rows to int8 per block of 32 (docs/quantization.md). Parameters are uninitialized until loaded.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
-                 kernels: CpuKernels | None, weight_format: str = "float32"):
+                 kernels: CpuKernels | None, weight_format: str = "float32", int8_activations: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.kernels = in_features, out_features, kernels
         self.weight_format = weight_format if kernels is not None else "float32"
+        self.int8_activations = int8_activations
         if self.weight_format != "float32":
             self.weight = nn.Parameter(torch.empty(weight_shape(weight_format, out_features, in_features),
                                                    dtype=torch.uint8, device=device), requires_grad=False)
@@ -78,7 +81,8 @@ class Linear(nn.Module):
         if self.kernels is None:
             return F.linear(x, self.weight, self.bias)
         if self.weight_format != "float32":
-            return self.kernels.quant_linear(x, self.weight, self.weight_format, self.out_features, self.bias)
+            return self.kernels.quant_linear(x, self.weight, self.weight_format, self.out_features, self.bias,
+                                             self.int8_activations)
         return self.kernels.linear(x, self.weight, self.out_features, self.bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -182,18 +186,32 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 LayerFormats = dict[str, str]
 
 
+@dataclass(frozen=True)
+class Products:
+    """How a layer's products are stored and computed: the weights' formats, and whether the quantized ones take
+    int8 activations (``EngineConfig.int8_activations``)."""
+
+    formats: LayerFormats
+    int8_activations: bool = False
+
+    def linear(self, name: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+               device: torch.device, kernels: CpuKernels | None) -> "Linear":
+        """The product whose weight is the layer's parameter ``name`` + ``.weight``."""
+        return Linear(in_features, out_features, bias, dtype, device, kernels,
+                      self.formats.get(name + ".weight", "float32"), self.int8_activations)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 formats: LayerFormats):
+                 products: Products):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.qk_size = self.q_size + config.num_kv_heads * config.head_dim
         qkv_rows = self.qk_size + config.num_kv_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_rows, config.qkv_bias, dtype, device, kernels,
-                               formats.get("attn.qkv_proj.weight", "float32"))
-        self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype, device, kernels,
-                             formats.get("attn.o_proj.weight", "float32"))
+        self.qkv_proj = products.linear("attn.qkv_proj", config.hidden_size, qkv_rows, config.qkv_bias, dtype, device,
+                                        kernels)
+        self.o_proj = products.linear("attn.o_proj", self.q_size, config.hidden_size, False, dtype, device, kernels)
         self.scale = config.head_dim**-0.5
         self.kernels = kernels
 
@@ -214,13 +232,13 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 formats: LayerFormats):
+                 products: Products):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device, kernels,
-                                   formats.get("mlp.gate_up_proj.weight", "float32"))
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device, kernels,
-                                formats.get("mlp.down_proj.weight", "float32"))
+        self.gate_up_proj = products.linear("mlp.gate_up_proj", config.hidden_size, 2 * config.intermediate_size,
+                                            False, dtype, device, kernels)
+        self.down_proj = products.linear("mlp.down_proj", config.intermediate_size, config.hidden_size, False, dtype,
+                                         device, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
@@ -230,13 +248,14 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 formats: LayerFormats | None = None):
+                 products: Products | None = None):
         super().__init__()
-        formats = formats or {}
+        products = products or Products({})
+        self.int8_activations = products.int8_activations
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.attn = Attention(config, dtype, device, kernels, formats)
+        self.attn = Attention(config, dtype, device, kernels, products)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device, kernels, formats)
+        self.mlp = MLP(config, dtype, device, kernels, products)
         # The layer's halves around its attention run natively when the kernels take its heads (and, per step,
         # the cache's dtype); its products use the kernels either way.
         self.kernels = kernels if kernels is not None and kernels.supports_head_dim(config.head_dim) else None
@@ -257,14 +276,14 @@ class DecoderLayer(nn.Module):
         qkv = kernels.attention_input(
             x, self.input_norm.weight, self.input_norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
             rotary.positions, rotary.cos_table, rotary.sin_signed_table, attn.num_heads, attn.num_kv_heads,
-            k_cache, v_cache, meta.slot_mapping, attn.qkv_proj.weight_format,
+            k_cache, v_cache, meta.slot_mapping, attn.qkv_proj.weight_format, self.int8_activations,
         )
         qk = qkv[:, : attn.qk_size].view(len(qkv), -1, attn.head_dim)  # rotated in place
         out = attn.attend(qk, qkv, k_cache, v_cache, meta, kv_written=True)
         kernels.attention_output_and_mlp(x, out, attn.o_proj.weight, self.post_attn_norm.weight,
                                          self.post_attn_norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight,
                                          (attn.o_proj.weight_format, mlp.gate_up_proj.weight_format,
-                                          mlp.down_proj.weight_format))
+                                          mlp.down_proj.weight_format), self.int8_activations)
         return x
 
 
@@ -274,32 +293,35 @@ class LlamaForCausalLM(nn.Module):
     ``cpu_kernels``: run the products and the decode attention in the native CPU kernels when they can serve this
     device and dtype (CPU, float32) and build on this machine; False keeps the pure-PyTorch path everywhere.
     ``weight_formats``: parameter name -> format of the products' weights kept in quantized blocks (the native
-    kernels only; engine/quantized_weights.py); the rest are float.
+    kernels only; engine/quantized_weights.py); the rest are float. ``int8_activations``: the products over those
+    weights quantize their input rows to int8 per block of 32 and sum integer dot products (faster; no longer the
+    float32 path's bits: docs/quantization.md).
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | str = torch.float32, device="cpu",
-                 cpu_kernels: bool = True, weight_formats: dict[str, str] | None = None):
+                 cpu_kernels: bool = True, weight_formats: dict[str, str] | None = None,
+                 int8_activations: bool = False):
         super().__init__()
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         device = torch.device(device)
         self.config = config
         self.compute_path: KernelChoice = choose_kernels(device, dtype, cpu_kernels)
         self.kernels = self.compute_path.kernels
-        formats = weight_formats or {}
-        fmt = lambda name: formats.get(name, "float32")  # noqa: E731
+        products = Products(weight_formats or {}, int8_activations)
         if config.tie_word_embeddings:  # one weight, laid out for the head's products, looked up by rows
-            self.embed_tokens = Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.kernels,
-                                       fmt("embed_tokens.weight"))
+            self.embed_tokens = products.linear("embed_tokens", config.hidden_size, config.vocab_size, False, dtype,
+                                                device, self.kernels)
         else:
             self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype,
                                           device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device, self.kernels, _layer_formats(formats, i))
+            DecoderLayer(config, dtype, device, self.kernels,
+                         Products(_layer_formats(products.formats, i), int8_activations))
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, False, dtype, device, self.kernels, fmt("lm_head.weight")
+        self.lm_head = None if config.tie_word_embeddings else products.linear(
+            "lm_head", config.hidden_size, config.vocab_size, False, dtype, device, self.kernels
         )
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.requires_grad_(False)
@@ -308,14 +330,15 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_state_dict(
         cls, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32, device="cpu",
-        cpu_kernels: bool = True,
+        cpu_kernels: bool = True, int8_activations: bool = False,
     ) -> "LlamaForCausalLM":
         """The model with ``state_dict``'s weights. Weights in quantized blocks (``BlockQuantized``) stay in them
-        where the native kernels run the model, and are widened to ``dtype`` everywhere else (the fallback)."""
+        where the native kernels run the model, and are widened to ``dtype`` everywhere else (the fallback, where
+        ``int8_activations`` has nothing to act on)."""
         check_state_dict(config, state_dict)  # names the missing, unexpected or misshapen parameters
         blocks = set(product_weights(config))
         formats = {n: t.format for n, t in state_dict.items() if isinstance(t, BlockQuantized) and n in blocks}
-        model = cls(config, dtype, device, cpu_kernels, formats)
+        model = cls(config, dtype, device, cpu_kernels, formats, int8_activations)
         if formats and model.kernels is None:
             logger.warning("weights in quantized blocks widened to %s: %s", str(model.norm.weight.dtype),
                            model.compute_path.reason)
@@ -362,7 +385,7 @@ class LlamaForCausalLM(nn.Module):
                              layer.attn.o_proj.weight, layer.post_attn_norm.weight, layer.mlp.gate_up_proj.weight,
                              layer.mlp.down_proj.weight, k, v, layer.attn.qkv_proj.weight_format,
                              layer.attn.o_proj.weight_format, layer.mlp.gate_up_proj.weight_format,
-                             layer.mlp.down_proj.weight_format)
+                             layer.mlp.down_proj.weight_format, layer.int8_activations)
                 for layer, k, v in zip(self.layers, kv_cache.k_blocks, kv_cache.v_blocks)
             ]
             config = self.config

@@ -110,7 +110,9 @@ def pack_panels(weight: BlockQuantized) -> torch.Tensor:
     """The kernels' layout, uint8 ``quantized_shape(format, out, in)``: per panel of 16 outputs (the last one
     padded with zero weights), per block of 32 inputs, the 16 scales, the 16 minimums (Q4_1), then the quants:
     Q4_* as 4 chunks of 16 32-bit lanes, lane o's nibble n of chunk g being output o's quant for input 8g + n;
-    Q8_0 as 32 rows of 16 bytes, one per input (engine/csrc/quant_kernels.cpp reads them)."""
+    Q8_0 as 8 chunks of 16 32-bit lanes, byte t of lane o of chunk 2g + h being output o's quant for input
+    8g + 2t + h: the inputs of a 4-bit chunk's low (h = 0) or high (h = 1) nibbles, so that both formats' lanes
+    meet the same int8 activations (engine/csrc/quant_kernels.cpp reads them)."""
     out, in_ = weight.shape
     panels, blocks = -(-out // PANEL), in_ // QUANT_BLOCK
 
@@ -121,9 +123,9 @@ def pack_panels(weight: BlockQuantized) -> torch.Tensor:
         return by_panel(t.view(torch.int16)).transpose(1, 2).contiguous().view(torch.uint8)
 
     parts = [scales(weight.scale)] + ([] if weight.min is None else [scales(weight.min)])
-    if weight.format == "q8_0":
-        q = by_panel(weight.q.view(torch.uint8)).view(panels, PANEL, blocks, QUANT_BLOCK)
-        parts.append(q.permute(0, 2, 3, 1).reshape(panels, blocks, QUANT_BLOCK * PANEL))
+    if weight.format == "q8_0":  # input 8g + 2t + h is byte t of chunk 2g + h's lanes, as a 4-bit chunk's nibbles
+        q = by_panel(weight.q.view(torch.uint8)).view(panels, PANEL, blocks, 4, 4, 2)  # [P, o, b, g, t, h]
+        parts.append(q.permute(0, 2, 3, 5, 1, 4).reshape(panels, blocks, QUANT_BLOCK * PANEL))
     else:
         q = by_panel(weight.q).view(panels, PANEL, blocks, 4, 4, 2)  # [P, o, b, g, byte t, nibble of the byte]
         nibbles = q[..., 0] | (q[..., 1] << 4)

@@ -79,6 +79,10 @@ class PodConfig:
         "reference), gguf keeps a GGUF file's own quantized blocks, int8/int4 quantize a float checkpoint at load, "
         "auto is gguf for a GGUF file where the native kernels run (the same answers as none, bit for bit) and none "
         "elsewhere. Prefill and decode pods may differ (docs/quantization.md)."))
+    int8_activations: bool = field(default=EngineConfig.int8_activations, metadata=described(
+        "Products over quantized weights (--quantization other than none) quantize their inputs to int8 per block "
+        "of 32 and sum integer dot products, as llama.cpp does: faster decode, answers no longer bit-equal to the "
+        "float32 path's (docs/quantization.md)."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
     block_size: int = field(default=CacheConfig.block_size, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
@@ -135,7 +139,7 @@ class PodConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model, device=self.device, dtype=self.dtype, seed=self.seed, cpu_kernels=self.cpu_kernels,
-            quantization=self.quantization,
+            quantization=self.quantization, int8_activations=self.int8_activations,
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_blocks,
                               self.enable_prefix_caching, self.cache_dtype),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,

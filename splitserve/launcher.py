@@ -110,6 +110,9 @@ class UpConfig:
         "Weight format of the decode pods (may differ from the prefill pods': the KV layout is what must match)."))
     mixed_quantization: str = passed_to(DecodeConfig, name="quantization", scope=Role.MIXED, help=(
         "Weight format of the mixed pods."))
+    int8_activations: bool = passed_to(PodConfig, name="int8_activations", help=(
+        "Every pod's products over quantized weights take int8 activations (faster decode, not float32's bits; "
+        "pods on --*-quantization none are unaffected)."))
     # Speculative decoding on the decode and mixed pods (DecodeConfig's defaults and help, passed as its flags).
     speculative_method: str = passed_to(DecodeConfig, name="speculative_method")
     num_speculative_tokens: int = passed_to(DecodeConfig, name="num_speculative_tokens")

@@ -20,17 +20,19 @@ def test_without_llama_cpp_the_bench_measures_splitserve_and_says_llama_cpp_is_a
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "llama_cpp"
                         else find_spec(name, *args))
     out = tmp_path / "llamacpp.json"
-    llamacpp_bench.main(["--model", "tiny-random", "--quantizations", "none", *SMALL, "--json", str(out)])
+    llamacpp_bench.main(["--model", "tiny-random", "--quantizations", "none", "--int8-activations", "int4", *SMALL,
+                         "--json", str(out)])
     results = json.loads(out.read_text())
     assert results["llamacpp"].startswith("absent: llama-cpp-python is not installed")
-    assert [(row["side"], row["threads"]) for row in results["decode"]] == [("splitserve none", 1)]
-    decode = results["decode"][0]
-    assert decode["batch1_ms"]["median"] > 0 and decode["parallel_tok_s"]["median"] > 0
+    assert [(row["side"], row["threads"]) for row in results["decode"]] == [("splitserve none", 1),
+                                                                            ("splitserve int4 int8-act", 1)]
+    for decode in results["decode"]:
+        assert min(decode[key]["median"] for key in ("batch1_ms", "batch1_best_ms", "parallel_tok_s")) > 0
     assert [row["side"] for row in results["lookup"]] == ["splitserve ngram"]
     lookup = results["lookup"][0]
     assert lookup["off_tok_s"]["median"] > 0 and lookup["on_tok_s"]["median"] > 0
     table_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("splitserve none "))
-    assert table_row.count("absent") == 2  # both ratio columns
+    assert table_row.count("absent") == 3  # every ratio column
 
 
 def test_a_side_that_fails_comes_back_as_its_error():

@@ -828,7 +828,7 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
 
 namespace {
 
-constexpr int kAbiVersion = 2;  // ABI_VERSION in engine/cpu_kernels.py: bump both when an entry point changes
+constexpr int kAbiVersion = 3;  // ABI_VERSION in engine/cpu_kernels.py: bump both when an entry point changes
 
 // An argument's type as one letter (_TYPE_CODES in engine/cpu_kernels.py): p pointer, q int64, i int, f float.
 template <typename T>

@@ -8,6 +8,12 @@
 // of 16 outputs x blocks of 32 inputs in one of GGUF's block formats (quant_kernels.cpp describes the layout).
 enum WeightFormat : int { kWeightF32 = 0, kWeightQ4_0 = 1, kWeightQ4_1 = 2, kWeightQ8_0 = 3 };
 
+// OR'd into a quantized WeightFormat (INT8_ACTIVATIONS in engine/cpu_kernels.py): the product quantizes its input
+// rows to int8 per block of 32 and sums integer dot products (quant_kernels.cpp, "int8 activations"): faster, and
+// no longer the float32 path's bits. A float32 weight ignores it.
+constexpr int kInt8Activations = 16;
+constexpr int kFormatMask = 15;
+
 extern "C" {
 
 void ss_linear(const float* x, int64_t rows, int64_t ldx, const float* packed, int64_t out, int64_t in,
@@ -23,7 +29,7 @@ void ss_quant_rows(const void* packed, int format, int64_t in, const int64_t* id
 // y[rows, out] = x W^T + bias for a weight in any WeightFormat: ss_linear or ss_quant_linear.
 inline void weight_product(const float* x, int64_t rows, int64_t ldx, const void* weight, int format, int64_t out,
                            int64_t in, const float* bias, float* y, int64_t ldy, int threads) {
-  if (format == kWeightF32) {
+  if ((format & kFormatMask) == kWeightF32) {
     ss_linear(x, rows, ldx, static_cast<const float*>(weight), out, in, bias, y, ldy, threads);
   } else {
     ss_quant_linear(x, rows, ldx, weight, format, out, in, bias, y, ldy, threads);
