@@ -65,6 +65,27 @@ def start_cluster():
 
 
 @pytest.fixture(scope="session")
+def tiny_pd_up(tmp_path_factory, start_cluster):
+    """One ``splitserve up`` of the tiny random model with a prefill and a decode pod, codec ``none``, no Prometheus,
+    for the API modules (OpenAI parity, scoring) that compare the real path with the offline engine: prompts under 8
+    tokens prefill on the decode pod, longer ones on the prefill pod."""
+    cluster = start_cluster(tmp_path_factory.mktemp("tiny-pd-up"), model="tiny-random", prefill=1, decode=1,
+                            kv_codec="none", conditional_prefill_threshold=8, kv_cache_memory_bytes=32 << 20,
+                            prometheus=False)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_openai(tiny_pd_up):
+    """The ``openai`` client of ``tiny_pd_up``'s router."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"http://{tiny_pd_up.config.host}:{tiny_pd_up.config.http_port}/v1", api_key="unused",
+                  max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
 def smollm2_up(tmp_path_factory, start_cluster):
     """One ``splitserve up`` of the real SmolLM2 for the modules that check the whole system (the e2e serving checks,
     every dashboard panel): a router, a prefill pod, a decode pod with prompt-lookup speculation (exact for greedy

@@ -1,4 +1,4 @@
-"""OpenAI API parity through the disaggregated path: the ``openai`` client against a real router, prefill pod and
+"""OpenAI API parity through the disaggregated path: the ``openai`` tiny_openai against a real router, prefill pod and
 decode pod (``splitserve up``, the tiny-random model: one token per byte, so that token-level asks are easy to
 check), every prompt prefilled on P and decoded on D (``conditional_prefill_threshold=0``). Answers are checked
 against the offline engine with the same parameters: the prefill pod samples the first token and the decode pod
@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from openai import OpenAI
 
 from engine import LLM
 from engine.sampling_params import SamplingParams
@@ -17,21 +16,6 @@ from engine.sampling_params import SamplingParams
 pytestmark = [pytest.mark.e2e]
 
 PROMPT = "hello world"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, start_cluster):
-    cluster = start_cluster(tmp_path_factory.mktemp("parity"), model="tiny-random", prefill=1, decode=1,
-                            kv_codec="none", conditional_prefill_threshold=0, kv_cache_memory_bytes=32 << 20,
-                            prometheus=False)
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def client(cluster) -> OpenAI:
-    return OpenAI(base_url=f"http://{cluster.config.host}:{cluster.config.http_port}/v1", api_key="unused",
-                  max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +37,9 @@ CONSTRAINTS = [
 
 @pytest.mark.parametrize("asked", CONSTRAINTS)
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 5)])
-def test_token_constraints_are_kept_by_both_pods_and_match_the_offline_engine(client, offline, asked, temperature,
+def test_token_constraints_are_kept_by_both_pods_and_match_the_offline_engine(tiny_openai, offline, asked, temperature,
                                                                                seed):
-    answer = client.completions.create(model="tiny-random", prompt=PROMPT, max_tokens=12, temperature=temperature,
+    answer = tiny_openai.completions.create(model="tiny-random", prompt=PROMPT, max_tokens=12, temperature=temperature,
                                        seed=seed, extra_body=asked)
     offline_params = {**asked, "logit_bias": {int(k): v for k, v in asked.get("logit_bias", {}).items()}}
     expected = offline.generate(PROMPT, SamplingParams(max_tokens=12, temperature=temperature, seed=seed,
@@ -81,8 +65,8 @@ def offline_text(offline: LLM, prompt: str | list[int], **params) -> str:
     return offline.generate(prompt, SamplingParams(max_tokens=8, **params))[0].text
 
 
-def test_seeded_samples_equal_separate_requests_seeded_seed_plus_their_index(client, offline):
-    answer = client.completions.create(model="tiny-random", prompt=PROMPT, n=3, seed=7, temperature=1.0,
+def test_seeded_samples_equal_separate_requests_seeded_seed_plus_their_index(tiny_openai, offline):
+    answer = tiny_openai.completions.create(model="tiny-random", prompt=PROMPT, n=3, seed=7, temperature=1.0,
                                        max_tokens=8)
     assert [choice.index for choice in answer.choices] == [0, 1, 2]
     texts = [choice.text for choice in answer.choices]
@@ -92,9 +76,9 @@ def test_seeded_samples_equal_separate_requests_seeded_seed_plus_their_index(cli
     assert answer.usage.completion_tokens == 3 * 8
 
 
-def test_a_list_of_prompts_gets_n_choices_each_in_prompt_order(client, offline):
+def test_a_list_of_prompts_gets_n_choices_each_in_prompt_order(tiny_openai, offline):
     prompts = ["abc", [80, 81, 82, 83]]
-    answer = client.completions.create(model="tiny-random", prompt=prompts, n=2, seed=3, temperature=1.0,
+    answer = tiny_openai.completions.create(model="tiny-random", prompt=prompts, n=2, seed=3, temperature=1.0,
                                        max_tokens=8)
     expected = [offline_text(offline, prompt, seed=3 + sample, temperature=1.0)
                 for prompt in prompts for sample in range(2)]
@@ -102,8 +86,8 @@ def test_a_list_of_prompts_gets_n_choices_each_in_prompt_order(client, offline):
     assert answer.usage.prompt_tokens == len(tokens_of(offline, "abc")) + 4
 
 
-def test_streamed_choices_carry_their_index_and_the_usage_of_all(client, offline):
-    stream = client.completions.create(model="tiny-random", prompt=["abc", PROMPT], seed=1, temperature=1.0,
+def test_streamed_choices_carry_their_index_and_the_usage_of_all(tiny_openai, offline):
+    stream = tiny_openai.completions.create(model="tiny-random", prompt=["abc", PROMPT], seed=1, temperature=1.0,
                                        max_tokens=8, stream=True, stream_options={"include_usage": True})
     texts, finished, usage = ["", ""], [None, None], None
     for chunk in stream:
@@ -118,8 +102,8 @@ def test_streamed_choices_carry_their_index_and_the_usage_of_all(client, offline
     assert usage.prompt_tokens == 3 + len(tokens_of(offline, PROMPT))
 
 
-def test_chat_with_n_samples(client):
-    answer = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}], n=2,
+def test_chat_with_n_samples(tiny_openai):
+    answer = tiny_openai.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}], n=2,
                                             seed=5, temperature=1.0, max_tokens=6)
     assert [choice.index for choice in answer.choices] == [0, 1]
     assert answer.choices[0].message.content != answer.choices[1].message.content
@@ -127,8 +111,8 @@ def test_chat_with_n_samples(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_echo_puts_the_prompt_before_the_output(client, offline, stream):
-    answer = client.completions.create(model="tiny-random", prompt=[PROMPT, [80, 81]], echo=True, temperature=0,
+def test_echo_puts_the_prompt_before_the_output(tiny_openai, offline, stream):
+    answer = tiny_openai.completions.create(model="tiny-random", prompt=[PROMPT, [80, 81]], echo=True, temperature=0,
                                        max_tokens=8, stream=stream)
     chunks = answer if stream else [answer]
     texts = ["", ""]
@@ -142,13 +126,13 @@ def test_echo_puts_the_prompt_before_the_output(client, offline, stream):
 # --- gRPC: the same fields in SamplingParams ----------------------------------------------------------------------
 
 
-def grpc_text(cluster, **params) -> tuple[str, int]:
+def grpc_text(tiny_pd_up, **params) -> tuple[str, int]:
     import grpc
 
     from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
     text, finish_reason = "", None
-    with grpc.insecure_channel(f"{cluster.config.host}:{cluster.config.grpc_port}") as channel:
+    with grpc.insecure_channel(f"{tiny_pd_up.config.host}:{tiny_pd_up.config.grpc_port}") as channel:
         request = generate_pb2.GenerateRequest(text=PROMPT, sampling_params=common_pb2.SamplingParams(**params))
         for response in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120):
             assert response.WhichOneof("response") != "error", response.error.message
@@ -159,39 +143,39 @@ def grpc_text(cluster, **params) -> tuple[str, int]:
     return text, finish_reason
 
 
-def test_grpc_structured_output_and_token_constraints(cluster):
+def test_grpc_structured_output_and_token_constraints(tiny_pd_up):
     from protos.splitserve.v1 import common_pb2
 
     for seed in range(4):
-        text, finish_reason = grpc_text(cluster, temperature=1.0, seed=seed, max_tokens=16, structured_output=(
+        text, finish_reason = grpc_text(tiny_pd_up, temperature=1.0, seed=seed, max_tokens=16, structured_output=(
             common_pb2.StructuredOutput(regex="[a-c]{2,5}x")))
         assert re.fullmatch("[a-c]{2,5}x", text) and finish_reason == common_pb2.FINISH_REASON_STOP
-        text, _ = grpc_text(cluster, temperature=1.0, seed=seed, max_tokens=16, structured_output=(
+        text, _ = grpc_text(tiny_pd_up, temperature=1.0, seed=seed, max_tokens=16, structured_output=(
             common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=["alpha", "beta"]))))
         assert text in ("alpha", "beta")
-    text, _ = grpc_text(cluster, temperature=0.0, max_tokens=5, logit_bias={72: 100.0})
+    text, _ = grpc_text(tiny_pd_up, temperature=0.0, max_tokens=5, logit_bias={72: 100.0})
     assert text == "fffff"
 
 
-def test_grpc_refuses_a_spec_that_does_not_compile(cluster):
+def test_grpc_refuses_a_spec_that_does_not_compile(tiny_pd_up):
     import grpc
 
     from protos.splitserve.v1 import common_pb2
 
     with pytest.raises(grpc.RpcError) as raised:
-        grpc_text(cluster, max_tokens=4, structured_output=common_pb2.StructuredOutput(regex="(unclosed"))
+        grpc_text(tiny_pd_up, max_tokens=4, structured_output=common_pb2.StructuredOutput(regex="(unclosed"))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_output" in raised.value.details() and "cannot compile the regex" in raised.value.details()
 
 
-def test_grpc_n_streams_each_sample_with_its_index_equal_to_separate_seeded_requests(cluster):
+def test_grpc_n_streams_each_sample_with_its_index_equal_to_separate_seeded_requests(tiny_pd_up):
     import grpc
 
     from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
     texts, completes, ids = ["", "", ""], [None, None, None], set()
     params = common_pb2.SamplingParams(n=3, seed=9, temperature=1.0, max_tokens=8)
-    with grpc.insecure_channel(f"{cluster.config.host}:{cluster.config.grpc_port}") as channel:
+    with grpc.insecure_channel(f"{tiny_pd_up.config.host}:{tiny_pd_up.config.grpc_port}") as channel:
         request = generate_pb2.GenerateRequest(request_id="grpc-n", text=PROMPT, sampling_params=params)
         for response in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120):
             assert response.WhichOneof("response") != "error", response.error.message
@@ -201,5 +185,5 @@ def test_grpc_n_streams_each_sample_with_its_index_equal_to_separate_seeded_requ
             else:
                 completes[response.index] = response.complete
     assert ids == {"grpc-n"} and all(complete is not None for complete in completes)
-    assert texts == [grpc_text(cluster, seed=9 + i, temperature=1.0, max_tokens=8)[0] for i in range(3)]
+    assert texts == [grpc_text(tiny_pd_up, seed=9 + i, temperature=1.0, max_tokens=8)[0] for i in range(3)]
     assert len(set(texts)) == 3
