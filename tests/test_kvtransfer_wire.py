@@ -50,21 +50,22 @@ def test_chunks_respect_the_size_limit_and_cover_the_range_exactly(codec_name):
                            max_chunk_bytes=4096,                           first_seq=7)
     assert len(chunks) > 1
     assert all(len(c.payload) + len(c.scales) <= 4096 for c in chunks)
-    assert [c.seq for c in chunks] == list(range(7, 7 + len(chunks)))
+    assert [c.fields.seq for c in chunks] == list(range(7, 7 + len(chunks)))
     # Consecutive, non-overlapping ranges from 100 to 400.
-    assert [c.token_start for c in chunks] == [100] + [c.token_end for c in chunks[:-1]]
-    assert chunks[-1].token_end == 400
-    for c in chunks:
-        assert (c.request_id, c.layer, c.kind, c.codec, c.dtype) == ("req-1", 2, kv_transfer_pb2.KV_KIND_VALUE,
+    fields = [c.fields for c in chunks]
+    assert [f.token_start for f in fields] == [100] + [f.token_end for f in fields[:-1]]
+    assert fields[-1].token_end == 400
+    for c, f in zip(chunks, fields):
+        assert (f.request_id, f.layer, f.kind, f.codec, f.dtype) == ("req-1", 2, kv_transfer_pb2.KV_KIND_VALUE,
                                                                       codec_name, "float32")
-        assert list(c.shape) == [c.token_end - c.token_start, NUM_KV_HEADS, HEAD_DIM]
-        assert c.crc32c == chunk_checksum(c.payload, c.scales)
+        assert list(f.shape) == [f.token_end - f.token_start, NUM_KV_HEADS, HEAD_DIM]
+        assert f.crc32c == chunk_checksum(c.payload, c.scales)
 
 
 def test_raw_chunks_take_as_many_tokens_as_fit():
     # none: 2 * 16 * 4 = 128 bytes per token; 95% of 4096 bytes is 30 tokens per chunk.
     chunks = encode_chunks("req-1", 0, "k", 0, 100, kv(100), get_codec("none"), 100, max_chunk_bytes=4096)
-    assert [(c.token_start, c.token_end) for c in chunks] == [(0, 30), (30, 60), (60, 90), (90, 100)]
+    assert [(c.fields.token_start, c.fields.token_end) for c in chunks] == [(0, 30), (30, 60), (60, 90), (90, 100)]
     assert [len(c.payload) for c in chunks] == [3840, 3840, 3840, 1280]
 
 
@@ -130,7 +131,7 @@ def test_unknown_or_unaccepted_codec_is_refused():
         decode_chunk(chunk, expected(8, codecs=frozenset(["int8"])))
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "'none', not accepted here" in caught.value.message
-    chunk.codec = "gzip"
+    chunk.fields.codec = "gzip"
     with pytest.raises(KVChunkError) as caught:
         decode_chunk(chunk, expected(8, codecs=frozenset(["gzip"])))
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -163,7 +164,7 @@ def test_chunks_that_do_not_fit_the_layout_are_refused(case):
 
 def test_shape_field_inconsistent_with_the_range_is_refused():
     chunk = encode_chunks("req-1", 0, "k", 0, 8, kv(8), get_codec("none"), 8)[0]
-    chunk.token_end = 7  # the payload still holds 8 tokens
+    chunk.fields.token_end = 7  # the payload still holds 8 tokens
     with pytest.raises(KVChunkError) as caught:
         decode_chunk(chunk, expected(8))
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
