@@ -147,7 +147,8 @@ class KVTransferClient:
         trailer) as protobuf serializes them: the stub's serializer would need the chunk in a KVPush message."""
         return self._channel(decode_address).stream_unary(
             _PUSH_KV_METHOD, request_serializer=_serialize_push,
-            response_deserializer=kv_transfer_pb2.PushKVResponse.FromString)
+            response_deserializer=kv_transfer_pb2.PushKVResponse.FromString,
+            _registered_method=True)  # as the generated stub calls it
 
     def _channel(self, decode_address: str) -> grpc.aio.Channel:
         channel = self._channels.get(decode_address)

@@ -70,6 +70,14 @@ class WireChunk:
         """Payload and scale bytes: what the chunk costs on the wire, before framing."""
         return len(self.payload) + len(self.scales)
 
+    def message(self) -> kv_transfer_pb2.KVChunk:
+        """The whole ``KVChunk`` message, payload and scales copied in: for hand-made streams (tests, tools); the
+        push itself frames chunks with ``push_message``."""
+        chunk = kv_transfer_pb2.KVChunk()
+        chunk.CopyFrom(self.fields)
+        chunk.payload, chunk.scales = bytes(self.payload), bytes(self.scales)
+        return chunk
+
 
 def chunk_checksum(payload: Buffer, scales: Buffer) -> int:
     """CRC-32C (Castagnoli) of payload followed by scales."""
