@@ -165,7 +165,8 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).toreadonly()
 
 
-def tensor_from_bytes(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def tensor_from_bytes(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...],
+                      device: torch.device) -> torch.Tensor:
     """The tensor of ``shape`` whose raw bytes are ``buf``, on ``device``: on the CPU a view of ``buf`` itself, no
     copy (the decode pod's one copy is into its KV pool), so it must be read, never written in place (torch warns
     once per process that the buffer is not writable)."""

@@ -2,7 +2,8 @@
 
 Layout: ``payload`` is the [T, H, D] tensor's raw bytes in C order, in the cache dtype (``none``) or in bfloat16
 (``bf16``); ``scales`` is empty. Encoding copies nothing: the payload is a view of the (converted) tensor, which the
-wire layer copies once, into the message. ``none`` is lossless; ``bf16`` rounds to nearest bfloat16 (exact for a bf16 cache).
+wire layer copies once, into the message. ``none`` is lossless; ``bf16`` rounds to nearest bfloat16 (exact for a
+bf16 cache).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from abc import abstractmethod
 
 import torch
 
-from kvtransfer.codecs.base import EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_buffer, tensor_from_bytes, tensor_to_bytes
+from kvtransfer.codecs.base import (EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_buffer, tensor_from_bytes,
+                                    tensor_to_bytes)
 from kvtransfer.codecs.scales import round_up_to_float16
 
 _SCALE_BYTES = 2  # float16
