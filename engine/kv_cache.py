@@ -94,13 +94,22 @@ class PagedKVCache:
     def read(self, layer: int, kind: KVKind, slots: torch.Tensor) -> torch.Tensor:
         """A copy of ``layer``'s K (``kind`` "k") or V ("v") at ``slots``: [len(slots), Hkv, D], the cache's dtype.
         A copy, so that it stays valid after the blocks are freed and reused."""
-        return self._flat(layer, kind)[slots]
+        # index_select, not flat[slots]: advanced indexing gathers the rows ~8x slower on CPU.
+        return torch.index_select(self._flat(layer, kind), 0, slots)
 
     def write(self, layer: int, kind: KVKind, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``values`` [len(slots), Hkv, D] (any float dtype, rounded to the cache's) as ``layer``'s K or V at
         ``slots``."""
         flat = self._flat(layer, kind)
-        flat.index_copy_(0, slots, values.to(device=flat.device, dtype=flat.dtype))
+        values = values.to(device=flat.device, dtype=flat.dtype)
+        if flat.device.type != "cpu":
+            flat.index_copy_(0, slots, values)
+            return
+        # On the CPU, numpy's row assignment copies each slot's row with one memcpy, ~10x faster than torch's
+        # index_copy_ (which goes through its generic per-element loop): what the decode pod's KV intake runs at.
+        # As bytes, because numpy has no bfloat16; both sides are C-contiguous rows of Hkv * D elements.
+        rows = flat.view(flat.shape[0], -1).view(torch.uint8).numpy()
+        rows[slots.numpy()] = values.reshape(len(slots), -1).contiguous().view(torch.uint8).numpy()
 
     def _flat(self, layer: int, kind: KVKind) -> torch.Tensor:
         """[num_blocks * block_size, Hkv, D], a view of the pool."""

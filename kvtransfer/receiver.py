@@ -5,9 +5,11 @@ A push's path through ``PushKV``:
     header    compat hash checked (FAILED_PRECONDITION); a RECEIVING lease opened in the decode pod's
               TransferTable (ALREADY_EXISTS); blocks reserved on the engine thread with
               engine.reserve_for_transfer, filed on the lease there (None: RESOURCE_EXHAUSTED)
-    chunks    sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk verifies the checksum
-              (DATA_LOSS), codec, range and shape and decodes on a worker thread; the event loop then writes the
-              tensor into the cache (PagedKVCache.write, at the slots of the sequence's tokens). The blocks belong
+    chunks    parsed by kvtransfer.wire.parse_push, the stream's deserializer, payload and scales left in the
+              received message's bytes; sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk
+              verifies the checksum (DATA_LOSS), codec, range and shape and decodes on a worker thread (for codec
+              none, a view of the message's bytes); the event loop then writes the tensor into the cache
+              (PagedKVCache.write, at the slots of the sequence's tokens: the one copy on this side). The blocks belong
               to the reserved sequence alone, which the engine does not schedule yet, so writing beside the running
               engine thread is safe; writing on the event loop (not the worker) means no write can outlive the
               handler
@@ -36,7 +38,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kvtransfer.handshake import KVLayout, check_compatible, note_formats
 from kvtransfer.leases import KVLease, TransferTable
-from kvtransfer.wire import ExpectedChunks, KVChunkError, decode_chunk
+from kvtransfer.wire import ExpectedChunks, KVChunkError, WireChunk, decode_chunk, parse_push
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from runtime.errors import StatusError
 from runtime.metrics import PodMetrics
@@ -63,8 +65,10 @@ class KVIntake:
         self._kv_cache = engine_loop.engine.runner.kv_cache
         # [layers, K/V, tokens]: which KV has arrived, so that the trailer can tell a complete push.
         self._received = torch.zeros(expected.num_layers, 2, expected.num_tokens, dtype=torch.bool)
+        self._slots_by_range: dict[tuple[int, int], torch.Tensor] = {}
 
-    async def store(self, chunk: kv_transfer_pb2.KVChunk) -> None:
+    async def store(self, wire_chunk: WireChunk) -> None:
+        chunk = wire_chunk.fields
         if chunk.seq != self.next_seq:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk seq {chunk.seq} arrived where {self.next_seq} was due")
@@ -73,7 +77,7 @@ class KVIntake:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk {chunk.seq} uses codec {chunk.codec!r}; this push uses {self.codec!r}")
         try:
-            decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, chunk, self.expected,
+            decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, wire_chunk, self.expected,
                                                                        self._kv_cache.device)
         except KVChunkError as err:
             raise KVLoadError(err.code, err.message) from err
@@ -82,11 +86,18 @@ class KVIntake:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk {chunk.seq} repeats KV already received (layer {decoded.layer}, "
                               f"{decoded.kind.upper()}, tokens [{decoded.token_start}, {decoded.token_end}))")
-        slots = self._kv_cache.slots(self.seq.block_table, decoded.token_start, decoded.token_end)  # [T] long
+        slots = self._slots(decoded.token_start, decoded.token_end)
         self._kv_cache.write(decoded.layer, decoded.kind, slots, decoded.tensor)
         arrived.fill_(True)
-        self.bytes_received += len(chunk.payload) + len(chunk.scales)
+        self.bytes_received += wire_chunk.nbytes
         self.codec = chunk.codec
+
+    def _slots(self, token_start: int, token_end: int) -> torch.Tensor:
+        """[T] long: where the tokens go; every layer's K and V of a token range goes to the same slots."""
+        key = (token_start, token_end)
+        if key not in self._slots_by_range:
+            self._slots_by_range[key] = self._kv_cache.slots(self.seq.block_table, token_start, token_end)
+        return self._slots_by_range[key]
 
     def check_complete(self, trailer: kv_transfer_pb2.KVTransferTrailer) -> None:
         if trailer.num_tokens != self.expected.num_tokens:
@@ -116,7 +127,17 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         self.accepted_codecs = list(accepted_codecs)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self, server)
+        """The generated registration, but PushKV's messages parsed by ``parse_push`` (chunks as WireChunks)."""
+        handlers = {
+            "Handshake": grpc.unary_unary_rpc_method_handler(
+                self.Handshake, request_deserializer=kv_transfer_pb2.HandshakeRequest.FromString,
+                response_serializer=kv_transfer_pb2.HandshakeResponse.SerializeToString),
+            "PushKV": grpc.stream_unary_rpc_method_handler(
+                self.PushKV, request_deserializer=parse_push,
+                response_serializer=kv_transfer_pb2.PushKVResponse.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.service_name, handlers),))
+        server.add_registered_method_handlers(self.service_name, handlers)
 
     async def Handshake(self, request: kv_transfer_pb2.HandshakeRequest, context) -> kv_transfer_pb2.HandshakeResponse:
         sender = KVLayout.from_proto(request.layout)
@@ -128,7 +149,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         return kv_transfer_pb2.HandshakeResponse(layout=self.layout.to_proto(), supported_codecs=self.accepted_codecs,
                                                  compat_hash=self.layout.compat_hash)
 
-    async def PushKV(self, request_iterator: AsyncIterator[kv_transfer_pb2.KVPush],
+    async def PushKV(self, request_iterator: AsyncIterator[kv_transfer_pb2.KVPush | WireChunk],
                      context) -> kv_transfer_pb2.PushKVResponse:
         lease = None
         acknowledged = False
@@ -157,13 +178,13 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     async def _drain(self, request_iterator) -> kv_transfer_pb2.PushKVResponse:
         """Read the rest of a push whose KV will not be used, then acknowledge it as to be recomputed."""
         async for push in request_iterator:
-            if push.WhichOneof("item") == "trailer":
+            if not isinstance(push, WireChunk) and push.WhichOneof("item") == "trailer":
                 break
         return kv_transfer_pb2.PushKVResponse(recompute=True)
 
     async def _header(self, request_iterator) -> kv_transfer_pb2.KVTransferHeader:
         first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("item") != "header":
+        if first is None or isinstance(first, WireChunk) or first.WhichOneof("item") != "header":
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
         header = first.header
         if header.compat_hash != self.layout.compat_hash:
@@ -201,9 +222,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         async for push in request_iterator:
             if self._transfers.get(request_id).abort_requested:
                 raise StatusError(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
-            item = push.WhichOneof("item")
+            item = "chunk" if isinstance(push, WireChunk) else push.WhichOneof("item")
             if item == "chunk":
-                await intake.store(push.chunk)
+                await intake.store(push)
             elif item == "trailer":
                 return self._complete(intake, push.trailer)
             else:

@@ -13,7 +13,10 @@ One request's path through this module:
         sender.submit_layer(layer, token_start, token_end, k, v)      copies of that layer's K and V [T, H, D]
         sender.mark_compute_done()                                    after the last layer of the last prompt token
     push(), for each layer as it arrives:
-        encode_chunks on a worker thread, then write the chunks       while the engine computes the next layer
+        encode_chunks and push_message on a worker thread, then       while the engine computes the next layer,
+        write the framed messages                                     and the worker encodes the next layer
+                                                                      held (one ahead: its chunks' numbers
+                                                                      follow this layer's)
     push(): trailer (num_chunks, num_tokens), then the decode pod's acknowledgement -> KVTransferStats; the link
             time (writes held up by flow control, then the wait for the acknowledgement) goes to the chooser
 
@@ -39,7 +42,7 @@ import torch
 from kvtransfer.codecs import KVCodec, get_codec
 from kvtransfer.handshake import KVLayout, note_formats
 from kvtransfer.link_codec import LinkCodecChooser
-from kvtransfer.wire import MAX_CHUNK_BYTES, encode_chunks, raw_nbytes
+from kvtransfer.wire import MAX_CHUNK_BYTES, WireChunk, encode_chunks, push_message, raw_nbytes
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
 from runtime import transport
 from runtime.errors import StatusError
@@ -57,6 +60,7 @@ class _LayerKV:
     v: torch.Tensor  # same
 
 
+_PUSH_KV_METHOD = "/{}/PushKV".format(kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
 CORE_WRITE_FAILURE = "Internal error from Core"  # grpc's own details when it ends a call whose write failed
 STATUS_WAIT_S = 5.0  # how long a failed push waits for the call's final status
 
@@ -137,21 +141,32 @@ class KVTransferClient:
         self._accepted.pop(decode_address, None)
 
     def stub(self, decode_address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
+        return kv_transfer_pb2_grpc.KVTransferStub(self._channel(decode_address))
+
+    def push_kv(self, decode_address: str) -> grpc.aio.StreamUnaryMultiCallable:
+        """The PushKV method, writing chunks as ``push_message`` framed them (bytes) and other messages (header,
+        trailer) as protobuf serializes them: the stub's serializer would need the chunk in a KVPush message."""
+        return self._channel(decode_address).stream_unary(
+            _PUSH_KV_METHOD, request_serializer=_serialize_push,
+            response_deserializer=kv_transfer_pb2.PushKVResponse.FromString,
+            _registered_method=True)  # as the generated stub calls it
+
+    def _channel(self, decode_address: str) -> grpc.aio.Channel:
         channel = self._channels.get(decode_address)
         if channel is None:
             channel = transport.open_channel(decode_address)  # TLS: the pod process's (configure_process_tls)
             self._channels[decode_address] = channel
-        return kv_transfer_pb2_grpc.KVTransferStub(channel)
+        return channel
 
-    def corrupt(self, chunks: list[kv_transfer_pb2.KVChunk]) -> None:
+    def corrupt(self, chunks: list[WireChunk]) -> None:
         for chunk in chunks:
             if chunk.payload and self._fault_rng.random() < self.corrupt_chunk_rate:
                 payload = bytearray(chunk.payload)
                 payload[self._fault_rng.randrange(len(payload))] ^= 0x5A
                 chunk.payload = bytes(payload)
 
-    async def encode(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._encoder, fn, *args)
+    def encode(self, fn, *args) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._encoder, fn, *args)
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -204,7 +219,7 @@ class KVSender:
 
     async def push(self) -> prefill_pb2.KVTransferStats:
         """Run the PushKV stream to its acknowledgement. Raises StatusError with the decode pod's status."""
-        call = self._client.stub(self.decode_address).PushKV(timeout=self._timeout_s)
+        call = self._client.push_kv(self.decode_address)(timeout=self._timeout_s)
         call.add_done_callback(lambda _: self._inbox.put_nowait(_CALL_ENDED))
         try:
             await self._stream(call)  # the response (bytes received, lease) is the receiver's account
@@ -242,25 +257,35 @@ class KVSender:
         return await call
 
     async def _send_held(self, call, held: list[_LayerKV]) -> bool:
-        """Encode and write the held layers in order; True once the prompt's last layer is out."""
+        """Encode and write the held layers in order, encoding each next layer while this one is written; True
+        once the prompt's last layer is out."""
         last_sent = False
-        while held:
-            item = held.pop(0)
-            pushes = await self._client.encode(self._encode, item, self._stats.num_chunks)
-            self._first_write_at = self._first_write_at or time.perf_counter()
-            for push in pushes:
-                started = time.perf_counter()
-                await call.write(push)
-                self._last_write_at = time.perf_counter()
-                self._write_seconds += self._last_write_at - started
-            self._stats.num_chunks += len(pushes)
-            self._stats.bytes_sent += sum(len(p.chunk.payload) + len(p.chunk.scales) for p in pushes)
-            self._stats.raw_bytes += raw_nbytes(item.k) + raw_nbytes(item.v)
-            last_sent = item.layer == self._client.layout.num_layers - 1 and item.token_end == self.num_prompt_tokens
+        encoding = self._encode_next(held)
+        try:
+            while encoding is not None:
+                item, messages, wire_bytes = await encoding
+                self._stats.num_chunks += len(messages)
+                encoding = self._encode_next(held)  # numbered after this layer's chunks
+                self._first_write_at = self._first_write_at or time.perf_counter()
+                for message in messages:
+                    started = time.perf_counter()
+                    await call.write(message)
+                    self._last_write_at = time.perf_counter()
+                    self._write_seconds += self._last_write_at - started
+                self._stats.bytes_sent += wire_bytes
+                self._stats.raw_bytes += raw_nbytes(item.k) + raw_nbytes(item.v)
+                last_sent = (item.layer == self._client.layout.num_layers - 1
+                             and item.token_end == self.num_prompt_tokens)
+        finally:
+            if encoding is not None:  # a write failed: the next layer's encoding is of no use
+                encoding.cancel()
         return last_sent
 
-    def _encode(self, item: _LayerKV, first_seq: int) -> list[kv_transfer_pb2.KVPush]:
-        """Worker thread: the layer's K then V as numbered chunks, wrapped for the stream."""
+    def _encode_next(self, held: list[_LayerKV]) -> asyncio.Future | None:
+        return self._client.encode(self._encode, held.pop(0), self._stats.num_chunks) if held else None
+
+    def _encode(self, item: _LayerKV, first_seq: int) -> tuple[_LayerKV, list[bytes], int]:
+        """Worker thread: the layer's K then V as numbered chunks, framed for the stream; and their wire bytes."""
         chunks = []
         for kind, tensor in (("k", item.k), ("v", item.v)):
             chunks += encode_chunks(self.request_id, item.layer, kind, item.token_start, item.token_end, tensor,
@@ -268,7 +293,7 @@ class KVSender:
                                     first_seq + len(chunks))
         if self._client.corrupt_chunk_rate:
             self._client.corrupt(chunks)
-        return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]
+        return item, [push_message(chunk) for chunk in chunks], sum(chunk.nbytes for chunk in chunks)
 
     async def _failure(self, call, err: Exception) -> StatusError:
         # The call's own status says why it ended. A write that raced the decode pod's refusal fails on its own
@@ -288,6 +313,10 @@ class KVSender:
             self._client.forget_handshake(self.decode_address, self.codec.name)
         return StatusError(code, f"decode pod {self.decode_address}: {details}")
 
+
+
+def _serialize_push(message: kv_transfer_pb2.KVPush | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 async def _status(call) -> tuple[grpc.StatusCode, str]:

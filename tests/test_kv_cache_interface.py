@@ -32,10 +32,11 @@ def test_slots_follow_the_block_table_across_block_boundaries():
     assert cache().slots([7, 2, 5], 5, 5).tolist() == []
 
 
-def test_write_then_read_round_trips_a_range_spanning_blocks_exactly_where_the_engine_reads_it():
-    kv = cache()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_then_read_round_trips_a_range_spanning_blocks_exactly_where_the_engine_reads_it(dtype):
+    kv = cache(dtype)
     table = [7, 2, 5]
-    k, v = values(9, seed=1), values(9, seed=2)
+    k, v = values(9, seed=1).to(dtype), values(9, seed=2).to(dtype)
     slots = kv.slots(table, 2, 11)
     kv.write(1, "k", slots, k)
     kv.write(1, "v", slots, v)

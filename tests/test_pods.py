@@ -339,7 +339,7 @@ def layer_chunks(request_id: str, num_tokens: int, layers=range(4)) -> list[kv_t
         for kind in ("k", "v"):
             chunks += encode_chunks(request_id, layer, kind, 0, num_tokens, torch.randn(num_tokens, 2, 16),
                                     get_codec("none"), num_tokens, first_seq=len(chunks))
-    return [kv_transfer_pb2.KVPush(chunk=chunk) for chunk in chunks]
+    return [kv_transfer_pb2.KVPush(chunk=chunk.message()) for chunk in chunks]
 
 
 def trailer(num_chunks: int, num_tokens: int) -> kv_transfer_pb2.KVPush:
@@ -388,7 +388,7 @@ def test_a_push_refuses_a_codec_switch_midway(pods):
     prompt = prompt_of(20, seed=7310)
     chunks = layer_chunks("switch", 20)
     int8 = encode_chunks("switch", 0, "v", 0, 20, torch.randn(20, 2, 16), get_codec("int8"), 20, first_seq=1)
-    chunks[1] = kv_transfer_pb2.KVPush(chunk=int8[0])
+    chunks[1] = kv_transfer_pb2.KVPush(chunk=int8[0].message())
     error = push_error(pods, [handshaken_header(pods, "switch", prompt), *chunks, trailer(len(chunks), 20)])
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "uses codec 'int8'; this push uses 'none'" in error.details()
@@ -398,7 +398,7 @@ def test_a_push_refuses_a_token_range_it_already_received(pods):
     prompt = prompt_of(20, seed=7320)
     again = encode_chunks("twice", 0, "k", 5, 12, torch.randn(7, 2, 16), get_codec("none"), 20,
                           first_seq=1)
-    chunks = layer_chunks("twice", 20)[:1] + [kv_transfer_pb2.KVPush(chunk=again[0])]
+    chunks = layer_chunks("twice", 20)[:1] + [kv_transfer_pb2.KVPush(chunk=again[0].message())]
     error = push_error(pods, [handshaken_header(pods, "twice", prompt), *chunks])
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "repeats KV already received (layer 0, K, tokens [5, 12))" in error.details()

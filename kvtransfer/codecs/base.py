@@ -14,7 +14,8 @@ Codecs register below by name as "module:Class" and are imported lazily, as vLLM
 Every name may take the suffix ``+zstd``: the same codec, then zstd over its payload and scales (lossless).
 
 Byte layout: ``payload`` and ``scales`` are the raw little-endian bytes of C-contiguous tensors, in the layout each
-codec's module docstring states, so the wire layer copies them into a protobuf message unchanged.
+codec's module docstring states, so the wire layer copies them into its message unchanged. A payload may be a
+read-only view of a tensor's memory (``tensor_buffer``) rather than bytes, which spares a copy of the largest part.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class EncodedKV:
     kind: str  # "k" or "v": some codecs quantize keys and values differently
     dtype: str  # the original torch dtype's name, a key of CACHE_DTYPES
     shape: tuple[int, ...]  # the original [T, H, D]
-    payload: bytes
+    payload: bytes | memoryview  # a read-only view where the codec sends a tensor's own memory (tensor_buffer)
     scales: bytes  # scales / zero points, raw little-endian; empty when the codec has none
     span: KVSpan | None = None  # where the tensor lies in its prompt; None: the whole prompt
 
@@ -158,7 +159,14 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def tensor_from_bytes(buf: bytes, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def tensor_buffer(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t`` in C order as a read-only view: no copy when ``t`` is a contiguous CPU tensor, whose
+    memory the view then keeps alive and which must not change while the view is in use."""
+    return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).toreadonly()
+
+
+def tensor_from_bytes(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...],
+                      device: torch.device) -> torch.Tensor:
     """The tensor of ``shape`` whose raw bytes are ``buf``, on ``device``: on the CPU a view of ``buf`` itself, no
     copy (the decode pod's one copy is into its KV pool), so it must be read, never written in place (torch warns
     once per process that the buffer is not writable)."""

@@ -1,7 +1,9 @@
 """Codecs that send the elements themselves, no scales: ``none`` (the cache dtype as is) and ``bf16``.
 
 Layout: ``payload`` is the [T, H, D] tensor's raw bytes in C order, in the cache dtype (``none``) or in bfloat16
-(``bf16``); ``scales`` is empty. ``none`` is lossless; ``bf16`` rounds to nearest bfloat16 (exact for a bf16 cache).
+(``bf16``); ``scales`` is empty. Encoding copies nothing: the payload is a view of the (converted) tensor, which the
+wire layer copies once, into the message. ``none`` is lossless; ``bf16`` rounds to nearest bfloat16 (exact for a
+bf16 cache).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 import torch
 
 from kvtransfer.codecs import base
-from kvtransfer.codecs.base import EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_from_bytes, tensor_to_bytes
+from kvtransfer.codecs.base import EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_buffer, tensor_from_bytes
 
 
 class RawCodec(KVCodec):
@@ -28,7 +30,7 @@ class RawCodec(KVCodec):
         return math.prod(shape) * (self.wire_dtype or base.CACHE_DTYPES[dtype]).itemsize, 0
 
     def _encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
-        payload = tensor_to_bytes(x.to(self.wire_dtype or x.dtype))
+        payload = tensor_buffer(x.to(self.wire_dtype or x.dtype))
         return EncodedKV(self.name, kind, dtype_name(x.dtype), tuple(x.shape), payload, b"")
 
     def _decode(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:

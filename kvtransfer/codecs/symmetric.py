@@ -18,7 +18,8 @@ from abc import abstractmethod
 
 import torch
 
-from kvtransfer.codecs.base import EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_from_bytes, tensor_to_bytes
+from kvtransfer.codecs.base import (EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_buffer, tensor_from_bytes,
+                                    tensor_to_bytes)
 from kvtransfer.codecs.scales import round_up_to_float16
 
 _SCALE_BYTES = 2  # float16
@@ -47,7 +48,7 @@ class SymmetricScaledCodec(KVCodec):
         scaled = x32 / torch.where(scale32 > 0, scale32, 1.0)  # all-zero rows stay zero
         codes = self._to_codes(scaled)  # [T, H, D]
         return EncodedKV(
-            self.name, kind, dtype_name(x.dtype), tuple(x.shape), tensor_to_bytes(codes), tensor_to_bytes(scale)
+            self.name, kind, dtype_name(x.dtype), tuple(x.shape), tensor_buffer(codes), tensor_to_bytes(scale)
         )
 
     def _decode(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
