@@ -67,7 +67,8 @@ def test_transfer_bench_measures_overlap_on_and_off_per_codec(tmp_path):
 def test_engine_bench_measures_ours_and_transformers_side_by_side(tmp_path, capsys):
     out, png = tmp_path / "engine.json", tmp_path / "engine.png"
     engine_bench.main(["--model", "tiny-random", "--steps", "4", "--repeat", "1", "--rounds", "2",
-                       "--machine-rounds", "1", "--cache-dtypes", "float16,float32", "--json", str(out), "--plot", str(png)])
+                       "--machine-rounds", "1", "--cache-dtypes", "float16,float32", "--json", str(out),
+                       "--plot", str(png)])
     results = json.loads(out.read_text())
     assert [int(n) for n in results["prefill"]] == list(engine_bench.PROMPT_LENS)
     machine = results["machine"]
