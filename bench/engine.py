@@ -51,9 +51,9 @@ class MachinePeaks:
     read_gbps: float
 
 
-def measure_machine(log) -> MachinePeaks:
-    """fp32 GEMM peak (2048^3) and streaming read bandwidth (sum over 1 GiB), best of several runs."""
-    gemm, read = matmul_peak(), read_bandwidth()
+def measure_machine(log, rounds: int = 3) -> MachinePeaks:
+    """fp32 GEMM peak (2048^3) and streaming read bandwidth (sum over 1 GiB), best of `rounds` rounds each."""
+    gemm, read = matmul_peak(rounds), read_bandwidth(rounds)
     log(f"machine: fp32 matmul peak {gemm:.1f} GFLOP/s, read bandwidth {read:.1f} GB/s")
     return MachinePeaks(gemm, read)
 
@@ -186,12 +186,12 @@ def perplexity(llm: LLM, tokens: list[int], windows: int) -> float:
 
 
 def run_quantizations(model: str, quantizations: tuple[str, ...], threads: tuple[int, ...], steps: int,
-                      repeat: int, rounds: int, windows: int, log=print) -> dict:
+                      repeat: int, rounds: int, windows: int, machine_rounds: int = 3, log=print) -> dict:
     """Every weight format in turn, one engine at a time (four at once do not fit a small machine's memory beside
     its other work), each measured over ``rounds`` rounds per thread count (module docstring)."""
     from bench.codecs import reference_tokens  # the codec benchmark's perplexity text
 
-    peaks = measure_machine(log)
+    peaks = measure_machine(log, machine_rounds)
     results: dict = {"model": model, "machine": peaks.__dict__, "rounds": rounds, "formats": {}}
     saved_threads = torch.get_num_threads()
     try:
@@ -212,7 +212,7 @@ def run_quantizations(model: str, quantizations: tuple[str, ...], threads: tuple
                 prefill = {n: 0.0 for n in lens}
                 best = {b: (float("inf"), 0.0) for b in DECODE_BATCHES}
                 for r in range(rounds):
-                    read_gbps = read_bandwidth()
+                    read_gbps = read_bandwidth(machine_rounds)
                     log(f"{q}, {t} thread(s), round {r + 1}/{rounds} (read {read_gbps:.1f} GB/s) ...")
                     for n in lens:
                         salt = 1 + r + rounds * threads.index(t)  # fresh prompts every round (no prefix hits)
@@ -270,8 +270,8 @@ def report_quantizations(results: dict, log=print) -> None:
 
 
 def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("float16", "float32"), rounds: int = 3,
-        log=print) -> dict:
-    peaks = measure_machine(log)
+        machine_rounds: int = 3, log=print) -> dict:
+    peaks = measure_machine(log, machine_rounds)
     log(f"loading {model} (KV cache {cache_dtypes[0]}) ...")
     llm = engine_for(model, cache_dtypes[0])
     cfg = llm.engine.model_config
@@ -286,9 +286,9 @@ def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("f
             log(f"prefill {n} tokens ...")
             # The machine's clock drifts by tens of percent over minutes (a shared VM): the peak this prefill is
             # held to is measured right before and right after it, the higher of the two.
-            before = matmul_peak()
+            before = matmul_peak(machine_rounds)
             ours = ours_prefill(llm, n, repeat)
-            peak = max(before, matmul_peak())
+            peak = max(before, matmul_peak(machine_rounds))
             theirs = hf_prefill(hf, n, repeat)
             gflops = prefill_flops(cfg, n) * ours / n / 1e9
             results["prefill"][n] = {"ours_tok_s": ours, "hf_tok_s": theirs, "gflops": gflops,
@@ -307,7 +307,7 @@ def run(model: str, steps: int, repeat: int, cache_dtypes: tuple[str, ...] = ("f
         # its floor is computed from (the machine's bandwidth drifts over minutes as its clock does).
         best = {b: (float("inf"), 0.0) for b in DECODE_BATCHES}
         for r in range(rounds):
-            read_gbps = read_bandwidth()
+            read_gbps = read_bandwidth(machine_rounds)
             for b in DECODE_BATCHES:
                 log(f"decode, KV cache {cache_dtype}, round {r + 1}/{rounds} (read {read_gbps:.1f} GB/s): batch {b}, "
                     f"context {DECODE_CONTEXT} ...")
@@ -391,6 +391,8 @@ class EngineBenchConfig(FiguresOutput):
         "Our engine's KV cache dtypes for the decode figures; the first also runs the prefill (transformers keeps "
         "float32)."))
     rounds: int = field(default=3, metadata=described("Interleaved decode rounds (best is kept)."))
+    machine_rounds: int = field(default=3, metadata=described(
+        "Rounds of each matmul peak and read bandwidth measurement (best kept)."))
     quantizations: list[str] = field(default_factory=list, metadata=described(
         "Weight formats to compare side by side instead of the comparison with transformers, e.g. "
         "none,gguf,int8,int4: decode against each format's floor, prefill, weight bytes, perplexity."))
@@ -400,8 +402,8 @@ class EngineBenchConfig(FiguresOutput):
         "Windows of 512 tokens of GPL-3's text the perplexity of each format is measured on."))
 
     def __post_init__(self) -> None:
-        if min(self.steps, self.repeat, self.rounds, self.perplexity_windows, *self.threads) < 1:
-            raise ValueError("steps, repeat, rounds, perplexity_windows and threads must be >= 1")
+        if min(self.steps, self.repeat, self.rounds, self.machine_rounds, self.perplexity_windows, *self.threads) < 1:
+            raise ValueError("steps, repeat, rounds, machine_rounds, perplexity_windows and threads must be >= 1")
         if not set(self.quantizations) <= set(QUANTIZATIONS):
             raise ValueError(f"quantizations must be among {', '.join(QUANTIZATIONS)}, got {self.quantizations}")
         if not self.cache_dtypes or not set(self.cache_dtypes) <= set(CACHE_DTYPES):
@@ -413,10 +415,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     if config.quantizations:
         results = run_quantizations(config.model, tuple(config.quantizations), tuple(config.threads), config.steps,
-                                    config.repeat, config.rounds, config.perplexity_windows)
+                                    config.repeat, config.rounds, config.perplexity_windows, config.machine_rounds)
         report_quantizations(results)
         save_results(results, config.json)
         return
-    results = run(config.model, config.steps, config.repeat, tuple(config.cache_dtypes), config.rounds)
+    results = run(config.model, config.steps, config.repeat, tuple(config.cache_dtypes), config.rounds,
+                  config.machine_rounds)
     report(results)
     save_results(results, config.json, config.plot, plot)

@@ -23,6 +23,7 @@ Prefill, decode and mixed pods all start here; only their gRPC services differ:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -314,6 +315,9 @@ def run_pod(config: PodConfig, role: Role, build: Callable[[Pod], Awaitable[list
 async def _serve(config: PodConfig, role: Role, build: Callable[[Pod], Awaitable[list[PodService]]]) -> None:
     pod = Pod(config, role)
     await pod.start(await build(pod))
+    # What exists now (torch, the model, the services) lives as long as the process: out of every collection from
+    # here, the serving loop's and the interpreter's at exit (which otherwise walks it for seconds after a SIGTERM).
+    gc.freeze()
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

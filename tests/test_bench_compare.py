@@ -175,17 +175,17 @@ def test_two_topologies_end_to_end_from_the_command_line(tmp_path, capsys, monke
     results = compare.main([
         "--model", "tiny-random", "--cpus", "0,1", "--topologies", "disagg-1:1,colocated-2x1cpu-b64",
         "--budgets", "64", "--workload", "random", "--max-prompt-tokens", "48", "--max-output-tokens", "8",
-        "--num-prompts", "6", "--rates", "2,4", "--reference-rate", "3", "--goodput", "ttft:5000", "tpot:1000",
+        "--num-prompts", "6", "--rates", "4,8", "--reference-rate", "6", "--goodput", "ttft:5000", "tpot:1000",
         "--kv-cache-memory-bytes", str(64 << 20), "--no-progress", "--json", str(out), "--plot", str(png)])
-    assert [prep.runs for prep in preparations] == [3, 3]  # rates 2 and 4, then the reference rate on its own
+    assert [prep.runs for prep in preparations] == [3, 3]  # rates 4 and 8, then the reference rate on its own
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     by_name = {t["name"]: t for t in results["topologies"]}
     assert list(by_name) == ["disagg-1:1", "colocated-2x1cpu-b64"]
     for topology in by_name.values():
         assert topology["error"] is None
-        assert [run["rate"] for run in topology["sweep"]["runs"]] == [2.0, 4.0]
+        assert [run["rate"] for run in topology["sweep"]["runs"]] == [4.0, 8.0]
         assert all(run["failed"] == run["unfinished"] == 0 for run in topology["sweep"]["runs"])
-        assert topology["goodput"] == 4.0  # targets no tiny request misses
+        assert topology["goodput"] == 8.0  # targets no tiny request misses
         ref = topology["reference"]
         assert ref["errors"] == {} and ref["slo_attainment"] == 1.0 and ref["tpot"]["p50"] > 0
     assert results["best_colocated"] == "colocated-2x1cpu-b64"

