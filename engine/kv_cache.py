@@ -102,7 +102,7 @@ class PagedKVCache:
         ``slots``."""
         flat = self._flat(layer, kind)
         values = values.to(device=flat.device, dtype=flat.dtype)
-        if flat.device.type != "cpu":
+        if flat.device.type != "cpu" or len(slots) == 0:  # (numpy cannot shape an empty batch of rows)
             flat.index_copy_(0, slots, values)
             return
         # On the CPU, numpy's row assignment copies each slot's row with one memcpy, ~10x faster than torch's

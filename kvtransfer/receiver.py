@@ -26,6 +26,7 @@ prefill pod answers the router with its first token and the Decode call prefills
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import AsyncIterator, Iterable
 
@@ -45,6 +46,7 @@ from runtime.metrics import PodMetrics
 
 logger = logging.getLogger(__name__)
 _KIND_INDEX = {"k": 0, "v": 1}
+REFUSAL_DRAIN_S = 2.0  # how long a refused push is read on (discarded) so that the sender sees the refusal's status
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")  # what a decode pod does when pushed KV fails to load
 
 
@@ -166,21 +168,27 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                             err.message)
                 return await self._drain(request_iterator)  # the finally releases the blocks
             self._metrics.kv_loaded("failed")
-            logger.info("KV push refused: %s", err.message)
-            await context.abort(err.code, err.message)
+            await self._refuse(request_iterator, context, err)
         except StatusError as err:
-            logger.info("KV push refused: %s", err.message)
-            await context.abort(err.code, err.message)
+            await self._refuse(request_iterator, context, err)
         finally:
             if lease is not None and not acknowledged:  # refused, cancelled, or an unexpected error
                 await asyncio.shield(self._transfers.release(lease.request_id))
 
     async def _drain(self, request_iterator) -> kv_transfer_pb2.PushKVResponse:
         """Read the rest of a push whose KV will not be used, then acknowledge it as to be recomputed."""
-        async for push in request_iterator:
-            if not isinstance(push, WireChunk) and push.WhichOneof("item") == "trailer":
-                break
+        await _read_rest(request_iterator)
         return kv_transfer_pb2.PushKVResponse(recompute=True)
+
+    async def _refuse(self, request_iterator, context, err: StatusError) -> None:
+        """End the push with ``err``'s status once the sender has stopped writing (its trailer, or
+        ``REFUSAL_DRAIN_S``): a status sent while the sender still writes races its next write, and gRPC's core may
+        then end the call with its own write failure, so the sender would never learn why (a full pod's
+        RESOURCE_EXHAUSTED would read as a broken link)."""
+        logger.info("KV push refused: %s", err.message)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(_read_rest(request_iterator), REFUSAL_DRAIN_S)
+        await context.abort(err.code, err.message)
 
     async def _header(self, request_iterator) -> kv_transfer_pb2.KVTransferHeader:
         first = await anext(aiter(request_iterator), None)
@@ -238,3 +246,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             self._metrics.transfer_bytes(intake.codec).inc(intake.bytes_received)
         return kv_transfer_pb2.PushKVResponse(bytes_received=intake.bytes_received,
                                               num_blocks=len(intake.seq.block_table), lease_remaining_seconds=lease_s)
+
+
+async def _read_rest(request_iterator) -> None:
+    """Read a push's messages up to its trailer (or the stream's end), discarding them."""
+    async for push in request_iterator:
+        if not isinstance(push, WireChunk) and push.WhichOneof("item") == "trailer":
+            return

@@ -220,10 +220,10 @@ def test_quick_and_full_defaults_differ_only_where_asked():
 
 
 def test_topologies_can_run_quantized_decode_pods_and_a_bad_format_is_refused_at_once():
-    config = command("--decode-quantization", "gguf").compare_config()
+    config = command("--decode-quantization", "int4").compare_config()
     for topology in config.plan():
         up = compare.up_config(topology, config)
-        assert (up.prefill_quantization, up.decode_quantization, up.mixed_quantization) == ("none", "gguf", "none")
+        assert (up.prefill_quantization, up.decode_quantization, up.mixed_quantization) == ("auto", "int4", "auto")
         assert {name: getattr(up, name) for name in topology.fields} == topology.fields, topology.name
     with pytest.raises(SystemExit):
         command("--mixed-quantization", "q4_k")

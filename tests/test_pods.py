@@ -544,12 +544,14 @@ def test_the_handshake_carries_both_weight_formats_which_may_differ(pods, caplog
 def test_a_full_decode_pod_answers_resource_exhausted_through_prefill(pods):
     for i in range(2):  # 150 tokens = 10 blocks each: 20 of 24 taken
         pods.run_prefill(f"hog-{i}", prompt_of(150, seed=9000 + i), GREEDY, lease_s=30)
-    assert pods.load("decode").free_kv_blocks == DECODE_BLOCKS - 20
-    error = rpc_error(pods.run_prefill, "no-room", prompt_of(150, seed=9002), GREEDY)
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "no room for the KV of 150 tokens: 4 of 24 blocks free" in error.details()
-    for i in range(2):  # Abort releases a lease that waits for its Decode call
-        assert pods.decode.Abort(common_pb2.AbortRequest(request_id=f"hog-{i}")).found
+    try:
+        assert pods.load("decode").free_kv_blocks == DECODE_BLOCKS - 20
+        error = rpc_error(pods.run_prefill, "no-room", prompt_of(150, seed=9002), GREEDY)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        assert "no room for the KV of 150 tokens: 4 of 24 blocks free" in error.details()
+    finally:  # released whatever happened, so that a failure here stays this test's own
+        found = [pods.decode.Abort(common_pb2.AbortRequest(request_id=f"hog-{i}")).found for i in range(2)]
+    assert found == [True, True]  # Abort releases a lease that waits for its Decode call
 
 
 @pytest.mark.parametrize("prefilled", [True, False])
