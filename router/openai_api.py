@@ -6,6 +6,7 @@ A request's path:
       api_keys; 401) -> body size (max_request_bytes; 413, before the body is parsed) -> X-Request-Id on every answer
     POST /v1/completions | /v1/chat/completions
       -> CompletionRequest / ChatCompletionRequest (openai_requests.py)  shape and types     -> 400, param named
+         (chat's models: openai_chat_requests.py)
       -> the request id: X-Request-Id header or request_id field         validated           -> 400
       -> .sampling_params()                                               values and ranges   -> 400, param named
       -> chat only: router.apply_chat_template(messages, options)         the prompt text     -> StatusError
@@ -46,15 +47,14 @@ from typing import Any, TypeVar
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import Receive, Scope, Send
 
 from router.api_keys import APIKeys
 from router.intake import RouterRequest, check_request_id
-from router.openai_errors import APIError, add_error_handlers, error_response, field_named_in, json_response, renamed
-from router.openai_format import ChatCompletionFormatter, TextCompletionFormatter, joined_responses, joined_usage
+from router.openai_errors import APIError, add_error_handlers, field_named_in, json_response, renamed
+from router.openai_format import ChatCompletionFormatter, TextCompletionFormatter, joined_responses
 from router.openai_middleware import (
     REQUEST_ID_HEADER,
     APIKeyAuth,
@@ -62,14 +62,8 @@ from router.openai_middleware import (
     RequestIdHeader,
     UnexpectedErrorsAsJSON,
 )
-from router.openai_requests import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    tokenize_request,
-)
+from router.openai_chat_requests import ChatCompletionRequest, TokenizeChatRequest, tokenize_request
+from router.openai_requests import CompletionRequest, DetokenizeRequest, TokenizeCompletionRequest
 from router.openai_responses import (
     DetokenizeResponse,
     ModelCard,
@@ -78,6 +72,7 @@ from router.openai_responses import (
     TokenizerInfoResponse,
     VersionResponse,
 )
+from router.openai_stream import Formatter, ServerSentEvents, raise_unless_finished, sse_events
 from router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
 from router.request_run import Completion, OutputDelta
 from router.tool_calls import messages_for_template, template_knows_tools
@@ -88,10 +83,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RouterOutputs = AsyncGenerator[OutputDelta | Completion, None]
-Formatter = TextCompletionFormatter | ChatCompletionFormatter
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
-_DONE_EVENT = "data: [DONE]\n\n"
 
 
 def create_app(router: Router) -> FastAPI:
@@ -242,10 +235,10 @@ class OpenAIRoutes:
         if body.stream:
             merged = merged_outputs(outputs)
             first = await _first_output(request, merged)
-            return ServerSentEvents(_events(first, merged, formatters, prompt_of, body.include_usage))
+            return ServerSentEvents(sse_events(first, merged, formatters, prompt_of, body.include_usage))
         results = await _until_disconnected(request, _collect_all(outputs))
         for formatter, (_, completion) in zip(formatters, results):
-            _raise_unless_finished(completion, formatter.response_id)
+            raise_unless_finished(completion, formatter.response_id)
         kept = _most_likely(results, samples, params.n)
         for index, kept_index in enumerate(kept):
             formatters[kept_index].index = index
@@ -384,71 +377,3 @@ def _most_likely(results: list[tuple[list[OutputDelta], Completion]], samples: i
 
 def _cumulative_logprob(deltas: list[OutputDelta]) -> float:
     return sum(entry[token_id] for delta in deltas for token_id, entry in zip(delta.token_ids, delta.logprobs or []))
-
-
-def _raise_unless_finished(completion: Completion, response_id: str) -> None:
-    """"stop" and "length" are answers; "abort" and "error", which OpenAI's API has no words for, are errors."""
-    if completion.finish_reason == "abort":
-        raise APIError(grpc.StatusCode.CANCELLED, f"request {response_id} was aborted before it finished")
-    if completion.finish_reason == "error":
-        raise completion.error or APIError(grpc.StatusCode.INTERNAL, f"request {response_id} failed on the pods")
-
-
-# --------------------------------------------------------------------------------------------- streaming
-
-
-class ServerSentEvents(StreamingResponse):
-    """A ``text/event-stream`` response that closes its event generator however the response ends (finished,
-    client gone, server stopping). That closes the router's generator, which cancels the pods' work."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncGenerator[str, None]):
-        # Neither caches nor proxies (nginx) may hold events back: each must reach the client when produced.
-        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.events.aclose()
-
-
-async def _events(first: tuple[int, OutputDelta | Completion], merged: AsyncGenerator, formatters: list[Formatter],
-                  prompt_of: list[int], include_usage: bool) -> AsyncGenerator[str, None]:
-    """The SSE body: opening chunks, one chunk per delta, each choice's finish chunk, the usage chunk, then [DONE];
-    an error on the way becomes an ``{"error": ...}`` event before [DONE]."""
-    async with aclosing(merged):
-        try:
-            for formatter in formatters:
-                for chunk in formatter.opening_chunks():
-                    yield _event(chunk)
-            completions: list[tuple[int, Completion]] = []  # (choice index, its completion), as they end
-            item: tuple[int, OutputDelta | Completion] | None = first
-            while item is not None:
-                index, output = item
-                formatter = formatters[index]
-                if isinstance(output, OutputDelta):
-                    chunk = formatter.delta_chunk(output)
-                    if chunk is not None:
-                        yield _event(chunk)
-                else:
-                    _raise_unless_finished(output, formatter.response_id)
-                    for chunk in formatter.finish_chunks(output):
-                        yield _event(chunk)
-                    completions.append((index, output))
-                item = await anext(merged, None)
-            if include_usage:
-                completions.sort(key=lambda pair: pair[0])
-                usage = joined_usage([completion for _, completion in completions], prompt_of)
-                yield _event(formatters[0].usage_chunk(usage))
-        except Exception as error:  # the status line is gone: the error can only be an event now
-            if not isinstance(error, StatusError):
-                logger.exception("stream of %s failed", formatters[0].response_id)
-            yield _event(error_response(error))
-    yield _DONE_EVENT
-
-
-def _event(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"

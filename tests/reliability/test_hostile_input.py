@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.openai_fields import UNSUPPORTED_FIELDS
-from router.openai_requests import ChatCompletionRequest, CompletionRequest
+from router.openai_chat_requests import ChatCompletionRequest
+from router.openai_requests import CompletionRequest
 
 pytestmark = pytest.mark.e2e
 
