@@ -13,10 +13,10 @@ as text, over gRPC (``grpc_api``) and the OpenAI-compatible HTTP API (``openai_a
 - ``server.py``: the process (both APIs, health, reflection, TLS, graceful stop);
 - ``grpc_api.py``: ``splitserve.v1.Generation`` over ``Router`` (and its API-key interceptor);
 - ``openai_api.py``: the OpenAI-compatible HTTP API (routes; ``openai_stream.py`` its event streams);
-  ``openai_middleware.py`` CORS aside, its
-  middleware (API keys, body limit, request ids); ``openai_requests.py`` what it accepts (chat:
-  ``openai_chat_requests.py``), ``openai_fields.py`` how strictly; ``openai_responses.py`` what it answers,
-  ``openai_errors.py`` its errors; ``openai_format.py`` router outputs -> responses and stream chunks;
+  ``openai_middleware.py`` CORS aside, its middleware (API keys, body limit, request ids); ``openai_requests.py``
+  what it accepts (chat: ``openai_chat_requests.py``), ``openai_fields.py`` how strictly; ``openai_responses.py``
+  what it answers, ``openai_errors.py`` its errors; ``openai_format.py`` router outputs -> responses and stream
+  chunks;
 - ``api_keys.py``: the API-key check both APIs share.
 
 Errors are ``runtime.errors.StatusError``; parameters cross the wire through ``protos.convert``.
