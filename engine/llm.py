@@ -50,7 +50,8 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  seed: int = 0, cpu_kernels: bool = True, speculative_config: dict | None = None,
-                 quantization: str = EngineConfig.quantization, int8_activations: bool = False, **settings):
+                 quantization: str = EngineConfig.quantization,
+                 int8_activations: bool = EngineConfig.int8_activations, **settings):
         cache = CacheConfig(**{k: settings.pop(k) for k in list(settings) if k in CacheConfig.__dataclass_fields__})
         sched = SchedulerConfig(
             **{k: settings.pop(k) for k in list(settings) if k in SchedulerConfig.__dataclass_fields__}

@@ -259,6 +259,15 @@ inline void store_tile(const V16 (&acc)[R][NP], const float* bias, float* y, int
   }
 }
 
+// A tile's R x NP accumulators, zeroed (store_tile writes them out).
+template <int R, int NP>
+inline void zero_tile(V16 (&acc)[R][NP]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) acc[r][j] = vzero();
+}
+
 // Rows [0, R) of x (stride ldx) times NP consecutive panels (panel j at panels + j * panel_bytes) of nb blocks each
 // -> y rows (stride ldy), the last panel keeping `valid_last` outputs; bias: nullptr or the panels' (padded)
 // values. Each weight is dequantized in registers as dequantize_panel does it, and each output sums its products in
@@ -267,10 +276,7 @@ template <int F, int R, int NP>
 void quant_tile(const float* x, int64_t ldx, const uint8_t* panels, int64_t panel_bytes, int64_t nb,
                 const float* bias, float* y, int64_t ldy, int valid_last) {
   V16 acc[R][NP];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) acc[r][j] = vzero();
+  zero_tile<R, NP>(acc);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block[NP];
     V16 d[NP], m[NP];
@@ -385,10 +391,7 @@ void int8_tile(const Int8Rows& a, int64_t r0, const uint8_t* panels, int64_t pan
   const int64_t nb = a.nb;
   constexpr int kAhead = (kPrefetchBytes + Format<F>::kBytes - 1) / Format<F>::kBytes * Format<F>::kBytes;
   V16 acc[R][NP];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) acc[r][j] = vzero();
+  zero_tile<R, NP>(acc);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block[NP];
 #pragma GCC unroll 4
