@@ -288,7 +288,7 @@ class Scheduler:
                 self._append_sampled(seq, tokens)
                 updated.append(seq)
             elif seq.sampling_params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
-                seq.first_token_time = time.monotonic()  # its prompt logprobs are its whole output
+                seq.first_token_time = self.clock()  # its prompt logprobs are its whole output
                 self._finish(seq, FinishReason.LENGTH)
                 updated.append(seq)
         self.running = [seq for seq in self.running if not seq.is_finished]

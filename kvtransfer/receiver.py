@@ -192,7 +192,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     async def _header(self, request_iterator) -> kv_transfer_pb2.KVTransferHeader:
         first = await anext(aiter(request_iterator), None)
-        if first is None or isinstance(first, WireChunk) or first.WhichOneof("item") != "header":
+        if first is None or _item(first) != "header":
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
         header = first.header
         if header.compat_hash != self.layout.compat_hash:
@@ -230,7 +230,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         async for push in request_iterator:
             if self._transfers.get(request_id).abort_requested:
                 raise StatusError(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
-            item = "chunk" if isinstance(push, WireChunk) else push.WhichOneof("item")
+            item = _item(push)
             if item == "chunk":
                 await intake.store(push)
             elif item == "trailer":
@@ -251,5 +251,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 async def _read_rest(request_iterator) -> None:
     """Read a push's messages up to its trailer (or the stream's end), discarding them."""
     async for push in request_iterator:
-        if not isinstance(push, WireChunk) and push.WhichOneof("item") == "trailer":
+        if _item(push) == "trailer":
             return
+
+
+def _item(push: kv_transfer_pb2.KVPush | WireChunk) -> str:
+    """What a message of the stream carries: "header", "chunk" or "trailer" (chunks come parsed as WireChunks)."""
+    return "chunk" if isinstance(push, WireChunk) else push.WhichOneof("item")
