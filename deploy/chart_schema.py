@@ -69,6 +69,8 @@ RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; dur
     "conditional_cached_fraction": {"minimum": 0},
     "target_utilization": {"exclusiveMinimum": 0, "maximum": 1},
     "kv_usage_high": {"exclusiveMinimum": 0, "maximum": 1},
+    "simulate_min_attainment": {"exclusiveMinimum": 0, "maximum": 1},
+    "simulate_requests": {"minimum": 1},
     "hysteresis": {"minimum": 0, "exclusiveMaximum": 1},
     "scale_up_cooldown_s": {"minimum": 0},
     "scale_down_cooldown_s": {"minimum": 0},

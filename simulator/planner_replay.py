@@ -13,6 +13,7 @@ requests are done. The static baseline runs the same day on the most pods of eac
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -27,6 +28,7 @@ from deploy.planner.config import PlannerConfig
 from runtime.config import described, parse_config
 from runtime.roles import Role
 from simulator.cluster import PodPool, SimCluster
+from simulator.planner_check import SimulatedCheck
 from simulator.pod import SimPod
 from simulator.run import DEFAULT_PROFILE, SimulateConfig
 
@@ -51,6 +53,8 @@ class PlannerReplayConfig:
     max_output_tokens: int = field(default=1000, metadata=described("Cap every output."))
     profile: str = field(default=str(DEFAULT_PROFILE), metadata=described("Profile of every pod."))
     seed: int = field(default=0, metadata=described("Seeds arrivals and lengths."))
+    simulate_check: bool = field(default=False, metadata=described(
+        "The planner checks each decision in simulation first, as with python -m simulator.planner_check."))
     json: str = field(default="", metadata=described("Also write the figures to this JSON file."))
     plot: str = field(default="", metadata=described("Also draw rate, pods and attainment over the day here."))
 
@@ -79,8 +83,9 @@ def day_workload(config: PlannerReplayConfig) -> list[RequestSpec]:
 class ReplayedDay:
     """A cluster whose pools a planner resizes (``planner`` None: fixed), with its pod-seconds counted."""
 
-    def __init__(self, config: PlannerReplayConfig, pods: dict[str, int], planner: Planner | None):
-        self.config, self.planner = config, planner
+    def __init__(self, config: PlannerReplayConfig, pods: dict[str, int], planner: Planner | None,
+                 check: SimulatedCheck | None = None):
+        self.config, self.planner, self.check = config, planner, check
         sim = SimulateConfig(pools=[f"{pool}:{n}" for pool, n in pods.items()], profile=config.profile,
                              max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens,
                              rates=[1.0])
@@ -113,7 +118,8 @@ class ReplayedDay:
         self._reap()
         signals = self.signals(loop.now - config.lag_s)
         current = {pool: Replicas(self.desired[pool], self._serving(pool)) for pool in POOL_ROLES}
-        for decision in self.planner.plan(signals, current, loop.now):
+        decisions = self.planner.plan(signals, current, loop.now)
+        for decision in self.check(signals, decisions) if self.check else decisions:
             self._apply(decision.pool, decision.desired)
         self.timeline.append({"t": loop.now, "rate": config.rate_at(loop.now),
                               **{pool: self._serving(pool) for pool in POOL_ROLES}})
@@ -197,12 +203,15 @@ def run(config: PlannerReplayConfig, log=print) -> dict:
         prefill_tokens_per_s_per_pod=1.0 / base.prefill.b, decode_step_base_s=base.decode.a + base.step_overhead_s,
         decode_step_per_seq_s=max(1e-6, base.decode.c + base.decode.b * 500))  # at a 500-token context
     started = time.perf_counter()
-    planned = ReplayedDay(config, {"prefill": 1, "decode": 1}, Planner(planner_config, started_at=0.0))
+    check = SimulatedCheck(dataclasses.replace(planner_config, simulate_profile=config.profile)) \
+        if config.simulate_check else None
+    planned = ReplayedDay(config, {"prefill": 1, "decode": 1}, Planner(planner_config, started_at=0.0), check)
     planned.run(specs)
     peak = {pool: max(row[pool] for row in planned.timeline) for pool in POOL_ROLES}
     static = ReplayedDay(config, peak, None)
     static.run(specs)
-    out = {"requests": len(specs), "slo": slo.describe(), "peak_pods": peak, "timeline": planned.timeline}
+    out = {"requests": len(specs), "slo": slo.describe(), "peak_pods": peak, "timeline": planned.timeline,
+           "simulate_check": config.simulate_check}
     for name, day in (("planner", planned), ("static-at-peak", static)):
         out[name] = {"attainment": attainment(day.records, slo), "pod_hours": day.pod_seconds / 3600}
         log(f"{name:<15} SLO attainment {out[name]['attainment']:.1%}, pod-hours {out[name]['pod_hours']:.1f}")

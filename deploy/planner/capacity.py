@@ -20,12 +20,12 @@ decode   demand: requests decoding at once if every one ran at the TPOT target (
 
 ``PoolSizer`` turns a pool's need (in pods, fractional) into a replica count: bounds first, then hysteresis (it
 grows as soon as the need exceeds the pool, but shrinks only when the smaller pool would still run under
-target_utilization - hysteresis, in proportion when the queueing model planned lower), then cooldowns since the pool's last change. It is readiness-aware: while a pool has pods not ready (a previous
-decision starting) it holds ("starting"), and after they are ready it grows again only once the metrics window
-covers the new pool ("settling"), so that lagging rates and percentiles never add pods twice for one need.
-A measured SLO miss (TTFT p99 with
-the prefill queue the larger part of it; TPOT p99; KV cache nearly full) adds a pod and blocks shrinking, which
-covers whatever the model got wrong.
+target_utilization - hysteresis, in proportion when the queueing model planned lower), then cooldowns since the
+pool's last change. It is readiness-aware: while a pool has pods not ready (a previous decision starting) it holds
+("starting"), and after they are ready it grows again only once the metrics window covers the new pool
+("settling"), so that lagging rates and percentiles never add pods twice for one need. A measured SLO miss (TTFT
+p99 with the prefill queue the larger part of it; TPOT p99; KV cache nearly full) adds a pod and blocks shrinking,
+which covers whatever the model got wrong.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class PoolDecision:
     needed: float  # pods the model says the load needs, before bounds, hysteresis and cooldowns
     demand: float  # prefill: prompt tokens/s; decode: requests decoding at once
     capacity: float  # per pod, same unit as demand
-    reason: str  # up | down | hold | cooldown | bounds | slo | starting | settling | no-data
+    reason: str  # up | down | hold | cooldown | bounds | slo | starting | settling | no-data | simulated (the check)
 
 
 @dataclass(frozen=True)

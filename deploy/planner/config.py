@@ -63,6 +63,17 @@ class PlannerConfig:
         "Most requests one decode pod runs at once (the pods' max_num_seqs)."))
     kv_usage_high: float = field(default=0.9, metadata=described(
         "KV-cache usage of the fullest decode pod above which a decode pod is added."))
+    simulate_check: bool = field(default=False, metadata=described(
+        "Check every decision in simulation before it applies (run as python -m simulator.planner_check, which "
+        "the chart does when this is true): a shrink predicted to attain less than simulate_min_attainment, and "
+        "less than the pools as they are, is held (docs: deploy/README.md)."))
+    simulate_profile: str = field(default="", metadata=described(
+        "Profile of a pod for the check (bench phases --profile-out on the pods' machine; empty: the shipped "
+        "simulator/profiles/smollm2-135m-1thread.json)."))
+    simulate_requests: int = field(default=200, metadata=described(
+        "Requests each check simulates, at the measured rate and mean lengths."))
+    simulate_min_attainment: float = field(default=0.9, metadata=described(
+        "Share of requests within both targets a shrunk pool must be predicted to keep."))
     host: str = field(default="0.0.0.0", metadata=described("Address of the planner's /metrics endpoint."))
     metrics_port: int = field(default=9400, metadata=described("Port of the planner's /metrics endpoint (0: any)."))
 
@@ -71,8 +82,9 @@ class PlannerConfig:
             low, high = getattr(self, f"min_{pool}_replicas"), getattr(self, f"max_{pool}_replicas")
             if not 0 <= low <= high:
                 raise ValueError(f"need 0 <= min_{pool}_replicas <= max_{pool}_replicas, got {low} and {high}")
-        for name in ("interval_s", "window_s", "request_timeout_s", "ttft_target_s", "tpot_target_s", "prefill_tokens_per_s_per_pod",
-                     "decode_step_base_s", "decode_step_per_seq_s", "decode_max_batch", "max_scale_down_step"):
+        for name in ("interval_s", "window_s", "request_timeout_s", "ttft_target_s", "tpot_target_s",
+                     "prefill_tokens_per_s_per_pod", "decode_step_base_s", "decode_step_per_seq_s", "decode_max_batch",
+                     "max_scale_down_step", "simulate_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.target_utilization <= 1:
@@ -82,5 +94,7 @@ class PlannerConfig:
         for name in ("scale_up_cooldown_s", "scale_down_cooldown_s", "metrics_port"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.simulate_min_attainment <= 1:
+            raise ValueError(f"simulate_min_attainment must be in (0, 1], got {self.simulate_min_attainment}")
         if not 0 < self.kv_usage_high <= 1:
             raise ValueError(f"kv_usage_high must be in (0, 1], got {self.kv_usage_high}")

@@ -1,4 +1,5 @@
-"""The planner's loop: read the signals and the current replica counts, decide, scale (unless dry-run), export.
+"""The planner's loop: read the signals and the current replica counts, decide, check the decision (when a check is
+given: ``simulator/planner_check.py`` simulates it), scale (unless dry-run), export.
 
 A failed step (Prometheus unreachable or slow, the API server refusing or slow: every call has a timeout) is
 counted and logged, and changes nothing: the planner never scales on data it does not have, and never stops.
@@ -8,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Protocol
 
 from prometheus_client import start_http_server
 
-from deploy.planner.capacity import POOLS, Planner, PoolDecision
+from deploy.planner.capacity import POOLS, Planner, PoolDecision, Signals
 from deploy.planner.config import PlannerConfig
 from deploy.planner.metrics import PlannerMetrics
 from deploy.planner.scaler import DeploymentScaler, api_client, own_namespace
@@ -21,13 +23,22 @@ from runtime.config import parse_config
 logger = logging.getLogger(__name__)
 
 
+class Check(Protocol):
+    """A second opinion on the decisions before they apply: the same decisions, or some of them held."""
+
+    last: dict[str, float]  # its latest predicted attainment per plan ("current", "decided"); empty: none
+
+    def __call__(self, signals: Signals, decisions: list[PoolDecision]) -> list[PoolDecision]: ...
+
+
 class PlannerLoop:
     """One planner process: ``tick()`` makes one decision for both pools."""
 
     def __init__(self, config: PlannerConfig, signals: PrometheusSignals, scaler: DeploymentScaler,
-                 metrics: PlannerMetrics, clock=time.monotonic):
+                 metrics: PlannerMetrics, clock=time.monotonic, check: Check | None = None):
         self.config, self.signals, self.scaler, self.metrics, self.clock = config, signals, scaler, metrics, clock
         self.planner = Planner(config, started_at=clock())
+        self.check = check
 
     def tick(self) -> list[PoolDecision]:
         try:
@@ -48,6 +59,13 @@ class PlannerLoop:
             logger.exception("deciding failed on %s; nothing changes", signals)
             self.metrics.failed("plan")
             return []
+        if self.check is not None:
+            try:
+                decisions = self.check(signals, decisions)
+            except Exception:  # the check is advice: a failure of it must not stop a decision
+                logger.exception("checking the decisions failed; they apply unchecked")
+                self.metrics.failed("check")
+            self.metrics.predicted(self.check.last)
         for decision in decisions:
             self._apply(decision)
         return decisions
@@ -72,9 +90,14 @@ class PlannerLoop:
             time.sleep(max(0.0, self.config.interval_s - (self.clock() - started)))
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], check_factory: Callable[[PlannerConfig], Check] | None = None) -> None:
+    """``python -m deploy.planner``; ``check_factory`` builds the decisions' check (``python -m
+    simulator.planner_check`` passes the simulator's: this package sits below the simulator and cannot load it)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = parse_config(PlannerConfig, argv, prog="python -m deploy.planner")
+    if config.simulate_check and check_factory is None:
+        raise SystemExit("--simulate-check needs the simulator: run python -m simulator.planner_check (the chart "
+                         "does when planner.config.simulateCheck is true)")
     deployments = {"prefill": config.prefill_deployment, "decode": config.decode_deployment}
     missing = [pool for pool in POOLS if not deployments[pool]]
     if missing:
@@ -85,4 +108,5 @@ def main(argv: list[str]) -> None:
     start_http_server(config.metrics_port, config.host, metrics.registry)
     logger.info("planner: %s in %s every %.0f s%s", ", ".join(deployments.values()), scaler.namespace,
                 config.interval_s, " (dry run)" if config.dry_run else "")
-    PlannerLoop(config, PrometheusSignals(config), scaler, metrics).run_forever()
+    check = check_factory(config) if config.simulate_check and check_factory is not None else None
+    PlannerLoop(config, PrometheusSignals(config), scaler, metrics, check=check).run_forever()

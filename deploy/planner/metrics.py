@@ -29,11 +29,16 @@ class PlannerMetrics:
         self.demand = gauge("demand", "Prefill: prompt tokens/s for prefill pods; decode: requests decoding at once.")
         self.capacity = gauge("capacity_per_pod", "Prefill: prompt tokens/s of one busy pod; decode: requests one "
                                                   "pod runs within the TPOT target.")
-        self.decisions = Counter("splitserve_planner_decisions_total", "Decisions by outcome "
-                                 "(up, down, hold, cooldown, bounds, slo, starting, settling, no-data).", LABELS + ("reason",),
-                                 registry=self.registry)
-        self.errors = Counter("splitserve_planner_errors_total", "Failed steps (read_metrics, read_replicas, plan, scale).",
+        self.decisions = Counter("splitserve_planner_decisions_total", "Decisions by outcome (up, down, hold, "
+                                 "cooldown, bounds, slo, starting, settling, no-data, simulated).",
+                                 LABELS + ("reason",), registry=self.registry)
+        self.errors = Counter("splitserve_planner_errors_total",
+                              "Failed steps (read_metrics, read_replicas, plan, check, scale).",
                               ("role", "model_name", "stage"), registry=self.registry)
+        self.attainment = Gauge("splitserve_planner_predicted_attainment",
+                                "Share of requests within both targets in the simulated check (--simulate-check), "
+                                "for the pools as they are and as decided.", ("role", "model_name", "plan"),
+                                registry=self.registry)
         Gauge("splitserve_planner_dry_run", "1 when the planner decides but scales nothing.", ("role", "model_name"),
               registry=self.registry).labels("planner", self.model_name).set(1 if dry_run else 0)
 
@@ -46,6 +51,11 @@ class PlannerMetrics:
             if math.isfinite(value):
                 gauge.labels(*labels).set(value)
         self.decisions.labels(*labels, decision.reason).inc()
+
+    def predicted(self, attainment: dict[str, float]) -> None:
+        """The simulated check's latest predictions ({"current": .., "decided": ..}; empty: none, NaN exported)."""
+        for plan in ("current", "decided"):
+            self.attainment.labels("planner", self.model_name, plan).set(attainment.get(plan, math.nan))
 
     def failed(self, stage: str) -> None:
         self.errors.labels("planner", self.model_name, stage).inc()

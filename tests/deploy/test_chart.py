@@ -29,7 +29,7 @@ KUBE_VERSION = "1.30.0"
 RELEASE, NAMESPACE = "demo", "llm"
 POD_IP = "10.1.2.3"
 COMMANDS = {"router.server": "router", "prefill_service": "prefill", "decode_service": "decode",
-            "deploy.planner": "planner"}
+            "deploy.planner": "planner", "simulator.planner_check": "planner"}
 
 
 def case_values(case: str) -> dict:
@@ -160,6 +160,14 @@ def test_every_config_key_reaches_its_flag(chart, component):
         name = re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), key)
         assert name in hints, key
         assert getattr(config, name) == value, f"{component}.config.{key}"
+
+
+@pytest.mark.parametrize("simulate_check, module", [(False, "deploy.planner"), (True, "simulator.planner_check")])
+def test_the_planner_checked_in_simulation_runs_from_the_simulator(chart, simulate_check, module):
+    """The simulated check lives in the simulator (a layer above the planner): the chart runs that entry point."""
+    values = {"planner": {"enabled": True, "config": {"simulateCheck": simulate_check}}}
+    container = containers_by_component(objects(chart, values))["planner"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", module]
 
 
 # Keys naming a file the process reads at start: another value must be a file that exists.
