@@ -286,11 +286,16 @@ def planner() -> Dashboard:
             .with_panel(panel("Decisions", "short", [
                 Query(f"sum by (pool, reason) (increase(splitserve_planner_decisions_total{{{SEL}}}"
                       "[$__rate_interval]))", "{{pool}} {{reason}}")],
-                "up, down, hold, cooldown, bounds, slo, starting (a previous change not ready yet), no-data."))
+                "up, down, hold, cooldown, bounds, slo, starting (a previous change not ready yet), no-data, "
+                "simulated (a shrink the simulated check held)."))
             .with_panel(panel("Errors", "short", [
                 Query(f"sum by (stage) (increase(splitserve_planner_errors_total{{{SEL}}}[$__rate_interval]))",
                       "{{stage}}")],
-                "Failed steps: reading Prometheus, reading or setting a Deployment's scale."))
+                "Failed steps: reading Prometheus, reading or setting a Deployment's scale, the simulated check."))
+            .with_panel(panel("Predicted SLO attainment (simulated check)", "percentunit", [
+                Query(f"max by (plan) (splitserve_planner_predicted_attainment{{{SEL}}})", "{{plan}}")],
+                "With simulateCheck: the share of the measured window's requests the simulator predicts to meet "
+                "both targets, on the pools as they are (current) and as decided.", max_value=1))
             .with_row(Row("Signals"))
             .with_panel(panel("Demand", "short", [Query(per_pool("splitserve_planner_demand"), "{{pool}}")],
                               "Prefill: prompt tokens/s for prefill pods; decode: requests decoding at once."))
