@@ -232,7 +232,8 @@ def plot(out: dict, path: str) -> None:
     rate_ax.plot(t, [row["rate"] for row in out["timeline"]], "k--", label="request rate")
     rate_ax.set(ylabel="requests/s")
     ax.set(xlabel="minutes into the (compressed) day", ylabel="pods",
-           title=f"planner: {out['planner']['attainment']:.0%} SLO met, {out['planner']['pod_hours']:.1f} pod-h; "
+           title=f"planner{' checked in simulation' if out.get('simulate_check') else ''}: "
+                 f"{out['planner']['attainment']:.0%} SLO met, {out['planner']['pod_hours']:.1f} pod-h; "
                  f"static at peak: {out['static-at-peak']['attainment']:.0%}, "
                  f"{out['static-at-peak']['pod_hours']:.1f} pod-h (simulated)")
     ax.legend(loc="upper left", fontsize=8)
