@@ -21,6 +21,8 @@ Two kinds of reader and writer:
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 from typing import Literal
 
@@ -47,10 +49,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = _as_dtype(dtype)
         shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-        # Zeros, not empty: a decode step gathers whole blocks and masks the unused slots, and a masked score
-        # is only harmless when the garbage behind it is finite (NaN * 0 is NaN).
-        self.k_blocks = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(model_config.num_layers)]
-        self.v_blocks = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(model_config.num_layers)]
+        self.k_blocks = [_zeroed(shape, self.dtype, device) for _ in range(model_config.num_layers)]
+        self.v_blocks = [_zeroed(shape, self.dtype, device) for _ in range(model_config.num_layers)]
 
     @classmethod
     def from_config(
@@ -123,8 +123,7 @@ class PagedKVCache:
 
 def bytes_per_block(num_kv_heads: int, head_dim: int, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V together."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * _element_size(dtype)
 
 
 def num_blocks_for_budget(model_config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -136,6 +135,23 @@ def num_blocks_for_budget(model_config: ModelConfig, block_size: int, dtype: tor
     if num_blocks == 0:
         raise ValueError(f"kv_cache_memory_bytes={budget_bytes} is less than one block ({per_block} bytes)")
     return num_blocks
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A pool tensor of zeros. Zeros, not garbage: a decode step gathers whole blocks and masks the unused slots,
+    and a masked score is only harmless when what is behind it is finite (NaN * 0 is NaN).
+
+    On the CPU, fresh private anonymous pages (mmap): the kernel hands them out zeroed on first touch, so the pool
+    becomes resident as blocks fill up, not at start (torch.zeros writes every byte, and a 1 GiB pool would be
+    resident in an idle pod). Reading a never-written page maps the kernel's shared zero page, which costs nothing."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, math.prod(shape) * _element_size(dtype), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor holds the mapping until it is freed
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

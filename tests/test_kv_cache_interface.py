@@ -2,6 +2,9 @@
 nothing outside ``engine/`` reaches past it to the pool tensors."""
 
 import ast
+import json
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -100,6 +103,45 @@ def pool_accesses(source: str) -> list[int]:
 def first_party_packages() -> list[str]:
     """Every package the import contracts cover (pyproject's importlinter root_packages)."""
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+
+
+# Run in a fresh process, so that the resident set measured is that process's own: a cache of POOL_MIB, its RSS
+# (/proc/self/statm) before it, after it is made, and after every slot of every layer was written.
+POOL_MIB = 256
+RESIDENCY_SCRIPT = f"""
+import json, os, torch
+from engine.kv_cache import PagedKVCache
+from tests.test_kv_cache_interface import CONFIG
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+tokens = {POOL_MIB} * 2**20 // (2 * CONFIG.num_layers * CONFIG.num_kv_heads * CONFIG.head_dim * 2) // 16 * 16
+layer_values = torch.ones(tokens, CONFIG.num_kv_heads, CONFIG.head_dim, dtype=torch.float16)
+before = rss()
+kv = PagedKVCache(CONFIG, num_blocks=tokens // 16, block_size=16, dtype=torch.float16)
+made = rss()
+zeros = all(kv.read(layer, kind, torch.arange(0, tokens, 997)).abs().sum() == 0
+            for layer in range(CONFIG.num_layers) for kind in ("k", "v"))
+slots = torch.arange(tokens)
+for layer in range(CONFIG.num_layers):
+    for kind in ("k", "v"):
+        kv.write(layer, kind, slots, layer_values)
+print(json.dumps({{"pool": kv.memory_bytes(), "made": made - before, "filled": rss() - before, "zeros": zeros}}))
+"""
+
+
+def test_the_pool_is_zeros_that_become_resident_as_they_are_written():
+    """A CPU pool is not written at start (torch.zeros would make all of it resident in an idle pod): its memory
+    arrives as slots are written, up to the pool's size, and what was never written reads as zeros."""
+    run = subprocess.run([sys.executable, "-c", RESIDENCY_SCRIPT], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(run.stdout)
+    assert figures["pool"] > 0.99 * POOL_MIB * 2**20
+    assert figures["zeros"]
+    assert figures["made"] < figures["pool"] / 16
+    assert figures["filled"] > 0.95 * figures["pool"]
 
 
 def test_nothing_outside_the_engine_touches_the_pool_tensors():
