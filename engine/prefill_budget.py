@@ -12,7 +12,10 @@ interleaved with its decode steps. ``TPOTSlackBudget.tokens(decoding, now)`` siz
    with no decoding sequence, the pod's default target's (a request prefilled elsewhere may join at any step, and
    must not wait behind a whole prompt);
 3. the chunk is the most tokens the measured ``StepTimeModel`` predicts to fit in that allowance beside those
-   decode rows (``largest_chunk``); 0 when none fits, so the prompt waits a step and the decodes go on.
+   decode rows (``largest_chunk``); 0 when none fits, so the prompt waits a step and the decodes go on. With no
+   decode running, a prompt always moves: when not even one token fits the default target's allowance (a pod
+   slower than its target, a machine under load), it takes ``probe_tokens``, since waiting would only idle the
+   pod; without that floor such a pod would step forever and never finish the prompt.
 
 No target anywhere (no decoding sequence has one, and no default): None, no bound (the scheduler's token budget
 applies as ever). A model that has not measured a prompt token yet allows ``probe_tokens``, so that it can.
@@ -65,4 +68,5 @@ class TPOTSlackBudget:
         if not model.known:
             return self.probe_tokens
         context = sum(seq.num_tokens for seq in decoding)  # each decode row attends to all its tokens
-        return model.largest_chunk(len(decoding), context, allowance, chunk_start)
+        chunk = model.largest_chunk(len(decoding), context, allowance, chunk_start)
+        return chunk if chunk or decoding else self.probe_tokens  # nothing decodes: the prompt must move

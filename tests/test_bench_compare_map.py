@@ -80,3 +80,48 @@ def test_a_ratio_is_a_win_only_when_the_intervals_do_not_overlap():
                                               "hybrid / disagg-1:1: 1.50x (intervals overlap)"]  # 88%: near
     # The regimes without a hybrid of their own are scored on the balanced one.
     assert verdicts(result["regimes"]["tight-ttft"], "tight-ttft")[0].startswith("hybrid / colocated-x")
+
+
+def test_vllm_is_one_more_topology_only_when_its_interpreter_is_given():
+    assert "vllm-cpu" not in [t.name for t in topologies(map_config(), 1.0, 0.04)]
+    plans = topologies(map_config(vllm_python="/opt/vllm/bin/python"), 1.0, 0.04)
+    assert plans[-1].name == "vllm-cpu" and plans[-1].kind == "vllm"
+
+
+def test_vllm_runs_pinned_to_the_topologies_cpus_with_the_pods_kv_budget(tmp_path):
+    from bench.vllm_server import VLLMServer
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python"
+    server = VLLMServer(str(python), "/models/x", "smollm2-135m", frozenset({0, 1}), 3 << 30, 18011,
+                        tmp_path / "vllm.log")
+    command = server.command()
+    assert command[:4] == ["taskset", "-c", "0-1", str(python)]
+    assert command[command.index("--served-model-name") + 1] == "smollm2-135m"
+    assert command[command.index("--port") + 1] == "18011" and server.http_url == "http://127.0.0.1:18011"
+    env = server.environment()
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("0-1", "3")
+    assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+
+
+def test_the_export_vllm_loads_is_the_same_model_and_tokenizer(tmp_path):
+    """The directory holds the float32 weights and a tokenizer that encodes as the model's own; it is reused."""
+    import torch
+    from safetensors.torch import load_file
+
+    from bench.vllm_server import export_model
+    from engine.model_files import load_model_files
+    from engine.tokenizer import Tokenizer
+
+    directory = export_model("tiny-random", tmp_path / "tiny")
+    loaded = load_model_files("tiny-random")
+    weights = load_file(directory / "model.safetensors")
+    assert weights["model.embed_tokens.weight"].dtype == torch.float32
+    assert torch.equal(weights["model.embed_tokens.weight"], loaded.state_dict["embed_tokens.weight"])
+    text = "Hello, world: 12 apples"
+    assert Tokenizer.from_hf_dir(directory).encode(text) == loaded.tokenizer.encode(text)
+    stamp = (directory / "model.safetensors").stat().st_mtime_ns
+    assert export_model("tiny-random", directory) == directory
+    assert (directory / "model.safetensors").stat().st_mtime_ns == stamp  # not written twice

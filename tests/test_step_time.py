@@ -160,6 +160,20 @@ def test_with_no_decode_running_the_chunk_still_leaves_room_for_one_to_join(monk
     assert allowance == pytest.approx(0.8 * 0.3) and 0 < chunk < 600 and seconds <= allowance
 
 
+def test_a_pod_slower_than_its_target_still_prefills_when_nothing_decodes(monkeypatch):
+    """Not even one token fits the default target's allowance (the pod's step is slower than its target): with no
+    decode to keep, the prompt still moves, in probe-sized chunks, and finishes (it used to wait forever)."""
+    clock = FakeClock()
+    slow = StepTimeModel(0.05, 0.002, 0.0005, 1e-7, num_samples=100)  # a 50 ms step at least, against 30 ms
+    scheduler = lending_scheduler(slow, 0.03, clock, monkeypatch)
+    scheduler.add(Sequence("p", list(range(5, 105)), SamplingParams(max_tokens=2)))
+    chunks = []
+    while scheduler.get("p").num_output_tokens == 0:
+        chunks.append(run_step(scheduler, slow, clock)[0])
+        assert len(chunks) < 50, "the prompt never finished"
+    assert sum(chunks) == 100 and max(chunks) == scheduler.prefill_budget.probe_tokens
+
+
 def test_a_decode_behind_its_target_lets_no_chunk_in(monkeypatch):
     clock = FakeClock()
     scheduler = lending_scheduler(TRUE, 0.05, clock, monkeypatch)
