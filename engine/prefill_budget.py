@@ -26,10 +26,9 @@ from __future__ import annotations
 from typing import Callable
 
 from engine.sequence import Sequence
-from engine.step_time import StepTimeModel
+from engine.step_time import PROBE_TOKENS, StepTimeModel
 
 HEADROOM = 0.8  # of the smallest slack a step may fill: the fit's error and the engine loop's own time
-PROBE_TOKENS = 16  # a chunk's size before any prompt token was measured
 
 
 class TPOTSlackBudget:

@@ -30,6 +30,9 @@ WINDOW_STEPS = 256  # recent steps the fit uses: seconds of a busy pod, so it fo
 REFIT_EVERY = 8  # steps between refits (a 4x4 solve: microseconds)
 PRIOR_STEPS = 32
 PRIOR_WEIGHT = 16.0  # the prior counts as this many steps against the window's
+# A lent prompt's chunk when no measured size fits: before any prompt token was measured, and on a pod with no
+# decode running whose step is slower than its target (engine/prefill_budget.py; the router predicts the same).
+PROBE_TOKENS = 16
 
 
 @dataclass(frozen=True)

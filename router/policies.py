@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.block_manager import chained_block_hashes
-from engine.step_time import StepTimeModel, attention_positions
+from engine.step_time import PROBE_TOKENS, StepTimeModel, attention_positions
 from router.config import PolicyName
 from router.registry import PodInfo
 from runtime.config import member
@@ -246,6 +246,8 @@ class HybridPlacement:
                                    f"{todo} tokens in one step, no TPOT to keep")
         start = cached + int(MEAN_CHUNK_START * todo)
         chunk = model.largest_chunk(rows, context, allowance, start)
+        if chunk == 0 and rows == 0:
+            chunk = PROBE_TOKENS  # nothing decodes there: the pod prefills anyway, in probe-sized chunks
         if chunk == 0:
             return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
         steps = math.ceil(todo / chunk)

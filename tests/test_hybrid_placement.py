@@ -89,6 +89,15 @@ def test_a_decode_pod_with_no_tpot_to_keep_prefills_at_its_full_rate():
     assert "16 chunks of 25 tokens" in HybridPlacement().lent(prompt(), idle).detail
 
 
+def test_an_idle_decode_pod_slower_than_its_target_is_predicted_in_probe_chunks_as_it_prefills():
+    """Its default target's allowance fits not one token (the pod prefills 16-token chunks then, as the engine's
+    TPOTSlackBudget does): the estimate is those steps, not 'no slack'."""
+    idle = decode_pod(running=0)
+    idle.load.tpot_allowance_seconds = 0.8 * 0.02  # below its 28 ms step
+    estimate = HybridPlacement().lent(prompt(), idle)
+    assert "24 chunks of 16 tokens" in estimate.detail and estimate.ttft_s < math.inf
+
+
 def test_a_decode_pod_without_a_step_time_model_is_never_lent_to():
     plan = decide(prefill_pod(queued=5000), decode_pod(model=StepTimeModel()), BALANCED)
     assert plan.prefill is not None and "no step-time model" in plan.reason
