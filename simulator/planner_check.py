@@ -56,9 +56,10 @@ class SimulatedCheck:
         if specs is None:
             self.last = {}
             return decisions
-        self.last = {"current": self.attainment(current, specs), "decided": self.attainment(decided, specs)}
+        now = self.attainment(current, specs)
+        self.last = {"current": now, "decided": now if decided == current else self.attainment(decided, specs)}
         shrinks = [d for d in decisions if d.desired < d.current]
-        predicted, now = self.last["decided"], self.last["current"]
+        predicted = self.last["decided"]
         if not shrinks or predicted >= self.config.simulate_min_attainment or predicted >= now:
             return decisions
         logger.info("simulated: the decided pools %s would attain %.0f%% of the targets against %.0f%% as they are "
