@@ -50,11 +50,11 @@ class SimulatedCheck:
         self.last: dict[str, float] = {}
 
     def __call__(self, signals: Signals, decisions: list[PoolDecision]) -> list[PoolDecision]:
+        self.last = {}  # nothing predicted until this tick's simulations are done
         current = {d.pool: d.current for d in decisions}
         decided = {d.pool: d.desired for d in decisions}
         specs = self.workload(signals)
         if specs is None:
-            self.last = {}
             return decisions
         now = self.attainment(current, specs)
         self.last = {"current": now, "decided": now if decided == current else self.attainment(decided, specs)}
