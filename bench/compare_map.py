@@ -246,6 +246,8 @@ def score(results: list[TopologyRuns], config: MapConfig, ttft0: float, tpot0: f
             "rates": sorted(config.rates), "attainment_target": config.attainment, "reference_rate": reference,
             "regimes": regimes, "scales": list(SCALES), "scale_curve": curve,
             "failed": {r.topology.name: r.error for r in results if r.error is not None},
+            # What each topology was (its UpConfig fields): simulate validate replays the run from them.
+            "settings": {r.topology.name: {"kind": r.topology.kind, **r.topology.fields} for r in results},
             "errors": {r.topology.name: {rate: sum(x.status != "ok" for x in records)
                                          for rate, records in sorted(r.records.items())} for r in measured},
             "latency": {r.topology.name: {rate: _latency(records) for rate, records in sorted(r.records.items())}

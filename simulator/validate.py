@@ -2,6 +2,7 @@
 workload (the same trace rows, seed, caps and rates), topology by topology.
 
     splitserve simulate validate --measured compare.json [--calibrate] [--profile-out calibrated.json]
+    splitserve simulate validate --measured map.json --regime balanced ...     (a bench compare --slo-map run)
 
 1. Each topology of the run (its JSON's ``settings``) becomes the same cluster in simulation: ``disagg-P:D`` one
    prefill and one decode pod, ``colocated-NxMcpu-bB`` N mixed pods at budget B, ``conditional-*`` with its
@@ -15,6 +16,10 @@ workload (the same trace rows, seed, caps and rates), topology by topology.
    calibrated profile.
 3. The table: per topology and rate, measured against predicted SLO attainment, TTFT and TPOT p50 and p90 with the
    error of each; per topology, goodput and how many rate steps apart the two are.
+
+A ``--slo-map`` run (``measured_from_map``) is read as the plain run it contains, scored on one of its regimes
+(``--regime``): each topology's settings, and per rate the recorded requests' attainment of that regime's targets
+and their latency percentiles. Topologies that are not splitserve's (vLLM) are not simulated.
 """
 
 from __future__ import annotations
@@ -52,11 +57,36 @@ class ValidateConfig:
     max_prompt_tokens: int = field(default=512, metadata=described("bench compare's --max-prompt-tokens."))
     max_output_tokens: int = field(default=64, metadata=described("bench compare's --max-output-tokens."))
     seed: int = field(default=0, metadata=described("bench compare's --seed."))
+    regime: str = field(default="balanced", metadata=described(
+        "A --slo-map run: the regime whose targets score it (tight-ttft, balanced, tight-tpot)."))
+    map_index: int = field(default=0, metadata=described("A --slo-map run: which of its workloads (0: the first)."))
     json: str = field(default="", metadata=described("Also write the comparison to this JSON file."))
 
     def __post_init__(self) -> None:
         if not self.measured or not Path(self.measured).is_file():
             raise ValueError(f"--measured must name bench compare's JSON output, got {self.measured!r}")
+
+
+def measured_from_map(result: dict, regime: str) -> dict:
+    """One workload's ``bench compare --slo-map`` result as a plain bench compare run scored on ``regime``."""
+    if regime not in result["regimes"]:
+        raise ValueError(f"the map has no regime {regime!r}; it has {', '.join(result['regimes'])}")
+    targets, attained = result["regimes"][regime], result["attainment_target"]
+    topologies = []
+    for name, settings in result["settings"].items():
+        requests = result["requests"].get(name)
+        if not requests or settings["kind"] == "vllm":
+            continue
+        runs = [{"rate": float(rate), "ttft": result["latency"][name][rate]["ttft"],
+                 "tpot": result["latency"][name][rate]["tpot"],
+                 "slo_attainment": sum(status == "ok" and ttft <= targets["ttft_s"]
+                                       and (tpot is None or tpot <= targets["tpot_s"])
+                                       for status, ttft, tpot in records) / len(records)}
+                for rate, records in sorted(requests.items(), key=lambda item: float(item[0]))]
+        topologies.append({"name": name, "settings": settings, "sweep": {"runs": runs},
+                           "goodput": targets["topologies"][name]["goodput"]})
+    return {"topologies": topologies, "rates": result["rates"], "attainment_target": attained,
+            "slo": f"ttft<={targets['ttft_s'] * 1e3:.0f}ms, tpot<={targets['tpot_s'] * 1e3:.1f}ms"}
 
 
 def simulate_config(config: ValidateConfig, topology: dict, rates: list[float], measured: dict,
@@ -219,6 +249,8 @@ def _ms(seconds: float | None) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     config = parse_config(ValidateConfig, argv, prog="splitserve simulate validate")
     measured = json.loads(Path(config.measured).read_text())
+    if "slo_map" in measured:
+        measured = measured_from_map(measured["slo_map"][config.map_index], config.regime)
     profile_path = config.profile
     if config.calibrate:
         profile = calibrate(config, measured)

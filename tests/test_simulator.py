@@ -190,3 +190,46 @@ def test_validation_maps_bench_compare_topologies_and_counts_rate_steps():
                               conditional_prefill_threshold=0, conditional_prefill_queue_s=2.0)}
     sim = simulate_config(config, split, [0.1], measured, str(DEFAULT_PROFILE))
     assert sim.pools == ["prefill:1", "decode:1"] and sim.conditional_prefill_queue_s == 2.0
+
+
+def test_a_slo_map_run_is_validated_as_the_plain_run_it_holds_scored_on_one_regime(tmp_path):
+    """The map's recorded requests, scored on the regime asked for, become each topology's per-rate attainment; its
+    settings say what to simulate (the hybrid with its router's targets); vLLM is left out."""
+    import json
+
+    from bench.compare_map import MapConfig, TopologyRuns, score, topologies
+    from bench.serve_metrics import RequestRecord
+    from bench.serve_run import ServeBenchConfig
+    from simulator.validate import ValidateConfig, compare, measured_from_map
+
+    def records(ttft: float, tpot: float, count: int = 10, slow: int = 0) -> list[RequestRecord]:
+        out = []
+        for i in range(count):
+            scale = 10 if i < slow else 1
+            chunks = [ttft * scale + k * tpot * scale for k in range(8)]
+            out.append(RequestRecord(i, 100, 8, 0.0, status="ok", sent_s=0.0, chunk_s=chunks, end_s=chunks[-1],
+                                     output_tokens=8))
+        return out
+
+    config = MapConfig(serve=ServeBenchConfig(), rates=[0.2, 0.4], cpus=frozenset({0, 1}), model="tiny-random",
+                       kv_cache_memory_bytes=1 << 20, ready_timeout_s=10.0, reference_rate=0.2,
+                       hybrid_regimes=("balanced",), vllm_python="/opt/vllm/bin/python")
+    plan = topologies(config, ttft0=0.5, tpot0=0.04)  # balanced: TTFT 2 s, TPOT 100 ms
+    runs = [TopologyRuns(t, {0.2: records(0.5, 0.04), 0.4: records(0.5, 0.04, slow=5)}) for t in plan]
+    result = json.loads(json.dumps(score(runs, config, 0.5, 0.04)))  # as the JSON file holds it
+    measured = measured_from_map(result, "balanced")
+    names = [t["name"] for t in measured["topologies"]]
+    assert "vllm-cpu" not in names and "hybrid-balanced" in names and "disagg-1:1" in names
+    hybrid = next(t for t in measured["topologies"] if t["name"] == "hybrid-balanced")
+    assert hybrid["settings"]["scheduling"] == "hybrid" and hybrid["settings"]["slo_tpot_s"] == 0.1
+    assert [(r["rate"], r["slo_attainment"]) for r in hybrid["sweep"]["runs"]] == [(0.2, 1.0), (0.4, 0.5)]
+    assert hybrid["goodput"] == 0.2 and measured["slo"] == "ttft<=2000ms, tpot<=100.0ms"
+    with pytest.raises(ValueError, match="no regime"):
+        measured_from_map(result, "relaxed")
+
+    validate = ValidateConfig.__new__(ValidateConfig)  # the replay reads only these fields
+    validate.profile_threads, validate.workload, validate.num_prompts, validate.seed = 1, "random", 4, 0
+    validate.max_prompt_tokens, validate.max_output_tokens = 64, 8
+    rows = compare(validate, measured, str(DEFAULT_PROFILE), log=lambda _: None)
+    assert {row["topology"] for row in rows} == {"disagg-1:1", "hybrid-balanced"}  # the 2-thread pod has no profile
+    assert all(len(row["rates"]) == 2 for row in rows)
