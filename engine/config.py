@@ -215,6 +215,13 @@ class EngineConfig:
     # float32 path's bits (docs/quantization.md). Off: those products give exactly the float32 path's results.
     int8_activations: bool = False
 
+    @property
+    def weights_format(self) -> str:
+        """The weights' format as the pods report it (``splitserve_engine_info``, the router's ``/pods``): the
+        quantization, with ``+int8-activations`` where the products over quantized weights quantize their inputs."""
+        active = self.int8_activations and self.quantization not in ("none", "auto")
+        return f"{self.quantization}+int8-activations" if active else self.quantization
+
     def __post_init__(self) -> None:
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")

@@ -167,7 +167,7 @@ class Pod:
         self.metrics = PodMetrics(self.role, self.engine.model_config.name)
         # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.
         self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype,
-                                     self.engine.config.quantization)
+                                     self.engine.config.weights_format)
         self.load_tracker = LoadTracker(self.metrics)
         self.engine_loop = EngineLoop(self.engine, observer=self.load_tracker.observe)
         self.cached_block_hashes: list[int] = []  # the prefix cache's, oldest first (Redis heartbeat)

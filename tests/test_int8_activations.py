@@ -157,3 +157,13 @@ def test_smollm2_with_int8_activations_stays_near_float32(smollm2, capsys):
     assert agreeing / len(ranks) >= MIN_ARGMAX_AGREEMENT
     assert max(ranks) <= WORST_RANK
     assert difference <= MAX_LOGIT_DIFFERENCE
+
+
+def test_the_pods_report_int8_activations_beside_the_weights_format():
+    """splitserve_engine_info's quantization label and the router's /pods say when activations are int8."""
+    from engine.config import EngineConfig
+
+    assert EngineConfig(quantization="gguf", int8_activations=True).weights_format == "gguf+int8-activations"
+    assert EngineConfig(quantization="int4", int8_activations=True).weights_format == "int4+int8-activations"
+    assert EngineConfig(quantization="gguf").weights_format == "gguf"
+    assert EngineConfig(quantization="none", int8_activations=True).weights_format == "none"  # nothing to quantize
