@@ -2,12 +2,12 @@
 ``kivi4``, ``kivi2`` keep the prompt's first ``sinks`` tokens and its last ``window`` tokens in float16, and
 ``int4`` is the 4-bit one without them (the comparison that shows what the kept tokens buy).
 
-Why: keys carry outlier *channels*, so each channel is quantized over a group of G = 32 tokens; values have no such
-structure and are quantized per (token, head) row. The first tokens are attention sinks (every later token attends
-to them) and the last prompt tokens are what the next tokens attend to most, so a few of them at 16 bits buy back
-most of the quantization error where it shows in the answer. Which tokens are kept depends on where a tensor lies
-in its prompt (``KVSpan``): the sender and the receiver both know it from the chunk's token range and the prompt's
-length, so it costs no bytes.
+Why: keys carry outlier *channels*, so each channel is quantized over a group of G tokens (``key_group``, 32 by
+default); values have no such structure and are quantized per (token, head) row. The first tokens are attention
+sinks (every later token attends to them) and the last prompt tokens are what the next tokens attend to most, so
+a few of them at 16 bits buy back most of the quantization error where it shows in the answer. Which tokens are
+kept depends on where a tensor lies in its prompt (``KVSpan``): the sender and the receiver both know it from the
+chunk's token range and the prompt's length, so it costs no bytes.
 
 Quantizing: a set of elements with range [lo, hi] is coded as q = round((x - lo) / step), step = (hi - lo) / L,
 L = 2^bits - 1, and decodes to lo + q * step: error <= step / 2.
@@ -45,7 +45,9 @@ _KEPT_BYTES = 2  # float16 per kept element
 
 
 class KiviCodec(KVCodec):
-    """``bits``-bit KIVI with ``sinks`` first and ``window`` last prompt tokens kept in float16."""
+    """``bits``-bit KIVI with ``sinks`` first and ``window`` last prompt tokens kept in float16, key channels
+    quantized over groups of ``key_group`` tokens. The registry builds each with the defaults; the other settings
+    are for measuring (scripts/codec_diagnosis.py): sender and receiver must agree on them."""
 
     name: str
     bits: int
