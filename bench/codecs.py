@@ -521,7 +521,7 @@ class CodecsBenchConfig(FiguresOutput):
     through_up: bool = field(default=False, metadata=described(
         "Instead: each codec's agreement over the real path, a splitserve up cluster per codec against the none "
         "one (bench/codecs_served.py), beside the shipped quality table's."))
-    through_up_concurrency: int = field(default=8, metadata=described(
+    through_up_concurrency: int = field(default=4, metadata=described(
         "--through-up: requests in flight at once."))
 
     def __post_init__(self) -> None:

@@ -3,12 +3,12 @@
 For each codec (``none`` first), a cluster of its own (``splitserve.launcher.Cluster``: one prefill pod, one decode
 pod, ``--kv-codec`` the codec, ``--conditional-prefill-threshold 0`` so that every prompt's KV crosses the codec,
 the pods' default cache dtype) serves the benchmark's agreement prompts as token ids, greedy, ``--tokens`` tokens,
-EOS ignored, ``--through-up-concurrency`` requests in flight. Each codec's answers are compared with the ``none``
-cluster's (agreement as in the benchmark: the share of the lossless answer's tokens before the first divergence;
-"same" = answers equal in full), and the ``none`` cluster's answers with the in-process lossless run that
-``bench codecs`` takes as its reference (``reference_run``), so that a difference between the served path and the
-benchmark shows as one. The benchmark's own agreement for the codec, from the quality table (``--quality-table``,
-the served cache dtype's), is printed beside.
+EOS ignored, ``--through-up-concurrency`` requests in flight (one the router refuses as too busy is asked again).
+Each codec's answers are compared with the ``none`` cluster's (agreement as in the benchmark: the share of the
+lossless answer's tokens before the first divergence; "same" = answers equal in full), and the ``none`` cluster's
+answers with the in-process lossless run that ``bench codecs`` takes as its reference (``reference_run``), so that
+a difference between the served path and the benchmark shows as one. The benchmark's own agreement for the codec,
+from the quality table shipped for the model (kvtransfer/quality/, the served cache dtype's), is printed beside.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from splitserve.launcher import Cluster, UpConfig
 
 REQUEST_TIMEOUT_S = 900.0
+BUSY_RETRY_S = 5.0  # the router refuses a prompt that would queue past its max_queue_time_s: ask again this later
 
 
 def served_answers(model: str, codec: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
@@ -51,6 +52,16 @@ def served_answers(model: str, codec: str, prompts: list[list[int]], max_tokens:
 def _generate(stub, prompt: list[int], max_tokens: int) -> list[int]:
     params = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), sampling_params=params)
+    while True:
+        try:
+            return _stream(stub, request)
+        except grpc.RpcError as err:  # refused before its first token: nothing was generated yet
+            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+        time.sleep(BUSY_RETRY_S)
+
+
+def _stream(stub, request: generate_pb2.GenerateRequest) -> list[int]:
     tokens: list[int] = []
     for response in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
         kind = response.WhichOneof("response")
