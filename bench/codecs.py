@@ -518,19 +518,31 @@ class CodecsBenchConfig(FiguresOutput):
     repeat: int = field(default=10, metadata=described("Encode/decode timing runs (best is kept)."))
     quality_table: str = field(default="", metadata=described(
         "Also write the quality table the prefill pods read (e.g. kvtransfer/quality/smollm2-135m.json)."))
+    through_up: bool = field(default=False, metadata=described(
+        "Instead: each codec's agreement over the real path, a splitserve up cluster per codec against the none "
+        "one (bench/codecs_served.py), beside the shipped quality table's."))
+    through_up_concurrency: int = field(default=4, metadata=described(
+        "--through-up: requests in flight at once."))
 
     def __post_init__(self) -> None:
         check_kv_codecs("codecs", self.codecs)
         if not self.cache_dtypes or not set(self.cache_dtypes) <= set(ENGINE_CACHE_DTYPES):
             raise ValueError(f"cache_dtypes must name some of {', '.join(ENGINE_CACHE_DTYPES)}, "
                              f"got {self.cache_dtypes!r}")
-        if min(self.prompts, self.tokens, self.windows, self.repeat) < 1:
-            raise ValueError("prompts, tokens, windows and repeat must be >= 1")
+        if min(self.prompts, self.tokens, self.windows, self.repeat, self.through_up_concurrency) < 1:
+            raise ValueError("prompts, tokens, windows, repeat and through_up_concurrency must be >= 1")
 
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(CodecsBenchConfig, argv, prog="splitserve bench codecs")
     codecs = ["none", *(name for name in config.codecs if name != "none")]
+    if config.through_up:
+        from bench import codecs_served  # it builds on this module
+
+        results = codecs_served.run(config.model, codecs, config.prompts, config.tokens,
+                                    config.through_up_concurrency)
+        save_results(results, config.json)
+        return results
     runs = {dtype: run(config.model, codecs, dtype, config.prompts, config.tokens, config.windows, config.repeat)
             for dtype in config.cache_dtypes}
     results = {"model": config.model, "prompts": config.prompts, "tokens": config.tokens, "windows": config.windows,

@@ -45,6 +45,19 @@ def test_codecs_bench_measures_every_codec_against_the_lossless_one_per_cache_dt
 
 
 @pytest.mark.e2e
+def test_codecs_bench_through_up_compares_each_codec_cluster_with_the_lossless_one(tmp_path):
+    out = tmp_path / "served.json"
+    codecs_bench.main(["--through-up", "--model", "tiny-random", "--codecs", "none,kivi2", "--prompts", "2",
+                       "--tokens", "8", "--json", str(out)])
+    figures = json.loads(out.read_text())["codecs"]
+    assert list(figures) == ["none", "kivi2"]
+    # The lossless path through the pods gives the benchmark's in-process reference, token for token.
+    assert (figures["none"]["agreement"], figures["none"]["identical"]) == (1.0, 2)
+    assert figures["kivi2"]["against"] == "none through splitserve up"
+    assert 0 <= figures["kivi2"]["agreement"] <= 1 and 0 <= figures["kivi2"]["identical"] <= 2
+
+
+@pytest.mark.e2e
 def test_transfer_bench_measures_overlap_on_and_off_per_codec(tmp_path):
     out, png = tmp_path / "transfer.json", tmp_path / "transfer.png"
     transfer_bench.main(["--model", "tiny-random", "--codecs", "none,int8+zstd", "--prompt-tokens", "64",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvtransfer import EncodedKV, KVSpan, available_codecs, get_codec
+from kvtransfer.codecs.kivi import Kivi4Codec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM = 3, 64  # SmolLM2-135M's KV layout
@@ -181,14 +182,17 @@ def test_int4_values_error_is_within_half_a_step_of_each_row(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_int4_keys_error_is_within_half_a_step_of_each_channel_group(dtype):
-    codec = get_codec("int4")
+@pytest.mark.parametrize("key_group", [KEY_GROUP, 16, 5])  # int4's default, then KIVI's key_group setting
+def test_int4_keys_error_is_within_half_a_step_of_each_channel_group(dtype, key_group):
+    codec = get_codec("int4") if key_group == KEY_GROUP else Kivi4Codec(sinks=0, window=0, key_group=key_group)
     for tokens in TOKEN_COUNTS:
         x = kv_like(tokens, "k", dtype, seed=tokens)
-        decoded = codec.decode(codec.encode(x, "k"))
+        encoded = codec.encode(x, "k")
+        assert encoded.nbytes == sum(codec.encoded_nbytes(tuple(x.shape), "k", encoded.dtype))
+        decoded = codec.decode(encoded)
         x32 = x.float()
-        for start in range(0, tokens, KEY_GROUP):  # groups of 32 tokens, the last one shorter
-            group, group_decoded = x32[start : start + KEY_GROUP], decoded[start : start + KEY_GROUP]
+        for start in range(0, tokens, key_group):  # groups of key_group tokens, the last one shorter
+            group, group_decoded = x32[start : start + key_group], decoded[start : start + key_group]
             channel_lo, channel_hi = group.amin(0), group.amax(0)  # [H, D]
             head_lo, head_hi = channel_lo.amin(-1, keepdim=True), channel_hi.amax(-1, keepdim=True)  # [H, 1]
             head_range = head_hi - head_lo + 2.0**-10 * (head_lo.abs() + head_hi.abs())  # float16, outward

@@ -2,12 +2,12 @@
 ``kivi4``, ``kivi2`` keep the prompt's first ``sinks`` tokens and its last ``window`` tokens in float16, and
 ``int4`` is the 4-bit one without them (the comparison that shows what the kept tokens buy).
 
-Why: keys carry outlier *channels*, so each channel is quantized over a group of G = 32 tokens; values have no such
-structure and are quantized per (token, head) row. The first tokens are attention sinks (every later token attends
-to them) and the last prompt tokens are what the next tokens attend to most, so a few of them at 16 bits buy back
-most of the quantization error where it shows in the answer. Which tokens are kept depends on where a tensor lies
-in its prompt (``KVSpan``): the sender and the receiver both know it from the chunk's token range and the prompt's
-length, so it costs no bytes.
+Why: keys carry outlier *channels*, so each channel is quantized over a group of G tokens (``key_group``, 32 by
+default); values have no such structure and are quantized per (token, head) row. The first tokens are attention
+sinks (every later token attends to them) and the last prompt tokens are what the next tokens attend to most, so
+a few of them at 16 bits buy back most of the quantization error where it shows in the answer. Which tokens are
+kept depends on where a tensor lies in its prompt (``KVSpan``): the sender and the receiver both know it from the
+chunk's token range and the prompt's length, so it costs no bytes.
 
 Quantizing: a set of elements with range [lo, hi] is coded as q = round((x - lo) / step), step = (hi - lo) / L,
 L = 2^bits - 1, and decodes to lo + q * step: error <= step / 2.
@@ -45,20 +45,23 @@ _KEPT_BYTES = 2  # float16 per kept element
 
 
 class KiviCodec(KVCodec):
-    """``bits``-bit KIVI with ``sinks`` first and ``window`` last prompt tokens kept in float16."""
+    """``bits``-bit KIVI with ``sinks`` first and ``window`` last prompt tokens kept in float16, key channels
+    quantized over groups of ``key_group`` tokens. The registry builds each with the defaults; the other settings
+    are for measuring (scripts/codec_diagnosis.py): sender and receiver must agree on them."""
 
     name: str
     bits: int
 
-    def __init__(self, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW):
-        if sinks < 0 or window < 0:
-            raise ValueError(f"sinks and window must be >= 0, got {sinks}, {window}")
+    def __init__(self, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW, key_group: int = KEY_GROUP_TOKENS):
+        if sinks < 0 or window < 0 or key_group < 1:
+            raise ValueError(f"sinks and window must be >= 0 and key_group >= 1, got {sinks}, {window}, {key_group}")
         self.sinks = sinks
         self.window = window
+        self.key_group = key_group
         self.levels = (1 << self.bits) - 1
 
     def bytes_per_element(self, head_dim: int, cache_dtype: torch.dtype = torch.float32) -> float:
-        key = self.bits / 8 + (_ENDS_BYTES + 2 * head_dim) / (KEY_GROUP_TOKENS * head_dim)
+        key = self.bits / 8 + (_ENDS_BYTES + 2 * head_dim) / (self.key_group * head_dim)
         value = self.bits / 8 + _ENDS_BYTES / head_dim
         return (key + value) / 2
 
@@ -70,7 +73,7 @@ class KiviCodec(KVCodec):
         payload = -(-middle * heads * head_dim * self.bits // 8) + (head + tail) * heads * head_dim * _KEPT_BYTES
         if kind == "v":
             return payload, middle * heads * _ENDS_BYTES
-        groups = -(-middle // KEY_GROUP_TOKENS)
+        groups = -(-middle // self.key_group)
         return payload, groups * heads * (_ENDS_BYTES + 2 * head_dim)
 
     def kept_rows(self, tokens: int, span: KVSpan | None) -> tuple[int, int]:
@@ -125,7 +128,7 @@ class KiviCodec(KVCodec):
 
     def _encode_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, bytes]:
         """x: [M, H, D] float32 -> codes [M, H, D] uint8 and the scales bytes."""
-        groups = _token_groups(x)  # [n_i, g_i, H, D] views
+        groups = _token_groups(x, self.key_group)  # [n_i, g_i, H, D] views
         lo = torch.cat([group.amin(dim=1) for group in groups])  # [n, H, D] per channel
         hi = torch.cat([group.amax(dim=1) for group in groups])
         head_lo = round_down_to_float16(lo.amin(dim=-1, keepdim=True))  # [n, H, 1]
@@ -140,13 +143,13 @@ class KiviCodec(KVCodec):
 
     def _decode_keys(self, codes: torch.Tensor, scales: bytes) -> torch.Tensor:
         tokens, heads, head_dim = codes.shape
-        groups = -(-tokens // KEY_GROUP_TOKENS)
+        groups = -(-tokens // self.key_group)
         split = groups * heads * _ENDS_BYTES
         ends = tensor_from_bytes(scales[:split], torch.float16, (groups, heads, 2), codes.device).float()
         range_codes = tensor_from_bytes(scales[split:], torch.uint8, (groups, heads, head_dim, 2), codes.device)
         channel_lo, channel_hi = _channel_range(range_codes[..., 0], range_codes[..., 1], ends[..., :1],
                                                 ends[..., 1:])
-        return _per_group(_token_groups(codes), channel_lo, channel_hi, self._dequantize)
+        return _per_group(_token_groups(codes, self.key_group), channel_lo, channel_hi, self._dequantize)
 
     def _quantize(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """float32 x within [lo, hi] (broadcast) -> uint8 codes 0..L."""
@@ -204,12 +207,13 @@ def _channel_range(
     return head_lo + lo_code.float() * step, head_lo + hi_code.float() * step
 
 
-def _token_groups(t: torch.Tensor) -> list[torch.Tensor]:
-    """[T, ...] -> views [n, G, ...] of the full groups, then [1, T % G, ...] of the tail, in token order."""
-    full = t.shape[0] // KEY_GROUP_TOKENS * KEY_GROUP_TOKENS
+def _token_groups(t: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """[T, ...] -> views [n, G, ...] of the full groups of G = ``size`` tokens, then [1, T % G, ...] of the tail,
+    in token order."""
+    full = t.shape[0] // size * size
     groups = []
     if full:
-        groups.append(t[:full].unflatten(0, (-1, KEY_GROUP_TOKENS)))
+        groups.append(t[:full].unflatten(0, (-1, size)))
     if full < t.shape[0]:
         groups.append(t[full:].unsqueeze(0))
     return groups
