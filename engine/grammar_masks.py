@@ -22,7 +22,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: it imports torch.compile's machinery, seconds of every pod's start
 import torch
 
 from engine.sequence import Sequence
@@ -49,13 +49,13 @@ class GrammarMasks:
     def masks(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         """{request_id: [V] bool}, True where the token is allowed next."""
         matchers = [self._caught_up(seq) for seq in seqs]
-        bitmask = torch.full(llguidance.torch.get_bitmask_shape(len(seqs), self.vocab_size), -1, dtype=torch.int32)
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(seqs), self.vocab_size)  # every bit set
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         working = [(matcher, i) for i, matcher in enumerate(matchers) if not matcher.is_error()]
         if working:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, working, bitmask)
-        allowed = unpack_bitmask(bitmask, self.vocab_size)  # [R, V]
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, working, bitmask)
+        allowed = unpack_bitmask(torch.from_numpy(bitmask), self.vocab_size)  # [R, V]
         for i, matcher in enumerate(matchers):
             if matcher.is_error():
                 allowed[i] = False
