@@ -22,8 +22,8 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.numpy  # not llguidance.torch: that one torch.compiles at import (~120 MiB of a pod's memory)
-import numpy as np
+# Not llguidance.torch: it imports torch.compile's machinery (seconds of every pod's start, ~120 MiB of its memory).
+import llguidance.numpy
 import torch
 
 from engine.sequence import Sequence
@@ -50,7 +50,7 @@ class GrammarMasks:
     def masks(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         """{request_id: [V] bool}, True where the token is allowed next."""
         matchers = [self._caught_up(seq) for seq in seqs]
-        bitmask = np.full(llguidance.numpy.get_bitmask_shape(len(seqs), self.vocab_size), -1, dtype=np.int32)
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(seqs), self.vocab_size)  # every bit set
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         working = [(matcher, i) for i, matcher in enumerate(matchers) if not matcher.is_error()]

@@ -23,7 +23,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
@@ -312,8 +311,10 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = products.linear("embed_tokens", config.hidden_size, config.vocab_size, False, dtype,
                                                 device, self.kernels)
         else:
-            self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype,
-                                          device=device)
+            # Left uninitialized (from_state_dict loads it): not skip_init, whose meta-device init imports torch's
+            # compiler (torch._dynamo), seconds of every engine's start.
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+                config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device, self.kernels,
                          Products(_layer_formats(products.formats, i), int8_activations))

@@ -61,7 +61,8 @@ class RouterConfig:
         "Where pods are found: 'static' (the *_pods lists) or 'redis' (pods register themselves)."))
     redis_url: str = field(default="redis://localhost:6379/0", metadata=described("Redis registry: server URL."))
     pod_ttl_s: float = field(default=10.0, metadata=described(
-        "Redis registry: a pod whose heartbeat is older than this is dropped."))
+        "Redis registry: the pods' key TTL; after the Redis server restarted empty, the router keeps the pods it "
+        "knew this long while their heartbeats write their keys again."))
     policy: PolicyName = field(default=PolicyName.LEAST_LOADED, metadata=described("Routing policy."))
     kv_codec: str = field(default="none", metadata=described(
         "KV codec prefill pods compress each request's KV with: none, bf16, fp8, int8, int4, kivi8, kivi4, kivi2, "

@@ -91,6 +91,9 @@ class UpConfig:
     registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
         "'static' (the router gets the pod list) or 'redis' (a local redis-server; pods heartbeat into it)."))
     redis_port: int = field(default=6379, metadata=described("Port of the local redis-server (--registry redis)."))
+    heartbeat_ttl_s: float = passed_to(PodConfig, name="heartbeat_ttl_s", help=(
+        "Redis registry: expiry of each pod's key (the pods heartbeat three times per TTL)."))
+    pod_ttl_s: float = passed_to(RouterConfig, name="pod_ttl_s")
     prometheus: bool = field(default=True, metadata=described("Start Prometheus scraping every process, if installed."))
     prometheus_port: int = field(default=9090, metadata=described("Prometheus web port."))
     # What each pod's engine gets (PodConfig's defaults and help, passed as its flags): the colocated baseline is

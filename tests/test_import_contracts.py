@@ -89,3 +89,25 @@ def test_the_router_process_loads_no_torch():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+ENGINE_PROCESS = """
+import sys
+import decode_service.server, prefill_service.server
+from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutput
+llm = LLM(model="tiny-random", kv_cache_memory_bytes=16 << 20)
+[out] = llm.generate(["pick"], SamplingParams(max_tokens=4, structured_output=StructuredOutput(choice=("yes", "no"))))
+assert out.text in ("yes", "no"), out.text
+print(sorted(name for name in ("torch._dynamo", "torch._inductor") if name in sys.modules))
+"""
+
+
+def test_no_engine_process_imports_torchs_compiler():
+    """``torch._dynamo`` and ``torch._inductor`` (torch.compile's machinery, with sympy and networkx) cost seconds of
+    every pod's, benchmark worker's and offline engine's start, and none of them compiles: a pod's modules, an engine
+    built and a guided request served leave them unimported (``llguidance.torch`` and ``skip_init`` imported them)."""
+    result = subprocess.run([sys.executable, "-c", ENGINE_PROCESS], cwd=REPO, env={"PYTHONPATH": str(REPO)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -124,7 +124,8 @@ def test_every_pod_and_the_router_accept_the_flags_the_launcher_builds(tmp_path)
     config = UpConfig(model="tiny-random", prefill=1, decode=1, mixed=1, max_num_batched_tokens=256,
                       max_num_seqs=8, long_prefill_token_threshold=128, shutdown_grace_s=3.0,
                       mixed_cpus=format_cpu_list(allowed_cpus()), kv_codec="int8", run_dir=str(tmp_path),
-                      prefill_quantization="none", decode_quantization="gguf", mixed_quantization="int8")
+                      prefill_quantization="none", decode_quantization="gguf", mixed_quantization="int8",
+                      heartbeat_ttl_s=3.0, pod_ttl_s=4.0)
     cluster = Cluster(config)
     by_role = {pod.role: pod for pod in cluster.pods}
     prefill = parse_config(PrefillConfig, cluster._pod_flags(by_role[P]), env={})
@@ -132,8 +133,8 @@ def test_every_pod_and_the_router_accept_the_flags_the_launcher_builds(tmp_path)
     mixed = parse_config(DecodeConfig, cluster._pod_flags(by_role[M]), env={})
     for pod_config in (prefill, decode, mixed):
         assert (pod_config.model, pod_config.max_num_batched_tokens, pod_config.max_num_seqs,
-                pod_config.long_prefill_token_threshold, pod_config.shutdown_grace_s) == (
-            "tiny-random", 256, 8, 128, 3.0)
+                pod_config.long_prefill_token_threshold, pod_config.shutdown_grace_s, pod_config.heartbeat_ttl_s) == (
+            "tiny-random", 256, 8, 128, 3.0, 3.0)
     assert (decode.role, mixed.role) == ("decode", "mixed")
     # Each role's pods get their own weight format, as the one --quantization flag of their config.
     assert [c.engine_config().quantization for c in (prefill, decode, mixed)] == ["none", "gguf", "int8"]
@@ -141,8 +142,8 @@ def test_every_pod_and_the_router_accept_the_flags_the_launcher_builds(tmp_path)
         placement = cluster.cpu_plan[name]
         assert (pod_config.cpus, pod_config.num_threads) == (format_cpu_list(placement.cpus), placement.threads)
     router = parse_config(RouterConfig, cluster._router_flags(), env={})
-    assert (router.decode_pods, router.mixed_pods, router.kv_codec) == (
-        [cluster.address(by_role[D])], [cluster.address(by_role[M])], "int8")
+    assert (router.decode_pods, router.mixed_pods, router.kv_codec, router.pod_ttl_s) == (
+        [cluster.address(by_role[D])], [cluster.address(by_role[M])], "int8", 4.0)
     assert router.cpus == ""  # the router floats
 
 

@@ -34,7 +34,8 @@ from tests.test_e2e_serving import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-# The one-format case runs for each of these; none everywhere is tests/test_e2e_serving.py's cluster already.
+# The one-format case runs for each of these. gguf everywhere is what the session's SmolLM2 cluster (``smollm2_up``,
+# tests/test_e2e_serving.py's) runs where the native kernels do (its pods' ``auto``): then it is the cluster checked.
 ONE_FORMAT = ["gguf"]
 # (prefill pods' format, decode pods' format): float prefill, decode on the GGUF file's own blocks.
 MIXED_FORMATS = ("none", "gguf")
@@ -49,6 +50,13 @@ def _start(start_cluster, run_dir, prefill_quantization: str, decode_quantizatio
 
 @pytest.fixture(scope="module", params=ONE_FORMAT)
 def one_format(request, tmp_path_factory, start_cluster):
+    """A cluster whose pods all run the format: the session's SmolLM2 cluster when they resolved ``auto`` to it (its
+    speculation keeps greedy answers exact), else one of its own."""
+    shared = request.getfixturevalue("smollm2_up")
+    if _formats(shared) == {("prefill", request.param), ("decode", request.param)}:
+        assert shared.config.conditional_prefill_threshold == THRESHOLD
+        yield request.param, shared
+        return
     cluster = _start(start_cluster, tmp_path_factory.mktemp(f"one-{request.param}"), request.param, request.param)
     yield request.param, cluster
     cluster.stop()
@@ -62,15 +70,16 @@ def mixed_formats(tmp_path_factory, start_cluster):
 
 
 def _offline(smollm2, quantization: str) -> LLM:
-    """The offline engine with ``quantization``: the session's float one for none, else its own."""
-    if quantization == "none":
+    """The offline engine with ``quantization``: the session's when it resolved ``auto`` to it, else its own."""
+    if smollm2.engine.config.quantization == quantization:
         return smollm2
     return LLM(model="smollm2-135m", quantization=quantization, kv_cache_memory_bytes=256 << 20)
 
 
-def _pods(cluster: Cluster) -> list[dict]:
+def _formats(cluster: Cluster) -> set[tuple[str, str]]:
+    """(role, weight format) of the cluster's pods, as the router's ``/pods`` reports them."""
     with urllib.request.urlopen(f"{_http(cluster)}/pods", timeout=10) as reply:
-        return json.load(reply)["pods"]
+        return {(pod["role"], pod["quantization"]) for pod in json.load(reply)["pods"]}
 
 
 def test_with_one_format_everywhere_answers_equal_the_offline_engine_with_that_format(one_format, smollm2):
@@ -81,8 +90,7 @@ def test_with_one_format_everywhere_answers_equal_the_offline_engine_with_that_f
         assert (tokens, text) == (reference.token_ids, reference.text), f"gRPC, {quantization}: {prompt!r}"
         choice = _http_completion(cluster, prompt)["choices"][0]
         assert choice["text"] == reference.text, f"HTTP, {quantization}: {prompt!r}"
-    assert {(pod["role"], pod["quantization"]) for pod in _pods(cluster)} == {
-        ("prefill", quantization), ("decode", quantization)}
+    assert _formats(cluster) == {("prefill", quantization), ("decode", quantization)}
 
 
 def test_prefill_and_decode_pods_of_different_formats_serve_together(mixed_formats):
@@ -92,8 +100,7 @@ def test_prefill_and_decode_pods_of_different_formats_serve_together(mixed_forma
         assert 0 < len(tokens) == complete.usage.completion_tokens <= MAX_TOKENS and text, prompt
         choice = _http_completion(mixed_formats, prompt)["choices"][0]
         assert choice["finish_reason"] in ("length", "stop") and choice["text"], prompt
-    assert {(pod["role"], pod["quantization"]) for pod in _pods(mixed_formats)} == {
-        ("prefill", prefill_format), ("decode", decode_format)}
+    assert _formats(mixed_formats) == {("prefill", prefill_format), ("decode", decode_format)}
     for role, quantization in (("prefill", prefill_format), ("decode", decode_format)):
         samples = _metrics(_pod_metrics_url(mixed_formats, role))
         assert _value(samples, "splitserve_engine_info", role=role, quantization=quantization) == 1, role

@@ -21,6 +21,8 @@ import pytest
 
 from deploy.grafana.dashboards import DASHBOARDS, OUT_DIR
 from deploy.grafana.snapshot import grafana_expr, legend, query as _query
+from splitserve.launcher import Cluster, UpConfig
+from tests.deploy.test_dashboards_e2e import _wait_scraped_since
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]
 
@@ -48,11 +50,12 @@ def _complete(http: str, prompt: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory, start_cluster, free_ports):
-    """(Prometheus URL, the pods' addresses) once a few requests went through and were scraped."""
+def scraped(tmp_path_factory, free_ports):
+    """(Prometheus URL, the pods' addresses) once a few requests went through and were scraped. Prometheus starts
+    first, on the planned ports, while the pods load."""
     run_dir = tmp_path_factory.mktemp("k8s-labels")
-    cluster = start_cluster(run_dir, model="tiny-random", prefill=1, decode=2, prometheus=False,
-                            conditional_prefill_threshold=4)
+    cluster = Cluster(UpConfig.on_ports(run_dir=str(run_dir), model="tiny-random", prefill=1, decode=2,
+                                        prometheus=False, conditional_prefill_threshold=4))
     port = free_ports(1)
     c = cluster.config
     targets = {f"{c.host}:{c.http_port}": "demo-splitserve-router-5d8c7b9f4-x2x7q"}
@@ -65,13 +68,15 @@ def scraped(tmp_path_factory, start_cluster, free_ports):
                                   stderr=(run_dir / "prometheus.log").open("w"))
     url = f"http://{c.host}:{port}"
     try:
+        cluster.start()
+        cluster.wait_ready(log=lambda *_: None)
         http = f"http://{c.host}:{c.http_port}"
         for i in range(8):
             _complete(http, "The fox jumps over the lazy dog and runs far away" if i % 2 else "Hi")
         deadline = time.monotonic() + 60
         while not _query_ok(url, "splitserve_router_pod_healthy") and time.monotonic() < deadline:
-            time.sleep(1)
-        time.sleep(4)  # a few scrapes after the last request
+            time.sleep(0.2)
+        _wait_scraped_since(url, time.time())  # scrapes of every target after the last request
         yield url, {cluster.address(pod) for pod in cluster.pods}
     finally:
         prometheus.terminate()

@@ -46,8 +46,6 @@ from live_cluster import (
 )
 
 from protos.splitserve.v1 import common_pb2, generate_pb2_grpc
-from router.config import RouterConfig
-from runtime.pod import PodConfig
 from runtime.registry import pod_key
 
 LONG = 300  # output tokens of a stream to disturb: it runs for a second or more
@@ -56,9 +54,15 @@ LOAD_PROMPTS = prompts(6, 48, seed=1)  # longer than the conditional-prefill thr
 STREAM_PROMPT = prompts(1, 40, seed=2)[0]
 
 
+# The registry's TTLs (a pod's key, the router's grace after a Redis restart), shorter than their 10 s defaults so
+# that the Redis faults below, which must outlast them, take seconds less; a heartbeat still comes every second.
+POD_TTL_S = 3.0
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, start_cluster):
-    running = start_cluster(tmp_path_factory.mktemp("pod-faults"), **TINY, prefill=1, decode=3, registry="redis")
+    running = start_cluster(tmp_path_factory.mktemp("pod-faults"), **TINY, prefill=1, decode=3, registry="redis",
+                            heartbeat_ttl_s=POD_TTL_S, pod_ttl_s=POD_TTL_S)
     yield running
     running.stop()
 
@@ -265,9 +269,8 @@ def test_clients_going_away_at_every_stage_leave_every_block_free(cluster, answe
     assert stream(cluster, LOAD_PROMPTS[1], SHORT).token_ids == answers[0][1]
 
 
-# A Redis fault must outlast what could make the router forget a pod: a pod's key expiring (its TTL; the router's
-# own pod_ttl_s after a restart), a Redis call timing out, and a scan after each of them.
-POD_TTL_S = max(PodConfig.heartbeat_ttl_s, RouterConfig.pod_ttl_s)
+# A Redis fault must outlast what could make the router forget a pod: a pod's key expiring (POD_TTL_S; the router's
+# own pod_ttl_s after a restart), a Redis call timing out (the router's 2 s socket timeout), and a scan after each.
 REGISTRY_FAULT_S = POD_TTL_S + 3.0
 LOOK_EVERY_S = 0.5  # twice per scan of the router's Redis registry (every second)
 
@@ -317,9 +320,10 @@ def test_a_redis_server_restarted_empty_loses_no_request(cluster, answers):
     assert background.failures() == []
     assert registry_changes(cluster) == changes, "a pod was dropped from the registry and added again"
     client = redis.Redis(host=cluster.config.host, port=cluster.config.redis_port)
-    try:  # the new redis-server holds every pod's key again, written by its heartbeat
-        assert set(client.keys("splitserve:pods:*")) == {pod_key(p.role, cluster.address(p)).encode()
-                                                         for p in cluster.pods}
+    try:  # the new redis-server holds every pod's key again, written by its heartbeat, with the cluster's TTL
+        keys = {pod_key(p.role, cluster.address(p)).encode() for p in cluster.pods}
+        assert set(client.keys("splitserve:pods:*")) == keys
+        assert all(0 < client.pttl(key) <= POD_TTL_S * 1000 for key in keys)
     finally:
         client.close()
 
