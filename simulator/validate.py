@@ -10,7 +10,10 @@ workload (the same trace rows, seed, caps and rates), topology by topology.
    on M CPUs needs a profile of M threads (``--profile`` is one of
    ``--profile-threads``; other topologies are reported as not simulated).
 2. ``--calibrate``: what a bench does not see is fitted on one point of the run, the lowest rate of
-   ``--calibrate-on``: a factor on every step time (the pods' share of a loaded machine, the pod loop) so that the
+   ``--calibrate-on``: a factor on every step time (``--calibrate-as factor``: the pods' share of a loaded machine)
+   or a time added to every step (``overhead``: the pod loop's own time per step, and a multi-threaded pod's
+   threads waiting on a core the router or the load generator holds, which a bench of the engine alone does not
+   see and which does not grow with the step's work), so that the
    predicted TPOT median meets the measured one, then ``router_s`` so that the TTFT median does (llm-d's BLIS fits
    its overheads from a real run too). Every other point of the run is a prediction. ``--profile-out`` saves the
    calibrated profile.
@@ -51,6 +54,8 @@ class ValidateConfig:
         "Fit the step and router overheads on one point of the run first."))
     calibrate_on: str = field(default="disagg-1:1", metadata=described(
         "The topology whose lowest rate the overheads are fitted on."))
+    calibrate_as: str = field(default="factor", metadata=described(
+        "What TPOT is fitted with: 'factor' (every step time scaled) or 'overhead' (a time added to every step)."))
     profile_out: str = field(default="", metadata=described("Write the calibrated profile here."))
     workload: str = field(default=str(AZURE_CONV), metadata=described("bench compare's --workload."))
     num_prompts: int = field(default=DEFAULTS["num_prompts"], metadata=described("bench compare's --num-prompts."))
@@ -63,6 +68,8 @@ class ValidateConfig:
     json: str = field(default="", metadata=described("Also write the comparison to this JSON file."))
 
     def __post_init__(self) -> None:
+        if self.calibrate_as not in ("factor", "overhead"):
+            raise ValueError(f"calibrate_as must be factor or overhead, got {self.calibrate_as!r}")
         if not self.measured or not Path(self.measured).is_file():
             raise ValueError(f"--measured must name bench compare's JSON output, got {self.measured!r}")
 
@@ -142,20 +149,27 @@ def calibrate(config: ValidateConfig, measured: dict, log=print) -> PhaseProfile
             profile.save(path)
             return simulate_rate(simulate_config(config, topology, [run["rate"]], measured, str(path)), run["rate"])
 
-    # TPOT is close to linear in the step times: a secant step on the factor, then corrections.
-    slowdown = 1.0
-    for _ in range(3):
-        low = predicted(base.scaled(1 / slowdown))["tpot"]["p50"]
-        high = predicted(base.scaled(1 / (slowdown * 1.1)))["tpot"]["p50"]
-        slowdown = max(0.1, slowdown + (target_tpot - low) * slowdown * 0.1 / (high - low))
-    profile = base.scaled(1 / slowdown)
+    if config.calibrate_as == "overhead":
+        # TPOT grows one for one with a time added to every step: a few corrections converge.
+        overhead = 0.0
+        for _ in range(3):
+            tpot = predicted(dataclasses.replace(base, step_overhead_s=overhead))["tpot"]["p50"]
+            overhead = max(0.0, overhead + target_tpot - tpot)
+        profile, fitted = dataclasses.replace(base, step_overhead_s=overhead), f"{overhead * 1e3:.1f} ms per step"
+    else:
+        # TPOT is close to linear in the step times: a secant step on the factor, then corrections.
+        slowdown = 1.0
+        for _ in range(3):
+            low = predicted(base.scaled(1 / slowdown))["tpot"]["p50"]
+            high = predicted(base.scaled(1 / (slowdown * 1.1)))["tpot"]["p50"]
+            slowdown = max(0.1, slowdown + (target_tpot - low) * slowdown * 0.1 / (high - low))
+        profile, fitted = base.scaled(1 / slowdown), f"step times x {slowdown:.2f}"
     router_s = max(0.0, target_ttft - predicted(profile)["ttft"]["p50"])
-    profile = dataclasses.replace(profile, router_s=router_s, note=f"{base.note}; step times x {slowdown:.2f} and "
-                                  f"router overhead fitted by simulate validate on {config.calibrate_on} at "
-                                  f"{run['rate']:g} req/s of {Path(config.measured).name}")
-    log(f"calibrated on {config.calibrate_on} at {run['rate']:g} req/s: step times x {slowdown:.2f}, "
-        f"router {router_s * 1e3:.0f} ms (measured TTFT p50 {target_ttft * 1e3:.0f} ms, TPOT p50 "
-        f"{target_tpot * 1e3:.1f} ms)")
+    profile = dataclasses.replace(profile, router_s=router_s, note=f"{base.note}; {fitted} and router overhead "
+                                  f"fitted by simulate validate on {config.calibrate_on} at {run['rate']:g} req/s of "
+                                  f"{Path(config.measured).name}")
+    log(f"calibrated on {config.calibrate_on} at {run['rate']:g} req/s: {fitted}, router {router_s * 1e3:.0f} ms "
+        f"(measured TTFT p50 {target_ttft * 1e3:.0f} ms, TPOT p50 {target_tpot * 1e3:.1f} ms)")
     return profile
 
 

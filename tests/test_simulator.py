@@ -4,6 +4,8 @@ real scheduler, the profile fit on synthetic points, and ``splitserve simulate``
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +16,7 @@ from engine.scheduler import Scheduler
 from router.policies import LocalPrefill, make_policy
 from runtime.roles import Role
 from simulator.cluster import ClusterSpec, PodPool, SimCluster
-from simulator.run import DEFAULT_PROFILE
+from simulator.run import DEFAULT_PROFILE, simulate_rate
 
 PREFILL_A, PREFILL_B, DECODE_A = 0.1, 0.001, 0.02
 
@@ -233,3 +235,30 @@ def test_a_slo_map_run_is_validated_as_the_plain_run_it_holds_scored_on_one_regi
     rows = compare(validate, measured, str(DEFAULT_PROFILE), log=lambda _: None)
     assert {row["topology"] for row in rows} == {"disagg-1:1", "hybrid-balanced"}  # the 2-thread pod has no profile
     assert all(len(row["rates"]) == 2 for row in rows)
+
+
+@pytest.mark.parametrize("calibrate_as", ["factor", "overhead"])
+def test_calibration_meets_the_measured_tpot_it_was_fitted_on(calibrate_as):
+    """A run measured 4 ms per token slower than the profile predicts: either fit brings the prediction to it; the
+    overhead fit finds the 4 ms as a time per step and leaves the step forms alone."""
+    from simulator.validate import ValidateConfig, calibrate, simulate_config
+
+    config = ValidateConfig.__new__(ValidateConfig)  # the calibration reads only these fields
+    config.profile, config.profile_threads, config.calibrate_on = str(DEFAULT_PROFILE), 1, "disagg-1:1"
+    config.workload, config.num_prompts, config.seed, config.measured = "random", 6, 0, "run.json"
+    config.max_prompt_tokens, config.max_output_tokens, config.calibrate_as = 64, 16, calibrate_as
+    split = {"name": "disagg-1:1", "settings": dict(prefill=1, decode=1, mixed=0, prefill_cpus="0", decode_cpus="1",
+                                                     conditional_prefill_threshold=0)}
+    measured = {"slo": "ttft<=4000ms, tpot<=100ms", "attainment_target": 0.9, "topologies": [split]}
+    base = simulate_rate(simulate_config(config, split, [0.2], measured, str(DEFAULT_PROFILE)), 0.2)
+    target = base["tpot"]["p50"] + 0.004
+    split["sweep"] = {"runs": [{"rate": 0.2, "tpot": {"p50": target}, "ttft": {"p50": base["ttft"]["p50"] + 0.1}}]}
+    profile = calibrate(config, measured, log=lambda _: None)
+    with tempfile.TemporaryDirectory() as folder:
+        path = str(Path(folder) / "calibrated.json")
+        profile.save(path)
+        after = simulate_rate(simulate_config(config, split, [0.2], measured, path), 0.2)
+    assert after["tpot"]["p50"] == pytest.approx(target, rel=0.03)
+    if calibrate_as == "overhead":
+        assert profile.step_overhead_s == pytest.approx(0.004, abs=0.0005)
+        assert profile.decode == PhaseProfile.load(DEFAULT_PROFILE).decode
