@@ -329,7 +329,7 @@ def plot_map(results: list[dict], path: str) -> None:
                       [row["interval"][1] - v for v, row in zip(values, rows)]]
             bars.bar(xs, values, width, yerr=errors, capsize=3, label=name)
         bars.set_xticks([j + 0.4 - width / 2 for j in range(len(result["regimes"]))], list(result["regimes"]))
-        bars.set(ylabel="goodput (req/s)", title=f"goodput per SLO regime: {result['workload']}")
+        bars.set(ylabel="goodput (req/s)", title="goodput per SLO regime [5th-95th percentile]")
         bars.legend(fontsize=7)
         for name, shares in result["scale_curve"].items():
             curve.plot(result["scales"], [s * 100 for s in shares], marker="o", label=name)
@@ -337,7 +337,7 @@ def plot_map(results: list[dict], path: str) -> None:
         curve.set(xlabel="SLO scale (balanced targets x scale)", ylabel="attainment (%)",
                   title=f"attainment against SLO scale at {result['reference_rate']:g} req/s")
         curve.legend(fontsize=7)
-    fig.suptitle("bench compare --slo-map (a machine shared with other work: noisy absolute figures)", fontsize=10)
+    fig.suptitle("bench compare --slo-map: " + "; ".join(result["workload"] for result in results), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
