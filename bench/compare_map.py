@@ -203,15 +203,11 @@ def _ms(values: list[float], q: float) -> str:
 # ------------------------------------------------------------------------------------------------ scoring
 
 
-def attainment(records: list[RequestRecord], slo: SLO) -> float:
-    return sum(slo.met_by(r) for r in records) / len(records) if records else 0.0
-
-
 def goodput(records_by_rate: dict[float, list[RequestRecord]], slo: SLO, target: float) -> float:
     """The highest rate attaining ``target``, every lower rate attaining it too (0: not even the lowest)."""
     best = 0.0
     for rate in sorted(records_by_rate):
-        if attainment(records_by_rate[rate], slo) < target:
+        if slo.attained_by(records_by_rate[rate]) < target:
             break
         best = rate
     return best
@@ -237,10 +233,10 @@ def score(results: list[TopologyRuns], config: MapConfig, ttft0: float, tpot0: f
             rows[r.topology.name] = {
                 "goodput": goodput(r.records, slo, config.attainment),
                 "interval": goodput_interval(r.records, slo, config.attainment),
-                "attainment": {rate: attainment(records, slo) for rate, records in sorted(r.records.items())}}
+                "attainment": {rate: slo.attained_by(records) for rate, records in sorted(r.records.items())}}
         regimes[regime.name] = {"ttft_s": slo.ttft, "tpot_s": slo.tpot, "topologies": rows}
     reference = min(config.rates, key=lambda rate: abs(rate - config.reference_rate))
-    curve = {r.topology.name: [attainment(r.records.get(reference, []), BALANCED.slo(ttft0, tpot0, scale))
+    curve = {r.topology.name: [BALANCED.slo(ttft0, tpot0, scale).attained_by(r.records.get(reference, []))
                                for scale in SCALES] for r in measured}
     return {"workload": config.serve.workload.describe_requests(), "ttft0_s": ttft0, "tpot0_s": tpot0,
             "rates": sorted(config.rates), "attainment_target": config.attainment, "reference_rate": reference,

@@ -139,6 +139,10 @@ class SLO:
                 and (self.tpot is None or tpot is None or tpot <= self.tpot)
                 and (self.e2e is None or record.e2e <= self.e2e))
 
+    def attained_by(self, records: list[RequestRecord]) -> float:
+        """The share of ``records`` that met every target (failed and unfinished ones miss); 0 when there are none."""
+        return sum(self.met_by(r) for r in records) / len(records) if records else 0.0
+
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict:
     """The run's figures: counts by outcome and failure kind, throughputs, goodput, latency distributions."""

@@ -189,10 +189,6 @@ class ReplayedDay:
         return busy / self.config.interval_s
 
 
-def attainment(records: list[RequestRecord], slo: SLO) -> float:
-    return sum(slo.met_by(r) for r in records) / len(records) if records else math.nan
-
-
 def run(config: PlannerReplayConfig, log=print) -> dict:
     specs = day_workload(config)
     slo = SLO(ttft=config.ttft_ms / 1e3, tpot=config.tpot_ms / 1e3)
@@ -213,7 +209,7 @@ def run(config: PlannerReplayConfig, log=print) -> dict:
     out = {"requests": len(specs), "slo": slo.describe(), "peak_pods": peak, "timeline": planned.timeline,
            "simulate_check": config.simulate_check}
     for name, day in (("planner", planned), ("static-at-peak", static)):
-        out[name] = {"attainment": attainment(day.records, slo), "pod_hours": day.pod_seconds / 3600}
+        out[name] = {"attainment": slo.attained_by(day.records), "pod_hours": day.pod_seconds / 3600}
         log(f"{name:<15} SLO attainment {out[name]['attainment']:.1%}, pod-hours {out[name]['pod_hours']:.1f}")
     log(f"{len(specs)} requests over a {config.day_s:g} s day; static pools: {peak}; "
         f"{time.perf_counter() - started:.0f} s of simulation")

@@ -7,7 +7,6 @@ from bench.compare_map import (
     REGIMES,
     MapConfig,
     TopologyRuns,
-    attainment,
     goodput,
     goodput_interval,
     score,
@@ -38,8 +37,8 @@ def map_config(**fields) -> MapConfig:
 
 def test_attainment_counts_failed_requests_as_misses():
     records = run(1.0, 0.05, count=9) + [record(9, 1.0, 0.05, status="failed")]
-    assert attainment(records, SLO(ttft=2.0, tpot=0.1)) == pytest.approx(0.9)
-    assert attainment(records, SLO(ttft=0.5, tpot=0.1)) == 0.0
+    assert SLO(ttft=2.0, tpot=0.1).attained_by(records) == pytest.approx(0.9)
+    assert SLO(ttft=0.5, tpot=0.1).attained_by(records) == 0.0
 
 
 def test_goodput_is_the_highest_rate_met_with_every_lower_rate_met_too():
