@@ -34,7 +34,7 @@ import math
 import torch
 
 from kvtransfer.codecs.base import EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_from_bytes, tensor_to_bytes
-from kvtransfer.codecs.scales import round_down_to_float16, round_up_to_float16
+from kvtransfer.codecs.scales import divide, round_down_to_float16, round_up_to_float16
 
 KEY_GROUP_TOKENS = 32  # G
 DEFAULT_SINKS = 4
@@ -153,13 +153,13 @@ class KiviCodec(KVCodec):
 
     def _quantize(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """float32 x within [lo, hi] (broadcast) -> uint8 codes 0..L."""
-        step = (hi - lo) / self.levels
+        step = divide(hi - lo, self.levels)
         safe_step = torch.where(step > 0, step, 1.0)  # a constant row: x - lo is 0
         return (x - lo).div_(safe_step).round_().clamp_(0, self.levels).to(torch.uint8)
 
     def _dequantize(self, codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """uint8 codes -> float32 lo + q * step, the step computed exactly as ``_quantize`` did."""
-        step = (hi - lo) / self.levels
+        step = divide(hi - lo, self.levels)
         return torch.addcmul(lo, codes.float(), step)
 
 
@@ -192,7 +192,7 @@ def _channel_range_codes(
     lo: torch.Tensor, hi: torch.Tensor, head_lo: torch.Tensor, head_hi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each channel's (lo, hi) as uint8 steps above head_lo, rounded outward so the coded range covers it."""
-    step = (head_hi - head_lo) / _RANGE_CODE_LEVELS
+    step = divide(head_hi - head_lo, _RANGE_CODE_LEVELS)
     safe_step = torch.where(step > 0, step, 1.0)  # a constant head: every code 0
     lo_code = ((lo - head_lo) / safe_step).floor_().clamp_(0, _RANGE_CODE_LEVELS).to(torch.uint8)
     hi_code = ((hi - head_lo) / safe_step).ceil_().clamp_(0, _RANGE_CODE_LEVELS).to(torch.uint8)
@@ -203,7 +203,7 @@ def _channel_range(
     lo_code: torch.Tensor, hi_code: torch.Tensor, head_lo: torch.Tensor, head_hi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 (lo, hi) a channel's codes stand for; encoder and decoder both quantize with exactly these."""
-    step = (head_hi - head_lo) / _RANGE_CODE_LEVELS
+    step = divide(head_hi - head_lo, _RANGE_CODE_LEVELS)
     return head_lo + lo_code.float() * step, head_lo + hi_code.float() * step
 
 

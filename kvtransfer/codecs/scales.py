@@ -13,6 +13,14 @@ import torch
 _FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device. CUDA divides by a Python number (or a CPU scalar) by
+    multiplying with its reciprocal, an ulp off the quotient at times; a divisor on x's own device is divided by.
+    Scales and steps must be the same bits wherever they are computed: an encoder on a GPU and one on a CPU write
+    the same bytes, and a decoder on either reads them back alike."""
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+
+
 def round_up_to_float16(x: torch.Tensor) -> torch.Tensor:
     """The smallest float16 >= each element of ``x`` (float32). ValueError beyond float16's range."""
     return _round_to_float16(x, toward=float("inf"))

@@ -20,7 +20,7 @@ import torch
 
 from kvtransfer.codecs.base import (EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_buffer, tensor_from_bytes,
                                     tensor_to_bytes)
-from kvtransfer.codecs.scales import round_up_to_float16
+from kvtransfer.codecs.scales import divide, round_up_to_float16
 
 _SCALE_BYTES = 2  # float16
 _FLOAT16_SIGN_AND_E4M3 = -16385  # 0xBFFF as int16: every bit but the float16 exponent's top one
@@ -43,7 +43,7 @@ class SymmetricScaledCodec(KVCodec):
     def _encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
         x32 = x.float()  # [T, H, D]
         amax = x32.abs().amax(dim=-1, keepdim=True)  # [T, H, 1]
-        scale = round_up_to_float16(amax / self.qmax)  # [T, H, 1] float16
+        scale = round_up_to_float16(divide(amax, self.qmax))  # [T, H, 1] float16
         scale32 = scale.float()
         scaled = x32 / torch.where(scale32 > 0, scale32, 1.0)  # all-zero rows stay zero
         codes = self._to_codes(scaled)  # [T, H, D]
