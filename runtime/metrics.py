@@ -129,6 +129,9 @@ class PodMetrics(ServingMetrics):
         super().__init__(role, model_name, registry)
         self.num_preemptions = self._counter("num_preemptions_total",
                                              "Requests preempted (KV freed, recomputed later) for lack of KV blocks.")
+        self.lent_cpu_steps = self._counter("engine_lent_cpu_steps_total",
+                                            "Engine steps that also ran on CPUs lent by idle decode pods (core "
+                                            "lending, runtime/core_lending.py).")
         self.iteration_tokens = self._histogram("iteration_tokens_total", "Tokens (prefill and decode) per engine "
                                                 "step.", ITERATION_TOKENS_BUCKETS)
         self.kv_transfer_raw_bytes = Counter("splitserve_kv_transfer_raw_bytes_total",

@@ -37,10 +37,11 @@ from prometheus_client import start_http_server
 
 from engine.config import COMPUTE_DTYPES, DEFAULT_MODEL, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepStats
 from protos.splitserve.v1 import common_pb2
 from runtime import transport
 from runtime.config import described, member
+from runtime.core_lending import CoreLender, DecodeActivity
 from runtime.cpus import checked_cpu_set
 from runtime.logs import configure_logging
 from runtime.metrics import PodMetrics
@@ -72,6 +73,13 @@ class PodConfig:
         "threads default to one per CPU of the set."))
     num_threads: int = field(default=0, metadata=described(
         "Torch compute threads (0: one per CPU of --cpus, else torch's default, one per core)."))
+    lend_cpus: str = field(default="", metadata=described(
+        "Core lending (runtime/core_lending.py): CPUs outside --cpus that engine steps also run on while every pod "
+        "of --lender-activity-files holds no request (one more torch thread per CPU, at the lowest priority)."))
+    lender_activity_files: str = field(default="", metadata=described(
+        "Comma-separated activity files of the pods that own --lend-cpus (each written by its --activity-file)."))
+    activity_file: str = field(default="", metadata=described(
+        "Publish how many requests this pod holds in this file after every step (for pods that borrow its CPUs)."))
     cpu_kernels: bool = field(default=EngineConfig.cpu_kernels, metadata=described(
         "Native CPU kernels for float32 on CPU (built by `splitserve build-kernels`, which set-up runs; built at "
         "first use when missing); false: PyTorch ops only."))
@@ -128,6 +136,10 @@ class PodConfig:
     def __post_init__(self) -> None:
         self.registry = member(RegistryKind, "registry", self.registry)
         checked_cpu_set("cpus", self.cpus)
+        if self.lend_cpus and not (self.cpus and self.lender_activity_files):
+            raise ValueError("lend_cpus needs cpus (the pod's own) and lender_activity_files")
+        if checked_cpu_set("cpus", self.cpus) & checked_cpu_set("lend_cpus", self.lend_cpus):
+            raise ValueError(f"lend_cpus {self.lend_cpus!r} overlaps cpus {self.cpus!r}")
         for name in ("port", "metrics_port", "max_waiting_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -162,14 +174,19 @@ class Pod:
     def __init__(self, config: PodConfig, role: Role):
         self.config = config
         self.role = Role(role)
-        apply_cpu_set(config.cpus, config.num_threads)  # before the engine's first torch op
+        lent = checked_cpu_set("lend_cpus", config.lend_cpus)  # checked before pinning narrows what is allowed
+        applied = apply_cpu_set(config.cpus, config.num_threads)  # before the engine's first torch op
         self.engine = LLMEngine(config.engine_config())
         self.metrics = PodMetrics(self.role, self.engine.model_config.name)
         # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.
         self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype,
                                      self.engine.config.weights_format)
         self.load_tracker = LoadTracker(self.metrics)
-        self.engine_loop = EngineLoop(self.engine, observer=self.load_tracker.observe)
+        self.lender = self._core_lender(applied.cpus, lent)
+        self.activity = DecodeActivity(config.activity_file, writer=True) if config.activity_file else None
+        self.engine_loop = EngineLoop(self.engine, observer=self._observe,
+                                      on_start=self.lender and self.lender.start_on_engine_thread,
+                                      before_step=self.lender and self._before_step)
         self.cached_block_hashes: list[int] = []  # the prefix cache's, oldest first (Redis heartbeat)
         self.port = 0  # bound gRPC port, once started
         self.metrics_port = 0
@@ -181,6 +198,21 @@ class Pod:
         self._watchdog: asyncio.Task | None = None
         self._served_names: list[str] = []  # health service names: "" (the whole server) and each service
         self._heartbeat: RedisHeartbeat | None = None
+
+    def _core_lender(self, own: frozenset[int], lent: frozenset[int]) -> CoreLender | None:
+        if not lent:
+            return None
+        owners = [DecodeActivity(path) for path in self.config.lender_activity_files.split(",") if path]
+        return CoreLender(own, lent, owners)
+
+    def _observe(self, engine: LLMEngine, stats: StepStats | None) -> None:
+        self.load_tracker.observe(engine, stats)
+        if self.activity is not None:
+            self.activity.publish(engine.scheduler.num_running + engine.scheduler.num_waiting)
+
+    def _before_step(self) -> None:
+        if self.lender.before_step():
+            self.metrics.lent_cpu_steps.inc()
 
     @property
     def address(self) -> str:

@@ -130,6 +130,9 @@ class UpConfig:
     decode_cpus: str = field(default="", metadata=described("CPUs of the decode pods (split or shared likewise)."))
     mixed_cpus: str = field(default="", metadata=described("CPUs of the mixed pods (split or shared likewise)."))
     router_cpus: str = field(default="", metadata=described("CPUs of the router (empty: any CPU)."))
+    lend_decode_cpus: bool = field(default=False, metadata=described(
+        "Core lending (runtime/core_lending.py): prefill pods' steps also run on the decode pods' CPUs while every "
+        "decode pod is idle (needs pinned, disjoint prefill and decode CPUs)."))
     pin_cpus: bool = field(default=True, metadata=described(
         "Pin each process to its planned CPUs (--no-pin-cpus: same thread counts, the OS places the threads)."))
     run_dir: str = field(default="", metadata=described("Where logs and generated configs go (empty: a new temp dir)."))
@@ -204,6 +207,7 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.pods = self._plan_pods()
         self.cpu_plan = self._plan_cpus()
+        self.lent_cpus = self._lent_cpus()
         self.supervisor: Supervisor | None = None
 
     def _plan_pods(self) -> list[PodPlan]:
@@ -229,6 +233,25 @@ class Cluster:
         if self._runs_prometheus():
             ordered.append(floating("prometheus", allowed))
         return {p.process: p for p in ordered}
+
+    def _lent_cpus(self) -> frozenset[int]:
+        """The decode pods' CPUs the prefill pods borrow (empty without --lend-decode-cpus)."""
+        if not self.config.lend_decode_cpus:
+            return frozenset()
+        prefill = [p for p in self.pods if p.role is Role.PREFILL]
+        decode = [p for p in self.pods if p.role is Role.DECODE]
+        if not prefill or not decode or not self.config.pin_cpus:
+            raise ValueError("lend_decode_cpus needs prefill and decode pods (not --scheduling colocated) and "
+                             "pinned CPUs")
+        lent = frozenset().union(*(self.cpu_plan[p.name].cpus for p in decode))
+        shared = lent & frozenset().union(*(self.cpu_plan[p.name].cpus for p in prefill))
+        if shared:
+            raise ValueError(f"lend_decode_cpus: the prefill and decode pods share CPU {format_cpu_list(shared)}; "
+                             "lending needs disjoint sets")
+        return lent
+
+    def _activity_file(self, pod: PodPlan) -> Path:
+        return self.run_dir / "activity" / pod.name
 
     def _runs_prometheus(self) -> bool:
         return self.config.prometheus and shutil.which("prometheus") is not None
@@ -287,6 +310,11 @@ class Cluster:
             flags += ["--role", str(pod.role)]
         if pod.role is Role.DECODE and c.scheduling is Scheduling.HYBRID:
             flags += ["--tpot-slack-chunking", "--tpot-target-s", str(c.slo_tpot_s)]
+        if self.lent_cpus and pod.role is Role.DECODE:
+            flags += ["--activity-file", str(self._activity_file(pod))]
+        if self.lent_cpus and pod.role is Role.PREFILL:
+            activity = ",".join(str(self._activity_file(p)) for p in self.pods if p.role is Role.DECODE)
+            flags += ["--lend-cpus", format_cpu_list(self.lent_cpus), "--lender-activity-files", activity]
         if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]
         return flags
