@@ -52,7 +52,8 @@ class DecodeConfig(PodConfig):
         "measured step-time model) keeps every decoding request within its TPOT target; the pod warms its "
         "step-time model up before serving.")})
     tpot_target_s: float = field(default=0.0, metadata={"help": (
-        "TPOT target of decoding requests whose Decode call names none (0: none; with --tpot-slack-chunking).")})
+        "TPOT target of decoding requests whose Decode call names none (0: none): what --tpot-slack-chunking and "
+        "core lending (--activity-file: how long the pod may pause for a prefill pod's step) keep.")})
 
     def __post_init__(self) -> None:
         super().__post_init__()

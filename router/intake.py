@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -68,6 +69,27 @@ class SampleGroup:
         """What the others start from (None: each on its own); once, later calls are ignored."""
         if not self.shared.done():
             self.shared.set_result(outcome)
+
+
+@dataclass(frozen=True)
+class LatencyTargets:
+    """A request's own TTFT and TPOT targets in seconds (None: the router's ``--slo-*-s``): the hybrid placement
+    schedules for them and the router's goodput counts against them (docs/api.md, "Latency targets")."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    @classmethod
+    def checked(cls, ttft_s: float | None, tpot_s: float | None, names: tuple[str, str]) -> LatencyTargets:
+        """The targets as a client sent them, each None or a finite number of seconds > 0, else
+        ``StatusError(INVALID_ARGUMENT)`` naming the field as the client spelled it (``names``)."""
+        for value, name in zip((ttft_s, tpot_s), names):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise invalid(f"{name}: must be a number of seconds > 0, got {value!r}")
+        return cls(ttft_s, tpot_s)
+
+
+NO_TARGETS = LatencyTargets()  # the router's --slo-*-s apply
 
 
 @dataclass
@@ -151,10 +173,12 @@ class Intake:
         return prompt[:at + len(final)]
 
     async def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
-                           add_special_tokens: bool = True, timeout_s: float | None = None) -> RouterRequest:
+                           add_special_tokens: bool = True, timeout_s: float | None = None,
+                           targets: LatencyTargets = NO_TARGETS) -> RouterRequest:
         """A validated request; unset ``max_tokens`` becomes the room left in the context (at most
         ``max_tokens_limit``). ``timeout_s``: the client's own deadline, when it has one (the request's deadline
-        is the shorter of it and ``request_timeout_s``). Raises ``StatusError(INVALID_ARGUMENT)`` naming what is
+        is the shorter of it and ``request_timeout_s``); ``targets``: its own latency targets, checked by the API
+        that read them (``LatencyTargets.checked``). Raises ``StatusError(INVALID_ARGUMENT)`` naming what is
         wrong."""
         arrival = time.monotonic()  # tokenizing is part of what the client waits for
         if request_id is not None:
@@ -176,7 +200,7 @@ class Intake:
         timeout = self.config.request_timeout_s if timeout_s is None else min(timeout_s, self.config.request_timeout_s)
         return RouterRequest(request_id or uuid.uuid4().hex, token_ids, params,
                              prompt_text=prompt if isinstance(prompt, str) else None, arrival_time=arrival,
-                             timeout_s=timeout)
+                             timeout_s=timeout, slo_ttft_s=targets.ttft_s, slo_tpot_s=targets.tpot_s)
 
     def _checked_params(self, params: SamplingParams) -> SamplingParams:
         """The request's parameters within the server's limits (``SamplingParams`` checked the rest)."""

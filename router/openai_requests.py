@@ -144,6 +144,9 @@ class GenerationRequest(StrictModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a JSON key, a string) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
+    # splitserve's: this request's own latency targets in seconds (docs/api.md, "Latency targets")
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
     # Structured outputs: at most one of these (structured_output()).
     response_format: ResponseFormat | None = None  # OpenAI's
     guided_json: JsonObject | Text | None = None  # vLLM's: a JSON schema

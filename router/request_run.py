@@ -302,5 +302,7 @@ class RequestRun:
         if self.num_output_tokens > 1:
             metrics.time_per_output_token.observe(tpot)
         answered = finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and self.first_token_at is not None
-        if answered and ttft <= self.config.slo_ttft_s and tpot <= self.config.slo_tpot_s:
+        ttft_target = self.request.slo_ttft_s or self.config.slo_ttft_s  # the request's own targets, if it has any
+        tpot_target = self.request.slo_tpot_s or self.config.slo_tpot_s
+        if answered and ttft <= ttft_target and tpot <= tpot_target:
             metrics.requests_within_slo.inc()

@@ -23,6 +23,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,45 +33,71 @@ from runtime.cpus import format_cpu_list
 
 log = logging.getLogger(__name__)
 
-_COUNTER = struct.Struct("<I")
+# The activity file: held requests (u32, the decode pod's), then two CLOCK_MONOTONIC times in seconds: until when
+# the decode pod's requests can spare its CPU (f64, the decode pod's), and until when a prefill pod borrows it (f64,
+# the prefill pod's). Each word has one writer; time.monotonic() is CLOCK_MONOTONIC, one clock for every process.
+_LAYOUT = struct.Struct("<I4xdd")
+_HELD, _LENDABLE, _BORROWED = 0, 8, 16
 LENT_THREAD_NICE = 19  # the lent CPUs' workers yield to anything else runnable there (the decode pod)
+YIELD_SHARE = 0.8  # a decode pod spares its CPU only while each request's TPOT stays within 0.8 x its target
+BORROW_MARGIN = 1.5  # a prefill pod borrows a busy CPU for 1.5 x its longest recent lent step
+MAX_BORROW_S = 0.5  # and never for longer at a time
+FIRST_STEP_GUESS_S = 0.2  # the lent step's length before one was measured
+PAUSE_POLL_S = 0.002  # how often a pausing decode pod looks whether the borrow ended
 
 
 class DecodeActivity:
-    """One pod's count of held requests in a shared file: written by the pod, read by the pods it lends CPUs to.
-
-    A missing or short file reads as busy: a prefill pod never takes a CPU whose owner it cannot hear from."""
+    """A decode pod's activity file (layout above): written by the pod, read (and borrowed through) by the prefill
+    pods it lends its CPUs to. A missing or unreadable file reads as busy and never lendable: a prefill pod never
+    takes a CPU whose owner it cannot hear from."""
 
     def __init__(self, path: str | Path, writer: bool = False):
         self.path = Path(path)
         self._map: mmap.mmap | None = None
-        self._last = -1
+        self._last: tuple[int, float] | None = None
         if writer:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "wb") as f:
-                f.write(_COUNTER.pack(0))
-            self._open(write=True)
+                f.write(_LAYOUT.pack(0, 0.0, 0.0))
+            self._open()
 
-    def _open(self, write: bool) -> bool:
+    def _open(self) -> bool:
         try:
-            with open(self.path, "r+b" if write else "rb") as f:
-                self._map = mmap.mmap(f.fileno(), _COUNTER.size,
-                                      access=mmap.ACCESS_WRITE if write else mmap.ACCESS_READ)
+            with open(self.path, "r+b") as f:
+                self._map = mmap.mmap(f.fileno(), _LAYOUT.size)
         except (OSError, ValueError):
             return False
         return True
 
-    def publish(self, held: int) -> None:
-        """Write ``held`` (writer side; called on the engine thread, so cheap when nothing changed)."""
-        if held != self._last:
-            _COUNTER.pack_into(self._map, 0, held)
-            self._last = held
+    def _mapped(self) -> mmap.mmap | None:
+        if self._map is None:
+            self._open()
+        return self._map
+
+    # ---- the decode pod's words -----------------------------------------------------------------------------
+    def publish(self, held: int, lendable_until: float = 0.0) -> None:
+        """The pod holds ``held`` requests, which can spare its CPU until ``lendable_until`` (monotonic seconds)."""
+        if (held, lendable_until) != self._last:
+            struct.pack_into("<I", self._map, _HELD, held)
+            struct.pack_into("<d", self._map, _LENDABLE, lendable_until)
+            self._last = (held, lendable_until)
 
     def held(self) -> int | None:
         """The owner's last published count; None while the file cannot be read."""
-        if self._map is None and not self._open(write=False):
-            return None
-        return _COUNTER.unpack_from(self._map, 0)[0]
+        mapped = self._mapped()
+        return None if mapped is None else struct.unpack_from("<I", mapped, _HELD)[0]
+
+    def lendable_until(self) -> float:
+        mapped = self._mapped()
+        return 0.0 if mapped is None else struct.unpack_from("<d", mapped, _LENDABLE)[0]
+
+    # ---- the prefill pod's word -----------------------------------------------------------------------------
+    def borrow(self, until: float) -> None:
+        struct.pack_into("<d", self._mapped(), _BORROWED, until)
+
+    def borrowed_until(self) -> float:
+        mapped = self._mapped()
+        return 0.0 if mapped is None else struct.unpack_from("<d", mapped, _BORROWED)[0]
 
     def close(self) -> None:
         if self._map is not None:
@@ -79,20 +106,41 @@ class DecodeActivity:
 
 
 class CoreLender:
-    """Sizes each engine step's torch threads: ``own`` CPUs always, plus ``lent`` while every owner is idle."""
+    """The prefill pod's side: sizes each engine step's torch threads, ``own`` CPUs always, plus ``lent`` while every
+    owner is idle, or while each busy owner's requests can spare its CPU for the step (then it borrows it: the
+    owner pauses until the step ends)."""
 
-    def __init__(self, own: frozenset[int], lent: frozenset[int], owners: Sequence[DecodeActivity]):
+    def __init__(self, own: frozenset[int], lent: frozenset[int], owners: Sequence[DecodeActivity],
+                 clock=time.monotonic):
         if not own or not lent or own & lent:
             raise ValueError(f"lending needs own CPUs and disjoint lent CPUs, got own {format_cpu_list(own)}, "
                              f"lent {format_cpu_list(lent)}")
         if not owners:
             raise ValueError("lending needs the activity files of the pods that own the lent CPUs")
         self.own, self.lent, self.owners = own, lent, list(owners)
+        self.clock = clock
         self.threads = len(own)
+        self.borrowing = False
+        self._step_started: float | None = None
+        self._recent_lent_steps: list[float] = []  # the last lent steps' lengths, seconds
+
+    @property
+    def step_estimate_s(self) -> float:
+        return max(self._recent_lent_steps, default=FIRST_STEP_GUESS_S)
+
+    def _borrow_for(self, now: float) -> float | None:
+        """How long to borrow the busy owners' CPUs for the coming step (0: every owner is idle); None: not."""
+        held = [owner.held() for owner in self.owners]
+        if all(h == 0 for h in held):
+            return 0.0
+        wanted = min(BORROW_MARGIN * self.step_estimate_s, MAX_BORROW_S)
+        if any(h is None or (h and owner.lendable_until() - now < wanted) for h, owner in zip(held, self.owners)):
+            return None
+        return wanted
 
     def wanted_threads(self) -> int:
-        idle = all(owner.held() == 0 for owner in self.owners)
-        return len(self.own) + len(self.lent) if idle else len(self.own)
+        borrow = self._borrow_for(self.clock())
+        return len(self.own) + len(self.lent) if borrow is not None else len(self.own)
 
     def start_on_engine_thread(self) -> None:
         """Set up the engine thread and torch's OpenMP team (see the module docstring). Call it on the engine
@@ -110,17 +158,91 @@ class CoreLender:
             except OSError as error:  # the thread ended meanwhile: nothing to lower
                 log.debug("could not lower thread %d's priority: %r", tid, error)
         torch.set_num_threads(self.threads)
-        log.info("core lending: steps run on CPUs %s, and on %s too while the decode pods there are idle "
-                 "(%d lent thread(s) at nice %d)", format_cpu_list(self.own), format_cpu_list(self.lent),
+        log.info("core lending: steps run on CPUs %s, and on %s too while the decode pods there are idle or can "
+                 "spare them (%d lent thread(s) at nice %d)", format_cpu_list(self.own), format_cpu_list(self.lent),
                  len(workers), LENT_THREAD_NICE)
 
     def before_step(self) -> bool:
-        """Size the coming step's threads; True when it runs on the lent CPUs too."""
-        threads = self.wanted_threads()
+        """Size the coming step's threads, borrowing busy owners' CPUs when they can spare them; True when the
+        step runs on the lent CPUs too."""
+        now = self.clock()
+        borrow = self._borrow_for(now)
+        if borrow:
+            for owner in self.owners:
+                owner.borrow(now + borrow)
+        self.borrowing = bool(borrow)
+        threads = len(self.own) + len(self.lent) if borrow is not None else len(self.own)
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads
-        return threads > len(self.own)
+        self._step_started = now if borrow is not None else None
+        return borrow is not None
+
+    def after_step(self) -> None:
+        """The step ended: hand borrowed CPUs back at once, and learn how long a lent step takes."""
+        if self.borrowing:
+            for owner in self.owners:
+                owner.borrow(0.0)
+            self.borrowing = False
+        if self._step_started is not None:
+            self._recent_lent_steps = [*self._recent_lent_steps[-15:], self.clock() - self._step_started]
+            self._step_started = None
+
+
+class DecodeYield:
+    """The decode pod's side: after each step it publishes how many requests it holds and until when they can spare
+    its CPU; before each step it pauses while a prefill pod borrows the CPU, never past that time.
+
+    A request can spare the CPU while its average TPOT on this pod stays within ``share`` x its target: counting
+    from the step it first ran here (``t0``), its next token must come by ``t0 + share x target x (k + 1)`` after k
+    tokens here, so the pause may last that less now and one step. Requests without a target (no --tpot-target-s,
+    no per-request target) and admitted ones not yet stepped spare nothing."""
+
+    def __init__(self, activity: DecodeActivity, default_target_s: float, share: float = YIELD_SHARE,
+                 clock=time.monotonic, sleep=time.sleep):
+        self.activity = activity
+        self.default_target_s = default_target_s
+        self.share = share
+        self.clock, self.sleep = clock, sleep
+        self.lendable_until = 0.0
+        self._since: dict[str, tuple[float, int]] = {}  # request id -> (t0, its output tokens at t0)
+        self._step_started: float | None = None
+        self._last_step_s = 0.0
+        self.paused_s = 0.0  # in all (the pod's metrics read it)
+
+    def before_step(self, num_waiting: int = 0) -> None:
+        """Pause while a prefill pod borrows the CPU (never past ``lendable_until``, never with a request waiting
+        for its first step here)."""
+        now = self.clock()
+        while not num_waiting and now < min(self.activity.borrowed_until(), self.lendable_until):
+            self.sleep(min(PAUSE_POLL_S, self.lendable_until - now))
+            later = self.clock()
+            self.paused_s += later - now
+            now = later
+        self._step_started = now
+
+    def observe(self, running: Sequence, num_waiting: int, stepped: bool) -> None:
+        """After a step (``stepped``) or a command (an admission, an abort): publish what the pod holds now."""
+        now = self.clock()
+        if stepped and self._step_started is not None:
+            self._last_step_s = now - self._step_started
+            self._step_started = None
+        self._since = {seq.request_id: self._since.get(seq.request_id, (now, seq.num_output_tokens))
+                       for seq in running}
+        spare = self._spare_s(running, now) if running and not num_waiting else 0.0
+        self.lendable_until = now + spare if spare > 0 else 0.0
+        self.activity.publish(len(running) + num_waiting, self.lendable_until)
+
+    def _spare_s(self, running: Sequence, now: float) -> float:
+        spare = []
+        for seq in running:
+            target = seq.tpot_target_s or self.default_target_s
+            if not target:
+                return 0.0
+            t0, tokens_at_t0 = self._since[seq.request_id]
+            tokens_here = seq.num_output_tokens - tokens_at_t0
+            spare.append(self.share * target * (tokens_here + 1) - (now - t0) - self._last_step_s)
+        return max(0.0, min(spare))
 
 
 def _thread_ids() -> set[int]:

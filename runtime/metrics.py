@@ -130,8 +130,11 @@ class PodMetrics(ServingMetrics):
         self.num_preemptions = self._counter("num_preemptions_total",
                                              "Requests preempted (KV freed, recomputed later) for lack of KV blocks.")
         self.lent_cpu_steps = self._counter("engine_lent_cpu_steps_total",
-                                            "Engine steps that also ran on CPUs lent by idle decode pods (core "
-                                            "lending, runtime/core_lending.py).")
+                                            "Engine steps that also ran on CPUs decode pods lent (prefill pods; "
+                                            "core lending, runtime/core_lending.py).")
+        self.lent_cpu_seconds = self._counter("engine_lent_cpu_seconds_total",
+                                              "Time this decode pod paused so that a prefill pod's step could use "
+                                              "its CPU (core lending).")
         self.iteration_tokens = self._histogram("iteration_tokens_total", "Tokens (prefill and decode) per engine "
                                                 "step.", ITERATION_TOKENS_BUCKETS)
         self.kv_transfer_raw_bytes = Counter("splitserve_kv_transfer_raw_bytes_total",

@@ -41,7 +41,7 @@ from engine.llm_engine import LLMEngine, StepStats
 from protos.splitserve.v1 import common_pb2
 from runtime import transport
 from runtime.config import described, member
-from runtime.core_lending import CoreLender, DecodeActivity
+from runtime.core_lending import CoreLender, DecodeActivity, DecodeYield
 from runtime.cpus import checked_cpu_set
 from runtime.logs import configure_logging
 from runtime.metrics import PodMetrics
@@ -183,10 +183,11 @@ class Pod:
                                      self.engine.config.weights_format)
         self.load_tracker = LoadTracker(self.metrics)
         self.lender = self._core_lender(applied.cpus, lent)
-        self.activity = DecodeActivity(config.activity_file, writer=True) if config.activity_file else None
+        self.yielder = DecodeYield(DecodeActivity(config.activity_file, writer=True),
+                                   self.engine.config.scheduler.default_tpot_target_s) if config.activity_file else None
         self.engine_loop = EngineLoop(self.engine, observer=self._observe,
                                       on_start=self.lender and self.lender.start_on_engine_thread,
-                                      before_step=self.lender and self._before_step)
+                                      before_step=self._before_step if self.lender or self.yielder else None)
         self.cached_block_hashes: list[int] = []  # the prefix cache's, oldest first (Redis heartbeat)
         self.port = 0  # bound gRPC port, once started
         self.metrics_port = 0
@@ -207,12 +208,19 @@ class Pod:
 
     def _observe(self, engine: LLMEngine, stats: StepStats | None) -> None:
         self.load_tracker.observe(engine, stats)
-        if self.activity is not None:
-            self.activity.publish(engine.scheduler.num_running + engine.scheduler.num_waiting)
+        if self.yielder is not None:
+            self.yielder.observe(engine.scheduler.running, engine.scheduler.num_waiting, stepped=stats is not None)
+        if self.lender is not None and stats is not None:
+            self.lender.after_step()
 
     def _before_step(self) -> None:
-        if self.lender.before_step():
+        """Core lending (runtime/core_lending.py), on the engine thread before each step."""
+        if self.lender is not None and self.lender.before_step():
             self.metrics.lent_cpu_steps.inc()
+        if self.yielder is not None:
+            paused = self.yielder.paused_s
+            self.yielder.before_step(self.engine.scheduler.num_waiting)
+            self.metrics.lent_cpu_seconds.inc(self.yielder.paused_s - paused)
 
     @property
     def address(self) -> str:
