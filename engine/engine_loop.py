@@ -14,8 +14,9 @@ An ``observer(engine, stats)`` set at construction is called on the engine threa
 ``StepStats``) and after every command (with None), before the command's caller hears back: the pod builds its
 load reports and engine metrics there, so they never wait for the engine, never touch it from another thread,
 and a caller that saw its command done (an admission, a KV reservation) finds it in the next load report.
-``on_start()`` runs once on the engine thread before its loop and ``before_step()`` before every step: a pod that
-borrows CPUs sizes each step's threads there (runtime/core_lending.py).
+``on_start()`` runs once on the engine thread before its loop and ``before_step()`` before every step, which it may
+put off by returning False (the loop then applies commands and asks again): a pod that borrows CPUs sizes each
+step's threads there, and one that lends its CPU pauses there (runtime/core_lending.py).
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ EngineObserver = Callable[[LLMEngine, "StepStats | None"], None]
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None,
-                 on_start: Callable[[], None] | None = None, before_step: Callable[[], None] | None = None):
+                 on_start: Callable[[], None] | None = None, before_step: Callable[[], bool] | None = None):
         self.engine = engine
         self._observer = observer
         self._on_start = on_start  # called once on the engine thread, before anything else runs there
-        self._before_step = before_step  # called on the engine thread before every step (e.g. to size its threads)
+        # Called on the engine thread before every step (e.g. to size its threads); False: not yet (the loop
+        # applies the commands that came meanwhile and asks again).
+        self._before_step = before_step
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._subscribers: dict[str, _Subscriber] = {}
@@ -182,8 +185,8 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             previous = self.engine.last_step
-            if self._before_step is not None:
-                self._before_step()
+            if self._before_step is not None and not self._before_step():
+                continue  # not now: apply the commands that came meanwhile, then ask again
             try:
                 updated = self.engine.step()
             except EngineStepError as exc:  # one bad step must not take the pod down

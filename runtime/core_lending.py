@@ -1,18 +1,29 @@
-"""Core lending: a prefill pod computes on a decode pod's CPUs while that pod has nothing to decode.
+"""Core lending: a prefill pod computes on a decode pod's CPU while that pod is idle or can spare it.
 
-On one machine the phase split leaves a decode pod's cores idle between its requests while prompts queue on the
-prefill pod's. With lending on (``splitserve up --lend-decode-cpus``) each decode pod publishes, after every step
-and every admission, how many requests it holds (``DecodeActivity``, one 4-byte counter in a small shared file),
-and the prefill pod reads those counters before each engine step (``CoreLender``): with every lending pod idle
-the step runs on its own CPUs *and* the lent ones (one torch thread per CPU), else on its own CPUs alone. The
-decode pod's requests therefore never share their CPU with a prefill step begun after they arrived; a step
-already running when one arrives finishes on both (one prefill chunk, bounded by ``--long-prefill-token-threshold``),
-and the lent threads run at the lowest priority (nice 19), so the decode pod's threads take the CPU from them
-whenever both are runnable.
+On one machine the phase split gives each prompt one pod's cores, while a ~600 ms TTFT on two cores needs both
+cores' compute on the prompt; meanwhile the decode pod's core idles between requests, and its requests often run
+ahead of their TPOT targets. With lending on (``splitserve up --lend-decode-cpus``):
+
+- each decode pod publishes, after every step and every command, how many requests it holds and until when they
+  can spare its CPU (``DecodeYield``, into ``DecodeActivity``, a 24-byte file in the run directory): a request can
+  spare it while its average TPOT on this pod stays within ``YIELD_SHARE`` x its target (its own, else the pod's
+  ``--tpot-target-s``);
+- the prefill pod, before each engine step (``CoreLender``), runs the step on its own CPUs *and* the lent ones (one
+  torch thread per CPU) when every owner is idle, or when each busy owner can spare its CPU for ``BORROW_MARGIN`` x
+  the longest recent lent step: then it *borrows* it (writes until when into the owner's file) and hands it back as
+  soon as the step ends; otherwise the step runs on its own CPUs alone;
+- a borrowed decode pod pauses its engine loop, 2 ms at a time (commands, the borrowing prefill's KV writes among
+  them, still apply in between), until the borrow ends, never past what its requests spare, never while a request
+  waits for its first step there.
+
+A step that overruns its borrow, or that began while the owner was idle and meets a request arriving there,
+shares the CPU with the decode pod at equal priority until it ends: the decode steps run ~2x slower meanwhile,
+and the prefill step no faster than on its own CPUs. (At the lowest priority the lent thread starved: OpenMP splits
+a parallel op evenly over the team, so the whole step waited on it; TTFT p90 rose 50% over the plain split.)
 
 The threads: the pod's process stays pinned to its own CPUs (gRPC, asyncio, logging never touch a lent CPU). The
-engine thread widens its own affinity, starts torch's OpenMP team at full size (the workers inherit the wide
-affinity), then narrows itself back to its own CPUs and lowers the workers' priority. Each step then only sets
+engine thread widens its own affinity, starts torch's OpenMP team at full size, narrows itself back to its own CPUs
+and pins the workers to the lent CPUs (with one own CPU; else they float over both sets). Each step then only sets
 torch's thread count (``torch.set_num_threads`` on the engine thread, which the native kernels read too).
 """
 
@@ -38,7 +49,6 @@ log = logging.getLogger(__name__)
 # the prefill pod's). Each word has one writer; time.monotonic() is CLOCK_MONOTONIC, one clock for every process.
 _LAYOUT = struct.Struct("<I4xdd")
 _HELD, _LENDABLE, _BORROWED = 0, 8, 16
-LENT_THREAD_NICE = 19  # the lent CPUs' workers yield to anything else runnable there (the decode pod)
 YIELD_SHARE = 0.8  # a decode pod spares its CPU only while each request's TPOT stays within 0.8 x its target
 BORROW_MARGIN = 1.5  # a prefill pod borrows a busy CPU for 1.5 x its longest recent lent step
 MAX_BORROW_S = 0.5  # and never for longer at a time
@@ -123,6 +133,7 @@ class CoreLender:
         self.borrowing = False
         self._step_started: float | None = None
         self._recent_lent_steps: list[float] = []  # the last lent steps' lengths, seconds
+        self.workers: list[int] = []  # the thread ids of the OpenMP workers that reach the lent CPUs
 
     @property
     def step_estimate_s(self) -> float:
@@ -152,19 +163,24 @@ class CoreLender:
         _start_team()
         workers = _thread_ids() - before - {threading.get_native_id()}
         os.sched_setaffinity(0, self.own)
+        # With one own CPU every worker is a lent CPU's: pinned there, a worker woken by the engine thread never
+        # waits behind it on the own CPU (it would, at nice 19, until the kernel moved it). With more own CPUs the
+        # workers float over both sets: which of them serve the own CPUs is OpenMP's to say.
+        worker_cpus = self.lent if len(self.own) == 1 else wide
         for tid in workers:
             try:
-                os.setpriority(os.PRIO_PROCESS, tid, LENT_THREAD_NICE)
-            except OSError as error:  # the thread ended meanwhile: nothing to lower
-                log.debug("could not lower thread %d's priority: %r", tid, error)
+                os.sched_setaffinity(tid, worker_cpus)
+            except OSError as error:  # the thread ended meanwhile: nothing to place
+                log.debug("could not place thread %d: %r", tid, error)
         torch.set_num_threads(self.threads)
+        self.workers = sorted(workers)
         log.info("core lending: steps run on CPUs %s, and on %s too while the decode pods there are idle or can "
-                 "spare them (%d lent thread(s) at nice %d)", format_cpu_list(self.own), format_cpu_list(self.lent),
-                 len(workers), LENT_THREAD_NICE)
+                 "spare them (%d lent thread(s))", format_cpu_list(self.own), format_cpu_list(self.lent),
+                 len(workers))
 
     def before_step(self) -> bool:
         """Size the coming step's threads, borrowing busy owners' CPUs when they can spare them; True when the
-        step runs on the lent CPUs too."""
+        step runs on the lent CPUs too (the step always runs)."""
         now = self.clock()
         borrow = self._borrow_for(now)
         if borrow:
@@ -210,16 +226,18 @@ class DecodeYield:
         self._last_step_s = 0.0
         self.paused_s = 0.0  # in all (the pod's metrics read it)
 
-    def before_step(self, num_waiting: int = 0) -> None:
-        """Pause while a prefill pod borrows the CPU (never past ``lendable_until``, never with a request waiting
-        for its first step here)."""
+    def before_step(self, num_waiting: int = 0) -> bool:
+        """False while a prefill pod borrows the CPU (never past ``lendable_until``, never with a request waiting
+        for its first step here), after a pause of at most ``PAUSE_POLL_S``: the engine loop applies its commands
+        (admissions, KV writes: the borrowing prefill's own push among them) and asks again."""
         now = self.clock()
-        while not num_waiting and now < min(self.activity.borrowed_until(), self.lendable_until):
-            self.sleep(min(PAUSE_POLL_S, self.lendable_until - now))
-            later = self.clock()
-            self.paused_s += later - now
-            now = later
+        end = min(self.activity.borrowed_until(), self.lendable_until)
+        if not num_waiting and now < end:
+            self.sleep(min(PAUSE_POLL_S, end - now))
+            self.paused_s += self.clock() - now
+            return False
         self._step_started = now
+        return True
 
     def observe(self, running: Sequence, num_waiting: int, stepped: bool) -> None:
         """After a step (``stepped``) or a command (an admission, an abort): publish what the pod holds now."""

@@ -213,14 +213,16 @@ class Pod:
         if self.lender is not None and stats is not None:
             self.lender.after_step()
 
-    def _before_step(self) -> None:
-        """Core lending (runtime/core_lending.py), on the engine thread before each step."""
+    def _before_step(self) -> bool:
+        """Core lending (runtime/core_lending.py), on the engine thread before each step; False: not yet."""
         if self.lender is not None and self.lender.before_step():
             self.metrics.lent_cpu_steps.inc()
-        if self.yielder is not None:
-            paused = self.yielder.paused_s
-            self.yielder.before_step(self.engine.scheduler.num_waiting)
-            self.metrics.lent_cpu_seconds.inc(self.yielder.paused_s - paused)
+        if self.yielder is None:
+            return True
+        paused = self.yielder.paused_s
+        go = self.yielder.before_step(self.engine.scheduler.num_waiting)
+        self.metrics.lent_cpu_seconds.inc(self.yielder.paused_s - paused)
+        return go
 
     @property
     def address(self) -> str:

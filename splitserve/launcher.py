@@ -133,7 +133,7 @@ class UpConfig:
     lend_decode_cpus: bool = field(default=False, metadata=described(
         "Core lending (runtime/core_lending.py): prefill pods' steps also run on the decode pods' CPUs while every "
         "decode pod is idle, or pauses within its requests' TPOT targets (--slo-tpot-s, or a request's own); needs "
-        "pinned, disjoint prefill and decode CPUs. Prefill pods then prefill in chunks of at most 128 tokens."))
+        "pinned, disjoint prefill and decode CPUs."))
     pin_cpus: bool = field(default=True, metadata=described(
         "Pin each process to its planned CPUs (--no-pin-cpus: same thread counts, the OS places the threads)."))
     run_dir: str = field(default="", metadata=described("Where logs and generated configs go (empty: a new temp dir)."))
@@ -189,11 +189,6 @@ class UpConfig:
             base = free_port_run(4 + 2 * pods, fields.get("host", cls.host))
         return cls(grpc_port=base, http_port=base + 1, prometheus_port=base + 2, redis_port=base + 3,
                    base_pod_port=base + 4, base_metrics_port=base + 4 + pods, **fields)
-
-
-# Core lending: a prefill pod borrows a busy decode pod's CPU one step at a time, for as long as that pod's requests
-# can spare it; short steps (prompts in chunks of 128 tokens, ~80 ms on two threads here) fit the spare time more often.
-LENT_CHUNK_TOKENS = 128
 
 
 @dataclass
@@ -322,8 +317,7 @@ class Cluster:
                 flags += ["--tpot-target-s", str(c.slo_tpot_s)]
         if self.lent_cpus and pod.role is Role.PREFILL:
             activity = ",".join(str(self._activity_file(p)) for p in self.pods if p.role is Role.DECODE)
-            flags += ["--lend-cpus", format_cpu_list(self.lent_cpus), "--lender-activity-files", activity,
-                      "--long-prefill-token-threshold", str(min(c.long_prefill_token_threshold, LENT_CHUNK_TOKENS))]
+            flags += ["--lend-cpus", format_cpu_list(self.lent_cpus), "--lender-activity-files", activity]
         if c.registry is RegistryKind.REDIS:
             flags += ["--registry", "redis", "--redis-url", self._redis_url()]
         return flags
