@@ -8,7 +8,9 @@ One run, top to bottom (``run_map``):
      and DistServe's SLO-scale curve: the balanced pair times each of ``SCALES``;
   3. every other topology's cluster starts beside it, all on the same CPUs (an idle cluster sleeps): the pure split
      (``disagg-1:1``) and the hybrid, once per regime, its router told that regime's targets (``--slo-ttft-s``,
-     ``--slo-tpot-s``: an operator sets them to the service level; the hybrid's decode pod keeps that TPOT);
+     ``--slo-tpot-s``: an operator sets them to the service level; the hybrid's decode pod keeps that TPOT); with
+     ``--map-core-lending`` the hybrids lend the decode pod's CPU too, and ``lent-REGIME`` is the pure split whose
+     decode pod lends its CPU to prefill steps within that regime's TPOT target (runtime/core_lending.py);
   4. the rates, each once per topology, the topologies *interleaved* (rate by rate, in rotating order), so that
      they share the noise of a machine loaded by other work; every run records each request's latencies;
   5. the scoring: a topology's attainment of an SLO pair at a rate is the share of that run's requests meeting both
