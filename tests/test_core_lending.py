@@ -90,6 +90,27 @@ def test_steps_borrow_idle_owners_cpus_and_busy_ones_only_while_they_can_spare_t
     assert silent.wanted_threads() == 1
 
 
+def test_a_prefill_pod_busy_half_the_time_lends_nothing(tmp_path):
+    clock = Clock()
+    DecodeActivity(tmp_path / "a", writer=True)  # idle
+    lender = CoreLender(frozenset({0}), frozenset({1}), [DecodeActivity(tmp_path / "a")], clock=clock)
+    for _ in range(10):  # 10 steps of 240 ms, 10 ms apart: busy 96% of the last 2.5 s, 48% of the window
+        assert lender.before_step()
+        clock.now += 0.24
+        lender.after_step()
+        clock.now += 0.01
+    assert lender.busy_share(clock.now) == pytest.approx(0.48)
+    assert lender.wanted_threads() == 2
+    assert lender.before_step()
+    clock.now += 0.24
+    lender.after_step()  # one more: 52.8% of the window
+    assert lender.wanted_threads() == 1 and not lender.before_step()
+    clock.now += 0.24
+    lender.after_step()
+    clock.now += 5.0  # an idle window later it lends again
+    assert lender.wanted_threads() == 2
+
+
 def test_lending_refuses_shared_or_ownerless_cpus(tmp_path):
     owner = [DecodeActivity(tmp_path / "a", writer=True)]
     with pytest.raises(ValueError, match="disjoint"):
