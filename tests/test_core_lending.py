@@ -297,12 +297,19 @@ def _complete(cluster: Cluster, prompt: str, max_tokens: int, **extra) -> dict:
         return json.load(reply)
 
 
-def _lent_steps(cluster: Cluster) -> float:
-    pod = next(p for p in cluster.pods if p.role == "prefill")
+def _pod_counter(cluster: Cluster, role: str, name: str) -> float:
+    pod = next(p for p in cluster.pods if p.role == role)
     with urllib.request.urlopen(f"http://{cluster.config.host}:{pod.metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "splitserve_engine_lent_cpu_steps_total")
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+
+
+def _lent_steps(cluster: Cluster) -> float:
+    return _pod_counter(cluster, "prefill", "splitserve_engine_lent_cpu_steps_total")
+
+
+def _paused_seconds(cluster: Cluster) -> float:
+    return _pod_counter(cluster, "decode", "splitserve_engine_lent_cpu_seconds_total")
 
 
 @pytest.mark.e2e
@@ -312,14 +319,6 @@ def test_prefills_borrow_the_idle_decode_cpu_and_answer_as_the_offline_engine(le
     before = _lent_steps(lending_up)
     assert _complete(lending_up, PROMPT, 16)["choices"][0]["text"] == expected
     assert _lent_steps(lending_up) > before  # the decode pod was idle: the prompt ran on both CPUs
-
-
-def _paused_seconds(cluster: Cluster) -> float:
-    pod = next(p for p in cluster.pods if p.role == "decode")
-    with urllib.request.urlopen(f"http://{cluster.config.host}:{pod.metrics_port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "splitserve_engine_lent_cpu_seconds_total")
 
 
 def _while_a_long_request_decodes(cluster: Cluster, tpot_target_s: float) -> tuple[float, float, dict]:
