@@ -179,7 +179,7 @@ class CoreLender:
         workers = _thread_ids() - before - {threading.get_native_id()}
         os.sched_setaffinity(0, self.own)
         # With one own CPU every worker is a lent CPU's: pinned there, a worker woken by the engine thread never
-        # waits behind it on the own CPU (it would, at nice 19, until the kernel moved it). With more own CPUs the
+        # waits behind it on the own CPU (it would, until the kernel moved it). With more own CPUs the
         # workers float over both sets: which of them serve the own CPUs is OpenMP's to say.
         worker_cpus = self.lent if len(self.own) == 1 else wide
         for tid in workers:

@@ -74,12 +74,14 @@ class PodConfig:
     num_threads: int = field(default=0, metadata=described(
         "Torch compute threads (0: one per CPU of --cpus, else torch's default, one per core)."))
     lend_cpus: str = field(default="", metadata=described(
-        "Core lending (runtime/core_lending.py): CPUs outside --cpus that engine steps also run on while every pod "
-        "of --lender-activity-files holds no request (one more torch thread per CPU, at the lowest priority)."))
+        "Core lending (runtime/core_lending.py): CPUs outside --cpus that engine steps also run on (one more torch "
+        "thread per CPU) while the pods of --lender-activity-files are idle or can spare them, and this pod was "
+        "busy less than half of the last 5 s."))
     lender_activity_files: str = field(default="", metadata=described(
         "Comma-separated activity files of the pods that own --lend-cpus (each written by its --activity-file)."))
     activity_file: str = field(default="", metadata=described(
-        "Publish how many requests this pod holds in this file after every step (for pods that borrow its CPUs)."))
+        "Core lending: publish in this file, after every step, how many requests this pod holds and until when they "
+        "can spare its CPU (within their TPOT targets), and pause while a prefill pod borrows it."))
     cpu_kernels: bool = field(default=EngineConfig.cpu_kernels, metadata=described(
         "Native CPU kernels for float32 on CPU (built by `splitserve build-kernels`, which set-up runs; built at "
         "first use when missing); false: PyTorch ops only."))
@@ -210,7 +212,7 @@ class Pod:
         self.load_tracker.observe(engine, stats)
         if self.yielder is not None:
             self.yielder.observe(engine.scheduler.running, engine.scheduler.num_waiting, stepped=stats is not None)
-        if self.lender is not None and stats is not None:
+        if self.lender is not None:  # after a step (or a failed one): hand a borrowed CPU back at once
             self.lender.after_step()
 
     def _before_step(self) -> bool:
