@@ -41,10 +41,11 @@ COMPONENTS = {"router": RouterConfig, "prefill": PrefillConfig, "decode": Decode
 
 # Fields the chart sets itself from infrastructure values; a `config` block may not name them. `cpus` is left to
 # Kubernetes: the kubelet places a container on CPUs (its CPU manager, from the resources), so host CPU ids do not
-# belong in values.
+# belong in values; nor does core lending (`lend_cpus` and its activity files: pods of one machine sharing host CPUs
+# and a directory, which `splitserve up` arranges and Kubernetes pods do not).
 _TLS_OWNED = {"tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert", "tls_server_name"}
 _POD_OWNED = {"host", "port", "metrics_port", "advertise_address", "model", "registry", "redis_url", "role",
-              "cpus", *_TLS_OWNED}
+              "cpus", "lend_cpus", "lender_activity_files", "activity_file", *_TLS_OWNED}
 CHART_OWNED = {
     "router": {"host", "grpc_port", "http_port", "metrics_port", "model", "registry", "redis_url", "prefill_pods",
                "decode_pods", "mixed_pods", "api_keys", "cpus", *_TLS_OWNED},

@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import PromptLogprob
 from router.config import RouterConfig
-from router.intake import RouterRequest
+from router.intake import NO_TARGETS, LatencyTargets, RouterRequest
 from router.openai_api import ServerSentEvents, create_app
 from router.request_run import Completion, OutputDelta
 from runtime.errors import StatusError
@@ -79,7 +79,8 @@ class FakeRouter:
         self.closed_early = threading.Event()  # generate was closed or cancelled before its end
 
     async def make_request(self, prompt, params: SamplingParams, request_id: str | None = None, *,
-                           add_special_tokens: bool = True, timeout_s: float | None = None) -> RouterRequest:
+                           add_special_tokens: bool = True, timeout_s: float | None = None,
+                           targets: LatencyTargets = NO_TARGETS) -> RouterRequest:
         token_ids = prompt if isinstance(prompt, list) else await self.tokenize(prompt, add_special_tokens)
         if len(token_ids) == 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
@@ -87,7 +88,8 @@ class FakeRouter:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"logprobs: must be <= {self.config.max_logprobs}")
         text = prompt if isinstance(prompt, str) else None
         return RouterRequest(request_id=request_id or f"req{len(self.requests)}", prompt_token_ids=token_ids,
-                             params=params, prompt_text=text, arrival_time=time.monotonic(), timeout_s=timeout_s)
+                             params=params, prompt_text=text, arrival_time=time.monotonic(), timeout_s=timeout_s,
+                             slo_ttft_s=targets.ttft_s, slo_tpot_s=targets.tpot_s)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.tokenized.append((text, add_special_tokens))
@@ -270,6 +272,16 @@ def test_a_batch_of_one_prompt_is_that_prompt(http, fake):
     assert http.post("/v1/completions", json={"prompt": ["Hi"]}).status_code == 200
     assert http.post("/v1/completions", json={"prompt": [[5, 6]]}).status_code == 200
     assert [(r.prompt_text, r.prompt_token_ids) for r in fake.requests] == [("Hi", [7, 7]), (None, [5, 6])]
+
+
+@pytest.mark.parametrize("path, extra", [("/v1/completions", {"prompt": "Hi"}),
+                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_a_requests_own_latency_targets_reach_the_router(http, fake, path, extra):
+    assert http.post(path, json={**extra, "slo_ttft_s": 0.5, "slo_tpot_s": 0.02}).status_code == 200
+    assert http.post(path, json={**extra, "slo_tpot_s": 0.1}).status_code == 200
+    assert [(r.slo_ttft_s, r.slo_tpot_s) for r in fake.requests] == [(0.5, 0.02), (None, 0.1)]
+    refused = http.post(path, json={**extra, "slo_ttft_s": 0})
+    assert refused.status_code == 400 and "slo_ttft_s: must be a number of seconds > 0" in refused.text
 
 
 def test_max_tokens_null_means_until_the_context_is_full(http, fake):
