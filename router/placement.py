@@ -144,14 +144,10 @@ class Placement:
         # Prefill pods that failed this request are left out, even if none remain: then D prefills the prompt.
         prefill = [pod for pod in self.registry.prefill_pods() if pod.address not in avoid]
         decode = _prefer_others(self.registry.decode_pods(), avoid)
-        plan = self.policy.choose_pair(req, prefill, decode, self.targets(req))
+        plan = self.policy.choose_pair(req, prefill, decode, SLOTargets.of(req, self.config))
         log.debug("request %s: prefill %s, decode %s (%s)", req.request_id,
                   plan.prefill.address if plan.prefill else "-", plan.decode.address, plan.reason)
         return plan
-
-    def targets(self, req: RouterRequest) -> SLOTargets:
-        """The request's latency targets: its own where it named them, else the router's."""
-        return SLOTargets(req.slo_ttft_s or self.config.slo_ttft_s, req.slo_tpot_s or self.config.slo_tpot_s)
 
     async def _start(self, run: RequestRun, plan: RoutePlan) -> DecodeStream:
         if run.aborted:
@@ -279,7 +275,7 @@ class Placement:
         # The TPOT target travels with it: a hybrid decode pod keeps it while it prefills lent prompts.
         return decode_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                         sampling_params=sampling_params_to_proto(req.params),
-                                        tpot_target_seconds=self.targets(req).tpot_s)
+                                        tpot_target_seconds=SLOTargets.of(req, self.config).tpot_s)
 
     # -- step 4: migration ------------------------------------------------------------------------------------
 

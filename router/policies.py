@@ -48,6 +48,7 @@ from runtime.config import member
 from runtime.errors import StatusError
 
 if TYPE_CHECKING:
+    from router.config import RouterConfig
     from router.intake import RouterRequest
 
 # No decode pod serving usually means one loading or restarting (seconds, under `splitserve up`'s supervisor or a
@@ -74,6 +75,11 @@ class SLOTargets:
 
     ttft_s: float
     tpot_s: float
+
+    @classmethod
+    def of(cls, req: RouterRequest, config: RouterConfig) -> SLOTargets:
+        """``req``'s own targets where it named them, else the router's."""
+        return cls(req.slo_ttft_s or config.slo_ttft_s, req.slo_tpot_s or config.slo_tpot_s)
 
 
 class PromptBlocks:

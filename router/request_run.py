@@ -31,7 +31,7 @@ from protos.convert import finish_reason_from_proto, prompt_logprobs_from_proto,
 from protos.splitserve.v1 import decode_pb2
 from router.config import RouterConfig
 from router.intake import RouterRequest
-from router.policies import blocks_for
+from router.policies import SLOTargets, blocks_for
 from router.registry import PodInfo
 from runtime.errors import StatusError, from_rpc_error
 from runtime.metrics import RouterMetrics
@@ -302,7 +302,6 @@ class RequestRun:
         if self.num_output_tokens > 1:
             metrics.time_per_output_token.observe(tpot)
         answered = finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and self.first_token_at is not None
-        ttft_target = self.request.slo_ttft_s or self.config.slo_ttft_s  # the request's own targets, if it has any
-        tpot_target = self.request.slo_tpot_s or self.config.slo_tpot_s
-        if answered and ttft <= ttft_target and tpot <= tpot_target:
+        targets = SLOTargets.of(self.request, self.config)
+        if answered and ttft <= targets.ttft_s and tpot <= targets.tpot_s:
             metrics.requests_within_slo.inc()

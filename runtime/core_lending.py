@@ -115,11 +115,6 @@ class DecodeActivity:
         mapped = self._mapped()
         return 0.0 if mapped is None else struct.unpack_from("<d", mapped, _BORROWED)[0]
 
-    def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-
 
 class CoreLender:
     """The prefill pod's side: sizes each engine step's torch threads, ``own`` CPUs always, plus ``lent`` while every
@@ -136,7 +131,7 @@ class CoreLender:
         self.own, self.lent, self.owners = own, lent, list(owners)
         self.clock = clock
         self.threads = len(own)
-        self.borrowing = False
+        self._borrowing = False
         self._step_started: float | None = None
         self._lent = False
         self._recent_lent_steps: list[float] = []  # the last lent steps' lengths, seconds
@@ -165,7 +160,10 @@ class CoreLender:
         return wanted
 
     def wanted_threads(self) -> int:
-        borrow = self._borrow_for(self.clock())
+        """The coming step's thread count, as ``before_step`` would set it (without borrowing anything)."""
+        return self._threads(self._borrow_for(self.clock()))
+
+    def _threads(self, borrow: float | None) -> int:
         return len(self.own) + len(self.lent) if borrow is not None else len(self.own)
 
     def start_on_engine_thread(self) -> None:
@@ -201,8 +199,8 @@ class CoreLender:
         if borrow:
             for owner in self.owners:
                 owner.borrow(now + borrow)
-        self.borrowing = bool(borrow)
-        threads = len(self.own) + len(self.lent) if borrow is not None else len(self.own)
+        self._borrowing = bool(borrow)
+        threads = self._threads(borrow)
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads
@@ -212,10 +210,10 @@ class CoreLender:
 
     def after_step(self) -> None:
         """The step ended: hand borrowed CPUs back at once, and learn how long a lent step takes."""
-        if self.borrowing:
+        if self._borrowing:
             for owner in self.owners:
                 owner.borrow(0.0)
-            self.borrowing = False
+            self._borrowing = False
         if self._step_started is not None:
             now = self.clock()
             length = now - self._step_started
@@ -231,8 +229,8 @@ class DecodeYield:
 
     A request can spare the CPU while its average TPOT on this pod stays within ``share`` x its target: counting
     from the step it first ran here (``t0``), its next token must come by ``t0 + share x target x (k + 1)`` after k
-    tokens here, so the pause may last that less now and one step. Requests without a target (no --tpot-target-s,
-    no per-request target) and admitted ones not yet stepped spare nothing."""
+    tokens here, so the pause may last that less now and one step. A request without a target (no --tpot-target-s,
+    no target of its own) spares nothing, and nor does the pod while a request waits for its first step here."""
 
     def __init__(self, activity: DecodeActivity, default_target_s: float, share: float = YIELD_SHARE,
                  clock=time.monotonic, sleep=time.sleep):

@@ -137,10 +137,10 @@ class PodConfig:
 
     def __post_init__(self) -> None:
         self.registry = member(RegistryKind, "registry", self.registry)
-        checked_cpu_set("cpus", self.cpus)
-        if self.lend_cpus and not (self.cpus and self.lender_activity_files):
+        own = checked_cpu_set("cpus", self.cpus)
+        if self.lend_cpus and not (own and self.lender_activity_files):
             raise ValueError("lend_cpus needs cpus (the pod's own) and lender_activity_files")
-        if checked_cpu_set("cpus", self.cpus) & checked_cpu_set("lend_cpus", self.lend_cpus):
+        if own & checked_cpu_set("lend_cpus", self.lend_cpus):
             raise ValueError(f"lend_cpus {self.lend_cpus!r} overlaps cpus {self.cpus!r}")
         for name in ("port", "metrics_port", "max_waiting_requests"):
             if getattr(self, name) < 0:

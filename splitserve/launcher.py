@@ -309,12 +309,13 @@ class Cluster:
                  *passed_on(c, _POD_CONFIGS[pod.role], scope=pod.role), *self._cpu_flags(pod.name)]
         if pod.role is not Role.PREFILL:
             flags += ["--role", str(pod.role)]
-        if pod.role is Role.DECODE and c.scheduling is Scheduling.HYBRID:
-            flags += ["--tpot-slack-chunking", "--tpot-target-s", str(c.slo_tpot_s)]
-        if self.lent_cpus and pod.role is Role.DECODE:
+        hybrid = c.scheduling is Scheduling.HYBRID
+        if pod.role is Role.DECODE and (hybrid or self.lent_cpus):  # the TPOT its requests keep while it lends
+            flags += ["--tpot-target-s", str(c.slo_tpot_s)]
+        if pod.role is Role.DECODE and hybrid:
+            flags += ["--tpot-slack-chunking"]
+        if pod.role is Role.DECODE and self.lent_cpus:
             flags += ["--activity-file", str(self._activity_file(pod))]
-            if c.scheduling is not Scheduling.HYBRID:  # the target its requests keep while it lends its CPU
-                flags += ["--tpot-target-s", str(c.slo_tpot_s)]
         if self.lent_cpus and pod.role is Role.PREFILL:
             activity = ",".join(str(self._activity_file(p)) for p in self.pods if p.role is Role.DECODE)
             flags += ["--lend-cpus", format_cpu_list(self.lent_cpus), "--lender-activity-files", activity]

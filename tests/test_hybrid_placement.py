@@ -9,7 +9,6 @@ from engine.sampling_params import SamplingParams
 from engine.step_time import StepTimeModel
 from router.config import RouterConfig
 from router.intake import RouterRequest
-from router.placement import Placement
 from router.policies import HybridPlacement, LocalPrefill, PromptBlocks, SLOTargets, make_policy
 from router.registry import PodInfo, PodLoad
 
@@ -125,7 +124,6 @@ def test_the_policy_decides_by_prediction_only_with_hybrid_scheduling():
 
 def test_a_request_names_its_own_targets():
     config = RouterConfig(decode_pods=["d:1"], slo_ttft_s=2.0, slo_tpot_s=0.1)
-    placement = Placement(config, None, make_policy("least_loaded"), None, None)
     own = RouterRequest("r", [1, 2], SamplingParams(), slo_ttft_s=0.5)
-    assert placement.targets(own) == SLOTargets(0.5, 0.1)
-    assert placement.targets(RouterRequest("s", [1], SamplingParams())) == SLOTargets(2.0, 0.1)
+    assert SLOTargets.of(own, config) == SLOTargets(0.5, 0.1)
+    assert SLOTargets.of(RouterRequest("s", [1], SamplingParams()), config) == SLOTargets(2.0, 0.1)
