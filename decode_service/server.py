@@ -126,6 +126,7 @@ class _Admission:
                                   "no KV block free for this sample's copy of the prompt's last block")
         seq.sampling_params = self.params  # the push reserved the blocks before the params were known
         seq.tpot_target_s = self.request.tpot_target_seconds
+        seq.priority = self.request.priority  # which running request is preempted first
         seq = engine.admit_prefilled(seq, self.request.first_token_id, first_logprobs)
         self.admitted = True
         return seq
@@ -225,7 +226,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         clock = _TokenClock.start(self._pod.metrics, prefilled=admission is not None or bool(request.resume_token_ids))
         prompt, resumed = list(request.prompt_token_ids), list(request.resume_token_ids)
         add = admission.admit if admission is not None else (
-            lambda engine: _with_target(engine.add_request(request.request_id, prompt, params, resumed), request))
+            lambda engine: _with_target(engine.add_request(request.request_id, prompt, params, resumed,
+                                                           priority=request.priority), request))
         events = self._pod.engine_loop.generate(request.request_id, prompt, params, add=add)
         try:
             async with contextlib.aclosing(events):

@@ -138,8 +138,9 @@ class LLMEngine:
         return self.model_config.max_position_embeddings
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    resume_token_ids: list[int] = ()) -> Sequence:
+                    resume_token_ids: list[int] = (), priority: int = 0) -> Sequence:
         """Queue a request; raises ValueError for a prompt that can never run (empty, too long, bad token id).
+        ``priority``: vLLM's, lower first (``Scheduler``: the waiting queue's order and the preemption victims).
 
         ``resume_token_ids``: output tokens the request already generated elsewhere (a migrated request). They are
         prefilled after the prompt and count as output (max_tokens, min_tokens, penalties), and sampling goes on at
@@ -149,7 +150,8 @@ class LLMEngine:
         if len(prompt_token_ids) + len(resume_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt + resume_token_ids have {len(prompt_token_ids) + len(resume_token_ids)} "
                              f"tokens; the model's context is {self.max_model_len}")
-        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(resume_token_ids))
+        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(resume_token_ids),
+                       priority=priority)
         self.scheduler.add(seq)
         return seq
 

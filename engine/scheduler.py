@@ -2,8 +2,9 @@
 
 A request's path through the scheduler:
 
-- ``add`` puts it at the back of ``waiting`` (``add_prefilled`` skips the queue: its KV arrived from a prefill
-  pod, so it joins ``running`` directly);
+- ``add`` puts it in ``waiting``, behind every request of its priority or a more urgent one (``Sequence.priority``,
+  vLLM's: lower first; all 0 is first come, first served) (``add_prefilled`` skips the queue: its KV arrived from a
+  prefill pod, so it joins ``running`` directly);
 - ``schedule`` first gives every ``running`` sequence its next tokens (a prefill chunk, or one token when
   decoding, plus the draft tokens proposed for it when speculating, as far as the budget, ``max_tokens`` and the
   context allow: engine/speculative.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup
@@ -11,8 +12,10 @@ A request's path through the scheduler:
   while the token budget, the sequence cap and the block pool allow. On a pod that lends its decode steps to
   prefills (``SchedulerConfig.tpot_slack_chunking``), the prompt tokens of a step are bounded as well, by the
   chunk that keeps every decoding sequence within its TPOT target (``engine/prefill_budget.py``). When a running
-  sequence needs a block and none is left, the most recently admitted one is preempted: its blocks are freed and
-  it goes back to the front of ``waiting``, to be recomputed later (cheaply, from its prefix-cached blocks);
+  sequence needs a block and none is left, the least urgent one (the highest priority value, the most recently
+  admitted among equals) is preempted, even if this step had scheduled it already: its blocks are freed and it
+  goes back to ``waiting`` ahead of its equals, to be recomputed later (cheaply, from its prefix-cached blocks).
+  As in vLLM, a waiting request never preempts a running one: priority orders the queue and picks the victims;
 - ``update_from_output`` records the step: computed tokens advance, newly full blocks enter the prefix cache,
   sampled tokens are appended (several when drafts were accepted, each checked before the next), and a sequence
   that hits EOS, a stop token id or its length limit is finished and its blocks freed, its later tokens dropped;
@@ -91,7 +94,18 @@ class Scheduler:
             self._check_stop(seq)
             if seq.is_finished:
                 return
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, preempted: bool = False) -> None:
+        """Into ``waiting`` by priority, first come first served among equals; a preempted sequence goes ahead of its
+        equals (it was running before any of them was admitted)."""
+        waiting = self.waiting
+        if not preempted and (not waiting or waiting[-1].priority <= seq.priority):
+            waiting.append(seq)  # the common case: no one queued is less urgent
+            return
+        behind = (lambda other: other.priority < seq.priority) if preempted else (
+            lambda other: other.priority <= seq.priority)
+        waiting.insert(next((i for i, other in enumerate(waiting) if not behind(other)), len(waiting)), seq)
 
     def _check_admissible(self, seq: Sequence) -> None:
         if seq.request_id in self._unfinished:
@@ -186,12 +200,35 @@ class Scheduler:
             if drafts and not self.block_manager.allocate_slots(seq, 1 + len(drafts)):
                 drafts = []  # no room for them: decode one token, preempting for it if need be
             num_new_tokens = self._num_new_tokens(seq, start, budget) + len(drafts)
-            if not self._allocate_or_preempt(seq, num_new_tokens, out.preempted):
-                break  # seq itself, the last one running, was preempted
-            out.scheduled.append(self._scheduled(seq, num_new_tokens, start, drafts))
-            budget -= num_new_tokens
-            index += 1
+            while not self.block_manager.allocate_slots(seq, num_new_tokens):
+                at = self._preemption_victim()
+                victim = self.running.pop(at)
+                budget += self._unschedule(out, victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break  # it was the least urgent: the ones after it (more urgent) go on
+                if at < index:
+                    index -= 1  # one scheduled before it left running
+            else:
+                out.scheduled.append(self._scheduled(seq, num_new_tokens, start, drafts))
+                budget -= num_new_tokens
+                index += 1
         return budget
+
+    def _preemption_victim(self) -> int:
+        """The index in ``running`` of the least urgent sequence: the highest priority value, the most recently
+        admitted among equals (without priorities: the last one)."""
+        return max(range(len(self.running)), key=lambda i: (self.running[i].priority, i))
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, seq: Sequence) -> int:
+        """Take ``seq``'s share out of this step (when it had one); the tokens it gives back to the budget."""
+        for i, item in enumerate(out.scheduled):
+            if item.seq is seq:
+                del out.scheduled[i]
+                return item.num_new_tokens
+        return 0
 
     def _drafts_to_verify(self, seq: Sequence, budget: int) -> list[int]:
         """The proposed tokens of a decoding sequence that fit: a step emits up to one more token than it verifies
@@ -203,23 +240,13 @@ class Scheduler:
             room = min(room, seq.sampling_params.max_tokens - seq.num_output_tokens - 1)
         return seq.draft_token_ids[:max(room, 0)]
 
-    def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int, preempted: list[Sequence]) -> bool:
-        """Preempt from the end of ``running`` (the most recently admitted) until ``seq`` fits."""
-        while not self.block_manager.allocate_slots(seq, num_new_tokens):
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim is seq:
-                return False
-        return True
-
     def _preempt(self, seq: Sequence) -> None:
         # Recompute, not swap: dropping the KV is free, and prefix-cached blocks make the re-prefill cheap.
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, preempted=True)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while (self.waiting and budget > 0 and self._prefill_left != 0

@@ -71,6 +71,8 @@ class Sequence:
     # 0: the pod's default. last_token_time: time.monotonic() when its latest token here came out.
     tpot_target_s: float = 0.0
     last_token_time: float | None = None
+    # vLLM's request priority: lower runs first (the waiting queue's order) and is preempted last; 0 by default.
+    priority: int = 0
     # Speculative decoding (engine/speculative.py): tokens proposed for the next step, and the request's proposer state.
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: DraftState | None = None

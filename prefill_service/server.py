@@ -125,7 +125,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
 
         def add(engine):
-            seq = engine.add_request(request_id, prompt, params)
+            seq = engine.add_request(request_id, prompt, params, priority=request.priority)
             if sender is not None:
                 self._export.register(request_id, sender)  # same engine command: no step can run in between
             return seq

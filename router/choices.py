@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
-from router.intake import NO_TARGETS, LatencyTargets, RouterRequest, SampleGroup
+from router.intake import DEFAULT_SERVICE, ServiceLevel, RouterRequest, SampleGroup
 from router.request_run import Completion, OutputDelta
 
 if TYPE_CHECKING:
@@ -38,9 +38,9 @@ def too_many_choices(num_prompts: int, n: int) -> str:
 
 async def make_choices(router: Router, prompts: list[str | list[int]], params: SamplingParams,
                        request_id: str | None, add_special_tokens: bool, timeout_s: float | None = None,
-                       targets: LatencyTargets = NO_TARGETS) -> list[RouterRequest]:
+                       service: ServiceLevel = DEFAULT_SERVICE) -> list[RouterRequest]:
     """One request per choice, prompt by prompt, ``n`` samples each; a single choice keeps the request's id."""
-    options = {"add_special_tokens": add_special_tokens, "timeout_s": timeout_s, "targets": targets}
+    options = {"add_special_tokens": add_special_tokens, "timeout_s": timeout_s, "service": service}
     if len(prompts) == 1 and params.n == 1:
         return [await router.make_request(prompts[0], params, request_id, **options)]
     request_id = request_id or uuid.uuid4().hex

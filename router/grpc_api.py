@@ -39,7 +39,7 @@ from protos.convert import (
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.api_keys import APIKeys
 from router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
-from router.intake import LatencyTargets, RouterRequest
+from router.intake import ServiceLevel, RouterRequest
 from router.request_run import Completion, OutputDelta
 from router.router import Router
 from runtime.errors import StatusError
@@ -128,14 +128,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if params.n > MAX_CHOICES:
             raise _invalid(f"sampling_params.n: {too_many_choices(1, params.n)}")
         which = request.WhichOneof("input")
-        targets = LatencyTargets.checked(*(getattr(request, name) if request.HasField(name) else None
-                                           for name in TARGET_FIELDS), names=TARGET_FIELDS)
+        service = ServiceLevel.checked(*(getattr(request, name) if request.HasField(name) else None
+                                         for name in TARGET_FIELDS), request.priority,
+                                       names=(*TARGET_FIELDS, "priority"))
         try:
             prompt = await self._prompt(request)
             # The client's deadline (None without one) bounds the request, as its own timeout would.
             return await make_choices(self._router, [prompt], params, request.request_id or None,
                                       self._add_special_tokens(request), timeout_s=context.time_remaining(),
-                                      targets=targets)
+                                      service=service)
         except StatusError as error:
             raise _named_as_in_the_proto(error, which) from None
 

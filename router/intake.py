@@ -72,24 +72,30 @@ class SampleGroup:
 
 
 @dataclass(frozen=True)
-class LatencyTargets:
-    """A request's own TTFT and TPOT targets in seconds (None: the router's ``--slo-*-s``): the hybrid placement
-    schedules for them and the router's goodput counts against them (docs/api.md, "Latency targets")."""
+class ServiceLevel:
+    """What a request asks of the schedulers (docs/api.md, "Latency targets and priority"): its own TTFT and TPOT
+    targets in seconds (None: the router's ``--slo-*-s``), which the hybrid placement schedules for and the router's
+    goodput counts against; and its priority (vLLM's: lower first), which orders each pod's queue and its
+    preemptions."""
 
     ttft_s: float | None = None
     tpot_s: float | None = None
+    priority: int = 0
 
     @classmethod
-    def checked(cls, ttft_s: float | None, tpot_s: float | None, names: tuple[str, str]) -> LatencyTargets:
-        """The targets as a client sent them, each None or a finite number of seconds > 0, else
-        ``StatusError(INVALID_ARGUMENT)`` naming the field as the client spelled it (``names``)."""
+    def checked(cls, ttft_s: float | None, tpot_s: float | None, priority: int,
+                names: tuple[str, str, str]) -> ServiceLevel:
+        """The service level as a client sent it: each target None or a finite number of seconds > 0, the priority
+        an int32; else ``StatusError(INVALID_ARGUMENT)`` naming the field as the client spelled it (``names``)."""
         for value, name in zip((ttft_s, tpot_s), names):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise invalid(f"{name}: must be a number of seconds > 0, got {value!r}")
-        return cls(ttft_s, tpot_s)
+        if not -2**31 <= priority < 2**31:  # it travels to the pods as an int32
+            raise invalid(f"{names[2]}: must be an integer in [-2^31, 2^31), got {priority}")
+        return cls(ttft_s, tpot_s, priority)
 
 
-NO_TARGETS = LatencyTargets()  # the router's --slo-*-s apply
+DEFAULT_SERVICE = ServiceLevel()  # the router's --slo-*-s, priority 0
 
 
 @dataclass
@@ -100,9 +106,10 @@ class RouterRequest:
     prompt_text: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     timeout_s: float | None = None  # arrival to last token; None: the router's request_timeout_s
-    # The request's own latency targets (docs/api.md, the "slo" extension); None: the router's --slo-*-s.
+    # The request's own latency targets (docs/api.md, "Latency targets and priority"); None: the router's --slo-*-s.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    priority: int = 0  # vLLM's: lower first, on every pod it runs on
     samples: SampleGroup | None = None  # the n > 1 samples of its prompt, it among them
 
     @property
@@ -174,11 +181,11 @@ class Intake:
 
     async def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
                            add_special_tokens: bool = True, timeout_s: float | None = None,
-                           targets: LatencyTargets = NO_TARGETS) -> RouterRequest:
+                           service: ServiceLevel = DEFAULT_SERVICE) -> RouterRequest:
         """A validated request; unset ``max_tokens`` becomes the room left in the context (at most
         ``max_tokens_limit``). ``timeout_s``: the client's own deadline, when it has one (the request's deadline
-        is the shorter of it and ``request_timeout_s``); ``targets``: its own latency targets, checked by the API
-        that read them (``LatencyTargets.checked``). Raises ``StatusError(INVALID_ARGUMENT)`` naming what is
+        is the shorter of it and ``request_timeout_s``); ``service``: its own latency targets and priority, checked
+        by the API that read them (``ServiceLevel.checked``). Raises ``StatusError(INVALID_ARGUMENT)`` naming what is
         wrong."""
         arrival = time.monotonic()  # tokenizing is part of what the client waits for
         if request_id is not None:
@@ -200,7 +207,8 @@ class Intake:
         timeout = self.config.request_timeout_s if timeout_s is None else min(timeout_s, self.config.request_timeout_s)
         return RouterRequest(request_id or uuid.uuid4().hex, token_ids, params,
                              prompt_text=prompt if isinstance(prompt, str) else None, arrival_time=arrival,
-                             timeout_s=timeout, slo_ttft_s=targets.ttft_s, slo_tpot_s=targets.tpot_s)
+                             timeout_s=timeout, slo_ttft_s=service.ttft_s, slo_tpot_s=service.tpot_s,
+                             priority=service.priority)
 
     def _checked_params(self, params: SamplingParams) -> SamplingParams:
         """The request's parameters within the server's limits (``SamplingParams`` checked the rest)."""

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.middleware.cors import CORSMiddleware
 
 from router.api_keys import APIKeys
-from router.intake import LatencyTargets, RouterRequest, check_request_id
+from router.intake import ServiceLevel, RouterRequest, check_request_id
 from router.openai_errors import APIError, add_error_handlers, field_named_in, json_response, renamed
 from router.openai_format import ChatCompletionFormatter, TextCompletionFormatter, joined_responses
 from router.openai_middleware import (
@@ -223,9 +223,10 @@ class OpenAIRoutes:
             # best_of ranks its samples by their tokens' logprobs: the pods return them whether asked for or not.
             generated = params if samples == params.n else dataclasses.replace(
                 params, n=samples, logprobs=params.logprobs or 0)
-            targets = LatencyTargets.checked(body.slo_ttft_s, body.slo_tpot_s, names=("slo_ttft_s", "slo_tpot_s"))
+            service = ServiceLevel.checked(body.slo_ttft_s, body.slo_tpot_s, body.priority,
+                                           names=("slo_ttft_s", "slo_tpot_s", "priority"))
             router_requests = await make_choices(self.router, prompts, generated, request_id, body.add_special_tokens,
-                                                 targets=targets)
+                                                 service=service)
         response_id = router_requests[0].request_id if len(router_requests) == 1 else request_id
         request.state.request_id = response_id  # the X-Request-Id of the answer
         prompt_of = [index // samples for index in range(len(router_requests))]  # each choice's prompt

@@ -39,7 +39,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "spaces_between_special_tokens": ((None, True), "special tokens are always decoded with the tokenizer's spacing"),
     "return_tokens_as_token_ids": ((None, False), "logprob tokens are always text"),
     "return_token_ids": ((None, False), "token ids are returned by the gRPC API, not this one"),
-    "priority": ((None, 0), "requests have no priorities yet"),
     "cache_salt": ((None,), "the prefix cache has no salts yet"),
     "kv_transfer_params": ((None,), "KV transfer is the router's to arrange"),
     "vllm_xargs": ((None,), "no extension arguments are taken"),

@@ -144,9 +144,10 @@ class GenerationRequest(StrictModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a JSON key, a string) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
-    # splitserve's: this request's own latency targets in seconds (docs/api.md, "Latency targets")
+    # splitserve's: this request's own latency targets in seconds (docs/api.md, "Latency targets and priority")
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    priority: int = 0  # vLLM's: lower first (docs/api.md, "Latency targets and priority")
     # Structured outputs: at most one of these (structured_output()).
     response_format: ResponseFormat | None = None  # OpenAI's
     guided_json: JsonObject | Text | None = None  # vLLM's: a JSON schema
@@ -165,7 +166,6 @@ class GenerationRequest(StrictModel):
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
-    priority: Any = None
     cache_salt: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None

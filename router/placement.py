@@ -244,7 +244,7 @@ class Placement:
         call = run.track(prefill_pod.prefill(prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling_params=sampling_params_to_proto(params), decode_address=decode_address,
-            kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s,
+            kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s, priority=req.priority,
         ), run.time_left()))
         first = await run.await_pod(call, pod.address)
         run.cached_tokens = first.num_cached_tokens
@@ -272,10 +272,12 @@ class Placement:
         return stream
 
     def _decode_request(self, req: RouterRequest) -> decode_pb2.DecodeRequest:
-        # The TPOT target travels with it: a hybrid decode pod keeps it while it prefills lent prompts.
+        # The TPOT target travels with it (a hybrid decode pod keeps it while it prefills lent prompts), and so does
+        # the priority (the pod's queue order and preemptions).
         return decode_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                         sampling_params=sampling_params_to_proto(req.params),
-                                        tpot_target_seconds=SLOTargets.of(req, self.config).tpot_s)
+                                        tpot_target_seconds=SLOTargets.of(req, self.config).tpot_s,
+                                        priority=req.priority)
 
     # -- step 4: migration ------------------------------------------------------------------------------------
 

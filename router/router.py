@@ -39,7 +39,7 @@ from engine.sequence import FinishReason
 from engine.tokenizer import Tokenizer
 from engine.tokenizer_files import load_tokenizer
 from router.config import RouterConfig
-from router.intake import NO_TARGETS, Intake, LatencyTargets, RouterRequest, invalid
+from router.intake import DEFAULT_SERVICE, Intake, ServiceLevel, RouterRequest, invalid
 from router.placement import Placement
 from router.pod_client import PodClient, PodClientPool
 from router.pod_monitor import PodMonitor
@@ -131,10 +131,10 @@ class Router:
 
     async def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
                            add_special_tokens: bool = True, timeout_s: float | None = None,
-                           targets: LatencyTargets = NO_TARGETS) -> RouterRequest:
+                           service: ServiceLevel = DEFAULT_SERVICE) -> RouterRequest:
         """``Intake.make_request``: a request checked against the limits, its prompt as token ids."""
         return await self.intake.make_request(prompt, params, request_id, add_special_tokens=add_special_tokens,
-                                              timeout_s=timeout_s, targets=targets)
+                                              timeout_s=timeout_s, service=service)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
         return await self.intake.tokenize(text, add_special_tokens, field)

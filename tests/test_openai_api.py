@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import PromptLogprob
 from router.config import RouterConfig
-from router.intake import NO_TARGETS, LatencyTargets, RouterRequest
+from router.intake import DEFAULT_SERVICE, ServiceLevel, RouterRequest
 from router.openai_api import ServerSentEvents, create_app
 from router.request_run import Completion, OutputDelta
 from runtime.errors import StatusError
@@ -80,7 +80,7 @@ class FakeRouter:
 
     async def make_request(self, prompt, params: SamplingParams, request_id: str | None = None, *,
                            add_special_tokens: bool = True, timeout_s: float | None = None,
-                           targets: LatencyTargets = NO_TARGETS) -> RouterRequest:
+                           service: ServiceLevel = DEFAULT_SERVICE) -> RouterRequest:
         token_ids = prompt if isinstance(prompt, list) else await self.tokenize(prompt, add_special_tokens)
         if len(token_ids) == 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
@@ -89,7 +89,8 @@ class FakeRouter:
         text = prompt if isinstance(prompt, str) else None
         return RouterRequest(request_id=request_id or f"req{len(self.requests)}", prompt_token_ids=token_ids,
                              params=params, prompt_text=text, arrival_time=time.monotonic(), timeout_s=timeout_s,
-                             slo_ttft_s=targets.ttft_s, slo_tpot_s=targets.tpot_s)
+                             slo_ttft_s=service.ttft_s, slo_tpot_s=service.tpot_s,
+                             priority=service.priority)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.tokenized.append((text, add_special_tokens))
@@ -276,12 +277,15 @@ def test_a_batch_of_one_prompt_is_that_prompt(http, fake):
 
 @pytest.mark.parametrize("path, extra", [("/v1/completions", {"prompt": "Hi"}),
                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
-def test_a_requests_own_latency_targets_reach_the_router(http, fake, path, extra):
-    assert http.post(path, json={**extra, "slo_ttft_s": 0.5, "slo_tpot_s": 0.02}).status_code == 200
+def test_a_requests_own_latency_targets_and_priority_reach_the_router(http, fake, path, extra):
+    assert http.post(path, json={**extra, "slo_ttft_s": 0.5, "slo_tpot_s": 0.02, "priority": -3}).status_code == 200
     assert http.post(path, json={**extra, "slo_tpot_s": 0.1}).status_code == 200
-    assert [(r.slo_ttft_s, r.slo_tpot_s) for r in fake.requests] == [(0.5, 0.02), (None, 0.1)]
+    assert [(r.slo_ttft_s, r.slo_tpot_s, r.priority) for r in fake.requests] == [(0.5, 0.02, -3), (None, 0.1, 0)]
     refused = http.post(path, json={**extra, "slo_ttft_s": 0})
     assert refused.status_code == 400 and "slo_ttft_s: must be a number of seconds > 0" in refused.text
+    for priority, why in [(2**31, "must be an integer in [-2^31, 2^31)"), ("high", "priority")]:
+        refused = http.post(path, json={**extra, "priority": priority})
+        assert refused.status_code == 400 and why in refused.text, refused.text
 
 
 def test_max_tokens_null_means_until_the_context_is_full(http, fake):
@@ -532,7 +536,7 @@ def test_bad_chat_fields_are_400_naming_the_field(http, fake, body, param, messa
 # Known fields this server does not honour yet, each with a value that asks for something: refused by name.
 UNSUPPORTED = [
     ("guided_decoding_backend", "xgrammar"), ("structural_tag", {"type": "structural_tag"}),
-    ("truncate_prompt_tokens", 10), ("use_beam_search", True), ("priority", 1),
+    ("truncate_prompt_tokens", 10), ("use_beam_search", True),
     ("logits_processors", ["x"]),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("store", True),
     ("service_tier", "flex"), ("cache_salt", "s"), ("kv_transfer_params", {}), ("metadata", {"a": "b"}),

@@ -943,10 +943,10 @@ class SmallDecodePod:
     async def _start(self) -> None:
         await self.pod.start(await build_decode_services(self.pod, self.config))
 
-    def stream(self, request_id: str, prompt: list[int], max_tokens: int):
+    def stream(self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0):
         params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return self.decode.Decode(decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
-                                                           sampling_params=params), timeout=120)
+                                                           sampling_params=params, priority=priority), timeout=120)
 
     def close(self) -> None:
         self.channel.close()
@@ -975,6 +975,35 @@ def test_a_request_beyond_max_num_seqs_waits_and_the_gauges_say_so(pods):
         assert queued == [pods.offline_tokens(PROMPT_13201, SamplingParams(temperature=0.0, max_tokens=4,
                                                                            ignore_eos=True))]
         wait_metric(small.pod, "splitserve_num_requests_waiting", 0, splitserve_num_requests_running=0)
+    finally:
+        small.close()
+
+
+def test_waiting_requests_start_in_priority_order_first_come_first_served_among_equals(pods):
+    """One request slot, held by a long request while three queue: two of priority 0, then one of -1. When the slot
+    frees, the last to arrive starts first, then the other two in their order. Each runs 24 steps alone, so the order
+    their first tokens reach the client is the order they started in."""
+    small = SmallDecodePod(pods.thread, num_blocks=128, max_num_seqs=1)
+    started: list[str] = []
+    try:
+        long_stream = small.stream("holds-the-slot", prompt_of(20, seed=13400), 2000)
+        assert next(long_stream).HasField("chunk")
+
+        def run(name: str, priority: int, seed: int) -> None:
+            stream = small.stream(name, prompt_of(20, seed=seed), 24, priority)
+            next(stream)
+            started.append(name)
+            tokens_of(stream)
+
+        waiters = []
+        for i, (name, priority) in enumerate([("first", 0), ("second", 0), ("urgent", -1)]):
+            waiters.append(threading.Thread(target=run, args=(name, priority, 13401 + i)))
+            waiters[-1].start()
+            wait_metric(small.pod, "splitserve_num_requests_waiting", i + 1, splitserve_num_requests_running=1)
+        long_stream.cancel()
+        for waiter in waiters:
+            waiter.join(timeout=60)
+        assert started == ["urgent", "first", "second"]
     finally:
         small.close()
 

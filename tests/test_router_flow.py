@@ -37,6 +37,7 @@ from protos.splitserve.v1 import (
     prefill_pb2_grpc,
 )
 from router.config import RouterConfig
+from router.intake import ServiceLevel
 from router.request_run import Completion, OutputDelta
 from router.router import Router
 from router.server import RouterServer
@@ -66,6 +67,7 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
                                        queued_prefill_tokens=queued_prefill_tokens, version=1)
         self.calls: list[tuple] = []
         self.resumed: dict[str, list[int]] = {}  # request id -> resume_token_ids of a migrated Decode
+        self.priorities: dict[str, int] = {}  # request id -> the priority its Prefill / Decode call carried
         self.cancelled: set[str] = set()
         self.fail_with: grpc.StatusCode | None = None  # every Prefill / Decode call fails with this
         self.fail_after_tokens: int | None = None  # Decode: UNAVAILABLE after streaming this many tokens
@@ -109,6 +111,7 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
 
     async def Prefill(self, request, context):
         self.calls.append(("Prefill", request.request_id, request.decode_address, request.kv_codec))
+        self.priorities[request.request_id] = request.priority
         await asyncio.sleep(self.first_token_delay_s)
         if self.fail_with is not None:
             await context.abort(self.fail_with, f"fake prefill pod says {self.fail_with.name}")
@@ -125,6 +128,7 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
     async def Decode(self, request, context):
         has_first = request.HasField("first_token_id")
         self.calls.append(("Decode", request.request_id, request.first_token_id if has_first else None))
+        self.priorities[request.request_id] = request.priority
         if self.fail_with is not None:
             await context.abort(self.fail_with, f"fake decode pod says {self.fail_with.name}")
         if has_first and (self.address, request.request_id) not in self.cluster.pushed:
@@ -304,6 +308,19 @@ def test_short_prompt_skips_the_prefill_pod():
             # D prefilled, so its summary is the report.
             assert (done.cached_tokens, done.timings["queue"], done.timings["prefill"], done.timings["kv_transfer"]) \
                 == (5, 0.5, 0.25, 0.0)
+    run(scenario())
+
+
+def test_a_requests_priority_travels_to_every_pod_it_runs_on():
+    async def scenario():
+        async with running_cluster() as env:
+            for prompt, priority in ((LONG_PROMPT, -2), (SHORT_PROMPT, 5), (LONG_PROMPT, 0)):
+                req = await env.router.make_request(prompt, SamplingParams(max_tokens=3),
+                                                    service=ServiceLevel(priority=priority))
+                _ = [item async for item in env.router.generate(req)]
+            prefilled, short, default = (call[1] for call in env.decode[0].calls)
+            assert env.prefill[0].priorities == {prefilled: -2, default: 0}
+            assert env.decode[0].priorities == {prefilled: -2, short: 5, default: 0}
     run(scenario())
 
 

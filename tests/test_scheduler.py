@@ -28,8 +28,9 @@ def make_seq(request_id: str, prompt: list[int], **params) -> Sequence:
     return Sequence(request_id, list(prompt), SamplingParams(**{"max_tokens": 16, **params}))
 
 
-def add(scheduler: Scheduler, request_id: str, prompt: list[int], **params) -> Sequence:
+def add(scheduler: Scheduler, request_id: str, prompt: list[int], priority: int = 0, **params) -> Sequence:
     seq = make_seq(request_id, prompt, **params)
+    seq.priority = priority
     scheduler.add(seq)
     return seq
 
@@ -188,6 +189,67 @@ def test_last_running_sequence_is_preempted_when_blocks_are_held_elsewhere():
     assert plan(out) == [("a", 4, 1, True)]
     assert a.output_token_ids == [1000, 1001]
     assert_all_free(scheduler)
+
+
+def test_waiting_requests_start_by_priority_first_come_first_served_among_equals():
+    scheduler = make_scheduler(max_num_batched_tokens=5)
+    for i, (request_id, priority) in enumerate([("a", 0), ("b", 1), ("c", -1), ("d", 0), ("e", -1)]):
+        add(scheduler, request_id, [10 * i + k for k in range(5)], priority, max_tokens=1)
+    assert ids(scheduler.waiting) == ["c", "e", "a", "d", "b"]  # vLLM's meaning: lower first
+    started = [plan(step(scheduler)[0])[0][0] for _ in range(5)]  # one prompt per step
+    assert started == ["c", "e", "a", "d", "b"]
+    assert_all_free(scheduler)
+
+
+def test_preemption_takes_the_least_urgent_even_one_scheduled_earlier_in_the_step():
+    scheduler = make_scheduler(num_blocks=4)
+    a = add(scheduler, "a", [1, 2, 3, 4, 5], priority=1, max_tokens=5)  # admitted first, but less urgent
+    assert plan(step(scheduler)[0]) == [("a", 0, 5, True)]
+    b = add(scheduler, "b", [11, 12, 13, 14, 15, 16, 17], max_tokens=3)
+    assert plan(step(scheduler)[0]) == [("a", 5, 1, True), ("b", 0, 7, True)]
+    assert plan(step(scheduler)[0]) == [("a", 6, 1, True), ("b", 7, 1, True)]
+    assert (a.block_table, b.block_table) == ([0, 1], [2, 3])
+
+    # a's next token fits its blocks and is scheduled; b's needs a third block: a is preempted after all, its
+    # share of the step taken back, and b decodes in its place.
+    out, _ = step(scheduler)
+    assert plan(out) == [("b", 8, 1, True)]
+    assert out.preempted == [a]
+    assert (a.status, a.num_computed_tokens, a.block_table, list(scheduler.waiting)) == (
+        SequenceStatus.WAITING, 0, [], [a])
+    assert b.finish_reason is FinishReason.LENGTH  # its third token, in a's freed block
+
+    while scheduler.has_unfinished():  # b finishes, then a resumes and recomputes its prompt and outputs
+        step(scheduler)
+    assert (a.output_token_ids, b.output_token_ids) == ([1000, 1001, 1002, 1003, 1004], [1000, 1001, 1002])
+    assert a.num_preemptions == 1
+    assert_all_free(scheduler)
+
+
+def test_a_sequence_that_is_the_least_urgent_gives_way_itself_and_the_ones_after_it_run():
+    scheduler = make_scheduler(num_blocks=4)
+    a = add(scheduler, "a", [1, 2, 3, 4, 5, 6, 7], priority=1, max_tokens=4)
+    step(scheduler)
+    b = add(scheduler, "b", [11, 12, 13, 14, 15, 16, 17], max_tokens=3)
+    assert plan(step(scheduler)[0]) == [("a", 7, 1, True), ("b", 0, 7, True)]
+    # a, first in the batch, needs a third block and finds none. Without priorities b (admitted last) would give
+    # way; here a is the least urgent, so a leaves and b, after it, still decodes.
+    out, _ = step(scheduler)
+    assert (plan(out), out.preempted, ids(scheduler.running)) == ([("b", 7, 1, True)], [a], ["b"])
+
+
+def test_a_preempted_sequence_waits_ahead_of_its_equals_and_behind_more_urgent_ones():
+    scheduler = make_scheduler(num_blocks=4, max_num_seqs=1)
+    a = add(scheduler, "a", [1, 2, 3, 4, 5, 6, 7], max_tokens=8)
+    step(scheduler)
+    add(scheduler, "later", [20 + k for k in range(9)], max_tokens=1)
+    add(scheduler, "urgent", [40 + k for k in range(9)], priority=-1, max_tokens=1)
+    # Hold two blocks outside the scheduler (as a KV-transfer lease does): a's next block comes from preempting a.
+    lease = make_seq("lease", [0] * 8)
+    assert scheduler.block_manager.allocate_slots(lease, 8)
+    while a.status is SequenceStatus.RUNNING:
+        step(scheduler)
+    assert ids(scheduler.waiting) == ["urgent", "a", "later"]
 
 
 def test_abort_while_waiting():

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/splitserve/v1/generate.proto\x12\rsplitserve.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a!protos/splitserve/v1/common.proto\"\xf8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x13.splitserve.v1.ChatH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x1d\n\x10slo_ttft_seconds\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x1d\n\x10slo_tpot_seconds\x18\t \x01(\x01H\x03\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x13\n\x11_slo_ttft_secondsB\x13\n\x11_slo_tpot_seconds\"\xc9\x01\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x05 \x01(\r\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.CompleteH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.ErrorH\x00\x42\n\n\x08response\"\x85\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\x12\x30\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\"\xc8\x01\n\x08\x43omplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x12\n\x08stop_str\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.splitserve.v1.TimingsB\r\n\x0bstop_reason\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t2\x9f\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/splitserve/v1/generate.proto\x12\rsplitserve.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a!protos/splitserve/v1/common.proto\"\x8a\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x13.splitserve.v1.ChatH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x1d\n\x10slo_ttft_seconds\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x1d\n\x10slo_tpot_seconds\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x13\n\x11_slo_ttft_secondsB\x13\n\x11_slo_tpot_seconds\"\xc9\x01\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x05 \x01(\r\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.CompleteH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.ErrorH\x00\x42\n\n\x08response\"\x85\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\x12\x30\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\"\xc8\x01\n\x08\x43omplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x12\n\x08stop_str\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.splitserve.v1.TimingsB\r\n\x0bstop_reason\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t2\x9f\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve.v1.genera
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=120
-  _globals['_GENERATEREQUEST']._serialized_end=496
-  _globals['_CHAT']._serialized_start=499
-  _globals['_CHAT']._serialized_end=700
-  _globals['_CHATMESSAGE']._serialized_start=702
-  _globals['_CHATMESSAGE']._serialized_end=760
-  _globals['_TOKENIDS']._serialized_start=762
-  _globals['_TOKENIDS']._serialized_end=785
-  _globals['_GENERATERESPONSE']._serialized_start=788
-  _globals['_GENERATERESPONSE']._serialized_end=976
-  _globals['_CHUNK']._serialized_start=979
-  _globals['_CHUNK']._serialized_end=1112
-  _globals['_COMPLETE']._serialized_start=1115
-  _globals['_COMPLETE']._serialized_end=1315
-  _globals['_ERROR']._serialized_start=1317
-  _globals['_ERROR']._serialized_end=1355
-  _globals['_GENERATION']._serialized_start=1358
-  _globals['_GENERATION']._serialized_end=1517
+  _globals['_GENERATEREQUEST']._serialized_end=514
+  _globals['_CHAT']._serialized_start=517
+  _globals['_CHAT']._serialized_end=718
+  _globals['_CHATMESSAGE']._serialized_start=720
+  _globals['_CHATMESSAGE']._serialized_end=778
+  _globals['_TOKENIDS']._serialized_start=780
+  _globals['_TOKENIDS']._serialized_end=803
+  _globals['_GENERATERESPONSE']._serialized_start=806
+  _globals['_GENERATERESPONSE']._serialized_end=994
+  _globals['_CHUNK']._serialized_start=997
+  _globals['_CHUNK']._serialized_end=1130
+  _globals['_COMPLETE']._serialized_start=1133
+  _globals['_COMPLETE']._serialized_end=1333
+  _globals['_ERROR']._serialized_start=1335
+  _globals['_ERROR']._serialized_end=1373
+  _globals['_GENERATION']._serialized_start=1376
+  _globals['_GENERATION']._serialized_end=1535
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling_params", "model", "add_special_tokens", "slo_ttft_seconds", "slo_tpot_seconds")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling_params", "model", "add_special_tokens", "slo_ttft_seconds", "slo_tpot_seconds", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GenerateRequest(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SLO_TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SLO_TPOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -28,7 +29,8 @@ class GenerateRequest(_message.Message):
     add_special_tokens: bool
     slo_ttft_seconds: float
     slo_tpot_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., slo_ttft_seconds: _Optional[float] = ..., slo_tpot_seconds: _Optional[float] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., slo_ttft_seconds: _Optional[float] = ..., slo_tpot_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Chat(_message.Message):
     __slots__ = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitserve/v1/prefill.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\xba\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x10\n\x08kv_codec\x18\x05 \x01(\t\x12\x18\n\x10kv_lease_seconds\x18\x06 \x01(\x01\"\xf3\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x38\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x33\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1e.splitserve.v1.KVTransferStats\x12\x30\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\x12\x1c\n\x14more_first_token_ids\x18\x08 \x03(\x05\x12>\n\x19more_first_token_logprobs\x18\t \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"\x97\x01\n\x0fKVTransferStats\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\x12\n\nbytes_sent\x18\x02 \x01(\x03\x12\x11\n\traw_bytes\x18\x03 \x01(\x03\x12\x12\n\nnum_chunks\x18\x04 \x01(\x05\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12 \n\x18\x65xposed_transfer_seconds\x18\x06 \x01(\x01\x32\x97\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitserve/v1/prefill.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\xcc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x10\n\x08kv_codec\x18\x05 \x01(\t\x12\x18\n\x10kv_lease_seconds\x18\x06 \x01(\x01\x12\x10\n\x08priority\x18\x07 \x01(\x05\"\xf3\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x38\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x33\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1e.splitserve.v1.KVTransferStats\x12\x30\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\x12\x1c\n\x14more_first_token_ids\x18\x08 \x03(\x05\x12>\n\x19more_first_token_logprobs\x18\t \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"\x97\x01\n\x0fKVTransferStats\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\x12\n\nbytes_sent\x18\x02 \x01(\x03\x12\x11\n\traw_bytes\x18\x03 \x01(\x03\x12\x12\n\nnum_chunks\x18\x04 \x01(\x05\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12 \n\x18\x65xposed_transfer_seconds\x18\x06 \x01(\x01\x32\x97\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve.v1.prefil
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=89
-  _globals['_PREFILLREQUEST']._serialized_end=275
-  _globals['_PREFILLRESPONSE']._serialized_start=278
-  _globals['_PREFILLRESPONSE']._serialized_end=649
-  _globals['_KVTRANSFERSTATS']._serialized_start=652
-  _globals['_KVTRANSFERSTATS']._serialized_end=803
-  _globals['_PREFILL']._serialized_start=806
-  _globals['_PREFILL']._serialized_end=957
+  _globals['_PREFILLREQUEST']._serialized_end=293
+  _globals['_PREFILLRESPONSE']._serialized_start=296
+  _globals['_PREFILLRESPONSE']._serialized_end=667
+  _globals['_KVTRANSFERSTATS']._serialized_start=670
+  _globals['_KVTRANSFERSTATS']._serialized_end=821
+  _globals['_PREFILL']._serialized_start=824
+  _globals['_PREFILL']._serialized_end=975
 # @@protoc_insertion_point(module_scope)

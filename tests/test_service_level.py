@@ -1,7 +1,8 @@
-"""A request's own latency targets (docs/api.md, "Latency targets"): ``slo_ttft_s`` / ``slo_tpot_s`` in an HTTP
-body, ``slo_ttft_seconds`` / ``slo_tpot_seconds`` in a gRPC ``GenerateRequest``. Through the real router of the
-tiny cluster: a bad target is refused naming its field, and the router's goodput counts each request against its
-own targets (one it cannot meet is not counted, the same request with loose targets is)."""
+"""A request's own service level (docs/api.md, "Latency targets and priority"): ``slo_ttft_s`` / ``slo_tpot_s`` and
+``priority`` in an HTTP body, ``slo_ttft_seconds`` / ``slo_tpot_seconds`` and ``priority`` in a gRPC
+``GenerateRequest``. Through the real router of the tiny cluster: a bad value is refused naming its field, the
+router's goodput counts each request against its own targets (one it cannot meet is not counted, the same request
+with loose targets is), and a priority is served like any request (the order it buys is in test_pods.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.intake import LatencyTargets
+from router.intake import ServiceLevel
 from runtime.errors import StatusError
 
 pytestmark = pytest.mark.e2e
@@ -33,14 +34,24 @@ def _within_slo(cluster) -> float:
 
 @pytest.mark.parametrize("ttft, tpot", [(None, None), (0.5, None), (None, 0.02), (2.0, 0.1)])
 def test_targets_that_are_positive_seconds_or_unset_are_taken(ttft, tpot):
-    assert LatencyTargets.checked(ttft, tpot, ("a", "b")) == LatencyTargets(ttft, tpot)
+    assert ServiceLevel.checked(ttft, tpot, 0, ("a", "b", "c")) == ServiceLevel(ttft, tpot)
 
 
 @pytest.mark.parametrize("ttft, tpot, named", [(0.0, None, "a"), (-1.0, None, "a"), (None, float("nan"), "b"),
                                                (None, float("inf"), "b")])
 def test_a_target_that_is_not_positive_seconds_is_refused_naming_it(ttft, tpot, named):
     with pytest.raises(StatusError, match=f"^{named}: must be a number of seconds > 0"):
-        LatencyTargets.checked(ttft, tpot, ("a", "b"))
+        ServiceLevel.checked(ttft, tpot, 0, ("a", "b", "c"))
+
+
+@pytest.mark.parametrize("priority, taken", [(0, True), (-2**31, True), (2**31 - 1, True), (2**31, False),
+                                             (-2**31 - 1, False)])
+def test_a_priority_is_any_int32(priority, taken):
+    if taken:
+        assert ServiceLevel.checked(None, None, priority, ("a", "b", "c")).priority == priority
+    else:
+        with pytest.raises(StatusError, match=r"^c: must be an integer in \[-2\^31, 2\^31\)"):
+            ServiceLevel.checked(None, None, priority, ("a", "b", "c"))
 
 
 def test_http_goodput_counts_each_request_against_its_own_targets(tiny_pd_up, tiny_openai):
@@ -59,12 +70,16 @@ def test_http_refuses_a_bad_target_naming_it(tiny_openai):
                                             max_tokens=2, extra_body={"slo_tpot_s": -0.1})
 
 
-def _grpc_generate(cluster, **targets) -> None:
-    request = generate_pb2.GenerateRequest(text=PROMPT, sampling_params=common_pb2.SamplingParams(
-        temperature=0, max_tokens=4), **targets)
+def _grpc_generate(cluster, prompt: str = PROMPT, max_tokens: int = 4, **fields) -> str:
+    """The greedy answer's text over gRPC, ``fields`` set in the ``GenerateRequest``."""
+    request = generate_pb2.GenerateRequest(text=prompt, sampling_params=common_pb2.SamplingParams(
+        temperature=0, max_tokens=max_tokens), **fields)
+    text = ""
     with grpc.insecure_channel(f"{cluster.config.host}:{cluster.config.grpc_port}") as channel:
         for response in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60):
             assert response.WhichOneof("response") != "error", response.error.message
+            text += response.chunk.text
+    return text
 
 
 def test_grpc_goodput_counts_each_request_against_its_own_targets(tiny_pd_up):
@@ -80,3 +95,15 @@ def test_grpc_refuses_a_bad_target_naming_it(tiny_pd_up):
         _grpc_generate(tiny_pd_up, slo_ttft_seconds=0.0)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith("slo_ttft_seconds: must be a number of seconds > 0")
+
+
+def test_a_prioritized_request_gets_the_same_answer_over_http_and_grpc(tiny_pd_up, tiny_openai):
+    """Priority orders the pods' queues; it changes no answer. A prompt long enough for the prefill pod, greedy."""
+    long_prompt = " ".join([PROMPT] * 3)
+    answers = [tiny_openai.completions.create(model="tiny-random", prompt=long_prompt, max_tokens=6, temperature=0,
+                                              extra_body=extra).choices[0].text
+               for extra in ({}, {"priority": -5}, {"priority": 7})]
+    assert answers[0] == answers[1] == answers[2]
+    assert _grpc_generate(tiny_pd_up, long_prompt, max_tokens=6, priority=-5) == answers[0]
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        tiny_openai.completions.create(model="tiny-random", prompt=PROMPT, max_tokens=2, extra_body={"priority": 2**40})
