@@ -36,6 +36,7 @@ class RequestOutput:
     # context, then each token's logprob, rank and the top-N.
     prompt_logprobs: list[PromptLogprob | None] | None = None
     num_cached_tokens: int = 0
+    # When it arrived, was first scheduled and got its first token (time.monotonic(), as vLLM's RequestMetrics).
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -65,11 +66,16 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | SequenceType[Prompt],
-                 params: SamplingParams | SequenceType[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or a batch (text, or token ids); one output per prompt, in order."""
+                 params: SamplingParams | SequenceType[SamplingParams] | None = None,
+                 priority: SequenceType[int] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a batch (text, or token ids); one output per prompt, in order. ``priority``:
+        one per prompt, as in vLLM (lower first: the order they start in when they cannot all run at once)."""
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         params_list = _broadcast_params(params, len(prompts))
-        requests = [self._add(p, sp) for p, sp in zip(prompts, params_list)]
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        requests = [self._add(p, sp, pr) for p, sp, pr in zip(prompts, params_list, priorities)]
         by_id = {r.seq.request_id: r for r in requests}
         while self.engine.has_unfinished_requests():
             for seq in self.engine.step():
@@ -77,13 +83,14 @@ class LLM:
         return [r.output() for r in requests]
 
     def chat(self, messages: list[Message] | list[list[Message]],
-             params: SamplingParams | SequenceType[SamplingParams] | None = None) -> list[RequestOutput]:
+             params: SamplingParams | SequenceType[SamplingParams] | None = None,
+             priority: SequenceType[int] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, priority)
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> "_PendingRequest":
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> "_PendingRequest":
         if params.n != 1:  # RequestOutput holds one sample; the router serves n (SamplingParams.for_sample)
             raise ValueError(f"n must be 1 offline (one output per prompt), got {params.n}; pass the prompt n times "
                              "with params.for_sample(i)")
@@ -91,7 +98,7 @@ class LLM:
         ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         if params.bad_words:
             params = params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
-        seq = self.engine.add_request(str(next(self._ids)), ids, params)
+        seq = self.engine.add_request(str(next(self._ids)), ids, params, priority=priority)
         return _PendingRequest(seq, text, IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
@@ -134,6 +141,9 @@ class _PendingRequest:
             logprobs=seq.output_logprobs if seq.sampling_params.logprobs is not None else None,
             prompt_logprobs=[None, *seq.prompt_logprobs] if seq.sampling_params.prompt_logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
+            metrics={name: value for name, value in (("arrival_time", seq.arrival_time),
+                                                     ("first_scheduled_time", seq.first_scheduled_time),
+                                                     ("first_token_time", seq.first_token_time)) if value is not None},
         )
 
 

@@ -61,3 +61,19 @@ def test_seeded_request_repeats_and_differs_by_seed(batched_llm):
     c = batched_llm.generate(prompt, SamplingParams(temperature=1.0, seed=6, max_tokens=16, ignore_eos=True))[0]
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
+
+
+def test_priorities_change_the_order_requests_start_in_not_their_answers():
+    """Two request slots for six requests: given priorities (vLLM's ``LLM.generate(..., priority=)``, lower first),
+    they start in priority order, first come first served among equals, and each answer is what it is without
+    priorities."""
+    llm = LLM(model="tiny-random", num_blocks=512, max_num_seqs=2)
+    prompts = _prompts(llm.tokenizer.vocab_size)[:6]
+    params = [_params(i) for i in range(6)]
+    plain = llm.generate(prompts, params)
+    prioritized = llm.generate(prompts, params, priority=[3, 1, 2, 1, 0, 3])
+    assert [o.token_ids for o in prioritized] == [o.token_ids for o in plain]
+    started = sorted(range(6), key=lambda i: prioritized[i].metrics["first_scheduled_time"])
+    assert started == [4, 1, 3, 2, 0, 5]
+    with pytest.raises(ValueError, match="got 2 priorities for 6 prompts"):
+        llm.generate(prompts, params, priority=[0, 1])
