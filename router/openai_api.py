@@ -223,7 +223,7 @@ class OpenAIRoutes:
             # best_of ranks its samples by their tokens' logprobs: the pods return them whether asked for or not.
             generated = params if samples == params.n else dataclasses.replace(
                 params, n=samples, logprobs=params.logprobs or 0)
-            service = ServiceLevel.checked(body.slo_ttft_s, body.slo_tpot_s, body.priority,
+            service = ServiceLevel.checked(body.slo_ttft_s, body.slo_tpot_s, body.priority or 0,
                                            names=("slo_ttft_s", "slo_tpot_s", "priority"))
             router_requests = await make_choices(self.router, prompts, generated, request_id, body.add_special_tokens,
                                                  service=service)

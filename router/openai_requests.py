@@ -147,7 +147,7 @@ class GenerationRequest(StrictModel):
     # splitserve's: this request's own latency targets in seconds (docs/api.md, "Latency targets and priority")
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
-    priority: int = 0  # vLLM's: lower first (docs/api.md, "Latency targets and priority")
+    priority: int | None = None  # vLLM's: lower first, null as 0 (docs/api.md, "Latency targets and priority")
     # Structured outputs: at most one of these (structured_output()).
     response_format: ResponseFormat | None = None  # OpenAI's
     guided_json: JsonObject | Text | None = None  # vLLM's: a JSON schema

@@ -279,7 +279,7 @@ def test_a_batch_of_one_prompt_is_that_prompt(http, fake):
                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
 def test_a_requests_own_latency_targets_and_priority_reach_the_router(http, fake, path, extra):
     assert http.post(path, json={**extra, "slo_ttft_s": 0.5, "slo_tpot_s": 0.02, "priority": -3}).status_code == 200
-    assert http.post(path, json={**extra, "slo_tpot_s": 0.1}).status_code == 200
+    assert http.post(path, json={**extra, "slo_tpot_s": 0.1, "priority": None}).status_code == 200
     assert [(r.slo_ttft_s, r.slo_tpot_s, r.priority) for r in fake.requests] == [(0.5, 0.02, -3), (None, 0.1, 0)]
     refused = http.post(path, json={**extra, "slo_ttft_s": 0})
     assert refused.status_code == 400 and "slo_ttft_s: must be a number of seconds > 0" in refused.text
