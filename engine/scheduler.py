@@ -29,6 +29,7 @@ tokens of a sequence, and a sequence samples when its scheduled tokens reach the
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -99,13 +100,8 @@ class Scheduler:
     def _enqueue(self, seq: Sequence, preempted: bool = False) -> None:
         """Into ``waiting`` by priority, first come first served among equals; a preempted sequence goes ahead of its
         equals (it was running before any of them was admitted)."""
-        waiting = self.waiting
-        if not preempted and (not waiting or waiting[-1].priority <= seq.priority):
-            waiting.append(seq)  # the common case: no one queued is less urgent
-            return
-        behind = (lambda other: other.priority < seq.priority) if preempted else (
-            lambda other: other.priority <= seq.priority)
-        waiting.insert(next((i for i, other in enumerate(waiting) if not behind(other)), len(waiting)), seq)
+        place = bisect.bisect_left if preempted else bisect.bisect_right  # ``waiting`` stays sorted by priority
+        self.waiting.insert(place(self.waiting, seq.priority, key=lambda other: other.priority), seq)
 
     def _check_admissible(self, seq: Sequence) -> None:
         if seq.request_id in self._unfinished:

@@ -9,9 +9,10 @@ ahead of their TPOT targets. With lending on (``splitserve up --lend-decode-cpus
   spare it while its average TPOT on this pod stays within ``YIELD_SHARE`` x its target (its own, else the pod's
   ``--tpot-target-s``);
 - the prefill pod, before each engine step (``CoreLender``), while its steps kept it busy less than half of the
-  last 5 s, runs the step on its own CPUs *and* the lent ones (one torch thread per CPU) when every owner is idle, or when each busy owner can spare its CPU for ``BORROW_MARGIN`` x
-  the longest recent lent step: then it *borrows* it (writes until when into the owner's file) and hands it back as
-  soon as the step ends; otherwise the step runs on its own CPUs alone;
+  last 5 s, runs the step on its own CPUs *and* the lent ones (one torch thread per CPU) when every owner is idle,
+  or when each busy owner can spare its CPU for ``BORROW_MARGIN`` x the longest recent lent step: then it *borrows*
+  it (writes until when into the owner's file) and hands it back as soon as the step ends; otherwise the step runs
+  on its own CPUs alone;
 - a borrowed decode pod pauses its engine loop, 2 ms at a time (commands, the borrowing prefill's KV writes among
   them, still apply in between), until the borrow ends, never past what its requests spare, never while a request
   waits for its first step there.
@@ -35,6 +36,7 @@ import os
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -131,11 +133,10 @@ class CoreLender:
         self.own, self.lent, self.owners = own, lent, list(owners)
         self.clock = clock
         self.threads = len(own)
-        self._borrowing = False
-        self._step_started: float | None = None
-        self._lent = False
-        self._recent_lent_steps: list[float] = []  # the last lent steps' lengths, seconds
-        self._steps: list[tuple[float, float]] = []  # (end, length) of the steps in the last LOAD_WINDOW_S
+        self._step_started: float | None = None  # while a step runs
+        self._borrow: float | None = None  # the running step's: None on the own CPUs, 0 on idle owners', > 0 borrowed
+        self._recent_lent_steps: deque[float] = deque(maxlen=16)  # the last lent steps' lengths, seconds
+        self._steps: deque[tuple[float, float]] = deque()  # (end, length) of the steps in the last LOAD_WINDOW_S
         self.workers: list[int] = []  # the thread ids of the OpenMP workers that reach the lent CPUs
 
     @property
@@ -144,7 +145,8 @@ class CoreLender:
 
     def busy_share(self, now: float) -> float:
         """The share of the last LOAD_WINDOW_S this pod spent in engine steps."""
-        self._steps = [(end, length) for end, length in self._steps if end > now - LOAD_WINDOW_S]
+        while self._steps and self._steps[0][0] <= now - LOAD_WINDOW_S:
+            self._steps.popleft()
         return sum(min(length, end - (now - LOAD_WINDOW_S)) for end, length in self._steps) / LOAD_WINDOW_S
 
     def _borrow_for(self, now: float) -> float | None:
@@ -199,28 +201,26 @@ class CoreLender:
         if borrow:
             for owner in self.owners:
                 owner.borrow(now + borrow)
-        self._borrowing = bool(borrow)
         threads = self._threads(borrow)
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads
-        self._step_started = now
-        self._lent = borrow is not None
-        return self._lent
+        self._step_started, self._borrow = now, borrow
+        return borrow is not None
 
     def after_step(self) -> None:
         """The step ended: hand borrowed CPUs back at once, and learn how long a lent step takes."""
-        if self._borrowing:
+        if self._step_started is None:
+            return
+        if self._borrow:
             for owner in self.owners:
                 owner.borrow(0.0)
-            self._borrowing = False
-        if self._step_started is not None:
-            now = self.clock()
-            length = now - self._step_started
-            self._steps.append((now, length))
-            if self._lent:
-                self._recent_lent_steps = [*self._recent_lent_steps[-15:], length]
-            self._step_started = None
+        now = self.clock()
+        length = now - self._step_started
+        self._steps.append((now, length))
+        if self._borrow is not None:
+            self._recent_lent_steps.append(length)
+        self._step_started = self._borrow = None
 
 
 class DecodeYield:
