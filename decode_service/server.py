@@ -17,7 +17,11 @@ A request's path:
                                       not the first to prefill still sends its own, which the router ignores)
       without first_token_id          conditional disaggregation / the mixed role: the prompt prefills here;
                                       with resume_token_ids (a request migrated from a decode pod that went away)
-                                      the prompt and those tokens prefill here and generation goes on after them
+                                      the prompt and those tokens prefill here and generation goes on after them;
+                                      with kv_prefix_tokens (a split prefill) the KV a prefill pod pushed for the
+                                      prompt's first tokens is claimed and handed to the prefix cache just before
+                                      the request is added, which finds it there: only the rest prefills here
+                                      (KV no longer here, its lease expired, is computed again)
       stream                          DecodeChunk per engine event with the tokens new to the router (from the
                                       second when the prefill pod sampled the first; the first chunk of a prompt
                                       prefilled here carries its prompt logprobs, when asked: alone, with no token,
@@ -35,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -160,7 +165,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not request.HasField("first_token_id"):
             if self._pod.queue_full():
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the decode pod's queue is full")
-            await self._stream(request, params, None, context)
+            if request.kv_prefix_tokens:
+                await self._stream_after_prefix(request, params, context)
+            else:
+                await self._stream(request, params, None, context)
             return
         kv_request_id = request.kv_request_id or request.request_id
         try:
@@ -180,6 +188,37 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self.transfers.forget(kv_request_id)  # from here the engine owns admitted blocks
             # Runs after the admission command (if it was queued at all), so it knows whether it happened.
             await self._pod.engine_loop.run(admission.release_unless_admitted)
+
+    async def _stream_after_prefix(self, request: decode_pb2.DecodeRequest, params: SamplingParams, context) -> None:
+        """A split prefill: the prompt's first ``kv_prefix_tokens`` tokens' KV was pushed here; it goes to the prefix
+        cache just before the request is added, and the rest of the prompt prefills here."""
+        kv_request_id = request.kv_request_id or request.request_id
+        prefix = list(request.prompt_token_ids[:request.kv_prefix_tokens])
+        try:
+            lease = self.transfers.claim(kv_request_id, prefix)
+        except StatusError as err:
+            if err.code != grpc.StatusCode.NOT_FOUND:
+                await context.abort(err.code, err.message)
+            self._pod.metrics.kv_loaded("recomputed")  # gone (its lease expired): this pod computes it
+            await self._stream(request, params, None, context)
+            return
+        self._pod.metrics.kv_loaded("loaded")
+        handed_over = False  # written and read on the engine thread only
+
+        def hand_over(engine: LLMEngine) -> None:
+            nonlocal handed_over
+            engine.cache_transferred_prefix(lease.seq)
+            handed_over = True
+
+        def release_unless_handed_over(engine: LLMEngine) -> None:
+            if not handed_over:
+                engine.release_transfer(lease.seq)
+
+        try:
+            await self._stream(request, params, None, context, before_add=hand_over)
+        finally:
+            self.transfers.forget(kv_request_id)
+            await self._pod.engine_loop.run(release_unless_handed_over)
 
     async def _load_failed(self, request: decode_pb2.DecodeRequest, params: SamplingParams, err: StatusError,
                            context) -> None:
@@ -217,17 +256,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if request.HasField("first_token_id") and request.resume_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "resume_token_ids: a migrated request prefills here; it cannot have a first_token_id")
+        if request.kv_prefix_tokens and (request.HasField("first_token_id") or request.resume_token_ids
+                                         or not 0 < request.kv_prefix_tokens < len(request.prompt_token_ids)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"kv_prefix_tokens must be in (0, {len(request.prompt_token_ids)}) (the prompt's "
+                                f"length), without first_token_id or resume_token_ids; got {request.kv_prefix_tokens}")
         return params
 
     async def _stream(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
-                      admission: _Admission | None, context) -> None:
-        """Run the request in the engine and write its tokens; closing the stream early aborts it there."""
+                      admission: _Admission | None, context,
+                      before_add: Callable[[LLMEngine], None] | None = None) -> None:
+        """Run the request in the engine and write its tokens; closing the stream early aborts it there.
+        ``before_add`` runs on the engine thread just before a request that prefills here is added."""
         # A migrated request's first token here is not its first: the clock counts it as an inter-token gap.
         clock = _TokenClock.start(self._pod.metrics, prefilled=admission is not None or bool(request.resume_token_ids))
         prompt, resumed = list(request.prompt_token_ids), list(request.resume_token_ids)
-        add = admission.admit if admission is not None else (
-            lambda engine: _with_target(engine.add_request(request.request_id, prompt, params, resumed,
-                                                           priority=request.priority), request))
+
+        def add_here(engine: LLMEngine) -> Sequence:
+            if before_add is not None:
+                before_add(engine)
+            seq = engine.add_request(request.request_id, prompt, params, resumed, priority=request.priority)
+            seq.tpot_target_s = request.tpot_target_seconds  # 0 when unset: the pod's default
+            return seq
+
+        add = admission.admit if admission is not None else add_here
         events = self._pod.engine_loop.generate(request.request_id, prompt, params, add=add)
         try:
             async with contextlib.aclosing(events):
@@ -267,11 +319,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         metrics.request_queue_time.observe(seq.first_scheduled_time - seq.arrival_time)
         metrics.request_prefill_time.observe(seq.first_token_time - seq.first_scheduled_time)
         metrics.prompt_tokens.inc(seq.num_prompt_tokens)
-
-
-def _with_target(seq: Sequence, request: decode_pb2.DecodeRequest) -> Sequence:
-    seq.tpot_target_s = request.tpot_target_seconds  # 0 when unset: the pod's default
-    return seq
 
 
 def _complete(event: TokenEvent, params: SamplingParams, prefilled: bool,

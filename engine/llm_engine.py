@@ -247,6 +247,14 @@ class LLMEngine:
         self.scheduler.add_prefilled(seq)
         return seq
 
+    def cache_transferred_prefix(self, seq: Sequence) -> None:
+        """Hand a transferred prompt prefix's KV (a split prefill: ``seq`` holds the first tokens of a prompt that
+        prefills here) to the prefix cache: its full blocks are cached and released, and the request added next finds
+        them at admission. They are evictable from then on, the most recently freed: a request that waits long
+        behind others under a full pool may compute them again, which changes its time, not its answer."""
+        self.block_manager.cache_full_blocks(seq, seq.num_prompt_tokens)
+        self.block_manager.free(seq)
+
     def fork_prefilled(self, seq: Sequence, request_id: str, params: SamplingParams) -> Sequence | None:
         """A sequence of its own for one sample of a prompt whose KV ``seq`` holds (reserved for a transfer, never
         scheduled): it shares the prompt's full blocks and gets a copy of the last, partly filled one. Admit it with

@@ -117,6 +117,13 @@ class RouterRequest:
         """The first of its prompt's samples: its prefill is for all of them."""
         return self.samples is not None and self.samples.kv_request_id == self.request_id
 
+    @property
+    def may_split_prefill(self) -> bool:
+        """Its prompt may prefill across two pods (a prefix on P, the rest on D): not when it generates nothing
+        (scoring: P alone), owes prompt logprobs (one pod computes them all) or shares one prefill with other
+        samples."""
+        return self.samples is None and self.params.prompt_logprobs is None and self.params.max_tokens != 0
+
 
 class Intake:
     """Tokenizes and checks requests against the ``RouterConfig``'s limits, off the event loop."""

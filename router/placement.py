@@ -37,6 +37,7 @@ import grpc
 from protos.convert import sampling_params_to_proto
 from protos.splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.config import RouterConfig
+from engine.sampling_params import SamplingParams
 from router.intake import RouterRequest
 from router.pod_client import PodClientPool
 from router.policies import RoutePlan, RoutingPolicy, SLOTargets
@@ -162,6 +163,8 @@ class Placement:
             return await self._start_on_decode_pod(run, plan.decode)
         if scoring:
             return await self._score_on_prefill_pod(run, plan.prefill)
+        if plan.prefix_tokens:
+            return await self._start_split(run, plan)
         return await self._start_disaggregated(run, plan)
 
     async def _score_on_prefill_pod(self, run: RequestRun, pod: PodInfo) -> DecodeStream:
@@ -169,7 +172,7 @@ class Placement:
         and answers; no decode pod is called and no KV moves."""
         hold = run.hold(pod, prompt_tokens=len(run.request.prompt_token_ids))
         try:
-            scored = await self._prefill(run, pod, decode_address="")
+            scored = await self._prefill(run, pod, self._prefill_request(run.request, decode_address=""))
         finally:
             hold.release()
         chunk = decode_pb2.DecodeChunk()
@@ -186,7 +189,7 @@ class Placement:
         run.kv_sent_to.append(plan.decode)
         prefill_hold = run.hold(plan.prefill, prompt_tokens=num_prompt)
         try:
-            first = await self._prefill(run, plan.prefill, plan.decode.address)
+            first = await self._prefill(run, plan.prefill, self._prefill_request(run.request, plan.decode.address))
         except BaseException:
             decode_hold.release()
             raise
@@ -201,6 +204,29 @@ class Placement:
         # The KV now waits on D under a lease: claim it at once. D's stream starts after the first token.
         first_logprob = first.first_token_logprob if first.HasField("first_token_logprob") else None
         return self._claim(run, plan.decode, decode_hold, first, first.first_token_id, first_logprob)
+
+    async def _start_split(self, run: RequestRun, plan: RoutePlan) -> DecodeStream:
+        """P prefills the prompt's first ``plan.prefix_tokens`` tokens, as a prompt of their own, and pushes their KV
+        to D; D takes it (``DecodeRequest.kv_prefix_tokens``), prefills the rest and samples the first token."""
+        req, prefix_tokens = run.request, plan.prefix_tokens
+        decode_hold = run.hold(plan.decode, kv_tokens=len(req.prompt_token_ids))
+        run.kv_sent_to.append(plan.decode)
+        prefill_hold = run.hold(plan.prefill, prompt_tokens=prefix_tokens)
+        try:
+            # Only its KV is wanted: the token P samples after the prefix is dropped.
+            prefix = prefill_pb2.PrefillRequest(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids[:prefix_tokens],
+                sampling_params=sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=1)),
+                decode_address=plan.decode.address, kv_codec=self.config.kv_codec,
+                kv_lease_seconds=self.config.kv_lease_s, priority=req.priority)
+            pushed = await self._prefill(run, plan.prefill, prefix)
+        finally:
+            decode_hold.release()
+            prefill_hold.release()
+        run.split_prefix_tokens = prefix_tokens
+        if self.policy.hybrid is not None:
+            self.policy.hybrid.observe_transfer(prefix_tokens, pushed.kv_transfer.exposed_transfer_seconds)
+        return await self._start_on_decode_pod(run, plan.decode, prefix_tokens=prefix_tokens)
 
     async def _start_on_shared_kv(self, run: RequestRun, pod: PodInfo,
                                   first: prefill_pb2.PrefillResponse) -> DecodeStream:
@@ -234,32 +260,36 @@ class Placement:
         decode_call = run.track(decode_pod.decode(decode_request, run.time_left()))
         return DecodeStream(decode_call, pod, hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
 
-    async def _prefill(self, run: RequestRun, pod: PodInfo, decode_address: str) -> prefill_pb2.PrefillResponse:
-        """P prefills the prompt and pushes its KV to the decode pod at ``decode_address`` (none: scoring); P's report
-        is the request's queue/prefill/transfer time."""
-        req = run.request
+    def _prefill_request(self, req: RouterRequest, decode_address: str) -> prefill_pb2.PrefillRequest:
+        """P prefills the prompt and pushes its KV to the decode pod at ``decode_address`` (none: scoring)."""
         # The first of n samples prefills for all of them (decode_address set: not when scoring).
         params = req.samples.params if req.leads_samples and decode_address else req.params
-        prefill_pod = self.pod_clients.get(pod.address, pod.role)
-        call = run.track(prefill_pod.prefill(prefill_pb2.PrefillRequest(
+        return prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling_params=sampling_params_to_proto(params), decode_address=decode_address,
-            kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s, priority=req.priority,
-        ), run.time_left()))
+            kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s, priority=req.priority)
+
+    async def _prefill(self, run: RequestRun, pod: PodInfo,
+                       request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        """P's answer to ``request``; P's report is the request's queue/prefill/transfer time."""
+        prefill_pod = self.pod_clients.get(pod.address, pod.role)
+        call = run.track(prefill_pod.prefill(request, run.time_left()))
         first = await run.await_pod(call, pod.address)
         run.cached_tokens = first.num_cached_tokens
         run.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
                                kv_transfer=first.kv_transfer.exposed_transfer_seconds)
         return first
 
-    async def _start_on_decode_pod(self, run: RequestRun, pod: PodInfo,
-                                   resume_token_ids: list[int] = ()) -> DecodeStream:
-        """D prefills the prompt (and, for a migrated request, the tokens already sent) and streams the rest."""
+    async def _start_on_decode_pod(self, run: RequestRun, pod: PodInfo, resume_token_ids: list[int] = (),
+                                   prefix_tokens: int = 0) -> DecodeStream:
+        """D prefills the prompt (and, for a migrated request, the tokens already sent; after a split prefill, the
+        prompt past the ``prefix_tokens`` whose KV a prefill pod pushed there) and streams the rest."""
         req = run.request
-        hold = run.hold(pod, prompt_tokens=len(req.prompt_token_ids) + len(resume_token_ids),
-                        kv_tokens=len(req.prompt_token_ids) + len(resume_token_ids))
+        num_tokens = len(req.prompt_token_ids) + len(resume_token_ids)
+        hold = run.hold(pod, prompt_tokens=num_tokens - prefix_tokens, kv_tokens=num_tokens)
         request = self._decode_request(req)
         request.resume_token_ids.extend(resume_token_ids)
+        request.kv_prefix_tokens = prefix_tokens
         client = self.pod_clients.get(pod.address, pod.role)
         stream = DecodeStream(run.track(client.decode(request, run.time_left())), pod, hold, [])
         # Its first message carries the next token: until it arrives, a failure may still be retried.

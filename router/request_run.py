@@ -132,6 +132,8 @@ class RequestRun:
     # What the pod that prefilled reported, in seconds: queue, prefill and (disaggregated) kv_transfer.
     # Missing when that report never came (a stop string ended a request prefilled on D before D's summary).
     pod_timings: dict[str, float] = field(default_factory=dict)
+    # A split prefill (placement.py): a prefill pod prefilled this many leading prompt tokens and D the rest.
+    split_prefix_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -265,6 +267,10 @@ class RequestRun:
         if not self.pod_timings:  # no prefill pod reported: D prefilled, and its summary is the report
             self.cached_tokens = complete.usage.cached_tokens
             self.pod_timings.update(queue=complete.queue_seconds, prefill=complete.prefill_seconds)
+        elif self.split_prefix_tokens:  # P reported the prefix; D's summary adds the rest (its prefix hit is P's KV)
+            self.cached_tokens += max(0, complete.usage.cached_tokens - self.split_prefix_tokens)
+            self.pod_timings["queue"] += complete.queue_seconds
+            self.pod_timings["prefill"] += complete.prefill_seconds
         stop_reason = complete.stop_token_id if complete.HasField("stop_token_id") else None
         finish_reason = finish_reason_from_proto(complete.finish_reason)
         error = None

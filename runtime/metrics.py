@@ -147,7 +147,8 @@ class PodMetrics(ServingMetrics):
         self.kv_loads = Counter("splitserve_kv_load_total",
                                 "Pushed prompt KV a decode pod took in, by outcome: loaded (admitted from the push), "
                                 "recomputed (the KV failed to load; the prompt prefilled here, kv_load_failure_policy "
-                                "recompute), failed (the KV failed to load and the request failed: policy fail).",
+                                "recompute, or always for a split prefill's prefix), failed (the KV failed to load and "
+                                "the request failed: policy fail).",
                                 LABELS + ("outcome",), registry=self.registry)
         # Speculative decoding, as vLLM's spec_decode series (acceptance rate: accepted / draft tokens).
         self.spec_decode_num_drafts = self._counter("spec_decode_num_drafts_total",

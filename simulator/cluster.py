@@ -11,6 +11,8 @@ A request's path, as in DESIGN.md ("One request, disaggregated") and ``router/pl
   -> disaggregated: D reserves the prompt's blocks (the push lands there), P's scheduler prefills the prompt
      (``max_tokens = 1``), the KV's exposed transfer time passes, the first token reaches the client, and D admits
      the sequence with it (``admit_prefilled``) and decodes the rest;
+     split (hybrid): the same for the prompt's first ``RoutePlan.prefix_tokens``, after which D takes their KV
+     through its prefix cache and prefills the rest (``SimPod.add_after_prefix``), then decodes;
      on D: D's scheduler prefills and decodes it (hybrid: a decode pod's ``TPOTSlackBudget`` chunks a lent prompt
      so that its running requests keep the TPOT target);
   -> every token D samples reaches the client at the step's end; the last one ends the request.
@@ -65,7 +67,8 @@ class ClusterSpec:
     codec_ratio: float = 1.0  # the KV codec's wire bytes over raw bytes (none: 1)
     span_s: float = 0.0  # longest span of steady decode steps taken at once (simulator/pod.py; 0: single steps)
     # The workloads' prompts are fresh to every pod (as bench serve's are), so the prefix cache never hits: off, the
-    # pods skip hashing every full block (the same schedule, faster); on, it runs as the real pods run it.
+    # pods skip hashing every full block (the same schedule, faster); on, it runs as the real pods run it. A hybrid
+    # cluster's decode pods have it on regardless: a split prefill's prefix reaches D through it.
     prefix_caching: bool = False
     router_s: float = 0.0  # the router's time per request before placing it (the profile's fitted overhead)
     # splitserve up's --scheduling: hybrid gives the decode pods TPOT-slack chunking at the router's TPOT target
@@ -83,6 +86,8 @@ class _InFlight:
     prefill: SimPod | None = None
     decode: SimPod | None = None
     decode_seq: Sequence | None = None
+    pushed: Sequence | None = None  # a split prefill: the prefix whose KV P pushes to D (D prefills the rest)
+    prefill_on_decode: int = 0  # prompt tokens D prefills (the router's hold on D counts them until the first token)
     released: bool = False  # the router's hold on D ended (the request's last token)
 
 
@@ -106,13 +111,14 @@ class SimCluster:
 
     def add_pod(self, pool: PodPool) -> SimPod:
         """One more pod of ``pool``, serving at once (the planner's replay adds pods after their start-up)."""
-        scheduler = self.spec.scheduler
+        scheduler, prefix_caching = self.spec.scheduler, self.spec.prefix_caching
         if pool.role is Role.DECODE and self.spec.scheduling is Scheduling.HYBRID:  # as splitserve up starts them
             scheduler = dataclasses.replace(scheduler, tpot_slack_chunking=True,
                                             default_tpot_target_s=self.spec.targets.tpot_s)
+            prefix_caching = True
         pod = SimPod(f"{pool.role}-{next(self._names)}", pool.role, pool.profile, scheduler,
                      self.spec.num_blocks, self.spec.block_size, self.spec.max_model_len, self.loop, self._on_token,
-                     self.spec.span_s, self._release, self.spec.prefix_caching)
+                     self.spec.span_s, self._release, prefix_caching)
         self.pods.append(pod)
         self._by_name[pod.name] = pod
         self._routable()
@@ -170,21 +176,25 @@ class SimCluster:
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
         seq = Sequence(request_id, prompt, params)
         self._flights[request_id] = flight
+        flight.decode_seq = seq
         if plan.prefill is None:
             _hold(plan.decode, prompt_tokens=len(prompt), kv_tokens=len(prompt))
-            flight.decode_seq = seq
+            flight.prefill_on_decode = len(prompt)
             flight.decode.add(seq)
             return
         flight.prefill = by_name[plan.prefill.address]
-        if not flight.decode.reserve(seq):
+        num_pushed = plan.prefix_tokens or len(prompt)
+        prefill_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        pushed = Sequence(request_id, prompt[:num_pushed], prefill_params) if plan.prefix_tokens else seq
+        if not flight.decode.reserve(pushed):
             self._flights.pop(request_id)
             record.status, record.end_s, record.error = "failed", self.loop.now, "grpc_RESOURCE_EXHAUSTED"
             return
-        flight.decode_seq = seq
+        if plan.prefix_tokens:
+            flight.pushed = pushed
         _hold(plan.decode, kv_tokens=len(prompt))
-        _hold(plan.prefill, prompt_tokens=len(prompt))
-        prefill_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        flight.prefill.add(Sequence(request_id, prompt, prefill_params))
+        _hold(plan.prefill, prompt_tokens=num_pushed)
+        flight.prefill.add(Sequence(request_id, prompt[:num_pushed], prefill_params))
 
     # ---- tokens -----------------------------------------------------------------------------------------
 
@@ -196,7 +206,7 @@ class SimCluster:
             return
         record = flight.record
         if not record.chunk_s:
-            flight.decode.info.queued_prompt_tokens -= seq.num_prompt_tokens  # the hold's prompt_done
+            flight.decode.info.queued_prompt_tokens -= flight.prefill_on_decode  # the hold's prompt_done
         record.chunk_s.extend(times)
         if seq.is_finished:
             self._finish(flight, seq, times[-1])
@@ -213,8 +223,13 @@ class SimCluster:
         self.loop.after(transfer_s, self._first_token, flight)
 
     def _first_token(self, flight: _InFlight) -> None:
-        flight.record.chunk_s.append(self.loop.now)
         seq = flight.decode_seq
+        if flight.pushed is not None:  # a split prefill: D takes the prefix's KV and prefills the rest
+            flight.prefill_on_decode = seq.num_prompt_tokens - flight.pushed.num_prompt_tokens
+            flight.decode.info.queued_prompt_tokens += flight.prefill_on_decode
+            flight.decode.add_after_prefix(flight.pushed, seq)
+            return
+        flight.record.chunk_s.append(self.loop.now)
         flight.decode.admit_prefilled(seq)
         if seq.is_finished:  # max_tokens 1: done with the first token
             self._finish(flight, seq, self.loop.now)
@@ -239,6 +254,7 @@ class _Prompt:
     """What the policies read of a request (``RouterRequest.prompt_token_ids``)."""
 
     prompt_token_ids: list[int]
+    may_split_prefill: bool = True  # generated, greedy, no prompt logprobs: as bench serve's requests
 
 
 def _hold(pod: PodInfo, prompt_tokens: int = 0, kv_tokens: int = 0) -> None:

@@ -181,6 +181,14 @@ class SimPod:
         self.publish()
         self.wake()
 
+    def add_after_prefix(self, pushed: Sequence, seq: Sequence) -> None:
+        """A split prefill: the KV of ``pushed`` (a prefix of ``seq``'s prompt) arrived; it goes to the prefix cache
+        and ``seq`` prefills the rest here (``LLMEngine.cache_transferred_prefix``, then ``add``)."""
+        self.interrupt()
+        self.block_manager.cache_full_blocks(pushed, pushed.num_prompt_tokens)
+        self.block_manager.free(pushed)
+        self.add(seq)
+
     def reserve(self, seq: Sequence) -> bool:
         """Blocks for a prompt whose KV a prefill pod will push (``LLMEngine.reserve_for_transfer``)."""
         self.interrupt()

@@ -1,5 +1,7 @@
 """Hybrid placement (router/policies.py, HybridPlacement) on hand-made pod states, one per SLO regime: the prompt
-goes where its first token is predicted first, the decode pod's TPOT slack bounding what it may be lent."""
+goes where its first token is predicted first, or, once the prefill pod's queue eats into the TTFT target, where it
+leaves the prefill pod the least work and still meets the target (on the decode pod, or split across both); the
+decode pod's TPOT slack bounds what it may be lent."""
 
 import math
 
@@ -27,12 +29,13 @@ def prefill_pod(queued=0, model=MODEL, hashes=()):
     return PodInfo("p", "prefill", load, set(hashes), serving=True)
 
 
-def decode_pod(running=2, targets=BALANCED, model=MODEL, hashes=(), behind_s=0.0):
+def decode_pod(running=2, targets=BALANCED, model=MODEL, hashes=(), behind_s=0.0, queued=0):
     """A decode pod with ``running`` decodes of 300 tokens each under ``targets``' TPOT: the allowance it reports
     is that target (less ``behind_s`` the decodes already lost), headroom applied, as the pod computes it."""
     allowance = 0.8 * (targets.tpot_s - behind_s) if running else None
     load = PodLoad(num_running=running, free_kv_blocks=1000, total_kv_blocks=1000, block_size=BLOCK,
-                   running_context_tokens=300 * running, step_time=model, tpot_allowance_seconds=allowance)
+                   running_context_tokens=300 * running, step_time=model, tpot_allowance_seconds=allowance,
+                   queued_prefill_tokens=queued)
     return PodInfo("d", "decode", load, set(hashes), serving=True)
 
 
@@ -40,8 +43,8 @@ def prompt(num_tokens=384) -> PromptBlocks:
     return PromptBlocks([10 + i % 200 for i in range(num_tokens)])
 
 
-def decide(prefill, decode, targets, num_tokens=384, hybrid=None):
-    return (hybrid or HybridPlacement()).decide(prompt(num_tokens), prefill, decode, targets)
+def decide(prefill, decode, targets, num_tokens=384, hybrid=None, may_split=True):
+    return (hybrid or HybridPlacement()).decide(prompt(num_tokens), prefill, decode, targets, may_split)
 
 
 def test_tight_ttft_relaxed_tpot_lends_the_prompt_when_the_prefill_pod_has_a_queue():
@@ -127,3 +130,65 @@ def test_a_request_names_its_own_targets():
     own = RouterRequest("r", [1, 2], SamplingParams(), slo_ttft_s=0.5)
     assert SLOTargets.of(own, config) == SLOTargets(0.5, 0.1)
     assert SLOTargets.of(RouterRequest("s", [1], SamplingParams()), config) == SLOTargets(2.0, 0.1)
+
+
+# ---- split prefills: a prefix on the prefill pod, the rest on the decode pod ------------------------------------
+
+def test_a_busy_decode_pod_takes_the_tail_of_a_prompt_while_the_prefill_pod_does_its_prefix():
+    """P's queue (0.9 s) eats into the 3 s target; D has a lent prompt of its own queued (300 tokens), so lending
+    this one whole misses the target. A split meets it with less work on P than a remote prefill: P's prefix and D's
+    own queue overlap, and D prefills only the tail."""
+    p, d = prefill_pod(queued=257), decode_pod(targets=BALANCED, queued=300)
+    options = {option.name.split(" ")[0]: option for option in HybridPlacement().options(prompt(), p, d)}
+    assert options["lent"].estimate.ttft_s > BALANCED.ttft_s >= options["remote"].estimate.ttft_s
+    plan = decide(p, d, BALANCED)
+    assert plan.decision == "split" and plan.prefill is p and plan.reason.startswith("hybrid split")
+    assert 0 < plan.prefix_tokens < 384 and plan.prefix_tokens % BLOCK == 0
+    assert plan.predicted_ttft_s <= BALANCED.ttft_s
+    # The least P work that meets the target: every option with less work on P (lent, here) misses it.
+    less_work = [option for option in HybridPlacement().options(prompt(), p, d)
+                 if option.prefill_work < plan.prefix_tokens]
+    assert less_work and all(option.estimate.ttft_s > BALANCED.ttft_s for option in less_work)
+
+
+def test_a_split_is_predicted_as_the_later_of_the_prefix_and_the_decode_pods_queue_then_the_tail():
+    hybrid = HybridPlacement()
+    hybrid.observe_transfer(384, 0.384)  # 1 ms a token
+    p, d = prefill_pod(queued=100), decode_pod(targets=BALANCED, queued=300)
+    split = hybrid.split(prompt(), 192, p, d)
+    on_p = hybrid.remote(prompt(), p, 192)
+    assert on_p.ttft_s == pytest.approx(100 * MODEL.per_prefill_token + MODEL.predict(0, 192, 192 * 193 // 2)
+                                        + 0.192)
+    queue = hybrid.on_decode_pod(d, 0, 300).ttft_s
+    tail = hybrid.on_decode_pod(d, 192, 192).ttft_s
+    assert split.ttft_s == pytest.approx(max(on_p.ttft_s, queue) + tail)
+
+
+def test_with_a_short_prefill_queue_a_split_is_not_chosen_where_it_is_not_sooner():
+    """With P nearly idle, the first token comes soonest from P alone: a split (P's prefix, then D's tail in chunks
+    beside its decodes) only adds D's slower tail."""
+    plan = decide(prefill_pod(queued=50), decode_pod(targets=BALANCED), BALANCED)
+    assert plan.decision == "disaggregated"
+
+
+def test_a_prefix_cached_on_the_prefill_pod_is_a_split_point():
+    """P holds 20 of the prompt's 24 blocks: behind P's queue, it pushes them without computing them, and D
+    prefills the last 4 blocks, leaving P no work at all."""
+    blocks = prompt().hashes(BLOCK)
+    plan = decide(prefill_pod(queued=300, hashes=blocks[:20]), decode_pod(targets=BALANCED), BALANCED)
+    assert (plan.decision, plan.prefix_tokens) == ("split", 20 * BLOCK)
+
+
+def test_split_points_are_whole_blocks_of_the_decode_pod_past_what_it_has_cached():
+    blocks = prompt().hashes(BLOCK)
+    points = HybridPlacement.split_points(prompt(), 0, decode_pod(hashes=blocks[:10]))
+    assert points == [288, 192]  # 96 is within D's 160 cached tokens: lending covers it
+    assert HybridPlacement.split_points(prompt(100), 70, decode_pod()) == [64, 48, 16]
+
+
+def test_a_request_that_may_not_split_gets_remote_or_lent_only():
+    p, d = prefill_pod(queued=257), decode_pod(targets=BALANCED, queued=300)
+    assert decide(p, d, BALANCED, may_split=False).decision == "disaggregated"
+    for params in (SamplingParams(max_tokens=0), SamplingParams(prompt_logprobs=1)):
+        assert not RouterRequest("r", [1, 2], params).may_split_prefill
+    assert RouterRequest("r", [1, 2], SamplingParams()).may_split_prefill

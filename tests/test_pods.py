@@ -150,6 +150,11 @@ class Pods:
     def offline_tokens(self, prompt: list[int], params: SamplingParams) -> list[int]:
         return self.offline.generate([prompt], params)[0].token_ids
 
+    def engine_hits(self, which: str) -> int:
+        """Prompt tokens the pod's engine found in its prefix cache so far."""
+        pod = self.prefill_pod if which == "prefill" else self.decode_pod
+        return pod.engine.block_manager.prefix_hits
+
     def load(self, which: str) -> common_pb2.PodLoad:
         stub = self.prefill_status if which == "prefill" else self.decode_status
         return stub.GetLoad(pod_status_pb2.LoadRequest(), timeout=10)
@@ -263,6 +268,54 @@ def test_decode_without_a_first_token_prefills_locally(pods):
     tokens, _, complete = pods.run_decode("local", prompt, GREEDY)
     assert tokens == pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
     assert complete.usage.completion_tokens == 16 and complete.prefill_seconds > 0
+
+
+# A split prefill: the prefill pod prefills the prompt's first tokens as a prompt of their own and pushes their KV;
+# the decode pod takes it through its prefix cache and prefills the rest (router/placement.py, _start_split).
+@pytest.mark.parametrize("length,prefix", [(150, 96), (150, 100), (40, 16)])  # whole blocks; 6 blocks + 4; 1 block
+def test_a_split_prefill_gives_the_offline_greedy_tokens(pods, length, prefix):
+    prompt = prompt_of(length, seed=length * 1000 + prefix)
+    loaded, hits = metric(pods.decode_pod, "splitserve_kv_load_total", outcome="loaded"), pods.engine_hits("decode")
+    pods.run_prefill(f"split-{length}-{prefix}", prompt[:prefix], common_pb2.SamplingParams(max_tokens=1))
+    request = decode_pb2.DecodeRequest(request_id=f"split-{length}-{prefix}", prompt_token_ids=prompt,
+                                       sampling_params=GREEDY, kv_prefix_tokens=prefix)
+    tokens, complete = tokens_and_complete(pods.decode.Decode(request, timeout=60))
+    assert tokens == pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    whole_blocks = prefix // 16 * 16  # the partly filled last block of the prefix is computed again
+    assert complete.usage.cached_tokens == whole_blocks and complete.prefill_seconds > 0
+    assert pods.engine_hits("decode") - hits == whole_blocks
+    assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="loaded") == loaded + 1
+
+
+def test_a_split_prefill_whose_prefix_kv_is_gone_computes_it_here(pods):
+    prompt = prompt_of(80, seed=4200)
+    recomputed = metric(pods.decode_pod, "splitserve_kv_load_total", outcome="recomputed")
+    request = decode_pb2.DecodeRequest(request_id="split-gone", prompt_token_ids=prompt, sampling_params=GREEDY,
+                                       kv_prefix_tokens=32)  # never pushed (as after its lease expired)
+    tokens, complete = tokens_and_complete(pods.decode.Decode(request, timeout=60))
+    assert tokens == pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    assert complete.usage.cached_tokens == 0
+    assert metric(pods.decode_pod, "splitserve_kv_load_total", outcome="recomputed") == recomputed + 1
+
+
+@pytest.mark.parametrize("fields", [dict(kv_prefix_tokens=40), dict(kv_prefix_tokens=-1),
+                                    dict(kv_prefix_tokens=16, first_token_id=5),
+                                    dict(kv_prefix_tokens=16, resume_token_ids=[5])])
+def test_a_split_prefill_outside_the_prompt_or_with_a_first_token_is_refused(pods, fields):
+    request = decode_pb2.DecodeRequest(request_id="split-bad", prompt_token_ids=prompt_of(40, seed=4300),
+                                       sampling_params=GREEDY, **fields)
+    error = rpc_error(pods.decode.Decode, request, timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_prefix_tokens" in error.details()
+
+
+def tokens_and_complete(stream) -> tuple[list[int], decode_pb2.DecodeComplete]:
+    tokens, complete = [], None
+    for message in stream:
+        if message.HasField("chunk"):
+            tokens += message.chunk.token_ids
+        else:
+            complete = message.complete
+    return tokens, complete
 
 
 def test_first_token_that_ends_the_request_completes_without_a_chunk(pods):

@@ -38,6 +38,7 @@ from protos.splitserve.v1 import (
 )
 from router.config import RouterConfig
 from router.intake import ServiceLevel
+from router.policies import RoutePlan
 from router.request_run import Completion, OutputDelta
 from router.router import Router
 from router.server import RouterServer
@@ -68,6 +69,8 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
         self.calls: list[tuple] = []
         self.resumed: dict[str, list[int]] = {}  # request id -> resume_token_ids of a migrated Decode
         self.priorities: dict[str, int] = {}  # request id -> the priority its Prefill / Decode call carried
+        self.prefill_requests: list[prefill_pb2.PrefillRequest] = []
+        self.kv_prefixes: dict[str, int] = {}  # request id -> kv_prefix_tokens of a split prefill's Decode
         self.cancelled: set[str] = set()
         self.fail_with: grpc.StatusCode | None = None  # every Prefill / Decode call fails with this
         self.fail_after_tokens: int | None = None  # Decode: UNAVAILABLE after streaming this many tokens
@@ -112,6 +115,7 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
     async def Prefill(self, request, context):
         self.calls.append(("Prefill", request.request_id, request.decode_address, request.kv_codec))
         self.priorities[request.request_id] = request.priority
+        self.prefill_requests.append(request)
         await asyncio.sleep(self.first_token_delay_s)
         if self.fail_with is not None:
             await context.abort(self.fail_with, f"fake prefill pod says {self.fail_with.name}")
@@ -133,6 +137,11 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
             await context.abort(self.fail_with, f"fake decode pod says {self.fail_with.name}")
         if has_first and (self.address, request.request_id) not in self.cluster.pushed:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no KV pushed for this request")
+        if request.kv_prefix_tokens:
+            self.kv_prefixes[request.request_id] = request.kv_prefix_tokens
+            pushed = self.cluster.pushed.get((self.address, request.request_id))
+            if pushed != list(request.prompt_token_ids[:request.kv_prefix_tokens]):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the pushed KV is not the prompt's prefix")
         if not has_first:
             await asyncio.sleep(self.first_token_delay_s)
         params = request.sampling_params
@@ -157,7 +166,7 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
             yield decode_pb2.DecodeResponse(complete=decode_pb2.DecodeComplete(
                 finish_reason=reason,
                 usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(output),
-                                       cached_tokens=0 if has_first else 5),
+                                       cached_tokens=0 if has_first else 5 + request.kv_prefix_tokens),
                 queue_seconds=0.5, prefill_seconds=0.0 if has_first else 0.25))
         finally:
             if not finished:
@@ -321,6 +330,33 @@ def test_a_requests_priority_travels_to_every_pod_it_runs_on():
             prefilled, short, default = (call[1] for call in env.decode[0].calls)
             assert env.prefill[0].priorities == {prefilled: -2, default: 0}
             assert env.decode[0].priorities == {prefilled: -2, short: 5, default: 0}
+    run(scenario())
+
+
+def test_a_split_prefill_sends_the_prefix_to_the_prefill_pod_and_the_rest_to_the_decode_pod():
+    async def scenario():
+        async with running_cluster() as env:
+            policy = env.router.placement.policy
+            prefill, decode = router_view(env.router, env.prefill[0]), router_view(env.router, env.decode[0])
+            policy.choose_pair = lambda request, *_: RoutePlan(prefill, decode, "split", prefix_tokens=16)
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=5, temperature=0.8, seed=3)
+            pushed = env.prefill[0].prefill_requests[-1]
+            # P prefills the first 16 tokens alone, greedy and for one token (only their KV is wanted) ...
+            assert list(pushed.prompt_token_ids) == req.prompt_token_ids[:16]
+            assert (pushed.decode_address, pushed.sampling_params.max_tokens) == (env.decode[0].address, 1)
+            assert sampling_params_from_proto(pushed.sampling_params).temperature == 0.0
+            # ... and D, told so, prefills the rest and samples every token, the first one included.
+            assert env.decode[0].calls == [("Decode", req.request_id, None)]
+            assert env.decode[0].kv_prefixes == {req.request_id: 16}
+            assert joined(deltas) == (SCRIPT[:5], "The f")
+            # P's 16 cached tokens, and D's own hits past the prefix it was handed (5); P's times and D's added.
+            assert done.cached_tokens == 16 + 5
+            assert done.timings["queue"] == pytest.approx(0.01 + 0.5)
+            assert done.timings["prefill"] == pytest.approx(0.02 + 0.25)
+            assert sample(env.router, "splitserve_router_routing_decisions_total", decision="split") == 1
+            await eventually(lambda: router_view(env.router, env.decode[0]).active_requests == 0)
+            assert router_view(env.router, env.prefill[0]).queued_prompt_tokens == 0
+            assert router_view(env.router, env.decode[0]).queued_prompt_tokens == 0
     run(scenario())
 
 

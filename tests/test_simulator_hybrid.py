@@ -64,6 +64,28 @@ def test_a_lent_prompts_chunks_keep_the_running_requests_tpot():
         assert max(gaps) <= TPOT_TARGET
 
 
+def test_a_split_prefill_runs_its_prefix_on_the_prefill_pod_and_the_rest_on_the_decode_pod():
+    """P has a 600-token prompt ahead (0.6 s of the 2 s target: P is the bottleneck) and D, by the router's count,
+    600 tokens of its own to prefill: lending the whole prompt misses the target, a split meets it with the least
+    work on P. The prefix's KV reaches D through its prefix cache: D computes only the tail."""
+    sim = hybrid_cluster({Role.PREFILL: 1, Role.DECODE: 1}, lendable_profile())
+    plans = recorded_plans(sim)
+    prefill, decode = sim.pods
+    prefill._prefill_rate = 1000.0
+    prefill.publish()
+    decode.info.queued_prompt_tokens = 600
+    hits_before = decode.block_manager.prefix_hits
+    first, split = sim.run([RequestSpec(0, 0.0, 600, 1), RequestSpec(1, 0.05, 1000, 3)], until=100.0)
+    assert [plan.decision for plan in plans] == ["disaggregated", "split"]
+    k = plans[1].prefix_tokens
+    assert 0 < k < 1000 and k % 16 == 0
+    assert (split.status, split.output_tokens) == ("ok", 3)
+    assert decode.block_manager.prefix_hits - hits_before == k
+    assert split.ttft <= 2.0 and split.ttft == pytest.approx(plans[1].predicted_ttft_s, rel=0.1)
+    assert (decode.info.queued_prompt_tokens, prefill.info.queued_prompt_tokens) == (600, 0)  # the holds ended
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
 def test_hybrid_placement_lends_when_the_prefill_pod_is_busy():
     sim = hybrid_cluster({Role.PREFILL: 1, Role.DECODE: 1}, lendable_profile())
     plans = recorded_plans(sim)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/splitserve/v1/decode.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\xdc\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x38\n\x13\x66irst_token_logprob\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\x05\x12 \n\x13tpot_target_seconds\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\rkv_request_id\x18\x08 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x11\n\x0f_first_token_idB\x16\n\x14_tpot_target_seconds\"|\n\x0e\x44\x65\x63odeResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.splitserve.v1.DecodeChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.DecodeCompleteH\x00\x42\n\n\x08response\"}\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\x12\x30\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\"\xc7\x01\n\x0e\x44\x65\x63odeComplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x42\x10\n\x0e_stop_token_id2\x95\x01\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/splitserve/v1/decode.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\xf6\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x38\n\x13\x66irst_token_logprob\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\x05\x12 \n\x13tpot_target_seconds\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\rkv_request_id\x18\x08 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x18\n\x10kv_prefix_tokens\x18\n \x01(\x05\x42\x11\n\x0f_first_token_idB\x16\n\x14_tpot_target_seconds\"|\n\x0e\x44\x65\x63odeResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.splitserve.v1.DecodeChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.DecodeCompleteH\x00\x42\n\n\x08response\"}\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\x12\x30\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.Logprobs\"\xc7\x01\n\x0e\x44\x65\x63odeComplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x42\x10\n\x0e_stop_token_id2\x95\x01\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve.v1.decode
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=88
-  _globals['_DECODEREQUEST']._serialized_end=436
-  _globals['_DECODERESPONSE']._serialized_start=438
-  _globals['_DECODERESPONSE']._serialized_end=562
-  _globals['_DECODECHUNK']._serialized_start=564
-  _globals['_DECODECHUNK']._serialized_end=689
-  _globals['_DECODECOMPLETE']._serialized_start=692
-  _globals['_DECODECOMPLETE']._serialized_end=891
-  _globals['_DECODE']._serialized_start=894
-  _globals['_DECODE']._serialized_end=1043
+  _globals['_DECODEREQUEST']._serialized_end=462
+  _globals['_DECODERESPONSE']._serialized_start=464
+  _globals['_DECODERESPONSE']._serialized_end=588
+  _globals['_DECODECHUNK']._serialized_start=590
+  _globals['_DECODECHUNK']._serialized_end=715
+  _globals['_DECODECOMPLETE']._serialized_start=718
+  _globals['_DECODECOMPLETE']._serialized_end=917
+  _globals['_DECODE']._serialized_start=920
+  _globals['_DECODE']._serialized_end=1069
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "first_token_id", "first_token_logprob", "resume_token_ids", "tpot_target_seconds", "kv_request_id", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "first_token_id", "first_token_logprob", "resume_token_ids", "tpot_target_seconds", "kv_request_id", "priority", "kv_prefix_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class DecodeRequest(_message.Message):
     TPOT_TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    KV_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -27,7 +28,8 @@ class DecodeRequest(_message.Message):
     tpot_target_seconds: float
     kv_request_id: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tpot_target_seconds: _Optional[float] = ..., kv_request_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    kv_prefix_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tpot_target_seconds: _Optional[float] = ..., kv_request_id: _Optional[str] = ..., priority: _Optional[int] = ..., kv_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("chunk", "complete")
