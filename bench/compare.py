@@ -277,6 +277,9 @@ class CompareCommand(FiguresOutput):
     map_core_lending: bool = field(default=False, metadata=described(
         "--slo-map: core lending (--lend-decode-cpus) in the hybrids, and as lent-REGIME: the pure split whose "
         "decode pod lends its CPU to prefill steps within that regime's TPOT target."))
+    map_lent_splits: bool = field(default=True, metadata=described(
+        "--slo-map with --map-core-lending: measure the lent-REGIME splits too (--no-map-lent-splits: the hybrids "
+        "alone lend, which saves a topology per regime)."))
 
     def __post_init__(self) -> None:
         for name, value in (QUICK if self.quick else DEFAULTS).items():
@@ -308,7 +311,7 @@ def map_configs(command: CompareCommand) -> list[MapConfig]:
                       kv_cache_memory_bytes=config.kv_cache_memory_bytes, ready_timeout_s=config.ready_timeout_s,
                       reference_rate=config.reference_rate, attainment=config.attainment,
                       hybrid_regimes=tuple(command.map_hybrids), vllm_python=command.map_vllm_python,
-                      core_lending=command.map_core_lending)
+                      core_lending=command.map_core_lending, lent_splits=command.map_lent_splits)
             for workload in command.map_workloads]
 
 

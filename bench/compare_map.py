@@ -77,6 +77,7 @@ class MapConfig:
     hybrid_regimes: tuple[str, ...] = tuple(r.name for r in REGIMES)  # the regimes that get a hybrid of their own
     vllm_python: str = ""  # vLLM's interpreter: its CPU build as one more topology (bench/vllm_server.py)
     core_lending: bool = False  # the hybrids lend the decode pod's CPU too, and the split with lending is measured
+    lent_splits: bool = True  # with core_lending: the pure split with lending (lent-REGIME) too
 
 
 @dataclass
@@ -99,7 +100,7 @@ def topologies(config: MapConfig, ttft0: float, tpot0: float) -> list[Topology]:
     for regime in (r for r in REGIMES if r.name in config.hybrid_regimes):
         slo = regime.slo(ttft0, tpot0)
         targets = dict(slo_ttft_s=round(slo.ttft, 3), slo_tpot_s=round(slo.tpot, 4))
-        if lending:  # the pure split's placement, the decode pod's CPU lent within this regime's TPOT target
+        if lending and config.lent_splits:  # the pure split, the decode pod's CPU lent within the regime's TPOT
             plans.append(Topology(f"lent-{regime.name}", "disaggregated", dict(
                 _pd_fields(cpus, half, threshold=0), scheduling="disaggregated", **targets, **lending)))
         plans.append(Topology(f"hybrid-{regime.name}", "hybrid", dict(
