@@ -80,6 +80,10 @@ class RouterConfig:
         "Retries on other pods of a request that failed before its first token."))
     max_migrations: int = field(default=2, metadata=described(
         "Times a request whose decode pod went away mid-stream moves to another decode pod (0: it fails instead)."))
+    decode_pod_wait_s: float = field(default=30.0, metadata=described(
+        "How long a request waits for a decode pod when none serves (one restarting, a rollout), or, mid-stream, "
+        "for one to move to when no other is left (its own pod back from a restart counts), before it fails with "
+        "UNAVAILABLE (HTTP 503); within the request's deadline. 0: it fails at once."))
     max_pending_requests: int = field(default=512, metadata=described(
         "Requests waiting for their first token beyond which new ones get 429 / RESOURCE_EXHAUSTED (0: no limit)."))
     max_queue_time_s: float = field(default=30.0, metadata=described(
@@ -143,7 +147,7 @@ class RouterConfig:
         check_kv_codec("kv_codec", self.kv_codec)
         checked_cpu_set("cpus", self.cpus)
         for name in ("grpc_port", "http_port", "metrics_port", "shutdown_grace_s", "conditional_prefill_threshold",
-                     "max_retries", "max_migrations",
+                     "max_retries", "max_migrations", "decode_pod_wait_s",
                      "max_pending_requests", "max_queue_time_s", "conditional_prefill_queue_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 import grpc
 
@@ -129,6 +131,8 @@ class Placement:
         retries_left = self.config.max_retries
         avoid: set[str] = set()  # pods of failed attempts: the next attempt prefers others
         while True:
+            await self._wait_for_decode_pods(run, "no decode pod is serving",
+                                             lambda: bool(self.registry.decode_pods()))
             plan = self._plan(run.request, avoid)
             self._check_queue_time(plan)
             try:
@@ -140,6 +144,21 @@ class Placement:
                 self.metrics.count(self.metrics.retries, error.code.name)
                 retries_left -= 1
                 avoid |= {pod.address for pod in (plan.prefill, plan.decode) if pod is not None}
+
+    async def _wait_for_decode_pods(self, run: RequestRun, why: str, found: Callable[[], bool]) -> None:
+        """While ``found()`` does not hold, wait for it (a decode pod restarting, a rollout), at most
+        ``decode_pod_wait_s`` and within the request's deadline; then the caller goes on either way."""
+        if found():
+            return
+        wait_s = min(self.config.decode_pod_wait_s, run.time_left())
+        if wait_s <= 0:
+            return
+        log.warning("request %s: %s; waiting up to %.1f s for one", run.request.request_id, why, wait_s)
+        started = time.monotonic()
+        found_one = await self.registry.wait_until(lambda: found() or run.aborted, wait_s)
+        self.metrics.count(self.metrics.decode_pod_waits, "found" if found_one and not run.aborted else "none")
+        log.info("request %s: waited %.2f s for a decode pod (%s)", run.request.request_id,
+                 time.monotonic() - started, "found" if found_one else "none came")
 
     def _plan(self, req: RouterRequest, avoid: set[str]) -> RoutePlan:
         # Prefill pods that failed this request are left out, even if none remain: then D prefills the prompt.
@@ -311,6 +330,13 @@ class Placement:
 
     # -- step 4: migration ------------------------------------------------------------------------------------
 
+    def _migration_targets(self, run: RequestRun) -> list[PodInfo]:
+        """Serving decode pods that have not failed this request, or began to serve again since they did (a pod
+        restarted at the same address is a new process)."""
+        failed = run.failed_decode_pods
+        return [pod for pod in self.registry.decode_pods()
+                if pod.address not in failed or pod.serving_since > failed[pod.address]]
+
     async def migrate(self, run: RequestRun, failed_address: str, error: StatusError) -> DecodeStream:
         """Continue a request whose decode pod went away (``error``) on another one, from the tokens the client has.
 
@@ -318,10 +344,14 @@ class Placement:
         too before its first message is passed over for the next. Raises the last failure when no pod is left."""
         worth_another_pod = MIGRATABLE_CODES  # how a stream breaks mid-way when its pod goes away
         while True:
-            run.failed_decode_pods.add(failed_address)
+            run.failed_decode_pods[failed_address] = time.monotonic()
             if error.code not in worth_another_pod or run.migrations >= self.config.max_migrations or run.aborted:
                 raise error
-            others = [pod for pod in self.registry.decode_pods() if pod.address not in run.failed_decode_pods]
+            await self._wait_for_decode_pods(run, f"no decode pod to continue on after {failed_address}",
+                                             lambda: bool(self._migration_targets(run)))
+            if run.aborted:
+                raise error
+            others = self._migration_targets(run)
             if not others:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{error.message}; no other decode pod to continue "
                                   f"the request on after {run.num_output_tokens} tokens")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 import grpc
@@ -61,6 +62,7 @@ class PodMonitor:
         if serving != pod.serving:
             if serving:
                 log.info("pod %s (%s) is serving", pod.address, pod.role)
+                pod.serving_since = time.monotonic()
             else:
                 log.warning("pod %s (%s) is not serving (%s): not routing to it", pod.address, pod.role, why)
             pod.serving = serving

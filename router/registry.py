@@ -88,6 +88,7 @@ class PodInfo:
     load: PodLoad = field(default_factory=PodLoad)
     block_hashes: set[int] = field(default_factory=set)  # chained hashes of blocks in its prefix cache
     serving: bool = False  # its health service says SERVING (the monitor keeps this)
+    serving_since: float = 0.0  # time.monotonic() when it last began to serve (0: from the start)
     load_at: float = 0.0  # time.monotonic() of its last load report
     # The router's own bookkeeping (router.py), exact and immediate where the pod's reports lag:
     active_requests: int = 0  # this router's calls in flight here: prefills on P, Decode streams on D
@@ -145,8 +146,33 @@ class PodRegistry:
         self.pods: dict[str, PodInfo] = {}
         self._monitor_factory = monitor_factory
         self._monitors: dict[str, Any] = {}
-        self.on_change = on_change or (lambda pod: None)
+        self._on_change = on_change or (lambda pod: None)
         self._on_leave = on_leave or (lambda pod: None)
+        self._waiters: list[asyncio.Future] = []  # wait_until's, woken at every change
+
+    def on_change(self, pod: PodInfo) -> None:
+        """A pod's health or load changed (its monitor says so)."""
+        self._on_change(pod)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait_until(self, condition: Callable[[], bool], timeout_s: float) -> bool:
+        """Until ``condition()`` holds, checked at every pod change, for at most ``timeout_s``; whether it holds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not condition():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, left)
+            except TimeoutError:
+                return condition()
+        return True
 
     def prefill_pods(self) -> list[PodInfo]:
         return [pod for pod in self.pods.values() if pod.healthy and pod.role is Role.PREFILL]

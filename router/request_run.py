@@ -122,7 +122,9 @@ class RequestRun:
     aborted: bool = False
     finish_reason: FinishReason | None = None  # set once its Completion is made
     kv_sent_to: list[PodInfo] = field(default_factory=list)  # decode pods a prefill pod was asked to push its KV to
-    failed_decode_pods: set[str] = field(default_factory=set)  # decode pods that failed it after its first token
+    # Decode pods that failed it after its first token, and when (time.monotonic()): passed over by migrations
+    # unless they began to serve again since (restarted).
+    failed_decode_pods: dict[str, float] = field(default_factory=dict)
     migrations: int = 0  # moves to another decode pod so far (placement.py), at most max_migrations
     output_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
     prompt_logprobs_sent: bool = False  # a pod that prefills it again (migration) sends them again: not the client

@@ -208,6 +208,9 @@ class RouterMetrics(ServingMetrics):
                                "by the gRPC code of the failure.", ("code",))
         self.rejected = counter("router_rejected_requests_total", "Requests refused before any output, by gRPC "
                                 "code (RESOURCE_EXHAUSTED: shed under load; UNAVAILABLE: no pod; ...).", ("code",))
+        self.decode_pod_waits = counter("router_decode_pod_waits_total", "Requests that waited for a decode pod "
+                                        "(none serving, or none left to migrate to: decode_pod_wait_s), by outcome: "
+                                        "found, or none (it failed).", ("outcome",))
         self.migrations = self._counter("router_migrations_total",
                                         "Requests moved to another decode pod after theirs failed mid-stream.")
         self.requests_within_slo = self._counter("requests_within_slo_total", "Finished requests that met both the "

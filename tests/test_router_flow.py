@@ -402,17 +402,70 @@ def test_failure_on_every_attempt_is_unavailable_to_the_client():
     run(scenario())
 
 
-def test_no_serving_pod_is_unavailable():
+def test_no_serving_pod_is_unavailable_after_the_wait_for_one():
     async def scenario():
-        async with running_cluster(num_prefill=1, num_decode=0, extra_decode_addresses=[f"127.0.0.1:{free_port()}"]) \
-                as env:
+        async with running_cluster(num_prefill=1, num_decode=0, extra_decode_addresses=[f"127.0.0.1:{free_port()}"],
+                                   decode_pod_wait_s=0.3) as env:
             req = await env.router.make_request(LONG_PROMPT, SamplingParams())
+            started = time.monotonic()
             with pytest.raises(StatusError) as caught:
                 [item async for item in env.router.generate(req)]
+            assert time.monotonic() - started >= 0.3
             assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.UNAVAILABLE, 503)
             assert caught.value.message == "no decode pod is serving"
             assert env.prefill[0].calls == []
             assert not env.router.ready()
+            assert sample(env.router, "splitserve_router_decode_pod_waits_total", outcome="none") == 1
+    run(scenario())
+
+
+def test_a_request_waits_for_a_decode_pod_to_come_up_and_is_served_by_it():
+    async def scenario():
+        port = free_port()
+        async with running_cluster(num_prefill=1, num_decode=0, extra_decode_addresses=[f"127.0.0.1:{port}"]) as env:
+            req = await env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=4))
+            waiting = asyncio.ensure_future(collect(env.router, req))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # no decode pod yet: it waits instead of a 503
+            late = FakePod(FakeCluster(), "decode", port=port)
+            late.cluster = env.prefill[0].cluster  # the prefill pod's pushes land in the same fake cluster
+            late.cluster.pods[late.address] = late
+            await late.start()
+            try:
+                *_, done = await asyncio.wait_for(waiting, 10)
+                assert (done.finish_reason, done.completion_tokens) == ("length", 4)
+                assert [call[0] for call in late.calls] == ["Decode"]
+                assert sample(env.router, "splitserve_router_decode_pod_waits_total", outcome="found") == 1
+            finally:
+                await late.server.stop(None)
+    run(scenario())
+
+
+def test_a_stream_whose_only_decode_pod_restarts_migrates_back_to_it():
+    """Mid-stream the only decode pod goes away and comes back at the same address (a supervisor's restart): the
+    router waits for it and moves the request there, from its last token; it never goes back to a pod that failed
+    the request and did not restart (the other migration tests)."""
+    async def scenario():
+        async with running_cluster(num_decode=1) as env:
+            pod = env.decode[0]
+            pod.fail_after_tokens = 3
+            view = router_view(env.router, pod)
+
+            async def restart() -> None:
+                await eventually(lambda: pod.cancelled or len(pod.calls) == 1)
+                await asyncio.sleep(0.2)
+                pod.fail_after_tokens = None
+                await pod.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                await eventually(lambda: not view.serving)
+                await pod.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+            restarting = asyncio.ensure_future(restart())
+            req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
+            await restarting
+            assert joined(deltas) == (SCRIPT[:10], "The fox ju")  # every token once, none lost
+            assert (done.finish_reason, done.completion_tokens) == ("length", 10)
+            assert pod.resumed[req.request_id] == SCRIPT[:4]
+            assert sample(env.router, "splitserve_router_decode_pod_waits_total", outcome="found") == 1
     run(scenario())
 
 
@@ -519,7 +572,7 @@ def test_a_decode_pod_failing_mid_stream_hands_the_request_to_another_which_resu
 
 def test_failure_after_output_started_with_nowhere_to_migrate_ends_with_an_error_completion():
     async def scenario():
-        async with running_cluster(num_decode=1) as env:
+        async with running_cluster(num_decode=1, decode_pod_wait_s=0.2) as env:
             env.decode[0].fail_after_tokens = 3
             _, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=10)
             assert joined(deltas) == (SCRIPT[:4], "The ")  # P's token and D's first three
@@ -558,7 +611,7 @@ def test_a_migration_target_that_fails_before_its_first_token_is_passed_over_for
 
 def test_a_second_migration_never_goes_back_to_a_pod_that_failed_the_request():
     async def scenario():
-        async with running_cluster(num_decode=3) as env:
+        async with running_cluster(num_decode=3, decode_pod_wait_s=0.2) as env:
             first_d, second_d, last_d = await ranked_decode_pods(env)
             first_d.fail_after_tokens = 3  # it would fail again: the router must not come back to it
             second_d.fail_after_tokens = 2
@@ -728,7 +781,7 @@ async def grpc_generate(stub, **request_fields):
 
 def test_grpc_generation_api_end_to_end_with_health_and_reflection():
     async def scenario():
-        async with running_cluster() as env:
+        async with running_cluster(decode_pod_wait_s=0.2) as env:  # its last request fails with nowhere to go
             server = RouterServer(env.router.config, env.router)
             await server.start()
             try:

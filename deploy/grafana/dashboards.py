@@ -255,7 +255,8 @@ def router() -> Dashboard:
             .with_row(Row("Routing"))
             .with_panel(panel("Routing decisions", "reqps", [
                 Query(rate("splitserve_router_routing_decisions_total", "decision"), "{{decision}}")],
-                "disaggregated: prefill pod then decode pod; prefill_on_decode: short or cached prompts."))
+                "disaggregated: prefill pod then decode pod; prefill_on_decode: short, cached or lent prompts; split: "
+                "a prefix on the prefill pod, the rest on the decode pod (hybrid scheduling)."))
             .with_panel(panel("Retries", "reqps", [
                 Query(rate("splitserve_router_retries_total", "code"), "{{code}}")],
                 "Requests retried on another pod after a failure before their first token."))
@@ -265,8 +266,10 @@ def router() -> Dashboard:
             .with_panel(panel("KV transfer failures and migrations", "reqps", [
                 Query(rate("splitserve_kv_transfer_failures_total", "code"), "KV transfer failed {{code}}"),
                 Query(rate("splitserve_kv_load_total", "outcome"), "KV load {{outcome}}"),
-                Query(rate("splitserve_router_migrations_total"), "migrated")],
-                "KV load outcomes on decode pods: loaded, recomputed (kv_load_failure_policy recompute), failed."))
+                Query(rate("splitserve_router_migrations_total"), "migrated"),
+                Query(rate("splitserve_router_decode_pod_waits_total", "outcome"), "waited for a decode pod: {{outcome}}")],
+                "KV load outcomes on decode pods: loaded, recomputed (kv_load_failure_policy recompute, or a split "
+                "prefill's expired prefix), failed; requests that waited for a decode pod (decode_pod_wait_s)."))
             .build())
 
 

@@ -85,8 +85,11 @@ def test_pods_of_different_models_refuse_each_other_with_a_clear_error(cluster, 
         other.wait(timeout=60)
 
 
-def test_with_its_only_decode_pod_killed_the_client_gets_a_clear_error_in_bounded_time(cluster):
+def test_with_its_only_decode_pod_killed_the_stream_waits_for_the_restart_and_finishes_the_exact_answer(cluster):
+    """Nowhere else to go: the router holds the stream (decode_pod_wait_s) until the supervisor has the decode pod
+    back, then migrates it there, from its last token; the client sees the offline answer, each token once."""
     restarts = cluster.restarts["decode-0"]
+    waited = live.router_counter(cluster, "splitserve_router_decode_pod_waits_total", outcome="found")
     killed_at: list[float] = []
 
     def kill_the_decode_pod() -> None:
@@ -96,8 +99,8 @@ def test_with_its_only_decode_pod_killed_the_client_gets_a_clear_error_in_bounde
     prompt = live.prompts(1, 16, seed=12)[0]  # short: prefilled on the decode pod, no corrupted push in the way
     answer = live.stream(cluster, prompt, LONG, after_first_chunk=kill_the_decode_pod)
     ended_after = time.monotonic() - killed_at[0]
-    assert answer.finish == "error" and "no other decode pod" in answer.error, answer
-    assert len(answer.token_ids) < LONG
-    assert ended_after < 30, f"the error came {ended_after:.1f} s after the kill"
-    print(f"error {ended_after:.2f} s after the kill: {answer.error}")
-    live.wait_back(cluster, "decode-0", restarts + 1)
+    assert answer.finish == "FINISH_REASON_LENGTH", answer
+    assert answer.token_ids == live.offline_answers([prompt], LONG)[0]
+    assert live.router_counter(cluster, "splitserve_router_decode_pod_waits_total", outcome="found") == waited + 1
+    assert cluster.restarts["decode-0"] == restarts + 1
+    print(f"finished {ended_after:.2f} s after the kill, on the restarted decode pod")
