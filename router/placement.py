@@ -36,10 +36,10 @@ from collections.abc import Callable
 
 import grpc
 
+from engine.sampling_params import SamplingParams
 from protos.convert import sampling_params_to_proto
 from protos.splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.config import RouterConfig
-from engine.sampling_params import SamplingParams
 from router.intake import RouterRequest
 from router.pod_client import PodClientPool
 from router.policies import RoutePlan, RoutingPolicy, SLOTargets
@@ -242,10 +242,11 @@ class Placement:
         finally:
             decode_hold.release()
             prefill_hold.release()
-        run.split_prefix_tokens = prefix_tokens
         if self.policy.hybrid is not None:
             self.policy.hybrid.observe_transfer(prefix_tokens, pushed.kv_transfer.exposed_transfer_seconds)
-        return await self._start_on_decode_pod(run, plan.decode, prefix_tokens=prefix_tokens)
+        stream = await self._start_on_decode_pod(run, plan.decode, prefix_tokens=prefix_tokens)
+        run.split_prefix_tokens = prefix_tokens  # D's summary adds to P's report (not after a retry elsewhere)
+        return stream
 
     async def _start_on_shared_kv(self, run: RequestRun, pod: PodInfo,
                                   first: prefill_pb2.PrefillResponse) -> DecodeStream:

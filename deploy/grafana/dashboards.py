@@ -267,7 +267,8 @@ def router() -> Dashboard:
                 Query(rate("splitserve_kv_transfer_failures_total", "code"), "KV transfer failed {{code}}"),
                 Query(rate("splitserve_kv_load_total", "outcome"), "KV load {{outcome}}"),
                 Query(rate("splitserve_router_migrations_total"), "migrated"),
-                Query(rate("splitserve_router_decode_pod_waits_total", "outcome"), "waited for a decode pod: {{outcome}}")],
+                Query(rate("splitserve_router_decode_pod_waits_total", "outcome"),
+                      "waited for a decode pod: {{outcome}}")],
                 "KV load outcomes on decode pods: loaded, recomputed (kv_load_failure_policy recompute, or a split "
                 "prefill's expired prefix), failed; requests that waited for a decode pod (decode_pod_wait_s)."))
             .build())
