@@ -228,7 +228,9 @@ class Placement:
         """P prefills the prompt's first ``plan.prefix_tokens`` tokens, as a prompt of their own, and pushes their KV
         to D; D takes it (``DecodeRequest.kv_prefix_tokens``), prefills the rest and samples the first token."""
         req, prefix_tokens = run.request, plan.prefix_tokens
-        decode_hold = run.hold(plan.decode, kv_tokens=len(req.prompt_token_ids))
+        # D's share of the prompt counts there from now: later placements must not promise D's time to others.
+        num_tokens = len(req.prompt_token_ids)
+        decode_hold = run.hold(plan.decode, prompt_tokens=num_tokens - prefix_tokens, kv_tokens=num_tokens)
         run.kv_sent_to.append(plan.decode)
         prefill_hold = run.hold(plan.prefill, prompt_tokens=prefix_tokens)
         try:

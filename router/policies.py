@@ -194,6 +194,9 @@ TRANSFER_RECENT_WEIGHT = 0.2
 SPLIT_FRACTIONS = (0.25, 0.5, 0.75)
 # P is the bottleneck once its queue takes this fraction of a request's TTFT target: work moves off it from then on.
 BACKLOG_FRACTION = 0.25
+# Moving work off P, an option counts as meeting the TTFT target when predicted within this fraction of it: the
+# predictions err both ways, and the least work that only just meets the target would miss it half the time.
+TTFT_HEADROOM = 0.8
 
 
 class HybridPlacement:
@@ -217,9 +220,10 @@ class HybridPlacement:
     Which one: while P's queue is short (under ``BACKLOG_FRACTION`` of the request's TTFT target, at P's measured
     rate), the prompt goes where its first token is predicted to come first (ties to P, which keeps D's steps
     short; a split wins only where it is strictly sooner, e.g. a prefix cached on P). Past that, P is the
-    bottleneck: of the options predicted to meet the request's TTFT target, the one that leaves P the least work
-    (DynaServe's and TaiChi's point: move work off the saturated phase while the request still meets its target,
-    which shortens the queue every later prompt waits in); when none meets it, again the soonest. A prefix cached on
+    bottleneck: of the options predicted to meet the request's TTFT target (within ``TTFT_HEADROOM`` of it), the one
+    that leaves P the least work (DynaServe's and TaiChi's point: move work off the saturated phase while the request
+    still meets its target, which shortens the queue every later prompt waits in); when none does, again the
+    soonest. A prefix cached on
     either pod counts there. The TPOT target is kept by D itself, which never takes a chunk that breaks it.
     """
 
@@ -241,7 +245,7 @@ class HybridPlacement:
         options = self.options(prompt, prefill, decode, may_split)
         wait_s = prefill.prefill_wait_s or 0.0
         if wait_s >= BACKLOG_FRACTION * targets.ttft_s:
-            meeting = [option for option in options if option.estimate.ttft_s <= targets.ttft_s]
+            meeting = [option for option in options if option.estimate.ttft_s <= TTFT_HEADROOM * targets.ttft_s]
             chosen = (min(meeting, key=lambda option: (option.prefill_work, option.estimate.ttft_s)) if meeting
                       else min(options, key=lambda option: option.estimate.ttft_s))
             rule = f"P's queue {wait_s:.3f} s: the least P work that meets the target"

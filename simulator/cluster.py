@@ -190,9 +190,9 @@ class SimCluster:
             self._flights.pop(request_id)
             record.status, record.end_s, record.error = "failed", self.loop.now, "grpc_RESOURCE_EXHAUSTED"
             return
-        if plan.prefix_tokens:
-            flight.pushed = pushed
-        _hold(plan.decode, kv_tokens=len(prompt))
+        if plan.prefix_tokens:  # D's share of the prompt counts there from now, as the router holds it
+            flight.pushed, flight.prefill_on_decode = pushed, len(prompt) - num_pushed
+        _hold(plan.decode, prompt_tokens=flight.prefill_on_decode, kv_tokens=len(prompt))
         _hold(plan.prefill, prompt_tokens=num_pushed)
         flight.prefill.add(Sequence(request_id, prompt[:num_pushed], prefill_params))
 
@@ -225,8 +225,6 @@ class SimCluster:
     def _first_token(self, flight: _InFlight) -> None:
         seq = flight.decode_seq
         if flight.pushed is not None:  # a split prefill: D takes the prefix's KV and prefills the rest
-            flight.prefill_on_decode = seq.num_prompt_tokens - flight.pushed.num_prompt_tokens
-            flight.decode.info.queued_prompt_tokens += flight.prefill_on_decode
             flight.decode.add_after_prefix(flight.pushed, seq)
             return
         flight.record.chunk_s.append(self.loop.now)
