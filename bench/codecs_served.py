@@ -32,8 +32,8 @@ BUSY_RETRY_S = 5.0  # the router refuses a prompt that would queue past its max_
 def served_answers(model: str, codec: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
                    log=print) -> list[list[int]]:
     """The greedy answers to ``prompts`` of a fresh ``splitserve up`` cluster pushing KV with ``codec``."""
-    cluster = Cluster(UpConfig.on_ports(model=model, prefill=1, decode=1, kv_codec=codec,
-                                        conditional_prefill_threshold=0, prometheus=False))
+    cluster = Cluster(UpConfig.on_ports(model=model, prefill=1, decode=1, kv_codec=codec, scheduling="disaggregated",
+                                        conditional_prefill_threshold=0, prometheus=False))  # every KV on the wire
     try:
         cluster.start()
         cluster.wait_ready(log=lambda *_: None)

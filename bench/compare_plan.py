@@ -62,9 +62,11 @@ def plan_topologies(cpus: list[int], budgets: list[int], conditional_threshold: 
 
 
 def _pd_fields(cpus: list[int], prefill_cpus: int, threshold: int, queue_s: float = 0.0) -> dict:
+    """A prefill and a decode pod on ``cpus`` split at ``prefill_cpus``, placed by the conditional rules (the pure
+    split, whatever ``splitserve up``'s default scheduling)."""
     return dict(prefill=1, decode=1, mixed=0, prefill_cpus=format_cpu_list(frozenset(cpus[:prefill_cpus])),
                 decode_cpus=format_cpu_list(frozenset(cpus[prefill_cpus:])), conditional_prefill_threshold=threshold,
-                conditional_prefill_queue_s=queue_s)
+                conditional_prefill_queue_s=queue_s, scheduling="disaggregated")
 
 
 def select_topologies(plan: list[Topology], wanted: list[str]) -> list[Topology]:

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         (work / "tasks").mkdir()
         tasks = write_tasks(work / "tasks")
         cluster = Cluster(UpConfig.on_ports(run_dir=str(work / "cluster"), model=args.model, prefill=1, decode=1,
-                                            kv_codec="none", conditional_prefill_threshold=0,
+                                            kv_codec="none", scheduling="disaggregated",
+                                            conditional_prefill_threshold=0,
                                             kv_cache_memory_bytes=64 << 20, prometheus=False))
         try:
             cluster.start()

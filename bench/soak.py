@@ -100,6 +100,7 @@ class SoakConfig:
     def up_config(self) -> UpConfig:
         return UpConfig.on_ports(self.base_port or None, model=self.model, prefill=self.prefill, decode=self.decode,
                                  registry="redis", inject_corrupt_chunks=self.corrupt_chunks,
+                                 scheduling="disaggregated",  # the injected faults are on the KV's path
                                  kv_cache_memory_bytes=self.kv_cache_memory_bytes, prometheus=False,
                                  run_dir=self.run_dir)
 

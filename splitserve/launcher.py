@@ -1,12 +1,13 @@
 """``splitserve up``: the whole system on this machine, one process per pod, as a Kubernetes deployment would run it.
 
-    splitserve up [--prefill 1] [--decode 1] [--mixed 0] [--scheduling disaggregated] [--model smollm2-135m] ...
+    splitserve up [--prefill 1] [--decode 1] [--mixed 0] [--scheduling hybrid] [--model smollm2-135m] ...
 
-``--scheduling`` (docs/architecture.md, "Hybrid scheduling"): ``hybrid`` runs the prefill and decode pods with
-the router placing each prompt from predicted latency and the decode pods prefilling lent prompts in TPOT-bounded
-chunks (``--tpot-slack-chunking``, their target the router's ``--slo-tpot-s``); ``disaggregated`` (the default) is
-the pure split (prompts on prefill pods but for the router's conditional_* rules); ``colocated`` starts every
-prefill and decode pod as a mixed pod instead (both phases in one process), for comparison.
+``--scheduling`` (docs/architecture.md, "Hybrid scheduling"): ``hybrid`` (the default) runs the prefill and decode
+pods with the router placing each prompt from predicted latency (on a prefill pod, lent to its decode pod, or split
+across both) and the decode pods prefilling lent prompts in TPOT-bounded chunks (``--tpot-slack-chunking``, their
+target the router's ``--slo-tpot-s``); ``disaggregated`` is the pure split (prompts on prefill pods but for the
+router's conditional_* rules); ``colocated`` starts every prefill and decode pod as a mixed pod instead (both phases
+in one process), for comparison.
 
 Starts, each a separate process with its log under ``--run-dir``, and in this order:
   redis-server   with ``--registry redis``: pods heartbeat into it and the router watches it
@@ -81,7 +82,7 @@ class UpConfig:
     kv_codec: str = passed_to(RouterConfig, name="kv_codec", help=(
         "KV codec between prefill and decode pods (the router's: it names one in every prefill request)."))
     policy: PolicyName = passed_to(RouterConfig, name="policy")
-    scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
+    scheduling: Scheduling = field(default=Scheduling.HYBRID, metadata=described(
         "'hybrid' (each prompt on a prefill pod or lent to its decode pod in TPOT-bounded chunks, by predicted "
         "latency), 'disaggregated' (the pure split) or 'colocated' (the prefill and decode pods become mixed pods)."))
     slo_ttft_s: float = passed_to(RouterConfig, name="slo_ttft_s")
@@ -94,6 +95,7 @@ class UpConfig:
     heartbeat_ttl_s: float = passed_to(PodConfig, name="heartbeat_ttl_s", help=(
         "Redis registry: expiry of each pod's key (the pods heartbeat three times per TTL)."))
     pod_ttl_s: float = passed_to(RouterConfig, name="pod_ttl_s")
+    decode_pod_wait_s: float = passed_to(RouterConfig, name="decode_pod_wait_s")
     prometheus: bool = field(default=True, metadata=described("Start Prometheus scraping every process, if installed."))
     prometheus_port: int = field(default=9090, metadata=described("Prometheus web port."))
     # What each pod's engine gets (PodConfig's defaults and help, passed as its flags): the colocated baseline is

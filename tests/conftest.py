@@ -78,6 +78,7 @@ def tiny_pd_up(tmp_path_factory, start_cluster):
     for the API modules (OpenAI parity, scoring) that compare the real path with the offline engine: prompts under 8
     tokens prefill on the decode pod, longer ones on the prefill pod."""
     cluster = start_cluster(tmp_path_factory.mktemp("tiny-pd-up"), model="tiny-random", prefill=1, decode=1,
+                            scheduling="disaggregated",
                             kv_codec="none", conditional_prefill_threshold=8, kv_cache_memory_bytes=32 << 20,
                             prometheus=False)
     yield cluster
@@ -101,8 +102,9 @@ def smollm2_up(tmp_path_factory, start_cluster):
     the decode pod, longer ones on the prefill pod; codec ``none``. Its users count what they send as differences,
     and one that stops a pod leaves the supervisor to restart it and waits until it serves again."""
     cluster = start_cluster(tmp_path_factory.mktemp("smollm2-up"), model="smollm2-135m", prefill=1, decode=1,
-                            mixed=0, kv_codec="none", conditional_prefill_threshold=32,
+                            mixed=0, scheduling="disaggregated", kv_codec="none", conditional_prefill_threshold=32,
                             kv_cache_memory_bytes=256 << 20, speculative_method="ngram",
+                            decode_pod_wait_s=2.0,  # its dashboard test wants 503s once the decode pod is stopped
                             prometheus=shutil.which("prometheus") is not None)
     yield cluster
     cluster.stop()

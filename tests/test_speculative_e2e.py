@@ -28,7 +28,8 @@ def speculating(request, tmp_path_factory, start_cluster):
     # Prompts under 4096 tokens prefill on the decode pod here, and the rest would go to the prefill pod; the
     # e2e serving tests cover that path, this one covers the decode pod's speculation.
     cluster = start_cluster(tmp_path_factory.mktemp("spec"), model="smollm2-135m", kv_codec="none", prefill=1,
-                            decode=1, mixed=0, conditional_prefill_threshold=64, kv_cache_memory_bytes=256 << 20,
+                            decode=1, mixed=0, scheduling="disaggregated", conditional_prefill_threshold=64,
+                            kv_cache_memory_bytes=256 << 20,
                             prometheus=False, speculative_method=request.param, num_speculative_tokens=4,
                             speculative_model="smollm2-135m" if request.param == "draft" else "")
     yield cluster

@@ -55,7 +55,8 @@ def scraped(tmp_path_factory, free_ports):
     first, on the planned ports, while the pods load."""
     run_dir = tmp_path_factory.mktemp("k8s-labels")
     cluster = Cluster(UpConfig.on_ports(run_dir=str(run_dir), model="tiny-random", prefill=1, decode=2,
-                                        prometheus=False, conditional_prefill_threshold=4))
+                                        prometheus=False, scheduling="disaggregated",
+                                        conditional_prefill_threshold=4))
     port = free_ports(1)
     c = cluster.config
     targets = {f"{c.host}:{c.http_port}": "demo-splitserve-router-5d8c7b9f4-x2x7q"}

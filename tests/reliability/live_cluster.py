@@ -40,7 +40,9 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
 
 # What the tests' clusters run: the tiny model, a small KV pool, no Prometheus (conftest's ``start_cluster(run_dir,
 # **TINY, ...)`` picks the ports).
-TINY = {"model": MODEL, "prometheus": False, "kv_cache_memory_bytes": 16 << 20, "ready_timeout_s": START_S}
+# The disaggregated path: the faults these tests inject are on it (a KV push, a stream to migrate).
+TINY = {"model": MODEL, "prometheus": False, "kv_cache_memory_bytes": 16 << 20, "ready_timeout_s": START_S,
+        "scheduling": "disaggregated"}
 
 
 def up_config(tmp_path: Path, base: int | None, **fields) -> UpConfig:
