@@ -223,8 +223,8 @@ class HybridPlacement:
     bottleneck: of the options predicted to meet the request's TTFT target (within ``TTFT_HEADROOM`` of it), the one
     that leaves P the least work (DynaServe's and TaiChi's point: move work off the saturated phase while the request
     still meets its target, which shortens the queue every later prompt waits in); when none does, again the
-    soonest. A prefix cached on
-    either pod counts there. The TPOT target is kept by D itself, which never takes a chunk that breaks it.
+    soonest. A prefix cached on either pod counts there. The TPOT target is kept by D itself, which never takes a
+    chunk that breaks it.
     """
 
     def __init__(self) -> None:
