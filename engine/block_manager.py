@@ -198,6 +198,13 @@ class BlockManager:
         seq.block_table.clear()
         self._seq_block_hashes.pop(seq.request_id, None)
 
+    def cache_and_free(self, seq: Sequence) -> None:
+        """Publish ``seq``'s full blocks (all its tokens computed: KV that arrived from another pod) in the prefix
+        cache and drop its references: the next sequence with that prefix finds them at admission, while they stay
+        evictable (freed last, so evicted last)."""
+        self.cache_full_blocks(seq, seq.num_tokens)
+        self.free(seq)
+
     def hold(self, seq: Sequence) -> Sequence:
         """A second reference to every block of ``seq``, as a holder sequence of its own: the blocks stay allocated,
         their KV intact, until ``free(holder)``, whatever becomes of ``seq`` meanwhile (a prefill pod holds a

@@ -252,8 +252,7 @@ class LLMEngine:
         prefills here) to the prefix cache: its full blocks are cached and released, and the request added next finds
         them at admission. They are evictable from then on, the most recently freed: a request that waits long
         behind others under a full pool may compute them again, which changes its time, not its answer."""
-        self.block_manager.cache_full_blocks(seq, seq.num_prompt_tokens)
-        self.block_manager.free(seq)
+        self.block_manager.cache_and_free(seq)
 
     def fork_prefilled(self, seq: Sequence, request_id: str, params: SamplingParams) -> Sequence | None:
         """A sequence of its own for one sample of a prompt whose KV ``seq`` holds (reserved for a transfer, never

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS,
                    grpc.StatusCode.DEADLINE_EXCEEDED)
+# A split prefill's prefix on P: only its KV is wanted.
+SPLIT_PREFIX_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 # After output started, a stream that broke this way moves to another decode pod.
 MIGRATABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
@@ -155,10 +157,11 @@ class Placement:
             return
         log.warning("request %s: %s; waiting up to %.1f s for one", run.request.request_id, why, wait_s)
         started = time.monotonic()
-        found_one = await self.registry.wait_until(lambda: found() or run.aborted, wait_s)
-        self.metrics.count(self.metrics.decode_pod_waits, "found" if found_one and not run.aborted else "none")
-        log.info("request %s: waited %.2f s for a decode pod (%s)", run.request.request_id,
-                 time.monotonic() - started, "found" if found_one else "none came")
+        await self.registry.wait_until(lambda: found() or run.aborted, wait_s)
+        outcome = "found" if found() else "none"
+        self.metrics.count(self.metrics.decode_pod_waits, outcome)
+        log.info("request %s: waited %.2f s for a decode pod: %s", run.request.request_id,
+                 time.monotonic() - started, outcome)
 
     def _plan(self, req: RouterRequest, avoid: set[str]) -> RoutePlan:
         # Prefill pods that failed this request are left out, even if none remain: then D prefills the prompt.
@@ -234,13 +237,8 @@ class Placement:
         run.kv_sent_to.append(plan.decode)
         prefill_hold = run.hold(plan.prefill, prompt_tokens=prefix_tokens)
         try:
-            # Only its KV is wanted: the token P samples after the prefix is dropped.
-            prefix = prefill_pb2.PrefillRequest(
-                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids[:prefix_tokens],
-                sampling_params=sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=1)),
-                decode_address=plan.decode.address, kv_codec=self.config.kv_codec,
-                kv_lease_seconds=self.config.kv_lease_s, priority=req.priority)
-            pushed = await self._prefill(run, plan.prefill, prefix)
+            pushed = await self._prefill(run, plan.prefill,
+                                         self._prefill_request(req, plan.decode.address, prefix_tokens))
         finally:
             decode_hold.release()
             prefill_hold.release()
@@ -282,12 +280,16 @@ class Placement:
         decode_call = run.track(decode_pod.decode(decode_request, run.time_left()))
         return DecodeStream(decode_call, pod, hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
 
-    def _prefill_request(self, req: RouterRequest, decode_address: str) -> prefill_pb2.PrefillRequest:
-        """P prefills the prompt and pushes its KV to the decode pod at ``decode_address`` (none: scoring)."""
-        # The first of n samples prefills for all of them (decode_address set: not when scoring).
-        params = req.samples.params if req.leads_samples and decode_address else req.params
+    def _prefill_request(self, req: RouterRequest, decode_address: str,
+                         prefix_tokens: int = 0) -> prefill_pb2.PrefillRequest:
+        """P prefills the prompt (a split prefill: its first ``prefix_tokens``) and pushes its KV to the decode pod at
+        ``decode_address`` (none: scoring)."""
+        # The first of n samples prefills for all of them (decode_address set: not when scoring). A prefix's KV is
+        # all that is wanted of it: the token P samples after it is dropped.
+        params = (SPLIT_PREFIX_PARAMS if prefix_tokens else
+                  req.samples.params if req.leads_samples and decode_address else req.params)
         return prefill_pb2.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids[:prefix_tokens or None],
             sampling_params=sampling_params_to_proto(params), decode_address=decode_address,
             kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s, priority=req.priority)
 

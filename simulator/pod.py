@@ -185,8 +185,7 @@ class SimPod:
         """A split prefill: the KV of ``pushed`` (a prefix of ``seq``'s prompt) arrived; it goes to the prefix cache
         and ``seq`` prefills the rest here (``LLMEngine.cache_transferred_prefix``, then ``add``)."""
         self.interrupt()
-        self.block_manager.cache_full_blocks(pushed, pushed.num_prompt_tokens)
-        self.block_manager.free(pushed)
+        self.block_manager.cache_and_free(pushed)
         self.add(seq)
 
     def reserve(self, seq: Sequence) -> bool:
