@@ -84,7 +84,8 @@ class UpConfig:
     policy: PolicyName = passed_to(RouterConfig, name="policy")
     scheduling: Scheduling = field(default=Scheduling.HYBRID, metadata=described(
         "'hybrid' (each prompt on a prefill pod, lent to its decode pod in TPOT-bounded chunks, or split across both, "
-        "by predicted latency), 'disaggregated' (the pure split) or 'colocated' (the prefill and decode pods become mixed pods)."))
+        "by predicted latency), 'disaggregated' (the pure split) or 'colocated' (the prefill and decode pods become "
+        "mixed pods)."))
     slo_ttft_s: float = passed_to(RouterConfig, name="slo_ttft_s")
     slo_tpot_s: float = passed_to(RouterConfig, name="slo_tpot_s")
     conditional_prefill_threshold: int = passed_to(RouterConfig, name="conditional_prefill_threshold")
