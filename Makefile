@@ -13,7 +13,7 @@ test: bootstrap
 	$(PY) -m pytest -q -ra --durations=15
 
 protos: bootstrap
-	$(PY) -m protos.generate
+	$(PY) -m splitserve.protos.generate
 
 bench: bootstrap
 	$(PY) -m splitserve bench engine
@@ -21,6 +21,6 @@ bench: bootstrap
 # The chart's values.schema.json, the Grafana dashboards and the plain-Prometheus rules are generated (tests fail
 # when a committed copy is stale).
 deploy-generated: bootstrap
-	$(PY) -m deploy.chart_schema
-	$(PY) -m deploy.grafana
-	$(PY) -m deploy.prometheus
+	$(PY) -m splitserve.deploy.chart_schema
+	$(PY) -m splitserve.deploy.grafana
+	$(PY) -m splitserve.deploy.prometheus

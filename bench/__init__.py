@@ -1,7 +1,7 @@
 """The benchmarks, ``splitserve bench NAME``: figures printed beside a baseline measured in the same run.
 
 The top of the house: they start clusters with ``splitserve.launcher`` and load them as clients, or run the engine
-in-process; nothing imports them (``splitserve/cli.py`` loads ``bench.NAME`` by name when its subcommand runs).
+in-process; nothing imports them (``splitserve/cli.py`` loads ``splitserve.bench.NAME`` by name when its subcommand runs).
 
 - ``engine.py``: the engine against ``transformers`` on the same weights, prefill and decode;
 - ``codecs.py``: every KV codec's size, speed and model quality against the lossless path;
@@ -20,13 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.config import described
+from splitserve.runtime.config import described
 
 
 @dataclass
 class FiguresOutput:
     """Where a benchmark also puts its figures; its config dataclass extends this one, and its command line comes
-    from that dataclass (``runtime.config.parse_config``, as the services' do)."""
+    from that dataclass (``splitserve.runtime.config.parse_config``, as the services' do)."""
 
     json: str = field(default="", metadata=described("Also write the figures to this JSON file."))
     plot: str = field(default="", metadata=described("Also draw the figures into this .png file."))

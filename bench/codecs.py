@@ -32,8 +32,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import re
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,19 +41,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench import FiguresOutput, headless_pyplot, save_figure, save_results
-from bench.workload import AZURE_LENGTHS
-from engine import LLM, LLMEngine, SamplingParams
-from engine.attention import AttentionMetadata
-from engine.config import CACHE_DTYPES as ENGINE_CACHE_DTYPES
-from engine.config import DEFAULT_MODEL, CacheConfig
-from engine.kv_cache import KV_KINDS
-from engine.sequence import Sequence
-from engine.tokenizer import Tokenizer
-from engine.tokenizer_files import load_tokenizer
-from kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
-from runtime.config import described, parse_config
-from runtime.kv_codecs import ZSTD_SUFFIX, check_kv_codecs
+from splitserve.bench import FiguresOutput, headless_pyplot, save_figure, save_results
+from splitserve.bench.workload import AZURE_LENGTHS
+from splitserve.engine import LLM, LLMEngine, SamplingParams
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.config import CACHE_DTYPES as ENGINE_CACHE_DTYPES
+from splitserve.engine.config import DEFAULT_MODEL, CacheConfig
+from splitserve.engine.kv_cache import KV_KINDS
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer_files import load_tokenizer
+from splitserve.kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
+from splitserve.runtime.config import described, parse_config
+from splitserve.runtime.kv_codecs import ZSTD_SUFFIX, check_kv_codecs
 
 REFERENCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT_TOKENS = 512
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse_config(CodecsBenchConfig, argv, prog="splitserve bench codecs")
     codecs = ["none", *(name for name in config.codecs if name != "none")]
     if config.through_up:
-        from bench import codecs_served  # it builds on this module
+        from splitserve.bench import codecs_served  # it builds on this module
 
         results = codecs_served.run(config.model, codecs, config.prompts, config.tokens,
                                     config.through_up_concurrency)

@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from bench.codecs import AGREEMENT_GROUP, _load, agreement, agreement_prompts, reference_run
-from engine.config import CacheConfig
-from engine.tokenizer_files import load_tokenizer
-from kvtransfer.link_codec import QualityTable
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from splitserve.bench.codecs import AGREEMENT_GROUP, _load, agreement, agreement_prompts, reference_run
+from splitserve.engine.config import CacheConfig
+from splitserve.engine.text.tokenizer_files import load_tokenizer
+from splitserve.kvtransfer.link_codec import QualityTable
 from splitserve.launcher import Cluster, UpConfig
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 REQUEST_TIMEOUT_S = 900.0
 BUSY_RETRY_S = 5.0  # the router refuses a prompt that would queue past its max_queue_time_s: ask again this later

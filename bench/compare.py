@@ -35,8 +35,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from bench import FiguresOutput, save_results
-from bench.compare_plan import (
+from splitserve.bench import FiguresOutput, save_results
+from splitserve.bench.compare_map import REGIMES, MapConfig, plot_map, run_map
+from splitserve.bench.compare_map import report as report_map
+from splitserve.bench.compare_plan import (
     AZURE_CODE,
     AZURE_CONV,
     BUDGETS,
@@ -49,16 +51,14 @@ from bench.compare_plan import (
     goodput_ratios,
     reference_figures,
 )
-from bench.compare_map import REGIMES, MapConfig, plot_map, run_map
-from bench.compare_map import report as report_map
-from bench.compare_plots import plot_compare
-from bench.serve import Preparation, run_serve_benchmark, run_sweep
-from bench.serve_metrics import SLO, SLO_ATTAINMENT
-from bench.serve_run import ServeBenchConfig
-from bench.workload import WorkloadConfig
-from runtime.config import described, parse_config, passed_to, passed_values
-from runtime.cpus import allowed_cpus, format_cpu_list, parse_cpu_list
+from splitserve.bench.compare_plots import plot_compare
+from splitserve.bench.serve import Preparation, run_serve_benchmark, run_sweep
+from splitserve.bench.serve_metrics import SLO, SLO_ATTAINMENT
+from splitserve.bench.serve_run import ServeBenchConfig
+from splitserve.bench.workload import WorkloadConfig
 from splitserve.launcher import Cluster, UpConfig
+from splitserve.runtime.config import described, parse_config, passed_to, passed_values
+from splitserve.runtime.cpus import allowed_cpus, format_cpu_list, parse_cpu_list
 
 
 def run_compare(config: CompareConfig, log=print) -> list[TopologyResult]:

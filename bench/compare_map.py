@@ -32,12 +32,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.compare_plan import Topology, _pd_fields
-from bench.serve import Preparation, run_serve_benchmark
-from bench.serve_metrics import SLO, RequestRecord, distribution
-from bench.serve_run import ServeBenchConfig
-from bench.vllm_server import VLLMServer, export_model
-from runtime.cpus import format_cpu_list
+from splitserve.bench.compare_plan import Topology, _pd_fields
+from splitserve.bench.serve import Preparation, run_serve_benchmark
+from splitserve.bench.serve_metrics import SLO, RequestRecord, distribution
+from splitserve.bench.serve_run import ServeBenchConfig
+from splitserve.bench.vllm_server import VLLMServer, export_model
+from splitserve.runtime.cpus import format_cpu_list
 
 BOOTSTRAP = 300  # resamples of each run's requests for a goodput's interval
 SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)  # DistServe's SLO scale: the balanced pair times each
@@ -320,7 +320,7 @@ def report(result: dict, log=print) -> None:
 
 def plot_map(results: list[dict], path: str) -> None:
     """Per workload: goodput per topology per regime (bars with their intervals), attainment against SLO scale."""
-    from bench import headless_pyplot
+    from splitserve.bench import headless_pyplot
 
     plt = headless_pyplot()
     fig, axes = plt.subplots(len(results), 2, figsize=(15, 4.5 * len(results)), squeeze=False)

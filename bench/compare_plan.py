@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.serve_metrics import SLO_ATTAINMENT
-from bench.serve_run import ServeBenchConfig
-from engine.config import DEFAULT_MODEL, CacheConfig
-from runtime.config import described, passed_to, passed_values
-from runtime.cpus import allowed_cpus, format_cpu_list
+from splitserve.bench.serve_metrics import SLO_ATTAINMENT
+from splitserve.bench.serve_run import ServeBenchConfig
+from splitserve.engine.config import DEFAULT_MODEL, CacheConfig
 from splitserve.launcher import UpConfig
+from splitserve.runtime.config import described, passed_to, passed_values
+from splitserve.runtime.cpus import allowed_cpus, format_cpu_list
 
 KINDS = ("disaggregated", "colocated", "conditional")
 AZURE_CONV = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "AzureLLMInferenceTrace_conv.csv"

@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from bench import headless_pyplot
-from bench.compare_plan import CompareConfig, TopologyResult, best_colocated
+from splitserve.bench import headless_pyplot
+from splitserve.bench.compare_plan import CompareConfig, TopologyResult, best_colocated
 
 KIND_COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange", "conditional": "tab:green"}
 

@@ -9,7 +9,7 @@ pinned with ``taskset`` to the same CPUs (the first ``threads`` of ``--cpus``) a
 
   llama.cpp    the GGUF file through llama.cpp's C API (one ``llama_batch`` per step, greedy argmax): ms per token
                decoding one sequence, and tokens/s with ``--parallel`` sequences decoding together
-  splitserve   ``LLM(model, quantization=Q)`` for each weight format the engine names (``engine.config.QUANTIZATIONS``;
+  splitserve   ``LLM(model, quantization=Q)`` for each weight format the engine names (``splitserve.engine.config.QUANTIZATIONS``;
                a format the engine refuses for this model is reported with its reason), the same prompts, measured
                the same way (decode steps only: the prompt's prefill is not counted); and for each format of
                ``--int8-activations`` also ``LLM(model, quantization=Q, int8_activations=True)`` ("Q int8-act")
@@ -38,12 +38,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import save_results
-from bench.spec import BatchRun, grounded_prompts, open_ended_prompts
-from engine.config import DEFAULT_MODEL, QUANTIZATIONS, SpeculativeConfig
-from engine.tokenizer_files import resolve_model_name
-from runtime.config import described, parse_config
-from runtime.cpus import allowed_cpus
+from splitserve.bench import save_results
+from splitserve.bench.spec import BatchRun, grounded_prompts, open_ended_prompts
+from splitserve.engine.config import DEFAULT_MODEL, QUANTIZATIONS, SpeculativeConfig
+from splitserve.engine.text.tokenizer_files import resolve_model_name
+from splitserve.runtime.config import described, parse_config
+from splitserve.runtime.cpus import allowed_cpus
 
 REPO = Path(__file__).resolve().parents[1]
 ABSENT = "absent"
@@ -83,8 +83,8 @@ def splitserve_lookup(job: dict) -> dict:
 
 
 def _splitserve_engine(job: dict, speculative: dict | None):
-    from engine import LLM
-    from runtime.torch_threads import apply_cpu_set
+    from splitserve.engine import LLM
+    from splitserve.runtime.torch_threads import apply_cpu_set
 
     apply_cpu_set("", job["threads"])  # taskset pinned the process; this sizes torch and the native kernels
     return LLM(model=job["model"], quantization=job["quantization"], max_num_seqs=max(8, job.get("parallel", 1)),
@@ -219,7 +219,7 @@ def run_pinned(job: dict, cpus: list[int]) -> dict:
     threads = str(job["threads"])
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-c", "import bench.llamacpp as bench; bench.worker()"]
+    command = [sys.executable, "-c", "import splitserve.bench.llamacpp as bench; bench.worker()"]
     if shutil.which("taskset"):
         command = ["taskset", "-c", ",".join(map(str, cpus)), *command]
     done = subprocess.run(command, input=json.dumps(job), capture_output=True, text=True, env=env, cwd=REPO)

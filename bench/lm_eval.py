@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine import LLM, SamplingParams
-from engine.tokenizer import Tokenizer
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.text.tokenizer import Tokenizer
 
 CHOICE_DOCS = [
     {"question": "The capital of France is", "choices": [" Paris", " Rome", " a small fish"], "answer": 0},

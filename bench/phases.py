@@ -28,21 +28,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench import FiguresOutput, headless_pyplot, save_figure, save_results
-from bench.engine import matmul_peak, read_bandwidth
-from bench.phase_profile import profile_from_phases
-from bench.step_cost import (
+from splitserve.bench import FiguresOutput, headless_pyplot, save_figure, save_results
+from splitserve.bench.engine import matmul_peak, read_bandwidth
+from splitserve.bench.phase_profile import profile_from_phases
+from splitserve.bench.step_cost import (
     decode_bytes,
     decode_flops,
     kv_bytes_per_token,
     prefill_bytes,
     prefill_flops,
 )
-from engine.config import CACHE_DTYPES, DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from runtime.config import described, parse_config
+from splitserve.engine.config import (
+    CACHE_DTYPES,
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.runtime.config import described, parse_config
 
 DEFAULT_PROMPT_LENS = (64, 256, 1024, 2048)
 DEFAULT_BATCHES = (1, 4, 16, 64)

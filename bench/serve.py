@@ -4,7 +4,7 @@
         --input-len 256 --output-len 64 --goodput ttft:1000 tpot:150 --json run.json --plot run.png
 
 A run, top to bottom (``run_serve_benchmark(config)``, also the library entry point):
-  1. the model's name from the router's ``GET /v1/models``, its tokenizer loaded here (``engine.tokenizer_files``);
+  1. the model's name from the router's ``GET /v1/models``, its tokenizer loaded here (``splitserve.engine.text.tokenizer_files``);
   2. the workload (``workload.py``): send times and exact prompt / output lengths, from the seed;
   3. every prompt (``prompts.py``) and request body (``serve_client.py``) built before the clock starts;
   4. warm-up requests (not counted), then the router's ``/metrics`` scraped;
@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench import FiguresOutput, save_results
-from bench.prompts import PromptFactory
-from bench.serve_client import GrpcGenerate, HttpCompletions
-from bench.serve_metrics import (
+from splitserve.bench import FiguresOutput, save_results
+from splitserve.bench.prompts import PromptFactory
+from splitserve.bench.serve_client import GrpcGenerate, HttpCompletions
+from splitserve.bench.serve_metrics import (
     SLO,
     SLO_ATTAINMENT,
     Histogram,
@@ -54,11 +54,11 @@ from bench.serve_metrics import (
     percentile,
     summarize,
 )
-from bench.serve_plots import plot_run, plot_sweep
-from bench.serve_run import ServeBenchConfig, ServeRun
-from bench.workload import RequestSpec, WorkloadConfig, build_workload
-from engine.tokenizer_files import load_tokenizer
-from runtime.config import described, parse_config, passed_to, passed_values
+from splitserve.bench.serve_plots import plot_run, plot_sweep
+from splitserve.bench.serve_run import ServeBenchConfig, ServeRun
+from splitserve.bench.workload import RequestSpec, WorkloadConfig, build_workload
+from splitserve.engine.text.tokenizer_files import load_tokenizer
+from splitserve.runtime.config import described, parse_config, passed_to, passed_values
 
 # The router's request histograms (runtime/metrics.py, role="router"), by the client figure they match.
 ROUTER_HISTOGRAMS = {
@@ -457,7 +457,7 @@ class ServeCommand(FiguresOutput):
     ITL / E2E percentiles measured at the client, beside the router's own histograms.
 
     The command line of ``bench serve``: the run's fields and the workload's come with their defaults and help
-    from ``ServeBenchConfig`` and ``WorkloadConfig`` (``runtime.config.passed_to``); the rest say what to do with
+    from ``ServeBenchConfig`` and ``WorkloadConfig`` (``splitserve.runtime.config.passed_to``); the rest say what to do with
     the runs."""
 
     backend: str = passed_to(ServeBenchConfig, name="backend")

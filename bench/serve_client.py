@@ -28,9 +28,9 @@ from typing import Callable
 import grpc
 import httpx
 
-from bench.serve_metrics import RequestRecord
-from bench.workload import RequestSpec
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from splitserve.bench.serve_metrics import RequestRecord
+from splitserve.bench.workload import RequestSpec
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 Clock = Callable[[], float]  # seconds since the run started
 Prompt = list[int] | str

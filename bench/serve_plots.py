@@ -7,8 +7,8 @@
 
 from __future__ import annotations
 
-from bench import headless_pyplot
-from bench.serve_run import ServeRun
+from splitserve.bench import headless_pyplot
+from splitserve.bench.serve_run import ServeRun
 
 FIGURES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
 

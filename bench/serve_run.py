@@ -9,9 +9,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from bench.serve_metrics import SLO, RequestRecord
-from bench.workload import WorkloadConfig
-from runtime.config import described
+from splitserve.bench.serve_metrics import SLO, RequestRecord
+from splitserve.bench.workload import WorkloadConfig
+from splitserve.runtime.config import described
 
 
 @dataclass

@@ -37,19 +37,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bench import save_results
-from bench.prompts import PromptFactory
-from bench.serve import scrape_router
-from bench.serve_client import GrpcGenerate
-from bench.serve_metrics import SLO, RequestRecord, parse_counter, summarize
-from bench.workload import WorkloadConfig, build_workload
-from engine.config import DEFAULT_MODEL
-from engine.tokenizer_files import load_tokenizer
-from protos.splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
-from runtime.config import described, parse_config
-from runtime.roles import Role
-from runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
+from splitserve.bench import save_results
+from splitserve.bench.prompts import PromptFactory
+from splitserve.bench.serve import scrape_router
+from splitserve.bench.serve_client import GrpcGenerate
+from splitserve.bench.serve_metrics import SLO, RequestRecord, parse_counter, summarize
+from splitserve.bench.workload import WorkloadConfig, build_workload
+from splitserve.engine.config import DEFAULT_MODEL
+from splitserve.engine.text.tokenizer_files import load_tokenizer
 from splitserve.launcher import Cluster, UpConfig, serving
+from splitserve.runtime.config import described, parse_config
+from splitserve.runtime.roles import Role
+from splitserve.runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
+from splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
 
 CLIENT_ABORT = "client_abort"  # the failure kind of a request its client abandoned on purpose: expected
 

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import FiguresOutput, headless_pyplot, save_figure, save_results
-from engine import LLM, SamplingParams
-from engine.config import DEFAULT_MODEL
-from runtime.config import described, parse_config
+from splitserve.bench import FiguresOutput, headless_pyplot, save_figure, save_results
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.config import DEFAULT_MODEL
+from splitserve.runtime.config import described, parse_config
 
 BATCHES = (1, 4, 16)
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ GROUNDED_TASKS = [
     ("Summarise this text in a few sentences.", "docs/architecture.md"),
     ("Rewrite this Python code without its comments and docstrings.", "engine/sequence.py"),
     ("List every function and class this code defines, with its first docstring line.", "engine/scheduler.py"),
-    ("Add a docstring to every function of this code that has none; return the whole code.", "engine/sampler.py"),
+    ("Add a docstring to every function of this code that has none; return the whole code.", "engine/sampling/sampler.py"),
     ("Extract every configuration field and its default value from this code.", "engine/config.py"),
     ("Rewrite this text as a bulleted list of its main points.", "docs/PERFORMANCE.md"),
     ("Rename the variable `seq` to `sequence` everywhere in this code and return it.", "engine/block_manager.py"),

@@ -9,7 +9,7 @@ matrix products and the bytes it moves at least, for the benchmarks' floors and 
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from splitserve.engine.config import ModelConfig
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> int:

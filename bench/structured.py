@@ -7,7 +7,7 @@ exactly 400 characters, so that no request ends before ``--tokens``), one uncons
 turns step by step; every request of a batch decodes ``--tokens`` tokens. The figure is the mean wall time of the
 steps that prefilled nothing (one token per request), each engine's best round; the overhead is the constrained
 engine's over the unconstrained one's. The grammar's masks are computed on a worker thread while the model runs
-(engine/grammar_masks.py): on one core (``taskset -c 1``) the two share it, so the overlap hides nothing there.
+(engine/structured_output/masks.py): on one core (``taskset -c 1``) the two share it, so the overlap hides nothing there.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import json
 import statistics
 import time
 
-from engine import LLM, SamplingParams
-from engine.config import DEFAULT_MODEL
-from engine.sampling_params import StructuredOutput
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.config import DEFAULT_MODEL
+from splitserve.engine.sampling.params import StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400, "maxLength": 400}},
           "required": ["text"], "additionalProperties": False}

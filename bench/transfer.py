@@ -2,7 +2,7 @@
 the layer-by-layer overlap on and off (the baseline, measured in the same run), per codec.
 
 Starts a decode pod and two prefill pods, one with ``--overlap-transfer`` and one with ``--no-overlap-transfer``,
-each its own process as in a deployment (``python -m prefill_service`` / ``decode_service``) on 127.0.0.1, with
+each its own process as in a deployment (``python -m splitserve.prefill_service`` / ``decode_service``) on 127.0.0.1, with
 prefix caching off so that every call computes its whole prompt. For each codec and each prefill pod: one warm-up
 Prefill call (handshake, first-use costs), then ``--requests`` calls one after another, each a ``--prompt-tokens``
 prompt cut from GPL-3's text (the same prompts for every configuration). After each call the benchmark aborts the
@@ -42,15 +42,15 @@ from statistics import mean
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench import FiguresOutput, headless_pyplot, save_figure, save_results
-from bench.codecs import reference_tokens
-from engine.config import DEFAULT_MODEL, CacheConfig
-from engine.tokenizer_files import load_tokenizer
-from kvtransfer.wire import MAX_CHUNK_BYTES
-from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from runtime.config import described, parse_config
-from runtime import transport
-from runtime.kv_codecs import check_kv_codecs
+from splitserve.bench import FiguresOutput, headless_pyplot, save_figure, save_results
+from splitserve.bench.codecs import reference_tokens
+from splitserve.engine.config import DEFAULT_MODEL, CacheConfig
+from splitserve.engine.text.tokenizer_files import load_tokenizer
+from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES
+from splitserve.runtime import transport
+from splitserve.runtime.config import described, parse_config
+from splitserve.runtime.kv_codecs import check_kv_codecs
+from splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CODECS = ("none", "int8+zstd", "int4")
@@ -265,8 +265,8 @@ def run(model: str, codecs: list[str], prompt_tokens: int, requests: int, ready_
     with tempfile.TemporaryDirectory(prefix="splitserve-bench-transfer-") as log_dir:
         log(f"starting a decode pod and two prefill pods ({model}) ...")
         # The decode pod only receives here: one torch thread leaves the cores to the prefill pod's compute.
-        decode = start_pod("decode", "decode_service", [*flags, "--num-threads", "1"], Path(log_dir))
-        prefills = {overlap: start_pod(f"prefill-{'overlap' if overlap else 'serial'}", "prefill_service",
+        decode = start_pod("decode", "splitserve.decode_service", [*flags, "--num-threads", "1"], Path(log_dir))
+        prefills = {overlap: start_pod(f"prefill-{'overlap' if overlap else 'serial'}", "splitserve.prefill_service",
                                        [*flags, "--overlap-transfer" if overlap else "--no-overlap-transfer"],
                                        Path(log_dir)) for overlap in (True, False)}
         pods = [decode, *prefills.values()]

@@ -25,15 +25,15 @@ from pathlib import Path
 
 import httpx
 
-from runtime.cpus import format_cpu_list
+from splitserve.runtime.cpus import format_cpu_list
 
 SERVED_NAME_FILE = "splitserve-export.json"  # what an export directory was made from (reused when it matches)
 
 
 def export_model(model: str, directory: Path) -> Path:
-    """``model`` (a name ``engine.model_files`` resolves) as a Hugging Face directory vLLM can load."""
-    from engine.hf_checkpoint import export_hf_checkpoint
-    from engine.model_files import load_model_files
+    """``model`` (a name ``splitserve.engine.weights.model_files`` resolves) as a Hugging Face directory vLLM can load."""
+    from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint
+    from splitserve.engine.weights.model_files import load_model_files
 
     stamp = directory / SERVED_NAME_FILE
     if stamp.is_file() and json.loads(stamp.read_text()).get("model") == model:

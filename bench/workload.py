@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from statistics import NormalDist
 
-from runtime.config import described
+from splitserve.runtime.config import described
 
 SYNTHETIC = ("random", "azure-conv", "azure-code")
 

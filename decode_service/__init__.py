@@ -2,5 +2,5 @@
 
 - ``config.py``: ``DecodeConfig`` (flags / ``SPLITSERVE_*`` environment), role ``decode`` or ``mixed``
 - ``server.py``: the ``Decode`` gRPC service, hosted with ``KVTransfer`` (``kvtransfer/receiver.py``, whose leases,
-  ``kvtransfer/leases.py``, hold pushed KV until its Decode call) on one port, and ``main`` (``python -m decode_service``)
+  ``kvtransfer/leases.py``, hold pushed KV until its Decode call) on one port, and ``main`` (``python -m splitserve.decode_service``)
 """

@@ -1,7 +1,7 @@
-"""``python -m decode_service [--flags]``: run a decode (or, with ``--role mixed``, a mixed) pod."""
+"""``python -m splitserve.decode_service [--flags]``: run a decode (or, with ``--role mixed``, a mixed) pod."""
 
 import sys
 
-from decode_service.server import main
+from splitserve.decode_service.server import main
 
 main(sys.argv[1:])

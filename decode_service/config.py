@@ -1,4 +1,4 @@
-"""``DecodeConfig``: a decode or mixed pod's settings, filled by ``runtime.config.parse_config`` from flags
+"""``DecodeConfig``: a decode or mixed pod's settings, filled by ``splitserve.runtime.config.parse_config`` from flags
 (``--kv-lease-s``) and ``SPLITSERVE_*`` environment variables. The fields every pod shares come from ``PodConfig``;
 checked in ``__post_init__``, so a bad value stops the pod at start, naming the field.
 """
@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from engine.config import KV_LEASE_S, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
-from kvtransfer.receiver import KV_LOAD_FAILURE_POLICIES
-from kvtransfer.codecs import available_codecs
-from runtime.config import member
-from runtime.kv_codecs import check_kv_codecs
-from runtime.pod import PodConfig
-from runtime.roles import Role
+from splitserve.engine.config import KV_LEASE_S, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from splitserve.kvtransfer.codecs import available_codecs
+from splitserve.kvtransfer.receiver import KV_LOAD_FAILURE_POLICIES
+from splitserve.runtime.config import member
+from splitserve.runtime.kv_codecs import check_kv_codecs
+from splitserve.runtime.pod_server import PodConfig
+from splitserve.runtime.roles import Role
 
 
 @dataclass
@@ -33,7 +33,7 @@ class DecodeConfig(PodConfig):
         "When pushed KV fails to load (a corrupt chunk, a lease gone): 'fail' the request (the router retries it "
         "elsewhere, and the failure shows) or 'recompute' the prompt on this pod. 'fail' by default, as vLLM's: a "
         "silent recompute hides a broken link or a misconfigured pod behind slow answers.")})
-    # Speculative decoding (engine/speculative.py, docs/speculative.md), vLLM's speculative_config as flags.
+    # Speculative decoding (engine/speculative/proposer.py, docs/speculative.md), vLLM's speculative_config as flags.
     speculative_method: str = field(default="", metadata={"help": (
         f"Speculative decoding: '' (off) or {', '.join(SPECULATIVE_METHODS)} (prompt lookup; suffix: also the pod's "
         "recent responses; draft: --speculative-model).")})

@@ -44,25 +44,25 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_service.config import DecodeConfig
-from engine.engine_loop import TokenEvent
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from kvtransfer.leases import KVLease, TransferTable
-from kvtransfer.receiver import KVTransferServicer
-from protos.convert import (
+from splitserve.decode_service.config import DecodeConfig
+from splitserve.engine.engine_loop import TokenEvent
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sequence import Sequence
+from splitserve.kvtransfer.leases import KVLease, TransferTable
+from splitserve.kvtransfer.receiver import KVTransferServicer
+from splitserve.protos.convert import (
     finish_reason_to_proto,
     prompt_logprobs_to_proto,
     sampling_params_from_proto,
     token_logprob_from_dict,
     token_logprob_to_dict,
 )
-from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from runtime.config import parse_config
-from runtime.errors import StatusError
-from runtime.metrics import PodMetrics
-from runtime.pod import Pod, PodService, run_pod
+from splitserve.runtime.config import parse_config
+from splitserve.runtime.errors import StatusError
+from splitserve.runtime.metrics import PodMetrics
+from splitserve.runtime.pod_server import Pod, PodService, run_pod
+from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -352,5 +352,5 @@ async def build_decode_services(pod: Pod, config: DecodeConfig) -> list[PodServi
 
 
 def main(argv: list[str]) -> None:
-    config = parse_config(DecodeConfig, argv, prog="python -m decode_service")
+    config = parse_config(DecodeConfig, argv, prog="python -m splitserve.decode_service")
     run_pod(config, config.role, lambda pod: build_decode_services(pod, config))

@@ -4,7 +4,7 @@ A step concatenates the new tokens of all its sequences (``q``: [T, Hq, D]). ``p
 step's new K/V into the cache through ``slot_mapping``, then attends, each sequence by the cheapest exact path:
 
 - **decode** (one new token past the prompt): every such sequence of the step together. With the native CPU kernels
-  (engine/cpu_kernels.py) they attend over K/V read in place through their block tables; otherwise with ONE
+  (engine/kernels/cpu_kernels.py) they attend over K/V read in place through their block tables; otherwise with ONE
   gather of their blocks into [Bd, Hkv, S, D] and ONE SDPA whose key-padding mask hides the slots past each
   sequence's length;
 - **prefill** (prompt tokens, however many): with the native CPU kernels, each sequence's queries attend causally over its
@@ -28,7 +28,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import CpuKernels
+from splitserve.engine.kernels.cpu_kernels import CpuKernels
 
 
 class GatherBuffers:

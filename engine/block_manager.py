@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from splitserve.engine.sequence import Sequence
 
 # The parent of a sequence's first block: any fixed 64-bit value works, as long as every pod uses the same.
 ROOT_PARENT_HASH = 0

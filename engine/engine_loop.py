@@ -30,9 +30,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from engine.llm_engine import EngineStepError, LLMEngine, StepStats
-from engine.sampling_params import SamplingParams
-from engine.sequence import PromptLogprob, Sequence
+from splitserve.engine.llm_engine import EngineStepError, LLMEngine, StepStats
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sequence import PromptLogprob, Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig
+from splitserve.engine.config import CacheConfig, ModelConfig
 
 KVKind = Literal["k", "v"]  # keys or values, as the cache, the codecs and the KV wire name them
 KV_KINDS: tuple[KVKind, ...] = ("k", "v")

@@ -11,11 +11,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence as SequenceType
 
-from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, PromptLogprob, Sequence
+from splitserve.engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sequence import FinishReason, PromptLogprob, Sequence
+from splitserve.engine.text.detokenizer import IncrementalDetokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]

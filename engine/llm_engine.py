@@ -4,7 +4,7 @@
 scheduler what to run, runs it through the ``ModelRunner`` (model + sampler) and feeds the sampled tokens back,
 which appends them, checks stop conditions and frees finished sequences' blocks. With speculative decoding
 configured, the ``SpeculativeProposer`` proposes draft tokens for the decoding sequences before the scheduler runs
-and learns after the step how many were accepted (engine/speculative.py). The engine knows token ids
+and learns after the step how many were accepted (engine/speculative/proposer.py). The engine knows token ids
 only; text lives in the layer above (the offline ``LLM`` and the router).
 """
 
@@ -16,20 +16,20 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.cpu_kernels import KernelChoice
-from engine.draft_model import DraftModel
-from engine.grammar_masks import GrammarMasks
-from engine.model_files import load_model_files, resolve_quantization
-from engine.model_runner import ModelRunner
-from engine.prefill_budget import TPOTSlackBudget
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
-from engine.speculative import SpecDecodeCounts, SpeculativeProposer
-from engine.step_time import StepSample, StepTimeFit, attention_positions
-from engine.structured_output import GrammarCompiler
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kernels.cpu_kernels import KernelChoice
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.prefill_budget import TPOTSlackBudget
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.speculative.draft_model import DraftModel
+from splitserve.engine.speculative.proposer import SpecDecodeCounts, SpeculativeProposer
+from splitserve.engine.step_time import StepSample, StepTimeFit, attention_positions
+from splitserve.engine.structured_output.grammar import GrammarCompiler
+from splitserve.engine.structured_output.masks import GrammarMasks
+from splitserve.engine.weights.model_files import load_model_files, resolve_quantization
 
 logger = logging.getLogger(__name__)
 

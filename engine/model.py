@@ -5,10 +5,10 @@ One step runs a flattened batch over the paged KV cache:
 ``compute_logits(hidden rows [N, H]) -> [N, V] float32`` for the rows that sample.
 Each layer: RMSNorm -> fused QKV projection (optional bias, Qwen2) -> RoPE (theta, Llama-3 scaling) -> paged GQA
 attention (attention.py) -> output projection -> residual -> RMSNorm -> SwiGLU with fused gate/up -> residual.
-Decode streams every weight once per step; on CPU the native kernels (engine/cpu_kernels.py) run the products
+Decode streams every weight once per step; on CPU the native kernels (engine/kernels/cpu_kernels.py) run the products
 and the decode attention when ``kernels`` is given (``LlamaForCausalLM``'s default: whenever they can).
 
-Its parameters are the layout of engine/parameter_layout.py (names, shapes, what each fuses), which every
+Its parameters are the layout of engine/weights/parameter_layout.py (names, shapes, what each fuses), which every
 weight loader produces; ``from_state_dict`` checks a state dict against it before loading.
 """
 
@@ -24,13 +24,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.config import ModelConfig
-from engine.cpu_kernels import PANEL, CpuKernels, DecodeLayers, KernelChoice, LayerTensors, packed_shape, weight_shape
-from engine.cpu_kernels import choose as choose_kernels
-from engine.kv_cache import PagedKVCache
-from engine.parameter_layout import check_state_dict, product_weights
-from engine.quantized_weights import BlockQuantized, pack_panels
+from splitserve.engine.attention import AttentionMetadata, paged_attention
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.kernels.cpu_kernels import (
+    PANEL,
+    CpuKernels,
+    DecodeLayers,
+    KernelChoice,
+    LayerTensors,
+    packed_shape,
+    weight_shape,
+)
+from splitserve.engine.kernels.cpu_kernels import choose as choose_kernels
+from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.weights.parameter_layout import check_state_dict, product_weights
+from splitserve.engine.weights.quantized_weights import BlockQuantized, pack_panels
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +56,11 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """``x W^T + b``; its state-dict entries are ``weight`` [out, in] and ``bias`` [out].
 
-    With the native CPU kernels (``kernels``, engine/cpu_kernels.py) the weight is held in panels of 16 outputs,
+    With the native CPU kernels (``kernels``, engine/kernels/cpu_kernels.py) the weight is held in panels of 16 outputs,
     [ceil(out / 16), in, 16], converted on ``load_state_dict`` and back on ``state_dict``, and the product runs in
     the kernels: a decode step then reads each weight at the memory's speed. Otherwise it is a plain ``F.linear``.
     ``weight_format`` other than float32 (with the kernels only): the weight is loaded from a ``BlockQuantized``
-    in that format and kept in its blocks, packed into panels (engine/quantized_weights.py), [P, in / 32 * bytes]
+    in that format and kept in its blocks, packed into panels (engine/weights/quantized_weights.py), [P, in / 32 * bytes]
     uint8, which ``state_dict`` returns as they are; with ``int8_activations`` its products quantize their input
     rows to int8 per block of 32 (docs/quantization.md). Parameters are uninitialized until loaded.
     """
@@ -292,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
     ``cpu_kernels``: run the products and the decode attention in the native CPU kernels when they can serve this
     device and dtype (CPU, float32) and build on this machine; False keeps the pure-PyTorch path everywhere.
     ``weight_formats``: parameter name -> format of the products' weights kept in quantized blocks (the native
-    kernels only; engine/quantized_weights.py); the rest are float. ``int8_activations``: the products over those
+    kernels only; engine/weights/quantized_weights.py); the rest are float. ``int8_activations``: the products over those
     weights quantize their input rows to int8 per block of 32 and sum integer dot products (faster; no longer the
     float32 path's bits: docs/quantization.md).
     """

@@ -11,7 +11,7 @@ table: the decode step sequential decoding runs there, in the same kernels, so t
 summed in another order than a decode step's (GEMM tiles and one softmax against flash-decoding's chunks), so this
 is what makes recomputed outputs exact: a request preempted and prefilled again, or migrated with its
 ``resume_token_ids``, gets the very KV the undisturbed run had, and continues as it would have. A sequence
-verifying k draft tokens (engine/speculative.py) likewise becomes k + 1 decode rows; every row samples, and
+verifying k draft tokens (engine/speculative/proposer.py) likewise becomes k + 1 decode rows; every row samples, and
 ``accept_drafts`` keeps the rows up to the first disagreement.
 """
 
@@ -22,14 +22,14 @@ from typing import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache import PagedKVCache
-from engine.model import LlamaForCausalLM
-from engine.grammar_masks import GrammarMasks
-from engine.sampler import Sampler, SamplingRow, prompt_logprobs
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.speculative import accept_drafts
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
+from splitserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from splitserve.engine.speculative.proposer import accept_drafts
+from splitserve.engine.structured_output.masks import GrammarMasks
 
 # Prompt positions whose logits are computed at a time for prompt logprobs: [64, V] float32 is 12 MiB for SmolLM2.
 PROMPT_LOGPROB_ROWS = 64

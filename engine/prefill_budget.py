@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.sequence import Sequence
-from engine.step_time import PROBE_TOKENS, StepTimeModel
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.step_time import PROBE_TOKENS, StepTimeModel
 
 HEADROOM = 0.8  # of the smallest slack a step may fill: the fit's error and the engine loop's own time
 

@@ -7,7 +7,7 @@ A request's path through the scheduler:
   prefill pod, so it joins ``running`` directly);
 - ``schedule`` first gives every ``running`` sequence its next tokens (a prefill chunk, or one token when
   decoding, plus the draft tokens proposed for it when speculating, as far as the budget, ``max_tokens`` and the
-  context allow: engine/speculative.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup
+  context allow: engine/speculative/proposer.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup
   (none for a request still owed its prompt logprobs: it computes its whole prompt),
   while the token budget, the sequence cap and the block pool allow. On a pod that lends its decode steps to
   prefills (``SchedulerConfig.tpot_slack_chunking``), the prompt tokens of a step are bounded as well, by the
@@ -35,10 +35,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.prefill_budget import TPOTSlackBudget
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.prefill_budget import TPOTSlackBudget
+from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass

@@ -9,14 +9,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured_output import GrammarState
-    from engine.speculative import DraftState
+    from splitserve.engine.speculative.proposer import DraftState
+    from splitserve.engine.structured_output.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -73,10 +72,10 @@ class Sequence:
     last_token_time: float | None = None
     # vLLM's request priority: lower runs first (the waiting queue's order) and is preempted last; 0 by default.
     priority: int = 0
-    # Speculative decoding (engine/speculative.py): tokens proposed for the next step, and the request's proposer state.
+    # Speculative decoding (engine/speculative/proposer.py): tokens proposed for the next step, and the request's proposer state.
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: DraftState | None = None
-    # Structured output (engine/grammar_masks.py): the request's grammar matcher, made on its first guided step.
+    # Structured output (engine/structured_output/masks.py): the request's grammar matcher, made on its first guided step.
     grammar: GrammarState | None = None
     # With SamplingParams.n > 1: the first tokens of samples 1..n-1 (token id, logprobs), drawn with the prompt's
     # first (seeds seed + i) from the same logits; a decode pod forks the sequence for each (engine/llm_engine.py).

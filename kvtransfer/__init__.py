@@ -10,6 +10,6 @@
 Re-exported here: the codec API, ``get_codec``, ``available_codecs``, ``KVCodec``, ``EncodedKV``.
 """
 
-from kvtransfer.codecs import EncodedKV, KVCodec, KVSpan, available_codecs, get_codec
+from splitserve.kvtransfer.codecs import EncodedKV, KVCodec, KVSpan, available_codecs, get_codec
 
 __all__ = ["EncodedKV", "KVCodec", "KVSpan", "available_codecs", "get_codec"]

@@ -25,8 +25,8 @@ from typing import Iterable
 
 import grpc
 
-from protos.splitserve.v1 import kv_transfer_pb2
-from runtime.errors import StatusError
+from splitserve.runtime.errors import StatusError
+from splitserve.v1 import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
 

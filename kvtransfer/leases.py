@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.engine_loop import EngineLoop
-from engine.sequence import Sequence
-from runtime.errors import StatusError
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.sequence import Sequence
+from splitserve.runtime.errors import StatusError
 
 logger = logging.getLogger(__name__)
 

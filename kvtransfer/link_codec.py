@@ -28,10 +28,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtransfer.codecs import get_codec
-from kvtransfer.codecs.base import CACHE_DTYPES
-from kvtransfer.handshake import KVLayout
-from runtime.kv_codecs import ZSTD_SUFFIX
+from splitserve.kvtransfer.codecs import get_codec
+from splitserve.kvtransfer.codecs.base import CACHE_DTYPES
+from splitserve.kvtransfer.handshake import KVLayout
+from splitserve.runtime.kv_codecs import ZSTD_SUFFIX
 
 QUALITY_DIR = Path(__file__).resolve().parent / "quality"
 # Weight of the newest measurement in a link's seconds per byte (averaged, not bytes per second: the time a push

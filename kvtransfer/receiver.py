@@ -5,7 +5,7 @@ A push's path through ``PushKV``:
     header    compat hash checked (FAILED_PRECONDITION); a RECEIVING lease opened in the decode pod's
               TransferTable (ALREADY_EXISTS); blocks reserved on the engine thread with
               engine.reserve_for_transfer, filed on the lease there (None: RESOURCE_EXHAUSTED)
-    chunks    parsed by kvtransfer.wire.parse_push, the stream's deserializer, payload and scales left in the
+    chunks    parsed by splitserve.kvtransfer.wire.parse_push, the stream's deserializer, payload and scales left in the
               received message's bytes; sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk
               verifies the checksum (DATA_LOSS), codec, range and shape and decodes on a worker thread (for codec
               none, a view of the message's bytes); the event loop then writes the tensor into the cache
@@ -33,16 +33,16 @@ from typing import AsyncIterator, Iterable
 import grpc
 import torch
 
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from kvtransfer.handshake import KVLayout, check_compatible, note_formats
-from kvtransfer.leases import KVLease, TransferTable
-from kvtransfer.wire import ExpectedChunks, KVChunkError, WireChunk, decode_chunk, parse_push
-from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
-from runtime.errors import StatusError
-from runtime.metrics import PodMetrics
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sequence import Sequence
+from splitserve.kvtransfer.handshake import KVLayout, check_compatible, note_formats
+from splitserve.kvtransfer.leases import KVLease, TransferTable
+from splitserve.kvtransfer.wire import ExpectedChunks, KVChunkError, WireChunk, decode_chunk, parse_push
+from splitserve.runtime.errors import StatusError
+from splitserve.runtime.metrics import PodMetrics
+from splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 _KIND_INDEX = {"k": 0, "v": 1}

@@ -39,14 +39,14 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kvtransfer.codecs import KVCodec, get_codec
-from kvtransfer.handshake import KVLayout, note_formats
-from kvtransfer.link_codec import LinkCodecChooser
-from kvtransfer.wire import MAX_CHUNK_BYTES, WireChunk, encode_chunks, push_message, raw_nbytes
-from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
-from runtime import transport
-from runtime.errors import StatusError
-from runtime.kv_codecs import AUTO
+from splitserve.kvtransfer.codecs import KVCodec, get_codec
+from splitserve.kvtransfer.handshake import KVLayout, note_formats
+from splitserve.kvtransfer.link_codec import LinkCodecChooser
+from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES, WireChunk, encode_chunks, push_message, raw_nbytes
+from splitserve.runtime import transport
+from splitserve.runtime.errors import StatusError
+from splitserve.runtime.kv_codecs import AUTO
+from splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
 
 
 @dataclass

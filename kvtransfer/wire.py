@@ -24,7 +24,7 @@ order), so the wire format is the .proto's and any protobuf client or server rea
 
 Errors on the KV path are ``StatusError``s carrying the gRPC status the receiving side answers with; a bad
 chunk is a ``KVChunkError``. A chunk (``max_chunk_bytes``, 1 MiB by default) and a long prompt's header fit far
-below the message limit every channel and server sets (``runtime.transport.MAX_MESSAGE_BYTES``).
+below the message limit every channel and server sets (``splitserve.runtime.transport.MAX_MESSAGE_BYTES``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import grpc
 import numpy as np
 import torch
 
-from kvtransfer.codecs import EncodedKV, KVCodec, KVSpan, get_codec
-from protos.splitserve.v1 import kv_transfer_pb2
-from runtime.errors import StatusError
+from splitserve.kvtransfer.codecs import EncodedKV, KVCodec, KVSpan, get_codec
+from splitserve.runtime.errors import StatusError
+from splitserve.v1 import kv_transfer_pb2
 
 MAX_CHUNK_BYTES = 1 << 20  # payload + scales of one chunk, the default cut
 # A chunk's estimated size may be off for codecs whose size depends on the data (zstd) or on where a token

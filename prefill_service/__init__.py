@@ -1,6 +1,6 @@
 """The prefill pod: runs prompts' prefill in batches and streams their KV to decode pods, layer by layer.
 
 - ``config.py``: ``PrefillConfig`` (flags / ``SPLITSERVE_*`` environment)
-- ``server.py``: the ``Prefill`` gRPC service and ``main`` (``python -m prefill_service``)
+- ``server.py``: the ``Prefill`` gRPC service and ``main`` (``python -m splitserve.prefill_service``)
 - ``kv_export.py``: the engine hook that hands each computed layer's K/V to the request's ``KVSender``
 """

@@ -1,7 +1,7 @@
-"""``python -m prefill_service [--flags]``: run a prefill pod."""
+"""``python -m splitserve.prefill_service [--flags]``: run a prefill pod."""
 
 import sys
 
-from prefill_service.server import main
+from splitserve.prefill_service.server import main
 
 main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""``PrefillConfig``: a prefill pod's settings, filled by ``runtime.config.parse_config`` from flags
+"""``PrefillConfig``: a prefill pod's settings, filled by ``splitserve.runtime.config.parse_config`` from flags
 (``--overlap-transfer``) and ``SPLITSERVE_*`` environment variables. The fields every pod shares come from
 ``PodConfig``; checked in ``__post_init__``, so a bad value stops the pod at start, naming the field.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtransfer.wire import MAX_CHUNK_BYTES
-from runtime.pod import PodConfig
-from runtime.transport import MAX_MESSAGE_BYTES
+from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES
+from splitserve.runtime.pod_server import PodConfig
+from splitserve.runtime.transport import MAX_MESSAGE_BYTES
 
 
 @dataclass

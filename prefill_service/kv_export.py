@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
-from kvtransfer.sender import KVSender
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.sequence import Sequence
+from splitserve.kvtransfer.sender import KVSender
 
 
 @dataclass

@@ -31,18 +31,18 @@ import math
 
 import grpc
 
-from engine.engine_loop import TokenEvent
-from engine.sampling_params import SamplingParams
-from kvtransfer.handshake import KVLayout
-from kvtransfer.link_codec import LinkCodecChooser, QualityTable
-from kvtransfer.sender import KVSender, KVTransferClient
-from prefill_service.config import PrefillConfig
-from prefill_service.kv_export import PrefillKVExport
-from protos.convert import prompt_logprobs_to_proto, sampling_params_from_proto, token_logprob_from_dict
-from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from runtime.config import parse_config
-from runtime.errors import StatusError
-from runtime.pod import Pod, PodService, run_pod
+from splitserve.engine.engine_loop import TokenEvent
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.kvtransfer.handshake import KVLayout
+from splitserve.kvtransfer.link_codec import LinkCodecChooser, QualityTable
+from splitserve.kvtransfer.sender import KVSender, KVTransferClient
+from splitserve.prefill_service.config import PrefillConfig
+from splitserve.prefill_service.kv_export import PrefillKVExport
+from splitserve.protos.convert import prompt_logprobs_to_proto, sampling_params_from_proto, token_logprob_from_dict
+from splitserve.runtime.config import parse_config
+from splitserve.runtime.errors import StatusError
+from splitserve.runtime.pod_server import Pod, PodService, run_pod
+from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -203,5 +203,5 @@ async def build_prefill_services(pod: Pod, config: PrefillConfig) -> list[PodSer
 
 
 def main(argv: list[str]) -> None:
-    config = parse_config(PrefillConfig, argv, prog="python -m prefill_service")
+    config = parse_config(PrefillConfig, argv, prog="python -m splitserve.prefill_service")
     run_pod(config, "prefill", lambda pod: build_prefill_services(pod, config))

@@ -1,7 +1,7 @@
 """splitserve's gRPC protocol: the ``.proto`` files of package ``splitserve.v1`` and the Python modules
 generated from them, side by side in ``protos/splitserve/v1/``.
 
-Import the generated modules as ``from protos.splitserve.v1 import generate_pb2, generate_pb2_grpc``.
-Regenerate them with ``python -m protos.generate`` (``make protos``) after editing a ``.proto``;
-``python -m protos.generate --check`` fails when the committed modules are stale.
+Import the generated modules as ``from splitserve.v1 import generate_pb2, generate_pb2_grpc``.
+Regenerate them with ``python -m splitserve.protos.generate`` (``make protos``) after editing a ``.proto``;
+``python -m splitserve.protos.generate --check`` fails when the committed modules are stale.
 """

@@ -13,10 +13,11 @@ token's rank, and reach the router as the engine's ``PromptLogprob``s.
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.sequence import FinishReason, PromptLogprob
-from engine.step_time import StepTimeModel
-from protos.splitserve.v1 import common_pb2
+from splitserve.engine.sampling.params import SamplingParams, StructuredOutput
+from splitserve.engine.sequence import FinishReason, PromptLogprob
+from splitserve.engine.step_time import StepTimeModel
+from splitserve.v1 import common_pb2
+
 
 def step_time_to_proto(model: StepTimeModel) -> common_pb2.StepTimeModel:
     return common_pb2.StepTimeModel(

@@ -1,11 +1,12 @@
 """Regenerates the Python modules of the ``splitserve.v1`` protos, or checks that they are up to date.
 
-    python -m protos.generate           # rewrite protos/splitserve/v1/*_pb2.py, *_pb2.pyi, *_pb2_grpc.py
-    python -m protos.generate --check   # exit 1, listing what differs, when the committed modules are stale
+    python -m splitserve.protos.generate           # rewrite protos/splitserve/v1/*_pb2.py, *_pb2.pyi, *_pb2_grpc.py
+    python -m splitserve.protos.generate --check   # exit 1, listing what differs, when the committed modules are stale
 
-Protos compile with the repository root as the include path: a proto imports
-``"protos/splitserve/v1/common.proto"`` and the generated code imports ``protos.splitserve.v1.common_pb2``,
-which is where the module lives, so the generated files are used exactly as protoc writes them.
+Protos compile with ``protos/`` as the include path: a proto imports ``"splitserve/v1/common.proto"`` (its proto
+package's path) and the generated code imports ``splitserve.v1.common_pb2``, which is where the package installs
+(pyproject.toml maps ``protos/splitserve/v1`` to ``splitserve.v1``), so the generated files are used exactly as
+protoc writes them.
 
 Both modes compile into a temporary directory first: ``--check`` compares that with the tree (so CI catches
 a ``.proto`` edited without regenerating, a hand-edited module, or one left behind by a deleted ``.proto``),
@@ -24,7 +25,8 @@ import grpc_tools
 from grpc_tools import protoc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROTO_PACKAGE_DIR = Path("protos/splitserve/v1")  # relative to the repository root
+PROTO_ROOT = Path("protos")  # the include path, relative to the repository root
+PROTO_PACKAGE_DIR = PROTO_ROOT / "splitserve" / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 # google/protobuf/*.proto (Struct...), as grpcio-tools ships them.
 WELL_KNOWN_TYPES = Path(grpc_tools.__file__).parent / "_proto"
@@ -38,7 +40,7 @@ def compile_protos(repo_root: Path) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as out:
         rc = protoc.main([
             "grpc_tools.protoc",
-            f"--proto_path={repo_root}",
+            f"--proto_path={repo_root / PROTO_ROOT}",
             f"--proto_path={WELL_KNOWN_TYPES}",
             f"--python_out={out}",
             f"--pyi_out={out}",
@@ -47,7 +49,7 @@ def compile_protos(repo_root: Path) -> dict[str, bytes]:
         ])
         if rc != 0:
             raise SystemExit(f"protoc failed with exit code {rc}")
-        return {path.name: path.read_bytes() for path in sorted((Path(out) / PROTO_PACKAGE_DIR).iterdir())}
+        return {path.name: path.read_bytes() for path in sorted((Path(out) / PROTO_PACKAGE_DIR.relative_to(PROTO_ROOT)).iterdir())}
 
 
 def committed_modules(repo_root: Path) -> dict[str, bytes]:
@@ -88,13 +90,13 @@ def regenerate(repo_root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m protos.generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m splitserve.protos.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report generated files that are out of date")
     args = parser.parse_args(argv)
     if args.check:
         problems = drift(REPO_ROOT)
         if problems:
-            print("generated protos are out of date; run `python -m protos.generate`:", *problems, sep="\n  ")
+            print("generated protos are out of date; run `python -m splitserve.protos.generate`:", *problems, sep="\n  ")
             return 1
         print("generated protos are up to date")
         return 0

@@ -19,11 +19,11 @@ as text, over gRPC (``grpc_api``) and the OpenAI-compatible HTTP API (``openai_a
   chunks;
 - ``api_keys.py``: the API-key check both APIs share.
 
-Errors are ``runtime.errors.StatusError``; parameters cross the wire through ``protos.convert``.
+Errors are ``splitserve.runtime.errors.StatusError``; parameters cross the wire through ``splitserve.protos.convert``.
 """
 
-from router.intake import RouterRequest
-from router.request_run import Completion, OutputDelta
-from router.router import Router
+from splitserve.router.intake import RouterRequest
+from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.router import Router
 
 __all__ = ["Completion", "OutputDelta", "Router", "RouterRequest"]

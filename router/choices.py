@@ -19,12 +19,12 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
-from router.intake import DEFAULT_SERVICE, ServiceLevel, RouterRequest, SampleGroup
-from router.request_run import Completion, OutputDelta
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.router.intake import DEFAULT_SERVICE, RouterRequest, SampleGroup, ServiceLevel
+from splitserve.router.request_run import Completion, OutputDelta
 
 if TYPE_CHECKING:
-    from router.router import Router
+    from splitserve.router.router import Router
 
 # Choices per request (prompts x n): each is a request of its own on the pods.
 MAX_CHOICES = 128

@@ -1,4 +1,4 @@
-"""``RouterConfig``: everything the router process is told, filled by ``runtime.config.parse_config`` from
+"""``RouterConfig``: everything the router process is told, filled by ``splitserve.runtime.config.parse_config`` from
 flags (``--grpc-port``) and ``SPLITSERVE_*`` environment variables (``SPLITSERVE_GRPC_PORT``).
 
 Checked in ``__post_init__``, so a bad value stops the process at start, naming the field.
@@ -9,13 +9,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.config import DEFAULT_MODEL, KV_LEASE_S
-from engine.sampling_params import MAX_LOGPROBS
-from runtime.config import described, member
-from runtime.cpus import checked_cpu_set
-from runtime.kv_codecs import check_kv_codec
-from runtime.registry import RegistryKind
-from runtime.transport import TLSConfig
+from splitserve.engine.config import DEFAULT_MODEL, KV_LEASE_S
+from splitserve.engine.sampling.params import MAX_LOGPROBS
+from splitserve.runtime.config import described, member
+from splitserve.runtime.cpus import checked_cpu_set
+from splitserve.runtime.discovery import RegistryKind
+from splitserve.runtime.kv_codecs import check_kv_codec
+from splitserve.runtime.transport import TLSConfig
 
 # Long enough for a typical stream to finish; Kubernetes' default termination grace period is 30 s.
 SHUTDOWN_GRACE_S = 30.0

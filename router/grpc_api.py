@@ -30,19 +30,19 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
-from protos.convert import (
+from splitserve.protos.convert import (
     finish_reason_to_proto,
     prompt_logprobs_to_proto,
     sampling_params_from_proto,
     token_logprob_from_dict,
 )
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.api_keys import APIKeys
-from router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
-from router.intake import ServiceLevel, RouterRequest
-from router.request_run import Completion, OutputDelta
-from router.router import Router
-from runtime.errors import StatusError
+from splitserve.router.api_keys import APIKeys
+from splitserve.router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
+from splitserve.router.intake import RouterRequest, ServiceLevel
+from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.router import Router
+from splitserve.runtime.errors import StatusError
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 CHAT_ROLES = ("system", "user", "assistant")
 GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name

@@ -5,7 +5,7 @@ The HTTP and gRPC layers depend on this file (through ``Router``, which hands th
 1. cheap checks first, before any work they bound: the request id (``check_request_id``), the sampling
    parameters within the server's limits (stop strings, stop token ids, logprobs and prompt logprobs, max_tokens,
    bad words, token ids of logit_bias and allowed_token_ids), a text's size in UTF-8 bytes (``max_prompt_bytes``);
-   a structured output's grammar compiled (``engine/structured_output.py``), on a worker thread;
+   a structured output's grammar compiled (``engine/structured_output/grammar.py``), on a worker thread;
 2. then the work: a chat rendered by the model's template (``apply_chat_template``), a prompt tokenized
    (``tokenize``), both on worker threads: a prompt at the byte limit takes about a second to tokenize, and the
    event loop serves every other request (and /health) meanwhile;
@@ -14,7 +14,7 @@ The HTTP and gRPC layers depend on this file (through ``Router``, which hands th
 
 ``make_request`` runs all three and returns the ``RouterRequest`` that ``Router.generate`` serves. Every refusal is
 ``StatusError(INVALID_ARGUMENT)`` naming the field at fault. The tokenizer is the model's own (its name resolved by
-``engine.tokenizer_files``, without torch or the weights): the router holds text only at this edge, and in the
+``splitserve.engine.text.tokenizer_files``, without torch or the weights): the router holds text only at this edge, and in the
 detokenizer of each request's run (``request_run.py``).
 """
 
@@ -33,11 +33,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarCompiler
-from engine.tokenizer import Tokenizer
-from router.config import RouterConfig
-from runtime.errors import StatusError
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.structured_output.grammar import GrammarCompiler
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.router.config import RouterConfig
+from splitserve.runtime.errors import StatusError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -332,7 +332,7 @@ def encode_without_holding_the_gil(tokenizer: Tokenizer) -> None:
     no other thread, the event loop included, runs); ``encode_batch`` releases it and gives the same ids. The
     engine's ``Tokenizer`` keeps its backend private, so the router swaps it here, once, for a wrapper that
     tokenizes one text as a batch of one. To be replaced by a GIL-free ``Tokenizer.encode`` in
-    ``engine/tokenizer.py`` (its owner's file), after which this function goes."""
+    ``engine/text/tokenizer.py`` (its owner's file), after which this function goes."""
     backend = getattr(tokenizer, "_backend", None)
     if backend is None or isinstance(backend, _BatchOfOneEncoder):
         if backend is None:

@@ -36,17 +36,17 @@ from collections.abc import Callable
 
 import grpc
 
-from engine.sampling_params import SamplingParams
-from protos.convert import sampling_params_to_proto
-from protos.splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
-from router.config import RouterConfig
-from router.intake import RouterRequest
-from router.pod_client import PodClientPool
-from router.policies import RoutePlan, RoutingPolicy, SLOTargets
-from router.registry import PodInfo, PodRegistry
-from router.request_run import AnsweredCall, DecodeStream, PodHold, RequestRun
-from runtime.errors import StatusError
-from runtime.metrics import RouterMetrics
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.protos.convert import sampling_params_to_proto
+from splitserve.router.config import RouterConfig
+from splitserve.router.intake import RouterRequest
+from splitserve.router.pods.client import PodClientPool
+from splitserve.router.pods.registry import PodInfo, PodRegistry
+from splitserve.router.policies import RoutePlan, RoutingPolicy, SLOTargets
+from splitserve.router.request_run import AnsweredCall, DecodeStream, PodHold, RequestRun
+from splitserve.runtime.errors import StatusError
+from splitserve.runtime.metrics import RouterMetrics
+from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
 

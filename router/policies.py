@@ -27,7 +27,7 @@ Policies differ only in steps 2 and 4, and are picked by name (``make_policy``):
 Load is ``PodInfo``'s view: the pod's last report, raised to what this router knows it sent there since (its own
 requests in flight, the KV blocks they took), so a burst between two reports does not pile onto one pod.
 
-Prefix matching uses the chained block hashes the pods compute (``engine.block_manager``), at each pod's
+Prefix matching uses the chained block hashes the pods compute (``splitserve.engine.block_manager``), at each pod's
 block size: a pod's published hash of block i names the prompt's whole prefix up to the end of block i.
 """
 
@@ -40,16 +40,16 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from engine.block_manager import chained_block_hashes
-from engine.step_time import PROBE_TOKENS, StepTimeModel, attention_positions
-from router.config import PolicyName
-from router.registry import PodInfo
-from runtime.config import member
-from runtime.errors import StatusError
+from splitserve.engine.block_manager import chained_block_hashes
+from splitserve.engine.step_time import PROBE_TOKENS, StepTimeModel, attention_positions
+from splitserve.router.config import PolicyName
+from splitserve.router.pods.registry import PodInfo
+from splitserve.runtime.config import member
+from splitserve.runtime.errors import StatusError
 
 if TYPE_CHECKING:
-    from router.config import RouterConfig
-    from router.intake import RouterRequest
+    from splitserve.router.config import RouterConfig
+    from splitserve.router.intake import RouterRequest
 
 # No decode pod serving usually means one loading or restarting (seconds, under `splitserve up`'s supervisor or a
 # Kubernetes restart): the 503 tells clients to come back after this long (Retry-After, grpc-retry-pushback-ms).

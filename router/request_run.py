@@ -25,16 +25,16 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sequence import FinishReason, PromptLogprob
-from protos.convert import finish_reason_from_proto, prompt_logprobs_from_proto, token_logprob_to_dict
-from protos.splitserve.v1 import decode_pb2
-from router.config import RouterConfig
-from router.intake import RouterRequest
-from router.policies import SLOTargets, blocks_for
-from router.registry import PodInfo
-from runtime.errors import StatusError, from_rpc_error
-from runtime.metrics import RouterMetrics
+from splitserve.engine.sequence import FinishReason, PromptLogprob
+from splitserve.engine.text.detokenizer import IncrementalDetokenizer
+from splitserve.protos.convert import finish_reason_from_proto, prompt_logprobs_from_proto, token_logprob_to_dict
+from splitserve.router.config import RouterConfig
+from splitserve.router.intake import RouterRequest
+from splitserve.router.pods.registry import PodInfo
+from splitserve.router.policies import SLOTargets, blocks_for
+from splitserve.runtime.errors import StatusError, from_rpc_error
+from splitserve.runtime.metrics import RouterMetrics
+from splitserve.v1 import decode_pb2
 
 log = logging.getLogger(__name__)
 

@@ -33,23 +33,22 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason
-from engine.tokenizer import Tokenizer
-from engine.tokenizer_files import load_tokenizer
-from router.config import RouterConfig
-from router.intake import DEFAULT_SERVICE, Intake, ServiceLevel, RouterRequest, invalid
-from router.placement import Placement
-from router.pod_client import PodClient, PodClientPool
-from router.pod_monitor import PodMonitor
-from router.config import Scheduling
-from router.policies import HybridPlacement, LocalPrefill, RoutingPolicy, make_policy
-from router.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
-from router.request_run import Completion, OutputDelta, RequestRun
-from runtime.errors import StatusError
-from runtime.metrics import RouterMetrics
-from runtime.registry import RegistryKind
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sequence import FinishReason
+from splitserve.engine.text.detokenizer import IncrementalDetokenizer
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer_files import load_tokenizer
+from splitserve.router.config import RouterConfig, Scheduling
+from splitserve.router.intake import DEFAULT_SERVICE, Intake, RouterRequest, ServiceLevel, invalid
+from splitserve.router.placement import Placement
+from splitserve.router.pods.client import PodClient, PodClientPool
+from splitserve.router.pods.monitor import PodMonitor
+from splitserve.router.pods.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
+from splitserve.router.policies import HybridPlacement, LocalPrefill, RoutingPolicy, make_policy
+from splitserve.router.request_run import Completion, OutputDelta, RequestRun
+from splitserve.runtime.discovery import RegistryKind
+from splitserve.runtime.errors import StatusError
+from splitserve.runtime.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

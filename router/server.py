@@ -1,10 +1,10 @@
 """The router process: both client-facing APIs over one ``Router``, in one event loop.
 
-    python -m router.server --decode-pods host:port --prefill-pods host:port   (flags: see RouterConfig)
+    python -m splitserve.router.server --decode-pods host:port --prefill-pods host:port   (flags: see RouterConfig)
 
 ``RouterServer.start()``: the router's registry starts (first load poll or scan done: the first request sees
 the pods) -> the gRPC server (``Generation``, ``grpc.health.v1.Health`` reporting SERVING, server reflection
-listing the services) -> the OpenAI-compatible HTTP API (``router.openai_api.create_app``) on uvicorn -> with
+listing the services) -> the OpenAI-compatible HTTP API (``splitserve.router.openai.app.create_app``) on uvicorn -> with
 ``metrics_port``, a plain-HTTP Prometheus ``/metrics`` (the pods have one too): under mutual TLS a scraper cannot
 reach the HTTPS API's ``/metrics`` without a client certificate.
 
@@ -32,14 +32,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from router.api_keys import APIKeys
-from router.config import RouterConfig
-from router.grpc_api import GENERATION_SERVICE, APIKeyInterceptor, GenerationServicer, add_generation_service
-from router.router import Router
-from runtime import transport
-from runtime.config import parse_config
-from runtime.cpus import allowed_cpus, format_cpu_list, pin_cpu_set
-from runtime.logs import configure_logging
+from splitserve.router.api_keys import APIKeys
+from splitserve.router.config import RouterConfig
+from splitserve.router.grpc_api import GENERATION_SERVICE, APIKeyInterceptor, GenerationServicer, add_generation_service
+from splitserve.router.router import Router
+from splitserve.runtime import transport
+from splitserve.runtime.config import parse_config
+from splitserve.runtime.cpus import allowed_cpus, format_cpu_list, pin_cpu_set
+from splitserve.runtime.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class RouterServer:
 
     async def _start_http(self) -> None:
         # The HTTP layer (FastAPI) loads only when the HTTP API is on.
-        from router.openai_api import create_app
+        from splitserve.router.openai.app import create_app
 
         app = create_app(self.router)
         self._http = _EmbeddedHTTPServer(uvicorn.Config(app, host=self.config.host, port=self.config.http_port,

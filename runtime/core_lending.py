@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.cpus import format_cpu_list
+from splitserve.runtime.cpus import format_cpu_list
 
 log = logging.getLogger(__name__)
 

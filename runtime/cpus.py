@@ -7,12 +7,12 @@ A CPU set is written as Linux writes it (``taskset -c``, ``/proc/<pid>/status``)
     checked_cpu_set(field, text)       the set, or a ValueError naming the config field when it is malformed or not
                                        a subset of the CPUs this process may run on (``os.sched_getaffinity``)
     pin_cpu_set(text)                  at process start: pin every thread of the process to the set (the router;
-                                       a pod's ``runtime.torch_threads.apply_cpu_set`` also sizes torch's pools)
+                                       a pod's ``splitserve.runtime.torch_threads.apply_cpu_set`` also sizes torch's pools)
     thread_env(threads)                the environment that sizes OpenMP / MKL before torch is imported (for a child)
 
 Without a set, threads default to one per core of the machine, so pods sharing a machine oversubscribe its cores:
 each runs as many compute threads as there are cores, and they preempt each other mid-GEMM. A pod pinned to its set
-with one thread per CPU of the set runs alone on its cores. The native kernels (engine/cpu_kernels.py) take their
+with one thread per CPU of the set runs alone on its cores. The native kernels (engine/kernels/cpu_kernels.py) take their
 thread count from ``torch.get_num_threads()`` and their OpenMP is torch's libgomp, so they follow the same setting.
 """
 
@@ -72,7 +72,7 @@ def checked_cpu_set(field_name: str, text: str) -> frozenset[int]:
 
 def pin_cpu_set(text: str, field_name: str = "cpus") -> frozenset[int]:
     """Pin every thread of this process to the CPU set ``text`` (``""``: leave the affinity as it is); returns the
-    set (empty: not pinned). Without torch: the router pins itself with it, and ``runtime.torch_threads``'s
+    set (empty: not pinned). Without torch: the router pins itself with it, and ``splitserve.runtime.torch_threads``'s
     ``apply_cpu_set`` pins a pod with it before sizing torch's thread pools to the set."""
     cpus = checked_cpu_set(field_name, text)
     if cpus:

@@ -22,7 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from engine.speculative import SpecDecodeCounts
+from splitserve.engine.speculative.proposer import SpecDecodeCounts
 
 # vLLM's TTFT buckets plus 1.5, 2.0, 3.0 and 4.0 s: a CPU pod's first tokens land between 1 and 5 s, where vLLM's
 # 1.0/2.5/5.0 s put a median 13% off (docs/PERFORMANCE.md). A superset, so every vLLM `le` still exists.

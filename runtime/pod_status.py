@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
-import time
-
-from engine.llm_engine import LLMEngine, StepStats
-from engine.scheduler import Scheduler
-from protos.convert import step_time_to_proto
-from protos.splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
-from runtime.metrics import PodMetrics
+from splitserve.engine.llm_engine import LLMEngine, StepStats
+from splitserve.engine.scheduler import Scheduler
+from splitserve.protos.convert import step_time_to_proto
+from splitserve.runtime.metrics import PodMetrics
+from splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

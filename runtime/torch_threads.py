@@ -1,7 +1,7 @@
 """A pod's CPU set with torch sized to it: ``apply_cpu_set(text, num_threads)`` pins every thread of the process to
-the set (``runtime.cpus.pin_cpu_set``) and gives torch one compute thread per CPU of it, or ``num_threads``.
+the set (``splitserve.runtime.cpus.pin_cpu_set``) and gives torch one compute thread per CPU of it, or ``num_threads``.
 
-Apart from ``runtime.cpus`` because it imports torch: the router pins itself with ``pin_cpu_set`` and never loads
+Apart from ``splitserve.runtime.cpus`` because it imports torch: the router pins itself with ``pin_cpu_set`` and never loads
 torch (an import contract in pyproject.toml says so).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.cpus import allowed_cpus, format_cpu_list, pin_cpu_set
+from splitserve.runtime.cpus import allowed_cpus, format_cpu_list, pin_cpu_set
 
 log = logging.getLogger(__name__)
 

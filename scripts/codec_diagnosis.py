@@ -16,12 +16,20 @@ from __future__ import annotations
 import argparse
 import math
 
-from bench.codecs import AGREEMENT_GROUP, KVTally, _common_prefix, _load, agreement, agreement_prompts, \
-    greedy_outputs, reference_run
-from engine import SamplingParams
-from engine.config import DEFAULT_MODEL
-from engine.tokenizer_files import load_tokenizer
-from kvtransfer.codecs import get_codec
+from splitserve.bench.codecs import (
+    AGREEMENT_GROUP,
+    KVTally,
+    _common_prefix,
+    _load,
+    agreement,
+    agreement_prompts,
+    greedy_outputs,
+    reference_run,
+)
+from splitserve.engine import SamplingParams
+from splitserve.engine.config import DEFAULT_MODEL
+from splitserve.engine.text.tokenizer_files import load_tokenizer
+from splitserve.kvtransfer.codecs import get_codec
 
 DEFAULT_VARIANTS = ("none,bf16,kivi8,kivi8:only=k,kivi8:only=v,kivi8:window=128,kivi4,kivi4:only=k,kivi4:only=v,"
                     "kivi4:window=128;key_group=16")

@@ -22,9 +22,9 @@ import time
 
 import grpc
 
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from runtime.logs import configure_logging
 from splitserve.launcher import Cluster, UpConfig
+from splitserve.runtime.logs import configure_logging
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 PLACEMENTS = {"router with decode {1}": {1}, "router floating {0,1}": {0, 1}}
 WORDS = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()

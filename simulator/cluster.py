@@ -4,7 +4,7 @@ A request's path, as in DESIGN.md ("One request, disaggregated") and ``router/pl
 
   arrival (the workload's send time)
   + ``router_s`` (HTTP, tokenizing, placing: the profile's fitted overhead)
-  -> the routing policy (``router.policies``, the real one, given the router's SLO targets) picks D, and P unless
+  -> the routing policy (``splitserve.router.policies``, the real one, given the router's SLO targets) picks D, and P unless
      the prompt prefills on D (conditional disaggregation, no prefill pod: a colocated cluster of mixed pods, or,
      hybrid, ``HybridPlacement`` predicting that a prompt lent to D gets its first token sooner);
      no decode pod with room -> RESOURCE_EXHAUSTED, the request fails as a real client's would (HTTP 429)
@@ -21,7 +21,7 @@ The router's own bookkeeping on each pod (``PodInfo.active_requests``, ``queued_
 ``blocks_since_report``) is kept as ``RequestRun.hold`` keeps it, so the policies see what the real router sees;
 with hybrid scheduling each remote prefill's exposed KV transfer time is fed back to the placement
 (``HybridPlacement.observe_transfer``), as ``router/placement.py`` does.
-Each request ends as a ``bench.serve_metrics.RequestRecord``: the same figures, by the same code, as a real run.
+Each request ends as a ``splitserve.bench.serve_metrics.RequestRecord``: the same figures, by the same code, as a real run.
 """
 
 from __future__ import annotations
@@ -31,19 +31,19 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.phase_profile import PhaseProfile
-from bench.serve_metrics import RequestRecord
-from bench.workload import RequestSpec
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from router.config import Scheduling
-from router.policies import RoutingPolicy, SLOTargets
-from router.registry import PodInfo
-from runtime.errors import StatusError
-from runtime.roles import Role
-from simulator.events import EventLoop
-from simulator.pod import SimPod
+from splitserve.bench.phase_profile import PhaseProfile
+from splitserve.bench.serve_metrics import RequestRecord
+from splitserve.bench.workload import RequestSpec
+from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sequence import Sequence
+from splitserve.router.config import Scheduling
+from splitserve.router.pods.registry import PodInfo
+from splitserve.router.policies import RoutingPolicy, SLOTargets
+from splitserve.runtime.errors import StatusError
+from splitserve.runtime.roles import Role
+from splitserve.simulator.events import EventLoop
+from splitserve.simulator.sim_pod import SimPod
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class ClusterSpec:
     block_size: int = 16
     max_model_len: int = 8192
     codec_ratio: float = 1.0  # the KV codec's wire bytes over raw bytes (none: 1)
-    span_s: float = 0.0  # longest span of steady decode steps taken at once (simulator/pod.py; 0: single steps)
+    span_s: float = 0.0  # longest span of steady decode steps taken at once (simulator/sim_pod.py; 0: single steps)
     # The workloads' prompts are fresh to every pod (as bench serve's are), so the prefix cache never hits: off, the
     # pods skip hashing every full block (the same schedule, faster); on, it runs as the real pods run it. A hybrid
     # cluster's decode pods have it on regardless: a split prefill's prefix reaches D through it.

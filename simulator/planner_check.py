@@ -1,5 +1,5 @@
-"""The planner with its decisions checked in simulation before they apply: ``python -m simulator.planner_check``
-(the chart runs it in place of ``python -m deploy.planner`` when ``planner.config.simulateCheck`` is true).
+"""The planner with its decisions checked in simulation before they apply: ``python -m splitserve.simulator.planner_check``
+(the chart runs it in place of ``python -m splitserve.deploy.planner`` when ``planner.config.simulateCheck`` is true).
 
 Every tick, after ``Planner.plan`` has decided, ``SimulatedCheck`` replays the load the planner just measured on two
 simulated clusters, the pools as they are and as decided:
@@ -27,12 +27,12 @@ import logging
 import math
 import sys
 
-from bench.serve_metrics import SLO
-from bench.workload import RequestSpec, WorkloadConfig, build_workload
-from deploy.planner.capacity import PoolDecision, Signals
-from deploy.planner.config import PlannerConfig
-from deploy.planner.controller import main as planner_main
-from simulator.run import DEFAULT_PROFILE, SimulateConfig
+from splitserve.bench.serve_metrics import SLO
+from splitserve.bench.workload import RequestSpec, WorkloadConfig, build_workload
+from splitserve.deploy.planner.capacity import PoolDecision, Signals
+from splitserve.deploy.planner.config import PlannerConfig
+from splitserve.deploy.planner.controller import main as planner_main
+from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig
 
 logger = logging.getLogger(__name__)
 

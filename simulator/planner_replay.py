@@ -1,4 +1,4 @@
-"""``splitserve simulate planner``: the planner's own decisions (``deploy.planner.capacity.Planner``) replayed on a
+"""``splitserve simulate planner``: the planner's own decisions (``splitserve.deploy.planner.capacity.Planner``) replayed on a
 day-shaped rate curve, against static provisioning at the peak: SLO attainment and pod-hours.
 
     splitserve simulate planner [--peak-rate 2] [--day-s 3600] [--startup-s 60] [--lag-s 30] [--json F --plot F]
@@ -19,18 +19,18 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from bench import headless_pyplot, save_figure, save_results
-from bench.compare_plan import AZURE_CONV
-from bench.serve_metrics import SLO, RequestRecord, percentile
-from bench.workload import RequestSpec, WorkloadConfig, build_workload
-from deploy.planner.capacity import Planner, Replicas, Signals
-from deploy.planner.config import PlannerConfig
-from runtime.config import described, parse_config
-from runtime.roles import Role
-from simulator.cluster import PodPool, SimCluster
-from simulator.planner_check import SimulatedCheck
-from simulator.pod import SimPod
-from simulator.run import DEFAULT_PROFILE, SimulateConfig
+from splitserve.bench import headless_pyplot, save_figure, save_results
+from splitserve.bench.compare_plan import AZURE_CONV
+from splitserve.bench.serve_metrics import SLO, RequestRecord, percentile
+from splitserve.bench.workload import RequestSpec, WorkloadConfig, build_workload
+from splitserve.deploy.planner.capacity import Planner, Replicas, Signals
+from splitserve.deploy.planner.config import PlannerConfig
+from splitserve.runtime.config import described, parse_config
+from splitserve.runtime.roles import Role
+from splitserve.simulator.cluster import PodPool, SimCluster
+from splitserve.simulator.planner_check import SimulatedCheck
+from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig
+from splitserve.simulator.sim_pod import SimPod
 
 POOL_ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE}
 
@@ -54,7 +54,7 @@ class PlannerReplayConfig:
     profile: str = field(default=str(DEFAULT_PROFILE), metadata=described("Profile of every pod."))
     seed: int = field(default=0, metadata=described("Seeds arrivals and lengths."))
     simulate_check: bool = field(default=False, metadata=described(
-        "The planner checks each decision in simulation first, as with python -m simulator.planner_check."))
+        "The planner checks each decision in simulation first, as with python -m splitserve.simulator.planner_check."))
     json: str = field(default="", metadata=described("Also write the figures to this JSON file."))
     plot: str = field(default="", metadata=described("Also draw rate, pods and attainment over the day here."))
 

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench import headless_pyplot, save_figure, save_results
-from bench.compare_plan import AZURE_CONV
-from bench.serve_metrics import SLO, SLO_ATTAINMENT
-from router.config import Scheduling
-from runtime.config import described, member, parse_config
-from simulator.cluster import SimCluster
-from simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_records
+from splitserve.bench import headless_pyplot, save_figure, save_results
+from splitserve.bench.compare_plan import AZURE_CONV
+from splitserve.bench.serve_metrics import SLO, SLO_ATTAINMENT
+from splitserve.router.config import Scheduling
+from splitserve.runtime.config import described, member, parse_config
+from splitserve.simulator.cluster import SimCluster
+from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_records
 
 TRACES = {"conv": str(AZURE_CONV), "code": str(AZURE_CONV).replace("_conv", "_code")}
 # name: (TTFT, TPOT) targets in ms, for SmolLM2-135M on one core of this machine (a 1,000-token prompt prefills in

@@ -25,18 +25,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import save_results
-from bench.compare_plan import AZURE_CONV
-from bench.phase_profile import PhaseProfile
-from bench.serve_metrics import SLO, SLO_ATTAINMENT, RequestRecord, summarize
-from bench.workload import WorkloadConfig, build_workload
-from engine.config import SchedulerConfig
-from router.config import RouterConfig, Scheduling
-from router.policies import HybridPlacement, LocalPrefill, SLOTargets, make_policy
-from runtime.config import described, member, parse_config, passed_to
-from runtime.pod import PodConfig
-from runtime.roles import POD_ROLES, Role
-from simulator.cluster import ClusterSpec, PodPool, SimCluster
+from splitserve.bench import save_results
+from splitserve.bench.compare_plan import AZURE_CONV
+from splitserve.bench.phase_profile import PhaseProfile
+from splitserve.bench.serve_metrics import SLO, SLO_ATTAINMENT, RequestRecord, summarize
+from splitserve.bench.workload import WorkloadConfig, build_workload
+from splitserve.engine.config import SchedulerConfig
+from splitserve.router.config import RouterConfig, Scheduling
+from splitserve.router.policies import HybridPlacement, LocalPrefill, SLOTargets, make_policy
+from splitserve.runtime.config import described, member, parse_config, passed_to
+from splitserve.runtime.pod_server import PodConfig
+from splitserve.runtime.roles import POD_ROLES, Role
+from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 DEFAULT_PROFILE = PROFILES / "smollm2-135m-1thread.json"
@@ -219,8 +219,8 @@ the profile (bench phases --profile-out) says how fast a pod is; see docs/simula
 
 
 # ``splitserve simulate NAME ...``: the studies built on the simulator, each a module of this package.
-STUDIES = {"validate": "simulator.validate", "ratios": "simulator.ratios", "planner": "simulator.planner_replay",
-           "slo-map": "simulator.slo_map"}
+STUDIES = {"validate": "splitserve.simulator.validate", "ratios": "splitserve.simulator.ratios", "planner": "splitserve.simulator.planner_replay",
+           "slo-map": "splitserve.simulator.slo_map"}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -6,7 +6,7 @@
 As ``bench/compare_map.py`` maps a real run, in simulation:
   1. the single-request TTFT ``T0`` and TPOT ``P0``: the workload's first ``--calibration-requests`` requests, each
      alone on one mixed pod at the colocated budget (the map's baseline), medians;
-  2. the regimes from them: ``bench.compare_map.REGIMES`` (tight TTFT ``2 T0`` / ``5 P0``, balanced ``4 T0`` /
+  2. the regimes from them: ``splitserve.bench.compare_map.REGIMES`` (tight TTFT ``2 T0`` / ``5 P0``, balanced ``4 T0`` /
      ``2.5 P0``, tight TPOT ``12 T0`` / ``1.5 P0``);
   3. per cluster size N: ``colocated`` (N mixed pods, chunked prefill at ``--colocated-budget`` tokens, the map's
      best colocated setting), ``disaggregated`` (``round(N * --prefill-share)`` prefill pods, the rest decode, every
@@ -23,16 +23,16 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
-from bench import save_results
-from bench.compare_map import REGIMES, MapConfig
-from bench.compare_plan import AZURE_CONV
-from bench.serve_metrics import SLO
-from bench.workload import build_workload
-from router.config import Scheduling
-from runtime.config import described, parse_config
-from simulator.cluster import SimCluster
-from simulator.ratios import goodput_sweep
-from simulator.run import DEFAULT_PROFILE, SimulateConfig
+from splitserve.bench import save_results
+from splitserve.bench.compare_map import REGIMES, MapConfig
+from splitserve.bench.compare_plan import AZURE_CONV
+from splitserve.bench.serve_metrics import SLO
+from splitserve.bench.workload import build_workload
+from splitserve.router.config import Scheduling
+from splitserve.runtime.config import described, parse_config
+from splitserve.simulator.cluster import SimCluster
+from splitserve.simulator.ratios import goodput_sweep
+from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig
 
 SCHEDULINGS = (Scheduling.COLOCATED, Scheduling.DISAGGREGATED, Scheduling.HYBRID)
 PER_POD_RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0, 1.2, 1.5)

@@ -33,11 +33,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.compare import DEFAULTS
-from bench.compare_plan import AZURE_CONV
-from bench.phase_profile import PhaseProfile
-from runtime.config import described, parse_config
-from simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_rate
+from splitserve.bench.compare import DEFAULTS
+from splitserve.bench.compare_plan import AZURE_CONV
+from splitserve.bench.phase_profile import PhaseProfile
+from splitserve.runtime.config import described, parse_config
+from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_rate
 
 FIGURES = (("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"), ("tpot", "p90"))
 LATENCY_TARGET = 0.15  # the target: predicted latencies within 15% of measured below capacity
@@ -121,7 +121,7 @@ def simulate_config(config: ValidateConfig, topology: dict, rates: list[float], 
 
 
 def _cpus(text: str) -> list[int]:
-    from runtime.cpus import parse_cpu_list
+    from splitserve.runtime.cpus import parse_cpu_list
 
     return sorted(parse_cpu_list(text))
 

@@ -23,12 +23,12 @@ import os
 import sys
 import time
 
-from engine.config import DEFAULT_MODEL
-from runtime.logs import configure_logging
+from splitserve.engine.config import DEFAULT_MODEL
+from splitserve.runtime.logs import configure_logging
 
 
 def _demo(argv: list[str]) -> None:
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     parser = argparse.ArgumentParser(prog="splitserve demo", description="Offline generation with the engine.")
     parser.add_argument("prompts", nargs="*", default=[
@@ -55,8 +55,8 @@ def _demo(argv: list[str]) -> None:
 def _build_kernels(argv: list[str]) -> None:
     """Build (or find) the native CPU kernels' library this machine's processes will load, and load it once, which
     checks its ABI. Exits 1 when a CPU that can run the kernels cannot have them; elsewhere says so and exits 0."""
-    from engine import cpu_kernels
-    from engine.cpu_kernels_build import supported_cpu
+    from splitserve.engine.kernels import cpu_kernels
+    from splitserve.engine.kernels.build import supported_cpu
 
     argparse.ArgumentParser(prog="splitserve build-kernels", description=_build_kernels.__doc__).parse_args(argv)
     choice = cpu_kernels.load()
@@ -71,11 +71,11 @@ BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soa
 
 
 def _bench(argv: list[str]) -> None:
-    """``splitserve bench NAME``: the top-level ``bench`` package's module NAME, imported only now (nothing else
+    """``splitserve bench NAME``: the ``splitserve.bench`` package's module NAME, imported only now (nothing else
     imports the benchmarks: pyproject's import contracts)."""
     if not argv or argv[0] not in BENCHMARKS:
         sys.exit(f"usage: splitserve bench {{{'|'.join(BENCHMARKS)}}} [options]")
-    _delegate(f"bench.{argv[0]}")(argv[1:])
+    _delegate(f"splitserve.bench.{argv[0]}")(argv[1:])
 
 
 def _delegate(module: str):
@@ -90,12 +90,12 @@ def _delegate(module: str):
 COMMANDS = {
     "up": _delegate("splitserve.launcher"),
     "generate": _delegate("splitserve.client"),
-    "router": _delegate("router.server"),
-    "prefill": _delegate("prefill_service.server"),
-    "decode": _delegate("decode_service.server"),
+    "router": _delegate("splitserve.router.server"),
+    "prefill": _delegate("splitserve.prefill_service.server"),
+    "decode": _delegate("splitserve.decode_service.server"),
     "demo": _demo,
     "bench": _bench,
-    "simulate": _delegate("simulator.run"),  # the top of the house: imported only when it runs
+    "simulate": _delegate("splitserve.simulator.run"),  # the top of the house: imported only when it runs
     "build-kernels": _build_kernels,
 }
 

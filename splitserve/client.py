@@ -15,8 +15,8 @@ import time
 
 import grpc
 
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from runtime.transport import TLSConfig, open_blocking_channel
+from splitserve.runtime.transport import TLSConfig, open_blocking_channel
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -25,8 +25,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime.cpus import format_cpu_list
-from runtime.roles import POD_ROLES, Role
+from splitserve.runtime.cpus import format_cpu_list
+from splitserve.runtime.roles import POD_ROLES, Role
 
 # The router floats rather than sharing the decode pods' CPUs (measured with scripts/router_placement.py on the
 # 2-core development machine; docs/architecture.md, "CPU plan"): it spends ~1.5 ms of CPU per generated token,

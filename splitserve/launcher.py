@@ -11,9 +11,9 @@ in one process), for comparison.
 
 Starts, each a separate process with its log under ``--run-dir``, and in this order:
   redis-server   with ``--registry redis``: pods heartbeat into it and the router watches it
-  prefill pods   python -m prefill_service  on base_pod_port, base_pod_port+1, ...
-  decode pods    python -m decode_service   next ports (``--role mixed`` for mixed pods)
-  router         python -m router.server    gRPC on grpc_port, HTTP (OpenAI API, /metrics) on http_port
+  prefill pods   python -m splitserve.prefill_service  on base_pod_port, base_pod_port+1, ...
+  decode pods    python -m splitserve.decode_service   next ports (``--role mixed`` for mixed pods)
+  router         python -m splitserve.router.server    gRPC on grpc_port, HTTP (OpenAI API, /metrics) on http_port
   prometheus     with ``--prometheus`` (default when installed): scrapes every process's /metrics
 each pod pinned to its CPUs with one torch thread per CPU (the plan, ``splitserve/cpu_plan.py``, is printed first);
 then waits until every pod and the router answer SERVING and the router routes to every pod, and prints the
@@ -47,19 +47,19 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_service.config import DecodeConfig
-from engine.config import QUANTIZATIONS
-from prefill_service.config import PrefillConfig
-from router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S
-from router.config import PolicyName, RouterConfig, Scheduling
-from runtime.config import described, member, parse_config, passed_on, passed_to, passed_values
-from runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, thread_env
-from runtime.kv_codecs import check_kv_codec
-from runtime.pod import PodConfig
-from runtime.registry import RegistryKind
-from runtime.roles import POD_ROLES, Role
-from runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
 from splitserve.cpu_plan import Placement, floating, format_plan, plan_cpus
+from splitserve.decode_service.config import DecodeConfig
+from splitserve.engine.config import QUANTIZATIONS
+from splitserve.prefill_service.config import PrefillConfig
+from splitserve.router.config import SHUTDOWN_GRACE_S as ROUTER_SHUTDOWN_GRACE_S
+from splitserve.router.config import PolicyName, RouterConfig, Scheduling
+from splitserve.runtime.config import described, member, parse_config, passed_on, passed_to, passed_values
+from splitserve.runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, thread_env
+from splitserve.runtime.discovery import RegistryKind
+from splitserve.runtime.kv_codecs import check_kv_codec
+from splitserve.runtime.pod_server import PodConfig
+from splitserve.runtime.roles import POD_ROLES, Role
+from splitserve.runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
 from splitserve.supervisor import Child, ChildSpec, Supervisor
 
 STOP_MARGIN_S = 10.0  # beyond a process's own drain, before SIGKILL: its cleanups and exit
@@ -78,7 +78,7 @@ class UpConfig:
     http_port: int = field(default=8000, metadata=described("Router HTTP port (OpenAI API, /health, /metrics)."))
     base_pod_port: int = field(default=50060, metadata=described("Pods take consecutive gRPC ports from here."))
     base_metrics_port: int = field(default=9400, metadata=described("Pods take consecutive /metrics ports from here."))
-    # The router's settings: defaults and help from RouterConfig, passed as its flags (runtime.config.passed_to).
+    # The router's settings: defaults and help from RouterConfig, passed as its flags (splitserve.runtime.config.passed_to).
     kv_codec: str = passed_to(RouterConfig, name="kv_codec", help=(
         "KV codec between prefill and decode pods (the router's: it names one in every prefill request)."))
     policy: PolicyName = passed_to(RouterConfig, name="policy")
@@ -279,7 +279,7 @@ class Cluster:
         if name == "router":
             # API keys go in its environment, not on its command line (ps shows command lines).
             env = {"SPLITSERVE_API_KEYS": ",".join(c.api_keys)} if c.api_keys else {}
-            return ChildSpec(name, [sys.executable, "-m", "router.server", *self._router_flags()], log, env=env,
+            return ChildSpec(name, [sys.executable, "-m", "splitserve.router.server", *self._router_flags()], log, env=env,
                              stop_grace_s=ROUTER_SHUTDOWN_GRACE_S + STOP_MARGIN_S)
         pod = next(pod for pod in self.pods if pod.name == name)
         return ChildSpec(name, [sys.executable, "-m", _POD_MODULES[pod.role], *self._pod_flags(pod)], log,
@@ -410,7 +410,8 @@ class Cluster:
         return "\n".join(lines)
 
 
-_POD_MODULES = {Role.PREFILL: "prefill_service", Role.DECODE: "decode_service", Role.MIXED: "decode_service"}
+_POD_MODULES = {Role.PREFILL: "splitserve.prefill_service", Role.DECODE: "splitserve.decode_service",
+                Role.MIXED: "splitserve.decode_service"}
 _POD_CONFIGS = {Role.PREFILL: PrefillConfig, Role.DECODE: DecodeConfig, Role.MIXED: DecodeConfig}
 
 

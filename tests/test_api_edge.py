@@ -21,14 +21,14 @@ import pytest
 from served_router import RouterInThread
 from test_router_flow import LONG_PROMPT, MODEL, SCRIPT, TOKENIZER, eventually, run, running_cluster
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.tokenizer_files import tiny_random_tokenizer_data
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.config import RouterConfig
-from router.intake import encode_without_holding_the_gil
-from router.router import Router
-from runtime.errors import StatusError
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer_files import tiny_random_tokenizer_data
+from splitserve.router.config import RouterConfig
+from splitserve.router.intake import encode_without_holding_the_gil
+from splitserve.router.router import Router
+from splitserve.runtime.errors import StatusError
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 LIMITS = dict(max_stop_strings=4, max_stop_string_bytes=8, max_stop_token_ids=2, max_tokens_limit=100,
               max_prompt_tokens=50, max_prompt_bytes=200, max_logprobs=3, max_request_bytes=4096)

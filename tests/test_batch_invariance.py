@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from splitserve.engine import LLM, SamplingParams
 
 
 def _prompts(vocab: int) -> list[list[int]]:

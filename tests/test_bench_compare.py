@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from bench import compare, compare_plan
-from bench.compare import measure_topology
-from bench.compare_plan import (
+from splitserve.bench import compare, compare_plan
+from splitserve.bench.compare import measure_topology
+from splitserve.bench.compare_plan import (
     CompareConfig,
     Topology,
     TopologyResult,
@@ -21,10 +21,10 @@ from bench.compare_plan import (
     reference_figures,
     select_topologies,
 )
-from bench.serve_metrics import SLO
-from bench.serve_run import ServeBenchConfig
-from bench.workload import WorkloadConfig
-from runtime.config import parse_config
+from splitserve.bench.serve_metrics import SLO
+from splitserve.bench.serve_run import ServeBenchConfig
+from splitserve.bench.workload import WorkloadConfig
+from splitserve.runtime.config import parse_config
 
 
 def test_two_cpus_give_one_split_both_colocated_layouts_per_budget_and_conditional():

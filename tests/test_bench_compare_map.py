@@ -3,7 +3,7 @@ goodput per SLO pair, their bootstrap intervals, the regimes' targets, and when 
 
 import pytest
 
-from bench.compare_map import (
+from splitserve.bench.compare_map import (
     REGIMES,
     MapConfig,
     TopologyRuns,
@@ -13,9 +13,9 @@ from bench.compare_map import (
     topologies,
     verdicts,
 )
-from bench.compare_plan import Topology
-from bench.serve_metrics import SLO, RequestRecord
-from bench.serve_run import ServeBenchConfig
+from splitserve.bench.compare_plan import Topology
+from splitserve.bench.serve_metrics import SLO, RequestRecord
+from splitserve.bench.serve_run import ServeBenchConfig
 
 
 def record(i: int, ttft: float, tpot: float, status: str = "ok", tokens: int = 11) -> RequestRecord:
@@ -88,7 +88,7 @@ def test_vllm_is_one_more_topology_only_when_its_interpreter_is_given():
 
 
 def test_vllm_runs_pinned_to_the_topologies_cpus_with_the_pods_kv_budget(tmp_path):
-    from bench.vllm_server import VLLMServer
+    from splitserve.bench.vllm_server import VLLMServer
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
@@ -110,9 +110,9 @@ def test_the_export_vllm_loads_is_the_same_model_and_tokenizer(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from bench.vllm_server import export_model
-    from engine.model_files import load_model_files
-    from engine.tokenizer import Tokenizer
+    from splitserve.bench.vllm_server import export_model
+    from splitserve.engine.text.tokenizer import Tokenizer
+    from splitserve.engine.weights.model_files import load_model_files
 
     directory = export_model("tiny-random", tmp_path / "tiny")
     loaded = load_model_files("tiny-random")

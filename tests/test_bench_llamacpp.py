@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bench import llamacpp as llamacpp_bench
-from engine.tokenizer_files import smollm2_gguf_path
+from splitserve.bench import llamacpp as llamacpp_bench
+from splitserve.engine.text.tokenizer_files import smollm2_gguf_path
 
 SMALL = ["--threads", "1", "--max-tokens", "4", "--parallel", "2", "--repeats", "1", "--lookup-prompts", "1"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from bench import lm_eval as lm_eval_bench
-from engine import LLM
+from splitserve.bench import lm_eval as lm_eval_bench
+from splitserve.engine import LLM
 
 
 def write_samples(out_dir, task: str, samples: list[dict]) -> None:

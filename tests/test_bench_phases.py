@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from bench import phases
-from bench.phase_profile import PhaseProfile
-from bench.step_cost import (
+from splitserve.bench import phases
+from splitserve.bench.phase_profile import PhaseProfile
+from splitserve.bench.step_cost import (
     decode_bytes,
     decode_flops,
     kv_bytes_per_token,
@@ -19,7 +19,7 @@ from bench.step_cost import (
     prefill_bytes,
     prefill_flops,
 )
-from engine.model_files import tiny_random_config
+from splitserve.engine.weights.model_files import tiny_random_config
 
 # tiny-random: hidden 64, 4 heads of 16 (2 KV heads), MLP 128, 4 layers, 259 tokens.
 CFG = tiny_random_config()

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from bench import codecs as codecs_bench
-from bench import engine as engine_bench
-from bench import transfer as transfer_bench
-from kvtransfer.codecs import available_codecs
+from splitserve.bench import codecs as codecs_bench
+from splitserve.bench import engine as engine_bench
+from splitserve.bench import transfer as transfer_bench
+from splitserve.kvtransfer.codecs import available_codecs
 
 
 def test_codecs_bench_measures_every_codec_against_the_lossless_one_per_cache_dtype(tmp_path, capsys):

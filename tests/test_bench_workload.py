@@ -10,9 +10,8 @@ import statistics
 
 import pytest
 
-from engine.tokenizer_files import load_tokenizer
-from bench.prompts import PromptFactory, ordinary_token_ids
-from bench.workload import (
+from splitserve.bench.prompts import PromptFactory, ordinary_token_ids
+from splitserve.bench.workload import (
     AZURE_LENGTHS,
     LengthDistribution,
     RequestSpec,
@@ -21,6 +20,7 @@ from bench.workload import (
     build_workload,
     read_trace,
 )
+from splitserve.engine.text.tokenizer_files import load_tokenizer
 
 
 def gaps(times: list[float]) -> list[float]:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import engine.block_manager as block_manager_module
-from engine.block_manager import BlockManager, chained_block_hashes, hash_block_tokens
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+import splitserve.engine.block_manager as block_manager_module
+from splitserve.engine.block_manager import BlockManager, chained_block_hashes, hash_block_tokens
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sequence import Sequence
 
 BLOCK_SIZE = 4
 
@@ -250,7 +250,7 @@ def test_block_hashes_are_fixed_values():
 
 @pytest.mark.parametrize("hash_seed", ["0", "12345"])
 def test_block_hashes_agree_across_processes(hash_seed):
-    code = "from engine.block_manager import chained_block_hashes; print(chained_block_hashes(list(range(1, 10)), 4))"
+    code = "from splitserve.engine.block_manager import chained_block_hashes; print(chained_block_hashes(list(range(1, 10)), 4))"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True,
         text=True,

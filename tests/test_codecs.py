@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer import EncodedKV, KVSpan, available_codecs, get_codec
-from kvtransfer.codecs.kivi import Kivi4Codec
+from splitserve.kvtransfer import EncodedKV, KVSpan, available_codecs, get_codec
+from splitserve.kvtransfer.codecs.kivi import Kivi4Codec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM = 3, 64  # SmolLM2-135M's KV layout
@@ -72,14 +72,14 @@ def test_codec_modules_load_only_when_requested():
     script = textwrap.dedent(
         """
         import sys
-        import kvtransfer
-        lazy = ("kvtransfer.codecs.kivi", "kvtransfer.codecs.zstd", "kvtransfer.codecs.symmetric", "zstandard")
+        import splitserve.kvtransfer
+        lazy = ("splitserve.kvtransfer.codecs.kivi", "splitserve.kvtransfer.codecs.zstd", "splitserve.kvtransfer.codecs.symmetric", "zstandard")
         assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]
-        kvtransfer.get_codec("int4")
-        assert "kvtransfer.codecs.kivi" in sys.modules
-        assert "kvtransfer.codecs.zstd" not in sys.modules and "zstandard" not in sys.modules
-        kvtransfer.get_codec("int8+zstd")
-        assert "kvtransfer.codecs.zstd" in sys.modules and "zstandard" in sys.modules
+        splitserve.kvtransfer.get_codec("int4")
+        assert "splitserve.kvtransfer.codecs.kivi" in sys.modules
+        assert "splitserve.kvtransfer.codecs.zstd" not in sys.modules and "zstandard" not in sys.modules
+        splitserve.kvtransfer.get_codec("int8+zstd")
+        assert "splitserve.kvtransfer.codecs.zstd" in sys.modules and "zstandard" in sys.modules
         print("ok")
         """
     )

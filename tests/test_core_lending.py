@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decode_service.config import DecodeConfig
-from engine import SamplingParams
-from engine.sequence import Sequence
-from prefill_service.config import PrefillConfig
-from runtime.config import parse_config
-from runtime.core_lending import CoreLender, DecodeActivity, DecodeYield
-from runtime.cpus import allowed_cpus
+from splitserve.decode_service.config import DecodeConfig
+from splitserve.engine import SamplingParams
+from splitserve.engine.sequence import Sequence
 from splitserve.launcher import Cluster, UpConfig
+from splitserve.prefill_service.config import PrefillConfig
+from splitserve.runtime.config import parse_config
+from splitserve.runtime.core_lending import CoreLender, DecodeActivity, DecodeYield
+from splitserve.runtime.cpus import allowed_cpus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 needs_two_cpus = pytest.mark.skipif(not {0, 1} <= allowed_cpus(), reason="lending needs CPUs 0 and 1")
@@ -227,9 +227,9 @@ def test_a_pod_refuses_lent_cpus_it_already_owns_or_cannot_hear_about():
 ENGINE_THREAD = textwrap.dedent("""
     import json, os, sys, threading
     import torch
-    from engine.sequence import Sequence
-    from runtime.core_lending import CoreLender, DecodeActivity
-    from runtime.torch_threads import apply_cpu_set
+    from splitserve.engine.sequence import Sequence
+    from splitserve.runtime.core_lending import CoreLender, DecodeActivity
+    from splitserve.runtime.torch_threads import apply_cpu_set
 
     apply_cpu_set("0", 1)  # as a prefill pod on CPU 0 starts
     owner = DecodeActivity(sys.argv[1], writer=True)

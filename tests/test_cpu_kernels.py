@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.config import EngineConfig
-from engine.cpu_kernels import ENTRY_POINTS, CpuKernels, KernelABIError, check_abi, choose
-from engine.cpu_kernels_build import KernelsUnavailable, library_path, supported_cpu
-from engine.llm_engine import LLMEngine
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kernels import cpu_kernels
+from splitserve.engine.kernels.build import KernelsUnavailable, library_path, supported_cpu
+from splitserve.engine.kernels.cpu_kernels import ENTRY_POINTS, CpuKernels, KernelABIError, check_abi, choose
+from splitserve.engine.llm_engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 

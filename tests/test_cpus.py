@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_service.config import DecodeConfig
-from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from router.config import RouterConfig
-from runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, parse_cpu_list, thread_env
+from splitserve.decode_service.config import DecodeConfig
 from splitserve.launcher import serving
+from splitserve.router.config import RouterConfig
+from splitserve.runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, parse_cpu_list, thread_env
+from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -65,8 +65,8 @@ def test_pod_and_router_configs_refuse_a_bad_set_naming_the_field():
 
 
 @pytest.mark.parametrize("command", [
-    [sys.executable, "-m", "decode_service", "--model", "tiny-random", "--cpus", str(NOT_ALLOWED)],
-    [sys.executable, "-m", "router.server", "--decode-pods", "127.0.0.1:1", "--cpus", "0-"],
+    [sys.executable, "-m", "splitserve.decode_service", "--model", "tiny-random", "--cpus", str(NOT_ALLOWED)],
+    [sys.executable, "-m", "splitserve.router.server", "--decode-pods", "127.0.0.1:1", "--cpus", "0-"],
 ])
 def test_a_process_given_a_bad_set_exits_at_once_with_a_usage_error(command):
     done = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
@@ -79,7 +79,7 @@ def _applied_in_a_child(*call_args: str, env: dict[str, str] | None = None) -> t
     matrix product started torch's pool."""
     script = (
         "import os, torch\n"
-        "from runtime.torch_threads import apply_cpu_set\n"
+        "from splitserve.runtime.torch_threads import apply_cpu_set\n"
         f"applied = apply_cpu_set({', '.join(call_args)})\n"
         "torch.ones(512, 512) @ torch.ones(512, 512)\n"
         "lists = {open(f'/proc/self/task/{t}/status').read().split('Cpus_allowed_list:')[1].split()[0]\n"
@@ -111,7 +111,7 @@ def test_a_pod_started_with_cpus_0_runs_every_thread_on_cpu_0_with_one_torch_thr
     metrics_port = port + 1
     log = tmp_path / "decode.log"
     with open(log, "wb") as out:
-        pod = subprocess.Popen([sys.executable, "-m", "decode_service", "--host", "127.0.0.1", "--port", str(port),
+        pod = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", "--host", "127.0.0.1", "--port", str(port),
                                 "--metrics-port", str(metrics_port), "--model", "tiny-random", "--num-blocks", "32",
                                 "--cpus", "0"], cwd=REPO_ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -126,7 +126,7 @@ def test_a_pod_started_with_cpus_0_runs_every_thread_on_cpu_0_with_one_torch_thr
         tasks = Path(f"/proc/{pod.pid}/task")
         lists = {(task / "status").read_text().split("Cpus_allowed_list:")[1].split()[0] for task in tasks.iterdir()}
         assert lists == {"0"}
-        assert "runtime.torch_threads: CPUs 0, 1 torch threads" in log.read_text()
+        assert "splitserve.runtime.torch_threads: CPUs 0, 1 torch threads" in log.read_text()
     finally:
         pod.terminate()
         pod.wait(timeout=30)

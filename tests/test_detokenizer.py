@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.gguf_file import load_gguf
-from engine.tokenizer import Tokenizer
-from engine.tokenizer_files import smollm2_gguf_path, tiny_random_tokenizer_data
+from splitserve.engine.text.detokenizer import IncrementalDetokenizer
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer_files import smollm2_gguf_path, tiny_random_tokenizer_data
+from splitserve.engine.weights.gguf_file import load_gguf
 
 IM_START, IM_END = 1, 2
 EMOJI = "Emoji: 😀🎉👍🏽 and flags 🇫🇷"

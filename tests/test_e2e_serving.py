@@ -23,9 +23,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import SamplingParams
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from splitserve.engine import SamplingParams
 from splitserve.launcher import Cluster
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

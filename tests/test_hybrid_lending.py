@@ -16,10 +16,10 @@ import time
 import grpc
 import pytest
 
-from decode_service.config import DecodeConfig
-from decode_service.server import build_decode_services
-from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
-from runtime.pod import Pod
+from splitserve.decode_service.config import DecodeConfig
+from splitserve.decode_service.server import build_decode_services
+from splitserve.runtime.pod_server import Pod
+from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
 TPOT_TARGET_S = 0.5
 LENT_PROMPT_TOKENS = 700

@@ -7,12 +7,19 @@ import math
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.step_time import StepTimeModel
-from router.config import RouterConfig
-from router.intake import RouterRequest
-from router.policies import TTFT_HEADROOM, HybridPlacement, LocalPrefill, PromptBlocks, SLOTargets, make_policy
-from router.registry import PodInfo, PodLoad
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.step_time import StepTimeModel
+from splitserve.router.config import RouterConfig
+from splitserve.router.intake import RouterRequest
+from splitserve.router.pods.registry import PodInfo, PodLoad
+from splitserve.router.policies import (
+    TTFT_HEADROOM,
+    HybridPlacement,
+    LocalPrefill,
+    PromptBlocks,
+    SLOTargets,
+    make_policy,
+)
 
 BLOCK = 16
 # This machine's SmolLM2 pods, roughly: a decode step ~30 ms, a prompt token ~3.5 ms.

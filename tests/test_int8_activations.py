@@ -1,4 +1,4 @@
-"""int8 activations over quantized weights (``EngineConfig.int8_activations``; engine/csrc/quant_kernels.cpp).
+"""int8 activations over quantized weights (``EngineConfig.int8_activations``; engine/kernels/csrc/quant_kernels.cpp).
 
 The opt-in path quantizes a product's input rows to int8 per block of 32 (llama.cpp's Q8_0 / Q8_1 of the
 activations) and sums integer dot products: these tests pin its arithmetic to a PyTorch reference that quantizes the
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine import cpu_kernels
-from engine.config import EngineConfig
-from engine.quantized_weights import BlockQuantized, pack_panels
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kernels import cpu_kernels
+from splitserve.engine.weights.quantized_weights import BlockQuantized, pack_panels
 from tests.test_quantized_weights import FORMATS, IN, OUT, random_blocks
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -161,7 +161,7 @@ def test_smollm2_with_int8_activations_stays_near_float32(smollm2, capsys):
 
 def test_the_pods_report_int8_activations_beside_the_weights_format():
     """splitserve_engine_info's quantization label and the router's /pods say when activations are int8."""
-    from engine.config import EngineConfig
+    from splitserve.engine.config import EngineConfig
 
     assert EngineConfig(quantization="gguf", int8_activations=True).weights_format == "gguf+int8-activations"
     assert EngineConfig(quantization="int4", int8_activations=True).weights_format == "int4+int8-activations"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_cache import PagedKVCache
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.kv_cache import PagedKVCache
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2)
@@ -101,8 +101,9 @@ def pool_accesses(source: str) -> list[int]:
 
 
 def first_party_packages() -> list[str]:
-    """Every package the import contracts cover (pyproject's importlinter root_packages)."""
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+    """Every folder of the repository that installs as part of ``splitserve`` (pyproject's package-dir)."""
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    return sorted({folder.split("/")[0] for folder in folders})
 
 
 # Run in a fresh process, so that the resident set measured is that process's own: a cache of POOL_MIB, its RSS
@@ -110,7 +111,7 @@ def first_party_packages() -> list[str]:
 POOL_MIB = 256
 RESIDENCY_SCRIPT = f"""
 import json, os, torch
-from engine.kv_cache import PagedKVCache
+from splitserve.engine.kv_cache import PagedKVCache
 from tests.test_kv_cache_interface import CONFIG
 
 def rss():

@@ -9,9 +9,9 @@ import grpc
 import pytest
 import torch
 
-from kvtransfer.codecs import get_codec
-from kvtransfer.handshake import KVLayout, check_compatible
-from kvtransfer.wire import (
+from splitserve.kvtransfer.codecs import get_codec
+from splitserve.kvtransfer.handshake import KVLayout, check_compatible
+from splitserve.kvtransfer.wire import (
     ExpectedChunks,
     KVChunkError,
     chunk_checksum,
@@ -20,8 +20,8 @@ from kvtransfer.wire import (
     parse_push,
     push_message,
 )
-from protos.splitserve.v1 import kv_transfer_pb2
-from runtime.errors import StatusError
+from splitserve.runtime.errors import StatusError
+from splitserve.v1 import kv_transfer_pb2
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
 ALL_CODECS = frozenset(["none", "int8", "int8+zstd", "int4", "bf16", "kivi2", "kivi4", "kivi4+zstd"])
@@ -98,7 +98,7 @@ def test_corrupted_payload_fails_the_checksum():
 
 
 def test_fault_injection_corrupts_the_share_of_chunks_asked_for_and_each_fails_its_checksum():
-    from kvtransfer.sender import KVTransferClient
+    from splitserve.kvtransfer.sender import KVTransferClient
 
     layout = KVLayout("tiny-random", NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, block_size=16, cache_dtype="float32")
     for rate, expected_bad in ((0.0, 0), (1.0, 40)):

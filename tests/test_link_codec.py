@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from kvtransfer.codecs import get_codec
-from kvtransfer.handshake import KVLayout
-from kvtransfer.link_codec import QUALITY_DIR, CodecQuality, LinkCodecChooser, QualityTable
-from kvtransfer.wire import encode_chunks
-from runtime.kv_codecs import kv_codec_names
+from splitserve.kvtransfer.codecs import get_codec
+from splitserve.kvtransfer.handshake import KVLayout
+from splitserve.kvtransfer.link_codec import QUALITY_DIR, CodecQuality, LinkCodecChooser, QualityTable
+from splitserve.kvtransfer.wire import encode_chunks
+from splitserve.runtime.kv_codecs import kv_codec_names
 
 LAYOUT = KVLayout("smollm2-135m", 30, 3, 64, block_size=16, cache_dtype="float16")
 ALL = kv_codec_names()

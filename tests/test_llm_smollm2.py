@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.hf_checkpoint import export_hf_checkpoint
-from engine.model_files import load_model_files
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint
+from splitserve.engine.weights.model_files import load_model_files
 
 pytestmark = pytest.mark.model
 

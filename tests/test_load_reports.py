@@ -14,12 +14,12 @@ import time
 
 import grpc
 
-from decode_service.config import DecodeConfig
-from decode_service.server import build_decode_services
-from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
-from router.config import RouterConfig
-from router.router import Router
-from runtime.pod import Pod
+from splitserve.decode_service.config import DecodeConfig
+from splitserve.decode_service.server import build_decode_services
+from splitserve.router.config import RouterConfig
+from splitserve.router.router import Router
+from splitserve.runtime.pod_server import Pod
+from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
 MODEL = "tiny-random"
 BUSY_S = 3.0

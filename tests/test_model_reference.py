@@ -13,14 +13,14 @@ import pytest
 import torch
 import transformers
 
-from engine import cpu_kernels
-from engine import model as model_module
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.hf_checkpoint import fuse_hf_state_dict
-from engine.kv_cache import PagedKVCache
-from engine.model import Linear, LlamaForCausalLM
-from engine.parameter_layout import parameter_shapes, random_state_dict
+from splitserve.engine import model as model_module
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.kernels import cpu_kernels
+from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.model import Linear, LlamaForCausalLM
+from splitserve.engine.weights.hf_checkpoint import fuse_hf_state_dict
+from splitserve.engine.weights.parameter_layout import parameter_shapes, random_state_dict
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (router/openai_api.py) in front of a fake Router.
+"""The OpenAI-compatible HTTP API (router/openai/app.py) in front of a fake Router.
 
 The fake streams a fixed answer ("Hello", ", world", "!": tokens [1], [2, 3], [4]) with exact logprobs, or fails in
 the ways a real router does. The app runs in a real uvicorn server on a free loopback port; tests drive it with
@@ -20,14 +20,14 @@ import uvicorn
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.sequence import PromptLogprob
-from router.config import RouterConfig
-from router.intake import DEFAULT_SERVICE, ServiceLevel, RouterRequest
-from router.openai_api import ServerSentEvents, create_app
-from router.request_run import Completion, OutputDelta
-from runtime.errors import StatusError
-from runtime.metrics import RouterMetrics
+from splitserve.engine.sampling.params import SamplingParams, StructuredOutput
+from splitserve.engine.sequence import PromptLogprob
+from splitserve.router.config import RouterConfig
+from splitserve.router.intake import DEFAULT_SERVICE, RouterRequest, ServiceLevel
+from splitserve.router.openai.app import ServerSentEvents, create_app
+from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.runtime.errors import StatusError
+from splitserve.runtime.metrics import RouterMetrics
 
 MODEL = "fake-model"
 VOCAB = {0: "<eos>", 1: "Hello", 2: ",", 3: " world", 4: "!", 5: " there", 6: "é"}

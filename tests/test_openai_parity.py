@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from engine import LLM
-from engine.sampling_params import SamplingParams
+from splitserve.engine import LLM
+from splitserve.engine.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.e2e]
 
@@ -129,7 +129,7 @@ def test_echo_puts_the_prompt_before_the_output(tiny_openai, offline, stream):
 def grpc_text(tiny_pd_up, **params) -> tuple[str, int]:
     import grpc
 
-    from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+    from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
     text, finish_reason = "", None
     with grpc.insecure_channel(f"{tiny_pd_up.config.host}:{tiny_pd_up.config.grpc_port}") as channel:
@@ -144,7 +144,7 @@ def grpc_text(tiny_pd_up, **params) -> tuple[str, int]:
 
 
 def test_grpc_structured_output_and_token_constraints(tiny_pd_up):
-    from protos.splitserve.v1 import common_pb2
+    from splitserve.v1 import common_pb2
 
     for seed in range(4):
         text, finish_reason = grpc_text(tiny_pd_up, temperature=1.0, seed=seed, max_tokens=16, structured_output=(
@@ -160,7 +160,7 @@ def test_grpc_structured_output_and_token_constraints(tiny_pd_up):
 def test_grpc_refuses_a_spec_that_does_not_compile(tiny_pd_up):
     import grpc
 
-    from protos.splitserve.v1 import common_pb2
+    from splitserve.v1 import common_pb2
 
     with pytest.raises(grpc.RpcError) as raised:
         grpc_text(tiny_pd_up, max_tokens=4, structured_output=common_pb2.StructuredOutput(regex="(unclosed"))
@@ -171,7 +171,7 @@ def test_grpc_refuses_a_spec_that_does_not_compile(tiny_pd_up):
 def test_grpc_n_streams_each_sample_with_its_index_equal_to_separate_seeded_requests(tiny_pd_up):
     import grpc
 
-    from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+    from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
     texts, completes, ids = ["", "", ""], [None, None, None], set()
     params = common_pb2.SamplingParams(n=3, seed=9, temperature=1.0, max_tokens=8)

@@ -12,11 +12,11 @@ import time
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_service.config import DecodeConfig
-from decode_service.server import build_decode_services
-from runtime import transport
-from runtime.pod import Pod
-from runtime.roles import Role
+from splitserve.decode_service.config import DecodeConfig
+from splitserve.decode_service.server import build_decode_services
+from splitserve.runtime import transport
+from splitserve.runtime.pod_server import Pod
+from splitserve.runtime.roles import Role
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 STALL_S = 1.0

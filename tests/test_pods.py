@@ -2,7 +2,7 @@
 engine's tokens, the KV arrives intact, and every failure (expired lease, corrupt chunk, incompatible peer, full
 pool, cancelled stream, bad input) ends with a clear status and every block free again on both pods.
 
-The pods run in this process, on an event loop in a background thread, exactly as ``python -m prefill_service`` /
+The pods run in this process, on an event loop in a background thread, exactly as ``python -m splitserve.prefill_service`` /
 ``decode_service`` build them; the tests call them through ordinary (synchronous) gRPC stubs. One test starts the
 real processes.
 """
@@ -33,18 +33,20 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from decode_service.config import DecodeConfig
-from decode_service.server import build_decode_services
-from engine import LLM, SamplingParams
-from engine.block_manager import chained_block_hashes
-from kvtransfer.codecs import get_codec
-from kvtransfer.handshake import KVLayout
-from kvtransfer.link_codec import CodecQuality, LinkCodecChooser, QualityTable
-from kvtransfer.sender import KVTransferClient
-from kvtransfer.wire import encode_chunks
-from prefill_service.config import PrefillConfig
-from prefill_service.server import build_prefill_services
-from protos.splitserve.v1 import (
+from splitserve.decode_service.config import DecodeConfig
+from splitserve.decode_service.server import build_decode_services
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.block_manager import chained_block_hashes
+from splitserve.kvtransfer.codecs import get_codec
+from splitserve.kvtransfer.handshake import KVLayout
+from splitserve.kvtransfer.link_codec import CodecQuality, LinkCodecChooser, QualityTable
+from splitserve.kvtransfer.sender import KVTransferClient
+from splitserve.kvtransfer.wire import encode_chunks
+from splitserve.prefill_service.config import PrefillConfig
+from splitserve.prefill_service.server import build_prefill_services
+from splitserve.runtime.config import parse_config
+from splitserve.runtime.pod_server import Pod
+from splitserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
@@ -55,8 +57,6 @@ from protos.splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from runtime.config import parse_config
-from runtime.pod import Pod
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-random"  # 4 layers, 2 KV heads of 16 dims
@@ -575,7 +575,7 @@ def test_handshake_mismatch_is_failed_precondition(pods):
 def test_the_handshake_carries_both_weight_formats_which_may_differ(pods, caplog):
     """The KV layout must match, the weights' formats need not: a prefill pod whose weights are int8 handshakes with
     the float decode pod, each learns the other's format (and logs it), and each pod's load report says its own."""
-    caplog.set_level(logging.INFO, logger="kvtransfer.handshake")
+    caplog.set_level(logging.INFO, logger="splitserve.kvtransfer.handshake")
     layout = KVLayout.of_engine(pods.prefill_pod.engine)
     assert layout.quantization == pods.load("prefill").quantization == pods.load("decode").quantization == "none"
     int8_layout = dataclasses.replace(layout, quantization="int8")
@@ -1139,12 +1139,12 @@ def test_pods_as_processes_serve_register_and_shut_down_on_sigterm(redis_url):
     common = ["--host", "127.0.0.1", "--model", MODEL, "--num-blocks", "32", "--load-refresh-interval-s", "0.2"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     decode_address = f"127.0.0.1:{ports['decode']}"
-    decode = subprocess.Popen([sys.executable, "-m", "decode_service", *common, "--port", str(ports["decode"]),
+    decode = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", *common, "--port", str(ports["decode"]),
                                "--metrics-port", str(ports["decode_metrics"]), "--registry", "redis",
                                "--redis-url", redis_url, "--advertise-address", decode_address,
                                "--heartbeat-ttl-s", "0.6"], cwd=REPO_ROOT, env=env)
     # The baseline without overlap: every layer is sent after the prefill step.
-    prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(ports["prefill"]),
+    prefill = subprocess.Popen([sys.executable, "-m", "splitserve.prefill_service", *common, "--port", str(ports["prefill"]),
                                 "--metrics-port", str(ports["prefill_metrics"]), "--no-overlap-transfer"],
                                cwd=REPO_ROOT, env=env)
     registry = redis.Redis.from_url(redis_url)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM
-from engine.sampling_params import SamplingParams
+from splitserve.engine import LLM
+from splitserve.engine.sampling.params import SamplingParams
 
 PROMPT = [5 + (7 * k) % 200 for k in range(40)]  # 40 tokens: several 16-token blocks and a partial one
 

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from engine import LLM, SamplingParams
+from splitserve.engine import LLM, SamplingParams
 from splitserve.launcher import Cluster
 from tests.test_e2e_serving import (
     LONG_PROMPTS,

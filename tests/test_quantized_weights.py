@@ -1,4 +1,4 @@
-"""Weights kept in quantized blocks (engine/quantized_weights.py, engine/csrc/quant_kernels.cpp).
+"""Weights kept in quantized blocks (engine/weights/quantized_weights.py, engine/kernels/csrc/quant_kernels.cpp).
 
 The kernels' products over Q4_0, Q4_1 and Q8_0 blocks must give exactly the float32 path's bits on the same
 (dequantized) weights, at every row count (decode, speculative verification, prefill) and on both ISAs; so a GGUF
@@ -14,14 +14,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
-from engine import cpu_kernels
-from engine.attention import AttentionMetadata
-from engine.gguf_file import load_gguf
-from engine.hf_checkpoint import fuse_hf_state_dict
-from engine.kv_cache import PagedKVCache
-from engine.model import Linear, LlamaForCausalLM
-from engine.quantized_weights import BlockQuantized, pack_panels, quantize_int4, quantize_int8, quantize_state_dict
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.kernels import cpu_kernels
+from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.model import Linear, LlamaForCausalLM
+from splitserve.engine.weights.gguf_file import load_gguf
+from splitserve.engine.weights.hf_checkpoint import fuse_hf_state_dict
+from splitserve.engine.weights.quantized_weights import (
+    BlockQuantized,
+    pack_panels,
+    quantize_int4,
+    quantize_int8,
+    quantize_state_dict,
+)
 from tests.test_model_reference import _hf_model, _our_config
 from tests.test_weights import tiny_llama, tiny_qwen2, write_gguf
 
@@ -299,8 +305,8 @@ def run_prompt(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
 def test_smollm2_perplexity_of_int8_and_int4_on_the_codec_benchmarks_text(smollm2_float32, smollm2, capsys):
     """The issue's targets, on 2 windows of 512 tokens of GPL-3 (the codec benchmark's text): int8 within +0.5% of
     float32's perplexity, int4 within +3%; gguf is float32's exactly."""
-    from bench.codecs import reference_tokens
-    from bench.engine import perplexity
+    from splitserve.bench.codecs import reference_tokens
+    from splitserve.bench.engine import perplexity
 
     text = reference_tokens(smollm2.tokenizer)
     base = perplexity(smollm2_float32, text, 2)

@@ -12,9 +12,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from engine.block_manager import chained_block_hashes
-from router.registry import PodLoad, RedisRegistry
-from runtime.registry import MAX_PUBLISHED_BLOCK_HASHES, RedisHeartbeat, pod_key
+from splitserve.engine.block_manager import chained_block_hashes
+from splitserve.router.pods.registry import PodLoad, RedisRegistry
+from splitserve.runtime.discovery import MAX_PUBLISHED_BLOCK_HASHES, RedisHeartbeat, pod_key
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 TTL_S = 1.0

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.sampling_params import StructuredOutput
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.sampling.params import StructuredOutput
 
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 23, 40)]
 PARAMS = [

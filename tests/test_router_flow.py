@@ -22,11 +22,18 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.tokenizer_files import tiny_random_tokenizer_data
-from protos.convert import sampling_params_from_proto, sampling_params_to_proto
-from protos.splitserve.v1 import (
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer_files import tiny_random_tokenizer_data
+from splitserve.protos.convert import sampling_params_from_proto, sampling_params_to_proto
+from splitserve.router.config import RouterConfig
+from splitserve.router.intake import ServiceLevel
+from splitserve.router.policies import RoutePlan
+from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.router import Router
+from splitserve.router.server import RouterServer
+from splitserve.runtime.errors import StatusError
+from splitserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
@@ -36,13 +43,6 @@ from protos.splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from router.config import RouterConfig
-from router.intake import ServiceLevel
-from router.policies import RoutePlan
-from router.request_run import Completion, OutputDelta
-from router.router import Router
-from router.server import RouterServer
-from runtime.errors import StatusError
 
 TOKENIZER = Tokenizer.from_gguf(tiny_random_tokenizer_data())
 EOS = 2
@@ -260,7 +260,7 @@ def test_the_router_refuses_an_unknown_kv_codec_at_start(codec):
 
 
 def test_the_router_process_with_an_unknown_kv_codec_exits_at_once_naming_it():
-    done = subprocess.run([sys.executable, "-m", "router.server", "--decode-pods", "127.0.0.1:1", "--kv-codec",
+    done = subprocess.run([sys.executable, "-m", "splitserve.router.server", "--decode-pods", "127.0.0.1:1", "--kv-codec",
                            "gzip"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "error: kv_codec must be one of none, bf16" in done.stderr and "got 'gzip'" in done.stderr
@@ -865,7 +865,7 @@ def test_grpc_abort_ends_the_stream_with_abort():
 def test_router_process_serves_both_apis_and_stops_gracefully_on_sigterm():
     grpc_port, http_port = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "router.server", "--model", MODEL, "--decode-pods", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "splitserve.router.server", "--model", MODEL, "--decode-pods", f"127.0.0.1:{free_port()}",
          "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -5,12 +5,12 @@ import random
 import grpc
 import pytest
 
-from engine.block_manager import chained_block_hashes
-from engine.sampling_params import SamplingParams
-from router.intake import RouterRequest
-from router.policies import NO_DECODE_POD_RETRY_S, LocalPrefill, PromptBlocks, has_room, make_policy
-from router.registry import PodInfo, PodLoad
-from runtime.errors import StatusError
+from splitserve.engine.block_manager import chained_block_hashes
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.router.intake import RouterRequest
+from splitserve.router.pods.registry import PodInfo, PodLoad
+from splitserve.router.policies import NO_DECODE_POD_RETRY_S, LocalPrefill, PromptBlocks, has_room, make_policy
+from splitserve.runtime.errors import StatusError
 
 BLOCK = 4
 

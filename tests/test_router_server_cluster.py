@@ -18,10 +18,10 @@ from served_router import free_port
 from test_router_flow import LONG_PROMPT, SCRIPT, running_cluster
 from test_security import LOOPBACK_NAMES, _make_ca, _make_leaf
 
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.server import RouterServer
-from runtime import transport
-from runtime.transport import TLSConfig
+from splitserve.router.server import RouterServer
+from splitserve.runtime import transport
+from splitserve.runtime.transport import TLSConfig
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 
 def _generate_request() -> generate_pb2.GenerateRequest:

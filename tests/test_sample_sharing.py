@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from engine import LLM
-from engine.sampling_params import SamplingParams
+from splitserve.engine import LLM
+from splitserve.engine.sampling.params import SamplingParams
 
 PROMPT = [5 + (7 * k) % 200 for k in range(40)]  # two full 16-token blocks and 8 tokens of a third
 NUM_BLOCKS = 64

@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.sampler import (
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.sampler import (
     TOP_P_HEAD,
     Sampler,
     SamplingRow,
@@ -22,7 +23,6 @@ from engine.sampler import (
     apply_top_p,
     seeded_draw_key,
 )
-from engine.sampling_params import SamplingParams
 
 V = 1000
 EOS = 3

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
 
 
 def test_defaults_are_vllm_defaults_and_valid():

@@ -5,11 +5,11 @@ Each step is checked as its exact plan: (request id, start, new tokens, samples)
 
 import pytest
 
-from engine.block_manager import BlockManager, chained_block_hashes
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.engine.block_manager import BlockManager, chained_block_hashes
+from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
 EOS = 2

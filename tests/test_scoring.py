@@ -15,9 +15,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM
-from engine.sampling_params import SamplingParams
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from splitserve.engine import LLM
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 pytestmark = [pytest.mark.e2e]
 

@@ -33,12 +33,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from served_router import RouterInThread
 from test_router_flow import LONG_PROMPT, MODEL, SCRIPT
 
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.config import RouterConfig
-from runtime import transport
-from runtime.pod import PodConfig
-from runtime.transport import TLSConfig
 from splitserve.launcher import Cluster, UpConfig
+from splitserve.router.config import RouterConfig
+from splitserve.runtime import transport
+from splitserve.runtime.pod_server import PodConfig
+from splitserve.runtime.transport import TLSConfig
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 KEY = "sk-test-0123456789"

@@ -13,9 +13,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.intake import ServiceLevel
-from runtime.errors import StatusError
+from splitserve.router.intake import ServiceLevel
+from splitserve.runtime.errors import StatusError
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 

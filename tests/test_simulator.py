@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.phase_profile import PhaseProfile, StepFit, fit_step
-from bench.workload import RequestSpec
-from engine.config import SchedulerConfig
-from engine.scheduler import Scheduler
-from router.policies import LocalPrefill, make_policy
-from runtime.roles import Role
-from simulator.cluster import ClusterSpec, PodPool, SimCluster
-from simulator.run import DEFAULT_PROFILE, simulate_rate
+from splitserve.bench.phase_profile import PhaseProfile, StepFit, fit_step
+from splitserve.bench.workload import RequestSpec
+from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.scheduler import Scheduler
+from splitserve.router.policies import LocalPrefill, make_policy
+from splitserve.runtime.roles import Role
+from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
+from splitserve.simulator.run import DEFAULT_PROFILE, simulate_rate
 
 PREFILL_A, PREFILL_B, DECODE_A = 0.1, 0.001, 0.02
 
@@ -156,7 +156,7 @@ def test_splitserve_simulate_on_a_small_trace(tmp_path, capsys):
 
 
 def test_the_planner_replay_grows_the_pools_a_day_needs(tmp_path):
-    from simulator.planner_replay import PlannerReplayConfig, day_workload, run
+    from splitserve.simulator.planner_replay import PlannerReplayConfig, day_workload, run
 
     profile = tmp_path / "profile.json"
     hand_profile(decode=StepFit(DECODE_A, 0.0, 1e-3), kv_bytes_per_token=50_000).save(profile)  # 1,342 blocks
@@ -174,7 +174,7 @@ def test_the_planner_replay_grows_the_pools_a_day_needs(tmp_path):
 
 
 def test_validation_maps_bench_compare_topologies_and_counts_rate_steps():
-    from simulator.validate import ValidateConfig, _goodput_flags, _rate_steps, simulate_config
+    from splitserve.simulator.validate import ValidateConfig, _goodput_flags, _rate_steps, simulate_config
 
     assert _goodput_flags("ttft<=4000ms, tpot<=100ms") == ["ttft:4000", "tpot:100"]
     assert _rate_steps([0.1, 0.2, 0.3], 0.1, 0.3) == 2 and _rate_steps([0.1, 0.2], 0.0, 0.1) == 1
@@ -199,10 +199,10 @@ def test_a_slo_map_run_is_validated_as_the_plain_run_it_holds_scored_on_one_regi
     settings say what to simulate (the hybrid with its router's targets); vLLM is left out."""
     import json
 
-    from bench.compare_map import MapConfig, TopologyRuns, score, topologies
-    from bench.serve_metrics import RequestRecord
-    from bench.serve_run import ServeBenchConfig
-    from simulator.validate import ValidateConfig, compare, measured_from_map
+    from splitserve.bench.compare_map import MapConfig, TopologyRuns, score, topologies
+    from splitserve.bench.serve_metrics import RequestRecord
+    from splitserve.bench.serve_run import ServeBenchConfig
+    from splitserve.simulator.validate import ValidateConfig, compare, measured_from_map
 
     def records(ttft: float, tpot: float, count: int = 10, slow: int = 0) -> list[RequestRecord]:
         out = []
@@ -241,7 +241,7 @@ def test_a_slo_map_run_is_validated_as_the_plain_run_it_holds_scored_on_one_regi
 def test_calibration_meets_the_measured_tpot_it_was_fitted_on(calibrate_as):
     """A run measured 4 ms per token slower than the profile predicts: either fit brings the prediction to it; the
     overhead fit finds the 4 ms as a time per step and leaves the step forms alone."""
-    from simulator.validate import ValidateConfig, calibrate, simulate_config
+    from splitserve.simulator.validate import ValidateConfig, calibrate, simulate_config
 
     config = ValidateConfig.__new__(ValidateConfig)  # the calibration reads only these fields
     config.profile, config.profile_threads, config.calibrate_on = str(DEFAULT_PROFILE), 1, "disagg-1:1"

@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from bench.phase_profile import PhaseProfile, StepFit
-from bench.workload import RequestSpec
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.step_time import attention_positions
-from router.config import Scheduling
-from router.policies import HybridPlacement, LocalPrefill, SLOTargets, make_policy
-from runtime.roles import Role
-from simulator.cluster import ClusterSpec, PodPool, SimCluster
-from simulator.pod import profile_step_time
-from simulator.run import SimulateConfig, simulate_records
+from splitserve.bench.phase_profile import PhaseProfile, StepFit
+from splitserve.bench.workload import RequestSpec
+from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.step_time import attention_positions
+from splitserve.router.config import Scheduling
+from splitserve.router.policies import HybridPlacement, LocalPrefill, SLOTargets, make_policy
+from splitserve.runtime.roles import Role
+from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
+from splitserve.simulator.run import SimulateConfig, simulate_records
+from splitserve.simulator.sim_pod import profile_step_time
 
 TPOT_TARGET = 0.1
 BEFORE_HYBRID = Path(__file__).parent / "data" / "simulator-records-before-hybrid.json"
@@ -152,7 +152,7 @@ def test_disaggregated_and_colocated_give_exactly_the_records_of_before():
 
 
 def test_slo_map_derives_the_regimes_from_single_requests_and_maps_every_scheduling(tmp_path):
-    from simulator.slo_map import SLOMapConfig, run
+    from splitserve.simulator.slo_map import SLOMapConfig, run
 
     trace = tmp_path / "trace.csv"
     prompts = [100, 300, 200, 500, 150, 260]

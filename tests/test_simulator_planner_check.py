@@ -9,12 +9,12 @@ import math
 import pytest
 from prometheus_client import generate_latest
 
-from deploy.planner.capacity import PoolDecision, Replicas, Signals
-from deploy.planner.config import PlannerConfig
-from deploy.planner.controller import PlannerLoop
-from deploy.planner.controller import main as planner_main
-from deploy.planner.metrics import PlannerMetrics
-from simulator.planner_check import SimulatedCheck
+from splitserve.deploy.planner.capacity import PoolDecision, Replicas, Signals
+from splitserve.deploy.planner.config import PlannerConfig
+from splitserve.deploy.planner.controller import PlannerLoop
+from splitserve.deploy.planner.controller import main as planner_main
+from splitserve.deploy.planner.metrics import PlannerMetrics
+from splitserve.simulator.planner_check import SimulatedCheck
 
 NAN = math.nan
 
@@ -148,5 +148,5 @@ def test_a_failing_check_leaves_the_decisions_as_planned_and_is_counted():
 
 
 def test_the_planner_alone_refuses_the_check_it_cannot_load():
-    with pytest.raises(SystemExit, match="simulator.planner_check"):
+    with pytest.raises(SystemExit, match="splitserve.simulator.planner_check"):
         planner_main(["--simulate-check", "--prefill-deployment", "p", "--decode-deployment", "d"])

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py): exact against decoding without it, on tiny random models and on the
+"""Speculative decoding (engine/speculative/proposer.py): exact against decoding without it, on tiny random models and on the
 real SmolLM2 (marked ``model``); the acceptance rule's distribution; KV rollback; the adaptive draft length.
 
 The tiny random model falls into loops after a few tokens, which prompt lookup predicts well: the fixed-length runs
@@ -14,11 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import SpeculativeConfig
-from engine.sampler import Sampler, SamplingRow
-from engine.sequence import Sequence
-from engine.speculative import FIRST_BACKOFF_STEPS, DraftLength, NgramIndex, ResponseCache, accept_drafts
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.config import SpeculativeConfig
+from splitserve.engine.sampling.sampler import Sampler, SamplingRow
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.speculative.proposer import (
+    FIRST_BACKOFF_STEPS,
+    DraftLength,
+    NgramIndex,
+    ResponseCache,
+    accept_drafts,
+)
 from tests.test_resume import generate_counting_preemptions
 from tests.test_sampler import chi_square
 
@@ -407,7 +413,7 @@ def test_greedy_outputs_identical_on_the_real_model(real_model_requests, method)
 
 
 def test_bench_spec_runs_side_by_side_on_the_tiny_model(tmp_path, capsys):
-    from bench import spec as spec_bench
+    from splitserve.bench import spec as spec_bench
 
     out, png = tmp_path / "spec.json", tmp_path / "spec.png"
     spec_bench.main(["--model", "tiny-random", "--batches", "1,2", "--max-tokens", "12", "--json", str(out),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from splitserve.engine import SamplingParams
 from tests.test_e2e_serving import _added, _grpc_generate, _metrics, _pod_metrics_url
 from tests.test_speculative import _input_grounded_prompts
 

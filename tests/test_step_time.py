@@ -5,13 +5,13 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.prefill_budget import TPOTSlackBudget
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.step_time import StepSample, StepTimeFit, StepTimeModel, attention_positions
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.prefill_budget import TPOTSlackBudget
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.step_time import StepSample, StepTimeFit, StepTimeModel, attention_positions
 
 TRUE = StepTimeModel(base=0.020, per_decode_row=0.002, per_prefill_token=0.003, per_context_token=2e-7,
                      num_samples=1)
@@ -90,7 +90,7 @@ class FakeClock:
 
 
 def lending_scheduler(model: StepTimeModel, target_s: float, clock: FakeClock, monkeypatch) -> Scheduler:
-    monkeypatch.setattr("engine.scheduler.time.monotonic", clock)
+    monkeypatch.setattr("splitserve.engine.scheduler.time.monotonic", clock)
     config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, long_prefill_token_threshold=2048,
                              tpot_slack_chunking=True, default_tpot_target_s=target_s)
     budget = TPOTSlackBudget(lambda: model, target_s)

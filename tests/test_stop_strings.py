@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.stop_strings import StopMatch, StopStringMatcher
-from engine.tokenizer import Tokenizer
-from engine.tokenizer_files import tiny_random_tokenizer_data
+from splitserve.engine.text.detokenizer import IncrementalDetokenizer
+from splitserve.engine.text.stop_strings import StopMatch, StopStringMatcher
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer_files import tiny_random_tokenizer_data
 
 
 def whole_text_answer(text: str, stops: list[str]) -> StopMatch | int:

@@ -20,10 +20,10 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_security import Identity, _check, _health_server, _make_ca, _make_leaf
 
-from router.config import RouterConfig
-from router.server import CERTIFICATE_CHECK_S, RouterServer
-from runtime import transport
-from runtime.transport import TLSConfig
+from splitserve.router.config import RouterConfig
+from splitserve.router.server import CERTIFICATE_CHECK_S, RouterServer
+from splitserve.runtime import transport
+from splitserve.runtime.transport import TLSConfig
 
 SERVICE = "demo-splitserve-pods.llm.svc"  # the chart's headless Service, as the pods' certificate lists it
 NAMES = (x509.DNSName(SERVICE), x509.DNSName(f"{SERVICE}.cluster.local"))

@@ -10,9 +10,9 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from engine.gguf_file import load_gguf
-from engine.tokenizer import Tokenizer
-from engine.tokenizer_files import load_tokenizer, smollm2_gguf_path, tiny_random_tokenizer_data
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer_files import load_tokenizer, smollm2_gguf_path, tiny_random_tokenizer_data
+from splitserve.engine.weights.gguf_file import load_gguf
 
 IM_START, IM_END = 1, 2
 

@@ -5,8 +5,13 @@ import json
 
 import pytest
 
-from engine.sampling_params import StructuredOutput
-from router.tool_calls import ToolCallParser, forced_output, messages_for_template, template_knows_tools
+from splitserve.engine.sampling.params import StructuredOutput
+from splitserve.router.openai.tool_calls import (
+    ToolCallParser,
+    forced_output,
+    messages_for_template,
+    template_knows_tools,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
          {"type": "function", "function": {"name": "neg"}}]

@@ -1,4 +1,4 @@
-"""Every gRPC server and channel of splitserve comes from ``runtime.transport``: ports are never shared, and the
+"""Every gRPC server and channel of splitserve comes from ``splitserve.runtime.transport``: ports are never shared, and the
 message limits sit far above a KV chunk."""
 
 import asyncio
@@ -6,8 +6,8 @@ import asyncio
 import grpc
 import pytest
 
-from kvtransfer.wire import MAX_CHUNK_BYTES
-from runtime import transport
+from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES
+from splitserve.runtime import transport
 
 
 def test_a_second_server_cannot_take_a_port_that_is_in_use():

@@ -14,13 +14,13 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine.config import ModelConfig
-from engine.gguf_file import load_gguf
-from engine.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
-from engine.model_files import load_model_files, tiny_random_config
-from engine.parameter_layout import parameter_shapes
-from engine.tokenizer import GGUFTokenizerData, Tokenizer
-from engine.tokenizer_files import TINY_RANDOM, load_tokenizer, smollm2_gguf_path
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.text.tokenizer import GGUFTokenizerData, Tokenizer
+from splitserve.engine.text.tokenizer_files import TINY_RANDOM, load_tokenizer, smollm2_gguf_path
+from splitserve.engine.weights.gguf_file import load_gguf
+from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
+from splitserve.engine.weights.model_files import load_model_files, tiny_random_config
+from splitserve.engine.weights.parameter_layout import parameter_shapes
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB = 2, 4, 2, 16, 64, 96, 128
 

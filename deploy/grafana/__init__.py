@@ -1,1 +1,1 @@
-"""Grafana dashboards generated from code (``dashboards.py``); ``python -m deploy.grafana`` writes the JSON."""
+"""Grafana dashboards generated from code (``dashboards.py``); ``python -m splitserve.deploy.grafana`` writes the JSON."""

@@ -1,7 +1,7 @@
-"""``python -m deploy.grafana``: regenerate ``deploy/grafana/dashboards/*.json`` from ``dashboards.py``."""
+"""``python -m splitserve.deploy.grafana``: regenerate ``deploy/grafana/dashboards/*.json`` from ``dashboards.py``."""
 
 import sys
 
-from deploy.grafana.dashboards import write_all
+from splitserve.deploy.grafana.dashboards import write_all
 
 print("wrote " + ", ".join(str(p) for p in write_all()), file=sys.stderr)

@@ -1,6 +1,6 @@
 """splitserve's Grafana dashboards, built with grafana-foundation-sdk: overview, prefill, decode, router, planner.
 
-``python -m deploy.grafana`` writes them as JSON into ``deploy/grafana/dashboards/`` (the Helm chart ships that
+``python -m splitserve.deploy.grafana`` writes them as JSON into ``deploy/grafana/dashboards/`` (the Helm chart ships that
 folder as ConfigMaps for Grafana's sidecar); a test checks the committed JSON equals this module's output.
 
 Every dashboard has a datasource variable, a ``namespace`` variable (the label Kubernetes scrapes add; "All" also
@@ -16,13 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grafana_foundation_sdk.builders import common as common_builders
-from grafana_foundation_sdk.builders.dashboard import (Dashboard, DatasourceVariable, QueryVariable, Row)
+from grafana_foundation_sdk.builders.dashboard import Dashboard, DatasourceVariable, QueryVariable, Row
 from grafana_foundation_sdk.builders.prometheus import Dataquery
 from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models.dashboard import (DataSourceRef, DashboardCursorSync, VariableOption, VariableRefresh,
-                                                     VariableSort)
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DataSourceRef,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'namespace=~"$namespace", model_name=~"$model_name", role=~"$role"'

@@ -1,7 +1,7 @@
-"""``python -m deploy.planner [--flags]``: run the planner (flags: ``--help``; every field of ``PlannerConfig``)."""
+"""``python -m splitserve.deploy.planner [--flags]``: run the planner (flags: ``--help``; every field of ``PlannerConfig``)."""
 
 import sys
 
-from deploy.planner.controller import main
+from splitserve.deploy.planner.controller import main
 
 main(sys.argv[1:])

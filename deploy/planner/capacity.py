@@ -35,7 +35,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from deploy.planner.config import PlannerConfig
+from splitserve.deploy.planner.config import PlannerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.config import described
+from splitserve.runtime.config import described
 
 
 @dataclass
@@ -64,7 +64,7 @@ class PlannerConfig:
     kv_usage_high: float = field(default=0.9, metadata=described(
         "KV-cache usage of the fullest decode pod above which a decode pod is added."))
     simulate_check: bool = field(default=False, metadata=described(
-        "Check every decision in simulation before it applies (run as python -m simulator.planner_check, which "
+        "Check every decision in simulation before it applies (run as python -m splitserve.simulator.planner_check, which "
         "the chart does when this is true): a shrink predicted to attain less than simulate_min_attainment, and "
         "less than the pools as they are, is held (docs: deploy/README.md)."))
     simulate_profile: str = field(default="", metadata=described(

@@ -13,12 +13,12 @@ from typing import Callable, Protocol
 
 from prometheus_client import start_http_server
 
-from deploy.planner.capacity import POOLS, Planner, PoolDecision, Signals
-from deploy.planner.config import PlannerConfig
-from deploy.planner.metrics import PlannerMetrics
-from deploy.planner.scaler import DeploymentScaler, api_client, own_namespace
-from deploy.planner.signals import PrometheusSignals
-from runtime.config import parse_config
+from splitserve.deploy.planner.capacity import POOLS, Planner, PoolDecision, Signals
+from splitserve.deploy.planner.config import PlannerConfig
+from splitserve.deploy.planner.metrics import PlannerMetrics
+from splitserve.deploy.planner.scaler import DeploymentScaler, api_client, own_namespace
+from splitserve.deploy.planner.signals import PrometheusSignals
+from splitserve.runtime.config import parse_config
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +91,12 @@ class PlannerLoop:
 
 
 def main(argv: list[str], check_factory: Callable[[PlannerConfig], Check] | None = None) -> None:
-    """``python -m deploy.planner``; ``check_factory`` builds the decisions' check (``python -m
-    simulator.planner_check`` passes the simulator's: this package sits below the simulator and cannot load it)."""
+    """``python -m splitserve.deploy.planner``; ``check_factory`` builds the decisions' check (``python -m
+    splitserve.simulator.planner_check`` passes the simulator's: this package sits below the simulator and cannot load it)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = parse_config(PlannerConfig, argv, prog="python -m deploy.planner")
+    config = parse_config(PlannerConfig, argv, prog="python -m splitserve.deploy.planner")
     if config.simulate_check and check_factory is None:
-        raise SystemExit("--simulate-check needs the simulator: run python -m simulator.planner_check (the chart "
+        raise SystemExit("--simulate-check needs the simulator: run python -m splitserve.simulator.planner_check (the chart "
                          "does when planner.config.simulateCheck is true)")
     deployments = {"prefill": config.prefill_deployment, "decode": config.decode_deployment}
     missing = [pool for pool in POOLS if not deployments[pool]]

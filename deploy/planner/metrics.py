@@ -9,7 +9,7 @@ import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from deploy.planner.capacity import PoolDecision
+from splitserve.deploy.planner.capacity import PoolDecision
 
 LABELS = ("role", "model_name", "pool")
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kubernetes import client, config as kube_config
+from kubernetes import client
+from kubernetes import config as kube_config
 
-from deploy.planner.capacity import Replicas
+from splitserve.deploy.planner.capacity import Replicas
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 

@@ -17,8 +17,8 @@ import math
 import urllib.parse
 import urllib.request
 
-from deploy.planner.capacity import Signals
-from deploy.planner.config import PlannerConfig
+from splitserve.deploy.planner.capacity import Signals
+from splitserve.deploy.planner.config import PlannerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,6 @@
 Only base.py is imported here; a codec's module (and zstandard) loads when the codec is first requested.
 """
 
-from kvtransfer.codecs.base import EncodedKV, KVCodec, KVSpan, available_codecs, get_codec
+from splitserve.kvtransfer.codecs.base import EncodedKV, KVCodec, KVSpan, available_codecs, get_codec
 
 __all__ = ["EncodedKV", "KVCodec", "KVSpan", "available_codecs", "get_codec"]

@@ -30,9 +30,9 @@ from typing import NamedTuple
 
 import torch
 
-from engine import config as engine_config
-from engine.kv_cache import KV_KINDS, KVKind
-from runtime.kv_codecs import KV_CODECS, ZSTD_SUFFIX, kv_codec_names
+from splitserve.engine import config as engine_config
+from splitserve.engine.kv_cache import KV_KINDS, KVKind
+from splitserve.runtime.kv_codecs import KV_CODECS, ZSTD_SUFFIX, kv_codec_names
 
 if sys.byteorder != "little":  # the byte layout is little-endian and tensors are copied to bytes as they lie
     raise ImportError("kvtransfer codecs need a little-endian host")
@@ -176,17 +176,17 @@ def tensor_from_bytes(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[
 # --- registry --------------------------------------------------------------------------------------------------
 
 _CODEC_CLASSES: dict[str, str] = {  # by the names of runtime/kv_codecs.py, which the router checks its setting by
-    "none": "kvtransfer.codecs.raw:RawCodec",
-    "bf16": "kvtransfer.codecs.raw:BF16Codec",
-    "fp8": "kvtransfer.codecs.symmetric:FP8Codec",
-    "int8": "kvtransfer.codecs.symmetric:Int8Codec",
-    "int4": "kvtransfer.codecs.kivi:Int4Codec",
-    "kivi8": "kvtransfer.codecs.kivi:Kivi8Codec",
-    "kivi4": "kvtransfer.codecs.kivi:Kivi4Codec",
-    "kivi2": "kvtransfer.codecs.kivi:Kivi2Codec",
+    "none": "splitserve.kvtransfer.codecs.raw:RawCodec",
+    "bf16": "splitserve.kvtransfer.codecs.raw:BF16Codec",
+    "fp8": "splitserve.kvtransfer.codecs.symmetric:FP8Codec",
+    "int8": "splitserve.kvtransfer.codecs.symmetric:Int8Codec",
+    "int4": "splitserve.kvtransfer.codecs.kivi:Int4Codec",
+    "kivi8": "splitserve.kvtransfer.codecs.kivi:Kivi8Codec",
+    "kivi4": "splitserve.kvtransfer.codecs.kivi:Kivi4Codec",
+    "kivi2": "splitserve.kvtransfer.codecs.kivi:Kivi2Codec",
 }
 assert tuple(_CODEC_CLASSES) == KV_CODECS, "every codec name has its class, and no class goes unnamed"
-_ZSTD_CODEC_CLASS = "kvtransfer.codecs.zstd:ZstdCodec"
+_ZSTD_CODEC_CLASS = "splitserve.kvtransfer.codecs.zstd:ZstdCodec"
 DEFAULT_ZSTD_LEVEL = 3
 
 

@@ -33,8 +33,16 @@ import math
 
 import torch
 
-from kvtransfer.codecs.base import EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_from_bytes, tensor_to_bytes
-from kvtransfer.codecs.scales import divide, round_down_to_float16, round_up_to_float16
+from splitserve.kvtransfer.codecs.base import (
+    EncodedKV,
+    KVCodec,
+    KVKind,
+    KVSpan,
+    dtype_name,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
+from splitserve.kvtransfer.codecs.scales import divide, round_down_to_float16, round_up_to_float16
 
 KEY_GROUP_TOKENS = 32  # G
 DEFAULT_SINKS = 4

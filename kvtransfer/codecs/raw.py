@@ -12,8 +12,16 @@ import math
 
 import torch
 
-from kvtransfer.codecs import base
-from kvtransfer.codecs.base import EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_buffer, tensor_from_bytes
+from splitserve.kvtransfer.codecs import base
+from splitserve.kvtransfer.codecs.base import (
+    EncodedKV,
+    KVCodec,
+    KVKind,
+    KVSpan,
+    dtype_name,
+    tensor_buffer,
+    tensor_from_bytes,
+)
 
 
 class RawCodec(KVCodec):

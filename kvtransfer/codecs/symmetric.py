@@ -18,9 +18,17 @@ from abc import abstractmethod
 
 import torch
 
-from kvtransfer.codecs.base import (EncodedKV, KVCodec, KVKind, KVSpan, dtype_name, tensor_buffer, tensor_from_bytes,
-                                    tensor_to_bytes)
-from kvtransfer.codecs.scales import divide, round_up_to_float16
+from splitserve.kvtransfer.codecs.base import (
+    EncodedKV,
+    KVCodec,
+    KVKind,
+    KVSpan,
+    dtype_name,
+    tensor_buffer,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
+from splitserve.kvtransfer.codecs.scales import divide, round_up_to_float16
 
 _SCALE_BYTES = 2  # float16
 _FLOAT16_SIGN_AND_E4M3 = -16385  # 0xBFFF as int16: every bit but the float16 exponent's top one

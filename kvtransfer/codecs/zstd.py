@@ -13,7 +13,7 @@ import threading
 import torch
 import zstandard
 
-from kvtransfer.codecs.base import ZSTD_SUFFIX, EncodedKV, KVCodec, KVKind, KVSpan
+from splitserve.kvtransfer.codecs.base import ZSTD_SUFFIX, EncodedKV, KVCodec, KVKind, KVSpan
 
 
 class ZstdCodec(KVCodec):

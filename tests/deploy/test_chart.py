@@ -19,8 +19,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.chart_schema import COMPONENTS, SCHEMA_PATH, camel, config_fields, render as render_schema
-from runtime.config import parse_config
+from splitserve.deploy.chart_schema import COMPONENTS, SCHEMA_PATH, camel, config_fields
+from splitserve.deploy.chart_schema import render as render_schema
+from splitserve.runtime.config import parse_config
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve"
 VALUES_FILES = {path.stem.removesuffix("-values"): path for path in sorted((CHART / "ci").glob("*-values.yaml"))}
@@ -28,8 +29,8 @@ CASES = ["defaults", *VALUES_FILES]
 KUBE_VERSION = "1.30.0"
 RELEASE, NAMESPACE = "demo", "llm"
 POD_IP = "10.1.2.3"
-COMMANDS = {"router.server": "router", "prefill_service": "prefill", "decode_service": "decode",
-            "deploy.planner": "planner", "simulator.planner_check": "planner"}
+COMMANDS = {"splitserve.router.server": "router", "splitserve.prefill_service": "prefill", "splitserve.decode_service": "decode",
+            "splitserve.deploy.planner": "planner", "splitserve.simulator.planner_check": "planner"}
 
 
 def case_values(case: str) -> dict:
@@ -130,7 +131,7 @@ def check_prometheus_operator_object(obj: dict, tmp_path: Path) -> None:
 # ---- values -> flags ----------------------------------------------------------------------------------------------
 
 def test_the_committed_schema_is_generated_from_the_dataclasses():
-    assert SCHEMA_PATH.read_text() == render_schema(), "run: python -m deploy.chart_schema"
+    assert SCHEMA_PATH.read_text() == render_schema(), "run: python -m splitserve.deploy.chart_schema"
 
 
 def test_every_config_value_in_values_yaml_is_a_field_of_its_dataclass():
@@ -162,7 +163,7 @@ def test_every_config_key_reaches_its_flag(chart, component):
         assert getattr(config, name) == value, f"{component}.config.{key}"
 
 
-@pytest.mark.parametrize("simulate_check, module", [(False, "deploy.planner"), (True, "simulator.planner_check")])
+@pytest.mark.parametrize("simulate_check, module", [(False, "splitserve.deploy.planner"), (True, "splitserve.simulator.planner_check")])
 def test_the_planner_checked_in_simulation_runs_from_the_simulator(chart, simulate_check, module):
     """The simulated check lives in the simulator (a layer above the planner): the chart runs that entry point."""
     values = {"planner": {"enabled": True, "config": {"simulateCheck": simulate_check}}}

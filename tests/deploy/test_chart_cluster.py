@@ -13,8 +13,17 @@ import re
 import helm_python as helm
 import kubernetes_validate
 import pytest
-from test_chart import (KUBE_VERSION, NAMESPACE, RELEASE, SCHEMA_PATH, case_values, chart,  # noqa: F401 - chart:
-                        containers_by_component, objects, parsed_config)  # the fixture
+from test_chart import (  # noqa: F401 - chart:
+    KUBE_VERSION,
+    NAMESPACE,
+    RELEASE,
+    SCHEMA_PATH,
+    case_values,
+    chart,
+    containers_by_component,  # the fixture
+    objects,
+    parsed_config,
+)
 
 SERVER_NAME = f"{RELEASE}-splitserve-pods.{NAMESPACE}.svc"
 SERVING = ("prefill", "decode", "mixed")
@@ -64,7 +73,7 @@ def test_the_cert_manager_certificate_lists_every_name_the_release_dials(chart):
 def test_a_chosen_server_name_replaces_the_services(chart):
     values = {"tls": {"enabled": True, "secretName": "s", "serverName": "pods.example.internal"}}
     for deployment in containers_by_component(objects(chart, values)).values():
-        if container(deployment)["command"][-1] != "deploy.planner":
+        if container(deployment)["command"][-1] != "splitserve.deploy.planner":
             assert parsed_config(deployment).tls_server_name == "pods.example.internal"
 
 

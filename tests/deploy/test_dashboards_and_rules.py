@@ -10,10 +10,10 @@ import subprocess
 import pytest
 import yaml
 
-from deploy.grafana.dashboards import DASHBOARDS, OUT_DIR, render
-from deploy.planner.config import PlannerConfig
-from deploy.planner.signals import signal_queries
-from deploy.prometheus import RULES_PATH, TESTS_PATH, render_rules
+from splitserve.deploy.grafana.dashboards import DASHBOARDS, OUT_DIR, render
+from splitserve.deploy.planner.config import PlannerConfig
+from splitserve.deploy.planner.signals import signal_queries
+from splitserve.deploy.prometheus import RULES_PATH, TESTS_PATH, render_rules
 
 # What Grafana substitutes before a query reaches Prometheus (All selected).
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$model_name": ".*", "$role": ".*"}
@@ -42,7 +42,7 @@ def dashboard_queries() -> list[str]:
 
 @pytest.mark.parametrize("name", list(DASHBOARDS))
 def test_committed_dashboard_is_the_generators_output(name):
-    assert (OUT_DIR / f"splitserve-{name}.json").read_text() == render(name), "run: python -m deploy.grafana"
+    assert (OUT_DIR / f"splitserve-{name}.json").read_text() == render(name), "run: python -m splitserve.deploy.grafana"
 
 
 @pytest.mark.parametrize("name", list(DASHBOARDS))
@@ -78,7 +78,7 @@ def test_every_promql_expression_passes_promtool(tmp_path):
 
 
 def test_committed_rules_are_the_charts_rules_with_default_thresholds():
-    assert RULES_PATH.read_text() == render_rules(), "run: python -m deploy.prometheus"
+    assert RULES_PATH.read_text() == render_rules(), "run: python -m splitserve.deploy.prometheus"
 
 
 def test_promtool_unit_tests_of_the_rules_pass():

@@ -27,11 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from deploy.grafana.dashboards import DASHBOARDS, OUT_DIR
-from deploy.grafana.snapshot import draw, grafana_expr, query as _query
-from deploy.planner.config import PlannerConfig
-from deploy.planner.signals import PrometheusSignals
-from deploy.prometheus import RULES_PATH
+from splitserve.deploy.grafana.dashboards import DASHBOARDS, OUT_DIR
+from splitserve.deploy.grafana.snapshot import draw, grafana_expr
+from splitserve.deploy.grafana.snapshot import query as _query
+from splitserve.deploy.planner.config import PlannerConfig
+from splitserve.deploy.planner.signals import PrometheusSignals
+from splitserve.deploy.prometheus import RULES_PATH
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model,
               pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]

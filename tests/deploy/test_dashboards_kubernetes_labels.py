@@ -19,8 +19,9 @@ import urllib.request
 
 import pytest
 
-from deploy.grafana.dashboards import DASHBOARDS, OUT_DIR
-from deploy.grafana.snapshot import grafana_expr, legend, query as _query
+from splitserve.deploy.grafana.dashboards import DASHBOARDS, OUT_DIR
+from splitserve.deploy.grafana.snapshot import grafana_expr, legend
+from splitserve.deploy.grafana.snapshot import query as _query
 from splitserve.launcher import Cluster, UpConfig
 from tests.deploy.test_dashboards_e2e import _wait_scraped_since
 

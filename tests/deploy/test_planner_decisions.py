@@ -17,9 +17,16 @@ from dataclasses import replace
 
 import pytest
 
-from deploy.planner.capacity import (DecodeCapacity, Planner, PoolSizer, PrefillCapacity, Replicas, Signals,
-                                     mdl1_max_utilization)
-from deploy.planner.config import PlannerConfig
+from splitserve.deploy.planner.capacity import (
+    DecodeCapacity,
+    Planner,
+    PoolSizer,
+    PrefillCapacity,
+    Replicas,
+    Signals,
+    mdl1_max_utilization,
+)
+from splitserve.deploy.planner.config import PlannerConfig
 
 TICK_S = 30.0
 PREFILL_TOKENS_PER_S = 400.0  # the simulated pods' truth, unknown to the planner

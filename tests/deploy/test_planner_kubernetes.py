@@ -20,12 +20,12 @@ import pytest
 from kubernetes import client
 from prometheus_client import generate_latest
 
-from deploy.planner.capacity import Planner, Replicas, Signals
-from deploy.planner.config import PlannerConfig
-from deploy.planner.controller import PlannerLoop
-from deploy.planner.metrics import PlannerMetrics
-from deploy.planner.scaler import DeploymentScaler
-from deploy.planner.signals import PrometheusSignals
+from splitserve.deploy.planner.capacity import Planner, Replicas, Signals
+from splitserve.deploy.planner.config import PlannerConfig
+from splitserve.deploy.planner.controller import PlannerLoop
+from splitserve.deploy.planner.metrics import PlannerMetrics
+from splitserve.deploy.planner.scaler import DeploymentScaler
+from splitserve.deploy.planner.signals import PrometheusSignals
 
 DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
 NAMESPACE = "llm"
@@ -230,7 +230,7 @@ def test_bad_answers_from_prometheus_are_logged_and_skipped(caplog):
     prometheus = AnsweringPrometheus({k: v for k, v in answers.items()}, default=_vector("2"))
     try:
         config = PlannerConfig(prometheus_url=prometheus.url)
-        with caplog.at_level(logging.WARNING, logger="deploy.planner.signals"):
+        with caplog.at_level(logging.WARNING, logger="splitserve.deploy.planner.signals"):
             signals = PrometheusSignals(config).read()
     finally:
         prometheus.close()

@@ -18,12 +18,12 @@ from typing import Self
 
 import grpc
 
-from bench.serve import scrape_router
-from bench.serve_metrics import parse_counter
-from bench.soak import blocks_in_use, pod_load
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.config import RouterConfig
+from splitserve.bench.serve import scrape_router
+from splitserve.bench.serve_metrics import parse_counter
+from splitserve.bench.soak import blocks_in_use, pod_load
 from splitserve.launcher import Cluster, UpConfig, serving
+from splitserve.router.config import RouterConfig
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 START_S = 240  # a pod's start on a busy 2-core machine: tens of seconds; a hang is minutes
 KV_LEASE_S = RouterConfig.kv_lease_s  # how long a decode pod keeps KV no Decode call claimed (the router's default)
@@ -114,7 +114,7 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 def offline_answers(prompt_list: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The greedy answers of the offline engine: what every topology must give (docs/RELIABILITY.md)."""
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     engine = LLM(model=MODEL, num_blocks=512)
     outputs = engine.generate(prompt_list, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))

@@ -26,10 +26,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from protos.splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from router.openai_fields import UNSUPPORTED_FIELDS
-from router.openai_chat_requests import ChatCompletionRequest
-from router.openai_requests import CompletionRequest
+from splitserve.router.openai.chat_requests import ChatCompletionRequest
+from splitserve.router.openai.fields import UNSUPPORTED_FIELDS
+from splitserve.router.openai.requests import CompletionRequest
+from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -90,12 +90,12 @@ def servers(tmp_path_factory):
     pod_port, grpc_port, http_port = _free_port(), _free_port(), _free_port()
     pod_log, router_log = logs / "pod.log", logs / "router.log"
     with open(pod_log, "wb") as out:
-        pod = subprocess.Popen([sys.executable, "-m", "decode_service", "--role", "mixed", "--model", MODEL,
+        pod = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", "--role", "mixed", "--model", MODEL,
                                 "--host", "127.0.0.1", "--port", str(pod_port), "--metrics-port", "0",
                                 "--kv-cache-memory-bytes", str(16 << 20), "--num-threads", "1"],
                                stdout=out, stderr=subprocess.STDOUT)
     with open(router_log, "wb") as out:
-        router = subprocess.Popen([sys.executable, "-m", "router.server", "--model", MODEL, "--max-model-len", "2048",
+        router = subprocess.Popen([sys.executable, "-m", "splitserve.router.server", "--model", MODEL, "--max-model-len", "2048",
                                    "--mixed-pods", f"127.0.0.1:{pod_port}", "--host", "127.0.0.1",
                                    "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                                    "--max-tokens-limit", "8", "--max-prompt-bytes", str(MAX_PROMPT_BYTES),

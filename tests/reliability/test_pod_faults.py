@@ -21,7 +21,6 @@ import asyncio
 import os
 import signal
 import time
-
 from pathlib import Path
 
 import grpc
@@ -31,6 +30,7 @@ from live_cluster import (
     START_S,
     TINY,
     BackgroundLoad,
+    free_before_the_lease,
     greedy_request,
     offline_answers,
     prompts,
@@ -40,13 +40,12 @@ from live_cluster import (
     running_on,
     stream,
     wait_back,
-    free_before_the_lease,
     wait_every_block_free,
     wait_until,
 )
 
-from protos.splitserve.v1 import common_pb2, generate_pb2_grpc
-from runtime.registry import pod_key
+from splitserve.runtime.discovery import pod_key
+from splitserve.v1 import common_pb2, generate_pb2_grpc
 
 LONG = 300  # output tokens of a stream to disturb: it runs for a second or more
 SHORT = 8  # output tokens of the background load's requests

@@ -21,8 +21,8 @@ import grpc
 import live_cluster as live
 import pytest
 
-from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from splitserve.launcher import serving
+from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHORT = 8
@@ -63,7 +63,7 @@ def test_pods_of_different_models_refuse_each_other_with_a_clear_error(cluster, 
     """The tiny model's prefill pod pushing to a SmolLM2 decode pod: refused at the handshake, naming the field."""
     port = free_ports(2)
     with open(tmp_path / "smollm2-decode.log", "wb") as log:
-        other = subprocess.Popen([sys.executable, "-m", "decode_service", "--host", "127.0.0.1", "--port", str(port),
+        other = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", "--host", "127.0.0.1", "--port", str(port),
                                   "--metrics-port", str(port + 1), "--model", "smollm2-135m",
                                   "--kv-cache-memory-bytes", str(16 << 20)], cwd=REPO_ROOT, stdout=log,
                                  stderr=subprocess.STDOUT)

@@ -1,5 +1,5 @@
 """Package ``splitserve.v1``: the ``.proto`` files and their generated ``*_pb2.py``, ``*_pb2.pyi`` and
-``*_pb2_grpc.py`` modules (written by ``python -m protos.generate``, never by hand).
+``*_pb2_grpc.py`` modules (written by ``python -m splitserve.protos.generate``, never by hand).
 
 - ``common.proto``: SamplingParams, logprobs, FinishReason, Usage, Timings, PodLoad, Abort/GetLoad shapes
 - ``generate.proto``: service ``Generation`` (the router's client-facing streaming API)

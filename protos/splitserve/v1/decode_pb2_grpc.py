@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
-from protos.splitserve.v1 import decode_pb2 as protos_dot_splitserve_dot_v1_dot_decode__pb2
+from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
+from splitserve.v1 import decode_pb2 as splitserve_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/splitserve/v1/decode_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -39,13 +39,13 @@ class DecodeStub:
         """
         self.Decode = channel.unary_stream(
                 '/splitserve.v1.Decode/Decode',
-                request_serializer=protos_dot_splitserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_splitserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Decode/Abort',
-                request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
 
 
@@ -79,13 +79,13 @@ def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_splitserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_splitserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -115,8 +115,8 @@ class Decode:
             request,
             target,
             '/splitserve.v1.Decode/Decode',
-            protos_dot_splitserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-            protos_dot_splitserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            splitserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+            splitserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -142,8 +142,8 @@ class Decode:
             request,
             target,
             '/splitserve.v1.Decode/Abort',
-            protos_dot_splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+            splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,5 @@
 from google.protobuf import struct_pb2 as _struct_pb2
-from protos.splitserve.v1 import common_pb2 as _common_pb2
+from splitserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

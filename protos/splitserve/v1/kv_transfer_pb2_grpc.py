@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.splitserve.v1 import kv_transfer_pb2 as protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2
+from splitserve.v1 import kv_transfer_pb2 as splitserve_dot_v1_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/splitserve/v1/kv_transfer_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class KVTransferStub:
         """
         self.Handshake = channel.unary_unary(
                 '/splitserve.v1.KVTransfer/Handshake',
-                request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
         self.PushKV = channel.stream_unary(
                 '/splitserve.v1.KVTransfer/PushKV',
-                request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.KVPush.SerializeToString,
-                response_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_kv__transfer__pb2.KVPush.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
                 _registered_method=True)
 
 
@@ -78,13 +78,13 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
-                    request_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.FromString,
-                    response_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.SerializeToString,
             ),
             'PushKV': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKV,
-                    request_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.KVPush.FromString,
-                    response_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_kv__transfer__pb2.KVPush.FromString,
+                    response_serializer=splitserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -113,8 +113,8 @@ class KVTransfer:
             request,
             target,
             '/splitserve.v1.KVTransfer/Handshake',
-            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
-            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.FromString,
+            splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
+            splitserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -140,8 +140,8 @@ class KVTransfer:
             request_iterator,
             target,
             '/splitserve.v1.KVTransfer/PushKV',
-            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.KVPush.SerializeToString,
-            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
+            splitserve_dot_v1_dot_kv__transfer__pb2.KVPush.SerializeToString,
+            splitserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

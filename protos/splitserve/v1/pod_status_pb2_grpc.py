@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
-from protos.splitserve.v1 import pod_status_pb2 as protos_dot_splitserve_dot_v1_dot_pod__status__pb2
+from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
+from splitserve.v1 import pod_status_pb2 as splitserve_dot_v1_dot_pod__status__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/splitserve/v1/pod_status_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/pod_status_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class PodStatusStub:
         """
         self.GetLoad = channel.unary_unary(
                 '/splitserve.v1.PodStatus/GetLoad',
-                request_serializer=protos_dot_splitserve_dot_v1_dot_pod__status__pb2.LoadRequest.SerializeToString,
-                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
+                request_serializer=splitserve_dot_v1_dot_pod__status__pb2.LoadRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
                 _registered_method=True)
         self.WatchLoad = channel.unary_stream(
                 '/splitserve.v1.PodStatus/WatchLoad',
-                request_serializer=protos_dot_splitserve_dot_v1_dot_pod__status__pb2.WatchLoadRequest.SerializeToString,
-                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
+                request_serializer=splitserve_dot_v1_dot_pod__status__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
                 _registered_method=True)
 
 
@@ -71,13 +71,13 @@ def add_PodStatusServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=protos_dot_splitserve_dot_v1_dot_pod__status__pb2.LoadRequest.FromString,
-                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.PodLoad.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_pod__status__pb2.LoadRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_common__pb2.PodLoad.SerializeToString,
             ),
             'WatchLoad': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchLoad,
-                    request_deserializer=protos_dot_splitserve_dot_v1_dot_pod__status__pb2.WatchLoadRequest.FromString,
-                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.PodLoad.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_pod__status__pb2.WatchLoadRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_common__pb2.PodLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,8 +105,8 @@ class PodStatus:
             request,
             target,
             '/splitserve.v1.PodStatus/GetLoad',
-            protos_dot_splitserve_dot_v1_dot_pod__status__pb2.LoadRequest.SerializeToString,
-            protos_dot_splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
+            splitserve_dot_v1_dot_pod__status__pb2.LoadRequest.SerializeToString,
+            splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
             options,
             channel_credentials,
             insecure,
@@ -132,8 +132,8 @@ class PodStatus:
             request,
             target,
             '/splitserve.v1.PodStatus/WatchLoad',
-            protos_dot_splitserve_dot_v1_dot_pod__status__pb2.WatchLoadRequest.SerializeToString,
-            protos_dot_splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
+            splitserve_dot_v1_dot_pod__status__pb2.WatchLoadRequest.SerializeToString,
+            splitserve_dot_v1_dot_common__pb2.PodLoad.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
-from protos.splitserve.v1 import prefill_pb2 as protos_dot_splitserve_dot_v1_dot_prefill__pb2
+from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
+from splitserve.v1 import prefill_pb2 as splitserve_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/splitserve/v1/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/prefill_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,13 +38,13 @@ class PrefillStub:
         """
         self.Prefill = channel.unary_unary(
                 '/splitserve.v1.Prefill/Prefill',
-                request_serializer=protos_dot_splitserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_splitserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Prefill/Abort',
-                request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
 
 
@@ -78,13 +78,13 @@ def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_splitserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_splitserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -113,8 +113,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/Prefill',
-            protos_dot_splitserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            protos_dot_splitserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            splitserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -140,8 +140,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/Abort',
-            protos_dot_splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+            splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

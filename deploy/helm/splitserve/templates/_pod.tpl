@@ -43,7 +43,7 @@ spec:
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           securityContext:
             {{- toYaml $root.Values.securityContext | nindent 12 }}
-          command: ["python", "-m", "{{ ternary "prefill_service" "decode_service" (eq .component "prefill") }}"]
+          command: ["python", "-m", "splitserve.{{ ternary "prefill_service" "decode_service" (eq .component "prefill") }}"]
           args:
             - "--host"
             - "0.0.0.0"

@@ -1,0 +1,468 @@
+"""splitserve's native CPU kernels (``engine/kernels/csrc/cpu_kernels.cpp``): their typed entry points, called through ctypes.
+
+Decode on a CPU is a stream of weight reads, and MKL's few-row products read weights well below the memory's speed
+(docs/architecture.md has the measurements). The kernels here store every linear weight in panels of 16 outputs
+([P, in, 16]), which a 1-row product reads as one stream and a many-row product runs as a GEMM micro-kernel (6 rows
+x 16 outputs with AVX2, 12 rows x 32 outputs with AVX-512); and they attend a decode step's queries over K/V read
+in place through the block tables instead of gathering a copy.
+
+Weights kept in quantized blocks (``quantization``: docs/quantization.md) are panels of GGUF blocks instead
+(``WEIGHT_FORMATS``, packed by engine/weights/quantized_weights.py), dequantized in registers by ``csrc/quant_kernels.cpp``
+with the float32 path's arithmetic; every product entry point takes a weight with its format.
+
+``load()`` finds or builds the library (engine/kernels/build.py) and opens it, once per process; it says
+which path the model's layers take (``KernelChoice``: the native kernels, or PyTorch ops and why), logging the
+reason when it is PyTorch: not x86-64 with AVX2, FMA and F16C, no compiler, no writable cache directory, a failed
+build, a library whose ABI disagrees with the declarations below, or ``SPLITSERVE_CPU_KERNELS=0``. The PyTorch path
+stays the reference in the tests.
+
+**ABI check.** ctypes trusts the declared argument types: a library built from a source whose entry points
+changed would read garbage and corrupt memory. So the library reports its ABI version and, for every entry point,
+its argument types as the compiler sees them (``ss_abi_version``, ``ss_abi_table``), and ``CpuKernels`` refuses
+one that disagrees with ``ENTRY_POINTS`` before calling anything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from splitserve.engine.kernels.build import KernelsUnavailable, library_path
+
+logger = logging.getLogger(__name__)
+
+PANEL = 16  # outputs per weight panel; kPanel in the source
+ABI_VERSION = 3  # kAbiVersion in the source: bump both when an entry point changes
+
+# How a product's weight is stored (WeightFormat in csrc/quant_kernels.h): float32 panels [P, in, 16], or panels
+# of GGUF blocks (engine/weights/quantized_weights.py packs them), [P, in / 32 * bytes per panel block] uint8.
+WEIGHT_FORMATS = {"float32": 0, "q4_0": 1, "q4_1": 2, "q8_0": 3}
+QUANT_BLOCK = 32  # inputs per block
+QUANTIZED_FORMATS = {"q4_0": 16 * 2 + 256, "q4_1": 16 * 4 + 256, "q8_0": 16 * 2 + 512}  # bytes per panel block
+# OR'd into a quantized format's code (kInt8Activations in csrc/quant_kernels.h): the product quantizes its input
+# rows to int8 per block of 32 and sums integer dot products (EngineConfig.int8_activations, docs/quantization.md).
+INT8_ACTIVATIONS = 16
+
+
+def format_code(weight_format: str, int8_activations: bool = False) -> int:
+    """The kernels' code for a product over a weight in ``weight_format`` (``WEIGHT_FORMATS``), with int8
+    activations where asked and the weight is quantized (a float32 weight's product stays float32)."""
+    code = WEIGHT_FORMATS[weight_format]
+    return code | INT8_ACTIVATIONS if int8_activations and weight_format != "float32" else code
+
+_i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+# Every entry point the Python side calls: argument types, return type. The library's own table must agree.
+ENTRY_POINTS: dict[str, tuple[list, type | None]] = {
+    "ss_vector_bits": ([], _int),
+    "ss_linear": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int], None),
+    "ss_quant_linear": ([_ptr, _i64, _i64, _ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int], None),
+    "ss_quant_rows": ([_ptr, _int, _i64, _ptr, _i64, _ptr, _int], None),
+    "ss_paged_decode_attention": (
+        [_ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int], None),
+    "ss_prefill_attention": (
+        [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int], None),
+    "ss_attention_input": (
+        [_ptr, _i64, _i64, _ptr, _float, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
+         _int, _ptr, _int], None),
+    "ss_attention_output_and_mlp": (
+        [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _float, _ptr, _int, _ptr, _int, _i64, _int], None),
+    "ss_decode_layers": (
+        [_ptr, _i64, _i64, _i64, _ptr, _int, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64,
+         _ptr, _i64, _float, _int], None),
+}
+
+# How the library spells an argument's type in its table (type_code in the source).
+_TYPE_CODES = {_ptr: "p", _i64: "q", _int: "i", _float: "f"}
+
+# KV cache dtypes the kernels read and write (CacheType in the source): 16-bit caches are widened to float32 as
+# they are loaded, so the attention's arithmetic is float32 whatever the cache holds.
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class KernelABIError(KernelsUnavailable):
+    """The library's entry points are not the ones declared here."""
+
+
+class _AbiEntry(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("arg_types", ctypes.c_char_p)]  # AbiEntry in the source
+
+
+def check_abi(version: int, table: dict[str, str]) -> None:
+    """Raise ``KernelABIError`` unless the library's ABI version and its table (entry point -> argument type codes)
+    are those of ``ENTRY_POINTS``."""
+    if version != ABI_VERSION:
+        raise KernelABIError(f"the kernels' library has ABI version {version}, this code needs {ABI_VERSION}")
+    declared = {name: "".join(_TYPE_CODES[t] for t in args) for name, (args, _) in ENTRY_POINTS.items()}
+    problems = [f"{name}: library takes ({table.get(name, 'absent')}), declared ({codes})"
+                for name, codes in declared.items() if table.get(name) != codes]
+    problems += [f"{name}: in the library, not declared" for name in sorted(set(table) - set(declared))]
+    if problems:
+        raise KernelABIError("the kernels' library disagrees with its declarations (p pointer, q int64, i int, "
+                             "f float): " + "; ".join(problems))
+
+
+def _library_abi(lib: ctypes.CDLL) -> tuple[int, dict[str, str]]:
+    try:
+        version_fn, table_fn = lib.ss_abi_version, lib.ss_abi_table
+    except AttributeError as e:
+        raise KernelABIError(f"the kernels' library reports no ABI ({e})") from e
+    version_fn.restype, version_fn.argtypes = _int, []
+    table_fn.restype, table_fn.argtypes = _i64, [ctypes.POINTER(ctypes.POINTER(_AbiEntry))]
+    entries = ctypes.POINTER(_AbiEntry)()
+    count = table_fn(ctypes.byref(entries))
+    return version_fn(), {entries[i].name.decode(): entries[i].arg_types.decode() for i in range(count)}
+
+
+class CpuKernels:
+    """Typed entry points of the built library. Tensors are float32 (int64 for tables and lengths), on the CPU."""
+
+    def __init__(self, path: Path):
+        """Open the library at ``path``; raises ``KernelABIError`` when it is not the one declared here."""
+        lib = ctypes.CDLL(str(path))
+        check_abi(*_library_abi(lib))
+        for name, (argtypes, restype) in ENTRY_POINTS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        self._lib = lib
+        self.path = path
+        self.isa = "avx512" if lib.ss_vector_bits() == 512 else "avx2"  # what the GEMM micro-kernel runs on
+
+    @staticmethod
+    def supports_head_dim(head_dim: int) -> bool:
+        """The attention kernels take heads of up to 512 in multiples of 8 (AVX2 vectors)."""
+        return head_dim % 8 == 0 and head_dim <= 512
+
+    @staticmethod
+    def supports_cache_dtype(dtype: torch.dtype) -> bool:
+        """The attention kernels read and write float32, bfloat16 and float16 caches."""
+        return dtype in CACHE_TYPES
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] (rows contiguous) @ W^T + bias -> [rows, out_features]."""
+        rows, in_features = x.shape
+        _check(x.stride(1) == 1 and x.dtype == torch.float32 and packed.is_contiguous()
+               and packed.shape[1] == in_features and packed.shape[0] * PANEL >= out_features,
+               "linear: x does not match the weight")
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        self._lib.ss_linear(
+            x.data_ptr(), rows, x.stride(0), packed.data_ptr(), out_features, in_features,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
+        )
+        return y
+
+    def quant_linear(self, x: torch.Tensor, packed: torch.Tensor, weight_format: str, out_features: int,
+                     bias: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
+        """x [rows, in] (rows contiguous) @ W^T + bias -> [rows, out_features], W packed in quantized blocks
+        (``weight_format``, one of ``QUANTIZED_FORMATS``); ``int8_activations``: x quantized to int8 per block of
+        32, integer dot products (``format_code``)."""
+        rows, in_features = x.shape
+        _check(x.stride(1) == 1 and x.dtype == torch.float32
+               and _is_weight(packed, weight_format, out_features, in_features),
+               "quant_linear: x does not match the weight")
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        self._lib.ss_quant_linear(
+            x.data_ptr(), rows, x.stride(0), packed.data_ptr(), format_code(weight_format, int8_activations),
+            out_features,
+            in_features, None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+            torch.get_num_threads(),
+        )
+        return y
+
+    def quant_rows(self, packed: torch.Tensor, weight_format: str, in_features: int,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [n] of a weight packed in quantized blocks, as float32 [n, in_features]."""
+        ids = ids.contiguous()
+        _check(packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64
+               and packed.shape[1] == in_features // QUANT_BLOCK * QUANTIZED_FORMATS[weight_format]
+               and (len(ids) == 0 or 0 <= int(ids.min()) and int(ids.max()) < len(packed) * PANEL),
+               "quant_rows: bad weight or ids")
+        y = torch.empty(len(ids), in_features, dtype=torch.float32)
+        self._lib.ss_quant_rows(packed.data_ptr(), WEIGHT_FORMATS[weight_format], in_features, ids.data_ptr(),
+                                len(ids), y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D] (a ``CACHE_TYPES`` dtype); block_tables [B, nb]
+        int64; seq_lens [B] int64 (keys per sequence, the new one included, all written) -> [B, Hq, D]."""
+        q = q.contiguous()
+        batch, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "attention: caches must be contiguous")
+        _check_caches(k_cache, v_cache, "attention")
+        _check(block_tables.dtype == torch.int64 and block_tables.stride(1) == 1, "attention: bad block tables")
+        _check(seq_lens.dtype == torch.int64 and seq_lens.is_contiguous(), "attention: bad sequence lengths")
+        out = torch.empty_like(q)
+        self._lib.ss_paged_decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale,
+            out.data_ptr(), torch.get_num_threads(),
+        )
+        return out
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                          prefix: int, scale: float, out: torch.Tensor) -> torch.Tensor:
+        """Causal attention of one sequence's n new queries q [n, Hq, D] (rows may be strided, heads contiguous)
+        at positions prefix .. prefix + n - 1 over its keys 0 .. prefix + n - 1, which the caches
+        [num_blocks, block_size, Hkv, D] already hold, found through ``blocks`` [>= ceil((prefix + n) / block_size)]
+        int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned."""
+        n, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        _check(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim, "prefill attention: bad q")
+        _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "prefill attention: caches must be contiguous")
+        _check_caches(k_cache, v_cache, "prefill attention")
+        _check(blocks.dtype == torch.int64 and blocks.is_contiguous()
+               and len(blocks) * block_size >= prefix + n, "prefill attention: bad block list")
+        _check(out.is_contiguous() and out.shape == q.shape and out.dtype == torch.float32, "prefill attention: bad out")
+        self._lib.ss_prefill_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype],
+            blocks.data_ptr(), n, prefix, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
+            num_heads * head_dim, torch.get_num_threads(),
+        )
+        return out
+
+    def attention_input(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor,
+                        qkv_bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor,
+                        sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, qkv_format: str = "float32",
+                        int8_activations: bool = False) -> torch.Tensor:
+        """A decoder layer up to its attention: qkv = RMSNorm(x) Wqkv^T (+ bias), q and k rotated (cos,
+        sin_signed: [P, D] tables, indexed by positions [T]), k and v written to the caches at slot_mapping.
+        x [T, H]; packed qkv weight (in ``qkv_format``, with int8 activations where asked: ``format_code``);
+        caches [num_blocks, block_size, Hkv, D] -> qkv [T, (Hq + 2 Hkv) D]."""
+        tokens, hidden = x.shape
+        head_dim = cos.shape[1]
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        _check(x.is_contiguous() and norm_weight.shape == (hidden,)
+               and _is_weight(qkv_weight, qkv_format, width, hidden) and self.supports_head_dim(head_dim)
+               and head_dim == sin_signed.shape[1],
+               "attention_input: x, norm and qkv weights do not match")
+        _check(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
+               and len(positions) == tokens == len(slot_mapping), "attention_input: bad positions or slot mapping")
+        _check(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+               and k_cache.shape[2:] == (num_kv_heads, head_dim), "attention_input: caches do not match")
+        _check_caches(k_cache, v_cache, "attention_input")
+        qkv = torch.empty(tokens, width, dtype=torch.float32)
+        self._lib.ss_attention_input(
+            x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
+            format_code(qkv_format, int8_activations),
+            None if qkv_bias is None else qkv_bias.data_ptr(), qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+            sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+            CACHE_TYPES[k_cache.dtype], slot_mapping.data_ptr(), torch.get_num_threads(),
+        )
+        return qkv
+
+    def attention_output_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor,
+                                 norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
+                                 down_weight: torch.Tensor, formats: tuple[str, str, str] = ("float32",) * 3,
+                                 int8_activations: bool = False) -> None:
+        """The rest of a decoder layer, in place on the residual stream x [T, H]: x += attn Wo^T, then
+        x += down(silu(gate) * up) of RMSNorm(x). attn: [T, Hq D]; weights packed, in ``formats`` (o, gate_up,
+        down), with int8 activations where asked (``format_code``)."""
+        tokens, hidden = x.shape
+        o_format, gate_up_format, down_format = formats
+        o_code, gate_up_code, down_code = (format_code(f, int8_activations) for f in formats)
+        inter = _in_features(down_weight, down_format)
+        _check(x.is_contiguous() and attn.is_contiguous() and len(attn) == tokens
+               and _is_weight(o_weight, o_format, hidden, attn.shape[1]) and norm_weight.shape == (hidden,)
+               and _is_weight(gate_up_weight, gate_up_format, 2 * inter, hidden)
+               and _is_weight(down_weight, down_format, hidden, inter), "attention_output_and_mlp: shapes do not match")
+        self._lib.ss_attention_output_and_mlp(
+            x.data_ptr(), tokens, hidden, attn.data_ptr(), attn.shape[1], o_weight.data_ptr(), o_code,
+            norm_weight.data_ptr(), eps, gate_up_weight.data_ptr(), gate_up_code, down_weight.data_ptr(), down_code,
+            inter,
+            torch.get_num_threads(),
+        )
+
+    def decode_layers(self, x: torch.Tensor, layers: "DecodeLayers", positions: torch.Tensor, cos: torch.Tensor,
+                      sin_signed: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor) -> None:
+        """Every layer of a decode step (token b is sequence b's one new token) in one call, in place on the
+        residual stream x [B, H]: the same kernels, in the same order, as the layer-by-layer calls."""
+        batch = len(x)
+        _check(x.is_contiguous() and x.dtype == torch.float32 and x.shape[1] == layers.hidden,
+               "decode_layers: bad residual stream")
+        _check(all(t.dtype == torch.int64 and t.is_contiguous() and len(t) == batch
+                   for t in (positions, slot_mapping, seq_lens)) and block_tables.dtype == torch.int64
+               and block_tables.stride(1) == 1 and len(block_tables) == batch and cos.shape[1] == layers.head_dim,
+               "decode_layers: bad positions, slots, block tables or lengths")
+        self._lib.ss_decode_layers(
+            x.data_ptr(), batch, layers.hidden, len(layers.table), layers.table, CACHE_TYPES[layers.cache_dtype],
+            layers.eps, positions.data_ptr(),
+            cos.data_ptr(), sin_signed.data_ptr(), layers.num_heads, layers.num_kv_heads, layers.head_dim,
+            layers.inter, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            seq_lens.data_ptr(), layers.block_size, layers.scale, torch.get_num_threads(),
+        )
+
+
+class LayerTensors(NamedTuple):
+    """One decoder layer for ``DecodeLayers``: packed linear weights, norm weights, QKV bias (or None), caches,
+    each product's ``WEIGHT_FORMATS`` name, and whether its quantized products take int8 activations."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_attn_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    qkv_format: str = "float32"
+    o_format: str = "float32"
+    gate_up_format: str = "float32"
+    down_format: str = "float32"
+    int8_activations: bool = False
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self[:9]
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return self[9:13]
+
+
+class _DecodeLayer(ctypes.Structure):  # DecodeLayer in the source
+    _fields_ = ([(name, ctypes.c_void_p) for name in LayerTensors._fields[:9]]
+                + [(name, ctypes.c_int64) for name in LayerTensors._fields[9:13]])
+
+
+class DecodeLayers:
+    """A model's layers as ``ss_decode_layers`` reads them, checked once: the weights never move, so the table of
+    pointers is built once per KV cache and reused by every decode step."""
+
+    def __init__(self, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, eps: float, scale: float):
+        first = layers[0]
+        self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
+        self.hidden = first.input_norm.shape[0]
+        self.inter = _in_features(first.down, first.down_format)
+        _, self.block_size, _, self.head_dim = first.k_cache.shape
+        _check_caches(first.k_cache, first.v_cache, "DecodeLayers")
+        self.cache_dtype = first.k_cache.dtype
+        width = (num_heads + 2 * num_kv_heads) * self.head_dim
+        for layer in layers:
+            vectors = (layer.input_norm, layer.post_attn_norm, layer.qkv_bias)
+            _check(all(t.dtype == torch.float32 and t.is_contiguous() for t in vectors if t is not None)
+                   and all(t.dtype == self.cache_dtype and t.is_contiguous() for t in (layer.k_cache, layer.v_cache))
+                   and layer.input_norm.shape == layer.post_attn_norm.shape == (self.hidden,)
+                   and _is_weight(layer.qkv, layer.qkv_format, width, self.hidden)
+                   and (layer.qkv_bias is None or layer.qkv_bias.shape == (width,))
+                   and _is_weight(layer.o, layer.o_format, self.hidden, num_heads * self.head_dim)
+                   and _is_weight(layer.gate_up, layer.gate_up_format, 2 * self.inter, self.hidden)
+                   and _is_weight(layer.down, layer.down_format, self.hidden, self.inter)
+                   and layer.k_cache.shape == layer.v_cache.shape == first.k_cache.shape
+                   and layer.k_cache.shape[2] == num_kv_heads and CpuKernels.supports_head_dim(self.head_dim),
+                   "DecodeLayers: a layer's tensors do not match")
+        self._layers = layers  # keeps the tensors alive while the table points at them
+        self.table = (_DecodeLayer * len(layers))(*(
+            _DecodeLayer(*(None if t is None else t.data_ptr() for t in layer.tensors),
+                         *(format_code(f, layer.int8_activations) for f in layer.formats))
+            for layer in layers
+        ))
+
+
+def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """A float32 weight's panels: [ceil(out / 16), in, 16]."""
+    return (-(-out_features // PANEL), in_features, PANEL)
+
+
+def quantized_shape(weight_format: str, out_features: int, in_features: int) -> tuple[int, int]:
+    """A quantized weight's panels (one of ``QUANTIZED_FORMATS``): [ceil(out / 16), in / 32 * bytes per block]."""
+    return (-(-out_features // PANEL), in_features // QUANT_BLOCK * QUANTIZED_FORMATS[weight_format])
+
+
+def weight_shape(weight_format: str, out_features: int, in_features: int) -> tuple[int, ...]:
+    """The packed shape of a product's weight in any of ``WEIGHT_FORMATS``."""
+    if weight_format == "float32":
+        return packed_shape(out_features, in_features)
+    return quantized_shape(weight_format, out_features, in_features)
+
+
+def _is_weight(weight: torch.Tensor, weight_format: str, out_features: int, in_features: int) -> bool:
+    """Whether ``weight`` is a product's packed weight of that format and size, ready for the kernels."""
+    if weight_format != "float32" and in_features % QUANT_BLOCK:
+        return False
+    dtype = torch.float32 if weight_format == "float32" else torch.uint8
+    return (weight.dtype == dtype and weight.is_contiguous()
+            and weight.shape == weight_shape(weight_format, out_features, in_features))
+
+
+def _in_features(weight: torch.Tensor, weight_format: str) -> int:
+    """The input size of a packed weight."""
+    if weight_format == "float32":
+        return weight.shape[1]
+    return weight.shape[1] // QUANTIZED_FORMATS[weight_format] * QUANT_BLOCK
+
+
+class KernelChoice(NamedTuple):
+    """Which code runs a model's layers: the native kernels, or PyTorch ops and why."""
+
+    kernels: CpuKernels | None
+    reason: str = ""  # why not native
+
+    @property
+    def path(self) -> str:
+        """``native`` or ``pytorch`` (the ``kernels`` label of ``splitserve_engine_info``)."""
+        return "pytorch" if self.kernels is None else "native"
+
+    def __str__(self) -> str:
+        if self.kernels is None:
+            return f"PyTorch ops ({self.reason})"
+        return f"native CPU kernels ({self.kernels.isa.upper()}, {self.kernels.path})"
+
+
+def choose(device: torch.device | str, dtype: torch.dtype, enabled: bool = True) -> KernelChoice:
+    """The kernels for a model on ``device`` in ``dtype`` when they can run it (CPU, float32) and are enabled."""
+    if not enabled:
+        return KernelChoice(None, "cpu_kernels=False")
+    if torch.device(device).type != "cpu":
+        return KernelChoice(None, f"device {torch.device(device).type}: the native kernels are for CPUs")
+    if dtype != torch.float32:
+        return KernelChoice(None, f"dtype {str(dtype).removeprefix('torch.')}: the native kernels compute in float32")
+    return load()
+
+
+@functools.cache
+def load() -> KernelChoice:
+    """The built kernels, or why not (logged), once per process."""
+    choice = os.environ.get("SPLITSERVE_CPU_KERNELS", "1")
+    if choice == "0":
+        logger.info("native CPU kernels disabled by SPLITSERVE_CPU_KERNELS=0")
+        return KernelChoice(None, "SPLITSERVE_CPU_KERNELS=0")
+    if choice not in ("1", "avx2"):
+        logger.warning("SPLITSERVE_CPU_KERNELS must be 0, 1 or avx2, got %r; building for this CPU", choice)
+    try:
+        return KernelChoice(build(avx512=choice != "avx2"))
+    except KernelABIError as e:
+        logger.error("%s; using the PyTorch path", e)
+        return KernelChoice(None, str(e))
+    except (KernelsUnavailable, OSError) as e:
+        logger.warning("%s; using the PyTorch path", e)
+        return KernelChoice(None, str(e))
+
+
+def build(avx512: bool = True, vnni: bool = True) -> CpuKernels:
+    """The kernels built for this CPU (``avx512=False``: without its AVX-512, if it has any; ``vnni=False``:
+    without its VNNI dot products), built now if no cache directory holds them. Raises ``KernelsUnavailable``
+    (``KernelABIError`` for a library that disagrees)."""
+    return CpuKernels(library_path(avx512, vnni))
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+    _check(k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_TYPES,
+           f"{what}: caches must both be one of {', '.join(str(t) for t in CACHE_TYPES)}, "
+           f"got {k_cache.dtype} and {v_cache.dtype}")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

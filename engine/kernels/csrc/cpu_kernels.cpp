@@ -1,0 +1,891 @@
+// splitserve's CPU kernels for the memory-bound half of inference: the decode step.
+//
+// Built by engine/kernels/build.py (g++ -O3 -march=native -fopenmp; at set-up, or at first use) and called
+// through ctypes (engine/kernels/cpu_kernels.py) with raw pointers; nothing here knows about torch. OpenMP resolves to the
+// libgomp torch already loaded, so these kernels share torch's thread pool, and the caller passes torch's thread
+// count explicitly. ss_abi_version and ss_abi_table (at the end) report the entry points' argument types as the
+// compiler sees them, which the Python side checks against its declarations before calling anything.
+//
+// The entry points (extern "C", below the helpers):
+//  - ss_linear: y[R, out] = x[R, in] W^T (+ bias) with W stored in panels of 16 outputs, [P, in, 16]. Each panel
+//    is one contiguous stream, so a 1-row product reads W at the memory's speed, and for more rows a 6 x 16 tile of
+//    accumulators reuses every loaded W vector six times (a GEMM micro-kernel). The accumulation order of an output
+//    depends only on `in`, never on R: a row gets the same bits alone or in a batch.
+//  - ss_paged_decode_attention: one new query per sequence attends over its K/V read in place through its block
+//    table (no gather copy), in 256-key chunks merged in order; each K/V vector loaded serves up to three query
+//    heads of its group, and the next block is asked for while the current one is read. The cache holds float32,
+//    bfloat16 or float16 (CacheType), widened to float32 as it is loaded; ss_rope_and_cache writes it rounded.
+//  - ss_attention_input / ss_attention_output_and_mlp: a decoder layer's two halves around its attention (norm,
+//    QKV, rotary, cache write; output product, residual, norm, SwiGLU MLP, residual), built from ss_add_rms_norm,
+//    ss_linear (or ss_quant_linear, quant_kernels.cpp, for a weight in quantized blocks: every weight is passed
+//    with its WeightFormat), ss_rope_and_cache and ss_silu_mul.
+//  - ss_decode_layers: every layer of a decode-only step in one call.
+
+#include <immintrin.h>
+#include <math.h>
+
+#include "quant_kernels.h"
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <array>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int kPanel = 16;   // outputs per panel: two AVX2 vectors
+constexpr int kRowTile = 6;  // rows per micro-kernel tile: 12 accumulators + 2 weight vectors + 1 broadcast
+constexpr int64_t kChunkKeys = 256;  // keys per work item of the decode attention
+constexpr int64_t kPrefetchBlocks = 1;  // how many blocks ahead the decode attention asks for K/V
+constexpr int64_t kAttentionRows = 48;  // query rows per work item of the prefill attention
+constexpr int kHeadSet = 3;  // query heads per attention tile: 3 x 4 accumulators + 3 + 1 of the 16 registers
+
+// What the KV cache holds (CACHE_TYPES in engine/kernels/cpu_kernels.py): float32, or 16-bit bfloat16 / float16 values
+// widened to float32 as they are loaded, so the attention's arithmetic is float32 whatever the cache stores.
+enum CacheType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+template <int CT>
+struct CacheElem;
+
+template <>
+struct CacheElem<kFloat32> {
+  using T = float;
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+};
+
+template <>
+struct CacheElem<kBFloat16> {
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  // Rounded to nearest, ties to even (torch's rounding to bfloat16); a NaN stays a quiet NaN.
+  static void store8(uint16_t* p, __m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 twice | r4..r7 twice
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  }
+};
+
+template <>
+struct CacheElem<kFloat16> {
+  using T = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store8(uint16_t* p, __m256 x) {  // rounded to nearest, ties to even, as torch rounds to float16
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+// Calls f(std::integral_constant<int, CT>) for the cache type the caller named (checked there).
+template <typename F>
+void with_cache_type(int cache_type, F&& f) {
+  switch (cache_type) {
+    case kBFloat16:
+      f(std::integral_constant<int, kBFloat16>{});
+      break;
+    case kFloat16:
+      f(std::integral_constant<int, kFloat16>{});
+      break;
+    default:
+      f(std::integral_constant<int, kFloat32>{});
+  }
+}
+
+// One token's new K and V (n floats each, n a multiple of 8) into the caches at element `offset`, as CT elements.
+template <int CT>
+void write_cache_row(void* k_cache, void* v_cache, int64_t offset, const float* k_new, const float* v_new,
+                     int64_t n) {
+  using T = typename CacheElem<CT>::T;
+  T* k = static_cast<T*>(k_cache) + offset;
+  T* v = static_cast<T*>(v_cache) + offset;
+  for (int64_t i = 0; i < n; i += 8) {
+    CacheElem<CT>::store8(k + i, _mm256_loadu_ps(k_new + i));
+    CacheElem<CT>::store8(v + i, _mm256_loadu_ps(v_new + i));
+  }
+}
+
+using WriteKVFn = void (*)(void*, void*, int64_t, const float*, const float*, int64_t);
+
+// Rows [0, R) of x (row stride ldx) times one panel [in, 16] -> y rows (stride ldy), `valid` outputs kept.
+template <int R>
+inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t /*panel_stride*/, int64_t in,
+                       const float* bias, float* y, int64_t ldy, int valid) {
+  __m256 acc0[R], acc1[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = _mm256_setzero_ps();
+    acc1[r] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < in; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+      acc0[r] = _mm256_fmadd_ps(xv, w0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(xv, w1, acc1[r]);
+    }
+  }
+  alignas(32) float tmp[kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if (bias != nullptr) {
+      acc0[r] = _mm256_add_ps(acc0[r], _mm256_loadu_ps(bias));
+      acc1[r] = _mm256_add_ps(acc1[r], _mm256_loadu_ps(bias + 8));
+    }
+    float* out = y + r * ldy;
+    if (valid == kPanel) {
+      _mm256_storeu_ps(out, acc0[r]);
+      _mm256_storeu_ps(out + 8, acc1[r]);
+    } else {
+      _mm256_store_ps(tmp, acc0[r]);
+      _mm256_store_ps(tmp + 8, acc1[r]);
+      memcpy(out, tmp, sizeof(float) * valid);
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t, int);
+constexpr TileFn kTiles[kRowTile + 1] = {nullptr,         panel_tile<1>, panel_tile<2>, panel_tile<3>,
+                                         panel_tile<4>,   panel_tile<5>, panel_tile<6>};
+
+#ifdef __AVX512F__
+// With AVX-512 a panel's 16 outputs are one register, and the tile is R rows x NP panels: 2 x 12 accumulators
+// reuse every loaded W vector twelve times and every broadcast x value twice, from 32 registers. Each output still
+// sums its products in order of k with one fused multiply-add each, so its bits are the AVX2 tile's bits.
+constexpr int kRowTile512 = 12;
+constexpr int kPanelTile512 = 2;
+
+template <int R, int NP>
+inline void panel_tile512(const float* x, int64_t ldx, const float* panels, int64_t panel_stride, int64_t in,
+                          const float* bias, float* y, int64_t ldy, int valid_last) {
+  __m512 acc[R][NP];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    __m512 w[NP];
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_ps(panels + p * panel_stride + k * kPanel);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 2
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int p = 0; p < NP; ++p) {
+    const __mmask16 keep = p == NP - 1 ? static_cast<__mmask16>((1u << valid_last) - 1) : 0xffff;
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + p * kPanel) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 out = bias != nullptr ? _mm512_add_ps(acc[r][p], b) : acc[r][p];
+      _mm512_mask_storeu_ps(y + r * ldy + p * kPanel, keep, out);
+    }
+  }
+}
+
+template <int NP, int... R>
+constexpr std::array<TileFn, sizeof...(R) + 1> tiles512(std::integer_sequence<int, R...>) {
+  return {nullptr, panel_tile512<R + 1, NP>...};
+}
+constexpr auto kTiles512One = tiles512<1>(std::make_integer_sequence<int, kRowTile512>());
+constexpr auto kTiles512Two = tiles512<2>(std::make_integer_sequence<int, kRowTile512>());
+constexpr int kPanelsPerTile = kPanelTile512;
+#else
+constexpr int kPanelsPerTile = 1;
+#endif
+
+// Panels [p0, p1) of a product, on the calling thread: y[rows, outputs of those panels] = x[rows, in] W^T + bias,
+// with panel p ([in, 16]: 16 outputs' weights, row by row) at packed + p * panel_stride, `out` outputs in all (the
+// last panel may be partial) and bias nullptr or padded to whole panels. Every output sums its `in` products in
+// order of k, one fused multiply-add each, whatever the tile: its bits do not depend on `rows` nor on the ISA.
+inline void panels_product(const float* x, int64_t ldx, int64_t rows, const float* packed, int64_t panel_stride,
+                           int64_t in, int64_t out, int64_t p0, int64_t p1, const float* bias, float* y,
+                           int64_t ldy) {
+  for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
+    const int np = static_cast<int>(std::min<int64_t>(kPanelsPerTile, p1 - p));
+    const int valid_last = static_cast<int>(std::min<int64_t>(kPanel, out - (p + np - 1) * kPanel));
+#ifdef __AVX512F__
+    const auto& tiles = np == 2 ? kTiles512Two : kTiles512One;
+    constexpr int kRows = kRowTile512;
+#else
+    const TileFn* tiles = kTiles;
+    constexpr int kRows = kRowTile;
+#endif
+    for (int64_t r = 0; r < rows; r += kRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kRows, rows - r));
+      tiles[n](x + r * ldx, ldx, packed + p * panel_stride, panel_stride, in,
+               bias != nullptr ? bias + p * kPanel : nullptr, y + r * ldy + p * kPanel, ldy, valid_last);
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// x[0]^2 + ... + x[n-1]^2 in one fixed order whatever vector width the build targets: sixteen lanes (two 8-lane
+// halves), added half to half, then across. An `omp simd` reduction summed in 16 lanes under AVX-512 and 8 under
+// AVX2, so the two builds' norms differed in the last bits; this is the AVX-512 build's order, for both.
+inline float sum_of_squares(const float* x, int64_t n) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    lo = _mm256_fmadd_ps(a, a, lo);
+    hi = _mm256_fmadd_ps(b, b, hi);
+  }
+  float sum = hsum(_mm256_add_ps(lo, hi));
+  for (; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
+// [sum a0, sum a1, sum a2, sum a3]: four dot products' accumulators reduced together.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// e^x within ~2 float ulps: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n put
+// into the exponent bits. Below -87 the result is 0, above 88 it is inf.
+inline __m256 exp256(__m256 x) {
+  const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2, high part
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);  // ln2, low part
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 e = _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+  return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), overflow);
+}
+
+// In place: x[0:n] <- e^(x - max x); returns max x and stores the sum of the exponentials in *sum.
+// x has room for n rounded up to 8.
+inline float exp_shifted(float* x, int64_t n, float* sum) {
+  const int64_t full = n / 8 * 8;
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < full; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  float max = hmax(m);
+  for (int64_t i = full; i < n; ++i) max = std::max(max, x[i]);
+  for (int64_t i = n; i < (n + 7) / 8 * 8; ++i) x[i] = -INFINITY;  // the last vector's padding: e^-inf = 0
+  const __m256 vmax = _mm256_set1_ps(max);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
+    _mm256_storeu_ps(x + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  *sum = hsum(total);
+  return max;
+}
+
+// Asks for `rows` rows (stride row_stride) of `count` elements each, ahead of their use. The decode attention reads
+// a context's blocks, which lie anywhere in the pool, where the hardware prefetcher cannot follow; it asks for the
+// next block a slice at a time, as it reads the same slice of the current one, so the requests keep the memory
+// busy without filling the core's miss buffers all at once (a whole block asked for at once stalls the core).
+template <typename T>
+inline void prefetch_slice(const T* first, int64_t rows, int64_t row_stride, int64_t count) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < count; i += kLine) {
+      _mm_prefetch(reinterpret_cast<const char*>(first + r * row_stride + i), _MM_HINT_T0);
+    }
+  }
+}
+
+// scores[h * score_stride + j] = scale * q_h . K_j for HS query heads (q_h = q + h * head_dim) and KEYS key rows
+// (K_j = k + j * row_stride): every K vector loaded once serves all HS heads.
+template <int CT, int HS, int KEYS>
+inline void score_tile(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
+                       float scale, float* scores, int64_t score_stride) {
+  __m256 acc[HS][KEYS];
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 4
+    for (int j = 0; j < KEYS; ++j) acc[h][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    __m256 qv[HS];
+#pragma GCC unroll 4
+    for (int h = 0; h < HS; ++h) qv[h] = _mm256_loadu_ps(q + h * head_dim + d);
+#pragma GCC unroll 4
+    for (int j = 0; j < KEYS; ++j) {
+      const __m256 kv = CacheElem<CT>::load8(k + j * row_stride + d);
+#pragma GCC unroll 4
+      for (int h = 0; h < HS; ++h) acc[h][j] = _mm256_fmadd_ps(qv[h], kv, acc[h][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h) {
+    if constexpr (KEYS == 4) {
+      _mm_storeu_ps(scores + h * score_stride,
+                    _mm_mul_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), _mm_set1_ps(scale)));
+    } else {
+#pragma GCC unroll 4
+      for (int j = 0; j < KEYS; ++j) scores[h * score_stride + j] = hsum(acc[h][j]) * scale;
+    }
+  }
+}
+
+template <int CT>
+using ScoreTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, float, float*, int64_t);
+template <int CT>
+constexpr ScoreTileFn<CT> kScoreTiles[kHeadSet + 1][5] = {
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+    {nullptr, score_tile<CT, 1, 1>, nullptr, nullptr, score_tile<CT, 1, 4>},
+    {nullptr, score_tile<CT, 2, 1>, nullptr, nullptr, score_tile<CT, 2, 4>},
+    {nullptr, score_tile<CT, 3, 1>, nullptr, nullptr, score_tile<CT, 3, 4>},
+};
+
+// out_h[0:8 VEC] += sum_j p[h * score_stride + j] V_j[0:8 VEC] over n value rows (V_j = v + j * row_stride), for
+// HS heads (out_h = out + h * head_dim): the accumulators stay in registers through the rows, in row order.
+template <int CT, int HS, int VEC>
+inline void value_tile(const float* p, int64_t score_stride, const typename CacheElem<CT>::T* v, int64_t row_stride,
+                       int64_t n, float* out, int64_t head_dim) {
+  __m256 acc[HS][VEC];
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 4
+    for (int c = 0; c < VEC; ++c) acc[h][c] = _mm256_loadu_ps(out + h * head_dim + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 pv[HS];
+#pragma GCC unroll 4
+    for (int h = 0; h < HS; ++h) pv[h] = _mm256_broadcast_ss(p + h * score_stride + j);
+#pragma GCC unroll 4
+    for (int c = 0; c < VEC; ++c) {
+      const __m256 vv = CacheElem<CT>::load8(v + j * row_stride + 8 * c);
+#pragma GCC unroll 4
+      for (int h = 0; h < HS; ++h) acc[h][c] = _mm256_fmadd_ps(pv[h], vv, acc[h][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 4
+    for (int c = 0; c < VEC; ++c) _mm256_storeu_ps(out + h * head_dim + 8 * c, acc[h][c]);
+}
+
+template <int CT>
+using ValueTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, int64_t, float*,
+                             int64_t);
+template <int CT>
+constexpr ValueTileFn<CT> kValueTiles[kHeadSet + 1][5] = {
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+    {nullptr, value_tile<CT, 1, 1>, value_tile<CT, 1, 2>, value_tile<CT, 1, 3>, value_tile<CT, 1, 4>},
+    {nullptr, value_tile<CT, 2, 1>, value_tile<CT, 2, 2>, value_tile<CT, 2, 3>, value_tile<CT, 2, 4>},
+    {nullptr, value_tile<CT, 3, 1>, value_tile<CT, 3, 2>, value_tile<CT, 3, 3>, value_tile<CT, 3, 4>},
+};
+
+// out[b, hq, :] = softmax(q[b, hq] . K[b]^T * scale) V[b] for one new query per sequence.
+// q, out: [B, Hq, D] contiguous, D a multiple of 8; k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous
+// (elements of cache type CT);
+// block_tables: [B, table_stride] int64; seq_lens: [B] int64, the keys each sequence attends to.
+//
+// Work items are chunks of kChunkKeys keys of one sequence, all heads (flash-decoding's split over keys): a
+// single sequence still keeps every thread busy. Each chunk leaves its max score, exp-sum and unnormalized output
+// per head; a sequence's chunks are then merged in order. The split depends on the sequence alone, never on the
+// batch, so a sequence gets the same bits whatever runs beside it. Threads take items round robin, so each knows
+// the blocks it reads next (K, then V, then its next item's K) and asks for them ahead (prefetch_slice).
+template <int CT>
+void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
+                      const typename CacheElem<CT>::T* v_cache, const int64_t* block_tables, int64_t table_stride,
+                      const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+  using T = typename CacheElem<CT>::T;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * head_dim;  // between consecutive slots of a block
+  const int64_t block_stride = block_size * row_stride;
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkKeys / block_size);
+  const int64_t chunk_keys = chunk_blocks * block_size;
+  const int64_t score_stride = (chunk_keys + 7) / 8 * 8;  // room for exp_shifted's padding
+  std::vector<int64_t> first_item(batch + 1, 0);  // sequence b's chunks are items first_item[b]..first_item[b+1]
+  for (int64_t b = 0; b < batch; ++b) first_item[b + 1] = first_item[b] + (seq_lens[b] + chunk_keys - 1) / chunk_keys;
+  const int64_t items = first_item[batch];
+  std::vector<float> part_max(items * num_heads), part_sum(items * num_heads), part_out(items * num_heads * head_dim);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores(static_cast<size_t>(num_heads * score_stride));
+    // The blocks an item reads, in order: its K blocks, its V blocks, then (padded with nulls) the first K blocks
+    // of this thread's next item, so the prefetch runs on across the K/V and item boundaries.
+    std::vector<const T*> stream(2 * chunk_blocks + kPrefetchBlocks);
+    const int64_t stride = omp_get_num_threads();
+    // Writes the first `count` blocks of sequence b's chunk to `into` (nulls past its end); returns how many it has.
+    const auto chunk_blocks_of = [&](int64_t b, int64_t chunk, const T* cache, const T** into, int64_t count) {
+      const int64_t keys = std::min(chunk_keys, seq_lens[b] - chunk * chunk_keys);
+      const int64_t n = std::min(count, (keys + block_size - 1) / block_size);
+      const int64_t* table = block_tables + b * table_stride + chunk * chunk_blocks;
+      for (int64_t i = 0; i < n; ++i) into[i] = cache + table[i] * block_stride;
+      std::fill(into + n, into + count, nullptr);
+      return n;
+    };
+    const auto sequence_of = [&](int64_t item) {
+      return std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    };
+#pragma omp for schedule(static, 1)  // round robin, so a thread knows its next item
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t b = sequence_of(item), chunk = item - first_item[b];
+      const int64_t len = std::min(chunk_keys, seq_lens[b] - chunk * chunk_keys);
+      const int64_t blocks = chunk_blocks_of(b, chunk, k_cache, stream.data(), chunk_blocks);
+      chunk_blocks_of(b, chunk, v_cache, stream.data() + blocks, blocks);
+      const T** ahead = stream.data() + 2 * blocks;  // the next item's first K blocks
+      if (item + stride < items) {
+        const int64_t next_b = sequence_of(item + stride);
+        chunk_blocks_of(next_b, item + stride - first_item[next_b], k_cache, ahead, kPrefetchBlocks);
+      } else {
+        std::fill(ahead, ahead + kPrefetchBlocks, nullptr);
+      }
+      const float* qb = q + b * num_heads * head_dim;
+      // Pass 1: the scaled scores, block by block, four keys at a time; each K vector loaded once serves up to
+      // three query heads of its group.
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
+        const T* kb = stream[i];
+        const T* next = stream[i + kPrefetchBlocks];
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
+            const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
+            int64_t j = 0;
+            for (; j + 4 <= n; j += 4) {
+              if (next != nullptr && r0 == g * group) {
+                prefetch_slice(next + j * row_stride + g * head_dim, 4, row_stride, head_dim);
+              }
+              kScoreTiles<CT>[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride,
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
+            }
+            for (; j < n; ++j) {
+              kScoreTiles<CT>[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride,
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < num_heads; ++r) {
+        part_max[item * num_heads + r] =
+            exp_shifted(scores.data() + r * score_stride, len, &part_sum[item * num_heads + r]);
+      }
+      // Pass 2: the weighted sum of the values, block by block; up to three heads x 32 dimensions of accumulators
+      // stay in registers through a block, and each V vector loaded serves every head of its group.
+      float* acc = part_out.data() + item * num_heads * head_dim;
+      std::fill(acc, acc + num_heads * head_dim, 0.0f);
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
+        const T* vb = stream[blocks + i];
+        const T* next = stream[blocks + i + kPrefetchBlocks];
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
+            const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+              const int vec = static_cast<int>(std::min<int64_t>(4, (head_dim - d0) / 8));
+              if (next != nullptr && r0 == g * group) prefetch_slice(next + g * head_dim + d0, n, row_stride, 8 * vec);
+              kValueTiles<CT>[hs][vec](scores.data() + r0 * score_stride + s0, score_stride,
+                                   vb + g * head_dim + d0, row_stride, n, acc + r0 * head_dim + d0, head_dim);
+            }
+          }
+        }
+      }
+    }
+    // Merge each sequence's chunks, in chunk order: out = sum_c e^(m_c - m) acc_c / sum_c e^(m_c - m) l_c.
+#pragma omp for schedule(static)
+    for (int64_t br = 0; br < batch * num_heads; ++br) {
+      const int64_t b = br / num_heads, r = br % num_heads;
+      float m = -INFINITY;
+      for (int64_t c = first_item[b]; c < first_item[b + 1]; ++c) m = std::max(m, part_max[c * num_heads + r]);
+      float total = 0.0f;
+      float* o = out + br * head_dim;
+      std::fill(o, o + head_dim, 0.0f);
+      for (int64_t c = first_item[b]; c < first_item[b + 1]; ++c) {
+        const float w = expf(part_max[c * num_heads + r] - m);
+        total += w * part_sum[c * num_heads + r];
+        const float* pc = part_out.data() + (c * num_heads + r) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += w * pc[d];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+    }
+  }
+}
+
+// Prefill attention: the n new queries of one sequence (positions prefix .. prefix + n - 1; query r of head hq at
+// q + r * ldq + hq * head_dim) over its keys 0 .. prefix + n - 1, read through its block table from the caches (the
+// new tokens' K and V already written), causal. The products run on the GEMM tiles: K of each KV head is packed as
+// panels of 16 keys [key_panels, D, 16] (scores = q K^T, a product with K as its weights) and V as panels of 16
+// dimensions [D / 16, keys, 16] (out = p V). Work items are (query head, block of rows): a row's scores span its
+// keys, are softmaxed in place (padding after them zero) and multiplied by V. A row's bits depend on its own
+// keys only: alone or in a batch, in one chunk or several, it gets the same output.
+template <int CT>
+void prefill_attention(const float* q, int64_t ldq, const typename CacheElem<CT>::T* k_cache,
+                       const typename CacheElem<CT>::T* v_cache, const int64_t* blocks, int64_t n, int64_t prefix,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                       float* out, int64_t ldo, int threads) {
+  const int64_t keys = prefix + n;
+  const int64_t key_panels = (keys + kPanel - 1) / kPanel;
+  const int64_t keys_padded = key_panels * kPanel;
+  const int64_t dim_panels = (head_dim + kPanel - 1) / kPanel;
+  const int64_t k_head_size = key_panels * head_dim * kPanel, v_head_size = dim_panels * keys_padded * kPanel;
+  std::vector<float> k_packed(num_kv_heads * k_head_size), v_packed(num_kv_heads * v_head_size);  // zero padded
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t item = 0; item < num_kv_heads * key_panels; ++item) {
+    const int64_t h = item / key_panels, panel = item % key_panels;
+    float* k_panel = k_packed.data() + h * k_head_size + panel * head_dim * kPanel;
+    float* v_head = v_packed.data() + h * v_head_size;
+    alignas(32) float row[512];
+    for (int64_t jj = 0; jj < kPanel && panel * kPanel + jj < keys; ++jj) {
+      const int64_t j = panel * kPanel + jj;
+      const int64_t at = ((blocks[j / block_size] * block_size + j % block_size) * num_kv_heads + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; d += 8) _mm256_store_ps(row + d, CacheElem<CT>::load8(k_cache + at + d));
+      for (int64_t d = 0; d < head_dim; ++d) k_panel[d * kPanel + jj] = row[d];
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        _mm256_storeu_ps(v_head + (d / kPanel) * keys_padded * kPanel + j * kPanel + d % kPanel,
+                         CacheElem<CT>::load8(v_cache + at + d));
+      }
+    }
+  }
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_blocks = (n + kAttentionRows - 1) / kAttentionRows;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores(kAttentionRows * keys_padded), queries(kAttentionRows * head_dim);
+    float inv_sum[kAttentionRows];
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < num_heads * row_blocks; ++item) {
+      const int64_t block = row_blocks - 1 - item / num_heads;  // the longest rows first, for balance
+      const int64_t hq = item % num_heads, h = hq / group;
+      const int64_t r0 = block * kAttentionRows, rows = std::min(kAttentionRows, n - r0);
+      const int64_t seen = prefix + r0 + rows;  // keys of the block's last row
+      const int64_t seen_panels = (seen + kPanel - 1) / kPanel;
+      for (int64_t r = 0; r < rows; ++r) {  // the block's queries, scaled, as contiguous rows
+        const float* from = q + (r0 + r) * ldq + hq * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) queries[r * head_dim + d] = from[d] * scale;
+      }
+      panels_product(queries.data(), head_dim, rows, k_packed.data() + h * k_head_size, head_dim * kPanel, head_dim,
+                     seen_panels * kPanel, 0, seen_panels, nullptr, scores.data(), keys_padded);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * keys_padded;
+        const int64_t valid = prefix + r0 + r + 1;
+        const int64_t vectors = (valid + 7) / 8 * 8;
+        float sum;
+        exp_shifted(s, valid, &sum);
+        std::fill(s + vectors, s + std::max(vectors, seen), 0.0f);  // keys this row does not see
+        inv_sum[r] = 1.0f / sum;
+      }
+      float* o = out + r0 * ldo + hq * head_dim;
+      panels_product(scores.data(), keys_padded, rows, v_packed.data() + h * v_head_size, keys_padded * kPanel,
+                     seen, head_dim, 0, dim_panels, nullptr, o, ldo);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < head_dim; ++d) o[r * ldo + d] *= inv_sum[r];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The widest vectors this build's GEMM micro-kernel uses: 512 (AVX-512) or 256 (AVX2).
+int ss_vector_bits() {
+#ifdef __AVX512F__
+  return 512;
+#else
+  return 256;
+#endif
+}
+
+// y[rows, out] (row stride ldy) = x[rows, in] (row stride ldx) W^T + bias; W in panels [P, in, 16], the last
+// panel's padding outputs zero (engine/model.py's Linear packs them).
+void ss_linear(const float* x, int64_t rows, int64_t ldx, const float* packed, int64_t out, int64_t in,
+               const float* bias, float* y, int64_t ldy, int threads) {
+  const int64_t panels = (out + kPanel - 1) / kPanel;
+  std::vector<float> bias_padded;  // whole panels, so that a tile reads the bias like the weights
+  if (bias != nullptr) {
+    bias_padded.assign(panels * kPanel, 0.0f);
+    memcpy(bias_padded.data(), bias, sizeof(float) * out);
+  }
+  const float* padded = bias != nullptr ? bias_padded.data() : nullptr;
+  const int64_t groups = (panels + kPanelsPerTile - 1) / kPanelsPerTile;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t p0 = g * kPanelsPerTile;
+    panels_product(x, ldx, rows, packed, in * kPanel, in, out, p0, std::min(panels, p0 + kPanelsPerTile), padded, y,
+                   ldy);
+  }
+}
+
+// The decode attention (decode_attention above) over caches holding cache_type (a CacheType) elements.
+void ss_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int cache_type,
+                               const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
+                               int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, float scale, float* out, int threads) {
+  with_cache_type(cache_type, [&](auto ct) {
+    using T = typename CacheElem<ct>::T;
+    decode_attention<ct>(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,
+                         table_stride, seq_lens, batch, num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                         threads);
+  });
+}
+
+// The prefill attention (prefill_attention above) over caches holding cache_type (a CacheType) elements.
+void ss_prefill_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, int cache_type,
+                          const int64_t* blocks, int64_t n, int64_t prefix, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, float scale, float* out, int64_t ldo, int threads) {
+  with_cache_type(cache_type, [&](auto ct) {
+    using T = typename CacheElem<ct>::T;
+    prefill_attention<ct>(q, ldq, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), blocks, n, prefix,
+                          num_heads, num_kv_heads, head_dim, block_size, scale, out, ldo, threads);
+  });
+}
+
+// x[r] += delta[r] when delta is given, then out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; x, delta, out:
+// [rows, dim] contiguous. The residual add and the norm of every decoder layer in one pass.
+void ss_add_rms_norm(float* x, const float* delta, const float* weight, float eps, float* out, int64_t rows,
+                     int64_t dim, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 64)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * dim;
+    float* outr = out + r * dim;
+    if (delta != nullptr) {
+      const float* dr = delta + r * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) xr[i] += dr[i];
+    }
+    const float sum = sum_of_squares(xr, dim);
+    const float inv = 1.0f / sqrtf(sum / static_cast<float>(dim) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) outr[i] = xr[i] * inv * weight[i];
+  }
+}
+
+// Rotary embedding in place on the q and k heads of qkv [T, (Hq + 2 Hkv) D] (HF's rotate-half layout): each head
+// x becomes x * cos + swap_halves(x) * sin_signed at its token's position, cos and sin_signed being [P, D] tables.
+// Then, with caches given, the step's k and v go to the caches [num_blocks * block_size, Hkv, D] at slot_mapping,
+// as cache_type (a CacheType) elements.
+void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, const float* cos,
+                       const float* sin_signed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       void* k_cache, void* v_cache, int cache_type, const int64_t* slot_mapping, int threads) {
+  const int64_t half = head_dim / 2;
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t kv_width = num_kv_heads * head_dim;
+  WriteKVFn write_kv = nullptr;
+  with_cache_type(cache_type, [&](auto ct) { write_kv = write_cache_row<ct>; });
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens >= 64)
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* row = qkv + t * width;
+    const float* c = cos + positions[t] * head_dim;
+    const float* sn = sin_signed + positions[t] * head_dim;
+    float rotated[512];  // head_dim <= 512, checked by the caller
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+      float* x = row + h * head_dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        rotated[i] = x[i] * c[i] + x[i + half] * sn[i];
+        rotated[i + half] = x[i + half] * c[i + half] + x[i] * sn[i + half];
+      }
+      memcpy(x, rotated, sizeof(float) * head_dim);
+    }
+    if (k_cache != nullptr) {
+      const float* k_new = row + num_heads * head_dim;
+      write_kv(k_cache, v_cache, slot_mapping[t] * kv_width, k_new, k_new + kv_width, kv_width);
+    }
+  }
+}
+
+// out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: SwiGLU on the fused gate/up product [rows, 2 inter].
+void ss_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inter;
+    float* o = out + r * inter;
+    int64_t i = 0;
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 neg_exp = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), neg_exp));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(g + inter + i)));
+    }
+    for (; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * g[inter + i];
+  }
+}
+
+// The first half of a decoder layer for the step's tokens, up to its attention: h = RMSNorm(x);
+// qkv [T, (Hq + 2 Hkv) D] = h Wqkv^T (+ bias); q and k rotated in place; k and v written to the caches at slots.
+void ss_attention_input(const float* x, int64_t tokens, int64_t hidden, const float* norm_weight, float eps,
+                        const void* qkv_weight, int qkv_format, const float* qkv_bias, float* qkv,
+                        const int64_t* positions,
+                        const float* cos, const float* sin_signed, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, void* k_cache, void* v_cache, int cache_type, const int64_t* slot_mapping,
+                        int threads) {
+  std::unique_ptr<float[]> h(new float[tokens * hidden]);
+  ss_add_rms_norm(const_cast<float*>(x), nullptr, norm_weight, eps, h.get(), tokens, hidden, threads);
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+  weight_product(h.get(), tokens, hidden, qkv_weight, qkv_format, width, hidden, qkv_bias, qkv, width, threads);
+  ss_rope_and_cache(qkv, tokens, positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
+                    cache_type, slot_mapping, threads);
+}
+
+// The second half of a decoder layer, from its attention's output attn [T, attn_width] on: x += attn Wo^T;
+// h = RMSNorm(x); x += down(silu(gate) * up) with [gate, up] = h Wgate_up^T. x: the residual stream [T, hidden].
+void ss_attention_output_and_mlp(float* x, int64_t tokens, int64_t hidden, const float* attn, int64_t attn_width,
+                                 const void* o_weight, int o_format, const float* norm_weight, float eps,
+                                 const void* gate_up_weight, int gate_up_format, const void* down_weight,
+                                 int down_format, int64_t inter, int threads) {
+  std::unique_ptr<float[]> o(new float[tokens * hidden]), h(new float[tokens * hidden]);
+  std::unique_ptr<float[]> gate_up(new float[tokens * 2 * inter]), act(new float[tokens * inter]);
+  weight_product(attn, tokens, attn_width, o_weight, o_format, hidden, attn_width, nullptr, o.get(), hidden, threads);
+  ss_add_rms_norm(x, o.get(), norm_weight, eps, h.get(), tokens, hidden, threads);
+  weight_product(h.get(), tokens, hidden, gate_up_weight, gate_up_format, 2 * inter, hidden, nullptr, gate_up.get(),
+                 2 * inter, threads);
+  ss_silu_mul(gate_up.get(), act.get(), tokens, inter, threads);
+  weight_product(act.get(), tokens, inter, down_weight, down_format, hidden, inter, nullptr, o.get(), hidden, threads);
+  const int64_t n = tokens * hidden;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= (1 << 16))
+  for (int64_t i = 0; i < n; ++i) x[i] += o[i];
+}
+
+// One decoder layer's weights (packed linear weights, norm weights, optional QKV bias), its KV caches, and the
+// WeightFormat of each linear weight.
+struct DecodeLayer {
+  const float* input_norm;
+  const void* qkv;
+  const float* qkv_bias;
+  const void* o;
+  const float* post_attn_norm;
+  const void* gate_up;
+  const void* down;
+  void* k_cache;  // elements of the step's cache type
+  void* v_cache;
+  int64_t qkv_format;
+  int64_t o_format;
+  int64_t gate_up_format;
+  int64_t down_format;
+};
+
+// A whole decode step's layers: one new token per sequence (token b is sequence b), every layer run as
+// ss_attention_input, ss_paged_decode_attention and ss_attention_output_and_mlp in turn, the residual stream
+// x [B, hidden] updated in place; every layer's caches hold cache_type elements. The same kernels in the same order
+// as layer-by-layer calls, so the same bits, without the interpreter between layers.
+void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layers, const DecodeLayer* layers,
+                      int cache_type, float eps, const int64_t* positions, const float* cos, const float* sin_signed,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
+                      const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
+                      const int64_t* seq_lens, int64_t block_size, float scale, int threads) {
+  const int64_t q_width = num_heads * head_dim;
+  const int64_t width = q_width + 2 * num_kv_heads * head_dim;
+  std::unique_ptr<float[]> qkv(new float[batch * width]), q(new float[batch * q_width]);
+  std::unique_ptr<float[]> attn(new float[batch * q_width]);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const DecodeLayer& w = layers[l];
+    ss_attention_input(x, batch, hidden, w.input_norm, eps, w.qkv, static_cast<int>(w.qkv_format), w.qkv_bias,
+                       qkv.get(), positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, w.k_cache, w.v_cache,
+                       cache_type, slot_mapping, threads);
+    for (int64_t b = 0; b < batch; ++b) memcpy(q.get() + b * q_width, qkv.get() + b * width, sizeof(float) * q_width);
+    ss_paged_decode_attention(q.get(), w.k_cache, w.v_cache, cache_type, block_tables, table_stride, seq_lens, batch,
+                              num_heads, num_kv_heads, head_dim, block_size, scale, attn.get(), threads);
+    ss_attention_output_and_mlp(x, batch, hidden, attn.get(), q_width, w.o, static_cast<int>(w.o_format),
+                                w.post_attn_norm, eps, w.gate_up, static_cast<int>(w.gate_up_format), w.down,
+                                static_cast<int>(w.down_format), inter, threads);
+  }
+}
+
+}  // extern "C"
+
+// ---- ABI: what the Python side checks before it calls anything -------------------------------------------------
+
+namespace {
+
+constexpr int kAbiVersion = 3;  // ABI_VERSION in engine/kernels/cpu_kernels.py: bump both when an entry point changes
+
+// An argument's type as one letter (_TYPE_CODES in engine/kernels/cpu_kernels.py): p pointer, q int64, i int, f float.
+template <typename T>
+constexpr char type_code() {
+  if constexpr (std::is_pointer_v<T>) {
+    return 'p';
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    return 'q';
+  } else if constexpr (std::is_same_v<T, int>) {
+    return 'i';
+  } else {
+    static_assert(std::is_same_v<T, float>, "an entry point takes a type the ABI table cannot spell");
+    return 'f';
+  }
+}
+
+template <typename R, typename... Args>
+struct ArgTypes {
+  static constexpr char codes[sizeof...(Args) + 1] = {type_code<Args>()..., '\0'};
+};
+
+// The argument types of an entry point, from its own signature: the table below cannot drift from the definitions.
+template <typename R, typename... Args>
+constexpr const char* arg_types(R (*)(Args...)) {
+  return ArgTypes<R, Args...>::codes;
+}
+
+}  // namespace
+
+extern "C" {
+
+struct AbiEntry {  // _AbiEntry in engine/kernels/cpu_kernels.py
+  const char* name;
+  const char* arg_types;
+};
+
+#define SS_ABI_ENTRY(fn) \
+  AbiEntry { #fn, arg_types(fn) }
+
+static const AbiEntry kAbiTable[] = {
+    SS_ABI_ENTRY(ss_vector_bits),
+    SS_ABI_ENTRY(ss_linear),
+    SS_ABI_ENTRY(ss_quant_linear),
+    SS_ABI_ENTRY(ss_quant_rows),
+    SS_ABI_ENTRY(ss_paged_decode_attention),
+    SS_ABI_ENTRY(ss_prefill_attention),
+    SS_ABI_ENTRY(ss_attention_input),
+    SS_ABI_ENTRY(ss_attention_output_and_mlp),
+    SS_ABI_ENTRY(ss_decode_layers),
+};
+
+int ss_abi_version() { return kAbiVersion; }
+
+// Sets *entries to the table of entry points the Python side calls; returns how many there are.
+int64_t ss_abi_table(const AbiEntry** entries) {
+  *entries = kAbiTable;
+  return sizeof(kAbiTable) / sizeof(kAbiTable[0]);
+}
+
+}  // extern "C"

@@ -1,0 +1,1 @@
+"""Sampling: what a request asks for (``SamplingParams``) and the ``Sampler`` that turns logits into tokens."""

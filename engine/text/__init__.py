@@ -1,0 +1,1 @@
+"""Text <-> token ids: the tokenizer, its files, incremental detokenization and stop strings."""

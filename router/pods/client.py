@@ -1,0 +1,88 @@
+"""``PodClient``: the router's connection to one pod, and ``PodClientPool``, one client per pod address.
+
+The router talks to a pod only through these calls, all on one ``grpc.aio`` channel per pod:
+
+- ``watch_health()`` / ``watch_load()``: the streams a ``PodMonitor`` follows (liveness; load after each step);
+- ``prefill(...)``: on a prefill pod, prefill a prompt and push its KV to the chosen decode pod; returns the
+  first token;
+- ``decode(...)``: on a decode or mixed pod, the stream of the request's remaining tokens. The returned call
+  is an async iterator of ``DecodeResponse``; cancelling it makes the pod abort the request and free its blocks;
+- ``abort(request_id)``: frees a request wherever it is on the pod (e.g. KV pushed and never claimed).
+
+Errors are left as ``grpc.aio.AioRpcError``: the router decides which ones are worth a retry.
+"""
+
+from __future__ import annotations
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.runtime import transport
+from splitserve.runtime.roles import Role
+from splitserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    pod_status_pb2,
+    pod_status_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+ABORT_TIMEOUT_S = 2.0
+
+
+class PodClient:
+    """Stubs for one pod's services, as its role serves them: Prefill for prefill pods, Decode for decode and
+    mixed pods; health and PodStatus on every pod."""
+
+    def __init__(self, address: str, role: Role, tls: transport.TLSConfig = transport.PLAINTEXT):
+        self.address, self.role = address, Role(role)
+        self._channel = transport.open_channel(address, tls)
+        self._prefill = prefill_pb2_grpc.PrefillStub(self._channel) if self.role is Role.PREFILL else None
+        self._decode = decode_pb2_grpc.DecodeStub(self._channel) if self.role.can_decode else None
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._status = pod_status_pb2_grpc.PodStatusStub(self._channel)
+
+    def watch_health(self):
+        """The pod's health, as a stream of ``HealthCheckResponse`` (the first at once, then each change)."""
+        return self._health.Watch(health_pb2.HealthCheckRequest(service=""))
+
+    def watch_load(self):
+        """The pod's load, as a stream of ``PodLoad`` (the first at once, then after each engine step)."""
+        return self._status.WatchLoad(pod_status_pb2.WatchLoadRequest())
+
+    def prefill(self, request: prefill_pb2.PrefillRequest, timeout_s: float):
+        """The Prefill call: await it for the ``PrefillResponse``; ``cancel()`` aborts it on the pod."""
+        return self._prefill.Prefill(request, timeout=timeout_s)
+
+    def decode(self, request: decode_pb2.DecodeRequest, timeout_s: float):
+        """The Decode call: an async iterator of ``DecodeResponse``; ``cancel()`` aborts it on the pod."""
+        return self._decode.Decode(request, timeout=timeout_s)
+
+    async def abort(self, request_id: str, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
+        stub = self._prefill or self._decode
+        response = await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
+        return response.found
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class PodClientPool:
+    """One ``PodClient`` per pod address, created on first use and kept for the router's lifetime; ``tls``: the
+    router's TLS towards pods."""
+
+    def __init__(self, tls: transport.TLSConfig = transport.PLAINTEXT) -> None:
+        self._clients: dict[tuple[str, Role], PodClient] = {}
+        self._tls = tls
+
+    def get(self, address: str, role: Role) -> PodClient:
+        key = (address, Role(role))
+        if key not in self._clients:
+            self._clients[key] = PodClient(address, role, self._tls)
+        return self._clients[key]
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
