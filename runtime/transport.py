@@ -173,10 +173,6 @@ def configure_process_tls(tls: TLSConfig) -> None:
     _process_tls = tls
 
 
-def process_tls() -> TLSConfig:
-    return _process_tls
-
-
 def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES,
                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     """A server; ``max_receive_bytes`` caps a request message (a larger one is refused with RESOURCE_EXHAUSTED

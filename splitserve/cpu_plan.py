@@ -1,6 +1,6 @@
 """The CPU plan of ``splitserve up``: which CPUs each process runs on and how many torch threads it starts.
 
-    plan_cpus(pods, allowed, given)  ->  {process name: Placement}
+    plan_cpus(pods, allowed, given)  ->  {process name: CpuAssignment}
 
 Rules, in order:
 
@@ -36,7 +36,7 @@ ROUTER_FLOATS = True
 
 
 @dataclass(frozen=True)
-class Placement:
+class CpuAssignment:
     """Where one process runs. ``threads`` 0: it computes nothing with torch (router, redis, Prometheus)."""
 
     process: str
@@ -47,7 +47,7 @@ class Placement:
 
 
 def plan_cpus(pods: Sequence[tuple[str, Role]], allowed: frozenset[int],
-              given: Mapping[Role, frozenset[int]]) -> dict[str, Placement]:
+              given: Mapping[Role, frozenset[int]]) -> dict[str, CpuAssignment]:
     """Placements of ``pods`` ((name, role) in start order) and of the router, within ``allowed``. ``given``:
     the sets the operator named, by role (Role.ROUTER for the router); empty or missing sets are planned."""
     counts = Counter(role for _, role in pods)
@@ -61,19 +61,20 @@ def plan_cpus(pods: Sequence[tuple[str, Role]], allowed: frozenset[int],
         names = [name for name, pod_role in pods if pod_role is role]
         pod_sets.update(zip(names, _split(sorted(role_set), [1] * len(names))))
     sharers = Counter(pod_sets.values())
-    placements = {name: Placement(name, role, pod_sets[name], max(1, len(pod_sets[name]) // sharers[pod_sets[name]]),
-                                  True) for name, role in pods}
+    placements = {name: CpuAssignment(name, role, pod_sets[name],
+                                      max(1, len(pod_sets[name]) // sharers[pod_sets[name]]), True)
+                  for name, role in pods}
     router_set = given.get(Role.ROUTER) or (allowed if ROUTER_FLOATS else _decode_cpus(placements))
-    placements["router"] = Placement("router", Role.ROUTER, router_set, 0, router_set != allowed)
+    placements["router"] = CpuAssignment("router", Role.ROUTER, router_set, 0, router_set != allowed)
     return placements
 
 
-def floating(process: str, allowed: frozenset[int]) -> Placement:
+def floating(process: str, allowed: frozenset[int]) -> CpuAssignment:
     """A helper process left to the OS scheduler (redis-server, Prometheus)."""
-    return Placement(process, process, allowed, 0, False)
+    return CpuAssignment(process, process, allowed, 0, False)
 
 
-def _decode_cpus(placements: Mapping[str, Placement]) -> frozenset[int]:
+def _decode_cpus(placements: Mapping[str, CpuAssignment]) -> frozenset[int]:
     return frozenset().union(*(p.cpus for p in placements.values() if Role(p.role).can_decode))
 
 
@@ -95,7 +96,7 @@ def _split(cpus: list[int], weights: list[int]) -> list[frozenset[int]]:
     return [frozenset(cpus[start:start + size]) for start, size in zip(starts, sizes)]
 
 
-def format_plan(placements: Sequence[Placement]) -> str:
+def format_plan(placements: Sequence[CpuAssignment]) -> str:
     """The table ``splitserve up`` prints at start."""
     rows = [("process", "role", "CPUs", "threads")]
     for p in placements:

@@ -47,7 +47,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.cpu_plan import Placement, floating, format_plan, plan_cpus
+from splitserve.cpu_plan import CpuAssignment, floating, format_plan, plan_cpus
 from splitserve.decode_service.config import DecodeConfig
 from splitserve.engine.config import QUANTIZATIONS
 from splitserve.prefill_service.config import PrefillConfig
@@ -226,8 +226,8 @@ class Cluster:
             plans.append(PodPlan(f"{role}-{counters[role]}", role, c.base_pod_port + i, c.base_metrics_port + i))
         return plans
 
-    def _plan_cpus(self) -> dict[str, Placement]:
-        """Placement of every process this cluster starts, in start order."""
+    def _plan_cpus(self) -> dict[str, CpuAssignment]:
+        """The CPUs of every process this cluster starts, in start order."""
         allowed = allowed_cpus()
         plan = plan_cpus([(pod.name, pod.role) for pod in self.pods], allowed, self.config.cpu_sets())
         if not self.config.pin_cpus:
