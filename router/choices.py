@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.router.intake import DEFAULT_SERVICE, RouterRequest, SampleGroup, ServiceLevel
-from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.outputs import Completion, OutputDelta
 
 if TYPE_CHECKING:
     from splitserve.router.router import Router

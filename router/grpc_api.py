@@ -39,7 +39,7 @@ from splitserve.protos.convert import (
 from splitserve.router.api_keys import APIKeys
 from splitserve.router.choices import MAX_CHOICES, make_choices, merged_outputs, too_many_choices
 from splitserve.router.intake import RouterRequest, ServiceLevel
-from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.outputs import Completion, OutputDelta
 from splitserve.router.router import Router
 from splitserve.runtime.errors import StatusError
 from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc

@@ -1,6 +1,7 @@
-"""``Intake``: a client's request -> a checked ``RouterRequest`` of token ids; the text edge of the router.
+"""``RequestIntake``: a client's request -> a checked ``RouterRequest`` of token ids; the text edge of the router.
 
-The HTTP and gRPC layers depend on this file (through ``Router``, which hands them its ``Intake``'s methods):
+The HTTP and gRPC layers depend on this file (through ``Router``, which hands them its ``RequestIntake``'s
+methods):
 
 1. cheap checks first, before any work they bound: the request id (``check_request_id``), the sampling
    parameters within the server's limits (stop strings, stop token ids, logprobs and prompt logprobs, max_tokens,
@@ -125,7 +126,7 @@ class RouterRequest:
         return self.samples is None and self.params.prompt_logprobs is None and self.params.max_tokens != 0
 
 
-class Intake:
+class RequestIntake:
     """Tokenizes and checks requests against the ``RouterConfig``'s limits, off the event loop."""
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer):

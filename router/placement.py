@@ -37,13 +37,13 @@ from collections.abc import Callable
 import grpc
 
 from splitserve.engine.sampling.params import SamplingParams
-from splitserve.protos.convert import sampling_params_to_proto
 from splitserve.router.config import RouterConfig
 from splitserve.router.intake import RouterRequest
-from splitserve.router.pods.client import PodClientPool
+from splitserve.router.pods.client import PodClientPool, decode_request, prefill_request
 from splitserve.router.pods.registry import PodInfo, PodRegistry
-from splitserve.router.policies import RoutePlan, RoutingPolicy, SLOTargets
+from splitserve.router.policies import RoutingPolicy
 from splitserve.router.request_run import AnsweredCall, DecodeStream, PodHold, RequestRun
+from splitserve.router.route_plan import RoutePlan, SLOTargets
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.metrics import RouterMetrics
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -208,7 +208,7 @@ class Placement:
     async def _start_disaggregated(self, run: RequestRun, plan: RoutePlan) -> DecodeStream:
         num_prompt = len(run.request.prompt_token_ids)
         decode_hold = run.hold(plan.decode, kv_tokens=num_prompt)  # the KV lands there during the prefill
-        run.kv_sent_to.append(plan.decode)
+        run.kv_pushed_to(plan.decode)
         prefill_hold = run.hold(plan.prefill, prompt_tokens=num_prompt)
         try:
             first = await self._prefill(run, plan.prefill, self._prefill_request(run.request, plan.decode.address))
@@ -234,7 +234,7 @@ class Placement:
         # D's share of the prompt counts there from now: later placements must not promise D's time to others.
         num_tokens = len(req.prompt_token_ids)
         decode_hold = run.hold(plan.decode, prompt_tokens=num_tokens - prefix_tokens, kv_tokens=num_tokens)
-        run.kv_sent_to.append(plan.decode)
+        run.kv_pushed_to(plan.decode)
         prefill_hold = run.hold(plan.prefill, prompt_tokens=prefix_tokens)
         try:
             pushed = await self._prefill(run, plan.prefill,
@@ -245,7 +245,7 @@ class Placement:
         if self.policy.hybrid is not None:
             self.policy.hybrid.observe_transfer(prefix_tokens, pushed.kv_transfer.exposed_transfer_seconds)
         stream = await self._start_on_decode_pod(run, plan.decode, prefix_tokens=prefix_tokens)
-        run.split_prefix_tokens = prefix_tokens  # D's summary adds to P's report (not after a retry elsewhere)
+        run.split_at(prefix_tokens)  # D's summary adds to P's report (not after a retry elsewhere)
         return stream
 
     async def _start_on_shared_kv(self, run: RequestRun, pod: PodInfo,
@@ -254,9 +254,7 @@ class Placement:
         Decode call claims the KV pushed once for all of them, on the same decode pod."""
         group = run.request.samples
         index = group.request_ids.index(run.request.request_id) - 1
-        run.cached_tokens = first.num_cached_tokens
-        run.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
-                               kv_transfer=first.kv_transfer.exposed_transfer_seconds)
+        run.prefilled(first)
         self.metrics.count(self.metrics.pod_requests, pod.address, str(pod.role))
         logprobs = first.more_first_token_logprobs
         return self._claim(run, pod, run.hold(pod), first, first.more_first_token_ids[index],
@@ -267,31 +265,27 @@ class Placement:
                kv_request_id: str = "") -> DecodeStream:
         """D's stream of a request whose prompt's KV waits there (pushed by P's ``first``, under ``kv_request_id``
         when not the request's own id), with its first token."""
-        decode_request = self._decode_request(run.request)
-        decode_request.first_token_id = first_token_id
-        decode_request.kv_request_id = kv_request_id
+        claim = decode_request(run.request, self._tpot_target_s(run.request), first_token_id=first_token_id,
+                               first_token_logprob=first_logprob, kv_request_id=kv_request_id)
         first_chunk = decode_pb2.DecodeChunk(token_ids=[first_token_id])
         if first.HasField("prompt_logprobs"):
             first_chunk.prompt_logprobs.CopyFrom(first.prompt_logprobs)
         if first_logprob is not None:
-            decode_request.first_token_logprob.CopyFrom(first_logprob)
             first_chunk.logprobs.tokens.append(first_logprob)
         decode_pod = self.pod_clients.get(pod.address, pod.role)
-        decode_call = run.track(decode_pod.decode(decode_request, run.time_left()))
+        decode_call = run.track(decode_pod.decode(claim, run.time_left()))
         return DecodeStream(decode_call, pod, hold, [decode_pb2.DecodeResponse(chunk=first_chunk)])
 
     def _prefill_request(self, req: RouterRequest, decode_address: str,
                          prefix_tokens: int = 0) -> prefill_pb2.PrefillRequest:
         """P prefills the prompt (a split prefill: its first ``prefix_tokens``) and pushes its KV to the decode pod at
-        ``decode_address`` (none: scoring)."""
+        ``decode_address`` (none: scoring), with the router's codec and lease."""
         # The first of n samples prefills for all of them (decode_address set: not when scoring). A prefix's KV is
         # all that is wanted of it: the token P samples after it is dropped.
         params = (SPLIT_PREFIX_PARAMS if prefix_tokens else
                   req.samples.params if req.leads_samples and decode_address else req.params)
-        return prefill_pb2.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids[:prefix_tokens or None],
-            sampling_params=sampling_params_to_proto(params), decode_address=decode_address,
-            kv_codec=self.config.kv_codec, kv_lease_seconds=self.config.kv_lease_s, priority=req.priority)
+        return prefill_request(req, params, decode_address, self.config.kv_codec, self.config.kv_lease_s,
+                               prefix_tokens)
 
     async def _prefill(self, run: RequestRun, pod: PodInfo,
                        request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
@@ -299,9 +293,7 @@ class Placement:
         prefill_pod = self.pod_clients.get(pod.address, pod.role)
         call = run.track(prefill_pod.prefill(request, run.time_left()))
         first = await run.await_pod(call, pod.address)
-        run.cached_tokens = first.num_cached_tokens
-        run.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
-                               kv_transfer=first.kv_transfer.exposed_transfer_seconds)
+        run.prefilled(first)
         return first
 
     async def _start_on_decode_pod(self, run: RequestRun, pod: PodInfo, resume_token_ids: list[int] = (),
@@ -311,9 +303,8 @@ class Placement:
         req = run.request
         num_tokens = len(req.prompt_token_ids) + len(resume_token_ids)
         hold = run.hold(pod, prompt_tokens=num_tokens - prefix_tokens, kv_tokens=num_tokens)
-        request = self._decode_request(req)
-        request.resume_token_ids.extend(resume_token_ids)
-        request.kv_prefix_tokens = prefix_tokens
+        request = decode_request(req, self._tpot_target_s(req), resume_token_ids=resume_token_ids,
+                                 kv_prefix_tokens=prefix_tokens)
         client = self.pod_clients.get(pod.address, pod.role)
         stream = DecodeStream(run.track(client.decode(request, run.time_left())), pod, hold, [])
         # Its first message carries the next token: until it arrives, a failure may still be retried.
@@ -325,13 +316,8 @@ class Placement:
         hold.prompt_done()
         return stream
 
-    def _decode_request(self, req: RouterRequest) -> decode_pb2.DecodeRequest:
-        # The TPOT target travels with it (a hybrid decode pod keeps it while it prefills lent prompts), and so does
-        # the priority (the pod's queue order and preemptions).
-        return decode_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                        sampling_params=sampling_params_to_proto(req.params),
-                                        tpot_target_seconds=SLOTargets.of(req, self.config).tpot_s,
-                                        priority=req.priority)
+    def _tpot_target_s(self, req: RouterRequest) -> float:
+        return SLOTargets.of(req, self.config).tpot_s
 
     # -- step 4: migration ------------------------------------------------------------------------------------
 
@@ -349,7 +335,7 @@ class Placement:
         too before its first message is passed over for the next. Raises the last failure when no pod is left."""
         worth_another_pod = MIGRATABLE_CODES  # how a stream breaks mid-way when its pod goes away
         while True:
-            run.failed_decode_pods[failed_address] = time.monotonic()
+            run.decode_pod_failed(failed_address)
             if error.code not in worth_another_pod or run.migrations >= self.config.max_migrations or run.aborted:
                 raise error
             await self._wait_for_decode_pods(run, f"no decode pod to continue on after {failed_address}",
@@ -363,7 +349,7 @@ class Placement:
             pod = self.policy.choose_decode(run.request.prompt_token_ids + run.output_token_ids, others)
             log.warning("request %s: %s after %d output tokens; migrating it to decode pod %s",
                         run.request.request_id, error.message, run.num_output_tokens, pod.address)
-            run.migrations += 1
+            run.migrated()
             self.metrics.migrations.inc()
             self.metrics.count(self.metrics.pod_requests, pod.address, str(pod.role))
             try:
@@ -373,8 +359,6 @@ class Placement:
                 # The target failed before its first message: worth the next one as a first attempt is retried
                 # (gone, full, draining), or as a stream that broke; past the deadline, nothing is.
                 worth_another_pod = () if run.out_of_time() else MIGRATABLE_CODES + RETRYABLE_CODES
-
-
 
 
 def _prefer_others(pods: list[PodInfo], avoid: set[str]) -> list[PodInfo]:

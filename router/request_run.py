@@ -25,43 +25,19 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from splitserve.engine.sequence import FinishReason, PromptLogprob
+from splitserve.engine.sequence import FinishReason
 from splitserve.engine.text.detokenizer import IncrementalDetokenizer
 from splitserve.protos.convert import finish_reason_from_proto, prompt_logprobs_from_proto, token_logprob_to_dict
 from splitserve.router.config import RouterConfig
 from splitserve.router.intake import RouterRequest
+from splitserve.router.outputs import Completion, OutputDelta
 from splitserve.router.pods.registry import PodInfo
-from splitserve.router.policies import SLOTargets, blocks_for
+from splitserve.router.route_plan import SLOTargets, blocks_for
 from splitserve.runtime.errors import StatusError, from_rpc_error
 from splitserve.runtime.metrics import RouterMetrics
-from splitserve.v1 import decode_pb2
+from splitserve.v1 import decode_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class OutputDelta:
-    """New output since the previous delta. ``text`` may lag ``token_ids`` (a character or a possible stop
-    string still incomplete); the concatenated deltas give the full text."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token (protos/convert.py)
-    # The prompt's logprobs (one per prompt token from the second on), in the first delta, when asked for.
-    prompt_logprobs: list[PromptLogprob] | None = None
-
-
-@dataclass
-class Completion:
-    """The request ended; the last item of ``generate``."""
-
-    finish_reason: FinishReason
-    stop_reason: int | str | None  # the stop token id or stop string that ended it, if one did
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    timings: dict[str, float]  # seconds: queue, prefill, kv_transfer, ttft, e2e
-    error: StatusError | None = None  # what went wrong, when finish_reason is "error"
 
 
 @dataclass
@@ -164,6 +140,29 @@ class RequestRun:
         hold = PodHold(pod, prompt_tokens)
         self.holds.append(hold)
         return hold
+
+    # -- what its pods did: placement reports, the run keeps ------------------------------------------------
+
+    def kv_pushed_to(self, pod: PodInfo) -> None:
+        """A prefill pod was asked to push the prompt's KV to decode pod ``pod``: dropped there if unclaimed."""
+        self.kv_sent_to.append(pod)
+
+    def prefilled(self, first: prefill_pb2.PrefillResponse) -> None:
+        """A prefill pod's answer is the request's report: cached tokens, queue/prefill/transfer seconds."""
+        self.cached_tokens = first.num_cached_tokens
+        self.pod_timings.update(queue=first.queue_seconds, prefill=first.prefill_seconds,
+                                kv_transfer=first.kv_transfer.exposed_transfer_seconds)
+
+    def split_at(self, prefix_tokens: int) -> None:
+        """A split prefill started on D: D's summary adds to P's report of the first ``prefix_tokens``."""
+        self.split_prefix_tokens = prefix_tokens
+
+    def decode_pod_failed(self, address: str) -> None:
+        """The decode pod at ``address`` failed the request after its first token: migrations pass it over."""
+        self.failed_decode_pods[address] = time.monotonic()
+
+    def migrated(self) -> None:
+        self.migrations += 1
 
     def release_holds(self) -> None:
         for hold in self.holds:

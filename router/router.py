@@ -3,7 +3,7 @@
 The HTTP and gRPC layers call ``make_request`` (validate, tokenize) and then iterate ``generate(request)``. The
 way reads through three files, one per concept:
 
-1. ``intake.py`` (``Intake``): the request -> token ids within the server's limits: ``make_request``,
+1. ``intake.py`` (``RequestIntake``): the request -> token ids within the server's limits: ``make_request``,
    ``tokenize``, ``detokenize``, ``apply_chat_template``, which ``Router`` hands through;
 2. ``placement.py`` (``Placement``): admission (shed load with a retry-after hint), placing the request on a
    (prefill, decode) pod pair, retries before the first token, and migration to another decode pod when D goes
@@ -39,13 +39,15 @@ from splitserve.engine.text.detokenizer import IncrementalDetokenizer
 from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.engine.text.tokenizer_files import load_tokenizer
 from splitserve.router.config import RouterConfig, Scheduling
-from splitserve.router.intake import DEFAULT_SERVICE, Intake, RouterRequest, ServiceLevel, invalid
+from splitserve.router.intake import DEFAULT_SERVICE, RequestIntake, RouterRequest, ServiceLevel, invalid
+from splitserve.router.latency import HybridPlacement
+from splitserve.router.outputs import Completion, OutputDelta
 from splitserve.router.placement import Placement
 from splitserve.router.pods.client import PodClient, PodClientPool
 from splitserve.router.pods.monitor import PodMonitor
 from splitserve.router.pods.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
-from splitserve.router.policies import HybridPlacement, LocalPrefill, RoutingPolicy, make_policy
-from splitserve.router.request_run import Completion, OutputDelta, RequestRun
+from splitserve.router.policies import LocalPrefill, RoutingPolicy, make_policy
+from splitserve.router.request_run import RequestRun
 from splitserve.runtime.discovery import RegistryKind
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.metrics import RouterMetrics
@@ -61,7 +63,7 @@ class Router:
                  policy: RoutingPolicy | None = None):
         self.config = config
         self.model_name = config.model
-        self.intake = Intake(config, tokenizer if tokenizer is not None else load_tokenizer(config.model))
+        self.intake = RequestIntake(config, tokenizer if tokenizer is not None else load_tokenizer(config.model))
         self.metrics = metrics if metrics is not None else RouterMetrics(config.model)
         self.pod_clients = PodClientPool(config.tls)
         self.registry = registry if registry is not None else self._build_registry()
@@ -131,7 +133,7 @@ class Router:
     async def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
                            add_special_tokens: bool = True, timeout_s: float | None = None,
                            service: ServiceLevel = DEFAULT_SERVICE) -> RouterRequest:
-        """``Intake.make_request``: a request checked against the limits, its prompt as token ids."""
+        """``RequestIntake.make_request``: a request checked against the limits, its prompt as token ids."""
         return await self.intake.make_request(prompt, params, request_id, add_special_tokens=add_special_tokens,
                                               timeout_s=timeout_s, service=service)
 
@@ -142,7 +144,7 @@ class Router:
         return await self.intake.detokenize(token_ids, field)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **options: Any) -> str:
-        """``Intake.apply_chat_template``: the conversation as the model's chat template renders it."""
+        """``RequestIntake.apply_chat_template``: the conversation as the model's chat template renders it."""
         return await self.intake.apply_chat_template(messages, **options)
 
     # -- the request's path -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Hybrid placement (router/policies.py, HybridPlacement) on hand-made pod states, one per SLO regime: the prompt
+"""Hybrid placement (router/latency.py, HybridPlacement) on hand-made pod states, one per SLO regime: the prompt
 goes where its first token is predicted first, or, once the prefill pod's queue eats into the TTFT target, where it
 leaves the prefill pod the least work and still meets the target (on the decode pod, or split across both); the
 decode pod's TPOT slack bounds what it may be lent."""
@@ -11,15 +11,10 @@ from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.step_time import StepTimeModel
 from splitserve.router.config import RouterConfig
 from splitserve.router.intake import RouterRequest
+from splitserve.router.latency import TTFT_HEADROOM, HybridPlacement
 from splitserve.router.pods.registry import PodInfo, PodLoad
-from splitserve.router.policies import (
-    TTFT_HEADROOM,
-    HybridPlacement,
-    LocalPrefill,
-    PromptBlocks,
-    SLOTargets,
-    make_policy,
-)
+from splitserve.router.policies import LocalPrefill, make_policy
+from splitserve.router.route_plan import PromptBlocks, SLOTargets
 
 BLOCK = 16
 # This machine's SmolLM2 pods, roughly: a decode step ~30 ms, a prompt token ~3.5 ms.

@@ -25,7 +25,7 @@ from splitserve.engine.sequence import PromptLogprob
 from splitserve.router.config import RouterConfig
 from splitserve.router.intake import DEFAULT_SERVICE, RouterRequest, ServiceLevel
 from splitserve.router.openai.app import ServerSentEvents, create_app
-from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.outputs import Completion, OutputDelta
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.metrics import RouterMetrics
 

@@ -28,8 +28,8 @@ from splitserve.engine.text.tokenizer_files import tiny_random_tokenizer_data
 from splitserve.protos.convert import sampling_params_from_proto, sampling_params_to_proto
 from splitserve.router.config import RouterConfig
 from splitserve.router.intake import ServiceLevel
-from splitserve.router.policies import RoutePlan
-from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.outputs import Completion, OutputDelta
+from splitserve.router.route_plan import RoutePlan
 from splitserve.router.router import Router
 from splitserve.router.server import RouterServer
 from splitserve.runtime.errors import StatusError

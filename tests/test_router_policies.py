@@ -9,7 +9,8 @@ from splitserve.engine.block_manager import chained_block_hashes
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.router.intake import RouterRequest
 from splitserve.router.pods.registry import PodInfo, PodLoad
-from splitserve.router.policies import NO_DECODE_POD_RETRY_S, LocalPrefill, PromptBlocks, has_room, make_policy
+from splitserve.router.policies import NO_DECODE_POD_RETRY_S, LocalPrefill, has_room, make_policy
+from splitserve.router.route_plan import PromptBlocks
 from splitserve.runtime.errors import StatusError
 
 BLOCK = 4

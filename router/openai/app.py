@@ -75,7 +75,7 @@ from splitserve.router.openai.responses import (
 )
 from splitserve.router.openai.stream import Formatter, ServerSentEvents, raise_unless_finished, sse_events
 from splitserve.router.openai.tool_calls import messages_for_template, template_knows_tools
-from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.outputs import Completion, OutputDelta
 from splitserve.router.router import Router
 from splitserve.runtime.errors import StatusError
 

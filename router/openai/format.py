@@ -40,7 +40,7 @@ from splitserve.router.openai.responses import (
     Usage,
 )
 from splitserve.router.openai.tool_calls import ToolCall, ToolCallParser
-from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.outputs import Completion, OutputDelta
 
 TokenText = Callable[[int], str]  # a token id's own text, for logprobs
 

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from splitserve.router.openai.errors import APIError, error_response
 from splitserve.router.openai.format import ChatCompletionFormatter, TextCompletionFormatter, joined_usage
-from splitserve.router.request_run import Completion, OutputDelta
+from splitserve.router.outputs import Completion, OutputDelta
 from splitserve.runtime.errors import StatusError
 
 logger = logging.getLogger(__name__)

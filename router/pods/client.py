@@ -9,13 +9,23 @@ The router talks to a pod only through these calls, all on one ``grpc.aio`` chan
   is an async iterator of ``DecodeResponse``; cancelling it makes the pod abort the request and free its blocks;
 - ``abort(request_id)``: frees a request wherever it is on the pod (e.g. KV pushed and never claimed).
 
+The pods' request messages are built here too, from the router's ``RouterRequest`` and what placement decided:
+``prefill_request`` (which prompt tokens, which decode pod receives the KV, under which codec and lease) and
+``decode_request`` (a prompt to prefill on D, a prompt whose KV was pushed there with its first token, a migrated
+request's tokens so far, or a split prefill's prefix pushed there).
+
 Errors are left as ``grpc.aio.AioRpcError``: the router decides which ones are worth a retry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.protos.convert import sampling_params_to_proto
+from splitserve.router.intake import RouterRequest
 from splitserve.runtime import transport
 from splitserve.runtime.roles import Role
 from splitserve.v1 import (
@@ -86,3 +96,33 @@ class PodClientPool:
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
+
+
+def prefill_request(req: RouterRequest, params: SamplingParams, decode_address: str, kv_codec: str,
+                    kv_lease_s: float, prefix_tokens: int = 0) -> prefill_pb2.PrefillRequest:
+    """P prefills the prompt (a split prefill: its first ``prefix_tokens``) with ``params`` and pushes its KV to the
+    decode pod at ``decode_address`` (none: scoring), in ``kv_codec``, to wait there ``kv_lease_s`` seconds."""
+    return prefill_pb2.PrefillRequest(
+        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids[:prefix_tokens or None],
+        sampling_params=sampling_params_to_proto(params), decode_address=decode_address,
+        kv_codec=kv_codec, kv_lease_seconds=kv_lease_s, priority=req.priority)
+
+
+def decode_request(req: RouterRequest, tpot_target_s: float, *, first_token_id: int | None = None,
+                   first_token_logprob: common_pb2.TokenLogprob | None = None, kv_request_id: str = "",
+                   resume_token_ids: Sequence[int] = (), kv_prefix_tokens: int = 0) -> decode_pb2.DecodeRequest:
+    """D runs the request: with ``first_token_id``, on the KV a prefill pod pushed there (under ``kv_request_id``
+    when not the request's own id); without, D prefills the prompt (and a migrated request's ``resume_token_ids``;
+    after a split prefill, only past the ``kv_prefix_tokens`` whose KV was pushed there)."""
+    # The TPOT target travels with it (a hybrid decode pod keeps it while it prefills lent prompts), and so does
+    # the priority (the pod's queue order and preemptions).
+    request = decode_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                       sampling_params=sampling_params_to_proto(req.params),
+                                       tpot_target_seconds=tpot_target_s, priority=req.priority,
+                                       kv_request_id=kv_request_id, resume_token_ids=resume_token_ids,
+                                       kv_prefix_tokens=kv_prefix_tokens)
+    if first_token_id is not None:
+        request.first_token_id = first_token_id
+    if first_token_logprob is not None:
+        request.first_token_logprob.CopyFrom(first_token_logprob)
+    return request
