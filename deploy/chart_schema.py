@@ -153,7 +153,14 @@ _LIST, _MAP = {"type": "array", "items": {"type": "object"}}, {"type": "object"}
 _SCHEDULING = {"resources": _MAP, "nodeSelector": _STRING_MAP, "tolerations": _LIST, "affinity": _MAP,
                "podAnnotations": _STRING_MAP, "podLabels": _STRING_MAP, "topologySpreadConstraints": _LIST,
                "priorityClassName": _STR}
-_EXTRAS = {"extraEnv": _LIST, "extraVolumes": _LIST, "extraVolumeMounts": _LIST}
+_EXTRAS = {"extraEnv": _LIST, "extraVolumes": _LIST, "extraVolumeMounts": _LIST, "extraContainers": _LIST}
+_INT_OR_PERCENT = {"type": ["integer", "string"], "pattern": "^[0-9]+%$", "minimum": 0}
+# Pod-spec and rollout fields (Kubernetes' own names); a misspelt key is still refused (additionalProperties).
+_POD_SPEC = {"runtimeClassName": _STR, "schedulerName": _STR, "automountServiceAccountToken": _BOOL,
+             "progressDeadlineSeconds": {"type": "integer", "minimum": 1},
+             "strategy": {"type": "object", "additionalProperties": False, "properties": {
+                 "type": {"enum": ["RollingUpdate", "Recreate"]},
+                 "rollingUpdate": _obj({"maxSurge": _INT_OR_PERCENT, "maxUnavailable": _INT_OR_PERCENT})}}}
 _SERVICE_MONITOR = _obj({"enabled": _BOOL, "interval": _STR, "scrapeTimeout": _STR, "labels": _STRING_MAP})
 _PDB = _obj({"enabled": _BOOL, "minAvailable": {"type": ["integer", "string"]}})
 _HPA = _obj({"enabled": _BOOL, "minReplicas": {"type": "integer", "minimum": 1}, "maxReplicas": {
@@ -166,7 +173,8 @@ _PROBES = _obj({"startup": _PROBE, "readiness": _PROBE, "liveness": _PROBE})
 
 
 def _component(name: str, extra: dict, replicas: dict = _COUNT) -> dict:
-    properties = {"replicas": replicas, **_SCHEDULING, **_EXTRAS, "terminationGraceExtraSeconds": _COUNT, **extra,
+    properties = {"replicas": replicas, **_SCHEDULING, **_EXTRAS, **_POD_SPEC, "terminationGraceExtraSeconds": _COUNT,
+                  **extra,
                   "config": config_schema(name)}
     return _obj(properties)
 
@@ -202,7 +210,8 @@ def values_schema() -> dict:
                              "dnsNames": {"type": "array", "items": _STR}})}),
             "networkPolicy": _obj({
                 "enabled": _BOOL, "clientsFrom": _PEERS, "metricsFrom": _PEERS,
-                "dns": _obj({"to": _PEERS, "ports": _PORTS}), "externalRedisPorts": _PORTS,
+                "dns": {"type": "array", "items": _obj({"to": _PEERS, "ports": _PORTS}, required=["to", "ports"])},
+                "externalRedisPorts": _PORTS,
                 "plannerEgressPorts": _PORTS}),
             "redis": _redis(image),
             "router": _component("router", {
@@ -238,7 +247,7 @@ def _redis(image: dict) -> dict:
     properties = {"enabled": _BOOL, "replicas": {"type": "integer", "minimum": 0, "maximum": 1}, **_SCHEDULING,
                   "terminationGraceExtraSeconds": _COUNT,
                   "image": image, "port": _PORT,
-                  "auth": _obj({"enabled": _BOOL, "existingSecret": _STR, "secretKey": _STR}),
+                  "auth": _obj({"enabled": _BOOL, "existingSecret": _STR, "password": _STR, "secretKey": _STR}),
                   "externalUrl": {"type": "string", "pattern": "^(rediss?://.*)?$"},
                   "externalUrlSecret": _obj({"name": _STR, "key": _STR})}
     return _obj(properties)

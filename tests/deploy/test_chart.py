@@ -33,8 +33,23 @@ COMMANDS = {"splitserve.router.server": "router", "splitserve.prefill_service": 
             "splitserve.deploy.planner": "planner", "splitserve.simulator.planner_check": "planner"}
 
 
+# What an install must say (the chart has no default for them): where the image is, the Redis password's Secret.
+REQUIRED = {"image": {"repository": "registry.example.com/splitserve"},
+            "redis": {"auth": {"existingSecret": "splitserve-redis"}},
+            "planner": {"config": {"prometheusUrl": "http://prometheus-operated.monitoring.svc:9090"}}}
+
+
+def with_required(values: dict, required: dict = REQUIRED) -> dict:
+    """``values`` over the REQUIRED ones (a key set in ``values`` wins, at any depth)."""
+    merged = dict(required)
+    for key, value in values.items():
+        merged[key] = with_required(value, merged[key]) if isinstance(value, dict) and isinstance(
+            merged.get(key), dict) else value
+    return merged
+
+
 def case_values(case: str) -> dict:
-    return {} if case == "defaults" else yaml.safe_load(VALUES_FILES[case].read_text())
+    return REQUIRED if case == "defaults" else yaml.safe_load(VALUES_FILES[case].read_text())
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +60,7 @@ def chart():
 
 def render(chart, values: dict) -> dict[str, list[dict]]:
     """Template file -> the objects it renders (NOTES.txt left out)."""
-    rendered = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    rendered = chart.render(with_required(values), name=RELEASE, namespace=NAMESPACE)
     return {path.removeprefix("splitserve/templates/"): [doc for doc in yaml.safe_load_all(text) if doc]
             for path, text in rendered.items() if not path.endswith("NOTES.txt")}
 
@@ -393,6 +408,7 @@ OPTIONAL = {  # template -> values that turn it on (the defaults leave it off)
         "enabled": True, "issuerRef": {"name": "ca"}}}},
     "networkpolicy-mixed.yaml": {"mixed": {"enabled": True}},
     "networkpolicy-planner.yaml": {"planner": {"enabled": True}},
+    "secret-redis.yaml": {"redis": {"auth": {"existingSecret": "", "password": "from-my-values"}}},
 }
 OFF_BY_VALUE = {  # template -> values that turn off something the defaults turn on
     "deployment-redis.yaml": {"redis": {"enabled": False, "externalUrl": "redis://r:6379/0"}},
@@ -401,7 +417,6 @@ OFF_BY_VALUE = {  # template -> values that turn off something the defaults turn
     "deployment-prefill.yaml": {"prefill": {"enabled": False}},
     "service-prefill.yaml": {"prefill": {"enabled": False}},
     "deployment-decode.yaml": {"decode": {"enabled": False}, "mixed": {"enabled": True}},
-    "secret-redis.yaml": {"redis": {"auth": {"existingSecret": "mine"}}},
     **{f"networkpolicy-{c}.yaml": {"networkPolicy": {"enabled": False}} for c in ("router", "prefill", "decode",
                                                                                      "redis")},
 }
@@ -420,7 +435,8 @@ def test_a_default_template_renders_nothing_when_turned_off(chart, template):
 
 
 def test_every_template_is_covered_by_the_on_off_tests():
-    always = {"deployment-router.yaml", "service-router.yaml", "service-pods.yaml", "NOTES.txt"}
+    always = {"deployment-router.yaml", "service-router.yaml", "service-router-metrics.yaml", "service-pods.yaml",
+              "NOTES.txt"}
     templates = {p.name for p in (CHART / "templates").iterdir() if not p.name.startswith("_")}
     # decode's Service shares its definition with prefill's, which OFF_BY_VALUE covers
     uncovered = templates - set(OPTIONAL) - set(OFF_BY_VALUE) - always - {"service-decode.yaml"}

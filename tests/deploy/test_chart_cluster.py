@@ -6,6 +6,7 @@ a CNI would), the bundled Redis behind a password from a Secret, and one drain s
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import re
@@ -23,6 +24,7 @@ from test_chart import (  # noqa: F401 - chart:
     containers_by_component,  # the fixture
     objects,
     parsed_config,
+    with_required,
 )
 
 SERVER_NAME = f"{RELEASE}-splitserve-pods.{NAMESPACE}.svc"
@@ -79,7 +81,7 @@ def test_a_chosen_server_name_replaces_the_services(chart):
 
 def test_the_certificate_needs_an_issuer(chart):
     with pytest.raises(helm.HelmError, match="tls.certManager.issuerRef.name is required"):
-        chart.render({"tls": {"enabled": True, "secretName": "s", "certManager": {"enabled": True}}},
+        chart.render(with_required({"tls": {"enabled": True, "secretName": "s", "certManager": {"enabled": True}}}),
                      name=RELEASE, namespace=NAMESPACE)
 
 
@@ -92,9 +94,16 @@ def test_the_router_serves_metrics_on_a_plain_port_that_its_service_monitor_scra
     assert {"name": "metrics", "containerPort": 9400} in container(router)["ports"]
     annotations = router["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9400" and "prometheus.io/scheme" not in annotations
-    service_ports = {p["name"]: p["port"] for p in by_kind(objs, "Service")["router"]["spec"]["ports"]}
-    assert service_ports["metrics"] == 9400
-    (endpoint,) = by_kind(objs, "ServiceMonitor")["router"]["spec"]["endpoints"]
+    services = by_kind(objs, "Service")
+    assert "metrics" not in {p["name"] for p in services["router"]["spec"]["ports"]}  # the API Service: APIs only
+    metrics_service = services["router-metrics"]
+    assert metrics_service["spec"]["type"] == "ClusterIP"
+    assert [(p["name"], p["port"]) for p in metrics_service["spec"]["ports"]] == [("metrics", 9400)]
+    monitor = by_kind(objs, "ServiceMonitor")["router"]
+    selector = monitor["spec"]["selector"]["matchLabels"]  # the metrics Service, not the API Service
+    assert selector.items() <= metrics_service["metadata"]["labels"].items()
+    assert not selector.items() <= services["router"]["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and "scheme" not in endpoint and "tlsConfig" not in endpoint
 
 
@@ -196,9 +205,9 @@ def test_network_policies_can_be_turned_off(chart):
 # ---- Redis with a password -------------------------------------------------------------------------------------
 
 def test_the_bundled_redis_asks_for_a_password_from_a_secret(chart):
-    objs = objects(chart, {})
+    objs = objects(chart, {"redis": {"auth": {"existingSecret": "", "password": "s3cret"}}})
     secret = by_kind(objs, "Secret")["redis"]
-    assert set(secret["data"]) == {"redis-password"} and len(secret["data"]["redis-password"]) >= 40  # 32 base64
+    assert secret["data"] == {"redis-password": base64.b64encode(b"s3cret").decode()}
     redis = container(by_kind(objs, "Deployment")["redis"])
     assert redis["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
     password_ref = {"secretKeyRef": {"name": f"{RELEASE}-splitserve-redis", "key": "redis-password"}}
@@ -321,7 +330,7 @@ def test_disruption_budgets_protect_roles_of_two_pods_or_more(chart, values, bud
 
 
 def test_notes_warn_about_single_pod_roles(chart):
-    rendered = chart.render({"router": {"replicas": 2}}, name=RELEASE, namespace=NAMESPACE)
+    rendered = chart.render(with_required({"router": {"replicas": 2}}), name=RELEASE, namespace=NAMESPACE)
     notes = rendered["splitserve/templates/NOTES.txt"]
     warned = set(re.findall(r"WARNING: (\w+) runs a single pod", notes))
     assert warned == {"prefill", "decode"}

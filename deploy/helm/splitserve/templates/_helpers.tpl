@@ -45,12 +45,16 @@ app.kubernetes.io/part-of: splitserve
 splitserve.io/serving-pod: {{ .Release.Name | quote }}
 {{- end }}
 
-{{/* repository@digest when a digest is set (what runs is then exactly that image), else repository:tag */}}
+{{/*
+repository@digest when a digest is set (what runs is then exactly that image), else repository:tag. The repository
+is required: no public image exists, and a default name would pull docker.io/library/<name>.
+*/}}
 {{- define "splitserve.image" -}}
+{{- $repository := required "image.repository is required: the registry you pushed the image built from deploy/Dockerfile to (e.g. --set image.repository=registry.example.com/splitserve)" .Values.image.repository }}
 {{- if .Values.image.digest }}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- printf "%s@%s" $repository .Values.image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 {{- end }}
 
@@ -95,8 +99,19 @@ whole numbers printed as integers (values arrive as float64); null keys are skip
 {{- end }}
 {{- end }}
 
+{{/*
+The Secret holding the bundled Redis' password: redis.auth.existingSecret, or the chart's own from redis.auth.password.
+Never generated: a random password would change at every `helm template` (Argo CD, Flux), and `lookup` sees no
+cluster there.
+*/}}
 {{- define "splitserve.redisSecretName" -}}
-{{- .Values.redis.auth.existingSecret | default (include "splitserve.componentName" (dict "root" . "component" "redis")) }}
+{{- if .Values.redis.auth.existingSecret }}
+{{- .Values.redis.auth.existingSecret }}
+{{- else if .Values.redis.auth.password }}
+{{- include "splitserve.componentName" (dict "root" . "component" "redis") }}
+{{- else }}
+{{- fail "redis.auth.existingSecret (a Secret you create with the Redis password under redis.auth.secretKey) or redis.auth.password is required with redis.auth.enabled: the chart generates no password (deploy/README.md)" }}
+{{- end }}
 {{- end }}
 
 {{/* The URL comes through SPLITSERVE_REDIS_URL (it holds a password), not a flag (ps shows flags) */}}
@@ -289,12 +304,102 @@ securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
 
-{{/* Replicas, unless something else (the planner, an HPA) owns the count: then upgrades leave it alone */}}
+{{/*
+Replicas, unless something else (the planner, an HPA) owns the count: then the live Deployment's count, read with
+`lookup`, so that the upgrade which turns the planner or the HPA on does not drop the field (Helm's three-way merge
+would then reset the live count to 1) and later upgrades keep what the owner chose. Offline (`helm template`, a
+first install) lookup finds nothing and the field is left out (GitOps: deploy/README.md, ignoreDifferences).
+*/}}
 {{- define "splitserve.replicas" -}}
 {{- $planned := and .root.Values.planner.enabled (has .component (list "prefill" "decode")) }}
 {{- $hpa := and .values.autoscaling .values.autoscaling.enabled }}
 {{- if not (or $planned $hpa) }}
 replicas: {{ .values.replicas }}
+{{- else }}
+{{- $live := lookup "apps/v1" "Deployment" .root.Release.Namespace (include "splitserve.componentName" .) }}
+{{- if and $live $live.spec.replicas }}
+replicas: {{ $live.spec.replicas }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-spec fields a component's values may set: runtimeClassName, schedulerName, the service-account token */}}
+{{- define "splitserve.podSpecFields" -}}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .schedulerName }}
+schedulerName: {{ . }}
+{{- end }}
+automountServiceAccountToken: {{ .automountServiceAccountToken | default false }}
+{{- end }}
+
+{{/* Limits naming an accelerator (a surge pod would wait for a free one): nvidia.com/gpu, amd.com/gpu, ... */}}
+{{- define "splitserve.accelerators" -}}
+{{- $found := list }}
+{{- range $name, $count := (.resources | default dict).limits }}
+{{- if and (or (contains "gpu" $name) (has $name (list "habana.ai/gaudi" "aws.amazon.com/neuron" "aws.amazon.com/neuroncore" "google.com/tpu"))) (gt (toString $count | float64) 0.0) }}
+{{- $found = append $found $name }}
+{{- end }}
+{{- end }}
+{{- join "," $found }}
+{{- end }}
+
+{{/*
+The Deployment's rollout: the component's strategy, else no surge where the pods hold an accelerator (a surge pod
+would wait for a free GPU, and a full pool never frees one: the rollout hangs); progressDeadlineSeconds.
+*/}}
+{{- define "splitserve.rollout" -}}
+{{- if .strategy }}
+strategy:
+  {{- toYaml .strategy | nindent 2 }}
+{{- else if include "splitserve.accelerators" . }}
+strategy:
+  type: RollingUpdate
+  rollingUpdate:
+    maxSurge: 0
+    maxUnavailable: 1
+{{- end }}
+{{- with .progressDeadlineSeconds }}
+progressDeadlineSeconds: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+--num-threads from the CPU limit (else the request): whole cores, rounded down, at least 1, so that torch runs one
+thread per core it may use (it otherwise starts one per core of the node, and the CFS quota throttles the rest
+mid-GEMM). A config.numThreads set by hand may not exceed it. Nothing without either (torch's own choice).
+*/}}
+{{- define "splitserve.threadArgs" -}}
+{{- $cpu := (.resources | default dict).limits | default dict | dig "cpu" "" | default ((.resources | default dict).requests | default dict | dig "cpu" "") | toString }}
+{{- if $cpu }}
+{{- $cores := 0 }}
+{{- if hasSuffix "m" $cpu }}
+{{- $cores = div (trimSuffix "m" $cpu | int) 1000 }}
+{{- else }}
+{{- $cores = $cpu | float64 | floor | int }}
+{{- end }}
+{{- $cores = max $cores 1 }}
+{{- if hasKey .config "numThreads" }}
+{{- if gt (int .config.numThreads) (int $cores) }}
+{{- fail (printf "%s.config.numThreads %d exceeds the CPU limit (%s: %d whole cores): threads beyond it are throttled" .component (int .config.numThreads) $cpu (int $cores)) }}
+{{- end }}
+{{- else }}
+- "--num-threads"
+- {{ $cores | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* device: cuda needs an nvidia.com/gpu limit, and a GPU limit needs device: cuda (it would sit idle) */}}
+{{- define "splitserve.checkDevice" -}}
+{{- $gpus := ((.resources | default dict).limits | default dict | dig "nvidia.com/gpu" 0) | toString | float64 }}
+{{- $device := .config.device | default "cpu" }}
+{{- if and (hasPrefix "cuda" $device) (le $gpus 0.0) }}
+{{- fail (printf "%s.config.device is %s but %s.resources.limits has no nvidia.com/gpu: the pod would land on a node without a GPU (add nvidia.com/gpu: 1)" .component $device .component) }}
+{{- end }}
+{{- if and (gt $gpus 0.0) (not (hasPrefix "cuda" $device)) }}
+{{- fail (printf "%s.resources.limits asks for nvidia.com/gpu but %s.config.device is %s: the GPU would sit idle (set config.device: cuda)" .component .component $device) }}
 {{- end }}
 {{- end }}
 

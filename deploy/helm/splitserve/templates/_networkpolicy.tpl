@@ -7,7 +7,7 @@ NetworkPolicies (networkPolicy.enabled, on by default): one per component, allow
     router, prefill, decode, mixed        -> redis                    redis (external: networkPolicy.externalRedisPorts)
     scrapers (networkPolicy.metricsFrom)  -> every metrics port
     planner                               -> Kubernetes API, Prometheus (networkPolicy.plannerEgressPorts)
-    every component                       -> DNS (networkPolicy.dns)
+    every component                       -> DNS (networkPolicy.dns: kube-dns, NodeLocal DNSCache, OpenShift)
 
 Anything else, in or out, is refused: a pod of another release cannot register as a decode pod nor receive
 prompts. The rules are built as lists of dicts and written with toYaml; each file networkpolicy-<component>.yaml
@@ -70,11 +70,14 @@ The NetworkPolicy of one component: `ingress` and `egress` are lists of rules; e
 {{- with $np.metricsFrom }}
 {{- $_ := set $metrics "from" . }}
 {{- end }}
+{{- $egress := .egress | default list }}
+{{- range $np.dns }}
 {{- $dnsPorts := list }}
-{{- range $np.dns.ports }}
+{{- range .ports }}
 {{- $dnsPorts = append (append $dnsPorts (dict "port" (int .) "protocol" "UDP")) (dict "port" (int .) "protocol" "TCP") }}
 {{- end }}
-{{- $egress := append (.egress | default list) (dict "to" $np.dns.to "ports" $dnsPorts) }}
+{{- $egress = append $egress (dict "to" .to "ports" $dnsPorts) }}
+{{- end }}
 {{- if .redis }}
 {{- if $root.Values.redis.enabled }}
 {{- $egress = append $egress (include "splitserve.npComponentsRule" (dict "root" $root "direction" "to" "components" (list "redis") "ports" (list $root.Values.redis.port)) | fromJson) }}

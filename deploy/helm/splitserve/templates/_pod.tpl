@@ -9,6 +9,8 @@ config.shutdownGraceS; terminationGracePeriodSeconds covers that plus terminatio
 {{- $values := index $root.Values .component }}
 {{- $ctx := dict "root" $root "component" .component }}
 {{- if $values.enabled }}
+{{- $named := merge (dict "component" .component) $values }}
+{{- include "splitserve.checkDevice" $named }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -17,6 +19,7 @@ metadata:
     {{- include "splitserve.labels" $ctx | nindent 4 }}
 spec:
   {{- include "splitserve.replicas" (dict "root" $root "component" .component "values" $values) | nindent 2 }}
+  {{- include "splitserve.rollout" $values | nindent 2 }}
   selector:
     matchLabels:
       {{- include "splitserve.selectorLabels" $ctx | nindent 6 }}
@@ -35,6 +38,7 @@ spec:
         {{- end }}
     spec:
       {{- include "splitserve.podSecurity" $root | nindent 6 }}
+      {{- include "splitserve.podSpecFields" $values | nindent 6 }}
       terminationGracePeriodSeconds: {{ include "splitserve.terminationGrace" (dict "drain" $values.config.shutdownGraceS "values" $values) }}
       {{- include "splitserve.scheduling" (dict "root" $root "component" .component "values" $values) | nindent 6 }}
       containers:
@@ -60,6 +64,7 @@ spec:
             {{- include "splitserve.modelArgs" $root | nindent 12 }}
             {{- include "splitserve.registryArgs" $root | nindent 12 }}
             {{- include "splitserve.tlsArgs" $root | nindent 12 }}
+            {{- include "splitserve.threadArgs" $named | nindent 12 }}
             {{- include "splitserve.configArgs" $values.config | nindent 12 }}
           env:
             - name: POD_IP
@@ -90,6 +95,9 @@ spec:
             {{- with $values.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+        {{- with $values.extraContainers }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       volumes:
         {{- include "splitserve.volumes" $root | nindent 8 }}
         {{- if $values.shm.enabled }}
@@ -199,7 +207,10 @@ spec:
 {{- end }}
 {{- end }}
 
-{{/* port: the Service port's name that serves /metrics (always plain HTTP: scrapers need no certificate) */}}
+{{/*
+port: the Service port's name that serves /metrics (always plain HTTP: scrapers need no certificate); selector: more
+labels the Service must carry (the router's metrics Service's).
+*/}}
 {{- define "splitserve.serviceMonitor" -}}
 {{- $values := index .root.Values .component }}
 {{- $ctx := dict "root" .root "component" .component }}
@@ -217,6 +228,9 @@ spec:
   selector:
     matchLabels:
       {{- include "splitserve.selectorLabels" $ctx | nindent 6 }}
+      {{- with .selector }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
   endpoints:
     - port: {{ .port }}
       path: /metrics
