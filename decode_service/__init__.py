@@ -2,5 +2,6 @@
 
 - ``config.py``: ``DecodeConfig`` (flags / ``SPLITSERVE_*`` environment), role ``decode`` or ``mixed``
 - ``server.py``: the ``Decode`` gRPC service, hosted with ``KVTransfer`` (``kvtransfer/receiver.py``, whose leases,
-  ``kvtransfer/leases.py``, hold pushed KV until its Decode call) on one port, and ``main`` (``python -m splitserve.decode_service``)
+  ``kvtransfer/leases.py``, hold pushed KV until its Decode call; the hand-off as a whole: ``kvtransfer/handoff.py``)
+  on one port, and ``main`` (``python -m splitserve.decode_service``)
 """

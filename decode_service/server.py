@@ -1,6 +1,7 @@
 """The ``Decode`` gRPC service, hosted beside ``KVTransfer`` on a decode or mixed pod.
 
-A request's path:
+A request's path (for a request whose KV was pushed here, the claim, run and free steps of the hand-off that
+``kvtransfer/handoff.py`` narrates: ``Admission`` and ``PrefixHandover`` there do the engine-thread work):
 
     PushKV (kvtransfer/receiver.py)   the prompt's KV arrives and waits in the TransferTable under a lease
     Decode(request)
@@ -49,14 +50,14 @@ from splitserve.engine.engine_loop import TokenEvent
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sequence import Sequence
-from splitserve.kvtransfer.leases import KVLease, TransferTable
+from splitserve.kvtransfer.handoff import Admission, PrefixHandover
+from splitserve.kvtransfer.leases import TransferTable
 from splitserve.kvtransfer.receiver import KVTransferServicer
 from splitserve.protos.convert import (
     finish_reason_to_proto,
     prompt_logprobs_to_proto,
     sampling_params_from_proto,
     token_logprob_from_dict,
-    token_logprob_to_dict,
 )
 from splitserve.runtime.config import parse_config
 from splitserve.runtime.errors import StatusError
@@ -106,49 +107,6 @@ class _TokenClock:
         self.metrics.finished(reason)
 
 
-class _Admission:
-    """Joins a claimed sequence, whose KV arrived, to the running batch (on the engine thread). KV pushed for the n
-    samples of one prompt is shared: each claim forks a sequence of its own off the lease's, and the last one gives
-    the lease's reference back."""
-
-    def __init__(self, lease: KVLease, request: decode_pb2.DecodeRequest, params: SamplingParams):
-        self.lease = lease
-        self.last_claim = lease.claims_left == 0
-        self.request = request
-        self.params = params
-        self.admitted = False  # written and read on the engine thread only
-        self.lease_released = False  # likewise
-
-    def admit(self, engine: LLMEngine) -> Sequence:
-        first_logprobs = (token_logprob_to_dict(self.request.first_token_logprob)
-                          if self.request.HasField("first_token_logprob") else None)
-        seq = self.lease.seq
-        if self.lease.shared:
-            seq = engine.fork_prefilled(self.lease.seq, self.request.request_id, self.params)
-            self._release_shared_lease(engine)
-            if seq is None:
-                raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  "no KV block free for this sample's copy of the prompt's last block")
-        seq.sampling_params = self.params  # the push reserved the blocks before the params were known
-        seq.tpot_target_s = self.request.tpot_target_seconds
-        seq.priority = self.request.priority  # which running request is preempted first
-        seq = engine.admit_prefilled(seq, self.request.first_token_id, first_logprobs)
-        self.admitted = True
-        return seq
-
-    def release_unless_admitted(self, engine: LLMEngine) -> None:
-        if self.lease.shared:
-            self._release_shared_lease(engine)
-        elif not self.admitted:
-            engine.release_transfer(self.lease.seq)
-
-    def _release_shared_lease(self, engine: LLMEngine) -> None:
-        """After the last sample forked off it, the shared KV's own reference goes (the samples keep theirs)."""
-        if self.last_claim and not self.lease_released:
-            engine.release_transfer(self.lease.seq)
-            self.lease_released = True
-
-
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     service_name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
@@ -180,7 +138,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return
         if lease.claims_left == lease.num_claims - 1:  # one load per transfer, however many samples claim it
             self._pod.metrics.kv_loaded("loaded")
-        admission = _Admission(lease, request, params)
+        admission = Admission(lease, request, params)
         try:
             await self._stream(request, params, admission, context)
         finally:
@@ -203,22 +161,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await self._stream(request, params, None, context)
             return
         self._pod.metrics.kv_loaded("loaded")
-        handed_over = False  # written and read on the engine thread only
-
-        def hand_over(engine: LLMEngine) -> None:
-            nonlocal handed_over
-            engine.cache_transferred_prefix(lease.seq)
-            handed_over = True
-
-        def release_unless_handed_over(engine: LLMEngine) -> None:
-            if not handed_over:
-                engine.release_transfer(lease.seq)
-
+        handover = PrefixHandover(lease)
         try:
-            await self._stream(request, params, None, context, before_add=hand_over)
+            await self._stream(request, params, None, context, before_add=handover.hand_over)
         finally:
             self.transfers.forget(kv_request_id)
-            await self._pod.engine_loop.run(release_unless_handed_over)
+            await self._pod.engine_loop.run(handover.release_unless_handed_over)
 
     async def _load_failed(self, request: decode_pb2.DecodeRequest, params: SamplingParams, err: StatusError,
                            context) -> None:
@@ -264,7 +212,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return params
 
     async def _stream(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
-                      admission: _Admission | None, context,
+                      admission: Admission | None, context,
                       before_add: Callable[[LLMEngine], None] | None = None) -> None:
         """Run the request in the engine and write its tokens; closing the stream early aborts it there.
         ``before_add`` runs on the engine thread just before a request that prefills here is added."""

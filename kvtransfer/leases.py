@@ -1,67 +1,33 @@
-"""The decode pod's table of transferred KV: blocks held for a request between its push and its Decode call.
+"""The decode pod's table of transferred KV: the ``KVLease`` of every request between its push and its Decode call.
 
-A lease's path, one ordered ``TransferState``:
+``TransferTable`` moves a lease through the states that ``handoff.py`` narrates (the hand-off as a whole, and what
+frees the blocks on each way out):
 
-    RECEIVING   open(): PushKV's header arrived; the prompt's blocks are reserved (on the engine thread, straight
-                onto the lease) and chunks are written into them
-    WAITING     mark_received(): every chunk is in; the KV waits for Decode under a lease of ``lease_s`` seconds
-    CLAIMED     claim(): Decode took it and is admitting the sequence into the running batch; forget() then
-                drops the entry, the engine owning the blocks from there. KV pushed for the n samples of one
-                prompt (``num_claims`` > 1) stays WAITING through its first n - 1 claims: each Decode call forks
-                a sequence of its own off the lease's (LLMEngine.fork_prefilled), and after the last one the
-                lease's own reference goes back (release)
-    RELEASED    release(): the blocks went back to the pool (lease expired, Abort, a failed push or admission)
+    open()           a RECEIVING lease for PushKV's header, before its blocks are reserved
+    mark_received()  RECEIVING -> WAITING: every chunk is in; the lease's ``lease_s`` start now
+    claim()          WAITING -> CLAIMED for a Decode call (shared KV: at its last claim); forget() then drops it
+    release()        -> RELEASED: the blocks go back (``handoff.release``, on the engine thread)
+    abort()          the Abort RPC: a WAITING lease is released, a RECEIVING one asked to stop
+    reap_expired()   the reaper's round (every ``REAP_INTERVAL_S``): WAITING leases whose time is up are released
 
-The reaper releases WAITING leases whose time is up. It never touches a RECEIVING one: its PushKV handler may be
-writing into the blocks, so that handler alone releases them (it does on any error or cancellation). An Abort of
-a RECEIVING transfer sets ``abort_requested``, which the handler checks at its next message.
-
-Everything here runs on the event loop; the blocks are freed on the engine thread (``release_transfer``).
+Everything here runs on the event loop; the blocks are freed on the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.sequence import Sequence
+from splitserve.kvtransfer.handoff import KVLease, TransferState, release
 from splitserve.runtime.errors import StatusError
 
 logger = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.25  # how late an expired lease may be reclaimed; the scan is a walk over a small dict
-
-
-class TransferState(enum.IntEnum):
-    RECEIVING = 1
-    WAITING = 2
-    CLAIMED = 3
-    RELEASED = 4
-
-
-@dataclass
-class KVLease:
-    request_id: str
-    lease_s: float
-    # Set on the engine thread by engine.reserve_for_transfer (None until then, or when there was no room);
-    # its block_table holds the KV.
-    seq: Sequence | None = None
-    state: TransferState = TransferState.RECEIVING
-    expires_at: float = float("inf")  # time.monotonic(); set when the KV is complete
-    abort_requested: bool = False
-    num_claims: int = 1  # Decode calls that claim it: the samples of one prompt (n)
-    claims_left: int = 1
-
-    @property
-    def shared(self) -> bool:
-        """Pushed for several samples: every claim forks its own sequence off the lease's."""
-        return self.num_claims > 1
 
 
 class TransferTable:
@@ -128,13 +94,8 @@ class TransferTable:
         if lease is None:
             return False
         lease.state = TransferState.RELEASED
-
-        def release_blocks(engine) -> None:
-            # On the engine thread, after any reservation still queued there has filed its sequence.
-            if lease.seq is not None:
-                engine.release_transfer(lease.seq)
-
-        await self._engine_loop.run(release_blocks)
+        # On the engine thread, after any reservation still queued there has filed its sequence.
+        await self._engine_loop.run(lambda engine: release(engine, lease))
         return True
 
     async def abort(self, request_id: str) -> bool:

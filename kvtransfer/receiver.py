@@ -1,10 +1,11 @@
-"""Decode side of the KV transfer: the ``KVTransfer`` gRPC service, writing pushed KV into the paged cache.
+"""Decode side of the KV transfer: the ``KVTransfer`` gRPC service, writing pushed KV into the paged cache (the
+reserve and receive steps of the hand-off that ``handoff.py`` narrates).
 
 A push's path through ``PushKV``:
 
     header    compat hash checked (FAILED_PRECONDITION); a RECEIVING lease opened in the decode pod's
-              TransferTable (ALREADY_EXISTS); blocks reserved on the engine thread with
-              engine.reserve_for_transfer, filed on the lease there (None: RESOURCE_EXHAUSTED)
+              TransferTable (ALREADY_EXISTS); blocks reserved on the engine thread by
+              handoff.reserve, filed on the lease there (None: RESOURCE_EXHAUSTED)
     chunks    parsed by splitserve.kvtransfer.wire.parse_push, the stream's deserializer, payload and scales left in the
               received message's bytes; sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk
               verifies the checksum (DATA_LOSS), codec, range and shape and decodes on a worker thread (for codec
@@ -34,11 +35,10 @@ import grpc
 import torch
 
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sequence import Sequence
+from splitserve.kvtransfer.handoff import KVLease, reserve
 from splitserve.kvtransfer.handshake import KVLayout, check_compatible, note_formats
-from splitserve.kvtransfer.leases import KVLease, TransferTable
+from splitserve.kvtransfer.leases import TransferTable
 from splitserve.kvtransfer.wire import ExpectedChunks, KVChunkError, WireChunk, decode_chunk, parse_push
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.metrics import PodMetrics
@@ -206,13 +206,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     async def _reserve(self, lease: KVLease, prompt: list[int]) -> KVIntake:
         """Blocks for the prompt, filed on the lease on the engine thread: a release queued after this command
         finds them even if this handler was cancelled while waiting."""
-        def reserve(engine: LLMEngine) -> Sequence | None:
-            # The Decode call brings the request's sampling params; it puts them on the sequence.
-            lease.seq = engine.reserve_for_transfer(lease.request_id, prompt, SamplingParams())
-            return lease.seq
-
         try:
-            seq = await self._engine_loop.run(reserve)
+            seq = await self._engine_loop.run(lambda engine: reserve(engine, lease, prompt))
         except ValueError as err:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
         if seq is None:

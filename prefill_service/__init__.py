@@ -2,5 +2,6 @@
 
 - ``config.py``: ``PrefillConfig`` (flags / ``SPLITSERVE_*`` environment)
 - ``server.py``: the ``Prefill`` gRPC service and ``main`` (``python -m splitserve.prefill_service``)
-- ``kv_export.py``: the engine hook that hands each computed layer's K/V to the request's ``KVSender``
+- ``kv_export.py``: the prefill side of the hand-off narrated (open, compute and push, hold, free, and what frees
+  what on each way out), and the engine hook that hands each computed layer's K/V to the request's ``KVSender``
 """

@@ -1,5 +1,25 @@
-"""The engine's KV export hook on a prefill pod: after each layer of a step, copy that layer's fresh K and V out of
-the paged cache and hand them to the request's ``KVSender``, while the engine goes on with the next layer.
+"""The prefill pod's side of the hand-off, and the engine's KV export hook that does its engine-thread part: after
+each layer of a step, copy that layer's fresh K and V out of the paged cache and hand them to the request's
+``KVSender``, while the engine goes on with the next layer. (The decode pod's side: ``kvtransfer/handoff.py``.)
+
+The export of one request, as ``PrefillServicer._prefill_and_push`` (``server.py``) runs it:
+
+    open      ``KVTransferClient.open``: the handshake with the decode pod (once per pod and codec) and a
+              ``KVSender`` for the request
+    compute   the request enters the engine with its sender registered here (``register``, below), and two tasks
+    and push  run side by side: the prefill (each step's layers handed to the sender by ``on_layer``) and
+              ``KVSender.push`` (header, chunks as layers arrive, trailer: the decode pod reserves, receives and
+              acknowledges, starting the request's lease there)
+    hold      the step that completes the prompt holds its blocks (``BlockManager.hold``): the engine finishes the
+              request, but the KV stays until the push is over
+    free      ``unregister``, queued on the engine thread when the call ends whichever way, frees the held blocks
+
+    way out                        what frees what
+    acknowledged                   ``unregister`` frees the held blocks; the KV now waits on the decode pod
+    the push fails (refused,       the prefill task is cancelled: the engine aborts the request and frees its
+      link down, timeout)          blocks (or ``unregister`` frees them, if already held)
+    the prefill fails              the push is cancelled: the decode pod sees CANCELLED and releases its reservation
+    Abort, or the client gone      both tasks are cancelled: both of the above
 
 A request's path through the hook (all on the engine thread):
 
