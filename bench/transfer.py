@@ -42,11 +42,11 @@ from statistics import mean
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.bench import FiguresOutput, headless_pyplot, save_figure, save_results
-from splitserve.bench.codecs import reference_tokens
 from splitserve.engine.config import DEFAULT_MODEL, CacheConfig
 from splitserve.engine.text.tokenizer_files import load_tokenizer
 from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES
+from splitserve.measure.codec_texts import reference_tokens
+from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figure, save_results
 from splitserve.runtime import transport
 from splitserve.runtime.config import described, parse_config
 from splitserve.runtime.kv_codecs import check_kv_codecs
@@ -72,10 +72,11 @@ class PodProcess:
     log: Path
 
 
-def start_pod(name: str, module: str, flags: list[str], log_dir: Path) -> PodProcess:
-    port = _free_port()
+def start_pod(name: str, module: str, flags: list[str], log_dir: Path, port: int = 0) -> PodProcess:
+    """``python -m module`` on 127.0.0.1:``port`` (0: a free one), its output in ``log_dir``/``name``.log."""
+    port = port or _free_port()
     log = log_dir / f"{name}.log"
-    with open(log, "wb") as out:  # the child keeps its own descriptor
+    with open(log, "ab") as out:  # the child keeps its own descriptor
         popen = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
                                   "--metrics-port", "0", *flags], cwd=REPO_ROOT, stdout=out,
                                  stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})

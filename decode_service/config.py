@@ -6,11 +6,13 @@ checked in ``__post_init__``, so a bad value stops the pod at start, naming the 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from splitserve.engine.config import KV_LEASE_S, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 from splitserve.kvtransfer.codecs import available_codecs
 from splitserve.kvtransfer.receiver import KV_LOAD_FAILURE_POLICIES
+from splitserve.kvtransfer.shm import DEFAULT_SHM_DIR
 from splitserve.runtime.config import member
 from splitserve.runtime.kv_codecs import check_kv_codecs
 from splitserve.runtime.pod_server import PodConfig
@@ -33,6 +35,9 @@ class DecodeConfig(PodConfig):
         "When pushed KV fails to load (a corrupt chunk, a lease gone): 'fail' the request (the router retries it "
         "elsewhere, and the failure shows) or 'recompute' the prompt on this pod. 'fail' by default, as vLLM's: a "
         "silent recompute hides a broken link or a misconfigured pod behind slow answers.")})
+    kv_shm_dir: str = field(default=DEFAULT_SHM_DIR, metadata={"help": (
+        "Directory prefill pods on this host put shared-memory KV arenas in (kvtransfer/shm.py; in Kubernetes a "
+        "volume both pods mount at this path); empty: KV over gRPC only.")})
     # Speculative decoding (engine/speculative/proposer.py, docs/speculative.md), vLLM's speculative_config as flags.
     speculative_method: str = field(default="", metadata={"help": (
         f"Speculative decoding: '' (off) or {', '.join(SPECULATIVE_METHODS)} (prompt lookup; suffix: also the pod's "
@@ -66,6 +71,8 @@ class DecodeConfig(PodConfig):
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
                              f"got {self.kv_load_failure_policy!r}")
+        if self.kv_shm_dir and not os.path.isdir(self.kv_shm_dir):
+            raise ValueError(f"kv_shm_dir: no directory {self.kv_shm_dir!r}")
         if self.tpot_target_s < 0:
             raise ValueError(f"tpot_target_s must be >= 0, got {self.tpot_target_s}")
 

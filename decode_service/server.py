@@ -53,6 +53,7 @@ from splitserve.engine.sequence import Sequence
 from splitserve.kvtransfer.handoff import Admission, PrefixHandover
 from splitserve.kvtransfer.leases import TransferTable
 from splitserve.kvtransfer.receiver import KVTransferServicer
+from splitserve.kvtransfer.shm import ShmArenaViews
 from splitserve.protos.convert import (
     finish_reason_to_proto,
     prompt_logprobs_to_proto,
@@ -294,8 +295,10 @@ async def build_decode_services(pod: Pod, config: DecodeConfig) -> list[PodServi
     transfers = TransferTable(pod.engine_loop, config.kv_lease_s)
     await transfers.start()
     pod.on_stop(transfers.stop)
+    shm = ShmArenaViews(config.kv_shm_dir)
+    pod.on_stop(lambda: asyncio.to_thread(shm.close))
     receiver = KVTransferServicer(pod.engine_loop, transfers, pod.metrics, config.accepted_kv_codecs,
-                                  config.kv_load_failure_policy)
+                                  config.kv_load_failure_policy, shm)
     return [DecodeServicer(pod, transfers, config.kv_load_failure_policy), receiver]
 
 

@@ -13,13 +13,16 @@ KV is interchangeable when the model and its attention shape agree: model name, 
 not blocks, and the receiver converts dtypes. The weights' format (``quantization``) may differ too: each side
 learns the other's from the handshake and says so in its log, since answers may then differ from a single-format
 deployment's (docs/quantization.md). Each push's header repeats the hash, which catches a decode pod restarted with
-another model since the handshake.
+another model since the handshake, and both pods' ``BOOT_ID``s, which catch a decode pod restarted at all: the push
+fails FAILED_PRECONDITION and the sender handshakes again. The handshake also tells the sender whether the two pods
+share a host and a shared-memory directory (kvtransfer/shm.py), which picks the link's transport.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 COMPAT_FIELDS = ("model_name", "num_layers", "num_kv_heads", "head_dim")
 _COMPAT_HASH_VERSION = "splitserve-kv-v1"  # bump when the digest's input changes
+BOOT_ID = uuid.uuid4().hex  # this process's: new at every start, so a peer tells a restarted pod from the one it knew
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,13 @@ reserve and receive steps of the hand-off that ``handoff.py`` narrates).
 
 A push's path through ``PushKV``:
 
-    header    compat hash checked (FAILED_PRECONDITION); a RECEIVING lease opened in the decode pod's
-              TransferTable (ALREADY_EXISTS); blocks reserved on the engine thread by
+    header    compat hash and this pod's boot id checked (FAILED_PRECONDITION: the sender handshakes again); the
+              shared-memory arena it names, if any, mapped (kvtransfer/shm.py); a RECEIVING lease opened in the
+              decode pod's TransferTable (ALREADY_EXISTS); blocks reserved on the engine thread by
               handoff.reserve, filed on the lease there (None: RESOURCE_EXHAUSTED)
     chunks    parsed by splitserve.kvtransfer.wire.parse_push, the stream's deserializer, payload and scales left in the
-              received message's bytes; sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk
+              received message's bytes (or, for a chunk with a shared-memory span, viewed in the arena:
+              with_shm_bytes); sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk
               verifies the checksum (DATA_LOSS), codec, range and shape and decodes on a worker thread (for codec
               none, a view of the message's bytes); the event loop then writes the tensor into the cache
               (PagedKVCache.write, at the slots of the sequence's tokens: the one copy on this side). The blocks belong
@@ -37,8 +39,9 @@ import torch
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.sequence import Sequence
 from splitserve.kvtransfer.handoff import KVLease, reserve
-from splitserve.kvtransfer.handshake import KVLayout, check_compatible, note_formats
+from splitserve.kvtransfer.handshake import BOOT_ID, KVLayout, check_compatible, note_formats
 from splitserve.kvtransfer.leases import TransferTable
+from splitserve.kvtransfer.shm import ShmArenaViews, with_shm_bytes
 from splitserve.kvtransfer.wire import ExpectedChunks, KVChunkError, WireChunk, decode_chunk, parse_push
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.metrics import PodMetrics
@@ -120,8 +123,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     service_name = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
     def __init__(self, engine_loop: EngineLoop, transfers: TransferTable, metrics: PodMetrics,
-                 accepted_codecs: Iterable[str], load_failure_policy: str = "fail"):
+                 accepted_codecs: Iterable[str], load_failure_policy: str = "fail",
+                 shm: ShmArenaViews | None = None):
         self._engine_loop = engine_loop
+        self.shm = shm or ShmArenaViews("")  # "": KV over gRPC only
         self.load_failure_policy = load_failure_policy
         self._transfers = transfers
         self._metrics = metrics
@@ -149,7 +154,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             await context.abort(err.code, err.message)
         note_formats(self.layout, sender, f"prefill pod {context.peer()}")
         return kv_transfer_pb2.HandshakeResponse(layout=self.layout.to_proto(), supported_codecs=self.accepted_codecs,
-                                                 compat_hash=self.layout.compat_hash)
+                                                 compat_hash=self.layout.compat_hash, boot_id=BOOT_ID,
+                                                 **self.shm.handshake_fields())
 
     async def PushKV(self, request_iterator: AsyncIterator[kv_transfer_pb2.KVPush | WireChunk],
                      context) -> kv_transfer_pb2.PushKVResponse:
@@ -157,9 +163,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         acknowledged = False
         try:
             header = await self._header(request_iterator)
+            arena = self.shm.open(header.shm_arena) if header.shm_arena else None
             lease = self._transfers.open(header.request_id, header.lease_seconds, max(header.num_claims, 1))
             intake = await self._reserve(lease, list(header.prompt_token_ids))
-            response = await self._receive(intake, request_iterator)
+            response = await self._receive(intake, request_iterator, arena)
             acknowledged = True
             return response
         except KVLoadError as err:
@@ -198,6 +205,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         if header.compat_hash != self.layout.compat_hash:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"compat_hash: sender {header.compat_hash!r}, "
                               f"receiver {self.layout.compat_hash!r} (handshake again)")
+        if header.receiver_boot_id and header.receiver_boot_id != BOOT_ID:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, "this decode pod restarted since the sender's "
+                              "handshake (boot id differs): handshake again")
         if not header.request_id or header.lease_seconds < 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               "a KV push header needs a request_id and lease_seconds >= 0")
@@ -220,14 +230,15 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             lease.request_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, len(prompt),
             frozenset(self.accepted_codecs)))
 
-    async def _receive(self, intake: KVIntake, request_iterator) -> kv_transfer_pb2.PushKVResponse:
+    async def _receive(self, intake: KVIntake, request_iterator,
+                       arena: memoryview | None) -> kv_transfer_pb2.PushKVResponse:
         request_id = intake.expected.request_id
         async for push in request_iterator:
             if self._transfers.get(request_id).abort_requested:
                 raise StatusError(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
             item = _item(push)
             if item == "chunk":
-                await intake.store(push)
+                await intake.store(with_shm_bytes(push, arena))
             elif item == "trailer":
                 return self._complete(intake, push.trailer)
             else:

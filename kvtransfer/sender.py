@@ -5,15 +5,19 @@ One request's path through this module:
     KVTransferClient.open(decode_address, codec, request_id, prompt)  asyncio; one cached channel per decode pod,
                                                                       Handshake once per (address, codec); codec
                                                                       "auto": the LinkCodecChooser's pick for
-                                                                      that decode pod (kvtransfer/link_codec.py)
+                                                                      that decode pod (kvtransfer/link_codec.py);
+                                                                      a new peer boot id: the link's transport
+                                                                      chosen (kvtransfer/shm.py)
       -> KVSender
     sender.push()                                                     asyncio task, concurrent with the prefill:
-        PushKV: header (request, prompt, lease, compat hash)          -> the decode pod reserves blocks
+        PushKV: header (request, prompt, lease, compat hash, boot     -> the decode pod reserves blocks
+                ids, the link's shared-memory arena if any)
     engine thread, after each layer of each step (prefill_service/kv_export.py):
         sender.submit_layer(layer, token_start, token_end, k, v)      copies of that layer's K and V [T, H, D]
         sender.mark_compute_done()                                    after the last layer of the last prompt token
     push(), for each layer as it arrives:
-        encode_chunks and push_message on a worker thread, then       while the engine computes the next layer,
+        encode_chunks and ShmPush.frame on a worker thread (bytes     while the engine computes the next layer,
+        into the arena, or inline: push_message), then
         write the framed messages                                     and the worker encodes the next layer
                                                                       held (one ahead: its chunks' numbers
                                                                       follow this layer's)
@@ -25,7 +29,8 @@ encoded and sent: the baseline that shows what the overlap saves. Either way ``e
 time from the end of the last layer's compute to the acknowledgement: what the transfer adds to TTFT.
 
 A failure of the push (the decode pod's status, a broken connection) surfaces as a ``StatusError`` with the
-decode pod's status code, so the prefill pod answers the router with the same code.
+decode pod's status code, so the prefill pod answers the router with the same code. After FAILED_PRECONDITION or
+UNAVAILABLE (the decode pod may have restarted) the next push handshakes again.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ import grpc
 import torch
 
 from splitserve.kvtransfer.codecs import KVCodec, get_codec
-from splitserve.kvtransfer.handshake import KVLayout, note_formats
+from splitserve.kvtransfer.handshake import BOOT_ID, KVLayout, note_formats
 from splitserve.kvtransfer.link_codec import LinkCodecChooser
-from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES, WireChunk, encode_chunks, push_message, raw_nbytes
+from splitserve.kvtransfer.shm import ShmLinks, ShmPush
+from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES, WireChunk, encode_chunks, raw_nbytes
 from splitserve.runtime import transport
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.kv_codecs import AUTO
@@ -74,8 +80,9 @@ class KVTransferClient:
 
     def __init__(self, layout: KVLayout, max_chunk_bytes: int = MAX_CHUNK_BYTES, overlap: bool = True,
                  encode_threads: int = 2, corrupt_chunk_rate: float = 0.0,
-                 link_codecs: LinkCodecChooser | None = None):
+                 link_codecs: LinkCodecChooser | None = None, shm_links: ShmLinks | None = None):
         self.layout = layout
+        self.shm_links = shm_links or ShmLinks(enabled=False)
         self.link_codecs = link_codecs or LinkCodecChooser(layout, None, 1.0)
         self.max_chunk_bytes = max_chunk_bytes
         self.overlap = overlap
@@ -86,6 +93,7 @@ class KVTransferClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._handshaken: set[tuple[str, str]] = set()
         self._accepted: dict[str, list[str]] = {}  # decode address -> the codecs it accepts (its handshake's)
+        self._peer_boot_ids: dict[str, str] = {}  # decode address -> its boot id at the handshake
         # Encoding runs off the event loop, so sockets keep moving; two threads keep K and V of different
         # requests going without oversubscribing the cores the engine computes on.
         self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="kv-encode")
@@ -123,7 +131,8 @@ class KVTransferClient:
     async def _handshake(self, decode_address: str, codec_name: str,
                          timeout_s: float | None) -> kv_transfer_pb2.HandshakeResponse:
         request = kv_transfer_pb2.HandshakeRequest(layout=self.layout.to_proto(),
-                                                   compat_hash=self.layout.compat_hash, codec=codec_name)
+                                                   compat_hash=self.layout.compat_hash, codec=codec_name,
+                                                   boot_id=BOOT_ID, host_id=self.shm_links.host_id)
         try:
             response = await self.stub(decode_address).Handshake(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
@@ -133,12 +142,21 @@ class KVTransferClient:
                               f"decode pod {decode_address}: compat_hash: sender {self.layout.compat_hash!r}, "
                               f"receiver {response.compat_hash!r}")
         note_formats(self.layout, KVLayout.from_proto(response.layout), f"decode pod {decode_address}")
+        if self._peer_boot_ids.get(decode_address) != response.boot_id:  # a new peer: choose the link anew
+            self._peer_boot_ids[decode_address] = response.boot_id
+            self.shm_links.choose(decode_address, response)
         return response
 
     def forget_handshake(self, decode_address: str, codec_name: str) -> None:
-        """The decode pod refused a push as incompatible (restarted with another model?): handshake again."""
+        """The decode pod refused a push as incompatible or went away (restarted?): handshake again, and choose
+        the link's transport again."""
         self._handshaken.discard((decode_address, codec_name))
         self._accepted.pop(decode_address, None)
+        self._peer_boot_ids.pop(decode_address, None)
+        self.shm_links.forget(decode_address)
+
+    def peer_boot_id(self, decode_address: str) -> str:
+        return self._peer_boot_ids.get(decode_address, "")
 
     def stub(self, decode_address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         return kv_transfer_pb2_grpc.KVTransferStub(self._channel(decode_address))
@@ -173,6 +191,7 @@ class KVTransferClient:
             await channel.close()
         self._channels.clear()
         self._encoder.shutdown(wait=False, cancel_futures=True)
+        self.shm_links.close()
 
 
 class KVSender:
@@ -192,7 +211,8 @@ class KVSender:
         self._loop = asyncio.get_running_loop()
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._compute_done_at: float | None = None  # perf_counter seconds, set on the engine thread
-        self._stats = prefill_pb2.KVTransferStats(codec=codec.name)
+        self._shm = ShmPush(client.shm_links.arena(decode_address))
+        self._stats = prefill_pb2.KVTransferStats(codec=codec.name, transport=self._shm.transport)
         self._first_write_at: float | None = None
         self._last_write_at: float | None = None
         self._write_seconds = 0.0  # time spent in call.write: flow control holding the writes back
@@ -228,6 +248,9 @@ class KVSender:
         except BaseException:
             call.cancel()  # the decode pod sees CANCELLED and releases the blocks it reserved
             raise
+        finally:
+            self._shm.release()  # the call is over: the decode pod reads none of the push's spans any more
+        self._shm.acknowledged()
         ack_at = time.perf_counter()
         self._stats.transfer_seconds = ack_at - (self._first_write_at or ack_at)
         self._stats.exposed_transfer_seconds = max(0.0, ack_at - (self._compute_done_at or ack_at))
@@ -238,7 +261,9 @@ class KVSender:
     async def _stream(self, call) -> kv_transfer_pb2.PushKVResponse:
         await call.write(kv_transfer_pb2.KVPush(header=kv_transfer_pb2.KVTransferHeader(
             request_id=self.request_id, prompt_token_ids=self._prompt_token_ids,
-            compat_hash=self._client.layout.compat_hash, lease_seconds=self._lease_s, num_claims=self.num_claims)))
+            compat_hash=self._client.layout.compat_hash, lease_seconds=self._lease_s, num_claims=self.num_claims,
+            sender_boot_id=BOOT_ID, receiver_boot_id=self._client.peer_boot_id(self.decode_address),
+            shm_arena=self._shm.arena.name if self._shm.arena is not None else "")))
         held: list[_LayerKV] = []
         sending = self._client.overlap
         while True:
@@ -293,7 +318,7 @@ class KVSender:
                                     first_seq + len(chunks))
         if self._client.corrupt_chunk_rate:
             self._client.corrupt(chunks)
-        return item, [push_message(chunk) for chunk in chunks], sum(chunk.nbytes for chunk in chunks)
+        return item, [self._shm.frame(chunk) for chunk in chunks], sum(chunk.nbytes for chunk in chunks)
 
     async def _failure(self, call, err: Exception) -> StatusError:
         # The call's own status says why it ended. A write that raced the decode pod's refusal fails on its own
@@ -309,7 +334,7 @@ class KVSender:
             # which is UNAVAILABLE (the router retries it), not a bug in either pod (INTERNAL, which it would not).
             code, details = grpc.StatusCode.UNAVAILABLE, ("the push broke off while writing: the decode pod ended "
                                                           "the stream (its log says why)")
-        if code == grpc.StatusCode.FAILED_PRECONDITION:
+        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
             self._client.forget_handshake(self.decode_address, self.codec.name)
         return StatusError(code, f"decode pod {self.decode_address}: {details}")
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.kvtransfer.shm import DEFAULT_ARENA_BYTES
 from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES
 from splitserve.runtime.pod_server import PodConfig
 from splitserve.runtime.transport import MAX_MESSAGE_BYTES
+
+KV_TRANSPORTS = ("auto", "grpc")
 
 
 @dataclass
@@ -31,11 +34,22 @@ class PrefillConfig(PodConfig):
     kv_quality_table: str = field(default="", metadata={"help": (
         "kv_codec auto: the codecs' measured quality (bench codecs --quality-table); empty: the table shipped for "
         "the model in kvtransfer/quality/, or none (then auto picks among lossless codecs).")})
+    kv_transport: str = field(default="auto", metadata={"help": (
+        "How KV reaches decode pods: 'auto' (through a shared-memory arena when the decode pod is on this host and "
+        "offers a directory this pod sees, else gRPC: kvtransfer/shm.py) or 'grpc' (always).")})
+    kv_shm_arena_bytes: int = field(default=DEFAULT_ARENA_BYTES, metadata={"help": (
+        "Size of each shared-memory arena (one per decode pod on this host; memory is taken as it is written). A "
+        "chunk that finds no room goes inline, over gRPC.")})
     kv_transfer_timeout_s: float = field(default=60.0, metadata={"help": (
         "Longest a prefill waits for the decode pod to acknowledge its KV (a shorter call deadline wins).")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
+        if self.kv_shm_arena_bytes < self.max_chunk_bytes:
+            raise ValueError(f"kv_shm_arena_bytes must hold a chunk (max_chunk_bytes {self.max_chunk_bytes}), got "
+                             f"{self.kv_shm_arena_bytes}")
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if not 0.0 <= self.kv_min_agreement <= 1.0:

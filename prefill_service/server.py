@@ -36,6 +36,7 @@ from splitserve.engine.sampling.params import SamplingParams
 from splitserve.kvtransfer.handshake import KVLayout
 from splitserve.kvtransfer.link_codec import LinkCodecChooser, QualityTable
 from splitserve.kvtransfer.sender import KVSender, KVTransferClient
+from splitserve.kvtransfer.shm import ShmLinks
 from splitserve.prefill_service.config import PrefillConfig
 from splitserve.prefill_service.kv_export import PrefillKVExport
 from splitserve.protos.convert import prompt_logprobs_to_proto, sampling_params_from_proto, token_logprob_from_dict
@@ -197,7 +198,8 @@ async def build_prefill_services(pod: Pod, config: PrefillConfig) -> list[PodSer
              else QualityTable.shipped(layout.model_name))
     kv_client = KVTransferClient(layout, config.max_chunk_bytes, config.overlap_transfer,
                                  corrupt_chunk_rate=config.inject_corrupt_chunks,
-                                 link_codecs=LinkCodecChooser(layout, table, config.kv_min_agreement))
+                                 link_codecs=LinkCodecChooser(layout, table, config.kv_min_agreement),
+                                 shm_links=ShmLinks(config.kv_transport == "auto", config.kv_shm_arena_bytes))
     pod.on_stop(kv_client.close)
     return [PrefillServicer(pod, config, kv_client, export)]
 

@@ -896,7 +896,9 @@ def auto_link(pods):
                                              "fp8": CodecQuality(0.5, 1000.0, 1000.0)}})
     shipped = pods.kv_client.link_codecs
     pods.kv_client.link_codecs = LinkCodecChooser(layout, table, min_agreement=0.9)
+    pods.kv_client.shm_links.enabled = False  # the proxy stands for a network link: no shared memory across it
     yield proxy, f"127.0.0.1:{port}"
+    pods.kv_client.shm_links.enabled = True
     pods.kv_client.link_codecs = shipped
     pods.thread.run(proxy.stop())
 

@@ -35,24 +35,36 @@ class KVLayout(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("layout", "compat_hash", "codec")
+    __slots__ = ("layout", "compat_hash", "codec", "boot_id", "host_id")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     compat_hash: str
     codec: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., compat_hash: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
+    boot_id: str
+    host_id: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., compat_hash: _Optional[str] = ..., codec: _Optional[str] = ..., boot_id: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("layout", "supported_codecs", "compat_hash")
+    __slots__ = ("layout", "supported_codecs", "compat_hash", "boot_id", "host_id", "shm_dir", "shm_dir_id")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SUPPORTED_CODECS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_ID_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     supported_codecs: _containers.RepeatedScalarFieldContainer[str]
     compat_hash: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., supported_codecs: _Optional[_Iterable[str]] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    boot_id: str
+    host_id: str
+    shm_dir: str
+    shm_dir_id: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., supported_codecs: _Optional[_Iterable[str]] = ..., compat_hash: _Optional[str] = ..., boot_id: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., shm_dir_id: _Optional[str] = ...) -> None: ...
 
 class KVPush(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
@@ -65,21 +77,27 @@ class KVPush(_message.Message):
     def __init__(self, header: _Optional[_Union[KVTransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTransferTrailer, _Mapping]] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "compat_hash", "lease_seconds", "num_claims")
+    __slots__ = ("request_id", "prompt_token_ids", "compat_hash", "lease_seconds", "num_claims", "sender_boot_id", "receiver_boot_id", "shm_arena")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_ARENA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compat_hash: str
     lease_seconds: float
     num_claims: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., num_claims: _Optional[int] = ...) -> None: ...
+    sender_boot_id: str
+    receiver_boot_id: str
+    shm_arena: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., num_claims: _Optional[int] = ..., sender_boot_id: _Optional[str] = ..., receiver_boot_id: _Optional[str] = ..., shm_arena: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "seq", "layer", "kind", "token_start", "token_end", "codec", "dtype", "shape", "payload", "scales", "crc32c")
+    __slots__ = ("request_id", "seq", "layer", "kind", "token_start", "token_end", "codec", "dtype", "shape", "payload", "scales", "crc32c", "shm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +110,7 @@ class KVChunk(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     layer: int
@@ -104,7 +123,18 @@ class KVChunk(_message.Message):
     payload: bytes
     scales: bytes
     crc32c: int
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KVKind, str]] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., codec: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    shm: KVShmSpan
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KVKind, str]] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., codec: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., shm: _Optional[_Union[KVShmSpan, _Mapping]] = ...) -> None: ...
+
+class KVShmSpan(_message.Message):
+    __slots__ = ("offset", "payload_bytes", "scales_bytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCALES_BYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    payload_bytes: int
+    scales_bytes: int
+    def __init__(self, offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., scales_bytes: _Optional[int] = ...) -> None: ...
 
 class KVTransferTrailer(_message.Message):
     __slots__ = ("num_chunks", "num_tokens")

@@ -48,17 +48,19 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer: _Optional[_Union[KVTransferStats, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., more_first_token_ids: _Optional[_Iterable[int]] = ..., more_first_token_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
-    __slots__ = ("codec", "bytes_sent", "raw_bytes", "num_chunks", "transfer_seconds", "exposed_transfer_seconds")
+    __slots__ = ("codec", "bytes_sent", "raw_bytes", "num_chunks", "transfer_seconds", "exposed_transfer_seconds", "transport")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     codec: str
     bytes_sent: int
     raw_bytes: int
     num_chunks: int
     transfer_seconds: float
     exposed_transfer_seconds: float
-    def __init__(self, codec: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., exposed_transfer_seconds: _Optional[float] = ...) -> None: ...
+    transport: str
+    def __init__(self, codec: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., exposed_transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...

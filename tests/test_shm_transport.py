@@ -1,0 +1,314 @@
+"""The same-host KV hand-off (kvtransfer/shm.py): arenas and their spans, the link's choice, and real pod processes
+over loopback handing KV through shared memory: the offline answer token for token, a corrupted chunk refused by its
+checksum, a decode pod killed and restarted mid-transfer (no stale page read, every block and every arena freed).
+
+Each test's pods share a fresh directory under /dev/shm (not /dev/shm itself: other pods may run on this machine),
+so that "nothing left behind" is a listing of that directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from splitserve.bench.transfer import PodProcess, start_pod, stop_pods, wait_serving
+from splitserve.engine.llm import LLM
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.kvtransfer.codecs import get_codec
+from splitserve.kvtransfer.shm import (
+    ARENA_PREFIX,
+    TRANSPORT_GRPC,
+    TRANSPORT_SHM,
+    ShmArena,
+    ShmArenaViews,
+    ShmLinks,
+    ShmPush,
+    dir_id,
+    host_id,
+    with_shm_bytes,
+)
+from splitserve.kvtransfer.wire import ExpectedChunks, KVChunkError, decode_chunk, encode_chunks, parse_push
+from splitserve.runtime.errors import StatusError
+from splitserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_transfer_pb2,
+    pod_status_pb2,
+    pod_status_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+MODEL = "tiny-random"  # 4 layers, 2 KV heads of 16 dims
+GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture
+def shm_dir():
+    directory = tempfile.mkdtemp(prefix="splitserve-test-", dir="/dev/shm")
+    yield directory
+    leftovers = os.listdir(directory)
+    for name in leftovers:
+        os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)
+    assert leftovers == [], "an arena was left behind"
+
+
+def _chunks(codec: str, num_tokens: int = 24, seed: int = 0):
+    tensor = torch.randn(num_tokens, 2, 16, generator=torch.Generator().manual_seed(seed))
+    return tensor, encode_chunks("r1", 0, "k", 0, num_tokens, tensor, get_codec(codec), num_tokens)
+
+
+def _expected(num_tokens: int = 24) -> ExpectedChunks:
+    return ExpectedChunks("r1", 4, 2, 16, num_tokens, frozenset({"none", "int8"}))
+
+
+def _received(message: bytes, views: ShmArenaViews, name: str):
+    return with_shm_bytes(parse_push(message), views.open(name))
+
+
+# ---- arenas ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ["none", "int8"])  # int8 has scales beside its payload
+def test_a_chunk_placed_in_an_arena_decodes_on_the_other_side_as_it_would_inline(shm_dir, codec):
+    arena = ShmArena(shm_dir, f"{ARENA_PREFIX}{'a' * 32}-{'b' * 32}", 1 << 20)
+    tensor, [chunk] = _chunks(codec)
+    push = ShmPush(arena)
+    message = push.frame(chunk)
+    assert len(message) < 200, "the message carries a span, not the bytes"
+    received = _received(message, ShmArenaViews(shm_dir), arena.name)
+    assert received.fields.HasField("shm")
+    decoded = decode_chunk(received, _expected())
+    inline = decode_chunk(parse_push(ShmPush(None).frame(chunk)), _expected())
+    assert torch.equal(decoded.tensor, inline.tensor)
+    assert torch.allclose(decoded.tensor, tensor, atol=0.05)
+    push.release()
+    arena.retire()
+    assert not os.path.exists(arena.path)
+
+
+def test_a_corrupted_byte_in_the_arena_fails_the_chunks_checksum(shm_dir):
+    arena = ShmArena(shm_dir, f"{ARENA_PREFIX}{'a' * 32}-{'c' * 32}", 1 << 20)
+    _, [chunk] = _chunks("none")
+    message = ShmPush(arena).frame(chunk)
+    with open(arena.path, "r+b") as file:  # another process scribbling on the page
+        file.seek(100)
+        byte = file.read(1)
+        file.seek(100)
+        file.write(bytes([byte[0] ^ 0x5A]))
+    with pytest.raises(KVChunkError) as caught:
+        decode_chunk(_received(message, ShmArenaViews(shm_dir), arena.name), _expected())
+    assert caught.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in caught.value.message
+    arena.retire()
+
+
+def test_spans_are_freed_and_merged_and_a_full_arena_sends_chunks_inline(shm_dir):
+    _, chunks = _chunks("none", num_tokens=64)  # 64 x 2 x 16 float32: 8 KiB
+    arena = ShmArena(shm_dir, f"{ARENA_PREFIX}{'a' * 32}-{'d' * 32}", 20 << 10)  # room for two
+    first, second, third = ShmPush(arena), ShmPush(arena), ShmPush(arena)
+    assert parse_push(first.frame(chunks[0])).fields.HasField("shm")
+    assert parse_push(second.frame(chunks[0])).fields.HasField("shm")
+    inline = parse_push(third.frame(chunks[0]))  # full: the bytes travel in the message
+    assert not inline.fields.HasField("shm") and len(inline.payload) == chunks[0].nbytes
+    assert arena.spans_in_use == 2
+    first.release()
+    second.release()
+    assert arena.spans_in_use == 0
+    assert parse_push(ShmPush(arena).frame(chunks[0])).fields.shm.offset == 0  # merged back into one free span
+    arena.retire()
+
+
+def test_a_retired_arena_is_unlinked_at_once_and_unmapped_after_its_last_push(shm_dir):
+    arena = ShmArena(shm_dir, f"{ARENA_PREFIX}{'a' * 32}-{'e' * 32}", 1 << 20)
+    push = ShmPush(arena)
+    push.frame(_chunks("none")[1][0])
+    arena.retire()
+    assert os.listdir(shm_dir) == []
+    assert push.frame(_chunks("none")[1][0])  # no new spans in a retired arena: inline
+    push.release()
+    assert arena.spans_in_use == 0
+
+
+@pytest.mark.parametrize("span, problem", [((1 << 20) - 8, "past the arena"), (None, "without an arena")])
+def test_a_span_the_arena_does_not_hold_is_refused(shm_dir, span, problem):
+    arena = ShmArena(shm_dir, f"{ARENA_PREFIX}{'a' * 32}-{'f' * 32}", 1 << 20)
+    message = ShmPush(arena).frame(_chunks("none")[1][0])
+    chunk = parse_push(message)
+    if span is not None:
+        chunk.fields.shm.offset = span
+    with pytest.raises(StatusError) as caught:
+        with_shm_bytes(chunk, ShmArenaViews(shm_dir).open(arena.name) if span is not None else None)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and problem in caught.value.message
+    arena.retire()
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", f"{ARENA_PREFIX}{'a' * 32}-{'0' * 32}", "plain"])
+def test_the_decode_side_maps_only_arenas_in_its_own_directory(shm_dir, name):
+    with pytest.raises(StatusError) as caught:
+        ShmArenaViews(shm_dir).open(name)
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION and "handshake again" in caught.value.message
+    with pytest.raises(StatusError):
+        ShmArenaViews("").open(f"{ARENA_PREFIX}{'a' * 32}-{'0' * 32}")  # a pod that takes no shared memory
+
+
+# ---- the link's choice -------------------------------------------------------------------------------------------
+
+def _response(directory: str, **fields) -> kv_transfer_pb2.HandshakeResponse:
+    return kv_transfer_pb2.HandshakeResponse(boot_id="d" * 32, **{**ShmArenaViews(directory).handshake_fields(),
+                                                                  **fields})
+
+
+def test_a_link_goes_through_shared_memory_only_on_one_host_and_one_directory(shm_dir, tmp_path):
+    assert host_id(), "this machine has a kernel boot id"
+    links = ShmLinks()
+    assert links.choose("same", _response(shm_dir)) == TRANSPORT_SHM
+    assert os.listdir(shm_dir)[0].startswith(ARENA_PREFIX)
+    assert links.choose("other-host", _response(shm_dir, host_id="another machine")) == TRANSPORT_GRPC
+    # The same name on the sender's side is another directory (another tmpfs mount, in a container): not shared.
+    assert links.choose("other-dir", _response(shm_dir, shm_dir_id=dir_id(str(tmp_path)))) == TRANSPORT_GRPC
+    assert links.choose("no-dir", _response("")) == TRANSPORT_GRPC
+    assert ShmLinks(enabled=False).choose("off", _response(shm_dir)) == TRANSPORT_GRPC
+    assert [links.transport(a) for a in ("same", "other-host")] == [TRANSPORT_SHM, TRANSPORT_GRPC]
+    links.close()
+    assert os.listdir(shm_dir) == []
+
+
+# ---- real pods over loopback -------------------------------------------------------------------------------------
+
+class ShmCluster:
+    """A decode pod and a prefill pod, each its own process, sharing ``shm_dir``; the decode pod can be killed and
+    restarted on its port."""
+
+    def __init__(self, log_dir: Path, shm_dir: str, prefill_flags: tuple[str, ...] = ()):
+        self.log_dir, self.shm_dir = log_dir, shm_dir
+        self.decode = self._start_decode(port=0)
+        self.prefill = start_pod("prefill", "splitserve.prefill_service",
+                                 ["--model", MODEL, "--max-num-batched-tokens", "64",
+                                  "--long-prefill-token-threshold", "64", *prefill_flags], log_dir)
+        for pod in (self.decode, self.prefill):
+            wait_serving(pod, 120)
+        self.offline = LLM(model=MODEL, num_blocks=64)
+
+    def _start_decode(self, port: int) -> PodProcess:
+        return start_pod("decode", "splitserve.decode_service", ["--model", MODEL, "--kv-shm-dir", self.shm_dir],
+                         self.log_dir, port=port)
+
+    def restart_decode(self, kill_signal: int = signal.SIGKILL) -> None:
+        os.kill(self.decode.popen.pid, kill_signal)
+        self.decode.popen.wait(timeout=30)
+        self.decode = self._start_decode(port=int(self.decode.address.rsplit(":", 1)[1]))
+        wait_serving(self.decode, 120)
+
+    def prefill_call(self, request_id: str, prompt: list[int], codec: str = "none") -> prefill_pb2.PrefillResponse:
+        with grpc.insecure_channel(self.prefill.address) as channel:
+            return prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling_params=GREEDY,
+                decode_address=self.decode.address, kv_codec=codec), timeout=60)
+
+    def answer(self, request_id: str, prompt: list[int], codec: str = "none") -> tuple[list[int], str]:
+        """The disaggregated answer's tokens, and the transport its KV took."""
+        first = self.prefill_call(request_id, prompt, codec)
+        tokens = [first.first_token_id]
+        with grpc.insecure_channel(self.decode.address) as channel:
+            for message in decode_pb2_grpc.DecodeStub(channel).Decode(decode_pb2.DecodeRequest(
+                    request_id=request_id, prompt_token_ids=prompt, sampling_params=GREEDY,
+                    first_token_id=first.first_token_id), timeout=60):
+                tokens += message.chunk.token_ids if message.HasField("chunk") else []
+        return tokens, first.kv_transfer.transport
+
+    def offline_tokens(self, prompt: list[int]) -> list[int]:
+        return self.offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
+
+    def load(self, pod: PodProcess) -> common_pb2.PodLoad:
+        with grpc.insecure_channel(pod.address) as channel:
+            return pod_status_pb2_grpc.PodStatusStub(channel).GetLoad(pod_status_pb2.LoadRequest(), timeout=10)
+
+    def wait_every_block_free(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for pod in (self.prefill, self.decode):
+            while (load := self.load(pod)).free_kv_blocks != load.total_kv_blocks:
+                assert time.monotonic() < deadline, f"{pod.name} pod still holds KV blocks: {load}"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        stop_pods([self.prefill, self.decode])
+
+
+@pytest.fixture
+def cluster(tmp_path, shm_dir):
+    running = ShmCluster(tmp_path, shm_dir)
+    yield running
+    running.stop()
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 259, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_pods_on_one_host_hand_kv_through_shared_memory_and_answer_as_offline(cluster):
+    for length, codec in ((40, "none"), (150, "none"), (150, "int8")):  # 150: three prefill steps
+        prompt = prompt_of(length, seed=length)
+        tokens, transport = cluster.answer(f"shm-{length}-{codec}", prompt, codec)
+        assert transport == TRANSPORT_SHM
+        if codec == "none":
+            assert tokens == cluster.offline_tokens(prompt)
+    assert os.listdir(cluster.shm_dir) == [], "the arena's name goes once the decode pod has mapped it"
+    cluster.wait_every_block_free()
+
+
+def test_a_decode_pod_killed_mid_transfer_and_restarted_gets_a_new_arena_and_exact_answers(cluster):
+    cluster.answer("before", prompt_of(40, seed=1))  # the link's arena, mapped by the first decode pod
+    failures: list[grpc.RpcError] = []
+
+    def long_prefill() -> None:  # 2,000 tokens in 64-token steps: the push spans dozens of steps
+        try:
+            cluster.prefill_call("cut-off", prompt_of(2000, seed=2))
+        except grpc.RpcError as err:
+            failures.append(err)
+
+    call = threading.Thread(target=long_prefill)
+    call.start()
+    deadline = time.monotonic() + 30
+    while cluster.load(cluster.decode).free_kv_blocks == cluster.load(cluster.decode).total_kv_blocks:
+        assert time.monotonic() < deadline, "the push never reserved blocks on the decode pod"
+        time.sleep(0.005)
+    cluster.restart_decode()  # SIGKILL while the push is receiving
+    call.join(timeout=60)
+    assert failures and failures[0].code() == grpc.StatusCode.UNAVAILABLE, failures
+    # The new decode pod: a new boot id, so a new handshake and a new arena; its answers are exact.
+    for i in range(2):
+        prompt = prompt_of(150, seed=10 + i)
+        tokens, transport = cluster.answer(f"after-{i}", prompt)
+        assert (tokens, transport) == (cluster.offline_tokens(prompt), TRANSPORT_SHM)
+    cluster.wait_every_block_free()
+    assert os.listdir(cluster.shm_dir) == []
+
+
+def test_a_corrupted_chunk_over_shared_memory_is_refused_by_its_checksum(tmp_path, shm_dir):
+    cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--inject-corrupt-chunks", "1.0"))
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            cluster.prefill_call("corrupt", prompt_of(40, seed=3))
+        assert caught.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in caught.value.details()
+        cluster.wait_every_block_free()
+    finally:
+        cluster.stop()
+
+
+def test_kv_transport_grpc_keeps_pods_of_one_host_on_grpc(tmp_path, shm_dir):
+    cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--kv-transport", "grpc"))
+    try:
+        prompt = prompt_of(40, seed=4)
+        assert cluster.answer("grpc", prompt) == (cluster.offline_tokens(prompt), TRANSPORT_GRPC)
+        assert os.listdir(shm_dir) == []
+    finally:
+        cluster.stop()
