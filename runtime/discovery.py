@@ -24,6 +24,9 @@ from splitserve.runtime.roles import POD_ROLES, Role
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "splitserve:pods"
+# Seconds a pod's key lives without a beat: the pods' heartbeat_ttl_s and the router's pod_ttl_s (how long it keeps
+# the pods it knew after Redis restarted empty) default to it, so that both sides count the same time.
+HEARTBEAT_TTL_S = 10.0
 # A heartbeat publishes at most this many block hashes, the pod's most recent: enough to route the prompts
 # that are hot now, small enough that the router reads every pod's key every second.
 MAX_PUBLISHED_BLOCK_HASHES = 8192

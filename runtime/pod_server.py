@@ -49,7 +49,7 @@ from splitserve.runtime import transport
 from splitserve.runtime.config import described, member
 from splitserve.runtime.core_lending import CoreLender, DecodeActivity, DecodeYield
 from splitserve.runtime.cpus import checked_cpu_set
-from splitserve.runtime.discovery import RedisHeartbeat, RegistryKind
+from splitserve.runtime.discovery import HEARTBEAT_TTL_S, RedisHeartbeat, RegistryKind
 from splitserve.runtime.logs import configure_logging
 from splitserve.runtime.metrics import PodMetrics
 from splitserve.runtime.pod_status import LoadTracker, PodStatusServicer
@@ -123,7 +123,8 @@ class PodConfig:
     registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
         "How the router finds this pod: 'static' (its flags) or 'redis' (a heartbeat here)."))
     redis_url: str = field(default="redis://localhost:6379/0", metadata=described("Redis registry: server URL."))
-    heartbeat_ttl_s: float = field(default=10.0, metadata=described("Redis registry: expiry of this pod's key."))
+    heartbeat_ttl_s: float = field(default=HEARTBEAT_TTL_S, metadata=described(
+        "Redis registry: expiry of this pod's key."))
     load_refresh_interval_s: float = field(default=1.0, metadata=described(
         "Redis registry: seconds between refreshes of the prefix-cache block hashes the heartbeat publishes."))
     shutdown_grace_s: float = field(default=10.0, metadata=described("On SIGTERM, time in-flight calls get to finish."))

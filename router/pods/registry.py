@@ -235,7 +235,7 @@ class StaticRegistry(PodRegistry):
 class RedisRegistry(PodRegistry):
     """Pods that registered themselves in Redis; rescanned every ``scan_interval_s``."""
 
-    def __init__(self, redis_url: str, ttl_s: float = 10.0, scan_interval_s: float = 1.0, **kwargs: Any):
+    def __init__(self, redis_url: str, ttl_s: float, scan_interval_s: float = 1.0, **kwargs: Any):
         super().__init__(**kwargs)
         self.ttl_s = ttl_s
         self._redis = redis_asyncio.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
