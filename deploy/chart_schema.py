@@ -28,7 +28,7 @@ from splitserve.deploy.planner.config import PlannerConfig
 from splitserve.engine.config import CACHE_DTYPES, COMPUTE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS
 from splitserve.kvtransfer.codecs import available_codecs
 from splitserve.kvtransfer.receiver import KV_LOAD_FAILURE_POLICIES
-from splitserve.prefill_service.config import PrefillConfig
+from splitserve.prefill_service.config import KV_TRANSPORTS, PrefillConfig
 from splitserve.router.config import RouterConfig
 from splitserve.runtime.kv_codecs import AUTO
 
@@ -44,10 +44,10 @@ COMPONENTS = {"router": RouterConfig, "prefill": PrefillConfig, "decode": Decode
 # belong in values; nor does core lending (`lend_cpus` and its activity files: pods of one machine sharing host CPUs
 # and a directory, which `splitserve up` arranges and Kubernetes pods do not).
 _TLS_OWNED = {"tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert", "tls_server_name"}
-_POD_OWNED = {"host", "port", "metrics_port", "advertise_address", "model", "registry", "redis_url", "role",
+_POD_OWNED = {"host", "port", "metrics_port", "probe_port", "advertise_address", "model", "registry", "redis_url", "role",
               "cpus", "lend_cpus", "lender_activity_files", "activity_file", *_TLS_OWNED}
 CHART_OWNED = {
-    "router": {"host", "grpc_port", "http_port", "metrics_port", "model", "registry", "redis_url", "prefill_pods",
+    "router": {"host", "grpc_port", "http_port", "metrics_port", "probe_port", "model", "registry", "redis_url", "prefill_pods",
                "decode_pods", "mixed_pods", "api_keys", "cpus", *_TLS_OWNED},
     "prefill": _POD_OWNED,
     "decode": _POD_OWNED,
@@ -64,6 +64,7 @@ CHOICES = {  # field -> allowed values of plain-string fields (enum fields list 
     "dtype": list(COMPUTE_DTYPES),
     "speculative_method": list(SPECULATIVE_METHODS),
     "quantization": list(QUANTIZATIONS),
+    "kv_transport": list(KV_TRANSPORTS),
 }
 RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; durations "*_s" > 0)
     "seed": {"minimum": 0},
@@ -181,7 +182,7 @@ def _component(name: str, extra: dict, replicas: dict = _COUNT) -> dict:
 
 def _pod_component(name: str) -> dict:
     return _component(name, {
-        "enabled": _BOOL, "ports": _obj({"grpc": _PORT, "metrics": _PORT}), "probes": _PROBES,
+        "enabled": _BOOL, "ports": _obj({"grpc": _PORT, "metrics": _PORT, "probe": _PORT}), "probes": _PROBES,
         "shm": _obj({"enabled": _BOOL, "sizeLimit": _STR}),
         "podDisruptionBudget": _PDB, "autoscaling": _HPA, "serviceMonitor": _SERVICE_MONITOR})
 
@@ -218,7 +219,7 @@ def values_schema() -> dict:
                 "service": _obj({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "grpcPort": _PORT,
                                  "httpPort": _PORT, "annotations": _STRING_MAP}),
                 "apiKeysSecret": _obj({"name": _STR, "key": _STR}), "preStopSleepSeconds": _COUNT,
-                "metricsPort": _PORT,
+                "metricsPort": _PORT, "probePort": _PORT,
                 "probes": _PROBES, "podDisruptionBudget": _PDB, "autoscaling": _HPA,
                 "serviceMonitor": _SERVICE_MONITOR}),
             "prefill": _pod_component("prefill"),

@@ -48,6 +48,8 @@ class RouterConfig:
     metrics_port: int = field(default=0, metadata=described(
         "Port of a plain-HTTP Prometheus /metrics, without TLS or API keys, for a scraper that cannot present a "
         "client certificate (0: none; /metrics is on the HTTP API either way)."))
+    probe_port: int = field(default=0, metadata=described(
+        "A plain-text port serving only grpc.health.v1 (kubelet's native gRPC probe, which speaks no TLS); 0: none."))
     shutdown_grace_s: float = field(default=SHUTDOWN_GRACE_S, metadata=described(
         "On SIGTERM, time in-flight requests (HTTP and gRPC, drained together) get to finish."))
     model: str = field(default=DEFAULT_MODEL, metadata=described("Served model; the router loads only its tokenizer."))
@@ -146,7 +148,8 @@ class RouterConfig:
         self.registry = member(RegistryKind, "registry", self.registry)
         check_kv_codec("kv_codec", self.kv_codec)
         checked_cpu_set("cpus", self.cpus)
-        for name in ("grpc_port", "http_port", "metrics_port", "shutdown_grace_s", "conditional_prefill_threshold",
+        for name in ("grpc_port", "http_port", "metrics_port", "probe_port", "shutdown_grace_s",
+                     "conditional_prefill_threshold",
                      "max_retries", "max_migrations", "decode_pod_wait_s",
                      "max_pending_requests", "max_queue_time_s", "conditional_prefill_queue_s"):
             if getattr(self, name) < 0:

@@ -4,7 +4,8 @@
 
 ``RouterServer.start()``: the router's registry starts (first load poll or scan done: the first request sees
 the pods) -> the gRPC server (``Generation``, ``grpc.health.v1.Health`` reporting SERVING, server reflection
-listing the services) -> the OpenAI-compatible HTTP API (``splitserve.router.openai.app.create_app``) on uvicorn -> with
+listing the services; with ``probe_port``, the same health alone in plain text there, for kubelet's gRPC probe
+under TLS) -> the OpenAI-compatible HTTP API (``splitserve.router.openai.app.create_app``) on uvicorn -> with
 ``metrics_port``, a plain-HTTP Prometheus ``/metrics`` (the pods have one too): under mutual TLS a scraper cannot
 reach the HTTPS API's ``/metrics`` without a client certificate.
 
@@ -64,6 +65,7 @@ class RouterServer:
         self.grpc_port: int | None = None
         self.metrics_port: int | None = None  # bound port of the plain /metrics, with metrics_port set
         self._grpc_server: grpc.aio.Server | None = None
+        self._probe_server: grpc.aio.Server | None = None  # with probe_port: health alone, plain text
         self._health = health.aio.HealthServicer()
         self._http: _EmbeddedHTTPServer | None = None
         self._http_task: asyncio.Task | None = None
@@ -109,6 +111,8 @@ class RouterServer:
     async def _stop_grpc(self, grace_s: float) -> None:
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace_s)
+        if self._probe_server is not None:
+            await self._probe_server.stop(None)
 
     async def _start_grpc(self) -> None:
         keys = APIKeys(self.config.api_keys)
@@ -121,6 +125,9 @@ class RouterServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._grpc_server = server
+        if self.config.probe_port:
+            self._probe_server, _ = await transport.start_probe_server(self._health, self.config.host,
+                                                                       self.config.probe_port)
         self._health_task = asyncio.create_task(self._track_health(), name="router-health")
 
     async def _track_health(self) -> None:

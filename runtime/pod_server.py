@@ -8,8 +8,9 @@ Prefill, decode and mixed pods all start here; only their gRPC services differ:
       build(pod)               the role's services (and their cleanups, ``pod.on_stop``)
       pod.start(services)      engine thread; gRPC server (runtime/transport.py) with the services, PodStatus (the
                                load, pushed as it changes), health (SERVING: the engine is loaded by now) and
-                               reflection; Prometheus /metrics on metrics_port; with registry=redis, a RedisHeartbeat
-                               publishing the load and the prefix cache's block hashes under advertise_address
+                               reflection (with probe_port, health alone in plain text there: kubelet's gRPC
+                               probe under TLS); Prometheus /metrics on metrics_port; with registry=redis, a
+                               RedisHeartbeat publishing the load and the prefix cache's block hashes under advertise_address
       engine watchdog          health NOT_SERVING (so liveness restarts the pod, readiness and the router stop
                                sending to it) while the engine thread is dead or one round of it has lasted
                                longer than engine_stall_s; SERVING again if a stall ends
@@ -128,6 +129,8 @@ class PodConfig:
     load_refresh_interval_s: float = field(default=1.0, metadata=described(
         "Redis registry: seconds between refreshes of the prefix-cache block hashes the heartbeat publishes."))
     shutdown_grace_s: float = field(default=10.0, metadata=described("On SIGTERM, time in-flight calls get to finish."))
+    probe_port: int = field(default=0, metadata=described(
+        "A plain-text port serving only grpc.health.v1 (kubelet's native gRPC probe, which speaks no TLS); 0: none."))
     engine_stall_s: float = field(default=60.0, metadata=described(
         "Health turns NOT_SERVING (liveness fails) when the engine thread died or one engine step (with the "
         "commands before it) has run longer than this."))
@@ -150,7 +153,7 @@ class PodConfig:
             raise ValueError("lend_cpus needs cpus (the pod's own) and lender_activity_files")
         if own & checked_cpu_set("lend_cpus", self.lend_cpus):
             raise ValueError(f"lend_cpus {self.lend_cpus!r} overlaps cpus {self.cpus!r}")
-        for name in ("port", "metrics_port", "max_waiting_requests"):
+        for name in ("port", "metrics_port", "probe_port", "max_waiting_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("heartbeat_ttl_s", "load_refresh_interval_s", "engine_stall_s"):
@@ -203,6 +206,7 @@ class Pod:
         self.metrics_port = 0
         self._cleanups: list[Callable[[], Awaitable[None]]] = []
         self._server: grpc.aio.Server | None = None
+        self._probe_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._metrics_http = None
         self._refresher: asyncio.Task | None = None
@@ -269,6 +273,9 @@ class Pod:
         tls = transport.TLSConfig.of(self.config)
         self.port = transport.bind(self._server, self.config.host, self.config.port, tls)
         await self._server.start()
+        if self.config.probe_port:
+            self._probe_server, _ = await transport.start_probe_server(self._health, self.config.host,
+                                                                       self.config.probe_port)
         self._served_names = ["", *names]  # "" is the whole server
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watchdog = asyncio.create_task(self._watch_engine(), name="pod-engine-watchdog")
@@ -295,6 +302,8 @@ class Pod:
         if self._heartbeat is not None:
             await self._deregister()
         await self._server.stop(self.config.shutdown_grace_s)
+        if self._probe_server is not None:
+            await self._probe_server.stop(None)
         for cleanup in reversed(self._cleanups):
             await cleanup()
         await asyncio.to_thread(self.engine_loop.stop)

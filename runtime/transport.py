@@ -5,6 +5,8 @@
     bind(server, host, port, tls)          the bound port, with TLS when ``tls`` is on (certificates reloaded
                                            when their files change); a RuntimeError naming the address when it
                                            is taken
+    start_probe_server(health, host, port) (server, bound port): plain text, only grpc.health.v1 (kubelet's
+                                           native gRPC probe speaks no TLS), beside a server on TLS
     open_channel(address, tls)             grpc.aio channel with the same limits, a reconnect backoff capped at
                                            1 s, and TLS (the process's own certificate presented, for mutual TLS;
                                            the peer checked against ``tls.server_name`` when set)
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +194,18 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig = PLAINTE
     except RuntimeError as err:
         raise RuntimeError(f"cannot listen on {host}:{port}: the port is taken or the address is not local "
                            f"({err})") from None
+
+
+async def start_probe_server(health: health_pb2_grpc.HealthServicer, host: str,
+                             port: int) -> tuple[grpc.aio.Server, int]:
+    """Serve ``health`` (the same servicer as the main server's, so the same statuses) and nothing else, in plain
+    text, on ``host:port``: kubelet's native gRPC probe cannot speak TLS, and an exec probe needs a client binary in
+    the image for each architecture. It answers only whether the process serves, never a request."""
+    server = new_server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = bind(server, host, port)
+    await server.start()
+    return server, bound
 
 
 def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:

@@ -187,7 +187,8 @@ def test_the_planner_checked_in_simulation_runs_from_the_simulator(chart, simula
 
 
 # Keys naming a file the process reads at start: another value must be a file that exists.
-EXISTING_FILES = {"kvQualityTable": str(Path(__file__).parents[2] / "kvtransfer" / "quality" / "smollm2-135m.json")}
+EXISTING_FILES = {"kvQualityTable": str(Path(__file__).parents[2] / "kvtransfer" / "quality" / "smollm2-135m.json"),
+                  "kvShmDir": str(Path(__file__).parent)}  # a directory that exists
 
 
 def _other_value(spec: dict):
@@ -240,7 +241,7 @@ def test_rendered_command_lines_parse_into_working_configs(chart, case):
             if component != "prefill":
                 assert config.role == component
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-            assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+            assert ports == {"grpc": config.port, "metrics": config.metrics_port, "probe": config.probe_port}
             assert pod["terminationGracePeriodSeconds"] > config.shutdown_grace_s
         model = values.get("model", {})
         if model.get("source", "image") == "image":
@@ -264,19 +265,21 @@ def test_each_component_gets_its_own_weight_format(chart):
     assert {parsed_config(defaults[c]).quantization for c in ("prefill", "decode", "mixed")} == {"auto"}
 
 
-def test_probes_are_native_grpc_on_the_serving_port_and_grpcurl_under_tls(chart):
-    plain = containers_by_component(objects(chart, {}))
-    for component in ("prefill", "decode"):
-        container = plain[component]["spec"]["template"]["spec"]["containers"][0]
-        grpc_port = container["ports"][0]["containerPort"]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": grpc_port}
-    router = plain["router"]["spec"]["template"]["spec"]["containers"][0]
-    assert router["readinessProbe"]["grpc"] == {"port": 50051}
+@pytest.mark.parametrize("case", ["defaults", "tls"])
+def test_probes_are_native_grpc_on_the_plain_probe_port_with_tls_or_without(chart, case):
+    """kubelet's gRPC probe speaks no TLS: every process serves health alone in plain text on --probe-port, and
+    every gRPC probe asks there (the old chart ran grpcurl, an x86-64 binary, through a Python wrapper under TLS)."""
+    deployments = containers_by_component(objects(chart, case_values(case)))
+    for component in ("router", "prefill", "decode"):
+        container = deployments[component]["spec"]["template"]["spec"]["containers"][0]
+        probe_port = parsed_config(deployments[component]).probe_port
+        assert {"name": "probe", "containerPort": probe_port} in container["ports"] and probe_port == 8081
+        probes = ("readinessProbe",) if component == "router" else ("startupProbe", "readinessProbe", "livenessProbe")
+        for probe in probes:
+            assert container[probe]["grpc"] == {"port": probe_port}, (component, probe)
+            assert "exec" not in container[probe]
+    router = deployments["router"]["spec"]["template"]["spec"]["containers"][0]
     assert "tcpSocket" in router["livenessProbe"] and "tcpSocket" in router["startupProbe"]  # see the template
-    tls = containers_by_component(objects(chart, case_values("tls")))
-    probe = tls["decode"]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
-    assert "grpcurl" in probe["exec"]["command"][-1] and "localhost:50062" in probe["exec"]["command"][-1]
 
 
 TLS_DIR = "/etc/splitserve/tls"

@@ -226,23 +226,14 @@ cluster there.
 {{- end }}
 
 {{/*
-A probe on grpc.health.v1.Health: kubelet's native gRPC probe, which speaks plaintext only; with TLS on, grpcurl
-(in the image) checks the same service over TLS, presenting the pod's own certificate for mutual TLS.
+A probe on grpc.health.v1.Health: kubelet's native gRPC probe, on the process' probe port (--probe-port), where
+the same health service answers in plain text, TLS or not (kubelet's probe speaks no TLS; an exec probe would need
+a client binary per architecture and a process per probe).
 */}}
 {{- define "splitserve.grpcProbe" -}}
-{{- if .root.Values.tls.enabled }}
-{{- $dir := include "splitserve.tlsDir" .root }}
-exec:
-  command:
-    - sh
-    - -c
-    - grpcurl -insecure -cert {{ $dir }}/tls.crt -key {{ $dir }}/tls.key localhost:{{ .port }} grpc.health.v1.Health/Check | grep -q '"SERVING"'
-timeoutSeconds: {{ .probe.timeoutSeconds | default 5 }}
-{{- else }}
 grpc:
   port: {{ .port }}
 timeoutSeconds: {{ .probe.timeoutSeconds | default 2 }}
-{{- end }}
 periodSeconds: {{ .probe.periodSeconds }}
 failureThreshold: {{ .probe.failureThreshold }}
 {{- end }}

@@ -55,6 +55,8 @@ spec:
             - {{ $values.ports.grpc | quote }}
             - "--metrics-port"
             - {{ $values.ports.metrics | quote }}
+            - "--probe-port"
+            - {{ $values.ports.probe | quote }}
             - "--advertise-address"
             - "$(POD_IP):{{ $values.ports.grpc }}"
             {{- if ne .component "prefill" }}
@@ -78,12 +80,14 @@ spec:
               containerPort: {{ $values.ports.grpc }}
             - name: metrics
               containerPort: {{ $values.ports.metrics }}
+            - name: probe
+              containerPort: {{ $values.ports.probe }}
           startupProbe:
-            {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.grpc "probe" $values.probes.startup) | nindent 12 }}
+            {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.probe "probe" $values.probes.startup) | nindent 12 }}
           readinessProbe:
-            {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.grpc "probe" $values.probes.readiness) | nindent 12 }}
+            {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.probe "probe" $values.probes.readiness) | nindent 12 }}
           livenessProbe:
-            {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.grpc "probe" $values.probes.liveness) | nindent 12 }}
+            {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.probe "probe" $values.probes.liveness) | nindent 12 }}
           resources:
             {{- toYaml $values.resources | nindent 12 }}
           volumeMounts:
