@@ -24,16 +24,15 @@ An ``X+zstd`` codec decodes to exactly X's tensor (zstd is lossless), so its qua
 same round trip; only its size is its own, measured on the very KV X encoded.
 Then the ``TARGETS`` per cache dtype: size, perplexity and agreement bounds per codec. ``--quality-table PATH``
 writes the agreement of every codec per cache dtype, the file the prefill pods read (kvtransfer/quality/).
-docs/PERFORMANCE.md holds measured figures.
+The texts and the round trip with its greedy agreement are the measurement library's (``splitserve.measure``:
+``codec_texts.py``, ``codec_agreement.py``), shared with ``--through-up`` (codecs_served.py) and
+scripts/codec_diagnosis.py; perplexity and speed are measured here. docs/PERFORMANCE.md holds measured figures.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import math
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,223 +40,38 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from splitserve.bench import FiguresOutput, headless_pyplot, save_figure, save_results
-from splitserve.bench.workload import AZURE_LENGTHS
-from splitserve.engine import LLM, LLMEngine, SamplingParams
+from splitserve.bench import codecs_served
+from splitserve.engine import LLMEngine, SamplingParams
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import CACHE_DTYPES as ENGINE_CACHE_DTYPES
-from splitserve.engine.config import DEFAULT_MODEL, CacheConfig
+from splitserve.engine.config import DEFAULT_MODEL
 from splitserve.engine.kv_cache import KV_KINDS
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.engine.text.tokenizer_files import load_tokenizer
-from splitserve.kvtransfer.codecs import EncodedKV, KVCodec, available_codecs, get_codec
+from splitserve.kvtransfer.codecs import KVCodec, available_codecs, get_codec
+from splitserve.measure.codec_agreement import (
+    AGREEMENT_GROUP,
+    KVTally,
+    PromptKV,
+    agreement,
+    greedy_outputs,
+    load_model,
+    read_prompt_kv,
+    reference_run,
+    write_round_trip,
+)
+from splitserve.measure.codec_texts import REFERENCE_TEXT, agreement_prompts, reference_tokens
+from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figure, save_results
 from splitserve.runtime.config import described, parse_config
 from splitserve.runtime.kv_codecs import ZSTD_SUFFIX, check_kv_codecs
 
-REFERENCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT_TOKENS = 512
 SCORED_TOKENS = 256
 SPEED_CHUNK_TOKENS = 1024
-BLOCK_SIZE = CacheConfig.block_size
-PROMPT_LENS = (100, 300)  # shortest and longest short agreement prompt, in tokens
-# Long agreement prompts take the workloads' prompt lengths (bench/workload.py) at evenly spaced quantiles, capped
-# here (as bench serve's --max-prompt-tokens scales traces down to small machines).
-LONG_PROMPT_CAP = 1024
-AGREEMENT_GROUP = 10  # prompts decoded together (and their lossless KV held at once)
-BF16_BYTES = 2
 CACHE_DTYPES = ("float16", "float32")  # the pods' default first: what is served
 # (size ratio to bf16 at least, perplexity change in % at most, agreement at least): the issue's targets
 TARGETS = {"int8": (1.9, 0.5, 0.97), "kivi8": (1.9, 0.5, 0.97), "int4": (3.5, 0.5, 0.85),
            "kivi4": (3.5, 0.5, 0.85), "kivi2": (6.0, 2.0, 0.0)}
-
-# Agreement prompts: prose (module docs) and code (function sources) of the standard library, which comes with the
-# interpreter: the same text on every machine with the same Python, unlike anything downloaded.
-PROSE_SOURCES = ("argparse", "json", "re", "statistics", "configparser", "socketserver", "hashlib", "wave", "uuid",
-                 "urllib.request")  # modules: their docstrings
-CODE_SOURCES = (("heapq", "merge"), ("textwrap", "TextWrapper._wrap_chunks"),
-                ("difflib", "SequenceMatcher.find_longest_match"), ("json.encoder", "_make_iterencode"),
-                ("collections", "namedtuple"), ("argparse", "ArgumentParser._parse_known_args"),
-                ("shlex", "shlex.read_token"), ("csv", "Sniffer._guess_quote_and_delimiter"),
-                ("configparser", "RawConfigParser._read"), ("fnmatch", "translate"))  # (module, qualname): sources
-# Long prompts: prose from the other licenses Debian ships (two windows each), code from whole module sources.
-LICENSE_TEXTS = ("Apache-2.0", "GPL-2", "LGPL-2.1", "MPL-2.0", "GFDL-1.3")
-MODULE_SOURCES = ("difflib", "argparse", "typing", "dataclasses", "pathlib", "tarfile", "zipfile", "email.message",
-                  "logging.handlers", "subprocess")
-
-
-# ---- texts -------------------------------------------------------------------------------------------------------
-
-def reference_tokens(tokenizer: Tokenizer) -> list[int]:
-    """GPL-3's text, tokenized: the fixed English text of the perplexity windows and the speed chunk (and of the
-    transfer benchmark's prompts)."""
-    if not REFERENCE_TEXT.is_file():
-        raise SystemExit(f"{REFERENCE_TEXT} is missing: the benchmark's reference text (Debian's base-files "
-                         "package ships it)")
-    return tokenizer.encode(REFERENCE_TEXT.read_text())
-
-
-def agreement_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
-    """``count`` prompts: the short ones (prose and code in turn, their lengths spread evenly over PROMPT_LENS),
-    then the long ones (prose at the conversation workload's lengths, code at the code workload's, in turn)."""
-    short_texts = [text for pair in zip(map(_module_doc, PROSE_SOURCES), (_source(*c) for c in CODE_SOURCES))
-                   for text in pair]
-    long_texts = [text for pair in zip(_license_windows(), map(_module_code, MODULE_SOURCES)) for text in pair]
-    if not 1 <= count <= len(short_texts) + len(long_texts):
-        raise SystemExit(f"--prompts must be in 1..{len(short_texts) + len(long_texts)}, got {count}")
-    num_short = min(count, len(short_texts))
-    shortest, longest = PROMPT_LENS
-    lengths = [shortest + (longest - shortest) * i // max(1, num_short - 1) for i in range(num_short)]
-    lengths += _workload_lengths(len(long_texts))
-    prompts = []
-    for i, (text, length) in enumerate(zip([*short_texts, *long_texts][:count], lengths)):
-        tokens = tokenizer.encode(text)
-        if len(tokens) < length:
-            raise SystemExit(f"prompt {i} needs {length} tokens, its text has {len(tokens)}: {text[:60]!r}")
-        prompts.append(tokens[:length])
-    return prompts
-
-
-def _workload_lengths(count: int) -> list[int]:
-    """``count`` prompt lengths, conversation and code workload in turn, each at evenly spaced quantiles, capped."""
-    workloads = [AZURE_LENGTHS[name][0] for name in ("azure-conv", "azure-code")]  # (prompt, output) lengths
-    per_workload = -(-count // 2)
-    return [min(LONG_PROMPT_CAP, workloads[i % 2].quantile((i // 2 + 0.5) / per_workload)) for i in range(count)]
-
-
-def _license_windows() -> list[str]:
-    texts = []
-    for name in LICENSE_TEXTS:
-        text = (REFERENCE_TEXT.parent / name).read_text()
-        texts += [text, text[len(text) // 2:]]  # from the start and from the middle
-    return texts
-
-
-def _module_code(module: str) -> str:
-    source = inspect.getsource(importlib.import_module(module))
-    return source[re.search(r"^(def|class) ", source, re.MULTILINE).start():]  # past the header and docstring
-
-
-def _module_doc(module: str) -> str:
-    return importlib.import_module(module).__doc__ or ""  # None under python -OO: then the length check fails
-
-
-def _source(module: str, qualname: str) -> str:
-    obj = importlib.import_module(module)
-    for attribute in qualname.split("."):
-        obj = getattr(obj, attribute)
-    return inspect.getsource(obj)
-
-
-# ---- the codec round trip, in place in the paged cache -----------------------------------------------------------
-
-@dataclass
-class KVTally:
-    """What a codec did to the KV it round-tripped."""
-
-    elements: int = 0
-    encoded_bytes: int = 0  # payload + scales
-    max_abs_error: float = 0.0
-
-    def add(self, original: torch.Tensor, decoded: torch.Tensor, encoded: EncodedKV) -> None:
-        self.add_size(original, encoded)
-        self.max_abs_error = max(self.max_abs_error, (decoded.float() - original.float()).abs().max().item())
-
-    def add_size(self, original: torch.Tensor, encoded: EncodedKV) -> None:
-        self.elements += original.numel()
-        self.encoded_bytes += encoded.nbytes
-
-    @property
-    def ratio_to_bf16(self) -> float:
-        return BF16_BYTES * self.elements / self.encoded_bytes
-
-
-@dataclass
-class PromptKV:
-    """A prompt prefilled once, losslessly: its KV and first token, which every codec's run starts from."""
-
-    tokens: list[int]
-    kv: torch.Tensor  # [layers, 2 (K, V), T, H, D] in the cache dtype, on the cache's device
-    first_token: int = -1  # sampled from the lossless logits, as on a prefill pod; -1 for perplexity contexts
-
-
-def read_prompt_kv(engine: LLMEngine, seq: Sequence, num_tokens: int) -> torch.Tensor:
-    """The KV of ``seq``'s first ``num_tokens`` tokens, every layer, K and V: [layers, 2, T, H, D] (copies)."""
-    cache = engine.runner.kv_cache
-    slots = cache.slots(seq.block_table, 0, num_tokens)
-    return torch.stack([torch.stack([cache.read(layer, kind, slots) for kind in KV_KINDS])
-                        for layer in range(cache.num_layers)])
-
-
-def write_round_trip(engine: LLMEngine, seq: Sequence, kv: torch.Tensor, codec: KVCodec, tally: KVTally,
-                     sized: dict[str, tuple[KVCodec, KVTally]]) -> None:
-    """Write ``kv`` ([layers, 2, T, H, D]) after its codec round trip into ``seq``'s first T slots, as a decode pod
-    stores a pushed prompt; the ``sized`` codecs (``codec``+zstd) encode the same KV too, for their sizes alone."""
-    cache = engine.runner.kv_cache
-    slots = cache.slots(seq.block_table, 0, kv.shape[2])
-    for layer in range(cache.num_layers):
-        for index, kind in enumerate(KV_KINDS):
-            original = kv[layer, index]  # [T, H, D]
-            encoded = codec.encode(original, kind)
-            decoded = codec.decode(encoded, original.device)
-            tally.add(original, decoded, encoded)
-            for other, other_tally in sized.values():
-                other_tally.add_size(original, other.encode(original, kind))
-            cache.write(layer, kind, slots, decoded)
-
-
-# ---- greedy agreement --------------------------------------------------------------------------------------------
-
-def reference_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]],
-                                                                                          list[PromptKV]]:
-    """The lossless greedy continuations of ``prompts``, batched, and each prompt's KV and first token, taken
-    right after its prefill step."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    seqs = [engine.add_request(f"reference-{i}", prompt, params) for i, prompt in enumerate(prompts)]
-    prefilled: dict[int, PromptKV] = {}
-    while engine.has_unfinished_requests():
-        engine.step()
-        for i, seq in enumerate(seqs):
-            if i not in prefilled and seq.num_computed_tokens >= seq.num_prompt_tokens and not seq.is_finished:
-                kv = read_prompt_kv(engine, seq, seq.num_prompt_tokens)
-                prefilled[i] = PromptKV(seq.prompt_token_ids, kv, seq.output_token_ids[0])
-    _check_no_preemption(seqs)
-    return [seq.output_token_ids for seq in seqs], [prefilled[i] for i in range(len(seqs))]
-
-
-def greedy_outputs(engine: LLMEngine, prompts: list[PromptKV], max_tokens: int, codec: KVCodec, tally: KVTally,
-                   sized: dict[str, tuple[KVCodec, KVTally]]) -> list[list[int]]:
-    """Greedy continuations of the prefilled ``prompts`` as a decode pod runs them: blocks reserved, the prompt's
-    KV written after its codec round trip, the sequence admitted with its first token; the generated tokens' KV is
-    computed here, uncompressed."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    seqs = []
-    for i, prompt in enumerate(prompts):
-        seq = engine.reserve_for_transfer(f"agree-{i}", prompt.tokens, params)
-        if seq is None:
-            raise RuntimeError("the KV cache has no room for the agreement batch")
-        write_round_trip(engine, seq, prompt.kv, codec, tally, sized)
-        seqs.append(engine.admit_prefilled(seq, prompt.first_token))
-    while engine.has_unfinished_requests():
-        engine.step()
-    _check_no_preemption(seqs)
-    return [seq.output_token_ids for seq in seqs]
-
-
-def _check_no_preemption(seqs: list[Sequence]) -> None:
-    if any(seq.num_preemptions for seq in seqs):  # a re-prefill would have recomputed the KV losslessly
-        raise RuntimeError("a sequence was preempted: the KV cache is too small for the agreement batch")
-
-
-def agreement(reference: list[list[int]], outputs: list[list[int]]) -> tuple[float, int]:
-    """(share of the reference's tokens generated before each continuation's first divergence, number of
-    continuations equal in full)."""
-    kept = sum(_common_prefix(ref, out) for ref, out in zip(reference, outputs))
-    return kept / sum(map(len, reference)), sum(ref == out for ref, out in zip(reference, outputs))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 # ---- perplexity over a lossy context -----------------------------------------------------------------------------
@@ -380,7 +194,8 @@ def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_t
     text = reference_tokens(tokenizer)
     prompts, windows = agreement_prompts(tokenizer, num_prompts), perplexity_windows(text, num_windows)
     groups = [prompts[i:i + AGREEMENT_GROUP] for i in range(0, len(prompts), AGREEMENT_GROUP)]
-    engine = _load(model, cache_dtype, groups, max_tokens).engine
+    engine = load_model(model, cache_dtype, groups, max_tokens,
+                        longest_other=max(SPEED_CHUNK_TOKENS, CONTEXT_TOKENS + SCORED_TOKENS)).engine
     chunk = speed_chunk(engine, text)
     # Back to back, so that every codec's speed is taken under the same load on the machine.
     speeds = {name: codec_speed(get_codec(name), chunk, repeat) for name in codecs}
@@ -421,19 +236,6 @@ def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_t
             "targets": targets(figures, len(prompts))}
 
 
-def _load(model: str, cache_dtype: str, groups: list[list[list[int]]], max_tokens: int) -> LLM:
-    # A group's prompts prefill in steps of at most max_num_batched_tokens, and the cache holds them with their
-    # outputs: no preemption.
-    return LLM(model=model, enable_prefix_caching=False, max_num_seqs=max(map(len, groups)), block_size=BLOCK_SIZE,
-               cache_dtype=cache_dtype, num_blocks=max(_cache_blocks(group, max_tokens) for group in groups),
-               long_prefill_token_threshold=LONG_PROMPT_CAP, max_num_batched_tokens=4096)
-
-
-def _cache_blocks(prompts: list[list[int]], max_tokens: int) -> int:
-    """Blocks for the agreement batch with its outputs, or for the speed chunk (the largest single sequence):
-    no more, since a float32 cache of 40 long prompts is gigabytes."""
-    batch = sum(-(-(len(prompt) + max_tokens) // BLOCK_SIZE) for prompt in prompts)
-    return max(batch, -(-SPEED_CHUNK_TOKENS // BLOCK_SIZE), -(-(CONTEXT_TOKENS + SCORED_TOKENS) // BLOCK_SIZE))
 
 
 def targets(figures: dict[str, CodecFigures], num_prompts: int) -> list[dict]:
@@ -537,8 +339,6 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse_config(CodecsBenchConfig, argv, prog="splitserve bench codecs")
     codecs = ["none", *(name for name in config.codecs if name != "none")]
     if config.through_up:
-        from splitserve.bench import codecs_served  # it builds on this module
-
         results = codecs_served.run(config.model, codecs, config.prompts, config.tokens,
                                     config.through_up_concurrency)
         save_results(results, config.json)

@@ -18,11 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from splitserve.bench.codecs import AGREEMENT_GROUP, _load, agreement, agreement_prompts, reference_run
 from splitserve.engine.config import CacheConfig
 from splitserve.engine.text.tokenizer_files import load_tokenizer
 from splitserve.kvtransfer.link_codec import QualityTable
-from splitserve.launcher import Cluster, UpConfig
+from splitserve.launcher import Cluster
+from splitserve.measure.codec_agreement import AGREEMENT_GROUP, agreement, load_model, reference_run
+from splitserve.measure.codec_texts import agreement_prompts
+from splitserve.up_config import UpConfig
 from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 REQUEST_TIMEOUT_S = 900.0
@@ -75,7 +77,7 @@ def _stream(stub, request: generate_pb2.GenerateRequest) -> list[int]:
 def offline_reference(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The benchmark's lossless reference (``reference_run``) on the served cache dtype, in its groups."""
     groups = [prompts[i:i + AGREEMENT_GROUP] for i in range(0, len(prompts), AGREEMENT_GROUP)]
-    engine = _load(model, CacheConfig.cache_dtype, groups, max_tokens).engine
+    engine = load_model(model, CacheConfig.cache_dtype, groups, max_tokens).engine
     return [answer for group in groups for answer in reference_run(engine, group, max_tokens)[0]]
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from splitserve.bench.step_cost import decode_bytes, prefill_flops
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.attention import AttentionMetadata
@@ -36,6 +35,7 @@ from splitserve.engine.config import CACHE_DTYPES, DEFAULT_MODEL, QUANTIZATIONS
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint
 from splitserve.engine.weights.model_files import load_model_files
+from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figure, save_results
 from splitserve.runtime.config import described, parse_config
 
 PROMPT_LENS = (512, 1024)
@@ -189,7 +189,7 @@ def run_quantizations(model: str, quantizations: tuple[str, ...], threads: tuple
                       repeat: int, rounds: int, windows: int, machine_rounds: int = 3, log=print) -> dict:
     """Every weight format in turn, one engine at a time (four at once do not fit a small machine's memory beside
     its other work), each measured over ``rounds`` rounds per thread count (module docstring)."""
-    from splitserve.bench.codecs import reference_tokens  # the codec benchmark's perplexity text
+    from splitserve.measure.codec_texts import reference_tokens  # the codec benchmark's perplexity text
 
     peaks = measure_machine(log, machine_rounds)
     results: dict = {"model": model, "machine": peaks.__dict__, "rounds": rounds, "formats": {}}

@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.bench import save_results
 from splitserve.bench.spec import BatchRun, grounded_prompts, open_ended_prompts
 from splitserve.engine.config import DEFAULT_MODEL, QUANTIZATIONS, SpeculativeConfig
 from splitserve.engine.text.tokenizer_files import resolve_model_name
+from splitserve.measure.figures import save_results
 from splitserve.runtime.config import described, parse_config
 from splitserve.runtime.cpus import allowed_cpus
 

@@ -125,7 +125,8 @@ def compare(llm: LLM, out_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from splitserve.launcher import Cluster, UpConfig
+    from splitserve.launcher import Cluster
+    from splitserve.up_config import UpConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-random")

@@ -28,9 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from splitserve.bench.engine import matmul_peak, read_bandwidth
-from splitserve.bench.phase_profile import profile_from_phases
 from splitserve.bench.step_cost import (
     decode_bytes,
     decode_flops,
@@ -49,6 +47,8 @@ from splitserve.engine.config import (
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figure, save_results
+from splitserve.measure.phase_profile import profile_from_phases
 from splitserve.runtime.config import described, parse_config
 
 DEFAULT_PROMPT_LENS = (64, 256, 1024, 2048)

@@ -6,7 +6,7 @@ fail or leak anything?
 1. brings up ``splitserve up``'s cluster (splitserve/launcher.py) with the Redis registry: ``--prefill`` prefill
    and ``--decode`` decode pods, the prefill pods sending ``--corrupt-chunks`` of their KV chunks corrupted (the
    decode pod refuses them by checksum, the router retries);
-2. sends bench serve's workload (bench/workload.py: random lengths, Poisson arrivals) through the
+2. sends bench serve's workload (measure/workload.py: random lengths, Poisson arrivals) through the
    router's gRPC API with bench serve's client for ``--duration`` seconds; ``--abort-share`` of the requests are
    abandoned by their client at a random moment within ``--abort-within`` seconds (expected failures,
    ``client_abort``);
@@ -37,18 +37,20 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from splitserve.bench import save_results
-from splitserve.bench.prompts import PromptFactory
-from splitserve.bench.serve import scrape_router
-from splitserve.bench.serve_client import GrpcGenerate
-from splitserve.bench.serve_metrics import SLO, RequestRecord, parse_counter, summarize
-from splitserve.bench.workload import WorkloadConfig, build_workload
+from splitserve.bench.serve.client import GrpcGenerate
+from splitserve.bench.serve.driver import scrape_router
+from splitserve.bench.serve.prompts import PromptFactory
 from splitserve.engine.config import DEFAULT_MODEL
 from splitserve.engine.text.tokenizer_files import load_tokenizer
-from splitserve.launcher import Cluster, UpConfig, serving
+from splitserve.launcher import Cluster
+from splitserve.measure.figures import save_results
+from splitserve.measure.serve_metrics import SLO, RequestRecord, parse_counter, summarize
+from splitserve.measure.workload import WorkloadConfig, build_workload
+from splitserve.probes import serving
 from splitserve.runtime.config import described, parse_config
 from splitserve.runtime.roles import Role
 from splitserve.runtime.transport import PLAINTEXT, TLSConfig, open_blocking_channel
+from splitserve.up_config import UpConfig
 from splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
 
 CLIENT_ABORT = "client_abort"  # the failure kind of a request its client abandoned on purpose: expected

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.bench import FiguresOutput, headless_pyplot, save_figure, save_results
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import DEFAULT_MODEL
+from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figure, save_results
 from splitserve.runtime.config import described, parse_config
 
 BATCHES = (1, 4, 16)

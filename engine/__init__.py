@@ -3,6 +3,26 @@
     from splitserve.engine import LLM, SamplingParams
     llm = LLM(model="smollm2-135m")
     llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+
+The core, in the order a request meets it:
+
+- ``llm.py``: the offline API (``LLM.generate`` / ``.chat``), text at the edge;
+- ``llm_engine.py``: the engine loop (``add_request``, ``step``), and the hand-off hooks the pods use;
+- ``engine_loop.py``: one engine on its own thread, talking to the asyncio servers;
+- ``sequence.py``: a request inside the engine: its tokens, blocks and state;
+- ``scheduler.py``: continuous batching, which sequences run next and how many of their tokens;
+- ``prefill_budget.py``: how many prompt tokens a step may prefill beside decodes that keep their TPOT;
+- ``step_time.py``: the step-time model, fitted online on the pod;
+- ``block_manager.py``: the paged KV block pool and its prefix cache;
+- ``kv_cache.py``: the K and V pools per layer (``PagedKVCache``);
+- ``model_runner.py``: a scheduled batch into tensors, the model run, the sampling;
+- ``model.py``: the Llama-family decoder; ``attention.py``: paged attention and its metadata; ``rotary.py``: RoPE;
+- ``bf16_prefill.py``: prefill in bfloat16 where the CPU multiplies it natively;
+- ``config.py``: the engine's config dataclasses (model, cache, scheduler, engine).
+
+Around it, a subpackage per concept: ``weights/`` (checkpoint formats and quantized weights), ``text/`` (tokenizer,
+detokenizer, stop strings), ``sampling/`` (``SamplingParams``, ``Sampler``), ``speculative/`` (proposers and
+verification), ``structured_output/`` (grammars and token masks), ``kernels/`` (native CPU kernels, CPU features).
 """
 
 from splitserve.engine.sampling.params import SamplingParams

@@ -1,11 +1,16 @@
 """Moving a prompt's KV cache from a prefill pod to a decode pod.
 
 - ``codecs/``: compression of one layer's K or V for a token range (``get_codec(name)``, ``available_codecs()``);
+- ``link_codec.py``: ``kv_codec=auto``, the codec that moves a prompt's KV soonest over a link, among those whose
+  measured quality (``quality/``) clears the floor;
 - ``wire.py``: a tensor cut into checked ``KVChunk`` messages (CRC-32C, sequence numbers) and back;
+- ``shm.py``: the same-host hand-off, chunk bytes through a shared-memory file, messages still over gRPC;
 - ``handshake.py``: ``KVLayout`` and the compatibility check between a prefill and a decode pod;
 - ``sender.py``: the prefill side, ``KVTransferClient`` / ``KVSender``, pushing layers while later ones compute;
 - ``receiver.py``: the decode side, the ``KVTransfer`` gRPC service writing pushed KV into the paged cache;
-- ``leases.py``: the decode side's ``TransferTable``, the leases under which received KV waits for its Decode call.
+- ``leases.py``: the decode side's ``TransferTable``, the leases under which received KV waits for its Decode call;
+- ``handoff.py``: the decode side's hand-off narrated in one place: a pushed request's states, who moves it between
+  them, what frees its blocks on each way out.
 
 Re-exported here: the codec API, ``get_codec``, ``available_codecs``, ``KVCodec``, ``EncodedKV``.
 """

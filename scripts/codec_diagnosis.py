@@ -16,20 +16,20 @@ from __future__ import annotations
 import argparse
 import math
 
-from splitserve.bench.codecs import (
-    AGREEMENT_GROUP,
-    KVTally,
-    _common_prefix,
-    _load,
-    agreement,
-    agreement_prompts,
-    greedy_outputs,
-    reference_run,
-)
 from splitserve.engine import SamplingParams
 from splitserve.engine.config import DEFAULT_MODEL
 from splitserve.engine.text.tokenizer_files import load_tokenizer
 from splitserve.kvtransfer.codecs import get_codec
+from splitserve.measure.codec_agreement import (
+    AGREEMENT_GROUP,
+    KVTally,
+    agreement,
+    common_prefix,
+    greedy_outputs,
+    load_model,
+    reference_run,
+)
+from splitserve.measure.codec_texts import agreement_prompts
 
 DEFAULT_VARIANTS = ("none,bf16,kivi8,kivi8:only=k,kivi8:only=v,kivi8:window=128,kivi4,kivi4:only=k,kivi4:only=v,"
                     "kivi4:window=128;key_group=16")
@@ -84,7 +84,7 @@ def main() -> None:
     variants = args.variants.split(",")
     prompts = agreement_prompts(load_tokenizer(DEFAULT_MODEL), args.prompts)
     groups = [prompts[i:i + AGREEMENT_GROUP] for i in range(0, len(prompts), AGREEMENT_GROUP)]
-    engine = _load(DEFAULT_MODEL, "float16", groups, args.tokens).engine
+    engine = load_model(DEFAULT_MODEL, "float16", groups, args.tokens).engine
     reference, gaps, outputs = [], [], {spec: [] for spec in variants}
     for group in groups:
         group_reference, prefilled = reference_run(engine, group, args.tokens)
@@ -101,7 +101,7 @@ def main() -> None:
               f"{len(flat)}, in {sum(any(g < threshold for g in row) for row in gaps)} of {len(gaps)} answers")
     for spec in variants:
         share, same = agreement(reference, outputs[spec])
-        diverged = [(i, _common_prefix(ref, out)) for i, (ref, out) in enumerate(zip(reference, outputs[spec]))
+        diverged = [(i, common_prefix(ref, out)) for i, (ref, out) in enumerate(zip(reference, outputs[spec]))
                     if ref != out]
         where = ", ".join(f"{i}@{pos} (gap {gaps[i][pos]:.4f})" for i, pos in diverged)
         print(f"{spec}: agreement {share:.1%}, same {same}/{len(reference)}; diverged at {where or 'none'}")

@@ -22,8 +22,9 @@ import time
 
 import grpc
 
-from splitserve.launcher import Cluster, UpConfig
+from splitserve.launcher import Cluster
 from splitserve.runtime.logs import configure_logging
+from splitserve.up_config import UpConfig
 from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 PLACEMENTS = {"router with decode {1}": {1}, "router floating {0,1}": {0, 1}}

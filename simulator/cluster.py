@@ -21,7 +21,7 @@ The router's own bookkeeping on each pod (``PodInfo.active_requests``, ``queued_
 ``blocks_since_report``) is kept as ``RequestRun.hold`` keeps it, so the policies see what the real router sees;
 with hybrid scheduling each remote prefill's exposed KV transfer time is fed back to the placement
 (``HybridPlacement.observe_transfer``), as ``router/placement.py`` does.
-Each request ends as a ``splitserve.bench.serve_metrics.RequestRecord``: the same figures, by the same code, as a real run.
+Each request ends as a ``splitserve.measure.serve_metrics.RequestRecord``: the same figures, by the same code, as a real run.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from splitserve.bench.phase_profile import PhaseProfile
-from splitserve.bench.serve_metrics import RequestRecord
-from splitserve.bench.workload import RequestSpec
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sequence import Sequence
+from splitserve.measure.phase_profile import PhaseProfile
+from splitserve.measure.serve_metrics import RequestRecord
+from splitserve.measure.workload import RequestSpec
 from splitserve.router.config import Scheduling
 from splitserve.router.pods.registry import PodInfo
 from splitserve.router.policies import RoutingPolicy, SLOTargets

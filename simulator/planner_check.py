@@ -27,11 +27,11 @@ import logging
 import math
 import sys
 
-from splitserve.bench.serve_metrics import SLO
-from splitserve.bench.workload import RequestSpec, WorkloadConfig, build_workload
 from splitserve.deploy.planner.capacity import PoolDecision, Signals
 from splitserve.deploy.planner.config import PlannerConfig
 from splitserve.deploy.planner.controller import main as planner_main
+from splitserve.measure.serve_metrics import SLO
+from splitserve.measure.workload import RequestSpec, WorkloadConfig, build_workload
 from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig
 
 logger = logging.getLogger(__name__)

@@ -19,12 +19,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from splitserve.bench import headless_pyplot, save_figure, save_results
-from splitserve.bench.compare_plan import AZURE_CONV
-from splitserve.bench.serve_metrics import SLO, RequestRecord, percentile
-from splitserve.bench.workload import RequestSpec, WorkloadConfig, build_workload
 from splitserve.deploy.planner.capacity import Planner, Replicas, Signals
 from splitserve.deploy.planner.config import PlannerConfig
+from splitserve.measure.figures import headless_pyplot, save_figure, save_results
+from splitserve.measure.serve_metrics import SLO, RequestRecord, percentile
+from splitserve.measure.workload import AZURE_CONV, RequestSpec, WorkloadConfig, build_workload
 from splitserve.runtime.config import described, parse_config
 from splitserve.runtime.roles import Role
 from splitserve.simulator.cluster import PodPool, SimCluster

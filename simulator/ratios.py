@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitserve.bench import headless_pyplot, save_figure, save_results
-from splitserve.bench.compare_plan import AZURE_CONV
-from splitserve.bench.serve_metrics import SLO, SLO_ATTAINMENT
+from splitserve.measure.figures import headless_pyplot, save_figure, save_results
+from splitserve.measure.serve_metrics import SLO, SLO_ATTAINMENT
+from splitserve.measure.workload import AZURE_CONV
 from splitserve.router.config import Scheduling
 from splitserve.runtime.config import described, member, parse_config
 from splitserve.simulator.cluster import SimCluster

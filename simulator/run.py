@@ -25,12 +25,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.bench import save_results
-from splitserve.bench.compare_plan import AZURE_CONV
-from splitserve.bench.phase_profile import PhaseProfile
-from splitserve.bench.serve_metrics import SLO, SLO_ATTAINMENT, RequestRecord, summarize
-from splitserve.bench.workload import WorkloadConfig, build_workload
 from splitserve.engine.config import SchedulerConfig
+from splitserve.measure.figures import save_results
+from splitserve.measure.phase_profile import PhaseProfile
+from splitserve.measure.serve_metrics import SLO, SLO_ATTAINMENT, RequestRecord, summarize
+from splitserve.measure.workload import AZURE_CONV, WorkloadConfig, build_workload
 from splitserve.router.config import RouterConfig, Scheduling
 from splitserve.router.policies import HybridPlacement, LocalPrefill, SLOTargets, make_policy
 from splitserve.runtime.config import described, member, parse_config, passed_to

@@ -40,13 +40,13 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitserve.bench.phase_profile import PhaseProfile
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.prefill_budget import TPOTSlackBudget
 from splitserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_time import StepSample, StepTimeFit, StepTimeModel, attention_positions
+from splitserve.measure.phase_profile import PhaseProfile
 from splitserve.router.pods.registry import PodInfo, PodLoad
 from splitserve.runtime.pod_status import RECENT_WEIGHT, scheduler_load
 from splitserve.runtime.roles import Role

@@ -3,11 +3,11 @@
 
     splitserve simulate slo-map [--pods 2,8,32,128] [--prefill-share 0.5] [--json slo-map.json]
 
-As ``bench/compare_map.py`` maps a real run, in simulation:
+As ``bench/compare/slo_map.py`` maps a real run, in simulation:
   1. the single-request TTFT ``T0`` and TPOT ``P0``: the workload's first ``--calibration-requests`` requests, each
      alone on one mixed pod at the colocated budget (the map's baseline), medians;
-  2. the regimes from them: ``splitserve.bench.compare_map.REGIMES`` (tight TTFT ``2 T0`` / ``5 P0``, balanced ``4 T0`` /
-     ``2.5 P0``, tight TPOT ``12 T0`` / ``1.5 P0``);
+  2. the regimes from them: ``splitserve.measure.slo_regimes.REGIMES`` (tight TTFT ``2 T0`` / ``5 P0``, balanced
+     ``4 T0`` / ``2.5 P0``, tight TPOT ``12 T0`` / ``1.5 P0``);
   3. per cluster size N: ``colocated`` (N mixed pods, chunked prefill at ``--colocated-budget`` tokens, the map's
      best colocated setting), ``disaggregated`` (``round(N * --prefill-share)`` prefill pods, the rest decode, every
      prompt on a prefill pod) and ``hybrid`` (the same pods, its router and decode pods told the regime's targets:
@@ -23,11 +23,10 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
-from splitserve.bench import save_results
-from splitserve.bench.compare_map import REGIMES, MapConfig
-from splitserve.bench.compare_plan import AZURE_CONV
-from splitserve.bench.serve_metrics import SLO
-from splitserve.bench.workload import build_workload
+from splitserve.measure.figures import save_results
+from splitserve.measure.serve_metrics import SLO
+from splitserve.measure.slo_regimes import BASELINE_BUDGET, CALIBRATION_REQUESTS, REGIMES
+from splitserve.measure.workload import AZURE_CONV, build_workload
 from splitserve.router.config import Scheduling
 from splitserve.runtime.config import described, parse_config
 from splitserve.simulator.cluster import SimCluster
@@ -54,9 +53,9 @@ class SLOMapConfig:
         "An Azure-format CSV trace, or azure-conv, azure-code (synthetic)."))
     max_prompt_tokens: int = field(default=512, metadata=described("Cap every prompt (bench compare's)."))
     max_output_tokens: int = field(default=64, metadata=described("Cap every output (bench compare's)."))
-    colocated_budget: int = field(default=MapConfig.baseline_budget, metadata=described(
+    colocated_budget: int = field(default=BASELINE_BUDGET, metadata=described(
         "Chunked-prefill token budget (and chunk cap) of the colocated pods (the map's baseline)."))
-    calibration_requests: int = field(default=MapConfig.calibration_requests, metadata=described(
+    calibration_requests: int = field(default=CALIBRATION_REQUESTS, metadata=described(
         "Requests, one at a time, whose median TTFT and TPOT the regimes are multiples of."))
     profile: str = field(default=str(DEFAULT_PROFILE), metadata=described("Profile of every pod."))
     seed: int = field(default=0, metadata=described("Seeds the lengths and arrivals."))

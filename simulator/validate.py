@@ -33,9 +33,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.bench.compare import DEFAULTS
-from splitserve.bench.compare_plan import AZURE_CONV
-from splitserve.bench.phase_profile import PhaseProfile
+from splitserve.measure.phase_profile import PhaseProfile
+from splitserve.measure.slo_regimes import COMPARE_NUM_PROMPTS
+from splitserve.measure.workload import AZURE_CONV
 from splitserve.runtime.config import described, parse_config
 from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_rate
 
@@ -58,7 +58,7 @@ class ValidateConfig:
         "What TPOT is fitted with: 'factor' (every step time scaled) or 'overhead' (a time added to every step)."))
     profile_out: str = field(default="", metadata=described("Write the calibrated profile here."))
     workload: str = field(default=str(AZURE_CONV), metadata=described("bench compare's --workload."))
-    num_prompts: int = field(default=DEFAULTS["num_prompts"], metadata=described("bench compare's --num-prompts."))
+    num_prompts: int = field(default=COMPARE_NUM_PROMPTS, metadata=described("bench compare's --num-prompts."))
     max_prompt_tokens: int = field(default=512, metadata=described("bench compare's --max-prompt-tokens."))
     max_output_tokens: int = field(default=64, metadata=described("bench compare's --max-output-tokens."))
     seed: int = field(default=0, metadata=described("bench compare's --seed."))

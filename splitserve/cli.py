@@ -65,17 +65,22 @@ def _build_kernels(argv: list[str]) -> None:
         sys.exit(1)
 
 
-# Modules of the bench package.
-BENCHMARKS = ("engine", "codecs", "transfer", "serve", "compare", "phases", "soak", "spec", "structured", "llamacpp",
-              "lm_eval")
+# ``splitserve bench NAME`` -> the benchmark's module (its ``main``), imported only when that subcommand runs.
+BENCHMARKS = {
+    "engine": "splitserve.bench.engine", "codecs": "splitserve.bench.codecs", "transfer": "splitserve.bench.transfer",
+    "serve": "splitserve.bench.serve.command", "compare": "splitserve.bench.compare.command",
+    "phases": "splitserve.bench.phases", "soak": "splitserve.bench.soak", "spec": "splitserve.bench.spec",
+    "structured": "splitserve.bench.structured", "llamacpp": "splitserve.bench.llamacpp",
+    "lm_eval": "splitserve.bench.lm_eval",
+}
 
 
 def _bench(argv: list[str]) -> None:
-    """``splitserve bench NAME``: the ``splitserve.bench`` package's module NAME, imported only now (nothing else
-    imports the benchmarks: pyproject's import contracts)."""
+    """``splitserve bench NAME``: the benchmark NAME's module, imported only now (nothing else imports the
+    benchmarks: pyproject's import contracts)."""
     if not argv or argv[0] not in BENCHMARKS:
         sys.exit(f"usage: splitserve bench {{{'|'.join(BENCHMARKS)}}} [options]")
-    _delegate(f"splitserve.bench.{argv[0]}")(argv[1:])
+    _delegate(BENCHMARKS[argv[0]])(argv[1:])
 
 
 def _delegate(module: str):

@@ -47,7 +47,7 @@ def attention_kernels(request):
 @pytest.fixture(scope="session")
 def free_ports():
     """``free_ports(n)``: the first of ``n`` consecutive loopback ports free now, for processes a test starts."""
-    from splitserve.launcher import free_port_run
+    from splitserve.up_config import free_port_run
 
     return free_port_run
 
@@ -56,7 +56,8 @@ def free_ports():
 def start_cluster():
     """A function that starts a ``splitserve up`` cluster on free loopback ports and waits until it serves:
     ``start_cluster(run_dir, **UpConfig fields) -> Cluster`` (the caller stops it)."""
-    from splitserve.launcher import Cluster, UpConfig
+    from splitserve.launcher import Cluster
+    from splitserve.up_config import UpConfig
 
     def start(run_dir, **fields):
         cluster = Cluster(UpConfig.on_ports(run_dir=str(run_dir), **fields))

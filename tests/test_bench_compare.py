@@ -9,9 +9,10 @@ import os
 
 import pytest
 
-from splitserve.bench import compare, compare_plan
-from splitserve.bench.compare import measure_topology
-from splitserve.bench.compare_plan import (
+from splitserve.bench.compare import command as compare
+from splitserve.bench.compare import plan as compare_plan
+from splitserve.bench.compare.command import measure_topology
+from splitserve.bench.compare.plan import (
     CompareConfig,
     Topology,
     TopologyResult,
@@ -21,9 +22,9 @@ from splitserve.bench.compare_plan import (
     reference_figures,
     select_topologies,
 )
-from splitserve.bench.serve_metrics import SLO
-from splitserve.bench.serve_run import ServeBenchConfig
-from splitserve.bench.workload import WorkloadConfig
+from splitserve.bench.serve.run import ServeBenchConfig
+from splitserve.measure.serve_metrics import SLO
+from splitserve.measure.workload import WorkloadConfig
 from splitserve.runtime.config import parse_config
 
 

@@ -1,10 +1,10 @@
-"""The scoring of ``bench compare --slo-map`` (bench/compare_map.py) on made-up request records: attainment and
+"""The scoring of ``bench compare --slo-map`` (bench/compare/slo_map.py) on made-up request records: attainment and
 goodput per SLO pair, their bootstrap intervals, the regimes' targets, and when a ratio counts as a win."""
 
 import pytest
 
-from splitserve.bench.compare_map import (
-    REGIMES,
+from splitserve.bench.compare.plan import Topology
+from splitserve.bench.compare.slo_map import (
     MapConfig,
     TopologyRuns,
     goodput,
@@ -13,9 +13,9 @@ from splitserve.bench.compare_map import (
     topologies,
     verdicts,
 )
-from splitserve.bench.compare_plan import Topology
-from splitserve.bench.serve_metrics import SLO, RequestRecord
-from splitserve.bench.serve_run import ServeBenchConfig
+from splitserve.bench.serve.run import ServeBenchConfig
+from splitserve.measure.serve_metrics import SLO, RequestRecord
+from splitserve.measure.slo_regimes import REGIMES
 
 
 def record(i: int, ttft: float, tpot: float, status: str = "ok", tokens: int = 11) -> RequestRecord:
@@ -88,7 +88,7 @@ def test_vllm_is_one_more_topology_only_when_its_interpreter_is_given():
 
 
 def test_vllm_runs_pinned_to_the_topologies_cpus_with_the_pods_kv_budget(tmp_path):
-    from splitserve.bench.vllm_server import VLLMServer
+    from splitserve.bench.compare.vllm_server import VLLMServer
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
@@ -110,7 +110,7 @@ def test_the_export_vllm_loads_is_the_same_model_and_tokenizer(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from splitserve.bench.vllm_server import export_model
+    from splitserve.bench.compare.vllm_server import export_model
     from splitserve.engine.text.tokenizer import Tokenizer
     from splitserve.engine.weights.model_files import load_model_files
 

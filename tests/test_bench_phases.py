@@ -9,7 +9,6 @@ import json
 import pytest
 
 from splitserve.bench import phases
-from splitserve.bench.phase_profile import PhaseProfile
 from splitserve.bench.step_cost import (
     decode_bytes,
     decode_flops,
@@ -20,6 +19,7 @@ from splitserve.bench.step_cost import (
     prefill_flops,
 )
 from splitserve.engine.weights.model_files import tiny_random_config
+from splitserve.measure.phase_profile import PhaseProfile
 
 # tiny-random: hidden 64, 4 heads of 16 (2 KV heads), MLP 128, 4 layers, 259 tokens.
 CFG = tiny_random_config()

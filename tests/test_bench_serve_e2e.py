@@ -12,11 +12,11 @@ import json
 
 import pytest
 
-from splitserve.bench import serve
-from splitserve.bench.serve import run_serve_benchmark, run_sweep
-from splitserve.bench.serve_metrics import SLO
-from splitserve.bench.serve_run import ServeBenchConfig
-from splitserve.bench.workload import WorkloadConfig
+from splitserve.bench.serve import command as serve
+from splitserve.bench.serve.driver import run_serve_benchmark, run_sweep
+from splitserve.bench.serve.run import ServeBenchConfig
+from splitserve.measure.serve_metrics import SLO
+from splitserve.measure.workload import WorkloadConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -104,7 +104,7 @@ def test_refused_requests_are_counted_by_kind(cluster, backend, kind):
 
 
 def test_sweep_runs_the_same_workload_at_each_rate(cluster, tmp_path):
-    from splitserve.bench.serve_plots import plot_sweep
+    from splitserve.bench.serve.plots import plot_sweep
 
     sweep = run_sweep(config(cluster, num_prompts=6, slo=SLO(ttft=5.0, tpot=1.0)), [2.0, 8.0], log=lambda *_: None)
     assert sweep["rates"] == [2.0, 8.0] and sweep["max_rate_meeting_slo"] == 8.0

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client import Histogram as PromHistogram
 
-from splitserve.bench.serve import _bracket, compare_with_router
-from splitserve.bench.serve_metrics import (
+from splitserve.bench.serve.driver import _bracket, compare_with_router
+from splitserve.measure.serve_metrics import (
     SLO,
     Histogram,
     RequestRecord,

@@ -10,8 +10,9 @@ import statistics
 
 import pytest
 
-from splitserve.bench.prompts import PromptFactory, ordinary_token_ids
-from splitserve.bench.workload import (
+from splitserve.bench.serve.prompts import PromptFactory, ordinary_token_ids
+from splitserve.engine.text.tokenizer_files import load_tokenizer
+from splitserve.measure.workload import (
     AZURE_LENGTHS,
     LengthDistribution,
     RequestSpec,
@@ -20,7 +21,6 @@ from splitserve.bench.workload import (
     build_workload,
     read_trace,
 )
-from splitserve.engine.text.tokenizer_files import load_tokenizer
 
 
 def gaps(times: list[float]) -> list[float]:

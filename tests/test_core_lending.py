@@ -24,11 +24,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.decode_service.config import DecodeConfig
 from splitserve.engine import SamplingParams
 from splitserve.engine.sequence import Sequence
-from splitserve.launcher import Cluster, UpConfig
+from splitserve.launcher import Cluster
 from splitserve.prefill_service.config import PrefillConfig
 from splitserve.runtime.config import parse_config
 from splitserve.runtime.core_lending import CoreLender, DecodeActivity, DecodeYield
 from splitserve.runtime.cpus import allowed_cpus
+from splitserve.up_config import UpConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 needs_two_cpus = pytest.mark.skipif(not {0, 1} <= allowed_cpus(), reason="lending needs CPUs 0 and 1")

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from splitserve.decode_service.config import DecodeConfig
-from splitserve.launcher import serving
+from splitserve.probes import serving
 from splitserve.router.config import RouterConfig
 from splitserve.runtime.cpus import allowed_cpus, checked_cpu_set, format_cpu_list, parse_cpu_list, thread_env
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc

@@ -12,12 +12,13 @@ import pytest
 
 from splitserve.cpu_plan import floating, format_plan, plan_cpus
 from splitserve.decode_service.config import DecodeConfig
-from splitserve.launcher import Cluster, UpConfig
+from splitserve.launcher import Cluster
 from splitserve.prefill_service.config import PrefillConfig
 from splitserve.router.config import RouterConfig
 from splitserve.runtime.config import PASSED_AS, PASSED_TO, parse_config
 from splitserve.runtime.cpus import allowed_cpus, format_cpu_list
 from splitserve.runtime.roles import Role
+from splitserve.up_config import UpConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TWO_CPUS = frozenset({0, 1})

@@ -305,8 +305,8 @@ def run_prompt(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
 def test_smollm2_perplexity_of_int8_and_int4_on_the_codec_benchmarks_text(smollm2_float32, smollm2, capsys):
     """The issue's targets, on 2 windows of 512 tokens of GPL-3 (the codec benchmark's text): int8 within +0.5% of
     float32's perplexity, int4 within +3%; gguf is float32's exactly."""
-    from splitserve.bench.codecs import reference_tokens
     from splitserve.bench.engine import perplexity
+    from splitserve.measure.codec_texts import reference_tokens
 
     text = reference_tokens(smollm2.tokenizer)
     base = perplexity(smollm2_float32, text, 2)

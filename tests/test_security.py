@@ -33,11 +33,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from served_router import RouterInThread
 from test_router_flow import LONG_PROMPT, MODEL, SCRIPT
 
-from splitserve.launcher import Cluster, UpConfig
+from splitserve.launcher import Cluster
 from splitserve.router.config import RouterConfig
 from splitserve.runtime import transport
 from splitserve.runtime.pod_server import PodConfig
 from splitserve.runtime.transport import TLSConfig
+from splitserve.up_config import UpConfig
 from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")

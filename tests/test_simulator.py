@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench.phase_profile import PhaseProfile, StepFit, fit_step
-from splitserve.bench.workload import RequestSpec
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.scheduler import Scheduler
+from splitserve.measure.phase_profile import PhaseProfile, StepFit, fit_step
+from splitserve.measure.workload import RequestSpec
 from splitserve.router.policies import LocalPrefill, make_policy
 from splitserve.runtime.roles import Role
 from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
@@ -199,9 +199,9 @@ def test_a_slo_map_run_is_validated_as_the_plain_run_it_holds_scored_on_one_regi
     settings say what to simulate (the hybrid with its router's targets); vLLM is left out."""
     import json
 
-    from splitserve.bench.compare_map import MapConfig, TopologyRuns, score, topologies
-    from splitserve.bench.serve_metrics import RequestRecord
-    from splitserve.bench.serve_run import ServeBenchConfig
+    from splitserve.bench.compare.slo_map import MapConfig, TopologyRuns, score, topologies
+    from splitserve.bench.serve.run import ServeBenchConfig
+    from splitserve.measure.serve_metrics import RequestRecord
     from splitserve.simulator.validate import ValidateConfig, compare, measured_from_map
 
     def records(ttft: float, tpot: float, count: int = 10, slow: int = 0) -> list[RequestRecord]:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench.phase_profile import PhaseProfile, StepFit
-from splitserve.bench.workload import RequestSpec
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_time import attention_positions
+from splitserve.measure.phase_profile import PhaseProfile, StepFit
+from splitserve.measure.workload import RequestSpec
 from splitserve.router.config import Scheduling
 from splitserve.router.policies import HybridPlacement, LocalPrefill, SLOTargets, make_policy
 from splitserve.runtime.roles import Role

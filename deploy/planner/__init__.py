@@ -7,5 +7,6 @@
       DeploymentScaler.scale()      unless dry_run                                                   [scaler.py]
       PlannerMetrics                every decision, exported on /metrics                             [metrics.py]
 
-``capacity.py`` is pure (no I/O), so its decisions are tested on recorded inputs; ``controller.py`` wires the parts.
+``capacity.py`` is pure (no I/O), so its decisions are tested on recorded inputs; ``controller.py`` wires the parts;
+``config.py`` is ``PlannerConfig``, its settings from flags and ``SPLITSERVE_*`` like every other process.
 """

@@ -1,1 +1,6 @@
-"""The native CPU kernels: their C++ source (``csrc/``), the build that compiles them once per machine, and their ctypes entry points."""
+"""The native CPU kernels and what the CPU offers.
+
+- ``cpu_kernels.py``: the kernels' typed entry points (their C++ source in ``csrc/``), called through ctypes;
+- ``build.py``: compiles that library once per machine, keyed on the CPU's flags;
+- ``cpu_features.py``: the CPU's feature flags, read once, and the prefill compute format chosen from them.
+"""

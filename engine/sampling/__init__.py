@@ -1,1 +1,3 @@
-"""Sampling: what a request asks for (``SamplingParams``) and the ``Sampler`` that turns logits into tokens."""
+"""Sampling: ``params.py`` (``SamplingParams``: what a request asks for, and when it stops) and ``sampler.py`` (the
+``Sampler`` that turns one step's logits into one token per sequence).
+"""

@@ -1,1 +1,3 @@
-"""Structured outputs (guided decoding): grammars compiled per request and the token masks they put on each step."""
+"""Structured outputs (guided decoding): ``grammar.py`` (a request's grammar, compiled, and one matcher per sequence)
+and ``masks.py`` (a step's token masks, computed while the model runs).
+"""

@@ -1,1 +1,3 @@
-"""Text <-> token ids: the tokenizer, its files, incremental detokenization and stop strings."""
+"""Text <-> token ids: ``tokenizer.py`` (the ``Tokenizer``), ``tokenizer_files.py`` (model names to tokenizers, without
+torch), ``detokenizer.py`` (incremental detokenization) and ``stop_strings.py`` (stop strings in growing text).
+"""

@@ -22,7 +22,8 @@ import pytest
 from splitserve.deploy.grafana.dashboards import DASHBOARDS, OUT_DIR
 from splitserve.deploy.grafana.snapshot import grafana_expr, legend
 from splitserve.deploy.grafana.snapshot import query as _query
-from splitserve.launcher import Cluster, UpConfig
+from splitserve.launcher import Cluster
+from splitserve.up_config import UpConfig
 from tests.deploy.test_dashboards_e2e import _wait_scraped_since
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]

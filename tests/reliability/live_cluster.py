@@ -18,11 +18,13 @@ from typing import Self
 
 import grpc
 
-from splitserve.bench.serve import scrape_router
-from splitserve.bench.serve_metrics import parse_counter
+from splitserve.bench.serve.driver import scrape_router
 from splitserve.bench.soak import blocks_in_use, pod_load
-from splitserve.launcher import Cluster, UpConfig, serving
+from splitserve.launcher import Cluster
+from splitserve.measure.serve_metrics import parse_counter
+from splitserve.probes import serving
 from splitserve.router.config import RouterConfig
+from splitserve.up_config import UpConfig
 from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 START_S = 240  # a pod's start on a busy 2-core machine: tens of seconds; a hang is minutes

@@ -21,7 +21,7 @@ import grpc
 import live_cluster as live
 import pytest
 
-from splitserve.launcher import serving
+from splitserve.probes import serving
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

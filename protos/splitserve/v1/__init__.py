@@ -6,4 +6,5 @@
 - ``prefill.proto``: service ``Prefill`` (prefill pods)
 - ``kv_transfer.proto``: service ``KVTransfer`` (decode pods take in prompt KV from prefill pods)
 - ``decode.proto``: service ``Decode`` (decode and mixed pods)
+- ``pod_status.proto``: service ``PodStatus`` (a pod's load and health, pushed to the router)
 """

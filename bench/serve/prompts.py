@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from splitserve.bench.workload import RequestSpec
 from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.measure.workload import RequestSpec
 
 _TEXT_FIX_ATTEMPTS = 10
 

@@ -1,19 +1,19 @@
-"""``splitserve bench serve``: drive a running router with a seeded workload and measure it as a client sees it.
+"""``splitserve bench serve``'s run: drive a running router with a seeded workload, measured as a client sees it.
 
     splitserve bench serve --base-url http://127.0.0.1:8000 --request-rate 2 --num-prompts 200 \\
         --input-len 256 --output-len 64 --goodput ttft:1000 tpot:150 --json run.json --plot run.png
 
 A run, top to bottom (``run_serve_benchmark(config)``, also the library entry point):
   1. the model's name from the router's ``GET /v1/models``, its tokenizer loaded here (``splitserve.engine.text.tokenizer_files``);
-  2. the workload (``workload.py``): send times and exact prompt / output lengths, from the seed;
-  3. every prompt (``prompts.py``) and request body (``serve_client.py``) built before the clock starts;
+  2. the workload (``splitserve.measure.workload``): send times and exact prompt / output lengths, from the seed;
+  3. every prompt (``prompts.py``) and request body (``client.py``) built before the clock starts;
   4. warm-up requests (not counted), then the router's ``/metrics`` scraped;
   5. the requests sent on schedule from one asyncio loop, at most ``max_concurrency`` in flight; each request
      timed at the client (``RequestRecord``); a progress bar on stderr (done / total, failures, live p50 TTFT and
      TPOT); at ``time_limit_s`` the requests still out are cancelled and reported unfinished;
   6. ``/metrics`` scraped again: the router's TTFT / TPOT / ITL / E2E histograms over exactly this run (the
      difference of the two scrapes), their medians estimated as ``histogram_quantile`` does, printed beside the
-     client's (``serve_metrics.py``);
+     client's (``splitserve.measure.serve_metrics``);
   7. the figures: successful and failed requests (by kind), throughputs, goodput and SLO attainment against the
      ``--goodput`` targets, mean / p50 / p90 / p99 of TTFT, TPOT, ITL and E2E.
 
@@ -32,18 +32,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
-from splitserve.bench import FiguresOutput, save_results
-from splitserve.bench.prompts import PromptFactory
-from splitserve.bench.serve_client import GrpcGenerate, HttpCompletions
-from splitserve.bench.serve_metrics import (
-    SLO,
+from splitserve.bench.serve.client import GrpcGenerate, HttpCompletions
+from splitserve.bench.serve.prompts import PromptFactory
+from splitserve.bench.serve.report import SWEEP_HEADER, sweep_row_text
+from splitserve.bench.serve.run import ServeBenchConfig, ServeRun
+from splitserve.engine.text.tokenizer_files import load_tokenizer
+from splitserve.measure.serve_metrics import (
     SLO_ATTAINMENT,
     Histogram,
     RequestRecord,
@@ -54,11 +54,7 @@ from splitserve.bench.serve_metrics import (
     percentile,
     summarize,
 )
-from splitserve.bench.serve_plots import plot_run, plot_sweep
-from splitserve.bench.serve_run import ServeBenchConfig, ServeRun
-from splitserve.bench.workload import RequestSpec, WorkloadConfig, build_workload
-from splitserve.engine.text.tokenizer_files import load_tokenizer
-from splitserve.runtime.config import described, parse_config, passed_to, passed_values
+from splitserve.measure.workload import RequestSpec, build_workload
 
 # The router's request histograms (runtime/metrics.py, role="router"), by the client figure they match.
 ROUTER_HISTOGRAMS = {
@@ -68,7 +64,6 @@ ROUTER_HISTOGRAMS = {
     "e2e": "splitserve_e2e_request_latency_seconds",
 }
 ROUTER_WITHIN_SLO = "splitserve_requests_within_slo_total"  # the router's own goodput count
-AGREEMENT = 0.10  # client and router medians of TTFT and TPOT should agree within 10%
 WARMUP_SPEC = dict(prompt_len=16, output_len=4)
 
 
@@ -301,10 +296,10 @@ def run_sweep(config: ServeBenchConfig, rates: list[float], attainment: float = 
         run = asyncio.run(_run(dataclasses.replace(config, workload=dataclasses.replace(
             config.workload, request_rate=rate)), prep, log))
         runs[rate] = run
-        log(_sweep_row_text(rate, run.summary))
+        log(sweep_row_text(rate, run.summary))
         return run.summary["slo_attainment"] >= attainment
 
-    log(_SWEEP_HEADER)
+    log(SWEEP_HEADER)
     for rate in sorted(rates):
         if not measure(rate) and stop_at_miss:
             break
@@ -327,202 +322,3 @@ def _bracket(runs: dict[float, ServeRun], attainment: float) -> tuple[float | No
             return best, rate
         best = rate
     return best, None
-
-
-# ----------------------------------------------------------------------------------------------- report
-
-
-def report(run: ServeRun, log=print) -> None:
-    s, config = run.summary, run.config
-    rule = "=" * 78
-    log(f"\n{rule}\n{'splitserve bench serve':^78}\n{rule}")
-    rows = [
-        ("Endpoint", config.endpoint()),
-        ("Model", run.model),
-        ("Workload", config.workload.describe()),
-        ("Max concurrency", f"{config.max_concurrency or 'unlimited'} (reached {run.max_in_flight})"),
-        ("Successful requests", s["successful"]),
-        ("Failed requests", f"{s['failed']}" + (f"  {_kinds(s['failures'])}" if s["failures"] else "")),
-    ]
-    if s["unfinished"] or s["not_sent"]:
-        rows.append(("Unfinished at time limit", f"{s['unfinished']} (never sent: {s['not_sent']})"))
-    rows += [
-        ("Output length mismatches", s["length_mismatches"]),
-        ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
-        ("Total prompt tokens", s["prompt_tokens"]),
-        ("Total output tokens", s["output_tokens"]),
-        ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
-        ("Output token throughput (tok/s)", f"{s['output_throughput']:.1f}"),
-        ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
-    ]
-    if s["goodput"] is not None:
-        rows += [("Goodput targets", config.slo.describe()),
-                 ("Goodput (req/s)", f"{s['goodput']:.2f}  ({s['good_requests']} of {s['requests']} requests, "
-                                     f"SLO attainment {s['slo_attainment']:.1%})")]
-    if s["send_lag"]:
-        rows.append(("Send lag p50 / p99 (ms)", f"{s['send_lag']['p50'] * 1e3:.1f} / {s['send_lag']['p99'] * 1e3:.1f}"))
-    for name, value in rows:
-        log(f"{name + ':':<40}{value}")
-    log(f"{'-' * 78}\n{'(ms)':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'count':>10}")
-    for figure, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
-        d = s[figure]
-        if d is None:
-            log(f"{title:<8}{'-':>10}")
-            continue
-        log(f"{title:<8}" + "".join(f"{d[k] * 1e3:>10.1f}" for k in ("mean", "p50", "p90", "p99")) + f"{d['count']:>10}")
-    if run.router is not None:
-        report_router(run.router, log, s["good_requests"])
-    if s["length_mismatches"]:
-        log(f"WARNING: {s['length_mismatches']} successful requests did not produce the output length asked for")
-    log(rule)
-
-
-def report_router(router: dict, log=print, client_good: int | None = None) -> None:
-    """The medians of ``compare_with_router`` side by side, and the router's own count of requests within its SLO."""
-    log(f"{'-' * 78}\nmedians, client vs the router's histograms over this run (/metrics, role=router):")
-    log(f"{'(ms)':<6}{'client':>9}{'router':>9}{'router/':>9}  {'client in':>10}{'router/':>9}  {'count':>15}")
-    log(f"{'':<6}{'p50':>9}{'p50':>9}{'client':>9}  {'buckets':>10}{'that':>9}  {'client / router':>15}")
-    fmt = lambda v, scale=1e3, spec=".1f": f"{v * scale:{spec}}" if v is not None else "-"  # noqa: E731
-    coarse = []
-    for figure, row in router["medians"].items():
-        client, bucketed, ratio = row["client_p50"], row["client_p50_in_router_buckets"], row["router_over_client"]
-        same_buckets = row["router_p50"] / bucketed if row["router_p50"] is not None and bucketed else None
-        verdict = ""
-        if figure in ("ttft", "tpot") and ratio is not None:
-            verdict = "agree (within 10%)" if abs(ratio - 1) <= AGREEMENT else "DIFFER by more than 10%"
-            if client and bucketed is not None and abs(bucketed / client - 1) > AGREEMENT:
-                coarse.append(figure.upper())
-        log(f"{figure.upper():<6}{fmt(client):>9}{fmt(row['router_p50']):>9}{fmt(ratio, 1, '.3f'):>9}  "
-            f"{fmt(bucketed):>10}{fmt(same_buckets, 1, '.3f'):>9}  "
-            f"{row['client_count']:>7} / {row['router_count']:<6.0f} {verdict}")
-    log("(client in buckets: the client's own values put in the router's buckets and estimated as histogram_quantile "
-        "does; router/that compares like with like. ITL: the router counts a gap per decode chunk, an HTTP client "
-        "per chunk with text)")
-    if coarse:
-        log(f"NOTE: the router's buckets alone move the client's {' and '.join(coarse)} median by more than 10% here: "
-            "at these latencies the histograms cannot show agreement within 10%")
-    if router["requests_within_slo"] is not None:
-        client = f"; the client counted {client_good} within --goodput" if client_good is not None else ""
-        log(f"the router counted {router['requests_within_slo']:.0f} requests within its own targets "
-            f"(splitserve_requests_within_slo_total, its --slo-ttft-s and --slo-tpot-s){client}")
-
-
-def report_sweep(sweep: dict, log=print) -> None:
-    log(f"\n{'=' * 78}\nsweep: SLO {sweep['slo']}, attainment target {sweep['attainment_target']:.0%}")
-    log(_SWEEP_HEADER)
-    for run in sweep["runs"]:
-        log(_sweep_row_text(run.config.workload.request_rate, run.summary))
-    best = sweep["max_rate_meeting_slo"]
-    if best is None:
-        log(f"no rate met the targets for {sweep['attainment_target']:.0%} of requests (the lowest tried: "
-            f"{sweep['rates'][0]:g} req/s)")
-    else:
-        miss = sweep["first_rate_missing_slo"]
-        log(f"highest rate meeting the targets for >= {sweep['attainment_target']:.0%} of requests: {best:g} req/s"
-            + (f" (the next tried, {miss:g} req/s, did not)" if miss is not None else " (the highest tried)"))
-
-
-_SWEEP_HEADER = (f"{'rate':>8}{'req/s':>8}{'failed':>8}{'SLO met':>9}{'goodput':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
-                 f"{'TPOT p50':>10}{'TPOT p99':>10}")
-
-
-def _sweep_row_text(rate: float, s: dict) -> str:
-    ms = lambda d, k: f"{d[k] * 1e3:.0f}" if d else "-"  # noqa: E731
-    return (f"{rate:>8g}{s['request_throughput']:>8.2f}{s['failed'] + s['unfinished']:>8}"
-            f"{s['slo_attainment']:>9.1%}{s['goodput']:>9.2f}{ms(s['ttft'], 'p50'):>10}{ms(s['ttft'], 'p99'):>10}"
-            f"{ms(s['tpot'], 'p50'):>10}{ms(s['tpot'], 'p99'):>10}")
-
-
-def _kinds(failures: dict[str, int]) -> str:
-    return ", ".join(f"{kind}: {count}" for kind, count in failures.items())
-
-
-# ---------------------------------------------------------------------------------------------- command line
-
-
-EXAMPLES = """examples:
-  splitserve bench serve --request-rate 2 --num-prompts 100 --input-len 256 --output-len 64 \\
-      --goodput ttft:1000 tpot:150 --json run.json --plot run.png
-  splitserve bench serve --backend grpc --grpc-address 127.0.0.1:50051 --max-concurrency 8
-  splitserve bench serve --workload ../shared/workloads/AzureLLMInferenceTrace_conv.csv \\
-      --time-scale 20 --max-prompt-tokens 1024 --max-output-tokens 64 --num-prompts 200
-  splitserve bench serve --workload azure-code --sweep 0.25,0.5,1,2 --sweep-refine 2 \\
-      --goodput ttft:2000 tpot:200 --max-prompt-tokens 2048 --plot sweep.png
-pin the generator away from the servers on a small machine: taskset -c 1 python -m splitserve ..."""
-
-
-@dataclass
-class ServeCommand(FiguresOutput):
-    """Drive a running router (HTTP or gRPC) with a seeded workload; report throughput, goodput and TTFT / TPOT /
-    ITL / E2E percentiles measured at the client, beside the router's own histograms.
-
-    The command line of ``bench serve``: the run's fields and the workload's come with their defaults and help
-    from ``ServeBenchConfig`` and ``WorkloadConfig`` (``splitserve.runtime.config.passed_to``); the rest say what to do with
-    the runs."""
-
-    backend: str = passed_to(ServeBenchConfig, name="backend")
-    base_url: str = passed_to(ServeBenchConfig, name="base_url")
-    grpc_address: str = passed_to(ServeBenchConfig, name="grpc_address")
-    model: str | None = passed_to(ServeBenchConfig, name="model")
-    tokenizer: str | None = passed_to(ServeBenchConfig, name="tokenizer")
-    router_metrics: bool = passed_to(ServeBenchConfig, name="router_metrics")
-    workload: str = passed_to(WorkloadConfig, name="workload")
-    num_prompts: int = passed_to(WorkloadConfig, name="num_prompts")
-    request_rate: float = passed_to(WorkloadConfig, name="request_rate")
-    burstiness: float = passed_to(WorkloadConfig, name="burstiness")
-    max_concurrency: int | None = passed_to(ServeBenchConfig, name="max_concurrency")
-    input_len: int = passed_to(WorkloadConfig, name="input_len")
-    output_len: int = passed_to(WorkloadConfig, name="output_len")
-    range_ratio: float = passed_to(WorkloadConfig, name="range_ratio")
-    time_scale: float = passed_to(WorkloadConfig, name="time_scale")
-    max_prompt_tokens: int | None = passed_to(WorkloadConfig, name="max_prompt_tokens")
-    max_output_tokens: int | None = passed_to(WorkloadConfig, name="max_output_tokens")
-    shared_prefix: int = passed_to(ServeBenchConfig, name="shared_prefix")
-    prompt_format: str = passed_to(ServeBenchConfig, name="prompt_format")
-    temperature: float = passed_to(ServeBenchConfig, name="temperature")
-    seed: int = passed_to(WorkloadConfig, name="seed")
-    goodput: list[str] = field(default_factory=list, metadata=described(
-        "Targets a request must all meet to count as good, NAME:MS: ttft:MS tpot:MS e2el:MS."))
-    sweep: list[float] = field(default_factory=list, metadata=described(
-        "Request rates to run in turn (needs --goodput); empty: one run at --request-rate."))
-    sweep_refine: int = field(default=0, metadata=described(
-        "After the sweep, K bisections between the last rate meeting the targets and the next."))
-    slo_attainment: float = field(default=SLO_ATTAINMENT, metadata=described(
-        "Share of requests that must meet the targets for a rate to pass a sweep."))
-    request_timeout_s: float = passed_to(ServeBenchConfig, name="request_timeout_s")
-    time_limit_s: float | None = passed_to(ServeBenchConfig, name="time_limit_s")
-    warmup: int = passed_to(ServeBenchConfig, name="warmup")
-    progress: bool = passed_to(ServeBenchConfig, name="progress")
-    save_detailed: bool = field(default=False, metadata=described("Include every request's timings in the JSON."))
-
-    def __post_init__(self) -> None:
-        if any(not rate > 0 for rate in self.sweep):
-            raise ValueError(f"sweep rates must be > 0, got {self.sweep}")
-        self.bench_config()  # every field's own checks, naming it, before anything runs
-
-    def bench_config(self) -> ServeBenchConfig:
-        return ServeBenchConfig(workload=WorkloadConfig(**passed_values(self, WorkloadConfig)),
-                                slo=SLO.parse(self.goodput), **passed_values(self, ServeBenchConfig))
-
-
-def main(argv: list[str] | None = None) -> dict:
-    command = parse_config(ServeCommand, argv, prog="splitserve bench serve", epilog=EXAMPLES)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
-    config = command.bench_config()
-    try:
-        if command.sweep:
-            sweep = run_sweep(config, command.sweep, command.slo_attainment, command.sweep_refine)
-        else:
-            run = run_serve_benchmark(config)
-    except (RuntimeError, ValueError) as error:  # the router is not there, or refuses even the warm-up
-        sys.exit(f"splitserve bench serve: {error}")
-    if command.sweep:
-        report_sweep(sweep)
-        results = {**sweep, "runs": [run.to_json(command.save_detailed) for run in sweep["runs"]]}
-        draw = lambda _, path: plot_sweep(sweep, path)  # noqa: E731
-    else:
-        report(run)
-        results = run.to_json(command.save_detailed)
-        draw = lambda _, path: plot_run(run, path)  # noqa: E731
-    save_results(results, command.json, command.plot, draw)
-    return results

@@ -1,4 +1,4 @@
-"""What ``splitserve bench compare`` measures (``compare.py`` runs it): the topologies (``plan_topologies``), one
+"""What ``splitserve bench compare`` measures (``command.py`` runs it): the topologies (``plan_topologies``), one
 run's settings (``CompareConfig``), and what each topology measured (``TopologyResult``), with the baseline they are
 held to (``best_colocated``, ``goodput_ratios``).
 """
@@ -6,18 +6,15 @@ held to (``best_colocated``, ``goodput_ratios``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from splitserve.bench.serve_metrics import SLO_ATTAINMENT
-from splitserve.bench.serve_run import ServeBenchConfig
+from splitserve.bench.serve.run import ServeBenchConfig
 from splitserve.engine.config import DEFAULT_MODEL, CacheConfig
-from splitserve.launcher import UpConfig
+from splitserve.measure.serve_metrics import SLO_ATTAINMENT
 from splitserve.runtime.config import described, passed_to, passed_values
 from splitserve.runtime.cpus import allowed_cpus, format_cpu_list
+from splitserve.up_config import UpConfig
 
 KINDS = ("disaggregated", "colocated", "conditional")
-AZURE_CONV = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "AzureLLMInferenceTrace_conv.csv"
-AZURE_CODE = AZURE_CONV.with_name("AzureLLMInferenceTrace_code.csv")
 TAIL_RATIO = 1.5  # a steady decode: p99 TPOT at most 1.5x its median (issue 10's target)
 STARTUP_S = 30.0  # estimate: a cluster of smollm2-135m pods loads, serves, and stops (2 CPUs)
 DRAIN_S = 10.0  # estimate: after the last send, the requests still out finish

@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from splitserve.bench import headless_pyplot
-from splitserve.bench.compare_plan import CompareConfig, TopologyResult, best_colocated
+from splitserve.bench.compare.plan import CompareConfig, TopologyResult, best_colocated
+from splitserve.measure.figures import headless_pyplot
 
 KIND_COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange", "conditional": "tab:green"}
 

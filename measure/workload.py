@@ -31,6 +31,9 @@ from statistics import NormalDist
 from splitserve.runtime.config import described
 
 SYNTHETIC = ("random", "azure-conv", "azure-code")
+# The Azure traces themselves, where the machine has them (the workspace's shared/workloads/, beside the repository).
+AZURE_CONV = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "AzureLLMInferenceTrace_conv.csv"
+AZURE_CODE = AZURE_CONV.with_name("AzureLLMInferenceTrace_code.csv")
 
 
 @dataclass(frozen=True)

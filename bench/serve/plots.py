@@ -7,8 +7,8 @@
 
 from __future__ import annotations
 
-from splitserve.bench import headless_pyplot
-from splitserve.bench.serve_run import ServeRun
+from splitserve.bench.serve.run import ServeRun
+from splitserve.measure.figures import headless_pyplot
 
 FIGURES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
 

@@ -28,8 +28,8 @@ from typing import Callable
 import grpc
 import httpx
 
-from splitserve.bench.serve_metrics import RequestRecord
-from splitserve.bench.workload import RequestSpec
+from splitserve.measure.serve_metrics import RequestRecord
+from splitserve.measure.workload import RequestSpec
 from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 Clock = Callable[[], float]  # seconds since the run started

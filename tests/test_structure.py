@@ -1,0 +1,265 @@
+"""The shape of the house, measured (issue 33): what a newcomer reads must not drift from what is there.
+
+- every package's ``__init__.py`` docstring names each of its modules (``name.py``) and subpackages (``name/``);
+- the number of import contracts that docs/architecture.md states is the number pyproject.toml holds;
+- no folder of code holds more than ``MAX_PY_FILES`` Python files, and no module more than ``MAX_LINES`` lines;
+- no import cycle between modules, counting imports inside functions (only ``if TYPE_CHECKING:`` imports, which never
+  run, are left out);
+- nothing imports ``splitserve.bench``: not the simulator, not the measurement library, not ``scripts/``.
+
+Exempt from the size measures: ``tests/`` (a test module gathers the scenarios of one subject, and reads one at a
+time) and the generated gRPC modules (``*_pb2.py``, ``*_pb2_grpc.py``: ``protos/splitserve/v1/``, written by
+``python -m splitserve.protos.generate``). The measures also run as a script: ``.venv/bin/python
+tests/test_structure.py`` prints every figure.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+PACKAGE_DIRS = PYPROJECT["tool"]["setuptools"]["package-dir"]  # import name -> the folder it installs from
+MAX_PY_FILES = 15
+MAX_LINES = 400
+GENERATED = re.compile(r"_pb2(_grpc)?\.py$")
+NOT_CODE = {".git", ".venv", "__pycache__", "tests", "build"}  # folders the size measures skip
+# Over a limit today, in another helper's area: each entry names the area that owns it (delete it once it is
+# under the limit).
+KNOWN_LARGE_FOLDERS = {
+    "engine": "engine/ (issue 34's area): 16 files around the core loop",
+}
+KNOWN_LONG_FILES = {
+    "bench/engine.py": "issue 34's area (bench/engine.py, the engine benchmark)",
+    "engine/kernels/cpu_kernels.py": "engine/ (issue 34's area): the native kernels' loader and dispatch",
+}
+
+
+# ---- the tree -------------------------------------------------------------------------------------------------------
+
+def packages() -> dict[str, Path]:
+    """Every package of the installed tree (import name -> folder), as pyproject's package-dir maps the folders."""
+    found = {}
+    for name, folder in PACKAGE_DIRS.items():
+        for init in sorted((REPO / folder).rglob("__init__.py")):
+            relative = init.parent.relative_to(REPO / folder)
+            if "__pycache__" not in relative.parts and not (name == "splitserve.protos" and relative.parts):
+                found[".".join([name, *relative.parts])] = init.parent  # protos/splitserve/v1 is splitserve.v1
+    return found
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed tree (import name -> file); a package's own name -> its ``__init__.py``."""
+    found = {}
+    for name, folder in packages().items():
+        found[name] = folder / "__init__.py"
+        for path in sorted(folder.glob("*.py")):
+            if path.name != "__init__.py":
+                found[f"{name}.{path.stem}"] = path
+    return found
+
+
+def scripts() -> list[Path]:
+    return sorted((REPO / "scripts").glob("*.py"))
+
+
+# ---- package docstrings ----------------------------------------------------------------------------------------------
+
+def unnamed_modules(folder: Path) -> list[str]:
+    """The modules (``name.py``) and subpackages (``name/``) of the package in ``folder`` that its ``__init__.py``
+    docstring does not name; a generated module counts as named when its ``.proto`` file is, and ``__main__.py``
+    (``python -m`` of the package itself) needs no name."""
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    missing = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".py" and path.name not in ("__init__.py", "__main__.py"):
+            proto = GENERATED.sub(".proto", path.name)
+            if path.name not in doc and not (proto != path.name and proto in doc):
+                missing.append(path.name)
+        elif (path / "__init__.py").is_file() and f"{path.name}/" not in doc:
+            missing.append(f"{path.name}/")
+    return missing
+
+
+def test_every_package_docstring_names_its_modules():
+    missing = {name: gaps for name, folder in packages().items() if (gaps := unnamed_modules(folder))}
+    assert not missing, missing
+
+
+def test_a_module_left_out_of_its_package_docstring_is_found(tmp_path):
+    (tmp_path / "__init__.py").write_text('"""A package: ``named.py`` and ``sub/``."""\n')
+    for name in ("named.py", "forgotten.py", "sub/__init__.py", "lost/__init__.py"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert unnamed_modules(tmp_path) == ["forgotten.py", "lost/"]
+
+
+# ---- the import contracts' count in the docs -------------------------------------------------------------------------
+
+def stated_contract_count(text: str) -> int:
+    """The count docs/architecture.md gives ("... as N `import-linter` contracts")."""
+    match = re.search(r"as (\d+) `import-linter` contracts", text)
+    assert match, "docs/architecture.md no longer states how many import contracts there are"
+    return int(match.group(1))
+
+
+def test_the_docs_state_as_many_import_contracts_as_pyproject_holds():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    contracts = PYPROJECT["tool"]["importlinter"]["contracts"]
+    assert stated_contract_count(text) == len(contracts)
+    kept, broken = map(int, re.search(r"Contracts: (\d+) kept, (\d+) broken", text).groups())  # the example's output
+    assert kept + broken == len(contracts)
+
+
+# ---- sizes ----------------------------------------------------------------------------------------------------------
+
+def code_files() -> list[Path]:
+    """Every hand-written Python file outside ``NOT_CODE`` folders."""
+    return [path for path in sorted(REPO.rglob("*.py"))
+            if not NOT_CODE & set(path.relative_to(REPO).parts[:-1]) and not GENERATED.search(path.name)
+            and not path.relative_to(REPO).parts[0].endswith(".egg-info")]
+
+
+def large_folders() -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for path in code_files():
+        folder = path.parent.relative_to(REPO).as_posix()
+        counts[folder] = counts.get(folder, 0) + 1
+    return {folder: n for folder, n in counts.items() if n > MAX_PY_FILES}
+
+
+def long_files() -> dict[str, int]:
+    lengths = {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines()) for path in code_files()}
+    return {path: n for path, n in lengths.items() if n > MAX_LINES}
+
+
+def test_no_folder_holds_more_than_15_python_files():
+    assert set(large_folders()) <= set(KNOWN_LARGE_FOLDERS), large_folders()
+
+
+def test_no_module_is_longer_than_400_lines():
+    assert set(long_files()) <= set(KNOWN_LONG_FILES), long_files()
+
+
+# ---- imports ---------------------------------------------------------------------------------------------------------
+
+def imported_names(path: Path, module: str | None = None) -> list[str]:
+    """Every absolute module name ``path`` imports, at the top or inside a function, ``from X import Y`` as both
+    ``X`` and ``X.Y``; not the imports under ``if TYPE_CHECKING:`` (they never run)."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block.test)
+               for statement in block.body for node in ast.walk(statement)}
+    package = module.rsplit(".", 1)[0] if module and path.name != "__init__.py" else module
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package up
+                base = ".".join(filter(None, [package.rsplit(".", node.level - 1)[0] if node.level > 1 else package,
+                                              base]))
+            names += [base, *(f"{base}.{alias.name}" for alias in node.names)]
+    return names
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the tree it imports (a name that is no module of the tree, such as ``X.Y`` where Y
+    is a function, is dropped)."""
+    known = modules()
+    return {name: {target for target in imported_names(path, name) if target in known and target != name}
+            for name, path in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_between_modules_late_imports_included():
+    assert cycles(import_graph()) == []
+
+
+def test_a_late_import_that_closes_a_cycle_is_found(tmp_path):
+    (tmp_path / "a.py").write_text("import pkg.b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from pkg import a\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n")
+    graph = {f"pkg.{name}": {t for t in imported_names(tmp_path / f"{name}.py", f"pkg.{name}")
+                             if t in ("pkg.a", "pkg.b", "pkg.c")} for name in "abc"}
+    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": set()}
+    assert cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def importers_of_the_benchmarks() -> dict[str, list[str]]:
+    """Modules outside ``splitserve.bench``, and ``scripts/``, that import it."""
+    sources = {name: path for name, path in modules().items() if name.split(".")[:2] != ["splitserve", "bench"]}
+    sources |= {f"scripts/{path.name}": path for path in scripts()}
+    found = {}
+    for name, path in sources.items():
+        bench = [t for t in imported_names(path, name) if t == "splitserve.bench" or t.startswith("splitserve.bench.")]
+        if bench:
+            found[name] = bench
+    return found
+
+
+def test_nothing_imports_the_benchmarks():
+    assert importers_of_the_benchmarks() == {}
+
+
+if __name__ == "__main__":  # the measures, printed: python tests/test_structure.py
+    print(f"folders over {MAX_PY_FILES} Python files: {large_folders() or 'none'} "
+          f"(known: {', '.join(KNOWN_LARGE_FOLDERS) or 'none'})")
+    print(f"modules over {MAX_LINES} lines: {long_files() or 'none'} (known: {', '.join(KNOWN_LONG_FILES) or 'none'})")
+    print(f"import cycles: {cycles(import_graph()) or 'none'}")
+    print(f"importers of splitserve.bench: {importers_of_the_benchmarks() or 'none'}")
+    print(f"package docstrings missing modules: "
+          f"{ {n: g for n, f in packages().items() if (g := unnamed_modules(f))} or 'none'}")
+    sys.exit(0)
