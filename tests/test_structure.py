@@ -35,6 +35,7 @@ KNOWN_LARGE_FOLDERS = {
 }
 KNOWN_LONG_FILES = {
     "bench/engine.py": "issue 34's area (bench/engine.py, the engine benchmark)",
+    "bench/transfer.py": "issue 37's area (the transfer benchmark, 414 lines with its shared-memory rows in progress)",
     "engine/kernels/cpu_kernels.py": "engine/ (issue 34's area): the native kernels' loader and dispatch",
     "engine/model.py": "engine/ (issue 34's area): 417 lines at commit 5764c57",
 }
