@@ -1,5 +1,4 @@
-"""splitserve's command line: it starts services, and nothing below imports it (only the benchmarks and the simulator
-above do).
+"""splitserve's command line: it starts services, and nothing below imports it (only the benchmarks above do).
 
 - ``cli.py``: ``splitserve up | generate | router | prefill | decode | demo | bench | simulate | build-kernels`` (the
   full list, with one line each, is its docstring, printed by ``splitserve`` alone);
