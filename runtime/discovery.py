@@ -4,7 +4,9 @@ record a pod publishes and the heartbeat that keeps it alive. The router's readi
 A pod with ``--registry redis`` runs a ``RedisHeartbeat``: it writes its ``PodRecord`` as JSON under
 ``splitserve:pods:{role}:{address}`` with an expiry of ``ttl_s``, refreshed every ``ttl_s / 3``. A pod that dies
 stops refreshing its key and Redis expires it; one that stops cleanly deletes it. The key format and the JSON have
-this one owner.
+this one owner. The first beat is retried, backing off, for up to ``FIRST_BEAT_DEADLINE_S``: pods and Redis start
+together (a rollout, a node's restart, DNS or a NetworkPolicy not ready yet), and a pod that gave up at once would
+crash-loop with every other pod of the release.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ HEARTBEAT_TTL_S = 10.0
 # A heartbeat publishes at most this many block hashes, the pod's most recent: enough to route the prompts
 # that are hot now, small enough that the router reads every pod's key every second.
 MAX_PUBLISHED_BLOCK_HASHES = 8192
+# How long a pod tries its first beat before it gives up (and exits, for its restart policy to decide), and the
+# backoff between tries: Redis starting beside the pods answers within seconds, a wrong URL never.
+FIRST_BEAT_DEADLINE_S = 120.0
+FIRST_BEAT_BACKOFF_S = (0.25, 5.0)  # first wait, longest wait (doubling)
 
 
 class RegistryKind(enum.StrEnum):
@@ -89,8 +95,25 @@ class RedisHeartbeat:
         self._redis = redis_asyncio.from_url(redis_url)
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        await self.beat()  # registered before start() returns: the pod is routable as soon as it serves
+    async def start(self, deadline_s: float = FIRST_BEAT_DEADLINE_S) -> None:
+        """Registered before this returns (the pod is routable as soon as it serves): the first beat is retried
+        with backoff until ``deadline_s``, then the last error is raised naming the key."""
+        give_up_at = time.monotonic() + deadline_s
+        wait_s, longest_s = FIRST_BEAT_BACKOFF_S
+        while True:
+            try:
+                await self.beat()
+                break
+            except redis_asyncio.AuthenticationError:
+                raise  # a wrong password does not get right by waiting
+            except (OSError, redis_asyncio.ConnectionError, redis_asyncio.TimeoutError) as err:  # refused,
+                # unresolvable, timed out, still loading its data
+                if time.monotonic() + wait_s > give_up_at:
+                    raise ConnectionError(f"the first heartbeat of {self.key} failed for {deadline_s:.0f} s: "
+                                          f"{err}") from err
+                log.warning("first heartbeat of %s failed (%s); retrying in %.2f s", self.key, err, wait_s)
+                await asyncio.sleep(wait_s)
+                wait_s = min(wait_s * 2, longest_s)
         self._task = asyncio.create_task(self._loop(), name=f"heartbeat-{self._address}")
 
     async def stop(self, deregister: bool = True) -> None:
