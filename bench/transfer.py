@@ -1,27 +1,32 @@
-"""KV transfer benchmark: a prompt's KV pushed from a real prefill pod to a real decode pod over loopback gRPC, with
-the layer-by-layer overlap on and off (the baseline, measured in the same run), per codec.
+"""KV transfer benchmark: a prompt's KV pushed from a real prefill pod to a real decode pod on one host, through
+shared memory and over loopback gRPC side by side, with the layer-by-layer overlap on and off (the baseline), per
+prompt length and codec, all in one run.
 
-Starts a decode pod and two prefill pods, one with ``--overlap-transfer`` and one with ``--no-overlap-transfer``,
-each its own process as in a deployment (``python -m splitserve.prefill_service`` / ``decode_service``) on 127.0.0.1, with
-prefix caching off so that every call computes its whole prompt. For each codec and each prefill pod: one warm-up
-Prefill call (handshake, first-use costs), then ``--requests`` calls one after another, each a ``--prompt-tokens``
-prompt cut from GPL-3's text (the same prompts for every configuration). After each call the benchmark aborts the
-request on the decode pod, which frees the KV it holds.
+Starts a decode pod (its ``--kv-shm-dir`` a fresh directory under /dev/shm) and four prefill pods, one per
+(transport, overlap): ``--kv-transport auto`` (shared memory, the pods being on one host) or ``grpc``, with
+``--overlap-transfer`` or ``--no-overlap-transfer``; each its own process as in a deployment
+(``python -m splitserve.prefill_service`` / ``decode_service``) on 127.0.0.1, with prefix caching off so that every
+call computes its whole prompt. For each prompt length, codec and prefill pod: one warm-up Prefill call (handshake,
+first-use costs, the arena's first pages), then ``--requests`` calls one after another, each a prompt cut from GPL-3's
+text (the same prompts for every configuration). After each call the benchmark aborts the request on the decode pod,
+which frees the KV it holds. Every call's KVTransferStats says which transport its KV took; a row whose calls did not
+all take the row's transport fails the run.
 
-Per (codec, overlap), means over the measured calls:
-  - TTFT: the Prefill call's wall time at the caller (what the router sees);
-  - queue and prefill seconds as the prefill pod reports them (arrival -> first step -> first token);
+Per (prompt length, codec, transport, overlap), over the measured calls:
+  - TTFT: the Prefill call's wall time at the caller (what the router sees), mean;
+  - queue and prefill seconds as the prefill pod reports them (arrival -> first step -> first token), means;
   - exposed transfer: from the end of the last layer's compute to the decode pod's acknowledgement, and its share
-    of TTFT;
-  - push throughput: wire bytes (after the codec) and raw bytes (the cache dtype) over the transfer's span (first
-    chunk written -> acknowledgement). With the overlap on, that span includes waiting for layers still computing,
-    so it measures the pipeline, not the link.
-Then the ceiling the raw push is held against: grpcio alone over loopback (``grpc_ceiling``), a client stream of
-``max_chunk_bytes`` messages of plain bytes (no protobuf, no codec, no KV pool) to a sink in another process, as
-many bytes as one prompt's raw KV, best of ``CEILING_REPEAT``; reported beside the raw push throughput of codec
-``none`` with the overlap off (where the span is the transfer alone), their ratio, and the 1 GiB/s target.
-Target: exposed transfer at most ``MAX_EXPOSED_SHARE`` of TTFT with the overlap on. docs/PERFORMANCE.md holds
-measured figures.
+    of TTFT, means;
+  - hand-off throughput: raw bytes (the cache dtype) and wire bytes (after the codec) over the transfer's span, first
+    chunk written -> the decode pod's acknowledgement, which comes once every chunk is checked and in its paged cache:
+    the KV ready on the decode pod. Median, min and max over the calls. With the overlap on, that span includes
+    waiting for layers still computing, so it measures the pipeline; the overlap-off rows measure the hand-off.
+Then the ceiling the gRPC push is held against: grpcio alone over loopback (``grpc_ceiling``), a client stream of
+``max_chunk_bytes`` messages of plain bytes to a sink in another process, as many bytes as the longest prompt's raw
+KV, best of ``CEILING_REPEAT``.
+Targets: the same-host hand-off (codec none, overlap off) at least ``SHM_TARGET_BYTES_S`` at every prompt length;
+exposed transfer at most ``MAX_EXPOSED_SHARE`` of TTFT with the overlap on. docs/PERFORMANCE.md holds measured
+figures.
 """
 
 from __future__ import annotations
@@ -37,13 +42,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.engine.config import DEFAULT_MODEL, CacheConfig
 from splitserve.engine.text.tokenizer_files import load_tokenizer
+from splitserve.kvtransfer.shm import TRANSPORT_GRPC, TRANSPORT_SHM
 from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES
 from splitserve.measure.codec_texts import reference_tokens
 from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figure, save_results
@@ -59,7 +65,9 @@ MAX_EXPOSED_SHARE = 0.10  # the target, with the overlap on
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
 CALL_TIMEOUT_S = 120.0
 CEILING_REPEAT = 5
-RAW_PUSH_TARGET_BYTES_S = 1 << 30  # 1 GiB/s with codec none
+SHM_TARGET_BYTES_S = 5e9  # 5 GB/s, the same-host hand-off of codec none (issue 37)
+TRANSPORTS = (TRANSPORT_SHM, TRANSPORT_GRPC)
+PREFILL_FLAGS = {TRANSPORT_SHM: "auto", TRANSPORT_GRPC: "grpc"}  # --kv-transport of each row's prefill pod
 
 
 # ---- the pods, as processes --------------------------------------------------------------------------------------
@@ -189,7 +197,7 @@ async def _best_stream_rate(address: str, total_bytes: int, message_bytes: int, 
 
 @dataclass
 class CallFigures:
-    """One Prefill call: seconds, and the transfer's bytes."""
+    """One Prefill call: seconds, the transfer's bytes, and the transport its KV took."""
 
     ttft_s: float
     queue_s: float
@@ -198,26 +206,39 @@ class CallFigures:
     transfer_s: float
     bytes_sent: int
     raw_bytes: int
+    transport: str
+    decode_cpu_s: float  # CPU seconds the decode pod spent during the call: taking the KV in, all it does here
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prefill_call(prefill: prefill_pb2_grpc.PrefillStub, decode: decode_pb2_grpc.DecodeStub, request_id: str,
-                 prompt: list[int], codec: str, decode_address: str) -> CallFigures:
+                 prompt: list[int], codec: str, decode_pod: PodProcess) -> CallFigures:
     request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=GREEDY,
-                                         decode_address=decode_address, kv_codec=codec)
+                                         decode_address=decode_pod.address, kv_codec=codec)
+    decode_cpu_s = cpu_seconds(decode_pod.popen.pid)
     start = time.perf_counter()
     response = prefill.Prefill(request, timeout=CALL_TIMEOUT_S)
     ttft_s = time.perf_counter() - start
+    decode_cpu_s = cpu_seconds(decode_pod.popen.pid) - decode_cpu_s
     decode.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=10)  # frees the KV under its lease
     stats = response.kv_transfer
     return CallFigures(ttft_s, response.queue_seconds, response.prefill_seconds, stats.exposed_transfer_seconds,
-                       stats.transfer_seconds, stats.bytes_sent, stats.raw_bytes)
+                       stats.transfer_seconds, stats.bytes_sent, stats.raw_bytes, stats.transport, decode_cpu_s)
 
 
 @dataclass
 class ConfigFigures:
-    """Means over one (codec, overlap) configuration's measured calls."""
+    """One (prompt length, codec, transport, overlap) configuration's measured calls: means, and the hand-off's
+    throughput per call summarized as median, min and max."""
 
+    prompt_tokens: int
     codec: str
+    transport: str
     overlap: bool
     ttft_s: float
     queue_s: float
@@ -225,140 +246,178 @@ class ConfigFigures:
     exposed_s: float
     exposed_share: float  # exposed / TTFT
     transfer_s: float
-    wire_mb_s: float
-    raw_mb_s: float
     wire_mb: float  # per call
     raw_mb: float
+    raw_gb_s: float  # median over the calls
+    raw_gb_s_min: float
+    raw_gb_s_max: float
+    wire_gb_s: float  # median
+    decode_cpu_s_per_gb: float  # median: 1 / this is the rate the decode pod could take KV at with a core of its own
 
     @classmethod
-    def of(cls, codec: str, overlap: bool, calls: list[CallFigures]) -> "ConfigFigures":
+    def of(cls, prompt_tokens: int, codec: str, transport: str, overlap: bool,
+           calls: list[CallFigures]) -> "ConfigFigures":
+        took = {c.transport for c in calls}
+        if took != {transport}:
+            raise RuntimeError(f"{transport} rows' KV went by {sorted(took)}: the pods did not take the expected link")
         ttft, exposed, transfer = (mean(getattr(c, f) for c in calls) for f in ("ttft_s", "exposed_s", "transfer_s"))
-        sent, raw = mean(c.bytes_sent for c in calls), mean(c.raw_bytes for c in calls)
-        return cls(codec, overlap, ttft, mean(c.queue_s for c in calls), mean(c.prefill_s for c in calls), exposed,
-                   exposed / ttft, transfer, sent / transfer / 1e6, raw / transfer / 1e6, sent / 1e6, raw / 1e6)
+        raw_rates = [c.raw_bytes / c.transfer_s / 1e9 for c in calls]
+        return cls(prompt_tokens, codec, transport, overlap, ttft, mean(c.queue_s for c in calls),
+                   mean(c.prefill_s for c in calls), exposed, exposed / ttft, transfer,
+                   mean(c.bytes_sent for c in calls) / 1e6, mean(c.raw_bytes for c in calls) / 1e6,
+                   median(raw_rates), min(raw_rates), max(raw_rates),
+                   median(c.bytes_sent / c.transfer_s / 1e9 for c in calls),
+                   median(c.decode_cpu_s / c.raw_bytes * 1e9 for c in calls))
 
 
-def measure(prefill_address: str, decode_address: str, codec: str, overlap: bool, prompts: list[list[int]],
-            log) -> ConfigFigures:
+def measure(prefill_address: str, decode_pod: PodProcess, label: str, codec: str, prompts: list[list[int]],
+            log) -> list[CallFigures]:
     """A warm-up call with ``prompts[0]``, then one measured call per remaining prompt."""
-    label = f"{codec}-{'overlap' if overlap else 'serial'}"
-    with grpc.insecure_channel(prefill_address) as p, grpc.insecure_channel(decode_address) as d:
+    with grpc.insecure_channel(prefill_address) as p, grpc.insecure_channel(decode_pod.address) as d:
         prefill, decode = prefill_pb2_grpc.PrefillStub(p), decode_pb2_grpc.DecodeStub(d)
-        prefill_call(prefill, decode, f"{label}-warmup", prompts[0], codec, decode_address)
+        prefill_call(prefill, decode, f"{label}-warmup", prompts[0], codec, decode_pod)
         calls = []
         for i, prompt in enumerate(prompts[1:]):
-            calls.append(prefill_call(prefill, decode, f"{label}-{i}", prompt, codec, decode_address))
+            calls.append(prefill_call(prefill, decode, f"{label}-{i}", prompt, codec, decode_pod))
             c = calls[-1]
-            log(f"  {label} call {i + 1}/{len(prompts) - 1}: TTFT {c.ttft_s * 1e3:.0f} ms, prefill "
-                f"{c.prefill_s * 1e3:.0f} ms, exposed transfer {c.exposed_s * 1e3:.1f} ms")
-    return ConfigFigures.of(codec, overlap, calls)
+            log(f"  {label} call {i + 1}/{len(prompts) - 1}: TTFT {c.ttft_s * 1e3:.0f} ms, transfer "
+                f"{c.transfer_s * 1e3:.1f} ms ({c.raw_bytes / c.transfer_s / 1e9:.2f} GB/s raw), exposed "
+                f"{c.exposed_s * 1e3:.1f} ms, decode pod CPU {c.decode_cpu_s * 1e3:.0f} ms")
+    return calls
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
 
-def run(model: str, codecs: list[str], prompt_tokens: int, requests: int, ready_timeout_s: float, log=print) -> dict:
+def prompts_of(text: list[int], length: int, count: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens, consecutive windows of the text repeated as often as needed (the pods
+    cache no prefixes, so windows that overlap cost the same as any others)."""
+    tiled = text * -(-(count * length) // len(text))
+    return [tiled[i * length:(i + 1) * length] for i in range(count)]
+
+
+def run(model: str, codecs: list[str], prompt_lengths: list[int], requests: int, ready_timeout_s: float,
+        log=print) -> dict:
     text = reference_tokens(load_tokenizer(model))
-    if (requests + 1) * prompt_tokens > len(text):
-        raise SystemExit(f"the reference text has {len(text)} tokens: not enough for {requests + 1} prompts of "
-                         f"{prompt_tokens}")
-    prompts = [text[i * prompt_tokens:(i + 1) * prompt_tokens] for i in range(requests + 1)]
-    flags = pod_flags(model, prompt_tokens)
-    with tempfile.TemporaryDirectory(prefix="splitserve-bench-transfer-") as log_dir:
-        log(f"starting a decode pod and two prefill pods ({model}) ...")
+    flags = pod_flags(model, max(prompt_lengths))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="splitserve-bench-transfer-") as log_dir, \
+            tempfile.TemporaryDirectory(prefix="splitserve-bench-shm-", dir="/dev/shm") as shm_dir:
+        log(f"starting a decode pod and four prefill pods ({model}) ...")
         # The decode pod only receives here: one torch thread leaves the cores to the prefill pod's compute.
-        decode = start_pod("decode", "splitserve.decode_service", [*flags, "--num-threads", "1"], Path(log_dir))
-        prefills = {overlap: start_pod(f"prefill-{'overlap' if overlap else 'serial'}", "splitserve.prefill_service",
-                                       [*flags, "--overlap-transfer" if overlap else "--no-overlap-transfer"],
-                                       Path(log_dir)) for overlap in (True, False)}
+        decode = start_pod("decode", "splitserve.decode_service",
+                           [*flags, "--num-threads", "1", "--kv-shm-dir", shm_dir], Path(log_dir))
+        prefills = {(transport, overlap): start_pod(
+            f"prefill-{transport}-{'overlap' if overlap else 'serial'}", "splitserve.prefill_service",
+            [*flags, "--overlap-transfer" if overlap else "--no-overlap-transfer",
+             "--kv-transport", PREFILL_FLAGS[transport]], Path(log_dir))
+            for transport in TRANSPORTS for overlap in (True, False)}
         pods = [decode, *prefills.values()]
         try:
             for pod in pods:
                 wait_serving(pod, ready_timeout_s)
-            rows = []
-            for codec in codecs:
-                for overlap, pod in prefills.items():
-                    log(f"{codec}, overlap {'on' if overlap else 'off'}: {requests} calls of {prompt_tokens} tokens")
-                    rows.append(measure(pod.address, decode.address, codec, overlap, prompts, log))
+            for length in prompt_lengths:
+                prompts = prompts_of(text, length, requests + 1)
+                for codec in codecs:
+                    for (transport, overlap), pod in prefills.items():
+                        label = f"{length}-{codec}-{transport}-{'overlap' if overlap else 'serial'}"
+                        log(f"{label}: {requests} calls")
+                        calls = measure(pod.address, decode, label, codec, prompts, log)
+                        rows.append(ConfigFigures.of(length, codec, transport, overlap, calls))
         finally:
             stop_pods(pods)
     raw_bytes = int(max(row.raw_mb for row in rows) * 1e6)
     log(f"grpcio ceiling: {raw_bytes / 1e6:.1f} MB in {MAX_CHUNK_BYTES}-byte messages, best of {CEILING_REPEAT}")
     ceiling = grpc_ceiling(raw_bytes)
-    return {"model": model, "prompt_tokens": prompt_tokens, "requests": requests,
+    return {"model": model, "prompt_tokens": prompt_lengths, "requests": requests,
             "rows": [asdict(row) for row in rows], "targets": targets(rows),
-            "push": push_figures(rows, ceiling)}
+            "hand_off": hand_off_figures(rows, ceiling)}
 
 
-def push_figures(rows: list[ConfigFigures], ceiling_bytes_s: float) -> dict:
-    """The raw push of codec none, overlap off (the transfer alone), against grpcio's ceiling and the target."""
-    serial = [row for row in rows if row.codec == "none" and not row.overlap]
-    raw = serial[0].raw_mb_s * 1e6 if serial else 0.0
-    return {"raw_push_mb_s": raw / 1e6, "grpc_ceiling_mb_s": ceiling_bytes_s / 1e6,
-            "ratio_to_ceiling": raw / ceiling_bytes_s, "target_mb_s": RAW_PUSH_TARGET_BYTES_S / 1e6,
-            "passed": raw >= RAW_PUSH_TARGET_BYTES_S}
+def hand_off_figures(rows: list[ConfigFigures], ceiling_bytes_s: float) -> list[dict]:
+    """Per prompt length, the hand-off of codec none with the overlap off (the transfer alone), each transport's
+    median GB/s and spread, against the same-host target and grpcio alone."""
+    figures = []
+    for length in dict.fromkeys(row.prompt_tokens for row in rows):
+        serial = {row.transport: row for row in rows
+                  if row.prompt_tokens == length and row.codec == "none" and not row.overlap}
+        if not serial:
+            continue
+        shm, grpc_row = serial.get(TRANSPORT_SHM), serial.get(TRANSPORT_GRPC)
+        figures.append({
+            "prompt_tokens": length, "raw_mb": next(iter(serial.values())).raw_mb,
+            **{f"{name}_gb_s": [row.raw_gb_s, row.raw_gb_s_min, row.raw_gb_s_max]
+               for name, row in serial.items()},
+            **{f"{name}_decode_cpu_s_per_gb": row.decode_cpu_s_per_gb for name, row in serial.items()},
+            "shm_over_grpc": shm.raw_gb_s / grpc_row.raw_gb_s if shm and grpc_row else None,
+            "grpc_ceiling_gb_s": ceiling_bytes_s / 1e9, "target_gb_s": SHM_TARGET_BYTES_S / 1e9,
+            "passed": shm is not None and shm.raw_gb_s * 1e9 >= SHM_TARGET_BYTES_S})
+    return figures
 
 
 def targets(rows: list[ConfigFigures]) -> list[dict]:
-    return [{"codec": row.codec, "exposed_share": row.exposed_share, "max_exposed_share": MAX_EXPOSED_SHARE,
+    return [{"prompt_tokens": row.prompt_tokens, "codec": row.codec, "transport": row.transport,
+             "exposed_share": row.exposed_share, "max_exposed_share": MAX_EXPOSED_SHARE,
              "passed": row.exposed_share <= MAX_EXPOSED_SHARE} for row in rows if row.overlap]
 
 
 def report(results: dict, log=print) -> None:
-    log(f"\n== KV transfer on {results['model']}: {results['prompt_tokens']}-token prompts, mean of "
-        f"{results['requests']} calls, loopback ==")
-    log(f"{'codec':<10} {'overlap':>7} {'TTFT ms':>8} {'queue ms':>9} {'prefill ms':>11} {'exposed ms':>11} "
-        f"{'exp/TTFT':>9} {'wire MB':>8} {'wire MB/s':>10} {'raw MB/s':>9}")
+    log(f"\n== KV hand-off on {results['model']}, one host: median (min-max) of {results['requests']} calls ==")
+    log(f"{'tokens':>6} {'codec':<10} {'link':<5} {'overlap':>7} {'TTFT ms':>8} {'prefill ms':>11} "
+        f"{'exposed ms':>11} {'exp/TTFT':>9} {'wire MB':>8} {'raw GB/s (min-max)':>22} {'wire GB/s':>10} "
+        f"{'D CPU s/GB':>11}")
     for r in results["rows"]:
-        log(f"{r['codec']:<10} {'on' if r['overlap'] else 'off':>7} {r['ttft_s'] * 1e3:>8.0f} "
-            f"{r['queue_s'] * 1e3:>9.1f} {r['prefill_s'] * 1e3:>11.0f} {r['exposed_s'] * 1e3:>11.1f} "
-            f"{r['exposed_share']:>9.1%} {r['wire_mb']:>8.1f} {r['wire_mb_s']:>10.0f} {r['raw_mb_s']:>9.0f}")
-    push = results["push"]
-    log(f"\n== raw push, codec none, overlap off: {push['raw_push_mb_s']:.0f} MB/s; grpcio alone, same messages: "
-        f"{push['grpc_ceiling_mb_s']:.0f} MB/s; ratio {push['ratio_to_ceiling']:.2f} ==")
+        spread = f"{r['raw_gb_s']:.2f} ({r['raw_gb_s_min']:.2f}-{r['raw_gb_s_max']:.2f})"
+        log(f"{r['prompt_tokens']:>6} {r['codec']:<10} {r['transport']:<5} {'on' if r['overlap'] else 'off':>7} "
+            f"{r['ttft_s'] * 1e3:>8.0f} {r['prefill_s'] * 1e3:>11.0f} {r['exposed_s'] * 1e3:>11.1f} "
+            f"{r['exposed_share']:>9.1%} {r['wire_mb']:>8.1f} {spread:>22} {r['wire_gb_s']:>10.2f} "
+            f"{r['decode_cpu_s_per_gb']:>11.3f}")
     log("\n== targets ==")
-    log(f"raw push {push['raw_push_mb_s']:.0f} MB/s (target >= {push['target_mb_s']:.0f} MB/s, 1 GiB/s): "
-        f"{'PASS' if push['passed'] else 'FAIL'}")
+    for h in results["hand_off"]:
+        shm = h.get("shm_gb_s")
+        log(f"{h['prompt_tokens']} tokens ({h['raw_mb']:.0f} MB raw): same-host hand-off "
+            f"{shm[0] if shm else float('nan'):.2f} GB/s, gRPC {h.get('grpc_gb_s', [float('nan')])[0]:.2f} GB/s "
+            f"(grpcio alone {h['grpc_ceiling_gb_s']:.2f}); target >= {h['target_gb_s']:.0f} GB/s: "
+            f"{'PASS' if h['passed'] else 'FAIL'}")
     for t in results["targets"]:
-        log(f"{t['codec']}: exposed transfer {t['exposed_share']:.1%} of TTFT with overlap "
-            f"(target <= {t['max_exposed_share']:.0%}): {'PASS' if t['passed'] else 'FAIL'}")
+        log(f"{t['prompt_tokens']} tokens, {t['codec']}, {t['transport']}: exposed transfer {t['exposed_share']:.1%} "
+            f"of TTFT with overlap (target <= {t['max_exposed_share']:.0%}): {'PASS' if t['passed'] else 'FAIL'}")
 
 
 def plot(results: dict, path: str) -> None:
+    """The hand-off's raw GB/s (codec none, overlap off) per prompt length and transport: median, min-max bars."""
     plt = headless_pyplot()
-
-    rows = results["rows"]
-    labels = [f"{r['codec']}\noverlap {'on' if r['overlap'] else 'off'}" for r in rows]
-    parts = {"queue": [r["queue_s"] for r in rows], "prefill": [r["prefill_s"] for r in rows],
-             "exposed transfer": [r["exposed_s"] for r in rows]}
-    # What the prefill pod's clocks leave out: the gRPC call's own overhead, both ways.
-    parts["other"] = [max(0.0, r["ttft_s"] - r["queue_s"] - r["prefill_s"] - r["exposed_s"]) for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 5))
-    bottom = [0.0] * len(rows)
-    for name, seconds in parts.items():
-        ms = [s * 1e3 for s in seconds]
-        ax.bar(labels, ms, bottom=bottom, label=name)
-        bottom = [b + m for b, m in zip(bottom, ms)]
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title(f"TTFT of {results['prompt_tokens']}-token prompts on {results['model']}, prefill pod -> decode pod")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    figures = results["hand_off"]
+    lengths = [h["prompt_tokens"] for h in figures]
+    for i, transport in enumerate(TRANSPORTS):
+        spread = [h.get(f"{transport}_gb_s") or [0.0, 0.0, 0.0] for h in figures]
+        ax.bar([x + 0.4 * i for x in range(len(lengths))], [m for m, _, _ in spread], width=0.4, label=transport,
+               yerr=[[m - lo for m, lo, _ in spread], [hi - m for m, _, hi in spread]], capsize=4)
+    ax.axhline(SHM_TARGET_BYTES_S / 1e9, color="k", linestyle="--", label="shm target")
+    ax.set_xticks([x + 0.2 for x in range(len(lengths))], [f"{n} tokens" for n in lengths])
+    ax.set_ylabel("raw KV GB/s, first chunk -> KV ready on D")
+    ax.set_title(f"KV hand-off on one host, {results['model']}, codec none, overlap off")
+    ax.legend()
     ax.grid(axis="y", alpha=0.3)
     save_figure(fig, path)
 
 
 @dataclass
 class TransferBenchConfig(FiguresOutput):
-    """KV transfer benchmark: a prompt's KV pushed between real pods, layer-by-layer overlap on and off, per codec."""
+    """KV transfer benchmark: a prompt's KV handed between real pods on one host, shared memory and gRPC, layer-by-layer
+    overlap on and off, per prompt length and codec."""
 
     model: str = field(default=DEFAULT_MODEL, metadata=described("Model the pods serve (tiny-random for a quick run)."))
     codecs: list[str] = field(default_factory=lambda: list(DEFAULT_CODECS), metadata=described("Codecs to measure."))
-    prompt_tokens: int = field(default=1024, metadata=described("Tokens of each prompt pushed."))
+    prompt_tokens: list[int] = field(default_factory=lambda: [1024, 2048, 4096], metadata=described(
+        "Prompt lengths to push (comma-separated)."))
     requests: int = field(default=3, metadata=described("Measured calls per configuration."))
     ready_timeout_s: float = field(default=300.0, metadata=described("How long the pods may take to load."))
 
     def __post_init__(self) -> None:
         check_kv_codecs("codecs", self.codecs)
-        if min(self.prompt_tokens, self.requests) < 1 or self.ready_timeout_s <= 0:
-            raise ValueError("prompt_tokens, requests and ready_timeout_s must be > 0")
+        if not self.prompt_tokens or min(*self.prompt_tokens, self.requests) < 1 or self.ready_timeout_s <= 0:
+            raise ValueError("prompt_tokens (at least one), requests and ready_timeout_s must be > 0")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -312,10 +312,10 @@ class KVSender:
     def _encode(self, item: _LayerKV, first_seq: int) -> tuple[_LayerKV, list[bytes], int]:
         """Worker thread: the layer's K then V as numbered chunks, framed for the stream; and their wire bytes."""
         chunks = []
+        max_chunk_bytes = self._shm.max_chunk_bytes(self._client.max_chunk_bytes)
         for kind, tensor in (("k", item.k), ("v", item.v)):
             chunks += encode_chunks(self.request_id, item.layer, kind, item.token_start, item.token_end, tensor,
-                                    self.codec, self.num_prompt_tokens, self._client.max_chunk_bytes,
-                                    first_seq + len(chunks))
+                                    self.codec, self.num_prompt_tokens, max_chunk_bytes, first_seq + len(chunks))
         if self._client.corrupt_chunk_rate:
             self._client.corrupt(chunks)
         return item, [self._shm.frame(chunk) for chunk in chunks], sum(chunk.nbytes for chunk in chunks)

@@ -63,6 +63,7 @@ ARENA_PREFIX = "splitserve-kv-"
 _ARENA_NAME = re.compile(rf"^{ARENA_PREFIX}[0-9a-f]{{32}}-[0-9a-f]{{32}}$")
 _ALIGN = 64  # span offsets, a cache line: copies in and out run at full width
 _MIN_RESERVE = 64 << 20  # an arena's first allocation from the filesystem
+SHM_MAX_CHUNK_BYTES = 16 << 20  # a chunk's cut through an arena; within transport.MAX_MESSAGE_BYTES / 2 inline
 ARENA_RENEW_S = 60.0  # prefill side: an arena idle this long is replaced before its next push
 ARENA_IDLE_S = 300.0  # decode side: a mapping idle this long is dropped (well after the prefill side renews)
 TRANSPORT_GRPC, TRANSPORT_SHM = "grpc", "shm"
@@ -217,6 +218,11 @@ class ShmPush:
     @property
     def transport(self) -> str:
         return TRANSPORT_SHM if self.arena is not None else TRANSPORT_GRPC
+
+    def max_chunk_bytes(self, grpc_max: int) -> int:
+        """How large a chunk to cut: larger through an arena, where a chunk costs a message and a hop of its own
+        on each side whatever its size (a chunk that finds no room still fits a gRPC message inline)."""
+        return max(grpc_max, SHM_MAX_CHUNK_BYTES) if self.arena is not None else grpc_max
 
     def frame(self, chunk: WireChunk) -> bytes:
         placed = self.arena.place(chunk) if self.arena is not None else None

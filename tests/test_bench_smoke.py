@@ -58,22 +58,24 @@ def test_codecs_bench_through_up_compares_each_codec_cluster_with_the_lossless_o
 
 
 @pytest.mark.e2e
-def test_transfer_bench_measures_overlap_on_and_off_per_codec(tmp_path):
+def test_transfer_bench_measures_shm_and_grpc_overlap_on_and_off_per_codec(tmp_path):
     out, png = tmp_path / "transfer.json", tmp_path / "transfer.png"
     transfer_bench.main(["--model", "tiny-random", "--codecs", "none,int8+zstd", "--prompt-tokens", "64",
                          "--requests", "1", "--json", str(out), "--plot", str(png)])
     results = json.loads(out.read_text())
-    assert [(r["codec"], r["overlap"]) for r in results["rows"]] == [
-        ("none", True), ("none", False), ("int8+zstd", True), ("int8+zstd", False)]
+    assert [(r["codec"], r["transport"], r["overlap"]) for r in results["rows"]] == [
+        (codec, transport, overlap) for codec in ("none", "int8+zstd") for transport in ("shm", "grpc")
+        for overlap in (True, False)]
     for row in results["rows"]:
         assert row["ttft_s"] > 0 and row["prefill_s"] > 0 and 0 <= row["exposed_s"] < row["ttft_s"], row
-        assert row["wire_mb_s"] > 0 and row["raw_mb_s"] > 0 and 0 < row["wire_mb"] <= row["raw_mb"], row
+        assert row["raw_gb_s_min"] <= row["raw_gb_s"] <= row["raw_gb_s_max"] and row["wire_gb_s"] > 0, row
+        assert 0 < row["wire_mb"] <= row["raw_mb"], row
     none_row = results["rows"][0]
     assert none_row["wire_mb"] == none_row["raw_mb"] == 64 * 4 * 2 * (2 * 16 * 4) / 1e6  # tokens x layers x K/V x bytes
-    assert [t["codec"] for t in results["targets"]] == ["none", "int8+zstd"]
-    push = results["push"]  # the raw push of none (overlap off) against grpcio alone with the same messages
-    assert push["raw_push_mb_s"] == results["rows"][1]["raw_mb_s"] and push["grpc_ceiling_mb_s"] > 0
-    assert push["ratio_to_ceiling"] == pytest.approx(push["raw_push_mb_s"] / push["grpc_ceiling_mb_s"])
+    assert len(results["targets"]) == 4  # the overlap-on rows
+    [hand_off] = results["hand_off"]  # codec none, overlap off, per transport, against the 5 GB/s target
+    assert hand_off["shm_gb_s"][0] == results["rows"][1]["raw_gb_s"] and hand_off["grpc_ceiling_gb_s"] > 0
+    assert hand_off["shm_over_grpc"] == pytest.approx(hand_off["shm_gb_s"][0] / hand_off["grpc_gb_s"][0])
     assert png.stat().st_size > 0
 
 
