@@ -43,7 +43,6 @@ def _cache_blocks(prompts: list[list[int]], max_tokens: int) -> int:
     return sum(-(-(len(prompt) + max_tokens) // BLOCK_SIZE) for prompt in prompts)
 
 
-
 @dataclass
 class KVTally:
     """What a codec did to the KV it round-tripped."""

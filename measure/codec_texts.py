@@ -24,8 +24,6 @@ PROMPT_LENS = (100, 300)  # shortest and longest short agreement prompt, in toke
 # here (as bench serve's --max-prompt-tokens scales traces down to small machines).
 LONG_PROMPT_CAP = 1024
 
-# Agreement prompts: prose (module docs) and code (function sources) of the standard library, which comes with the
-# interpreter: the same text on every machine with the same Python, unlike anything downloaded.
 PROSE_SOURCES = ("argparse", "json", "re", "statistics", "configparser", "socketserver", "hashlib", "wave", "uuid",
                  "urllib.request")  # modules: their docstrings
 CODE_SOURCES = (("heapq", "merge"), ("textwrap", "TextWrapper._wrap_chunks"),
