@@ -130,6 +130,34 @@ class AttentionMetadata:
             one_row_prefills=one_row_prefills,
         )
 
+    def split_phases(self) -> tuple[tuple["AttentionMetadata", torch.Tensor], tuple["AttentionMetadata", torch.Tensor]]:
+        """The step's prefill sequences and its decode sequences as two steps of their own: (metadata, rows [n] long
+        among this step's) for each. A model that computes the phases in different formats runs the prefill step
+        first, so that a decode row of the same sequence (a resumed request's outputs) attends to its prompt's K/V."""
+        starts = [0, *accumulate(self.query_lens)]
+        is_prefill = [n > 1 or i in self.one_row_prefills for i, n in enumerate(self.query_lens)]
+        prefill = [i for i, p in enumerate(is_prefill) if p]
+        decode = [i for i, p in enumerate(is_prefill) if not p]
+        return self._select(prefill, starts), self._select(decode, starts)
+
+    def _select(self, seqs: list[int], starts: list[int]) -> tuple["AttentionMetadata", torch.Tensor]:
+        device = self.block_tables.device
+        rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i + 1])], dtype=torch.long,
+                            device=device)
+        query_lens = [self.query_lens[i] for i in seqs]
+        one_row = frozenset(j for j, i in enumerate(seqs) if i in self.one_row_prefills)
+        meta = AttentionMetadata(
+            query_lens=query_lens,
+            seq_lens=[self.seq_lens[i] for i in seqs],
+            query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.long, device=device),
+            slot_mapping=self.slot_mapping[rows],
+            block_tables=self.block_tables[torch.tensor(seqs, dtype=torch.long, device=device)],
+            is_decode_only=not one_row and all(n == 1 for n in query_lens),
+            block_size=self.block_size,
+            one_row_prefills=one_row,
+        )
+        return meta, rows
+
     def _decode_group(self, seqs: list[int], starts: list[int]) -> DecodeGroup:
         device = self.block_tables.device
         lens = [self.seq_lens[i] for i in seqs]

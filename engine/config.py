@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.engine.kernels.cpu_features import PREFILL_COMPUTE_DTYPES
+
 
 @dataclass
 class ModelConfig:
@@ -214,6 +216,11 @@ class EngineConfig:
     # rows to int8 per block of 32 and sum integer dot products, as llama.cpp does: faster decode, but no longer the
     # float32 path's bits (docs/quantization.md). Off: those products give exactly the float32 path's results.
     int8_activations: bool = False
+    # What prefill's products compute in (engine/kernels/cpu_features.py): float32, the bit-exact reference and the
+    # default; bfloat16, from a bf16 copy of the weights with float32 accumulation, norms, softmax and logits (4.6x
+    # float32's products on avx512_bf16, more on AMX; no longer float32's bits: docs/PERFORMANCE.md); auto, bfloat16
+    # where the CPU multiplies bf16 natively (avx512_bf16, amx_bf16), float32 elsewhere. Decode keeps its weights.
+    prefill_compute_dtype: str = "float32"
 
     @property
     def weights_format(self) -> str:
@@ -227,3 +234,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.prefill_compute_dtype not in PREFILL_COMPUTE_DTYPES:
+            raise ValueError(f"prefill_compute_dtype must be one of {', '.join(PREFILL_COMPUTE_DTYPES)}, got "
+                             f"{self.prefill_compute_dtype!r}")

@@ -14,9 +14,7 @@ weight loader produces; ``from_state_dict`` checks a state dict against it befor
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention
+from splitserve.engine.bf16_prefill import Bf16Prefill
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.kernels.cpu_features import prefill_compute_dtype as resolve_prefill_dtype
 from splitserve.engine.kernels.cpu_kernels import (
     PANEL,
     CpuKernels,
@@ -37,6 +37,7 @@ from splitserve.engine.kernels.cpu_kernels import (
 )
 from splitserve.engine.kernels.cpu_kernels import choose as choose_kernels
 from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.rotary import RotaryEmbedding, StepRotary
 from splitserve.engine.weights.parameter_layout import check_state_dict, product_weights
 from splitserve.engine.weights.quantized_weights import BlockQuantized, pack_panels
 
@@ -117,75 +118,6 @@ class Linear(nn.Module):
     def _unpack_on_save(self, state_dict, prefix, _) -> None:
         panels = state_dict[prefix + "weight"]
         state_dict[prefix + "weight"] = panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to ``max_position_embeddings``, computed once (HF's non-interleaved layout).
-
-    Tables take 2 * max_positions * head_dim elements (4 MiB for SmolLM2's 8192 x 64 in float32).
-    """
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        angles = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
-        cos, sin = angles.cos(), angles.sin()
-        self.register_buffer("cos", torch.cat((cos, cos), -1).to(device, dtype), persistent=False)  # [P, D]
-        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): the sign moves into the table.
-        self.register_buffer("sin_signed", torch.cat((-sin, sin), -1).to(device, dtype), persistent=False)
-
-    def for_step(self, positions: torch.Tensor) -> "StepRotary":
-        if positions.numel() and int(positions.max()) >= len(self.cos):
-            raise ValueError(f"position {int(positions.max())} is past max_position_embeddings ({len(self.cos)})")
-        return StepRotary(positions, self.cos, self.sin_signed)
-
-
-class StepRotary:
-    """The rotary inputs of one step: every token's position [T] and the [P, D] tables (which the native kernels
-    index themselves), and, looked up once on first use for all layers, each token's rows [T, 1, D]."""
-
-    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_signed_table: torch.Tensor):
-        self.positions, self.cos_table, self.sin_signed_table = positions, cos_table, sin_signed_table
-
-    @functools.cached_property
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin of each token's position, [T, 1, D] each (broadcast over heads)."""
-        cos = self.cos_table.index_select(0, self.positions).unsqueeze(1)
-        return cos, self.sin_signed_table.index_select(0, self.positions).unsqueeze(1)
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] -> rotated copy, [T, heads, D]."""
-        cos, sin_signed = self.rows
-        half = x.shape[-1] // 2
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-        return torch.addcmul(x * cos, swapped, sin_signed)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] float32, with the checkpoint's rope scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1: long wavelengths slowed by ``factor``, short ones kept, the band between interpolated."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original_context = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original_context / low, inv_freq / factor, inv_freq)
-    smooth = (original_context / wavelen - low) / (high - low)
-    interpolated = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = (wavelen >= original_context / high) & (wavelen <= original_context / low)
-    return torch.where(in_band, interpolated, scaled)
 
 
 # A layer's products' weight formats, by parameter name within the layer ("attn.qkv_proj.weight": "q4_1"); absent:
@@ -335,15 +267,18 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.requires_grad_(False)
         self._decode_table: tuple[tuple[int, int], DecodeLayers] | None = None  # per KV cache, built on first use
+        self.bf16_prefill: Bf16Prefill | None = None  # from_state_dict's, where prefill computes in bf16
 
     @classmethod
     def from_state_dict(
         cls, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32, device="cpu",
-        cpu_kernels: bool = True, int8_activations: bool = False,
+        cpu_kernels: bool = True, int8_activations: bool = False, prefill_compute_dtype: str = "float32",
     ) -> "LlamaForCausalLM":
         """The model with ``state_dict``'s weights. Weights in quantized blocks (``BlockQuantized``) stay in them
         where the native kernels run the model, and are widened to ``dtype`` everywhere else (the fallback, where
-        ``int8_activations`` has nothing to act on)."""
+        ``int8_activations`` has nothing to act on). ``prefill_compute_dtype`` (auto, float32, bfloat16;
+        engine/kernels/cpu_features.py): where it resolves to bfloat16 for a float32 model, the model also keeps a bf16
+        copy of its layers' products for its prefill rows (engine/bf16_prefill.py)."""
         check_state_dict(config, state_dict)  # names the missing, unexpected or misshapen parameters
         blocks = set(product_weights(config))
         formats = {n: t.format for n, t in state_dict.items() if isinstance(t, BlockQuantized) and n in blocks}
@@ -354,7 +289,20 @@ class LlamaForCausalLM(nn.Module):
         kept = formats if model.kernels is not None else {}
         model.load_state_dict({n: t if n in kept else _widened(t, model.norm.weight.dtype)
                                for n, t in state_dict.items()})
+        if model.norm.weight.dtype == torch.float32 and resolve_prefill_dtype(
+                prefill_compute_dtype, str(model.norm.weight.device)) == "bfloat16":
+            model.bf16_prefill = Bf16Prefill.from_state_dict(config, state_dict, model.norm.weight.device)
         return model
+
+    @property
+    def prefill_dtype(self) -> str:
+        """What the prefill rows' products compute in: ``bfloat16`` with a bf16 copy, else the model's dtype."""
+        return "bfloat16" if self.bf16_prefill is not None else str(self.norm.weight.dtype).removeprefix("torch.")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] long -> their embeddings [T, H], the start of the residual stream."""
+        embed = self.embed_tokens
+        return embed.rows(input_ids) if isinstance(embed, Linear) else embed(input_ids)
 
     def forward(
         self,
@@ -366,9 +314,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] long -> final hidden states [T, H]. ``layer_done(i)`` runs once layer i's
         K/V are in the cache (the prefill service streams them from there while later layers compute)."""
+        if self.bf16_prefill is not None and attn_metadata.prefills:
+            return self.bf16_prefill.forward(self, input_ids, positions, kv_cache, attn_metadata, layer_done)
         rotary = self.rotary.for_step(positions)
-        embed = self.embed_tokens
-        x = embed.rows(input_ids) if isinstance(embed, Linear) else embed(input_ids)  # [T, H], the residual stream
+        x = self.embed(input_ids)  # [T, H], the residual stream
         if layer_done is None and self._decodes_natively(kv_cache, attn_metadata):
             group = attn_metadata.decode  # every token, in order: one per sequence
             self.kernels.decode_layers(x, self._decode_layers(kv_cache), positions, rotary.cos_table,

@@ -45,7 +45,8 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         self.block_size = config.cache.block_size
         self.model = LlamaForCausalLM.from_state_dict(
-            model_config, state_dict, self.dtype, self.device, config.cpu_kernels, config.int8_activations
+            model_config, state_dict, self.dtype, self.device, config.cpu_kernels, config.int8_activations,
+            config.prefill_compute_dtype,
         )
         self.kv_cache = PagedKVCache.from_config(model_config, config.cache, self.device)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed)

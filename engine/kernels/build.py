@@ -32,6 +32,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from splitserve.engine.kernels.cpu_features import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -47,7 +49,7 @@ class KernelsUnavailable(RuntimeError):
 
 def supported_cpu() -> bool:
     """x86-64 with AVX2, FMA and F16C, what the kernels' intrinsics need."""
-    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags()
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
 def library_path(avx512: bool = True, vnni: bool = True) -> Path:
@@ -132,16 +134,5 @@ def _build(compiler: str, flags: list[str], target: Path) -> Path:
 def _key(compiler: str, flags: list[str]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     parts = [*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(flags).encode(), version.encode(),
-             " ".join(sorted(_cpu_flags())).encode()]
+             " ".join(sorted(cpu_flags())).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()

@@ -1,0 +1,71 @@
+"""What the CPU offers, read once from ``/proc/cpuinfo``, and the prefill compute format chosen from it.
+
+``cpu_flags()`` is the one reader of the CPU's feature flags: the kernels' build (engine/kernels/build.py) keys its
+library on them, and ``prefill_compute_dtype`` chooses prefill's products from them. Tests feed either a flag set.
+
+**The prefill compute format** (``EngineConfig.prefill_compute_dtype``, every pod's ``--prefill-compute-dtype``):
+``float32`` (the bit-exact reference), ``bfloat16`` (prefill's products in bf16 with float32 accumulation,
+engine/bf16_prefill.py), or ``auto``, which picks bfloat16 where the CPU multiplies bf16 natively and float32
+elsewhere. The rule comes from torch's oneDNN products of SmolLM2's prefill shapes (512 x 576 @ 576 x 1536, one
+pinned thread, on an AMD EPYC with avx512_bf16, no AMX; oneDNN capped at each ISA with ``ONEDNN_MAX_CPU_ISA``,
+docs/PERFORMANCE.md has the table):
+
+| CPU features | float32 GFLOP/s | bfloat16 GFLOP/s | auto |
+|---|---|---|---|
+| AVX2 only | 94 | 26 (emulated) | float32 |
+| AVX-512 without BF16 | 98 | 86 (converted to float32) | float32 |
+| ``avx512_bf16`` (``vdpbf16ps``) | 107 | 494 | bfloat16 |
+| ``amx_bf16`` (tiles) | 143 | 1,125 (issue 34's Sapphire Rapids figures) | bfloat16 |
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+PREFILL_COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+# The flags under which a bf16 product runs natively, and (measured above) beats float32 on prefill's shapes.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as ``/proc/cpuinfo`` lists them (its first processor); empty where it cannot be read
+    (not Linux, or no flags line)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return parse_cpuinfo(f)
+    except OSError:
+        return frozenset()
+
+
+def parse_cpuinfo(lines: Iterable[str]) -> frozenset[str]:
+    """The flags of the first ``flags`` line of a ``/proc/cpuinfo`` text."""
+    for line in lines:
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def prefill_compute_dtype(setting: str, device: str = "cpu", flags: Iterable[str] | None = None) -> str:
+    """The format prefill's products compute in, ``float32`` or ``bfloat16``, for ``setting`` (one of
+    ``PREFILL_COMPUTE_DTYPES``) on ``device`` with the CPU ``flags`` (default: this CPU's). ``auto`` picks bfloat16
+    on a CPU with ``NATIVE_BF16_FLAGS`` and float32 elsewhere, other devices included (their engines choose their
+    own ``dtype``)."""
+    if setting not in PREFILL_COMPUTE_DTYPES:
+        raise ValueError(f"prefill_compute_dtype must be one of {', '.join(PREFILL_COMPUTE_DTYPES)}, got {setting!r}")
+    if setting != "auto":
+        return setting
+    if device.split(":")[0] != "cpu":
+        return "float32"
+    found = cpu_flags() if flags is None else frozenset(flags)
+    return "bfloat16" if found & set(NATIVE_BF16_FLAGS) else "float32"
+
+
+def matrix_features(flags: Iterable[str] | None = None) -> str:
+    """The CPU's flags that decide compute formats, comma-separated (``avx2,avx512f,avx512_bf16``), or ``none``: what
+    pods report beside the resolved format (``splitserve_engine_info``'s ``cpu_features``)."""
+    found = cpu_flags() if flags is None else frozenset(flags)
+    named = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in found]
+    return ",".join(named) or "none"

@@ -1,0 +1,81 @@
+"""Rotary position embeddings (RoPE): the cos/sin tables of every position, computed once per model, and one step's
+view of them, with the checkpoint's rope scaling (linear, Llama 3.1's) applied to the frequencies."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from splitserve.engine.config import ModelConfig
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position up to ``max_position_embeddings``, computed once (HF's non-interleaved layout).
+
+    Tables take 2 * max_positions * head_dim elements (4 MiB for SmolLM2's 8192 x 64 in float32).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        angles = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
+        cos, sin = angles.cos(), angles.sin()
+        self.register_buffer("cos", torch.cat((cos, cos), -1).to(device, dtype), persistent=False)  # [P, D]
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): the sign moves into the table.
+        self.register_buffer("sin_signed", torch.cat((-sin, sin), -1).to(device, dtype), persistent=False)
+
+    def for_step(self, positions: torch.Tensor) -> "StepRotary":
+        if positions.numel() and int(positions.max()) >= len(self.cos):
+            raise ValueError(f"position {int(positions.max())} is past max_position_embeddings ({len(self.cos)})")
+        return StepRotary(positions, self.cos, self.sin_signed)
+
+
+class StepRotary:
+    """The rotary inputs of one step: every token's position [T] and the [P, D] tables (which the native kernels
+    index themselves), and, looked up once on first use for all layers, each token's rows [T, 1, D]."""
+
+    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_signed_table: torch.Tensor):
+        self.positions, self.cos_table, self.sin_signed_table = positions, cos_table, sin_signed_table
+
+    @functools.cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of each token's position, [T, 1, D] each (broadcast over heads)."""
+        cos = self.cos_table.index_select(0, self.positions).unsqueeze(1)
+        return cos, self.sin_signed_table.index_select(0, self.positions).unsqueeze(1)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] -> rotated copy, [T, heads, D]."""
+        cos, sin_signed = self.rows
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin_signed)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] float32, with the checkpoint's rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by ``factor``, short ones kept, the band between interpolated."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_context / low, inv_freq / factor, inv_freq)
+    smooth = (original_context / wavelen - low) / (high - low)
+    interpolated = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= original_context / high) & (wavelen <= original_context / low)
+    return torch.where(in_band, interpolated, scaled)

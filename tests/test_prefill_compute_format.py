@@ -1,0 +1,111 @@
+"""The prefill compute format (issue 34): the CPU's flags read through one function, the format ``auto`` resolves to
+per feature set, and bf16 prefill (engine/bf16_prefill.py) on a tiny random model: close to float32, and in a step
+mixed with decodes, the decode rows keep float32's bits and the prompt's K/V do not depend on the decodes beside it.
+The real model's agreement with float32 is in tests/test_bf16_prefill_smollm2.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kernels.cpu_features import matrix_features, parse_cpuinfo, prefill_compute_dtype
+from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.weights.model_files import tiny_random_config
+from splitserve.engine.weights.parameter_layout import random_state_dict
+
+AVX2_ONLY = {"sse4_2", "avx", "avx2", "fma", "f16c"}  # AMD Zen 3
+AVX512_NO_BF16 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}  # Skylake-SP, Cascade Lake
+AVX512_BF16 = AVX512_NO_BF16 | {"avx512_bf16"}  # AMD Zen 4/5, Cooper Lake
+AMX = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16"}  # Sapphire Rapids
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (AVX2_ONLY, "float32"),  # bf16 products emulated: 26 GFLOP/s against float32's 94
+    (AVX512_NO_BF16, "float32"),  # converted to float32: 86 against 98
+    (AVX512_BF16, "bfloat16"),  # vdpbf16ps: 494 against 107
+    (AMX, "bfloat16"),  # tiles: 1,125 against 143
+    (set(), "float32"),  # flags unreadable
+])
+def test_auto_per_cpu_feature_set(flags, expected):
+    assert prefill_compute_dtype("auto", "cpu", flags) == expected
+
+
+def test_explicit_settings_and_other_devices():
+    assert prefill_compute_dtype("float32", "cpu", AMX) == "float32"
+    assert prefill_compute_dtype("bfloat16", "cpu", AVX2_ONLY) == "bfloat16"
+    assert prefill_compute_dtype("auto", "cuda:0", AMX) == "float32"
+    with pytest.raises(ValueError, match="prefill_compute_dtype must be one of auto, float32, bfloat16"):
+        prefill_compute_dtype("int8", "cpu", AMX)
+    with pytest.raises(ValueError, match="prefill_compute_dtype"):
+        EngineConfig(prefill_compute_dtype="bf16")
+
+
+def test_flags_from_cpuinfo_text():
+    text = ["processor\t: 0\n", "model name\t: AMD EPYC\n", "flags\t\t: fpu avx2 avx512f avx512_bf16\n",
+            "processor\t: 1\n", "flags\t\t: fpu\n"]
+    flags = parse_cpuinfo(text)
+    assert flags == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    assert matrix_features(flags) == "avx2,avx512f,avx512_bf16"
+    assert matrix_features(set()) == "none"
+
+
+BLOCK = 4
+
+
+def _models():
+    config = tiny_random_config()
+    state = random_state_dict(config, 0)
+    reference = LlamaForCausalLM.from_state_dict(config, state)
+    bf16 = LlamaForCausalLM.from_state_dict(config, state, prefill_compute_dtype="bfloat16")
+    return config, reference, bf16
+
+
+def _run(model, config, steps, cache_dtype="float32"):
+    """Run ``steps`` (query_lens, seq_lens, block_tables, tokens, positions) on a fresh cache -> (hidden of the
+    last step, cache)."""
+    cache = PagedKVCache(config, 32, BLOCK, cache_dtype)
+    for query_lens, seq_lens, tables, tokens, positions in steps:
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK)
+        hidden = model(torch.tensor(tokens), torch.tensor(positions), cache, meta)
+    return hidden, cache
+
+
+PROMPT = [5, 17, 99, 3, 42, 7, 250, 11, 64, 9, 31]  # 11 tokens: blocks 4..6 of the second sequence
+OTHER = [8, 2, 77, 120, 6]
+
+
+def test_bf16_prefill_is_close_to_float32_and_not_its_bits():
+    config, reference, bf16 = _models()
+    assert (reference.prefill_dtype, bf16.prefill_dtype) == ("float32", "bfloat16")
+    assert bf16.bf16_prefill.nbytes == sum(t.nbytes for layer in bf16.bf16_prefill.layers for t in layer
+                                           if t is not None)
+    step = [([len(PROMPT)], [len(PROMPT)], [[1, 2, 3]], PROMPT, list(range(len(PROMPT))))]
+    ref, _ = _run(reference, config, step)
+    got, _ = _run(bf16, config, step)
+    logits_ref, logits = reference.compute_logits(ref), bf16.compute_logits(got)
+    assert not torch.equal(logits, logits_ref)  # the prefill really ran in bf16
+    assert (logits.argmax(-1) == logits_ref.argmax(-1)).float().mean() >= 0.9
+    assert torch.allclose(logits, logits_ref, atol=0.1 * logits_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_mixed_step_decode_rows_keep_float32_and_prompt_kv_ignores_them(cache_dtype):
+    config, reference, bf16 = _models()
+    other_prefill = ([len(OTHER)], [len(OTHER)], [[1, 2]], OTHER, list(range(len(OTHER))))
+    n = len(PROMPT)
+    # Step 2: OTHER decodes one token while PROMPT prefills whole.
+    mixed = ([1, n], [len(OTHER) + 1, n], [[1, 2], [4, 5, 6]], [13] + PROMPT, [len(OTHER)] + list(range(n)))
+    hidden, cache = _run(bf16, config, [other_prefill, mixed], cache_dtype)
+    alone_hidden, alone_cache = _run(bf16, config, [([n], [n], [[4, 5, 6]], PROMPT, list(range(n)))], cache_dtype)
+    # The prompt's K/V and hidden rows are those of its prefill alone, bit for bit.
+    for layer in range(config.num_layers):
+        for mine, alone in ((cache.k_blocks, alone_cache.k_blocks), (cache.v_blocks, alone_cache.v_blocks)):
+            assert torch.equal(mine[layer][4:7].flatten(0, 1)[:n], alone[layer][4:7].flatten(0, 1)[:n])
+    assert torch.equal(hidden[1:], alone_hidden)
+    # The decode row is the float32 model's decode of OTHER over the same (bf16-prefilled) context.
+    decode = ([1], [len(OTHER) + 1], [[1, 2]], [13], [len(OTHER)])
+    decoded, _ = _run(bf16, config, [other_prefill, decode], cache_dtype)
+    assert torch.equal(hidden[:1], decoded)
