@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.kernels.cpu_features import matrix_features
 from splitserve.engine.kernels.cpu_kernels import KernelChoice
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.prefill_budget import TPOTSlackBudget
@@ -114,9 +115,10 @@ class LLMEngine:
         self.last_step: StepStats | None = None  # the latest step that ran
         _return_freed_heap()
         logger.info(
-            "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens; compute path: %s",
-            self.model_config.name, self.model_config.num_layers,
-            self.runner.kv_cache.num_blocks, config.cache.block_size, self.compute_path,
+            "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens; compute path: %s; prefill computes in %s "
+            "(CPU features: %s)", self.model_config.name, self.model_config.num_layers,
+            self.runner.kv_cache.num_blocks, config.cache.block_size, self.compute_path, self.prefill_compute,
+            matrix_features(),
         )
 
     def _proposer(self, config: EngineConfig, tokenizer) -> SpeculativeProposer:
@@ -132,6 +134,12 @@ class LLMEngine:
     def compute_path(self) -> KernelChoice:
         """What runs the model's layers: the native CPU kernels, or PyTorch ops and why (for logs and metrics)."""
         return self.runner.model.compute_path
+
+    @property
+    def prefill_compute(self) -> str:
+        """What prefill's products compute in (``float32``, ``bfloat16``): ``prefill_compute_dtype`` as resolved
+        for this CPU at load (engine/kernels/cpu_features.py)."""
+        return self.runner.model.prefill_dtype
 
     @property
     def max_model_len(self) -> int:

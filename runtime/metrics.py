@@ -162,8 +162,10 @@ class PodMetrics(ServingMetrics):
             "Draft tokens accepted, by their position in the proposal (0: the first).", LABELS + ("position",),
             registry=self.registry)
         self.engine_info = Gauge("splitserve_engine_info", "The engine's compute path: kernels (native or pytorch), "
-                                 "device, KV cache dtype and the weights' format (quantization); always 1.",
-                                 LABELS + ("kernels", "device", "cache_dtype", "quantization"), registry=self.registry)
+                                 "device, KV cache dtype, the weights' format (quantization), what prefill's products "
+                                 "compute in (prefill_compute) and the CPU features that chose it; always 1.",
+                                 LABELS + ("kernels", "device", "cache_dtype", "quantization", "prefill_compute",
+                                           "cpu_features"), registry=self.registry)
 
     def transfer_raw_bytes(self, codec: str):
         return self.kv_transfer_raw_bytes.labels(self.role, self.model_name, codec)
@@ -184,8 +186,10 @@ class PodMetrics(ServingMetrics):
             if accepted:
                 self.spec_decode_accepted_per_position.labels(self.role, self.model_name, str(position)).inc(accepted)
 
-    def set_engine_info(self, kernels: str, device: str, cache_dtype: str, quantization: str) -> None:
-        self.engine_info.labels(self.role, self.model_name, kernels, device, cache_dtype, quantization).set(1)
+    def set_engine_info(self, kernels: str, device: str, cache_dtype: str, quantization: str, prefill_compute: str,
+                        cpu_features: str) -> None:
+        self.engine_info.labels(self.role, self.model_name, kernels, device, cache_dtype, quantization,
+                                prefill_compute, cpu_features).set(1)
 
 
 # The router's per-pod series name the pod by ``pod_address`` (host:port, as it registered), not ``pod``: the

@@ -45,6 +45,7 @@ from splitserve.engine.config import (
     SchedulerConfig,
 )
 from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.kernels.cpu_features import matrix_features
 from splitserve.engine.llm_engine import LLMEngine, StepStats
 from splitserve.runtime import transport
 from splitserve.runtime.config import described, member
@@ -102,6 +103,10 @@ class PodConfig:
         "Products over quantized weights (--quantization other than none) quantize their inputs to int8 per block "
         "of 32 and sum integer dot products, as llama.cpp does: faster decode, answers no longer bit-equal to the "
         "float32 path's (docs/quantization.md)."))
+    prefill_compute_dtype: str = field(default=EngineConfig.prefill_compute_dtype, metadata=described(
+        "What prompt tokens' products compute in: float32 (the bit-exact reference), bfloat16 (a bf16 copy of the "
+        "weights beside decode's, float32 accumulation, norms, attention and logits), or auto: bfloat16 where the "
+        "CPU multiplies bf16 natively (avx512_bf16, amx_bf16), float32 elsewhere (docs/PERFORMANCE.md)."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
     block_size: int = field(default=CacheConfig.block_size, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
@@ -166,7 +171,7 @@ class PodConfig:
         return EngineConfig(
             model=self.model, device=self.device, dtype=self.dtype, seed=self.seed, cpu_kernels=self.cpu_kernels,
             quantization=self.quantization, int8_activations=self.int8_activations,
-            cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_blocks,
+            prefill_compute_dtype=self.prefill_compute_dtype, cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_blocks,
                               self.enable_prefix_caching, self.cache_dtype),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       self.long_prefill_token_threshold),
@@ -193,7 +198,8 @@ class Pod:
         self.metrics = PodMetrics(self.role, self.engine.model_config.name)
         # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.
         self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype,
-                                     self.engine.config.weights_format)
+                                     self.engine.config.weights_format, self.engine.prefill_compute,
+                                     matrix_features())
         self.load_tracker = LoadTracker(self.metrics)
         self.lender = self._core_lender(applied.cpus, lent)
         self.yielder = DecodeYield(DecodeActivity(config.activity_file, writer=True),

@@ -37,6 +37,7 @@ from splitserve.decode_service.config import DecodeConfig
 from splitserve.decode_service.server import build_decode_services
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.block_manager import chained_block_hashes
+from splitserve.engine.kernels.cpu_features import matrix_features
 from splitserve.kvtransfer.codecs import get_codec
 from splitserve.kvtransfer.handshake import KVLayout
 from splitserve.kvtransfer.link_codec import CodecQuality, LinkCodecChooser, QualityTable
@@ -768,8 +769,9 @@ def test_metrics_endpoint_serves_the_pod_series(pods):
         body = response.read()
     assert b'splitserve_num_requests_running{model_name="tiny-random",role="decode"}' in body
     path = pods.decode_pod.engine.compute_path.path  # native where the kernels build, else pytorch
-    assert (f'splitserve_engine_info{{cache_dtype="float16",device="cpu",kernels="{path}",model_name="tiny-random",'
-            f'quantization="none",role="decode"}} 1.0').encode() in body
+    assert (f'splitserve_engine_info{{cache_dtype="float16",cpu_features="{matrix_features()}",device="cpu",'
+            f'kernels="{path}",model_name="tiny-random",prefill_compute="float32",quantization="none",'
+            f'role="decode"}} 1.0').encode() in body
 
 
 # ---- kv_load_failure_policy: a push whose KV fails to load -------------------------------------------------------

@@ -109,3 +109,22 @@ def test_mixed_step_decode_rows_keep_float32_and_prompt_kv_ignores_them(cache_dt
     decode = ([1], [len(OTHER) + 1], [[1, 2]], [13], [len(OTHER)])
     decoded, _ = _run(bf16, config, [other_prefill, decode], cache_dtype)
     assert torch.equal(hidden[:1], decoded)
+
+
+def test_every_pod_takes_the_setting_as_a_flag_and_an_environment_variable():
+    from splitserve.decode_service.config import DecodeConfig
+    from splitserve.prefill_service.config import PrefillConfig
+    from splitserve.runtime.config import parse_config
+
+    prefill = parse_config(PrefillConfig, ["--prefill-compute-dtype", "auto"], env={})
+    assert prefill.engine_config().prefill_compute_dtype == "auto"
+    decode = parse_config(DecodeConfig, [], env={"SPLITSERVE_PREFILL_COMPUTE_DTYPE": "bfloat16"})
+    assert decode.engine_config().prefill_compute_dtype == "bfloat16"
+    assert parse_config(DecodeConfig, [], env={}).engine_config().prefill_compute_dtype == "float32"
+
+
+def test_engine_reports_the_resolved_format():
+    from splitserve.engine import LLM
+
+    assert LLM(model="tiny-random", num_blocks=16).engine.prefill_compute == "float32"
+    assert LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="bfloat16").engine.prefill_compute == "bfloat16"
