@@ -42,17 +42,19 @@ COMPONENTS = {"router": RouterConfig, "prefill": PrefillConfig, "decode": Decode
 # Fields the chart sets itself from infrastructure values; a `config` block may not name them. `cpus` is left to
 # Kubernetes: the kubelet places a container on CPUs (its CPU manager, from the resources), so host CPU ids do not
 # belong in values; nor does core lending (`lend_cpus` and its activity files: pods of one machine sharing host CPUs
-# and a directory, which `splitserve up` arranges and Kubernetes pods do not).
+# and a directory, which `splitserve up` arranges and Kubernetes pods do not). The TTFT and TPOT targets come from `serviceLevel`, one
+# value for the router, the decode pods' TPOT-slack chunking (hybrid scheduling) and the planner.
 _TLS_OWNED = {"tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert", "tls_server_name"}
 _POD_OWNED = {"host", "port", "metrics_port", "probe_port", "advertise_address", "model", "registry", "redis_url", "role",
               "cpus", "lend_cpus", "lender_activity_files", "activity_file", *_TLS_OWNED}
 CHART_OWNED = {
     "router": {"host", "grpc_port", "http_port", "metrics_port", "probe_port", "model", "registry", "redis_url", "prefill_pods",
-               "decode_pods", "mixed_pods", "api_keys", "cpus", *_TLS_OWNED},
+               "decode_pods", "mixed_pods", "api_keys", "cpus", "slo_ttft_s", "slo_tpot_s", *_TLS_OWNED},
     "prefill": _POD_OWNED,
-    "decode": _POD_OWNED,
+    "decode": _POD_OWNED | {"tpot_slack_chunking", "tpot_target_s"},
     "mixed": _POD_OWNED,
-    "planner": {"host", "metrics_port", "namespace", "prefill_deployment", "decode_deployment", "kubeconfig"},
+    "planner": {"host", "metrics_port", "namespace", "prefill_deployment", "decode_deployment", "kubeconfig",
+                "ttft_target_s", "tpot_target_s"},
 }
 
 _CODECS = list(available_codecs())
@@ -230,10 +232,10 @@ def values_schema() -> dict:
                                   replicas={"type": "integer", "minimum": 0, "maximum": 1}),
             "metrics": _obj({"scrapeAnnotations": _BOOL}),
             "grafanaDashboards": _obj({"enabled": _BOOL, "labels": _STRING_MAP, "annotations": _STRING_MAP}),
+            "serviceLevel": _obj({"ttftSeconds": {"type": "number", "exclusiveMinimum": 0},
+                                  "tpotSeconds": {"type": "number", "exclusiveMinimum": 0}}),
             "prometheusRule": _obj({
                 "enabled": _BOOL, "labels": _STRING_MAP,
-                "ttftP99TargetSeconds": {"type": "number", "exclusiveMinimum": 0},
-                "tpotP99TargetSeconds": {"type": "number", "exclusiveMinimum": 0},
                 "kvCacheUsageThreshold": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                 "for": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}),
         },

@@ -15,6 +15,7 @@ from splitserve.runtime.config import described, member
 from splitserve.runtime.cpus import checked_cpu_set
 from splitserve.runtime.discovery import HEARTBEAT_TTL_S, RegistryKind
 from splitserve.runtime.kv_codecs import check_kv_codec
+from splitserve.runtime.service_level import DEFAULT_TPOT_S, DEFAULT_TTFT_S
 from splitserve.runtime.transport import TLSConfig
 
 # Long enough for a typical stream to finish; Kubernetes' default termination grace period is 30 s.
@@ -92,14 +93,14 @@ class RouterConfig:
         "Refuse (429 / RESOURCE_EXHAUSTED, with Retry-After) a request whose prompt would wait longer than this "
         "before its prefill starts, by the least loaded pod's queued prompt tokens and measured prefill rate "
         "(0: never)."))
-    scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
-        "'hybrid': each prompt prefills where its first token is predicted to come first, on a prefill pod or lent "
-        "to its decode pod in TPOT-bounded chunks (the decode pods need --tpot-slack-chunking; splitserve up sets "
-        "it); 'disaggregated' or 'colocated': by the conditional_* rules."))
-    slo_ttft_s: float = field(default=1.0, metadata=described(
+    scheduling: Scheduling = field(default=Scheduling.HYBRID, metadata=described(
+        "'hybrid': each prompt prefills where its first token is predicted to come first, on a prefill pod, lent "
+        "to its decode pod in TPOT-bounded chunks, or split across both (the decode pods need --tpot-slack-chunking; "
+        "splitserve up and the chart set it); 'disaggregated' or 'colocated': by the conditional_* rules."))
+    slo_ttft_s: float = field(default=DEFAULT_TTFT_S, metadata=described(
         "TTFT target: of splitserve_requests_within_slo_total (goodput), and of hybrid placement's predictions "
         "(a request may name its own: docs/api.md)."))
-    slo_tpot_s: float = field(default=0.1, metadata=described(
+    slo_tpot_s: float = field(default=DEFAULT_TPOT_S, metadata=described(
         "TPOT target: of splitserve_requests_within_slo_total (goodput), and the one hybrid decode pods keep while "
         "they prefill lent prompts (a request may name its own: docs/api.md)."))
     kv_lease_s: float = field(default=KV_LEASE_S, metadata=described(

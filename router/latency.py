@@ -74,7 +74,8 @@ class HybridPlacement:
     that leaves P the least work (DynaServe's and TaiChi's point: move work off the saturated phase while the request
     still meets its target, which shortens the queue every later prompt waits in); when none does, again the
     soonest. A prefix cached on either pod counts there. The TPOT target is kept by D itself, which never takes a
-    chunk that breaks it.
+    chunk that breaks it; a D that does not chunk by TPOT (no allowance reported) is lent a prompt only while the
+    whole prefill step fits the request's TPOT target beside its decodes, else it is not lent to at all.
     """
 
     def __init__(self) -> None:
@@ -92,7 +93,7 @@ class HybridPlacement:
                may_split: bool = True) -> RoutePlan:
         if prefill is None:
             return RoutePlan(None, decode, "no prefill pod: prefill on the decode pod")
-        options = self.options(prompt, prefill, decode, may_split)
+        options = self.options(prompt, prefill, decode, may_split, targets.tpot_s)
         wait_s = prefill.prefill_wait_s or 0.0
         if wait_s >= BACKLOG_FRACTION * targets.ttft_s:
             meeting = [option for option in options if option.estimate.ttft_s <= TTFT_HEADROOM * targets.ttft_s]
@@ -112,17 +113,18 @@ class HybridPlacement:
         whole = chosen.prefix_tokens == len(prompt.token_ids)
         return RoutePlan(prefill, decode, reason, chosen.estimate.ttft_s, 0 if whole else chosen.prefix_tokens)
 
-    def options(self, prompt: PromptBlocks, prefill: PodInfo, decode: PodInfo,
-                may_split: bool = True) -> list[PrefillOption]:
-        """Remote first, then the splits by growing share on D, then lent."""
+    def options(self, prompt: PromptBlocks, prefill: PodInfo, decode: PodInfo, may_split: bool = True,
+                tpot_s: float | None = None) -> list[PrefillOption]:
+        """Remote first, then the splits by growing share on D, then lent; ``tpot_s``: the TPOT target a prefill on D
+        must keep where D keeps none itself."""
         num_tokens = len(prompt.token_ids)
         cached_on_p = prompt.cached_tokens(prefill)
         options = [PrefillOption("remote", num_tokens, num_tokens - cached_on_p, self.remote(prompt, prefill))]
         if may_split:
             for prefix in self.split_points(prompt, cached_on_p, decode):
                 options.append(PrefillOption(f"split {prefix}/{num_tokens}", prefix, prefix - min(cached_on_p, prefix),
-                                             self.split(prompt, prefix, prefill, decode)))
-        options.append(PrefillOption("lent", 0, 0, self.lent(prompt, decode)))
+                                             self.split(prompt, prefix, prefill, decode, tpot_s)))
+        options.append(PrefillOption("lent", 0, 0, self.lent(prompt, decode, tpot_s)))
         return options
 
     @staticmethod
@@ -153,29 +155,35 @@ class HybridPlacement:
                                f"queue {queue_s:.3f} + prefill {prefill_s:.3f} ({todo} tokens) + transfer "
                                f"{transfer_s:.3f}")
 
-    def lent(self, prompt: PromptBlocks, pod: PodInfo) -> PrefillEstimate:
+    def lent(self, prompt: PromptBlocks, pod: PodInfo, tpot_s: float | None = None) -> PrefillEstimate:
         cached = prompt.cached_tokens(pod)
-        return self.on_decode_pod(pod, cached, pod.queued_tokens + len(prompt.token_ids) - cached)
+        return self.on_decode_pod(pod, cached, pod.queued_tokens + len(prompt.token_ids) - cached, tpot_s)
 
-    def split(self, prompt: PromptBlocks, prefix_tokens: int, prefill: PodInfo, decode: PodInfo) -> PrefillEstimate:
+    def split(self, prompt: PromptBlocks, prefix_tokens: int, prefill: PodInfo, decode: PodInfo,
+              tpot_s: float | None = None) -> PrefillEstimate:
         on_p = self.remote(prompt, prefill, prefix_tokens)
         queued = self.on_decode_pod(decode, 0, decode.queued_tokens) if decode.queued_tokens else None
-        rest = self.on_decode_pod(decode, prefix_tokens, len(prompt.token_ids) - prefix_tokens)
+        rest = self.on_decode_pod(decode, prefix_tokens, len(prompt.token_ids) - prefix_tokens, tpot_s)
         start_s = max(on_p.ttft_s, queued.ttft_s if queued else 0.0)
         return PrefillEstimate(start_s + rest.ttft_s, f"P: {on_p.detail}; then D: {rest.detail}"
                                + (f", after its queue's {queued.ttft_s:.3f} s" if queued else ""), rest.tpot_cost_s)
 
     @staticmethod
-    def on_decode_pod(pod: PodInfo, start: int, todo: int) -> PrefillEstimate:
-        """D prefills ``todo`` prompt tokens from position ``start``, in chunks that keep its TPOT allowance."""
+    def on_decode_pod(pod: PodInfo, start: int, todo: int, tpot_s: float | None = None) -> PrefillEstimate:
+        """D prefills ``todo`` prompt tokens from position ``start``, in chunks that keep its TPOT allowance; where D
+        reports none (it does not chunk by TPOT), in one step, which must fit ``tpot_s`` beside any decode running
+        there: the router stops lending rather than break its decodes' TPOT target."""
         model: StepTimeModel = pod.load.step_time
         if not model.known:
             return PrefillEstimate(math.inf, "no step-time model")
         rows, context = pod.load.num_running, pod.load.running_context_tokens
         allowance = pod.load.tpot_allowance_seconds
-        if allowance is None:  # no TPOT to keep: the token budget alone bounds its steps
-            return PrefillEstimate(model.predict(rows, todo, context + attention_positions(start, todo)),
-                                   f"{todo} tokens in one step, no TPOT to keep")
+        if allowance is None:  # D keeps no TPOT itself: the token budget alone bounds its steps
+            step_s = model.predict(rows, todo, context + attention_positions(start, todo))
+            if rows and tpot_s is not None and step_s > tpot_s:
+                return PrefillEstimate(math.inf, f"{todo} tokens in one {step_s:.3f} s step would break the "
+                                                 f"{tpot_s:g} s TPOT target of {rows} decodes")
+            return PrefillEstimate(step_s, f"{todo} tokens in one step, no TPOT to keep")
         middle = start + int(MEAN_CHUNK_START * todo)
         chunk = model.largest_chunk(rows, context, allowance, middle)
         if chunk == 0 and rows == 0:

@@ -46,7 +46,7 @@ class UpConfig:
     kv_codec: str = passed_to(RouterConfig, name="kv_codec", help=(
         "KV codec between prefill and decode pods (the router's: it names one in every prefill request)."))
     policy: PolicyName = passed_to(RouterConfig, name="policy")
-    scheduling: Scheduling = field(default=Scheduling.HYBRID, metadata=described(
+    scheduling: Scheduling = field(default=RouterConfig.scheduling, metadata=described(
         "'hybrid' (each prompt on a prefill pod, lent to its decode pod in TPOT-bounded chunks, or split across both, "
         "by predicted latency), 'disaggregated' (the pure split) or 'colocated' (the prefill and decode pods become "
         "mixed pods)."))

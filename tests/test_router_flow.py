@@ -189,6 +189,8 @@ class Env:
 
 @contextlib.asynccontextmanager
 async def running_cluster(num_prefill=1, num_decode=1, num_mixed=0, extra_decode_addresses=(), **config):
+    """Fake pods behind a real router; the conditional_* rules' scheduling unless ``config`` names another (the
+    fakes report no step-time model, which hybrid placement predicts from)."""
     cluster = FakeCluster()
     pods = {role: [FakePod(cluster, role) for _ in range(n)]
             for role, n in (("prefill", num_prefill), ("decode", num_decode), ("mixed", num_mixed))}
@@ -199,7 +201,7 @@ async def running_cluster(num_prefill=1, num_decode=1, num_mixed=0, extra_decode
         prefill_pods=[p.address for p in pods["prefill"]],
         decode_pods=[p.address for p in pods["decode"]] + list(extra_decode_addresses),
         mixed_pods=[p.address for p in pods["mixed"]],
-        conditional_prefill_threshold=8, kv_codec="int8", **config)
+        conditional_prefill_threshold=8, kv_codec="int8", **{"scheduling": "disaggregated", **config})
     router = Router(router_config)  # loads the tiny-random tokenizer by name
     await router.start()
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.runtime.config import described
+from splitserve.runtime.service_level import DEFAULT_TPOT_S, DEFAULT_TTFT_S
 
 
 @dataclass
@@ -38,10 +39,10 @@ class PlannerConfig:
     max_prefill_replicas: int = field(default=8, metadata=described("Most prefill pods."))
     min_decode_replicas: int = field(default=1, metadata=described("Fewest decode pods."))
     max_decode_replicas: int = field(default=8, metadata=described("Most decode pods."))
-    ttft_target_s: float = field(default=2.0, metadata=described(
+    ttft_target_s: float = field(default=DEFAULT_TTFT_S, metadata=described(
         "TTFT target: prefill pods are loaded only as far as the queueing model keeps mean TTFT under it; a p99 "
         "over it adds a prefill pod."))
-    tpot_target_s: float = field(default=0.1, metadata=described(
+    tpot_target_s: float = field(default=DEFAULT_TPOT_S, metadata=described(
         "TPOT target: decode pods batch only as many requests as keep a step under it; a p99 over it adds a "
         "decode pod."))
     target_utilization: float = field(default=0.7, metadata=described(

@@ -19,10 +19,14 @@ CHART = HERE.parent / "helm" / "splitserve"
 
 
 def render_rules(values: dict | None = None) -> str:
-    """The rule groups as the chart renders them (``prometheusRule`` values merged over the defaults)."""
+    """The rule groups as the chart renders them (``values``: chart values over the defaults, e.g. ``prometheusRule``'s
+    thresholds and ``serviceLevel``'s targets)."""
     import helm_python as helm  # a development tool, installed with the test extras
 
-    overrides = {"prometheusRule": {"enabled": True, **(values or {})}}
+    # The image and the Redis password's Secret have no default, and the chart refuses to render without them.
+    values = values or {}
+    overrides = {**values, "prometheusRule": {**values.get("prometheusRule", {}), "enabled": True},
+                 "image": {"repository": "splitserve"}, "redis": {"auth": {"existingSecret": "splitserve-redis"}}}
     with helm.Chart.load(str(CHART)) as chart:
         manifest = chart.render(overrides, name="splitserve", namespace="monitoring")
     rule = yaml.safe_load(manifest["splitserve/templates/prometheusrule.yaml"])

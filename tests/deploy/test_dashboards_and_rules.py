@@ -88,7 +88,8 @@ def test_promtool_unit_tests_of_the_rules_pass():
 
 
 def test_thresholds_come_from_values():
-    rules = yaml.safe_load(render_rules({"ttftP99TargetSeconds": 0.75, "kvCacheUsageThreshold": 0.9, "for": "2m"}))
+    rules = yaml.safe_load(render_rules({"serviceLevel": {"ttftSeconds": 0.75, "tpotSeconds": 0.1},
+                                         "prometheusRule": {"kvCacheUsageThreshold": 0.9, "for": "2m"}}))
     alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
     assert alerts["SplitserveTTFTP99OverTarget"]["expr"].endswith("> 0.75")
     assert alerts["SplitserveTTFTP99OverTarget"]["for"] == "2m"

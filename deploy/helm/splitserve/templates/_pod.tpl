@@ -67,6 +67,12 @@ spec:
             {{- include "splitserve.registryArgs" $root | nindent 12 }}
             {{- include "splitserve.tlsArgs" $root | nindent 12 }}
             {{- include "splitserve.threadArgs" $named | nindent 12 }}
+            {{- if and (eq .component "decode") (eq (toString $root.Values.router.config.scheduling) "hybrid") }}
+            {{- /* Hybrid scheduling lends prompts to decode pods: they prefill them in chunks that keep the TPOT. */}}
+            - "--tpot-slack-chunking"
+            - "--tpot-target-s"
+            - {{ $root.Values.serviceLevel.tpotSeconds | toString | quote }}
+            {{- end }}
             {{- include "splitserve.configArgs" $values.config | nindent 12 }}
           env:
             - name: POD_IP
