@@ -207,28 +207,19 @@ class CallFigures:
     bytes_sent: int
     raw_bytes: int
     transport: str
-    decode_cpu_s: float  # CPU seconds the decode pod spent during the call: taking the KV in, all it does here
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prefill_call(prefill: prefill_pb2_grpc.PrefillStub, decode: decode_pb2_grpc.DecodeStub, request_id: str,
                  prompt: list[int], codec: str, decode_pod: PodProcess) -> CallFigures:
     request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=GREEDY,
                                          decode_address=decode_pod.address, kv_codec=codec)
-    decode_cpu_s = cpu_seconds(decode_pod.popen.pid)
     start = time.perf_counter()
     response = prefill.Prefill(request, timeout=CALL_TIMEOUT_S)
     ttft_s = time.perf_counter() - start
-    decode_cpu_s = cpu_seconds(decode_pod.popen.pid) - decode_cpu_s
     decode.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=10)  # frees the KV under its lease
     stats = response.kv_transfer
     return CallFigures(ttft_s, response.queue_seconds, response.prefill_seconds, stats.exposed_transfer_seconds,
-                       stats.transfer_seconds, stats.bytes_sent, stats.raw_bytes, stats.transport, decode_cpu_s)
+                       stats.transfer_seconds, stats.bytes_sent, stats.raw_bytes, stats.transport)
 
 
 @dataclass
@@ -252,7 +243,6 @@ class ConfigFigures:
     raw_gb_s_min: float
     raw_gb_s_max: float
     wire_gb_s: float  # median
-    decode_cpu_s_per_gb: float  # median: 1 / this is the rate the decode pod could take KV at with a core of its own
 
     @classmethod
     def of(cls, prompt_tokens: int, codec: str, transport: str, overlap: bool,
@@ -266,8 +256,7 @@ class ConfigFigures:
                    mean(c.prefill_s for c in calls), exposed, exposed / ttft, transfer,
                    mean(c.bytes_sent for c in calls) / 1e6, mean(c.raw_bytes for c in calls) / 1e6,
                    median(raw_rates), min(raw_rates), max(raw_rates),
-                   median(c.bytes_sent / c.transfer_s / 1e9 for c in calls),
-                   median(c.decode_cpu_s / c.raw_bytes * 1e9 for c in calls))
+                   median(c.bytes_sent / c.transfer_s / 1e9 for c in calls))
 
 
 def measure(prefill_address: str, decode_pod: PodProcess, label: str, codec: str, prompts: list[list[int]],
@@ -282,7 +271,7 @@ def measure(prefill_address: str, decode_pod: PodProcess, label: str, codec: str
             c = calls[-1]
             log(f"  {label} call {i + 1}/{len(prompts) - 1}: TTFT {c.ttft_s * 1e3:.0f} ms, transfer "
                 f"{c.transfer_s * 1e3:.1f} ms ({c.raw_bytes / c.transfer_s / 1e9:.2f} GB/s raw), exposed "
-                f"{c.exposed_s * 1e3:.1f} ms, decode pod CPU {c.decode_cpu_s * 1e3:.0f} ms")
+                f"{c.exposed_s * 1e3:.1f} ms")
     return calls
 
 
@@ -347,7 +336,6 @@ def hand_off_figures(rows: list[ConfigFigures], ceiling_bytes_s: float) -> list[
             "prompt_tokens": length, "raw_mb": next(iter(serial.values())).raw_mb,
             **{f"{name}_gb_s": [row.raw_gb_s, row.raw_gb_s_min, row.raw_gb_s_max]
                for name, row in serial.items()},
-            **{f"{name}_decode_cpu_s_per_gb": row.decode_cpu_s_per_gb for name, row in serial.items()},
             "shm_over_grpc": shm.raw_gb_s / grpc_row.raw_gb_s if shm and grpc_row else None,
             "grpc_ceiling_gb_s": ceiling_bytes_s / 1e9, "target_gb_s": SHM_TARGET_BYTES_S / 1e9,
             "passed": shm is not None and shm.raw_gb_s * 1e9 >= SHM_TARGET_BYTES_S})
@@ -363,14 +351,12 @@ def targets(rows: list[ConfigFigures]) -> list[dict]:
 def report(results: dict, log=print) -> None:
     log(f"\n== KV hand-off on {results['model']}, one host: median (min-max) of {results['requests']} calls ==")
     log(f"{'tokens':>6} {'codec':<10} {'link':<5} {'overlap':>7} {'TTFT ms':>8} {'prefill ms':>11} "
-        f"{'exposed ms':>11} {'exp/TTFT':>9} {'wire MB':>8} {'raw GB/s (min-max)':>22} {'wire GB/s':>10} "
-        f"{'D CPU s/GB':>11}")
+        f"{'exposed ms':>11} {'exp/TTFT':>9} {'wire MB':>8} {'raw GB/s (min-max)':>22} {'wire GB/s':>10}")
     for r in results["rows"]:
         spread = f"{r['raw_gb_s']:.2f} ({r['raw_gb_s_min']:.2f}-{r['raw_gb_s_max']:.2f})"
         log(f"{r['prompt_tokens']:>6} {r['codec']:<10} {r['transport']:<5} {'on' if r['overlap'] else 'off':>7} "
             f"{r['ttft_s'] * 1e3:>8.0f} {r['prefill_s'] * 1e3:>11.0f} {r['exposed_s'] * 1e3:>11.1f} "
-            f"{r['exposed_share']:>9.1%} {r['wire_mb']:>8.1f} {spread:>22} {r['wire_gb_s']:>10.2f} "
-            f"{r['decode_cpu_s_per_gb']:>11.3f}")
+            f"{r['exposed_share']:>9.1%} {r['wire_mb']:>8.1f} {spread:>22} {r['wire_gb_s']:>10.2f}")
     log("\n== targets ==")
     for h in results["hand_off"]:
         shm = h.get("shm_gb_s")

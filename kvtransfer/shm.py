@@ -64,8 +64,8 @@ _ARENA_NAME = re.compile(rf"^{ARENA_PREFIX}[0-9a-f]{{32}}-[0-9a-f]{{32}}$")
 _ALIGN = 64  # span offsets, a cache line: copies in and out run at full width
 _MIN_RESERVE = 64 << 20  # an arena's first allocation from the filesystem
 SHM_MAX_CHUNK_BYTES = 16 << 20  # a chunk's cut through an arena; within transport.MAX_MESSAGE_BYTES / 2 inline
-ARENA_RENEW_S = 60.0  # prefill side: an arena idle this long is replaced before its next push
-ARENA_IDLE_S = 300.0  # decode side: a mapping idle this long is dropped (well after the prefill side renews)
+ARENA_RENEW_S = 600.0  # prefill side: an arena idle this long is replaced before its next push (its pages faulted anew)
+ARENA_IDLE_S = 1800.0  # decode side: a mapping idle this long is dropped (a dead prefill pod's memory goes)
 TRANSPORT_GRPC, TRANSPORT_SHM = "grpc", "shm"
 
 

@@ -217,13 +217,17 @@ class ShmCluster:
     def answer(self, request_id: str, prompt: list[int], codec: str = "none") -> tuple[list[int], str]:
         """The disaggregated answer's tokens, and the transport its KV took."""
         first = self.prefill_call(request_id, prompt, codec)
+        return self.decode_tokens(request_id, prompt, first), first.kv_transfer.transport
+
+    def decode_tokens(self, request_id: str, prompt: list[int], first: prefill_pb2.PrefillResponse) -> list[int]:
+        """The answer's tokens, generated on the decode pod from the KV the prefill pod pushed."""
         tokens = [first.first_token_id]
         with grpc.insecure_channel(self.decode.address) as channel:
             for message in decode_pb2_grpc.DecodeStub(channel).Decode(decode_pb2.DecodeRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling_params=GREEDY,
                     first_token_id=first.first_token_id), timeout=60):
                 tokens += message.chunk.token_ids if message.HasField("chunk") else []
-        return tokens, first.kv_transfer.transport
+        return tokens
 
     def offline_tokens(self, prompt: list[int]) -> list[int]:
         return self.offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
@@ -309,6 +313,45 @@ def test_kv_transport_grpc_keeps_pods_of_one_host_on_grpc(tmp_path, shm_dir):
     try:
         prompt = prompt_of(40, seed=4)
         assert cluster.answer("grpc", prompt) == (cluster.offline_tokens(prompt), TRANSPORT_GRPC)
+        assert os.listdir(shm_dir) == []
+    finally:
+        cluster.stop()
+
+
+# ---- safe shutdown -----------------------------------------------------------------------------------------------
+
+def test_a_sigtermed_prefill_pod_under_load_loses_no_request_whose_kv_it_had_staged(tmp_path, shm_dir):
+    cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--shutdown-grace-s", "60"))
+    prompts = {f"load-{i}": prompt_of(400 + 40 * i, seed=100 + i) for i in range(6)}
+    outcomes: dict[str, prefill_pb2.PrefillResponse | grpc.RpcError] = {}
+
+    def call(request_id: str) -> None:
+        try:
+            outcomes[request_id] = cluster.prefill_call(request_id, prompts[request_id])
+        except grpc.RpcError as err:
+            outcomes[request_id] = err
+
+    try:
+        calls = [threading.Thread(target=call, args=(request_id,)) for request_id in prompts]
+        for thread in calls:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while (load := cluster.load(cluster.decode)).free_kv_blocks == load.total_kv_blocks:  # KV on its way
+            assert time.monotonic() < deadline, "no push reached the decode pod"
+            time.sleep(0.005)
+        cluster.prefill.popen.send_signal(signal.SIGTERM)
+        for thread in calls:
+            thread.join(timeout=90)
+        assert cluster.prefill.popen.wait(timeout=90) == 0, "the prefill pod did not exit cleanly after its drain"
+        # Every prompt it had taken was prefilled and its KV pushed before it exited: each answer is exact.
+        failed = {rid: outcome.code() for rid, outcome in outcomes.items() if isinstance(outcome, grpc.RpcError)}
+        assert failed == {}, failed
+        for request_id, prompt in prompts.items():
+            tokens = cluster.decode_tokens(request_id, prompt, outcomes[request_id])
+            assert tokens == cluster.offline_tokens(prompt), request_id
+        with pytest.raises(grpc.RpcError) as refused:  # gone: new prompts go to another prefill pod
+            cluster.prefill_call("after", prompts["load-0"])
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert os.listdir(shm_dir) == []
     finally:
         cluster.stop()
