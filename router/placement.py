@@ -14,9 +14,11 @@ For each request ``Router.generate`` walks it through these states, each a metho
    prefills there and its first chunk holds the first token. A request that generates nothing (``max_tokens`` 0,
    scoring its prompt) is prefilled on P alone, for its prompt logprobs: no KV moves, no decode pod is called
    (on D alone when the plan prefills there). A failure before the first token (a pod gone, full
-   or draining, P's push to D failing, corrupt or late) is retried on other pods, ``max_retries`` times; when
-   every prefill pod failed, the retry prefills on the decode pod. ``start`` returns D's ``DecodeStream`` with
-   that first message in it;
+   or draining, P's push to D failing, corrupt or late) is retried on other pods, ``max_retries`` times
+   (``_before_retry``: a decode pod a call found gone is suspect at once, and the retry backs off and waits for
+   a decode pod as a migration does; a split's prefix that D refused is dropped there first); when every prefill
+   pod failed, the retry prefills on the decode pod. ``start`` returns D's ``DecodeStream`` with that first message
+   in it;
 4. migration (``migrate``): when D goes away mid-stream, another decode pod prefills the prompt and the tokens
    already sent (``resume_token_ids``) and goes on from there; the client sees every token once. Every pod that
    failed the request is left out of later choices, and a target that fails too before its first message is
@@ -59,6 +61,9 @@ RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUST
 SPLIT_PREFIX_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 # After output started, a stream that broke this way moves to another decode pod.
 MIGRATABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+# A retry's first pause (seconds), doubled for each later one: a pod that just died is seen as down by its health
+# stream within about a second, and a full one frees room as its requests finish; a retry at once finds the same.
+RETRY_BACKOFF_S = 0.1
 
 
 class Placement:
@@ -141,11 +146,28 @@ class Placement:
                 return await self._start(run, plan)
             except StatusError as error:
                 if error.code not in RETRYABLE_CODES or retries_left == 0 or run.aborted or run.out_of_time():
+                    self._suspect_if_gone(error)
                     raise
                 log.warning("request %s: %s; retrying on other pods", run.request.request_id, error.message)
                 self.metrics.count(self.metrics.retries, error.code.name)
                 retries_left -= 1
                 avoid |= {pod.address for pod in (plan.prefill, plan.decode) if pod is not None}
+                await self._before_retry(run, error, attempt=self.config.max_retries - retries_left)
+
+    async def _before_retry(self, run: RequestRun, error: StatusError, attempt: int) -> None:
+        """After failed attempt number ``attempt``: a decode pod found gone is suspect at once (``_suspect_if_gone``),
+        so neither this retry nor other requests go there before its health stream says; then a pause, doubling
+        per attempt, before the loop's wait for a decode pod (``decode_pod_wait_s``, as a migration has): a sole
+        decode pod that died is waited for, not failed twice at once."""
+        self._suspect_if_gone(error)
+        await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1), run.time_left()))
+
+    def _suspect_if_gone(self, error: StatusError) -> None:
+        """A decode pod's own call that failed UNAVAILABLE makes it suspect. Not a prefill pod's: it answers
+        UNAVAILABLE for a push its decode pod broke off, and the retry passes it over anyway."""
+        pod = self.registry.pods.get(error.peer) if error.peer else None
+        if error.code is grpc.StatusCode.UNAVAILABLE and pod is not None and pod.can_decode:
+            self.registry.suspect(pod.address)
 
     async def _wait_for_decode_pods(self, run: RequestRun, why: str, found: Callable[[], bool]) -> None:
         """While ``found()`` does not hold, wait for it (a decode pod restarting, a rollout), at most
@@ -244,7 +266,14 @@ class Placement:
             prefill_hold.release()
         if self.policy.hybrid is not None:
             self.policy.hybrid.observe_transfer(prefix_tokens, pushed.kv_transfer.exposed_transfer_seconds)
-        stream = await self._start_on_decode_pod(run, plan.decode, prefix_tokens=prefix_tokens)
+        try:
+            stream = await self._start_on_decode_pod(run, plan.decode, prefix_tokens=prefix_tokens)
+        except StatusError:
+            # D refused (full, draining) or failed before it claimed the prefix P pushed there: drop it now, or it
+            # holds D's blocks until its lease expires. Awaited: a retry may push the same request id to D again.
+            if not await self.pod_clients.get(plan.decode.address, plan.decode.role).drop(run.request.request_id):
+                self.registry.suspect(plan.decode.address)  # out of reach
+            raise
         run.split_at(prefix_tokens)  # D's summary adds to P's report (not after a retry elsewhere)
         return stream
 
@@ -336,6 +365,8 @@ class Placement:
         worth_another_pod = MIGRATABLE_CODES  # how a stream breaks mid-way when its pod goes away
         while True:
             run.decode_pod_failed(failed_address)
+            if error.code is grpc.StatusCode.UNAVAILABLE:
+                self.registry.suspect(failed_address)
             if error.code not in worth_another_pod or run.migrations >= self.config.max_migrations or run.aborted:
                 raise error
             await self._wait_for_decode_pods(run, f"no decode pod to continue on after {failed_address}",

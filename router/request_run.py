@@ -208,7 +208,8 @@ class RequestRun:
         if code == grpc.StatusCode.CANCELLED:
             # Not ours (ours surfaces as asyncio.CancelledError): the pod cancelled it, shutting down.
             return StatusError(grpc.StatusCode.UNAVAILABLE,
-                               f"pod {pod_address} cancelled the request ({error.details() or 'shutting down'})")
+                               f"pod {pod_address} cancelled the request ({error.details() or 'shutting down'})",
+                               peer=pod_address)
         return from_rpc_error(error, pod_address)
 
     # -- tokens to text, and the end --------------------------------------------------------------------------

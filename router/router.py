@@ -31,8 +31,6 @@ import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
-import grpc
-
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sequence import FinishReason
 from splitserve.engine.text.detokenizer import IncrementalDetokenizer
@@ -43,7 +41,7 @@ from splitserve.router.intake import DEFAULT_SERVICE, RequestIntake, RouterReque
 from splitserve.router.latency import HybridPlacement
 from splitserve.router.outputs import Completion, OutputDelta
 from splitserve.router.placement import Placement
-from splitserve.router.pods.client import PodClient, PodClientPool
+from splitserve.router.pods.client import PodClientPool
 from splitserve.router.pods.monitor import PodMonitor
 from splitserve.router.pods.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
 from splitserve.router.policies import LocalPrefill, RoutingPolicy, make_policy
@@ -237,13 +235,7 @@ class Router:
         except RuntimeError:  # a generator closed outside the event loop (garbage collected): the leases will do
             return
         for pod in run.kv_sent_to:
-            task = loop.create_task(_abort_on_pod(self.pod_clients.get(pod.address, pod.role), run.request.request_id))
+            task = loop.create_task(self.pod_clients.get(pod.address, pod.role).drop(run.request.request_id))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-
-async def _abort_on_pod(client: PodClient, request_id: str) -> None:
-    try:
-        await client.abort(request_id)
-    except grpc.aio.AioRpcError as error:  # the pod is gone or busy: its lease frees the blocks anyway
-        log.debug("request %s: Abort on the decode pod failed: %s", request_id, error.code().name)

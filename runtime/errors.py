@@ -32,13 +32,16 @@ HTTP_STATUS_BY_CODE = {
 class StatusError(Exception):
     """A request failed with ``code`` (a ``grpc.StatusCode``); ``message`` says why. ``retry_after_s``: when a
     refused request (RESOURCE_EXHAUSTED) is worth sending again (HTTP ``Retry-After``, gRPC
-    ``grpc-retry-pushback-ms``)."""
+    ``grpc-retry-pushback-ms``). ``peer``: the address of the process whose call failed, where a peer's status
+    it is (``from_rpc_error``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
+                 peer: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.peer = peer
 
     @property
     def http_status(self) -> int:
@@ -50,4 +53,4 @@ class StatusError(Exception):
 
 def from_rpc_error(error: grpc.aio.AioRpcError, peer: str) -> StatusError:
     """A peer's failed call, with the peer named so that logs and clients can tell which one failed."""
-    return StatusError(error.code(), f"pod {peer}: {error.details() or error.code().name}")
+    return StatusError(error.code(), f"pod {peer}: {error.details() or error.code().name}", peer=peer)

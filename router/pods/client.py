@@ -7,7 +7,8 @@ The router talks to a pod only through these calls, all on one ``grpc.aio`` chan
   first token;
 - ``decode(...)``: on a decode or mixed pod, the stream of the request's remaining tokens. The returned call
   is an async iterator of ``DecodeResponse``; cancelling it makes the pod abort the request and free its blocks;
-- ``abort(request_id)``: frees a request wherever it is on the pod (e.g. KV pushed and never claimed).
+- ``abort(request_id)``: frees a request wherever it is on the pod (e.g. KV pushed and never claimed); ``drop``
+  does the same for a request's leftovers, where a pod out of reach is no error (its lease frees them).
 
 The pods' request messages are built here too, from the router's ``RouterRequest`` and what placement decided:
 ``prefill_request`` (which prompt tokens, which decode pod receives the KV, under which codec and lease) and
@@ -19,8 +20,10 @@ Errors are left as ``grpc.aio.AioRpcError``: the router decides which ones are w
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.engine.sampling.params import SamplingParams
@@ -37,6 +40,8 @@ from splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+
+log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
 
@@ -73,6 +78,16 @@ class PodClient:
         stub = self._prefill or self._decode
         response = await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
         return response.found
+
+    async def drop(self, request_id: str) -> bool:
+        """``abort`` a request's leftovers (KV pushed here and not claimed); a pod that is gone or busy frees them by
+        their lease anyway, so a failure is only logged. False: the pod could not be reached (UNAVAILABLE)."""
+        try:
+            await self.abort(request_id)
+        except grpc.aio.AioRpcError as error:
+            log.debug("request %s: Abort on pod %s failed: %s", request_id, self.address, error.code().name)
+            return error.code() != grpc.StatusCode.UNAVAILABLE
+        return True
 
     async def close(self) -> None:
         await self._channel.close()

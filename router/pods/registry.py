@@ -10,7 +10,10 @@ Membership, liveness and load are three separate things:
 - liveness: a ``PodMonitor`` (``router/pods/monitor.py``) per member watches the pod's ``grpc.health.v1`` status
   as a stream. SERVING: routable. NOT_SERVING (the pod is draining) or a broken stream (the process died, the
   connection broke, keepalive pings went unanswered): not routable, at once. A busy pod's stream just stays
-  quiet, so busy is never mistaken for dead;
+  quiet, so busy is never mistaken for dead. A request's call that fails as if the pod were gone (UNAVAILABLE)
+  makes it *suspect* (``PodRegistry.suspect``): not routable until it begins to serve again (a restart) or, if its
+  health stream never broke, for ``SUSPECT_S``: the next request does not find the same dead pod before the
+  stream says so;
 - load: the same monitor watches ``PodStatus.WatchLoad``, a snapshot the pod pushes after each engine step. Load
   is a hint: stale or missing, it is used as it is, never a reason to drop a pod. ``PodInfo`` adds what the
   router knows itself, exactly and at once: its own requests in flight on the pod.
@@ -41,6 +44,10 @@ from splitserve.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 FIRST_REPORT_WAIT_S = 3.0  # how long start() waits for the pods' first health answers
+# How long a pod a call found gone stays out of placement unless it restarts: its health stream breaks within
+# about a second of a death on the same network (the channel reconnects every second), so a pod still serving
+# after this was not dead, just refused one call.
+SUSPECT_S = 2.0
 
 
 @dataclass
@@ -89,6 +96,7 @@ class PodInfo:
     block_hashes: set[int] = field(default_factory=set)  # chained hashes of blocks in its prefix cache
     serving: bool = False  # its health service says SERVING (the monitor keeps this)
     serving_since: float = 0.0  # time.monotonic() when it last began to serve (0: from the start)
+    suspect_since: float | None = None  # time.monotonic() when a call to it failed as if it were gone (suspect())
     load_at: float = 0.0  # time.monotonic() of its last load report
     # The router's own bookkeeping (router.py), exact and immediate where the pod's reports lag:
     active_requests: int = 0  # this router's calls in flight here: prefills on P, Decode streams on D
@@ -106,8 +114,15 @@ class PodInfo:
 
     @property
     def healthy(self) -> bool:
-        """Routable: serving and not draining."""
-        return self.serving and not self.load.draining
+        """Routable: serving, not draining, and not suspect (``suspect``)."""
+        return self.serving and not self.load.draining and not self.suspect
+
+    @property
+    def suspect(self) -> bool:
+        """A call to it failed as if it were gone, ``SUSPECT_S`` ago at most, and it has not begun to serve since
+        (a restart): its health stream has not told yet whether it is."""
+        since = self.suspect_since
+        return since is not None and self.serving_since <= since and time.monotonic() - since < SUSPECT_S
 
     @property
     def busy(self) -> int:
@@ -157,6 +172,23 @@ class PodRegistry:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def suspect(self, address: str | None) -> None:
+        """A call to the pod at ``address`` failed as if it were gone: out of placement until it serves again (its
+        monitor sees a restart) or ``SUSPECT_S`` passes; waiters hear both."""
+        pod = self.pods.get(address) if address else None
+        if pod is None:
+            return
+        if not pod.suspect:
+            log.warning("pod %s (%s) failed a call as if gone: not routing to it for up to %g s", address, pod.role,
+                        SUSPECT_S)
+        pod.suspect_since = time.monotonic()
+        self.on_change(pod)
+        asyncio.get_running_loop().call_later(SUSPECT_S, self._suspicion_over, pod)
+
+    def _suspicion_over(self, pod: PodInfo) -> None:
+        if self.pods.get(pod.address) is pod:  # still a member
+            self.on_change(pod)
 
     async def wait_until(self, condition: Callable[[], bool], timeout_s: float) -> bool:
         """Until ``condition()`` holds, checked at every pod change, for at most ``timeout_s``; whether it holds."""
