@@ -25,6 +25,8 @@ command -v redis-server >/dev/null || missing+=(redis-server)
 # Debian's prometheus package also ships promtool (the deploy tests check rules and dashboard queries with it).
 { command -v prometheus && command -v promtool; } >/dev/null || missing+=(prometheus)
 command -v g++ >/dev/null || missing+=(g++)
+# bubblewrap: tests/deploy/test_rendered_release.py runs the chart's rendered containers in its sandboxes.
+command -v bwrap >/dev/null || missing+=(bubblewrap)
 if ((${#missing[@]})); then
     echo "bootstrap: installing Debian packages: ${missing[*]}" >&2
     SUDO=$([[ $(id -u) == 0 ]] && echo "" || echo sudo)

@@ -1,0 +1,78 @@
+"""Run what the chart renders, not only its YAML: a router, a prefill pod, a decode pod and Redis from one rendered
+release (tests/deploy/rendered_release.py runs each container as its manifest says, in a bubblewrap sandbox with the
+manifest's user, read-only root and volumes, its probes as rendered) answer a completion through the rendered
+Service ports: once with the chart's defaults, once with mutual TLS, network policies and Redis auth.
+
+The model is the tiny random one (the chart's model.name: built in code, nothing to load) and the KV pools are
+small; every other value is the chart's default or the case's.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+
+import httpx
+import pytest
+from rendered_release import RenderedRelease
+from test_chart import NAMESPACE, RELEASE, chart, objects  # noqa: F401 - chart: the fixture
+from tls_secret import write_tls_secret
+
+pytestmark = pytest.mark.e2e  # about 15 s for both cases; bubblewrap comes from scripts/bootstrap.sh
+
+SMALL = {"model": {"name": "tiny-random"},
+         "prefill": {"config": {"kvCacheMemoryBytes": 16 << 20}},
+         "decode": {"config": {"kvCacheMemoryBytes": 32 << 20}}}
+REDIS_SECRET = {"splitserve-redis": {"redis-password": "Zq7bK2mR9xW4tY8pL3nV6cH1"}}
+TLS = {"tls": {"enabled": True, "secretName": "splitserve-tls", "requireClientCert": True},
+       "networkPolicy": {"enabled": True}, "redis": {"auth": {"enabled": True}}}
+ROUTER = f"{RELEASE}-splitserve-router"
+
+
+def _tls_secret(tmp_path) -> dict[str, str]:
+    """The Secret cert-manager would issue from the chart's Certificate: the pods' Service name, the router's names
+    and (clients here dial addresses, not names) every pod address the harness gives out."""
+    names = [f"{RELEASE}-splitserve-pods.{NAMESPACE}.svc", ROUTER, f"{ROUTER}.{NAMESPACE}.svc",
+             *(f"127.77.0.{n}" for n in range(2, 10))]
+    directory = write_tls_secret(tmp_path / "issued", names)
+    return {key: (directory / key).read_text() for key in ("tls.crt", "tls.key", "ca.crt")}
+
+
+@pytest.mark.parametrize("case", ["defaults", "tls"])
+def test_a_rendered_release_answers_a_completion_through_its_service(chart, case, tmp_path):
+    values = {**SMALL, **(TLS if case == "tls" else {})}
+    secrets = dict(REDIS_SECRET)
+    if case == "tls":
+        secrets["splitserve-tls"] = _tls_secret(tmp_path)
+    rendered = objects(chart, values)
+    assert any(o["kind"] == "NetworkPolicy" for o in rendered)
+    release = RenderedRelease(rendered, secrets, tmp_path / "pods")
+    release.start()
+    try:
+        release.wait_ready(timeout_s=240)
+        host, port = release.address(ROUTER, "http")
+        client = httpx.Client(timeout=60)
+        if case == "tls":  # HTTPS, and the router asks for a client certificate (mutual TLS)
+            issued = tmp_path / "issued"
+            context = ssl.create_default_context(cafile=str(issued / "ca.crt"))
+            context.load_cert_chain(issued / "tls.crt", issued / "tls.key")
+            client = httpx.Client(timeout=60, verify=context)
+            with pytest.raises(httpx.HTTPError):  # no client certificate: refused
+                httpx.get(f"https://{host}:{port}/health", verify=str(issued / "ca.crt"), timeout=10)
+        scheme = "https" if case == "tls" else "http"
+        deadline = time.monotonic() + 30  # ready pods are registered through Redis within a scan
+        while {pod["role"] for pod in client.get(f"{scheme}://{host}:{port}/pods").json()["pods"]} < {"prefill",
+                                                                                                       "decode"}:
+            assert time.monotonic() < deadline, "the pods never appeared in the router's registry"
+            time.sleep(0.2)
+        answer = client.post(f"{scheme}://{host}:{port}/v1/completions",
+                             json={"model": "tiny-random", "prompt": "a prompt long enough to go to the prefill pod",
+                                   "max_tokens": 8, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
+    except BaseException:
+        print(release.logs())
+        raise
+    finally:
+        release.stop()
