@@ -292,7 +292,8 @@ async def build_decode_services(pod: Pod, config: DecodeConfig) -> list[PodServi
     if config.tpot_slack_chunking:  # before the engine loop starts: the engine is this thread's alone
         await asyncio.to_thread(pod.engine.warm_up_step_times)
         logger.info("step-time model after warm-up: %s", pod.engine.step_times.model)
-    transfers = TransferTable(pod.engine_loop, config.kv_lease_s)
+    transfers = TransferTable(pod.engine_loop, config.kv_lease_s,
+                              on_expired=lambda request_id: pod.metrics.kv_leases_expired.inc())
     await transfers.start()
     pod.on_stop(transfers.stop)
     shm = ShmArenaViews(config.kv_shm_dir)

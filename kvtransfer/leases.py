@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -31,9 +32,11 @@ REAP_INTERVAL_S = 0.25  # how late an expired lease may be reclaimed; the scan i
 
 
 class TransferTable:
-    def __init__(self, engine_loop: EngineLoop, default_lease_s: float):
+    def __init__(self, engine_loop: EngineLoop, default_lease_s: float,
+                 on_expired: Callable[[str], None] = lambda request_id: None):
         self._engine_loop = engine_loop
         self.default_lease_s = default_lease_s
+        self._on_expired = on_expired  # hears each lease the reaper released: KV nobody claimed nor dropped
         self._leases: dict[str, KVLease] = {}
         self._reaper: asyncio.Task | None = None
 
@@ -116,6 +119,7 @@ class TransferTable:
         for request_id in expired:
             logger.info("KV lease of request %s expired; releasing its blocks", request_id)
             await self.release(request_id)
+            self._on_expired(request_id)
         return expired
 
     async def start(self) -> None:

@@ -150,6 +150,9 @@ class PodMetrics(ServingMetrics):
                                 "recompute, or always for a split prefill's prefix), failed (the KV failed to load and "
                                 "the request failed: policy fail).",
                                 LABELS + ("outcome",), registry=self.registry)
+        self.kv_leases_expired = self._counter("kv_leases_expired_total", (
+            "Pushed KV a decode pod released at its lease's expiry: no Decode call claimed it and the router never "
+            "dropped it (a leak the lease caught)."))
         # Speculative decoding, as vLLM's spec_decode series (acceptance rate: accepted / draft tokens).
         self.spec_decode_num_drafts = self._counter("spec_decode_num_drafts_total",
                                                     "Draft proposals verified (a request's drafts in one step).")
