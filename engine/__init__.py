@@ -22,7 +22,8 @@ The core, in the order a request meets it:
 
 Around it, a subpackage per concept: ``weights/`` (checkpoint formats and quantized weights), ``text/`` (tokenizer,
 detokenizer, stop strings), ``sampling/`` (``SamplingParams``, ``Sampler``), ``speculative/`` (proposers and
-verification), ``structured_output/`` (grammars and token masks), ``kernels/`` (native CPU kernels, CPU features).
+verification), ``structured_output/`` (grammars and token masks), ``kernels/`` (native CPU kernels, CPU features),
+``parallel/`` (tensor parallelism: the model split over rank processes).
 """
 
 from splitserve.engine.sampling.params import SamplingParams

@@ -221,6 +221,9 @@ class EngineConfig:
     # float32's products on avx512_bf16, more on AMX; no longer float32's bits: docs/PERFORMANCE.md); auto, bfloat16
     # where the CPU multiplies bf16 natively (avx512_bf16, amx_bf16), float32 elsewhere. Decode keeps its weights.
     prefill_compute_dtype: str = "float32"
+    # Ranks the model's layers are split over (Megatron tensor parallelism, engine/parallel/): this process is rank 0
+    # and starts the others, each on its share of this process's cores. 1: one process.
+    tensor_parallel_size: int = 1
 
     @property
     def weights_format(self) -> str:
@@ -234,6 +237,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.prefill_compute_dtype not in PREFILL_COMPUTE_DTYPES:
             raise ValueError(f"prefill_compute_dtype must be one of {', '.join(PREFILL_COMPUTE_DTYPES)}, got "
                              f"{self.prefill_compute_dtype!r}")

@@ -13,6 +13,9 @@ is what makes recomputed outputs exact: a request preempted and prefilled again,
 ``resume_token_ids``, gets the very KV the undisturbed run had, and continues as it would have. A sequence
 verifying k draft tokens (engine/speculative/proposer.py) likewise becomes k + 1 decode rows; every row samples, and
 ``accept_drafts`` keeps the rows up to the first disagreement.
+
+With ``tensor_parallel_size`` > 1 the model is rank 0's shard (engine/parallel/): it runs each call on every rank,
+returns the full logits, and the KV cache holds rank 0's KV heads.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.parallel.workers import start_tensor_parallel
 from splitserve.engine.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
 from splitserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from splitserve.engine.speculative.proposer import accept_drafts
@@ -44,11 +48,14 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.block_size = config.cache.block_size
-        self.model = LlamaForCausalLM.from_state_dict(
-            model_config, state_dict, self.dtype, self.device, config.cpu_kernels, config.int8_activations,
-            config.prefill_compute_dtype,
-        )
-        self.kv_cache = PagedKVCache.from_config(model_config, config.cache, self.device)
+        if config.tensor_parallel_size > 1:  # this process is rank 0: it holds shard 0 and drives the other ranks
+            self.model, self.kv_cache = start_tensor_parallel(config, model_config, state_dict)
+        else:
+            self.model = LlamaForCausalLM.from_state_dict(
+                model_config, state_dict, self.dtype, self.device, config.cpu_kernels, config.int8_activations,
+                config.prefill_compute_dtype,
+            )
+            self.kv_cache = PagedKVCache.from_config(model_config, config.cache, self.device)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed)
         self.grammar_masks = grammar_masks  # structured outputs' masks (None: no request may be guided)
 

@@ -1,0 +1,68 @@
+"""A tensor-parallel rank other than 0: ``python -m splitserve.engine.parallel.rank_worker RANK SIZE PORT BLOCKS CPUS``.
+
+Rank 0 (workers.py) starts it and writes to its stdin, first the ``EngineConfig``, then the calls of each step. It
+
+1. pins itself to ``CPUS`` (e.g. ``1`` or ``4,5,6,7``) before torch starts its threads, and asks the kernel to kill
+   it when rank 0 dies;
+2. loads the model's files as rank 0 does, keeps its shard (layout.py) and a KV pool of ``BLOCKS`` blocks of its KV
+   heads, says ready in the group's store at ``PORT``, and joins the group;
+3. runs each call rank 0 sends (``forward`` over its cache, ``compute_logits``, ``time_all_reduce``) on its
+   shard, meeting the other ranks in the collectives, until ``close`` or the end of its stdin. Any error ends the
+   process (its traceback on stderr): rank 0's next collective then fails and names this rank's exit code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: SIGKILL this process when rank 0 exits, however it exits (Linux; a no-op elsewhere)."""
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)
+    if prctl is not None:
+        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+def main(argv: list[str]) -> None:
+    rank, size, port, num_blocks = (int(a) for a in argv[:4])
+    cpus = [int(c) for c in argv[4].split(",")]
+    os.sched_setaffinity(0, cpus)  # before torch is imported: every thread it starts inherits the mask
+    _die_with_parent()
+
+    # Imported only now, once pinned.
+    import torch
+
+    from splitserve.engine.parallel.layout import plan_shards
+    from splitserve.engine.parallel.process_group import TensorParallelGroup, open_store
+    from splitserve.engine.parallel.sharded_model import ShardedLlama
+    from splitserve.engine.parallel.workers import rank_kv_cache, read_message
+    from splitserve.engine.weights.model_files import load_model_files
+
+    torch.set_num_threads(len(cpus))
+    stdin = sys.stdin.buffer
+    (config,) = read_message(stdin)
+    store = open_store(rank, size, port)
+    loaded = load_model_files(config.model, seed=config.seed, quantization=config.quantization)
+    shards = plan_shards(loaded.config, size)
+    model = ShardedLlama.for_rank(config, loaded.config, loaded.state_dict, shards[rank])
+    kv_cache = rank_kv_cache(config, loaded.config, shards[rank], num_blocks)
+    del loaded
+    store.set(f"ready/{rank}", "1")
+    model.shard_over(TensorParallelGroup(store, rank, size), shards)
+    with torch.inference_mode():
+        while (message := read_message(stdin)) is not None and message[0] != "close":
+            method, *args = message
+            if method == "forward":
+                input_ids, positions, attn_metadata = args
+                model(input_ids, positions, kv_cache, attn_metadata)
+            elif method in ("compute_logits", "time_all_reduce"):
+                getattr(model, method)(*args)
+            else:
+                raise ValueError(f"rank {rank}: unknown call {method!r} from rank 0")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,110 @@
+"""``ShardedLlama``: one tensor-parallel rank's part of the model, the ordinary ``LlamaForCausalLM`` over its shard.
+
+Every rank builds the model class from its ``rank_config`` and its slice of the weights (layout.py) and runs the same
+forward; four things differ from one process's model:
+
+- the row-parallel products (``o_proj``, ``down_proj``) each end in an all-reduce of their output, so the residual
+  stream after every layer is the full sum, replicated on every rank. It is a forward hook on the product, so the
+  parameters keep the layout's names;
+- the embedding is vocabulary-parallel: each rank looks up the ids in its rows, zeros the others, and the ranks sum;
+- the logits are vocabulary-parallel: each rank computes its rows' logits and rank 0 gathers the full [N, V];
+- the native CPU kernels run every product and the paged attention, as on one process, but the layer runs as its
+  separate products (``DecoderLayer``'s PyTorch composition), never as the fused native halves or the one-call
+  decode of all layers: those add the output and down products into the residual stream inside the kernel, where no
+  all-reduce can come between.
+
+Rank 0's model also sends each call to the other ranks before running it (``plan_to``, workers.py), so that they run
+the same step: rank 0 owns the scheduler, and the workers hold no state but their shard and their KV cache.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.parallel.layout import RankShard, rank_config, shard_state_dict
+from splitserve.engine.parallel.process_group import TensorParallelGroup
+
+if TYPE_CHECKING:
+    from splitserve.engine.parallel.workers import RankWorkers
+
+
+class ShardedLlama(LlamaForCausalLM):
+    """Built by ``LlamaForCausalLM.from_state_dict`` from a rank's config and shard, then ``shard_over`` its group."""
+
+    group: TensorParallelGroup
+    shard: RankShard
+    vocab_ranges: list[tuple[int, int]]
+    plan_to: RankWorkers | None = None  # rank 0's handle on the other ranks; None on them
+
+    @classmethod
+    def for_rank(cls, config: EngineConfig, model_config: ModelConfig, state_dict: dict, shard: RankShard
+                 ) -> "ShardedLlama":
+        """``shard``'s rank's model from the full model's ``state_dict``, its products on the same path as one
+        process's (native kernels, weight formats, int8 activations); prefill computes in float32."""
+        return cls.from_state_dict(rank_config(model_config, shard), shard_state_dict(model_config, state_dict, shard),
+                                   getattr(torch, config.dtype), config.device, config.cpu_kernels,
+                                   config.int8_activations)
+
+    def shard_over(self, group: TensorParallelGroup, shards: list[RankShard]) -> "ShardedLlama":
+        self.group, self.shard = group, shards[group.rank]
+        self.vocab_ranges = [s.vocab for s in shards]
+        for layer in self.layers:
+            for product in (layer.attn.o_proj, layer.mlp.down_proj):
+                product.register_forward_hook(self._sum_over_ranks)
+            layer.kernels = None  # the fused native halves would add the partial products before the sum
+        return self
+
+    def _sum_over_ranks(self, _module, _inputs, output: torch.Tensor) -> None:
+        self.group.all_reduce(output)
+
+    def _decodes_natively(self, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
+        return False  # one native call for all layers leaves no place for the all-reduces
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
+                attn_metadata: AttentionMetadata, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        if layer_done is not None:
+            raise NotImplementedError("streaming a tensor-parallel engine's KV per layer needs every rank's heads; "
+                                      "KV transfer from tensor-parallel pods is not built yet")
+        if self.plan_to is not None:
+            self.plan_to.send("forward", input_ids, positions, attn_metadata)
+        with self._failures_named():
+            return super().forward(input_ids, positions, kv_cache, attn_metadata)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: input_ids [T] (the full vocabulary's) -> [T, H], summed over the ranks."""
+        start, end = self.shard.vocab
+        mine = (input_ids >= start) & (input_ids < end)
+        x = super().embed(torch.where(mine, input_ids - start, 0)).masked_fill_(~mine[:, None], 0.0)
+        self.group.all_reduce(x)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, H] -> the full logits [N, V] float32 on rank 0; None on the other ranks."""
+        if self.plan_to is not None:
+            self.plan_to.send("compute_logits", hidden)
+        with self._failures_named():
+            return self.group.gather_vocab(super().compute_logits(hidden), self.vocab_ranges)
+
+    def time_all_reduce(self, numel: int, repeats: int) -> list[float]:
+        """Seconds of each of ``repeats`` all-reduces of ``numel`` float32 over the ranks, as this rank saw them: the
+        communication model the benchmark fits (bench/tp.py). Not counted in ``group.counts``."""
+        if self.plan_to is not None:
+            self.plan_to.send("time_all_reduce", numel, repeats)
+        payload, seconds = torch.zeros(numel), []
+        with self._failures_named():
+            for _ in range(repeats):
+                started = time.perf_counter()
+                self.group.all_reduce(payload, counted=False)
+                seconds.append(time.perf_counter() - started)
+        return seconds
+
+    def _failures_named(self):
+        return self.plan_to.failures_named() if self.plan_to is not None else nullcontext()

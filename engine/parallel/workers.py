@@ -1,0 +1,194 @@
+"""Rank 0's side of a tensor-parallel engine: it starts the other ranks, sends them each step, watches them, and
+stops them.
+
+``start_tensor_parallel`` is what the ``ModelRunner`` calls for ``tensor_parallel_size`` > 1. The engine's process is
+rank 0: it owns the scheduler, the block manager and the sampler, and holds shard 0 of the model. It
+
+1. opens the group's store on a free loopback port and starts ranks 1..N-1 as processes of their own
+   (``python -m splitserve.engine.parallel.rank_worker``, rank_worker.py), each pinned to its share of the cores this
+   process may run on (rank 0 keeps the first share for the thread that steps the engine, and one compute thread
+   per core of it: restored when the workers stop);
+2. loads its own shard while they load theirs, waits until each says ready (a rank that exits meanwhile fails the
+   start, naming it), and joins the gloo group with them;
+3. then, every step, writes the call its model is about to run (``forward`` with the step's token ids, positions and
+   attention metadata, or ``compute_logits`` with the rows to score) to each worker's stdin, length-prefixed pickles
+   in the order they are run, and runs it itself: the ranks meet in the step's collectives;
+4. stops them when the model is garbage-collected or ``close``d: a ``close`` message, then a kill after a grace
+   period. A worker also exits when its stdin closes and dies with rank 0 (``PR_SET_PDEATHSIG``): no orphan holds
+   cores after the engine.
+
+A rank that exits or hangs fails the step that needs it with ``TensorParallelError`` naming the ranks and their exit
+codes (the collectives time out after ``COLLECTIVE_TIMEOUT_S``); the engine then fails that step's requests
+(``EngineStepError``), and every later step fails the same way: a tensor-parallel engine restarts whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import time
+import weakref
+from typing import BinaryIO
+
+import torch
+
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.parallel.layout import RankShard, even_ranges, kv_cache_blocks, plan_shards, rank_config
+from splitserve.engine.parallel.process_group import TensorParallelGroup, check_device, open_store
+from splitserve.engine.parallel.sharded_model import ShardedLlama
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # loading a large model's file on every rank takes a while
+STOP_GRACE_S = 10.0
+_FRAME = struct.Struct("<Q")  # each message's length in bytes
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of a tensor-parallel engine exited, hung or failed."""
+
+
+def write_message(stream: BinaryIO, message: tuple) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_FRAME.pack(len(payload)) + payload)
+    stream.flush()
+
+
+def read_message(stream: BinaryIO) -> tuple | None:
+    """The next message, or None at the end of the stream (rank 0 is gone)."""
+    header = stream.read(_FRAME.size)
+    if len(header) < _FRAME.size:
+        return None
+    return pickle.loads(stream.read(_FRAME.unpack(header)[0]))
+
+
+def cpu_shares(cpus: list[int], size: int) -> list[list[int]]:
+    """Each rank's cores: ``cpus`` cut into ``size`` contiguous shares; with fewer cores than ranks, one core each,
+    shared round-robin."""
+    if len(cpus) < size:
+        return [[cpus[r % len(cpus)]] for r in range(size)]
+    return [cpus[a:b] for a, b in even_ranges(len(cpus), size)]
+
+
+class RankWorkers:
+    """Ranks 1..N-1 as processes; ``procs[i]`` is rank i + 1."""
+
+    def __init__(self, procs: list[subprocess.Popen], restore: tuple[set[int], int]):
+        self.procs = procs
+        self._restore = restore  # rank 0's thread affinity and torch thread count before it pinned itself
+        self._closed = False
+
+    @classmethod
+    def start(cls, config: EngineConfig, port: int, num_blocks: int, shares: list[list[int]]) -> "RankWorkers":
+        procs = []
+        for rank, cpus in enumerate(shares[1:], start=1):
+            env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "MKL_NUM_THREADS": str(len(cpus))}
+            command = [sys.executable, "-m", "splitserve.engine.parallel.rank_worker", str(rank), str(len(shares)),
+                       str(port), str(num_blocks), ",".join(map(str, cpus))]
+            proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+            write_message(proc.stdin, (config,))
+            procs.append(proc)
+        restore = os.sched_getaffinity(0), torch.get_num_threads()
+        os.sched_setaffinity(0, shares[0])  # this thread steps the engine; threads it starts inherit the mask
+        torch.set_num_threads(len(shares[0]))
+        return cls(procs, restore)
+
+    def wait_ready(self, store) -> None:
+        """Return once every worker has loaded its shard; raise when one exits first or none is ready in time."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        pending = {rank for rank in range(1, len(self.procs) + 1)}
+        while pending:
+            pending = {r for r in pending if not store.check([f"ready/{r}"])}
+            self._raise_if_exited("while loading its shard")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"ranks {sorted(pending)} not ready after {READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+
+    def send(self, method: str, *args) -> None:
+        """Tell every worker to run ``method(*args)`` on its shard, as rank 0 is about to."""
+        self._raise_if_exited("before the step")
+        for proc in self.procs:
+            try:
+                write_message(proc.stdin, (method, *args))
+            except (BrokenPipeError, OSError) as err:
+                raise self._failure("could not be sent the step") from err
+
+    @contextlib.contextmanager
+    def failures_named(self):
+        """A collective that failed because a rank is gone becomes a ``TensorParallelError`` that names it."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, TensorParallelError):
+                raise
+            raise self._failure(f"during a collective ({err})") from err
+
+    def _raise_if_exited(self, when: str) -> None:
+        if any(proc.poll() is not None for proc in self.procs):
+            raise self._failure(when)
+
+    def _failure(self, when: str) -> TensorParallelError:
+        for proc in self.procs:  # a rank that broke a collective is exiting: give it a moment to report its code
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
+        states = ", ".join(f"rank {i} {'running' if p.poll() is None else f'exited with code {p.returncode}'}"
+                           for i, p in enumerate(self.procs, start=1))
+        return TensorParallelError(f"tensor-parallel engine failed {when}: {states}")
+
+    def close(self) -> None:
+        """Stop the workers (a ``close`` message, then a kill after ``STOP_GRACE_S``) and unpin rank 0's thread."""
+        if self._closed:
+            return
+        self._closed = True
+        for proc in self.procs:
+            with contextlib.suppress(OSError, ValueError):
+                write_message(proc.stdin, ("close",))
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        affinity, threads = self._restore
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+
+
+def rank_kv_cache(config: EngineConfig, model_config: ModelConfig, shard: RankShard, num_blocks: int) -> PagedKVCache:
+    """A rank's KV pool: ``num_blocks`` blocks (every rank's count) of its KV heads."""
+    return PagedKVCache(rank_config(model_config, shard), num_blocks, config.cache.block_size,
+                        config.cache.cache_dtype, config.device)
+
+
+def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
+                          state_dict: dict) -> tuple[ShardedLlama, PagedKVCache]:
+    """Rank 0's model and KV cache, with ranks 1..N-1 started and joined (the module docstring's steps 1 and 2)."""
+    check_device(config.device)
+    if config.prefill_compute_dtype == "bfloat16":
+        raise ValueError("tensor_parallel_size > 1 computes prefill in float32; prefill_compute_dtype 'bfloat16' is "
+                         "not built for it yet")
+    size = config.tensor_parallel_size
+    shards = plan_shards(model_config, size)
+    num_blocks = kv_cache_blocks(model_config, config.cache, shards)
+    store = open_store(0, size)
+    shares = cpu_shares(sorted(os.sched_getaffinity(0)), size)
+    workers = RankWorkers.start(config, store.port, num_blocks, shares)
+    try:
+        model = ShardedLlama.for_rank(config, model_config, state_dict, shards[0])
+        workers.wait_ready(store)
+        model.shard_over(TensorParallelGroup(store, 0, size), shards)
+    except BaseException:
+        workers.close()
+        raise
+    model.plan_to = workers
+    weakref.finalize(model, workers.close)
+    logger.info("tensor parallel: %d ranks on cores %s; rank 0 holds query heads %s, KV heads %s",
+                size, shares, shards[0].q_heads, shards[0].kv_heads)
+    return model, rank_kv_cache(config, model_config, shards[0], num_blocks)

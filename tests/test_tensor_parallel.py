@@ -1,0 +1,156 @@
+"""Tensor parallelism inside one engine (engine/parallel/): the shard plan, and TP N against TP 1 end to end.
+
+The end-to-end tests run the real ranks (rank 0 here, the others as processes) through the offline ``LLM`` and hold
+TP N to TP 1: the same greedy tokens, and every logit the sampler saw within 1e-4 (TP sums each row-parallel product
+over the ranks, so the float32 sums round in another order: close, not the same bits). tiny-random is a GQA model (4
+query heads, 2 KV heads), run with 2 ranks and with 4 (more ranks than KV heads: each KV head on two ranks);
+SmolLM2-135M splits unevenly (9 query and 3 KV heads: 6 + 3 query heads, 2 + 1 KV heads).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+
+import pytest
+import torch
+
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.llm_engine import EngineStepError
+from splitserve.engine.parallel.layout import plan_shards, shard_state_dict
+from splitserve.engine.parallel.workers import TensorParallelError
+from splitserve.engine.weights.quantized_weights import quantize_state_dict
+from splitserve.engine.weights.parameter_layout import random_state_dict
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+TINY_PROMPTS = ["Hello, my name is", "The capital of France", " ".join(str(i) for i in range(40))]
+
+
+def _smollm2_shape(**overrides) -> ModelConfig:
+    shape = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9, num_kv_heads=3)
+    return ModelConfig(**{**shape, **overrides})
+
+
+def test_uneven_heads_split_by_kv_group():
+    q, kv = zip(*((s.q_heads, s.kv_heads) for s in plan_shards(_smollm2_shape(), 2)))
+    assert q == ((0, 6), (6, 9)) and kv == ((0, 2), (2, 3))
+
+
+def test_more_ranks_than_kv_heads_replicate_them():
+    shards = plan_shards(ModelConfig(64, 64, 128, 1, num_heads=4, num_kv_heads=2), 4)
+    assert [s.kv_heads for s in shards] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [s.q_heads for s in shards] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_intermediate_cut_on_quantized_blocks_and_vocab_evenly():
+    shards = plan_shards(_smollm2_shape(intermediate_size=96, vocab_size=7), 2)
+    assert [s.intermediate for s in shards] == [(0, 64), (64, 96)]
+    assert [s.vocab for s in shards] == [(0, 4), (4, 7)]
+
+
+def test_impossible_splits_are_refused():
+    with pytest.raises(ValueError, match="exceeds the model's 9 attention heads"):
+        plan_shards(_smollm2_shape(), 10)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    # head_dim 48: rank 0's o_proj columns (1 head, inputs 0..47) end inside a quantized block of 32
+    config = ModelConfig(64, 96, 128, 1, num_heads=2, num_kv_heads=2, head_dim=48)
+    state = quantize_state_dict(random_state_dict(config, seed=0), config, "int8")
+    with pytest.raises(ValueError, match=r"layers.0.attn.o_proj.weight is kept in blocks .* cut a block"):
+        shard_state_dict(config, state, plan_shards(config, 2)[0])
+
+
+def test_shards_partition_the_weights():
+    """Every weight element sits in exactly one rank's shard (norms: in every one), q/k/v rows with their heads."""
+    config = ModelConfig(50, 64, 96, 1, num_heads=4, num_kv_heads=2)
+    state = random_state_dict(config, seed=1)
+    shards = [shard_state_dict(config, state, s) for s in plan_shards(config, 2)]
+    qkv = state["layers.0.attn.qkv_proj.weight"]  # rows: q (4 x 16), k (2 x 16), v (2 x 16)
+    assert torch.equal(shards[1]["layers.0.attn.qkv_proj.weight"], torch.cat([qkv[32:64], qkv[80:96], qkv[112:128]]))
+    for name, weight in state.items():
+        parts = [s[name] for s in shards]
+        if name.endswith("norm.weight"):
+            assert all(torch.equal(p, weight) for p in parts)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(parts, dim=1), weight)
+        else:
+            assert sorted(torch.cat(parts).flatten().tolist()) == sorted(weight.flatten().tolist()), name
+
+
+def _run(tp: int, prompts: list[str], **settings) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens for ``prompts`` and every logits tensor the sampler got, from a fresh engine of ``tp`` ranks."""
+    llm = LLM(tensor_parallel_size=tp, cache_dtype="float32", num_blocks=64, **settings)
+    model = llm.engine.runner.model
+    seen: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden: seen.append(compute_logits(hidden)) or seen[-1]
+    tokens = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+    del llm, model, compute_logits
+    gc.collect()  # stops the workers (weakref.finalize on rank 0's model)
+    return tokens, seen
+
+
+def _assert_same(reference, candidate):
+    (tokens, logits), (tp_tokens, tp_logits) = reference, candidate
+    assert tp_tokens == tokens
+    assert len(tp_logits) == len(logits)
+    for ours, theirs in zip(tp_logits, logits):
+        assert ours.shape == theirs.shape
+        assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_tp1():
+    return _run(1, TINY_PROMPTS, model="tiny-random")
+
+
+@pytest.mark.parametrize("tp", [2, 4], ids=["gqa-2-ranks", "4-ranks-2-kv-heads"])
+def test_tiny_random_tp_matches_tp1(tiny_tp1, tp):
+    _assert_same(tiny_tp1, _run(tp, TINY_PROMPTS, model="tiny-random"))
+
+
+@pytest.mark.model
+def test_smollm2_tp2_matches_tp1_in_float32():
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
+    _assert_same(_run(1, prompts, quantization="none"), _run(2, prompts, quantization="none"))
+
+
+def test_killed_rank_fails_the_step_clearly_and_frees_its_blocks():
+    llm = LLM(model="tiny-random", tensor_parallel_size=2, num_blocks=64)
+    engine = llm.engine
+    assert llm.generate("warm", GREEDY)[0].token_ids
+    os.kill(engine.runner.model.plan_to.procs[0].pid, signal.SIGKILL)
+    with pytest.raises(EngineStepError) as failed:
+        llm.generate(TINY_PROMPTS, GREEDY)
+    assert isinstance(failed.value.__cause__, TensorParallelError)
+    assert "rank 1 exited with code -9" in str(failed.value.__cause__)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    del llm, engine
+    gc.collect()
+
+
+def test_what_tensor_parallelism_does_not_run_yet_is_refused():
+    with pytest.raises(ValueError, match="would need NCCL, which is not built yet"):
+        LLM(model="tiny-random", device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="prefill_compute_dtype 'bfloat16' is not built for it yet"):
+        LLM(model="tiny-random", prefill_compute_dtype="bfloat16", tensor_parallel_size=2)
+
+
+def test_prompt_logprobs_and_speculative_verification_across_ranks():
+    """The calls other than one decode row per sequence: prompt logprobs (logits of many prompt rows) and n-gram
+    drafts verified as several rows per sequence."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=2, logprobs=2)
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(model="tiny-random", tensor_parallel_size=tp, cache_dtype="float32", num_blocks=64,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        outputs[tp] = llm.generate(TINY_PROMPTS, params)
+        assert llm.engine.spec_decode.num_draft_tokens > 0
+        del llm
+        gc.collect()
+    for one, two in zip(outputs[1], outputs[2]):
+        assert two.token_ids == one.token_ids
+        for theirs, ours in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+            assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
