@@ -11,6 +11,9 @@ in-process: prefill is compute-bound and decode memory-bound, so they want diffe
   machine  the float32 matmul peak and the read bandwidth (``bench engine``'s measurements), before and after the
            run, the higher of each: the roofs of the roofline.
 
+``--prefill-formats`` measures instead prefill in each prefill compute format, float32 and bfloat16, side by side on
+one pinned thread and on two, against the bf16 GEMM peak of the same shapes (bench/prefill_formats.py).
+
 FLOPs and bytes come from the model's config (``step_cost.py``): matmul FLOPs of projections, MLP, attention and
 the sampled lm_head rows; bytes at least every weight once per step plus the K/V read and written. The roofline
 plot puts every prefill and decode point at its operational intensity (FLOP per byte) and achieved GFLOP/s under
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.bench import prefill_formats
 from splitserve.bench.engine import matmul_peak, read_bandwidth
 from splitserve.bench.step_cost import (
     decode_bytes,
@@ -86,6 +90,9 @@ class PhasesConfig(FiguresOutput):
         "(bench/phase_profile.py, splitserve simulate)."))
     profile_note: str = field(default="", metadata=described(
         "The profile's note: the machine and its conditions (loaded? pinned?)."))
+    prefill_formats: bool = field(default=False, metadata=described(
+        "Instead: prefill per prompt length (default 128,512,2048) in float32 and bfloat16 side by side, on one pinned "
+        "thread and on two, --repeat rounds, against the bf16 GEMM peak of the same shapes."))
 
     def __post_init__(self) -> None:
         if self.full:
@@ -323,6 +330,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(config.seed)
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.prefill_formats:
+        lens = (list(prefill_formats.PROMPT_LENS) if config.prompt_lens == list(DEFAULT_PROMPT_LENS)
+                else config.prompt_lens)
+        results = prefill_formats.run(config.model, lens, config.repeat, config.seed)
+        prefill_formats.report(results)
+        save_results(results, config.json)
+        return results
     results = run(config)
     report(results)
     save_results(results, config.json, config.plot, plot)

@@ -21,7 +21,8 @@ decodes shared its step, and every decode row keeps its float32 bits.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ class Bf16Prefill:
         self.layers = layers
 
     @classmethod
-    def from_state_dict(cls, config: ModelConfig, state_dict: dict, device: torch.device) -> "Bf16Prefill":
+    def from_state_dict(cls, config: ModelConfig, state_dict: dict, device: torch.device) -> Bf16Prefill:
         """The layers' products of ``state_dict`` (float tensors or ``BlockQuantized``, as loaders give them) in
         bf16 on ``device``."""
 
@@ -81,7 +82,7 @@ class Bf16Prefill:
         """The memory the bf16 copy takes, in bytes."""
         return sum(t.nbytes for layer in self.layers for t in layer if t is not None)
 
-    def forward(self, model: "LlamaForCausalLM", input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: PagedKVCache, meta: AttentionMetadata,
                 layer_done: Callable[[int], None] | None) -> torch.Tensor:
         """A step with prefill rows -> final hidden states [T, H] float32 (``LlamaForCausalLM.forward``'s contract);
@@ -96,7 +97,7 @@ class Bf16Prefill:
         hidden[decode_rows] = model(input_ids[decode_rows], positions[decode_rows], kv_cache, decode_meta, layer_done)
         return hidden
 
-    def _prefill(self, model: "LlamaForCausalLM", input_ids, positions, kv_cache: PagedKVCache,
+    def _prefill(self, model: LlamaForCausalLM, input_ids, positions, kv_cache: PagedKVCache,
                  meta: AttentionMetadata, layer_done: Callable[[int], None] | None) -> torch.Tensor:
         rotary = model.rotary.for_step(positions)
         x = model.embed(input_ids)  # [T, H] float32, the residual stream
@@ -107,7 +108,7 @@ class Bf16Prefill:
         return model.norm(x)
 
 
-def _layer(layer: "DecoderLayer", w: Bf16Layer, x: torch.Tensor, rotary: StepRotary, k_cache: torch.Tensor,
+def _layer(layer: DecoderLayer, w: Bf16Layer, x: torch.Tensor, rotary: StepRotary, k_cache: torch.Tensor,
            v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     """One decoder layer over x [T, H] float32, updated in place."""
     attn = layer.attn

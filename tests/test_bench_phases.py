@@ -83,3 +83,18 @@ def test_phases_bench_measures_both_phases_against_the_machine(tmp_path, capsys)
     assert len(profile.points["prefill"]) == 3 and len(profile.points["decode"]) == 4
     assert profile.points["prefill"][-1][:2] == [88, 88 * (512 + 88)]  # the second chunk attends over the first
     assert min(profile.prefill.a, profile.prefill.b, profile.prefill.c, profile.decode.a) >= 0
+
+
+def test_prefill_formats_side_by_side_against_the_bf16_gemm_peak(tmp_path, capsys):
+    out = tmp_path / "formats.json"
+    phases.main(["--model", "tiny-random", "--prefill-formats", "--prompt-lens", "8,40", "--repeat", "2",
+                 "--json", str(out)])
+    results = json.loads(out.read_text())
+    assert results["cpu"] and results["cpu_features"]
+    for by_threads in results["threads"].values():  # "1", and "2" where two CPUs are allowed
+        assert set(by_threads["prefill"]) == {"float32", "bfloat16"}
+        for figures in by_threads["prefill"]["bfloat16"].values():
+            assert figures["min_ms"] <= figures["median_ms"] <= figures["max_ms"]
+            assert figures["peak_gflops"] > 0 and figures["share_of_peak"] > 0
+    assert "1" in results["threads"]
+    assert "prefill by compute format" in capsys.readouterr().out

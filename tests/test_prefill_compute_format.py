@@ -93,7 +93,7 @@ def test_bf16_prefill_is_close_to_float32_and_not_its_bits():
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
 def test_mixed_step_decode_rows_keep_float32_and_prompt_kv_ignores_them(cache_dtype):
-    config, reference, bf16 = _models()
+    config, _, bf16 = _models()
     other_prefill = ([len(OTHER)], [len(OTHER)], [[1, 2]], OTHER, list(range(len(OTHER))))
     n = len(PROMPT)
     # Step 2: OTHER decodes one token while PROMPT prefills whole.

@@ -33,11 +33,13 @@ NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as ``/proc/cpuinfo`` lists them (its first processor); empty where it cannot be read
     (not Linux, or no flags line)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return parse_cpuinfo(f)
-    except OSError:
-        return frozenset()
+    return parse_cpuinfo(_cpuinfo_lines())
+
+
+def cpu_model() -> str:
+    """This CPU's model name (``AMD EPYC``, ``Intel(R) Xeon(R) Platinum 8481C``), for the benchmarks' tables."""
+    return next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
+                "unknown")
 
 
 def parse_cpuinfo(lines: Iterable[str]) -> frozenset[str]:
@@ -46,6 +48,14 @@ def parse_cpuinfo(lines: Iterable[str]) -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def _cpuinfo_lines() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.readlines()
+    except OSError:
+        return []
 
 
 def prefill_compute_dtype(setting: str, device: str = "cpu", flags: Iterable[str] | None = None) -> str:
