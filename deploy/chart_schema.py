@@ -26,6 +26,7 @@ import yaml
 from splitserve.decode_service.config import DecodeConfig
 from splitserve.deploy.planner.config import PlannerConfig
 from splitserve.engine.config import CACHE_DTYPES, COMPUTE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS
+from splitserve.engine.kernels.cpu_features import PREFILL_COMPUTE_DTYPES
 from splitserve.kvtransfer.codecs import available_codecs
 from splitserve.kvtransfer.receiver import KV_LOAD_FAILURE_POLICIES
 from splitserve.prefill_service.config import KV_TRANSPORTS, PrefillConfig
@@ -67,6 +68,7 @@ CHOICES = {  # field -> allowed values of plain-string fields (enum fields list 
     "speculative_method": list(SPECULATIVE_METHODS),
     "quantization": list(QUANTIZATIONS),
     "kv_transport": list(KV_TRANSPORTS),
+    "prefill_compute_dtype": list(PREFILL_COMPUTE_DTYPES),
 }
 RANGES = {  # field -> JSON-schema bounds beyond the defaults (numbers >= 0; durations "*_s" > 0)
     "seed": {"minimum": 0},
@@ -151,6 +153,7 @@ _PEERS = {"type": "array", "items": {"type": "object"}}  # NetworkPolicy peers (
 _DURATION = {"type": "string", "pattern": "^([0-9]+(\\.[0-9]+)?(ns|us|ms|s|m|h))+$"}
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 _BOOL, _STR = {"type": "boolean"}, {"type": "string"}
+_QUANTITY = {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"}  # a Kubernetes size
 _COUNT = {"type": "integer", "minimum": 0}
 _LIST, _MAP = {"type": "array", "items": {"type": "object"}}, {"type": "object"}
 _SCHEDULING = {"resources": _MAP, "nodeSelector": _STRING_MAP, "tolerations": _LIST, "affinity": _MAP,
@@ -231,6 +234,7 @@ def values_schema() -> dict:
                                                "serviceMonitor": _SERVICE_MONITOR},
                                   replicas={"type": "integer", "minimum": 0, "maximum": 1}),
             "metrics": _obj({"scrapeAnnotations": _BOOL}),
+            "scratch": _obj({"tmpSizeLimit": _QUANTITY, "kernelCacheSizeLimit": _QUANTITY}),
             "grafanaDashboards": _obj({"enabled": _BOOL, "labels": _STRING_MAP, "annotations": _STRING_MAP}),
             "serviceLevel": _obj({"ttftSeconds": {"type": "number", "exclusiveMinimum": 0},
                                   "tpotSeconds": {"type": "number", "exclusiveMinimum": 0}}),

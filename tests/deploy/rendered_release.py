@@ -169,7 +169,8 @@ class RenderedRelease:
         context = {**pod.spec.get("securityContext", {}), **container.get("securityContext", {})}
         assert context.get("readOnlyRootFilesystem"), f"{pod.name}: a writable root is not emulated"
         mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
-        root, made = _host_root([*mounts, "/opt/venv", "/opt/splitserve/kernels"])
+        outermost = [m for m in mounts if not any(Path(o) in Path(m).parents for o in mounts)]  # nested: in a volume
+        root, made = _host_root([*outermost, "/opt/venv", "/opt/splitserve/kernels"])
         args = [BWRAP, *root, "--dev", "/dev", "--tmpfs", "/dev/shm", "--proc", "/proc",
                 "--unshare-user", "--uid", str(context["runAsUser"]), "--gid", str(context.get("runAsGroup",
                                                                                                context["runAsUser"])),

@@ -188,3 +188,23 @@ def test_a_cuda_device_and_a_gpu_limit_go_together(chart):
     assert "prefill.resources.limits asks for nvidia.com/gpu but prefill.config.device is cpu" in \
         render_error(chart, idle)
     assert objects(chart, case_values("gpu"))  # both together: fine
+
+
+# ---- scratch space on a read-only root -------------------------------------------------------------------------
+
+def test_writable_places_are_sized_volumes_and_serving_pods_cache_their_kernels(chart):
+    """A pod compiles the native kernels for its node's CPU into ~/.cache/splitserve (HOME=/tmp): on a volume of its
+    own with a size limit, not in an unbounded /tmp."""
+    values = {"mixed": {"enabled": True}, "scratch": {"kernelCacheSizeLimit": "128Mi"}}
+    for component, deployment in containers_by_component(objects(chart, values)).items():
+        spec = pod_spec(deployment)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        if component == "planner":
+            continue
+        assert volumes["tmp"]["emptyDir"] == {"sizeLimit": "1Gi"} and mounts["tmp"] == "/tmp", component
+        if component in SERVING:
+            assert volumes["kernel-cache"]["emptyDir"] == {"sizeLimit": "128Mi"}, component
+            assert mounts["kernel-cache"] == "/tmp/.cache/splitserve", component
+        else:
+            assert "kernel-cache" not in volumes  # the router runs no kernels

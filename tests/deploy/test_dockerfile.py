@@ -31,3 +31,28 @@ def test_the_image_runs_as_a_non_root_user_that_the_chart_expects():
     assert re.search(r"^USER 10001:10001$", text, re.MULTILINE)
     values = (ROOT / "deploy" / "helm" / "splitserve" / "values.yaml").read_text()
     assert "runAsUser: 10001" in values
+
+
+def _build_commands(text: str) -> list[str]:
+    """The documented `docker build` commands (line continuations joined), in a Dockerfile's comments or a page."""
+    text = re.sub(r"\\\n#?\s*", " ", text)
+    return [line for line in text.splitlines() if "docker build" in line]
+
+
+def test_the_cuda_image_carries_cuda_once():
+    """torch's CUDA wheels bring the CUDA runtime, cuDNN and NCCL: the documented CUDA build has a plain base image,
+    not an nvidia/cuda one (the previous instructions installed both)."""
+    for source in (DOCKERFILE, ROOT / "deploy" / "README.md"):
+        cuda_builds = [line for line in _build_commands(source.read_text()) if "whl/cu" in line]
+        assert cuda_builds, source
+        for line in cuda_builds:
+            base = re.search(r"BASE_IMAGE=(\S+)", line).group(1)
+            assert not base.startswith("nvidia/cuda"), (source.name, base)
+
+
+def test_the_kernel_cache_the_chart_mounts_is_where_the_image_compiles():
+    """A pod on a CPU the image's kernels were not built for compiles into ~/.cache/splitserve: the image's HOME
+    must put that on the chart's sized volume, not on the read-only root."""
+    home = re.search(r"^\s*HOME=(\S+)", DOCKERFILE.read_text(), re.MULTILINE).group(1)
+    templates = (ROOT / "deploy" / "helm" / "splitserve" / "templates" / "_pod.tpl").read_text()
+    assert f"mountPath: {home}/.cache/splitserve" in templates

@@ -186,7 +186,8 @@ cluster there.
 {{/* Volumes every splitserve container gets: /tmp (the root filesystem is read-only), TLS, the model */}}
 {{- define "splitserve.volumes" -}}
 - name: tmp
-  emptyDir: {}
+  emptyDir:
+    sizeLimit: {{ .Values.scratch.tmpSizeLimit }}
 {{- if .Values.tls.enabled }}
 - name: tls
   secret:

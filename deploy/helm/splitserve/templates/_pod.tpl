@@ -98,6 +98,10 @@ spec:
             {{- toYaml $values.resources | nindent 12 }}
           volumeMounts:
             {{- include "splitserve.volumeMounts" $root | nindent 12 }}
+            # ~/.cache/splitserve (HOME=/tmp in the image): kernels compiled for this node's CPU when the image's
+            # build (in SPLITSERVE_CACHE_DIR, read-only) is for another CPU
+            - name: kernel-cache
+              mountPath: /tmp/.cache/splitserve
             {{- if $values.shm.enabled }}
             - name: shm
               mountPath: /dev/shm
@@ -110,6 +114,9 @@ spec:
         {{- end }}
       volumes:
         {{- include "splitserve.volumes" $root | nindent 8 }}
+        - name: kernel-cache
+          emptyDir:
+            sizeLimit: {{ $root.Values.scratch.kernelCacheSizeLimit }}
         {{- if $values.shm.enabled }}
         # CUDA and NCCL share memory through /dev/shm; the container runtime's default is 64 MiB
         - name: shm
