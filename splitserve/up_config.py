@@ -83,6 +83,7 @@ class UpConfig:
     int8_activations: bool = passed_to(PodConfig, name="int8_activations", help=(
         "Every pod's products over quantized weights take int8 activations (faster decode, not float32's bits; "
         "pods on --*-quantization none are unaffected)."))
+    prefill_compute_dtype: str = passed_to(PodConfig, name="prefill_compute_dtype")
     # Speculative decoding on the decode and mixed pods (DecodeConfig's defaults and help, passed as its flags).
     speculative_method: str = passed_to(DecodeConfig, name="speculative_method")
     num_speculative_tokens: int = passed_to(DecodeConfig, name="num_speculative_tokens")

@@ -123,6 +123,18 @@ def test_every_pod_takes_the_setting_as_a_flag_and_an_environment_variable():
     assert parse_config(DecodeConfig, [], env={}).engine_config().prefill_compute_dtype == "float32"
 
 
+def test_splitserve_up_passes_the_setting_to_every_pod():
+    from splitserve.decode_service.config import DecodeConfig
+    from splitserve.prefill_service.config import PrefillConfig
+    from splitserve.runtime.config import parse_config, passed_on
+    from splitserve.up_config import UpConfig
+
+    up = parse_config(UpConfig, ["--prefill-compute-dtype", "bfloat16"], env={})
+    for cls, role in ((PrefillConfig, "prefill"), (DecodeConfig, "decode"), (DecodeConfig, "mixed")):
+        flags = passed_on(up, cls, scope=role)
+        assert flags[flags.index("--prefill-compute-dtype") + 1] == "bfloat16", role
+
+
 def test_engine_reports_the_resolved_format():
     from splitserve.engine import LLM
 
