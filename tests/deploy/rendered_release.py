@@ -1,6 +1,7 @@
 """Running a rendered release: each Deployment's container started as its manifest says, on loopback.
 
     release = RenderedRelease(objects, secrets, workdir)   the chart's rendered objects; Secrets by name -> key -> value
+                           (image_kernels=False: an image built on another CPU, whose pods compile their own)
     release.start()        every Deployment's pod (one each: replicas are not multiplied)
     release.wait_ready()   runs each container's startupProbe, then its readinessProbe, as rendered, until all pass
     release.address(service, port_name)   where a Service's port leads: the pod's address and container port
@@ -16,7 +17,8 @@ the container's uid, the host's root bound read-only, the volumes bound over it.
 
 What stands in for the cluster:
 - the splitserve image is this checkout: deploy/Dockerfile's ENV, with its virtual environment ``/opt/venv`` being
-  the checkout's ``.venv`` and its kernel cache ``/opt/splitserve/kernels`` the host's (read-only); Redis's image
+  the checkout's ``.venv`` and its kernel cache ``/opt/splitserve/kernels`` the host's (read-only; or none, as
+  in an image built on another CPU); Redis's image
   is the host's ``redis-server`` (the image's entrypoint takes the args);
 - a pod's IP is a loopback address of its own (127.77.0.n), and a listener the manifest binds to 0.0.0.0
   (``--host 0.0.0.0``) binds to it instead, as a pod's network namespace would keep it apart (Redis also listens
@@ -106,10 +108,11 @@ class Pod:
 
 
 class RenderedRelease:
-    def __init__(self, objects: list[dict], secrets: dict[str, dict[str, str]], workdir: Path):
+    def __init__(self, objects: list[dict], secrets: dict[str, dict[str, str]], workdir: Path,
+                 image_kernels: bool = True):
         if BWRAP is None:
             raise RuntimeError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
-        self.workdir, self.secrets = workdir, secrets
+        self.workdir, self.secrets, self.image_kernels = workdir, secrets, image_kernels
         deployments = [o for o in objects if o["kind"] == "Deployment"]
         self.pods = {d["metadata"]["name"]: Pod(d["metadata"]["name"], f"127.77.0.{n}", d["spec"]["template"]["spec"],
                                                 d["spec"]["template"]["metadata"]["labels"])
@@ -178,7 +181,7 @@ class RenderedRelease:
         if "splitserve" in container["image"]:
             args += ["--ro-bind", str(VENV), "/opt/venv", "--chdir", "/tmp"]
             kernels = Path.home() / ".cache" / "splitserve"
-            if kernels.is_dir():  # what the image's build compiled (read-only, as in the image)
+            if self.image_kernels and kernels.is_dir():  # what the image's build compiled (read-only, as there)
                 args += ["--ro-bind", str(kernels), "/opt/splitserve/kernels"]
         volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
         for mount in container.get("volumeMounts", []):

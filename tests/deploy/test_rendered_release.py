@@ -1,7 +1,9 @@
 """Run what the chart renders, not only its YAML: a router, a prefill pod, a decode pod and Redis from one rendered
 release (tests/deploy/rendered_release.py runs each container as its manifest says, in a bubblewrap sandbox with the
 manifest's user, read-only root and volumes, its probes as rendered) answer a completion through the rendered
-Service ports: once with the chart's defaults, once with mutual TLS, network policies and Redis auth.
+Service ports: once with the chart's defaults, once with mutual TLS, network policies and Redis auth, from an image
+whose kernels were built for another CPU (the pods compile theirs on the read-only root's one writable place for
+them, the chart's sized kernel cache).
 
 The model is the tiny random one (the chart's model.name: built in code, nothing to load) and the KV pools are
 small; every other value is the chart's default or the case's.
@@ -9,6 +11,7 @@ small; every other value is the chart's default or the case's.
 
 from __future__ import annotations
 
+import re
 import ssl
 import time
 
@@ -18,7 +21,8 @@ from rendered_release import RenderedRelease
 from test_chart import NAMESPACE, RELEASE, chart, objects  # noqa: F401 - chart: the fixture
 from tls_secret import write_tls_secret
 
-pytestmark = pytest.mark.e2e  # about 15 s for both cases; bubblewrap comes from scripts/bootstrap.sh
+# about 35 s for both cases (the TLS one compiles kernels); bubblewrap comes from scripts/bootstrap.sh
+pytestmark = pytest.mark.e2e
 
 SMALL = {"model": {"name": "tiny-random"},
          "prefill": {"config": {"kvCacheMemoryBytes": 16 << 20}},
@@ -46,7 +50,7 @@ def test_a_rendered_release_answers_a_completion_through_its_service(chart, case
         secrets["splitserve-tls"] = _tls_secret(tmp_path)
     rendered = objects(chart, values)
     assert any(o["kind"] == "NetworkPolicy" for o in rendered)
-    release = RenderedRelease(rendered, secrets, tmp_path / "pods")
+    release = RenderedRelease(rendered, secrets, tmp_path / "pods", image_kernels=case != "tls")
     release.start()
     try:
         release.wait_ready(timeout_s=240)
@@ -71,6 +75,10 @@ def test_a_rendered_release_answers_a_completion_through_its_service(chart, case
         assert answer.status_code == 200, answer.text
         body = answer.json()
         assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
+        kernels = "/tmp/.cache/splitserve/" if case == "tls" else "/opt/splitserve/kernels/"
+        for pod in ("prefill", "decode"):
+            log = (tmp_path / "pods" / f"{RELEASE}-splitserve-{pod}" / pod / "log").read_text()
+            assert re.search(rf"compute path: native CPU kernels \(\w+, {kernels}", log), log
     except BaseException:
         print(release.logs())
         raise
