@@ -95,6 +95,17 @@ def tiny_openai(tiny_pd_up):
                   max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def smollm2_default_up(tmp_path_factory, start_cluster):
+    """``splitserve up`` as a user runs it (every scheduling and service-level default: hybrid, the TTFT and TPOT
+    targets of runtime/service_level.py) on the real SmolLM2, without Prometheus: the default path that
+    tests/test_hybrid_cluster.py proves. Its users leave every pod serving and every block free."""
+    cluster = start_cluster(tmp_path_factory.mktemp("smollm2-default-up"), model="smollm2-135m",
+                            kv_cache_memory_bytes=64 << 20, prometheus=False)
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture(scope="session")
 def smollm2_up(tmp_path_factory, start_cluster):
     """One ``splitserve up`` of the real SmolLM2 for the modules that check the whole system (the e2e serving checks,
