@@ -308,6 +308,17 @@ def test_a_corrupted_chunk_over_shared_memory_is_refused_by_its_checksum(tmp_pat
         cluster.stop()
 
 
+def test_a_chunked_prefill_held_until_its_end_leaves_as_one_range_per_layer(tmp_path, shm_dir):
+    cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--no-overlap-transfer",))
+    try:
+        prompt = prompt_of(150, seed=5)  # three 64-token steps, every layer's parts held until the last
+        first = cluster.prefill_call("held", prompt)
+        assert (first.kv_transfer.transport, first.kv_transfer.num_chunks) == (TRANSPORT_SHM, 4 * 2)  # not 3 x 8
+        assert cluster.decode_tokens("held", prompt, first) == cluster.offline_tokens(prompt)
+    finally:
+        cluster.stop()
+
+
 def test_kv_transport_grpc_keeps_pods_of_one_host_on_grpc(tmp_path, shm_dir):
     cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--kv-transport", "grpc"))
     try:
