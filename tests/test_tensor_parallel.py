@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.llm_engine import EngineStepError
+from splitserve.engine.parallel import shm_all_reduce
 from splitserve.engine.parallel.layout import plan_shards, shard_state_dict
 from splitserve.engine.parallel.workers import TensorParallelError
 from splitserve.engine.weights.quantized_weights import quantize_state_dict
@@ -113,7 +115,8 @@ def test_tiny_random_tp_matches_tp1(tiny_tp1, tp):
 
 @pytest.mark.model
 def test_smollm2_tp2_matches_tp1_in_float32():
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
+    # The long prompt's prefill rows ([~130, 576] float32) go through the shared-memory all-reduce in two pieces.
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea, " * 10]
     _assert_same(_run(1, prompts, quantization="none"), _run(2, prompts, quantization="none"))
 
 
@@ -154,3 +157,24 @@ def test_prompt_logprobs_and_speculative_verification_across_ranks():
         assert two.token_ids == one.token_ids
         for theirs, ours in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
             assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+
+
+def test_shared_memory_all_reduce_in_pieces_gives_every_rank_the_same_sum(tmp_path):
+    """Two ranks as threads over one mapping: tensors of several slots (pieces) and calls alternating regions."""
+    if not shm_all_reduce.available():
+        pytest.skip("the shared-memory all-reduce is x86-64 only")
+    path = shm_all_reduce.create_mapping(2)
+    ranks = [shm_all_reduce.ShmAllReduce(path, r, 2, timeout_s=30) for r in range(2)]
+    os.unlink(path)
+    numel = 2 * shm_all_reduce.SLOT_BYTES // 4 + 5  # three pieces
+    inputs = [[torch.randn(numel, generator=torch.Generator().manual_seed(10 * call + r)) for call in range(3)]
+              for r in range(2)]
+    outputs = [[x.clone() for x in xs] for xs in inputs]
+    threads = [threading.Thread(target=lambda r=r: [ranks[r].all_reduce(x) for x in outputs[r]]) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for call in range(3):
+        assert torch.equal(outputs[0][call], inputs[0][call] + inputs[1][call])
+        assert torch.equal(outputs[1][call], outputs[0][call])

@@ -93,16 +93,17 @@ class ShardedLlama(LlamaForCausalLM):
         with self._failures_named():
             return self.group.gather_vocab(super().compute_logits(hidden), self.vocab_ranges)
 
-    def time_all_reduce(self, numel: int, repeats: int) -> list[float]:
-        """Seconds of each of ``repeats`` all-reduces of ``numel`` float32 over the ranks, as this rank saw them: the
-        communication model the benchmark fits (bench/tp.py). Not counted in ``group.counts``."""
+    def time_all_reduce(self, numel: int, repeats: int, transport: str = "auto") -> list[float]:
+        """Seconds of each of ``repeats`` all-reduces of ``numel`` float32 over the ranks, as this rank saw them, on
+        the group's transport (``transport`` "gloo": on gloo): the communication model the benchmark fits
+        (bench/tp.py). Not counted in ``group.counts``."""
         if self.plan_to is not None:
-            self.plan_to.send("time_all_reduce", numel, repeats)
+            self.plan_to.send("time_all_reduce", numel, repeats, transport)
         payload, seconds = torch.zeros(numel), []
         with self._failures_named():
             for _ in range(repeats):
                 started = time.perf_counter()
-                self.group.all_reduce(payload, counted=False)
+                self.group.all_reduce(payload, counted=False, transport=transport)
                 seconds.append(time.perf_counter() - started)
         return seconds
 

@@ -105,14 +105,14 @@ class RankWorkers:
         pending = {rank for rank in range(1, len(self.procs) + 1)}
         while pending:
             pending = {r for r in pending if not store.check([f"ready/{r}"])}
-            self._raise_if_exited("while loading its shard")
+            self.raise_if_exited("while loading its shard")
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"ranks {sorted(pending)} not ready after {READY_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
 
     def send(self, method: str, *args) -> None:
         """Tell every worker to run ``method(*args)`` on its shard, as rank 0 is about to."""
-        self._raise_if_exited("before the step")
+        self.raise_if_exited("before the step")
         for proc in self.procs:
             try:
                 write_message(proc.stdin, (method, *args))
@@ -129,7 +129,7 @@ class RankWorkers:
                 raise
             raise self._failure(f"during a collective ({err})") from err
 
-    def _raise_if_exited(self, when: str) -> None:
+    def raise_if_exited(self, when: str) -> None:
         if any(proc.poll() is not None for proc in self.procs):
             raise self._failure(when)
 
@@ -183,7 +183,9 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
     try:
         model = ShardedLlama.for_rank(config, model_config, state_dict, shards[0])
         workers.wait_ready(store)
-        model.shard_over(TensorParallelGroup(store, 0, size), shards)
+        group = TensorParallelGroup(store, 0, size)
+        group.watch(lambda: workers.raise_if_exited("during a collective"))
+        model.shard_over(group, shards)
     except BaseException:
         workers.close()
         raise
