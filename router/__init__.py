@@ -20,6 +20,8 @@ as text, over gRPC (``grpc_api.py``) and the OpenAI-compatible HTTP API (``opena
   ``middleware.py`` its middleware, ``requests.py`` / ``chat_requests.py`` what it accepts, ``fields.py`` how
   strictly, ``responses.py`` what it answers, ``errors.py`` its errors, ``format.py`` router outputs ->
   responses and stream chunks, ``tool_calls.py`` tool calls in generated text);
+- ``shadow.py``: ``ShadowChecks``, a share of finished answers served again through the other path and compared
+  (``--shadow-check-fraction``, off by default);
 - ``choices.py``: the n choices of one request merged into one stream;
 - ``api_keys.py``: the API-key check both APIs share.
 

@@ -103,6 +103,11 @@ class RouterConfig:
     slo_tpot_s: float = field(default=DEFAULT_TPOT_S, metadata=described(
         "TPOT target: of splitserve_requests_within_slo_total (goodput), and the one hybrid decode pods keep while "
         "they prefill lent prompts (a request may name its own: docs/api.md)."))
+    shadow_check_fraction: float = field(default=0.0, metadata=described(
+        "Share (0 to 1) of finished greedy or seeded requests served a second time, after their answer went out, "
+        "through another path (prefilled on the decode pod if a prefill pod prefilled them, else through a prefill "
+        "pod) and compared token by token: splitserve_router_shadow_checks_total{outcome}, the first differing "
+        "position in splitserve_router_shadow_divergence_position. 0: off."))
     kv_lease_s: float = field(default=KV_LEASE_S, metadata=described(
         "How long a decode pod keeps pushed KV waiting for the router's Decode call."))
     cpus: str = field(default="", metadata=described(
@@ -158,6 +163,8 @@ class RouterConfig:
         for name in ("max_model_len", "pod_ttl_s", "request_timeout_s", "kv_lease_s", "slo_ttft_s", "slo_tpot_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.shadow_check_fraction <= 1:
+            raise ValueError(f"shadow_check_fraction must be in [0, 1], got {self.shadow_check_fraction}")
         if self.conditional_cached_fraction < 0:
             raise ValueError(f"conditional_cached_fraction must be >= 0, got {self.conditional_cached_fraction}")
         self._check_edge()

@@ -12,7 +12,8 @@ way reads through three files, one per concept:
    through the request's detokenizer, and exactly one ``Completion`` at the end, observed in the metrics.
 
 This file ties them together: ``generate`` registers the run, admits and places it, streams it, migrates it when
-its stream breaks, and cleans up however it ends (pod calls cancelled, pushed KV dropped, pod counts released).
+its stream breaks, and cleans up however it ends (pod calls cancelled, pushed KV dropped, pod counts released);
+a finished answer may then be checked by serving it again through another path (``shadow.py``, off by default).
 
 Errors: before any output, ``generate`` raises ``StatusError`` (no pod: UNAVAILABLE; pods full or queues too
 long: RESOURCE_EXHAUSTED; timeout: DEADLINE_EXCEEDED; ...). A pod's own CANCELLED (it was shutting down) is
@@ -46,6 +47,7 @@ from splitserve.router.pods.monitor import PodMonitor
 from splitserve.router.pods.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
 from splitserve.router.policies import LocalPrefill, RoutingPolicy, make_policy
 from splitserve.router.request_run import RequestRun
+from splitserve.router.shadow import ShadowChecks
 from splitserve.runtime.discovery import RegistryKind
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.metrics import RouterMetrics
@@ -71,6 +73,7 @@ class Router:
                                                               config.conditional_cached_fraction,
                                                               config.conditional_prefill_queue_s), hybrid=hybrid)
         self.placement = Placement(config, self.registry, policy, self.pod_clients, self.metrics)
+        self.shadow_checks = ShadowChecks(config, self.registry, self.pod_clients, self.metrics)
         self._runs: dict[str, RequestRun] = {}
         self._background: set[asyncio.Task] = set()  # Aborts sent to pods for requests already ended
 
@@ -84,6 +87,7 @@ class Router:
     async def stop(self) -> None:
         for request_id in list(self._runs):  # requests still running end as aborted
             await self.abort(request_id)
+        await self.shadow_checks.stop()
         await self.registry.stop()
         await self.pod_clients.close()
         self.intake.close()
@@ -175,6 +179,8 @@ class Router:
                 req.samples.share(None)  # refused before it placed: the other samples go on their own
             if run.finish_reason in (None, FinishReason.ABORT):
                 self._drop_pushed_kv(run)
+            elif run.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self.shadow_checks.consider(run)
             run.release_holds()
             if run.first_token_at is None:
                 placement.num_pending -= 1

@@ -12,6 +12,8 @@
 - ``kv_codecs.py``: the KV codecs' names, what the router asks for and what a decode pod accepts;
 - ``metrics.py``: every Prometheus series, defined once (vLLM's names under ``splitserve_``);
 - ``roles.py``: ``Role`` (prefill, decode, mixed, router);
+- ``service_level.py``: the default TTFT and TPOT targets, defined once for the router, the pods, the planner
+  and the chart;
 - ``errors.py``: ``StatusError``, the one error model (a gRPC status and a message);
 - ``transport.py``: gRPC servers and channels, with one set of options and optional (mutual) TLS;
 - ``logs.py``: the one logging setup.

@@ -34,6 +34,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # KV transfers are short (milliseconds on loopback), so they get TTFT's fine low end.
 KV_TRANSFER_BUCKETS = TTFT_BUCKETS
+SHADOW_POSITION_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # output token index
 # Tokens in one engine step (vLLM's vllm:iteration_tokens_total).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Prompt and output lengths of a request (vLLM's 1-2-5 buckets, up to a long context).
@@ -208,7 +209,8 @@ class RouterMetrics(ServingMetrics):
         super().__init__("router", model_name, registry)
         counter = self._labelled_counter
         self.routing_decisions = counter("router_routing_decisions_total", "Requests placed, by how: "
-                                         "'disaggregated' (prefill pod + decode pod) or 'prefill_on_decode'.",
+                                         "'disaggregated' (prefill pod + decode pod), 'prefill_on_decode' or 'split' "
+                                         "(a prefix on the prefill pod, the rest on the decode pod).",
                                          ("decision",))
         self.pod_requests = counter("router_pod_requests_total", "Requests sent to each pod.", POD_LABELS[2:])
         self.retries = counter("router_retries_total", "Requests retried on other pods before their first token, "
@@ -222,6 +224,12 @@ class RouterMetrics(ServingMetrics):
                                         "Requests moved to another decode pod after theirs failed mid-stream.")
         self.requests_within_slo = self._counter("requests_within_slo_total", "Finished requests that met both the "
                                                  "TTFT and the TPOT target (--slo-ttft-s, --slo-tpot-s): goodput.")
+        self.shadow_checks = counter("router_shadow_checks_total", "Greedy or seeded answers served again through "
+                                     "another path and compared (--shadow-check-fraction), by outcome: match, "
+                                     "diverged (other tokens), failed (the second run did not finish).", ("outcome",))
+        self.shadow_divergence_position = self._histogram(
+            "router_shadow_divergence_position", "Output position of the first token a shadow check found different.",
+            SHADOW_POSITION_BUCKETS)
         gauge = self._pod_gauge
         self.pod_healthy = gauge("router_pod_healthy", "1 while the router routes to the pod (its health serves).")
         self.pod_running = gauge("router_pod_running_requests", "Requests running on the pod, as it last reported.")

@@ -61,6 +61,7 @@ class UpConfig:
         "Redis registry: expiry of each pod's key (the pods heartbeat three times per TTL)."))
     pod_ttl_s: float = passed_to(RouterConfig, name="pod_ttl_s")
     decode_pod_wait_s: float = passed_to(RouterConfig, name="decode_pod_wait_s")
+    shadow_check_fraction: float = passed_to(RouterConfig, name="shadow_check_fraction")
     prometheus: bool = field(default=True, metadata=described("Start Prometheus scraping every process, if installed."))
     prometheus_port: int = field(default=9090, metadata=described("Prometheus web port."))
     # What each pod's engine gets (PodConfig's defaults and help, passed as its flags): the colocated baseline is

@@ -276,6 +276,13 @@ def router() -> Dashboard:
                       "waited for a decode pod: {{outcome}}")],
                 "KV load outcomes on decode pods: loaded, recomputed (kv_load_failure_policy recompute, or a split "
                 "prefill's expired prefix), failed; requests that waited for a decode pod (decode_pod_wait_s)."))
+            .with_panel(panel("Shadow checks", "reqps", [
+                Query(rate("splitserve_router_shadow_checks_total", "outcome"), "{{outcome}}")],
+                "Answers served again through the other path and compared (--shadow-check-fraction): match, diverged "
+                "(with a lossless KV codec, a wrong answer served), failed (the second run did not finish)."))
+            .with_panel(panel("First diverging position", "short",
+                              quantiles("splitserve_router_shadow_divergence_position"),
+                              "Output token index where a diverged shadow check first differed from the answer served."))
             .build())
 
 

@@ -38,7 +38,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model,
               pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]
 
 RATE_INTERVAL = "2m"
-EVENT_PANELS = {"Retries", "KV transfer failures and migrations"}
+EVENT_PANELS = {"Retries", "KV transfer failures and migrations",
+                "Shadow checks", "First diverging position"}  # shadow checks are off by default
 PROMPTS = [
     "The capital of France is",
     "def add(a, b):",

@@ -1,0 +1,79 @@
+"""Answers checked while serving (issue 35, router/shadow.py): with --shadow-check-fraction a finished greedy answer
+is served again through the other path, off the client's path, and compared token by token.
+
+On the real router with fake pods (tests/test_router_flow.py's): the other path is taken and counted, and nothing
+happens when the option is off. With real pod processes of the tiny model: a lossless codec matches, a 2-bit KV
+codec's answers diverge and their first differing positions are recorded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from splitserve.router.shadow import first_divergence
+from tests.reliability.live_cluster import TINY, prompts, router_counter, stream, wait_until
+from tests.test_router_flow import LONG_PROMPT, SHORT_PROMPT, eventually, generate_all, run, running_cluster, sample
+
+CHECKS = "splitserve_router_shadow_checks_total"
+
+
+def test_first_divergence_is_the_first_position_that_differs_or_where_the_second_run_stopped():
+    assert first_divergence([5, 6, 7], [5, 6, 7]) is None
+    assert first_divergence([5, 6, 7], [5, 9, 7]) == 1
+    assert first_divergence([5, 6, 7], [5, 6]) == 2
+    assert first_divergence([5, 6], [5, 6, 7]) is None  # served fewer (a stop string the pods do not apply)
+
+
+@pytest.mark.parametrize("prompt, served_by, checked_by", [(LONG_PROMPT, "prefill and decode pod", "decode pod"),
+                                                          (SHORT_PROMPT, "decode pod", "prefill and decode pod")])
+def test_a_greedy_answer_is_served_again_through_the_other_path_and_matches(prompt, served_by, checked_by):
+    async def scenario():
+        async with running_cluster(shadow_check_fraction=1.0) as env:
+            req, _, done = await generate_all(env.router, prompt, max_tokens=5, temperature=0.0)
+            assert done.finish_reason == "length"
+            await eventually(lambda: sample(env.router, CHECKS, outcome="match") == 1)
+            shadow_id = f"shadow-{req.request_id}"
+            prefill_calls = [call for call in env.prefill[0].calls if call[1] == shadow_id]
+            decode_calls = [call for call in env.decode[0].calls if call[1] == shadow_id]
+            if checked_by == "decode pod":  # the original's prefill pod is left out: D prefills it
+                assert (prefill_calls, decode_calls) == ([], [("Decode", shadow_id, None)])
+            else:
+                assert [call[0] for call in prefill_calls + decode_calls] == ["Prefill", "Decode"]
+                assert decode_calls[0][2] is not None  # D claimed the KV P pushed, with P's first token
+            assert sum(sample(env.router, "splitserve_router_routing_decisions_total", decision=d)
+                       for d in ("disaggregated", "prefill_on_decode", "split")) == 1  # the check is no request
+    run(scenario())
+
+
+def test_off_by_default_and_never_for_sampled_answers():
+    async def scenario():
+        async with running_cluster() as env:
+            await generate_all(env.router, LONG_PROMPT, max_tokens=5, temperature=0.0)
+        async with running_cluster(shadow_check_fraction=1.0) as env:
+            await generate_all(env.router, LONG_PROMPT, max_tokens=5, temperature=0.8)  # no seed: not replayable
+            await asyncio.sleep(0.3)
+            for outcome in ("match", "diverged", "failed"):
+                assert sample(env.router, CHECKS, outcome=outcome) == 0
+            assert not [call for pod in env.decode + env.prefill for call in pod.calls if call[1].startswith("shadow")]
+    run(scenario())
+
+
+@pytest.mark.parametrize("codec, diverges", [("none", False), ("kivi2", True)])
+def test_real_pods_match_with_a_lossless_codec_and_a_lossy_ones_divergences_are_placed(tmp_path, start_cluster, codec,
+                                                                                        diverges):
+    cluster = start_cluster(tmp_path, **{**TINY, "kv_codec": codec, "shadow_check_fraction": 1.0,
+                                         "conditional_prefill_threshold": 8})
+    try:
+        for checked, prompt in enumerate(prompts(6, 48, seed=35)):
+            assert stream(cluster, prompt, 24).finish == "FINISH_REASON_LENGTH"
+            # One check runs at a time: wait for this one, so that the next request is checked too.
+            wait_until(lambda n=checked: sum(router_counter(cluster, CHECKS, outcome=o)
+                                             for o in ("match", "diverged", "failed")) > n, 30, "the shadow check")
+        counts = {o: router_counter(cluster, CHECKS, outcome=o) for o in ("match", "diverged", "failed")}
+        assert counts["failed"] == 0 and counts["match"] + counts["diverged"] == 6, counts
+        assert (counts["diverged"] > 0) == diverges, counts
+        positions = router_counter(cluster, "splitserve_router_shadow_divergence_position_count")
+        assert positions == counts["diverged"]
+    finally:
+        cluster.stop()
