@@ -1,7 +1,8 @@
 """Running a rendered release: each Deployment's container started as its manifest says, on loopback.
 
     release = RenderedRelease(objects, secrets, workdir)   the chart's rendered objects; Secrets by name -> key -> value
-                           (image_kernels=False: an image built on another CPU, whose pods compile their own)
+                           (image_kernels=False: an image built on another CPU, whose pods compile their own;
+                           image_root: a built image's root filesystem, e.g. `buildah mount`'s, to run instead)
     release.start()        every Deployment's pod (one each: replicas are not multiplied)
     release.wait_ready()   runs each container's startupProbe, then its readinessProbe, as rendered, until all pass
     release.address(service, port_name)   where a Service's port leads: the pod's address and container port
@@ -18,7 +19,7 @@ the container's uid, the host's root bound read-only, the volumes bound over it.
 What stands in for the cluster:
 - the splitserve image is this checkout: deploy/Dockerfile's ENV, with its virtual environment ``/opt/venv`` being
   the checkout's ``.venv`` and its kernel cache ``/opt/splitserve/kernels`` the host's (read-only; or none, as
-  in an image built on another CPU); Redis's image
+  in an image built on another CPU), or, given ``image_root``, the built image itself; Redis's image
   is the host's ``redis-server`` (the image's entrypoint takes the args);
 - a pod's IP is a loopback address of its own (127.77.0.n), and a listener the manifest binds to 0.0.0.0
   (``--host 0.0.0.0``) binds to it instead, as a pod's network namespace would keep it apart (Redis also listens
@@ -109,10 +110,10 @@ class Pod:
 
 class RenderedRelease:
     def __init__(self, objects: list[dict], secrets: dict[str, dict[str, str]], workdir: Path,
-                 image_kernels: bool = True):
+                 image_kernels: bool = True, image_root: str = ""):
         if BWRAP is None:
             raise RuntimeError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
-        self.workdir, self.secrets, self.image_kernels = workdir, secrets, image_kernels
+        self.workdir, self.secrets, self.image_kernels, self.image_root = workdir, secrets, image_kernels, image_root
         deployments = [o for o in objects if o["kind"] == "Deployment"]
         self.pods = {d["metadata"]["name"]: Pod(d["metadata"]["name"], f"127.77.0.{n}", d["spec"]["template"]["spec"],
                                                 d["spec"]["template"]["metadata"]["labels"])
@@ -173,16 +174,24 @@ class RenderedRelease:
         assert context.get("readOnlyRootFilesystem"), f"{pod.name}: a writable root is not emulated"
         mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
         outermost = [m for m in mounts if not any(Path(o) in Path(m).parents for o in mounts)]  # nested: in a volume
-        root, made = _host_root([*outermost, "/opt/venv", "/opt/splitserve/kernels"])
+        image = self.image_root if "splitserve" in container["image"] else ""
+        # a built image's root: bound writable only until its volumes' mount points are made, then read-only
+        root, made = (["--bind", image, "/"], ["/"]) if image else \
+            _host_root([*outermost, "/opt/venv", "/opt/splitserve/kernels"])
         args = [BWRAP, *root, "--dev", "/dev", "--tmpfs", "/dev/shm", "--proc", "/proc",
                 "--unshare-user", "--uid", str(context["runAsUser"]), "--gid", str(context.get("runAsGroup",
                                                                                                context["runAsUser"])),
                 "--die-with-parent"]
         if "splitserve" in container["image"]:
-            args += ["--ro-bind", str(VENV), "/opt/venv", "--chdir", "/tmp"]
+            args += ["--chdir", "/tmp"]
+        if "splitserve" in container["image"] and not image:
+            args += ["--ro-bind", str(VENV), "/opt/venv"]
             kernels = Path.home() / ".cache" / "splitserve"
             if self.image_kernels and kernels.is_dir():  # what the image's build compiled (read-only, as there)
                 args += ["--ro-bind", str(kernels), "/opt/splitserve/kernels"]
+        elif image and not self.image_kernels:  # the image's build hidden, as from a build machine of another CPU
+            args += ["--tmpfs", "/opt/splitserve/kernels"]
+            made.append("/opt/splitserve/kernels")  # empty and read-only, as the image's folder would be
         volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
         for mount in container.get("volumeMounts", []):
             volume = volumes[mount["name"]]

@@ -1,5 +1,6 @@
-"""The image's Dockerfile: hadolint-clean, and it copies every package the project installs (this machine has no
-container daemon, so the image itself is not built here; see deploy/README.md)."""
+"""The image's Dockerfile: hadolint-clean, it copies every package the project installs, its CUDA build carries CUDA
+once, and its kernel cache is where the chart mounts one (CI has no container builder: deploy/README.md says how the
+image was built with buildah and run by test_rendered_release.py)."""
 
 from __future__ import annotations
 

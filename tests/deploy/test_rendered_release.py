@@ -6,11 +6,13 @@ whose kernels were built for another CPU (the pods compile theirs on the read-on
 them, the chart's sized kernel cache).
 
 The model is the tiny random one (the chart's model.name: built in code, nothing to load) and the KV pools are
-small; every other value is the chart's default or the case's.
+small; every other value is the chart's default or the case's. With SPLITSERVE_TEST_IMAGE_ROOT set to a built
+image's root filesystem (``buildah mount``), the pods run the image instead of this checkout (deploy/README.md).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import ssl
 import time
@@ -50,7 +52,8 @@ def test_a_rendered_release_answers_a_completion_through_its_service(chart, case
         secrets["splitserve-tls"] = _tls_secret(tmp_path)
     rendered = objects(chart, values)
     assert any(o["kind"] == "NetworkPolicy" for o in rendered)
-    release = RenderedRelease(rendered, secrets, tmp_path / "pods", image_kernels=case != "tls")
+    release = RenderedRelease(rendered, secrets, tmp_path / "pods", image_kernels=case != "tls",
+                              image_root=os.environ.get("SPLITSERVE_TEST_IMAGE_ROOT", ""))
     release.start()
     try:
         release.wait_ready(timeout_s=240)
