@@ -113,6 +113,14 @@ def test_tiny_random_tp_matches_tp1(tiny_tp1, tp):
     _assert_same(tiny_tp1, _run(tp, TINY_PROMPTS, model="tiny-random"))
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_split_on_block_boundaries(quantization):
+    """Weights kept in quantized blocks (int8: one scale per output channel; int4: scale and minimum per block of
+    32) split on block boundaries and give TP 1's products: the same tokens, logits within 1e-4."""
+    reference = _run(1, TINY_PROMPTS, model="tiny-random", quantization=quantization)
+    _assert_same(reference, _run(2, TINY_PROMPTS, model="tiny-random", quantization=quantization))
+
+
 @pytest.mark.model
 def test_smollm2_tp2_matches_tp1_in_float32():
     # The long prompt's prefill rows ([~130, 576] float32) go through the shared-memory all-reduce in two pieces.
