@@ -8,8 +8,10 @@ A prefill pod calls ``KVTransfer.Handshake`` once per (decode pod, codec) before
                    or the codec it does not accept
               -> HandshakeResponse(its layout, accepted codecs, its compat hash)
 
-KV is interchangeable when the model and its attention shape agree: model name, layers, KV heads, head dim
-(``COMPAT_FIELDS``, digested into ``compat_hash``). Block size and cache dtype may differ: chunks address tokens,
+KV is interchangeable when the model, its weights and its attention shape agree: model name, layers, KV heads, head
+dim and the weights' fingerprint (``COMPAT_FIELDS``, digested into ``compat_hash``; ``weights_fingerprint``: a digest
+of the checkpoint the weights came from, so that pods of one shape loaded from other weights, a fine-tune or another
+revision, refuse each other). Block size and cache dtype may differ: chunks address tokens,
 not blocks, and the receiver converts dtypes. The weights' format (``quantization``) may differ too: each side
 learns the other's from the handshake and says so in its log, since answers may then differ from a single-format
 deployment's (docs/quantization.md). Each push's header repeats the hash, which catches a decode pod restarted with
@@ -24,17 +26,20 @@ import hashlib
 import logging
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
 import grpc
 
+from splitserve.engine.text.tokenizer_files import resolve_model_name
 from splitserve.runtime.errors import StatusError
 from splitserve.v1 import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
 
-COMPAT_FIELDS = ("model_name", "num_layers", "num_kv_heads", "head_dim")
-_COMPAT_HASH_VERSION = "splitserve-kv-v1"  # bump when the digest's input changes
+COMPAT_FIELDS = ("model_name", "num_layers", "num_kv_heads", "head_dim", "weights_fingerprint")
+_COMPAT_HASH_VERSION = "splitserve-kv-v2"  # bump when the digest's input changes
+FINGERPRINT_SAMPLE_BYTES = 1 << 16  # read from each end of each weights file: a different checkpoint differs there
 BOOT_ID = uuid.uuid4().hex  # this process's: new at every start, so a peer tells a restarted pod from the one it knew
 
 
@@ -49,6 +54,7 @@ class KVLayout:
     block_size: int
     cache_dtype: str  # "float32", "bfloat16", "float16"
     quantization: str = "none"  # the weights' format (engine/config.py QUANTIZATIONS); not in the compat hash
+    weights_fingerprint: str = ""  # ``weights_fingerprint()`` of the checkpoint; in the compat hash
 
     @classmethod
     def of_engine(cls, engine) -> "KVLayout":
@@ -56,24 +62,46 @@ class KVLayout:
         model = engine.model_config
         cache = engine.config.cache
         return cls(model.name, model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
-                   cache.cache_dtype, engine.config.quantization)
+                   cache.cache_dtype, engine.config.quantization,
+                   weights_fingerprint(engine.config.model, engine.config.seed))
 
     @classmethod
     def from_proto(cls, message: kv_transfer_pb2.KVLayout) -> "KVLayout":
         return cls(message.model_name, message.num_layers, message.num_kv_heads, message.head_dim,
-                   message.block_size, message.cache_dtype, message.quantization)
+                   message.block_size, message.cache_dtype, message.quantization, message.weights_fingerprint)
 
     def to_proto(self) -> kv_transfer_pb2.KVLayout:
         return kv_transfer_pb2.KVLayout(model_name=self.model_name, num_layers=self.num_layers,
                                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                         block_size=self.block_size, cache_dtype=self.cache_dtype,
-                                        quantization=self.quantization)
+                                        quantization=self.quantization,
+                                        weights_fingerprint=self.weights_fingerprint)
 
     @property
     def compat_hash(self) -> str:
         """Hex digest of ``COMPAT_FIELDS``: equal hashes, interchangeable KV."""
         text = "\n".join([_COMPAT_HASH_VERSION, *(f"{name}={getattr(self, name)}" for name in COMPAT_FIELDS)])
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def weights_fingerprint(model: str, seed: int = 0) -> str:
+    """A digest of the checkpoint ``model`` names (engine/weights/model_files.py's names), the same in every format
+    its weights are kept in: each weights file's name, size and first and last ``FINGERPRINT_SAMPLE_BYTES`` (a
+    whole-file hash would read hundreds of megabytes at every start); the seed of a random-weight model."""
+    kind, path = resolve_model_name(model)
+    digest = hashlib.sha256(f"{kind}\n".encode())
+    if path is None:
+        digest.update(f"seed={seed}".encode())
+        return digest.hexdigest()[:16]
+    files = [path] if path.is_file() else sorted(p for p in Path(path).iterdir() if p.suffix in (".safetensors", ".bin"))
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}\n".encode())
+        with file.open("rb") as weights:
+            digest.update(weights.read(FINGERPRINT_SAMPLE_BYTES))
+            weights.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES))
+            digest.update(weights.read(FINGERPRINT_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
 
 
 def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, codec: str,

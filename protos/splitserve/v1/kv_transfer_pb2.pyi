@@ -17,7 +17,7 @@ KV_KIND_KEY: KVKind
 KV_KIND_VALUE: KVKind
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype", "quantization")
+    __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype", "quantization", "weights_fingerprint")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class KVLayout(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_layers: int
     num_kv_heads: int
@@ -32,7 +33,8 @@ class KVLayout(_message.Message):
     block_size: int
     cache_dtype: str
     quantization: str
-    def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    weights_fingerprint: str
+    def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("layout", "compat_hash", "codec", "boot_id", "host_id")
