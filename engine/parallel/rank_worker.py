@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
 
     from splitserve.engine.parallel.layout import plan_shards
     from splitserve.engine.parallel.process_group import TensorParallelGroup, open_store
-    from splitserve.engine.parallel.sharded_model import ShardedLlama
+    from splitserve.engine.parallel.sharded_model import ShardedLlama, metadata_from_plan
     from splitserve.engine.parallel.workers import rank_kv_cache, read_message
     from splitserve.engine.weights.model_files import load_model_files
 
@@ -56,8 +56,9 @@ def main(argv: list[str]) -> None:
         while (message := read_message(stdin)) is not None and message[0] != "close":
             method, *args = message
             if method == "forward":
-                input_ids, positions, attn_metadata = args
-                model(input_ids, positions, kv_cache, attn_metadata)
+                input_ids, positions, plan = args
+                as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=config.device)  # noqa: E731
+                model(as_tensor(input_ids), as_tensor(positions), kv_cache, metadata_from_plan(plan, config.device))
             elif method in ("compute_logits", "time_all_reduce"):
                 getattr(model, method)(*args)
             else:

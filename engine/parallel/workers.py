@@ -11,8 +11,9 @@ rank 0: it owns the scheduler, the block manager and the sampler, and holds shar
 2. loads its own shard while they load theirs, waits until each says ready (a rank that exits meanwhile fails the
    start, naming it), and joins the gloo group with them;
 3. then, every step, writes the call its model is about to run (``forward`` with the step's token ids, positions and
-   attention metadata, or ``compute_logits`` with the rows to score) to each worker's stdin, length-prefixed pickles
-   in the order they are run, and runs it itself: the ranks meet in the step's collectives;
+   the lists its attention metadata is built from, or ``compute_logits`` with the rows to score) to each worker's
+   stdin, length-prefixed pickles in the order they are run, and runs it itself: the ranks meet in the step's
+   collectives;
 4. stops them when the model is garbage-collected or ``close``d: a ``close`` message, then a kill after a grace
    period. A worker also exits when its stdin closes and dies with rank 0 (``PR_SET_PDEATHSIG``): no orphan holds
    cores after the engine.
