@@ -121,6 +121,11 @@ def _layer(layer: DecoderLayer, w: Bf16Layer, x: torch.Tensor, rotary: StepRotar
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] float32 @ weight^T (bf16 [out, in]) -> [rows, out] float32: a bf16 product, accumulated in
-    float32 by oneDNN, whose bf16 output is widened; the bias added in float32."""
-    y = F.linear(x.to(torch.bfloat16), weight).float()
+    float32 by oneDNN, whose bf16 output is widened; the bias added in float32.
+
+    oneDNN sums a many-row product's every row in one order, whatever its place among the rows, but a one-row
+    product (a matrix-vector path) in another: so a single row is computed as two, and a prompt position's bits do
+    not depend on its chunking (a prefix-cache hit's last token, a 1-token last chunk)."""
+    rows = x.to(torch.bfloat16)
+    y = (F.linear(rows, weight) if len(rows) != 1 else F.linear(rows.expand(2, -1), weight)[:1]).float()
     return y if bias is None else y.add_(bias)

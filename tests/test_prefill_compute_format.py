@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kernels.cpu_features import matrix_features, parse_cpuinfo, prefill_compute_dtype
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.model import LlamaForCausalLM
@@ -140,3 +140,28 @@ def test_engine_reports_the_resolved_format():
 
     assert LLM(model="tiny-random", num_blocks=16).engine.prefill_compute == "float32"
     assert LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="bfloat16").engine.prefill_compute == "bfloat16"
+
+
+def test_a_prompt_position_has_the_same_bits_however_the_prompt_is_chunked():
+    """A one-row product takes oneDNN's matrix-vector path, which sums in another order: bf16 prefill computes a
+    single row as two, so a prefix-cache hit's last token or a 1-token last chunk gets a whole prefill's bits."""
+    config = ModelConfig(vocab_size=1000, hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9,
+                         num_kv_heads=3, max_position_embeddings=1024)  # SmolLM2's layer shapes
+    model = LlamaForCausalLM.from_state_dict(config, random_state_dict(config, 0), prefill_compute_dtype="bfloat16")
+    n, table = 300, list(range(20))
+    for seed in range(4):
+        tokens = torch.randint(5, 990, (n,), generator=torch.Generator().manual_seed(seed))
+        runs = []
+        for chunks in ([n], [n - 1, 1], [1, n - 1], [128, 171, 1]):
+            cache, start, hidden = PagedKVCache(config, 20, 16, "float16"), 0, []
+            for size in chunks:
+                meta = AttentionMetadata.build([size], [start + size], [table], 16,
+                                               one_row_prefills=frozenset({0}) if size == 1 else frozenset())
+                hidden.append(model(tokens[start: start + size], torch.arange(start, start + size), cache, meta))
+                start += size
+            runs.append((torch.cat(hidden), cache))
+        (whole, whole_cache), *others = runs
+        for hidden, cache in others:
+            assert torch.equal(hidden, whole)
+            assert all(torch.equal(a, b) for a, b in zip(cache.k_blocks + cache.v_blocks,
+                                                         whole_cache.k_blocks + whole_cache.v_blocks))
