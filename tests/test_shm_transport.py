@@ -347,8 +347,11 @@ def test_a_sigtermed_prefill_pod_under_load_loses_no_request_whose_kv_it_had_sta
         for thread in calls:
             thread.start()
         deadline = time.monotonic() + 30
-        while (load := cluster.load(cluster.decode)).free_kv_blocks == load.total_kv_blocks:  # KV on its way
-            assert time.monotonic() < deadline, "no push reached the decode pod"
+        # SIGTERM once the pod holds every prompt (a call still on its way would be refused, and rightly so) and
+        # KV is on its way; the 64-token step budget keeps the six prefills running for dozens of steps.
+        while (load := cluster.load(cluster.prefill)).num_running + load.num_waiting < len(prompts) or (
+                (decode := cluster.load(cluster.decode)).free_kv_blocks == decode.total_kv_blocks):
+            assert time.monotonic() < deadline and not outcomes, f"not every prompt was in flight at once: {load}"
             time.sleep(0.005)
         cluster.prefill.popen.send_signal(signal.SIGTERM)
         for thread in calls:
