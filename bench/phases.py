@@ -81,6 +81,9 @@ class PhasesConfig(FiguresOutput):
     steps: int = field(default=16, metadata=described("Decode steps timed per point (median kept)."))
     repeat: int = field(default=2, metadata=described("Prefills per prompt length (best kept)."))
     cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=described("The KV cache's dtype."))
+    prefill_compute_dtype: str = field(default=EngineConfig.prefill_compute_dtype, metadata=described(
+        "What prefill's products compute in (float32, bfloat16, auto), as a pod's flag: the steps measured, and so "
+        "the --profile-out fit, are that format's."))
     seed: int = field(default=0, metadata=described("Seeds the prompts and torch."))
     machine_rounds: int = field(default=3, metadata=described(
         "Rounds of the peak and bandwidth measurements, before and after (best kept)."))
@@ -115,7 +118,7 @@ def run(config: PhasesConfig, log=print) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     elem_bytes = engine.runner.kv_cache.element_size
     log(f"{cfg.name}: {cfg.num_layers} layers, {weight_bytes / 1e6:.0f} MB of weights, KV cache {config.cache_dtype} "
-        f"({kv_bytes_per_token(cfg, elem_bytes)} bytes per token)")
+        f"({kv_bytes_per_token(cfg, elem_bytes)} bytes per token), prefill computes in {engine.prefill_compute}")
     rng = random.Random(config.seed)
     prompt_lens = [n for n in config.prompt_lens if n < engine.max_model_len]
     skipped = sorted(set(config.prompt_lens) - set(prompt_lens))
@@ -144,7 +147,7 @@ def run(config: PhasesConfig, log=print) -> dict:
     return {"model": cfg.name, "config": dataclasses.asdict(config),
             "machine": {"matmul_gflops": peak, "read_gbps": read, "matmul_gflops_before": peak_before,
                         "read_gbps_before": read_before, "ridge_flop_per_byte": peak / read},
-            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
+            "prefill_compute": engine.prefill_compute, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
             "prefill": prefill, "decode": decode, "threads": torch.get_num_threads(),
             "prefill_steps": {n: [list(step) for step in steps] for n, steps in prefill_steps.items()}}
 
@@ -159,7 +162,8 @@ def _engine(config: PhasesConfig) -> LLMEngine:
     num_blocks = max(decode_blocks, blocks_per_seq(max(config.prompt_lens) + 2)) + 16
     cache = CacheConfig(num_blocks=num_blocks, cache_dtype=config.cache_dtype)
     scheduler = SchedulerConfig(max_num_seqs=max(SchedulerConfig().max_num_seqs, max(config.batches)))
-    return LLMEngine(EngineConfig(model=config.model, seed=config.seed, cache=cache, scheduler=scheduler))
+    return LLMEngine(EngineConfig(model=config.model, seed=config.seed, cache=cache, scheduler=scheduler,
+                                  prefill_compute_dtype=config.prefill_compute_dtype))
 
 
 def _prompt(rng: random.Random, cfg: ModelConfig, length: int) -> list[int]:

@@ -54,8 +54,10 @@ def test_phases_bench_measures_both_phases_against_the_machine(tmp_path, capsys)
     out, png, profile_path = tmp_path / "phases.json", tmp_path / "phases.png", tmp_path / "profile.json"
     phases.main(["--model", "tiny-random", "--prompt-lens", "64,600", "--batches", "1,4", "--contexts", "32,128",
                  "--steps", "3", "--repeat", "1", "--machine-rounds", "1", "--json", str(out), "--plot", str(png),
-                 "--threads", "1", "--profile-out", str(profile_path), "--profile-note", "test"])
+                 "--threads", "1", "--profile-out", str(profile_path), "--profile-note", "test",
+                 "--prefill-compute-dtype", "bfloat16"])
     results = json.loads(out.read_text())
+    assert results["prefill_compute"] == "bfloat16"  # the steps measured, and the profile fitted, are bf16 prefill's
     machine = results["machine"]
     assert machine["matmul_gflops"] > 0 and machine["read_gbps"] > 0
     assert machine["ridge_flop_per_byte"] == pytest.approx(machine["matmul_gflops"] / machine["read_gbps"])
