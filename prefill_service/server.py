@@ -154,6 +154,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             metrics.kv_transfer_time.observe(stats.exposed_transfer_seconds)
             metrics.transfer_bytes(stats.codec).inc(stats.bytes_sent)
             metrics.transfer_raw_bytes(stats.codec).inc(stats.raw_bytes)
+            metrics.transfer_done(stats.transport)
             response.kv_transfer.CopyFrom(stats)
         if event.token_ids:
             response.first_token_id = event.token_ids[0]

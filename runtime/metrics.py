@@ -142,6 +142,10 @@ class PodMetrics(ServingMetrics):
                                              "KV-cache bytes sent, in the cache's dtype before compression "
                                              "(prefill); raw / splitserve_kv_transfer_bytes_total is the "
                                              "compression ratio.", LABELS + ("codec",), registry=self.registry)
+        self.kv_transfers = Counter("splitserve_kv_transfers_total",
+                                    "KV pushes acknowledged, by the way their bytes went: shm (a shared-memory arena, "
+                                    "the decode pod on this host, kvtransfer/shm.py) or grpc (prefill pods).",
+                                    LABELS + ("transport",), registry=self.registry)
         self.kv_transfer_failures = Counter("splitserve_kv_transfer_failures_total",
                                             "KV pushes that failed, by gRPC status code (prefill pods).",
                                             LABELS + ("code",), registry=self.registry)
@@ -173,6 +177,9 @@ class PodMetrics(ServingMetrics):
 
     def transfer_raw_bytes(self, codec: str):
         return self.kv_transfer_raw_bytes.labels(self.role, self.model_name, codec)
+
+    def transfer_done(self, transport: str) -> None:
+        self.kv_transfers.labels(self.role, self.model_name, transport).inc()
 
     def transfer_failed(self, code: str) -> None:
         self.kv_transfer_failures.labels(self.role, self.model_name, code).inc()

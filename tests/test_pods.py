@@ -953,7 +953,9 @@ def counts(pods) -> dict[str, float]:
             "prefix tokens hit": metric(prefill, "splitserve_prefix_cache_hits_total"),
             "raw bytes sent": metric(prefill, "splitserve_kv_transfer_raw_bytes_total", codec="int8"),
             "wire bytes sent": metric(prefill, "splitserve_kv_transfer_bytes_total", codec="int8"),
-            "wire bytes received": metric(decode, "splitserve_kv_transfer_bytes_total", codec="int8")}
+            "wire bytes received": metric(decode, "splitserve_kv_transfer_bytes_total", codec="int8"),
+            # The pods share this host: their pushes go through a shared-memory arena (kvtransfer/shm.py).
+            "pushes through shared memory": metric(prefill, "splitserve_kv_transfers_total", transport="shm")}
 
 
 def test_kv_usage_prefix_hits_and_transfer_bytes_are_what_the_request_did(pods):
@@ -972,7 +974,7 @@ def test_kv_usage_prefix_hits_and_transfer_bytes_are_what_the_request_did(pods):
     assert raw == 40 * 4 * 2 * (2 * 16 * CACHE_BYTES)  # the cache's float16 K and V, every layer
     assert 0.5 <= wire / raw < 0.6  # int8: a byte per element, plus its scales
     assert moved == {"prefix tokens queried": 40, "prefix tokens hit": 32, "raw bytes sent": raw,
-                     "wire bytes sent": wire, "wire bytes received": wire}
+                     "wire bytes sent": wire, "wire bytes received": wire, "pushes through shared memory": 1}
 
 
 def test_a_refused_push_counts_as_a_transfer_failure_by_code(pods):
