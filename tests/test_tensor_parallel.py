@@ -186,3 +186,81 @@ def test_shared_memory_all_reduce_in_pieces_gives_every_rank_the_same_sum(tmp_pa
     for call in range(3):
         assert torch.equal(outputs[0][call], inputs[0][call] + inputs[1][call])
         assert torch.equal(outputs[1][call], outputs[0][call])
+
+
+def _prefilled(engine, request_id: str, prompt: list[int]):
+    seq = engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while seq.num_output_tokens == 0:
+        engine.step()
+    return seq
+
+
+def _prompt_kv(engine, seq) -> torch.Tensor:
+    """[layers, k/v, prompt tokens, Hkv, D] through the cache's interface for code outside the engine."""
+    cache = engine.runner.kv_cache
+    slots = cache.slots(seq.block_table, 0, seq.num_prompt_tokens)
+    return torch.stack([torch.stack([cache.read(layer, kind, slots) for kind in ("k", "v")])
+                        for layer in range(cache.num_layers)])
+
+
+def _continue_from(engine, prompt: list[int], kv: torch.Tensor, first_token: int) -> list[int]:
+    """What the decode pod does with a pushed prompt: reserve, write every layer's K and V, admit, decode."""
+    seq = engine.reserve_for_transfer("pushed", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    cache = engine.runner.kv_cache
+    slots = cache.slots(seq.block_table, 0, len(prompt))
+    for layer in range(cache.num_layers):
+        for i, kind in enumerate(("k", "v")):
+            cache.write(layer, kind, slots, kv[layer, i])
+    engine.admit_prefilled(seq, first_token)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seq.output_token_ids
+
+
+def test_kv_moves_between_engines_of_different_tensor_parallel_sizes():
+    """Outside the engine a TP 2 cache reads and writes every KV head, as TP 1's does: a prompt's KV read from one
+    degree and written into the other continues as TP 1 does (P TP 1 -> D TP 2, P TP 2 -> D TP 1)."""
+    settings = dict(model="tiny-random", cache_dtype="float32", num_blocks=64, enable_prefix_caching=False)
+    one, two = LLM(tensor_parallel_size=1, **settings).engine, LLM(tensor_parallel_size=2, **settings).engine
+    prompt = list(range(3, 40))
+    seq_one, seq_two = _prefilled(one, "a", prompt), _prefilled(two, "a", prompt)
+    kv_one, kv_two = _prompt_kv(one, seq_one), _prompt_kv(two, seq_two)
+    assert kv_two.shape == kv_one.shape  # every KV head, not rank 0's
+    assert (kv_two - kv_one).abs().max().item() <= 1e-5
+    while one.has_unfinished_requests():
+        one.step()
+    reference = seq_one.output_token_ids
+    assert _continue_from(two, prompt, kv_one, reference[0]) == reference
+    assert _continue_from(one, prompt, kv_two, reference[0]) == reference
+    assert two.block_manager.num_free_blocks == two.block_manager.num_blocks
+    del one, two
+    gc.collect()
+
+
+class _LayerReader:
+    """A prefill pod's KV export, reduced to its reads: each layer's K of the step's first sequence, once written."""
+
+    def __init__(self, engine):
+        self.engine, self.keys = engine, []
+
+    def wants(self, batch) -> bool:
+        return True
+
+    def on_layer(self, layer: int, batch) -> None:
+        seq = batch.scheduled[0].seq
+        cache = self.engine.runner.kv_cache
+        self.keys.append(cache.read(layer, "k", cache.slots(seq.block_table, 0, seq.num_prompt_tokens)))
+
+
+def test_per_layer_export_reads_every_head_after_a_tensor_parallel_step():
+    keys = {}
+    for tp in (1, 2):
+        llm = LLM(model="tiny-random", tensor_parallel_size=tp, cache_dtype="float32", num_blocks=64)
+        llm.engine.kv_export = reader = _LayerReader(llm.engine)
+        llm.generate(list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=1))
+        keys[tp] = reader.keys
+        del llm, reader
+        gc.collect()
+    assert len(keys[2]) == len(keys[1]) == 4  # tiny-random's layers, each once
+    for ours, theirs in zip(keys[2], keys[1]):
+        assert ours.shape == theirs.shape and (ours - theirs).abs().max().item() <= 1e-5

@@ -8,8 +8,9 @@ go through shared memory instead (shm_all_reduce.py: microseconds where gloo tak
 on gloo.
 
 The collectives a step runs: one ``all_reduce`` after each row-parallel product (two per layer) and after the
-vocabulary-parallel embedding lookup, and one ``gather_vocab`` of the logits to rank 0. ``CollectiveCounts`` adds up
-their calls, bytes and seconds, which the benchmark reads (bench/tp.py).
+vocabulary-parallel embedding lookup, and one ``gather`` of the logits to rank 0 (and of K or V, when the KV cache is
+read from outside the engine). ``CollectiveCounts`` adds up their calls, bytes and seconds, which the benchmark reads
+(bench/tp.py).
 
 CPU tensors only: NCCL, for CUDA devices, is not built yet (``check_device`` refuses them).
 """
@@ -96,20 +97,19 @@ class TensorParallelGroup:
         if counted:
             self._count(t.numel() * t.element_size(), started)
 
-    def gather_vocab(self, logits: torch.Tensor, vocab: list[tuple[int, int]]) -> torch.Tensor | None:
-        """Each rank's logits [N, its vocabulary rows] -> the full [N, V] on rank 0 (None on the others).
-        ``vocab``: every rank's [start, end) rows; slices of unequal size travel padded to the largest."""
+    def gather(self, t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | None:
+        """Every rank's ``t`` [N, sizes[its rank], ...] on rank 0, in rank order (None on the others): the logits of
+        each rank's vocabulary rows, the K or V of its heads. Smaller ones travel padded to the largest (gloo gathers
+        equal shapes)."""
         started = time.perf_counter()
-        width = max(b - a for a, b in vocab)
-        padded = torch.nn.functional.pad(logits, (0, width - logits.shape[1])).contiguous()
+        width = max(sizes)
+        padded = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])).contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)] if self.rank == 0 else []
         options = dist.GatherOptions()
         options.rootRank = 0
         self._pg.gather([parts] if parts else [], [padded], options).wait()
         self._count(padded.numel() * padded.element_size(), started)
-        if self.rank != 0:
-            return None
-        return torch.cat([part[:, : b - a] for part, (a, b) in zip(parts, vocab)], dim=1)
+        return [part[:, :size] for part, size in zip(parts, sizes)] if self.rank == 0 else None
 
     def _count(self, nbytes: int, started: float) -> None:
         self.counts.calls += 1

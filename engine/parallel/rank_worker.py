@@ -6,8 +6,8 @@ Rank 0 (workers.py) starts it and writes to its stdin, first the ``EngineConfig`
    it when rank 0 dies;
 2. loads the model's files as rank 0 does, keeps its shard (layout.py) and a KV pool of ``BLOCKS`` blocks of its KV
    heads, says ready in the group's store at ``PORT``, and joins the group;
-3. runs each call rank 0 sends (``forward`` over its cache, ``compute_logits``, ``time_all_reduce``) on its
-   shard, meeting the other ranks in the collectives, until ``close`` or the end of its stdin. Any error ends the
+3. runs each call rank 0 sends (``forward`` over its cache, ``compute_logits``, ``time_all_reduce``, the KV
+   cache's ``kv_read`` and ``kv_write``) on its shard, meeting the other ranks in the collectives, until ``close`` or the end of its stdin. Any error ends the
    process (its traceback on stderr): rank 0's next collective then fails and names this rank's exit code.
 """
 
@@ -48,19 +48,27 @@ def main(argv: list[str]) -> None:
     loaded = load_model_files(config.model, seed=config.seed, quantization=config.quantization)
     shards = plan_shards(loaded.config, size)
     model = ShardedLlama.for_rank(config, loaded.config, loaded.state_dict, shards[rank])
-    kv_cache = rank_kv_cache(config, loaded.config, shards[rank], num_blocks)
+    model_config = loaded.config
     del loaded
     store.set(f"ready/{rank}", "1")
-    model.shard_over(TensorParallelGroup(store, rank, size), shards)
+    group = TensorParallelGroup(store, rank, size)
+    model.shard_over(group, shards)
+    kv_cache = rank_kv_cache(config, model_config, shards, group, num_blocks)
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=config.device)  # noqa: E731
     with torch.inference_mode():
         while (message := read_message(stdin)) is not None and message[0] != "close":
             method, *args = message
             if method == "forward":
                 input_ids, positions, plan = args
-                as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=config.device)  # noqa: E731
                 model(as_tensor(input_ids), as_tensor(positions), kv_cache, metadata_from_plan(plan, config.device))
             elif method in ("compute_logits", "time_all_reduce"):
                 getattr(model, method)(*args)
+            elif method == "kv_read":
+                layer, kind, slots = args
+                kv_cache.read(layer, kind, as_tensor(slots))
+            elif method == "kv_write":
+                layer, kind, slots, values = args
+                kv_cache.write(layer, kind, as_tensor(slots), values)
             else:
                 raise ValueError(f"rank {rank}: unknown call {method!r} from rank 0")
 

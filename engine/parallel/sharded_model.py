@@ -13,6 +13,7 @@ forward; four things differ from one process's model:
   decode of all layers: those add the output and down products into the residual stream inside the kernel, where no
   all-reduce can come between.
 
+``layer_done`` (the prefill pod's per-layer KV export) runs for every layer after the step rather than during it.
 Rank 0's model also sends each call to the other ranks before running it (``plan_to``, workers.py), so that they run
 the same step: rank 0 owns the scheduler, and the workers hold no state but their shard and their KV cache.
 """
@@ -86,13 +87,15 @@ class ShardedLlama(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 attn_metadata: AttentionMetadata, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        if layer_done is not None:
-            raise NotImplementedError("streaming a tensor-parallel engine's KV per layer needs every rank's heads; "
-                                      "KV transfer from tensor-parallel pods is not built yet")
         if self.plan_to is not None:
             self.plan_to.send("forward", input_ids.tolist(), positions.tolist(), step_plan(attn_metadata))
         with self._failures_named():
-            return super().forward(input_ids, positions, kv_cache, attn_metadata)
+            hidden = super().forward(input_ids, positions, kv_cache, attn_metadata)
+        # The layers' K/V are read for export once the step is done: a read gathers every rank's heads, which the
+        # other ranks can only join between calls (sharded_kv_cache.py). No overlap with the step, then.
+        for layer in range(self.config.num_layers if layer_done is not None else 0):
+            layer_done(layer)
+        return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: input_ids [T] (the full vocabulary's) -> [T, H], summed over the ranks."""
@@ -107,7 +110,8 @@ class ShardedLlama(LlamaForCausalLM):
         if self.plan_to is not None:
             self.plan_to.send("compute_logits", hidden)
         with self._failures_named():
-            return self.group.gather_vocab(super().compute_logits(hidden), self.vocab_ranges)
+            parts = self.group.gather(super().compute_logits(hidden), [b - a for a, b in self.vocab_ranges])
+        return None if parts is None else torch.cat(parts, dim=1)
 
     def time_all_reduce(self, numel: int, repeats: int, transport: str = "auto") -> list[float]:
         """Seconds of each of ``repeats`` all-reduces of ``numel`` float32 over the ranks, as this rank saw them, on

@@ -11,9 +11,9 @@ rank 0: it owns the scheduler, the block manager and the sampler, and holds shar
 2. loads its own shard while they load theirs, waits until each says ready (a rank that exits meanwhile fails the
    start, naming it), and joins the gloo group with them;
 3. then, every step, writes the call its model is about to run (``forward`` with the step's token ids, positions and
-   the lists its attention metadata is built from, or ``compute_logits`` with the rows to score) to each worker's
-   stdin, length-prefixed pickles in the order they are run, and runs it itself: the ranks meet in the step's
-   collectives;
+   the lists its attention metadata is built from, or ``compute_logits`` with the rows to score; and the KV cache's
+   ``kv_read`` and ``kv_write`` from outside the engine, sharded_kv_cache.py) to each worker's stdin, length-prefixed
+   pickles in the order they are run, and runs it itself: the ranks meet in the step's collectives;
 4. stops them when the model is garbage-collected or ``close``d: a ``close`` message, then a kill after a grace
    period. A worker also exits when its stdin closes and dies with rank 0 (``PR_SET_PDEATHSIG``): no orphan holds
    cores after the engine.
@@ -32,6 +32,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from typing import BinaryIO
@@ -39,9 +40,9 @@ from typing import BinaryIO
 import torch
 
 from splitserve.engine.config import EngineConfig, ModelConfig
-from splitserve.engine.kv_cache import PagedKVCache
-from splitserve.engine.parallel.layout import RankShard, even_ranges, kv_cache_blocks, plan_shards, rank_config
+from splitserve.engine.parallel.layout import RankShard, even_ranges, kv_cache_blocks, plan_shards
 from splitserve.engine.parallel.process_group import TensorParallelGroup, check_device, open_store
+from splitserve.engine.parallel.sharded_kv_cache import ShardedKVCache
 from splitserve.engine.parallel.sharded_model import ShardedLlama
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class RankWorkers:
 
     def __init__(self, procs: list[subprocess.Popen], restore: tuple[set[int], int]):
         self.procs = procs
+        self._sending = threading.Lock()  # the decode pod's receiver sends KV writes from its own thread
         self._restore = restore  # rank 0's thread affinity and torch thread count before it pinned itself
         self._closed = False
 
@@ -114,11 +116,12 @@ class RankWorkers:
     def send(self, method: str, *args) -> None:
         """Tell every worker to run ``method(*args)`` on its shard, as rank 0 is about to."""
         self.raise_if_exited("before the step")
-        for proc in self.procs:
-            try:
-                write_message(proc.stdin, (method, *args))
-            except (BrokenPipeError, OSError) as err:
-                raise self._failure("could not be sent the step") from err
+        with self._sending:
+            for proc in self.procs:
+                try:
+                    write_message(proc.stdin, (method, *args))
+                except (BrokenPipeError, OSError) as err:
+                    raise self._failure("could not be sent the step") from err
 
     @contextlib.contextmanager
     def failures_named(self):
@@ -162,14 +165,15 @@ class RankWorkers:
         torch.set_num_threads(threads)
 
 
-def rank_kv_cache(config: EngineConfig, model_config: ModelConfig, shard: RankShard, num_blocks: int) -> PagedKVCache:
+def rank_kv_cache(config: EngineConfig, model_config: ModelConfig, shards: list[RankShard], group: TensorParallelGroup,
+                  num_blocks: int) -> ShardedKVCache:
     """A rank's KV pool: ``num_blocks`` blocks (every rank's count) of its KV heads."""
-    return PagedKVCache(rank_config(model_config, shard), num_blocks, config.cache.block_size,
-                        config.cache.cache_dtype, config.device)
+    return ShardedKVCache(model_config, shards, group, num_blocks, config.cache.block_size, config.cache.cache_dtype,
+                          config.device)
 
 
 def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
-                          state_dict: dict) -> tuple[ShardedLlama, PagedKVCache]:
+                          state_dict: dict) -> tuple[ShardedLlama, ShardedKVCache]:
     """Rank 0's model and KV cache, with ranks 1..N-1 started and joined (the module docstring's steps 1 and 2)."""
     check_device(config.device)
     if config.prefill_compute_dtype == "bfloat16":
@@ -190,8 +194,9 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
     except BaseException:
         workers.close()
         raise
-    model.plan_to = workers
+    kv_cache = rank_kv_cache(config, model_config, shards, group, num_blocks)
+    model.plan_to = kv_cache.plan_to = workers
     weakref.finalize(model, workers.close)
     logger.info("tensor parallel: %d ranks on cores %s; rank 0 holds query heads %s, KV heads %s",
                 size, shares, shards[0].q_heads, shards[0].kv_heads)
-    return model, rank_kv_cache(config, model_config, shards[0], num_blocks)
+    return model, kv_cache
