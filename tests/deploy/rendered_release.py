@@ -24,6 +24,8 @@ What stands in for the cluster:
 - a pod's IP is a loopback address of its own (127.77.0.n), and a listener the manifest binds to 0.0.0.0
   (``--host 0.0.0.0``) binds to it instead, as a pod's network namespace would keep it apart (Redis also listens
   on 127.0.0.1, for its exec probe's ``redis-cli``);
+- cert-manager: ``write_tls_secret`` issues a Secret's files (tls.crt, tls.key, ca.crt) from a throwaway CA, one
+  ECDSA identity for server and client auth listing the given names, as the chart's Certificate asks for;
 - Service names (``name``, ``name.ns``, ``name.ns.svc``, ``name.ns.svc.cluster.local``) in args and env values
   are replaced by the address of the pod the Service selects: the one rewrite, standing in for cluster DNS.
 NetworkPolicies are not enforced on loopback (tests/deploy/test_chart_cluster.py evaluates them).
@@ -31,6 +33,8 @@ NetworkPolicies are not enforced on loopback (tests/deploy/test_chart_cluster.py
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import re
 import shutil
@@ -44,6 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -287,3 +295,40 @@ class RenderedRelease:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+# ---- cert-manager's Secret ------------------------------------------------------------------------------------
+
+def _certificate(subject: str, issuer: str, public_key, signing_key, extensions) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+               .public_key(public_key).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1)))
+    for extension, critical in extensions:
+        builder = builder.add_extension(extension, critical=critical)
+    return builder.sign(signing_key, hashes.SHA256())
+
+
+def write_tls_secret(directory: Path, names: list[str]) -> Path:
+    """``directory`` holding tls.crt, tls.key and ca.crt; ``names``: DNS names or IP addresses the leaf lists."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = _certificate("splitserve test CA", "splitserve test CA", ca_key.public_key(), ca_key,
+                      [(x509.BasicConstraints(ca=True, path_length=None), True)])
+    alt_names = []
+    for name in names:
+        try:
+            alt_names.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            alt_names.append(x509.DNSName(name))
+    leaf = _certificate(names[0], "splitserve test CA", key.public_key(), ca_key, [
+        (x509.SubjectAlternativeName(alt_names), False),
+        (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), False)])
+    pem = serialization.Encoding.PEM
+    (directory / "ca.crt").write_bytes(ca.public_bytes(pem))
+    (directory / "tls.crt").write_bytes(leaf.public_bytes(pem))
+    (directory / "tls.key").write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
+    return directory

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from tls_secret import write_tls_secret
+from rendered_release import write_tls_secret
 
 from splitserve.decode_service.config import DecodeConfig
 from splitserve.router.config import RouterConfig

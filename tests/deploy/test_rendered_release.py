@@ -19,9 +19,8 @@ import time
 
 import httpx
 import pytest
-from rendered_release import RenderedRelease
+from rendered_release import RenderedRelease, write_tls_secret
 from test_chart import NAMESPACE, RELEASE, chart, objects  # noqa: F401 - chart: the fixture
-from tls_secret import write_tls_secret
 
 # about 35 s for both cases (the TLS one compiles kernels); bubblewrap comes from scripts/bootstrap.sh
 pytestmark = pytest.mark.e2e
