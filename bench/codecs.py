@@ -17,9 +17,12 @@ Per codec:
     computed locally and uncompressed, as on a decode pod. Reported against a run without any round trip: the
     share of tokens generated before each continuation's first divergence (``agreement``: a token after a
     divergence counts as lost even where it happens to match), and the share of continuations equal in full;
-  - perplexity: windows of GPL-3's text (Debian ships it), ``CONTEXT_TOKENS`` + ``SCORED_TOKENS`` tokens each: the
-    context prefills, its KV makes the round trip, then the continuation runs as one prefill chunk over the lossy
-    context with every row's logits kept; perplexity = exp(mean NLL), as a % change against codec ``none``.
+  - teacher-forced quality: windows of GPL-3's text (Debian ships it), ``CONTEXT_TOKENS`` + ``SCORED_TOKENS`` tokens
+    each (a context long enough for the KV to matter): the context prefills, its KV makes the round trip, then the
+    continuation runs as one prefill chunk over the lossy context with every row's logits kept. At every scored
+    position, not only until a first divergence: perplexity = exp(mean NLL), as a % change against codec ``none``;
+    top-1 agreement, the share of positions whose most likely next token is the lossless path's; and the mean KL
+    divergence KL(lossless || codec) of the next-token distributions, in nats.
 An ``X+zstd`` codec decodes to exactly X's tensor (zstd is lossless), so its quality figures are X's, taken in the
 same round trip; only its size is its own, measured on the very KV X encoded.
 Then the ``TARGETS`` per cache dtype: size, perplexity and agreement bounds per codec. ``--quality-table PATH``
@@ -65,7 +68,7 @@ from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figu
 from splitserve.runtime.config import described, parse_config
 from splitserve.runtime.kv_codecs import ZSTD_SUFFIX, check_kv_codecs
 
-CONTEXT_TOKENS = 512
+CONTEXT_TOKENS = 1024
 SCORED_TOKENS = 256
 SPEED_CHUNK_TOKENS = 1024
 CACHE_DTYPES = ("float16", "float32")  # the pods' default first: what is served
@@ -108,18 +111,17 @@ def prefill_contexts(engine: LLMEngine, windows: list[list[int]]) -> list[Prompt
     return contexts
 
 
-def window_nll(engine: LLMEngine, context: PromptKV, codec: KVCodec, tally: KVTally,
-               sized: dict[str, tuple[KVCodec, KVTally]]) -> float:
-    """Summed NLL of the window's SCORED_TOKENS targets, each predicted by a row attending to the lossy context."""
+def window_logprobs(engine: LLMEngine, context: PromptKV, codec: KVCodec, tally: KVTally,
+                    sized: dict[str, tuple[KVCodec, KVTally]]) -> torch.Tensor:
+    """[SCORED_TOKENS, vocab] float32 log-probabilities of each scored row's next token, the row attending to the
+    lossy context."""
     window = context.tokens
     seq = _reserve(engine, window[:-1])  # blocks for the whole window, as a decode pod reserves a pushed prompt's
     try:
         write_round_trip(engine, seq, context.kv, codec, tally, sized)
         hidden = forward(engine, seq, CONTEXT_TOKENS, len(window) - 1)  # [SCORED_TOKENS, H]
         with torch.inference_mode():
-            logits = engine.runner.model.compute_logits(hidden)  # [SCORED_TOKENS, vocab] float32
-            targets = torch.tensor(window[CONTEXT_TOKENS + 1:], device=logits.device)
-            return F.cross_entropy(logits, targets, reduction="sum").item()
+            return F.log_softmax(engine.runner.model.compute_logits(hidden).float(), dim=-1)
     finally:
         engine.release_transfer(seq)
 
@@ -131,10 +133,27 @@ def _reserve(engine: LLMEngine, tokens: list[int]) -> Sequence:
     return seq
 
 
-def perplexity(engine: LLMEngine, contexts: list[PromptKV], codec: KVCodec, tally: KVTally,
-               sized: dict[str, tuple[KVCodec, KVTally]]) -> float:
-    nll = sum(window_nll(engine, context, codec, tally, sized) for context in contexts)
-    return math.exp(nll / (len(contexts) * SCORED_TOKENS))
+@dataclass
+class TeacherForced:
+    """A codec's teacher-forced figures over every scored position of every window."""
+
+    perplexity: float
+    top1_agreement: float  # share of positions whose argmax is the lossless path's
+    mean_kl: float  # nats per position, KL(lossless || codec)
+
+
+def teacher_forced(engine: LLMEngine, contexts: list[PromptKV], codec: KVCodec, tally: KVTally,
+                   sized: dict[str, tuple[KVCodec, KVTally]], lossless: list[torch.Tensor]) -> TeacherForced:
+    """``lossless``: each window's log-probabilities through codec none (``window_logprobs``), the reference."""
+    nll = kl = same = 0.0
+    for context, reference in zip(contexts, lossless):
+        logprobs = window_logprobs(engine, context, codec, tally, sized)
+        targets = torch.tensor(context.tokens[CONTEXT_TOKENS + 1:], device=logprobs.device)
+        nll += F.nll_loss(logprobs, targets, reduction="sum").item()
+        same += (logprobs.argmax(-1) == reference.argmax(-1)).sum().item()
+        kl += F.kl_div(logprobs, reference, log_target=True, reduction="sum").item()
+    rows = len(contexts) * SCORED_TOKENS
+    return TeacherForced(math.exp(nll / rows), same / rows, kl / rows)
 
 
 # ---- speed -------------------------------------------------------------------------------------------------------
@@ -181,6 +200,8 @@ class CodecFigures:
     ppl_change_pct: float = 0.0  # against codec none
     encode_mb_s: float = 0.0
     decode_mb_s: float = 0.0
+    top1_agreement: float = 1.0  # teacher-forced, every scored position
+    mean_kl: float = 0.0  # nats per scored position, against the lossless path
 
 
 def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_tokens: int, num_windows: int,
@@ -201,7 +222,7 @@ def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_t
     speeds = {name: codec_speed(get_codec(name), chunk, repeat) for name in codecs}
     log(f"measured encode/decode speeds on one layer's K and V of {SPEED_CHUNK_TOKENS} tokens, best of {repeat} runs")
     log(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens in groups of "
-        f"{AGREEMENT_GROUP}, {max_tokens} greedy tokens each; {len(windows)} perplexity windows of "
+        f"{AGREEMENT_GROUP}, {max_tokens} greedy tokens each; {len(windows)} teacher-forced windows of "
         f"{CONTEXT_TOKENS}+{SCORED_TOKENS} tokens")
     # Codecs measured themselves; X+zstd comes with X (the same decoded KV), its size tallied on the side.
     measured = [name for name in codecs
@@ -219,17 +240,20 @@ def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_t
             outputs[name] += greedy_outputs(engine, prefilled, max_tokens, get_codec(name), tallies[name], sized)
         log(f"group {number}/{len(groups)}: every codec's greedy run ({time.perf_counter() - start:.1f} s)")
     contexts = prefill_contexts(engine, windows)
+    lossless = [window_logprobs(engine, context, get_codec("none"), KVTally(), {}) for context in contexts]
     figures: dict[str, CodecFigures] = {}
     for name in measured:
         sized = {other: (get_codec(other), tallies[other]) for other in zstd_of[name]}
-        ppl = perplexity(engine, contexts, get_codec(name), tallies[name], sized)
+        forced = teacher_forced(engine, contexts, get_codec(name), tallies[name], sized, lossless)
         agree, identical = agreement(reference, outputs[name])
         for figured in (name, *sized):
             tally = tallies[figured]
             f = figures[figured] = CodecFigures(tally.ratio_to_bf16, tallies[name].max_abs_error, agree, identical,
-                                                ppl, 0.0, *speeds[figured])
+                                                forced.perplexity, 0.0, *speeds[figured], forced.top1_agreement,
+                                                forced.mean_kl)
             log(f"{figured}: {f.ratio_to_bf16:.2f}x smaller than bf16, agreement {f.agreement:.1%}, identical "
-                f"{f.identical}/{len(prompts)}, perplexity {f.perplexity:.3f}")
+                f"{f.identical}/{len(prompts)}, perplexity {f.perplexity:.3f}, top-1 {f.top1_agreement:.2%}, "
+                f"KL {f.mean_kl:.2e}")
     for f in figures.values():
         f.ppl_change_pct = 100.0 * (f.perplexity / figures["none"].perplexity - 1.0)
     return {"cache_dtype": cache_dtype, "codecs": {name: asdict(figures[name]) for name in codecs},
@@ -258,6 +282,8 @@ def quality_table(results: dict) -> dict:
             "cache_dtypes": {dtype: {name: {"agreement": round(f["agreement"], 4),
                                             "identical_share": round(f["identical"] / results["prompts"], 4),
                                             "ppl_change_pct": round(f["ppl_change_pct"], 3),
+                                            "top1_agreement": round(f["top1_agreement"], 4),
+                                            "mean_kl": f["mean_kl"],
                                             "ratio_to_bf16": round(f["ratio_to_bf16"], 3),
                                             "encode_mb_s": round(f["encode_mb_s"]),
                                             "decode_mb_s": round(f["decode_mb_s"])}
@@ -268,14 +294,15 @@ def quality_table(results: dict) -> dict:
 def report(results: dict, log=print) -> None:
     for dtype, run_figures in results["cache_dtypes"].items():
         log(f"\n== KV codecs on {results['model']}, {dtype} cache: {results['prompts']} prompts x "
-            f"{results['tokens']} greedy tokens, perplexity over {results['windows']} windows of "
+            f"{results['tokens']} greedy tokens, teacher-forced over {results['windows']} windows of "
             f"{results['context_tokens']}+{results['scored_tokens']} tokens ==")
         log(f"{'codec':<11} {'vs bf16':>8} {'enc MB/s':>9} {'dec MB/s':>9} {'max |err|':>10} {'agree':>7} "
-            f"{'same':>6} {'ppl':>8} {'ppl chg':>8}")
+            f"{'same':>6} {'ppl':>8} {'ppl chg':>8} {'top-1':>7} {'KL nats':>9}")
         for name, f in run_figures["codecs"].items():
             log(f"{name:<11} {f['ratio_to_bf16']:>7.2f}x {f['encode_mb_s']:>9.0f} {f['decode_mb_s']:>9.0f} "
                 f"{f['max_abs_error']:>10.2e} {f['agreement']:>7.1%} {f['identical']:>3}/{results['prompts']:<2} "
-                f"{f['perplexity']:>8.3f} {f['ppl_change_pct']:>+7.2f}%")
+                f"{f['perplexity']:>8.3f} {f['ppl_change_pct']:>+7.2f}% {f['top1_agreement']:>7.2%} "
+                f"{f['mean_kl']:>9.2e}")
         log(f"\n== targets, {dtype} cache ==")
         for t in run_figures["targets"]:
             log(f"{t['codec']}: {t['ratio_to_bf16']:.2f}x smaller than bf16 (target >= {t['min_ratio']}x), "
@@ -316,7 +343,8 @@ class CodecsBenchConfig(FiguresOutput):
         "KV cache dtypes to measure on, each a run of its own (float16: the pods' default)."))
     prompts: int = field(default=40, metadata=described("Greedy-agreement prompts (20 short, then 20 long)."))
     tokens: int = field(default=128, metadata=described("Greedy tokens per prompt."))
-    windows: int = field(default=6, metadata=described("Perplexity windows."))
+    windows: int = field(default=5, metadata=described(
+        f"Teacher-forced windows ({CONTEXT_TOKENS}-token context, {SCORED_TOKENS} scored positions each)."))
     repeat: int = field(default=10, metadata=described("Encode/decode timing runs (best is kept)."))
     quality_table: str = field(default="", metadata=described(
         "Also write the quality table the prefill pods read (e.g. kvtransfer/quality/smollm2-135m.json)."))

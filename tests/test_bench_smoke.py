@@ -27,18 +27,23 @@ def test_codecs_bench_measures_every_codec_against_the_lossless_one_per_cache_dt
         for name, f in figures.items():
             assert f["ratio_to_bf16"] > 0 and f["encode_mb_s"] > 0 and f["decode_mb_s"] > 0, name
             assert 0 <= f["agreement"] <= 1 and 0 <= f["identical"] <= 2 and f["perplexity"] > 0, name
+            assert 0 <= f["top1_agreement"] <= 1 and f["mean_kl"] >= -1e-6, name
         # The transfer path (reserve, write, admit) with the lossless codec is the reference run, token for token.
         none = figures["none"]
         assert (none["agreement"], none["identical"], none["ppl_change_pct"], none["max_abs_error"]) == (
             1.0, 2, 0.0, 0.0)
+        assert (none["top1_agreement"], none["mean_kl"]) == (1.0, 0.0)  # teacher-forced, every position
+        assert figures["kivi2"]["mean_kl"] > 0  # 2 bits moves the next-token distributions, if not their argmax
         assert none["ratio_to_bf16"] == (1.0 if dtype == "float16" else 0.5)  # 2 or 4 bytes per element
         for name in ("int8", "kivi2"):  # zstd is lossless: the same quality, its own size
             plain, zstd = figures[name], figures[name + "+zstd"]
-            assert (zstd["agreement"], zstd["perplexity"]) == (plain["agreement"], plain["perplexity"])
+            assert [zstd[k] for k in ("agreement", "perplexity", "top1_agreement", "mean_kl")] == [
+                plain[k] for k in ("agreement", "perplexity", "top1_agreement", "mean_kl")]
             assert zstd["ratio_to_bf16"] != plain["ratio_to_bf16"]
         assert [t["codec"] for t in run["targets"]] == ["int8", "kivi8", "int4", "kivi4", "kivi2"]
     quality = json.loads(table.read_text())
     assert quality["cache_dtypes"]["float16"]["none"]["agreement"] == 1.0
+    assert quality["cache_dtypes"]["float16"]["none"]["top1_agreement"] == 1.0
     assert set(quality["cache_dtypes"]["float32"]) == set(available_codecs())
     assert png.stat().st_size > 0
     assert "== targets, float16 cache ==" in capsys.readouterr().out
