@@ -32,11 +32,15 @@ A push's path over shared memory:
 A restarted decode pod has a new boot id: its first push fails the header's boot-id check (or the link broke),
 the prefill pod forgets the handshake and the link's arena, and the next handshake makes a new arena. A mapping the
 decode pod has not used for ``ARENA_IDLE_S`` is dropped (its prefill pod may be gone); the prefill pod replaces an
-arena idle for ``ARENA_RENEW_S`` before using it again, so it never names one the decode pod dropped.
+arena idle for ``ARENA_RENEW_S`` before using it again, so it never names one the decode pod dropped. A prefill pod
+killed before any push on a link was acknowledged leaves its arena's name behind: every arena is locked (flock) while
+its prefill pod lives, and ``sweep_stale`` (a decode pod's start, every new arena) unlinks the unlocked ones.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -96,13 +100,18 @@ class ShmArena:
         self.directory = directory
         self.name = name
         self.path = os.path.join(directory, name)
-        self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        # Made under a name no sweep looks at, locked, then renamed: an arena under its own name is always locked
+        # while its prefill pod lives (the lock goes with the process), which is how sweep_stale tells leftovers.
+        making = os.path.join(directory, f".{name}")
+        self._fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(self._fd, capacity)
             self._map = mmap.mmap(self._fd, capacity)
+            os.rename(making, self.path)
         except BaseException:
             os.close(self._fd)
-            os.unlink(self.path)
+            os.unlink(making)
             raise
         self._reserved = 0  # bytes from 0 the filesystem has allocated (posix_fallocate): safe to write
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)  # numpy copies release the GIL; mmap's do not
@@ -285,6 +294,7 @@ class ShmLinks:
         return TRANSPORT_SHM if decode_address in self._arenas else TRANSPORT_GRPC
 
     def _new_arena(self, decode_address: str, directory: str) -> ShmArena | None:
+        sweep_stale(directory)
         try:
             arena = ShmArena(directory, f"{ARENA_PREFIX}{self._boot_id}-{uuid.uuid4().hex}", self.arena_bytes)
         except OSError as err:
@@ -318,13 +328,42 @@ class _Mapping:
         self.last_used = time.monotonic()
 
 
+def sweep_stale(directory: str) -> list[str]:
+    """Unlink the arenas in ``directory`` whose prefill pod is gone (killed before the decode pod mapped them, so
+    nobody unlinked them): an arena's lock lives as long as its prefill pod. The names removed."""
+    removed = []
+    for name in os.listdir(directory):
+        if not _ARENA_NAME.match(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # unlinked meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its prefill pod holds it
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(name)
+    if removed:
+        logger.info("removed %d shared-memory arena(s) of prefill pods gone from %s", len(removed), directory)
+    return removed
+
+
 class ShmArenaViews:
-    """The decode pod's side: its shared directory (offered at the handshake) and the arenas it has mapped there."""
+    """The decode pod's side: its shared directory (offered at the handshake) and the arenas it has mapped there;
+    at start it sweeps the arenas of prefill pods gone."""
 
     def __init__(self, directory: str):
         self.directory = directory  # "": KV over gRPC only
         self._host_id = host_id()
         self._mapped: dict[str, _Mapping] = {}
+        if directory:
+            sweep_stale(directory)
 
     def handshake_fields(self) -> dict[str, str]:
         """What the HandshakeResponse says of this pod's host and shared directory."""

@@ -33,6 +33,7 @@ from splitserve.kvtransfer.shm import (
     ShmPush,
     dir_id,
     host_id,
+    sweep_stale,
     with_shm_bytes,
 )
 from splitserve.kvtransfer.wire import ExpectedChunks, KVChunkError, decode_chunk, encode_chunks, parse_push
@@ -136,6 +137,17 @@ def test_a_retired_arena_is_unlinked_at_once_and_unmapped_after_its_last_push(sh
     assert push.frame(_chunks("none")[1][0])  # no new spans in a retired arena: inline
     push.release()
     assert arena.spans_in_use == 0
+
+
+def test_the_arena_of_a_prefill_pod_gone_is_swept_and_a_live_ones_is_not(shm_dir):
+    live = ShmArena(shm_dir, f"{ARENA_PREFIX}{'a' * 32}-{'1' * 32}", 1 << 20)
+    left = os.path.join(shm_dir, f"{ARENA_PREFIX}{'b' * 32}-{'2' * 32}")  # as a SIGKILLed pod leaves it: no lock
+    Path(left).write_bytes(b"\0" * 4096)
+    Path(shm_dir, "not-an-arena").write_bytes(b"")
+    assert sweep_stale(shm_dir) == [os.path.basename(left)]
+    assert sorted(os.listdir(shm_dir)) == sorted([live.name, "not-an-arena"])
+    os.unlink(os.path.join(shm_dir, "not-an-arena"))
+    live.retire()
 
 
 @pytest.mark.parametrize("span, problem", [((1 << 20) - 8, "past the arena"), (None, "without an arena")])
