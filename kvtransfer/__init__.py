@@ -5,6 +5,7 @@
   measured quality (``quality/``) clears the floor;
 - ``wire.py``: a tensor cut into checked ``KVChunk`` messages (CRC-32C, sequence numbers) and back;
 - ``shm.py``: the same-host hand-off, chunk bytes through a shared-memory file, messages still over gRPC;
+- ``shm_arena.py``: its prefill side, the link's choice and the arena a push's chunks are framed into;
 - ``handshake.py``: ``KVLayout`` and the compatibility check between a prefill and a decode pod;
 - ``sender.py``: the prefill side, ``KVTransferClient`` / ``KVSender``, pushing layers while later ones compute;
 - ``receiver.py``: the decode side, the ``KVTransfer`` gRPC service writing pushed KV into the paged cache;

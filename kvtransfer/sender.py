@@ -47,7 +47,7 @@ import torch
 from splitserve.kvtransfer.codecs import KVCodec, get_codec
 from splitserve.kvtransfer.handshake import BOOT_ID, KVLayout, note_formats
 from splitserve.kvtransfer.link_codec import LinkCodecChooser
-from splitserve.kvtransfer.shm import ShmLinks, ShmPush
+from splitserve.kvtransfer.shm_arena import ShmLinks, ShmPush
 from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES, WireChunk, encode_chunks, raw_nbytes
 from splitserve.runtime import transport
 from splitserve.runtime.errors import StatusError

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.kvtransfer.shm import DEFAULT_ARENA_BYTES
+from splitserve.kvtransfer.shm_arena import DEFAULT_ARENA_BYTES
 from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES
 from splitserve.runtime.pod_server import PodConfig
 from splitserve.runtime.transport import MAX_MESSAGE_BYTES

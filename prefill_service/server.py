@@ -36,7 +36,7 @@ from splitserve.engine.sampling.params import SamplingParams
 from splitserve.kvtransfer.handshake import KVLayout
 from splitserve.kvtransfer.link_codec import LinkCodecChooser, QualityTable
 from splitserve.kvtransfer.sender import KVSender, KVTransferClient
-from splitserve.kvtransfer.shm import ShmLinks
+from splitserve.kvtransfer.shm_arena import ShmLinks
 from splitserve.prefill_service.config import PrefillConfig
 from splitserve.prefill_service.kv_export import PrefillKVExport
 from splitserve.protos.convert import prompt_logprobs_to_proto, sampling_params_from_proto, token_logprob_from_dict

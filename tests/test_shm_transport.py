@@ -1,4 +1,4 @@
-"""The same-host KV hand-off (kvtransfer/shm.py): arenas and their spans, the link's choice, and real pod processes
+"""The same-host KV hand-off (kvtransfer/shm.py, kvtransfer/shm_arena.py): arenas and their spans, the link's choice, and real pod processes
 over loopback handing KV through shared memory: the offline answer token for token, a corrupted chunk refused by its
 checksum, a decode pod killed and restarted mid-transfer (no stale page read, every block and every arena freed).
 
@@ -27,15 +27,13 @@ from splitserve.kvtransfer.shm import (
     ARENA_PREFIX,
     TRANSPORT_GRPC,
     TRANSPORT_SHM,
-    ShmArena,
     ShmArenaViews,
-    ShmLinks,
-    ShmPush,
     dir_id,
     host_id,
     sweep_stale,
     with_shm_bytes,
 )
+from splitserve.kvtransfer.shm_arena import ShmArena, ShmLinks, ShmPush
 from splitserve.kvtransfer.wire import ExpectedChunks, KVChunkError, decode_chunk, encode_chunks, parse_push
 from splitserve.runtime.errors import StatusError
 from splitserve.v1 import (
