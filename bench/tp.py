@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import DEFAULT_MODEL, QUANTIZATIONS
 from splitserve.engine.kernels.cpu_features import matrix_features
@@ -204,7 +205,7 @@ def _fmt(s: dict, spec: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(TensorParallelBenchConfig, argv, prog="splitserve bench tp")
-    log = lambda line: print(line, flush=True)  # noqa: E731
+    log = lambda line: print(line, flush=True)
     cores = sorted(os.sched_getaffinity(0))
     log(f"cores {cores} ({matrix_features()}); model {config.model}, quantization {config.quantization}")
     results = {}

@@ -23,16 +23,17 @@ from splitserve.engine.llm_engine import EngineStepError
 from splitserve.engine.parallel import shm_all_reduce
 from splitserve.engine.parallel.layout import plan_shards, shard_state_dict
 from splitserve.engine.parallel.workers import TensorParallelError
-from splitserve.engine.weights.quantized_weights import quantize_state_dict
 from splitserve.engine.weights.parameter_layout import random_state_dict
+from splitserve.engine.weights.quantized_weights import quantize_state_dict
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 TINY_PROMPTS = ["Hello, my name is", "The capital of France", " ".join(str(i) for i in range(40))]
 
 
 def _smollm2_shape(**overrides) -> ModelConfig:
-    shape = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9, num_kv_heads=3)
-    return ModelConfig(**{**shape, **overrides})
+    shape = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_layers": 1, "num_heads": 9,
+             "num_kv_heads": 3}
+    return ModelConfig(**shape | overrides)
 
 
 def test_uneven_heads_split_by_kv_group():
@@ -84,14 +85,20 @@ def test_shards_partition_the_weights():
 def _run(tp: int, prompts: list[str], **settings) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens for ``prompts`` and every logits tensor the sampler got, from a fresh engine of ``tp`` ranks."""
     llm = LLM(tensor_parallel_size=tp, cache_dtype="float32", num_blocks=64, **settings)
-    model = llm.engine.runner.model
     seen: list[torch.Tensor] = []
-    compute_logits = model.compute_logits
-    model.compute_logits = lambda hidden: seen.append(compute_logits(hidden)) or seen[-1]
+    llm.engine.runner.model.compute_logits = _recording(llm.engine.runner.model.compute_logits, seen)
     tokens = [out.token_ids for out in llm.generate(prompts, GREEDY)]
-    del llm, model, compute_logits
+    del llm
     gc.collect()  # stops the workers (weakref.finalize on rank 0's model)
     return tokens, seen
+
+
+def _recording(compute_logits, seen: list[torch.Tensor]):
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(compute_logits(hidden))
+        return seen[-1]
+
+    return record
 
 
 def _assert_same(reference, candidate):
@@ -220,7 +227,7 @@ def _continue_from(engine, prompt: list[int], kv: torch.Tensor, first_token: int
 def test_kv_moves_between_engines_of_different_tensor_parallel_sizes():
     """Outside the engine a TP 2 cache reads and writes every KV head, as TP 1's does: a prompt's KV read from one
     degree and written into the other continues as TP 1 does (P TP 1 -> D TP 2, P TP 2 -> D TP 1)."""
-    settings = dict(model="tiny-random", cache_dtype="float32", num_blocks=64, enable_prefix_caching=False)
+    settings = {"model": "tiny-random", "cache_dtype": "float32", "num_blocks": 64, "enable_prefix_caching": False}
     one, two = LLM(tensor_parallel_size=1, **settings).engine, LLM(tensor_parallel_size=2, **settings).engine
     prompt = list(range(3, 40))
     seq_one, seq_two = _prefilled(one, "a", prompt), _prefilled(two, "a", prompt)

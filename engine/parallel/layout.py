@@ -24,6 +24,7 @@ KV cache holds only its KV heads.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import torch
 
@@ -54,7 +55,7 @@ def even_ranges(n: int, parts: int, unit: int = 1) -> list[Range]:
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size * unit)
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(pairwise(bounds))
 
 
 def plan_shards(config: ModelConfig, tp: int) -> list[RankShard]:
@@ -87,7 +88,7 @@ def _head_ranges(num_heads: int, num_kv_heads: int, tp: int) -> list[tuple[Range
 
 def rank_config(config: ModelConfig, shard: RankShard) -> ModelConfig:
     """The model config of ``shard``'s rank: its heads, intermediate slice and vocabulary rows; the same head_dim."""
-    span = lambda r: r[1] - r[0]  # noqa: E731
+    span = lambda r: r[1] - r[0]
     return replace(config, num_heads=span(shard.q_heads), num_kv_heads=span(shard.kv_heads),
                    intermediate_size=span(shard.intermediate), vocab_size=span(shard.vocab), head_dim=config.head_dim,
                    eos_token_ids=list(config.eos_token_ids))
@@ -119,7 +120,7 @@ def shard_state_dict(config: ModelConfig, state: dict[str, Weight], shard: RankS
 
 
 def _rows(weight: Weight, ranges: list[Range]) -> Weight:
-    take = lambda t: torch.cat([t[a:b] for a, b in ranges])  # noqa: E731  (a copy: the full tensor can be freed)
+    take = lambda t: torch.cat([t[a:b] for a, b in ranges])
     return weight.map_rows(take) if isinstance(weight, BlockQuantized) else take(weight)
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
     group = TensorParallelGroup(store, rank, size)
     model.shard_over(group, shards)
     kv_cache = rank_kv_cache(config, model_config, shards, group, num_blocks)
-    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=config.device)  # noqa: E731
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=config.device)
     with torch.inference_mode():
         while (message := read_message(stdin)) is not None and message[0] != "close":
             method, *args = message

@@ -21,8 +21,9 @@ the same step: rank 0 owns the scheduler, and the workers hold no state but thei
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -63,14 +64,14 @@ class ShardedLlama(LlamaForCausalLM):
 
     @classmethod
     def for_rank(cls, config: EngineConfig, model_config: ModelConfig, state_dict: dict, shard: RankShard
-                 ) -> "ShardedLlama":
+                 ) -> ShardedLlama:
         """``shard``'s rank's model from the full model's ``state_dict``, its products on the same path as one
         process's (native kernels, weight formats, int8 activations); prefill computes in float32."""
         return cls.from_state_dict(rank_config(model_config, shard), shard_state_dict(model_config, state_dict, shard),
                                    getattr(torch, config.dtype), config.device, config.cpu_kernels,
                                    config.int8_activations)
 
-    def shard_over(self, group: TensorParallelGroup, shards: list[RankShard]) -> "ShardedLlama":
+    def shard_over(self, group: TensorParallelGroup, shards: list[RankShard]) -> ShardedLlama:
         self.group, self.shard = group, shards[group.rank]
         self.vocab_ranges = [s.vocab for s in shards]
         for layer in self.layers:

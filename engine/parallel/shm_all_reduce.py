@@ -23,7 +23,7 @@ import mmap
 import os
 import platform
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -88,7 +88,7 @@ class RankWorkers:
         self._closed = False
 
     @classmethod
-    def start(cls, config: EngineConfig, port: int, num_blocks: int, shares: list[list[int]]) -> "RankWorkers":
+    def start(cls, config: EngineConfig, port: int, num_blocks: int, shares: list[list[int]]) -> RankWorkers:
         procs = []
         for rank, cpus in enumerate(shares[1:], start=1):
             env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "MKL_NUM_THREADS": str(len(cpus))}
