@@ -1,8 +1,9 @@
 """bf16 prefill: a model's prompt tokens computed with bfloat16 products, beside the decode path's weights.
 
 Prefill is compute-bound, and where the CPU multiplies bf16 natively (avx512_bf16's ``vdpbf16ps``, AMX tiles) torch's
-oneDNN products in bf16 run 4.6x float32's on prefill's shapes (engine/kernels/cpu_features.py has the rule,
-docs/PERFORMANCE.md the figures). So a model whose ``prefill_compute_dtype`` resolves to bfloat16 keeps a bf16 copy
+oneDNN products in bf16 run 4.6x torch's float32 on prefill's shapes, and a whole prefill 1.3-1.5x the native
+kernels' float32 one on an avx512_bf16 CPU (engine/kernels/cpu_features.py has the rule, docs/PERFORMANCE.md the
+figures). So a model whose ``prefill_compute_dtype`` resolves to bfloat16 keeps a bf16 copy
 of its layers' product weights (``Bf16Prefill.from_state_dict``), next to the decode path's (float32 panels or the
 file's quantized blocks: a pod that runs both phases holds both forms, and logs the memory).
 
