@@ -30,7 +30,9 @@ time from the end of the last layer's compute to the acknowledgement: what the t
 
 A failure of the push (the decode pod's status, a broken connection) surfaces as a ``StatusError`` with the
 decode pod's status code, so the prefill pod answers the router with the same code. After FAILED_PRECONDITION or
-UNAVAILABLE (the decode pod may have restarted) the next push handshakes again.
+UNAVAILABLE (the decode pod may have restarted) the next push handshakes again, and so does the first push after the
+channel lost its connection: a decode pod restarted in between is found at that handshake (its new boot id), not
+by a refused push that would send the request elsewhere.
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ class KVTransferClient:
             codec = get_codec(codec_name)
         except ValueError as err:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"kv_codec: {err}") from err
+        if self._connection_lost(decode_address):
+            # Lost since the handshake, the connection may now lead to a restarted pod: a push would carry the old
+            # boot id and be refused (FAILED_PRECONDITION, the request retried elsewhere). Handshake first.
+            self.forget_handshake(decode_address)
         await self.handshake(decode_address, codec_name, timeout_s)
         return KVSender(self, decode_address, request_id, prompt_token_ids, codec, lease_s, timeout_s, num_claims)
 
@@ -147,13 +153,19 @@ class KVTransferClient:
             self.shm_links.choose(decode_address, response)
         return response
 
-    def forget_handshake(self, decode_address: str, codec_name: str) -> None:
-        """The decode pod refused a push as incompatible or went away (restarted?): handshake again, and choose
-        the link's transport again."""
-        self._handshaken.discard((decode_address, codec_name))
+    def forget_handshake(self, decode_address: str) -> None:
+        """The decode pod refused a push as incompatible or went away (restarted?): handshake again, for every
+        codec, and choose the link's transport again."""
+        self._handshaken = {handshaken for handshaken in self._handshaken if handshaken[0] != decode_address}
         self._accepted.pop(decode_address, None)
         self._peer_boot_ids.pop(decode_address, None)
         self.shm_links.forget(decode_address)
+
+    def _connection_lost(self, decode_address: str) -> bool:
+        """The channel to ``decode_address`` is not connected (it was, for the handshake): the peer went away, or
+        the channel idled out. Either way a handshake (one round trip) tells whether it is the same process."""
+        channel = self._channels.get(decode_address)
+        return channel is not None and channel.get_state() != grpc.ChannelConnectivity.READY
 
     def peer_boot_id(self, decode_address: str) -> str:
         return self._peer_boot_ids.get(decode_address, "")
@@ -338,7 +350,7 @@ class KVSender:
             code, details = grpc.StatusCode.UNAVAILABLE, ("the push broke off while writing: the decode pod ended "
                                                           "the stream (its log says why)")
         if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
-            self._client.forget_handshake(self.decode_address, self.codec.name)
+            self._client.forget_handshake(self.decode_address)
         return StatusError(code, f"decode pod {self.decode_address}: {details}")
 
 

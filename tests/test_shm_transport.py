@@ -307,6 +307,18 @@ def test_a_decode_pod_killed_mid_transfer_and_restarted_gets_a_new_arena_and_exa
     assert os.listdir(cluster.shm_dir) == []
 
 
+def test_a_decode_pod_restarted_between_requests_is_found_at_the_handshake_not_by_a_refused_push(cluster):
+    """Restarted while no push ran, the decode pod has a new boot id that the prefill pod has not seen: the first
+    push after it handshakes first (the connection was lost), so it is not refused as stale (FAILED_PRECONDITION,
+    which sends a served request elsewhere: the shared cluster's router counted such a retry after a restart)."""
+    cluster.answer("before", prompt_of(40, seed=3))
+    cluster.restart_decode(signal.SIGTERM)
+    prompt = prompt_of(40, seed=4)
+    tokens, transport = cluster.answer("after", prompt)  # raises on a refused push
+    assert (tokens, transport) == (cluster.offline_tokens(prompt), TRANSPORT_SHM)
+    cluster.wait_every_block_free()
+
+
 def test_a_corrupted_chunk_over_shared_memory_is_refused_by_its_checksum(tmp_path, shm_dir):
     cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--inject-corrupt-chunks", "1.0"))
     try:
