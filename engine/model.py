@@ -29,13 +29,12 @@ from splitserve.engine.kernels.cpu_features import prefill_compute_dtype as reso
 from splitserve.engine.kernels.cpu_kernels import (
     PANEL,
     CpuKernels,
-    DecodeLayers,
     KernelChoice,
-    LayerTensors,
     packed_shape,
     weight_shape,
 )
 from splitserve.engine.kernels.cpu_kernels import choose as choose_kernels
+from splitserve.engine.kernels.decode_layers import DecodeLayers, LayerTensors
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.rotary import RotaryEmbedding, StepRotary
 from splitserve.engine.weights.parameter_layout import check_state_dict, product_weights

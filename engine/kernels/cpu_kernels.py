@@ -29,11 +29,14 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from splitserve.engine.kernels.build import KernelsUnavailable, library_path
+
+if TYPE_CHECKING:
+    from splitserve.engine.kernels.decode_layers import DecodeLayers
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +151,7 @@ class CpuKernels:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] (rows contiguous) @ W^T + bias -> [rows, out_features]."""
         rows, in_features = x.shape
-        _check(x.stride(1) == 1 and x.dtype == torch.float32 and packed.is_contiguous()
+        check_args(x.stride(1) == 1 and x.dtype == torch.float32 and packed.is_contiguous()
                and packed.shape[1] == in_features and packed.shape[0] * PANEL >= out_features,
                "linear: x does not match the weight")
         y = torch.empty(rows, out_features, dtype=torch.float32)
@@ -164,8 +167,8 @@ class CpuKernels:
         (``weight_format``, one of ``QUANTIZED_FORMATS``); ``int8_activations``: x quantized to int8 per block of
         32, integer dot products (``format_code``)."""
         rows, in_features = x.shape
-        _check(x.stride(1) == 1 and x.dtype == torch.float32
-               and _is_weight(packed, weight_format, out_features, in_features),
+        check_args(x.stride(1) == 1 and x.dtype == torch.float32
+               and is_weight(packed, weight_format, out_features, in_features),
                "quant_linear: x does not match the weight")
         y = torch.empty(rows, out_features, dtype=torch.float32)
         self._lib.ss_quant_linear(
@@ -180,7 +183,7 @@ class CpuKernels:
                    ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [n] of a weight packed in quantized blocks, as float32 [n, in_features]."""
         ids = ids.contiguous()
-        _check(packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64
+        check_args(packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64
                and packed.shape[1] == in_features // QUANT_BLOCK * QUANTIZED_FORMATS[weight_format]
                and (len(ids) == 0 or 0 <= int(ids.min()) and int(ids.max()) < len(packed) * PANEL),
                "quant_rows: bad weight or ids")
@@ -196,10 +199,10 @@ class CpuKernels:
         q = q.contiguous()
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "attention: caches must be contiguous")
-        _check_caches(k_cache, v_cache, "attention")
-        _check(block_tables.dtype == torch.int64 and block_tables.stride(1) == 1, "attention: bad block tables")
-        _check(seq_lens.dtype == torch.int64 and seq_lens.is_contiguous(), "attention: bad sequence lengths")
+        check_args(k_cache.is_contiguous() and v_cache.is_contiguous(), "attention: caches must be contiguous")
+        check_caches(k_cache, v_cache, "attention")
+        check_args(block_tables.dtype == torch.int64 and block_tables.stride(1) == 1, "attention: bad block tables")
+        check_args(seq_lens.dtype == torch.int64 and seq_lens.is_contiguous(), "attention: bad sequence lengths")
         out = torch.empty_like(q)
         self._lib.ss_paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], block_tables.data_ptr(),
@@ -216,12 +219,12 @@ class CpuKernels:
         int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned."""
         n, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        _check(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim, "prefill attention: bad q")
-        _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "prefill attention: caches must be contiguous")
-        _check_caches(k_cache, v_cache, "prefill attention")
-        _check(blocks.dtype == torch.int64 and blocks.is_contiguous()
+        check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim, "prefill attention: bad q")
+        check_args(k_cache.is_contiguous() and v_cache.is_contiguous(), "prefill attention: caches must be contiguous")
+        check_caches(k_cache, v_cache, "prefill attention")
+        check_args(blocks.dtype == torch.int64 and blocks.is_contiguous()
                and len(blocks) * block_size >= prefix + n, "prefill attention: bad block list")
-        _check(out.is_contiguous() and out.shape == q.shape and out.dtype == torch.float32, "prefill attention: bad out")
+        check_args(out.is_contiguous() and out.shape == q.shape and out.dtype == torch.float32, "prefill attention: bad out")
         self._lib.ss_prefill_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype],
             blocks.data_ptr(), n, prefix, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
@@ -241,15 +244,15 @@ class CpuKernels:
         tokens, hidden = x.shape
         head_dim = cos.shape[1]
         width = (num_heads + 2 * num_kv_heads) * head_dim
-        _check(x.is_contiguous() and norm_weight.shape == (hidden,)
-               and _is_weight(qkv_weight, qkv_format, width, hidden) and self.supports_head_dim(head_dim)
+        check_args(x.is_contiguous() and norm_weight.shape == (hidden,)
+               and is_weight(qkv_weight, qkv_format, width, hidden) and self.supports_head_dim(head_dim)
                and head_dim == sin_signed.shape[1],
                "attention_input: x, norm and qkv weights do not match")
-        _check(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
+        check_args(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
                and len(positions) == tokens == len(slot_mapping), "attention_input: bad positions or slot mapping")
-        _check(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+        check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
                and k_cache.shape[2:] == (num_kv_heads, head_dim), "attention_input: caches do not match")
-        _check_caches(k_cache, v_cache, "attention_input")
+        check_caches(k_cache, v_cache, "attention_input")
         qkv = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.ss_attention_input(
             x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
@@ -270,11 +273,11 @@ class CpuKernels:
         tokens, hidden = x.shape
         o_format, gate_up_format, down_format = formats
         o_code, gate_up_code, down_code = (format_code(f, int8_activations) for f in formats)
-        inter = _in_features(down_weight, down_format)
-        _check(x.is_contiguous() and attn.is_contiguous() and len(attn) == tokens
-               and _is_weight(o_weight, o_format, hidden, attn.shape[1]) and norm_weight.shape == (hidden,)
-               and _is_weight(gate_up_weight, gate_up_format, 2 * inter, hidden)
-               and _is_weight(down_weight, down_format, hidden, inter), "attention_output_and_mlp: shapes do not match")
+        inter = in_features_of(down_weight, down_format)
+        check_args(x.is_contiguous() and attn.is_contiguous() and len(attn) == tokens
+               and is_weight(o_weight, o_format, hidden, attn.shape[1]) and norm_weight.shape == (hidden,)
+               and is_weight(gate_up_weight, gate_up_format, 2 * inter, hidden)
+               and is_weight(down_weight, down_format, hidden, inter), "attention_output_and_mlp: shapes do not match")
         self._lib.ss_attention_output_and_mlp(
             x.data_ptr(), tokens, hidden, attn.data_ptr(), attn.shape[1], o_weight.data_ptr(), o_code,
             norm_weight.data_ptr(), eps, gate_up_weight.data_ptr(), gate_up_code, down_weight.data_ptr(), down_code,
@@ -282,15 +285,15 @@ class CpuKernels:
             torch.get_num_threads(),
         )
 
-    def decode_layers(self, x: torch.Tensor, layers: "DecodeLayers", positions: torch.Tensor, cos: torch.Tensor,
+    def decode_layers(self, x: torch.Tensor, layers: DecodeLayers, positions: torch.Tensor, cos: torch.Tensor,
                       sin_signed: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor) -> None:
         """Every layer of a decode step (token b is sequence b's one new token) in one call, in place on the
         residual stream x [B, H]: the same kernels, in the same order, as the layer-by-layer calls."""
         batch = len(x)
-        _check(x.is_contiguous() and x.dtype == torch.float32 and x.shape[1] == layers.hidden,
+        check_args(x.is_contiguous() and x.dtype == torch.float32 and x.shape[1] == layers.hidden,
                "decode_layers: bad residual stream")
-        _check(all(t.dtype == torch.int64 and t.is_contiguous() and len(t) == batch
+        check_args(all(t.dtype == torch.int64 and t.is_contiguous() and len(t) == batch
                    for t in (positions, slot_mapping, seq_lens)) and block_tables.dtype == torch.int64
                and block_tables.stride(1) == 1 and len(block_tables) == batch and cos.shape[1] == layers.head_dim,
                "decode_layers: bad positions, slots, block tables or lengths")
@@ -301,73 +304,6 @@ class CpuKernels:
             layers.inter, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), layers.block_size, layers.scale, torch.get_num_threads(),
         )
-
-
-class LayerTensors(NamedTuple):
-    """One decoder layer for ``DecodeLayers``: packed linear weights, norm weights, QKV bias (or None), caches,
-    each product's ``WEIGHT_FORMATS`` name, and whether its quantized products take int8 activations."""
-
-    input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    post_attn_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    qkv_format: str = "float32"
-    o_format: str = "float32"
-    gate_up_format: str = "float32"
-    down_format: str = "float32"
-    int8_activations: bool = False
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return self[:9]
-
-    @property
-    def formats(self) -> tuple[str, ...]:
-        return self[9:13]
-
-
-class _DecodeLayer(ctypes.Structure):  # DecodeLayer in the source
-    _fields_ = ([(name, ctypes.c_void_p) for name in LayerTensors._fields[:9]]
-                + [(name, ctypes.c_int64) for name in LayerTensors._fields[9:13]])
-
-
-class DecodeLayers:
-    """A model's layers as ``ss_decode_layers`` reads them, checked once: the weights never move, so the table of
-    pointers is built once per KV cache and reused by every decode step."""
-
-    def __init__(self, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, eps: float, scale: float):
-        first = layers[0]
-        self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
-        self.hidden = first.input_norm.shape[0]
-        self.inter = _in_features(first.down, first.down_format)
-        _, self.block_size, _, self.head_dim = first.k_cache.shape
-        _check_caches(first.k_cache, first.v_cache, "DecodeLayers")
-        self.cache_dtype = first.k_cache.dtype
-        width = (num_heads + 2 * num_kv_heads) * self.head_dim
-        for layer in layers:
-            vectors = (layer.input_norm, layer.post_attn_norm, layer.qkv_bias)
-            _check(all(t.dtype == torch.float32 and t.is_contiguous() for t in vectors if t is not None)
-                   and all(t.dtype == self.cache_dtype and t.is_contiguous() for t in (layer.k_cache, layer.v_cache))
-                   and layer.input_norm.shape == layer.post_attn_norm.shape == (self.hidden,)
-                   and _is_weight(layer.qkv, layer.qkv_format, width, self.hidden)
-                   and (layer.qkv_bias is None or layer.qkv_bias.shape == (width,))
-                   and _is_weight(layer.o, layer.o_format, self.hidden, num_heads * self.head_dim)
-                   and _is_weight(layer.gate_up, layer.gate_up_format, 2 * self.inter, self.hidden)
-                   and _is_weight(layer.down, layer.down_format, self.hidden, self.inter)
-                   and layer.k_cache.shape == layer.v_cache.shape == first.k_cache.shape
-                   and layer.k_cache.shape[2] == num_kv_heads and CpuKernels.supports_head_dim(self.head_dim),
-                   "DecodeLayers: a layer's tensors do not match")
-        self._layers = layers  # keeps the tensors alive while the table points at them
-        self.table = (_DecodeLayer * len(layers))(*(
-            _DecodeLayer(*(None if t is None else t.data_ptr() for t in layer.tensors),
-                         *(format_code(f, layer.int8_activations) for f in layer.formats))
-            for layer in layers
-        ))
 
 
 def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
@@ -387,7 +323,7 @@ def weight_shape(weight_format: str, out_features: int, in_features: int) -> tup
     return quantized_shape(weight_format, out_features, in_features)
 
 
-def _is_weight(weight: torch.Tensor, weight_format: str, out_features: int, in_features: int) -> bool:
+def is_weight(weight: torch.Tensor, weight_format: str, out_features: int, in_features: int) -> bool:
     """Whether ``weight`` is a product's packed weight of that format and size, ready for the kernels."""
     if weight_format != "float32" and in_features % QUANT_BLOCK:
         return False
@@ -396,7 +332,7 @@ def _is_weight(weight: torch.Tensor, weight_format: str, out_features: int, in_f
             and weight.shape == weight_shape(weight_format, out_features, in_features))
 
 
-def _in_features(weight: torch.Tensor, weight_format: str) -> int:
+def in_features_of(weight: torch.Tensor, weight_format: str) -> int:
     """The input size of a packed weight."""
     if weight_format == "float32":
         return weight.shape[1]
@@ -457,12 +393,12 @@ def build(avx512: bool = True, vnni: bool = True) -> CpuKernels:
     return CpuKernels(library_path(avx512, vnni))
 
 
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
-    _check(k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_TYPES,
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+    check_args(k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_TYPES,
            f"{what}: caches must both be one of {', '.join(str(t) for t in CACHE_TYPES)}, "
            f"got {k_cache.dtype} and {v_cache.dtype}")
 
 
-def _check(ok: bool, message: str) -> None:
+def check_args(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
