@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from splitserve.engine.sequence import FinishReason
 from splitserve.engine.speculative.proposer import SpecDecodeCounts
 
 # vLLM's TTFT buckets plus 1.5, 2.0, 3.0 and 4.0 s: a CPU pod's first tokens land between 1 and 5 s, where vLLM's
@@ -78,6 +79,8 @@ class ServingMetrics:
         self.prefix_cache_hits = self._counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
         self.request_success = Counter("splitserve_request_success_total", "Finished requests by finish reason.",
                                        LABELS + ("finished_reason",), registry=self.registry)
+        for reason in FinishReason:  # exported at 0 from the start: a rate() sees the first finish as an increase
+            self.request_success.labels(role, model_name, reason)
         self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt length of each finished request, in "
                                           "tokens.", REQUEST_TOKENS_BUCKETS)
         self.request_generation_tokens = hist("request_generation_tokens", "Output length of each finished "

@@ -56,6 +56,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
+CHECKOUT = Path(__file__).resolve().parents[2]
 BWRAP = shutil.which("bwrap")
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -216,6 +217,10 @@ class RenderedRelease:
                 args += ["--ro-bind", str(host), mount["mountPath"]]
             else:
                 raise NotImplementedError(f"{pod.name}: volume {volume}")
+        if "splitserve" in container["image"] and not image:
+            # The venv's editable install reads the package from this checkout: bound at its own path, read-only,
+            # above any volume that would hide it (a checkout under /tmp, the pods' /tmp emptyDir).
+            args += ["--ro-bind", str(CHECKOUT), str(CHECKOUT)]
         return [*args, *(arg for path in made for arg in ("--remount-ro", path))]  # mount points made: read-only
 
     def _command(self, pod: Pod, container: dict, env: dict[str, str]) -> list[str]:
