@@ -45,6 +45,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import time
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def dir_id(directory: str) -> str:
         st = os.stat(directory)
     except OSError:
         return ""
-    return f"{st.st_dev}:{st.st_ino}" if os.path.isdir(directory) else ""
+    return f"{st.st_dev}:{st.st_ino}" if stat.S_ISDIR(st.st_mode) else ""  # the one stat, not a second isdir
 
 
 # ---- decode side --------------------------------------------------------------------------------------------------
