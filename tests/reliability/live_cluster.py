@@ -175,14 +175,22 @@ class BackgroundLoad:
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(workers)]
 
     def __enter__(self) -> Self:
-        for thread in self._threads:
-            thread.start()
+        self.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Stops the workers after their current requests (none, if never started)."""
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=180)
+            if thread.ident is not None:
+                thread.join(timeout=180)
         assert not any(thread.is_alive() for thread in self._threads), "a background request hung"
 
     def _loop(self, worker: int) -> None:

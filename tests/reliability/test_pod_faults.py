@@ -48,6 +48,7 @@ from splitserve.runtime.discovery import pod_key
 from splitserve.v1 import common_pb2, generate_pb2_grpc
 
 LONG = 300  # output tokens of a stream to disturb: it runs for a second or more
+LONGER = 1500  # output tokens of the stream disturbed under load: it runs for seconds
 SHORT = 8  # output tokens of the background load's requests
 LOAD_PROMPTS = prompts(6, 48, seed=1)  # longer than the conditional-prefill threshold: they go through the P pod
 STREAM_PROMPT = prompts(1, 40, seed=2)[0]
@@ -68,8 +69,10 @@ def cluster(tmp_path_factory, start_cluster):
 
 @pytest.fixture(scope="module")
 def answers():
-    """The offline engine's greedy answers: the background load's, and the disturbed stream's."""
-    return offline_answers(LOAD_PROMPTS, SHORT), offline_answers([STREAM_PROMPT], LONG)[0]
+    """The offline engine's greedy answers: the background load's, and the disturbed stream's (``LONG`` and
+    ``LONGER`` tokens: greedy, the first is the second's beginning)."""
+    longer = offline_answers([STREAM_PROMPT], LONGER)[0]
+    return offline_answers(LOAD_PROMPTS, SHORT), longer[:LONG], longer
 
 
 @pytest.fixture(autouse=True)
@@ -161,20 +164,26 @@ def test_a_migration_target_killed_before_its_first_token_hands_the_stream_to_th
 
 
 def test_under_load_a_killed_decode_pods_streams_all_migrate_with_their_exact_answers(cluster, answers):
+    """The stream's decode pod is found while it is alone on the cluster (under load, which pod runs which request
+    cannot be told from the pods' counts); then the load starts, and the pod is killed under it. The stream is
+    long enough (``LONGER`` tokens, seconds) to be still running there when the load's first answers are in."""
     migrations = router_counter(cluster, "splitserve_router_migrations_total")
     restarts = dict(cluster.restarts)
     killed: list[str] = []
+    background = load(cluster, answers)
 
-    def kill_the_busiest_decode_pod() -> None:
-        running = running_on(cluster)
-        killed.append(max(running, key=running.get) if running else "decode-0")
+    def kill_its_decode_pod_under_load() -> None:
+        killed.append(the_decode_pod_running_it(cluster))
+        background.start()
+        background.wait_for(3)
         os.kill(cluster.pid(killed[0]), signal.SIGKILL)
 
-    with load(cluster, answers) as background:
-        background.wait_for(3)
-        answer = stream(cluster, STREAM_PROMPT, LONG, after_first_chunk=kill_the_busiest_decode_pod)
+    try:
+        answer = stream(cluster, STREAM_PROMPT, LONGER, after_first_chunk=kill_its_decode_pod_under_load)
         background.wait_for(len(background.results) + 6)
-    assert answer.token_ids == answers[1] and answer.finish == "FINISH_REASON_LENGTH", answer
+    finally:
+        background.stop()
+    assert answer.token_ids == answers[2] and answer.finish == "FINISH_REASON_LENGTH", answer
     assert background.failures() == []
     assert router_counter(cluster, "splitserve_router_migrations_total") >= migrations + 1
     wait_back(cluster, killed[0], restarts[killed[0]] + 1)
