@@ -17,7 +17,7 @@ KV_KIND_KEY: KVKind
 KV_KIND_VALUE: KVKind
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype", "quantization", "weights_fingerprint")
+    __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype", "quantization", "weights_fingerprint", "prefill_compute_dtype", "cpu_features", "tensor_parallel_size", "rank_kv_heads")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,10 @@ class KVLayout(_message.Message):
     CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CPU_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_layers: int
     num_kv_heads: int
@@ -34,7 +38,19 @@ class KVLayout(_message.Message):
     cache_dtype: str
     quantization: str
     weights_fingerprint: str
-    def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
+    prefill_compute_dtype: str
+    cpu_features: _containers.RepeatedScalarFieldContainer[str]
+    tensor_parallel_size: int
+    rank_kv_heads: _containers.RepeatedCompositeFieldContainer[KVHeadRange]
+    def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., prefill_compute_dtype: _Optional[str] = ..., cpu_features: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_heads: _Optional[_Iterable[_Union[KVHeadRange, _Mapping]]] = ...) -> None: ...
+
+class KVHeadRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("layout", "compat_hash", "codec", "boot_id", "host_id")
