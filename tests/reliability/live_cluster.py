@@ -80,16 +80,47 @@ def wait_back(cluster: Cluster, name: str, restarts: int) -> None:
 
 # ---- the pods' KV blocks --------------------------------------------------------------------------------------------
 
-def wait_every_block_free(cluster: Cluster, timeout_s: float = 60) -> None:
-    """Every pod of ``cluster`` holds no KV block and runs no request. The default deadline is longer than
-    ``KV_LEASE_S``, so a lease left behind (a pod killed mid-push, say) counts as freed; a test of a drop passes a
-    deadline that ends before the lease would (``free_before_the_lease``)."""
+def leases_expired(cluster: Cluster) -> dict[str, tuple[int, float]]:
+    """{pod name: (its restarts, its ``splitserve_kv_leases_expired_total``)}: pushed KV a pod released at its lease's
+    expiry, since that pod last started (a pod that does not answer counts 0)."""
+    counts = {}
+    for pod in cluster.pods:
+        try:
+            with urllib.request.urlopen(f"http://{cluster.config.host}:{pod.metrics_port}/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError:
+            text = ""
+        counts[pod.name] = (cluster.restarts[pod.name],
+                            parse_counter(text, "splitserve_kv_leases_expired_total", {}) or 0.0)
+    return counts
+
+
+def expired_since(cluster: Cluster, since: dict[str, tuple[int, float]] | None) -> dict[str, float]:
+    """The pods whose KV leases expired since ``since`` (``leases_expired``; None: since the pods started), and how
+    many: a pod restarted since counts every expiry of its new life."""
+    increase = {}
+    for name, (restarts, count) in leases_expired(cluster).items():
+        then_restarts, then = (since or {}).get(name, (restarts, 0.0))
+        increase[name] = count - (then if then_restarts == restarts else 0.0)
+    return {name: n for name, n in increase.items() if n}
+
+
+def wait_every_block_free(cluster: Cluster, timeout_s: float = 60,
+                          since: dict[str, tuple[int, float]] | None = None) -> None:
+    """Every pod of ``cluster`` holds no KV block and runs no request, and no KV lease expired since ``since``
+    (``leases_expired``; None: since the pods started). Blocks a lease held come free at its expiry, within the
+    default deadline (longer than ``KV_LEASE_S``): the expiry counter is what tells a leaked lease from a dropped
+    one. A test of a drop may also pass a deadline that ends before the lease would (``free_before_the_lease``)."""
     addresses = [cluster.address(pod) for pod in cluster.pods]
     wait_until(lambda: all(blocks_in_use(a) == 0 for a in addresses), timeout_s,
                f"every block free on every pod, now {({a: blocks_in_use(a) for a in addresses})}")
+    expired = expired_since(cluster, since)
+    assert not expired, (f"KV leases expired (pushed KV neither claimed nor dropped, freed only by its lease): "
+                         f"{expired}")
 
 
-def free_before_the_lease(cluster: Cluster, leases_from: float) -> None:
+def free_before_the_lease(cluster: Cluster, leases_from: float,
+                          since: dict[str, tuple[int, float]] | None = None) -> None:
     """Every block free on every pod before a lease opened at ``leases_from`` (``time.monotonic()``) or later
     could expire: so a KV left on a decode pod by a request that ended early must have been dropped, not leased
     out."""
@@ -97,7 +128,7 @@ def free_before_the_lease(cluster: Cluster, leases_from: float) -> None:
     left = deadline - time.monotonic()
     assert left >= 5, (f"only {left:.1f} s left before a lease from the start could expire: "
                        "the check cannot tell a drop from an expired lease")
-    wait_every_block_free(cluster, timeout_s=left)
+    wait_every_block_free(cluster, timeout_s=left, since=since)
 
 
 def running_on(cluster: Cluster, role: str = "decode") -> dict[str, int]:

@@ -31,6 +31,7 @@ from live_cluster import (
     TINY,
     BackgroundLoad,
     free_before_the_lease,
+    leases_expired,
     greedy_request,
     offline_answers,
     prompts,
@@ -77,8 +78,9 @@ def answers():
 
 @pytest.fixture(autouse=True)
 def every_block_free_afterwards(cluster):
+    before = leases_expired(cluster)
     yield
-    wait_every_block_free(cluster)
+    wait_every_block_free(cluster, since=before)
 
 
 def the_decode_pod_running_it(cluster) -> str:

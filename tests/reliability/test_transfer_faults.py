@@ -45,8 +45,9 @@ def answers():
 
 @pytest.fixture(autouse=True)
 def every_block_free_afterwards(cluster):
+    before = live.leases_expired(cluster)
     yield
-    live.wait_every_block_free(cluster)
+    live.wait_every_block_free(cluster, since=before)
 
 
 def test_corrupted_kv_chunks_are_caught_by_their_checksum_and_the_request_is_retried(cluster, answers):
