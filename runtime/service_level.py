@@ -4,7 +4,7 @@ Its readers: the router (``RouterConfig.slo_ttft_s`` / ``slo_tpot_s``: goodput, 
 target each decode request carries to its pod's TPOT-slack chunking), ``splitserve up`` (the router's fields, passed
 on, and its decode pods' ``--tpot-target-s``), the planner (``PlannerConfig.ttft_target_s`` / ``tpot_target_s``) and
 the simulator (its router's targets, from ``RouterConfig``'s defaults). The Helm chart holds the same figures in one
-value, ``serviceLevel`` (tests/deploy/test_chart_service_level.py checks that the two agree and that the one value
+value, ``serviceLevel`` (tests/deploy/test_chart_flags.py checks that the two agree and that the one value
 reaches every rendered place). An operator overrides them with the flags above; a request may name its own
 (docs/api.md).
 

@@ -2,7 +2,7 @@
 
 - the probe port (``probe_port``): grpc.health.v1 alone, in plain text, beside a server on mutual TLS, so that
   kubelet's native gRPC probe (which speaks no TLS) asks the same health the TLS port serves, on any architecture
-  (the chart's probes use it: test_chart.py; the rendered pods answer it: test_rendered_release.py);
+  (the chart's probes use it: test_chart_flags.py; the rendered pods answer it: test_rendered_release.py);
 - the first Redis heartbeat, retried: pods and Redis start together (a rollout, a node's restart), and a pod whose
   first beat failed used to exit at once, so every pod of a release crash-looped until Redis happened to be first. A
   real redis-server, started late on a free loopback port, and a heartbeat that waits for it; a dead address gives
