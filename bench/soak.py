@@ -1,11 +1,12 @@
 """``splitserve bench soak``: a cluster under mixed load while faults are injected on a schedule. Does it lose,
-fail or leak anything?
+fail or leak anything, or answer differently along another path?
 
-    splitserve bench soak [--duration 180] [--model smollm2-135m] [--decode 2] [--request-rate 2] [--json out.json]
+    splitserve bench soak [--duration 180] [--model smollm2-135m] [--request-rate 2] [--kv-codec int8] [--json out]
 
-1. brings up ``splitserve up``'s cluster (splitserve/launcher.py) with the Redis registry: ``--prefill`` prefill
-   and ``--decode`` decode pods, the prefill pods sending ``--corrupt-chunks`` of their KV chunks corrupted (the
-   decode pod refuses them by checksum, the router retries);
+1. brings up ``splitserve up``'s cluster (splitserve/launcher.py) as a user gets it (hybrid scheduling) with the
+   Redis registry: ``--prefill`` prefill and ``--decode`` decode pods, the prefill pods sending ``--corrupt-chunks``
+   of their KV chunks corrupted (refused by checksum, the router retries), KV in ``--kv-codec``, and the router
+   checking ``--shadow-check-fraction`` of its answers through the other path (router/shadow.py);
 2. sends bench serve's workload (measure/workload.py: random lengths, Poisson arrivals) through the
    router's gRPC API with bench serve's client for ``--duration`` seconds; ``--abort-share`` of the requests are
    abandoned by their client at a random moment within ``--abort-within`` seconds (expected failures,
@@ -14,9 +15,11 @@ fail or leak anything?
    pod (each in turn); the supervisor starts each again, and the next fault waits until the cluster is whole;
 4. stops sending, lets the requests in flight finish, and reads every pod's KV blocks (PodStatus.GetLoad) until
    all are free or ``--drain-timeout`` seconds pass;
-5. prints requests served, failures by kind (expected or not), p50/p99 TTFT, TPOT and E2E, the faults injected and
-   the blocks still held on each pod; ``--json PATH`` writes the same as JSON. Exit status 1 when a block leaked
-   or a request failed unexpectedly.
+5. prints requests served, failures by kind (expected or not), p50/p99 TTFT, TPOT and E2E, the routes taken, the
+   faults, the blocks still held and KV leases expired on each pod (a lease's expiry is a leak too), and the shadow
+   checks, each divergence by output position and kind (from the router's log); ``--json PATH`` writes the same as
+   JSON. Exit status 1 when a block or lease leaked, a request failed unexpectedly, or a shadow check diverged with
+   a lossless codec (a lossy one's divergences are the codec's: listed).
 
 A progress line goes to stderr every ``--progress-interval`` seconds.
 """
@@ -28,10 +31,12 @@ import dataclasses
 import math
 import os
 import random
+import re
 import signal
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -54,6 +59,11 @@ from splitserve.up_config import UpConfig
 from splitserve.v1 import common_pb2, pod_status_pb2, pod_status_pb2_grpc
 
 CLIENT_ABORT = "client_abort"  # the failure kind of a request its client abandoned on purpose: expected
+LOSSLESS_CODECS = ("none", "none+zstd")  # a shadow check of their KV must match exactly
+DIVERGED = re.compile(  # router/shadow.py's warning of a divergence, in the router's log
+    r"shadow check of request (\S+) diverged \((\w+)\) at output position (\d+) of (\d+)")
+ROUTES = ("disaggregated", "prefill_on_decode", "split")
+SHADOW_OUTCOMES = ("match", "diverged", "failed")
 
 
 @dataclass
@@ -80,6 +90,9 @@ class SoakConfig:
     drain_timeout: float = field(default=120.0, metadata=described("After the load: how long the requests in "
                                                                    "flight, then the pods' blocks, get to finish."))
     kv_cache_memory_bytes: int = field(default=256 << 20, metadata=described("KV block pool of each pod."))
+    kv_codec: str = field(default="none", metadata=described("KV codec between the pods (none: lossless)."))
+    shadow_check_fraction: float = field(default=1.0, metadata=described(
+        "Share of answers the router checks through the other path (one at a time; 0: off)."))
     base_port: int = field(default=0, metadata=described(
         "The cluster takes consecutive ports from here (router, Prometheus, redis, pods, their metrics; 0: ports "
         "free now)."))
@@ -93,7 +106,7 @@ class SoakConfig:
                      "request_timeout", "progress_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("corrupt_chunks", "abort_share"):
+        for name in ("corrupt_chunks", "abort_share", "shadow_check_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.decode < 1 or self.prefill < 0:
@@ -101,8 +114,8 @@ class SoakConfig:
 
     def up_config(self) -> UpConfig:
         return UpConfig.on_ports(self.base_port or None, model=self.model, prefill=self.prefill, decode=self.decode,
-                                 registry="redis", inject_corrupt_chunks=self.corrupt_chunks,
-                                 scheduling="disaggregated",  # the injected faults are on the KV's path
+                                 registry="redis", inject_corrupt_chunks=self.corrupt_chunks, kv_codec=self.kv_codec,
+                                 shadow_check_fraction=self.shadow_check_fraction,
                                  kv_cache_memory_bytes=self.kv_cache_memory_bytes, prometheus=False,
                                  run_dir=self.run_dir)
 
@@ -216,7 +229,7 @@ async def _progress(config: SoakConfig, records: list[RequestRecord], faults: Fa
         failed = _failures(records)
         log(f"[soak {clock():5.0f}/{config.duration:.0f} s] sent {len(records)}, served "
             f"{sum(r.status == 'ok' for r in records)}, failed {sum(failed.values())} "
-            f"({', '.join(f'{k} {n}' for k, n in sorted(failed.items())) or 'none'}), in flight "
+            f"({_kinds(failed)}), in flight "
             f"{sum(r.status == 'sent' for r in records)}, faults {len(faults.events)}")
 
 
@@ -261,6 +274,23 @@ def leaked_blocks(cluster: Cluster, timeout_s: float) -> dict[str, int | None]:
         time.sleep(0.5)
 
 
+def leases_expired(cluster: Cluster) -> dict[str, int | None]:
+    """Each pod's ``splitserve_kv_leases_expired_total`` since it last started (None: no answer)."""
+
+    def count(pod) -> int | None:
+        try:
+            with urllib.request.urlopen(f"http://{cluster.config.host}:{pod.metrics_port}/metrics", timeout=5) as reply:
+                return int(parse_counter(reply.read().decode(), "splitserve_kv_leases_expired_total", {}) or 0)
+        except OSError:
+            return None
+    return {pod.name: count(pod) for pod in cluster.pods}
+
+
+def shadow_divergences(router_log: str) -> list[dict]:
+    """The router's shadow checks that diverged, from its log: request, kind (token or logprob), output position."""
+    return [{"request_id": m[1], "kind": m[2], "position": int(m[3]), "of": int(m[4])} for m in DIVERGED.finditer(router_log)]
+
+
 # ---- the run --------------------------------------------------------------------------------------------------------
 
 def run_soak(config: SoakConfig, log=print) -> dict:
@@ -281,16 +311,19 @@ def run_soak(config: SoakConfig, log=print) -> dict:
             faults.stop()
         log("[soak] waiting for every pod to serve and hold no block ...")
         _wait_whole(cluster, config.drain_timeout)
-        leaked = leaked_blocks(cluster, config.drain_timeout)
+        leaked = {"blocks": leaked_blocks(cluster, config.drain_timeout), "leases": leases_expired(cluster)}
         router_after = scrape_router(cluster.http_url)
         restarts = dict(cluster.restarts)
     finally:
         cluster.stop()
-    return _report(config, records, duration, faults, leaked, restarts, router_before, router_after)
+    divergences = shadow_divergences((cluster.run_dir / "router.log").read_text(errors="replace"))
+    return _report(config, records, duration, faults, leaked, restarts, (router_before, router_after), divergences)
 
 
 def _report(config: SoakConfig, records: list[RequestRecord], duration: float, faults: FaultInjector,
-            leaked: dict[str, int | None], restarts: dict[str, int], before: str, after: str) -> dict:
+            leaked: dict[str, dict[str, int | None]], restarts: dict[str, int], router: tuple[str, str],
+            divergences: list[dict]) -> dict:
+    before, after = router  # the router's /metrics before and after the load
     summary = summarize(records, duration, SLO())
     failures = _failures(records)
     expected = {kind: n for kind, n in failures.items() if kind == CLIENT_ABORT}
@@ -305,7 +338,11 @@ def _report(config: SoakConfig, records: list[RequestRecord], duration: float, f
     labels = {"role": "router", "model_name": config.model}
     latency = {name: {q: summary[name][q] for q in ("p50", "p99")} if summary[name] else None
                for name in ("ttft", "tpot", "e2e")}
-    passed = not unexpected and all(n == 0 for n in leaked.values())
+    shadow = {outcome: router_count("splitserve_router_shadow_checks_total", {"outcome": outcome})
+              for outcome in SHADOW_OUTCOMES}
+    lossless = config.kv_codec in LOSSLESS_CODECS
+    passed = (not unexpected and all(n == 0 for kind in leaked.values() for n in kind.values())
+              and not (lossless and shadow["diverged"]))
     return {
         "config": dataclasses.asdict(config),
         "duration_s": duration,
@@ -317,8 +354,11 @@ def _report(config: SoakConfig, records: list[RequestRecord], duration: float, f
                                                          {**labels, "code": "DATA_LOSS"}),
                    "migrations": router_count("splitserve_router_migrations_total", labels),
                    "events": faults.events},
+        "routes": {r: router_count("splitserve_router_routing_decisions_total", {"decision": r}) for r in ROUTES},
         "restarts": restarts,
-        "leaked_blocks": leaked,
+        "leaked_blocks": leaked["blocks"],
+        "leases_expired": leaked["leases"],
+        "shadow_checks": {**shadow, "lossless": lossless, "divergences": divergences},
         "passed": passed,
     }
 
@@ -336,9 +376,14 @@ def print_report(report: dict, log=print) -> None:
     log(f"  faults     decode pods killed {faults.get('decode_pod_killed', 0)}, redis restarted "
         f"{faults.get('redis_restarted', 0)}, client aborts {faults['client_aborts']}, corrupt-chunk retries "
         f"{faults['corrupt_chunk_retries']}, migrations {faults['migrations']}")
-    log(f"  restarts   {_kinds(report['restarts'])}")
-    log(f"  leaked     {_kinds(report['leaked_blocks'])} blocks")
-    log("  PASSED" if report["passed"] else "  FAILED: unexpected failures or leaked blocks")
+    log(f"  routes     {_kinds(report['routes'])}; restarts {_kinds(report['restarts'])}")
+    log(f"  leaked     {_kinds(report['leaked_blocks'])} blocks; leases expired {_kinds(report['leases_expired'])}")
+    shadow = report["shadow_checks"]
+    log(f"  shadow     {_kinds({o: shadow[o] for o in SHADOW_OUTCOMES})} "
+        f"({report['config']['kv_codec']}: {'lossless' if shadow['lossless'] else 'lossy'})")
+    for d in shadow["divergences"]:
+        log(f"    diverged at output position {d['position']:>4} of {d['of']} ({d['kind']}): {d['request_id']}")
+    log("  PASSED" if report["passed"] else "  FAILED: unexpected failures, leaks, or lossless shadow divergences")
 
 
 def _kinds(counts: dict) -> str:

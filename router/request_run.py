@@ -112,6 +112,10 @@ class RequestRun:
     pod_timings: dict[str, float] = field(default_factory=dict)
     # A split prefill (placement.py): a prefill pod prefilled this many leading prompt tokens and D the rest.
     split_prefix_tokens: int = 0
+    # Drawn for a shadow check (shadow.py): the logprob of every token the client has been sent (the pods were asked
+    # for them), which the client gets only if ``client_logprobs``. None: not drawn.
+    shadow_logprobs: list[float] | None = None
+    client_logprobs: bool = True
 
     @property
     def num_output_tokens(self) -> int:
@@ -240,9 +244,12 @@ class RequestRun:
             text.append(self.detokenizer.add(token_id))
             if self.detokenizer.stopped_by is not None:
                 break  # D's tokens past the stop string are not the client's
+        entries = chunk.logprobs.tokens[:len(token_ids)]
+        if self.shadow_logprobs is not None:
+            self.shadow_logprobs += [entry.logprob for entry in entries]
         logprobs = None
-        if self.request.params.logprobs is not None:
-            logprobs = [token_logprob_to_dict(entry) for entry in chunk.logprobs.tokens[:len(token_ids)]]
+        if self.request.params.logprobs is not None and self.client_logprobs:
+            logprobs = [token_logprob_to_dict(entry) for entry in entries]
         self._count_tokens(token_ids)
         prompt_logprobs = None
         if chunk.HasField("prompt_logprobs") and not self.prompt_logprobs_sent:

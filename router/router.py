@@ -157,7 +157,10 @@ class Router:
         params, placement = req.params, self.placement
         detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
                                              params.stop, params.include_stop_str_in_output)
-        run = RequestRun(req, detokenizer, self.config, self.metrics, on_first_token=self._first_token)
+        checked = self.shadow_checks.draw(req)  # the pods then give its tokens' logprobs, for the check
+        run = RequestRun(checked or req, detokenizer, self.config, self.metrics, on_first_token=self._first_token)
+        if checked is not None:
+            run.shadow_logprobs, run.client_logprobs = [], req.params.logprobs is not None
         self._runs[req.request_id] = run
         placement.num_pending += 1
         self.metrics.num_requests_running.inc()

@@ -12,12 +12,16 @@ ones (one prompt, not n samples):
    pushed to a decode pod and claimed there;
 2. it runs the request there, as ``shadow-<request id>``, for as many tokens as the client got, straight on the
    pods (``PodClient``: the router's request metrics and load counts see only real requests);
-3. it compares the tokens: ``splitserve_router_shadow_checks_total{outcome="match"|"diverged"|"failed"}``, and for a
-   divergence the first differing output position (``splitserve_router_shadow_divergence_position``) and a warning
-   naming the request, the two paths and both tokens there.
+3. it compares the tokens and their logprobs: ``splitserve_router_shadow_checks_total{outcome="match"|"diverged"|
+   "failed"}``; for a divergence the first output position where a token differs or a token's logprob differs by
+   more than ``LOGPROB_TOLERANCE`` (``splitserve_router_shadow_divergence_position``) and a warning naming the
+   request, the two paths and what differs there; for every compared check the largest logprob difference over the
+   tokens both runs share (``splitserve_router_shadow_logprob_delta``).
 
-Tokens only: logprobs are not compared (a lossy KV codec moves them a little without changing an answer; the tokens
-are what a user sees). One check runs at a time; a request finishing meanwhile is not checked.
+The served answer's logprobs are needed for that, and a client rarely asks for them: the share of requests to check is
+drawn when a request arrives (``draw``), and the pods are asked for the sampled token's logprob of the drawn ones
+(one log-softmax per token, already computed for sampling); the client gets logprobs only if it asked. One check runs
+at a time; a drawn request finishing meanwhile is not checked.
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ from splitserve.runtime.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
+# Natural-log units, on the logprob of the same token in the same place. Two lossless paths compute it from the same
+# weights and the same KV (float16 in the pools either way) in other batch shapes and prefill chunkings: they differ by
+# float reassociation, 1e-5 to 1e-3 (measured: docs/RELIABILITY.md), so a bound 50x above that raises no false alarm.
+# A KV that is wrong (a stale peer, a codec bug, a corrupt block) moves logprobs by whole tenths before it flips a
+# greedy token, and 0.05 is a 5% change in that token's probability; a lossy codec (int8, kivi) moves them by about
+# that much, and its checks are meant to show it.
+LOGPROB_TOLERANCE = 0.05
+
 
 def first_divergence(served: list[int], again: list[int]) -> int | None:
     """The first output position where ``again`` differs from ``served`` (``again`` ending early counts), or None."""
@@ -45,6 +57,33 @@ def first_divergence(served: list[int], again: list[int]) -> int | None:
         if position >= len(again) or again[position] != token_id:
             return position
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Two runs of one request compared: where they first differ (None: nowhere), how, and the largest logprob
+    difference over the tokens both gave alike (None: no logprobs to compare)."""
+
+    position: int | None
+    what: str  # "" (they match), "token" or "logprob"
+    max_logprob_delta: float | None
+
+
+def compare(served: list[int], served_logprobs: list[float] | None, again: list[int],
+            again_logprobs: list[float] | None, tolerance: float = LOGPROB_TOLERANCE) -> Comparison:
+    """The first position where the tokens differ, or, before it, where the same token's logprobs differ by more than
+    ``tolerance``; logprobs are compared where both runs have them (a run without them compares tokens only)."""
+    token_position = first_divergence(served, again)
+    same = len(served) if token_position is None else token_position
+    if served_logprobs is None or again_logprobs is None:
+        deltas = []
+    else:
+        deltas = [abs(a - b) for a, b in zip(served_logprobs[:same], again_logprobs[:same])]
+    logprob_position = next((i for i, delta in enumerate(deltas) if delta > tolerance), None)
+    max_delta = max(deltas, default=None)
+    if logprob_position is not None:
+        return Comparison(logprob_position, "logprob", max_delta)
+    return Comparison(token_position, "" if token_position is None else "token", max_delta)
 
 
 class ShadowChecks:
@@ -56,50 +95,70 @@ class ShadowChecks:
         self._rng = rng or random.Random()
         self._running: asyncio.Task | None = None
 
-    def consider(self, run: RequestRun) -> None:
-        """``run`` finished: check it in the background if it is drawn and replayable (greedy or seeded, one
-        sample, tokens out, nothing already being checked)."""
-        req, tokens = run.request, list(run.output_token_ids)
+    def draw(self, req: RouterRequest) -> RouterRequest | None:
+        """A request arrives: None if it is not to be checked (not drawn, or not replayable: greedy or seeded, one
+        sample, tokens out); else the request the pods are to run, asking for its tokens' logprobs."""
         fraction = self.config.shadow_check_fraction
-        if not fraction or not tokens or req.samples is not None or run.aborted:
-            return
+        if not fraction or req.samples is not None or req.params.max_tokens == 0:
+            return None
         if not (req.params.is_greedy or req.params.seed is not None) or self._rng.random() >= fraction:
+            return None
+        if req.params.logprobs is not None:
+            return req
+        return dataclasses.replace(req, params=dataclasses.replace(req.params, logprobs=0))
+
+    def consider(self, run: RequestRun) -> None:
+        """``run`` finished: check it in the background if it was drawn (``draw``), gave tokens and nothing is being
+        checked now."""
+        req, tokens = run.request, list(run.output_token_ids)
+        if run.shadow_logprobs is None or not tokens or run.aborted:
             return
         if self._running is not None and not self._running.done():
             return
+        served_logprobs = run.shadow_logprobs if len(run.shadow_logprobs) == len(tokens) else None
         remote = bool(run.kv_sent_to)  # a prefill pod pushed its KV: check it prefilled on a decode pod
         avoid = {pod.address for pod in run.kv_sent_to}
-        self._running = asyncio.get_running_loop().create_task(self._check(req, tokens, remote, avoid),
-                                                               name=f"shadow-{req.request_id}")
+        self._running = asyncio.get_running_loop().create_task(
+            self._check(req, tokens, served_logprobs, remote, avoid), name=f"shadow-{req.request_id}")
 
     async def stop(self) -> None:
         if self._running is not None:
             self._running.cancel()
             await asyncio.gather(self._running, return_exceptions=True)
 
-    async def _check(self, req: RouterRequest, served: list[int], remote: bool, avoid: set[str]) -> None:
-        shadow = dataclasses.replace(req, request_id=f"shadow-{req.request_id}",
-                                     params=dataclasses.replace(req.params, max_tokens=len(served)), samples=None)
+    async def _check(self, req: RouterRequest, served: list[int], served_logprobs: list[float] | None, remote: bool,
+                     avoid: set[str]) -> None:
+        params = dataclasses.replace(req.params, max_tokens=len(served),
+                                     logprobs=0 if req.params.logprobs is None else req.params.logprobs)
+        shadow = dataclasses.replace(req, request_id=f"shadow-{req.request_id}", params=params, samples=None)
         path = "prefilled on a decode pod" if remote else "through a prefill pod"
         try:
-            again = await asyncio.wait_for(self._run(shadow, remote, avoid), self.config.request_timeout_s)
+            again, again_logprobs = await asyncio.wait_for(self._run(shadow, remote, avoid),
+                                                           self.config.request_timeout_s)
         except (grpc.aio.AioRpcError, TimeoutError, LookupError) as error:
             log.info("shadow check of request %s %s did not finish: %r", req.request_id, path, error)
             self.metrics.count(self.metrics.shadow_checks, "failed")
             return
-        position = first_divergence(served, again)
-        if position is None:
+        found = compare(served, served_logprobs, again, again_logprobs if len(again_logprobs) == len(again) else None)
+        if found.max_logprob_delta is not None:
+            self.metrics.shadow_logprob_delta.observe(found.max_logprob_delta)
+        if found.position is None:
             self.metrics.count(self.metrics.shadow_checks, "match")
             return
         self.metrics.count(self.metrics.shadow_checks, "diverged")
-        self.metrics.shadow_divergence_position.observe(position)
-        log.warning("shadow check of request %s: served %s, %s gave %s at output position %d of %d",
-                    req.request_id, served[position], path, again[position] if position < len(again) else "its end",
-                    position, len(served))
+        self.metrics.shadow_divergence_position.observe(found.position)
+        at = found.position
+        if found.what == "token":
+            detail = f"token {served[at]}, {path} gave {again[at] if at < len(again) else 'its end'}"
+        else:
+            detail = (f"token {served[at]} with logprob {served_logprobs[at]:.4f}, {path} with "
+                      f"{again_logprobs[at]:.4f} (tolerance {LOGPROB_TOLERANCE:g})")
+        log.warning("shadow check of request %s diverged (%s) at output position %d of %d: served %s",
+                    req.request_id, found.what, at, len(served), detail)
 
-    async def _run(self, req: RouterRequest, remote: bool, avoid: set[str]) -> list[int]:
-        """``req``'s output tokens, prefilled on a decode pod (``remote``: the original was not) or through a prefill
-        pod; LookupError when no pod serves that path now."""
+    async def _run(self, req: RouterRequest, remote: bool, avoid: set[str]) -> tuple[list[int], list[float]]:
+        """``req``'s output tokens and their logprobs, prefilled on a decode pod (``remote``: the original was not) or
+        through a prefill pod; LookupError when no pod serves that path now."""
         decode_pods, prefill_pods = self.registry.decode_pods(), self.registry.prefill_pods()
         if not decode_pods or not (remote or prefill_pods):
             raise LookupError("no pod serves the other path now")
@@ -111,14 +170,23 @@ class ShadowChecks:
         prefill = prefill_pods[0]
         pushed = prefill_request(req, req.params, decode.address, self.config.kv_codec, self.config.kv_lease_s)
         first = await self.pod_clients.get(prefill.address, prefill.role).prefill(pushed, self.config.request_timeout_s)
-        claim = decode_request(req, tpot_s, first_token_id=first.first_token_id)
+        claim = decode_request(req, tpot_s, first_token_id=first.first_token_id,
+                               first_token_logprob=first.first_token_logprob)
         try:
-            return [first.first_token_id, *await self._tokens(decode_client.decode(claim, self.config.request_timeout_s))]
+            tokens, logprobs = await self._tokens(decode_client.decode(claim, self.config.request_timeout_s))
         except BaseException:
             await decode_client.drop(req.request_id)  # the KV pushed there, if the claim never took it
             raise
+        # D's stream begins after the first token P sampled (the router's own claim puts it in D's first chunk).
+        return [first.first_token_id, *tokens], [first.first_token_logprob.logprob, *logprobs]
 
     @staticmethod
-    async def _tokens(call) -> list[int]:
-        """The tokens of a Decode call's stream."""
-        return [token_id async for message in call if message.HasField("chunk") for token_id in message.chunk.token_ids]
+    async def _tokens(call) -> tuple[list[int], list[float]]:
+        """The tokens of a Decode call's stream and their logprobs."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        async for message in call:
+            if message.HasField("chunk"):
+                tokens += message.chunk.token_ids
+                logprobs += [entry.logprob for entry in message.chunk.logprobs.tokens]
+        return tokens, logprobs

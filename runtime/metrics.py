@@ -36,6 +36,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 # KV transfers are short (milliseconds on loopback), so they get TTFT's fine low end.
 KV_TRANSFER_BUCKETS = TTFT_BUCKETS
 SHADOW_POSITION_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # output token index
+SHADOW_LOGPROB_DELTA_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.5, 1.0)  # nats (router/shadow.py)
 # Tokens in one engine step (vLLM's vllm:iteration_tokens_total).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Prompt and output lengths of a request (vLLM's 1-2-5 buckets, up to a long context).
@@ -236,10 +237,14 @@ class RouterMetrics(ServingMetrics):
                                                  "TTFT and the TPOT target (--slo-ttft-s, --slo-tpot-s): goodput.")
         self.shadow_checks = counter("router_shadow_checks_total", "Greedy or seeded answers served again through "
                                      "another path and compared (--shadow-check-fraction), by outcome: match, "
-                                     "diverged (other tokens), failed (the second run did not finish).", ("outcome",))
+                                     "diverged (other tokens, or logprobs beyond router/shadow.py's tolerance), "
+                                     "failed (the second run did not finish).", ("outcome",))
         self.shadow_divergence_position = self._histogram(
-            "router_shadow_divergence_position", "Output position of the first token a shadow check found different.",
-            SHADOW_POSITION_BUCKETS)
+            "router_shadow_divergence_position", "Output position of the first token (or logprob) a shadow check found "
+            "different.", SHADOW_POSITION_BUCKETS)
+        self.shadow_logprob_delta = self._histogram(
+            "router_shadow_logprob_delta", "Largest difference of a token's logprob (nats) between a shadow check's "
+            "two runs, over the tokens both gave alike.", SHADOW_LOGPROB_DELTA_BUCKETS)
         gauge = self._pod_gauge
         self.pod_healthy = gauge("router_pod_healthy", "1 while the router routes to the pod (its health serves).")
         self.pod_running = gauge("router_pod_running_requests", "Requests running on the pod, as it last reported.")

@@ -1,6 +1,7 @@
 """``splitserve bench soak`` end to end, short, on the tiny random model: it brings up its cluster, injects its
 faults under load, prints its progress and report, writes the JSON, and exits 0 only with no block leaked and no
-unexpected failure."""
+unexpected failure, on the default (hybrid) scheduling with every answer it can check served again through the
+other path (shadow checks) and matching."""
 
 from __future__ import annotations
 
@@ -30,5 +31,11 @@ def test_a_short_soak_injects_every_kind_of_fault_and_leaks_nothing(tmp_path, fr
     assert faults["redis_restarted"] >= 1 and faults["decode_pod_killed"] >= 1 and faults["client_aborts"] >= 1
     assert faults["corrupt_chunk_retries"] >= 1
     assert all(report["latency_s"][name]["p99"] > 0 for name in ("ttft", "tpot", "e2e"))
+    # the default (hybrid) scheduling, its answers checked through the other path: with the lossless codec every
+    # check matches, tokens and logprobs; no KV lease expired on a pod (a leak its lease freed)
+    assert report["config"]["kv_codec"] == "none" and sum(report["routes"].values()) >= requests["served"]
+    shadow = report["shadow_checks"]
+    assert shadow["match"] >= 1 and shadow["diverged"] == 0 and shadow["divergences"] == [], shadow
+    assert all(not n for n in report["leases_expired"].values()), report["leases_expired"]
     assert "[soak " in result.stderr and "fault at" in result.stderr  # progress lines while it runs
-    assert "leaked" in result.stdout and "PASSED" in result.stdout
+    assert "leaked" in result.stdout and "shadow" in result.stdout and "PASSED" in result.stdout
