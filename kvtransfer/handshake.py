@@ -12,8 +12,13 @@ KV is interchangeable when the model, its weights and its attention shape agree:
 dim and the weights' fingerprint (``COMPAT_FIELDS``, digested into ``compat_hash``; ``weights_fingerprint``: a digest
 of the checkpoint the weights came from, so that pods of one shape loaded from other weights, a fine-tune or another
 revision, refuse each other). Block size and cache dtype may differ: chunks address tokens,
-not blocks, and the receiver converts dtypes. The weights' format (``quantization``) may differ too: each side
-learns the other's from the handshake and says so in its log, since answers may then differ from a single-format
+not blocks, and the receiver converts dtypes. So may the tensor-parallel degree (``tensor_parallel_size``, and
+``rank_kv_heads``, the KV heads each rank holds, engine/parallel/layout.py): a chunk carries every KV head, which a
+tensor-parallel sender's rank 0 gathers from its ranks and a receiver's rank 0 scatters to its own
+(engine/parallel/sharded_kv_cache.py), so any two degrees map; a layout whose ranges do not hold every KV head
+exactly (missing, overlapping other than a replicated group's, out of range) is refused. The
+weights' format (``quantization``) may differ too: each side learns the
+other's from the handshake and says so in its log, since answers may then differ from a single-format
 deployment's (docs/quantization.md). Each push's header repeats the hash, which catches a decode pod restarted with
 another model since the handshake, and both pods' ``BOOT_ID``s, which catch a decode pod restarted at all: the push
 fails FAILED_PRECONDITION and the sender handshakes again. The handshake also tells the sender whether the two pods
@@ -31,6 +36,7 @@ from typing import Iterable
 
 import grpc
 
+from splitserve.engine.parallel.layout import plan_shards
 from splitserve.engine.text.tokenizer_files import resolve_model_name
 from splitserve.runtime.errors import StatusError
 from splitserve.v1 import kv_transfer_pb2
@@ -55,27 +61,36 @@ class KVLayout:
     cache_dtype: str  # "float32", "bfloat16", "float16"
     quantization: str = "none"  # the weights' format (engine/config.py QUANTIZATIONS); not in the compat hash
     weights_fingerprint: str = ""  # ``weights_fingerprint()`` of the checkpoint; in the compat hash
+    tensor_parallel_size: int = 1  # the engine's ranks; not in the compat hash: any degrees map
+    rank_kv_heads: tuple[tuple[int, int], ...] = ()  # each rank's KV heads [start, end); () from one process
 
     @classmethod
     def of_engine(cls, engine) -> "KVLayout":
         """The layout of an ``LLMEngine``'s cache."""
         model = engine.model_config
         cache = engine.config.cache
+        size = engine.config.tensor_parallel_size
         return cls(model.name, model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
                    cache.cache_dtype, engine.config.quantization,
-                   weights_fingerprint(engine.config.model, engine.config.seed))
+                   weights_fingerprint(engine.config.model, engine.config.seed), tensor_parallel_size=size,
+                   rank_kv_heads=tuple(shard.kv_heads for shard in plan_shards(model, size)))
 
     @classmethod
     def from_proto(cls, message: kv_transfer_pb2.KVLayout) -> "KVLayout":
         return cls(message.model_name, message.num_layers, message.num_kv_heads, message.head_dim,
-                   message.block_size, message.cache_dtype, message.quantization, message.weights_fingerprint)
+                   message.block_size, message.cache_dtype, message.quantization, message.weights_fingerprint,
+                   tensor_parallel_size=message.tensor_parallel_size or 1,
+                   rank_kv_heads=tuple((r.start, r.end) for r in message.rank_kv_heads))
 
     def to_proto(self) -> kv_transfer_pb2.KVLayout:
         return kv_transfer_pb2.KVLayout(model_name=self.model_name, num_layers=self.num_layers,
                                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                         block_size=self.block_size, cache_dtype=self.cache_dtype,
                                         quantization=self.quantization,
-                                        weights_fingerprint=self.weights_fingerprint)
+                                        weights_fingerprint=self.weights_fingerprint,
+                                        tensor_parallel_size=self.tensor_parallel_size,
+                                        rank_kv_heads=[kv_transfer_pb2.KVHeadRange(start=a, end=b)
+                                                       for a, b in self.rank_kv_heads])
 
     @property
     def compat_hash(self) -> str:
@@ -117,10 +132,30 @@ def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, cod
         # Same fields, different digest: the two pods run different versions of the handshake.
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"compat_hash: sender {sender_hash!r}, receiver {receiver.compat_hash!r}")
+    unmapped = unmapped_heads(sender)
+    if unmapped:
+        raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"rank_kv_heads: the sender's {unmapped}")
     accepted = list(accepted_codecs)
     if codec and codec not in accepted:
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"codec: {codec!r} is not accepted by the receiver; accepted: {', '.join(accepted)}")
+
+
+def unmapped_heads(layout: KVLayout) -> str:
+    """Why ``layout``'s ranks' KV heads cannot be mapped to the model's (empty: they can): the ranges must be one
+    per rank, within [0, num_kv_heads), and hold every head, each in one contiguous run of ranks (a replicated group,
+    more ranks than KV heads, holds its head on consecutive ranks)."""
+    ranges = layout.rank_kv_heads or ((0, layout.num_kv_heads),)
+    if len(ranges) != layout.tensor_parallel_size:
+        return f"{len(ranges)} ranges for {layout.tensor_parallel_size} ranks"
+    bad = [r for r in ranges if not 0 <= r[0] < r[1] <= layout.num_kv_heads]
+    if bad:
+        return f"ranges {bad} are not within the model's {layout.num_kv_heads} KV heads"
+    held = [h for a, b in ranges for h in range(a, b)]
+    runs = [h for i, h in enumerate(held) if i == 0 or h != held[i - 1]]  # a replicated head counts once
+    if runs != list(range(layout.num_kv_heads)):
+        return f"ranges {list(ranges)} do not hold KV heads 0..{layout.num_kv_heads - 1} once each, in order"
+    return ""
 
 
 def note_formats(here: KVLayout, peer: KVLayout, peer_name: str) -> None:

@@ -47,6 +47,7 @@ from splitserve.engine.config import (
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.kernels.cpu_features import matrix_features
 from splitserve.engine.llm_engine import LLMEngine, StepStats
+from splitserve.engine.parallel.workers import end_process_on_rank_loss
 from splitserve.runtime import transport
 from splitserve.runtime.config import described, member
 from splitserve.runtime.core_lending import CoreLender, DecodeActivity, DecodeYield
@@ -107,6 +108,8 @@ class PodConfig:
         "What prompt tokens' products compute in: float32 (the bit-exact reference), bfloat16 (a bf16 copy of the "
         "weights beside decode's, float32 accumulation, norms, attention and logits), or auto: bfloat16 where the "
         "CPU multiplies bf16 natively (avx512_bf16, amx_bf16), float32 elsewhere (docs/PERFORMANCE.md)."))
+    tensor_parallel_size: int = field(default=EngineConfig.tensor_parallel_size, metadata=described(
+        "Ranks the model is split over (engine/parallel/), each on its share of --cpus; one's exit ends the pod."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
     block_size: int = field(default=CacheConfig.block_size, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
@@ -171,7 +174,8 @@ class PodConfig:
         return EngineConfig(
             model=self.model, device=self.device, dtype=self.dtype, seed=self.seed, cpu_kernels=self.cpu_kernels,
             quantization=self.quantization, int8_activations=self.int8_activations,
-            prefill_compute_dtype=self.prefill_compute_dtype, cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_blocks,
+            prefill_compute_dtype=self.prefill_compute_dtype, tensor_parallel_size=self.tensor_parallel_size,
+            cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_blocks,
                               self.enable_prefix_caching, self.cache_dtype),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       self.long_prefill_token_threshold),
@@ -195,6 +199,7 @@ class Pod:
         lent = checked_cpu_set("lend_cpus", config.lend_cpus)  # checked before pinning narrows what is allowed
         applied = apply_cpu_set(config.cpus, config.num_threads)  # before the engine's first torch op
         self.engine = LLMEngine(config.engine_config())
+        end_process_on_rank_loss(self.engine.runner.model)  # a tensor-parallel engine restarts whole
         self.metrics = PodMetrics(self.role, self.engine.model_config.name)
         # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.
         self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype,

@@ -92,7 +92,7 @@ class LoadTracker:
             **scheduler_load(engine.scheduler, time.monotonic()), draining=self._draining, version=self._version,
             prefill_tokens_per_second=self._prefill_tokens_per_second,
             decode_step_seconds=self._decode_step_seconds, step_time=step_time_to_proto(engine.step_times.model),
-            quantization=engine.config.weights_format)
+            quantization=engine.config.weights_format, tensor_parallel_size=engine.config.tensor_parallel_size)
 
     # ---- event loop ------------------------------------------------------------------------------------------
 

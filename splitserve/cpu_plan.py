@@ -1,17 +1,18 @@
 """The CPU plan of ``splitserve up``: which CPUs each process runs on and how many torch threads it starts.
 
-    plan_cpus(pods, allowed, given)  ->  {process name: CpuAssignment}
+    plan_cpus(pods, allowed, given, ranks)  ->  {process name: CpuAssignment}
 
 Rules, in order:
 
 1. A role given a set (``--prefill-cpus``, ``--decode-cpus``, ``--mixed-cpus``) runs on it.
 2. The roles given none share out the CPUs the given sets left (all the allowed CPUs if they left none): in
-   contiguous slices in the order prefill, decode, mixed, sized by their pod counts, at least one CPU each; with
-   fewer CPUs than such roles, those roles all share the CPUs.
-3. The pods of a role split its set into contiguous slices (the first pods take the remainder) when the set has a
-   CPU for each of them, and otherwise all share it.
-4. A pod starts one torch thread per CPU of its set, divided by the pods sharing that same set (at least one), so
-   the threads on a set never outnumber its CPUs.
+   contiguous slices in the order prefill, decode, mixed, sized by their pods' ranks (a pod of tensor-parallel size
+   N counts N, ``ranks``), at least one CPU each; with fewer CPUs than such roles, those roles all share the CPUs.
+3. The pods of a role split its set into contiguous slices sized by their ranks (the first pods take the
+   remainder) when the set has a CPU for each of them, and otherwise all share it. A pod of N ranks pins each rank
+   to its own share of its slice (engine/parallel/workers.py), or, with fewer CPUs than ranks, one CPU each in turn.
+4. A pod starts one torch thread per CPU of its set, divided by the pods sharing that same set (at least one per
+   rank), so the threads on a set never outnumber its CPUs unless its ranks do.
 5. The router runs on ``--router-cpus``, else it floats over every allowed CPU (ROUTER_FLOATS below says why).
    redis-server and Prometheus float over every allowed CPU too: they are light and mostly asleep.
 
@@ -42,27 +43,33 @@ class CpuAssignment:
     process: str
     role: str
     cpus: frozenset[int]
-    threads: int
+    threads: int  # all its ranks' together
     pinned: bool  # False: the process may run on any allowed CPU (``cpus`` lists them)
+    ranks: int = 1  # tensor-parallel ranks, each a process of its own on its share of ``cpus``
 
 
-def plan_cpus(pods: Sequence[tuple[str, Role]], allowed: frozenset[int],
-              given: Mapping[Role, frozenset[int]]) -> dict[str, CpuAssignment]:
+def plan_cpus(pods: Sequence[tuple[str, Role]], allowed: frozenset[int], given: Mapping[Role, frozenset[int]],
+              ranks: Mapping[str, int] | None = None) -> dict[str, CpuAssignment]:
     """Placements of ``pods`` ((name, role) in start order) and of the router, within ``allowed``. ``given``:
-    the sets the operator named, by role (Role.ROUTER for the router); empty or missing sets are planned."""
-    counts = Counter(role for _, role in pods)
-    role_sets = {role: given[role] for role in POD_ROLES if counts[role] and given.get(role)}
-    planned = [role for role in POD_ROLES if counts[role] and role not in role_sets]
+    the sets the operator named, by role (Role.ROUTER for the router); empty or missing sets are planned.
+    ``ranks``: each pod's tensor-parallel size (1 where missing)."""
+    size = {name: (ranks or {}).get(name, 1) for name, _ in pods}
+    weight = Counter()
+    for name, role in pods:
+        weight[role] += size[name]
+    role_sets = {role: given[role] for role in POD_ROLES if weight[role] and given.get(role)}
+    planned = [role for role in POD_ROLES if weight[role] and role not in role_sets]
     left = sorted(allowed - frozenset().union(*role_sets.values())) or sorted(allowed)
-    role_sets.update(zip(planned, _split(left, [counts[role] for role in planned])))
+    role_sets.update(zip(planned, _split(left, [weight[role] for role in planned])))
 
     pod_sets: dict[str, frozenset[int]] = {}
     for role, role_set in role_sets.items():
         names = [name for name, pod_role in pods if pod_role is role]
-        pod_sets.update(zip(names, _split(sorted(role_set), [1] * len(names))))
+        pod_sets.update(zip(names, _split(sorted(role_set), [size[name] for name in names])))
     sharers = Counter(pod_sets.values())
     placements = {name: CpuAssignment(name, role, pod_sets[name],
-                                      max(1, len(pod_sets[name]) // sharers[pod_sets[name]]), True)
+                                      max(size[name], len(pod_sets[name]) // sharers[pod_sets[name]]), True,
+                                      size[name])
                   for name, role in pods}
     router_set = given.get(Role.ROUTER) or (allowed if ROUTER_FLOATS else _decode_cpus(placements))
     placements["router"] = CpuAssignment("router", Role.ROUTER, router_set, 0, router_set != allowed)
@@ -101,6 +108,7 @@ def format_plan(placements: Sequence[CpuAssignment]) -> str:
     rows = [("process", "role", "CPUs", "threads")]
     for p in placements:
         cpus = format_cpu_list(p.cpus) + ("" if p.pinned else " (any)")
-        rows.append((p.process, str(p.role), cpus, str(p.threads) if p.threads else "-"))
+        threads = (str(p.threads) + (f" ({p.ranks} ranks)" if p.ranks > 1 else "")) if p.threads else "-"
+        rows.append((p.process, str(p.role), cpus, threads))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)

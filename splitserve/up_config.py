@@ -81,6 +81,14 @@ class UpConfig:
         "Weight format of the decode pods (may differ from the prefill pods': the KV layout is what must match)."))
     mixed_quantization: str = passed_to(DecodeConfig, name="quantization", scope=Role.MIXED, help=(
         "Weight format of the mixed pods."))
+    # Tensor parallelism per role (each becomes that role's pods' --tensor-parallel-size): the phases may differ, KV
+    # moves between any degrees; a pod of N ranks takes N CPUs' worth of the plan (splitserve/cpu_plan.py).
+    prefill_tensor_parallel_size: int = passed_to(PrefillConfig, name="tensor_parallel_size", scope=Role.PREFILL,
+                                                  help="Ranks each prefill pod's model is split over.")
+    decode_tensor_parallel_size: int = passed_to(DecodeConfig, name="tensor_parallel_size", scope=Role.DECODE,
+                                                 help="Ranks each decode pod's model is split over.")
+    mixed_tensor_parallel_size: int = passed_to(DecodeConfig, name="tensor_parallel_size", scope=Role.MIXED,
+                                                help="Ranks each mixed pod's model is split over.")
     int8_activations: bool = passed_to(PodConfig, name="int8_activations", help=(
         "Every pod's products over quantized weights take int8 activations (faster decode, not float32's bits; "
         "pods on --*-quantization none are unaffected)."))

@@ -29,12 +29,14 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import BinaryIO
 
 import torch
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # loading a large model's file on every rank takes a while
 STOP_GRACE_S = 10.0
+WATCH_INTERVAL_S = 0.2  # how soon a serving process learns that a rank exited between steps
 _FRAME = struct.Struct("<Q")  # each message's length in bytes
 
 
@@ -137,13 +140,24 @@ class RankWorkers:
         if any(proc.poll() is not None for proc in self.procs):
             raise self._failure(when)
 
+    def watch(self, on_lost: Callable[[], None]) -> None:
+        """Until ``close``: once a worker exits, log the ranks' states and call ``on_lost`` (a thread's loop)."""
+        while not self._closed:
+            if any(proc.poll() is not None for proc in self.procs):
+                logger.error("tensor-parallel rank gone (%s): this engine cannot step again", self._states())
+                on_lost()
+                return
+            time.sleep(WATCH_INTERVAL_S)
+
     def _failure(self, when: str) -> TensorParallelError:
         for proc in self.procs:  # a rank that broke a collective is exiting: give it a moment to report its code
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0)
-        states = ", ".join(f"rank {i} {'running' if p.poll() is None else f'exited with code {p.returncode}'}"
-                           for i, p in enumerate(self.procs, start=1))
-        return TensorParallelError(f"tensor-parallel engine failed {when}: {states}")
+        return TensorParallelError(f"tensor-parallel engine failed {when}: {self._states()}")
+
+    def _states(self) -> str:
+        return ", ".join(f"rank {i} {'running' if p.poll() is None else f'exited with code {p.returncode}'}"
+                         for i, p in enumerate(self.procs, start=1))
 
     def close(self) -> None:
         """Stop the workers (a ``close`` message, then a kill after ``STOP_GRACE_S``) and unpin rank 0's thread."""
@@ -163,6 +177,17 @@ class RankWorkers:
         affinity, threads = self._restore
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
+
+
+def end_process_on_rank_loss(model) -> None:
+    """For a serving process (a pod, runtime/pod_server.py) whose engine's model (``ModelRunner.model``) is
+    tensor-parallel: once a rank exits, log which and send this process SIGTERM, whose drain ends it (the failed
+    steps' requests already failed, and the router moves them), so that its supervisor (``splitserve up``'s, or
+    Kubernetes') starts the pod again whole: every later step of this engine would fail. A no-op for one process."""
+    workers = getattr(model, "plan_to", None)
+    if workers is not None:
+        threading.Thread(target=workers.watch, args=(lambda: os.kill(os.getpid(), signal.SIGTERM),), daemon=True,
+                         name="tensor-parallel-watch").start()
 
 
 def rank_kv_cache(config: EngineConfig, model_config: ModelConfig, shards: list[RankShard], group: TensorParallelGroup,

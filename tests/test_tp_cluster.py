@@ -1,0 +1,175 @@
+"""Tensor-parallel pods through ``splitserve up`` (issue 38): prefill and decode pods of different degrees, on real
+processes over loopback, give the offline engine's greedy answers token for token, and a rank killed mid-request
+ends in a retried request or a clear error while its pod restarts whole and no KV block leaks.
+
+KV between degrees: every chunk carries every KV head (a tensor-parallel prefill pod's rank 0 gathers its ranks'
+heads, a decode pod's rank 0 scatters each rank its own: engine/parallel/sharded_kv_cache.py). The tiny random model
+has 4 query and 2 KV heads: at TP 2 each rank holds one KV head. Prefill computes in float32 on both sides (the
+offline engine's too): the reference path, whatever the default.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from splitserve.bench.soak import pod_load
+from splitserve.cpu_plan import format_plan, plan_cpus
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.parallel.layout import plan_shards
+from splitserve.kvtransfer.handshake import KVLayout, check_compatible
+from splitserve.launcher import Cluster
+from splitserve.measure.serve_metrics import parse_counter
+from splitserve.runtime.errors import StatusError
+from splitserve.runtime.roles import Role
+from splitserve.up_config import UpConfig
+from tests.reliability.live_cluster import (
+    MODEL,
+    START_S,
+    TINY,
+    prompts,
+    stream,
+    wait_back,
+    wait_every_block_free,
+)
+
+MAX_TOKENS = 24
+PROMPTS = prompts(3, 48, seed=38)  # longer than the router's conditional threshold: each prefills on the prefill pod
+LONG_TOKENS = 600  # the stream a rank is killed under: long enough to outlast the kill on a busy machine
+# Every prompt on the prefill pod, KV lossless, and a stream whose decode pod restarts waits for it to come back.
+TP_CLUSTER = {**TINY, "prefill": 1, "decode": 1, "kv_codec": "none", "prefill_compute_dtype": "float32",
+              "conditional_prefill_threshold": 0, "decode_pod_wait_s": START_S}
+
+
+# ---- the plan and the handshake, without processes --------------------------------------------------------------
+
+def test_a_pod_of_n_ranks_takes_n_cpus_worth_of_the_plan():
+    pods = [("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE), ("decode-1", Role.DECODE)]
+    plan = plan_cpus(pods, frozenset(range(8)), {}, {"prefill-0": 2, "decode-0": 1, "decode-1": 3})
+    # roles weighted by ranks, 2 : 4 over 8 CPUs (2.67 : 5.33, so 3 : 5), decode's 5 split 1 : 3 (1.25 : 3.75)
+    assert {n: (sorted(p.cpus), p.threads, p.ranks) for n, p in plan.items() if n != "router"} == {
+        "prefill-0": ([0, 1, 2], 3, 2), "decode-0": ([3], 1, 1), "decode-1": ([4, 5, 6, 7], 4, 3)}
+    # fewer CPUs than ranks: the pod's ranks share its CPU (one thread each), and the table says so
+    small = plan_cpus(pods[:2], frozenset({0, 1}), {}, {"decode-0": 2})
+    assert (sorted(small["decode-0"].cpus), small["decode-0"].threads) == ([1], 2)
+    assert "2 (2 ranks)" in format_plan(list(small.values()))
+
+
+def _layout(tp: int, **changes) -> KVLayout:
+    model = ModelConfig(64, 64, 128, 2, num_heads=4, num_kv_heads=2)
+    ranges = tuple(s.kv_heads for s in plan_shards(model, tp))
+    fields = {"tensor_parallel_size": tp, "rank_kv_heads": ranges} | changes
+    return KVLayout("tiny-random", 2, 2, 16, 16, "float32", weights_fingerprint="w", **fields)
+
+
+def test_the_handshake_carries_the_degree_and_maps_any_two():
+    for sender_tp in (1, 2, 4):  # 4 ranks: each KV head replicated on two
+        sender = _layout(sender_tp)
+        assert KVLayout.from_proto(sender.to_proto()) == sender
+        for receiver_tp in (1, 2, 4):
+            check_compatible(_layout(receiver_tp), sender, sender.compat_hash, "none", ["none"])
+    assert _layout(4).rank_kv_heads == ((0, 1), (0, 1), (1, 2), (1, 2))
+
+
+@pytest.mark.parametrize("ranges, reason", [
+    (((0, 1),), "1 ranges for 2 ranks"),
+    (((0, 1), (1, 3)), "not within the model's 2 KV heads"),
+    (((0, 1), (0, 1)), "do not hold KV heads 0..1 once each"),
+    (((1, 2), (0, 1)), "do not hold KV heads 0..1 once each"),
+])
+def test_a_layout_whose_heads_cannot_be_mapped_is_refused(ranges, reason):
+    sender = _layout(2, rank_kv_heads=ranges)
+    with pytest.raises(StatusError, match=reason) as refused:
+        check_compatible(_layout(1), sender, sender.compat_hash, "none", ["none"])
+    assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION and "rank_kv_heads" in str(refused.value)
+
+
+def test_lending_to_tensor_parallel_prefill_pods_is_refused(tmp_path):
+    config = UpConfig(model=MODEL, run_dir=str(tmp_path), lend_decode_cpus=True, prefill_tensor_parallel_size=2,
+                      prefill_cpus="0", decode_cpus="1", scheduling="disaggregated")
+    with pytest.raises(ValueError, match="prefill_tensor_parallel_size > 1 is not built"):
+        Cluster(config)
+
+
+# ---- real clusters -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def offline():
+    """The offline engine's greedy answers, TP 1, float32 prefill."""
+    engine = LLM(model=MODEL, num_blocks=512, prefill_compute_dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    answers = [list(out.token_ids) for out in engine.generate(PROMPTS, params)]
+    long = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True))
+    return answers, list(long[0].token_ids)
+
+
+def rank_workers(pod_pid: int) -> list[int]:
+    """The pids of the tensor-parallel rank processes (ranks 1..N-1) the pod ``pod_pid`` started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or one that just exited
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pod_pid and b"splitserve.engine.parallel.rank_worker" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def kv_loaded(cluster, pod) -> float:
+    """Pushed prompt KV the decode pod ``pod`` admitted (``splitserve_kv_load_total{outcome="loaded"}``)."""
+    with urllib.request.urlopen(f"http://{cluster.config.host}:{pod.metrics_port}/metrics", timeout=5) as reply:
+        return parse_counter(reply.read().decode(), "splitserve_kv_load_total", {"outcome": "loaded"}) or 0.0
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
+def test_pods_of_different_degrees_answer_as_the_offline_engine(tmp_path, start_cluster, offline, prefill_tp,
+                                                                decode_tp):
+    cluster = start_cluster(tmp_path, **TP_CLUSTER, prefill_tensor_parallel_size=prefill_tp,
+                            decode_tensor_parallel_size=decode_tp)
+    try:
+        prefill, decode = cluster.pods
+        for pod, size in ((prefill, prefill_tp), (decode, decode_tp)):
+            assert len(rank_workers(cluster.pid(pod.name))) == size - 1, pod.name
+            assert pod_load(cluster.address(pod)).tensor_parallel_size == size, pod.name
+            assert cluster.cpu_plan[pod.name].ranks == size
+        answers = [stream(cluster, prompt, MAX_TOKENS) for prompt in PROMPTS]
+        assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(PROMPTS)
+        assert [a.token_ids for a in answers] == offline[0]
+        assert kv_loaded(cluster, decode) == len(PROMPTS)  # every prompt's KV came from the prefill pod
+        wait_every_block_free(cluster)
+    finally:
+        cluster.stop()
+
+
+def test_a_rank_killed_mid_request_restarts_its_pod_whole(tmp_path, start_cluster, offline):
+    """SIGKILL of a decode pod's rank 1 while it streams: the stream moves to the pod's next life (the router's
+    migration, which waits for it) and gives the offline answer, or fails with a clear error; the pod ends, its
+    supervisor starts it again with new ranks, it serves, and every block is free on every pod."""
+    cluster = start_cluster(tmp_path, **TP_CLUSTER, decode_tensor_parallel_size=2)
+    try:
+        decode = cluster.pods[1]
+        (rank,) = rank_workers(cluster.pid(decode.name))
+        answer = stream(cluster, PROMPTS[0], LONG_TOKENS, timeout_s=3 * START_S,
+                        after_first_chunk=lambda: os.kill(rank, signal.SIGKILL))
+        if answer.finish == "FINISH_REASON_LENGTH":
+            assert answer.token_ids == offline[1]
+        else:  # a failure names what failed
+            assert answer.finish in ("error", "INTERNAL", "UNAVAILABLE") and answer.error, answer
+        wait_back(cluster, decode.name, restarts=1)
+        new_ranks = rank_workers(cluster.pid(decode.name))
+        assert len(new_ranks) == 1 and new_ranks != [rank]
+        again = stream(cluster, PROMPTS[1], MAX_TOKENS)
+        assert again.token_ids == offline[0][1]
+        assert cluster.restarts == {**{name: 0 for name in cluster.restarts}, decode.name: 1}
+        wait_every_block_free(cluster)
+    finally:
+        cluster.stop()
