@@ -1,6 +1,7 @@
-"""Tensor-parallel pods through ``splitserve up`` (issue 38): prefill and decode pods of different degrees, on real
-processes over loopback, give the offline engine's greedy answers token for token, and a rank killed mid-request
-ends in a retried request or a clear error while its pod restarts whole and no KV block leaks.
+"""Tensor-parallel pods (issue 38): the CPU plan, the handshake's layout and the chart's resources for a pod of N
+ranks; and through ``splitserve up``, prefill and decode pods of different degrees, on real processes over loopback,
+give the offline engine's greedy answers token for token, and a rank killed mid-request ends in a retried request or
+a clear error while its pod restarts whole and no KV block leaks.
 
 KV between degrees: every chunk carries every KV head (a tensor-parallel prefill pod's rank 0 gathers its ranks'
 heads, a decode pod's rank 0 scatters each rank its own: engine/parallel/sharded_kv_cache.py). The tiny random model
@@ -29,6 +30,7 @@ from splitserve.measure.serve_metrics import parse_counter
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.roles import Role
 from splitserve.up_config import UpConfig
+from tests.deploy.test_chart import chart, containers_by_component, objects, parsed_config  # noqa: F401 (fixture)
 from tests.reliability.live_cluster import (
     MODEL,
     START_S,
@@ -95,6 +97,16 @@ def test_lending_to_tensor_parallel_prefill_pods_is_refused(tmp_path):
                       prefill_cpus="0", decode_cpus="1", scheduling="disaggregated")
     with pytest.raises(ValueError, match="prefill_tensor_parallel_size > 1 is not built"):
         Cluster(config)
+
+
+def test_the_chart_gives_a_pod_its_ranks_and_n_times_one_rank_s_resources(chart):
+    rank = {"requests": {"cpu": "1500m", "memory": "1.5Gi"}, "limits": {"cpu": 2, "memory": "3Gi"}}
+    deployments = containers_by_component(objects(chart, {"decode": {"tensorParallelSize": 2, "resources": rank}}))
+    decode = deployments["decode"]["spec"]["template"]["spec"]["containers"][0]
+    assert decode["resources"] == {"requests": {"cpu": "3000m", "memory": "3Gi"}, "limits": {"cpu": "4", "memory": "6Gi"}}
+    config = parsed_config(deployments["decode"])
+    assert (config.tensor_parallel_size, config.num_threads) == (2, 4)  # threads: every rank's cores
+    assert parsed_config(deployments["prefill"]).tensor_parallel_size == 1
 
 
 # ---- real clusters -------------------------------------------------------------------------------------------------

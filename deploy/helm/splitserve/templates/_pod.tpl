@@ -9,7 +9,8 @@ config.shutdownGraceS; terminationGracePeriodSeconds covers that plus terminatio
 {{- $values := index $root.Values .component }}
 {{- $ctx := dict "root" $root "component" .component }}
 {{- if $values.enabled }}
-{{- $named := merge (dict "component" .component) $values }}
+{{- $resources := include "splitserve.rankResources" $values | fromYaml }}
+{{- $named := merge (dict "component" .component "resources" $resources) $values }}
 {{- include "splitserve.checkDevice" $named }}
 apiVersion: apps/v1
 kind: Deployment
@@ -67,6 +68,8 @@ spec:
             {{- include "splitserve.registryArgs" $root | nindent 12 }}
             {{- include "splitserve.tlsArgs" $root | nindent 12 }}
             {{- include "splitserve.threadArgs" $named | nindent 12 }}
+            - "--tensor-parallel-size"
+            - {{ $values.tensorParallelSize | default 1 | quote }}
             {{- if and (eq .component "decode") (eq (toString $root.Values.router.config.scheduling) "hybrid") }}
             {{- /* Hybrid scheduling lends prompts to decode pods: they prefill them in chunks that keep the TPOT. */}}
             - "--tpot-slack-chunking"
@@ -95,7 +98,7 @@ spec:
           livenessProbe:
             {{- include "splitserve.grpcProbe" (dict "root" $root "port" $values.ports.probe "probe" $values.probes.liveness) | nindent 12 }}
           resources:
-            {{- toYaml $values.resources | nindent 12 }}
+            {{- toYaml $resources | nindent 12 }}
           volumeMounts:
             {{- include "splitserve.volumeMounts" $root | nindent 12 }}
             # ~/.cache/splitserve (HOME=/tmp in the image): kernels compiled for this node's CPU when the image's

@@ -1,7 +1,8 @@
 {{/*
 How a pod fits its node and rolls out: the pod-spec fields operators set (runtimeClassName, schedulerName, the
 service-account token), accelerator limits and the rollout they call for (no surge), torch's threads from the CPU
-limit, and the device a GPU limit goes with. _pod.tpl, deployment-router.yaml and deployment-planner.yaml use them.
+limit, a tensor-parallel pod's resources (its ranks'), and the device a GPU limit goes with. _pod.tpl,
+deployment-router.yaml and deployment-planner.yaml use them.
 */}}
 
 {{/* Pod-spec fields a component's values may set: runtimeClassName, schedulerName, the service-account token */}}
@@ -70,6 +71,29 @@ mid-GEMM). A config.numThreads set by hand may not exceed it. Nothing without ei
 - {{ $cores | quote }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+A pod's resources: values' resources are one rank's, and a pod of tensorParallelSize ranks (processes pinned to
+their shares of the container's CPUs, each loading the model's files) asks for that many times their CPU and memory.
+*/}}
+{{- define "splitserve.rankResources" -}}
+{{- $ranks := int (.tensorParallelSize | default 1) }}
+{{- $pod := dict }}
+{{- range $kind, $amounts := (.resources | default dict) }}
+{{- $scaled := dict }}
+{{- range $name, $amount := $amounts }}
+{{- $text := toString $amount }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $text }}
+{{- if and (gt $ranks 1) (has $name (list "cpu" "memory")) $number }}
+{{- $_ := set $scaled $name (printf "%v%s" (mulf (float64 $number) $ranks) (trimPrefix $number $text)) }}
+{{- else }}
+{{- $_ := set $scaled $name $amount }}
+{{- end }}
+{{- end }}
+{{- $_ := set $pod $kind $scaled }}
+{{- end }}
+{{- toYaml $pod }}
 {{- end }}
 
 {{/* device: cuda needs an nvidia.com/gpu limit, and a GPU limit needs device: cuda (it would sit idle) */}}
