@@ -33,6 +33,7 @@ block size: a pod's published hash of block i names the prompt's whole prefix up
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,6 +53,10 @@ if TYPE_CHECKING:
 # No decode pod serving usually means one loading or restarting (seconds, under `splitserve up`'s supervisor or a
 # Kubernetes restart): the 503 tells clients to come back after this long (Retry-After, grpc-retry-pushback-ms).
 NO_DECODE_POD_RETRY_S = 2.0
+# Tests of the split path's faults on real pods (tests/reliability/test_split_faults.py): with N in the router's
+# environment, hybrid placement splits every prompt that may split and is longer than N tokens at N (whole blocks of
+# the decode pod), whatever it predicts, so that a split is made by the test and not by the machine's timing.
+FORCE_SPLIT_ENV = "SPLITSERVE_TEST_FORCE_SPLIT_TOKENS"
 
 
 def has_room(pod: PodInfo, num_prompt_tokens: int) -> bool:
@@ -115,6 +120,7 @@ class RoutingPolicy:
     def __init__(self, local_prefill: LocalPrefill | None = None, hybrid: HybridPlacement | None = None):
         self.local_prefill = local_prefill or LocalPrefill()
         self.hybrid = hybrid  # None: step 3 by LocalPrefill's rules
+        self.forced_split_tokens = int(os.environ.get(FORCE_SPLIT_ENV, "0"))  # 0: hybrid placement decides
 
     def choose_pair(self, request: RouterRequest, prefill_pods: list[PodInfo],
                     decode_pods: list[PodInfo], targets: SLOTargets | None = None) -> RoutePlan:
@@ -123,6 +129,9 @@ class RoutingPolicy:
         decode = self._choose_decode(prompt, decode_pods)
         if self.hybrid is not None and targets is not None:
             prefill = self.pick_prefill(prefill_pods, prompt) if prefill_pods else None
+            forced = self.forced_split_tokens
+            if prefill is not None and request.may_split_prefill and 0 < forced < num_tokens:
+                return RoutePlan(prefill, decode, f"split at {forced} tokens ({FORCE_SPLIT_ENV})", prefix_tokens=forced)
             return self.hybrid.decide(prompt, prefill, decode, targets, request.may_split_prefill)
         local_reason = self.local_prefill.reason(num_tokens, prompt.cached_tokens(decode), prefill_pods, decode)
         if local_reason is not None:

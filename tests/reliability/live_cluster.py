@@ -43,8 +43,9 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
 # What the tests' clusters run: the tiny model, a small KV pool, no Prometheus (conftest's ``start_cluster(run_dir,
 # **TINY, ...)`` picks the ports).
 # The disaggregated path: the faults these tests inject are on it (a KV push, a stream to migrate).
+# float32 prefill, as the offline engine's here (``offline_answers``): the default may pick bf16 where the CPU has it.
 TINY = {"model": MODEL, "prometheus": False, "kv_cache_memory_bytes": 16 << 20, "ready_timeout_s": START_S,
-        "scheduling": "disaggregated"}
+        "scheduling": "disaggregated", "prefill_compute_dtype": "float32"}
 
 
 def up_config(tmp_path: Path, base: int | None, **fields) -> UpConfig:
@@ -149,7 +150,7 @@ def offline_answers(prompt_list: list[list[int]], max_tokens: int) -> list[list[
     """The greedy answers of the offline engine: what every topology must give (docs/RELIABILITY.md)."""
     from splitserve.engine import LLM, SamplingParams
 
-    engine = LLM(model=MODEL, num_blocks=512)
+    engine = LLM(model=MODEL, num_blocks=512, prefill_compute_dtype="float32")
     outputs = engine.generate(prompt_list, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return [list(output.token_ids) for output in outputs]
 
