@@ -49,7 +49,7 @@ from splitserve.engine.config import DEFAULT_MODEL
 from splitserve.engine.text.tokenizer_files import load_tokenizer
 from splitserve.launcher import Cluster
 from splitserve.measure.figures import save_results
-from splitserve.measure.serve_metrics import SLO, RequestRecord, parse_counter, summarize
+from splitserve.measure.serve_metrics import SLO, RequestRecord, parse_counter, parse_histograms, summarize
 from splitserve.measure.workload import WorkloadConfig, build_workload
 from splitserve.probes import serving
 from splitserve.runtime.config import described, parse_config
@@ -62,8 +62,8 @@ CLIENT_ABORT = "client_abort"  # the failure kind of a request its client abando
 LOSSLESS_CODECS = ("none", "none+zstd")  # a shadow check of their KV must match exactly
 DIVERGED = re.compile(  # router/shadow.py's warning of a divergence, in the router's log
     r"shadow check of request (\S+) diverged \((\w+)\) at output position (\d+) of (\d+)")
-ROUTES = ("disaggregated", "prefill_on_decode", "split")
-SHADOW_OUTCOMES = ("match", "diverged", "failed")
+ROUTES, SHADOW_OUTCOMES = ("disaggregated", "prefill_on_decode", "split"), ("match", "diverged", "failed")
+LOGPROB_DELTA = "splitserve_router_shadow_logprob_delta"  # each check's largest logprob difference (a histogram)
 
 
 @dataclass
@@ -73,8 +73,7 @@ class SoakConfig:
     duration: float = field(default=180.0, metadata=described("Seconds of load (faults are injected meanwhile)."))
     model: str = field(default=DEFAULT_MODEL, metadata=described("Model every pod serves (tiny-random for a quick run)."))
     prefill: int = field(default=1, metadata=described("Number of prefill pods."))
-    decode: int = field(default=2, metadata=described("Number of decode pods (2 or more: a killed one's streams "
-                                                      "migrate)."))
+    decode: int = field(default=2, metadata=described("Number of decode pods (2 or more: a killed one's streams migrate)."))
     request_rate: float = field(default=2.0, metadata=described("Requests per second (Poisson arrivals)."))
     input_len: int = field(default=128, metadata=described("Mean prompt length in tokens (each within half of it either way)."))
     output_len: int = field(default=32, metadata=described("Mean output length in tokens (each within half of it either way)."))
@@ -84,11 +83,10 @@ class SoakConfig:
     abort_within: float = field(default=2.0, metadata=described(
         "An abandoning client leaves at a random moment this many seconds after sending, at most (shorter than a "
         "request takes: it leaves while queued, prefilling or decoding)."))
-    corrupt_chunks: float = field(default=0.02, metadata=described("Share of KV chunks the prefill pods send "
-                                                                    "corrupted (0: none)."))
+    corrupt_chunks: float = field(default=0.02, metadata=described("Share of KV chunks sent corrupted (0: none)."))
     request_timeout: float = field(default=300.0, metadata=described("The client's deadline of one request."))
-    drain_timeout: float = field(default=120.0, metadata=described("After the load: how long the requests in "
-                                                                   "flight, then the pods' blocks, get to finish."))
+    drain_timeout: float = field(default=120.0, metadata=described(
+        "After the load: how long the requests in flight, then the pods' blocks, get to finish."))
     kv_cache_memory_bytes: int = field(default=256 << 20, metadata=described("KV block pool of each pod."))
     kv_codec: str = field(default="none", metadata=described("KV codec between the pods (none: lossless)."))
     shadow_check_fraction: float = field(default=1.0, metadata=described(
@@ -168,8 +166,7 @@ class FaultInjector:
         return None
 
     def counts(self) -> dict[str, int]:
-        return dict(Counter("redis_restarted" if event["fault"].endswith("redis") else "decode_pod_killed"
-                            for event in self.events))
+        return dict(Counter("redis_restarted" if e["fault"].endswith("redis") else "decode_pod_killed" for e in self.events))
 
 
 # ---- load -----------------------------------------------------------------------------------------------------------
@@ -341,6 +338,9 @@ def _report(config: SoakConfig, records: list[RequestRecord], duration: float, f
     shadow = {outcome: router_count("splitserve_router_shadow_checks_total", {"outcome": outcome})
               for outcome in SHADOW_OUTCOMES}
     lossless = config.kv_codec in LOSSLESS_CODECS
+    delta = parse_histograms(after, [LOGPROB_DELTA], {}).get(LOGPROB_DELTA)  # the cluster's own: none before
+    shadow["max_logprob_delta_at_most"] = (next(le for le, n in delta.buckets if n == delta.count)
+                                           if delta and delta.count else None)
     passed = (not unexpected and all(n == 0 for kind in leaked.values() for n in kind.values())
               and not (lossless and shadow["diverged"]))
     return {
@@ -379,8 +379,9 @@ def print_report(report: dict, log=print) -> None:
     log(f"  routes     {_kinds(report['routes'])}; restarts {_kinds(report['restarts'])}")
     log(f"  leaked     {_kinds(report['leaked_blocks'])} blocks; leases expired {_kinds(report['leases_expired'])}")
     shadow = report["shadow_checks"]
-    log(f"  shadow     {_kinds({o: shadow[o] for o in SHADOW_OUTCOMES})} "
-        f"({report['config']['kv_codec']}: {'lossless' if shadow['lossless'] else 'lossy'})")
+    log(f"  shadow     {_kinds({o: shadow[o] for o in SHADOW_OUTCOMES})} ({report['config']['kv_codec']}: "
+        f"{'lossless' if shadow['lossless'] else 'lossy'}), largest logprob difference <= "
+        f"{shadow['max_logprob_delta_at_most']}")
     for d in shadow["divergences"]:
         log(f"    diverged at output position {d['position']:>4} of {d['of']} ({d['kind']}): {d['request_id']}")
     log("  PASSED" if report["passed"] else "  FAILED: unexpected failures, leaks, or lossless shadow divergences")
