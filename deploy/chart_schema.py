@@ -26,6 +26,7 @@ import yaml
 from splitserve.decode_service.config import DecodeConfig
 from splitserve.deploy.planner.config import PlannerConfig
 from splitserve.engine.config import CACHE_DTYPES, COMPUTE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS
+from splitserve.engine.kernels.build import KERNEL_TARGETS
 from splitserve.engine.kernels.cpu_features import PREFILL_COMPUTE_DTYPES
 from splitserve.kvtransfer.codecs import available_codecs
 from splitserve.kvtransfer.receiver import KV_LOAD_FAILURE_POLICIES
@@ -45,7 +46,8 @@ COMPONENTS = {"router": RouterConfig, "prefill": PrefillConfig, "decode": Decode
 # belong in values; nor does core lending (`lend_cpus` and its activity files: pods of one machine sharing host CPUs
 # and a directory, which `splitserve up` arranges and Kubernetes pods do not); `tensor_parallel_size` is the pod's
 # `tensorParallelSize`, which also scales its resources. The TTFT and TPOT targets come from `serviceLevel`, one
-# value for the router, the decode pods' TPOT-slack chunking (hybrid scheduling) and the planner.
+# value for the router, the decode pods' TPOT-slack chunking (hybrid scheduling) and the planner. A decode pod's
+# `kv_shm_dir` is the node directory of `kvTransfer.sharedMemory` or none (a container's own /dev/shm is no other pod's).
 _TLS_OWNED = {"tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert", "tls_server_name"}
 _POD_OWNED = {"host", "port", "metrics_port", "probe_port", "advertise_address", "model", "registry", "redis_url", "role",
               "cpus", "lend_cpus", "lender_activity_files", "activity_file", "tensor_parallel_size", *_TLS_OWNED}
@@ -53,8 +55,8 @@ CHART_OWNED = {
     "router": {"host", "grpc_port", "http_port", "metrics_port", "probe_port", "model", "registry", "redis_url", "prefill_pods",
                "decode_pods", "mixed_pods", "api_keys", "cpus", "slo_ttft_s", "slo_tpot_s", *_TLS_OWNED},
     "prefill": _POD_OWNED,
-    "decode": _POD_OWNED | {"tpot_slack_chunking", "tpot_target_s"},
-    "mixed": _POD_OWNED,
+    "decode": _POD_OWNED | {"tpot_slack_chunking", "tpot_target_s", "kv_shm_dir"},
+    "mixed": _POD_OWNED | {"kv_shm_dir"},
     "planner": {"host", "metrics_port", "namespace", "prefill_deployment", "decode_deployment", "kubeconfig",
                 "ttft_target_s", "tpot_target_s"},
 }
@@ -236,6 +238,9 @@ def values_schema() -> dict:
                                   replicas={"type": "integer", "minimum": 0, "maximum": 1}),
             "metrics": _obj({"scrapeAnnotations": _BOOL}),
             "scratch": _obj({"tmpSizeLimit": _QUANTITY, "kernelCacheSizeLimit": _QUANTITY}),
+            "kernels": _obj({"target": {"enum": list(KERNEL_TARGETS)}}),
+            "kvTransfer": _obj({"sharedMemory": _obj({"enabled": _BOOL,
+                                                      "hostPath": {"type": "string", "pattern": "^/"}})}),
             "grafanaDashboards": _obj({"enabled": _BOOL, "labels": _STRING_MAP, "annotations": _STRING_MAP}),
             "serviceLevel": _obj({"ttftSeconds": {"type": "number", "exclusiveMinimum": 0},
                                   "tpotSeconds": {"type": "number", "exclusiveMinimum": 0}}),

@@ -14,7 +14,7 @@
   splitserve bench llamacpp [--threads 1,2 ...]         beside llama.cpp on the same GGUF: ms/token, tokens/s, lookup
   splitserve bench lm_eval [--lm-eval-python PATH]      lm-eval against a cluster, each answer checked offline
   splitserve bench tp [--tensor-parallel-sizes 1,2 ...]  TP 1 vs TP N on this machine, all-reduce cost, 8-rank projection
-  splitserve build-kernels                              build the engine's native CPU kernels now (set-up does)
+  splitserve build-kernels [--baselines]                build the engine's native CPU kernels now (set-up does)
 """
 
 from __future__ import annotations
@@ -57,9 +57,15 @@ def _build_kernels(argv: list[str]) -> None:
     """Build (or find) the native CPU kernels' library this machine's processes will load, and load it once, which
     checks its ABI. Exits 1 when a CPU that can run the kernels cannot have them; elsewhere says so and exits 0."""
     from splitserve.engine.kernels import cpu_kernels
-    from splitserve.engine.kernels.build import supported_cpu
+    from splitserve.engine.kernels.build import build_baselines, supported_cpu
 
-    argparse.ArgumentParser(prog="splitserve build-kernels", description=_build_kernels.__doc__).parse_args(argv)
+    parser = argparse.ArgumentParser(prog="splitserve build-kernels", description=_build_kernels.__doc__)
+    parser.add_argument("--baselines", action="store_true", help=(
+        "first build every declared baseline (x86-64-v3, x86-64-v4, x86-64-v4 with VNNI), whatever this CPU runs: "
+        "for an image whose pods run on other CPUs (SPLITSERVE_KERNEL_TARGET=baseline; engine/kernels/build.py)"))
+    if parser.parse_args(argv).baselines:
+        for path in build_baselines():
+            print(f"baseline kernels: {path}")
     choice = cpu_kernels.load()
     print(f"engine compute path on this machine: {choice}")
     if choice.kernels is None and supported_cpu() and os.environ.get("SPLITSERVE_CPU_KERNELS", "1") != "0":

@@ -1,8 +1,7 @@
 """Running a rendered release: each Deployment's container started as its manifest says, on loopback.
 
     release = RenderedRelease(objects, secrets, workdir)   the chart's rendered objects; Secrets by name -> key -> value
-                           (image_kernels=False: an image built on another CPU, whose pods compile their own;
-                           image_root: a built image's root filesystem, e.g. `buildah mount`'s, to run instead)
+                           (image_root: a built image's root filesystem, e.g. `buildah mount`'s, to run instead)
     release.start()        every Deployment's pod (one each: replicas are not multiplied)
     release.wait_ready()   runs each container's startupProbe, then its readinessProbe, as rendered, until all pass
     release.address(service, port_name)   where a Service's port leads: the pod's address and container port
@@ -18,9 +17,12 @@ the container's uid, the host's root bound read-only, the volumes bound over it.
 
 What stands in for the cluster:
 - the splitserve image is this checkout: deploy/Dockerfile's ENV, with its virtual environment ``/opt/venv`` being
-  the checkout's ``.venv`` and its kernel cache ``/opt/splitserve/kernels`` the host's (read-only; or none, as
-  in an image built on another CPU), or, given ``image_root``, the built image itself; Redis's image
-  is the host's ``redis-server`` (the image's entrypoint takes the args);
+  the checkout's ``.venv`` and its kernels ``/opt/splitserve/kernels`` the host's ``~/.cache/splitserve/image``
+  (read-only) holding the baseline this CPU runs, built there first as the image's build does
+  (``splitserve build-kernels`` with the image's target), or, given ``image_root``, the built image itself; Redis's
+  image is the host's ``redis-server`` (the image's entrypoint takes the args);
+- a hostPath volume is the host's directory of that path (the test's stand-in for the node's), shared by every pod
+  that mounts it, as on one node;
 - a pod's IP is a loopback address of its own (127.77.0.n), and a listener the manifest binds to 0.0.0.0
   (``--host 0.0.0.0``) binds to it instead, as a pod's network namespace would keep it apart (Redis also listens
   on 127.0.0.1, for its exec probe's ``redis-cli``);
@@ -57,6 +59,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
 CHECKOUT = Path(__file__).resolve().parents[2]
+# Stands in for the image's /opt/splitserve/kernels: its libraries only (not this host's native builds)
+IMAGE_KERNELS = Path.home() / ".cache" / "splitserve" / "image"
 BWRAP = shutil.which("bwrap")
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -91,6 +95,15 @@ def _host_root(targets: list[str]) -> tuple[list[str], list[str]]:
     return [*args, "--dir", "/opt"], ["/", *tmpfs]
 
 
+def _build_image_kernels() -> None:
+    """What the image's build leaves in its kernel folder for this CPU (the best baseline it runs), built into
+    IMAGE_KERNELS as the image's build does (found there by later runs)."""
+    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(IMAGE_KERNELS), "HOME": str(IMAGE_KERNELS),  # no other cache
+           "SPLITSERVE_KERNEL_TARGET": image_env()["SPLITSERVE_KERNEL_TARGET"]}
+    subprocess.run([str(VENV / "bin" / "python"), "-m", "splitserve", "build-kernels"], env=env, check=True,
+                   capture_output=True)
+
+
 def _kube_expand(text: str, env: dict[str, str]) -> str:
     """The kubelet's $(VAR) expansion: a defined variable is replaced, an undefined reference kept, $$ escapes."""
     return re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
@@ -118,11 +131,10 @@ class Pod:
 
 
 class RenderedRelease:
-    def __init__(self, objects: list[dict], secrets: dict[str, dict[str, str]], workdir: Path,
-                 image_kernels: bool = True, image_root: str = ""):
+    def __init__(self, objects: list[dict], secrets: dict[str, dict[str, str]], workdir: Path, image_root: str = ""):
         if BWRAP is None:
             raise RuntimeError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
-        self.workdir, self.secrets, self.image_kernels, self.image_root = workdir, secrets, image_kernels, image_root
+        self.workdir, self.secrets, self.image_root = workdir, secrets, image_root
         deployments = [o for o in objects if o["kind"] == "Deployment"]
         self.pods = {d["metadata"]["name"]: Pod(d["metadata"]["name"], f"127.77.0.{n}", d["spec"]["template"]["spec"],
                                                 d["spec"]["template"]["metadata"]["labels"])
@@ -195,12 +207,7 @@ class RenderedRelease:
             args += ["--chdir", "/tmp"]
         if "splitserve" in container["image"] and not image:
             args += ["--ro-bind", str(VENV), "/opt/venv"]
-            kernels = Path.home() / ".cache" / "splitserve"
-            if self.image_kernels and kernels.is_dir():  # what the image's build compiled (read-only, as there)
-                args += ["--ro-bind", str(kernels), "/opt/splitserve/kernels"]
-        elif image and not self.image_kernels:  # the image's build hidden, as from a build machine of another CPU
-            args += ["--tmpfs", "/opt/splitserve/kernels"]
-            made.append("/opt/splitserve/kernels")  # empty and read-only, as the image's folder would be
+            args += ["--ro-bind", str(IMAGE_KERNELS), "/opt/splitserve/kernels"]  # read-only, as in the image
         volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
         for mount in container.get("volumeMounts", []):
             volume = volumes[mount["name"]]
@@ -209,6 +216,9 @@ class RenderedRelease:
                 host.mkdir(parents=True, exist_ok=True)
                 host.chmod(0o777)  # an emptyDir is writable by the pod's user (fsGroup)
                 args += ["--bind", str(host), mount["mountPath"]]
+            elif "hostPath" in volume:  # the node's directory: every pod of the one node sees the same
+                args += ["--ro-bind" if mount.get("readOnly") else "--bind", volume["hostPath"]["path"],
+                         mount["mountPath"]]
             elif "secret" in volume:
                 host.mkdir(parents=True, exist_ok=True)
                 for key, value in self.secrets[volume["secret"]["secretName"]].items():
@@ -233,6 +243,8 @@ class RenderedRelease:
         return [REDIS_SERVER, *args, "--bind", pod.ip, "127.0.0.1"]  # the redis image's entrypoint
 
     def start(self) -> None:
+        if not self.image_root:
+            _build_image_kernels()
         for pod in self.pods.values():
             for container in pod.spec["containers"]:
                 directory = self.workdir / pod.name / container["name"]

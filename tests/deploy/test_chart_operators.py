@@ -2,7 +2,8 @@
 renders: an image that must be named, rollouts that do not wait for a free GPU, the pod-spec fields GPU clusters
 need (with the schema still refusing typos), DNS egress that works with NodeLocal DNSCache and on OpenShift, a Redis
 password that a GitOps renderer does not change at every sync, threads sized from the CPU limit, a planner that is
-told where Prometheus is, and GPU values checked against each other.
+told where Prometheus is, GPU values checked against each other, the kernels' target and the node's shared-memory
+directory for same-host KV (issue 37) only where asked.
 """
 
 from __future__ import annotations
@@ -208,3 +209,54 @@ def test_writable_places_are_sized_volumes_and_serving_pods_cache_their_kernels(
             assert mounts["kernel-cache"] == "/tmp/.cache/splitserve", component
         else:
             assert "kernel-cache" not in volumes  # the router runs no kernels
+
+
+def test_serving_pods_get_the_kernel_target_asked_for(chart):
+    """baseline (the image's prebuilt libraries, the default) or native (compiled for the node's CPU at start):
+    engine/kernels/build.py reads SPLITSERVE_KERNEL_TARGET; the router and the planner run no kernels."""
+    for target in ("baseline", "native"):
+        values = {**EVERYTHING_ON, "kernels": {"target": target}} if target == "native" else EVERYTHING_ON
+        for component, deployment in containers_by_component(objects(chart, values)).items():
+            env = {v["name"]: v.get("value") for v in pod_spec(deployment)["containers"][0].get("env", [])}
+            assert env.get("SPLITSERVE_KERNEL_TARGET") == (target if component in SERVING else None), component
+    assert "/kernels/target" in render_error(chart, with_required({"kernels": {"target": "znver4"}}))
+
+
+# ---- same-host KV through the node's shared memory (issue 37) ------------------------------------------------
+
+KV_SHM = "/run/splitserve/kv-shm"
+
+
+def kv_shm_dirs(chart, values: dict) -> dict[str, tuple[str | None, str | None, dict | None]]:
+    """Serving component -> (its --kv-shm-dir, where it mounts kv-shm, the kv-shm volume)."""
+    found = {}
+    for component, deployment in containers_by_component(objects(chart, values)).items():
+        if component in SERVING:
+            spec = pod_spec(deployment)
+            args = spec["containers"][0]["args"]
+            flag = args[args.index("--kv-shm-dir") + 1] if "--kv-shm-dir" in args else None
+            mount = next((m["mountPath"] for m in spec["containers"][0]["volumeMounts"] if m["name"] == "kv-shm"), None)
+            volume = next((v for v in spec["volumes"] if v["name"] == "kv-shm"), None)
+            found[component] = (flag, mount, volume)
+    return found
+
+
+def test_shared_memory_kv_mounts_the_node_directory_at_one_path_only_when_enabled(chart):
+    """Off (the default): no node directory, and decode pods offer none (a container's own /dev/shm is no other
+    pod's: KV over gRPC). On: every serving pod mounts the node's directory at one path, the decode and mixed pods
+    offer it to the prefill pods of their node, and the prefill pods find it there (same path, same device:inode)."""
+    assert kv_shm_dirs(chart, EVERYTHING_ON) == {"prefill": (None, None, None), "decode": ("", None, None),
+                                                 "mixed": ("", None, None)}
+    values = {**EVERYTHING_ON, "kvTransfer": {"sharedMemory": {"enabled": True}}}
+    volume = {"name": "kv-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}
+    assert kv_shm_dirs(chart, values) == {"prefill": (None, KV_SHM, volume), "decode": (KV_SHM, KV_SHM, volume),
+                                          "mixed": (KV_SHM, KV_SHM, volume)}
+    elsewhere = {**EVERYTHING_ON, "kvTransfer": {"sharedMemory": {"enabled": True, "hostPath": "/mnt/kv"}}}
+    assert {v[2]["hostPath"]["path"] for v in kv_shm_dirs(chart, elsewhere).values()} == {"/mnt/kv"}
+
+
+@pytest.mark.parametrize("values, key", [({"decode": {"config": {"kvShmDir": "/dev/shm"}}}, "kvShmDir"),
+                                         ({"kvTransfer": {"sharedMemory": {"hostPath": "dev/shm"}}}, "hostPath")])
+def test_the_shared_directory_is_the_charts_to_set(chart, values, key):
+    """A decode pod's directory follows kvTransfer.sharedMemory (config may not name it), a node path is absolute."""
+    assert key in render_error(chart, with_required(values))

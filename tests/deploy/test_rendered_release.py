@@ -1,9 +1,11 @@
 """Run what the chart renders, not only its YAML: a router, a prefill pod, a decode pod and Redis from one rendered
 release (tests/deploy/rendered_release.py runs each container as its manifest says, in a bubblewrap sandbox with the
 manifest's user, read-only root and volumes, its probes as rendered) answer a completion through the rendered
-Service ports: once with the chart's defaults, once with mutual TLS, network policies and Redis auth, from an image
-whose kernels were built for another CPU (the pods compile theirs on the read-only root's one writable place for
-them, the chart's sized kernel cache).
+Service ports: once with the chart's defaults (the pods run the image's baseline kernels from its read-only folder,
+writing nothing; KV over gRPC), once with mutual TLS, network policies, Redis auth, kernels compiled for this CPU at
+start (kernels.target native: into the read-only root's one writable place for them, the chart's sized kernel cache)
+and same-host KV through the node's shared directory (kvTransfer.sharedMemory: a hostPath both pods mount, here a
+directory of the test's host, where the prefill pod's KV goes, not over gRPC).
 
 The model is the tiny random one (the chart's model.name: built in code, nothing to load) and the KV pools are
 small; every other value is the chart's default or the case's. With SPLITSERVE_TEST_IMAGE_ROOT set to a built
@@ -30,7 +32,7 @@ SMALL = {"model": {"name": "tiny-random"},
          "decode": {"config": {"kvCacheMemoryBytes": 32 << 20}}}
 REDIS_SECRET = {"splitserve-redis": {"redis-password": "Zq7bK2mR9xW4tY8pL3nV6cH1"}}
 TLS = {"tls": {"enabled": True, "secretName": "splitserve-tls", "requireClientCert": True},
-       "networkPolicy": {"enabled": True}, "redis": {"auth": {"enabled": True}}}
+       "networkPolicy": {"enabled": True}, "redis": {"auth": {"enabled": True}}, "kernels": {"target": "native"}}
 ROUTER = f"{RELEASE}-splitserve-router"
 
 
@@ -49,9 +51,13 @@ def test_a_rendered_release_answers_a_completion_through_its_service(chart, case
     secrets = dict(REDIS_SECRET)
     if case == "tls":
         secrets["splitserve-tls"] = _tls_secret(tmp_path)
+        node_shm = tmp_path / "node-shm"  # the node's directory: mode 1777, as /dev/shm
+        node_shm.mkdir(mode=0o1777)
+        node_shm.chmod(0o1777)
+        values["kvTransfer"] = {"sharedMemory": {"enabled": True, "hostPath": str(node_shm)}}
     rendered = objects(chart, values)
     assert any(o["kind"] == "NetworkPolicy" for o in rendered)
-    release = RenderedRelease(rendered, secrets, tmp_path / "pods", image_kernels=case != "tls",
+    release = RenderedRelease(rendered, secrets, tmp_path / "pods",
                               image_root=os.environ.get("SPLITSERVE_TEST_IMAGE_ROOT", ""))
     release.start()
     try:
@@ -77,10 +83,17 @@ def test_a_rendered_release_answers_a_completion_through_its_service(chart, case
         assert answer.status_code == 200, answer.text
         body = answer.json()
         assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
-        kernels = "/tmp/.cache/splitserve/" if case == "tls" else "/opt/splitserve/kernels/"
+        # native: this CPU's build, compiled into the kernel cache; baseline: the image's, read where it lies
+        kernels = r"/tmp/.cache/splitserve/cpu_kernels-[0-9a-f]+\.so" if case == "tls" else \
+            r"/opt/splitserve/kernels/cpu_kernels-x86-64-v[34](-vnni)?-[0-9a-f]+\.so"
         for pod in ("prefill", "decode"):
             log = (tmp_path / "pods" / f"{RELEASE}-splitserve-{pod}" / pod / "log").read_text()
-            assert re.search(rf"compute path: native CPU kernels \(\w+, {kernels}", log), log
+            assert re.search(rf"compute path: native CPU kernels \(\w+, {kernels}\)", log), log
+        host, port = release.address(f"{RELEASE}-splitserve-prefill", "metrics")
+        pushes = {transport: float(count) for transport, count in re.findall(
+            r'^splitserve_kv_transfers_total\{[^}]*transport="(\w+)"[^}]*\} (\S+)$',
+            httpx.get(f"http://{host}:{port}/metrics", timeout=10).text, re.MULTILINE)}
+        assert sum(pushes.values()) >= 1 and pushes.get("shm" if case == "tls" else "grpc") == sum(pushes.values())
     except BaseException:
         print(release.logs())
         raise

@@ -68,6 +68,11 @@ spec:
             {{- include "splitserve.registryArgs" $root | nindent 12 }}
             {{- include "splitserve.tlsArgs" $root | nindent 12 }}
             {{- include "splitserve.threadArgs" $named | nindent 12 }}
+            {{- if ne .component "prefill" }}
+            {{- /* Where prefill pods of this node put KV for this pod: the node's shared directory, or none (gRPC). */}}
+            - "--kv-shm-dir"
+            - {{ ternary (include "splitserve.kvShmDir" .) "" $root.Values.kvTransfer.sharedMemory.enabled | quote }}
+            {{- end }}
             - "--tensor-parallel-size"
             - {{ $values.tensorParallelSize | default 1 | quote }}
             {{- if and (eq .component "decode") (eq (toString $root.Values.router.config.scheduling) "hybrid") }}
@@ -83,6 +88,8 @@ spec:
                 fieldRef:
                   fieldPath: status.podIP
             {{- include "splitserve.registryEnv" $root | nindent 12 }}
+            - name: SPLITSERVE_KERNEL_TARGET
+              value: {{ $root.Values.kernels.target | quote }}
             {{- include "splitserve.extraEnv" $values | nindent 12 }}
           ports:
             - name: grpc
@@ -101,10 +108,14 @@ spec:
             {{- toYaml $resources | nindent 12 }}
           volumeMounts:
             {{- include "splitserve.volumeMounts" $root | nindent 12 }}
-            # ~/.cache/splitserve (HOME=/tmp in the image): kernels compiled for this node's CPU when the image's
-            # build (in SPLITSERVE_CACHE_DIR, read-only) is for another CPU
+            # ~/.cache/splitserve (HOME=/tmp in the image): kernels compiled for this node's CPU (kernels.target
+            # native, or a CPU that runs none of the image's baselines in SPLITSERVE_CACHE_DIR, read-only)
             - name: kernel-cache
               mountPath: /tmp/.cache/splitserve
+            {{- if $root.Values.kvTransfer.sharedMemory.enabled }}
+            - name: kv-shm
+              mountPath: {{ include "splitserve.kvShmDir" . }}
+            {{- end }}
             {{- if $values.shm.enabled }}
             - name: shm
               mountPath: /dev/shm
@@ -120,6 +131,13 @@ spec:
         - name: kernel-cache
           emptyDir:
             sizeLimit: {{ $root.Values.scratch.kernelCacheSizeLimit }}
+        {{- if $root.Values.kvTransfer.sharedMemory.enabled }}
+        # a node directory every serving pod of the node mounts at one path: KV arenas between them (kvtransfer/shm.py)
+        - name: kv-shm
+          hostPath:
+            path: {{ $root.Values.kvTransfer.sharedMemory.hostPath }}
+            type: Directory
+        {{- end }}
         {{- if $values.shm.enabled }}
         # CUDA and NCCL share memory through /dev/shm; the container runtime's default is 64 MiB
         - name: shm
@@ -133,6 +151,14 @@ spec:
         {{- toYaml . | nindent 8 }}
         {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+The path at which every serving pod mounts kvTransfer.sharedMemory's node directory: one path in all of them, since a
+decode pod names it in its handshake and a prefill pod opens it there (and compares its device:inode).
+*/}}
+{{- define "splitserve.kvShmDir" -}}
+/run/splitserve/kv-shm
 {{- end }}
 
 {{/* Headless: the router picks pods itself (from Redis); the Service names them for monitoring and debugging */}}
