@@ -8,6 +8,8 @@ process may run on among its ranks, one thread per core, engine/parallel/workers
 - prefill tokens/s of one prompt of ``--prompt-len`` tokens;
 - decode ms per step at each of ``--batches`` (sequences decoding together) over ``--context`` tokens of context,
   the median of ``--steps`` steps;
+- the KV a prefill pod's export reads of that prompt (every layer's K and V; at TP N rank 0 gathers it from the
+  ranks), ms per prompt;
 - with TP > 1, what rank 0's collectives did per decode step: calls, bytes (its own payload) and seconds inside them
   (waiting for a slower rank included);
 
@@ -34,6 +36,7 @@ import torch
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import DEFAULT_MODEL, QUANTIZATIONS
 from splitserve.engine.kernels.cpu_features import matrix_features
+from splitserve.engine.kv_cache import KV_KINDS
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figure, save_results
 from splitserve.runtime.config import described, parse_config
@@ -108,10 +111,24 @@ def decode_round(engine: LLMEngine, batch: int, context: int, steps: int, stream
     return statistics.median(times), {"calls": calls, "bytes": nbytes, "seconds": seconds}
 
 
+def kv_read_ms(engine: LLMEngine, tokens: int, repeats: int) -> dict:
+    """What a prefill pod's KV export reads of one prompt of ``tokens`` tokens: every layer's K and V at its slots
+    (at TP N rank 0 gathers each from the ranks: how KV leaves a tensor-parallel pod), in ms per prompt."""
+    cache, slots = engine.runner.kv_cache, torch.arange(tokens)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for layer in range(engine.model_config.num_layers):
+            for kind in KV_KINDS:
+                cache.read(layer, kind, slots)
+        times.append((time.perf_counter() - started) * 1e3)
+    return spread(times)
+
+
 def run_size(config: TensorParallelBenchConfig, tp: int, log) -> dict:
     """One engine of ``tp`` ranks (TP N: one thread per core of each rank's share; TP 1: torch's thread count)."""
     llm = LLM(config.model, quantization=config.quantization, tensor_parallel_size=tp,
-              kv_cache_memory_bytes=256 << 20)
+              kv_cache_memory_bytes=256 << 20, prefill_compute_dtype="float32")  # TP N's: one format throughout
     engine = llm.engine
     prefill_seconds(llm, config.prompt_len, 0)  # warm-up: first-call costs (allocations, page faults) untimed
     decode_round(engine, max(config.batches), config.context, 2, 0)
@@ -123,13 +140,15 @@ def run_size(config: TensorParallelBenchConfig, tp: int, log) -> dict:
             decode[b].append(seconds * 1e3)
             collectives[b].append(per_step)
     result = {"prefill_tokens_s": spread(prefill),
+              "kv_read_ms": kv_read_ms(engine, config.prompt_len, 5 * config.rounds),
               "decode_ms": {b: spread(v) for b, v in decode.items()},
               "collectives_per_step": {b: {k: statistics.median(c[k] for c in v) for k in v[0]}
                                        for b, v in collectives.items()},
               "shape": {"num_layers": engine.model_config.num_layers, "hidden_size": engine.model_config.hidden_size}}
     label = f"TP {tp}" if tp > 1 else f"TP 1, {torch.get_num_threads()} thread(s)"
     log(f"{label}: prefill {_fmt(result['prefill_tokens_s'], '.0f')} tokens/s; decode ms/step " + ", ".join(
-        f"batch {b} {_fmt(s, '.1f')}" for b, s in result["decode_ms"].items()))
+        f"batch {b} {_fmt(s, '.1f')}" for b, s in result["decode_ms"].items())
+        + f"; a prompt's KV read {_fmt(result['kv_read_ms'], '.1f')} ms")
     if tp > 1:
         for b, c in result["collectives_per_step"].items():
             log(f"  batch {b}: {c['calls']:.0f} collectives/step, {c['bytes'] / 1024:.0f} KiB, "
