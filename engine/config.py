@@ -216,12 +216,12 @@ class EngineConfig:
     # rows to int8 per block of 32 and sum integer dot products, as llama.cpp does: faster decode, but no longer the
     # float32 path's bits (docs/quantization.md). Off: those products give exactly the float32 path's results.
     int8_activations: bool = False
-    # What prefill's products compute in (engine/kernels/cpu_features.py): float32, the bit-exact reference and the
-    # default; bfloat16, from a bf16 copy of the weights with float32 accumulation, norms, softmax and logits (1.5x
-    # the native float32 prefill on avx512_bf16, more on AMX; no longer float32's bits: docs/PERFORMANCE.md); auto,
-    # bfloat16 where the CPU multiplies bf16 natively (avx512_bf16, amx_bf16), float32 elsewhere. Decode keeps its
-    # weights.
-    prefill_compute_dtype: str = "float32"
+    # What prefill's products compute in (engine/kernels/cpu_features.py): auto, the default (as vLLM's dtype=auto),
+    # bfloat16 where the CPU multiplies bf16 natively (avx512_bf16, amx_bf16), float32 elsewhere; bfloat16, from a bf16
+    # copy of the weights with float32 accumulation, norms, softmax and logits (1.5x the native float32 prefill on
+    # avx512_bf16, more on AMX; no longer float32's bits: docs/PERFORMANCE.md); float32, the bit-exact reference.
+    # Decode rows (outputs, verified drafts) keep the decode path's weights and bits in every format.
+    prefill_compute_dtype: str = "auto"
     # Ranks the model's layers are split over (Megatron tensor parallelism, engine/parallel/): this process is rank 0
     # and starts the others, each on its share of this process's cores. 1: one process.
     tensor_parallel_size: int = 1

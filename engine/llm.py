@@ -48,8 +48,8 @@ class LLM:
     kernels run, else float), ``"none"`` (float), ``"gguf"`` (a GGUF file's own blocks), ``"int8"`` or ``"int4"``
     (quantized at load); ``int8_activations``: the products over quantized weights quantize their inputs to int8
     (faster, not the float32 path's bits); docs/quantization.md. ``prefill_compute_dtype``: what prompt tokens'
-    products compute in, ``"float32"`` (the default, bit-exact), ``"bfloat16"`` or ``"auto"`` (bfloat16 where the CPU
-    multiplies bf16 natively); engine/bf16_prefill.py. ``tensor_parallel_size``: the ranks the model is split over,
+    products compute in, ``"auto"`` (the default: bfloat16 where the CPU multiplies bf16 natively, float32 elsewhere),
+    ``"bfloat16"`` or ``"float32"`` (the bit-exact reference); engine/bf16_prefill.py. ``tensor_parallel_size``: the ranks the model is split over,
     processes of their own started here (engine/parallel/)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",

@@ -114,11 +114,12 @@ class LLMEngine:
         self.spec_decode = SpecDecodeCounts()  # since the engine started
         self.last_step: StepStats | None = None  # the latest step that ran
         _return_freed_heap()
+        weights = self.weight_bytes
         logger.info(
             "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens; compute path: %s; prefill computes in %s "
-            "(CPU features: %s)", self.model_config.name, self.model_config.num_layers,
-            self.runner.kv_cache.num_blocks, config.cache.block_size, self.compute_path, self.prefill_compute,
-            matrix_features(),
+            "(CPU features: %s); weights %.1f MiB, + %.1f MiB of bf16 copies for prefill", self.model_config.name,
+            self.model_config.num_layers, self.runner.kv_cache.num_blocks, config.cache.block_size, self.compute_path,
+            self.prefill_compute, matrix_features(), weights["model"] / 2**20, weights["bf16_prefill"] / 2**20,
         )
 
     def _proposer(self, config: EngineConfig, tokenizer) -> SpeculativeProposer:
@@ -140,6 +141,17 @@ class LLMEngine:
         """What prefill's products compute in (``float32``, ``bfloat16``): ``prefill_compute_dtype`` as resolved
         for this CPU at load (engine/kernels/cpu_features.py)."""
         return self.runner.model.prefill_dtype
+
+    @property
+    def weight_bytes(self) -> dict[str, int]:
+        """The memory the weights take, by form: ``model`` (the model's parameters, which decode computes from:
+        float32 panels or the file's quantized blocks, the embeddings and the head) and ``bf16_prefill`` (the bf16
+        copies of the layers' products that prefill computes from where it resolved to bfloat16; else 0). A pod whose
+        prefill is bf16 holds both: its decode rows (a decode or mixed pod's outputs, a migrated request's recomputed
+        outputs on any pod) compute from the model's."""
+        model = self.runner.model
+        return {"model": sum(p.nbytes for p in model.parameters()),
+                "bf16_prefill": 0 if model.bf16_prefill is None else model.bf16_prefill.nbytes}
 
     @property
     def max_model_len(self) -> int:

@@ -36,6 +36,7 @@ from typing import Iterable
 
 import grpc
 
+from splitserve.engine.kernels.cpu_features import matrix_flags
 from splitserve.engine.parallel.layout import plan_shards
 from splitserve.engine.text.tokenizer_files import resolve_model_name
 from splitserve.runtime.errors import StatusError
@@ -61,6 +62,11 @@ class KVLayout:
     cache_dtype: str  # "float32", "bfloat16", "float16"
     quantization: str = "none"  # the weights' format (engine/config.py QUANTIZATIONS); not in the compat hash
     weights_fingerprint: str = ""  # ``weights_fingerprint()`` of the checkpoint; in the compat hash
+    # What the pod's prompt tokens' products compute in (float32, bfloat16: ``LLMEngine.prefill_compute``) and the
+    # CPU features that chose it (engine/kernels/cpu_features.py); not in the compat hash: the KV is interchangeable,
+    # its bits are not float32's where a side prefills in bf16.
+    prefill_compute_dtype: str = ""
+    cpu_features: tuple[str, ...] = ()
     tensor_parallel_size: int = 1  # the engine's ranks; not in the compat hash: any degrees map
     rank_kv_heads: tuple[tuple[int, int], ...] = ()  # each rank's KV heads [start, end); () from one process
 
@@ -72,13 +78,16 @@ class KVLayout:
         size = engine.config.tensor_parallel_size
         return cls(model.name, model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
                    cache.cache_dtype, engine.config.quantization,
-                   weights_fingerprint(engine.config.model, engine.config.seed), tensor_parallel_size=size,
+                   weights_fingerprint(engine.config.model, engine.config.seed),
+                   prefill_compute_dtype=engine.prefill_compute, cpu_features=matrix_flags(),
+                   tensor_parallel_size=size,
                    rank_kv_heads=tuple(shard.kv_heads for shard in plan_shards(model, size)))
 
     @classmethod
     def from_proto(cls, message: kv_transfer_pb2.KVLayout) -> "KVLayout":
         return cls(message.model_name, message.num_layers, message.num_kv_heads, message.head_dim,
                    message.block_size, message.cache_dtype, message.quantization, message.weights_fingerprint,
+                   prefill_compute_dtype=message.prefill_compute_dtype, cpu_features=tuple(message.cpu_features),
                    tensor_parallel_size=message.tensor_parallel_size or 1,
                    rank_kv_heads=tuple((r.start, r.end) for r in message.rank_kv_heads))
 
@@ -88,6 +97,8 @@ class KVLayout:
                                         block_size=self.block_size, cache_dtype=self.cache_dtype,
                                         quantization=self.quantization,
                                         weights_fingerprint=self.weights_fingerprint,
+                                        prefill_compute_dtype=self.prefill_compute_dtype,
+                                        cpu_features=self.cpu_features,
                                         tensor_parallel_size=self.tensor_parallel_size,
                                         rank_kv_heads=[kv_transfer_pb2.KVHeadRange(start=a, end=b)
                                                        for a, b in self.rank_kv_heads])
@@ -165,3 +176,7 @@ def note_formats(here: KVLayout, peer: KVLayout, peer_name: str) -> None:
         logger.info("%s keeps its weights as %r, this pod as %r: KV is interchangeable, answers may differ from "
                     "those of pods of one format (docs/quantization.md)", peer_name, peer.quantization,
                     here.quantization)
+    if peer.prefill_compute_dtype != here.prefill_compute_dtype:
+        logger.info("%s prefills in %s (CPU features: %s), this pod in %s: KV is interchangeable, a prompt's K/V "
+                    "and answers depend on which pod prefilled it", peer_name, peer.prefill_compute_dtype or "?",
+                    ",".join(peer.cpu_features) or "none", here.prefill_compute_dtype)

@@ -81,6 +81,9 @@ class PhaseProfile:
     link_gbps: float = 10.0  # between a prefill and a decode pod
     transfer_overlap: float = 0.9  # share of the push hidden behind the prefill (docs/PERFORMANCE.md: KV transfer)
     note: str = ""  # where and how it was measured
+    # What its prefill steps' products computed in (float32, bfloat16: the pods' resolved --prefill-compute-dtype);
+    # the simulator picks its default profile by the format its pods would resolve (simulator/run.py).
+    prefill_compute: str = "float32"
     points: dict = field(default_factory=dict, compare=False)  # the measurements fitted, for the record
 
     def prefill_s(self, tokens: int, attention: int) -> float:
@@ -127,4 +130,5 @@ def profile_from_phases(results: dict, threads: int, note: str) -> PhaseProfile:
                      for r in results["decode"].values()]
     return PhaseProfile(model=results["model"], threads=threads, prefill=fit_step(prefill_points),
                         decode=fit_step(decode_points), kv_bytes_per_token=results["kv_bytes_per_token"], note=note,
+                        prefill_compute=results.get("prefill_compute", "float32"),
                         points={"prefill": prefill_points, "decode": decode_points})

@@ -178,6 +178,10 @@ class PodMetrics(ServingMetrics):
                                  "compute in (prefill_compute) and the CPU features that chose it; always 1.",
                                  LABELS + ("kernels", "device", "cache_dtype", "quantization", "prefill_compute",
                                            "cpu_features"), registry=self.registry)
+        self.weight_memory = Gauge("splitserve_weight_memory_bytes", "Memory the weights take, by form: model (the "
+                                   "parameters decode computes from) and bf16_prefill (the bf16 copies prefill "
+                                   "computes from where it resolved to bfloat16; 0 elsewhere).",
+                                   LABELS + ("form",), registry=self.registry)
 
     def transfer_raw_bytes(self, codec: str):
         return self.kv_transfer_raw_bytes.labels(self.role, self.model_name, codec)
@@ -202,9 +206,12 @@ class PodMetrics(ServingMetrics):
                 self.spec_decode_accepted_per_position.labels(self.role, self.model_name, str(position)).inc(accepted)
 
     def set_engine_info(self, kernels: str, device: str, cache_dtype: str, quantization: str, prefill_compute: str,
-                        cpu_features: str) -> None:
+                        cpu_features: str, weight_bytes: dict[str, int]) -> None:
+        """The engine's labels, and its weights' memory by form (``LLMEngine.weight_bytes``)."""
         self.engine_info.labels(self.role, self.model_name, kernels, device, cache_dtype, quantization,
                                 prefill_compute, cpu_features).set(1)
+        for form, nbytes in weight_bytes.items():
+            self.weight_memory.labels(self.role, self.model_name, form).set(nbytes)
 
 
 # The router's per-pod series name the pod by ``pod_address`` (host:port, as it registered), not ``pod``: the

@@ -105,9 +105,9 @@ class PodConfig:
         "of 32 and sum integer dot products, as llama.cpp does: faster decode, answers no longer bit-equal to the "
         "float32 path's (docs/quantization.md)."))
     prefill_compute_dtype: str = field(default=EngineConfig.prefill_compute_dtype, metadata=described(
-        "What prompt tokens' products compute in: float32 (the bit-exact reference), bfloat16 (a bf16 copy of the "
-        "weights beside decode's, float32 accumulation, norms, attention and logits), or auto: bfloat16 where the "
-        "CPU multiplies bf16 natively (avx512_bf16, amx_bf16), float32 elsewhere (docs/PERFORMANCE.md)."))
+        "What prompt tokens' products compute in: auto (bfloat16 where the CPU multiplies bf16 natively, avx512_bf16 "
+        "or amx_bf16, else float32), bfloat16 (from a bf16 copy of the weights, float32 accumulation, norms, "
+        "attention and logits: not float32's bits) or float32 (the bit-exact reference); docs/PERFORMANCE.md."))
     tensor_parallel_size: int = field(default=EngineConfig.tensor_parallel_size, metadata=described(
         "Ranks the model is split over (engine/parallel/), each on its share of --cpus; one's exit ends the pod."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
@@ -204,7 +204,7 @@ class Pod:
         # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.
         self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype,
                                      self.engine.config.weights_format, self.engine.prefill_compute,
-                                     matrix_features())
+                                     matrix_features(), self.engine.weight_bytes)
         self.load_tracker = LoadTracker(self.metrics)
         self.lender = self._core_lender(applied.cpus, lent)
         self.yielder = DecodeYield(DecodeActivity(config.activity_file, writer=True),
@@ -372,7 +372,7 @@ class Pod:
 
 # The load fields a Redis record carries (the registry reads them until the pod's own load stream answers).
 _HEARTBEAT_LOAD_FIELDS = ("num_waiting", "num_running", "free_kv_blocks", "total_kv_blocks", "block_size",
-                          "queued_prefill_tokens", "quantization")
+                          "queued_prefill_tokens", "quantization", "prefill_compute_dtype")
 
 
 # ---- process entry ----------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import time
 
 import grpc
 
+from splitserve.engine.kernels.cpu_features import matrix_flags
 from splitserve.engine.llm_engine import LLMEngine, StepStats
 from splitserve.engine.scheduler import Scheduler
 from splitserve.protos.convert import step_time_to_proto
@@ -92,7 +93,8 @@ class LoadTracker:
             **scheduler_load(engine.scheduler, time.monotonic()), draining=self._draining, version=self._version,
             prefill_tokens_per_second=self._prefill_tokens_per_second,
             decode_step_seconds=self._decode_step_seconds, step_time=step_time_to_proto(engine.step_times.model),
-            quantization=engine.config.weights_format, tensor_parallel_size=engine.config.tensor_parallel_size)
+            quantization=engine.config.weights_format, tensor_parallel_size=engine.config.tensor_parallel_size,
+            prefill_compute_dtype=engine.prefill_compute, cpu_features=matrix_flags())
 
     # ---- event loop ------------------------------------------------------------------------------------------
 

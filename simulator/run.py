@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.kernels.cpu_features import prefill_compute_dtype as resolve_prefill_dtype
 from splitserve.measure.figures import save_results
 from splitserve.measure.phase_profile import PhaseProfile
 from splitserve.measure.serve_metrics import SLO, SLO_ATTAINMENT, RequestRecord, summarize
@@ -38,7 +39,16 @@ from splitserve.runtime.roles import POD_ROLES, Role
 from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
-DEFAULT_PROFILE = PROFILES / "smollm2-135m-1thread.json"
+DEFAULT_PROFILE = PROFILES / "smollm2-135m-1thread.json"  # float32 prefill: the reference
+# The shipped profile of pods whose prefill computes in each format (PhaseProfile.prefill_compute), both SmolLM2-135M
+# on one pinned thread of this project's AMD EPYC (avx512_bf16, no AMX); their notes say how they were measured.
+FORMAT_PROFILES = {"float32": DEFAULT_PROFILE, "bfloat16": PROFILES / "smollm2-135m-gguf-bf16-1thread.json"}
+
+
+def format_profile(prefill_compute_dtype: str) -> Path:
+    """The shipped profile of pods started with ``--prefill-compute-dtype prefill_compute_dtype``, resolved on this
+    CPU as the pods resolve it (``auto``: bfloat16 where it multiplies bf16 natively, float32 elsewhere)."""
+    return FORMAT_PROFILES[resolve_prefill_dtype(prefill_compute_dtype)]
 
 
 @dataclass
@@ -48,8 +58,12 @@ class SimulateConfig:
 
     pools: list[str] = field(default_factory=lambda: ["prefill:1", "decode:1"], metadata=described(
         "Pod pools ROLE:COUNT[:PROFILE] (roles prefill, decode, mixed; a pool's own profile file)."))
-    profile: str = field(default=str(DEFAULT_PROFILE), metadata=described(
-        "Profile file of the pools that name none (bench phases --profile-out)."))
+    profile: str = field(default="", metadata=described(
+        "Profile file of the pools that name none (bench phases --profile-out; empty: the shipped profile of "
+        "--prefill-compute-dtype)."))
+    prefill_compute_dtype: str = passed_to(PodConfig, name="prefill_compute_dtype", help=(
+        "The pods' prefill compute format, resolved on this CPU as a pod resolves it: picks the shipped profile "
+        "(float32 or bfloat16 prefill) where --profile names none."))
     speed: float = field(default=1.0, metadata=described(
         "Scale every profile's compute this many times faster (a what-if projection, not a measurement)."))
     router_s: float = field(default=-1.0, metadata=described(
@@ -97,6 +111,7 @@ class SimulateConfig:
 
     def __post_init__(self) -> None:
         self.scheduling = member(Scheduling, "scheduling", self.scheduling)
+        self.profile = self.profile or str(format_profile(self.prefill_compute_dtype))
         self.cluster_spec()
         self.slo()
         if not self.rates or min(self.rates) <= 0:

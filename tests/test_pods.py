@@ -37,7 +37,7 @@ from splitserve.decode_service.config import DecodeConfig
 from splitserve.decode_service.server import build_decode_services
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.block_manager import chained_block_hashes
-from splitserve.engine.kernels.cpu_features import matrix_features
+from splitserve.engine.kernels.cpu_features import matrix_features, prefill_compute_dtype
 from splitserve.kvtransfer.codecs import get_codec
 from splitserve.kvtransfer.handshake import KVLayout
 from splitserve.kvtransfer.link_codec import CodecQuality, LinkCodecChooser, QualityTable
@@ -770,8 +770,11 @@ def test_metrics_endpoint_serves_the_pod_series(pods):
     assert b'splitserve_num_requests_running{model_name="tiny-random",role="decode"}' in body
     path = pods.decode_pod.engine.compute_path.path  # native where the kernels build, else pytorch
     assert (f'splitserve_engine_info{{cache_dtype="float16",cpu_features="{matrix_features()}",device="cpu",'
-            f'kernels="{path}",model_name="tiny-random",prefill_compute="float32",quantization="none",'
-            f'role="decode"}} 1.0').encode() in body
+            f'kernels="{path}",model_name="tiny-random",prefill_compute="{prefill_compute_dtype("auto")}",'
+            f'quantization="none",role="decode"}} 1.0').encode() in body
+    for form, nbytes in pods.decode_pod.engine.weight_bytes.items():  # bf16_prefill: 0 where auto is float32
+        assert (f'splitserve_weight_memory_bytes{{form="{form}",model_name="tiny-random",role="decode"}} '
+                f'{float(nbytes)}').encode() in body
 
 
 # ---- kv_load_failure_policy: a push whose KV fails to load -------------------------------------------------------

@@ -120,7 +120,7 @@ def test_every_pod_takes_the_setting_as_a_flag_and_an_environment_variable():
     assert prefill.engine_config().prefill_compute_dtype == "auto"
     decode = parse_config(DecodeConfig, [], env={"SPLITSERVE_PREFILL_COMPUTE_DTYPE": "bfloat16"})
     assert decode.engine_config().prefill_compute_dtype == "bfloat16"
-    assert parse_config(DecodeConfig, [], env={}).engine_config().prefill_compute_dtype == "float32"
+    assert parse_config(DecodeConfig, [], env={}).engine_config().prefill_compute_dtype == "auto"  # the default
 
 
 def test_splitserve_up_passes_the_setting_to_every_pod():
@@ -138,7 +138,8 @@ def test_splitserve_up_passes_the_setting_to_every_pod():
 def test_engine_reports_the_resolved_format():
     from splitserve.engine import LLM
 
-    assert LLM(model="tiny-random", num_blocks=16).engine.prefill_compute == "float32"
+    assert LLM(model="tiny-random", num_blocks=16).engine.prefill_compute == prefill_compute_dtype("auto")
+    assert LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="float32").engine.prefill_compute == "float32"
     assert LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="bfloat16").engine.prefill_compute == "bfloat16"
 
 
@@ -165,3 +166,46 @@ def test_a_prompt_position_has_the_same_bits_however_the_prompt_is_chunked():
             assert torch.equal(hidden, whole)
             assert all(torch.equal(a, b) for a, b in zip(cache.k_blocks + cache.v_blocks,
                                                          whole_cache.k_blocks + whole_cache.v_blocks))
+
+
+def test_auto_is_the_default_of_every_entry_point():
+    """As vLLM's ``dtype=auto``: ``LLM(...)``, the engine, every pod, ``splitserve up`` and the chart; float32 stays a
+    setting (the bit-exact reference)."""
+    import inspect
+
+    import yaml
+
+    from splitserve.deploy.chart_schema import CHART
+    from splitserve.engine import LLM
+    from splitserve.runtime.pod_server import PodConfig
+    from splitserve.up_config import UpConfig
+
+    assert inspect.signature(LLM).parameters["prefill_compute_dtype"].default == "auto"
+    assert EngineConfig().prefill_compute_dtype == PodConfig().prefill_compute_dtype == "auto"
+    assert UpConfig().prefill_compute_dtype == "auto"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert {role: values[role]["config"]["prefillComputeDtype"] for role in ("prefill", "decode", "mixed")} == \
+        dict.fromkeys(("prefill", "decode", "mixed"), "auto")
+
+
+def test_the_engine_reports_the_memory_of_both_forms():
+    from splitserve.engine import LLM
+
+    bf16 = LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="bfloat16").engine
+    copies = sum(t.numel() * t.element_size() for layer in bf16.runner.model.bf16_prefill.layers for t in layer
+                 if t is not None)
+    assert bf16.weight_bytes == {"model": sum(p.numel() * p.element_size() for p in bf16.runner.model.parameters()),
+                                 "bf16_prefill": copies} and copies > 0
+    f32 = LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="float32").engine
+    assert f32.weight_bytes == {"model": bf16.weight_bytes["model"], "bf16_prefill": 0}
+
+
+def test_the_simulator_runs_the_profile_of_the_pods_resolved_format():
+    from splitserve.measure.phase_profile import PhaseProfile
+    from splitserve.simulator.run import FORMAT_PROFILES, SimulateConfig
+
+    for fmt, path in FORMAT_PROFILES.items():  # each shipped profile measured its prefill steps in its format
+        assert PhaseProfile.load(path).prefill_compute == fmt
+    assert SimulateConfig(prefill_compute_dtype="float32").profile == str(FORMAT_PROFILES["float32"])
+    assert SimulateConfig(prefill_compute_dtype="bfloat16").profile == str(FORMAT_PROFILES["bfloat16"])
+    assert SimulateConfig().profile == str(FORMAT_PROFILES[prefill_compute_dtype("auto")])  # as the pods resolve

@@ -139,7 +139,7 @@ def records(pools: list[str], **flags) -> list:
     out = []
     for rate in (0.3, 0.6):
         config = SimulateConfig(pools=pools, workload="azure-conv", num_prompts=24, max_prompt_tokens=1024,
-                                max_output_tokens=24, rates=[rate], seed=3, **flags)
+                                max_output_tokens=24, rates=[rate], seed=3, prefill_compute_dtype="float32", **flags)
         out.append([[r.status, r.chunk_s] for r in simulate_records(config, rate)])
     return out
 

@@ -73,9 +73,18 @@ def prefill_compute_dtype(setting: str, device: str = "cpu", flags: Iterable[str
     return "bfloat16" if found & set(NATIVE_BF16_FLAGS) else "float32"
 
 
-def matrix_features(flags: Iterable[str] | None = None) -> str:
-    """The CPU's flags that decide compute formats, comma-separated (``avx2,avx512f,avx512_bf16``), or ``none``: what
-    pods report beside the resolved format (``splitserve_engine_info``'s ``cpu_features``)."""
+# The flags that decide compute formats, in the order pods report them.
+MATRIX_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def matrix_flags(flags: Iterable[str] | None = None) -> tuple[str, ...]:
+    """Which of ``MATRIX_FLAGS`` the CPU has (default: this CPU): what pods report beside the resolved format, as a
+    list in ``PodLoad.cpu_features`` and the handshake's ``KVLayout.cpu_features``."""
     found = cpu_flags() if flags is None else frozenset(flags)
-    named = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in found]
-    return ",".join(named) or "none"
+    return tuple(f for f in MATRIX_FLAGS if f in found)
+
+
+def matrix_features(flags: Iterable[str] | None = None) -> str:
+    """``matrix_flags`` comma-separated (``avx2,avx512f,avx512_bf16``), or ``none``: one label value
+    (``splitserve_engine_info``'s ``cpu_features``, the logs, the benchmarks' tables)."""
+    return ",".join(matrix_flags(flags)) or "none"

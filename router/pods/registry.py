@@ -69,12 +69,17 @@ class PodLoad:
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     tpot_allowance_seconds: float | None = None
     quantization: str = ""  # the pod's weight format; "" until its first report says
+    # What its prompt tokens' products compute in (float32, bfloat16: its prefill_compute_dtype resolved on its CPU)
+    # and the CPU features that chose it; "" and () until its first report says (Redis records carry the format only).
+    prefill_compute_dtype: str = ""
+    cpu_features: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, message: common_pb2.PodLoad) -> "PodLoad":
         plain = {f.name: getattr(message, f.name) for f in dataclasses.fields(cls) if f.name in _PLAIN_FIELDS}
         allowance = message.tpot_allowance_seconds if message.HasField("tpot_allowance_seconds") else None
-        return cls(**plain, step_time=step_time_from_proto(message.step_time), tpot_allowance_seconds=allowance)
+        return cls(**plain, step_time=step_time_from_proto(message.step_time), tpot_allowance_seconds=allowance,
+                   cpu_features=tuple(message.cpu_features))
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> "PodLoad":
@@ -83,7 +88,8 @@ class PodLoad:
         return cls(**{name: types[name](value) for name, value in fields.items() if name in types})
 
 
-_PLAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(PodLoad)) - {"step_time", "tpot_allowance_seconds"}
+_PLAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(PodLoad)) - {"step_time", "tpot_allowance_seconds",
+                                                                          "cpu_features"}
 
 
 @dataclass
