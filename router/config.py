@@ -106,7 +106,7 @@ class RouterConfig:
     shadow_check_fraction: float = field(default=0.0, metadata=described(
         "Share (0 to 1) of finished greedy or seeded requests served a second time, after their answer went out, "
         "through another path (prefilled on the decode pod if a prefill pod prefilled them, else through a prefill "
-        "pod) and compared token by token: splitserve_router_shadow_checks_total{outcome}, the first differing "
+        "pod) and compared, tokens and logprobs: splitserve_router_shadow_checks_total{outcome}, the first differing "
         "position in splitserve_router_shadow_divergence_position. 0: off."))
     kv_lease_s: float = field(default=KV_LEASE_S, metadata=described(
         "How long a decode pod keeps pushed KV waiting for the router's Decode call."))
