@@ -89,6 +89,8 @@ def test_a_rendered_release_answers_a_completion_through_its_service(chart, case
         for pod in ("prefill", "decode"):
             log = (tmp_path / "pods" / f"{RELEASE}-splitserve-{pod}" / pod / "log").read_text()
             assert re.search(rf"compute path: native CPU kernels \(\w+, {kernels}\)", log), log
+            cache = tmp_path / "pods" / f"{RELEASE}-splitserve-{pod}" / pod / "volumes" / "kernel-cache"
+            assert any(cache.glob("*.so")) == (case == "tls"), list(cache.iterdir())  # baseline: nothing written
         host, port = release.address(f"{RELEASE}-splitserve-prefill", "metrics")
         pushes = {transport: float(count) for transport, count in re.findall(
             r'^splitserve_kv_transfers_total\{[^}]*transport="(\w+)"[^}]*\} (\S+)$',
