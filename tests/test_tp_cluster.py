@@ -43,6 +43,7 @@ from tests.reliability.live_cluster import (
 
 MAX_TOKENS = 24
 PROMPTS = prompts(3, 48, seed=38)  # longer than the router's conditional threshold: each prefills on the prefill pod
+SMOLLM2, SMOLLM2_PROMPTS = "smollm2-135m", ["The capital of France is", "def fibonacci(n):", "Write a haiku:"]
 LONG_TOKENS = 600  # the stream a rank is killed under: long enough to outlast the kill on a busy machine
 # Every prompt on the prefill pod, KV lossless, and a stream whose decode pod restarts waits for it to come back.
 TP_CLUSTER = {**TINY, "prefill": 1, "decode": 1, "kv_codec": "none", "prefill_compute_dtype": "float32",
@@ -99,7 +100,7 @@ def test_lending_to_tensor_parallel_prefill_pods_is_refused(tmp_path):
         Cluster(config)
 
 
-def test_the_chart_gives_a_pod_its_ranks_and_n_times_one_rank_s_resources(chart):
+def test_the_chart_gives_a_pod_its_ranks_and_n_times_one_rank_s_resources(chart):  # noqa: F811
     rank = {"requests": {"cpu": "1500m", "memory": "1.5Gi"}, "limits": {"cpu": 2, "memory": "3Gi"}}
     deployments = containers_by_component(objects(chart, {"decode": {"tensorParallelSize": 2, "resources": rank}}))
     decode = deployments["decode"]["spec"]["template"]["spec"]["containers"][0]
@@ -142,26 +143,56 @@ def kv_loaded(cluster, pod) -> float:
         return parse_counter(reply.read().decode(), "splitserve_kv_load_total", {"outcome": "loaded"}) or 0.0
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
-def test_pods_of_different_degrees_answer_as_the_offline_engine(tmp_path, start_cluster, offline, prefill_tp,
-                                                                decode_tp):
-    cluster = start_cluster(tmp_path, **TP_CLUSTER, prefill_tensor_parallel_size=prefill_tp,
-                            decode_tensor_parallel_size=decode_tp)
+def check_answers(cluster, prompt_list: list[list[int]], answers: list[list[int]], degrees: tuple[int, int]) -> None:
+    """Each pod runs its degree's ranks and says so; each prompt prefilled on the prefill pod, its KV loaded on the
+    decode pod, gives ``answers``; every block is free after."""
+    prefill, decode = cluster.pods
+    for pod, size in zip((prefill, decode), degrees):
+        assert len(rank_workers(cluster.pid(pod.name))) == size - 1, pod.name
+        assert pod_load(cluster.address(pod)).tensor_parallel_size == size, pod.name
+        assert cluster.cpu_plan[pod.name].ranks == size
+    got = [stream(cluster, prompt, len(answer), timeout_s=START_S) for prompt, answer in zip(prompt_list, answers)]
+    assert [(a.finish, a.error) for a in got] == [("FINISH_REASON_LENGTH", "")] * len(prompt_list)
+    assert [a.token_ids for a in got] == answers
+    assert kv_loaded(cluster, decode) == len(prompt_list)  # every prompt's KV came from the prefill pod
+    wait_every_block_free(cluster)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("degrees", [(1, 2), (2, 1), (2, 2)])
+def test_pods_of_different_degrees_answer_as_the_offline_engine(tmp_path, start_cluster, offline, degrees):
+    cluster = start_cluster(tmp_path, **TP_CLUSTER, prefill_tensor_parallel_size=degrees[0],
+                            decode_tensor_parallel_size=degrees[1])
     try:
-        prefill, decode = cluster.pods
-        for pod, size in ((prefill, prefill_tp), (decode, decode_tp)):
-            assert len(rank_workers(cluster.pid(pod.name))) == size - 1, pod.name
-            assert pod_load(cluster.address(pod)).tensor_parallel_size == size, pod.name
-            assert cluster.cpu_plan[pod.name].ranks == size
-        answers = [stream(cluster, prompt, MAX_TOKENS) for prompt in PROMPTS]
-        assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(PROMPTS)
-        assert [a.token_ids for a in answers] == offline[0]
-        assert kv_loaded(cluster, decode) == len(PROMPTS)  # every prompt's KV came from the prefill pod
-        wait_every_block_free(cluster)
+        check_answers(cluster, PROMPTS, offline[0], degrees)
     finally:
         cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def smollm2_offline():
+    """SmolLM2's prompts as token ids, and the offline engine's greedy answers (TP 1, float32 prefill)."""
+    llm = LLM(model=SMOLLM2, num_blocks=256, prefill_compute_dtype="float32")
+    prompt_ids = [llm.tokenizer.encode(text) for text in SMOLLM2_PROMPTS]
+    outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return prompt_ids, [list(out.token_ids) for out in outputs]
+
+
+@pytest.mark.model
+@pytest.mark.e2e
+@pytest.mark.parametrize("degrees", [(1, 2), (2, 1)])
+def test_smollm2_pods_of_different_degrees_answer_as_the_offline_engine(tmp_path, start_cluster, smollm2_offline,
+                                                                        degrees):
+    """The real model: 9 query and 3 KV heads, split unevenly at TP 2 (2 + 1 KV heads)."""
+    cluster = start_cluster(tmp_path, **{**TP_CLUSTER, "model": SMOLLM2, "kv_cache_memory_bytes": 64 << 20},
+                            prefill_tensor_parallel_size=degrees[0], decode_tensor_parallel_size=degrees[1])
+    try:
+        check_answers(cluster, *smollm2_offline, degrees)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.e2e
 def test_a_rank_killed_mid_request_restarts_its_pod_whole(tmp_path, start_cluster, offline):
     """SIGKILL of a decode pod's rank 1 while it streams: the stream moves to the pod's next life (the router's
     migration, which waits for it) and gives the offline answer, or fails with a clear error; the pod ends, its
