@@ -108,11 +108,14 @@ def test_a_pod_picks_the_best_baseline_its_cpu_runs(flags, avx512, vnni, expecte
 def test_the_baseline_builds_for_a_cpu_without_avx512_and_native_where_asked(tmp_path, monkeypatch):
     """On a node without AVX-512 (Milan's flags fed), the baseline target builds x86-64-v3's library into the cache
     and it loads here (ABI checked) running the AVX2 micro-kernel; ``native`` is this CPU's own build instead."""
+    home = str(Path.home())
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no other cache holds it: built now
     monkeypatch.setenv("SPLITSERVE_KERNEL_TARGET", "baseline")
     v3 = library_path(flags=MILAN)
     assert v3.parent == tmp_path and v3.name.startswith("cpu_kernels-x86-64-v3-"), v3
     assert CpuKernels(v3).isa == "avx2"
+    monkeypatch.setenv("HOME", home)  # this machine's own build, where set-up left it (or built now)
     native = library_path(target="native")
     assert not any(b.name in native.name for b in BASELINES)
     assert CpuKernels(native).isa == ("avx512" if "avx512f" in cpu_flags() else "avx2")
@@ -134,6 +137,7 @@ while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done
 """)
     compiler.chmod(0o755)
     run_env = {**os.environ, "CXX": str(compiler), "SPLITSERVE_CACHE_DIR": str(tmp_path / "kernels"),
+               "HOME": str(tmp_path),  # no other cache: every baseline built now
                "SPLITSERVE_KERNEL_TARGET": "baseline", "SPLITSERVE_CPU_KERNELS": "0"}  # 0: the stand-ins not loaded
     subprocess.run([sys.executable, "-m", "splitserve", "build-kernels", "--baselines"], env=run_env, check=True,
                    capture_output=True, text=True)
