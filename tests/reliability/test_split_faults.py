@@ -116,6 +116,8 @@ def test_the_prefill_pod_killed_mid_split_loses_nothing_and_the_decode_pod_prefi
     prompt = live.prompts(1, PROMPT_LEN, seed=22)[0]
     expected = live.offline_answers([prompt], MAX_TOKENS)[0]
     split_before, restarts = splits(cluster), cluster.restarts[prefill.name]
+    lent_before = live.router_counter(cluster, "splitserve_router_routing_decisions_total", decision="prefill_on_decode")
+    retried_before = live.router_counter(cluster, "splitserve_router_retries_total", code="UNAVAILABLE")
     pid = cluster.pid(prefill.name)
     answers: list = []
     os.kill(pid, signal.SIGSTOP)  # it takes the prefix's Prefill call and never answers it
@@ -128,5 +130,8 @@ def test_the_prefill_pod_killed_mid_split_loses_nothing_and_the_decode_pod_prefi
     sender.join(timeout=120)
     [answer] = answers
     assert (answer.finish, answer.token_ids) == ("FINISH_REASON_LENGTH", expected), answer
-    assert live.router_counter(cluster, "splitserve_router_routing_decisions_total", decision="prefill_on_decode") >= 1
+    assert splits(cluster) == split_before + 1  # the one split, on the killed pod
+    assert live.router_counter(cluster, "splitserve_router_retries_total", code="UNAVAILABLE") == retried_before + 1
+    assert live.router_counter(cluster, "splitserve_router_routing_decisions_total", decision="prefill_on_decode") == \
+        lent_before + 1  # the retry, without the prefill pod that failed it: the decode pod prefilled the prompt
     live.wait_back(cluster, prefill.name, restarts + 1)
