@@ -2,7 +2,7 @@
 
 Both run from one set of weights: ours are dequantized from the GGUF file, exported as a HF checkpoint, and
 loaded by transformers, whose greedy choice is the reference, token for token: with the engine's default float16 KV
-cache and with a float32 one. transformers reads each prompt with our whole continuation in one forward pass and
+cache and with a float32 one, prefill in float32. transformers reads each prompt with our whole continuation in one forward pass and
 picks its greedy token at every position of it: those picks are our continuation exactly when its greedy
 ``generate`` (the same picks over the same prefixes, one forward per token, up to the rounding of a cached forward
 against an uncached one) would write our continuation, and 32 forwards per prompt are one.
@@ -58,9 +58,11 @@ def transformers_greedy(hf_reference, prompt_ids: list[int], continuation: list[
 
 @pytest.mark.parametrize("cache_dtype", ["float16", "float32"])
 def test_greedy_matches_transformers_token_for_token(cache_dtype, smollm2, hf_reference):
-    assert smollm2.engine.config.cache.cache_dtype == "float16"  # the fixture is the default engine
-    llm = smollm2 if cache_dtype == "float16" else LLM(model="smollm2-135m", kv_cache_memory_bytes=256 << 20,
-                                                       cache_dtype=cache_dtype)
+    assert smollm2.engine.config.cache.cache_dtype == "float16"  # the default engine's cache
+    # Prefill in float32, the bit-exact reference (auto's bf16 prefill is held to its agreement with float32 in
+    # tests/test_bf16_prefill_smollm2.py).
+    llm = LLM(model="smollm2-135m", kv_cache_memory_bytes=256 << 20, cache_dtype=cache_dtype,
+              prefill_compute_dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ours = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, ours):

@@ -84,7 +84,8 @@ def test_shards_partition_the_weights():
 
 def _run(tp: int, prompts: list[str], **settings) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens for ``prompts`` and every logits tensor the sampler got, from a fresh engine of ``tp`` ranks."""
-    llm = LLM(tensor_parallel_size=tp, cache_dtype="float32", num_blocks=64, **settings)
+    llm = LLM(tensor_parallel_size=tp, cache_dtype="float32", num_blocks=64, prefill_compute_dtype="float32",
+              **settings)  # TP N prefills in float32, so TP 1 does (auto would give it bf16 on an avx512_bf16 CPU)
     seen: list[torch.Tensor] = []
     llm.engine.runner.model.compute_logits = _recording(llm.engine.runner.model.compute_logits, seen)
     tokens = [out.token_ids for out in llm.generate(prompts, GREEDY)]
@@ -163,7 +164,7 @@ def test_prompt_logprobs_and_speculative_verification_across_ranks():
     outputs = {}
     for tp in (1, 2):
         llm = LLM(model="tiny-random", tensor_parallel_size=tp, cache_dtype="float32", num_blocks=64,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+                  prefill_compute_dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
         outputs[tp] = llm.generate(TINY_PROMPTS, params)
         assert llm.engine.spec_decode.num_draft_tokens > 0
         del llm
@@ -227,7 +228,8 @@ def _continue_from(engine, prompt: list[int], kv: torch.Tensor, first_token: int
 def test_kv_moves_between_engines_of_different_tensor_parallel_sizes():
     """Outside the engine a TP 2 cache reads and writes every KV head, as TP 1's does: a prompt's KV read from one
     degree and written into the other continues as TP 1 does (P TP 1 -> D TP 2, P TP 2 -> D TP 1)."""
-    settings = {"model": "tiny-random", "cache_dtype": "float32", "num_blocks": 64, "enable_prefix_caching": False}
+    settings = {"model": "tiny-random", "cache_dtype": "float32", "num_blocks": 64, "enable_prefix_caching": False,
+                "prefill_compute_dtype": "float32"}
     one, two = LLM(tensor_parallel_size=1, **settings).engine, LLM(tensor_parallel_size=2, **settings).engine
     prompt = list(range(3, 40))
     seq_one, seq_two = _prefilled(one, "a", prompt), _prefilled(two, "a", prompt)
@@ -262,7 +264,8 @@ class _LayerReader:
 def test_per_layer_export_reads_every_head_after_a_tensor_parallel_step():
     keys = {}
     for tp in (1, 2):
-        llm = LLM(model="tiny-random", tensor_parallel_size=tp, cache_dtype="float32", num_blocks=64)
+        llm = LLM(model="tiny-random", tensor_parallel_size=tp, cache_dtype="float32", num_blocks=64,
+                  prefill_compute_dtype="float32")
         llm.engine.kv_export = reader = _LayerReader(llm.engine)
         llm.generate(list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=1))
         keys[tp] = reader.keys
