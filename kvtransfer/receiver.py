@@ -9,13 +9,14 @@ A push's path through ``PushKV``:
               handoff.reserve, filed on the lease there (None: RESOURCE_EXHAUSTED)
     chunks    parsed by splitserve.kvtransfer.wire.parse_push, the stream's deserializer, payload and scales left in the
               received message's bytes (or, for a chunk with a shared-memory span, viewed in the arena:
-              with_shm_bytes); sequence number checked (a gap or repeat: INVALID_ARGUMENT); decode_chunk
-              verifies the checksum (DATA_LOSS), codec, range and shape and decodes on a worker thread (for codec
-              none, a view of the message's bytes); the event loop then writes the tensor into the cache
-              (PagedKVCache.write, at the slots of the sequence's tokens: the one copy on this side). The blocks belong
-              to the reserved sequence alone, which the engine does not schedule yet, so writing beside the running
-              engine thread is safe; writing on the event loop (not the worker) means no write can outlive the
-              handler
+              with_shm_bytes); sequence number and codec checked on the event loop (a gap or repeat:
+              INVALID_ARGUMENT); then on a worker thread (KVIntake, up to INTAKE_IN_FLIGHT chunks at a time while
+              the event loop reads the next messages) decode_chunk verifies the checksum (DATA_LOSS), codec, range
+              and shape and decodes (for codec none, a view of the message's or the arena's bytes), and the tensor
+              is written into the cache (PagedKVCache.write, at the slots of the sequence's tokens: the one copy on
+              this side). The blocks belong to the reserved sequence alone, which the engine does not schedule yet,
+              so writing beside the running engine thread is safe; the handler waits for its workers
+              (KVIntake.settle) before it acknowledges or releases the blocks, so no write outlives it
     trailer   every (layer, K/V, token) of the prompt must have arrived exactly once (else DATA_LOSS); the
               lease moves to WAITING and the response tells the sender how long it lasts
 
@@ -29,8 +30,10 @@ prefill pod answers the router with its first token and the Decode call prefills
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import threading
 from typing import AsyncIterator, Iterable
 
 import grpc
@@ -51,6 +54,7 @@ logger = logging.getLogger(__name__)
 _KIND_INDEX = {"k": 0, "v": 1}
 REFUSAL_DRAIN_S = 2.0  # how long a refused push is read on (discarded) so that the sender sees the refusal's status
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")  # what a decode pod does when pushed KV fails to load
+INTAKE_IN_FLIGHT = 2  # chunks of one push checked and written on worker threads while the next one is read
 
 
 class KVLoadError(StatusError):
@@ -59,7 +63,9 @@ class KVLoadError(StatusError):
 
 
 class KVIntake:
-    """One push being received: which chunks arrived, and where their tensors go."""
+    """One push being received: which chunks arrived, and where their tensors go. Chunks are checked and written on
+    worker threads, up to ``INTAKE_IN_FLIGHT`` at a time, while the event loop reads the next messages; ``settle``
+    waits for them (the trailer, the end of the push whichever way), so no write outlives the handler."""
 
     def __init__(self, engine_loop: EngineLoop, seq: Sequence, expected: ExpectedChunks):
         self.seq = seq
@@ -68,41 +74,63 @@ class KVIntake:
         self.bytes_received = 0
         self.codec: str | None = None  # the push's codec, fixed by its first chunk
         self._kv_cache = engine_loop.engine.runner.kv_cache
-        # [layers, K/V, tokens]: which KV has arrived, so that the trailer can tell a complete push.
+        # [layers, K/V, tokens]: which KV has arrived, so that the trailer can tell a complete push; workers check
+        # and mark their chunks' ranges under the lock.
         self._received = torch.zeros(expected.num_layers, 2, expected.num_tokens, dtype=torch.bool)
+        self._received_lock = threading.Lock()
         self._slots_by_range: dict[tuple[int, int], torch.Tensor] = {}
+        self._in_flight: collections.deque[asyncio.Future] = collections.deque()
 
     async def store(self, wire_chunk: WireChunk) -> None:
+        """Take the next chunk of the stream: its order and codec checked here, the rest on a worker thread; waits
+        only while ``INTAKE_IN_FLIGHT`` chunks are still in the works, and raises the oldest one's failure."""
         chunk = wire_chunk.fields
         if chunk.seq != self.next_seq:
+            await self.settle()  # a failure of an earlier chunk is the stream's first
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk seq {chunk.seq} arrived where {self.next_seq} was due")
         self.next_seq += 1
         if self.codec not in (None, chunk.codec):
+            await self.settle()
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk {chunk.seq} uses codec {chunk.codec!r}; this push uses {self.codec!r}")
+        self.codec = chunk.codec
+        self.bytes_received += wire_chunk.nbytes
+        while len(self._in_flight) >= INTAKE_IN_FLIGHT or (self._in_flight and self._in_flight[0].done()):
+            await self._in_flight.popleft()
+        self._in_flight.append(asyncio.get_running_loop().run_in_executor(None, self._check_and_write, wire_chunk))
+
+    def _check_and_write(self, wire_chunk: WireChunk) -> None:
+        """Worker thread: the chunk checked (checksum first) and decoded, then written into the sequence's blocks.
+        The blocks belong to the reserved sequence alone, which the engine does not schedule yet."""
         try:
-            decoded = await asyncio.get_running_loop().run_in_executor(None, decode_chunk, wire_chunk, self.expected,
-                                                                       self._kv_cache.device)
+            decoded = decode_chunk(wire_chunk, self.expected, self._kv_cache.device)
         except KVChunkError as err:
             raise KVLoadError(err.code, err.message) from err
-        arrived = self._received[decoded.layer, _KIND_INDEX[decoded.kind], decoded.token_start:decoded.token_end]
-        if bool(arrived.any()):
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"chunk {chunk.seq} repeats KV already received (layer {decoded.layer}, "
-                              f"{decoded.kind.upper()}, tokens [{decoded.token_start}, {decoded.token_end}))")
+        with self._received_lock:
+            arrived = self._received[decoded.layer, _KIND_INDEX[decoded.kind], decoded.token_start:decoded.token_end]
+            if bool(arrived.any()):
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"chunk {wire_chunk.fields.seq} repeats KV already received (layer {decoded.layer}, "
+                                  f"{decoded.kind.upper()}, tokens [{decoded.token_start}, {decoded.token_end}))")
+            arrived.fill_(True)
         slots = self._slots(decoded.token_start, decoded.token_end)
         self._kv_cache.write(decoded.layer, decoded.kind, slots, decoded.tensor)
-        arrived.fill_(True)
-        self.bytes_received += wire_chunk.nbytes
-        self.codec = chunk.codec
 
     def _slots(self, token_start: int, token_end: int) -> torch.Tensor:
         """[T] long: where the tokens go; every layer's K and V of a token range goes to the same slots."""
         key = (token_start, token_end)
-        if key not in self._slots_by_range:
+        if key not in self._slots_by_range:  # two workers may both compute it: the same tensor either way
             self._slots_by_range[key] = self._kv_cache.slots(self.seq.block_table, token_start, token_end)
         return self._slots_by_range[key]
+
+    async def settle(self) -> None:
+        """Wait for every chunk still in the works; raises the first failure (the others are waited for too)."""
+        in_flight, self._in_flight = list(self._in_flight), collections.deque()
+        outcomes = await asyncio.gather(*in_flight, return_exceptions=True)
+        failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
+        if failure is not None:
+            raise failure
 
     def check_complete(self, trailer: kv_transfer_pb2.KVTransferTrailer) -> None:
         if trailer.num_tokens != self.expected.num_tokens:
@@ -159,7 +187,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     async def PushKV(self, request_iterator: AsyncIterator[kv_transfer_pb2.KVPush | WireChunk],
                      context) -> kv_transfer_pb2.PushKVResponse:
-        lease = None
+        lease = intake = None
         acknowledged = False
         try:
             header = await self._header(request_iterator)
@@ -180,7 +208,14 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             await self._refuse(request_iterator, context, err)
         finally:
             if lease is not None and not acknowledged:  # refused, cancelled, or an unexpected error
-                await asyncio.shield(self._transfers.release(lease.request_id))
+                await asyncio.shield(self._release(lease.request_id, intake))
+
+    async def _release(self, request_id: str, intake: KVIntake | None) -> None:
+        """The blocks of a push not acknowledged back to the pool, once no worker writes into them any more."""
+        if intake is not None:
+            with contextlib.suppress(Exception):
+                await intake.settle()
+        await self._transfers.release(request_id)
 
     async def _drain(self, request_iterator) -> kv_transfer_pb2.PushKVResponse:
         """Read the rest of a push whose KV will not be used, then acknowledge it as to be recomputed."""
@@ -239,10 +274,12 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             item = _item(push)
             if item == "chunk":
                 await intake.store(with_shm_bytes(push, arena))
-            elif item == "trailer":
-                return self._complete(intake, push.trailer)
             else:
+                await intake.settle()  # the chunks before it: their failure, if any, comes first
+                if item == "trailer":
+                    return self._complete(intake, push.trailer)
                 raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one KV push")
+        await intake.settle()
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the KV push ended without a trailer")
 
     def _complete(self, intake: KVIntake, trailer: kv_transfer_pb2.KVTransferTrailer) -> kv_transfer_pb2.PushKVResponse:

@@ -68,6 +68,24 @@ def test_partial_blocks_written_in_pieces_read_back_as_one_range():
     assert kv.read(0, "v", kv.slots(table, 0, 7)).abs().sum() == 0  # V untouched
 
 
+@pytest.mark.parametrize("table, start, end", [
+    ([2, 3, 4, 5], 1, 16),  # neighbouring blocks: one run of slots, copied as one slice
+    ([5, 4, 3, 2], 0, 16),  # a freed sequence's blocks come back tail first: one run per block
+    ([1, 2, 6, 7], 3, 14),  # two runs, each ending inside a block
+    ([6, 0, 3, 1], 1, 15),  # short runs: copied row by row
+    ([4, 5], 6, 7),  # one token
+])
+def test_write_puts_every_token_where_its_block_table_says_whether_copied_by_runs_or_by_rows(table, start, end):
+    kv = cache()
+    k = values(end - start, seed=4)
+    slots = kv.slots(table, start, end)
+    kv.write(2, "k", slots, k)
+    expected = torch.zeros_like(kv.k_blocks[2]).flatten(0, 1).index_copy_(0, slots, k)
+    assert torch.equal(kv.k_blocks[2].flatten(0, 1), expected)
+    assert all(kv.k_blocks[layer].abs().sum() == 0 for layer in (0, 1))
+    assert all(pool.abs().sum() == 0 for pool in kv.v_blocks)
+
+
 def test_write_stores_the_caches_dtype_and_read_returns_a_copy():
     kv = cache(torch.float16)
     x = values(5, seed=4) * 1000
