@@ -15,19 +15,34 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
 
+from splitserve.engine import LLM
 from splitserve.engine.kernels.cpu_features import matrix_flags, prefill_compute_dtype
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.kvtransfer.handshake import KVLayout
-from splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
-from tests.reliability.live_cluster import router_json, stream, wait_until
+from splitserve.v1 import (
+    common_pb2,
+    generate_pb2,
+    generate_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    pod_status_pb2,
+    pod_status_pb2_grpc,
+)
+from tests.reliability.live_cluster import router_json, wait_until
 
 pytestmark = pytest.mark.model
 
 MAX_TOKENS = 24
-# Prompt lengths: under the router's conditional-prefill threshold (the decode pod prefills it) and well over it
-# (the prefill pod, or lent to the decode pod, or split between them, as the hybrid default decides).
-LENGTHS = (6, 40, 180, 310)
+# Token-id prompts: under the router's conditional-prefill threshold (the decode pod prefills it) and well over it
+# (the prefill pod, or lent to the decode pod, or split between them, as the hybrid default decides), then chat
+# prompts (~170-210 tokens with SmolLM2's system prompt).
+LENGTHS = (6, 310)
+QUESTIONS = ("Why is the sky blue?", "Explain how a CPU cache works, step by step, for a new engineer.")
+# Greedy, with each sampled token's logprob: the first comes from the prefill's last row, so its bits tell the
+# prefill's format (and every later one depends on the prompt's K/V).
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +54,42 @@ def default_up(tmp_path_factory, start_cluster):
     cluster.stop()
 
 
-def _prompts() -> list[list[int]]:
-    """SmolLM2 token ids past its special tokens, one prompt per length, different ids in each."""
-    return [[1000 + (97 * i + 31 * n) % 30000 for i in range(n)] for n in LENGTHS]
+def _prompts(tokenizer) -> list[list[int]]:
+    """SmolLM2 token ids past its special tokens, different ids in each, then the chat prompts."""
+    return ([[1000 + (97 * i + 31 * n) % 30000 for i in range(n)] for n in LENGTHS]
+            + [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS])
+
+
+def _offline(llm: LLM, prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
+    """Each answer's (token, logprob) pairs, the logprobs rounded to float32 as the API carries them."""
+    return [[(t, float(torch.tensor(lp[t], dtype=torch.float32))) for t, lp in zip(o.token_ids, o.logprobs)]
+            for o in llm.generate(prompts, GREEDY)]
+
+
+def _served(cluster, prompt: list[int]) -> list[tuple[int, float]]:
+    request = generate_pb2.GenerateRequest(sampling_params=common_pb2.SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0))
+    request.token_ids.ids.extend(prompt)
+    pairs = []
+    with grpc.insecure_channel(f"{cluster.config.host}:{cluster.config.grpc_port}") as channel:
+        for reply in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120):
+            assert reply.WhichOneof("response") != "error", reply.error.message
+            if reply.WhichOneof("response") == "chunk":
+                pairs += [(t, lp.logprob) for t, lp in zip(reply.chunk.token_ids, reply.chunk.logprobs.tokens)]
+    return pairs
 
 
 def test_the_default_answers_as_the_offline_engine_in_the_same_resolved_format(default_up, smollm2):
     resolved = prefill_compute_dtype("auto")
     assert smollm2.engine.prefill_compute == resolved  # LLM(...)'s default is the same auto, resolved alike
-    prompts = _prompts()
-    expected = [list(o.token_ids) for o in smollm2.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    prompts = _prompts(smollm2.tokenizer)
+    expected = _offline(smollm2, prompts)
     for prompt, reference in zip(prompts, expected):
-        answer = stream(default_up, prompt, MAX_TOKENS)
-        assert answer.error is None and answer.token_ids == reference, f"{len(prompt)}-token prompt"
+        assert _served(default_up, prompt) == reference, f"{len(prompt)}-token prompt"
+    if resolved == "bfloat16":  # what was compared is bf16 prefill's: float32's first logprobs differ
+        f32 = _offline(LLM(model="smollm2-135m", kv_cache_memory_bytes=64 << 20, prefill_compute_dtype="float32"),
+                       prompts)
+        assert all(mine[0][1] != theirs[0][1] for mine, theirs in zip(f32, expected))
 
 
 def _pod_addresses(cluster) -> dict[str, str]:
