@@ -81,7 +81,8 @@ def test_phases_bench_measures_both_phases_against_the_machine(tmp_path, capsys)
     assert png.stat().st_size > 0
     # The simulator's profile: every prefill step (600 tokens: two chunks) and decode point, fitted.
     profile = PhaseProfile.load(profile_path)
-    assert (profile.threads, profile.note, profile.model) == (1, "test", "tiny-random")
+    assert (profile.threads, profile.note, profile.model, profile.prefill_compute) == (1, "test", "tiny-random",
+                                                                                      "bfloat16")
     assert len(profile.points["prefill"]) == 3 and len(profile.points["decode"]) == 4
     assert profile.points["prefill"][-1][:2] == [88, 88 * (512 + 88)]  # the second chunk attends over the first
     assert min(profile.prefill.a, profile.prefill.b, profile.prefill.c, profile.decode.a) >= 0
