@@ -69,13 +69,13 @@ def test_partial_blocks_written_in_pieces_read_back_as_one_range():
 
 
 @pytest.mark.parametrize("table, start, end", [
-    ([2, 3, 4, 5], 1, 16),  # neighbouring blocks: one run of slots, copied as one slice
-    ([5, 4, 3, 2], 0, 16),  # a freed sequence's blocks come back tail first: one run per block
-    ([1, 2, 6, 7], 3, 14),  # two runs, each ending inside a block
-    ([6, 0, 3, 1], 1, 15),  # short runs: copied row by row
-    ([4, 5], 6, 7),  # one token
+    ([2, 3, 4, 5], 1, 16),  # three slots of a block, then whole blocks
+    ([5, 4, 3, 2], 0, 16),  # whole blocks only, as a freed sequence's blocks come back (tail first)
+    ([1, 2, 6, 7], 3, 14),  # a slot, two whole blocks, two slots of the last
+    ([6, 0, 3, 1], 1, 15),  # the same, scattered over the pool
+    ([4, 5], 6, 7),  # one token: a row
 ])
-def test_write_puts_every_token_where_its_block_table_says_whether_copied_by_runs_or_by_rows(table, start, end):
+def test_write_puts_every_token_where_its_block_table_says_whether_copied_by_blocks_or_by_rows(table, start, end):
     kv = cache()
     k = values(end - start, seed=4)
     slots = kv.slots(table, start, end)
