@@ -39,10 +39,14 @@ from splitserve.runtime.roles import POD_ROLES, Role
 from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
-DEFAULT_PROFILE = PROFILES / "smollm2-135m-1thread.json"  # float32 prefill: the reference
-# The shipped profile of pods whose prefill computes in each format (PhaseProfile.prefill_compute), both SmolLM2-135M
-# on one pinned thread of this project's AMD EPYC (avx512_bf16, no AMX); their notes say how they were measured.
-FORMAT_PROFILES = {"float32": DEFAULT_PROFILE, "bfloat16": PROFILES / "smollm2-135m-gguf-bf16-1thread.json"}
+# The studies' profile (ratios, slo-map, planner, validate: their figures in docs/ were simulated on it): float32
+# weights and prefill.
+DEFAULT_PROFILE = PROFILES / "smollm2-135m-1thread.json"
+# What ``splitserve simulate`` runs by the pods' prefill compute format (PhaseProfile.prefill_compute): SmolLM2-135M
+# with the GGUF file's blocks on one pinned thread of this project's AMD EPYC (avx512_bf16, no AMX), the two measured
+# back to back (their notes say how): bf16 prefill 1.4-1.7x float32's at 64-2048 tokens, decode the same.
+FORMAT_PROFILES = {"float32": PROFILES / "smollm2-135m-gguf-f32prefill-1thread.json",
+                   "bfloat16": PROFILES / "smollm2-135m-gguf-bf16-1thread.json"}
 
 
 def format_profile(prefill_compute_dtype: str) -> Path:
