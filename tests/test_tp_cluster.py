@@ -36,6 +36,7 @@ from tests.reliability.live_cluster import (
     START_S,
     TINY,
     prompts,
+    router_json,
     stream,
     wait_back,
     wait_every_block_free,
@@ -151,6 +152,8 @@ def check_answers(cluster, prompt_list: list[list[int]], answers: list[list[int]
         assert len(rank_workers(cluster.pid(pod.name))) == size - 1, pod.name
         assert pod_load(cluster.address(pod)).tensor_parallel_size == size, pod.name
         assert cluster.cpu_plan[pod.name].ranks == size
+    seen = {pod["address"]: pod["load"]["tensor_parallel_size"] for pod in router_json(cluster, "/pods")["pods"]}
+    assert seen == {cluster.address(prefill): degrees[0], cluster.address(decode): degrees[1]}  # the router's view
     got = [stream(cluster, prompt, len(answer), timeout_s=START_S) for prompt, answer in zip(prompt_list, answers)]
     assert [(a.finish, a.error) for a in got] == [("FINISH_REASON_LENGTH", "")] * len(prompt_list)
     assert [a.token_ids for a in got] == answers

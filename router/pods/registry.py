@@ -73,6 +73,7 @@ class PodLoad:
     # and the CPU features that chose it; "" and () until its first report says (Redis records carry the format only).
     prefill_compute_dtype: str = ""
     cpu_features: tuple[str, ...] = ()
+    tensor_parallel_size: int = 0  # the ranks its model is split over; 0 until its first report says
 
     @classmethod
     def from_proto(cls, message: common_pb2.PodLoad) -> "PodLoad":
