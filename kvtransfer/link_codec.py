@@ -5,8 +5,11 @@ link).
 A request's path through this module, on the prefill pod:
 
     QualityTable.load(path)                 once: the shipped table (kvtransfer/quality/<model>.json, written by
-                                            ``bench codecs --quality-table``): per cache dtype, per codec, the greedy
-                                            agreement with the lossless path and the encode/decode speed
+                                            ``bench codecs --quality-table``): per cache dtype, per codec, the
+                                            teacher-forced top-1 agreement with the lossless path (every scored
+                                            position of 1024-token contexts; a table written before it had the
+                                            greedy agreement until the first divergence) and the encode/decode
+                                            speed
     LinkCodecChooser.choose(address, T, accepted)   per request with kv_codec "auto": for each codec that clears the
                                             floor and the decode pod accepts (its handshake says which),
                                             expected seconds = wire bytes of T tokens / the link's measured
@@ -42,7 +45,10 @@ LOSSLESS_CODECS = ("none", "none+zstd")  # always eligible, whatever the table s
 
 @dataclass(frozen=True)
 class CodecQuality:
-    agreement: float  # share of greedy tokens before the first divergence from the lossless path
+    # Share of positions whose next token is the lossless path's (teacher-forced top-1): a few near ties, which
+    # any rounding flips, cost a fraction of a point here, where greedy decoding until the first divergence lost
+    # the rest of each continuation to them (bf16 rounding alone kept 90%).
+    agreement: float
     encode_mb_s: float  # MB of cache-dtype KV per second, as bench codecs measured them
     decode_mb_s: float
 
@@ -58,7 +64,8 @@ class QualityTable:
     def load(cls, path: str | Path) -> "QualityTable":
         data = json.loads(Path(path).read_text())
         return cls(data["model"], {
-            dtype: {name: CodecQuality(f["agreement"], f.get("encode_mb_s", 0.0), f.get("decode_mb_s", 0.0))
+            dtype: {name: CodecQuality(f.get("top1_agreement", f["agreement"]), f.get("encode_mb_s", 0.0),
+                                       f.get("decode_mb_s", 0.0))
                     for name, f in codecs.items()}
             for dtype, codecs in data["cache_dtypes"].items()})
 

@@ -103,3 +103,18 @@ def test_the_shipped_quality_table_covers_every_codec_on_both_cache_dtypes():
     shipped = QualityTable.shipped("smollm2-135m")
     assert "none" in shipped.eligible("float16", 1.0)
     assert QualityTable.shipped("no-such-model") is None
+
+
+def test_the_floor_applies_to_teacher_forced_top1_agreement_where_the_table_has_it(tmp_path):
+    """bench codecs writes both figures; the chooser reads the teacher-forced one (every position of long contexts),
+    not greedy decoding until the first divergence, which near ties decide; a table without it, the greedy one."""
+    figures = {"none": {"agreement": 1.0, "top1_agreement": 1.0},
+               "int8": {"agreement": 0.72, "top1_agreement": 0.994},
+               "int4": {"agreement": 0.32, "top1_agreement": 0.954}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"model": "m", "cache_dtypes": {"float16": figures}}))
+    assert set(QualityTable.load(path).eligible("float16", 0.97)) == {"none", "int8"}
+    for f in figures.values():
+        del f["top1_agreement"]
+    path.write_text(json.dumps({"model": "m", "cache_dtypes": {"float16": figures}}))
+    assert set(QualityTable.load(path).eligible("float16", 0.97)) == {"none"}
