@@ -198,8 +198,9 @@ class ShmCluster:
     """A decode pod and a prefill pod, each its own process, sharing ``shm_dir``; the decode pod can be killed and
     restarted on its port."""
 
-    def __init__(self, log_dir: Path, shm_dir: str, prefill_flags: tuple[str, ...] = ()):
-        self.log_dir, self.shm_dir = log_dir, shm_dir
+    def __init__(self, log_dir: Path, shm_dir: str, prefill_flags: tuple[str, ...] = (),
+                 decode_flags: tuple[str, ...] = ()):
+        self.log_dir, self.shm_dir, self.decode_flags = log_dir, shm_dir, decode_flags
         self.decode = self._start_decode(port=0)
         self.prefill = start_pod("prefill", "splitserve.prefill_service",
                                  ["--model", MODEL, "--max-num-batched-tokens", "64",
@@ -209,8 +210,8 @@ class ShmCluster:
         self.offline = LLM(model=MODEL, num_blocks=64)
 
     def _start_decode(self, port: int) -> PodProcess:
-        return start_pod("decode", "splitserve.decode_service", ["--model", MODEL, "--kv-shm-dir", self.shm_dir],
-                         self.log_dir, port=port)
+        return start_pod("decode", "splitserve.decode_service", ["--model", MODEL, "--kv-shm-dir", self.shm_dir,
+                                                                 *self.decode_flags], self.log_dir, port=port)
 
     def restart_decode(self, kill_signal: int = signal.SIGKILL) -> None:
         os.kill(self.decode.popen.pid, kill_signal)
@@ -388,6 +389,66 @@ def test_a_sigtermed_prefill_pod_under_load_loses_no_request_whose_kv_it_had_sta
         with pytest.raises(grpc.RpcError) as refused:  # gone: new prompts go to another prefill pod
             cluster.prefill_call("after", prompts["load-0"])
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert os.listdir(shm_dir) == []
+    finally:
+        cluster.stop()
+
+
+# What a call to a pod that stops taking calls gets: refused (UNAVAILABLE), or cancelled as the server stops under it
+# (CANCELLED, which the router takes for UNAVAILABLE: router/request_run.py); the router retries either.
+REFUSED_WHILE_STOPPING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def test_a_sigtermed_decode_pod_finishes_its_stream_and_refuses_kv_not_yet_claimed_so_the_router_retries(tmp_path,
+                                                                                                       shm_dir):
+    """On SIGTERM a decode pod drains: a running stream finishes within the grace period; KV pushed here whose claim
+    comes once the pod has stopped taking calls is refused, which the router retries on another pair before the first
+    token (router/placement.py); the pod then exits cleanly, leaving no arena behind."""
+    cluster = ShmCluster(tmp_path, shm_dir, decode_flags=("--shutdown-grace-s", "60"))
+    long_answer = common_pb2.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)  # seconds
+    ended: list[decode_pb2.DecodeComplete | grpc.RpcError] = []
+
+    def stream(first: prefill_pb2.PrefillResponse, prompt: list[int]) -> None:
+        try:
+            with grpc.insecure_channel(cluster.decode.address) as channel:
+                for message in decode_pb2_grpc.DecodeStub(channel).Decode(decode_pb2.DecodeRequest(
+                        request_id="running", prompt_token_ids=prompt, sampling_params=long_answer,
+                        first_token_id=first.first_token_id), timeout=120):
+                    if message.HasField("complete"):
+                        ended.append(message.complete)
+        except grpc.RpcError as err:
+            ended.append(err)
+
+    try:
+        running_prompt = prompt_of(40, seed=20)
+        running = threading.Thread(target=stream, args=(cluster.prefill_call("running", running_prompt),
+                                                        running_prompt))
+        running.start()
+        deadline = time.monotonic() + 30
+        while cluster.load(cluster.decode).num_running == 0:
+            assert time.monotonic() < deadline and not ended, f"the stream never ran: {ended}"
+            time.sleep(0.005)
+        waiting_prompt = prompt_of(40, seed=21)
+        waiting = cluster.prefill_call("waiting", waiting_prompt)  # its KV waits here under a lease
+        assert not ended, "the stream ended before the SIGTERM: make it longer"
+        cluster.decode.popen.send_signal(signal.SIGTERM)
+        with grpc.insecure_channel(cluster.decode.address) as channel:  # until the pod takes no new call
+            status = pod_status_pb2_grpc.PodStatusStub(channel)
+            while True:
+                try:
+                    status.GetLoad(pod_status_pb2.LoadRequest(), timeout=5)
+                except grpc.RpcError as err:
+                    assert err.code() in REFUSED_WHILE_STOPPING, err
+                    break
+                assert time.monotonic() < deadline + 30, "the decode pod still takes calls 30 s after its SIGTERM"
+                time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as refused:
+            cluster.decode_tokens("waiting", waiting_prompt, waiting)
+        assert refused.value.code() in REFUSED_WHILE_STOPPING  # retried by the router, not a failed request
+        running.join(timeout=120)
+        assert len(ended) == 1 and isinstance(ended[0], decode_pb2.DecodeComplete), ended
+        assert ended[0].usage.completion_tokens == 1500  # to its last token
+        assert cluster.decode.popen.wait(timeout=90) == 0, "the decode pod did not exit cleanly after its drain"
         assert os.listdir(shm_dir) == []
     finally:
         cluster.stop()
