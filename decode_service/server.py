@@ -48,6 +48,7 @@ import grpc
 from splitserve.decode_service.config import DecodeConfig
 from splitserve.engine.engine_loop import TokenEvent
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.parallel.workers import rank_lost
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sequence import Sequence
 from splitserve.kvtransfer.handoff import Admission, PrefixHandover
@@ -254,8 +255,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not event.finished:
             return
         clock.on_finish(event.finish_reason, event.seq.num_prompt_tokens, event.seq.num_output_tokens)
-        if event.error is not None:
-            await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {event.error}")
+        if event.error is not None:  # UNAVAILABLE where a dead tensor-parallel rank failed the pod (it is ending)
+            lost = rank_lost(self._pod.engine.runner.model)
+            await context.abort(grpc.StatusCode.UNAVAILABLE if lost else grpc.StatusCode.INTERNAL,
+                                f"decode failed: {event.error}")
         if not prefilled:
             self._observe_prefill(event.seq)
         complete = _complete(event, params, prefilled, clock.arrived_at)

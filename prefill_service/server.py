@@ -32,6 +32,7 @@ import math
 import grpc
 
 from splitserve.engine.engine_loop import TokenEvent
+from splitserve.engine.parallel.workers import rank_lost
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.kvtransfer.handshake import KVLayout
 from splitserve.kvtransfer.link_codec import LinkCodecChooser, QualityTable
@@ -84,7 +85,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         finally:
             self._in_flight.pop(request.request_id, None)
         if _failed(event):
-            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {event.error or 'aborted by the engine'}")
+            # A step that met a dead tensor-parallel rank failed the pod, which is ending: the router tries others.
+            code = grpc.StatusCode.UNAVAILABLE if rank_lost(self._pod.engine.runner.model) else grpc.StatusCode.INTERNAL
+            await context.abort(code, f"prefill failed: {event.error or 'aborted by the engine'}")
         return self._respond(request, params, event, stats)
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:

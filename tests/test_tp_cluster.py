@@ -219,3 +219,24 @@ def test_a_rank_killed_mid_request_restarts_its_pod_whole(tmp_path, start_cluste
         wait_every_block_free(cluster)
     finally:
         cluster.stop()
+
+
+@pytest.mark.e2e
+def test_a_prefill_rank_killed_before_a_request_fails_the_pod_not_the_request(tmp_path, start_cluster, offline):
+    """SIGKILL of a prefill pod's rank 1, then a request at once: whether it meets the dying pod's failed step
+    (UNAVAILABLE: the pod's failure, so the router retries, on the decode pod) or the pod already draining or back,
+    it gives the offline answer; the prefill pod restarts once with new ranks, and every block is free."""
+    cluster = start_cluster(tmp_path, **TP_CLUSTER, prefill_tensor_parallel_size=2)
+    try:
+        prefill = cluster.pods[0]
+        (rank,) = rank_workers(cluster.pid(prefill.name))
+        os.kill(rank, signal.SIGKILL)
+        answer = stream(cluster, PROMPTS[2], MAX_TOKENS, timeout_s=START_S)
+        assert (answer.finish, answer.error, answer.token_ids) == ("FINISH_REASON_LENGTH", "", offline[0][2])
+        wait_back(cluster, prefill.name, restarts=1)
+        assert len(rank_workers(cluster.pid(prefill.name))) == 1
+        assert stream(cluster, PROMPTS[0], MAX_TOKENS).token_ids == offline[0][0]
+        assert cluster.restarts == {**{name: 0 for name in cluster.restarts}, prefill.name: 1}
+        wait_every_block_free(cluster)
+    finally:
+        cluster.stop()

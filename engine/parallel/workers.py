@@ -144,7 +144,7 @@ class RankWorkers:
         """Until ``close``: once a worker exits, log the ranks' states and call ``on_lost`` (a thread's loop)."""
         while not self._closed:
             if any(proc.poll() is not None for proc in self.procs):
-                logger.error("tensor-parallel rank gone (%s): this engine cannot step again", self._states())
+                logger.error("tensor-parallel rank gone (%s): this engine cannot step again", self.states())
                 on_lost()
                 return
             time.sleep(WATCH_INTERVAL_S)
@@ -153,9 +153,14 @@ class RankWorkers:
         for proc in self.procs:  # a rank that broke a collective is exiting: give it a moment to report its code
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0)
-        return TensorParallelError(f"tensor-parallel engine failed {when}: {self._states()}")
+        return TensorParallelError(f"tensor-parallel engine failed {when}: {self.states()}")
 
-    def _states(self) -> str:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def states(self) -> str:
+        """Each worker's state: "rank 1 running, rank 2 exited with code -9"."""
         return ", ".join(f"rank {i} {'running' if p.poll() is None else f'exited with code {p.returncode}'}"
                          for i, p in enumerate(self.procs, start=1))
 
@@ -177,6 +182,16 @@ class RankWorkers:
         affinity, threads = self._restore
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
+
+
+def rank_lost(model) -> str | None:
+    """Whether an engine's model (``ModelRunner.model``) is a tensor-parallel one that lost a rank: which, with the
+    ranks' states, or None. A pod's service asks it of a failed request: the pod's failure, not the request's
+    (UNAVAILABLE: the router tries other pods), as the pod is ending to restart whole."""
+    workers = getattr(model, "plan_to", None)
+    if workers is None or workers.closed or all(proc.poll() is None for proc in workers.procs):
+        return None
+    return workers.states()
 
 
 def end_process_on_rank_loss(model) -> None:
