@@ -29,7 +29,7 @@ QUESTIONS = ("Explain how a CPU cache works, step by step, for a new engineer.",
 @pytest.fixture(scope="module")
 def engines():
     """float32 and bf16 prefill on the same weights (the GGUF's blocks for decode)."""
-    return (LLM(model="smollm2-135m", kv_cache_memory_bytes=64 << 20),
+    return (LLM(model="smollm2-135m", kv_cache_memory_bytes=64 << 20, prefill_compute_dtype="float32"),
             LLM(model="smollm2-135m", kv_cache_memory_bytes=64 << 20, prefill_compute_dtype="bfloat16"))
 
 
