@@ -209,3 +209,23 @@ def test_the_simulator_runs_the_profile_of_the_pods_resolved_format():
     assert SimulateConfig(prefill_compute_dtype="float32").profile == str(FORMAT_PROFILES["float32"])
     assert SimulateConfig(prefill_compute_dtype="bfloat16").profile == str(FORMAT_PROFILES["bfloat16"])
     assert SimulateConfig().profile == str(FORMAT_PROFILES[prefill_compute_dtype("auto")])  # as the pods resolve
+
+
+def test_the_router_reads_the_format_from_load_reports_and_redis_records_and_the_handshake_carries_it(caplog):
+    import dataclasses
+    import logging
+
+    from splitserve.kvtransfer.handshake import KVLayout, note_formats
+    from splitserve.router.pods.registry import PodLoad
+    from splitserve.v1 import common_pb2
+
+    load = PodLoad.from_proto(common_pb2.PodLoad(prefill_compute_dtype="bfloat16", cpu_features=["avx2", "amx_bf16"]))
+    assert (load.prefill_compute_dtype, load.cpu_features) == ("bfloat16", ("avx2", "amx_bf16"))
+    assert PodLoad.from_dict({"prefill_compute_dtype": "float32", "num_running": 1}).prefill_compute_dtype == "float32"
+    here = KVLayout("m", 2, 2, 16, 16, "float16", prefill_compute_dtype="float32", cpu_features=("avx2",))
+    peer = dataclasses.replace(here, prefill_compute_dtype="bfloat16", cpu_features=("avx2", "avx512_bf16"))
+    assert KVLayout.from_proto(peer.to_proto()) == peer
+    assert peer.compat_hash == here.compat_hash  # interchangeable KV: the format is not in the hash
+    with caplog.at_level(logging.INFO, logger="splitserve.kvtransfer.handshake"):
+        note_formats(here, peer, "decode pod d:1")
+    assert "decode pod d:1 prefills in bfloat16 (CPU features: avx2,avx512_bf16), this pod in float32" in caplog.text
