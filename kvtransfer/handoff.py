@@ -37,6 +37,11 @@ One ordered ``TransferState`` per pushed request, kept on its ``KVLease`` in the
     error or cancel in Decode    ``Admission.release_unless_admitted`` / ``PrefixHandover.release_unless_handed_over``,
                                  queued on the engine thread after the admission, so it knows whether that ran
     bad KV under "recompute"     the PushKV handler releases it; Decode finds NOT_FOUND and prefills here
+    the pod stops (SIGTERM)      running Decode and PushKV calls finish within ``shutdown_grace_s`` (as above); a
+                                 claim or push that comes once the server takes no new call is refused (UNAVAILABLE,
+                                 or CANCELLED as it stops, which the router reads as UNAVAILABLE) and the router
+                                 retries the request on another pair before its first token; KV still WAITING goes
+                                 with the process (tests/test_shm_transport.py's SIGTERM'd decode pod)
 
 The reaper never touches a RECEIVING lease: its PushKV handler may be writing into the blocks, so that handler alone
 releases them. The table lives on the event loop; every block moves on the engine thread.
