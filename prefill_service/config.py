@@ -29,8 +29,8 @@ class PrefillConfig(PodConfig):
         "Fault injection, for reliability tests and soak runs only: the share of KV chunks sent with a flipped byte "
         "after their checksum (the decode pod refuses them, DATA_LOSS; the router retries). 0 in production.")})
     kv_min_agreement: float = field(default=0.97, metadata={"help": (
-        "kv_codec auto: the least greedy agreement with the lossless path (from the quality table) a codec needs "
-        "to be chosen; lossless codecs always qualify.")})
+        "kv_codec auto: the least teacher-forced top-1 agreement with the lossless path (from the quality table) a "
+        "codec needs to be chosen; lossless codecs always qualify.")})
     kv_quality_table: str = field(default="", metadata={"help": (
         "kv_codec auto: the codecs' measured quality (bench codecs --quality-table); empty: the table shipped for "
         "the model in kvtransfer/quality/, or none (then auto picks among lossless codecs).")})
