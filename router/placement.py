@@ -16,8 +16,9 @@ For each request ``Router.generate`` walks it through these states, each a metho
    (on D alone when the plan prefills there). A failure before the first token (a pod gone, full
    or draining, P's push to D failing, corrupt or late) is retried on other pods, ``max_retries`` times
    (``_before_retry``: a decode pod a call found gone is suspect at once, and the retry backs off and waits for
-   a decode pod as a migration does; a split's prefix that D refused is dropped there first); when every prefill
-   pod failed, the retry prefills on the decode pod. ``start`` returns D's ``DecodeStream`` with that first message
+   a decode pod as a migration does; KV that P pushed to D for the failed attempt, a split's prefix D refused or
+   a prompt whose P failed after its push, is dropped there first); when every prefill pod failed, the retry
+   prefills on the decode pod. ``start`` returns D's ``DecodeStream`` with that first message
    in it;
 4. migration (``migrate``): when D goes away mid-stream, another decode pod prefills the prompt and the tokens
    already sent (``resume_token_ids``) and goes on from there; the client sees every token once. Every pod that
@@ -186,9 +187,10 @@ class Placement:
                  time.monotonic() - started, outcome)
 
     def _plan(self, req: RouterRequest, avoid: set[str]) -> RoutePlan:
-        # Prefill pods that failed this request are left out, even if none remain: then D prefills the prompt.
+        # Pods that failed this request are left out: prefill pods even if none remain (then D prefills the prompt),
+        # decode pods unless none would remain.
         prefill = [pod for pod in self.registry.prefill_pods() if pod.address not in avoid]
-        decode = _prefer_others(self.registry.decode_pods(), avoid)
+        decode = [pod for pod in self.registry.decode_pods() if pod.address not in avoid] or self.registry.decode_pods()
         plan = self.policy.choose_pair(req, prefill, decode, SLOTargets.of(req, self.config))
         log.debug("request %s: prefill %s, decode %s (%s)", req.request_id,
                   plan.prefill.address if plan.prefill else "-", plan.decode.address, plan.reason)
@@ -234,8 +236,10 @@ class Placement:
         prefill_hold = run.hold(plan.prefill, prompt_tokens=num_prompt)
         try:
             first = await self._prefill(run, plan.prefill, self._prefill_request(run.request, plan.decode.address))
-        except BaseException:
+        except BaseException as error:
             decode_hold.release()
+            if isinstance(error, StatusError):  # P failed, maybe after its push reached D (killed before it answered)
+                await self._drop_pushed_kv(run, plan.decode)
             raise
         finally:
             prefill_hold.release()
@@ -269,13 +273,16 @@ class Placement:
         try:
             stream = await self._start_on_decode_pod(run, plan.decode, prefix_tokens=prefix_tokens)
         except StatusError:
-            # D refused (full, draining) or failed before it claimed the prefix P pushed there: drop it now, or it
-            # holds D's blocks until its lease expires. Awaited: a retry may push the same request id to D again.
-            if not await self.pod_clients.get(plan.decode.address, plan.decode.role).drop(run.request.request_id):
-                self.registry.suspect(plan.decode.address)  # out of reach
+            # D refused (full, draining) or failed before it claimed the prefix P pushed there: drop it now.
+            await self._drop_pushed_kv(run, plan.decode)
             raise
         run.split_at(prefix_tokens)  # D's summary adds to P's report (not after a retry elsewhere)
         return stream
+
+    async def _drop_pushed_kv(self, run: RequestRun, pod: PodInfo) -> None:
+        """KV pushed to ``pod`` for ``run`` that no one will claim, freed now, not by its lease (a retry may push again)."""
+        if not await self.pod_clients.get(pod.address, pod.role).drop(run.request.request_id):
+            self.registry.suspect(pod.address)  # out of reach
 
     async def _start_on_shared_kv(self, run: RequestRun, pod: PodInfo,
                                   first: prefill_pb2.PrefillResponse) -> DecodeStream:
@@ -391,7 +398,3 @@ class Placement:
                 # (gone, full, draining), or as a stream that broke; past the deadline, nothing is.
                 worth_another_pod = () if run.out_of_time() else MIGRATABLE_CODES + RETRYABLE_CODES
 
-
-def _prefer_others(pods: list[PodInfo], avoid: set[str]) -> list[PodInfo]:
-    """Pods not in ``avoid`` (those that just failed this request), or all of them when no other is left."""
-    return [pod for pod in pods if pod.address not in avoid] or pods
