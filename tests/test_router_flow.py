@@ -400,7 +400,8 @@ def test_failure_on_every_attempt_is_unavailable_to_the_client():
                 [item async for item in env.router.generate(req)]
             assert caught.value.code == grpc.StatusCode.UNAVAILABLE
             assert sorted(len(pod.calls) for pod in env.prefill) == [1, 1]
-            assert env.decode[0].calls == []
+            # D decoded nothing; after each failed Prefill whatever P may have pushed there is dropped.
+            assert env.decode[0].calls == [("Abort", req.request_id)] * 2
     run(scenario())
 
 
@@ -960,7 +961,8 @@ def test_when_every_prefill_pod_fails_the_decode_pod_prefills(failure):
             req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=5)
             assert joined(deltas)[0] == SCRIPT[:5] and done.finish_reason == "length"
             assert [c[0] for c in env.prefill[0].calls] == ["Prefill"]
-            assert env.decode[0].calls == [("Decode", req.request_id, None)]  # prefilled there, no first token
+            # What P may have pushed to D before it failed is dropped there; then D prefills (no first token).
+            assert env.decode[0].calls == [("Abort", req.request_id), ("Decode", req.request_id, None)]
             assert sample(env.router, "splitserve_router_retries_total", code=failure.name) == 1
             assert sample(env.router, "splitserve_router_routing_decisions_total", decision="prefill_on_decode") == 1
     run(scenario())
