@@ -128,9 +128,9 @@ class ShadowChecks:
 
     async def _check(self, req: RouterRequest, served: list[int], served_logprobs: list[float] | None, remote: bool,
                      avoid: set[str]) -> None:
-        params = dataclasses.replace(req.params, max_tokens=len(served),
-                                     logprobs=0 if req.params.logprobs is None else req.params.logprobs)
-        shadow = dataclasses.replace(req, request_id=f"shadow-{req.request_id}", params=params, samples=None)
+        # ``req`` is the drawn request (``draw``): it asks for its tokens' logprobs already.
+        shadow = dataclasses.replace(req, request_id=f"shadow-{req.request_id}", samples=None,
+                                     params=dataclasses.replace(req.params, max_tokens=len(served)))
         path = "prefilled on a decode pod" if remote else "through a prefill pod"
         try:
             again, again_logprobs = await asyncio.wait_for(self._run(shadow, remote, avoid),
