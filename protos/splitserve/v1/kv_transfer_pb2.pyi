@@ -115,7 +115,7 @@ class KVTransferHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., num_claims: _Optional[int] = ..., sender_boot_id: _Optional[str] = ..., receiver_boot_id: _Optional[str] = ..., shm_arena: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "seq", "layer", "kind", "token_start", "token_end", "codec", "dtype", "shape", "payload", "scales", "crc32c", "shm")
+    __slots__ = ("request_id", "seq", "layer", "kind", "token_start", "token_end", "codec", "dtype", "shape", "payload", "scales", "crc32c", "shm", "heads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class KVChunk(_message.Message):
     SCALES_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     layer: int
@@ -142,7 +143,8 @@ class KVChunk(_message.Message):
     scales: bytes
     crc32c: int
     shm: KVShmSpan
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KVKind, str]] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., codec: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., shm: _Optional[_Union[KVShmSpan, _Mapping]] = ...) -> None: ...
+    heads: KVHeadRange
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KVKind, str]] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., codec: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., shm: _Optional[_Union[KVShmSpan, _Mapping]] = ..., heads: _Optional[_Union[KVHeadRange, _Mapping]] = ...) -> None: ...
 
 class KVShmSpan(_message.Message):
     __slots__ = ("offset", "payload_bytes", "scales_bytes")
