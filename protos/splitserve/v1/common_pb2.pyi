@@ -192,18 +192,20 @@ class PodLoad(_message.Message):
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., version: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., decode_step_seconds: _Optional[float] = ..., step_time: _Optional[_Union[StepTimeModel, _Mapping]] = ..., running_context_tokens: _Optional[int] = ..., tpot_allowance_seconds: _Optional[float] = ..., quantization: _Optional[str] = ..., prefill_compute_dtype: _Optional[str] = ..., cpu_features: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class StepTimeModel(_message.Message):
-    __slots__ = ("base_seconds", "per_decode_row_seconds", "per_prefill_token_seconds", "per_context_token_seconds", "num_samples")
+    __slots__ = ("base_seconds", "per_decode_row_seconds", "per_prefill_token_seconds", "per_context_token_seconds", "num_samples", "prefill_pass_seconds")
     BASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PER_DECODE_ROW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PER_PREFILL_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PER_CONTEXT_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     base_seconds: float
     per_decode_row_seconds: float
     per_prefill_token_seconds: float
     per_context_token_seconds: float
     num_samples: int
-    def __init__(self, base_seconds: _Optional[float] = ..., per_decode_row_seconds: _Optional[float] = ..., per_prefill_token_seconds: _Optional[float] = ..., per_context_token_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    prefill_pass_seconds: float
+    def __init__(self, base_seconds: _Optional[float] = ..., per_decode_row_seconds: _Optional[float] = ..., per_prefill_token_seconds: _Optional[float] = ..., per_context_token_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., prefill_pass_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
