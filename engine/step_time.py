@@ -1,12 +1,19 @@
 """The measured step-time model: how long an engine step takes, from what it holds, fitted online on the pod.
 
-    time(step) ~= base + per_decode_row * decode rows + per_prefill_token * chunk tokens + per_context_token * context
+    time(step) ~= base [if it decodes] + per_decode_row * decode rows
+                  + prefill_pass [if it prefills] + per_prefill_token * chunk tokens + per_context_token * context
 
 where ``decode rows`` are the sequences that decode one token, ``chunk tokens`` the prompt tokens prefilled, and
 ``context`` the attention's work: over every token the step computes, the positions it attends to (a decode row at
 position p: p + 1; a chunk of n tokens from position s: n * s + n * (n + 1) / 2, ``attention_positions``).
-A step is weight-bound for decode rows (they share one pass over the weights: ``base`` is most of a decode step),
-compute-bound for prompt tokens, and attention grows with the context.
+A step is weight-bound for decode rows (they share one pass over the file's weights: ``base`` is most of a decode
+step), compute-bound for prompt tokens, and attention grows with the context. A step that prefills at all pays a
+fixed ``prefill_pass`` of its own: the prefill path's pass over its weights (the bf16 copies, where prefill runs in
+bf16: twice the bytes of the file's blocks), apart from the decode rows' pass. So a step that mixes both pays both
+intercepts, as measured on a bf16 decode pod lent a prompt (AMD EPYC, SmolLM2, 2026-11-27): 3 decode rows and a
+3-token chunk took 33-35 ms, a decode step of 3 rows ~10 ms and a 3-token chunk alone ~22 ms. A model with one
+intercept, fitted on a decode pod's mostly decode-only steps, predicted that mixed step at 19 ms: the lent chunks
+it sized broke the TPOT target they were sized to keep (issue 35).
 
 ``StepTimeFit`` keeps the engine's recent steps (``observe``, a sliding window) and refits the coefficients by
 least squares every ``REFIT_EVERY`` steps. A decode pod's steps are mostly decode-only, which says nothing about a
@@ -25,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-FEATURES = ("base", "per_decode_row", "per_prefill_token", "per_context_token")
+FEATURES = ("base", "per_decode_row", "per_prefill_token", "per_context_token", "prefill_pass")
 WINDOW_STEPS = 256  # recent steps the fit uses: seconds of a busy pod, so it follows load from other processes
 REFIT_EVERY = 8  # steps between refits (a 4x4 solve: microseconds)
 PRIOR_STEPS = 32
@@ -44,8 +51,16 @@ class StepSample:
     context_tokens: int
     seconds: float
 
-    def features(self) -> tuple[float, float, float, float]:
-        return 1.0, float(self.decode_rows), float(self.chunk_tokens), float(self.context_tokens)
+    def features(self) -> tuple[float, float, float, float, float]:
+        return _features(self.decode_rows, self.chunk_tokens, self.context_tokens)
+
+
+def _features(decode_rows: int, chunk_tokens: int, context_tokens: int) -> tuple[float, float, float, float, float]:
+    """The step's terms, in ``FEATURES``' order: a step that prefills nothing (decodes, or an empty step) pays
+    ``base``; one that prefills pays ``prefill_pass``; one that does both pays both."""
+    decodes = 1.0 if decode_rows or not chunk_tokens else 0.0
+    prefills = 1.0 if chunk_tokens else 0.0
+    return decodes, float(decode_rows), float(chunk_tokens), float(context_tokens), prefills
 
 
 def attention_positions(start: int, num_tokens: int) -> int:
@@ -61,6 +76,7 @@ class StepTimeModel:
     per_decode_row: float = 0.0
     per_prefill_token: float = 0.0
     per_context_token: float = 0.0
+    prefill_pass: float = 0.0  # a prefilling step's fixed cost (module docstring)
     num_samples: int = 0  # steps the fit saw (0: nothing measured yet, every prediction is 0)
 
     @property
@@ -69,8 +85,8 @@ class StepTimeModel:
         return self.num_samples > 0 and self.per_prefill_token > 0
 
     def predict(self, decode_rows: int, chunk_tokens: int, context_tokens: int) -> float:
-        return (self.base + self.per_decode_row * decode_rows + self.per_prefill_token * chunk_tokens
-                + self.per_context_token * context_tokens)
+        terms = _features(decode_rows, chunk_tokens, context_tokens)
+        return sum(c * x for c, x in zip(self.as_tuple(), terms))
 
     def largest_chunk(self, decode_rows: int, context_tokens: int, within_s: float, chunk_start: int = 0) -> int:
         """The most prompt tokens a step beside ``decode_rows`` decodes (their attention positions:
@@ -97,8 +113,9 @@ class StepTimeModel:
         """A prompt of ``num_tokens`` prefilled in one step on an idle pod."""
         return self.predict(0, num_tokens, attention_positions(0, num_tokens))
 
-    def as_tuple(self) -> tuple[float, float, float, float]:
-        return self.base, self.per_decode_row, self.per_prefill_token, self.per_context_token
+    def as_tuple(self) -> tuple[float, float, float, float, float]:
+        """The coefficients, in ``FEATURES``' order (the constructor's positional order)."""
+        return self.base, self.per_decode_row, self.per_prefill_token, self.per_context_token, self.prefill_pass
 
 
 class StepTimeFit:

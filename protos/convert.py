@@ -23,12 +23,13 @@ def step_time_to_proto(model: StepTimeModel) -> common_pb2.StepTimeModel:
     return common_pb2.StepTimeModel(
         base_seconds=model.base, per_decode_row_seconds=model.per_decode_row,
         per_prefill_token_seconds=model.per_prefill_token, per_context_token_seconds=model.per_context_token,
-        num_samples=model.num_samples)
+        prefill_pass_seconds=model.prefill_pass, num_samples=model.num_samples)
 
 
 def step_time_from_proto(message: common_pb2.StepTimeModel) -> StepTimeModel:
     return StepTimeModel(message.base_seconds, message.per_decode_row_seconds, message.per_prefill_token_seconds,
-                         message.per_context_token_seconds, message.num_samples)
+                         message.per_context_token_seconds, message.prefill_pass_seconds,
+                         num_samples=message.num_samples)
 
 
 # Optional proto fields that, unset, take SamplingParams' own default.

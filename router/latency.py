@@ -192,7 +192,7 @@ class HybridPlacement:
             return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
         steps = math.ceil(todo / chunk)
         step_s = model.predict(rows, chunk, context + attention_positions(middle, chunk))
-        decode_s = model.predict(rows, 0, context)
+        added_s = step_s - model.predict(rows, 0, context) if rows else 0.0  # no decode there, none delayed
         return PrefillEstimate(steps * step_s,
                                f"{steps} chunks of {chunk} tokens at {step_s:.3f} s beside {rows} decodes, "
-                               f"allowance {allowance:.3f} s", tpot_cost_s=steps * (step_s - decode_s))
+                               f"allowance {allowance:.3f} s", tpot_cost_s=steps * added_s)

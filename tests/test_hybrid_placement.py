@@ -17,9 +17,10 @@ from splitserve.router.policies import LocalPrefill, make_policy
 from splitserve.router.route_plan import PromptBlocks, SLOTargets
 
 BLOCK = 16
-# This machine's SmolLM2 pods, roughly: a decode step ~30 ms, a prompt token ~3.5 ms.
+# This machine's SmolLM2 pods, roughly: a decode step ~30 ms, a prefilling step's own pass as much, a prompt token
+# ~3.5 ms (a step that does both pays both passes).
 MODEL = StepTimeModel(base=0.028, per_decode_row=0.001, per_prefill_token=0.0035, per_context_token=2e-7,
-                      num_samples=100)
+                      prefill_pass=0.028, num_samples=100)
 TIGHT_TTFT = SLOTargets(ttft_s=2.0, tpot_s=0.5)  # TaiChi's regimes, in this machine's terms
 BALANCED = SLOTargets(ttft_s=3.0, tpot_s=0.15)
 TIGHT_TPOT = SLOTargets(ttft_s=8.0, tpot_s=0.04)
@@ -153,8 +154,8 @@ def test_a_busy_decode_pod_takes_the_tail_of_a_prompt_while_the_prefill_pod_does
     # The least P work that meets the target: every option with less work on P (lent, here) misses it.
     less_work = [option for option in options if option.prefill_work < plan.prefix_tokens]
     assert less_work and all(option.estimate.ttft_s > within for option in less_work)
-    # Without the headroom the same state would be lent whole: its 3.34 s are within 3.6 s, not within 2.88 s.
-    assert lent.estimate.ttft_s <= targets.ttft_s
+    # Without the headroom a split with less work on P would do: within 3.6 s, not within 2.88 s.
+    assert any(within < option.estimate.ttft_s <= targets.ttft_s for option in less_work)
 
 
 def test_a_split_is_predicted_as_the_later_of_the_prefix_and_the_decode_pods_queue_then_the_tail():

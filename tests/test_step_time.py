@@ -13,8 +13,8 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_time import StepSample, StepTimeFit, StepTimeModel, attention_positions
 
-TRUE = StepTimeModel(base=0.020, per_decode_row=0.002, per_prefill_token=0.003, per_context_token=2e-7,
-                     num_samples=1)
+TRUE = StepTimeModel(base=0.010, per_decode_row=0.002, per_prefill_token=0.003, per_context_token=2e-7,
+                     prefill_pass=0.015, num_samples=1)
 
 
 def synthetic_steps(model: StepTimeModel, count: int, rng: random.Random, prefill_share: float = 0.3,
@@ -53,6 +53,22 @@ def test_decode_only_steps_keep_the_prompt_token_cost_of_the_prior():
     model = fitted(steps, window=128, prior_steps=32)
     assert model.per_prefill_token == pytest.approx(TRUE.per_prefill_token, rel=0.2)
     assert model.base == pytest.approx(TRUE.base, rel=0.15)
+
+
+def test_a_mixed_step_pays_both_passes_though_the_fit_saw_none():
+    """The decode pod's case (issue 35): its fit has seen prefills only in its prior (warm-up) and decodes since,
+    never a step that does both; a lent chunk beside decodes is still predicted at both fixed costs (the file's
+    blocks for the decode rows, the prefill copies for the chunk), not at the decode step's alone."""
+    rng = random.Random(3)
+    prior = synthetic_steps(TRUE, 32, rng, prefill_share=0.0)[:16]
+    prior += [StepSample(0, n, attention_positions(0, n), TRUE.predict(0, n, attention_positions(0, n)))
+              for n in (16, 64, 128, 256) * 4]
+    model = fitted(prior + synthetic_steps(TRUE, 300, rng, prefill_share=0.0), window=128, prior_steps=32)
+    mixed = model.predict(3, 3, 3 * 400 + attention_positions(100, 3))
+    assert mixed == pytest.approx(TRUE.predict(3, 3, 3 * 400 + attention_positions(100, 3)), rel=0.1)
+    assert mixed > model.predict(3, 0, 3 * 400) + 0.9 * TRUE.prefill_pass
+    # The chunk a 25 ms target allows beside 3 decodes: none, where one intercept would have let 2 ms of tokens in.
+    assert model.largest_chunk(3, 3 * 400, within_s=0.8 * 0.025, chunk_start=100) == 0
 
 
 def test_the_fit_follows_the_pod_getting_slower():
@@ -164,7 +180,7 @@ def test_a_pod_slower_than_its_target_still_prefills_when_nothing_decodes(monkey
     """Not even one token fits the default target's allowance (the pod's step is slower than its target): with no
     decode to keep, the prompt still moves, in probe-sized chunks, and finishes (it used to wait forever)."""
     clock = FakeClock()
-    slow = StepTimeModel(0.05, 0.002, 0.0005, 1e-7, num_samples=100)  # a 50 ms step at least, against 30 ms
+    slow = StepTimeModel(0.05, 0.002, 0.0005, 1e-7, prefill_pass=0.05, num_samples=100)  # 50 ms steps vs 30 ms
     scheduler = lending_scheduler(slow, 0.03, clock, monkeypatch)
     scheduler.add(Sequence("p", list(range(5, 105)), SamplingParams(max_tokens=2)))
     chunks = []
