@@ -5,7 +5,9 @@ oneDNN products in bf16 run 4.6x torch's float32 on prefill's shapes, and a whol
 kernels' float32 one on an avx512_bf16 CPU (engine/kernels/cpu_features.py has the rule, docs/PERFORMANCE.md the
 figures). So a model whose ``prefill_compute_dtype`` resolves to bfloat16 keeps a bf16 copy
 of its layers' product weights (``Bf16Prefill.from_state_dict``), next to the decode path's (float32 panels or the
-file's quantized blocks: a pod that runs both phases holds both forms, and logs the memory).
+file's quantized blocks: a pod that runs both phases holds both forms, and logs the memory). A prefill pod's model
+holds the bf16 form only: it never runs a decode row, so it never loads the file's layer blocks (``COPIED``), and
+keeps only the embeddings (the first token's lookup and, tied, the head that samples it), the norms and the biases.
 
 A step's prefill rows then run each layer as: float32 RMSNorm -> bf16 QKV product (oneDNN accumulates in float32;
 its output is rounded to bf16 and widened) -> float32 bias and RoPE -> attention over the paged KV, which is written
@@ -38,6 +40,16 @@ if TYPE_CHECKING:
     from splitserve.engine.model import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
+
+# The layer weights the bf16 copy replaces on the prefill path (by their names in a layer, ``layers.{i}.``): a model
+# that only prefills in bf16 never loads them (``LlamaForCausalLM.from_state_dict(prefill_only=True)``).
+COPIED = ("attn.qkv_proj.weight", "attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+
+
+def copied_weights(config: ModelConfig) -> list[str]:
+    """The full names of every layer's ``COPIED`` weights."""
+    return [f"layers.{i}.{name}" for i in range(config.num_layers) for name in COPIED]
 
 
 class Bf16Layer(NamedTuple):

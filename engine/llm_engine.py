@@ -148,7 +148,8 @@ class LLMEngine:
         float32 panels or the file's quantized blocks, the embeddings and the head) and ``bf16_prefill`` (the bf16
         copies of the layers' products that prefill computes from where it resolved to bfloat16; else 0). A pod whose
         prefill is bf16 holds both: its decode rows (a decode or mixed pod's outputs, a migrated request's recomputed
-        outputs on any pod) compute from the model's."""
+        outputs) compute from the model's; a prefill pod's (``prefill_only``) model then holds only the embeddings
+        (the head, when tied), the norms and the biases, as its layers compute from the bf16 copies alone."""
         model = self.runner.model
         return {"model": sum(p.nbytes for p in model.parameters()),
                 "bf16_prefill": 0 if model.bf16_prefill is None else model.bf16_prefill.nbytes}

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention
-from splitserve.engine.bf16_prefill import Bf16Prefill
+from splitserve.engine.bf16_prefill import Bf16Prefill, copied_weights
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.kernels.cpu_features import prefill_compute_dtype as resolve_prefill_dtype
 from splitserve.engine.kernels.cpu_kernels import (
@@ -267,17 +267,21 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         self._decode_table: tuple[tuple[int, int], DecodeLayers] | None = None  # per KV cache, built on first use
         self.bf16_prefill: Bf16Prefill | None = None  # from_state_dict's, where prefill computes in bf16
+        self.decodes = True  # False: only the bf16 prefill's weights are held (from_state_dict's prefill_only)
 
     @classmethod
     def from_state_dict(
         cls, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32, device="cpu",
         cpu_kernels: bool = True, int8_activations: bool = False, prefill_compute_dtype: str = "float32",
+        prefill_only: bool = False,
     ) -> "LlamaForCausalLM":
         """The model with ``state_dict``'s weights. Weights in quantized blocks (``BlockQuantized``) stay in them
         where the native kernels run the model, and are widened to ``dtype`` everywhere else (the fallback, where
         ``int8_activations`` has nothing to act on). ``prefill_compute_dtype`` (auto, float32, bfloat16;
         engine/kernels/cpu_features.py): where it resolves to bfloat16 for a float32 model, the model also keeps a bf16
-        copy of its layers' products for its prefill rows (engine/bf16_prefill.py)."""
+        copy of its layers' products for its prefill rows (engine/bf16_prefill.py), and with ``prefill_only`` (a
+        prefill pod, which never runs a decode row) only that copy: the layers' decode-path products are never
+        loaded, and a step with decode rows is refused."""
         check_state_dict(config, state_dict)  # names the missing, unexpected or misshapen parameters
         blocks = set(product_weights(config))
         formats = {n: t.format for n, t in state_dict.items() if isinstance(t, BlockQuantized) and n in blocks}
@@ -286,11 +290,17 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("weights in quantized blocks widened to %s: %s", str(model.norm.weight.dtype),
                            model.compute_path.reason)
         kept = formats if model.kernels is not None else {}
-        model.load_state_dict({n: t if n in kept else _widened(t, model.norm.weight.dtype)
-                               for n, t in state_dict.items()})
         if model.norm.weight.dtype == torch.float32 and resolve_prefill_dtype(
                 prefill_compute_dtype, str(model.norm.weight.device)) == "bfloat16":
             model.bf16_prefill = Bf16Prefill.from_state_dict(config, state_dict, model.norm.weight.device)
+        skipped = set(copied_weights(config)) if prefill_only and model.bf16_prefill is not None else set()
+        for name in skipped:  # an empty weight: the decode path's form is never built
+            linear = model.get_submodule(name.removesuffix(".weight"))
+            linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+        model.decodes = not skipped
+        missing, _ = model.load_state_dict({n: t if n in kept else _widened(t, model.norm.weight.dtype)
+                                            for n, t in state_dict.items() if n not in skipped}, strict=not skipped)
+        assert set(missing) == skipped, missing  # check_state_dict has named any other gap
         return model
 
     @property
@@ -315,6 +325,9 @@ class LlamaForCausalLM(nn.Module):
         K/V are in the cache (the prefill service streams them from there while later layers compute)."""
         if self.bf16_prefill is not None and attn_metadata.prefills:
             return self.bf16_prefill.forward(self, input_ids, positions, kv_cache, attn_metadata, layer_done)
+        if not self.decodes:
+            raise RuntimeError("this model holds only its bf16 prefill weights (a prefill pod's): it runs no decode "
+                               "rows")
         rotary = self.rotary.for_step(positions)
         x = self.embed(input_ids)  # [T, H], the residual stream
         if layer_done is None and self._decodes_natively(kv_cache, attn_metadata):

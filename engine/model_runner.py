@@ -53,7 +53,7 @@ class ModelRunner:
         else:
             self.model = LlamaForCausalLM.from_state_dict(
                 model_config, state_dict, self.dtype, self.device, config.cpu_kernels, config.int8_activations,
-                config.prefill_compute_dtype,
+                config.prefill_compute_dtype, config.prefill_only,
             )
             self.kv_cache = PagedKVCache.from_config(model_config, config.cache, self.device)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed)

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.engine.config import EngineConfig
 from splitserve.kvtransfer.shm_arena import DEFAULT_ARENA_BYTES
 from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES
 from splitserve.runtime.pod_server import PodConfig
@@ -60,3 +62,7 @@ class PrefillConfig(PodConfig):
             raise ValueError(f"inject_corrupt_chunks must be in [0, 1], got {self.inject_corrupt_chunks}")
         if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"max_chunk_bytes must be in (0, {MAX_MESSAGE_BYTES // 2}], got {self.max_chunk_bytes}")
+
+    def engine_config(self) -> EngineConfig:
+        # A prefill pod runs no decode row: in bf16 prefill its model holds the bf16 form only.
+        return dataclasses.replace(super().engine_config(), prefill_only=True)

@@ -179,8 +179,9 @@ class PodMetrics(ServingMetrics):
                                  LABELS + ("kernels", "device", "cache_dtype", "quantization", "prefill_compute",
                                            "cpu_features"), registry=self.registry)
         self.weight_memory = Gauge("splitserve_weight_memory_bytes", "Memory the weights take, by form: model (the "
-                                   "parameters decode computes from) and bf16_prefill (the bf16 copies prefill "
-                                   "computes from where it resolved to bfloat16; 0 elsewhere).",
+                                   "parameters decode computes from; a bf16 prefill pod keeps only their embeddings "
+                                   "and norms) and bf16_prefill (the bf16 copies prefill computes from where it "
+                                   "resolved to bfloat16; 0 elsewhere).",
                                    LABELS + ("form",), registry=self.registry)
 
     def transfer_raw_bytes(self, codec: str):

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.bf16_prefill import copied_weights
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kernels.cpu_features import matrix_features, parse_cpuinfo, prefill_compute_dtype
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.weights.model_files import tiny_random_config
 from splitserve.engine.weights.parameter_layout import random_state_dict
 
@@ -229,3 +231,77 @@ def test_the_router_reads_the_format_from_load_reports_and_redis_records_and_the
     with caplog.at_level(logging.INFO, logger="splitserve.kvtransfer.handshake"):
         note_formats(here, peer, "decode pod d:1")
     assert "decode pod d:1 prefills in bfloat16 (CPU features: avx2,avx512_bf16), this pod in float32" in caplog.text
+
+
+# ---- each role holds the forms it computes with ------------------------------------------------------------------
+
+def test_a_prefill_only_model_holds_the_bf16_form_only_and_prefills_the_same_bits():
+    config = tiny_random_config()
+    state = random_state_dict(config, 0)
+    both = LlamaForCausalLM.from_state_dict(config, state, prefill_compute_dtype="bfloat16")
+    only = LlamaForCausalLM.from_state_dict(config, state, prefill_compute_dtype="bfloat16", prefill_only=True)
+    held = {n for n, p in only.named_parameters() if p.numel()}
+    assert held == {n for n, _ in both.named_parameters()} - set(copied_weights(config))
+    assert all(not n.startswith("layers.") or "norm" in n or n.endswith(".bias") for n in held)  # no layer products
+    step = [([len(PROMPT)], [len(PROMPT)], [[1, 2, 3]], PROMPT, list(range(len(PROMPT))))]
+    (hidden, cache), (hidden_both, cache_both) = _run(only, config, step), _run(both, config, step)
+    assert torch.equal(hidden, hidden_both)
+    assert torch.equal(only.compute_logits(hidden[-1:]), both.compute_logits(hidden_both[-1:]))
+    assert all(torch.equal(a, b) for a, b in zip(cache.k_blocks + cache.v_blocks, cache_both.k_blocks +
+                                                 cache_both.v_blocks))
+    decode = ([1], [len(PROMPT) + 1], [[1, 2, 3]], [13], [len(PROMPT)])
+    with pytest.raises(RuntimeError, match="runs no decode rows"):
+        _run(only, config, [step[0], decode])
+    # Prefill in float32 computes from the model's own weights: prefill_only keeps them all.
+    f32 = LlamaForCausalLM.from_state_dict(config, state, prefill_compute_dtype="float32", prefill_only=True)
+    assert f32.decodes and all(p.numel() for p in f32.parameters())
+
+
+def test_a_prefill_only_engine_keeps_no_quantized_layer_blocks_and_reports_the_bf16_form():
+    from splitserve.engine.llm_engine import LLMEngine
+
+    def engine(prefill_only: bool) -> LLMEngine:
+        return LLMEngine(EngineConfig(model="tiny-random", quantization="int8", prefill_compute_dtype="bfloat16",
+                                      prefill_only=prefill_only))
+
+    only, both = engine(True), engine(False)
+    model = only.runner.model
+    assert model.kernels is None or any(layer.attn.qkv_proj.weight_format != "float32"
+                                        for layer in both.runner.model.layers)  # the blocks a decode pod keeps
+    assert not any(p.numel() for layer in model.layers for p in (layer.attn.qkv_proj.weight,
+                   layer.attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight))
+    # The embeddings (the first token's lookup), the head that samples it, the norms and the QKV biases.
+    small = sum(p.nbytes for n, p in model.named_parameters()
+                if n.startswith(("embed_tokens.", "lm_head.", "norm.")) or "norm" in n or n.endswith(".bias"))
+    assert only.weight_bytes == {"model": small, "bf16_prefill": both.weight_bytes["bf16_prefill"]}
+    assert only.weight_bytes["model"] < both.weight_bytes["model"]
+    firsts = []
+    for e in (only, both):  # a prefill pod's step: a whole prompt, one token sampled with its logprobs
+        seq = e.add_request("r", list(range(5, 40)), SamplingParams(temperature=0, max_tokens=1, logprobs=3))
+        while e.has_unfinished_requests():
+            e.step()
+        firsts.append((seq.output_token_ids, seq.output_logprobs))
+    assert firsts[0] == firsts[1] and len(firsts[0][0]) == 1
+
+
+def test_the_prefill_pod_alone_is_prefill_only():
+    from splitserve.decode_service.config import DecodeConfig
+    from splitserve.prefill_service.config import PrefillConfig
+    from splitserve.runtime.config import parse_config
+
+    assert parse_config(PrefillConfig, [], env={}).engine_config().prefill_only
+    for role in ("decode", "mixed"):  # they decode, and prefill short, cached, lent or split prompts
+        assert not parse_config(DecodeConfig, ["--role", role], env={}).engine_config().prefill_only
+
+
+def test_auto_keeps_float32_where_bf16_products_are_emulated(monkeypatch):
+    """On an AVX2-only CPU (or AVX-512 without bf16) auto builds no bf16 copy, and a prefill pod keeps the model."""
+    from splitserve.engine.kernels import cpu_features
+
+    config = tiny_random_config()
+    state = random_state_dict(config, 0)
+    for flags, expected in ((AVX2_ONLY, "float32"), (AVX512_NO_BF16, "float32"), (AVX512_BF16, "bfloat16")):
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda flags=flags: frozenset(flags))
+        model = LlamaForCausalLM.from_state_dict(config, state, prefill_compute_dtype="auto", prefill_only=True)
+        assert model.prefill_dtype == expected
+        assert (model.bf16_prefill is None) == (expected == "float32") and model.decodes == (expected == "float32")
