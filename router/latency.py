@@ -176,7 +176,10 @@ class HybridPlacement:
         model: StepTimeModel = pod.load.step_time
         if not model.known:
             return PrefillEstimate(math.inf, "no step-time model")
-        rows, context = pod.load.num_running, pod.load.running_context_tokens
+        # The decodes the chunks run beside: those D reports, or more where this router has more in flight there
+        # (prompts prefilling on P whose KV lands on D, lent prompts queued there): they join within the prefill,
+        # and a chunk that fits an idle pod's allowance would stall behind them, or break their TPOT target.
+        rows, context = max(pod.load.num_running, pod.active_requests), pod.load.running_context_tokens
         allowance = pod.load.tpot_allowance_seconds
         if allowance is None:  # D keeps no TPOT itself: the token budget alone bounds its steps
             step_s = model.predict(rows, todo, context + attention_positions(start, todo))

@@ -94,6 +94,20 @@ def test_a_decode_pod_with_no_tpot_to_keep_prefills_at_its_full_rate():
     assert "16 chunks of 25 tokens" in HybridPlacement().lent(prompt(), idle).detail
 
 
+def test_decodes_on_their_way_to_an_idle_decode_pod_stop_lending_where_a_chunk_beside_them_breaks_their_tpot():
+    """D reports no decode, but this router has a request in flight there (its prompt prefilling on P, its KV
+    landing on D): the lent prompt's chunks would run beside that decode within the prefill, and beside a decode a
+    chunk pays both passes, more than a 40 ms target allows: not lent (issue 35: the hybrid stops lending rather
+    than break the user's TPOT target). The same pod with nothing on its way lends, in small chunks."""
+    idle = decode_pod(running=0)
+    idle.load.tpot_allowance_seconds = 0.8 * TIGHT_TPOT.tpot_s
+    assert HybridPlacement().lent(prompt(), idle).ttft_s < math.inf
+    idle.active_requests = 1
+    estimate = HybridPlacement().lent(prompt(), idle)
+    assert estimate.ttft_s == math.inf and "beside 1 decodes" in estimate.detail
+    assert decide(prefill_pod(queued=600), idle, TIGHT_TPOT).decision == "disaggregated"
+
+
 def test_an_idle_decode_pod_slower_than_its_target_is_predicted_in_probe_chunks_as_it_prefills():
     """Its default target's allowance fits not one token (the pod prefills 16-token chunks then, as the engine's
     TPOTSlackBudget does): the estimate is those steps, not 'no slack'."""
