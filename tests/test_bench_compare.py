@@ -11,11 +11,12 @@ import pytest
 
 from splitserve.bench.compare import command as compare
 from splitserve.bench.compare import plan as compare_plan
-from splitserve.bench.compare.command import measure_topology
+from splitserve.bench.compare.command import measure_topology, repeat_spread
 from splitserve.bench.compare.plan import (
     CompareConfig,
     Topology,
     TopologyResult,
+    base_name,
     best_colocated,
     goodput_ratios,
     plan_topologies,
@@ -34,8 +35,8 @@ def test_two_cpus_give_one_split_both_colocated_layouts_per_budget_and_condition
         "disagg-1:1",
         "colocated-2x1cpu-b64", "colocated-2x1cpu-b256", "colocated-2x1cpu-b512",
         "colocated-1x2cpu-b64", "colocated-1x2cpu-b256", "colocated-1x2cpu-b512",
-        "conditional-1:1-t128", "conditional-1:1-q1.5"]
-    disagg, conditional, load_aware = plan[0].fields, plan[-2].fields, plan[-1].fields
+        "conditional-1:1-t128", "conditional-1:1-q1.5", "hybrid-1:1"]
+    disagg, conditional, load_aware = plan[0].fields, plan[-3].fields, plan[-2].fields
     assert (disagg["prefill_cpus"], disagg["decode_cpus"], disagg["conditional_prefill_threshold"]) == ("0", "1", 0)
     assert disagg["conditional_prefill_queue_s"] == 0
     assert (conditional["prefill_cpus"], conditional["decode_cpus"]) == ("0", "1")
@@ -51,8 +52,36 @@ def test_four_cpus_give_every_split_and_the_even_one_for_conditional():
     plan = plan_topologies([2, 3, 4, 5], [128], conditional_threshold=256)
     splits = [(t.name, t.fields["prefill_cpus"], t.fields["decode_cpus"]) for t in plan if t.kind != "colocated"]
     assert splits == [("disagg-1:3", "2", "3-5"), ("disagg-2:2", "2-3", "4-5"), ("disagg-3:1", "2-4", "5"),
-                      ("conditional-2:2-t256", "2-3", "4-5")]
+                      ("conditional-2:2-t256", "2-3", "4-5"), ("hybrid-2:2", "2-3", "4-5")]
     assert [t.name for t in plan if t.kind == "colocated"] == ["colocated-4x1cpu-b128", "colocated-1x4cpu-b128"]
+
+
+def test_the_hybrid_is_told_the_runs_targets_and_repeats_run_interleaved():
+    """The hybrid's router gets the targets the run scores (an operator's service level: its lending keeps that
+    TPOT); the pure split schedules disaggregated whatever ``up``'s default. ``--repeat 2``: A B A B, named apart."""
+    plan = plan_topologies([0, 1], [128], 256, slo=SLO(tpot=0.025))
+    hybrid, split = plan[-1].fields, plan[0].fields
+    assert (hybrid["scheduling"], hybrid["slo_tpot_s"], "slo_ttft_s" in hybrid) == ("hybrid", 0.025, False)
+    assert split["scheduling"] == "disaggregated" and "slo_tpot_s" not in split
+    both = config(topologies=["disaggregated", "hybrid"], repeat=2).plan()
+    assert [t.name for t in both] == ["disagg-1:1#1", "hybrid-1:1#1", "disagg-1:1#2", "hybrid-1:1#2"]
+    assert [base_name(t) for t in both] == ["disagg-1:1", "hybrid-1:1"] * 2
+    with pytest.raises(ValueError, match="repeat"):
+        config(repeat=0)
+
+
+def test_repeated_runs_print_their_spread_side_by_side():
+    runs = [TopologyResult(Topology(f"{name}#{k}", kind, {}), sweep={"max_rate_meeting_slo": 1.0, "runs": []},
+                           reference=summary(met, 1.0, 0.010, p99))
+            for k, (name, kind, met, p99) in enumerate([("disagg-1:1", "disaggregated", 1.0, 0.0135),
+                                                        ("hybrid-1:1", "hybrid", 0.95, 0.0297),
+                                                        ("disagg-1:1", "disaggregated", 0.983, 0.0143),
+                                                        ("hybrid-1:1", "hybrid", 1.0, 0.0151)])]
+    lines = repeat_spread(runs)
+    assert lines[1].split() == ["disagg-1:1", "SLO", "met", "100.0%,", "98.3%", "[98.3%-100.0%];", "TPOT", "p99",
+                                "13.5,", "14.3", "ms"]
+    assert "95.0%, 100.0% [95.0%-100.0%]" in lines[2] and lines[2].lstrip().startswith("hybrid-1:1")
+    assert repeat_spread(runs[:2]) == []  # each once: no spread to show
 
 
 def test_one_cpu_leaves_only_one_colocated_pod():

@@ -42,6 +42,7 @@ from splitserve.bench.compare.plan import (
     CompareConfig,
     Topology,
     TopologyResult,
+    base_name,
     best_colocated,
     goodput_ratios,
     reference_figures,
@@ -172,6 +173,8 @@ def report(results: list[TopologyResult], config: CompareConfig, log=print) -> N
     failed = [r.topology.name for r in results if r.error is not None]
     if failed:
         log(f"FAILED (not measured): {', '.join(failed)}")
+    for line in repeat_spread(results):
+        log(line)
     if base is None:
         log("no colocated topology was measured: no baseline, no ratios")
         return
@@ -181,6 +184,25 @@ def report(results: list[TopologyResult], config: CompareConfig, log=print) -> N
     for r in results:
         if r.topology.kind != "colocated" and ratios[r.topology.name] is not None:
             log(f"  {r.topology.name} / best colocated: {ratios[r.topology.name]:.2f}x")
+
+
+def repeat_spread(results: list[TopologyResult]) -> list[str]:
+    """With ``--repeat``: each topology's runs at the reference rate side by side (SLO met, TPOT p99), and their
+    range: two topologies differ only where their ranges do not overlap."""
+    runs: dict[str, list[dict]] = {}
+    for r in results:
+        if r.error is None:
+            runs.setdefault(base_name(r.topology), []).append(reference_figures(r.reference))
+    if all(len(figures) < 2 for figures in runs.values()):
+        return []
+    lines = ["at the reference rate, run by run (the spread):"]
+    for name, figures in runs.items():
+        met = [f["slo_attainment"] for f in figures if f["slo_attainment"] is not None]
+        tail = [f["tpot"]["p99"] * 1e3 for f in figures if f["tpot"]["p99"] is not None]
+        lines.append(f"  {name:<24} SLO met {', '.join(f'{m:.1%}' for m in met)}"
+                     + (f" [{min(met):.1%}-{max(met):.1%}]" if met else "")
+                     + f"; TPOT p99 {', '.join(f'{t:.1f}' for t in tail)} ms")
+    return lines
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -213,6 +235,8 @@ EXAMPLES = """examples:
   splitserve bench compare --json compare.json --plot compare.png
   splitserve bench compare --quick
   splitserve bench compare --topologies disaggregated,colocated-2x1cpu-b256 --rates 0.2,0.4
+  splitserve bench compare --topologies disaggregated,hybrid --repeat 2 --workload random --input-len 384 \
+      --output-len 64 --num-prompts 60 --seed 7 --rates 1 --reference-rate 1 --goodput tpot:25
 the load generator is this process: pin it with --client-cpus (not taskset, which would confine the pods too)"""
 
 
@@ -244,12 +268,16 @@ class CompareCommand(FiguresOutput):
     decode_quantization: str = passed_to(CompareConfig, name="decode_quantization")
     mixed_quantization: str = passed_to(CompareConfig, name="mixed_quantization")
     ready_timeout_s: float = passed_to(CompareConfig, name="ready_timeout_s")
+    repeat: int = passed_to(CompareConfig, name="repeat")
     workload: str = field(default=str(AZURE_CONV), metadata=described(
         "An Azure-format CSV trace (its lengths; arrivals Poisson at each rate) or random, azure-conv, azure-code "
         "(default: the Azure conversation trace)."))
     num_prompts: int = field(default=0, metadata=described(f"Requests per rate {_preset('num_prompts')}."))
     max_prompt_tokens: int = field(default=512, metadata=described("Cap every prompt length."))
     max_output_tokens: int = field(default=64, metadata=described("Cap every output length."))
+    input_len: int = passed_to(WorkloadConfig, name="input_len")
+    output_len: int = passed_to(WorkloadConfig, name="output_len")
+    range_ratio: float = passed_to(WorkloadConfig, name="range_ratio")
     seed: int = passed_to(WorkloadConfig, name="seed")
     rates: list[float] = field(default_factory=list, metadata=described(f"Request rates to sweep {_preset('rates')}."))
     refine: int = passed_to(CompareConfig, name="refine")
@@ -292,7 +320,7 @@ class CompareCommand(FiguresOutput):
             raise ValueError(f"rates must be > 0, got {self.rates}")
         workload = WorkloadConfig(workload=self.workload, num_prompts=self.num_prompts, request_rate=self.rates[0],
                                   max_prompt_tokens=self.max_prompt_tokens, max_output_tokens=self.max_output_tokens,
-                                  seed=self.seed)
+                                  **passed_values(self, WorkloadConfig))
         # Each run stops at the longest schedule's end plus a minute: a topology past capacity costs bounded time.
         serve = ServeBenchConfig(workload=workload, slo=SLO.parse(self.goodput), progress=self.progress,
                                  time_limit_s=self.num_prompts / min(self.rates) + 60.0)

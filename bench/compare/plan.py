@@ -5,16 +5,16 @@ held to (``best_colocated``, ``goodput_ratios``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitserve.bench.serve.run import ServeBenchConfig
 from splitserve.engine.config import DEFAULT_MODEL, CacheConfig
-from splitserve.measure.serve_metrics import SLO_ATTAINMENT
+from splitserve.measure.serve_metrics import SLO, SLO_ATTAINMENT
 from splitserve.runtime.config import described, passed_to, passed_values
 from splitserve.runtime.cpus import allowed_cpus, format_cpu_list
 from splitserve.up_config import UpConfig
 
-KINDS = ("disaggregated", "colocated", "conditional")
+KINDS = ("disaggregated", "colocated", "conditional", "hybrid")
 TAIL_RATIO = 1.5  # a steady decode: p99 TPOT at most 1.5x its median (issue 10's target)
 STARTUP_S = 30.0  # estimate: a cluster of smollm2-135m pods loads, serves, and stops (2 CPUs)
 DRAIN_S = 10.0  # estimate: after the last send, the requests still out finish
@@ -36,8 +36,9 @@ class Topology:
 
 
 def plan_topologies(cpus: list[int], budgets: list[int], conditional_threshold: int,
-                    conditional_queue_s: float = 0.0) -> list[Topology]:
-    """Every topology worth measuring on ``cpus`` (sorted CPU ids), in the order they run."""
+                    conditional_queue_s: float = 0.0, slo: SLO | None = None) -> list[Topology]:
+    """Every topology worth measuring on ``cpus`` (sorted CPU ids), in the order they run. The hybrid's router is
+    told the run's targets (``slo``), as an operator tells it the service level: its lending keeps that TPOT."""
     n, every = len(cpus), format_cpu_list(frozenset(cpus))
     plans = []
     for p in range(1, n):  # every P:D split
@@ -55,7 +56,24 @@ def plan_topologies(cpus: list[int], budgets: list[int], conditional_threshold: 
         if conditional_queue_s:
             plans.append(Topology(f"conditional-{p}:{n - p}-q{conditional_queue_s:g}", "conditional",
                                   _pd_fields(cpus, p, threshold=0, queue_s=conditional_queue_s)))
+        targets = {name: value for name, value in (("slo_ttft_s", slo and slo.ttft), ("slo_tpot_s", slo and slo.tpot))
+                   if value}
+        plans.append(Topology(f"hybrid-{p}:{n - p}", "hybrid",
+                              dict(_pd_fields(cpus, p, threshold=0), scheduling="hybrid", **targets)))
     return plans
+
+
+def interleaved(plan: list[Topology], repeat: int) -> list[Topology]:
+    """``plan`` run ``repeat`` times in turn (A B A B: a drift of the machine falls on every topology alike), each
+    run a fresh cluster named ``NAME#K``; ``plan`` itself when once."""
+    if repeat <= 1:
+        return plan
+    return [replace(t, name=f"{t.name}#{k + 1}") for k in range(repeat) for t in plan]
+
+
+def base_name(topology: Topology) -> str:
+    """The topology a repeated run is of (``interleaved``)."""
+    return topology.name.partition("#")[0]
 
 
 def _pd_fields(cpus: list[int], prefill_cpus: int, threshold: int, queue_s: float = 0.0) -> dict:
@@ -170,6 +188,8 @@ class CompareConfig:
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
         "KV block pool of each pod."))
     ready_timeout_s: float = field(default=300.0, metadata=described("How long each cluster's pods may take to load."))
+    repeat: int = field(default=1, metadata=described(
+        "Measure every topology this many times, interleaved (A B A B), each on a fresh cluster: the spread."))
     # The weights' format of each role's pods in every topology (docs/quantization.md): e.g. decode pods on the GGUF
     # file's blocks beside float prefill pods.
     prefill_quantization: str = passed_to(UpConfig, name="prefill_quantization")
@@ -183,13 +203,16 @@ class CompareConfig:
             raise ValueError("bench compare needs latency targets (--goodput ttft:MS tpot:MS)")
         if not self.budgets or min(self.budgets) <= 0:
             raise ValueError("budgets must be > 0")
+        if self.repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
         if not self.client_cpus <= allowed_cpus():
             raise ValueError(f"client CPUs {format_cpu_list(self.client_cpus)} are not all allowed here")
         UpConfig(**passed_values(self, UpConfig))  # its checks of what every topology's UpConfig gets, at once
 
     def plan(self) -> list[Topology]:
-        return select_topologies(plan_topologies(sorted(self.cpus), self.budgets, self.conditional_threshold,
-                                                 self.conditional_queue_s), self.topologies)
+        return interleaved(select_topologies(plan_topologies(
+            sorted(self.cpus), self.budgets, self.conditional_threshold, self.conditional_queue_s, self.serve.slo),
+            self.topologies), self.repeat)
 
     def estimate_s(self) -> float:
         """A topology's time, at most: start-up, then each rate's sends and drain (fewer when a rate misses)."""
