@@ -39,9 +39,6 @@ from splitserve.runtime.roles import POD_ROLES, Role
 from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
-# The studies' profile (ratios, slo-map, planner, validate: their figures in docs/ were simulated on it): float32
-# weights and prefill.
-DEFAULT_PROFILE = PROFILES / "smollm2-135m-1thread.json"
 # What ``splitserve simulate`` runs by the pods' prefill compute format (PhaseProfile.prefill_compute): SmolLM2-135M
 # with the GGUF file's blocks on one pinned thread of this project's AMD EPYC (avx512_bf16, no AMX), the two measured
 # back to back (their notes say how): bf16 prefill 1.4-1.7x float32's at 64-2048 tokens, decode the same.
@@ -53,6 +50,13 @@ def format_profile(prefill_compute_dtype: str) -> Path:
     """The shipped profile of pods started with ``--prefill-compute-dtype prefill_compute_dtype``, resolved on this
     CPU as the pods resolve it (``auto``: bfloat16 where it multiplies bf16 natively, float32 elsewhere)."""
     return FORMAT_PROFILES[resolve_prefill_dtype(prefill_compute_dtype)]
+
+
+# The studies' profile (ratios, slo-map, planner, validate, the planner's check) where they name none: a default pod's
+# (the GGUF file's blocks, prefill in the format ``auto`` resolves to on this CPU), as ``splitserve simulate``'s.
+# Their figures in docs/simulator.md say which profile each was simulated on (the older ones: float32's,
+# smollm2-135m-1thread.json).
+DEFAULT_PROFILE = format_profile("auto")
 
 
 @dataclass

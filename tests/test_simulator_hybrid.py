@@ -19,11 +19,12 @@ from splitserve.router.config import Scheduling
 from splitserve.router.policies import HybridPlacement, LocalPrefill, SLOTargets, make_policy
 from splitserve.runtime.roles import Role
 from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
-from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_records
+from splitserve.simulator.run import PROFILES, SimulateConfig, simulate_records
 from splitserve.simulator.sim_pod import profile_step_time
 
 TPOT_TARGET = 0.1
 BEFORE_HYBRID = Path(__file__).parent / "data" / "simulator-records-before-hybrid.json"
+RECORDED_PROFILE = PROFILES / "smollm2-135m-1thread.json"  # the float32 profile those records were simulated on
 
 
 def lendable_profile(**changes) -> PhaseProfile:
@@ -139,7 +140,7 @@ def records(pools: list[str], **flags) -> list:
     out = []
     for rate in (0.3, 0.6):
         config = SimulateConfig(pools=pools, workload="azure-conv", num_prompts=24, max_prompt_tokens=1024,
-                                max_output_tokens=24, rates=[rate], seed=3, profile=str(DEFAULT_PROFILE), **flags)
+                                max_output_tokens=24, rates=[rate], seed=3, profile=str(RECORDED_PROFILE), **flags)
         out.append([[r.status, r.chunk_s] for r in simulate_records(config, rate)])
     return out
 

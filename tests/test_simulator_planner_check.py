@@ -4,6 +4,7 @@ never is, and the loop exports what it predicted and scales nothing it held."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from splitserve.deploy.planner.controller import PlannerLoop
 from splitserve.deploy.planner.controller import main as planner_main
 from splitserve.deploy.planner.metrics import PlannerMetrics
 from splitserve.simulator.planner_check import SimulatedCheck
+from splitserve.simulator.run import FORMAT_PROFILES
 
 NAN = math.nan
 
@@ -42,9 +44,11 @@ def test_the_workload_has_the_measured_rate_and_mean_lengths():
     assert SimulatedCheck(CONFIG).workload(measured(NAN, 100, 200)) is None  # no traffic: nothing to predict
 
 
-def test_fewer_decode_pods_under_a_decode_bound_load_are_predicted_to_attain_less():
-    check = SimulatedCheck(CONFIG)
-    specs = check.workload(measured(3.0, 100, 200))
+@pytest.mark.parametrize("prefill_format", sorted(FORMAT_PROFILES))
+def test_fewer_decode_pods_under_a_decode_bound_load_are_predicted_to_attain_less(prefill_format):
+    """On either shipped profile of a default pod (the check's default is the one this CPU resolves to)."""
+    check = SimulatedCheck(dataclasses.replace(CONFIG, simulate_profile=str(FORMAT_PROFILES[prefill_format])))
+    specs = check.workload(measured(3.0, 100, 400))
     one, two, four = (check.attainment({"prefill": 1, "decode": n}, specs) for n in (1, 2, 4))
     assert one < two < four
     assert four >= 0.9 and one < 0.5

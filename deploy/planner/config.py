@@ -70,7 +70,8 @@ class PlannerConfig:
         "less than the pools as they are, is held (docs: deploy/README.md)."))
     simulate_profile: str = field(default="", metadata=described(
         "Profile of a pod for the check (bench phases --profile-out on the pods' machine; empty: the shipped "
-        "simulator/profiles/smollm2-135m-1thread.json)."))
+        "profile of a default pod, its prefill in the format auto resolves to on the planner's CPU: "
+        "simulator/profiles/smollm2-135m-gguf-bf16-1thread.json or -f32prefill-1thread.json)."))
     simulate_requests: int = field(default=200, metadata=described(
         "Requests each check simulates, at the measured rate and mean lengths."))
     simulate_min_attainment: float = field(default=0.9, metadata=described(
