@@ -13,8 +13,9 @@ dim and the weights' fingerprint (``COMPAT_FIELDS``, digested into ``compat_hash
 of the checkpoint the weights came from, so that pods of one shape loaded from other weights, a fine-tune or another
 revision, refuse each other). Block size and cache dtype may differ: chunks address tokens,
 not blocks, and the receiver converts dtypes. So may the tensor-parallel degree (``tensor_parallel_size``, and
-``rank_kv_heads``, the KV heads each rank holds, engine/parallel/layout.py): a chunk carries every KV head, which a
-tensor-parallel sender's rank 0 gathers from its ranks and a receiver's rank 0 scatters to its own
+``rank_kv_heads``, the KV heads each rank holds, engine/parallel/layout.py): a tensor-parallel sender streams each
+rank's KV heads as chunks of their own (``KVChunk.heads``; one process's chunks carry every head) and a receiver
+writes each chunk's heads into the ranks that own them, splitting or assembling ranges as its degree needs
 (engine/parallel/sharded_kv_cache.py), so any two degrees map; a layout whose ranges do not hold every KV head
 exactly (missing, overlapping other than a replicated group's, out of range) is refused. The
 weights' format (``quantization``) may differ too: each side learns the

@@ -13,11 +13,11 @@ A push's path through ``PushKV``:
               INVALID_ARGUMENT); then on one of the pod's intake threads (KVIntake, up to INTAKE_IN_FLIGHT chunks
               of a push at a time while the event loop reads the next messages) decode_chunk verifies the checksum (DATA_LOSS), codec, range
               and shape and decodes (for codec none, a view of the message's or the arena's bytes), and the tensor
-              is written into the cache (PagedKVCache.write, at the slots of the sequence's tokens: the one copy on
-              this side). The blocks belong to the reserved sequence alone, which the engine does not schedule yet,
+              is written into the cache (write_heads: the chunk's KV heads at the slots of the sequence's tokens,
+              into the ranks that own them on a tensor-parallel pod: the one copy on this side). The blocks belong to the reserved sequence alone, which the engine does not schedule yet,
               so writing beside the running engine thread is safe; the handler waits for its workers
               (KVIntake.settle) before it acknowledges or releases the blocks, so no write outlives it
-    trailer   every (layer, K/V, token) of the prompt must have arrived exactly once (else DATA_LOSS); the
+    trailer   every (layer, K/V, KV head, token) of the prompt must have arrived exactly once (else DATA_LOSS); the
               lease moves to WAITING and the response tells the sender how long it lasts
 
 Any error or cancellation on the way releases the blocks: nothing of a failed push stays behind. A push whose KV
@@ -40,6 +40,7 @@ import grpc
 import torch
 
 from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.parallel.sharded_kv_cache import write_heads
 from splitserve.engine.sequence import Sequence
 from splitserve.kvtransfer.handoff import KVLease, reserve
 from splitserve.kvtransfer.handshake import BOOT_ID, KVLayout, check_compatible, note_formats
@@ -86,9 +87,11 @@ class KVIntake:
         self.bytes_received = 0
         self.codec: str | None = None  # the push's codec, fixed by its first chunk
         self._kv_cache = engine_loop.engine.runner.kv_cache
-        # [layers, K/V, tokens]: which KV has arrived, so that the trailer can tell a complete push. Marked on the
-        # event loop as each chunk's work is over, in the stream's order, so that a repeat is the later chunk.
-        self._received = torch.zeros(expected.num_layers, 2, expected.num_tokens, dtype=torch.bool)
+        # [layers, K/V, KV heads, tokens]: which KV has arrived, so that the trailer can tell a complete push.
+        # Marked on the event loop as each chunk's work is over, in the stream's order, so that a repeat is the
+        # later chunk.
+        self._received = torch.zeros(expected.num_layers, 2, expected.num_kv_heads, expected.num_tokens,
+                                     dtype=torch.bool)
         self._slots_by_range: dict[tuple[int, int], torch.Tensor] = {}
         self._in_flight: collections.deque[asyncio.Future] = collections.deque()
 
@@ -120,17 +123,19 @@ class KVIntake:
             decoded = decode_chunk(wire_chunk, self.expected, self._kv_cache.device)
         except KVChunkError as err:
             raise KVLoadError(err.code, err.message) from err
-        self._kv_cache.write(decoded.layer, decoded.kind, self._slots(decoded.token_start, decoded.token_end),
-                             decoded.tensor)
+        write_heads(self._kv_cache, decoded.layer, decoded.kind, self._slots(decoded.token_start, decoded.token_end),
+                    decoded.tensor, decoded.heads)
         return wire_chunk.fields.seq, decoded._replace(tensor=None)  # the tensor may view the message: let it go
 
     def _mark_arrived(self, written: tuple[int, DecodedKVChunk]) -> None:
         seq, decoded = written
-        arrived = self._received[decoded.layer, _KIND_INDEX[decoded.kind], decoded.token_start:decoded.token_end]
+        (h0, h1), (t0, t1) = decoded.heads, (decoded.token_start, decoded.token_end)
+        arrived = self._received[decoded.layer, _KIND_INDEX[decoded.kind], h0:h1, t0:t1]
         if bool(arrived.any()):
+            some = f" of KV heads [{h0}, {h1})" if h1 - h0 < self.expected.num_kv_heads else ""
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk {seq} repeats KV already received (layer {decoded.layer}, "
-                              f"{decoded.kind.upper()}, tokens [{decoded.token_start}, {decoded.token_end}))")
+                              f"{decoded.kind.upper()}, tokens [{t0}, {t1}){some})")
         arrived.fill_(True)
 
     def _slots(self, token_start: int, token_end: int) -> torch.Tensor:
@@ -158,10 +163,10 @@ class KVIntake:
                               f"trailer says {trailer.num_chunks} chunks were sent, {self.next_seq} arrived")
         missing = (~self._received).nonzero()
         if len(missing):
-            layer, kind, token = missing[0].tolist()
+            layer, kind, head, token = missing[0].tolist()
             raise KVLoadError(grpc.StatusCode.DATA_LOSS,
-                              f"incomplete KV: {len(missing)} (layer, K/V, token) entries missing, the first "
-                              f"at layer {layer}, {'KV'[kind]}, token {token}")
+                              f"incomplete KV: {len(missing)} (layer, K/V, KV head, token) entries missing, the "
+                              f"first at layer {layer}, {'KV'[kind]}, KV head {head}, token {token}")
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):

@@ -13,7 +13,9 @@ One request's path through this module:
         PushKV: header (request, prompt, lease, compat hash, boot     -> the decode pod reserves blocks
                 ids, the link's shared-memory arena if any)
     engine thread, after each layer of each step (prefill_service/kv_export.py):
-        sender.submit_layer(layer, token_start, token_end, k, v)      copies of that layer's K and V [T, H, D]
+        sender.submit_layer(layer, token_start, token_end, heads)     copies of that layer's K and V [T, H, D], one
+                                                                      HeadsKV per KV head range (a tensor-parallel
+                                                                      pod: each rank's heads, no gather)
         sender.mark_compute_done()                                    after the last layer of the last prompt token
     push(), for each layer as it arrives:
         encode_chunks and ShmPush.frame on a worker thread (bytes     while the engine computes the next layer,
@@ -42,6 +44,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -57,15 +60,26 @@ from splitserve.runtime.kv_codecs import AUTO
 from splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
 
 
+class HeadsKV(NamedTuple):
+    """One layer's K and V of some KV heads: all of them from one process; one rank's from a tensor-parallel pod,
+    whose ranks' heads leave as chunks of their own (``KVChunk.heads``), never gathered into one tensor."""
+
+    heads: tuple[int, int] | None  # the model's KV heads [start, end) k and v hold; None: all of them
+    k: torch.Tensor  # [tokens, end - start, head_dim]
+    v: torch.Tensor  # same
+
+
 @dataclass
 class _LayerKV:
-    """One layer's K and V for tokens [token_start, token_end) of the prompt, copied out of the paged cache."""
+    """One layer's K and V of some KV heads for tokens [token_start, token_end) of the prompt, copied out of the
+    paged cache."""
 
     layer: int
     token_start: int
     token_end: int
-    k: torch.Tensor  # [token_end - token_start, num_kv_heads, head_dim]
+    k: torch.Tensor  # [token_end - token_start, KV heads, head_dim]
     v: torch.Tensor  # same
+    heads: tuple[int, int] | None = None  # as HeadsKV's
 
 
 _PUSH_KV_METHOD = "/{}/PushKV".format(kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
@@ -235,9 +249,11 @@ class KVSender:
 
     # ---- engine thread ---------------------------------------------------------------------------------------
 
-    def submit_layer(self, layer: int, token_start: int, token_end: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Hand over one layer's K and V ([T, H, D] copies, owned by the sender from now on)."""
-        self._loop.call_soon_threadsafe(self._inbox.put_nowait, _LayerKV(layer, token_start, token_end, k, v))
+    def submit_layer(self, layer: int, token_start: int, token_end: int, heads: list[HeadsKV]) -> None:
+        """Hand over one layer's K and V, every KV head in ``heads`` (copies, owned by the sender from now on). In
+        one put, so that the prompt's last layer is held whole when the push decides it is out."""
+        parts = [_LayerKV(layer, token_start, token_end, k, v, h) for h, k, v in heads]
+        self._loop.call_soon_threadsafe(self._inbox.put_nowait, parts)
 
     def mark_compute_done(self) -> None:
         """The last layer of the last prompt token is computed: from here on the transfer is exposed."""
@@ -285,7 +301,7 @@ class KVSender:
             if item is _PREFILL_FINISHED:
                 sending = True
             else:
-                held.append(item)
+                held.extend(item)
             if sending and await self._send_held(call, held):
                 break
         await call.write(kv_transfer_pb2.KVPush(trailer=kv_transfer_pb2.KVTransferTrailer(
@@ -325,12 +341,13 @@ class KVSender:
         """Worker thread: the layer's K then V as numbered chunks, framed for the stream; and their wire bytes."""
         item = parts[0] if len(parts) == 1 else _LayerKV(parts[0].layer, parts[0].token_start, parts[-1].token_end,
                                                          torch.cat([p.k for p in parts]),
-                                                         torch.cat([p.v for p in parts]))
+                                                         torch.cat([p.v for p in parts]), parts[0].heads)
         chunks = []
         max_chunk_bytes = self._shm.max_chunk_bytes(self._client.max_chunk_bytes)
         for kind, tensor in (("k", item.k), ("v", item.v)):
             chunks += encode_chunks(self.request_id, item.layer, kind, item.token_start, item.token_end, tensor,
-                                    self.codec, self.num_prompt_tokens, max_chunk_bytes, first_seq + len(chunks))
+                                    self.codec, self.num_prompt_tokens, max_chunk_bytes, first_seq + len(chunks),
+                                    item.heads)
         if self._client.corrupt_chunk_rate:
             self._client.corrupt(chunks)
         return item, [self._shm.frame(chunk) for chunk in chunks], sum(chunk.nbytes for chunk in chunks)
@@ -356,13 +373,13 @@ class KVSender:
 
 
 def _take_layer(held: list[_LayerKV]) -> list[_LayerKV]:
-    """The first held layer and the held parts of the same layer that continue its token range, taken out of
-    ``held``: a chunked prefill's steps held together (overlap off, or a link that lags) leave as one range, cut
+    """The first held layer and the held parts of the same layer and heads that continue its token range, taken out
+    of ``held``: a chunked prefill's steps held together (overlap off, or a link that lags) leave as one range, cut
     into as few chunks as the chunk size allows, since every chunk costs a message and a hop on each side (8 steps
     of a 4096-token prompt were 480 chunks, each about as costly as its bytes)."""
     parts = [held.pop(0)]
     for item in list(held):
-        if item.layer == parts[0].layer and item.token_start == parts[-1].token_end:
+        if item.layer == parts[0].layer and item.heads == parts[0].heads and item.token_start == parts[-1].token_end:
             parts.append(item)
             held.remove(item)
     return parts

@@ -2,7 +2,7 @@
 
 A tensor's path through this module:
 
-    prefill pod:  encode_chunks(request, layer, kind, [start, end), tensor [T, H, D], codec, prompt length)
+    prefill pod:  encode_chunks(request, layer, kind, [start, end), tensor [T, H, D], codec, prompt length, heads)
                     -> split along tokens so that each chunk's payload + scales fit in ``max_chunk_bytes``
                     -> codec.encode each piece at its KVSpan (its tokens, the prompt's length: what KIVI keeps
                        in float16 depends on it), CRC-32C over payload then scales, a stream sequence number
@@ -15,7 +15,11 @@ A tensor's path through this module:
                     -> checksum first (DATA_LOSS), then request, codec, layer, range and shape against what
                        this stream may carry (FAILED_PRECONDITION / INVALID_ARGUMENT), then codec.decode at the
                        chunk's span (its token range in the pushed prompt, whose length the header gave)
-                    -> DecodedKVChunk(layer, kind, token_start, token_end, tensor [T, H, D])
+                    -> DecodedKVChunk(layer, kind, token_start, token_end, heads, tensor [T, H, D])
+
+A chunk carries the KV heads ``heads`` [start, end) of the model's (``KVChunk.heads``; unset: all of them): a
+tensor-parallel prefill pod sends each rank's heads as chunks of their own, which the decode pod writes into the
+ranks that own them (engine/parallel/sharded_kv_cache.py), whatever either side's degree.
 
 A ``WireChunk`` is a ``KVChunk`` message whose payload and scales travel beside the message's other fields: upb
 copies a bytes field whenever it is set or read, and a chunk's payload is most of a push's bytes. The framed bytes
@@ -192,10 +196,10 @@ def _key(number: int, kind: int) -> bytes:
 
 def encode_chunks(request_id: str, layer: int, kind: str, token_start: int, token_end: int, tensor: torch.Tensor,
                   codec: KVCodec, num_prompt_tokens: int, max_chunk_bytes: int = MAX_CHUNK_BYTES,
-                  first_seq: int = 0) -> list[WireChunk]:
+                  first_seq: int = 0, heads: tuple[int, int] | None = None) -> list[WireChunk]:
     """Encode ``tensor`` ([token_end - token_start, H, D], the K or V of ``layer`` for those tokens of a prompt of
-    ``num_prompt_tokens``) as chunks numbered from ``first_seq``, each carrying at most ``max_chunk_bytes`` of
-    payload + scales."""
+    ``num_prompt_tokens``; KV heads ``heads`` [start, end) of the model's, None: all of them) as chunks numbered
+    from ``first_seq``, each carrying at most ``max_chunk_bytes`` of payload + scales."""
     if (tensor.dim() != 3 or tensor.shape[0] != token_end - token_start or token_start < 0
             or token_end > num_prompt_tokens):
         raise ValueError(f"tensor of shape {tuple(tensor.shape)} does not cover tokens [{token_start}, {token_end}) "
@@ -210,6 +214,8 @@ def encode_chunks(request_id: str, layer: int, kind: str, token_start: int, toke
                                       max_chunk_bytes))
     for seq, chunk in enumerate(chunks, start=first_seq):
         chunk.fields.seq = seq
+        if heads is not None:
+            chunk.fields.heads.start, chunk.fields.heads.end = heads
     return chunks
 
 
@@ -254,7 +260,8 @@ class DecodedKVChunk(NamedTuple):
     kind: str  # "k" or "v"
     token_start: int
     token_end: int
-    tensor: torch.Tensor  # [token_end - token_start, num_kv_heads, head_dim], the sender's cache dtype
+    heads: tuple[int, int]  # the KV heads [start, end) it carries
+    tensor: torch.Tensor  # [token_end - token_start, end - start, head_dim], the sender's cache dtype
 
 
 def decode_chunk(wire_chunk: WireChunk, expected: ExpectedChunks,
@@ -277,7 +284,13 @@ def decode_chunk(wire_chunk: WireChunk, expected: ExpectedChunks,
         tensor = codec.decode(_encoded(wire_chunk, expected.num_tokens), device)
     except ValueError as err:
         raise KVChunkError(grpc.StatusCode.INVALID_ARGUMENT, f"{where} does not decode: {err}") from err
-    return DecodedKVChunk(chunk.layer, PROTO_TO_KIND[chunk.kind], chunk.token_start, chunk.token_end, tensor)
+    return DecodedKVChunk(chunk.layer, PROTO_TO_KIND[chunk.kind], chunk.token_start, chunk.token_end,
+                          chunk_heads(chunk, expected.num_kv_heads), tensor)
+
+
+def chunk_heads(chunk: kv_transfer_pb2.KVChunk, num_kv_heads: int) -> tuple[int, int]:
+    """The KV heads [start, end) ``chunk`` carries: its ``heads``, or all ``num_kv_heads`` where unset (end 0)."""
+    return (chunk.heads.start, chunk.heads.end) if chunk.heads.end else (0, num_kv_heads)
 
 
 def _accepted_codec(name: str, expected: ExpectedChunks, where: str) -> KVCodec:
@@ -291,8 +304,9 @@ def _accepted_codec(name: str, expected: ExpectedChunks, where: str) -> KVCodec:
 
 
 def _check_placement(chunk: kv_transfer_pb2.KVChunk, expected: ExpectedChunks, where: str) -> None:
-    """Layer, kind, token range and shape must fit the receiver's layout and the prompt."""
+    """Layer, kind, token range, head range and shape must fit the receiver's layout and the prompt."""
     problem = None
+    start, end = chunk_heads(chunk, expected.num_kv_heads)
     if chunk.kind not in PROTO_TO_KIND:
         problem = f"kind {chunk.kind} is neither KEY nor VALUE"
     elif chunk.layer >= expected.num_layers:
@@ -300,9 +314,11 @@ def _check_placement(chunk: kv_transfer_pb2.KVChunk, expected: ExpectedChunks, w
     elif not chunk.token_start < chunk.token_end <= expected.num_tokens:
         problem = (f"token range [{chunk.token_start}, {chunk.token_end}) is empty or outside the prompt's "
                    f"{expected.num_tokens} tokens")
-    elif list(chunk.shape) != [chunk.token_end - chunk.token_start, expected.num_kv_heads, expected.head_dim]:
+    elif not 0 <= start < end <= expected.num_kv_heads:
+        problem = f"KV heads [{start}, {end}) are empty or outside the model's {expected.num_kv_heads}"
+    elif list(chunk.shape) != [chunk.token_end - chunk.token_start, end - start, expected.head_dim]:
         problem = (f"shape {list(chunk.shape)} does not match [tokens, num_kv_heads, head_dim] = "
-                   f"[{chunk.token_end - chunk.token_start}, {expected.num_kv_heads}, {expected.head_dim}]")
+                   f"[{chunk.token_end - chunk.token_start}, {end - start}, {expected.head_dim}]")
     if problem is not None:
         raise KVChunkError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {problem}")
 

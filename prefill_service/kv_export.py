@@ -29,7 +29,8 @@ A request's path through the hook (all on the engine thread):
                                      The first step also covers [0, start), the prefix the prefix cache supplied
                                      and nobody computed; later chunks of a chunked prefill start where the last
                                      one ended, so the export covers the whole prompt exactly once.
-      on_layer(layer, batch)         after the layer wrote its K/V: gather them by slot, hand them over; after the
+      on_layer(layer, batch)         after the layer wrote its K/V: copy them by slot, hand them over (from a
+                                     tensor-parallel engine, each rank's KV heads apart: read_heads); after the
                                      last layer of the step that reaches the prompt's end, mark compute done and
                                      hold the prompt's blocks (BlockManager.hold): the request finishes with
                                      this step, but its blocks stay allocated until the push is over
@@ -48,9 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.parallel.sharded_kv_cache import read_heads
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
-from splitserve.kvtransfer.sender import KVSender
+from splitserve.kvtransfer.sender import HeadsKV, KVSender
 
 
 @dataclass
@@ -114,5 +116,6 @@ class PrefillKVExport:
                 # and the exposed transfer time would read 0.
                 sender.mark_compute_done()
                 part.export.held = self._block_manager.hold(part.seq)
-            sender.submit_layer(layer, part.token_start, part.token_end, cache.read(layer, "k", part.slots),
-                                     cache.read(layer, "v", part.slots))
+            keys, values = read_heads(cache, layer, "k", part.slots), read_heads(cache, layer, "v", part.slots)
+            sender.submit_layer(layer, part.token_start, part.token_end,
+                                [HeadsKV(heads, k, v) for (heads, k), (_, v) in zip(keys, values)])

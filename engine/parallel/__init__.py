@@ -5,8 +5,8 @@ ranks that are processes of their own, one process group per engine.
 - ``process_group.py``: the gloo group and its collectives (all-reduce, the logits' gather), counted;
   ``shm_all_reduce.py``: the all-reduce through shared memory, for ranks on one x86-64 host;
 - ``sharded_model.py``: ``ShardedLlama``, one rank's model: the ordinary one over its shard, summed across ranks;
-- ``sharded_kv_cache.py``: ``ShardedKVCache``, one rank's KV pool, read and written with every KV head from outside
-  the engine (KV transfer between engines of different degrees);
+- ``sharded_kv_cache.py``: ``ShardedKVCache``, one rank's KV pool in shared memory that rank 0 maps for every rank,
+  read and written by KV head range from outside the engine (KV transfer between engines of different degrees);
 - ``workers.py``: rank 0 (the engine's process) starts, drives, watches and stops the other ranks;
 - ``rank_worker.py``: the other ranks' process.
 """

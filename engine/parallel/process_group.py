@@ -8,9 +8,9 @@ go through shared memory instead (shm_all_reduce.py: microseconds where gloo tak
 on gloo.
 
 The collectives a step runs: one ``all_reduce`` after each row-parallel product (two per layer) and after the
-vocabulary-parallel embedding lookup, and one ``gather`` of the logits to rank 0 (and of K or V, when the KV cache is
-read from outside the engine). ``CollectiveCounts`` adds up their calls, bytes and seconds, which the benchmark reads
-(bench/tp.py).
+vocabulary-parallel embedding lookup, and one ``gather`` of the logits to rank 0. (KV read or written from outside
+the engine takes none: rank 0 maps every rank's pool, sharded_kv_cache.py.) ``CollectiveCounts`` adds up their
+calls, bytes and seconds, which the benchmark reads (bench/tp.py).
 
 CPU tensors only: NCCL, for CUDA devices, is not built yet (``check_device`` refuses them).
 """
@@ -99,8 +99,7 @@ class TensorParallelGroup:
 
     def gather(self, t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | None:
         """Every rank's ``t`` [N, sizes[its rank], ...] on rank 0, in rank order (None on the others): the logits of
-        each rank's vocabulary rows, the K or V of its heads. Smaller ones travel padded to the largest (gloo gathers
-        equal shapes)."""
+        each rank's vocabulary rows. Smaller ones travel padded to the largest (gloo gathers equal shapes)."""
         started = time.perf_counter()
         width = max(sizes)
         padded = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])).contiguous()

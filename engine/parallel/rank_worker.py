@@ -1,14 +1,16 @@
-"""A tensor-parallel rank other than 0: ``python -m splitserve.engine.parallel.rank_worker RANK SIZE PORT BLOCKS CPUS``.
+"""A tensor-parallel rank other than 0:
+``python -m splitserve.engine.parallel.rank_worker RANK SIZE PORT BLOCKS CPUS POOL_FD``.
 
 Rank 0 (workers.py) starts it and writes to its stdin, first the ``EngineConfig``, then the calls of each step. It
 
 1. pins itself to ``CPUS`` (e.g. ``1`` or ``4,5,6,7``) before torch starts its threads, and asks the kernel to kill
    it when rank 0 dies;
-2. loads the model's files as rank 0 does, keeps its shard (layout.py) and a KV pool of ``BLOCKS`` blocks of its KV
-   heads, says ready in the group's store at ``PORT``, and joins the group;
-3. runs each call rank 0 sends (``forward`` over its cache, ``compute_logits``, ``time_all_reduce``, the KV
-   cache's ``kv_read`` and ``kv_write``) on its shard, meeting the other ranks in the collectives, until ``close`` or the end of its stdin. Any error ends the
-   process (its traceback on stderr): rank 0's next collective then fails and names this rank's exit code.
+2. maps its KV pool of ``BLOCKS`` blocks of its KV heads from the shared file rank 0 passed as ``POOL_FD`` (rank 0
+   reads and writes it too, for the KV transfer: sharded_kv_cache.py), loads the model's files as rank 0 does,
+   keeps its shard (layout.py), says ready in the group's store at ``PORT``, and joins the group;
+3. runs each call rank 0 sends (``forward`` over its cache, ``compute_logits``, ``time_all_reduce``) on its shard,
+   meeting the other ranks in the collectives, until ``close`` or the end of its stdin. Any error ends the process
+   (its traceback on stderr): rank 0's next collective then fails and names this rank's exit code.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def _die_with_parent() -> None:
 def main(argv: list[str]) -> None:
     rank, size, port, num_blocks = (int(a) for a in argv[:4])
     cpus = [int(c) for c in argv[4].split(",")]
+    pool_fd = int(argv[5])
     os.sched_setaffinity(0, cpus)  # before torch is imported: every thread it starts inherits the mask
     _die_with_parent()
 
@@ -47,13 +50,13 @@ def main(argv: list[str]) -> None:
     store = open_store(rank, size, port)
     loaded = load_model_files(config.model, seed=config.seed, quantization=config.quantization)
     shards = plan_shards(loaded.config, size)
+    kv_cache = rank_kv_cache(config, loaded.config, shards, rank, {rank: pool_fd}, num_blocks)
+    os.close(pool_fd)  # the mapping stays
     model = ShardedLlama.for_rank(config, loaded.config, loaded.state_dict, shards[rank])
-    model_config = loaded.config
     del loaded
     store.set(f"ready/{rank}", "1")
     group = TensorParallelGroup(store, rank, size)
     model.shard_over(group, shards)
-    kv_cache = rank_kv_cache(config, model_config, shards, group, num_blocks)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=config.device)
     with torch.inference_mode():
         while (message := read_message(stdin)) is not None and message[0] != "close":
@@ -63,12 +66,6 @@ def main(argv: list[str]) -> None:
                 model(as_tensor(input_ids), as_tensor(positions), kv_cache, metadata_from_plan(plan, config.device))
             elif method in ("compute_logits", "time_all_reduce"):
                 getattr(model, method)(*args)
-            elif method == "kv_read":
-                layer, kind, slots = args
-                kv_cache.read(layer, kind, as_tensor(slots))
-            elif method == "kv_write":
-                layer, kind, slots, values = args
-                kv_cache.write(layer, kind, as_tensor(slots), values)
             else:
                 raise ValueError(f"rank {rank}: unknown call {method!r} from rank 0")
 

@@ -13,9 +13,11 @@ forward; four things differ from one process's model:
   decode of all layers: those add the output and down products into the residual stream inside the kernel, where no
   all-reduce can come between.
 
-``layer_done`` (the prefill pod's per-layer KV export) runs for every layer after the step rather than during it.
-Rank 0's model also sends each call to the other ranks before running it (``plan_to``, workers.py), so that they run
-the same step: rank 0 owns the scheduler, and the workers hold no state but their shard and their KV cache.
+``layer_done`` (the prefill pod's per-layer KV export) runs on rank 0 after each layer, as on one process: once rank
+0 has passed a layer's last all-reduce, every rank has written that layer's K/V into its pool, which rank 0 maps
+(sharded_kv_cache.py), so the export reads every rank's heads while later layers compute. Rank 0's model also
+sends each call to the other ranks before running it (``plan_to``, workers.py), so that they run the same step: rank
+0 owns the scheduler, and the workers hold no state but their shard and their KV cache.
 """
 
 from __future__ import annotations
@@ -91,12 +93,7 @@ class ShardedLlama(LlamaForCausalLM):
         if self.plan_to is not None:
             self.plan_to.send("forward", input_ids.tolist(), positions.tolist(), step_plan(attn_metadata))
         with self._failures_named():
-            hidden = super().forward(input_ids, positions, kv_cache, attn_metadata)
-        # The layers' K/V are read for export once the step is done: a read gathers every rank's heads, which the
-        # other ranks can only join between calls (sharded_kv_cache.py). No overlap with the step, then.
-        for layer in range(self.config.num_layers if layer_done is not None else 0):
-            layer_done(layer)
-        return hidden
+            return super().forward(input_ids, positions, kv_cache, attn_metadata, layer_done)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: input_ids [T] (the full vocabulary's) -> [T, H], summed over the ranks."""

@@ -4,16 +4,17 @@ stops them.
 ``start_tensor_parallel`` is what the ``ModelRunner`` calls for ``tensor_parallel_size`` > 1. The engine's process is
 rank 0: it owns the scheduler, the block manager and the sampler, and holds shard 0 of the model. It
 
-1. opens the group's store on a free loopback port and starts ranks 1..N-1 as processes of their own
-   (``python -m splitserve.engine.parallel.rank_worker``, rank_worker.py), each pinned to its share of the cores this
-   process may run on (rank 0 keeps the first share for the thread that steps the engine, and one compute thread
-   per core of it: restored when the workers stop);
+1. opens the group's store on a free loopback port, creates every rank's KV pool as a shared file
+   (sharded_kv_cache.py), and starts ranks 1..N-1 as processes of their own (``python -m
+   splitserve.engine.parallel.rank_worker``, rank_worker.py), each given its pool's file and pinned to its share of
+   the cores this process may run on (rank 0 keeps the first share for the thread that steps the engine, and one
+   compute thread per core of it: restored when the workers stop);
 2. loads its own shard while they load theirs, waits until each says ready (a rank that exits meanwhile fails the
    start, naming it), and joins the gloo group with them;
 3. then, every step, writes the call its model is about to run (``forward`` with the step's token ids, positions and
-   the lists its attention metadata is built from, or ``compute_logits`` with the rows to score; and the KV cache's
-   ``kv_read`` and ``kv_write`` from outside the engine, sharded_kv_cache.py) to each worker's stdin, length-prefixed
-   pickles in the order they are run, and runs it itself: the ranks meet in the step's collectives;
+   the lists its attention metadata is built from, or ``compute_logits`` with the rows to score) to each worker's
+   stdin, length-prefixed pickles in the order they are run, and runs it itself: the ranks meet in the step's
+   collectives. KV read and written from outside the engine needs no call: rank 0 maps every rank's pool;
 4. stops them when the model is garbage-collected or ``close``d: a ``close`` message, then a kill after a grace
    period. A worker also exits when its stdin closes and dies with rank 0 (``PR_SET_PDEATHSIG``): no orphan holds
    cores after the engine.
@@ -44,7 +45,7 @@ import torch
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.parallel.layout import RankShard, even_ranges, kv_cache_blocks, plan_shards
 from splitserve.engine.parallel.process_group import TensorParallelGroup, check_device, open_store
-from splitserve.engine.parallel.sharded_kv_cache import ShardedKVCache
+from splitserve.engine.parallel.sharded_kv_cache import ShardedKVCache, create_pools
 from splitserve.engine.parallel.sharded_model import ShardedLlama
 
 logger = logging.getLogger(__name__)
@@ -86,18 +87,19 @@ class RankWorkers:
 
     def __init__(self, procs: list[subprocess.Popen], restore: tuple[set[int], int]):
         self.procs = procs
-        self._sending = threading.Lock()  # the decode pod's receiver sends KV writes from its own thread
         self._restore = restore  # rank 0's thread affinity and torch thread count before it pinned itself
         self._closed = False
 
     @classmethod
-    def start(cls, config: EngineConfig, port: int, num_blocks: int, shares: list[list[int]]) -> RankWorkers:
+    def start(cls, config: EngineConfig, port: int, num_blocks: int, shares: list[list[int]],
+              pool_fds: list[int]) -> RankWorkers:
+        """Ranks 1..N-1 started, ``pool_fds[rank]`` each rank's KV pool file (rank_worker.py's arguments)."""
         procs = []
         for rank, cpus in enumerate(shares[1:], start=1):
             env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "MKL_NUM_THREADS": str(len(cpus))}
             command = [sys.executable, "-m", "splitserve.engine.parallel.rank_worker", str(rank), str(len(shares)),
-                       str(port), str(num_blocks), ",".join(map(str, cpus))]
-            proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+                       str(port), str(num_blocks), ",".join(map(str, cpus)), str(pool_fds[rank])]
+            proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, pass_fds=(pool_fds[rank],))
             write_message(proc.stdin, (config,))
             procs.append(proc)
         restore = os.sched_getaffinity(0), torch.get_num_threads()
@@ -119,12 +121,11 @@ class RankWorkers:
     def send(self, method: str, *args) -> None:
         """Tell every worker to run ``method(*args)`` on its shard, as rank 0 is about to."""
         self.raise_if_exited("before the step")
-        with self._sending:
-            for proc in self.procs:
-                try:
-                    write_message(proc.stdin, (method, *args))
-                except (BrokenPipeError, OSError) as err:
-                    raise self._failure("could not be sent the step") from err
+        for proc in self.procs:
+            try:
+                write_message(proc.stdin, (method, *args))
+            except (BrokenPipeError, OSError) as err:
+                raise self._failure("could not be sent the step") from err
 
     @contextlib.contextmanager
     def failures_named(self):
@@ -205,11 +206,12 @@ def end_process_on_rank_loss(model) -> None:
                          name="tensor-parallel-watch").start()
 
 
-def rank_kv_cache(config: EngineConfig, model_config: ModelConfig, shards: list[RankShard], group: TensorParallelGroup,
-                  num_blocks: int) -> ShardedKVCache:
-    """A rank's KV pool: ``num_blocks`` blocks (every rank's count) of its KV heads."""
-    return ShardedKVCache(model_config, shards, group, num_blocks, config.cache.block_size, config.cache.cache_dtype,
-                          config.device)
+def rank_kv_cache(config: EngineConfig, model_config: ModelConfig, shards: list[RankShard], rank: int,
+                  pool_fds: dict[int, int], num_blocks: int) -> ShardedKVCache:
+    """Rank ``rank``'s KV pool: ``num_blocks`` blocks (every rank's count) of its KV heads, over the shared files
+    ``pool_fds`` (rank 0: every rank's; a worker: its own)."""
+    return ShardedKVCache(model_config, shards, rank, pool_fds, num_blocks, config.cache.block_size,
+                          config.cache.cache_dtype)
 
 
 def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
@@ -224,7 +226,14 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
     num_blocks = kv_cache_blocks(model_config, config.cache, shards)
     store = open_store(0, size)
     shares = cpu_shares(sorted(os.sched_getaffinity(0)), size)
-    workers = RankWorkers.start(config, store.port, num_blocks, shares)
+    pool_fds = create_pools(model_config, shards, num_blocks, config.cache.block_size,
+                            getattr(torch, config.cache.cache_dtype))
+    try:
+        kv_cache = rank_kv_cache(config, model_config, shards, 0, dict(enumerate(pool_fds)), num_blocks)
+        workers = RankWorkers.start(config, store.port, num_blocks, shares, pool_fds)
+    finally:
+        for fd in pool_fds:  # each process has its own descriptor, or its mapping
+            os.close(fd)
     try:
         model = ShardedLlama.for_rank(config, model_config, state_dict, shards[0])
         workers.wait_ready(store)
@@ -234,8 +243,7 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
     except BaseException:
         workers.close()
         raise
-    kv_cache = rank_kv_cache(config, model_config, shards, group, num_blocks)
-    model.plan_to = kv_cache.plan_to = workers
+    model.plan_to = workers
     weakref.finalize(model, workers.close)
     logger.info("tensor parallel: %d ranks on cores %s; rank 0 holds query heads %s, KV heads %s",
                 size, shares, shards[0].q_heads, shards[0].kv_heads)
