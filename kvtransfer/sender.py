@@ -18,8 +18,9 @@ One request's path through this module:
                                                                       pod: each rank's heads, no gather)
         sender.mark_compute_done()                                    after the last layer of the last prompt token
     push(), for each layer as it arrives:
-        encode_chunks and ShmPush.frame on a worker thread (bytes     while the engine computes the next layer,
-        into the arena, or inline: push_message), then
+        on a worker thread, encode_chunks and ShmPush.frame (bytes    while the engine computes the next layer,
+        into the arena, or inline), or ShmPush.frame_raw (codec none
+        or bf16 through an arena: gathered straight into it), then
         write the framed messages                                     and the worker encodes the next layer
                                                                       held (one ahead: its chunks' numbers
                                                                       follow this layer's)
@@ -316,7 +317,7 @@ class KVSender:
         encoding = self._encode_next(held)
         try:
             while encoding is not None:
-                item, messages, wire_bytes = await encoding
+                item, raw_bytes, messages, wire_bytes = await encoding
                 self._stats.num_chunks += len(messages)
                 encoding = self._encode_next(held)  # numbered after this layer's chunks
                 self._first_write_at = self._first_write_at or time.perf_counter()
@@ -326,7 +327,7 @@ class KVSender:
                     self._last_write_at = time.perf_counter()
                     self._write_seconds += self._last_write_at - started
                 self._stats.bytes_sent += wire_bytes
-                self._stats.raw_bytes += raw_nbytes(item.k) + raw_nbytes(item.v)
+                self._stats.raw_bytes += raw_bytes
                 last_sent = (item.layer == self._client.layout.num_layers - 1
                              and item.token_end == self.num_prompt_tokens)
         finally:
@@ -337,20 +338,26 @@ class KVSender:
     def _encode_next(self, held: list[_LayerKV]) -> asyncio.Future | None:
         return self._client.encode(self._encode, _take_layer(held), self._stats.num_chunks) if held else None
 
-    def _encode(self, parts: list[_LayerKV], first_seq: int) -> tuple[_LayerKV, list[bytes], int]:
-        """Worker thread: the layer's K then V as numbered chunks, framed for the stream; and their wire bytes."""
-        item = parts[0] if len(parts) == 1 else _LayerKV(parts[0].layer, parts[0].token_start, parts[-1].token_end,
-                                                         torch.cat([p.k for p in parts]),
-                                                         torch.cat([p.v for p in parts]), parts[0].heads)
-        chunks = []
+    def _encode(self, parts: list[_LayerKV], first_seq: int) -> tuple[_LayerKV, int, list[bytes], int]:
+        """Worker thread: the layer's K then V as numbered chunks, framed (a raw codec through an arena: gathered
+        straight into a span, ShmPush.frame_raw; else encode_chunks); its last part, raw and wire bytes."""
+        first, last, messages, wire_bytes = parts[0], parts[-1], [], 0
         max_chunk_bytes = self._shm.max_chunk_bytes(self._client.max_chunk_bytes)
-        for kind, tensor in (("k", item.k), ("v", item.v)):
-            chunks += encode_chunks(self.request_id, item.layer, kind, item.token_start, item.token_end, tensor,
-                                    self.codec, self.num_prompt_tokens, max_chunk_bytes, first_seq + len(chunks),
-                                    item.heads)
-        if self._client.corrupt_chunk_rate:
-            self._client.corrupt(chunks)
-        return item, [self._shm.frame(chunk) for chunk in chunks], sum(chunk.nbytes for chunk in chunks)
+        for kind in ("k", "v"):
+            tensors = [getattr(part, kind) for part in parts]
+            framed = None if self._client.corrupt_chunk_rate else self._shm.frame_raw(  # (faults: encoded chunks)
+                self.request_id, first.layer, kind, (first.token_start, last.token_end), first.heads,
+                first_seq + len(messages), tensors, self.codec, max_chunk_bytes)
+            if framed is not None:
+                messages, wire_bytes = messages + [framed[0]], wire_bytes + framed[1]
+                continue
+            chunks = encode_chunks(self.request_id, first.layer, kind, first.token_start, last.token_end,
+                                   tensors[0] if len(tensors) == 1 else torch.cat(tensors), self.codec,
+                                   self.num_prompt_tokens, max_chunk_bytes, first_seq + len(messages), first.heads)
+            self._client.corrupt(chunks)  # at corrupt_chunk_rate (0: none)
+            messages += [self._shm.frame(chunk) for chunk in chunks]
+            wire_bytes += sum(chunk.nbytes for chunk in chunks)
+        return last, sum(raw_nbytes(part.k) + raw_nbytes(part.v) for part in parts), messages, wire_bytes
 
     async def _failure(self, call, err: Exception) -> StatusError:
         # The call's own status says why it ended. A write that raced the decode pod's refusal fails on its own

@@ -19,9 +19,12 @@ A push's path over shared memory:
     prefill pod   ShmArena (kvtransfer/shm_arena.py, with ShmPush and ShmLinks): one file per (prefill pod, decode pod's boot), created in the decode pod's shm_dir,
                   mapped once and reused by every push on the link, so its pages are faulted in once (a fresh page
                   of tmpfs costs more than the copy into it)
-                  header names the arena; for each chunk, encoded and checksummed as for gRPC: ShmArena.place
-                    -> a span allocated in the arena, payload and scales copied in -> KVPush{chunk, shm span}
-                    (a full arena: the chunk carries its bytes inline, as over gRPC)
+                  header names the arena; for each chunk of a codec that sends the elements themselves (none,
+                  bf16): ShmPush.frame_raw -> the layer's K (then V) gathered from its held parts straight into a
+                  span (one copy, converted to the wire dtype on the way: no concatenation, no encode pass), the
+                  finite check and the CRC-32C then over the span itself -> KVPush{chunk, shm span}; other codecs:
+                  encoded and checksummed as for gRPC, then ShmArena.place copies payload and scales into a span
+                  (a full arena: the chunk carries its bytes inline, as over gRPC)
                   the call over (acknowledged or failed): the push's spans are freed; nothing is reused before
                   the decode pod is done with it. After the first acknowledgement the file's name is unlinked: the
                   decode pod holds its own mapping by then, so a crash of either pod leaves nothing in shm_dir

@@ -15,10 +15,13 @@ import time
 import uuid
 
 import numpy as np
+import torch
 
+from splitserve.kvtransfer.codecs.base import KVCodec, check_kv, dtype_name
+from splitserve.kvtransfer.codecs.raw import RawCodec
 from splitserve.kvtransfer.handshake import BOOT_ID
 from splitserve.kvtransfer.shm import ARENA_PREFIX, TRANSPORT_GRPC, TRANSPORT_SHM, dir_id, host_id, sweep_stale
-from splitserve.kvtransfer.wire import WireChunk, push_message
+from splitserve.kvtransfer.wire import KIND_TO_PROTO, WireChunk, chunk_checksum, push_message
 from splitserve.v1 import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,23 @@ class ShmArena:
         fields.CopyFrom(chunk.fields)
         fields.shm.offset, fields.shm.payload_bytes, fields.shm.scales_bytes = offset, len(payload), len(scales)
         return push_message(WireChunk(fields, b"", b"")), offset
+
+    def gather(self, parts: list[torch.Tensor], wire_dtype: torch.dtype) -> tuple[int, np.ndarray] | None:
+        """The parts ([T_i, H, D] each, one token range in order) copied straight into a fresh span, converted to
+        ``wire_dtype`` on the way: the one pass over their bytes on this side (no concatenation, no bytes object in
+        between). The span's offset and a view of its bytes, or None when the arena has no room."""
+        tokens, rest = sum(len(part) for part in parts), parts[0].shape[1:]
+        nbytes = tokens * rest.numel() * wire_dtype.itemsize
+        offset = self._alloc(nbytes)
+        if offset is None:
+            return None
+        span = self._bytes[offset:offset + nbytes]
+        target = torch.from_numpy(span).view(wire_dtype).view(tokens, *rest)
+        row = 0
+        for part in parts:
+            target[row:row + len(part)].copy_(part)
+            row += len(part)
+        return offset, span
 
     def _alloc(self, nbytes: int) -> int | None:
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
@@ -178,13 +198,50 @@ class ShmPush:
         if placed is None:
             return push_message(chunk)
         message, offset = placed
+        self._keep(offset)
+        return message
+
+    def frame_raw(self, request_id: str, layer: int, kind: str, tokens: tuple[int, int],
+                  heads: tuple[int, int] | None, seq: int, parts: list[torch.Tensor], codec: KVCodec,
+                  max_chunk_bytes: int) -> tuple[bytes, int] | None:
+        """The chunk ``seq`` of a codec that sends the elements themselves (``none``, ``bf16``): ``layer``'s K or V
+        (``kind``) of ``tokens`` [start, end) and KV ``heads`` (None: all), gathered from ``parts`` (in token order)
+        straight into the arena, no encode pass. The checksum is taken over the span itself, as the decode pod will
+        read it, right after the copy (its bytes still in cache), and so is the finite check a codec's encode
+        makes. The framed message and the span's bytes; None (nothing placed) for other codecs, a gRPC link, more
+        than ``max_chunk_bytes`` or a full arena: the caller encodes as usual."""
+        if self.arena is None or not isinstance(codec, RawCodec):
+            return None
+        wire_dtype = codec.wire_dtype or parts[0].dtype
+        if sum(part.numel() for part in parts) * wire_dtype.itemsize > max_chunk_bytes:
+            return None
+        placed = self.arena.gather(parts, wire_dtype)
+        if placed is None:
+            return None
+        offset, span = placed
+        try:
+            check_kv(torch.from_numpy(span).view(wire_dtype).view(-1, *parts[0].shape[1:]), kind)
+        except ValueError:
+            self.arena.release([offset])
+            raise
+        chunk = kv_transfer_pb2.KVChunk(
+            request_id=request_id, layer=layer, kind=KIND_TO_PROTO[kind], token_start=tokens[0], token_end=tokens[1],
+            seq=seq, codec=codec.name, dtype=dtype_name(parts[0].dtype), crc32c=chunk_checksum(span, b""),
+            shape=[tokens[1] - tokens[0], *parts[0].shape[1:]])
+        if heads is not None:
+            chunk.heads.start, chunk.heads.end = heads
+        chunk.shm.offset, chunk.shm.payload_bytes, chunk.shm.scales_bytes = offset, len(span), 0
+        self._keep(offset)
+        return push_message(WireChunk(chunk, b"", b"")), len(span)
+
+    def _keep(self, offset: int) -> None:
+        """The span at ``offset`` belongs to this push until ``release``; at once back if the push is over already."""
         with self._lock:
             late = self._spans is None
             if not late:
                 self._spans.append(offset)
         if late:
             self.arena.release([offset])
-        return message
 
     def acknowledged(self) -> None:
         """The decode pod took the push, so it has mapped the arena: its name can go."""
