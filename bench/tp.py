@@ -8,8 +8,9 @@ process may run on among its ranks, one thread per core, engine/parallel/workers
 - prefill tokens/s of one prompt of ``--prompt-len`` tokens;
 - decode ms per step at each of ``--batches`` (sequences decoding together) over ``--context`` tokens of context,
   the median of ``--steps`` steps;
-- the KV a prefill pod's export reads of that prompt (every layer's K and V; at TP N rank 0 gathers it from the
-  ranks), ms per prompt;
+- the KV hand-off of that prompt on the engine's side, ms per prompt: what a prefill pod's export reads (every
+  layer's K and V, at TP N each rank's heads apart, read_heads) and what a decode pod's receiver writes back
+  (write_heads, each range into the ranks that hold it); engine/parallel/sharded_kv_cache.py;
 - with TP > 1, what rank 0's collectives did per decode step: calls, bytes (its own payload) and seconds inside them
   (waiting for a slower rank included);
 
@@ -38,6 +39,7 @@ from splitserve.engine.config import DEFAULT_MODEL, QUANTIZATIONS
 from splitserve.engine.kernels.cpu_features import matrix_features
 from splitserve.engine.kv_cache import KV_KINDS
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.parallel.sharded_kv_cache import read_heads, write_heads
 from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figure, save_results
 from splitserve.runtime.config import described, parse_config
 
@@ -111,18 +113,24 @@ def decode_round(engine: LLMEngine, batch: int, context: int, steps: int, stream
     return statistics.median(times), {"calls": calls, "bytes": nbytes, "seconds": seconds}
 
 
-def kv_read_ms(engine: LLMEngine, tokens: int, repeats: int) -> dict:
-    """What a prefill pod's KV export reads of one prompt of ``tokens`` tokens: every layer's K and V at its slots
-    (at TP N rank 0 gathers each from the ranks: how KV leaves a tensor-parallel pod), in ms per prompt."""
+def kv_handoff_ms(engine: LLMEngine, tokens: int, repeats: int) -> dict:
+    """The engine's side of one prompt's KV hand-off of ``tokens`` tokens, ms per prompt: "read", what a prefill
+    pod's export reads (every layer's K and V at its slots, as it leaves: one process's every head, a TP N pod's
+    rank head ranges apart); "write", what a decode pod's receiver writes (the same ranges back)."""
     cache, slots = engine.runner.kv_cache, torch.arange(tokens)
-    times = []
+    full = (0, engine.model_config.num_kv_heads)
+    reads, writes = [], []
     for _ in range(repeats):
         started = time.perf_counter()
-        for layer in range(engine.model_config.num_layers):
-            for kind in KV_KINDS:
-                cache.read(layer, kind, slots)
-        times.append((time.perf_counter() - started) * 1e3)
-    return spread(times)
+        parts = [(layer, kind, read_heads(cache, layer, kind, slots))
+                 for layer in range(engine.model_config.num_layers) for kind in KV_KINDS]
+        reads.append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        for layer, kind, ranges in parts:
+            for heads, values in ranges:
+                write_heads(cache, layer, kind, slots, values, heads or full)
+        writes.append((time.perf_counter() - started) * 1e3)
+    return {"read": spread(reads), "write": spread(writes)}
 
 
 def run_size(config: TensorParallelBenchConfig, tp: int, log) -> dict:
@@ -140,7 +148,7 @@ def run_size(config: TensorParallelBenchConfig, tp: int, log) -> dict:
             decode[b].append(seconds * 1e3)
             collectives[b].append(per_step)
     result = {"prefill_tokens_s": spread(prefill),
-              "kv_read_ms": kv_read_ms(engine, config.prompt_len, 5 * config.rounds),
+              "kv_handoff_ms": kv_handoff_ms(engine, config.prompt_len, 5 * config.rounds),
               "decode_ms": {b: spread(v) for b, v in decode.items()},
               "collectives_per_step": {b: {k: statistics.median(c[k] for c in v) for k in v[0]}
                                        for b, v in collectives.items()},
@@ -148,7 +156,8 @@ def run_size(config: TensorParallelBenchConfig, tp: int, log) -> dict:
     label = f"TP {tp}" if tp > 1 else f"TP 1, {torch.get_num_threads()} thread(s)"
     log(f"{label}: prefill {_fmt(result['prefill_tokens_s'], '.0f')} tokens/s; decode ms/step " + ", ".join(
         f"batch {b} {_fmt(s, '.1f')}" for b, s in result["decode_ms"].items())
-        + f"; a prompt's KV read {_fmt(result['kv_read_ms'], '.1f')} ms")
+        + f"; a prompt's KV read {_fmt(result['kv_handoff_ms']['read'], '.1f')} ms, written "
+        + f"{_fmt(result['kv_handoff_ms']['write'], '.1f')} ms")
     if tp > 1:
         for b, c in result["collectives_per_step"].items():
             log(f"  batch {b}: {c['calls']:.0f} collectives/step, {c['bytes'] / 1024:.0f} KiB, "

@@ -24,6 +24,6 @@ def test_tp_bench_measures_tp1_and_tp2_and_projects_to_8_ranks(tmp_path, capsys)
     assert list(tp2["comm_model"]) == transports
     assert list(figures["projection"]) == transports
     assert all(list(by_size) == ["2", "4", "8"] for by_size in figures["projection"].values())
-    assert all(run["kv_read_ms"]["median"] > 0 for run in figures["runs"].values())
+    assert all(run["kv_handoff_ms"][way]["median"] > 0 for run in figures["runs"].values() for way in ("read", "write"))
     assert png.stat().st_size > 0
     assert "projected TP 8" in capsys.readouterr().out
