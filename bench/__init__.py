@@ -17,6 +17,7 @@ regimes, the codec measurements, ``--json`` / ``--plot``) is the measurement lib
 - ``spec.py``: speculative decoding on vs off, the same requests through two engines taking turns;
 - ``structured.py``: structured outputs' cost per token, guided against free decoding;
 - ``llamacpp.py``: splitserve's engine beside llama.cpp, the CPU peer, on the same GGUF file;
-- ``lm_eval.py``: lm-eval against a cluster, each answer checked offline;
+- ``lm_eval/``: lm-eval against a cluster, each answer checked offline, and its scores side by side per prefill
+  format and KV codec on long-context recall documents;
 - ``tp.py``: tensor parallelism, TP 1 against TP N on the same cores, its collectives, and the 8-rank projection.
 """

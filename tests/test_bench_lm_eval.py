@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from splitserve.bench import lm_eval as lm_eval_bench
+from splitserve.bench.lm_eval import check as lm_eval_bench
 from splitserve.engine import LLM
 
 
@@ -39,3 +39,18 @@ def test_answers_equal_to_the_offline_engines_pass_and_any_other_is_a_difference
     write_samples(tmp_path, "splitserve_generate", [generate])
     differences = lm_eval_bench.compare(llm, tmp_path)["differences"]
     assert [d.get("continuation") for d in differences] == ["warm", None]
+
+
+def test_under_a_lossy_codec_only_the_first_generated_token_is_checked(tmp_path):
+    """A lossy KV codec changes what the decode pod generates from its second token on; the first is sampled on the
+    prefill pod from its own KV and must still be the offline engine's."""
+    llm = LLM(model="tiny-random", num_blocks=64)
+    context, until = "List three animals:", ["\n"]
+    full = lm_eval_bench.offline_generation(llm, context, until)
+    first = lm_eval_bench.offline_generation(llm, context, until, max_tokens=1)
+    assert first and full.startswith(first)
+    arguments = {"gen_args_0": {"arg_0": context, "arg_1": {"until": until}}}
+    for served, differs in ((first + "\u2603 other tokens", False), ("\u2603" + full, True)):
+        write_samples(tmp_path, "recall_generate", [{"arguments": arguments, "resps": [[served]]}])
+        result = lm_eval_bench.compare(llm, tmp_path, ("recall_generate",), exact_generation=False)
+        assert (result["generate_until"], bool(result["differences"])) == (1, differs)
