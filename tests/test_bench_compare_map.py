@@ -100,6 +100,7 @@ def test_vllm_runs_pinned_to_the_topologies_cpus_with_the_pods_kv_budget(tmp_pat
     assert command[:4] == ["taskset", "-c", "0-1", str(python)]
     assert command[command.index("--served-model-name") + 1] == "smollm2-135m"
     assert command[command.index("--port") + 1] == "18011" and server.http_url == "http://127.0.0.1:18011"
+    assert command[command.index("--dtype") + 1] == "bfloat16"  # as a user runs it on a CPU with bf16 products
     env = server.environment()
     assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("0-1", "3")
     assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")

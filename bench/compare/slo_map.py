@@ -61,6 +61,7 @@ class MapConfig:
     baseline_budget: int = BASELINE_BUDGET
     hybrid_regimes: tuple[str, ...] = tuple(r.name for r in REGIMES)  # the regimes that get a hybrid of their own
     vllm_python: str = ""  # vLLM's interpreter: its CPU build as one more topology (vllm_server.py)
+    vllm_dtype: str = "bfloat16"  # what vLLM computes in
     core_lending: bool = False  # the hybrids lend the decode pod's CPU too, and the split with lending is measured
     lent_splits: bool = True  # with core_lending: the pure split with lending (lent-REGIME) too
 
@@ -154,7 +155,8 @@ def _start_vllm(config: MapConfig, log) -> VLLMServer:
     work = Path(tempfile.gettempdir()) / "splitserve-vllm"
     log(f"starting {VLLM}: exporting {config.model} for it ...")
     server = VLLMServer(config.vllm_python, str(export_model(config.model, work / config.model)), config.model,
-                        config.cpus, config.kv_cache_memory_bytes, free_port_run(1), work / "vllm.log")
+                        config.cpus, config.kv_cache_memory_bytes, free_port_run(1), work / "vllm.log",
+                        dtype=config.vllm_dtype)
     server.start(timeout_s=config.ready_timeout_s)
     return server
 

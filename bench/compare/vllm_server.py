@@ -10,9 +10,10 @@ vLLM loads Hugging Face directories, not this project's GGUF file: ``export_mode
 widened to float32 (exactly what splitserve's ``none`` weights are) with its tokenizer and chat template, once per
 directory. ``VLLMServer`` starts ``python -m vllm.entrypoints.openai.api_server`` from the interpreter given, under
 ``taskset`` on the topologies' CPUs, its OpenMP threads bound to them (``VLLM_CPU_OMP_THREADS_BIND``), its KV cache
-the pods' budget (``VLLM_CPU_KVCACHE_SPACE``), float32, eager (no compile step), Intel's OpenMP preloaded where its
-venv has it (vLLM's CPU guide asks for it and for tcmalloc, which this machine does not have). Its chunked prefill
-budget is vLLM's default. The load generator talks to it over the same OpenAI completions API as to the router.
+the pods' budget (``VLLM_CPU_KVCACHE_SPACE``), in ``dtype`` (bfloat16 by default: how a user runs it on a CPU with
+bf16 products, as splitserve's default prefill computes; float32 for the bit-exact comparison), eager (no compile
+step), Intel's OpenMP preloaded where its venv has it (vLLM's CPU guide asks for it and for tcmalloc, which this
+machine does not have). Its chunked prefill budget is vLLM's default. The load generator talks to it over the same OpenAI completions API as to the router.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class VLLMServer:
     """One ``vllm`` OpenAI server, started and stopped like a splitserve ``Cluster`` (module docstring)."""
 
     def __init__(self, python: str, model: str, served_name: str, cpus: frozenset[int], kv_cache_bytes: int,
-                 port: int, log_file: Path, max_model_len: int = 4096):
-        self.python, self.model, self.served_name = python, model, served_name
+                 port: int, log_file: Path, max_model_len: int = 4096, dtype: str = "bfloat16"):
+        self.python, self.model, self.served_name, self.dtype = python, model, served_name, dtype
         self.cpus, self.kv_cache_bytes, self.port, self.log_file = cpus, kv_cache_bytes, port, log_file
         self.max_model_len = max_model_len
         self.process: subprocess.Popen | None = None
@@ -69,7 +70,7 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         return ["taskset", "-c", format_cpu_list(self.cpus), self.python, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", self.model, "--served-model-name", self.served_name, "--dtype", "float32",
+                "--model", self.model, "--served-model-name", self.served_name, "--dtype", self.dtype,
                 "--max-model-len", str(self.max_model_len), "--enforce-eager", "--host", "127.0.0.1",
                 "--port", str(self.port)]
 
