@@ -13,7 +13,8 @@ directory. ``VLLMServer`` starts ``python -m vllm.entrypoints.openai.api_server`
 the pods' budget (``VLLM_CPU_KVCACHE_SPACE``), in ``dtype`` (bfloat16 by default: how a user runs it on a CPU with
 bf16 products, as splitserve's default prefill computes; float32 for the bit-exact comparison), eager (no compile
 step), Intel's OpenMP preloaded where its venv has it (vLLM's CPU guide asks for it and for tcmalloc, which this
-machine does not have). Its chunked prefill budget is vLLM's default. The load generator talks to it over the same OpenAI completions API as to the router.
+machine does not have). Its chunked prefill budget is vLLM's default. The load generator talks to it over the same
+OpenAI completions API as to the router.
 """
 
 from __future__ import annotations
