@@ -230,6 +230,9 @@ class EngineConfig:
     # (engine/bf16_prefill.py), and a step with decode rows fails. A decode or mixed pod, which decodes and may
     # prefill (short, mostly cached, lent or split prompts), holds both.
     prefill_only: bool = False
+    # Ranks the model's layers are split over, a step's rows following each other through them in micro-batches
+    # (pipeline parallelism, engine/parallel/pipeline.py): as tensor_parallel_size, ranks 1..N-1 started here. 1: off.
+    pipeline_parallel_size: int = 1
 
     @property
     def weights_format(self) -> str:
@@ -245,6 +248,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size both above 1 is not built")
         if self.prefill_compute_dtype not in PREFILL_COMPUTE_DTYPES:
             raise ValueError(f"prefill_compute_dtype must be one of {', '.join(PREFILL_COMPUTE_DTYPES)}, got "
                              f"{self.prefill_compute_dtype!r}")

@@ -29,6 +29,7 @@ from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.parallel.pipeline import start_pipeline_parallel
 from splitserve.engine.parallel.workers import start_tensor_parallel
 from splitserve.engine.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
 from splitserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -50,6 +51,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         if config.tensor_parallel_size > 1:  # this process is rank 0: it holds shard 0 and drives the other ranks
             self.model, self.kv_cache = start_tensor_parallel(config, model_config, state_dict)
+        elif config.pipeline_parallel_size > 1:  # rank 0 again: the first layers, the embedding and the LM head
+            self.model, self.kv_cache = start_pipeline_parallel(config, model_config, state_dict)
         else:
             self.model = LlamaForCausalLM.from_state_dict(
                 model_config, state_dict, self.dtype, self.device, config.cpu_kernels, config.int8_activations,

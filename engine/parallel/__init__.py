@@ -1,5 +1,6 @@
-"""Tensor parallelism inside one engine (``EngineConfig.tensor_parallel_size``): the model's layers split over
-ranks that are processes of their own, one process group per engine.
+"""Tensor and pipeline parallelism inside one engine (``EngineConfig.tensor_parallel_size``,
+``pipeline_parallel_size``): the model split over ranks that are processes of their own, one process group per
+engine.
 
 - ``layout.py``: which heads, intermediate slice and vocabulary rows each rank holds, and its slice of the weights;
 - ``process_group.py``: the gloo group and its collectives (all-reduce, the logits' gather), counted;
@@ -7,6 +8,7 @@ ranks that are processes of their own, one process group per engine.
 - ``sharded_model.py``: ``ShardedLlama``, one rank's model: the ordinary one over its shard, summed across ranks;
 - ``sharded_kv_cache.py``: ``ShardedKVCache``, one rank's KV pool in shared memory that rank 0 maps for every rank,
   read and written by KV head range from outside the engine (KV transfer between engines of different degrees);
+- ``pipeline.py``: pipeline parallelism: each rank's layers, a step's rows in micro-batches through the ranks;
 - ``workers.py``: rank 0 (the engine's process) starts, drives, watches and stops the other ranks;
 - ``rank_worker.py``: the other ranks' process.
 """

@@ -110,6 +110,19 @@ class TensorParallelGroup:
         self._count(padded.numel() * padded.element_size(), started)
         return [part[:, :size] for part, size in zip(parts, sizes)] if self.rank == 0 else None
 
+    def send(self, t: torch.Tensor, to: int):
+        """Start sending ``t`` to rank ``to`` (a pipeline's rows to its next stage); the returned work's ``wait``
+        ends it, and ``t`` must live until then."""
+        self.counts.calls += 1
+        self.counts.bytes += t.numel() * t.element_size()
+        return self._pg.send([t], to, 0)
+
+    def recv(self, t: torch.Tensor, source: int) -> None:
+        """Receive into ``t`` what rank ``source`` sends (its shape and dtype)."""
+        started = time.perf_counter()
+        self._pg.recv([t], source, 0).wait()
+        self.counts.seconds += time.perf_counter() - started
+
     def _count(self, nbytes: int, started: float) -> None:
         self.counts.calls += 1
         self.counts.bytes += nbytes

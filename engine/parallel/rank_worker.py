@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0:
+"""A tensor- or pipeline-parallel rank other than 0:
 ``python -m splitserve.engine.parallel.rank_worker RANK SIZE PORT BLOCKS CPUS POOL_FD``.
 
 Rank 0 (workers.py) starts it and writes to its stdin, first the ``EngineConfig``, then the calls of each step. It
@@ -9,7 +9,9 @@ Rank 0 (workers.py) starts it and writes to its stdin, first the ``EngineConfig`
    reads and writes it too, for the KV transfer: sharded_kv_cache.py), loads the model's files as rank 0 does,
    keeps its shard (layout.py), says ready in the group's store at ``PORT``, and joins the group;
 3. runs each call rank 0 sends (``forward`` over its cache, ``compute_logits``, ``time_all_reduce``) on its shard,
-   meeting the other ranks in the collectives, until ``close`` or the end of its stdin. Any error ends the process
+   meeting the other ranks in the collectives, until ``close`` or the end of its stdin. A pipeline rank
+   (``pipeline_parallel_size`` > 1, pipeline.py) maps the whole model's KV pool instead, keeps its layers, and runs
+   each step's ``pipeline`` call: its micro-batches, received from the rank before and sent on. Any error ends the process
    (its traceback on stderr): rank 0's next collective then fails and names this rank's exit code.
 """
 
@@ -39,7 +41,9 @@ def main(argv: list[str]) -> None:
     import torch
 
     from splitserve.engine.parallel.layout import plan_shards
+    from splitserve.engine.parallel.pipeline import PipelineStage, layer_ranges, stage_model
     from splitserve.engine.parallel.process_group import TensorParallelGroup, open_store
+    from splitserve.engine.parallel.sharded_kv_cache import map_pool
     from splitserve.engine.parallel.sharded_model import ShardedLlama, metadata_from_plan
     from splitserve.engine.parallel.workers import rank_kv_cache, read_message
     from splitserve.engine.weights.model_files import load_model_files
@@ -49,14 +53,24 @@ def main(argv: list[str]) -> None:
     (config,) = read_message(stdin)
     store = open_store(rank, size, port)
     loaded = load_model_files(config.model, seed=config.seed, quantization=config.quantization)
-    shards = plan_shards(loaded.config, size)
-    kv_cache = rank_kv_cache(config, loaded.config, shards, rank, {rank: pool_fd}, num_blocks)
+    pipeline = config.pipeline_parallel_size > 1
+    if pipeline:
+        kv_cache = map_pool(pool_fd, loaded.config, num_blocks, config.cache.block_size,
+                            getattr(torch, config.cache.cache_dtype))
+        model = stage_model(PipelineStage, config, loaded.config, loaded.state_dict,
+                            layer_ranges(loaded.config, size)[rank])
+    else:
+        shards = plan_shards(loaded.config, size)
+        kv_cache = rank_kv_cache(config, loaded.config, shards, rank, {rank: pool_fd}, num_blocks)
+        model = ShardedLlama.for_rank(config, loaded.config, loaded.state_dict, shards[rank])
     os.close(pool_fd)  # the mapping stays
-    model = ShardedLlama.for_rank(config, loaded.config, loaded.state_dict, shards[rank])
     del loaded
     store.set(f"ready/{rank}", "1")
     group = TensorParallelGroup(store, rank, size)
-    model.shard_over(group, shards)
+    if pipeline:
+        model.group = group
+    else:
+        model.shard_over(group, shards)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=config.device)
     with torch.inference_mode():
         while (message := read_message(stdin)) is not None and message[0] != "close":
@@ -64,6 +78,9 @@ def main(argv: list[str]) -> None:
             if method == "forward":
                 input_ids, positions, plan = args
                 model(as_tensor(input_ids), as_tensor(positions), kv_cache, metadata_from_plan(plan, config.device))
+            elif method == "pipeline":
+                positions, plan = args
+                model.run_stage(as_tensor(positions), plan, kv_cache)
             elif method in ("compute_logits", "time_all_reduce"):
                 getattr(model, method)(*args)
             else:

@@ -41,22 +41,23 @@ from splitserve.engine.kv_cache import KVKind, PagedKVCache, bytes_per_block
 from splitserve.engine.parallel.layout import Range, RankShard, rank_config
 
 
+def create_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
+    """Rank 0: an anonymous shared file sized for a pool of ``num_blocks`` blocks of ``config``'s KV heads and
+    layers; its fd, which the caller closes once every rank has mapped it (the mappings stay)."""
+    size = num_blocks * bytes_per_block(config.num_kv_heads, config.head_dim, config.num_layers, block_size, dtype)
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("splitserve-kv-pool")
+    else:  # no memfd (macOS): an unlinked temporary file does the same
+        with tempfile.TemporaryFile() as file:
+            fd = os.dup(file.fileno())
+    os.ftruncate(fd, size)  # sparse: no page is resident before a block is written
+    return fd
+
+
 def create_pools(config: ModelConfig, shards: list[RankShard], num_blocks: int, block_size: int,
                  dtype: torch.dtype) -> list[int]:
-    """Rank 0: one anonymous shared file per rank, sized for its pool of ``num_blocks`` blocks; their fds, which
-    the caller closes once every rank has mapped its own (the mappings stay)."""
-    fds = []
-    for shard in shards:
-        heads = shard.kv_heads[1] - shard.kv_heads[0]
-        size = num_blocks * bytes_per_block(heads, config.head_dim, config.num_layers, block_size, dtype)
-        if hasattr(os, "memfd_create"):
-            fd = os.memfd_create(f"splitserve-tp-kv-{shard.rank}")
-        else:  # no memfd (macOS): an unlinked temporary file does the same
-            with tempfile.TemporaryFile() as file:
-                fd = os.dup(file.fileno())
-        os.ftruncate(fd, size)  # sparse: no page is resident before a block is written
-        fds.append(fd)
-    return fds
+    """Rank 0: each tensor-parallel rank's pool file (``create_pool`` of its ``rank_config``), in rank order."""
+    return [create_pool(rank_config(config, shard), num_blocks, block_size, dtype) for shard in shards]
 
 
 def map_pool(fd: int, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> PagedKVCache:
