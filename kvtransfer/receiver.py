@@ -166,7 +166,7 @@ class KVIntake:
             layer, kind, head, token = missing[0].tolist()
             raise KVLoadError(grpc.StatusCode.DATA_LOSS,
                               f"incomplete KV: {len(missing)} (layer, K/V, KV head, token) entries missing, the "
-                              f"first at layer {layer}, {'KV'[kind]}, KV head {head}, token {token}")
+                              f"first at layer {layer}, {'KV'[kind]}, token {token}, KV head {head}")
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
