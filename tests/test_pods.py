@@ -777,6 +777,21 @@ def test_metrics_endpoint_serves_the_pod_series(pods):
                 f'{float(nbytes)}').encode() in body
 
 
+def test_the_prefill_pod_reports_the_weight_forms_it_holds(pods):
+    """A prefill pod in bf16 holds the bf16 copies, not the layers' decode form (the decode pod holds both)."""
+    prefill, decode = pods.prefill_pod.engine.weight_bytes, pods.decode_pod.engine.weight_bytes
+    if prefill_compute_dtype("auto") == "bfloat16":
+        assert prefill["bf16_prefill"] == decode["bf16_prefill"] > 0
+        assert prefill["model"] < decode["model"]
+    else:  # no copies anywhere: the prefill pod computes from the model's own weights
+        assert prefill == decode == {"model": decode["model"], "bf16_prefill": 0}
+    with urllib.request.urlopen(f"http://127.0.0.1:{pods.prefill_pod.metrics_port}/metrics", timeout=5) as response:
+        body = response.read()
+    for form, nbytes in prefill.items():
+        assert (f'splitserve_weight_memory_bytes{{form="{form}",model_name="tiny-random",role="prefill"}} '
+                f'{float(nbytes)}').encode() in body
+
+
 # ---- kv_load_failure_policy: a push whose KV fails to load -------------------------------------------------------
 
 @pytest.fixture(scope="module")
