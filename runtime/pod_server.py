@@ -110,6 +110,8 @@ class PodConfig:
         "attention and logits: not float32's bits) or float32 (the bit-exact reference); docs/PERFORMANCE.md."))
     tensor_parallel_size: int = field(default=EngineConfig.tensor_parallel_size, metadata=described(
         "Ranks the model is split over (engine/parallel/), each on its share of --cpus; one's exit ends the pod."))
+    pipeline_parallel_size: int = field(default=EngineConfig.pipeline_parallel_size, metadata=described(
+        "Ranks the layers are split over (engine/parallel/pipeline.py; not with TP > 1), as tensor_parallel_size."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
     block_size: int = field(default=CacheConfig.block_size, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
@@ -175,6 +177,7 @@ class PodConfig:
             model=self.model, device=self.device, dtype=self.dtype, seed=self.seed, cpu_kernels=self.cpu_kernels,
             quantization=self.quantization, int8_activations=self.int8_activations,
             prefill_compute_dtype=self.prefill_compute_dtype, tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_blocks,
                               self.enable_prefix_caching, self.cache_dtype),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
@@ -199,7 +202,7 @@ class Pod:
         lent = checked_cpu_set("lend_cpus", config.lend_cpus)  # checked before pinning narrows what is allowed
         applied = apply_cpu_set(config.cpus, config.num_threads)  # before the engine's first torch op
         self.engine = LLMEngine(config.engine_config())
-        end_process_on_rank_loss(self.engine.runner.model)  # a tensor-parallel engine restarts whole
+        end_process_on_rank_loss(self.engine.runner.model)  # a tensor- or pipeline-parallel engine restarts whole
         self.metrics = PodMetrics(self.role, self.engine.model_config.name)
         # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.
         self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype,
@@ -226,10 +229,8 @@ class Pod:
         self._heartbeat: RedisHeartbeat | None = None
 
     def _core_lender(self, own: frozenset[int], lent: frozenset[int]) -> CoreLender | None:
-        if not lent:
-            return None
         owners = [DecodeActivity(path) for path in self.config.lender_activity_files.split(",") if path]
-        return CoreLender(own, lent, owners)
+        return CoreLender(own, lent, owners) if lent else None
 
     def _observe(self, engine: LLMEngine, stats: StepStats | None) -> None:
         self.load_tracker.observe(engine, stats)

@@ -6,8 +6,8 @@ Rules, in order:
 
 1. A role given a set (``--prefill-cpus``, ``--decode-cpus``, ``--mixed-cpus``) runs on it.
 2. The roles given none share out the CPUs the given sets left (all the allowed CPUs if they left none): in
-   contiguous slices in the order prefill, decode, mixed, sized by their pods' ranks (a pod of tensor-parallel size
-   N counts N, ``ranks``), at least one CPU each; with fewer CPUs than such roles, those roles all share the CPUs.
+   contiguous slices in the order prefill, decode, mixed, sized by their pods' ranks (a pod of tensor- or pipeline-
+   parallel size N counts N, ``ranks``), at least one CPU each; with fewer CPUs than such roles, those roles all share the CPUs.
 3. The pods of a role split its set into contiguous slices sized by their ranks (the first pods take the
    remainder) when the set has a CPU for each of them, and otherwise all share it. A pod of N ranks pins each rank
    to its own share of its slice (engine/parallel/workers.py), or, with fewer CPUs than ranks, one CPU each in turn.
@@ -45,14 +45,14 @@ class CpuAssignment:
     cpus: frozenset[int]
     threads: int  # all its ranks' together
     pinned: bool  # False: the process may run on any allowed CPU (``cpus`` lists them)
-    ranks: int = 1  # tensor-parallel ranks, each a process of its own on its share of ``cpus``
+    ranks: int = 1  # tensor- or pipeline-parallel ranks, each a process of its own on its share of ``cpus``
 
 
 def plan_cpus(pods: Sequence[tuple[str, Role]], allowed: frozenset[int], given: Mapping[Role, frozenset[int]],
               ranks: Mapping[str, int] | None = None) -> dict[str, CpuAssignment]:
     """Placements of ``pods`` ((name, role) in start order) and of the router, within ``allowed``. ``given``:
     the sets the operator named, by role (Role.ROUTER for the router); empty or missing sets are planned.
-    ``ranks``: each pod's tensor-parallel size (1 where missing)."""
+    ``ranks``: each pod's tensor- or pipeline-parallel size (1 where missing)."""
     size = {name: (ranks or {}).get(name, 1) for name, _ in pods}
     weight = Counter()
     for name, role in pods:

@@ -92,7 +92,7 @@ class Cluster:
     def _plan_cpus(self) -> dict[str, CpuAssignment]:
         """The CPUs of every process this cluster starts, in start order."""
         allowed = allowed_cpus()
-        ranks = {pod.name: getattr(self.config, f"{pod.role}_tensor_parallel_size") for pod in self.pods}
+        ranks = {pod.name: self.config.ranks(pod.role) for pod in self.pods}
         plan = plan_cpus([(pod.name, pod.role) for pod in self.pods], allowed, self.config.cpu_sets(), ranks)
         if not self.config.pin_cpus:
             plan = {name: dataclasses.replace(p, cpus=allowed, pinned=False) for name, p in plan.items()}
@@ -111,9 +111,9 @@ class Cluster:
         if not prefill or not decode or not self.config.pin_cpus:
             raise ValueError("lend_decode_cpus needs prefill and decode pods (not --scheduling colocated) and "
                              "pinned CPUs")
-        if self.config.prefill_tensor_parallel_size > 1:
-            raise ValueError("lend_decode_cpus with prefill_tensor_parallel_size > 1 is not built: only rank 0 of "
-                             "each prefill pod would borrow them")
+        if self.config.ranks(Role.PREFILL) > 1:
+            raise ValueError("lend_decode_cpus with prefill_tensor_parallel_size or prefill_pipeline_parallel_size "
+                             "> 1 is not built: only rank 0 of each prefill pod would borrow them")
         lent = frozenset().union(*(self.cpu_plan[p.name].cpus for p in decode))
         shared = lent & frozenset().union(*(self.cpu_plan[p.name].cpus for p in prefill))
         if shared:

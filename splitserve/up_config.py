@@ -89,6 +89,14 @@ class UpConfig:
                                                  help="Ranks each decode pod's model is split over.")
     mixed_tensor_parallel_size: int = passed_to(DecodeConfig, name="tensor_parallel_size", scope=Role.MIXED,
                                                 help="Ranks each mixed pod's model is split over.")
+    # Pipeline parallelism per role (--pipeline-parallel-size; engine/parallel/pipeline.py): layers split over
+    # ranks, not together with tensor parallelism; a pod of N stages takes N CPUs' worth of the plan as well.
+    prefill_pipeline_parallel_size: int = passed_to(PrefillConfig, name="pipeline_parallel_size", scope=Role.PREFILL,
+                                                    help="Ranks each prefill pod's layers are split over.")
+    decode_pipeline_parallel_size: int = passed_to(DecodeConfig, name="pipeline_parallel_size", scope=Role.DECODE,
+                                                   help="Ranks each decode pod's layers are split over.")
+    mixed_pipeline_parallel_size: int = passed_to(DecodeConfig, name="pipeline_parallel_size", scope=Role.MIXED,
+                                                  help="Ranks each mixed pod's layers are split over.")
     int8_activations: bool = passed_to(PodConfig, name="int8_activations", help=(
         "Every pod's products over quantized weights take int8 activations (faster decode, not float32's bits; "
         "pods on --*-quantization none are unaffected)."))
@@ -151,6 +159,10 @@ class UpConfig:
         """The sets the operator named, by role (empty where the plan decides)."""
         return {role: checked_cpu_set(f"{role}_cpus", getattr(self, f"{role}_cpus")) for role in (*POD_ROLES,
                                                                                                   Role.ROUTER)}
+
+    def ranks(self, role: Role) -> int:
+        """The processes each pod of ``role`` runs: its tensor- or pipeline-parallel ranks (never both above 1)."""
+        return getattr(self, f"{role}_tensor_parallel_size") * getattr(self, f"{role}_pipeline_parallel_size")
 
     @property
     def tls(self) -> TLSConfig:

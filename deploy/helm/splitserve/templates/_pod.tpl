@@ -9,7 +9,7 @@ config.shutdownGraceS; terminationGracePeriodSeconds covers that plus terminatio
 {{- $values := index $root.Values .component }}
 {{- $ctx := dict "root" $root "component" .component }}
 {{- if $values.enabled }}
-{{- $resources := include "splitserve.rankResources" $values | fromYaml }}
+{{- $resources := include "splitserve.rankResources" (merge (dict "component" .component) $values) | fromYaml }}
 {{- $named := merge (dict "component" .component "resources" $resources) $values }}
 {{- include "splitserve.checkDevice" $named }}
 apiVersion: apps/v1
@@ -75,6 +75,8 @@ spec:
             {{- end }}
             - "--tensor-parallel-size"
             - {{ $values.tensorParallelSize | default 1 | quote }}
+            - "--pipeline-parallel-size"
+            - {{ $values.pipelineParallelSize | default 1 | quote }}
             {{- if and (eq .component "decode") (eq (toString $root.Values.router.config.scheduling) "hybrid") }}
             {{- /* Hybrid scheduling lends prompts to decode pods: they prefill them in chunks that keep the TPOT. */}}
             - "--tpot-slack-chunking"

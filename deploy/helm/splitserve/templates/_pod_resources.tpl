@@ -1,7 +1,7 @@
 {{/*
 How a pod fits its node and rolls out: the pod-spec fields operators set (runtimeClassName, schedulerName, the
 service-account token), accelerator limits and the rollout they call for (no surge), torch's threads from the CPU
-limit, a tensor-parallel pod's resources (its ranks'), and the device a GPU limit goes with. _pod.tpl,
+limit, a tensor- or pipeline-parallel pod's resources (its ranks'), and the device a GPU limit goes with. _pod.tpl,
 deployment-router.yaml and deployment-planner.yaml use them.
 */}}
 
@@ -74,11 +74,17 @@ mid-GEMM). A config.numThreads set by hand may not exceed it. Nothing without ei
 {{- end }}
 
 {{/*
-A pod's resources: values' resources are one rank's, and a pod of tensorParallelSize ranks (processes pinned to
-their shares of the container's CPUs, each loading the model's files) asks for that many times their CPU and memory.
+A pod's resources: values' resources are one rank's, and a pod of tensorParallelSize (or pipelineParallelSize)
+ranks (processes pinned to their shares of the container's CPUs, each loading the model's files) asks for that many
+times their CPU and memory. Both above 1 is not built in the engine: refused here, before a pod fails to start.
 */}}
 {{- define "splitserve.rankResources" -}}
-{{- $ranks := int (.tensorParallelSize | default 1) }}
+{{- $tp := int (.tensorParallelSize | default 1) }}
+{{- $pp := int (.pipelineParallelSize | default 1) }}
+{{- if and (gt $tp 1) (gt $pp 1) }}
+{{- fail (printf "%s: tensorParallelSize %d and pipelineParallelSize %d both above 1 is not built (one or the other)" .component $tp $pp) }}
+{{- end }}
+{{- $ranks := mul $tp $pp }}
 {{- $pod := dict }}
 {{- range $kind, $amounts := (.resources | default dict) }}
 {{- $scaled := dict }}

@@ -1,0 +1,168 @@
+"""Pipeline-parallel pods (issue 38's second step): ``--pipeline-parallel-size`` on prefill and decode pods, per role
+in ``splitserve up``, in the CPU plan and the chart; through ``splitserve up``, a prefill pod of 2 stages feeding a
+decode pod of one process gives the offline engine's greedy answers token for token, and a stage killed ends in a
+retried request or a clear error while its pod restarts whole (the tensor-parallel rank-death path, which the
+pipeline's ranks share: engine/parallel/workers.py) and no KV block leaks.
+
+A pipeline-parallel engine's KV pool is one file of every layer that rank 0 maps as an ordinary cache, so the KV
+wire and the handshake are a one-process pod's (tensor_parallel_size 1). It computes prefill in float32, so both
+sides and the offline engine pin prefill_compute_dtype float32 (TP_CLUSTER).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from splitserve.bench.soak import pod_load
+from splitserve.launcher import Cluster
+from splitserve.runtime.roles import Role
+from splitserve.up_config import UpConfig
+from tests.deploy.test_chart import chart, containers_by_component, objects, parsed_config  # noqa: F401 (fixture)
+from tests.reliability.live_cluster import MODEL, START_S, stream, wait_back, wait_every_block_free
+from tests.test_tp_cluster import (  # noqa: F401 (fixtures)
+    LONG_TOKENS,
+    MAX_TOKENS,
+    PROMPTS,
+    TP_CLUSTER,
+    kv_loaded,
+    offline,
+    rank_workers,
+    smollm2_offline,
+)
+
+SMOLLM2 = "smollm2-135m"
+
+
+# ---- configuration, the plan and the chart, without processes ----------------------------------------------------
+
+def test_each_role_s_pods_get_their_stages_in_the_plan(tmp_path):
+    config = UpConfig(model=MODEL, run_dir=str(tmp_path), prefill=1, decode=1, prefill_pipeline_parallel_size=2,
+                      prefill_cpus="0", decode_cpus="1")
+    assert [config.ranks(role) for role in (Role.PREFILL, Role.DECODE, Role.MIXED)] == [2, 1, 1]
+    plan = Cluster(config).cpu_plan
+    # one CPU for two stages: each stage a thread of its own on it (fewer CPUs than ranks)
+    assert (plan["prefill-0"].ranks, plan["prefill-0"].threads, sorted(plan["prefill-0"].cpus)) == (2, 2, [0])
+    assert plan["decode-0"].ranks == 1
+
+
+def test_tensor_and_pipeline_parallel_together_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size both above 1 is not built"):
+        UpConfig(model=MODEL, run_dir=str(tmp_path), decode_tensor_parallel_size=2, decode_pipeline_parallel_size=2)
+
+
+def test_lending_to_pipeline_parallel_prefill_pods_is_refused(tmp_path):
+    config = UpConfig(model=MODEL, run_dir=str(tmp_path), lend_decode_cpus=True, prefill_pipeline_parallel_size=2,
+                      prefill_cpus="0", decode_cpus="1", scheduling="disaggregated")
+    with pytest.raises(ValueError, match="prefill_pipeline_parallel_size > 1 is not built"):
+        Cluster(config)
+
+
+def test_the_chart_gives_a_pod_its_stages_and_n_times_one_rank_s_resources(chart):  # noqa: F811
+    rank = {"requests": {"cpu": "1500m", "memory": "1.5Gi"}, "limits": {"cpu": 2, "memory": "3Gi"}}
+    deployments = containers_by_component(objects(chart, {"prefill": {"pipelineParallelSize": 2, "resources": rank}}))
+    prefill = deployments["prefill"]["spec"]["template"]["spec"]["containers"][0]
+    assert prefill["resources"] == {"requests": {"cpu": "3000m", "memory": "3Gi"},
+                                    "limits": {"cpu": "4", "memory": "6Gi"}}
+    config = parsed_config(deployments["prefill"])
+    assert (config.pipeline_parallel_size, config.tensor_parallel_size, config.num_threads) == (2, 1, 4)
+    assert parsed_config(deployments["decode"]).pipeline_parallel_size == 1
+
+
+def test_the_chart_refuses_tensor_and_pipeline_parallel_on_one_pod(chart):  # noqa: F811
+    with pytest.raises(Exception, match="both above 1 is not built"):
+        objects(chart, {"decode": {"pipelineParallelSize": 2, "tensorParallelSize": 2}})
+
+
+# ---- real clusters -------------------------------------------------------------------------------------------------
+
+def stages(cluster, pod) -> int:
+    """The processes the pod's engine runs its layers on: rank 0 (the pod) and the workers it started."""
+    return 1 + len(rank_workers(cluster.pid(pod.name)))
+
+
+def check_answers(cluster, prompt_list: list[list[int]], answers: list[list[int]], sizes: tuple[int, int]) -> None:
+    """Each pod runs its stages, as the plan says, and reports no tensor parallelism (the KV wire is TP 1's);
+    each prompt prefilled on the prefill pod, its KV loaded on the decode pod, gives ``answers``; every block is free
+    after."""
+    prefill, decode = cluster.pods
+    for pod, size in zip((prefill, decode), sizes):
+        assert stages(cluster, pod) == size == cluster.cpu_plan[pod.name].ranks, pod.name
+        assert pod_load(cluster.address(pod)).tensor_parallel_size == 1, pod.name
+    got = [stream(cluster, prompt, len(answer), timeout_s=START_S) for prompt, answer in zip(prompt_list, answers)]
+    assert [(a.finish, a.error) for a in got] == [("FINISH_REASON_LENGTH", "")] * len(prompt_list)
+    assert [a.token_ids for a in got] == answers
+    assert kv_loaded(cluster, decode) == len(prompt_list)  # every prompt's KV came from the prefill pod
+    wait_every_block_free(cluster)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)])
+def test_pipeline_parallel_pods_answer_as_the_offline_engine(tmp_path, start_cluster, offline, sizes):  # noqa: F811
+    """Tiny random model, 2 layers: one a stage."""
+    cluster = start_cluster(tmp_path, **TP_CLUSTER, prefill_pipeline_parallel_size=sizes[0],
+                            decode_pipeline_parallel_size=sizes[1])
+    try:
+        check_answers(cluster, PROMPTS, offline[0], sizes)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.model
+@pytest.mark.e2e
+def test_smollm2_prefill_pod_of_two_stages_answers_as_the_offline_engine(tmp_path, start_cluster,
+                                                                          smollm2_offline):  # noqa: F811
+    """The real model, 30 layers: 15 a stage on the prefill pod, the decode pod one process."""
+    cluster = start_cluster(tmp_path, **{**TP_CLUSTER, "model": SMOLLM2, "kv_cache_memory_bytes": 64 << 20},
+                            prefill_pipeline_parallel_size=2)
+    try:
+        check_answers(cluster, *smollm2_offline, (2, 1))
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.e2e
+def test_a_stage_killed_mid_request_restarts_its_pod_whole(tmp_path, start_cluster, offline):  # noqa: F811
+    """SIGKILL of a decode pod's stage 1 while it streams: the stream moves to the pod's next life and gives the
+    offline answer, or fails with a clear error; the pod restarts once with a new stage and every block is free."""
+    cluster = start_cluster(tmp_path, **TP_CLUSTER, decode_pipeline_parallel_size=2)
+    try:
+        decode = cluster.pods[1]
+        (rank,) = rank_workers(cluster.pid(decode.name))
+        answer = stream(cluster, PROMPTS[0], LONG_TOKENS, timeout_s=3 * START_S,
+                        after_first_chunk=lambda: os.kill(rank, signal.SIGKILL))
+        if answer.finish == "FINISH_REASON_LENGTH":
+            assert answer.token_ids == offline[1]
+        else:  # a failure names what failed
+            assert answer.finish in ("error", "INTERNAL", "UNAVAILABLE") and answer.error, answer
+        wait_back(cluster, decode.name, restarts=1)
+        new_ranks = rank_workers(cluster.pid(decode.name))
+        assert len(new_ranks) == 1 and new_ranks != [rank]
+        assert stream(cluster, PROMPTS[1], MAX_TOKENS).token_ids == offline[0][1]
+        assert cluster.restarts == {**{name: 0 for name in cluster.restarts}, decode.name: 1}
+        wait_every_block_free(cluster)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.e2e
+def test_a_prefill_stage_killed_fails_the_pod_not_the_request(tmp_path, start_cluster, offline):  # noqa: F811
+    """SIGKILL of a prefill pod's stage 1, then a request at once: the dying pod's failed step is the pod's
+    failure (UNAVAILABLE), so the router retries it on the decode pod, or the pod is already draining or back;
+    either way the offline answer; the prefill pod restarts once with a new stage, and every block is free."""
+    cluster = start_cluster(tmp_path, **TP_CLUSTER, prefill_pipeline_parallel_size=2)
+    try:
+        prefill = cluster.pods[0]
+        (rank,) = rank_workers(cluster.pid(prefill.name))
+        os.kill(rank, signal.SIGKILL)
+        answer = stream(cluster, PROMPTS[2], MAX_TOKENS, timeout_s=START_S)
+        assert (answer.finish, answer.error, answer.token_ids) == ("FINISH_REASON_LENGTH", "", offline[0][2])
+        wait_back(cluster, prefill.name, restarts=1)
+        assert stages(cluster, prefill) == 2
+        assert stream(cluster, PROMPTS[0], MAX_TOKENS).token_ids == offline[0][0]
+        assert cluster.restarts == {**{name: 0 for name in cluster.restarts}, prefill.name: 1}
+        wait_every_block_free(cluster)
+    finally:
+        cluster.stop()
