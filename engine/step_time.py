@@ -129,6 +129,7 @@ class StepTimeFit:
         self.refit_every = refit_every
         self.num_samples = 0
         self.first: list[StepSample] = []  # the prior: the pod's first steps, kept for good
+        self._prior: tuple[float, ...] | None = None  # the prior's steps' own fit, once they are all in
         self.model = StepTimeModel()
 
     def observe(self, sample: StepSample) -> None:
@@ -144,25 +145,49 @@ class StepTimeFit:
 
     def _fit(self) -> tuple[float, ...]:
         """Weighted least squares over the window and the prior's steps (together worth ``prior_weight``
-        steps once the window has any), with a tiny ridge for the features no step has varied yet."""
+        steps once the window has any), with a tiny ridge for the features no step has varied yet. A coefficient the
+        fit would make negative keeps the prior's own value instead (``_nonnegative_fit``): recent steps that barely
+        vary a feature cannot determine it. A decode pod lent prompts runs chunks of one size for a while; their
+        time says ``prefill_pass + size * per_prefill_token`` and nothing of the two apart, and a machine slower than
+        at warm-up tilted the fit to a negative token cost, clipped to 0: a model that "knew" no prompt token's cost
+        and lent nothing more (measured under load, 2026-11-27)."""
         # Relative errors (each step weighs 1 / its time squared): a long prefill's noise must not drown a decode's.
         recent = [(s, 1.0 / s.seconds ** 2) for s in self.window]
         first = [(s, 1.0 / s.seconds ** 2) for s in self.first]
-        if recent:  # the prior's steps weigh as much, together, as prior_weight average recent ones
-            scale = self.prior_weight / len(recent) * sum(w for _, w in recent) / sum(w for _, w in first)
-            first = [(s, w * scale) for s, w in first]
-        n = len(FEATURES)
-        a = [[0.0] * n for _ in range(n)]
-        b = [0.0] * n
-        for sample, weight in recent + first:
+        if not recent:
+            return _nonnegative_fit(first, fallback=(0.0,) * len(FEATURES))
+        if self._prior is None and len(self.first) == self.prior_steps:
+            self._prior = _nonnegative_fit(first, fallback=(0.0,) * len(FEATURES))
+        # the prior's steps weigh as much, together, as prior_weight average recent ones
+        scale = self.prior_weight / len(recent) * sum(w for _, w in recent) / sum(w for _, w in first)
+        return _nonnegative_fit(recent + [(s, w * scale) for s, w in first],
+                                fallback=self._prior or (0.0,) * len(FEATURES))
+
+
+def _nonnegative_fit(weighted: list[tuple[StepSample, float]], fallback: tuple[float, ...]) -> tuple[float, ...]:
+    """Least squares of the steps' seconds on their features; a coefficient that comes out negative is pinned to
+    its ``fallback`` (clipped at 0) and the others refitted, until none is negative."""
+    n = len(FEATURES)
+    pinned: dict[int, float] = {}
+    while True:
+        free = [i for i in range(n) if i not in pinned]
+        a = [[0.0] * len(free) for _ in free]
+        b = [0.0] * len(free)
+        for sample, weight in weighted:
             x = sample.features()
-            for i in range(n):
-                b[i] += weight * x[i] * sample.seconds
-                for j in range(n):
-                    a[i][j] += weight * x[i] * x[j]
-        for i in range(n):
-            a[i][i] += 1e-9 * (a[i][i] or 1.0)
-        return tuple(max(0.0, c) for c in _solve(a, b))
+            rest = sample.seconds - sum(value * x[i] for i, value in pinned.items())
+            for row, i in enumerate(free):
+                b[row] += weight * x[i] * rest
+                for col, j in enumerate(free):
+                    a[row][col] += weight * x[i] * x[j]
+        for row in range(len(free)):
+            a[row][row] += 1e-9 * (a[row][row] or 1.0)
+        solved = dict(zip(free, _solve(a, b)))
+        negative = [i for i, value in solved.items() if value < 0]
+        if not negative:
+            return tuple(pinned[i] if i in pinned else solved[i] for i in range(n))
+        for i in negative:
+            pinned[i] = max(0.0, fallback[i])
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

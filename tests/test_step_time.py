@@ -71,6 +71,27 @@ def test_a_mixed_step_pays_both_passes_though_the_fit_saw_none():
     assert model.largest_chunk(3, 3 * 400, within_s=0.8 * 0.025, chunk_start=100) == 0
 
 
+def test_chunks_of_one_size_on_a_slower_machine_keep_the_warm_ups_token_cost():
+    """A decode pod lent prompts chunks them at one size for a while, on a machine slower than at its warm-up: those
+    steps say nothing of the chunk's fixed pass and its per-token cost apart. The fit keeps the token cost the
+    warm-up's spread of sizes measured (a plain fit tilted it negative, clipped to 0: a model that knew no prompt
+    token's cost, and lent nothing more) and still predicts the steps it sees."""
+    rng = random.Random(4)
+    prior = synthetic_steps(TRUE, 32, rng)  # the warm-up: chunk sizes 16 to 384, decodes
+    slower = StepTimeModel(*(1.5 * c for c in TRUE.as_tuple()), num_samples=1)
+    window = []
+    for _ in range(200):
+        rows = rng.randint(0, 2)
+        chunk, context = (16, attention_positions(rng.randint(0, 300), 16)) if rng.random() < 0.5 else (0, 0)
+        context += rows * rng.randint(50, 400)
+        window.append(StepSample(rows, chunk, context, slower.predict(rows, chunk, context)
+                                 * (1 + rng.uniform(-0.03, 0.03))))
+    model = fitted(prior + window, window=128, prior_steps=32)
+    assert model.known and model.per_prefill_token == pytest.approx(TRUE.per_prefill_token, rel=0.3)
+    seen = (1, 16, 300 + attention_positions(150, 16))
+    assert model.predict(*seen) == pytest.approx(slower.predict(*seen), rel=0.1)
+
+
 def test_the_fit_follows_the_pod_getting_slower():
     rng = random.Random(2)
     slower = StepTimeModel(*(2 * c for c in TRUE.as_tuple()), num_samples=1)
