@@ -111,9 +111,10 @@ class Cluster:
         if not prefill or not decode or not self.config.pin_cpus:
             raise ValueError("lend_decode_cpus needs prefill and decode pods (not --scheduling colocated) and "
                              "pinned CPUs")
-        if self.config.ranks(Role.PREFILL) > 1:
-            raise ValueError("lend_decode_cpus with prefill_tensor_parallel_size or prefill_pipeline_parallel_size "
-                             "> 1 is not built: only rank 0 of each prefill pod would borrow them")
+        for name in ("prefill_tensor_parallel_size", "prefill_pipeline_parallel_size"):
+            if getattr(self.config, name) > 1:
+                raise ValueError(f"lend_decode_cpus with {name} > 1 is not built: only rank 0 of each prefill pod "
+                                 "would borrow them")
         lent = frozenset().union(*(self.cpu_plan[p.name].cpus for p in decode))
         shared = lent & frozenset().union(*(self.cpu_plan[p.name].cpus for p in prefill))
         if shared:
