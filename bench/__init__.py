@@ -7,7 +7,8 @@ regimes, the codec measurements, ``--json`` / ``--plot``) is the measurement lib
 
 - ``engine.py``: the engine against ``transformers`` on the same weights, prefill and decode;
 - ``codecs.py``: every KV codec's size, speed and model quality against the lossless path; ``codecs_served.py``:
-  its ``--through-up`` run, each codec's agreement over a real cluster;
+  its ``--through-up`` run, each codec's agreement over a real cluster; ``codec_variants.py``: variants it measures
+  that no pod serves (keys per channel, keys before RoPE);
 - ``transfer.py``: a prompt's KV pushed between real pods, overlap on and off, per codec;
 - ``phases.py`` (with ``step_cost.py``, a step's FLOPs and bytes): prefill and decode against the machine's limits;
   ``prefill_formats.py``: its ``--prefill-formats`` run, float32 and bf16 prefill side by side;

@@ -23,6 +23,8 @@ Per codec:
     position, not only until a first divergence: perplexity = exp(mean NLL), as a % change against codec ``none``;
     top-1 agreement, the share of positions whose most likely next token is the lossless path's; and the mean KL
     divergence KL(lossless || codec) of the next-token distributions, in nats.
+``X@kc`` (keys scaled per channel) and ``X@prerope`` (keys quantized before RoPE) name variants of codec X that no pod
+serves (codec_variants.py): measured like the rest, left out of the quality table.
 An ``X+zstd`` codec decodes to exactly X's tensor (zstd is lossless), so its quality figures are X's, taken in the
 same round trip; only its size is its own, measured on the very KV X encoded.
 Then the ``TARGETS`` per cache dtype: size, perplexity and agreement bounds per codec. ``--quality-table PATH``
@@ -43,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from splitserve.bench import codecs_served
+from splitserve.bench import codec_variants, codecs_served
 from splitserve.engine import LLMEngine, SamplingParams
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import CACHE_DTYPES as ENGINE_CACHE_DTYPES
@@ -51,7 +53,7 @@ from splitserve.engine.config import DEFAULT_MODEL
 from splitserve.engine.kv_cache import KV_KINDS
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.text.tokenizer_files import load_tokenizer
-from splitserve.kvtransfer.codecs import KVCodec, available_codecs, get_codec
+from splitserve.kvtransfer.codecs import KVCodec, available_codecs
 from splitserve.measure.codec_agreement import (
     AGREEMENT_GROUP,
     KVTally,
@@ -218,8 +220,12 @@ def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_t
     engine = load_model(model, cache_dtype, groups, max_tokens,
                         longest_other=max(SPEED_CHUNK_TOKENS, CONTEXT_TOKENS + SCORED_TOKENS)).engine
     chunk = speed_chunk(engine, text)
+
+    def codec_named(name: str) -> KVCodec:  # X@kc, X@prerope: variants of codec X (codec_variants.py)
+        return codec_variants.named_codec(name, engine.model_config)
+
     # Back to back, so that every codec's speed is taken under the same load on the machine.
-    speeds = {name: codec_speed(get_codec(name), chunk, repeat) for name in codecs}
+    speeds = {name: codec_speed(codec_named(name), chunk, repeat) for name in codecs}
     log(f"measured encode/decode speeds on one layer's K and V of {SPEED_CHUNK_TOKENS} tokens, best of {repeat} runs")
     log(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens in groups of "
         f"{AGREEMENT_GROUP}, {max_tokens} greedy tokens each; {len(windows)} teacher-forced windows of "
@@ -236,15 +242,15 @@ def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_t
         group_reference, prefilled = reference_run(engine, group, max_tokens)
         reference += group_reference
         for name in measured:
-            sized = {other: (get_codec(other), tallies[other]) for other in zstd_of[name]}
-            outputs[name] += greedy_outputs(engine, prefilled, max_tokens, get_codec(name), tallies[name], sized)
+            sized = {other: (codec_named(other), tallies[other]) for other in zstd_of[name]}
+            outputs[name] += greedy_outputs(engine, prefilled, max_tokens, codec_named(name), tallies[name], sized)
         log(f"group {number}/{len(groups)}: every codec's greedy run ({time.perf_counter() - start:.1f} s)")
     contexts = prefill_contexts(engine, windows)
-    lossless = [window_logprobs(engine, context, get_codec("none"), KVTally(), {}) for context in contexts]
+    lossless = [window_logprobs(engine, context, codec_named("none"), KVTally(), {}) for context in contexts]
     figures: dict[str, CodecFigures] = {}
     for name in measured:
-        sized = {other: (get_codec(other), tallies[other]) for other in zstd_of[name]}
-        forced = teacher_forced(engine, contexts, get_codec(name), tallies[name], sized, lossless)
+        sized = {other: (codec_named(other), tallies[other]) for other in zstd_of[name]}
+        forced = teacher_forced(engine, contexts, codec_named(name), tallies[name], sized, lossless)
         agree, identical = agreement(reference, outputs[name])
         for figured in (name, *sized):
             tally = tallies[figured]
@@ -258,8 +264,6 @@ def run(model: str, codecs: list[str], cache_dtype: str, num_prompts: int, max_t
         f.ppl_change_pct = 100.0 * (f.perplexity / figures["none"].perplexity - 1.0)
     return {"cache_dtype": cache_dtype, "codecs": {name: asdict(figures[name]) for name in codecs},
             "targets": targets(figures, len(prompts))}
-
-
 
 
 def targets(figures: dict[str, CodecFigures], num_prompts: int) -> list[dict]:
@@ -287,7 +291,8 @@ def quality_table(results: dict) -> dict:
                                             "ratio_to_bf16": round(f["ratio_to_bf16"], 3),
                                             "encode_mb_s": round(f["encode_mb_s"]),
                                             "decode_mb_s": round(f["decode_mb_s"])}
-                                     for name, f in run["codecs"].items()}
+                                     for name, f in run["codecs"].items()
+                                     if name == codec_variants.registered_name(name)}  # no pod serves variants
                              for dtype, run in results["cache_dtypes"].items()}}
 
 
@@ -338,7 +343,8 @@ class CodecsBenchConfig(FiguresOutput):
 
     model: str = field(default=DEFAULT_MODEL, metadata=described("Model to load (tiny-random for a quick run)."))
     codecs: list[str] = field(default_factory=available_codecs, metadata=described(
-        "Codecs to measure (none is always measured: it is the baseline)."))
+        "Codecs to measure (none is always measured: it is the baseline); X@kc: fp8 or int8 with keys scaled per "
+        "channel, X@prerope: X on keys un-rotated before quantizing (bench/codec_variants.py)."))
     cache_dtypes: list[str] = field(default_factory=lambda: list(CACHE_DTYPES), metadata=described(
         "KV cache dtypes to measure on, each a run of its own (float16: the pods' default)."))
     prompts: int = field(default=40, metadata=described("Greedy-agreement prompts (20 short, then 20 long)."))
@@ -355,7 +361,7 @@ class CodecsBenchConfig(FiguresOutput):
         "--through-up: requests in flight at once."))
 
     def __post_init__(self) -> None:
-        check_kv_codecs("codecs", self.codecs)
+        check_kv_codecs("codecs", [codec_variants.registered_name(name) for name in self.codecs])
         if not self.cache_dtypes or not set(self.cache_dtypes) <= set(ENGINE_CACHE_DTYPES):
             raise ValueError(f"cache_dtypes must name some of {', '.join(ENGINE_CACHE_DTYPES)}, "
                              f"got {self.cache_dtypes!r}")

@@ -7,8 +7,14 @@ Keys and values are treated alike. An all-zero row gets scale 0 and decodes to z
 Layout: ``payload`` = codes [T, H, D] (int8, or e4m3fn bytes), ``scales`` = float16 [T, H].
 bytes_per_element = 1 + 2 / head_dim (1.03125 at head_dim 64: 1.94x smaller than bf16).
 
-Error per element, ``s`` the stored scale: int8 <= s / 2; fp8 <= max(|x| / 16, s / 1024) (e4m3 keeps 3 mantissa bits:
-half an ulp is at most 2^-4 of the value for normals; subnormals are spaced 2^-9 apart in scaled units).
+A variant may scale a kind per (head, channel) over the range's T tokens instead (``per_channel_kinds``; scales
+float16 [H, D]), KIVI's remedy for keys' outlier channels. No registered codec does: ``bench codecs`` measures
+``fp8@kc`` (fp8, keys per channel; bench/codec_variants.py) and it did not help (docs/PERFORMANCE.md, "KV codecs").
+
+Error per element, ``s`` the stored scale (its row's, or its channel's): int8 <= s / 2; fp8 <= max(|x| / 16, s / 1024)
+(e4m3 keeps 3 mantissa bits: half an ulp is at most 2^-4 of the value for normals; subnormals are spaced 2^-9 apart
+in scaled units). So an e4m3 code's error is relative whatever the scale, except for values below e4m3's normals
+(2^-6 in scaled units): per-channel scales help fp8 only where a row spans more than e4m3's 2^15 of dynamic range.
 """
 
 from __future__ import annotations
@@ -35,34 +41,40 @@ _FLOAT16_SIGN_AND_E4M3 = -16385  # 0xBFFF as int16: every bit but the float16 ex
 
 
 class SymmetricScaledCodec(KVCodec):
-    """One float16 scale per (token, head); subclasses say the code type and its largest magnitude."""
+    """One float16 scale per (token, head); subclasses say the code type and its largest magnitude, and may scale
+    a kind per channel instead (``per_channel_kinds``)."""
 
     code_dtype: torch.dtype
     qmax: float
+    per_channel_kinds: tuple[str, ...] = ()  # kinds scaled per (head, channel) over the range's tokens
 
     def bytes_per_element(self, head_dim: int, cache_dtype: torch.dtype = torch.float32) -> float:
-        return 1 + _SCALE_BYTES / head_dim
+        per_token_kinds = 2 - len(self.per_channel_kinds)  # a per-channel kind's scales vanish over a long range
+        return 1 + _SCALE_BYTES / head_dim * per_token_kinds / 2
 
     def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str,
                        span: KVSpan | None = None) -> tuple[int, int]:
-        tokens, heads, _ = shape
-        return math.prod(shape), tokens * heads * _SCALE_BYTES
+        return math.prod(shape), math.prod(self._scale_shape(shape, kind)) * _SCALE_BYTES
+
+    def _scale_shape(self, shape: tuple[int, ...], kind: str) -> tuple[int, int, int]:
+        tokens, heads, head_dim = shape
+        return (1, heads, head_dim) if kind in self.per_channel_kinds else (tokens, heads, 1)
 
     def _encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
         x32 = x.float()  # [T, H, D]
-        amax = x32.abs().amax(dim=-1, keepdim=True)  # [T, H, 1]
-        scale = round_up_to_float16(divide(amax, self.qmax))  # [T, H, 1] float16
+        over = 0 if kind in self.per_channel_kinds else -1  # tokens (per channel) or channels (per token)
+        amax = x32.abs().amax(dim=over, keepdim=True)  # [1, H, D] or [T, H, 1]
+        scale = round_up_to_float16(divide(amax, self.qmax))  # float16, amax's shape
         scale32 = scale.float()
-        scaled = x32 / torch.where(scale32 > 0, scale32, 1.0)  # all-zero rows stay zero
+        scaled = x32 / torch.where(scale32 > 0, scale32, 1.0)  # all-zero rows and channels stay zero
         codes = self._to_codes(scaled)  # [T, H, D]
         return EncodedKV(
             self.name, kind, dtype_name(x.dtype), tuple(x.shape), tensor_buffer(codes), tensor_to_bytes(scale)
         )
 
     def _decode(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
-        tokens, heads, _ = enc.shape
         codes = tensor_from_bytes(enc.payload, self.code_dtype, enc.shape, device)  # [T, H, D]
-        scale = tensor_from_bytes(enc.scales, torch.float16, (tokens, heads, 1), device)  # [T, H, 1]
+        scale = tensor_from_bytes(enc.scales, torch.float16, self._scale_shape(enc.shape, enc.kind), device)
         return self._dequantize(codes, scale.float())
 
     @abstractmethod
@@ -71,7 +83,7 @@ class SymmetricScaledCodec(KVCodec):
 
     @abstractmethod
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """codes [T, H, D] times float32 scale [T, H, 1] -> float32 [T, H, D]."""
+        """codes [T, H, D] times float32 scale [T, H, 1] or [1, H, D] -> float32 [T, H, D]."""
 
 
 class Int8Codec(SymmetricScaledCodec):
@@ -101,3 +113,4 @@ class FP8Codec(SymmetricScaledCodec):
         # (subnormals included). int8 -> int16 sign-extends, so after << 7 bit 14 must be cleared (0xBFFF).
         bits = codes.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(_FLOAT16_SIGN_AND_E4M3)
         return bits.view(torch.float16) * (scale * 2.0**8)
+
