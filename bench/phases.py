@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import statistics
 import time
@@ -88,6 +89,9 @@ class PhasesConfig(FiguresOutput):
     machine_rounds: int = field(default=3, metadata=described(
         "Rounds of the peak and bandwidth measurements, before and after (best kept)."))
     threads: int = field(default=0, metadata=described("Torch compute threads (0: torch's default)."))
+    tensor_parallel_size: int = field(default=EngineConfig.tensor_parallel_size, metadata=described(
+        "Ranks the engine splits the model over, as a pod's flag (they share out this process's CPUs): the "
+        "--profile-out profile records it, and the simulator counts its pods at this many ranks."))
     profile_out: str = field(default="", metadata=described(
         "Also fit the step times to DistServe's forms and write the simulator's profile file here "
         "(bench/phase_profile.py, splitserve simulate)."))
@@ -113,6 +117,7 @@ class PhasesConfig(FiguresOutput):
 def run(config: PhasesConfig, log=print) -> dict:
     log("measuring the machine: fp32 matmul peak and read bandwidth ...")
     peak_before, read_before = matmul_peak(config.machine_rounds), read_bandwidth(config.machine_rounds)
+    cpus = len(os.sched_getaffinity(0))  # before a TP engine pins rank 0 to its share of them
     engine = _engine(config)
     cfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
@@ -149,6 +154,7 @@ def run(config: PhasesConfig, log=print) -> dict:
                         "read_gbps_before": read_before, "ridge_flop_per_byte": peak / read},
             "prefill_compute": engine.prefill_compute, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
             "prefill": prefill, "decode": decode, "threads": torch.get_num_threads(),
+            "tensor_parallel_size": config.tensor_parallel_size, "cpus": cpus,
             "prefill_steps": {n: [list(step) for step in steps] for n, steps in prefill_steps.items()}}
 
 
@@ -163,7 +169,8 @@ def _engine(config: PhasesConfig) -> LLMEngine:
     cache = CacheConfig(num_blocks=num_blocks, cache_dtype=config.cache_dtype)
     scheduler = SchedulerConfig(max_num_seqs=max(SchedulerConfig().max_num_seqs, max(config.batches)))
     return LLMEngine(EngineConfig(model=config.model, seed=config.seed, cache=cache, scheduler=scheduler,
-                                  prefill_compute_dtype=config.prefill_compute_dtype))
+                                  prefill_compute_dtype=config.prefill_compute_dtype,
+                                  tensor_parallel_size=config.tensor_parallel_size))
 
 
 def _prompt(rng: random.Random, cfg: ModelConfig, length: int) -> list[int]:
@@ -347,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.profile_out:
         profile = profile_from_phases(results, results["threads"], config.profile_note)
         profile.save(config.profile_out)
-        print(f"profile ({profile.threads} threads) written to {config.profile_out}: prefill step s = "
+        print(f"profile (TP {profile.tensor_parallel_size}, {profile.threads} threads per rank, {profile.cpus} CPUs) written to {config.profile_out}: prefill step s = "
               f"{_fit_text(profile.prefill, 'sum(n)', 'sum(n(s+n))')}; decode step s = "
               f"{_fit_text(profile.decode, 'sum(ctx)', 'batch')}")
     return results

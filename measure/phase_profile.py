@@ -84,7 +84,17 @@ class PhaseProfile:
     # What its prefill steps' products computed in (float32, bfloat16: the pods' resolved --prefill-compute-dtype);
     # the simulator picks its default profile by the format its pods would resolve (simulator/run.py).
     prefill_compute: str = "float32"
+    # The pod's size when measured: its ranks (--tensor-parallel-size; older profiles: 1) and the CPUs it ran on (the
+    # ranks share them out, engine/parallel/workers.py; 0, older profiles: threads x ranks). A simulated pod of this
+    # profile occupies ``pod_cpus``; the figures hold only for pods of this size.
+    tensor_parallel_size: int = 1
+    cpus: int = 0
     points: dict = field(default_factory=dict, compare=False)  # the measurements fitted, for the record
+
+    @property
+    def pod_cpus(self) -> int:
+        """The CPUs one pod of this profile occupies: those it was measured on, at least one per rank."""
+        return max(self.cpus or self.threads * self.tensor_parallel_size, self.tensor_parallel_size)
 
     def prefill_s(self, tokens: int, attention: int) -> float:
         """A prefill step's seconds: ``tokens`` = sum(n), ``attention`` = sum(n * (s + n)) over its chunks."""
@@ -131,4 +141,5 @@ def profile_from_phases(results: dict, threads: int, note: str) -> PhaseProfile:
     return PhaseProfile(model=results["model"], threads=threads, prefill=fit_step(prefill_points),
                         decode=fit_step(decode_points), kv_bytes_per_token=results["kv_bytes_per_token"], note=note,
                         prefill_compute=results.get("prefill_compute", "float32"),
+                        tensor_parallel_size=results.get("tensor_parallel_size", 1), cpus=results.get("cpus", 0),
                         points={"prefill": prefill_points, "decode": decode_points})

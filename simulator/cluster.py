@@ -54,6 +54,16 @@ class PodPool:
     count: int
     profile: PhaseProfile
 
+    @property
+    def cpus(self) -> int:
+        """The CPUs the pool occupies: each pod the CPUs of its profile's size (its ranks' share)."""
+        return self.count * self.profile.pod_cpus
+
+    def describe(self) -> str:
+        pod = self.profile
+        return (f"{self.role.value}:{self.count} x {pod.pod_cpus} CPU{'s' if pod.pod_cpus > 1 else ''} "
+                f"(TP {pod.tensor_parallel_size}) = {self.cpus}")
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -75,6 +85,11 @@ class ClusterSpec:
     # (the policy must then carry a HybridPlacement); colocated clusters come as pools of mixed pods.
     scheduling: Scheduling = Scheduling.DISAGGREGATED
     targets: SLOTargets = SLOTargets(1.0, 0.1)  # the router's --slo-ttft-s / --slo-tpot-s
+
+    @property
+    def cpus(self) -> int:
+        """The CPUs the cluster's pods occupy, every pool's pods counted at their profile's size."""
+        return sum(pool.cpus for pool in self.pools)
 
 
 @dataclass

@@ -46,7 +46,9 @@ class SimulatedCheck:
     def __init__(self, config: PlannerConfig):
         self.config = config
         self.slo = SLO(ttft=config.ttft_target_s, tpot=config.tpot_target_s)
-        self.profile = config.simulate_profile or str(DEFAULT_PROFILE)
+        # each pool's pods at its own profile (measured at its pods' size), else the one profile of both
+        self.profiles = {pool: getattr(config, f"{pool}_profile") or config.simulate_profile or str(DEFAULT_PROFILE)
+                         for pool in ("prefill", "decode")}
         self.last: dict[str, float] = {}
 
     def __call__(self, signals: Signals, decisions: list[PoolDecision]) -> list[PoolDecision]:
@@ -84,7 +86,8 @@ class SimulatedCheck:
         """The share of ``specs`` meeting both targets on ``pods`` prefill and decode pods, simulated."""
         if not pods.get("decode"):
             return 0.0
-        simulated = SimulateConfig(pools=[f"{pool}:{n}" for pool, n in pods.items()], profile=self.profile,
+        simulated = SimulateConfig(pools=[f"{pool}:{n}:{self.profiles[pool]}" for pool, n in pods.items()],
+                                   profile=self.profiles["decode"],
                                    rates=[1.0], max_prompt_tokens=0, max_output_tokens=0)
         records = simulated.cluster().run(specs, until=specs[-1].arrival_s + MIN_RUN_S)
         return self.slo.attained_by(records)

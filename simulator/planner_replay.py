@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from splitserve.deploy.planner.capacity import Planner, Replicas, Signals
 from splitserve.deploy.planner.config import PlannerConfig
+from splitserve.measure.phase_profile import PhaseProfile
 from splitserve.measure.figures import headless_pyplot, save_figure, save_results
 from splitserve.measure.serve_metrics import SLO, RequestRecord, percentile
 from splitserve.measure.workload import AZURE_CONV, RequestSpec, WorkloadConfig, build_workload
@@ -191,12 +192,13 @@ class ReplayedDay:
 def run(config: PlannerReplayConfig, log=print) -> dict:
     specs = day_workload(config)
     slo = SLO(ttft=config.ttft_ms / 1e3, tpot=config.tpot_ms / 1e3)
-    base = SimulateConfig(profile=config.profile, rates=[1.0]).cluster().spec.pools[0].profile
-    planner_config = PlannerConfig(
+    profile = PhaseProfile.load(config.profile)
+    ranks = profile.tensor_parallel_size
+    planner_config = PlannerConfig(  # its capacity priors: the profile's (PlannerConfig.with_profile_priors)
         ttft_target_s=slo.ttft, tpot_target_s=slo.tpot, interval_s=config.interval_s, window_s=config.window_s,
         max_prefill_replicas=config.max_replicas, max_decode_replicas=config.max_replicas,
-        prefill_tokens_per_s_per_pod=1.0 / base.prefill.b, decode_step_base_s=base.decode.a + base.step_overhead_s,
-        decode_step_per_seq_s=max(1e-6, base.decode.c + base.decode.b * 500))  # at a 500-token context
+        prefill_tensor_parallel_size=ranks, decode_tensor_parallel_size=ranks, prefill_profile=config.profile,
+        decode_profile=config.profile)
     started = time.perf_counter()
     check = SimulatedCheck(dataclasses.replace(planner_config, simulate_profile=config.profile)) \
         if config.simulate_check else None
@@ -208,8 +210,10 @@ def run(config: PlannerReplayConfig, log=print) -> dict:
     out = {"requests": len(specs), "slo": slo.describe(), "peak_pods": peak, "timeline": planned.timeline,
            "simulate_check": config.simulate_check}
     for name, day in (("planner", planned), ("static-at-peak", static)):
-        out[name] = {"attainment": slo.attained_by(day.records), "pod_hours": day.pod_seconds / 3600}
-        log(f"{name:<15} SLO attainment {out[name]['attainment']:.1%}, pod-hours {out[name]['pod_hours']:.1f}")
+        out[name] = {"attainment": slo.attained_by(day.records), "pod_hours": day.pod_seconds / 3600,
+                     "cpu_hours": day.pod_seconds / 3600 * profile.pod_cpus}  # a pod: the profile's CPUs
+        log(f"{name:<15} SLO attainment {out[name]['attainment']:.1%}, pod-hours {out[name]['pod_hours']:.1f} "
+            f"(CPU-hours {out[name]['cpu_hours']:.1f}: {profile.pod_cpus} CPUs a pod, TP {ranks})")
     log(f"{len(specs)} requests over a {config.day_s:g} s day; static pools: {peak}; "
         f"{time.perf_counter() - started:.0f} s of simulation")
     return out

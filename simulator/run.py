@@ -72,6 +72,9 @@ class SimulateConfig:
     prefill_compute_dtype: str = passed_to(PodConfig, name="prefill_compute_dtype", help=(
         "The pods' prefill compute format, resolved on this CPU as a pod resolves it: picks the shipped profile "
         "(float32 or bfloat16 prefill) where --profile names none."))
+    cpus: int = field(default=0, metadata=described(
+        "CPU budget the pools must fit: a pod occupies its profile's CPUs (the ranks it was measured at, "
+        "--tensor-parallel-size, sharing the CPUs it ran on); a layout over it is refused (0: no budget)."))
     speed: float = field(default=1.0, metadata=described(
         "Scale every profile's compute this many times faster (a what-if projection, not a measurement)."))
     router_s: float = field(default=-1.0, metadata=described(
@@ -143,6 +146,9 @@ class SimulateConfig:
                 pools.append(PodPool(role, int(count), self._profile(path) if path else default))
         if not any(pool.role.can_decode for pool in pools):
             raise ValueError(f"pools {self.pools}: no decode or mixed pod")
+        if self.cpus and sum(pool.cpus for pool in pools) > self.cpus:
+            raise ValueError(f"pools {', '.join(pool.describe() for pool in pools)} CPUs: "
+                             f"{sum(pool.cpus for pool in pools)} in all, over the --cpus budget {self.cpus}")
         per_block = default.kv_bytes_per_token * self.block_size
         return ClusterSpec(tuple(pools), SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                                          self.long_prefill_token_threshold),
@@ -255,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"splitserve simulate: {', '.join(config.pools)} ({sum(p.count for p in spec.pools)} pods, "
           f"{config.scheduling}); "
           f"{config.workload_at(config.rates[0]).describe_requests()}; targets {config.slo().describe()}")
+    print(f"CPUs: {', '.join(pool.describe() for pool in spec.pools)}; {spec.cpus} in all"
+          + (f" of the {config.cpus} budget" if config.cpus else ""))
     print(HEADER)
     result = sweep(config, spec)
     if all(math.isinf(rate) for rate in config.rates):  # a trace at its own timestamps: no rate to report
@@ -266,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"pools": config.pools, "scheduling": str(config.scheduling), "slo": config.slo().describe(),
            "goodput": result["max_rate_meeting_slo"] or 0.0,
            "profile": config.profile,
+           "cpus": {"pools": [pool.describe() for pool in spec.pools], "total": spec.cpus,
+                    "budget": config.cpus},
            "runs": {str(rate): summary for rate, summary in result["runs"].items()}}
     save_results(out, config.json, None)
     return out

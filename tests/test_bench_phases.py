@@ -4,7 +4,10 @@ tiny model's shape, and the benchmark run end to end on the tiny random model wi
 
 from __future__ import annotations
 
+import gc
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,8 @@ from splitserve.bench.step_cost import (
 )
 from splitserve.engine.weights.model_files import tiny_random_config
 from splitserve.measure.phase_profile import PhaseProfile
+
+SHIPPED = Path(__file__).parents[1] / "simulator" / "profiles" / "smollm2-135m-gguf-2thread.json"
 
 # tiny-random: hidden 64, 4 heads of 16 (2 KV heads), MLP 128, 4 layers, 259 tokens.
 CFG = tiny_random_config()
@@ -101,3 +106,24 @@ def test_prefill_formats_side_by_side_against_the_bf16_gemm_peak(tmp_path, capsy
             assert figures["peak_gflops"] > 0 and figures["share_of_peak"] > 0
     assert "1" in results["threads"]
     assert "prefill by compute format" in capsys.readouterr().out
+
+
+def test_a_tensor_parallel_profile_records_the_pod_size_it_was_measured_at(tmp_path):
+    """The simulator and the planner count a pod of this profile at its ranks and the CPUs they shared."""
+    profile_path, cpus = tmp_path / "profile.json", len(os.sched_getaffinity(0))
+    phases.main(["--model", "tiny-random", "--prompt-lens", "32", "--batches", "1", "--contexts", "32", "--steps", "2",
+                 "--repeat", "1", "--machine-rounds", "1", "--threads", "1", "--tensor-parallel-size", "2",
+                 "--profile-out", str(profile_path), "--json", str(tmp_path / "phases.json")])
+    gc.collect()  # the engine's ranks stop, and this process gets back the CPUs rank 0 was pinned to
+    profile = PhaseProfile.load(profile_path)
+    assert profile.tensor_parallel_size == 2
+    assert profile.cpus == cpus  # the CPUs the ranks shared out, not rank 0's share
+    assert profile.pod_cpus == max(profile.cpus, 2)
+
+
+def test_an_older_profile_is_one_rank_on_its_threads():
+    """Profiles written before the pod size was recorded: one rank, as many CPUs as threads."""
+    data = json.loads(SHIPPED.read_text())
+    assert "tensor_parallel_size" not in data and "cpus" not in data
+    profile = PhaseProfile.from_json(data)
+    assert (profile.tensor_parallel_size, profile.pod_cpus) == (1, data["threads"])

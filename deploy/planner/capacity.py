@@ -18,7 +18,9 @@ decode   demand: requests decoding at once if every one ran at the TPOT target (
          until then the profile's slope is anchored to the latest measurement. The batch is also capped by the
          pods' max_num_seqs and by what their KV caches hold.
 
-``PoolSizer`` turns a pool's need (in pods, fractional) into a replica count: bounds first, then hysteresis (it
+Capacities are per pod, of the pods' size: a pool's profile (``prefill_profile``, ``decode_profile``) must have been
+measured at its pods' tensor parallel size. ``PoolSizer`` turns a pool's need (in pods, fractional) into a replica
+count: bounds first (``max_*_replicas``, and a rank budget ``max_*_ranks`` over each pod's ranks), then hysteresis (it
 grows as soon as the need exceeds the pool, but shrinks only when the smaller pool would still run under
 target_utilization - hysteresis, in proportion when the queueing model planned lower), then cooldowns since the
 pool's last change. It is readiness-aware: while a pool has pods not ready (a previous decision starting) it holds
@@ -217,12 +219,13 @@ class Planner:
     """Both pools' decisions from one reading of the signals (stateful: capacities learnt, last changes)."""
 
     def __init__(self, config: PlannerConfig, started_at: float):
+        config = config.with_profile_priors()
         self.config = config
         self.prefill_capacity = PrefillCapacity(config.prefill_tokens_per_s_per_pod)
         self.decode_capacity = DecodeCapacity(config.decode_step_base_s, config.decode_step_per_seq_s)
         c = config
         self.sizers = {
-            pool: PoolSizer(pool, getattr(c, f"min_{pool}_replicas"), getattr(c, f"max_{pool}_replicas"),
+            pool: PoolSizer(pool, getattr(c, f"min_{pool}_replicas"), c.max_pods(pool),
                             c.scale_up_cooldown_s, c.scale_down_cooldown_s, c.max_scale_down_step, started_at,
                             settle_s=c.window_s)
             for pool in POOLS}

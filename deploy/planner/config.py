@@ -5,10 +5,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from splitserve.measure.phase_profile import PhaseProfile
 
 from splitserve.runtime.config import described
 from splitserve.runtime.service_level import DEFAULT_TPOT_S, DEFAULT_TTFT_S
+
+DECODE_PRIOR_CONTEXT = 500  # tokens: the context a profile's decode step line is read at for the prior
 
 
 @dataclass
@@ -39,6 +44,24 @@ class PlannerConfig:
     max_prefill_replicas: int = field(default=8, metadata=described("Most prefill pods."))
     min_decode_replicas: int = field(default=1, metadata=described("Fewest decode pods."))
     max_decode_replicas: int = field(default=8, metadata=described("Most decode pods."))
+    prefill_tensor_parallel_size: int = field(default=1, metadata=described(
+        "Ranks of each prefill pod (the chart's prefill.tensorParallelSize): a prefill pod counts this many against "
+        "max_prefill_ranks, and prefill_profile must have been measured at it."))
+    decode_tensor_parallel_size: int = field(default=1, metadata=described(
+        "Ranks of each decode pod (the chart's decode.tensorParallelSize), as prefill_tensor_parallel_size."))
+    max_prefill_ranks: int = field(default=0, metadata=described(
+        "Most ranks the prefill pool holds, its pods together (a rank: one process on its own cores, the chart's "
+        "per-rank resources): at most max_prefill_ranks // prefill_tensor_parallel_size pods (0: "
+        "max_prefill_replicas alone bounds the pool)."))
+    max_decode_ranks: int = field(default=0, metadata=described(
+        "Most ranks the decode pool holds, as max_prefill_ranks."))
+    prefill_profile: str = field(default="", metadata=described(
+        "Profile of one prefill pod (bench phases --tensor-parallel-size N --profile-out, N its ranks): its prefill "
+        "speed is the prior in place of prefill_tokens_per_s_per_pod, and the simulated check's prefill pods run "
+        "at it (empty: the flag's figure)."))
+    decode_profile: str = field(default="", metadata=described(
+        "Profile of one decode pod, as prefill_profile: its decode step line is the prior in place of "
+        "decode_step_base_s and decode_step_per_seq_s."))
     ttft_target_s: float = field(default=DEFAULT_TTFT_S, metadata=described(
         "TTFT target: prefill pods are loaded only as far as the queueing model keeps mean TTFT under it; a p99 "
         "over it adds a prefill pod."))
@@ -84,6 +107,13 @@ class PlannerConfig:
             low, high = getattr(self, f"min_{pool}_replicas"), getattr(self, f"max_{pool}_replicas")
             if not 0 <= low <= high:
                 raise ValueError(f"need 0 <= min_{pool}_replicas <= max_{pool}_replicas, got {low} and {high}")
+            ranks, budget = getattr(self, f"{pool}_tensor_parallel_size"), getattr(self, f"max_{pool}_ranks")
+            if ranks < 1 or budget < 0:
+                raise ValueError(f"need {pool}_tensor_parallel_size >= 1 and max_{pool}_ranks >= 0, got {ranks} "
+                                 f"and {budget}")
+            if self.max_pods(pool) < low:
+                raise ValueError(f"max_{pool}_ranks {budget} holds {self.max_pods(pool)} pods of {ranks} ranks, "
+                                 f"fewer than min_{pool}_replicas {low}")
         for name in ("interval_s", "window_s", "request_timeout_s", "ttft_target_s", "tpot_target_s",
                      "prefill_tokens_per_s_per_pod", "decode_step_base_s", "decode_step_per_seq_s", "decode_max_batch",
                      "max_scale_down_step", "simulate_requests"):
@@ -100,3 +130,32 @@ class PlannerConfig:
             raise ValueError(f"simulate_min_attainment must be in (0, 1], got {self.simulate_min_attainment}")
         if not 0 < self.kv_usage_high <= 1:
             raise ValueError(f"kv_usage_high must be in (0, 1], got {self.kv_usage_high}")
+
+    def max_pods(self, pool: str) -> int:
+        """The most pods ``pool`` may reach: its replica bound, and its rank budget over its pods' ranks."""
+        replicas, budget = getattr(self, f"max_{pool}_replicas"), getattr(self, f"max_{pool}_ranks")
+        return min(replicas, budget // getattr(self, f"{pool}_tensor_parallel_size")) if budget else replicas
+
+    def pool_profile(self, pool: str) -> PhaseProfile | None:
+        """``pool``'s profile, refused unless measured at its pods' tensor parallel size (None: none given)."""
+        path = getattr(self, f"{pool}_profile")
+        if not path:
+            return None
+        profile, ranks = PhaseProfile.load(path), getattr(self, f"{pool}_tensor_parallel_size")
+        if profile.tensor_parallel_size != ranks:
+            raise ValueError(f"{pool}_profile {path} was measured at tensor parallel size "
+                             f"{profile.tensor_parallel_size}, the {pool} pods run {ranks} ranks: measure it at "
+                             f"theirs (bench phases --tensor-parallel-size {ranks} --profile-out)")
+        return profile
+
+    def with_profile_priors(self) -> "PlannerConfig":
+        """These settings with the capacity priors read off the pools' profiles, where given: a prefill pod's prompt
+        tokens/s (its per-token step time; the quadratic and fixed terms make long and short prompts slower), a
+        decode pod's step line at a 500-token context (DECODE_PRIOR_CONTEXT)."""
+        changes = {}
+        if prefill := self.pool_profile("prefill"):
+            changes["prefill_tokens_per_s_per_pod"] = 1.0 / prefill.prefill.b
+        if decode := self.pool_profile("decode"):
+            changes["decode_step_base_s"] = decode.decode.a + decode.step_overhead_s
+            changes["decode_step_per_seq_s"] = max(1e-6, decode.decode.c + decode.decode.b * DECODE_PRIOR_CONTEXT)
+        return dataclasses.replace(self, **changes) if changes else self

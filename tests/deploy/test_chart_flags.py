@@ -61,7 +61,8 @@ def test_every_config_key_reaches_its_flag(chart, component):
     the process' config through the rendered command line."""
     hints = {f.name: f.type for f in dataclasses.fields(COMPONENTS[component])}
     schema = json.loads(SCHEMA_PATH.read_text())["properties"][component]["properties"]["config"]["properties"]
-    chosen = {name: EXISTING_FILES.get(name) or _other_value(spec) for name, spec in schema.items()}
+    chosen = {name: EXISTING_FILES.get(name) or BOUND_BY_OTHERS.get(name) or _other_value(spec)
+              for name, spec in schema.items()}
     values = {component: {"config": chosen}, "planner": {"enabled": component == "planner",
                                                            "config": {} if component != "planner" else chosen}}
     if component == "mixed":
@@ -86,6 +87,9 @@ def test_the_planner_checked_in_simulation_runs_from_the_simulator(chart, simula
 
 # Keys naming a file the process reads at start: another value must be a file that exists.
 EXISTING_FILES = {"kvQualityTable": str(Path(__file__).parents[2] / "kvtransfer" / "quality" / "smollm2-135m.json")}
+
+# Keys checked against others' values: a rank budget must hold the pool's minimum (minPrefillReplicas + 1 pods).
+BOUND_BY_OTHERS = {"maxPrefillRanks": 8, "maxDecodeRanks": 8}
 
 
 def _other_value(spec: dict):

@@ -20,7 +20,17 @@ import helm_python as helm
 import kmock as kmock_lib
 import pytest
 import yaml
-from test_chart import CHART, NAMESPACE, RELEASE, case_values, chart, objects, with_required  # noqa: F401 - chart: the fixture
+from test_chart import (  # noqa: F401 - chart: the fixture
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    case_values,
+    chart,
+    containers_by_component,
+    objects,
+    parsed_config,
+    with_required,
+)
 from test_planner_kubernetes import BUSY, DEPLOYMENTS, NAMES, cluster, deployment, loop_for, requests_made  # noqa: F401 - cluster: a fixture
 
 VERBS = {"GET": "get", "PATCH": "patch", "PUT": "update", "POST": "create", "DELETE": "delete"}
@@ -64,6 +74,17 @@ def test_the_rbac_evaluation_refuses_what_the_role_does_not_grant(role):
     assert not allowed(role, "PATCH", f"{base}/someone-else/scale")  # another release's Deployment
     assert not allowed(role, "GET", f"/apis/apps/v1/namespaces/other/deployments/{NAMES['decode']}")
     assert not allowed(role, "DELETE", f"{base}/{NAMES['prefill']}")
+
+
+@pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 1), (1, 4)])
+def test_the_planner_receives_each_pools_tensor_parallel_size(chart, prefill_ranks, decode_ranks):
+    """It counts each pod's ranks against its rank budgets: the sizes are the pools' own values, not a copy."""
+    values = with_required({"planner": {"enabled": True, "config": {"maxPrefillRanks": 8, "maxDecodeRanks": 8}},
+                            "prefill": {"tensorParallelSize": prefill_ranks},
+                            "decode": {"tensorParallelSize": decode_ranks}})
+    planner = parsed_config(containers_by_component(objects(chart, values))["planner"])
+    assert (planner.prefill_tensor_parallel_size, planner.decode_tensor_parallel_size) == (prefill_ranks, decode_ranks)
+    assert (planner.max_pods("prefill"), planner.max_pods("decode")) == (8 // prefill_ranks, min(8, 8 // decode_ranks))
 
 
 def test_planner_role_allows_only_reading_and_scaling_the_two_deployments(chart):
