@@ -54,6 +54,9 @@ class RatiosConfig:
         "Cap every prompt (2,048: the longest prompt the shipped profile measured; the context is 8,192)."))
     max_output_tokens: int = field(default=1000, metadata=described("Cap every output."))
     profile: str = field(default=str(DEFAULT_PROFILE), metadata=described("Profile of every pod."))
+    prefill_profile: str = field(default="", metadata=described(
+        "Profile of the P:D layouts' prefill pods, e.g. measured at another tensor parallel size than the decode "
+        "pods' (empty: --profile). Pods then differ in CPUs: each layout's CPUs and goodput per CPU are reported."))
     scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
         "Of the P:D layouts, as splitserve up's: 'disaggregated' (every prompt on a prefill pod) or 'hybrid' (each "
         "prompt prefilled remotely or lent to its decode pod, one sweep per regime, the router told its targets); "
@@ -72,10 +75,12 @@ class RatiosConfig:
             raise ValueError(f"unknown traces or regimes: {', '.join(unknown)}")
 
 
-def layouts(pods: int, shares: list[float]) -> list[tuple[str, list[str]]]:
-    """(name, pools) of every distinct P:D split of ``pods`` at ``shares``, then all of them mixed."""
+def layouts(pods: int, shares: list[float], prefill_profile: str = "") -> list[tuple[str, list[str]]]:
+    """(name, pools) of every distinct P:D split of ``pods`` at ``shares`` (its prefill pods at ``prefill_profile``
+    where given), then all of them mixed."""
     splits = sorted({min(pods - 1, max(1, round(pods * share))) for share in shares})
-    return [(f"{p}:{pods - p}", [f"prefill:{p}", f"decode:{pods - p}"]) for p in splits] + [
+    own = f":{prefill_profile}" if prefill_profile else ""
+    return [(f"{p}:{pods - p}", [f"prefill:{p}{own}", f"decode:{pods - p}"]) for p in splits] + [
         ("colocated", [f"mixed:{pods}"])]
 
 
@@ -128,15 +133,21 @@ def run(config: RatiosConfig, log=print) -> dict:
     for trace in config.traces:
         for pods in config.pods:
             started = time.perf_counter()
-            rows = {}
-            for name, pools in layouts(pods, config.prefill_shares):
+            rows, cpus = {}, {}
+            for name, pools in layouts(pods, config.prefill_shares, config.prefill_profile):
                 rows[name] = sweep_layout(config, trace, pods, pools, log)
+                cpus[name] = SimulateConfig(pools=pools, profile=config.profile).cluster_spec().cpus
             results[f"{trace}/{pods}"] = rows
-            log(f"{trace}, {pods} pods ({time.perf_counter() - started:.0f} s of simulation):")
+            results[f"{trace}/{pods}/cpus"] = cpus  # each pod its profile's CPUs (ranks x threads)
+            log(f"{trace}, {pods} pods ({time.perf_counter() - started:.0f} s of simulation); CPUs: "
+                + "  ".join(f"{layout} {n}" for layout, n in cpus.items()))
             for regime in config.regimes:
                 best = max(rows, key=lambda layout: rows[layout][regime])
                 cells = "  ".join(f"{layout} {rows[layout][regime] / pods:.3f}" for layout in rows)
                 log(f"  {regime:<11} best {best:<10} goodput/pod: {cells}")
+                if len(set(cpus.values())) > 1:  # pods of different sizes: per pod no longer compares them
+                    cells = "  ".join(f"{layout} {rows[layout][regime] / cpus[layout]:.3f}" for layout in rows)
+                    log(f"  {'':<11} {'':<15} goodput/CPU: {cells}")
     return results
 
 

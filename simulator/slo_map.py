@@ -24,6 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from splitserve.measure.figures import save_results
+from splitserve.measure.phase_profile import PhaseProfile
 from splitserve.measure.serve_metrics import SLO
 from splitserve.measure.slo_regimes import BASELINE_BUDGET, CALIBRATION_REQUESTS, REGIMES
 from splitserve.measure.workload import AZURE_CONV, build_workload
@@ -112,8 +113,9 @@ def run(config: SLOMapConfig, log=print) -> dict:
     slos = {regime.name: regime.slo(ttft0, tpot0) for regime in REGIMES}
     log(f"single request: TTFT {ttft0 * 1e3:.0f} ms, TPOT {tpot0 * 1e3:.1f} ms; regimes: "
         + "; ".join(f"{name} {slo.describe()}" for name, slo in slos.items()))
+    pod_cpus = PhaseProfile.load(config.profile).pod_cpus  # one profile: every layout of N pods holds N x this
     results = {"ttft0_s": ttft0, "tpot0_s": tpot0, "regimes": {n: s.describe() for n, s in slos.items()},
-               "goodput": {}}
+               "goodput": {}, "cpus": {str(pods): pods * pod_cpus for pods in config.pods}}
     for pods in config.pods:
         rows = {str(s): sweep(config, pods, s, slos) for s in SCHEDULINGS if s is not Scheduling.HYBRID}
         rows[str(Scheduling.HYBRID)] = {name: sweep(config, pods, Scheduling.HYBRID, {name: slo}, slo)[name]
@@ -121,7 +123,7 @@ def run(config: SLOMapConfig, log=print) -> dict:
         results["goodput"][str(pods)] = rows
         for name in slos:
             cells = "  ".join(f"{s} {rows[str(s)][name]['goodput']:.2f}" for s in SCHEDULINGS)
-            log(f"{pods:>4} pods  {name:<11} goodput req/s: {cells} (hybrid lent "
+            log(f"{pods:>4} pods ({pods * pod_cpus} CPUs) {name:<11} goodput req/s: {cells} (hybrid lent "
                 f"{rows[str(Scheduling.HYBRID)][name]['on_decode']:.0%} of prompts at its goodput)")
     return results
 
