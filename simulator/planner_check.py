@@ -7,9 +7,10 @@ simulated clusters, the pools as they are and as decided:
     workload   ``simulate_requests`` requests, Poisson at the measured request rate, lengths shaped like the
                conversation trace (``azure-conv``) and scaled to the measured mean prompt and output lengths
                (the router's token rates over its request rate);
-    cluster    that many prefill and decode pods, each as fast as ``simulate_profile`` says (``bench phases
-               --profile-out`` on the pods' machine), the engine's scheduler and the router's policy on a virtual
-               clock (``simulator/``);
+    cluster    that many prefill and decode pods, each as fast as its pool's profile says (``prefill_profile``,
+               ``decode_profile``: measured at the pods' tensor parallel size; else ``simulate_profile``; ``bench
+               phases --profile-out`` on the pods' machine), the engine's scheduler and the router's policy on a
+               virtual clock (``simulator/``);
     verdict    the share of the requests meeting both of the planner's targets (TTFT and TPOT): the predicted
                attainment, exported as ``splitserve_planner_predicted_attainment{plan="current"|"decided"}``.
 

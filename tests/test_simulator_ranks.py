@@ -59,3 +59,12 @@ def test_the_ratio_study_reports_cpus_per_layout_and_goodput_per_cpu(tp2):
     results = ratios.run(config, log=logged.append)
     assert results["conv/3/cpus"] == {"1:2": 1 * 2 + 2, "colocated": 3}
     assert any("goodput/CPU" in line for line in logged)
+
+
+def test_the_planners_check_runs_each_pool_at_its_own_profile(tp2):
+    from splitserve.deploy.planner.config import PlannerConfig
+    from splitserve.simulator.planner_check import SimulatedCheck
+
+    check = SimulatedCheck(PlannerConfig(prefill_tensor_parallel_size=2, prefill_profile=tp2,
+                                         simulate_profile=str(DEFAULT_PROFILE)))
+    assert check.profiles == {"prefill": tp2, "decode": str(DEFAULT_PROFILE)}
