@@ -51,7 +51,7 @@ def named_codec(name: str, model_config: ModelConfig) -> KVCodec:
 
 def channel_keys(codec: KVCodec) -> KVCodec:
     """``codec`` (fp8 or int8) with its keys scaled per (head, channel), under the name ``X@kc``."""
-    if not isinstance(codec, SymmetricScaledCodec):
+    if type(codec) not in SymmetricScaledCodec.__subclasses__():  # a name the user gave: ValueError, not TypeError
         raise ValueError(f"{codec.name}{CHANNEL_KEYS}: only fp8 and int8 have per-token key scales to replace")
     variant = copy.copy(codec)
     variant.name, variant.per_channel_kinds = codec.name + CHANNEL_KEYS, ("k",)
