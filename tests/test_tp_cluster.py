@@ -195,12 +195,18 @@ def test_smollm2_pods_of_different_degrees_answer_as_the_offline_engine(tmp_path
         cluster.stop()
 
 
+# The ranks a pod's engine runs on: split by tensor (this module) or by pipeline stage (tests/test_pp_cluster.py);
+# a rank's death takes the same path either way (engine/parallel/workers.py).
+PARALLEL = ("tensor", "pipeline")
+
+
 @pytest.mark.e2e
-def test_a_rank_killed_mid_request_restarts_its_pod_whole(tmp_path, start_cluster, offline):
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_rank_killed_mid_request_restarts_its_pod_whole(tmp_path, start_cluster, offline, parallel):
     """SIGKILL of a decode pod's rank 1 while it streams: the stream moves to the pod's next life (the router's
     migration, which waits for it) and gives the offline answer, or fails with a clear error; the pod ends, its
     supervisor starts it again with new ranks, it serves, and every block is free on every pod."""
-    cluster = start_cluster(tmp_path, **TP_CLUSTER, decode_tensor_parallel_size=2)
+    cluster = start_cluster(tmp_path, **TP_CLUSTER, **{f"decode_{parallel}_parallel_size": 2})
     try:
         decode = cluster.pods[1]
         (rank,) = rank_workers(cluster.pid(decode.name))
@@ -222,11 +228,13 @@ def test_a_rank_killed_mid_request_restarts_its_pod_whole(tmp_path, start_cluste
 
 
 @pytest.mark.e2e
-def test_a_prefill_rank_killed_before_a_request_fails_the_pod_not_the_request(tmp_path, start_cluster, offline):
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_prefill_rank_killed_before_a_request_fails_the_pod_not_the_request(tmp_path, start_cluster, offline,
+                                                                               parallel):
     """SIGKILL of a prefill pod's rank 1, then a request at once: whether it meets the dying pod's failed step
     (UNAVAILABLE: the pod's failure, so the router retries, on the decode pod) or the pod already draining or back,
     it gives the offline answer; the prefill pod restarts once with new ranks, and every block is free."""
-    cluster = start_cluster(tmp_path, **TP_CLUSTER, prefill_tensor_parallel_size=2)
+    cluster = start_cluster(tmp_path, **TP_CLUSTER, **{f"prefill_{parallel}_parallel_size": 2})
     try:
         prefill = cluster.pods[0]
         (rank,) = rank_workers(cluster.pid(prefill.name))
