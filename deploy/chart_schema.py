@@ -59,7 +59,8 @@ CHART_OWNED = {
     "decode": _POD_OWNED | {"tpot_slack_chunking", "tpot_target_s", "kv_shm_dir"},
     "mixed": _POD_OWNED | {"kv_shm_dir"},
     "planner": {"host", "metrics_port", "namespace", "prefill_deployment", "decode_deployment", "kubeconfig",
-                "ttft_target_s", "tpot_target_s", "prefill_tensor_parallel_size", "decode_tensor_parallel_size"},
+                "ttft_target_s", "tpot_target_s", "prefill_tensor_parallel_size", "decode_tensor_parallel_size",
+                "prefill_pipeline_parallel_size", "decode_pipeline_parallel_size"},
 }
 
 _CODECS = list(available_codecs())

@@ -94,7 +94,8 @@ class LoadTracker:
             prefill_tokens_per_second=self._prefill_tokens_per_second,
             decode_step_seconds=self._decode_step_seconds, step_time=step_time_to_proto(engine.step_times.model),
             quantization=engine.config.weights_format, tensor_parallel_size=engine.config.tensor_parallel_size,
-            prefill_compute_dtype=engine.prefill_compute, cpu_features=matrix_flags())
+            pipeline_parallel_size=engine.config.pipeline_parallel_size, prefill_compute_dtype=engine.prefill_compute,
+            cpu_features=matrix_flags())
 
     # ---- event loop ------------------------------------------------------------------------------------------
 

@@ -80,13 +80,14 @@ def stages(cluster, pod) -> int:
 
 
 def check_answers(cluster, prompt_list: list[list[int]], answers: list[list[int]], sizes: tuple[int, int]) -> None:
-    """Each pod runs its stages, as the plan says, and reports no tensor parallelism (the KV wire is TP 1's);
+    """Each pod runs its stages, as the plan says, and reports them and no tensor parallelism (the KV wire is TP 1's);
     each prompt prefilled on the prefill pod, its KV loaded on the decode pod, gives ``answers``; every block is free
     after."""
     prefill, decode = cluster.pods
     for pod, size in zip((prefill, decode), sizes):
         assert stages(cluster, pod) == size == cluster.cpu_plan[pod.name].ranks, pod.name
-        assert pod_load(cluster.address(pod)).tensor_parallel_size == 1, pod.name
+        load = pod_load(cluster.address(pod))
+        assert (load.tensor_parallel_size, load.pipeline_parallel_size) == (1, size), pod.name
     got = [stream(cluster, prompt, len(answer), timeout_s=START_S) for prompt, answer in zip(prompt_list, answers)]
     assert [(a.finish, a.error) for a in got] == [("FINISH_REASON_LENGTH", "")] * len(prompt_list)
     assert [a.token_ids for a in got] == answers

@@ -49,6 +49,12 @@ class PlannerConfig:
         "max_prefill_ranks, and prefill_profile must have been measured at it."))
     decode_tensor_parallel_size: int = field(default=1, metadata=described(
         "Ranks of each decode pod (the chart's decode.tensorParallelSize), as prefill_tensor_parallel_size."))
+    prefill_pipeline_parallel_size: int = field(default=1, metadata=described(
+        "Pipeline stages of each prefill pod (the chart's prefill.pipelineParallelSize): a pod's ranks are its tensor "
+        "parallel size times this (the chart refuses both above 1)."))
+    decode_pipeline_parallel_size: int = field(default=1, metadata=described(
+        "Pipeline stages of each decode pod (the chart's decode.pipelineParallelSize), as "
+        "prefill_pipeline_parallel_size."))
     max_prefill_ranks: int = field(default=0, metadata=described(
         "Most ranks the prefill pool holds, its pods together (a rank: one process on its own cores, the chart's "
         "per-rank resources): at most max_prefill_ranks // prefill_tensor_parallel_size pods (0: "
@@ -107,10 +113,12 @@ class PlannerConfig:
             low, high = getattr(self, f"min_{pool}_replicas"), getattr(self, f"max_{pool}_replicas")
             if not 0 <= low <= high:
                 raise ValueError(f"need 0 <= min_{pool}_replicas <= max_{pool}_replicas, got {low} and {high}")
-            ranks, budget = getattr(self, f"{pool}_tensor_parallel_size"), getattr(self, f"max_{pool}_ranks")
-            if ranks < 1 or budget < 0:
-                raise ValueError(f"need {pool}_tensor_parallel_size >= 1 and max_{pool}_ranks >= 0, got {ranks} "
-                                 f"and {budget}")
+            budget = getattr(self, f"max_{pool}_ranks")
+            sizes = [getattr(self, f"{pool}_{kind}_parallel_size") for kind in ("tensor", "pipeline")]
+            if min(sizes) < 1 or budget < 0:
+                raise ValueError(f"need {pool}_tensor_parallel_size and {pool}_pipeline_parallel_size >= 1 and "
+                                 f"max_{pool}_ranks >= 0, got {sizes[0]}, {sizes[1]} and {budget}")
+            ranks = self.ranks(pool)
             if self.max_pods(pool) < low:
                 raise ValueError(f"max_{pool}_ranks {budget} holds {self.max_pods(pool)} pods of {ranks} ranks, "
                                  f"fewer than min_{pool}_replicas {low}")
@@ -131,16 +139,23 @@ class PlannerConfig:
         if not 0 < self.kv_usage_high <= 1:
             raise ValueError(f"kv_usage_high must be in (0, 1], got {self.kv_usage_high}")
 
+    def ranks(self, pool: str) -> int:
+        """The processes, each on its own cores, of one of ``pool``'s pods: tensor ranks times pipeline stages."""
+        return getattr(self, f"{pool}_tensor_parallel_size") * getattr(self, f"{pool}_pipeline_parallel_size")
+
     def max_pods(self, pool: str) -> int:
         """The most pods ``pool`` may reach: its replica bound, and its rank budget over its pods' ranks."""
         replicas, budget = getattr(self, f"max_{pool}_replicas"), getattr(self, f"max_{pool}_ranks")
-        return min(replicas, budget // getattr(self, f"{pool}_tensor_parallel_size")) if budget else replicas
+        return min(replicas, budget // self.ranks(pool)) if budget else replicas
 
     def pool_profile(self, pool: str) -> PhaseProfile | None:
         """``pool``'s profile, refused unless measured at its pods' tensor parallel size (None: none given)."""
         path = getattr(self, f"{pool}_profile")
         if not path:
             return None
+        if getattr(self, f"{pool}_pipeline_parallel_size") > 1:
+            raise ValueError(f"{pool}_profile {path}: no profile describes a pipeline-parallel pod yet (bench phases "
+                             f"measures tensor parallel sizes only): leave {pool}_profile empty")
         profile, ranks = PhaseProfile.load(path), getattr(self, f"{pool}_tensor_parallel_size")
         if profile.tensor_parallel_size != ranks:
             raise ValueError(f"{pool}_profile {path} was measured at tensor parallel size "

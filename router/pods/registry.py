@@ -74,6 +74,7 @@ class PodLoad:
     prefill_compute_dtype: str = ""
     cpu_features: tuple[str, ...] = ()
     tensor_parallel_size: int = 0  # the ranks its model is split over; 0 until its first report says
+    pipeline_parallel_size: int = 0  # the stages its layers are split over; 0 until its first report says
 
     @classmethod
     def from_proto(cls, message: common_pb2.PodLoad) -> "PodLoad":

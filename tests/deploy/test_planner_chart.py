@@ -87,6 +87,15 @@ def test_the_planner_receives_each_pools_tensor_parallel_size(chart, prefill_ran
     assert (planner.max_pods("prefill"), planner.max_pods("decode")) == (8 // prefill_ranks, min(8, 8 // decode_ranks))
 
 
+def test_the_planner_counts_a_pipeline_parallel_pods_stages_as_its_ranks(chart):
+    """A pod of two pipeline stages is two processes on their own cores, as a pod of two tensor ranks is."""
+    values = with_required({"planner": {"enabled": True, "config": {"maxPrefillRanks": 8, "maxDecodeRanks": 8}},
+                            "prefill": {"pipelineParallelSize": 2}})
+    planner = parsed_config(containers_by_component(objects(chart, values))["planner"])
+    assert (planner.prefill_pipeline_parallel_size, planner.decode_pipeline_parallel_size) == (2, 1)
+    assert (planner.ranks("prefill"), planner.max_pods("prefill"), planner.max_pods("decode")) == (2, 4, 8)
+
+
 def test_planner_role_allows_only_reading_and_scaling_the_two_deployments(chart):
     objs = objects(chart, case_values("planner"))
     role = next(o for o in objs if o["kind"] == "Role")

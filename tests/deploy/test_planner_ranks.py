@@ -26,6 +26,13 @@ def test_a_pool_of_tensor_parallel_pods_stops_at_its_rank_budget_over_their_rank
     assert c.max_pods("prefill") == reached and c.max_pods("decode") == 20  # no decode rank budget: replicas
 
 
+def test_pipeline_stages_count_as_ranks_and_no_profile_describes_them(tmp_path):
+    c = config(max_prefill_replicas=20, max_prefill_ranks=10, prefill_pipeline_parallel_size=2)
+    assert (c.ranks("prefill"), c.max_pods("prefill")) == (2, 5)
+    with pytest.raises(ValueError, match="no profile describes a pipeline-parallel pod"):
+        Planner(config(prefill_pipeline_parallel_size=2, prefill_profile=_profile_at(tmp_path, 1)), started_at=0.0)
+
+
 def test_a_rank_budget_too_small_for_the_pool_minimum_is_refused():
     with pytest.raises(ValueError, match="max_decode_ranks 3 holds 1 pods of 2 ranks"):
         config(min_decode_replicas=2, max_decode_ranks=3, decode_tensor_parallel_size=2)
