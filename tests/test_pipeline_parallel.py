@@ -48,8 +48,9 @@ def _run(pp: int, model: str, prompts: list[str]) -> tuple[list[list[int]], list
 
     llm.engine.runner.model.compute_logits = record
     tokens = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+    del llm.engine.runner.model.compute_logits  # the recorder held the model: it would outlive the collection
     del llm
-    gc.collect()  # stops the workers
+    gc.collect()  # stops the workers, and gives this process its CPUs back (rank 0 pinned it to its share)
     return tokens, seen
 
 
