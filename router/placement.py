@@ -92,16 +92,16 @@ class Placement:
 
     def _queue_wait_estimate(self) -> float:
         """Seconds until the least-queued prefilling pod would start a new prompt, from its measured rate."""
-        pods = self.registry.prefill_pods() or self.registry.decode_pods()
-        waits = [pod.prefill_wait_s for pod in pods]
+        waits = [pod.prefill_wait_s for pod in self.registry.prefill_pods() or self.registry.decode_pods()]
         return min((w for w in waits if w is not None), default=1.0)
 
     def _check_queue_time(self, plan: RoutePlan) -> None:
         limit = self.config.max_queue_time_s
         pod = plan.prefill or plan.decode
-        # Hybrid placement predicted the whole TTFT (a lent prompt's chunks included, which a pod's rate measured
-        # from its chunks beside decodes would overstate); otherwise the queue at the pod's measured rate.
-        wait = plan.predicted_ttft_s if plan.predicted_ttft_s is not None else pod.prefill_wait_s
+        # Hybrid placement's whole TTFT (a lent prompt's chunks too), else the queue at the pod's rate; an infinite
+        # one (no chunk fits beside D's decodes now; D prefills it as they end) is not a wait forever: the queue's.
+        predicted = plan.predicted_ttft_s
+        wait = predicted if predicted is not None and predicted != float("inf") else pod.prefill_wait_s
         if limit and wait is not None and wait > limit:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"the least loaded pod would start this prompt in about {wait:.1f} s "
