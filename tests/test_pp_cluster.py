@@ -2,7 +2,8 @@
 in ``splitserve up``, in the CPU plan and the chart; through ``splitserve up``, a prefill pod of 2 stages feeding a
 decode pod of one process gives the offline engine's greedy answers token for token. A stage killed ends in a
 retried request or a clear error while its pod restarts whole and no KV block leaks: the tensor-parallel rank-death
-path, which the pipeline's ranks share (engine/parallel/workers.py), tested for both in tests/test_tp_cluster.py.
+path, which the pipeline's ranks share (engine/parallel/workers.py): tested for both kinds of ranks in
+tests/test_tp_cluster.py, as are lending refused to such prefill pods and the chart's resources x ranks.
 
 A pipeline-parallel engine's KV pool is one file of every layer that rank 0 maps as an ordinary cache, so the KV
 wire and the handshake are a one-process pod's (tensor_parallel_size 1). It computes prefill in float32, so both
@@ -17,7 +18,7 @@ from splitserve.bench.soak import pod_load
 from splitserve.launcher import Cluster
 from splitserve.runtime.roles import Role
 from splitserve.up_config import UpConfig
-from tests.deploy.test_chart import chart, containers_by_component, objects, parsed_config  # noqa: F401 (fixture)
+from tests.deploy.test_chart import chart, objects  # noqa: F401 (fixture)
 from tests.reliability.live_cluster import MODEL, START_S, stream, wait_every_block_free
 from tests.test_tp_cluster import (  # noqa: F401 (fixtures)
     MAX_TOKENS,
@@ -47,24 +48,6 @@ def test_each_role_s_pods_get_their_stages_in_the_plan(tmp_path):
 def test_tensor_and_pipeline_parallel_together_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size both above 1 is not built"):
         UpConfig(model=MODEL, run_dir=str(tmp_path), decode_tensor_parallel_size=2, decode_pipeline_parallel_size=2)
-
-
-def test_lending_to_pipeline_parallel_prefill_pods_is_refused(tmp_path):
-    config = UpConfig(model=MODEL, run_dir=str(tmp_path), lend_decode_cpus=True, prefill_pipeline_parallel_size=2,
-                      prefill_cpus="0", decode_cpus="1", scheduling="disaggregated")
-    with pytest.raises(ValueError, match="prefill_pipeline_parallel_size > 1 is not built"):
-        Cluster(config)
-
-
-def test_the_chart_gives_a_pod_its_stages_and_n_times_one_rank_s_resources(chart):  # noqa: F811
-    rank = {"requests": {"cpu": "1500m", "memory": "1.5Gi"}, "limits": {"cpu": 2, "memory": "3Gi"}}
-    deployments = containers_by_component(objects(chart, {"prefill": {"pipelineParallelSize": 2, "resources": rank}}))
-    prefill = deployments["prefill"]["spec"]["template"]["spec"]["containers"][0]
-    assert prefill["resources"] == {"requests": {"cpu": "3000m", "memory": "3Gi"},
-                                    "limits": {"cpu": "4", "memory": "6Gi"}}
-    config = parsed_config(deployments["prefill"])
-    assert (config.pipeline_parallel_size, config.tensor_parallel_size, config.num_threads) == (2, 1, 4)
-    assert parsed_config(deployments["decode"]).pipeline_parallel_size == 1
 
 
 def test_the_chart_refuses_tensor_and_pipeline_parallel_on_one_pod(chart):  # noqa: F811

@@ -94,21 +94,29 @@ def test_a_layout_whose_heads_cannot_be_mapped_is_refused(ranges, reason):
     assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION and "rank_kv_heads" in str(refused.value)
 
 
-def test_lending_to_tensor_parallel_prefill_pods_is_refused(tmp_path):
-    config = UpConfig(model=MODEL, run_dir=str(tmp_path), lend_decode_cpus=True, prefill_tensor_parallel_size=2,
-                      prefill_cpus="0", decode_cpus="1", scheduling="disaggregated")
-    with pytest.raises(ValueError, match="prefill_tensor_parallel_size > 1 is not built"):
+# The ranks a pod's engine runs on: split by tensor (this module) or by pipeline stage (tests/test_pp_cluster.py);
+# a rank's death, lending and the chart's resources take the same path either way (engine/parallel/workers.py).
+PARALLEL = ("tensor", "pipeline")
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_lending_to_parallel_prefill_pods_is_refused(tmp_path, parallel):
+    config = UpConfig(model=MODEL, run_dir=str(tmp_path), lend_decode_cpus=True, prefill_cpus="0", decode_cpus="1",
+                      scheduling="disaggregated", **{f"prefill_{parallel}_parallel_size": 2})
+    with pytest.raises(ValueError, match=f"prefill_{parallel}_parallel_size > 1 is not built"):
         Cluster(config)
 
 
-def test_the_chart_gives_a_pod_its_ranks_and_n_times_one_rank_s_resources(chart):  # noqa: F811
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_the_chart_gives_a_pod_its_ranks_and_n_times_one_rank_s_resources(chart, parallel):  # noqa: F811
     rank = {"requests": {"cpu": "1500m", "memory": "1.5Gi"}, "limits": {"cpu": 2, "memory": "3Gi"}}
-    deployments = containers_by_component(objects(chart, {"decode": {"tensorParallelSize": 2, "resources": rank}}))
+    value = {"tensor": "tensorParallelSize", "pipeline": "pipelineParallelSize"}[parallel]
+    deployments = containers_by_component(objects(chart, {"decode": {value: 2, "resources": rank}}))
     decode = deployments["decode"]["spec"]["template"]["spec"]["containers"][0]
     assert decode["resources"] == {"requests": {"cpu": "3000m", "memory": "3Gi"}, "limits": {"cpu": "4", "memory": "6Gi"}}
-    config = parsed_config(deployments["decode"])
-    assert (config.tensor_parallel_size, config.num_threads) == (2, 4)  # threads: every rank's cores
-    assert parsed_config(deployments["prefill"]).tensor_parallel_size == 1
+    config, other = parsed_config(deployments["decode"]), parsed_config(deployments["prefill"])
+    assert (config.tensor_parallel_size * config.pipeline_parallel_size, config.num_threads) == (2, 4)  # every rank's
+    assert getattr(config, f"{parallel}_parallel_size") == 2 and getattr(other, f"{parallel}_parallel_size") == 1
 
 
 # ---- real clusters -------------------------------------------------------------------------------------------------
@@ -193,11 +201,6 @@ def test_smollm2_pods_of_different_degrees_answer_as_the_offline_engine(tmp_path
         check_answers(cluster, *smollm2_offline, degrees)
     finally:
         cluster.stop()
-
-
-# The ranks a pod's engine runs on: split by tensor (this module) or by pipeline stage (tests/test_pp_cluster.py);
-# a rank's death takes the same path either way (engine/parallel/workers.py).
-PARALLEL = ("tensor", "pipeline")
 
 
 @pytest.mark.e2e
