@@ -222,7 +222,8 @@ class LLMEngine:
 
     def warm_up_step_times(self, max_tokens: int = 4) -> None:
         """Run made-up prompts before serving so that the step-time fit has measured prompt tokens, decode rows and
-        attention context (a decode pod may otherwise see no prefill until it is lent one): prompts of growing length
+        attention context (a decode pod may otherwise see no prefill until it is lent one; a prefill pod, with
+        ``max_tokens`` 1, measures prompts alone, which the router's placement reads): prompts of growing length
         over one token stream, each prefilling after the previous one's cached prefix (chunks that start late),
         then fresh ones together. Call it before the engine loop starts; every request finishes here."""
         vocab = self.model_config.vocab_size

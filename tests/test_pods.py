@@ -38,6 +38,7 @@ from splitserve.decode_service.server import build_decode_services
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.block_manager import chained_block_hashes
 from splitserve.engine.kernels.cpu_features import matrix_features, prefill_compute_dtype
+from splitserve.engine.llm_engine import WARM_UP_PROMPTS
 from splitserve.kvtransfer.codecs import get_codec
 from splitserve.kvtransfer.handshake import KVLayout
 from splitserve.kvtransfer.link_codec import CodecQuality, LinkCodecChooser, QualityTable
@@ -790,6 +791,30 @@ def test_the_prefill_pod_reports_the_weight_forms_it_holds(pods):
     for form, nbytes in prefill.items():
         assert (f'splitserve_weight_memory_bytes{{form="{form}",model_name="tiny-random",role="prefill"}} '
                 f'{float(nbytes)}').encode() in body
+
+
+def test_a_prefill_pod_fits_its_step_time_model_before_it_serves():
+    """The router's hybrid placement predicts a prefill pod's prompts from the step-time model in its load report:
+    a pod that has served nothing reports one fitted on its warm-up prompts (without the warm-up it reported none,
+    and its first real prompt alone fitted one that put a prompt's whole cost on the attention term), and the
+    warm-up holds no block afterwards."""
+    thread = LoopThread()
+    config = PrefillConfig(host="127.0.0.1", port=0, metrics_port=0, model=MODEL, num_blocks=64)
+    pod = Pod(config, "prefill")
+
+    async def start() -> None:
+        await pod.start(await build_prefill_services(pod, config))
+
+    try:
+        thread.run(start())
+        with grpc.insecure_channel(f"127.0.0.1:{pod.port}") as channel:
+            load = pod_status_pb2_grpc.PodStatusStub(channel).GetLoad(pod_status_pb2.LoadRequest(), timeout=10)
+        assert load.step_time.num_samples >= len(WARM_UP_PROMPTS)  # a step per prompt at least
+        assert load.step_time.per_prefill_token_seconds > 0
+        assert load.free_kv_blocks == load.total_kv_blocks and load.num_running == load.num_waiting == 0
+    finally:
+        thread.run(pod.stop())
+        thread.close()
 
 
 # ---- kv_load_failure_policy: a push whose KV fails to load -------------------------------------------------------
