@@ -4,10 +4,15 @@ A decode pod lent prefill work (a prompt the router placed there, or the rest of
 interleaved with its decode steps. ``TPOTSlackBudget.tokens(decoding, now)`` sizes the chunk of the next step:
 
 1. each decoding sequence with a TPOT target (its own, ``Sequence.tpot_target_s``, else the pod's default) has a
-   *slack*: the target less the part of its current inter-token gap already gone (since
-   ``Sequence.last_token_time``). Every gap within the target keeps the request's TPOT, an average of its gaps,
-   within it too; a request is never held to gaps shorter than its target for having been slow before, so a lent
-   prompt is not starved by a decode's history;
+   *slack*: how long its next token may take and keep its TPOT, the average of its gaps, within the target. That
+   is the larger of two: the target less the part of its current gap already gone (since
+   ``Sequence.last_token_time``: a request is never held to gaps shorter than its target for having been slow
+   before, so a lent prompt is not starved by a decode's history), and what its earlier gaps left unspent (its
+   *bank*: k tokens here since its first one here at t1, ``Sequence.tpot_anchor``, keep the average within the
+   target while the next comes by t1 + k x target). A request decoding at 10 ms a token under a 74 ms target
+   banks 64 ms a token: a lent prompt then runs in a few long steps rather than many short ones, each of which pays
+   the prefill pass again. No gap is let past ``MAX_GAP_TARGETS`` targets, however large the bank: a stream may
+   pause, not stall;
 2. the step's allowance is the smallest slack, times ``headroom`` (the model's error and the loop's own overhead);
    with no decoding sequence, the pod's default target's (a request prefilled elsewhere may join at any step, and
    must not wait behind a whole prompt);
@@ -26,16 +31,14 @@ from __future__ import annotations
 from typing import Callable
 
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.step_time import PROBE_TOKENS, StepTimeModel
-
-HEADROOM = 0.8  # of the smallest slack a step may fill: the fit's error and the engine loop's own time
+from splitserve.engine.step_time import MAX_GAP_TARGETS, PROBE_TOKENS, SLACK_HEADROOM, StepTimeModel
 
 
 class TPOTSlackBudget:
     """The per-step prefill chunk of a decode pod (module docstring); engine thread only."""
 
     def __init__(self, model: Callable[[], StepTimeModel], default_target_s: float = 0.0,
-                 headroom: float = HEADROOM, probe_tokens: int = PROBE_TOKENS):
+                 headroom: float = SLACK_HEADROOM, probe_tokens: int = PROBE_TOKENS):
         self._model = model  # the pod's latest fit
         self.default_target_s = default_target_s
         self.headroom = headroom
@@ -48,7 +51,12 @@ class TPOTSlackBudget:
             return None
         if seq.last_token_time is None:
             return target
-        return target - (now - seq.last_token_time)
+        gap = now - seq.last_token_time
+        slack = target - gap
+        if seq.tpot_anchor is not None:
+            since, outputs = seq.tpot_anchor
+            slack = max(slack, target * (seq.num_output_tokens - outputs + 1) - (now - since))
+        return min(slack, MAX_GAP_TARGETS * target - gap)
 
     def allowance_s(self, decoding: list[Sequence], now: float) -> float | None:
         """The longest step the decoding sequences allow (headroom applied); None: none of them has a target."""

@@ -130,7 +130,7 @@ class Scheduler:
         self._check_admissible(seq)
         self._unfinished[seq.request_id] = seq
         self._mark_scheduled(seq)
-        seq.last_token_time = self.clock()  # its first token here is the one it brought
+        seq.mark_token_time(self.clock())  # its first token here is the one it brought
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
         self._check_stop(seq)
         if not seq.is_finished:
@@ -322,7 +322,7 @@ class Scheduler:
             seq.append_token(token_id, logprobs)
             if seq.num_output_tokens == 1:
                 seq.first_token_time = self.clock()
-            seq.last_token_time = self.clock()
+            seq.mark_token_time(self.clock())
             self._check_stop(seq)
             if seq.is_finished:
                 return  # the tokens after a stop are not the request's

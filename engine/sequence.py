@@ -67,9 +67,11 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     # TPOT target of this request on a decode pod that lends its steps to prefills (engine/prefill_budget.py);
-    # 0: the pod's default. last_token_time: time.monotonic() when its latest token here came out.
+    # 0: the pod's default. last_token_time: time.monotonic() when its latest token here came out; tpot_anchor:
+    # when its first token here came out (sampled, or brought by a prefilled request) and its output count then.
     tpot_target_s: float = 0.0
     last_token_time: float | None = None
+    tpot_anchor: tuple[float, int] | None = None
     # vLLM's request priority: lower runs first (the waiting queue's order) and is preempted last; 0 by default.
     priority: int = 0
     # Speculative decoding (engine/speculative/proposer.py): tokens proposed for the next step, and the request's proposer state.
@@ -115,6 +117,12 @@ class Sequence:
         """It asked for prompt logprobs and some of the prompt's are still to compute."""
         return (self.sampling_params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    def mark_token_time(self, now: float) -> None:
+        """A token of this sequence came out here at ``now`` (its output so far includes it)."""
+        self.last_token_time = now
+        if self.tpot_anchor is None:
+            self.tpot_anchor = (now, self.num_output_tokens)
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)

@@ -40,6 +40,11 @@ PRIOR_WEIGHT = 16.0  # the prior counts as this many steps against the window's
 # A lent prompt's chunk when no measured size fits: before any prompt token was measured, and on a pod with no
 # decode running whose step is slower than its target (engine/prefill_budget.py; the router predicts the same).
 PROBE_TOKENS = 16
+# A decode pod lent a prompt (engine/prefill_budget.py; the router predicts the same, router/latency.py): a step may
+# fill this share of its decodes' smallest TPOT slack (the fit's error and the engine loop's own time) ...
+SLACK_HEADROOM = 0.8
+# ... and no inter-token gap may pass this many TPOT targets, however much slack a request banked by decoding fast.
+MAX_GAP_TARGETS = 4.0
 
 
 @dataclass(frozen=True)

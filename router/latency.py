@@ -12,7 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from splitserve.engine.step_time import PROBE_TOKENS, StepTimeModel, attention_positions
+from splitserve.engine.step_time import (
+    MAX_GAP_TARGETS,
+    PROBE_TOKENS,
+    SLACK_HEADROOM,
+    StepTimeModel,
+    attention_positions,
+)
 from splitserve.router.pods.registry import PodInfo
 from splitserve.router.route_plan import PromptBlocks, RoutePlan, SLOTargets
 
@@ -38,6 +44,9 @@ class PrefillOption:
 
 # A lent prompt's chunks start, on average, this far into what D has to prefill (its attention grows with it).
 MEAN_CHUNK_START = 0.5
+# A lent prompt's steps predicted one by one (D's decodes' banked TPOT slack changing with each), at most this many;
+# the rest at the last step's allowance.
+SIMULATED_STEPS = 64
 # Weight of the newest KV transfer in the router's average transfer time per prompt token.
 TRANSFER_RECENT_WEIGHT = 0.2
 # Split prefills considered: P takes this fraction of the prompt (to D's block size), D the rest.
@@ -60,7 +69,8 @@ class HybridPlacement:
     lent     D prefills what it has queued and then the prompt's uncached tokens on D, in chunks: each step the
              largest chunk D's measured model fits in the allowance it reports (its decoding requests' smallest
              TPOT slack, or its default target's when none decodes: ``PodLoad.tpot_allowance_seconds``), so
-             TTFT = steps x that step's time; D with no TPOT to keep prefills in whole steps at its model's rate;
+             TTFT = steps x that step's time; beside decodes, predicted step by step, as their slack is banked by
+             steps shorter than their target and spent by longer ones (``_banked_chunks``); D with no TPOT to keep prefills in whole steps at its model's rate;
              D with no model (not warmed up) cannot be lent to.
     split    P's part as remote, for the first k tokens (k: ``SPLIT_FRACTIONS`` of the prompt, or P's cached
              prefix, in whole blocks of D and past D's own cached prefix); D's part as lent, for the tokens after k,
@@ -187,6 +197,8 @@ class HybridPlacement:
                 return PrefillEstimate(math.inf, f"{todo} tokens in one {step_s:.3f} s step would break the "
                                                  f"{tpot_s:g} s TPOT target of {rows} decodes")
             return PrefillEstimate(step_s, f"{todo} tokens in one step, no TPOT to keep")
+        if rows and tpot_s:
+            return _banked_chunks(model, rows, context, start, todo, allowance, tpot_s)
         middle = start + int(MEAN_CHUNK_START * todo)
         chunk = model.largest_chunk(rows, context, allowance, middle)
         if chunk == 0 and rows == 0:
@@ -199,3 +211,41 @@ class HybridPlacement:
         return PrefillEstimate(steps * step_s,
                                f"{steps} chunks of {chunk} tokens at {step_s:.3f} s beside {rows} decodes, "
                                f"allowance {allowance:.3f} s", tpot_cost_s=steps * added_s)
+
+
+def _banked_chunks(model: StepTimeModel, rows: int, context: int, start: int, todo: int, allowance: float,
+                   tpot_s: float) -> PrefillEstimate:
+    """D prefills ``todo`` tokens in chunks beside ``rows`` decodes whose TPOT slack it keeps (engine/prefill_budget.py):
+    each step fills the decodes' allowance, which starts at the one D reported and, after a step of s seconds, is
+    what their banked slack has left (headroom applied: allowance - h s + h tpot_s, at least h tpot_s, at most
+    ``MAX_GAP_TARGETS`` targets' worth): steps shorter than the target bank time for longer ones, a long chunk spends
+    it. A step where no prompt token fits decodes alone, and banks."""
+    floor, cap = SLACK_HEADROOM * tpot_s, SLACK_HEADROOM * MAX_GAP_TARGETS * tpot_s
+    decode_s = model.predict(rows, 0, context)
+    first = min(allowance, cap)
+    done, elapsed_s, added_s, chunks = 0, 0.0, 0.0, 0
+    for _ in range(SIMULATED_STEPS):
+        within = min(allowance, cap)
+        chunk = min(todo - done, model.largest_chunk(rows, context, within, start + done))
+        if chunk:
+            step_s = model.predict(rows, chunk, context + attention_positions(start + done, chunk))
+            added_s += step_s - decode_s
+            done, chunks = done + chunk, chunks + 1
+        else:
+            step_s = decode_s
+        elapsed_s += step_s
+        after = min(cap, max(floor, allowance - SLACK_HEADROOM * (step_s - tpot_s)))
+        if done == todo:
+            break
+        if not chunk and after <= allowance:  # the decodes bank nothing: no chunk will ever fit
+            return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
+        allowance = after
+    if done < todo:  # the rest at the last allowance, in chunks of its size
+        chunk = model.largest_chunk(rows, context, min(allowance, cap), start + done)
+        if not chunk:
+            return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
+        rest = math.ceil((todo - done) / chunk)
+        step_s = model.predict(rows, chunk, context + attention_positions(start + done + (todo - done) // 2, chunk))
+        elapsed_s, added_s, chunks = elapsed_s + rest * step_s, added_s + rest * (step_s - decode_s), chunks + rest
+    return PrefillEstimate(elapsed_s, f"{chunks} chunks beside {rows} decodes, allowance {first:.3f} s at first "
+                                      "(their banked slack)", tpot_cost_s=added_s)

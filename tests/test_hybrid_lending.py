@@ -1,12 +1,13 @@
 """A real decode pod on SmolLM2 lends its steps to a prompt (--tpot-slack-chunking): the prompt prefills in chunks
-interleaved with the running decodes, whose inter-token gaps stay within their TPOT target meanwhile; its load
-report carries the measured step-time model and the decodes' allowance.
+interleaved with the running decodes, whose TPOT (the mean of their inter-token gaps) stays within the target and
+no gap past ``MAX_GAP_TARGETS`` targets (the slack they banked decoding fast is spent on the longer steps); its
+load report carries the measured step-time model and the decodes' allowance.
 
 The target is generous for the machine (a decode step ~10-70 ms here) and the prompt long for it (a lent
-1,200-token prompt in one step: ~1 s in bf16 on one core, ~4 s in float32): the test checks that the chunks are
-sized to the target, not how fast the machine is. Without the slack bound the prompt prefills in one step and the
-decodes stall for all of it (checked by hand: the test fails). (At 0.5 s and 700 tokens, bf16 prefill with the
-step-time model's own prefill pass fitted 700 tokens in two chunks: too few steps to see the interleaving.)
+1,200-token prompt in one step: ~1 s in bf16 on one core, ~4 s in float32; the longest step the gap cap allows,
+0.32 s, takes about 400 tokens): the test checks that the chunks are sized to the target, not how fast the machine
+is. Without the slack bound the prompt prefills in one step and the decodes stall for all of it (checked by hand:
+the test fails).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import pytest
 
 from splitserve.decode_service.config import DecodeConfig
 from splitserve.decode_service.server import build_decode_services
+from splitserve.engine.step_time import MAX_GAP_TARGETS
 from splitserve.runtime.pod_server import Pod
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
-TPOT_TARGET_S = 0.25
+TPOT_TARGET_S = 0.1
 LENT_PROMPT_TOKENS = 1200
 
 
@@ -95,14 +97,14 @@ def test_a_lent_prompt_prefills_in_chunks_between_the_decodes_within_their_targe
     first_token_at = lent_times[0]
     for thread in decodes:
         thread.join(timeout=300)
-    assert allowance.HasField("tpot_allowance_seconds") and allowance.tpot_allowance_seconds <= TPOT_TARGET_S
+    cap_s = MAX_GAP_TARGETS * TPOT_TARGET_S
+    assert allowance.HasField("tpot_allowance_seconds") and allowance.tpot_allowance_seconds <= cap_s
     for times in decode_times:
         during = [t for t in times if sent_at <= t <= first_token_at]
         # Interleaved: the decodes went on while the prompt prefilled, in several steps ...
         assert len(during) >= 3, f"only {len(during)} tokens while the lent prompt prefilled"
-        # ... at their TPOT target meanwhile, and no gap near the whole prompt's step (a machine shared with other
-        # work stretches single steps past the prediction, so one gap is held to twice the target).
-        window = [t for t in times if t <= first_token_at]
-        gaps = [b - a for a, b in zip(window, window[1:]) if b >= sent_at]
-        assert sum(gaps) / len(gaps) <= TPOT_TARGET_S, f"gaps {[round(g, 3) for g in gaps]}"
-        assert max(gaps) <= 2 * TPOT_TARGET_S, f"gaps {[round(g, 3) for g in gaps]}"
+        # ... their TPOT within the target, and no gap near the whole prompt's step (a machine shared with other
+        # work stretches single steps past the prediction, so a gap is held to 1.5 times the cap).
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert (times[-1] - times[0]) / len(gaps) <= TPOT_TARGET_S, f"gaps {[round(g, 3) for g in gaps]}"
+        assert max(gaps) <= 1.5 * cap_s, f"gaps {[round(g, 3) for g in gaps]}"

@@ -70,6 +70,24 @@ def test_tight_tpot_never_lends_a_decode_pod_with_no_slack_to_spare():
     assert estimate.ttft_s == math.inf and "no slack" in estimate.detail
 
 
+def test_a_lent_prompt_spends_the_slack_its_decodes_banked_and_no_more():
+    """D's decode reports 4 targets' worth of allowance (it banked slack decoding faster than its target): the lent
+    prompt is predicted sooner than beside a decode that banked nothing, but later than if every chunk could take
+    that whole allowance: the first long chunk spends the bank, and the later ones get what each step earns."""
+    fresh = decode_pod(running=1, targets=BALANCED)
+    banked = decode_pod(running=1, targets=BALANCED)
+    banked.load.tpot_allowance_seconds = 0.8 * 4 * BALANCED.tpot_s
+
+    def lent(pod, tpot_s):
+        return HybridPlacement.on_decode_pod(pod, 0, 1000, tpot_s).ttft_s
+
+    assert lent(banked, None) < lent(banked, BALANCED.tpot_s) < lent(fresh, BALANCED.tpot_s) < math.inf
+    # A decode whose steps alone take longer than its target banks nothing: never a chunk, as before.
+    slow = decode_pod(running=1, targets=BALANCED, model=StepTimeModel(
+        base=0.2, per_decode_row=0.001, per_prefill_token=0.0035, prefill_pass=0.028, num_samples=100))
+    assert lent(slow, BALANCED.tpot_s) == math.inf
+
+
 @pytest.mark.parametrize("queued,lent", [(0, False), (100, False), (900, True)])
 def test_balanced_lends_once_the_prefill_queue_makes_the_chunks_faster(queued, lent):
     plan = decide(prefill_pod(queued=queued), decode_pod(targets=BALANCED), BALANCED)

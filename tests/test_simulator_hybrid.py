@@ -12,7 +12,7 @@ import pytest
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.step_time import attention_positions
+from splitserve.engine.step_time import MAX_GAP_TARGETS, attention_positions
 from splitserve.measure.phase_profile import PhaseProfile, StepFit
 from splitserve.measure.workload import RequestSpec
 from splitserve.router.config import Scheduling
@@ -61,9 +61,9 @@ def test_a_lent_prompts_chunks_keep_the_running_requests_tpot():
     assert all(plan.prefill is None for plan in plans)
     long = records[3]
     assert long.chunk_s[0] < min(r.chunk_s[-1] for r in records[:3])  # it prefilled while they decoded
-    for r in records[:3]:
+    for r in records[:3]:  # their TPOT (the mean gap) within the target; a gap may spend what faster ones banked
         gaps = [b - a for a, b in zip(r.chunk_s, r.chunk_s[1:])]
-        assert max(gaps) <= TPOT_TARGET
+        assert sum(gaps) / len(gaps) <= TPOT_TARGET and max(gaps) <= MAX_GAP_TARGETS * TPOT_TARGET
 
 
 def test_a_split_prefill_runs_its_prefix_on_the_prefill_pod_and_the_rest_on_the_decode_pod():
