@@ -29,8 +29,6 @@ dtype: float32 caches give TP 1's results to rounding). The prefill pod's per-la
 from __future__ import annotations
 
 import logging
-import os
-import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import accumulate
@@ -42,10 +40,10 @@ from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache, num_blocks_for_budget
 from splitserve.engine.model import LlamaForCausalLM
 from splitserve.engine.parallel.layout import Range, even_ranges
-from splitserve.engine.parallel.process_group import TensorParallelGroup, check_device, open_store
+from splitserve.engine.parallel.process_group import TensorParallelGroup
 from splitserve.engine.parallel.sharded_kv_cache import create_pool, map_pool
 from splitserve.engine.parallel.sharded_model import StepPlan, metadata_from_plan
-from splitserve.engine.parallel.workers import RankWorkers, cpu_shares
+from splitserve.engine.parallel.workers import RankLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -185,34 +183,19 @@ def layer_ranges(config: ModelConfig, size: int) -> list[Range]:
 
 def start_pipeline_parallel(config: EngineConfig, model_config: ModelConfig,
                             state_dict: dict) -> tuple[PipelinedLlama, PagedKVCache]:
-    """Rank 0's model and the shared KV pool, with ranks 1..N-1 started and joined (as workers.py's
-    ``start_tensor_parallel``, over layers instead of heads)."""
-    check_device(config.device)
-    if config.prefill_compute_dtype == "bfloat16":
-        raise ValueError("pipeline_parallel_size > 1 computes prefill in float32; prefill_compute_dtype 'bfloat16' "
-                         "is not built for it yet")
+    """Rank 0's model and the shared KV pool, with ranks 1..N-1 started and joined (workers.py's ``RankLaunch``, as
+    tensor parallelism starts, over layers instead of heads)."""
     size = config.pipeline_parallel_size
     layers = layer_ranges(model_config, size)
     cache, dtype = config.cache, getattr(torch, config.cache.cache_dtype)
     num_blocks = cache.num_blocks or num_blocks_for_budget(model_config, cache.block_size, dtype,
                                                            cache.kv_cache_memory_bytes)
-    store = open_store(0, size)
-    shares = cpu_shares(sorted(os.sched_getaffinity(0)), size)
+    launch = RankLaunch(config, size, "pipeline_parallel_size")
     fd = create_pool(model_config, num_blocks, cache.block_size, dtype)
-    try:
-        kv_cache = map_pool(fd, model_config, num_blocks, cache.block_size, dtype)
-        workers = RankWorkers.start(config, store.port, num_blocks, shares, [fd] * size)
-    finally:
-        os.close(fd)
-    try:
-        model = stage_model(PipelinedLlama, config, model_config, state_dict, layers[0])
-        workers.wait_ready(store)
-        model.group = TensorParallelGroup(store, 0, size)
-        model.group.watch(lambda: workers.raise_if_exited("during a transfer"))
-    except BaseException:
-        workers.close()
-        raise
-    model.num_layers_total, model.plan_to = model_config.num_layers, workers
-    weakref.finalize(model, workers.close)
-    logger.info("pipeline parallel: %d ranks on cores %s, layers %s", size, shares, layers)
+    kv_cache = launch.start_workers(num_blocks, [fd], [fd] * size,
+                                    lambda: map_pool(fd, model_config, num_blocks, cache.block_size, dtype))
+    model = launch.join(lambda: stage_model(PipelinedLlama, config, model_config, state_dict, layers[0]),
+                        lambda model, group: setattr(model, "group", group), "during a transfer")
+    model.num_layers_total = model_config.num_layers
+    logger.info("pipeline parallel: %d ranks on cores %s, layers %s", size, launch.shares, layers)
     return model, kv_cache

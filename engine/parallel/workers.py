@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import torch
 
@@ -49,6 +49,9 @@ from splitserve.engine.parallel.sharded_kv_cache import ShardedKVCache, create_p
 from splitserve.engine.parallel.sharded_model import ShardedLlama
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M")  # rank 0's model
+T = TypeVar("T")  # rank 0's view of the KV pools
 
 READY_TIMEOUT_S = 600.0  # loading a large model's file on every rank takes a while
 STOP_GRACE_S = 10.0
@@ -214,37 +217,65 @@ def rank_kv_cache(config: EngineConfig, model_config: ModelConfig, shards: list[
                           config.cache.cache_dtype)
 
 
+class RankLaunch:
+    """Rank 0's start of ranks 1..N-1, for either kind of parallelism (the module docstring's steps 1 and 2; tensor
+    parallelism here, pipeline parallelism in pipeline.py): ``begin`` checks what is built and opens the group's store,
+    ``start_workers`` starts the ranks on their KV pool files, ``join`` builds rank 0's model beside their loading and
+    joins the group. A failure after the workers started stops them."""
+
+    def __init__(self, config: EngineConfig, size: int, setting: str):
+        check_device(config.device)
+        if config.prefill_compute_dtype == "bfloat16":
+            raise ValueError(f"{setting} > 1 computes prefill in float32; prefill_compute_dtype 'bfloat16' is not "
+                             "built for it yet")
+        self.config, self.size = config, size
+        self.store = open_store(0, size)
+        self.shares = cpu_shares(sorted(os.sched_getaffinity(0)), size)
+        self.workers: RankWorkers | None = None
+
+    def start_workers(self, num_blocks: int, pool_fds: list[int], rank_fds: list[int], map_own: Callable[[], T]) -> T:
+        """Ranks 1..N-1 started, rank r on ``rank_fds[r]``; ``map_own()`` maps rank 0's view of the pools. The
+        descriptors ``pool_fds`` are closed here either way: each process has its own, or its mapping."""
+        try:
+            own = map_own()
+            self.workers = RankWorkers.start(self.config, self.store.port, num_blocks, self.shares, rank_fds)
+        finally:
+            for fd in pool_fds:
+                os.close(fd)
+        return own
+
+    def join(self, build: Callable[[], M], attach: Callable[[M, TensorParallelGroup], None], during: str) -> M:
+        """Rank 0's model (``build``), once every rank is ready, in the group with them (``attach``); the workers
+        stop when the model is garbage-collected, and a rank that exits fails the collective ``during`` which the
+        watch notices it."""
+        workers = self.workers
+        try:
+            model = build()
+            workers.wait_ready(self.store)
+            group = TensorParallelGroup(self.store, 0, self.size)
+            group.watch(lambda: workers.raise_if_exited(during))
+            attach(model, group)
+        except BaseException:
+            workers.close()
+            raise
+        model.plan_to = workers
+        weakref.finalize(model, workers.close)
+        return model
+
+
 def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig,
                           state_dict: dict) -> tuple[ShardedLlama, ShardedKVCache]:
     """Rank 0's model and KV cache, with ranks 1..N-1 started and joined (the module docstring's steps 1 and 2)."""
-    check_device(config.device)
-    if config.prefill_compute_dtype == "bfloat16":
-        raise ValueError("tensor_parallel_size > 1 computes prefill in float32; prefill_compute_dtype 'bfloat16' is "
-                         "not built for it yet")
     size = config.tensor_parallel_size
     shards = plan_shards(model_config, size)
     num_blocks = kv_cache_blocks(model_config, config.cache, shards)
-    store = open_store(0, size)
-    shares = cpu_shares(sorted(os.sched_getaffinity(0)), size)
-    pool_fds = create_pools(model_config, shards, num_blocks, config.cache.block_size,
-                            getattr(torch, config.cache.cache_dtype))
-    try:
-        kv_cache = rank_kv_cache(config, model_config, shards, 0, dict(enumerate(pool_fds)), num_blocks)
-        workers = RankWorkers.start(config, store.port, num_blocks, shares, pool_fds)
-    finally:
-        for fd in pool_fds:  # each process has its own descriptor, or its mapping
-            os.close(fd)
-    try:
-        model = ShardedLlama.for_rank(config, model_config, state_dict, shards[0])
-        workers.wait_ready(store)
-        group = TensorParallelGroup(store, 0, size)
-        group.watch(lambda: workers.raise_if_exited("during a collective"))
-        model.shard_over(group, shards)
-    except BaseException:
-        workers.close()
-        raise
-    model.plan_to = workers
-    weakref.finalize(model, workers.close)
+    launch = RankLaunch(config, size, "tensor_parallel_size")
+    fds = create_pools(model_config, shards, num_blocks, config.cache.block_size,
+                       getattr(torch, config.cache.cache_dtype))
+    kv_cache = launch.start_workers(num_blocks, fds, fds, lambda: rank_kv_cache(
+        config, model_config, shards, 0, dict(enumerate(fds)), num_blocks))
+    model = launch.join(lambda: ShardedLlama.for_rank(config, model_config, state_dict, shards[0]),
+                        lambda model, group: model.shard_over(group, shards), "during a collective")
     logger.info("tensor parallel: %d ranks on cores %s; rank 0 holds query heads %s, KV heads %s",
-                size, shares, shards[0].q_heads, shards[0].kv_heads)
+                size, launch.shares, shards[0].q_heads, shards[0].kv_heads)
     return model, kv_cache
