@@ -78,6 +78,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._unfinished: dict[str, Sequence] = {}
         self._prefill_left: int | None = None  # this step's prompt tokens still allowed (None: no bound)
+        # Requests whose prompt's KV is on its way here (blocks reserved for a transfer, LLMEngine.
+        # reserve_for_transfer): each may join the running batch at any step (the TPOT slack budget keeps room).
+        self.awaiting_kv: set[str] = set()
         # A sequence can hold at most the whole pool (its last sampled token needs no slot): past that it
         # finishes with LENGTH, instead of preempting itself and coming back forever.
         self._pool_tokens = block_manager.num_blocks * block_manager.block_size
@@ -122,6 +125,7 @@ class Scheduler:
         """Admit a sequence prefilled elsewhere: its blocks are allocated, its prompt's KV written, and its
         first output token sampled. It joins ``running`` at once; if that first token already ends it
         (EOS, a stop id, ``max_tokens == 1``), it finishes here instead and its blocks are freed."""
+        self.awaiting_kv.discard(seq.request_id)
         if seq.num_computed_tokens != seq.num_tokens - 1:
             raise ValueError(
                 f"a prefilled sequence must have all but its last token computed; {seq.request_id!r} has "
@@ -182,7 +186,8 @@ class Scheduler:
         prefilling = next((seq for seq in self.running if not _decodes(seq)), self.waiting[0] if self.waiting else None)
         if prefilling is None:
             return None
-        return self.prefill_budget.tokens(decoding, self.clock(), prefilling.num_computed_tokens)
+        return self.prefill_budget.tokens(decoding, self.clock(), prefilling.num_computed_tokens,
+                                          awaiting_kv=bool(self.awaiting_kv))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0

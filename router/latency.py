@@ -197,6 +197,8 @@ class HybridPlacement:
                 return PrefillEstimate(math.inf, f"{todo} tokens in one {step_s:.3f} s step would break the "
                                                  f"{tpot_s:g} s TPOT target of {rows} decodes")
             return PrefillEstimate(step_s, f"{todo} tokens in one step, no TPOT to keep")
+        if rows > pod.load.num_running and tpot_s:  # decodes on their way: they join with no slack banked
+            allowance = min(allowance, SLACK_HEADROOM * tpot_s)
         if rows and tpot_s:
             return _banked_chunks(model, rows, context, start, todo, allowance, tpot_s)
         middle = start + int(MEAN_CHUNK_START * todo)

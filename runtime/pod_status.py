@@ -135,7 +135,7 @@ def scheduler_load(scheduler: Scheduler, now: float) -> dict:
     queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
     queued += sum(max(0, seq.num_tokens - 1 - seq.num_computed_tokens) for seq in scheduler.running)
     decoding = [seq for seq in scheduler.running if seq.num_computed_tokens == seq.num_tokens - 1]
-    allowance = (scheduler.prefill_budget.allowance_s(decoding, now)
+    allowance = (scheduler.prefill_budget.allowance_s(decoding, now, bool(scheduler.awaiting_kv))
                  if scheduler.prefill_budget is not None else None)
     return dict(num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
                 free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,

@@ -70,6 +70,19 @@ def test_tight_tpot_never_lends_a_decode_pod_with_no_slack_to_spare():
     assert estimate.ttft_s == math.inf and "no slack" in estimate.detail
 
 
+def test_an_idle_decode_pod_is_predicted_at_its_long_chunks_unless_a_decode_is_on_its_way():
+    """An idle D with no KV on its way reports 4 targets' allowance (a joiner would wait at most the gap cap): the
+    lent prompt is predicted in a few long chunks. A request this router sent through P to D joins with no slack
+    banked: the prediction starts at the target's own allowance, as D's chunks will once its KV is on the way."""
+    idle = decode_pod(running=0, targets=BALANCED)
+    idle.load.tpot_allowance_seconds = 0.8 * 4 * BALANCED.tpot_s
+    alone = HybridPlacement.on_decode_pod(idle, 0, 1000, BALANCED.tpot_s)
+    idle.active_requests = 1
+    joined = HybridPlacement.on_decode_pod(idle, 0, 1000, BALANCED.tpot_s)
+    assert alone.ttft_s < joined.ttft_s < math.inf
+    assert "allowance 0.120 s at first" in joined.detail
+
+
 def test_a_lent_prompt_spends_the_slack_its_decodes_banked_and_no_more():
     """D's decode reports 4 targets' worth of allowance (it banked slack decoding faster than its target): the lent
     prompt is predicted sooner than beside a decode that banked nothing, but later than if every chunk could take

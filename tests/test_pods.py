@@ -187,6 +187,8 @@ def every_block_free_afterwards(request):
         for which in ("prefill", "decode"):
             assert pods.wait_all_free(which).total_kv_blocks > 0
         assert len(pods.transfers) == 0
+        # no reservation left counted as KV on its way (it would keep lent prompts' chunks short for good)
+        assert not pods.decode_pod.engine.scheduler.awaiting_kv
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -793,13 +795,16 @@ def test_the_prefill_pod_reports_the_weight_forms_it_holds(pods):
                 f'{float(nbytes)}').encode() in body
 
 
+@pytest.mark.model
 def test_a_prefill_pod_fits_its_step_time_model_before_it_serves():
     """The router's hybrid placement predicts a prefill pod's prompts from the step-time model in its load report:
     a pod that has served nothing reports one fitted on its warm-up prompts (without the warm-up it reported none,
     and its first real prompt alone fitted one that put a prompt's whole cost on the attention term), and the
-    warm-up holds no block afterwards."""
+    warm-up holds no block afterwards. On the real model: the tiny one's steps are too short for the fit to tell a
+    prompt token's cost from the noise."""
     thread = LoopThread()
-    config = PrefillConfig(host="127.0.0.1", port=0, metrics_port=0, model=MODEL, num_blocks=64)
+    config = PrefillConfig(host="127.0.0.1", port=0, metrics_port=0, model="smollm2-135m", num_threads=1,
+                           kv_cache_memory_bytes=64 << 20)
     pod = Pod(config, "prefill")
 
     async def start() -> None:

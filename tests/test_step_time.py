@@ -139,7 +139,7 @@ def run_step(scheduler: Scheduler, model: StepTimeModel, clock: FakeClock):
     """One step on the fake model: the clock advances by the step's predicted time; returns the plan and the
     allowance the budget gave it."""
     decoding = [seq for seq in scheduler.running if seq.num_computed_tokens == seq.num_tokens - 1]
-    allowance = scheduler.prefill_budget.allowance_s(decoding, clock.now)
+    allowance = scheduler.prefill_budget.allowance_s(decoding, clock.now, bool(scheduler.awaiting_kv))
     out = scheduler.schedule()
     rows = sum(1 for item in out.scheduled if item.samples and item.start >= item.seq.num_prompt_tokens)
     chunk = sum(item.num_new_tokens for item in out.scheduled) - rows
@@ -217,12 +217,19 @@ def test_without_targets_the_prompt_takes_the_whole_token_budget(monkeypatch):
     assert (chunk, allowance) == (600, None)
 
 
-def test_with_no_decode_running_the_chunk_still_leaves_room_for_one_to_join(monkeypatch):
+@pytest.mark.parametrize("awaiting", [True, False])
+def test_with_no_decode_running_the_chunk_still_leaves_room_for_one_to_join(awaiting, monkeypatch):
+    """Nothing decodes. A request whose KV is on its way here may join at any step: the chunk keeps the default
+    target's room for its next token. With none on its way, one routed here later has its prompt to prefill
+    elsewhere first and waits at most the gap cap: the chunk may fill that."""
     clock = FakeClock()
     scheduler = lending_scheduler(TRUE, 0.3, clock, monkeypatch)
+    if awaiting:
+        scheduler.awaiting_kv.add("joining")
     scheduler.add(Sequence("p", list(range(5, 605)), SamplingParams(max_tokens=2)))
     chunk, seconds, allowance = run_step(scheduler, TRUE, clock)
-    assert allowance == pytest.approx(0.8 * 0.3) and 0 < chunk < 600 and seconds <= allowance
+    expected = 0.8 * 0.3 * (1 if awaiting else MAX_GAP_TARGETS)
+    assert allowance == pytest.approx(expected) and 0 < chunk < 600 and seconds <= allowance
 
 
 def test_a_pod_slower_than_its_target_still_prefills_when_nothing_decodes(monkeypatch):
@@ -231,6 +238,7 @@ def test_a_pod_slower_than_its_target_still_prefills_when_nothing_decodes(monkey
     clock = FakeClock()
     slow = StepTimeModel(0.05, 0.002, 0.0005, 1e-7, prefill_pass=0.05, num_samples=100)  # 50 ms steps vs 30 ms
     scheduler = lending_scheduler(slow, 0.03, clock, monkeypatch)
+    scheduler.awaiting_kv.add("joining")  # a request's KV on its way: the default target's allowance holds
     scheduler.add(Sequence("p", list(range(5, 105)), SamplingParams(max_tokens=2)))
     chunks = []
     while scheduler.get("p").num_output_tokens == 0:
