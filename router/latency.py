@@ -70,8 +70,8 @@ class HybridPlacement:
              largest chunk D's measured model fits in the allowance it reports (its decoding requests' smallest
              TPOT slack, or its default target's when none decodes: ``PodLoad.tpot_allowance_seconds``), so
              TTFT = steps x that step's time; beside decodes, predicted step by step, as their slack is banked by
-             steps shorter than their target and spent by longer ones (``_banked_chunks``); D with no TPOT to keep prefills in whole steps at its model's rate;
-             D with no model (not warmed up) cannot be lent to.
+             steps shorter than their target and spent by longer ones (``_banked_chunks``); D with no TPOT to
+             keep prefills in whole steps at its model's rate; D with no model (not warmed up) cannot be lent to.
     split    P's part as remote, for the first k tokens (k: ``SPLIT_FRACTIONS`` of the prompt, or P's cached
              prefix, in whole blocks of D and past D's own cached prefix); D's part as lent, for the tokens after k,
              once both the prefix's KV has arrived and D's own queue is prefilled: TTFT = max(P's part, D's queue)
@@ -217,11 +217,11 @@ class HybridPlacement:
 
 def _banked_chunks(model: StepTimeModel, rows: int, context: int, start: int, todo: int, allowance: float,
                    tpot_s: float) -> PrefillEstimate:
-    """D prefills ``todo`` tokens in chunks beside ``rows`` decodes whose TPOT slack it keeps (engine/prefill_budget.py):
-    each step fills the decodes' allowance, which starts at the one D reported and, after a step of s seconds, is
-    what their banked slack has left (headroom applied: allowance - h s + h tpot_s, at least h tpot_s, at most
-    ``MAX_GAP_TARGETS`` targets' worth): steps shorter than the target bank time for longer ones, a long chunk spends
-    it. A step where no prompt token fits decodes alone, and banks."""
+    """D prefills ``todo`` tokens in chunks beside ``rows`` decodes whose TPOT slack it keeps
+    (engine/prefill_budget.py): each step fills the decodes' allowance, which starts at the one D reported and, after a
+    step of s seconds, is what their banked slack has left (headroom applied: allowance - h s + h tpot_s, at least h
+    tpot_s, at most ``MAX_GAP_TARGETS`` targets' worth): steps shorter than the target bank time for longer ones, a long
+    chunk spends it. A step where no prompt token fits decodes alone, and banks."""
     floor, cap = SLACK_HEADROOM * tpot_s, SLACK_HEADROOM * MAX_GAP_TARGETS * tpot_s
     decode_s = model.predict(rows, 0, context)
     first = min(allowance, cap)

@@ -68,8 +68,9 @@ def test_a_lent_prompts_chunks_keep_the_running_requests_tpot():
 
 def test_a_split_prefill_runs_its_prefix_on_the_prefill_pod_and_the_rest_on_the_decode_pod():
     """P has a 700-token prompt ahead (0.7 s of the 2.5 s target: P is the bottleneck; it then decodes on D beside the
-    split's rest, as the router predicts) and D, by the router's count, 600 tokens of its own to prefill: lending the whole prompt misses the target, a split meets it with the least
-    work on P. The prefix's KV reaches D through its prefix cache: D computes only the tail."""
+    split's rest, as the router predicts) and D, by the router's count, 600 tokens of its own to prefill: lending the
+    whole prompt misses the target, a split meets it with the least work on P. The prefix's KV reaches D through its
+    prefix cache: D computes only the tail."""
     sim = hybrid_cluster({Role.PREFILL: 1, Role.DECODE: 1}, lendable_profile(), ttft_target=2.5)
     plans = recorded_plans(sim)
     prefill, decode = sim.pods
