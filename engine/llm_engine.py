@@ -229,9 +229,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         rounds = [[(n, 1)] for n in WARM_UP_PROMPTS] + [[(n, 2 + i) for i, n in enumerate(WARM_UP_PROMPTS)]]
+        blocks = self.block_manager
+        room = min(self.max_model_len, blocks.num_blocks * blocks.block_size) - max_tokens - 1  # a small pool too
         for r, prompts in enumerate(rounds):
             for n, stream in prompts:
-                n = min(n, self.max_model_len - max_tokens - 1)
+                n = max(1, min(n, room))
                 self.add_request(f"warm-up-{r}-{stream}", [(97 * stream * (k + 1)) % vocab for k in range(n)], params)
             while self.has_unfinished_requests():
                 self.step()
