@@ -259,10 +259,7 @@ class LLMEngine:
         The sequence is not scheduled until ``admit_prefilled``; ``release_transfer`` gives the blocks back."""
         self._validate_prompt(prompt_token_ids)
         seq = Sequence(request_id, list(prompt_token_ids), params)
-        if not self.block_manager.allocate_slots(seq, len(prompt_token_ids)):
-            return None
-        self.scheduler.awaiting_kv.add(request_id)
-        return seq
+        return seq if self.scheduler.reserve_transfer(seq) else None
 
     def admit_prefilled(self, seq: Sequence, first_token_id: int,
                         first_logprobs: dict[int, float] | None = None) -> Sequence:
@@ -277,8 +274,7 @@ class LLMEngine:
         prefills here) to the prefix cache: its full blocks are cached and released, and the request added next finds
         them at admission. They are evictable from then on, the most recently freed: a request that waits long
         behind others under a full pool may compute them again, which changes its time, not its answer."""
-        self.scheduler.awaiting_kv.discard(seq.request_id)
-        self.block_manager.cache_and_free(seq)
+        self.scheduler.cache_transferred_prefix(seq)
 
     def fork_prefilled(self, seq: Sequence, request_id: str, params: SamplingParams) -> Sequence | None:
         """A sequence of its own for one sample of a prompt whose KV ``seq`` holds (reserved for a transfer, never
@@ -299,8 +295,7 @@ class LLMEngine:
 
     def release_transfer(self, seq: Sequence) -> None:
         """Free the blocks of a reserved transfer that will never be admitted (lease expired, abort, bad KV)."""
-        self.scheduler.awaiting_kv.discard(seq.request_id)
-        self.block_manager.free(seq)
+        self.scheduler.release_transfer(seq)
 
     def _validate_token_ids(self, token_ids, what: str) -> None:
         vocab = self.model_config.vocab_size

@@ -78,8 +78,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._unfinished: dict[str, Sequence] = {}
         self._prefill_left: int | None = None  # this step's prompt tokens still allowed (None: no bound)
-        # Requests whose prompt's KV is on its way here (blocks reserved for a transfer, LLMEngine.
-        # reserve_for_transfer): each may join the running batch at any step (the TPOT slack budget keeps room).
+        # Requests whose prompt's KV is on its way here (reserve_transfer): each may join the running batch at any
+        # step (the TPOT slack budget keeps room for it).
         self.awaiting_kv: set[str] = set()
         # A sequence can hold at most the whole pool (its last sampled token needs no slot): past that it
         # finishes with LENGTH, instead of preempting itself and coming back forever.
@@ -120,6 +120,25 @@ class Scheduler:
                 f"prompt has {seq.num_tokens} tokens, more than the whole KV cache holds "
                 f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)"
             )
+
+    # ---- a prompt whose KV a prefill pod pushes here: reserved, then admitted (add_prefilled) or let go ----
+    def reserve_transfer(self, seq: Sequence) -> bool:
+        """Blocks for ``seq``'s prompt, whose KV is on its way (``awaiting_kv`` until admitted or let go); False
+        when the pool has no room."""
+        if not self.block_manager.allocate_slots(seq, seq.num_prompt_tokens):
+            return False
+        self.awaiting_kv.add(seq.request_id)
+        return True
+
+    def cache_transferred_prefix(self, seq: Sequence) -> None:
+        """A split prefill's pushed prefix: its full blocks to the prefix cache, the reservation let go."""
+        self.awaiting_kv.discard(seq.request_id)
+        self.block_manager.cache_and_free(seq)
+
+    def release_transfer(self, seq: Sequence) -> None:
+        """A reservation that will never be admitted: its blocks back to the pool."""
+        self.awaiting_kv.discard(seq.request_id)
+        self.block_manager.free(seq)
 
     def add_prefilled(self, seq: Sequence) -> None:
         """Admit a sequence prefilled elsewhere: its blocks are allocated, its prompt's KV written, and its

@@ -201,18 +201,25 @@ class HybridPlacement:
             allowance = min(allowance, SLACK_HEADROOM * tpot_s)
         if rows and tpot_s:
             return _banked_chunks(model, rows, context, start, todo, allowance, tpot_s)
-        middle = start + int(MEAN_CHUNK_START * todo)
-        chunk = model.largest_chunk(rows, context, allowance, middle)
-        if chunk == 0 and rows == 0:
-            chunk = PROBE_TOKENS  # nothing decodes there: the pod prefills anyway, in probe-sized chunks
-        if chunk == 0:
-            return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
-        steps = math.ceil(todo / chunk)
-        step_s = model.predict(rows, chunk, context + attention_positions(middle, chunk))
-        added_s = step_s - model.predict(rows, 0, context) if rows else 0.0  # no decode there, none delayed
-        return PrefillEstimate(steps * step_s,
-                               f"{steps} chunks of {chunk} tokens at {step_s:.3f} s beside {rows} decodes, "
-                               f"allowance {allowance:.3f} s", tpot_cost_s=steps * added_s)
+        return _even_chunks(model, rows, context, start, todo, allowance)
+
+
+def _even_chunks(model: StepTimeModel, rows: int, context: int, start: int, todo: int,
+                 allowance: float) -> PrefillEstimate:
+    """``todo`` tokens from ``start`` in chunks of the one size ``allowance`` fits beside ``rows`` decodes (each
+    priced at the prompt's middle, where its attention is average); with no decode there, probe-sized chunks at
+    least: the pod prefills anyway."""
+    middle = start + int(MEAN_CHUNK_START * todo)
+    chunk = model.largest_chunk(rows, context, allowance, middle)
+    if chunk == 0 and rows == 0:
+        chunk = PROBE_TOKENS
+    if chunk == 0:
+        return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
+    steps = math.ceil(todo / chunk)
+    step_s = model.predict(rows, chunk, context + attention_positions(middle, chunk))
+    added_s = step_s - model.predict(rows, 0, context) if rows else 0.0  # no decode there, none delayed
+    return PrefillEstimate(steps * step_s, f"{steps} chunks of {chunk} tokens at {step_s:.3f} s beside {rows} decodes, "
+                                           f"allowance {allowance:.3f} s", tpot_cost_s=steps * added_s)
 
 
 def _banked_chunks(model: StepTimeModel, rows: int, context: int, start: int, todo: int, allowance: float,
@@ -242,12 +249,10 @@ def _banked_chunks(model: StepTimeModel, rows: int, context: int, start: int, to
         if not chunk and after <= allowance:  # the decodes bank nothing: no chunk will ever fit
             return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
         allowance = after
+    detail = f"{chunks} chunks beside {rows} decodes, allowance {first:.3f} s at first (their banked slack)"
     if done < todo:  # the rest at the last allowance, in chunks of its size
-        chunk = model.largest_chunk(rows, context, min(allowance, cap), start + done)
-        if not chunk:
-            return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
-        rest = math.ceil((todo - done) / chunk)
-        step_s = model.predict(rows, chunk, context + attention_positions(start + done + (todo - done) // 2, chunk))
-        elapsed_s, added_s, chunks = elapsed_s + rest * step_s, added_s + rest * (step_s - decode_s), chunks + rest
-    return PrefillEstimate(elapsed_s, f"{chunks} chunks beside {rows} decodes, allowance {first:.3f} s at first "
-                                      "(their banked slack)", tpot_cost_s=added_s)
+        rest = _even_chunks(model, rows, context, start + done, todo - done, min(allowance, cap))
+        if rest.ttft_s == math.inf:
+            return rest
+        return PrefillEstimate(elapsed_s + rest.ttft_s, f"{detail}; then {rest.detail}", added_s + rest.tpot_cost_s)
+    return PrefillEstimate(elapsed_s, detail, tpot_cost_s=added_s)

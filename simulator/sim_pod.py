@@ -185,17 +185,13 @@ class SimPod:
         """A split prefill: the KV of ``pushed`` (a prefix of ``seq``'s prompt) arrived; it goes to the prefix cache
         and ``seq`` prefills the rest here (``LLMEngine.cache_transferred_prefix``, then ``add``)."""
         self.interrupt()
-        self.scheduler.awaiting_kv.discard(pushed.request_id)
-        self.block_manager.cache_and_free(pushed)
+        self.scheduler.cache_transferred_prefix(pushed)
         self.add(seq)
 
     def reserve(self, seq: Sequence) -> bool:
         """Blocks for a prompt whose KV a prefill pod will push (``LLMEngine.reserve_for_transfer``)."""
         self.interrupt()
-        if not self.block_manager.allocate_slots(seq, seq.num_prompt_tokens):
-            return False
-        self.scheduler.awaiting_kv.add(seq.request_id)
-        return True
+        return self.scheduler.reserve_transfer(seq)
 
     def admit_prefilled(self, seq: Sequence) -> None:
         """The pushed KV arrived and the first token with it (``LLMEngine.admit_prefilled``)."""

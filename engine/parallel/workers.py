@@ -219,9 +219,9 @@ def rank_kv_cache(config: EngineConfig, model_config: ModelConfig, shards: list[
 
 class RankLaunch:
     """Rank 0's start of ranks 1..N-1, for either kind of parallelism (the module docstring's steps 1 and 2; tensor
-    parallelism here, pipeline parallelism in pipeline.py): ``begin`` checks what is built and opens the group's store,
-    ``start_workers`` starts the ranks on their KV pool files, ``join`` builds rank 0's model beside their loading and
-    joins the group. A failure after the workers started stops them."""
+    parallelism here, pipeline parallelism in pipeline.py): the constructor checks what is built and opens the
+    group's store, ``start_workers`` starts the ranks on their KV pool files, ``join`` builds rank 0's model beside
+    their loading and joins the group. A failure after the workers started stops them."""
 
     def __init__(self, config: EngineConfig, size: int, setting: str):
         check_device(config.device)
