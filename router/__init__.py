@@ -4,16 +4,19 @@ It validates and tokenizes requests, places each on a (prefill, decode) pod pair
 as text, over gRPC (``grpc_api.py``) and the OpenAI-compatible HTTP API (``openai/``). Where things live:
 
 - ``router.py``: ``Router``, the request's path (``make_request``, ``generate``, ``abort``), through three rooms:
-  ``intake.py`` (``RequestIntake``: request -> token ids, the limits), ``placement.py`` (admission, which pods,
-  retries, migration: it decides, and reports what pods did to the run) and ``request_run.py`` (``RequestRun``,
-  one request in flight and the owner of its state: pod calls, stream -> text, completion, metrics);
-- ``outputs.py``: what ``generate`` yields, ``OutputDelta`` and ``Completion``, read by both APIs;
+  ``intake.py`` (``RequestIntake``: request -> token ids, the limits), ``request_run.py`` (``RequestRun``, one
+  request in flight and the one owner of its state: it drives the request from admission to its completion) and
+  ``placement.py`` (``Placement``: the decisions the run asks for, admit, which pods, retry, where to migrate,
+  synchronous over a snapshot of the pods, no pod call);
+- ``outputs.py``: what ``generate`` yields, ``OutputDelta`` and ``Completion``, read by both APIs, and
+  ``RunOutput``, which makes them from a run's pod messages (text, TTFT and gaps, the one completion's metrics);
 - ``route_plan.py``: the placement's vocabulary, ``RoutePlan``, ``SLOTargets``, ``PromptBlocks``;
 - ``policies.py``: which pods serve a request, and whether it needs a prefill pod at all (routing policies,
   ``LocalPrefill``); ``latency.py``: ``HybridPlacement``, the same choice from predicted latency;
 - ``pods/``: ``registry.py`` (which pods exist and how loaded they are: static list or Redis heartbeats),
   ``monitor.py`` (``PodMonitor``, the live view of one pod from its health and load streams), ``client.py``
-  (the gRPC calls to one pod, and the ``PrefillRequest`` / ``DecodeRequest`` messages it sends);
+  (the gRPC calls to one pod, and every message the router sends a pod or makes in a pod's stead), ``calls.py``
+  (one run's calls and holds on its pods);
 - ``config.py``: ``RouterConfig``; ``server.py``: the process (both APIs, health, reflection, TLS, graceful stop);
 - ``grpc_api.py``: ``splitserve.v1.Generation`` over ``Router`` (and its API-key interceptor);
 - ``openai/``: the OpenAI-compatible HTTP API (``app.py`` its routes, ``stream.py`` its event streams,

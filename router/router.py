@@ -1,19 +1,19 @@
-"""``Router``: one request's way from the client API to the pods and back, as token ids inside and text at the edge.
+"""``Router``: the router's requests, from the client API to the pods and back, as token ids inside and text at the
+edge.
 
 The HTTP and gRPC layers call ``make_request`` (validate, tokenize) and then iterate ``generate(request)``. The
-way reads through three files, one per concept:
+way reads through these files, one per concept:
 
 1. ``intake.py`` (``RequestIntake``): the request -> token ids within the server's limits: ``make_request``,
    ``tokenize``, ``detokenize``, ``apply_chat_template``, which ``Router`` hands through;
-2. ``placement.py`` (``Placement``): admission (shed load with a retry-after hint), placing the request on a
-   (prefill, decode) pod pair, retries before the first token, and migration to another decode pod when D goes
-   away mid-stream;
-3. ``request_run.py`` (``RequestRun``): the request in flight: its pod calls, D's stream as ``OutputDelta`` text
-   through the request's detokenizer, and exactly one ``Completion`` at the end, observed in the metrics.
+2. ``request_run.py`` (``RequestRun``): the request in flight, and the one owner of its state: it drives the request
+   through admission, placement, its first token, its stream and migrations to exactly one ``Completion``;
+3. ``placement.py`` (``Placement``): the decisions the run asks for (admit or refuse, which pods, retry or give up,
+   where to migrate), synchronous, over a snapshot of the pods.
 
-This file ties them together: ``generate`` registers the run, admits and places it, streams it, migrates it when
-its stream breaks, and cleans up however it ends (pod calls cancelled, pushed KV dropped, pod counts released);
-a finished answer may then be checked by serving it again through another path (``shadow.py``, off by default).
+This file ties them together: ``generate`` makes the run, registers it (for ``abort`` and for admission's count of
+requests waiting for their first token) and iterates it; a finished answer may then be checked by serving it again
+through another path (``shadow.py``, off by default). The router writes no field of its runs: it asks them.
 
 Errors: before any output, ``generate`` raises ``StatusError`` (no pod: UNAVAILABLE; pods full or queues too
 long: RESOURCE_EXHAUSTED; timeout: DEADLINE_EXCEEDED; ...). A pod's own CANCELLED (it was shutting down) is
@@ -46,7 +46,7 @@ from splitserve.router.pods.client import PodClientPool
 from splitserve.router.pods.monitor import PodMonitor
 from splitserve.router.pods.registry import PodInfo, PodRegistry, RedisRegistry, StaticRegistry
 from splitserve.router.policies import LocalPrefill, RoutingPolicy, make_policy
-from splitserve.router.request_run import RequestRun
+from splitserve.router.request_run import RequestRun, RouterParts
 from splitserve.router.shadow import ShadowChecks
 from splitserve.runtime.discovery import RegistryKind
 from splitserve.runtime.errors import StatusError
@@ -72,10 +72,11 @@ class Router:
             policy = make_policy(config.policy, LocalPrefill(config.conditional_prefill_threshold,
                                                               config.conditional_cached_fraction,
                                                               config.conditional_prefill_queue_s), hybrid=hybrid)
-        self.placement = Placement(config, self.registry, policy, self.pod_clients, self.metrics)
+        self.placement = Placement(config, policy)
         self.shadow_checks = ShadowChecks(config, self.registry, self.pod_clients, self.metrics)
         self._runs: dict[str, RequestRun] = {}
-        self._background: set[asyncio.Task] = set()  # Aborts sent to pods for requests already ended
+        self._parts = RouterParts(config, self.metrics, self.registry, self.placement, self.pod_clients,
+                                  num_pending=self.num_pending)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -154,18 +155,16 @@ class Router:
     async def generate(self, req: RouterRequest) -> AsyncIterator[OutputDelta | Completion]:
         if req.request_id in self._runs:
             raise invalid(f"request_id: {req.request_id!r} is already in flight")
-        params, placement = req.params, self.placement
+        params = req.params
         detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
                                              params.stop, params.include_stop_str_in_output)
         checked = self.shadow_checks.draw(req)  # the pods then give its tokens' logprobs, for the check
-        run = RequestRun(checked or req, detokenizer, self.config, self.metrics, on_first_token=self._first_token)
-        if checked is not None:
-            run.shadow_logprobs, run.client_logprobs = [], req.params.logprobs is not None
+        run = RequestRun(checked or req, detokenizer, self._parts, shadow_checked=checked is not None,
+                         client_logprobs=params.logprobs is not None)
         self._runs[req.request_id] = run
-        placement.num_pending += 1
         self.metrics.num_requests_running.inc()
         try:
-            async with aclosing(self._serve(run)) as outputs:
+            async with aclosing(run.serve()) as outputs:
                 async for output in outputs:
                     yield output
         except StatusError as error:  # refused before any output
@@ -177,74 +176,19 @@ class Router:
                 self.metrics.finished(FinishReason.ABORT)
             raise
         finally:
-            run.cancel_calls()
-            if req.leads_samples:
-                req.samples.share(None)  # refused before it placed: the other samples go on their own
-            if run.finish_reason in (None, FinishReason.ABORT):
-                self._drop_pushed_kv(run)
-            elif run.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            if run.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                 self.shadow_checks.consider(run)
-            run.release_holds()
-            if run.first_token_at is None:
-                placement.num_pending -= 1
             self.metrics.num_requests_running.dec()
             del self._runs[req.request_id]
 
-    def _first_token(self) -> None:
-        self.placement.num_pending -= 1
+    def num_pending(self) -> int:
+        """Requests admitted or being admitted that have no first token yet (``Placement.admit`` bounds them)."""
+        return sum(run.waiting_for_first_token for run in self._runs.values())
 
     async def abort(self, request_id: str) -> bool:
         """Ends a request in flight with finish_reason "abort"; False if there is none with this id."""
         run = self._runs.get(request_id)
         if run is None:
             return False
-        run.aborted = True
-        run.cancel_calls()  # the pods abort the request and free its blocks
+        run.abort()  # the pods abort the request and free its blocks
         return True
-
-    async def _serve(self, run: RequestRun) -> AsyncIterator[OutputDelta | Completion]:
-        self.placement.admit(run)
-        try:
-            stream = await self.placement.start(run)
-        except StatusError:
-            if not run.aborted:
-                raise
-            yield run.complete(FinishReason.ABORT, None)
-            return
-        while True:
-            try:
-                async for output in run.stream(stream):
-                    yield output
-                return
-            except StatusError as error:
-                stream.call.cancel()
-                stream.hold.release()
-                if not run.aborted:
-                    try:
-                        stream = await self.placement.migrate(run, stream.pod_address, error)
-                        continue
-                    except StatusError as failed:
-                        error = failed
-                if run.aborted:
-                    yield run.complete(FinishReason.ABORT, None)
-                    return
-                log.error("request %s failed after %d output tokens: %s", run.request.request_id,
-                          run.num_output_tokens, error.message)
-                yield run.complete(FinishReason.ERROR, None, error)
-                return
-
-    def _drop_pushed_kv(self, run: RequestRun) -> None:
-        """A request that ended early (the client went away, or aborted) may have left its KV on a decode pod: P
-        pushed it, but the Decode call that claims it was never opened, or cancelled before D saw it. Cancelling P's
-        call cannot take it back once D acknowledged it, and D would keep its blocks until the lease expires
-        (kv_lease_s). So D is asked to drop it now (its Abort releases a lease; an unknown id is a no-op), in the
-        background: the request's caller is not kept waiting."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a generator closed outside the event loop (garbage collected): the leases will do
-            return
-        for pod in run.kv_sent_to:
-            task = loop.create_task(self.pod_clients.get(pod.address, pod.role).drop(run.request.request_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-

@@ -110,12 +110,13 @@ class ShadowChecks:
     def consider(self, run: RequestRun) -> None:
         """``run`` finished: check it in the background if it was drawn (``draw``), gave tokens and nothing is being
         checked now."""
-        req, tokens = run.request, list(run.output_token_ids)
-        if run.shadow_logprobs is None or not tokens or run.aborted:
+        req, output = run.request, run.output
+        tokens = list(output.output_token_ids)
+        if output.shadow_logprobs is None or not tokens or run.aborted:
             return
         if self._running is not None and not self._running.done():
             return
-        served_logprobs = run.shadow_logprobs if len(run.shadow_logprobs) == len(tokens) else None
+        served_logprobs = output.shadow_logprobs if len(output.shadow_logprobs) == len(tokens) else None
         remote = bool(run.kv_sent_to)  # a prefill pod pushed its KV: check it prefilled on a decode pod
         avoid = {pod.address for pod in run.kv_sent_to}
         self._running = asyncio.get_running_loop().create_task(
@@ -168,7 +169,7 @@ class ShadowChecks:
         if remote:
             return await self._tokens(decode_client.decode(decode_request(req, tpot_s), self.config.request_timeout_s))
         prefill = prefill_pods[0]
-        pushed = prefill_request(req, req.params, decode.address, self.config.kv_codec, self.config.kv_lease_s)
+        pushed = prefill_request(req, decode.address, self.config.kv_codec, self.config.kv_lease_s)
         first = await self.pod_clients.get(prefill.address, prefill.role).prefill(pushed, self.config.request_timeout_s)
         claim = decode_request(req, tpot_s, first_token_id=first.first_token_id,
                                first_token_logprob=first.first_token_logprob)

@@ -246,19 +246,3 @@ def test_a_request_that_may_not_split_gets_remote_or_lent_only():
     for params in (SamplingParams(max_tokens=0), SamplingParams(prompt_logprobs=1)):
         assert not RouterRequest("r", [1, 2], params).may_split_prefill
     assert RouterRequest("r", [1, 2], SamplingParams()).may_split_prefill
-
-
-def test_an_infinite_predicted_ttft_is_not_a_queue_past_the_limit():
-    """The hybrid predicts an infinite TTFT for a prompt lent where no chunk fits beside D's decodes now (as when no
-    prefill pod serves and D is the only choice); D prefills it as they end, so the router's max_queue_time_s check
-    judges D's queue, not the infinity (it refused such a request with 429 at 0.5 req/s in an SLO-map run)."""
-    from splitserve.router.placement import Placement
-    from splitserve.router.route_plan import RoutePlan
-    from splitserve.runtime.errors import StatusError
-
-    placement = Placement(RouterConfig(max_queue_time_s=30.0, decode_pods=["d:1"]), registry=None, policy=None,
-                          pod_clients=None, metrics=None)
-    d = decode_pod(running=2)
-    placement._check_queue_time(RoutePlan(None, d, "hybrid lent", predicted_ttft_s=math.inf))  # no refusal
-    with pytest.raises(StatusError, match="max_queue_time_s"):
-        placement._check_queue_time(RoutePlan(None, d, "hybrid lent", predicted_ttft_s=31.0))

@@ -10,16 +10,26 @@ The router talks to a pod only through these calls, all on one ``grpc.aio`` chan
 - ``abort(request_id)``: frees a request wherever it is on the pod (e.g. KV pushed and never claimed); ``drop``
   does the same for a request's leftovers, where a pod out of reach is no error (its lease frees them).
 
-The pods' request messages are built here too, from the router's ``RouterRequest`` and what placement decided:
-``prefill_request`` (which prompt tokens, which decode pod receives the KV, under which codec and lease) and
-``decode_request`` (a prompt to prefill on D, a prompt whose KV was pushed there with its first token, a migrated
-request's tokens so far, or a split prefill's prefix pushed there).
+Every message the router sends a pod, or makes in a pod's stead, is built here, from the router's ``RouterRequest``
+and what placement decided:
+
+- ``prefill_request``: which prompt tokens P prefills, with which sampling parameters (a split prefill's prefix:
+  greedy, one token, only its KV wanted; the first of n samples: the prompt's n), which decode pod receives the KV,
+  under which codec and lease;
+- ``decode_request``: a prompt to prefill on D, a prompt whose KV was pushed there with its first token, a migrated
+  request's tokens so far, or a split prefill's prefix pushed there;
+- ``first_token_response``: the first message of D's stream when P sampled the first token (with P's prompt
+  logprobs), as the router hands it to the request's run before D's own messages;
+- ``scored_responses``: the whole stream of a prompt scored on P alone (max_tokens 0: no decode pod is called).
+
+``PodClientPool.drop_in_background`` asks a pod to drop a request's leftovers without keeping the caller waiting.
 
 Errors are left as ``grpc.aio.AioRpcError``: the router decides which ones are worth a retry.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -44,6 +54,8 @@ from splitserve.v1 import (
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
+# A split prefill's prefix on P: only its KV is wanted.
+SPLIT_PREFIX_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class PodClient:
@@ -100,6 +112,7 @@ class PodClientPool:
     def __init__(self, tls: transport.TLSConfig = transport.PLAINTEXT) -> None:
         self._clients: dict[tuple[str, Role], PodClient] = {}
         self._tls = tls
+        self._background: set[asyncio.Task] = set()  # drop_in_background's calls, kept until they end
 
     def get(self, address: str, role: Role) -> PodClient:
         key = (address, Role(role))
@@ -107,16 +120,31 @@ class PodClientPool:
             self._clients[key] = PodClient(address, role, self._tls)
         return self._clients[key]
 
+    def drop_in_background(self, address: str, role: Role, request_id: str) -> None:
+        """``PodClient.drop`` of a request's leftovers on a pod, whose caller does not wait for it. Outside the event
+        loop (a request's generator closed by the garbage collector) nothing is sent: the pod's leases free them."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self.get(address, role).drop(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def close(self) -> None:
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
 
 
-def prefill_request(req: RouterRequest, params: SamplingParams, decode_address: str, kv_codec: str,
-                    kv_lease_s: float, prefix_tokens: int = 0) -> prefill_pb2.PrefillRequest:
-    """P prefills the prompt (a split prefill: its first ``prefix_tokens``) with ``params`` and pushes its KV to the
-    decode pod at ``decode_address`` (none: scoring), in ``kv_codec``, to wait there ``kv_lease_s`` seconds."""
+def prefill_request(req: RouterRequest, decode_address: str, kv_codec: str, kv_lease_s: float,
+                    prefix_tokens: int = 0) -> prefill_pb2.PrefillRequest:
+    """P prefills the prompt (a split prefill: its first ``prefix_tokens``) and pushes its KV to the decode pod at
+    ``decode_address`` (none: scoring), in ``kv_codec``, to wait there ``kv_lease_s`` seconds."""
+    # The first of n samples prefills for all of them (decode_address set: not when scoring). A prefix's KV is all
+    # that is wanted of it: the token P samples after it is dropped.
+    params = (SPLIT_PREFIX_PARAMS if prefix_tokens else
+              req.samples.params if req.leads_samples and decode_address else req.params)
     return prefill_pb2.PrefillRequest(
         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids[:prefix_tokens or None],
         sampling_params=sampling_params_to_proto(params), decode_address=decode_address,
@@ -141,3 +169,25 @@ def decode_request(req: RouterRequest, tpot_target_s: float, *, first_token_id: 
     if first_token_logprob is not None:
         request.first_token_logprob.CopyFrom(first_token_logprob)
     return request
+
+
+def first_token_response(first: prefill_pb2.PrefillResponse, first_token_id: int,
+                         first_token_logprob: common_pb2.TokenLogprob | None) -> decode_pb2.DecodeResponse:
+    """D's stream's first message for a request P prefilled: the first token P sampled (``first_token_id``: P's own,
+    or one of ``more_first_token_ids`` for another of n samples), its logprob, and P's prompt logprobs."""
+    chunk = decode_pb2.DecodeChunk(token_ids=[first_token_id])
+    if first.HasField("prompt_logprobs"):
+        chunk.prompt_logprobs.CopyFrom(first.prompt_logprobs)
+    if first_token_logprob is not None:
+        chunk.logprobs.tokens.append(first_token_logprob)
+    return decode_pb2.DecodeResponse(chunk=chunk)
+
+
+def scored_responses(req: RouterRequest, scored: prefill_pb2.PrefillResponse) -> list[decode_pb2.DecodeResponse]:
+    """The whole Decode stream of a prompt scored on P (max_tokens 0): its prompt logprobs, then the end."""
+    chunk = decode_pb2.DecodeChunk()
+    if scored.HasField("prompt_logprobs"):
+        chunk.prompt_logprobs.CopyFrom(scored.prompt_logprobs)
+    complete = decode_pb2.DecodeComplete(finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=common_pb2.Usage(
+        prompt_tokens=len(req.prompt_token_ids), cached_tokens=scored.num_cached_tokens))
+    return [decode_pb2.DecodeResponse(chunk=chunk), decode_pb2.DecodeResponse(complete=complete)]

@@ -18,8 +18,8 @@ Membership, liveness and load are three separate things:
   is a hint: stale or missing, it is used as it is, never a reason to drop a pod. ``PodInfo`` adds what the
   router knows itself, exactly and at once: its own requests in flight on the pod.
 
-The router asks for the routable pods of each role (``prefill_pods()``, ``decode_pods()``) every time it places a
-request.
+The router asks for the routable pods of each role (``prefill_pods()``, ``decode_pods()``, both in a
+``snapshot()``) every time it places a request.
 """
 
 from __future__ import annotations
@@ -158,6 +158,14 @@ class PodInfo:
         self.load, self.load_at, self.blocks_since_report = load, time.monotonic(), 0
 
 
+@dataclass(frozen=True)
+class PodSnapshot:
+    """The routable pods of each kind at one moment, as placement decides over them (``router/placement.py``)."""
+
+    prefill: list[PodInfo]
+    decode: list[PodInfo]  # decode and mixed pods
+
+
 class PodRegistry:
     """Membership; subclasses say who the members are. Each member gets a monitor from ``monitor_factory`` (the
     router passes one that watches the pod over gRPC); ``on_change(pod)`` hears every health or load change and
@@ -220,6 +228,9 @@ class PodRegistry:
     def decode_pods(self) -> list[PodInfo]:
         """Pods that can run a decode: decode pods and mixed pods."""
         return [pod for pod in self.pods.values() if pod.healthy and pod.can_decode]
+
+    def snapshot(self) -> PodSnapshot:
+        return PodSnapshot(self.prefill_pods(), self.decode_pods())
 
     async def start(self) -> None:
         raise NotImplementedError
