@@ -1,13 +1,14 @@
 """The ``Decode`` gRPC service, hosted beside ``KVTransfer`` on a decode or mixed pod.
 
-A request's path (for a request whose KV was pushed here, the claim, run and free steps of the hand-off that
-``kvtransfer/handoff.py`` narrates: ``Admission`` and ``PrefixHandover`` there do the engine-thread work):
+A request's path (for a request whose KV was pushed here, the claim, run and release steps of the hand-off that
+``kvtransfer/handoff.py`` narrates and owns: this service calls ``KVHandoff.claim`` and ``KVHandoff.release_claim``,
+and runs the claim's ``Admission`` or ``PrefixHandover`` on the engine thread):
 
-    PushKV (kvtransfer/receiver.py)   the prompt's KV arrives and waits in the TransferTable under a lease
+    PushKV (kvtransfer/receiver.py)   the prompt's KV arrives and waits in the KVHandoff under a lease
     Decode(request)
       with first_token_id             claim the lease (NOT_FOUND: never pushed or expired; FAILED_PRECONDITION:
                                       still arriving), then admit the sequence with its first token through
-                                      EngineLoop.generate(add=engine.admit_prefilled): it joins the running batch.
+                                      EngineLoop.generate(add=Admission.admit): it joins the running batch.
                                       The n samples of one prompt claim the one KV pushed for them
                                       (kv_request_id): each forks a sequence sharing its full blocks, with a copy
                                       of the last partly filled one (LLMEngine.fork_prefilled).
@@ -28,8 +29,8 @@ A request's path (for a request whose KV was pushed here, the claim, run and fre
                                       prefilled here carries its prompt logprobs, when asked: alone, with no token,
                                       for a request that generates nothing), then DecodeComplete with the
                                       finish reason, stop token id, usage and this pod's queue/prefill seconds
-      cancelled or failed             the engine request is aborted, or the unadmitted lease released: every
-                                      block goes back either way
+      the end, however it comes       KVHandoff.release_claim; a cancelled or failed request is aborted in the
+                                      engine, or its unadmitted lease released: every block goes back either way
     Abort(request_id)                 releases a lease, stops a push in progress, or aborts a running request
 (The pod's load, leased blocks counted as used, is served by ``PodStatus``, runtime/pod_status.py.)
 """
@@ -51,8 +52,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.parallel.workers import rank_lost
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sequence import Sequence
-from splitserve.kvtransfer.handoff import Admission, PrefixHandover
-from splitserve.kvtransfer.leases import TransferTable
+from splitserve.kvtransfer.handoff import Admission, KVHandoff
 from splitserve.kvtransfer.receiver import KVTransferServicer
 from splitserve.kvtransfer.shm import ShmArenaViews
 from splitserve.protos.convert import (
@@ -112,9 +112,9 @@ class _TokenClock:
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     service_name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
-    def __init__(self, pod: Pod, transfers: TransferTable, load_failure_policy: str = "fail"):
+    def __init__(self, pod: Pod, handoff: KVHandoff, load_failure_policy: str = "fail"):
         self._pod = pod
-        self.transfers = transfers
+        self.handoff = handoff
         self.load_failure_policy = load_failure_policy
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -130,32 +130,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             else:
                 await self._stream(request, params, None, context)
             return
-        kv_request_id = request.kv_request_id or request.request_id
         try:
-            lease = self.transfers.claim(kv_request_id, list(request.prompt_token_ids))
+            admission = self.handoff.claim(request, params)
         except StatusError as err:
             if err.code != grpc.StatusCode.NOT_FOUND:
                 await context.abort(err.code, err.message)  # not a failed load: a bad request, or too early
             await self._load_failed(request, params, err, context)
             return
-        if lease.claims_left == lease.num_claims - 1:  # one load per transfer, however many samples claim it
+        if admission.first_claim:  # one load per transfer, however many samples claim it
             self._pod.metrics.kv_loaded("loaded")
-        admission = Admission(lease, request, params)
         try:
             await self._stream(request, params, admission, context)
         finally:
-            if admission.last_claim:
-                self.transfers.forget(kv_request_id)  # from here the engine owns admitted blocks
-            # Runs after the admission command (if it was queued at all), so it knows whether it happened.
-            await self._pod.engine_loop.run(admission.release_unless_admitted)
+            await self.handoff.release_claim(admission)  # from here the engine owns admitted blocks
 
     async def _stream_after_prefix(self, request: decode_pb2.DecodeRequest, params: SamplingParams, context) -> None:
         """A split prefill: the prompt's first ``kv_prefix_tokens`` tokens' KV was pushed here; it goes to the prefix
         cache just before the request is added, and the rest of the prompt prefills here."""
-        kv_request_id = request.kv_request_id or request.request_id
-        prefix = list(request.prompt_token_ids[:request.kv_prefix_tokens])
         try:
-            lease = self.transfers.claim(kv_request_id, prefix)
+            handover = self.handoff.claim(request, params)
         except StatusError as err:
             if err.code != grpc.StatusCode.NOT_FOUND:
                 await context.abort(err.code, err.message)
@@ -163,12 +156,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await self._stream(request, params, None, context)
             return
         self._pod.metrics.kv_loaded("loaded")
-        handover = PrefixHandover(lease)
         try:
             await self._stream(request, params, None, context, before_add=handover.hand_over)
         finally:
-            self.transfers.forget(kv_request_id)
-            await self._pod.engine_loop.run(handover.release_unless_handed_over)
+            await self.handoff.release_claim(handover)
 
     async def _load_failed(self, request: decode_pb2.DecodeRequest, params: SamplingParams, err: StatusError,
                            context) -> None:
@@ -185,7 +176,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         await self._stream(recompute, params, None, context)
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        if await self.transfers.abort(request.request_id):
+        if await self.handoff.abort(request.request_id):
             return common_pb2.AbortResponse(found=True)
         found = await asyncio.wrap_future(self._pod.engine_loop.abort(request.request_id))
         return common_pb2.AbortResponse(found=found)
@@ -295,15 +286,15 @@ async def build_decode_services(pod: Pod, config: DecodeConfig) -> list[PodServi
     if config.tpot_slack_chunking:  # before the engine loop starts: the engine is this thread's alone
         await asyncio.to_thread(pod.engine.warm_up_step_times)
         logger.info("step-time model after warm-up: %s", pod.engine.step_times.model)
-    transfers = TransferTable(pod.engine_loop, config.kv_lease_s,
-                              on_expired=lambda request_id: pod.metrics.kv_leases_expired.inc())
-    await transfers.start()
-    pod.on_stop(transfers.stop)
+    handoff = KVHandoff(pod.engine_loop, config.kv_lease_s,
+                        on_expired=lambda request_id: pod.metrics.kv_leases_expired.inc())
+    await handoff.start()
+    pod.on_stop(handoff.stop)
     shm = ShmArenaViews(config.kv_shm_dir)
     pod.on_stop(lambda: asyncio.to_thread(shm.close))
-    receiver = KVTransferServicer(pod.engine_loop, transfers, pod.metrics, config.accepted_kv_codecs,
+    receiver = KVTransferServicer(pod.engine_loop, handoff, pod.metrics, config.accepted_kv_codecs,
                                   config.kv_load_failure_policy, shm)
-    return [DecodeServicer(pod, transfers, config.kv_load_failure_policy), receiver]
+    return [DecodeServicer(pod, handoff, config.kv_load_failure_policy), receiver]
 
 
 def main(argv: list[str]) -> None:

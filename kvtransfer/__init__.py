@@ -9,9 +9,9 @@
 - ``handshake.py``: ``KVLayout`` and the compatibility check between a prefill and a decode pod;
 - ``sender.py``: the prefill side, ``KVTransferClient`` / ``KVSender``, pushing layers while later ones compute;
 - ``receiver.py``: the decode side, the ``KVTransfer`` gRPC service writing pushed KV into the paged cache;
-- ``leases.py``: the decode side's ``TransferTable``, the leases under which received KV waits for its Decode call;
-- ``handoff.py``: the decode side's hand-off narrated in one place: a pushed request's states, who moves it between
-  them, what frees its blocks on each way out.
+- ``handoff.py``: the decode side's hand-off, narrated and owned in one place: ``KVHandoff``, the lease under which
+  each pushed request's KV waits for its Decode call, every move between its states (one call per step: reserve,
+  received, claim, release), and what frees its blocks on each way out.
 
 Re-exported here: the codec API, ``get_codec``, ``available_codecs``, ``KVCodec``, ``EncodedKV``.
 """

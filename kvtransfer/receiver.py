@@ -1,12 +1,12 @@
 """Decode side of the KV transfer: the ``KVTransfer`` gRPC service, writing pushed KV into the paged cache (the
-reserve and receive steps of the hand-off that ``handoff.py`` narrates).
+reserve and receive steps of the hand-off that ``handoff.py`` narrates and owns).
 
 A push's path through ``PushKV``:
 
     header    compat hash and this pod's boot id checked (FAILED_PRECONDITION: the sender handshakes again); the
-              shared-memory arena it names, if any, mapped (kvtransfer/shm.py); a RECEIVING lease opened in the
-              decode pod's TransferTable (ALREADY_EXISTS); blocks reserved on the engine thread by
-              handoff.reserve, filed on the lease there (None: RESOURCE_EXHAUSTED)
+              shared-memory arena it names, if any, mapped (kvtransfer/shm.py); KVHandoff.reserve files a
+              RECEIVING lease (ALREADY_EXISTS) with the prompt's blocks, reserved on the engine thread
+              (RESOURCE_EXHAUSTED when there is no room)
     chunks    parsed by splitserve.kvtransfer.wire.parse_push, the stream's deserializer, payload and scales left in the
               received message's bytes (or, for a chunk with a shared-memory span, viewed in the arena:
               with_shm_bytes); sequence number and codec checked on the event loop (a gap or repeat:
@@ -17,8 +17,8 @@ A push's path through ``PushKV``:
               into the ranks that own them on a tensor-parallel pod: the one copy on this side). The blocks belong to the reserved sequence alone, which the engine does not schedule yet,
               so writing beside the running engine thread is safe; the handler waits for its workers
               (KVIntake.settle) before it acknowledges or releases the blocks, so no write outlives it
-    trailer   every (layer, K/V, KV head, token) of the prompt must have arrived exactly once (else DATA_LOSS); the
-              lease moves to WAITING and the response tells the sender how long it lasts
+    trailer   every (layer, K/V, KV head, token) of the prompt must have arrived exactly once (else DATA_LOSS);
+              KVHandoff.received moves the lease to WAITING and the response tells the sender how long it lasts
 
 Any error or cancellation on the way releases the blocks: nothing of a failed push stays behind. A push whose KV
 fails its checks (a bad chunk: DATA_LOSS or INVALID_ARGUMENT from decode_chunk, or an incomplete trailer) follows
@@ -42,9 +42,8 @@ import torch
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.parallel.sharded_kv_cache import write_heads
 from splitserve.engine.sequence import Sequence
-from splitserve.kvtransfer.handoff import KVLease, reserve
+from splitserve.kvtransfer.handoff import KVHandoff, KVLease
 from splitserve.kvtransfer.handshake import BOOT_ID, KVLayout, check_compatible, note_formats
-from splitserve.kvtransfer.leases import TransferTable
 from splitserve.kvtransfer.shm import ShmArenaViews, with_shm_bytes
 from splitserve.kvtransfer.wire import (
     DecodedKVChunk,
@@ -172,13 +171,13 @@ class KVIntake:
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     service_name = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
-    def __init__(self, engine_loop: EngineLoop, transfers: TransferTable, metrics: PodMetrics,
+    def __init__(self, engine_loop: EngineLoop, handoff: KVHandoff, metrics: PodMetrics,
                  accepted_codecs: Iterable[str], load_failure_policy: str = "fail",
                  shm: ShmArenaViews | None = None):
         self._engine_loop = engine_loop
         self.shm = shm or ShmArenaViews("")  # "": KV over gRPC only
         self.load_failure_policy = load_failure_policy
-        self._transfers = transfers
+        self._handoff = handoff
         self._metrics = metrics
         self.layout = KVLayout.of_engine(engine_loop.engine)
         self.accepted_codecs = list(accepted_codecs)
@@ -215,9 +214,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         try:
             header = await self._header(request_iterator)
             arena = self.shm.open(header.shm_arena) if header.shm_arena else None
-            lease = self._transfers.open(header.request_id, header.lease_seconds, max(header.num_claims, 1))
-            intake = await self._reserve(lease, list(header.prompt_token_ids))
-            response = await self._receive(intake, request_iterator, arena)
+            lease = await self._handoff.reserve(header.request_id, list(header.prompt_token_ids),
+                                                header.lease_seconds, max(header.num_claims, 1))
+            intake = self._intake(lease)
+            response = await self._receive(lease, intake, request_iterator, arena)
             acknowledged = True
             return response
         except KVLoadError as err:
@@ -238,7 +238,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         if intake is not None:
             with contextlib.suppress(Exception):
                 await intake.settle()
-        await self._transfers.release(request_id)
+        await self._handoff.release(request_id)
 
     async def _drain(self, request_iterator) -> kv_transfer_pb2.PushKVResponse:
         """Read the rest of a push whose KV will not be used, then acknowledge it as to be recomputed."""
@@ -271,29 +271,18 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                               "a KV push header needs a request_id and lease_seconds >= 0")
         return header
 
-    async def _reserve(self, lease: KVLease, prompt: list[int]) -> KVIntake:
-        """Blocks for the prompt, filed on the lease on the engine thread: a release queued after this command
-        finds them even if this handler was cancelled while waiting."""
-        try:
-            seq = await self._engine_loop.run(lambda engine: reserve(engine, lease, prompt))
-        except ValueError as err:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
-        if seq is None:
-            free, total = await self._engine_loop.run(
-                lambda engine: (engine.block_manager.num_free_blocks, engine.block_manager.num_blocks))
-            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the KV of {len(prompt)} tokens: "
-                              f"{free} of {total} blocks free")
+    def _intake(self, lease: KVLease) -> KVIntake:
+        """Where the push's chunks go: the blocks ``KVHandoff.reserve`` took for its prompt."""
         layout = self.layout
-        return KVIntake(self._engine_loop, seq, ExpectedChunks(
-            lease.request_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, len(prompt),
+        return KVIntake(self._engine_loop, lease.seq, ExpectedChunks(
+            lease.request_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, lease.seq.num_prompt_tokens,
             frozenset(self.accepted_codecs)), self._intake_workers)
 
-    async def _receive(self, intake: KVIntake, request_iterator,
+    async def _receive(self, lease: KVLease, intake: KVIntake, request_iterator,
                        arena: memoryview | None) -> kv_transfer_pb2.PushKVResponse:
-        request_id = intake.expected.request_id
         async for push in request_iterator:
-            if self._transfers.get(request_id).abort_requested:
-                raise StatusError(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
+            if lease.abort_requested:  # the Abort RPC (KVHandoff.abort): the finally releases the blocks
+                raise StatusError(grpc.StatusCode.CANCELLED, f"request {lease.request_id!r} was aborted")
             item = _item(push)
             if item == "chunk":
                 await intake.store(with_shm_bytes(push, arena))
@@ -307,7 +296,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     def _complete(self, intake: KVIntake, trailer: kv_transfer_pb2.KVTransferTrailer) -> kv_transfer_pb2.PushKVResponse:
         intake.check_complete(trailer)
-        lease_s = self._transfers.mark_received(intake.expected.request_id)
+        lease_s = self._handoff.received(intake.expected.request_id)
         if intake.codec is not None:
             self._metrics.transfer_bytes(intake.codec).inc(intake.bytes_received)
         return kv_transfer_pb2.PushKVResponse(bytes_received=intake.bytes_received,

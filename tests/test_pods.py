@@ -110,7 +110,7 @@ class Pods:
         self.kv_client = prefill_services[0].kv_client
         await self.prefill_pod.start(prefill_services)
         decode_services = await build_decode_services(self.decode_pod, self.decode_config)
-        self.transfers = decode_services[0].transfers
+        self.handoff = decode_services[0].handoff
         await self.decode_pod.start(decode_services)
 
     def close(self) -> None:
@@ -186,7 +186,7 @@ def every_block_free_afterwards(request):
         pods = request.getfixturevalue("pods")
         for which in ("prefill", "decode"):
             assert pods.wait_all_free(which).total_kv_blocks > 0
-        assert len(pods.transfers) == 0
+        assert len(pods.handoff) == 0
         # no reservation left counted as KV on its way (it would keep lent prompts' chunks short for good)
         assert not pods.decode_pod.engine.scheduler.awaiting_kv
 
@@ -349,7 +349,7 @@ def offline_prompt_kv(pods, prompt: list[int]) -> list[tuple[torch.Tensor, torch
 def test_kv_that_arrived_equals_the_prefill_kv(pods, codec):
     prompt = prompt_of(40, seed=5000)
     pods.run_prefill(f"kv-{codec}", prompt, GREEDY, codec=codec, lease_s=30)
-    seq = pods.transfers.get(f"kv-{codec}").seq
+    seq = pods.handoff.get(f"kv-{codec}").seq
     cache = pods.decode_pod.engine.runner.kv_cache
     slots = cache.slots(seq.block_table, 0, len(prompt))
     for layer, (k_ref, v_ref) in enumerate(offline_prompt_kv(pods, prompt)):
@@ -517,7 +517,7 @@ class HeldPush:
 
 
 def wait_transfer_state(pods, request_id: str, state: str) -> None:
-    wait_until(lambda: (lease := pods.transfers.get(request_id)) is not None and lease.state.name == state)
+    wait_until(lambda: (lease := pods.handoff.get(request_id)) is not None and lease.state.name == state)
 
 
 def test_a_claim_while_the_kv_is_still_arriving_is_failed_precondition(pods):

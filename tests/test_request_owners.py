@@ -8,8 +8,8 @@ its state.
 - a request's trip through the real router (fake pods on loopback) enters placement.py once per decision: admit and
   route for a request that goes through; a retry adds a retry and a route, a migration an after_break and a
   migration_target;
-- the decode pod's server reaches the lease table (kvtransfer/leases.py) only through the hand-off
-  (kvtransfer/handoff.py), which owns its transitions.
+- the decode pod's server reaches the lease table only through the hand-off (kvtransfer/handoff.py, ``KVHandoff``):
+  it names no lease, no state and no lease field; and no module but the hand-off writes a lease's fields.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from tests.test_structure import code_files, imported_names
 REPO = Path(__file__).resolve().parents[1]
 PLACEMENT = REPO / "router" / "placement.py"
 REQUEST_RUN = REPO / "router" / "request_run.py"
+HANDOFF = REPO / "kvtransfer" / "handoff.py"
+DECODE_SERVER = REPO / "decode_service" / "server.py"
 
 
 # ---- Placement decides ----------------------------------------------------------------------------------------------
@@ -163,3 +165,41 @@ def test_a_retry_and_a_migration_each_enter_placement_once_per_decision():
 
     run(retried())
     run(migrated())
+
+
+# ---- the decode hand-off owns its leases ----------------------------------------------------------------------------
+
+def lease_table_names(source: str) -> list[str]:
+    """What in ``source`` reaches into the lease table: the lease and state types, a lease's own fields (but
+    ``request_id`` and ``seq``, which other objects have too), the table's private dict."""
+    from splitserve.kvtransfer.handoff import KVLease
+
+    fields = {name for name in KVLease.__dataclass_fields__ if name not in ("request_id", "seq")}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (node.attr in fields or node.attr == "_leases"):
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, (ast.Name, ast.alias)) and getattr(node, "id", getattr(node, "name", "")) in (
+                "KVLease", "TransferState"):
+            found.append(f"{node.lineno}: {getattr(node, 'id', getattr(node, 'name', ''))}")
+    return found
+
+
+def test_the_decode_server_reaches_the_leases_only_through_the_handoff():
+    kvtransfer = [name for name in imported_names(DECODE_SERVER, "splitserve.decode_service.server")
+                  if name.startswith("splitserve.kvtransfer.") and name.count(".") == 2]
+    assert sorted(kvtransfer) == ["splitserve.kvtransfer.handoff", "splitserve.kvtransfer.receiver",
+                                  "splitserve.kvtransfer.shm"]
+    assert lease_table_names(DECODE_SERVER.read_text()) == []
+
+
+def test_only_the_handoff_writes_a_leases_fields():
+    files = [path for path in code_files() if path != HANDOFF]
+    writes = [f"{path.relative_to(REPO)}:{line}: {target}" for path in files
+              for line, root, target in attribute_writes(path.read_text()) if root == "lease"]
+    assert writes == []
+
+
+def test_the_lease_check_sees_a_state_change_and_a_lease_type():
+    source = "from splitserve.kvtransfer.handoff import TransferState\nlease.claims_left -= 1\nx = lease.seq\n"
+    assert lease_table_names(source) == ["1: TransferState", "2: .claims_left"]
