@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from splitserve.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from splitserve.engine.speculative.proposer import DraftState
+    from splitserve.engine.speculative.state import DraftState
     from splitserve.engine.structured_output.grammar import GrammarState
 
 

@@ -18,13 +18,8 @@ from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import SpeculativeConfig
 from splitserve.engine.sampling.sampler import Sampler, SamplingRow
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.speculative.proposer import (
-    FIRST_BACKOFF_STEPS,
-    DraftLength,
-    NgramIndex,
-    ResponseCache,
-    accept_drafts,
-)
+from splitserve.engine.speculative.proposer import ResponseCache, accept_drafts
+from splitserve.engine.speculative.state import FIRST_BACKOFF_STEPS, DraftLength, NgramIndex
 from tests.test_resume import generate_counting_preemptions
 from tests.test_sampler import chi_square
 

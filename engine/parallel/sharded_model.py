@@ -16,16 +16,17 @@ forward; four things differ from one process's model:
 ``layer_done`` (the prefill pod's per-layer KV export) runs on rank 0 after each layer, as on one process: once rank
 0 has passed a layer's last all-reduce, every rank has written that layer's K/V into its pool, which rank 0 maps
 (sharded_kv_cache.py), so the export reads every rank's heads while later layers compute. Rank 0's model also
-sends each call to the other ranks before running it (``plan_to``, workers.py), so that they run the same step: rank
-0 owns the scheduler, and the workers hold no state but their shard and their KV cache.
+sends each call to the other ranks before running it (``plan_to``, a ``RankChannel``: workers.py's ``RankWorkers``),
+so that they run the same step: rank 0 owns the scheduler, and the workers hold no state but their shard and their
+KV cache.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 
@@ -35,9 +36,6 @@ from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.model import LlamaForCausalLM
 from splitserve.engine.parallel.layout import RankShard, rank_config, shard_state_dict
 from splitserve.engine.parallel.process_group import TensorParallelGroup
-
-if TYPE_CHECKING:
-    from splitserve.engine.parallel.workers import RankWorkers
 
 
 # What the other ranks need to rebuild a step's AttentionMetadata: its lengths, block tables, block size and one-row
@@ -56,13 +54,23 @@ def metadata_from_plan(plan: StepPlan, device: torch.device | str) -> AttentionM
     return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device, one_row_prefills)
 
 
+class RankChannel(Protocol):
+    """Rank 0's way to the other ranks (workers.py's ``RankWorkers``), as its model uses it."""
+
+    def send(self, method: str, *args) -> None:
+        """Every other rank runs ``method(*args)`` on its shard, as rank 0 is about to."""
+
+    def failures_named(self) -> AbstractContextManager:
+        """A collective that failed because a rank is gone fails naming the rank."""
+
+
 class ShardedLlama(LlamaForCausalLM):
     """Built by ``LlamaForCausalLM.from_state_dict`` from a rank's config and shard, then ``shard_over`` its group."""
 
     group: TensorParallelGroup
     shard: RankShard
     vocab_ranges: list[tuple[int, int]]
-    plan_to: RankWorkers | None = None  # rank 0's handle on the other ranks; None on them
+    plan_to: RankChannel | None = None  # rank 0's handle on the other ranks; None on them
 
     @classmethod
     def for_rank(cls, config: EngineConfig, model_config: ModelConfig, state_dict: dict, shard: RankShard
