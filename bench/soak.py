@@ -62,7 +62,8 @@ CLIENT_ABORT = "client_abort"  # the failure kind of a request its client abando
 LOSSLESS_CODECS = ("none", "none+zstd")  # a shadow check of their KV must match exactly
 DIVERGED = re.compile(  # router/shadow.py's warning of a divergence, in the router's log
     r"shadow check of request (\S+) diverged \((\w+)\) at output position (\d+) of (\d+)")
-ROUTES, SHADOW_OUTCOMES = ("disaggregated", "prefill_on_decode", "split"), ("match", "diverged", "failed")
+ROUTES = ("disaggregated", "prefill_on_decode", "split")
+SHADOW_OUTCOMES = ("match", "diverged", "failed")
 LOGPROB_DELTA = "splitserve_router_shadow_logprob_delta"  # each check's largest logprob difference (a histogram)
 
 
@@ -73,7 +74,8 @@ class SoakConfig:
     duration: float = field(default=180.0, metadata=described("Seconds of load (faults are injected meanwhile)."))
     model: str = field(default=DEFAULT_MODEL, metadata=described("Model every pod serves (tiny-random for a quick run)."))
     prefill: int = field(default=1, metadata=described("Number of prefill pods."))
-    decode: int = field(default=2, metadata=described("Number of decode pods (2 or more: a killed one's streams migrate)."))
+    decode: int = field(default=2, metadata=described(
+        "Number of decode pods (2 or more: a killed one's streams migrate)."))
     request_rate: float = field(default=2.0, metadata=described("Requests per second (Poisson arrivals)."))
     input_len: int = field(default=128, metadata=described("Mean prompt length in tokens (each within half of it either way)."))
     output_len: int = field(default=32, metadata=described("Mean output length in tokens (each within half of it either way)."))
@@ -83,7 +85,8 @@ class SoakConfig:
     abort_within: float = field(default=2.0, metadata=described(
         "An abandoning client leaves at a random moment this many seconds after sending, at most (shorter than a "
         "request takes: it leaves while queued, prefilling or decoding)."))
-    corrupt_chunks: float = field(default=0.02, metadata=described("Share of KV chunks sent corrupted (0: none)."))
+    corrupt_chunks: float = field(default=0.02, metadata=described(
+        "Share of KV chunks the prefill pods send corrupted (0: none)."))
     request_timeout: float = field(default=300.0, metadata=described("The client's deadline of one request."))
     drain_timeout: float = field(default=120.0, metadata=described(
         "After the load: how long the requests in flight, then the pods' blocks, get to finish."))
@@ -166,7 +169,8 @@ class FaultInjector:
         return None
 
     def counts(self) -> dict[str, int]:
-        return dict(Counter("redis_restarted" if e["fault"].endswith("redis") else "decode_pod_killed" for e in self.events))
+        return dict(Counter("redis_restarted" if event["fault"].endswith("redis") else "decode_pod_killed"
+                            for event in self.events))
 
 
 # ---- load -----------------------------------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ class Placement:
         (D then prefills the prompt), decode pods unless none would remain. Refused (RESOURCE_EXHAUSTED) past
         ``max_queue_time_s``; the policy refuses when no decode pod serves (UNAVAILABLE) or has room."""
         prefill = [pod for pod in pods.prefill if pod.address not in avoid]
-        decode = [pod for pod in pods.decode if pod.address not in avoid] or pods.decode
+        decode = _prefer_others(pods.decode, avoid)
         plan = self.policy.choose_pair(req, prefill, decode, SLOTargets.of(req, self.config))
         log.debug("request %s: prefill %s, decode %s (%s)", req.request_id,
                   plan.prefill.address if plan.prefill else "-", plan.decode.address, plan.reason)
@@ -162,3 +162,8 @@ class Placement:
         """Serving decode pods that have not failed the request, or began to serve again since they did (a pod
         restarted at the same address is a new process)."""
         return [pod for pod in decode_pods if pod.address not in failed or pod.serving_since > failed[pod.address]]
+
+
+def _prefer_others(pods: list[PodInfo], avoid: frozenset[str]) -> list[PodInfo]:
+    """Pods not in ``avoid`` (those that failed this request), or all of them when no other is left."""
+    return [pod for pod in pods if pod.address not in avoid] or pods

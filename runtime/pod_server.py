@@ -229,8 +229,10 @@ class Pod:
         self._heartbeat: RedisHeartbeat | None = None
 
     def _core_lender(self, own: frozenset[int], lent: frozenset[int]) -> CoreLender | None:
+        if not lent:
+            return None
         owners = [DecodeActivity(path) for path in self.config.lender_activity_files.split(",") if path]
-        return CoreLender(own, lent, owners) if lent else None
+        return CoreLender(own, lent, owners)
 
     def _observe(self, engine: LLMEngine, stats: StepStats | None) -> None:
         self.load_tracker.observe(engine, stats)
