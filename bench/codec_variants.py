@@ -5,16 +5,17 @@ RoPE and per-channel float8 keys"): a suffix on a codec's name in ``--codecs`` p
 (token, head), values as X does (KIVI: keys have outlier channels, values do not); ``per_channel_kinds`` of
 kvtransfer/codecs/symmetric.py.
 
-``X@prerope``: X on keys quantized before RoPE (KVQuant's pre-RoPE key quantization). The cache holds keys after the rotary embedding, which turns each channel pair (i, i + D/2) by an angle that grows
-with the token's position, so a channel's values swing between the pair's two channels along the tokens; that
-smears the outlier channels a per-channel key quantizer (KIVI's, int4's) relies on. Here the cached keys are
-un-rotated at their positions (the inverse rotation, exact up to float32 rounding), quantized by a codec, decoded
-and rotated back: what a codec that quantized the pre-RoPE keys would leave in the cache, without changing the
-engine. Values pass through the codec unchanged (RoPE does not touch them).
+``X@prerope``: X on keys quantized before RoPE (KVQuant's pre-RoPE key quantization). The cache holds keys after the
+rotary embedding, which turns each channel pair (i, i + D/2) by an angle that grows with the token's position, so a
+channel's values swing between the pair's two channels along the tokens; that smears the outlier channels a per-channel
+key quantizer (KIVI's, int4's) relies on. Here the cached keys are un-rotated at their positions (the inverse rotation,
+exact up to float32 rounding), quantized by a codec, decoded and rotated back: what a codec that quantized the pre-RoPE
+keys would leave in the cache, without changing the engine. Values pass through the codec unchanged (RoPE does not touch
+them).
 
-``kivi4@prerope`` is kivi4 on un-rotated keys; ``fp8@kc@prerope`` combines both. Positions come from the tensor's span (its first token's position in the prompt), which both sides of a transfer
-know, so a real codec could do the same; the engine's RoPE is HF's non-interleaved one (engine/rotary.py), whose
-tables this reads.
+``kivi4@prerope`` is kivi4 on un-rotated keys; ``fp8@kc@prerope`` combines both. Positions come from the tensor's span
+(its first token's position in the prompt), which both sides of a transfer know, so a real codec could do the same; the
+engine's RoPE is HF's non-interleaved one (engine/rotary.py), whose tables this reads.
 """
 
 from __future__ import annotations

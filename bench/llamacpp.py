@@ -9,10 +9,11 @@ pinned with ``taskset`` to the same CPUs (the first ``threads`` of ``--cpus``) a
 
   llama.cpp    the GGUF file through llama.cpp's C API (one ``llama_batch`` per step, greedy argmax): ms per token
                decoding one sequence, and tokens/s with ``--parallel`` sequences decoding together
-  splitserve   ``LLM(model, quantization=Q)`` for each weight format the engine names (``splitserve.engine.config.QUANTIZATIONS``;
-               a format the engine refuses for this model is reported with its reason), the same prompts, measured
-               the same way (decode steps only: the prompt's prefill is not counted); and for each format of
-               ``--int8-activations`` also ``LLM(model, quantization=Q, int8_activations=True)`` ("Q int8-act")
+  splitserve   ``LLM(model, quantization=Q)`` for each weight format the engine names
+               (``splitserve.engine.config.QUANTIZATIONS``; a format the engine refuses for this model is reported
+               with its reason), the same prompts, measured the same way (decode steps only: the prompt's prefill is
+               not counted); and for each format of ``--int8-activations`` also ``LLM(model, quantization=Q,
+               int8_activations=True)`` ("Q int8-act")
 
 Each decodes ``--max-tokens`` greedy tokens per sequence, past EOS. Then prompt lookup (issue 22), at one thread:
 the input-grounded prompts of ``bench spec`` at batch 1, each side with and without its own prompt-lookup decoding

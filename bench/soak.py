@@ -72,13 +72,16 @@ class SoakConfig:
     """Mixed load with injected faults against a local cluster; reports failures, latencies and leaked blocks."""
 
     duration: float = field(default=180.0, metadata=described("Seconds of load (faults are injected meanwhile)."))
-    model: str = field(default=DEFAULT_MODEL, metadata=described("Model every pod serves (tiny-random for a quick run)."))
+    model: str = field(default=DEFAULT_MODEL, metadata=described(
+        "Model every pod serves (tiny-random for a quick run)."))
     prefill: int = field(default=1, metadata=described("Number of prefill pods."))
     decode: int = field(default=2, metadata=described(
         "Number of decode pods (2 or more: a killed one's streams migrate)."))
     request_rate: float = field(default=2.0, metadata=described("Requests per second (Poisson arrivals)."))
-    input_len: int = field(default=128, metadata=described("Mean prompt length in tokens (each within half of it either way)."))
-    output_len: int = field(default=32, metadata=described("Mean output length in tokens (each within half of it either way)."))
+    input_len: int = field(default=128, metadata=described(
+        "Mean prompt length in tokens (each within half of it either way)."))
+    output_len: int = field(default=32, metadata=described(
+        "Mean output length in tokens (each within half of it either way)."))
     fault_interval: float = field(default=20.0, metadata=described(
         "Seconds between injected faults (SIGKILL redis-server, SIGKILL a decode pod, in turn)."))
     abort_share: float = field(default=0.05, metadata=described("Share of requests their client abandons."))
@@ -289,7 +292,8 @@ def leases_expired(cluster: Cluster) -> dict[str, int | None]:
 
 def shadow_divergences(router_log: str) -> list[dict]:
     """The router's shadow checks that diverged, from its log: request, kind (token or logprob), output position."""
-    return [{"request_id": m[1], "kind": m[2], "position": int(m[3]), "of": int(m[4])} for m in DIVERGED.finditer(router_log)]
+    return [{"request_id": m[1], "kind": m[2], "position": int(m[3]), "of": int(m[4])}
+            for m in DIVERGED.finditer(router_log)]
 
 
 # ---- the run --------------------------------------------------------------------------------------------------------

@@ -2,12 +2,13 @@
 
     splitserve bench structured [--batches 1,16] [--tokens 48] [--rounds 3]
 
-Two engines of the same model decode the same chat prompts, one with a JSON schema (an object with one string of
-exactly 400 characters, so that no request ends before ``--tokens``), one unconstrained (``ignore_eos``), taking
-turns step by step; every request of a batch decodes ``--tokens`` tokens. The figure is the mean wall time of the
-steps that prefilled nothing (one token per request), each engine's best round; the overhead is the constrained
-engine's over the unconstrained one's. The grammar's masks are computed on a worker thread while the model runs
-(engine/structured_output/masks.py): on one core (``taskset -c 1``) the two share it, so the overlap hides nothing there.
+Two engines of the same model decode the same chat prompts, one with a JSON schema (an object with one string of exactly
+400 characters, so that no request ends before ``--tokens``), one unconstrained (``ignore_eos``), taking turns step by
+step; every request of a batch decodes ``--tokens`` tokens. The figure is the mean wall time of the steps that prefilled
+nothing (one token per request), each engine's best round; the overhead is the constrained engine's over the
+unconstrained one's. The grammar's masks are computed on a worker thread while the model runs
+(engine/structured_output/masks.py): on one core (``taskset -c 1``) the two share it, so the overlap hides nothing
+there.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ process may run on among its ranks, one thread per core, engine/parallel/workers
 - with TP > 1, what rank 0's collectives did per decode step: calls, bytes (its own payload) and seconds inside them
   (waiting for a slower rank included);
 
-each as the median over the rounds with the min-max beside it. Then, on the largest TP, the communication model of
-each transport the group has (the shared-memory all-reduce, engine/parallel/shm_all_reduce.py, and gloo's): rank 0's
+each as the median over the rounds with the min-max beside it. Then, on the largest TP, the communication model of each
+transport the group has (the shared-memory all-reduce, engine/parallel/shm_all_reduce.py, and gloo's): rank 0's
 all-reduce of 1, 8 and 64 rows of the hidden size, timed ``ALL_REDUCE_REPEATS`` times each, fitted as
-``seconds = alpha + bytes / bandwidth``; and, per transport, the projection of a batch-1 decode step at t ranks:
-TP 1's step at one thread (one device's compute) / t (the weights' reads split evenly, the best case) plus ``2 L + 2`` collectives a step (two per layer,
-the embedding's and the logits' gather) at that transport's cost for t ranks (``collective_seconds``). It prints the
-per-collective cost below which TP t would beat TP 1.
+``seconds = alpha + bytes / bandwidth``; and, per transport, the projection of a batch-1 decode step at t ranks: TP 1's
+step at one thread (one device's compute) / t (the weights' reads split evenly, the best case) plus ``2 L + 2``
+collectives a step (two per layer, the embedding's and the logits' gather) at that transport's cost for t ranks
+(``collective_seconds``). It prints the per-collective cost below which TP t would beat TP 1.
 The figures move with the machine's load; docs/PERFORMANCE.md has a run with the CPU named.
 """
 

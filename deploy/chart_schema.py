@@ -1,5 +1,5 @@
-"""The Helm chart's ``values.schema.json``, generated: ``python -m splitserve.deploy.chart_schema`` rewrites it, and a test
-checks that the committed file is current.
+"""The Helm chart's ``values.schema.json``, generated: ``python -m splitserve.deploy.chart_schema`` rewrites it, and a
+test checks that the committed file is current.
 
 Two kinds of values (see ``values.yaml``):
 
@@ -43,18 +43,20 @@ COMPONENTS = {"router": RouterConfig, "prefill": PrefillConfig, "decode": Decode
 
 # Fields the chart sets itself from infrastructure values; a `config` block may not name them. `cpus` is left to
 # Kubernetes: the kubelet places a container on CPUs (its CPU manager, from the resources), so host CPU ids do not
-# belong in values; nor does core lending (`lend_cpus` and its activity files: pods of one machine sharing host CPUs
-# and a directory, which `splitserve up` arranges and Kubernetes pods do not); `tensor_parallel_size` and
+# belong in values; nor does core lending (`lend_cpus` and its activity files: pods of one machine sharing host CPUs and
+# a directory, which `splitserve up` arranges and Kubernetes pods do not); `tensor_parallel_size` and
 # `pipeline_parallel_size` are the pod's `tensorParallelSize` and `pipelineParallelSize`, which also scale its
-# resources. The TTFT and TPOT targets come from `serviceLevel`, one value for the router, the decode pods' TPOT-slack chunking (hybrid scheduling) and the planner. A decode pod's
-# `kv_shm_dir` is the node directory of `kvTransfer.sharedMemory` or none (a container's own /dev/shm is no other pod's).
+# resources. The TTFT and TPOT targets come from `serviceLevel`, one value for the router, the decode pods' TPOT-slack
+# chunking (hybrid scheduling) and the planner. A decode pod's `kv_shm_dir` is the node directory of
+# `kvTransfer.sharedMemory` or none (a container's own /dev/shm is no other pod's).
 _TLS_OWNED = {"tls_cert_file", "tls_key_file", "tls_ca_file", "tls_require_client_cert", "tls_server_name"}
-_POD_OWNED = {"host", "port", "metrics_port", "probe_port", "advertise_address", "model", "registry", "redis_url", "role",
-              "cpus", "lend_cpus", "lender_activity_files", "activity_file", "tensor_parallel_size",
+_POD_OWNED = {"host", "port", "metrics_port", "probe_port", "advertise_address", "model", "registry", "redis_url",
+              "role", "cpus", "lend_cpus", "lender_activity_files", "activity_file", "tensor_parallel_size",
               "pipeline_parallel_size", *_TLS_OWNED}
 CHART_OWNED = {
-    "router": {"host", "grpc_port", "http_port", "metrics_port", "probe_port", "model", "registry", "redis_url", "prefill_pods",
-               "decode_pods", "mixed_pods", "api_keys", "cpus", "slo_ttft_s", "slo_tpot_s", *_TLS_OWNED},
+    "router": {"host", "grpc_port", "http_port", "metrics_port", "probe_port", "model", "registry", "redis_url",
+               "prefill_pods", "decode_pods", "mixed_pods", "api_keys", "cpus", "slo_ttft_s", "slo_tpot_s",
+               *_TLS_OWNED},
     "prefill": _POD_OWNED,
     "decode": _POD_OWNED | {"tpot_slack_chunking", "tpot_target_s", "kv_shm_dir"},
     "mixed": _POD_OWNED | {"kv_shm_dir"},

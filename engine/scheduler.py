@@ -5,17 +5,17 @@ A request's path through the scheduler:
 - ``add`` puts it in ``waiting``, behind every request of its priority or a more urgent one (``Sequence.priority``,
   vLLM's: lower first; all 0 is first come, first served) (``add_prefilled`` skips the queue: its KV arrived from a
   prefill pod, so it joins ``running`` directly);
-- ``schedule`` first gives every ``running`` sequence its next tokens (a prefill chunk, or one token when
-  decoding, plus the draft tokens proposed for it when speculating, as far as the budget, ``max_tokens`` and the
-  context allow: engine/speculative/proposer.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup
-  (none for a request still owed its prompt logprobs: it computes its whole prompt),
-  while the token budget, the sequence cap and the block pool allow. On a pod that lends its decode steps to
-  prefills (``SchedulerConfig.tpot_slack_chunking``), the prompt tokens of a step are bounded as well, by the
-  chunk that keeps every decoding sequence within its TPOT target (``engine/prefill_budget.py``). When a running
-  sequence needs a block and none is left, the least urgent one (the highest priority value, the most recently
-  admitted among equals) is preempted, even if this step had scheduled it already: its blocks are freed and it
-  goes back to ``waiting`` ahead of its equals, to be recomputed later (cheaply, from its prefix-cached blocks).
-  As in vLLM, a waiting request never preempts a running one: priority orders the queue and picks the victims;
+- ``schedule`` first gives every ``running`` sequence its next tokens (a prefill chunk, or one token when decoding, plus
+  the draft tokens proposed for it when speculating, as far as the budget, ``max_tokens`` and the context allow:
+  engine/speculative/proposer.py), then admits ``waiting`` sequences in order, after a prefix-cache lookup (none for a
+  request still owed its prompt logprobs: it computes its whole prompt), while the token budget, the sequence cap and
+  the block pool allow. On a pod that lends its decode steps to prefills (``SchedulerConfig.tpot_slack_chunking``), the
+  prompt tokens of a step are bounded as well, by the chunk that keeps every decoding sequence within its TPOT target
+  (``engine/prefill_budget.py``). When a running sequence needs a block and none is left, the least urgent one (the
+  highest priority value, the most recently admitted among equals) is preempted, even if this step had scheduled it
+  already: its blocks are freed and it goes back to ``waiting`` ahead of its equals, to be recomputed later (cheaply,
+  from its prefix-cached blocks). As in vLLM, a waiting request never preempts a running one: priority orders the queue
+  and picks the victims;
 - ``update_from_output`` records the step: computed tokens advance, newly full blocks enter the prefix cache,
   sampled tokens are appended (several when drafts were accepted, each checked before the next), and a sequence
   that hits EOS, a stop token id or its length limit is finished and its blocks freed, its later tokens dropped;

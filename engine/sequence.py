@@ -74,10 +74,12 @@ class Sequence:
     tpot_anchor: tuple[float, int] | None = None
     # vLLM's request priority: lower runs first (the waiting queue's order) and is preempted last; 0 by default.
     priority: int = 0
-    # Speculative decoding (engine/speculative/proposer.py): tokens proposed for the next step, and the request's proposer state.
+    # Speculative decoding (engine/speculative/proposer.py): tokens proposed for the next step, and the request's
+    # proposer state (engine/speculative/state.py).
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: DraftState | None = None
-    # Structured output (engine/structured_output/masks.py): the request's grammar matcher, made on its first guided step.
+    # Structured output (engine/structured_output/masks.py): the request's grammar matcher, made on its first guided
+    # step.
     grammar: GrammarState | None = None
     # With SamplingParams.n > 1: the first tokens of samples 1..n-1 (token id, logprobs), drawn with the prompt's
     # first (seeds seed + i) from the same logits; a decode pod forks the sequence for each (engine/llm_engine.py).

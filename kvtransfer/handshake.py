@@ -120,7 +120,8 @@ def weights_fingerprint(model: str, seed: int = 0) -> str:
     if path is None:
         digest.update(f"seed={seed}".encode())
         return digest.hexdigest()[:16]
-    files = [path] if path.is_file() else sorted(p for p in Path(path).iterdir() if p.suffix in (".safetensors", ".bin"))
+    weight_files = (".safetensors", ".bin")
+    files = [path] if path.is_file() else sorted(p for p in Path(path).iterdir() if p.suffix in weight_files)
     for file in files:
         size = file.stat().st_size
         digest.update(f"{file.name}:{size}\n".encode())

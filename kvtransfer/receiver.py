@@ -7,15 +7,16 @@ A push's path through ``PushKV``:
               shared-memory arena it names, if any, mapped (kvtransfer/shm.py); KVHandoff.reserve files a
               RECEIVING lease (ALREADY_EXISTS) with the prompt's blocks, reserved on the engine thread
               (RESOURCE_EXHAUSTED when there is no room)
-    chunks    parsed by splitserve.kvtransfer.wire.parse_push, the stream's deserializer, payload and scales left in the
-              received message's bytes (or, for a chunk with a shared-memory span, viewed in the arena:
+    chunks    parsed by splitserve.kvtransfer.wire.parse_push, the stream's deserializer, payload and scales left in
+              the received message's bytes (or, for a chunk with a shared-memory span, viewed in the arena:
               with_shm_bytes); sequence number and codec checked on the event loop (a gap or repeat:
               INVALID_ARGUMENT); then on one of the pod's intake threads (KVIntake, up to INTAKE_IN_FLIGHT chunks
-              of a push at a time while the event loop reads the next messages) decode_chunk verifies the checksum (DATA_LOSS), codec, range
-              and shape and decodes (for codec none, a view of the message's or the arena's bytes), and the tensor
-              is written into the cache (write_heads: the chunk's KV heads at the slots of the sequence's tokens,
-              into the ranks that own them on a tensor-parallel pod: the one copy on this side). The blocks belong to the reserved sequence alone, which the engine does not schedule yet,
-              so writing beside the running engine thread is safe; the handler waits for its workers
+              of a push at a time while the event loop reads the next messages) decode_chunk verifies the checksum
+              (DATA_LOSS), codec, range and shape and decodes (for codec none, a view of the message's or the
+              arena's bytes), and the tensor is written into the cache (write_heads: the chunk's KV heads at the
+              slots of the sequence's tokens, into the ranks that own them on a tensor-parallel pod: the one copy
+              on this side). The blocks belong to the reserved sequence alone, which the engine does not schedule
+              yet, so writing beside the running engine thread is safe; the handler waits for its workers
               (KVIntake.settle) before it acknowledges or releases the blocks, so no write outlives it
     trailer   every (layer, K/V, KV head, token) of the prompt must have arrived exactly once (else DATA_LOSS);
               KVHandoff.received moves the lease to WAITING and the response tells the sender how long it lasts

@@ -16,9 +16,9 @@ Choosing the transport, once per link, at the handshake (``ShmLinks.choose``, pr
 
 A push's path over shared memory:
 
-    prefill pod   ShmArena (kvtransfer/shm_arena.py, with ShmPush and ShmLinks): one file per (prefill pod, decode pod's boot), created in the decode pod's shm_dir,
-                  mapped once and reused by every push on the link, so its pages are faulted in once (a fresh page
-                  of tmpfs costs more than the copy into it)
+    prefill pod   ShmArena (kvtransfer/shm_arena.py, with ShmPush and ShmLinks): one file per (prefill pod, decode
+                  pod's boot), created in the decode pod's shm_dir, mapped once and reused by every push on the
+                  link, so its pages are faulted in once (a fresh page of tmpfs costs more than the copy into it)
                   header names the arena; for each chunk of a codec that sends the elements themselves (none,
                   bf16): ShmPush.frame_raw -> the layer's K (then V) gathered from its held parts straight into a
                   span (one copy, converted to the wire dtype on the way: no concatenation, no encode pass), the

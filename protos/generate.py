@@ -49,7 +49,8 @@ def compile_protos(repo_root: Path) -> dict[str, bytes]:
         ])
         if rc != 0:
             raise SystemExit(f"protoc failed with exit code {rc}")
-        return {path.name: path.read_bytes() for path in sorted((Path(out) / PROTO_PACKAGE_DIR.relative_to(PROTO_ROOT)).iterdir())}
+        generated = Path(out) / PROTO_PACKAGE_DIR.relative_to(PROTO_ROOT)
+        return {path.name: path.read_bytes() for path in sorted(generated.iterdir())}
 
 
 def committed_modules(repo_root: Path) -> dict[str, bytes]:
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         problems = drift(REPO_ROOT)
         if problems:
-            print("generated protos are out of date; run `python -m splitserve.protos.generate`:", *problems, sep="\n  ")
+            print("generated protos are out of date; run `python -m splitserve.protos.generate`:", *problems,
+                  sep="\n  ")
             return 1
         print("generated protos are up to date")
         return 0

@@ -56,7 +56,8 @@ class RouterConfig:
     model: str = field(default=DEFAULT_MODEL, metadata=described("Served model; the router loads only its tokenizer."))
     max_model_len: int = field(default=8192, metadata=described(
         "Context length in tokens (prompt + output); must match the pods' model (SmolLM2-135M: 8192)."))
-    prefill_pods: list[str] = field(default_factory=list, metadata=described("Static registry: prefill pods, host:port."))
+    prefill_pods: list[str] = field(default_factory=list, metadata=described(
+        "Static registry: prefill pods, host:port."))
     decode_pods: list[str] = field(default_factory=list, metadata=described("Static registry: decode pods, host:port."))
     mixed_pods: list[str] = field(default_factory=list, metadata=described(
         "Static registry: mixed pods (both phases in one process), host:port."))
@@ -78,7 +79,8 @@ class RouterConfig:
     conditional_prefill_queue_s: float = field(default=0.0, metadata=described(
         "Load-aware conditional disaggregation: a prompt that would wait at least this many seconds behind every "
         "prefill pod's queue prefills on its decode pod instead, if that pod has no prompt queued (0: never)."))
-    request_timeout_s: float = field(default=300.0, metadata=described("Deadline of one request, arrival to last token."))
+    request_timeout_s: float = field(default=300.0, metadata=described(
+        "Deadline of one request, arrival to last token."))
     max_retries: int = field(default=2, metadata=described(
         "Retries on other pods of a request that failed before its first token."))
     max_migrations: int = field(default=2, metadata=described(

@@ -15,8 +15,8 @@ methods):
 
 ``make_request`` runs all three and returns the ``RouterRequest`` that ``Router.generate`` serves. Every refusal is
 ``StatusError(INVALID_ARGUMENT)`` naming the field at fault. The tokenizer is the model's own (its name resolved by
-``splitserve.engine.text.tokenizer_files``, without torch or the weights): the router holds text only at this edge, and in the
-detokenizer of each request's run (``request_run.py``).
+``splitserve.engine.text.tokenizer_files``, without torch or the weights): the router holds text only at this edge, and
+in the detokenizer of each request's run (``request_run.py``).
 """
 
 from __future__ import annotations

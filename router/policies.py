@@ -43,7 +43,7 @@ import grpc
 from splitserve.router.config import PolicyName
 from splitserve.router.latency import HybridPlacement
 from splitserve.router.pods.registry import PodInfo
-from splitserve.router.route_plan import PromptBlocks, RoutePlan, SLOTargets, blocks_for
+from splitserve.router.route_plan import PromptBlocks, RoutePlan, SLOTargets
 from splitserve.runtime.config import member
 from splitserve.runtime.errors import StatusError
 
@@ -64,7 +64,7 @@ def has_room(pod: PodInfo, num_prompt_tokens: int) -> bool:
     room: it says RESOURCE_EXHAUSTED itself if not."""
     if not pod.load.total_kv_blocks:
         return True
-    return pod.free_kv_blocks >= blocks_for(num_prompt_tokens + 1, pod)
+    return pod.free_kv_blocks >= pod.blocks_for(num_prompt_tokens + 1)
 
 
 def decode_load(pod: PodInfo) -> tuple:

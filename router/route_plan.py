@@ -4,13 +4,11 @@
   TTFT (hybrid placement) and a split prefill's prefix length; routing policies (``policies.py``) and hybrid
   placement (``latency.py``) return it, ``placement.py`` acts on it;
 - ``SLOTargets``: a request's TTFT and TPOT targets, its own or the router's;
-- ``PromptBlocks``: a prompt's chained block hashes, for matching it against each pod's prefix cache;
-- ``blocks_for``: the KV blocks a number of tokens takes on a pod.
+- ``PromptBlocks``: a prompt's chained block hashes, for matching it against each pod's prefix cache.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,8 +71,3 @@ class PromptBlocks:
                 break
             matched += 1
         return matched * pod.load.block_size
-
-
-def blocks_for(num_tokens: int, pod: PodInfo) -> int:
-    """KV blocks ``num_tokens`` take on ``pod``."""
-    return math.ceil(num_tokens / pod.load.block_size)

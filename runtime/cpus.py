@@ -7,13 +7,14 @@ A CPU set is written as Linux writes it (``taskset -c``, ``/proc/<pid>/status``)
     checked_cpu_set(field, text)       the set, or a ValueError naming the config field when it is malformed or not
                                        a subset of the CPUs this process may run on (``os.sched_getaffinity``)
     pin_cpu_set(text)                  at process start: pin every thread of the process to the set (the router;
-                                       a pod's ``splitserve.runtime.torch_threads.apply_cpu_set`` also sizes torch's pools)
+                                       a pod's ``splitserve.runtime.torch_threads.apply_cpu_set`` also sizes
+                                       torch's pools)
     thread_env(threads)                the environment that sizes OpenMP / MKL before torch is imported (for a child)
 
-Without a set, threads default to one per core of the machine, so pods sharing a machine oversubscribe its cores:
-each runs as many compute threads as there are cores, and they preempt each other mid-GEMM. A pod pinned to its set
-with one thread per CPU of the set runs alone on its cores. The native kernels (engine/kernels/cpu_kernels.py) take their
-thread count from ``torch.get_num_threads()`` and their OpenMP is torch's libgomp, so they follow the same setting.
+Without a set, threads default to one per core of the machine, so pods sharing a machine oversubscribe its cores: each
+runs as many compute threads as there are cores, and they preempt each other mid-GEMM. A pod pinned to its set with one
+thread per CPU of the set runs alone on its cores. The native kernels (engine/kernels/cpu_kernels.py) take their thread
+count from ``torch.get_num_threads()`` and their OpenMP is torch's libgomp, so they follow the same setting.
 """
 
 from __future__ import annotations

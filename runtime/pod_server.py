@@ -2,7 +2,8 @@
 
 Prefill, decode and mixed pods all start here; only their gRPC services differ:
 
-    python -m splitserve.prefill_service | decode_service  ->  parse_config(ServiceConfig)  ->  run_pod(config, role, build)
+    python -m splitserve.prefill_service | decode_service
+      -> parse_config(ServiceConfig) -> run_pod(config, role, build)
       Pod(config, role)        builds the LLMEngine (loads the model) and its EngineLoop, whose observer is the
                                pod's LoadTracker (runtime/pod_status.py): a load snapshot after every step
       build(pod)               the role's services (and their cleanups, ``pod.on_stop``)
@@ -10,7 +11,8 @@ Prefill, decode and mixed pods all start here; only their gRPC services differ:
                                load, pushed as it changes), health (SERVING: the engine is loaded by now) and
                                reflection (with probe_port, health alone in plain text there: kubelet's gRPC
                                probe under TLS); Prometheus /metrics on metrics_port; with registry=redis, a
-                               RedisHeartbeat publishing the load and the prefix cache's block hashes under advertise_address
+                               RedisHeartbeat publishing the load and the prefix cache's block hashes under
+                               advertise_address
       engine watchdog          health NOT_SERVING (so liveness restarts the pod, readiness and the router stop
                                sending to it) while the engine thread is dead or one round of it has lasted
                                longer than engine_stall_s; SERVING again if a stall ends
@@ -71,7 +73,8 @@ class PodConfig:
     port: int = field(default=50060, metadata=described("gRPC port of all the pod's services (0: any free port)."))
     advertise_address: str = field(default="", metadata=described(
         "host:port other pods and the router reach this pod at (empty: this host's name and the port)."))
-    metrics_port: int = field(default=9400, metadata=described("Port of the Prometheus /metrics endpoint (0: any free)."))
+    metrics_port: int = field(default=9400, metadata=described(
+        "Port of the Prometheus /metrics endpoint (0: any free)."))
     model: str = field(default=EngineConfig.model, metadata=described(
         f"{DEFAULT_MODEL}, tiny-random, a HF checkpoint directory or a .gguf file."))
     device: str = field(default=EngineConfig.device, metadata=described("Torch device: cpu, cuda, cuda:1."))

@@ -1,8 +1,8 @@
-"""A pod's CPU set with torch sized to it: ``apply_cpu_set(text, num_threads)`` pins every thread of the process to
-the set (``splitserve.runtime.cpus.pin_cpu_set``) and gives torch one compute thread per CPU of it, or ``num_threads``.
+"""A pod's CPU set with torch sized to it: ``apply_cpu_set(text, num_threads)`` pins every thread of the process to the
+set (``splitserve.runtime.cpus.pin_cpu_set``) and gives torch one compute thread per CPU of it, or ``num_threads``.
 
-Apart from ``splitserve.runtime.cpus`` because it imports torch: the router pins itself with ``pin_cpu_set`` and never loads
-torch (an import contract in pyproject.toml says so).
+Apart from ``splitserve.runtime.cpus`` because it imports torch: the router pins itself with ``pin_cpu_set`` and never
+loads torch (an import contract in pyproject.toml says so).
 """
 
 from __future__ import annotations

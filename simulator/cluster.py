@@ -1,12 +1,12 @@
 """A simulated cluster: the router's placement over ``SimPod``s, and each request's path as ``bench serve`` sees it.
 
-A request's path, as in DESIGN.md ("One request, disaggregated") and ``router/placement.py``:
+A request's path, as in DESIGN.md ("One request, disaggregated") and ``router/request_run.py``:
 
   arrival (the workload's send time)
   + ``router_s`` (HTTP, tokenizing, placing: the profile's fitted overhead)
-  -> the routing policy (``splitserve.router.policies``, the real one, given the router's SLO targets) picks D, and P unless
-     the prompt prefills on D (conditional disaggregation, no prefill pod: a colocated cluster of mixed pods, or,
-     hybrid, ``HybridPlacement`` predicting that a prompt lent to D gets its first token sooner);
+  -> the routing policy (``splitserve.router.policies``, the real one, given the router's SLO targets) picks D, and P
+     unless the prompt prefills on D (conditional disaggregation, no prefill pod: a colocated cluster of mixed pods,
+     or, hybrid, ``HybridPlacement`` predicting that a prompt lent to D gets its first token sooner);
      no decode pod with room -> RESOURCE_EXHAUSTED, the request fails as a real client's would (HTTP 429)
   -> disaggregated: D reserves the prompt's blocks (the push lands there), P's scheduler prefills the prompt
      (``max_tokens = 1``), the KV's exposed transfer time passes, the first token reaches the client, and D admits
@@ -18,10 +18,11 @@ A request's path, as in DESIGN.md ("One request, disaggregated") and ``router/pl
   -> every token D samples reaches the client at the step's end; the last one ends the request.
 
 The router's own bookkeeping on each pod (``PodInfo.active_requests``, ``queued_prompt_tokens``,
-``blocks_since_report``) is kept as ``RequestRun.hold`` keeps it, so the policies see what the real router sees;
-with hybrid scheduling each remote prefill's exposed KV transfer time is fed back to the placement
-(``HybridPlacement.observe_transfer``), as ``router/placement.py`` does.
-Each request ends as a ``splitserve.measure.serve_metrics.RequestRecord``: the same figures, by the same code, as a real run.
+``blocks_since_report``) is kept as the router's ``PodCalls.hold`` keeps it, so the policies see what the real router
+sees; with hybrid scheduling each remote prefill's exposed KV transfer time is fed back to the placement
+(``HybridPlacement.observe_transfer``), as ``router/request_run.py`` does.
+Each request ends as a ``splitserve.measure.serve_metrics.RequestRecord``: the same figures, by the same code, as a
+real run.
 """
 
 from __future__ import annotations

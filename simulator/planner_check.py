@@ -1,5 +1,6 @@
-"""The planner with its decisions checked in simulation before they apply: ``python -m splitserve.simulator.planner_check``
-(the chart runs it in place of ``python -m splitserve.deploy.planner`` when ``planner.config.simulateCheck`` is true).
+"""The planner with its decisions checked in simulation before they apply:
+``python -m splitserve.simulator.planner_check`` (the chart runs it in place of ``python -m splitserve.deploy.planner``
+when ``planner.config.simulateCheck`` is true).
 
 Every tick, after ``Planner.plan`` has decided, ``SimulatedCheck`` replays the load the planner just measured on two
 simulated clusters, the pools as they are and as decided:

@@ -1,5 +1,5 @@
-"""``splitserve simulate planner``: the planner's own decisions (``splitserve.deploy.planner.capacity.Planner``) replayed on a
-day-shaped rate curve, against static provisioning at the peak: SLO attainment and pod-hours.
+"""``splitserve simulate planner``: the planner's own decisions (``splitserve.deploy.planner.capacity.Planner``)
+replayed on a day-shaped rate curve, against static provisioning at the peak: SLO attainment and pod-hours.
 
     splitserve simulate planner [--peak-rate 2] [--day-s 3600] [--startup-s 60] [--lag-s 30] [--json F --plot F]
 

@@ -247,8 +247,8 @@ the profile (bench phases --profile-out) says how fast a pod is; see docs/simula
 
 
 # ``splitserve simulate NAME ...``: the studies built on the simulator, each a module of this package.
-STUDIES = {"validate": "splitserve.simulator.validate", "ratios": "splitserve.simulator.ratios", "planner": "splitserve.simulator.planner_replay",
-           "slo-map": "splitserve.simulator.slo_map"}
+STUDIES = {"validate": "splitserve.simulator.validate", "ratios": "splitserve.simulator.ratios",
+           "planner": "splitserve.simulator.planner_replay", "slo-map": "splitserve.simulator.slo_map"}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -22,8 +22,8 @@ at its last step's end (``on_finish``: the pod's count and blocks, the router's 
 report would show it; only the blocks the span's tokens fill are reported at the span's end (at most ``span_s``
 seconds late), so spans are taken only while at least a quarter of the KV pool stays free.
 
-``info`` is the pod as the router sees it (``splitserve.router.pods.registry.PodInfo``): its ``load`` is refreshed after every step
-and admission, as a real pod's ``LoadTracker`` publishes one within milliseconds of each step.
+``info`` is the pod as the router sees it (``splitserve.router.pods.registry.PodInfo``): its ``load`` is refreshed after
+every step and admission, as a real pod's ``LoadTracker`` publishes one within milliseconds of each step.
 
 Lending (issue 20's hybrid scheduling): a decode pod whose ``SchedulerConfig.tpot_slack_chunking`` is set gets the
 engine's ``TPOTSlackBudget``, as ``LLMEngine`` builds it, over the pod's step-time model (``profile_step_time``: the

@@ -13,7 +13,8 @@
   splitserve simulate [--pools prefill:1,decode:1 ...]  the router and pods on a virtual clock, from a profile
   splitserve bench llamacpp [--threads 1,2 ...]         beside llama.cpp on the same GGUF: ms/token, tokens/s, lookup
   splitserve bench lm_eval [--lm-eval-python PATH]      lm-eval against a cluster, each answer checked offline
-  splitserve bench tp [--tensor-parallel-sizes 1,2 ...]  TP 1 vs TP N on this machine, all-reduce cost, 8-rank projection
+  splitserve bench tp [--tensor-parallel-sizes 1,2 ...]  TP 1 vs TP N on this machine, all-reduce cost, 8-rank
+                                                        projection
   splitserve build-kernels [--baselines]                build the engine's native CPU kernels now (set-up does)
 """
 

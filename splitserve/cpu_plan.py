@@ -5,9 +5,9 @@
 Rules, in order:
 
 1. A role given a set (``--prefill-cpus``, ``--decode-cpus``, ``--mixed-cpus``) runs on it.
-2. The roles given none share out the CPUs the given sets left (all the allowed CPUs if they left none): in
-   contiguous slices in the order prefill, decode, mixed, sized by their pods' ranks (a pod of tensor- or pipeline-
-   parallel size N counts N, ``ranks``), at least one CPU each; with fewer CPUs than such roles, those roles all share the CPUs.
+2. The roles given none share out the CPUs the given sets left (all the allowed CPUs if they left none): in contiguous
+   slices in the order prefill, decode, mixed, sized by their pods' ranks (a pod of tensor- or pipeline-parallel size N
+   counts N, ``ranks``), at least one CPU each; with fewer CPUs than such roles, those roles all share the CPUs.
 3. The pods of a role split its set into contiguous slices sized by their ranks (the first pods take the
    remainder) when the set has a CPU for each of them, and otherwise all share it. A pod of N ranks pins each rank
    to its own share of its slice (engine/parallel/workers.py), or, with fewer CPUs than ranks, one CPU each in turn.

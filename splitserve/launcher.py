@@ -147,8 +147,8 @@ class Cluster:
         if name == "router":
             # API keys go in its environment, not on its command line (ps shows command lines).
             env = {"SPLITSERVE_API_KEYS": ",".join(c.api_keys)} if c.api_keys else {}
-            return ChildSpec(name, [sys.executable, "-m", "splitserve.router.server", *self._router_flags()], log, env=env,
-                             stop_grace_s=ROUTER_SHUTDOWN_GRACE_S + STOP_MARGIN_S)
+            return ChildSpec(name, [sys.executable, "-m", "splitserve.router.server", *self._router_flags()], log,
+                             env=env, stop_grace_s=ROUTER_SHUTDOWN_GRACE_S + STOP_MARGIN_S)
         pod = next(pod for pod in self.pods if pod.name == name)
         return ChildSpec(name, [sys.executable, "-m", _POD_MODULES[pod.role], *self._pod_flags(pod)], log,
                          env=thread_env(self.cpu_plan[name].threads), stop_grace_s=c.shutdown_grace_s + STOP_MARGIN_S)

@@ -42,7 +42,8 @@ class UpConfig:
         "Pods take consecutive gRPC ports from here."))
     base_metrics_port: int = field(default=PodConfig.metrics_port, metadata=described(
         "Pods take consecutive /metrics ports from here."))
-    # The router's settings: defaults and help from RouterConfig, passed as its flags (splitserve.runtime.config.passed_to).
+    # The router's settings: defaults and help from RouterConfig, passed as its flags
+    # (splitserve.runtime.config.passed_to).
     kv_codec: str = passed_to(RouterConfig, name="kv_codec", help=(
         "KV codec between prefill and decode pods (the router's: it names one in every prefill request)."))
     policy: PolicyName = passed_to(RouterConfig, name="policy")

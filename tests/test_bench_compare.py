@@ -101,7 +101,8 @@ def test_topologies_are_picked_by_kind_or_name_and_unknown_ones_refused():
 def summary(attainment: float, goodput: float, tpot_p50: float, tpot_p99: float, failures=None, unfinished=0):
     dist = lambda p50, p99: {"p50": p50, "p90": (p50 + p99) / 2, "p99": p99}  # noqa: E731
     return {"slo_attainment": attainment, "goodput": goodput, "ttft": dist(0.5, 1.5), "tpot": dist(tpot_p50, tpot_p99),
-            "failures": failures or {}, "unfinished": unfinished, "not_sent": 0, "failed": sum((failures or {}).values())}
+            "failures": failures or {}, "unfinished": unfinished, "not_sent": 0,
+            "failed": sum((failures or {}).values())}
 
 
 def result(name: str, kind: str, goodput: float | None, ref_goodput: float = 0.1, error: str | None = None):
@@ -147,7 +148,8 @@ def config(**fields) -> CompareConfig:
 
 def test_the_estimate_counts_start_up_and_every_rate_and_a_reference_rate_off_the_sweep():
     swept = config(rates=[1.0, 2.0], reference_rate=1.0)
-    assert swept.estimate_s() == compare_plan.STARTUP_S + (10 / 1 + compare_plan.DRAIN_S) + (10 / 2 + compare_plan.DRAIN_S)
+    assert swept.estimate_s() == (compare_plan.STARTUP_S + (10 / 1 + compare_plan.DRAIN_S)
+                                  + (10 / 2 + compare_plan.DRAIN_S))
     extra = config(rates=[1.0, 2.0], reference_rate=0.5)
     assert extra.estimate_s() == swept.estimate_s() + 10 / 0.5 + compare_plan.DRAIN_S
 

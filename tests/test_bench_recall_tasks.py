@@ -1,5 +1,5 @@
-"""The recall documents of ``bench lm_eval``'s side-by-side scores (bench/lm_eval/recall_tasks.py): the same for the same
-seed, every answer really in its prompt and nowhere else as a candidate, and every prompt at least 1k tokens with
+"""The recall documents of ``bench lm_eval``'s side-by-side scores (bench/lm_eval/recall_tasks.py): the same for the
+same seed, every answer really in its prompt and nowhere else as a candidate, and every prompt at least 1k tokens with
 the real SmolLM2 tokenizer, so the KV that a codec compresses is long."""
 
 from __future__ import annotations

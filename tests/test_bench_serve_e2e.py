@@ -26,7 +26,8 @@ THRESHOLD = 32  # prompts of 24..72 tokens: some prefill on the decode pod, the 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, start_cluster):
     cluster = start_cluster(tmp_path_factory.mktemp("bench-serve"), model="tiny-random", prefill=1, decode=1,
-                            scheduling="disaggregated", conditional_prefill_threshold=THRESHOLD, kv_cache_memory_bytes=64 << 20, prometheus=False)
+                            scheduling="disaggregated", conditional_prefill_threshold=THRESHOLD,
+                            kv_cache_memory_bytes=64 << 20, prometheus=False)
     yield cluster
     cluster.stop()
 

@@ -1,5 +1,5 @@
-"""The codec and transfer benchmarks run end to end on the tiny random model with their smallest options, and their
-JSON figures have the structure docs/PERFORMANCE.md's tables are made from. The lossless codec is the exact baseline: full
+"""The codec and transfer benchmarks run end to end on the tiny random model with their smallest options, and their JSON
+figures have the structure docs/PERFORMANCE.md's tables are made from. The lossless codec is the exact baseline: full
 agreement and no perplexity change, by construction, not within a tolerance.
 """
 

@@ -56,7 +56,8 @@ def test_random_workload_lengths_are_exact_or_spread_within_the_range_and_capped
     fixed = build_workload(WorkloadConfig(num_prompts=20, input_len=64, output_len=8))
     assert [(s.index, s.prompt_len, s.output_len, s.arrival_s) for s in fixed] == [(i, 64, 8, 0.0) for i in range(20)]
     spread = build_workload(WorkloadConfig(num_prompts=500, input_len=100, output_len=40, range_ratio=0.5, seed=1))
-    assert {s.prompt_len for s in spread} <= set(range(50, 151)) and {s.output_len for s in spread} <= set(range(20, 61))
+    assert {s.prompt_len for s in spread} <= set(range(50, 151))
+    assert {s.output_len for s in spread} <= set(range(20, 61))
     assert len({s.prompt_len for s in spread}) > 50  # spread, not a constant
     capped = build_workload(WorkloadConfig(num_prompts=500, input_len=100, output_len=40, range_ratio=0.5, seed=1,
                                            max_prompt_tokens=80, max_output_tokens=30))

@@ -250,7 +250,8 @@ def test_block_hashes_are_fixed_values():
 
 @pytest.mark.parametrize("hash_seed", ["0", "12345"])
 def test_block_hashes_agree_across_processes(hash_seed):
-    code = "from splitserve.engine.block_manager import chained_block_hashes; print(chained_block_hashes(list(range(1, 10)), 4))"
+    code = ("from splitserve.engine.block_manager import chained_block_hashes; "
+            "print(chained_block_hashes(list(range(1, 10)), 4))")
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True,
         text=True,

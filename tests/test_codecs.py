@@ -73,7 +73,8 @@ def test_codec_modules_load_only_when_requested():
         """
         import sys
         import splitserve.kvtransfer
-        lazy = ("splitserve.kvtransfer.codecs.kivi", "splitserve.kvtransfer.codecs.zstd", "splitserve.kvtransfer.codecs.symmetric", "zstandard")
+        lazy = ("splitserve.kvtransfer.codecs.kivi", "splitserve.kvtransfer.codecs.zstd",
+                "splitserve.kvtransfer.codecs.symmetric", "zstandard")
         assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]
         splitserve.kvtransfer.get_codec("int4")
         assert "splitserve.kvtransfer.codecs.kivi" in sys.modules

@@ -284,7 +284,8 @@ def lending_up(tmp_path_factory, start_cluster):
         pytest.skip("lending needs CPUs 0 and 1")
     cluster = start_cluster(tmp_path_factory.mktemp("lending-up"), model="smollm2-135m", prefill=1, decode=1,
                             prefill_cpus="0", decode_cpus="1", lend_decode_cpus=True, kv_codec="none",
-                            scheduling="disaggregated", conditional_prefill_threshold=0, kv_cache_memory_bytes=128 << 20, prometheus=False)
+                            scheduling="disaggregated", conditional_prefill_threshold=0,
+                            kv_cache_memory_bytes=128 << 20, prometheus=False)
     yield cluster
     cluster.stop()
 

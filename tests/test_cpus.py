@@ -111,9 +111,10 @@ def test_a_pod_started_with_cpus_0_runs_every_thread_on_cpu_0_with_one_torch_thr
     metrics_port = port + 1
     log = tmp_path / "decode.log"
     with open(log, "wb") as out:
-        pod = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", "--host", "127.0.0.1", "--port", str(port),
-                                "--metrics-port", str(metrics_port), "--model", "tiny-random", "--num-blocks", "32",
-                                "--cpus", "0"], cwd=REPO_ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+        pod = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", "--host", "127.0.0.1",
+                                "--port", str(port), "--metrics-port", str(metrics_port), "--model", "tiny-random",
+                                "--num-blocks", "32", "--cpus", "0"],
+                               cwd=REPO_ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while not serving(f"127.0.0.1:{port}"):

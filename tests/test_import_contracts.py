@@ -53,17 +53,21 @@ def add_import(module: Path, statement: str) -> None:
 
 WRONG_IMPORTS = {  # name: (where, the import added, what the linter must say)
     "a router importing a pod": ({"router/policies.py": "import splitserve.decode_service.server"}, [
-        "splitserve.router is not allowed to import splitserve.decode_service", "splitserve.router.policies -> splitserve.decode_service.server",
+        "splitserve.router is not allowed to import splitserve.decode_service",
+        "splitserve.router.policies -> splitserve.decode_service.server",
         "3 broken"]),  # the layers (siblings), the router's forbidden list, and torch (a pod loads the model)
     "the engine importing network code or the runtime": (
         {"engine/scheduler.py": "import grpc", "engine/sequence.py": "import splitserve.runtime.metrics"},
-        ["splitserve.engine is not allowed to import grpc", "splitserve.engine.sequence -> splitserve.runtime.metrics"]),
+        ["splitserve.engine is not allowed to import grpc",
+         "splitserve.engine.sequence -> splitserve.runtime.metrics"]),
     "a package importing the benchmarks": ({"splitserve/launcher.py": "import splitserve.bench.serve"}, [
-        "splitserve.launcher is not allowed to import splitserve.bench", "splitserve.launcher -> splitserve.bench.serve"]),
+        "splitserve.launcher is not allowed to import splitserve.bench",
+        "splitserve.launcher -> splitserve.bench.serve"]),
     "a router import cycle": ({"router/config.py": "import splitserve.router.policies"},  # policies imports config
                               ["no import cycle inside the router BROKEN", "1 broken"]),
-    "a router path to torch": ({"router/intake.py": "import splitserve.engine.weights.model_files"},  # the weight loader
-                               ["splitserve.router is not allowed to import torch", "splitserve.router.intake -> splitserve.engine.weights.model_files"]),
+    "a router path to torch": ({"router/intake.py": "import splitserve.engine.weights.model_files"},  # weight loader
+                               ["splitserve.router is not allowed to import torch",
+                                "splitserve.router.intake -> splitserve.engine.weights.model_files"]),
 }
 
 
@@ -80,10 +84,11 @@ def test_a_wrong_import_breaks_the_contracts(tmp_path, case):
 
 
 def test_the_command_line_loads_a_benchmark_only_when_its_subcommand_runs():
-    # The dispatch imports splitserve.bench.NAME and the simulator by name (invisible to the linter): importing the command
-    # line loads none of them.
+    # The dispatch imports splitserve.bench.NAME and the simulator by name (invisible to the linter): importing the
+    # command line loads none of them.
     probe = ("import sys, splitserve.cli; "
-             "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['splitserve', 'bench'], ['splitserve', 'simulator'])))")
+             "print(sorted(m for m in sys.modules "
+             "if m.split('.')[:2] in (['splitserve', 'bench'], ['splitserve', 'simulator'])))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": ""},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -93,7 +98,8 @@ def test_the_command_line_loads_a_benchmark_only_when_its_subcommand_runs():
 def test_the_router_process_loads_no_torch():
     """What the contract says, in a fresh interpreter: the router's modules, both APIs and a Router with its
     tokenizer loaded by name (the path that used to pull in the weight loaders) leave torch unimported."""
-    script = ("import sys, splitserve.router.server, splitserve.router.openai.app; from splitserve.router.config import RouterConfig; "
+    script = ("import sys, splitserve.router.server, splitserve.router.openai.app; "
+              "from splitserve.router.config import RouterConfig; "
               "from splitserve.router.router import Router; "
               "Router(RouterConfig(model='tiny-random', decode_pods=['localhost:1'])); "
               "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")

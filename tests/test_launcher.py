@@ -38,8 +38,8 @@ P, D, M = Role.PREFILL, Role.DECODE, Role.MIXED
 # ---- the CPU plan -------------------------------------------------------------------------------------------------
 
 def test_default_plan_on_two_cpus_is_the_documented_one():
-    """docs/configuration.md, "CPU plan": prefill on CPU 0, decode on CPU 1, one thread each, the router on any CPU; mixed pods
-    split the CPUs."""
+    """docs/configuration.md, "CPU plan": prefill on CPU 0, decode on CPU 1, one thread each, the router on any CPU;
+    mixed pods split the CPUs."""
     plan = plan_cpus([("prefill-0", P), ("decode-0", D)], TWO_CPUS, {})
     assert {name: (format_cpu_list(p.cpus), p.threads, p.pinned) for name, p in plan.items()} == {
         "prefill-0": ("0", 1, True), "decode-0": ("1", 1, True), "router": ("0-1", 0, False)}

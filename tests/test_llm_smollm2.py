@@ -1,11 +1,11 @@
 """The offline LLM on the real SmolLM2-135M-Instruct weights against transformers on the same weights.
 
-Both run from one set of weights: ours are dequantized from the GGUF file, exported as a HF checkpoint, and
-loaded by transformers, whose greedy choice is the reference, token for token: with the engine's default float16 KV
-cache and with a float32 one, prefill in float32. transformers reads each prompt with our whole continuation in one forward pass and
-picks its greedy token at every position of it: those picks are our continuation exactly when its greedy
-``generate`` (the same picks over the same prefixes, one forward per token, up to the rounding of a cached forward
-against an uncached one) would write our continuation, and 32 forwards per prompt are one.
+Both run from one set of weights: ours are dequantized from the GGUF file, exported as a HF checkpoint, and loaded by
+transformers, whose greedy choice is the reference, token for token: with the engine's default float16 KV cache and with
+a float32 one, prefill in float32. transformers reads each prompt with our whole continuation in one forward pass and
+picks its greedy token at every position of it: those picks are our continuation exactly when its greedy ``generate``
+(the same picks over the same prefixes, one forward per token, up to the rounding of a cached forward against an
+uncached one) would write our continuation, and 32 forwards per prompt are one.
 """
 
 from __future__ import annotations

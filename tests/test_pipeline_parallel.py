@@ -69,7 +69,8 @@ def test_tiny_random_pp_matches_pp1(pp):
 
 @pytest.mark.model
 def test_smollm2_pp2_matches_pp1_in_float32():
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea, " * 10]
+    prompts = ["The capital of France is", "def fibonacci(n):",
+               "Once upon a time, in a small village by the sea, " * 10]
     _assert_same(_run(1, "smollm2-135m", prompts), _run(2, "smollm2-135m", prompts))
 
 

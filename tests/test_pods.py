@@ -1,10 +1,10 @@
 """A prefill pod and a decode pod on loopback, with the tiny random model: the disaggregated path gives the offline
-engine's tokens, the KV arrives intact, and every failure (expired lease, corrupt chunk, incompatible peer, full
-pool, cancelled stream, bad input) ends with a clear status and every block free again on both pods.
+engine's tokens, the KV arrives intact, and every failure (expired lease, corrupt chunk, incompatible peer, full pool,
+cancelled stream, bad input) ends with a clear status and every block free again on both pods.
 
-The pods run in this process, on an event loop in a background thread, exactly as ``python -m splitserve.prefill_service`` /
-``decode_service`` build them; the tests call them through ordinary (synchronous) gRPC stubs. One test starts the
-real processes.
+The pods run in this process, on an event loop in a background thread, exactly as ``python -m
+splitserve.prefill_service`` / ``decode_service`` build them; the tests call them through ordinary (synchronous) gRPC
+stubs. One test starts the real processes.
 """
 
 from __future__ import annotations
@@ -1193,13 +1193,15 @@ def test_pods_as_processes_serve_register_and_shut_down_on_sigterm(redis_url):
     common = ["--host", "127.0.0.1", "--model", MODEL, "--num-blocks", "32", "--load-refresh-interval-s", "0.2"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     decode_address = f"127.0.0.1:{ports['decode']}"
-    decode = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", *common, "--port", str(ports["decode"]),
-                               "--metrics-port", str(ports["decode_metrics"]), "--registry", "redis",
+    decode = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", *common,
+                               "--port", str(ports["decode"]), "--metrics-port", str(ports["decode_metrics"]),
+                               "--registry", "redis",
                                "--redis-url", redis_url, "--advertise-address", decode_address,
                                "--heartbeat-ttl-s", "0.6"], cwd=REPO_ROOT, env=env)
     # The baseline without overlap: every layer is sent after the prefill step.
-    prefill = subprocess.Popen([sys.executable, "-m", "splitserve.prefill_service", *common, "--port", str(ports["prefill"]),
-                                "--metrics-port", str(ports["prefill_metrics"]), "--no-overlap-transfer"],
+    prefill = subprocess.Popen([sys.executable, "-m", "splitserve.prefill_service", *common,
+                                "--port", str(ports["prefill"]), "--metrics-port", str(ports["prefill_metrics"]),
+                                "--no-overlap-transfer"],
                                cwd=REPO_ROOT, env=env)
     registry = redis.Redis.from_url(redis_url)
     key = f"splitserve:pods:decode:{decode_address}"

@@ -142,7 +142,8 @@ def test_engine_reports_the_resolved_format():
 
     assert LLM(model="tiny-random", num_blocks=16).engine.prefill_compute == prefill_compute_dtype("auto")
     assert LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="float32").engine.prefill_compute == "float32"
-    assert LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="bfloat16").engine.prefill_compute == "bfloat16"
+    bf16 = LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="bfloat16")
+    assert bf16.engine.prefill_compute == "bfloat16"
 
 
 def test_a_prompt_position_has_the_same_bits_however_the_prompt_is_chunked():

@@ -44,7 +44,8 @@ PROMPTS = SHORT_PROMPTS + LONG_PROMPTS
 
 def _start(start_cluster, run_dir, prefill_quantization: str, decode_quantization: str) -> Cluster:
     return start_cluster(run_dir, model="smollm2-135m", kv_codec="none", prefill=1, decode=1, mixed=0,
-                         scheduling="disaggregated", conditional_prefill_threshold=THRESHOLD, kv_cache_memory_bytes=256 << 20, prometheus=False,
+                         scheduling="disaggregated", conditional_prefill_threshold=THRESHOLD,
+                         kv_cache_memory_bytes=256 << 20, prometheus=False,
                          prefill_quantization=prefill_quantization, decode_quantization=decode_quantization)
 
 

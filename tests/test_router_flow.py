@@ -262,8 +262,8 @@ def test_the_router_refuses_an_unknown_kv_codec_at_start(codec):
 
 
 def test_the_router_process_with_an_unknown_kv_codec_exits_at_once_naming_it():
-    done = subprocess.run([sys.executable, "-m", "splitserve.router.server", "--decode-pods", "127.0.0.1:1", "--kv-codec",
-                           "gzip"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "splitserve.router.server", "--decode-pods", "127.0.0.1:1",
+                           "--kv-codec", "gzip"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "error: kv_codec must be one of none, bf16" in done.stderr and "got 'gzip'" in done.stderr
 
@@ -868,8 +868,9 @@ def test_grpc_abort_ends_the_stream_with_abort():
 def test_router_process_serves_both_apis_and_stops_gracefully_on_sigterm():
     grpc_port, http_port = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.router.server", "--model", MODEL, "--decode-pods", f"127.0.0.1:{free_port()}",
-         "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port)],
+        [sys.executable, "-m", "splitserve.router.server", "--model", MODEL,
+         "--decode-pods", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+         "--http-port", str(http_port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:

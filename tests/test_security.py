@@ -357,7 +357,8 @@ def test_a_cluster_on_mutual_tls_serves_over_every_link_and_refuses_plaintext(pk
     ``openai`` client as a user runs them; a plaintext client or one without a certificate is refused by every
     process."""
     config = UpConfig.on_ports(model="tiny-random", prefill=1, decode=1, prometheus=False, kv_codec="int8",
-                               scheduling="disaggregated", conditional_prefill_threshold=8, kv_cache_memory_bytes=32 << 20, run_dir=str(tmp_path),
+                               scheduling="disaggregated", conditional_prefill_threshold=8,
+                               kv_cache_memory_bytes=32 << 20, run_dir=str(tmp_path),
                                tls_cert_file=pki.server.cert, tls_key_file=pki.server.key, tls_ca_file=pki.ca,
                                tls_require_client_cert=True, api_keys=[KEY])
     cluster = Cluster(config)

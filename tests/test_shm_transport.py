@@ -1,6 +1,7 @@
-"""The same-host KV hand-off (kvtransfer/shm.py, kvtransfer/shm_arena.py): arenas and their spans, the link's choice, and real pod processes
-over loopback handing KV through shared memory: the offline answer token for token, a corrupted chunk refused by its
-checksum, a decode pod killed and restarted mid-transfer (no stale page read, every block and every arena freed).
+"""The same-host KV hand-off (kvtransfer/shm.py, kvtransfer/shm_arena.py): arenas and their spans, the link's choice,
+and real pod processes over loopback handing KV through shared memory: the offline answer token for token, a corrupted
+chunk refused by its checksum, a decode pod killed and restarted mid-transfer (no stale page read, every block and every
+arena freed).
 
 Each test's pods share a fresh directory under /dev/shm (not /dev/shm itself: other pods may run on this machine),
 so that "nothing left behind" is a listing of that directory.

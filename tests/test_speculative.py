@@ -1,5 +1,5 @@
-"""Speculative decoding (engine/speculative/proposer.py): exact against decoding without it, on tiny random models and on the
-real SmolLM2 (marked ``model``); the acceptance rule's distribution; KV rollback; the adaptive draft length.
+"""Speculative decoding (engine/speculative/proposer.py): exact against decoding without it, on tiny random models and
+on the real SmolLM2 (marked ``model``); the acceptance rule's distribution; KV rollback; the adaptive draft length.
 
 The tiny random model falls into loops after a few tokens, which prompt lookup predicts well: the fixed-length runs
 (``adaptive: False``) below verify many drafts, accept most and reject some, which is what exactness must survive.

@@ -1,16 +1,21 @@
-"""The shape of the house, measured (issue 33): what a newcomer reads must not drift from what is there.
+"""The shape of the house, measured (issues 33 and 44): what a newcomer reads must not drift from what is there.
 
 - every package's ``__init__.py`` docstring names each of its modules (``name.py``) and subpackages (``name/``);
 - the number of import contracts that docs/architecture.md states is the number pyproject.toml holds;
-- no folder of code holds more than ``MAX_PY_FILES`` Python files, and no module more than ``MAX_LINES`` lines;
-- no import cycle between modules, counting imports inside functions (only ``if TYPE_CHECKING:`` imports, which never
-  run, are left out);
+- no folder of code holds more than ``MAX_PY_FILES`` Python files;
+- files by concept, never by count: no module is longer than ``MAX_LINES`` lines unless ``LONG_FILE_CEILINGS`` gives it
+  a ceiling and a reason; a listed module past its ceiling fails, and so does one back under ``MAX_LINES`` (its entry
+  goes). The measure is a smell detector, not a target: squeezing a file under it is worse than the entry;
+- no line of hand-written Python, tests included, is wider than ``MAX_COLUMNS`` (pyproject's ``[tool.ruff]``
+  line-length), but in the files of ``KNOWN_WIDE_FILES``, each of which fails once it has no wide line left;
+- no import cycle between modules, counting imports inside functions and those under ``if TYPE_CHECKING:``, but the
+  cycles of ``KNOWN_CYCLES``, each of which fails once it is cut;
 - nothing imports ``splitserve.bench``: not the simulator, not the measurement library, not ``scripts/``.
 
 Exempt from the size measures: ``tests/`` (a test module gathers the scenarios of one subject, and reads one at a
 time) and the generated gRPC modules (``*_pb2.py``, ``*_pb2_grpc.py``: ``protos/splitserve/v1/``, written by
-``python -m splitserve.protos.generate``). The measures also run as a script: ``.venv/bin/python
-tests/test_structure.py`` prints every figure.
+``python -m splitserve.protos.generate``), which the width check skips too. The measures also run as a script:
+``.venv/bin/python tests/test_structure.py`` prints every figure.
 """
 
 from __future__ import annotations
@@ -25,20 +30,31 @@ REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PACKAGE_DIRS = PYPROJECT["tool"]["setuptools"]["package-dir"]  # import name -> the folder it installs from
 MAX_PY_FILES = 15
-MAX_LINES = 400
+MAX_LINES = 500
+MAX_COLUMNS = PYPROJECT["tool"]["ruff"]["line-length"]
 GENERATED = re.compile(r"_pb2(_grpc)?\.py$")
 NOT_CODE = {".git", ".venv", "__pycache__", "tests", "build"}  # folders the size measures skip
-# Over a limit today, in another helper's area: each entry names the area that owns it (delete it once it is
-# under the limit).
+# Over a limit today, in another engineer's area: each entry names the area that owns it (delete it once it is
+# under the limit; the tests fail when an entry is no longer needed).
 KNOWN_LARGE_FOLDERS = {
-    "engine": "engine/ (issue 34's area): 16 files around the core loop",
+    "engine": "engine/ (issue 44's engine side): 16 files around the core loop, the model's to be grouped",
 }
-KNOWN_LONG_FILES = {
-    "bench/engine.py": "issue 34's area (bench/engine.py, the engine benchmark)",
-    "bench/transfer.py": "issue 37's area (the transfer benchmark, 414 lines with its shared-memory rows in progress)",
-    "engine/kernels/cpu_kernels.py": "the native kernels' ABI check, loader and entry points: 404 lines once its "
-                                     "one-call decode's layer table moved to decode_layers.py",
+# Modules allowed past MAX_LINES: path -> (the most lines it may have, why it is one concept that long).
+LONG_FILE_CEILINGS: dict[str, tuple[int, str]] = {}
+# Files with lines wider than MAX_COLUMNS, left to the engineer rewriting them (issue 44's engine side).
+KNOWN_WIDE_FILES = {
+    "engine/attention.py": "issue 44's engine side (the attention metadata and kernels)",
+    "engine/kernels/build.py": "issue 44's engine side (the native kernels)",
+    "engine/kernels/cpu_kernels.py": "issue 44's engine side (the native kernels)",
+    "engine/model.py": "issue 44's engine side (the model, to be grouped as engine/model/)",
+    "bench/phases.py": "issue 44's engine side (bench phases' prefill formats)",
 }
+# Import cycles left to the engineer rewriting their modules (issue 44's engine side), each a real import one way
+# and a type-only import back.
+KNOWN_CYCLES = [
+    ["splitserve.engine.bf16_prefill", "splitserve.engine.model"],
+    ["splitserve.engine.kernels.cpu_kernels", "splitserve.engine.kernels.decode_layers"],
+]
 
 
 # ---- the tree -------------------------------------------------------------------------------------------------------
@@ -121,8 +137,14 @@ def test_the_docs_state_as_many_import_contracts_as_pyproject_holds():
 
 def code_files() -> list[Path]:
     """Every hand-written Python file outside ``NOT_CODE`` folders."""
+    return [path for path in python_files() if "tests" not in path.relative_to(REPO).parts[:-1]]
+
+
+def python_files() -> list[Path]:
+    """Every hand-written Python file of the tree, tests included."""
+    skipped = NOT_CODE - {"tests"}
     return [path for path in sorted(REPO.rglob("*.py"))
-            if not NOT_CODE & set(path.relative_to(REPO).parts[:-1]) and not GENERATED.search(path.name)
+            if not skipped & set(path.relative_to(REPO).parts[:-1]) and not GENERATED.search(path.name)
             and not path.relative_to(REPO).parts[0].endswith(".egg-info")]
 
 
@@ -134,32 +156,73 @@ def large_folders() -> dict[str, int]:
     return {folder: n for folder, n in counts.items() if n > MAX_PY_FILES}
 
 
-def long_files() -> dict[str, int]:
-    lengths = {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines()) for path in code_files()}
-    return {path: n for path, n in lengths.items() if n > MAX_LINES}
+def line_counts() -> dict[str, int]:
+    return {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines()) for path in code_files()}
+
+
+def size_faults(lengths: dict[str, int], ceilings: dict[str, tuple[int, str]]) -> dict[str, str]:
+    """What is wrong with the modules' sizes: a module past ``MAX_LINES`` with no ceiling, one past its ceiling, and
+    a ceiling no longer needed (its module is back under ``MAX_LINES``, or gone)."""
+    faults = {}
+    for path, n in lengths.items():
+        ceiling = ceilings.get(path, (MAX_LINES, ""))[0]
+        if n > ceiling:
+            faults[path] = f"{n} lines, past {'its ceiling' if path in ceilings else 'MAX_LINES'} of {ceiling}"
+    for path in ceilings:
+        if lengths.get(path, 0) <= MAX_LINES:
+            faults[path] = f"{lengths.get(path, 'no')} lines: no longer needs a ceiling past {MAX_LINES}"
+    return faults
+
+
+def wide_lines(paths: list[Path], root: Path = REPO) -> dict[str, list[int]]:
+    """File (relative to ``root``) -> its lines (1-based) wider than ``MAX_COLUMNS`` characters."""
+    found = {}
+    for path in paths:
+        numbers = [i for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > MAX_COLUMNS]
+        if numbers:
+            found[path.relative_to(root).as_posix()] = numbers
+    return found
 
 
 def test_no_folder_holds_more_than_15_python_files():
     assert set(large_folders()) <= set(KNOWN_LARGE_FOLDERS), large_folders()
+    assert not set(KNOWN_LARGE_FOLDERS) - set(large_folders()), "a known large folder is no longer large: drop it"
 
 
-def test_no_module_is_longer_than_400_lines():
-    assert set(long_files()) <= set(KNOWN_LONG_FILES), long_files()
+def test_no_module_is_past_its_size_ceiling_and_no_ceiling_outlives_its_need():
+    assert size_faults(line_counts(), LONG_FILE_CEILINGS) == {}
+
+
+def test_the_size_check_fails_on_a_long_module_a_broken_ceiling_and_a_ceiling_not_needed():
+    lengths = {"a.py": MAX_LINES, "b.py": MAX_LINES + 1, "c.py": 700, "d.py": 900, "e.py": 100}
+    ceilings = {"c.py": (800, "one concept"), "d.py": (800, "one concept"), "e.py": (800, "was long")}
+    assert size_faults(lengths, ceilings) == {
+        "b.py": f"{MAX_LINES + 1} lines, past MAX_LINES of {MAX_LINES}", "d.py": "900 lines, past its ceiling of 800",
+        "e.py": f"100 lines: no longer needs a ceiling past {MAX_LINES}"}
+
+
+def test_no_line_is_wider_than_the_projects_width():
+    wide = wide_lines(python_files())
+    assert {path: lines for path, lines in wide.items() if path not in KNOWN_WIDE_FILES} == {}
+    assert not set(KNOWN_WIDE_FILES) - set(wide), "a known wide file has no wide line left: drop it"
+
+
+def test_the_width_check_counts_characters_past_the_width(tmp_path):
+    (tmp_path / "m.py").write_text("x = 1\n" + "#" * MAX_COLUMNS + "\n" + "é" * (MAX_COLUMNS + 1) + "\n")
+    (tmp_path / "n.py").write_text("y = 2\n")
+    assert wide_lines([tmp_path / "m.py", tmp_path / "n.py"], tmp_path) == {"m.py": [3]}
 
 
 # ---- imports ---------------------------------------------------------------------------------------------------------
 
 def imported_names(path: Path, module: str | None = None) -> list[str]:
-    """Every absolute module name ``path`` imports, at the top or inside a function, ``from X import Y`` as both
-    ``X`` and ``X.Y``; not the imports under ``if TYPE_CHECKING:`` (they never run)."""
+    """Every absolute module name ``path`` imports, at the top, inside a function or under ``if TYPE_CHECKING:`` (a
+    type-only import still ties the two modules: neither reads without the other), ``from X import Y`` as both ``X``
+    and ``X.Y``."""
     tree = ast.parse(path.read_text())
-    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block.test)
-               for statement in block.body for node in ast.walk(statement)}
     package = module.rsplit(".", 1)[0] if module and path.name != "__init__.py" else module
     names = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -169,11 +232,6 @@ def imported_names(path: Path, module: str | None = None) -> list[str]:
                                               base]))
             names += [base, *(f"{base}.{alias.name}" for alias in node.names)]
     return names
-
-
-def _type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -226,18 +284,24 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycle_between_modules_late_imports_included():
-    assert cycles(import_graph()) == []
+def test_no_import_cycle_between_modules_late_and_type_only_imports_included():
+    found = cycles(import_graph())
+    assert [cycle for cycle in found if cycle not in KNOWN_CYCLES] == []
+    assert [cycle for cycle in KNOWN_CYCLES if cycle not in found] == [], "a known cycle is cut: drop it"
 
 
-def test_a_late_import_that_closes_a_cycle_is_found(tmp_path):
+def test_a_late_or_type_only_import_that_closes_a_cycle_is_found(tmp_path):
     (tmp_path / "a.py").write_text("import pkg.b\n")
     (tmp_path / "b.py").write_text("def f():\n    from pkg import a\n")
     (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n")
+    (tmp_path / "d.py").write_text("import pkg.c\n")
     graph = {f"pkg.{name}": {t for t in imported_names(tmp_path / f"{name}.py", f"pkg.{name}")
-                             if t in ("pkg.a", "pkg.b", "pkg.c")} for name in "abc"}
-    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": set()}
+                             if t in ("pkg.a", "pkg.b", "pkg.c", "pkg.d")} for name in "abcd"}
+    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a"}, "pkg.d": {"pkg.c"}}
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
+    (tmp_path / "a.py").write_text("import pkg.b\nimport pkg.d\n")  # a -> d -> c -(type only)-> a
+    graph["pkg.a"] = {t for t in imported_names(tmp_path / "a.py", "pkg.a") if t.startswith("pkg.")}
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.d"]]
 
 
 def importers_of_the_benchmarks() -> dict[str, list[str]]:
@@ -259,7 +323,10 @@ def test_nothing_imports_the_benchmarks():
 if __name__ == "__main__":  # the measures, printed: python tests/test_structure.py
     print(f"folders over {MAX_PY_FILES} Python files: {large_folders() or 'none'} "
           f"(known: {', '.join(KNOWN_LARGE_FOLDERS) or 'none'})")
-    print(f"modules over {MAX_LINES} lines: {long_files() or 'none'} (known: {', '.join(KNOWN_LONG_FILES) or 'none'})")
+    print(f"module sizes: {size_faults(line_counts(), LONG_FILE_CEILINGS) or 'within their limits'}; the longest: "
+          f"{sorted(line_counts().items(), key=lambda item: -item[1])[:5]}")
+    print(f"lines over {MAX_COLUMNS} columns: { {p: len(n) for p, n in wide_lines(python_files()).items()} or 'none'} "
+          f"(known: {', '.join(KNOWN_WIDE_FILES) or 'none'})")
     print(f"import cycles: {cycles(import_graph()) or 'none'}")
     print(f"importers of splitserve.bench: {importers_of_the_benchmarks() or 'none'}")
     print(f"package docstrings missing modules: "

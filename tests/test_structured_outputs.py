@@ -26,8 +26,8 @@ MAX_TOKENS = 256
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, start_cluster):
     cluster = start_cluster(tmp_path_factory.mktemp("structured"), model=MODEL, prefill=1, decode=1, kv_codec="none",
-                            scheduling="disaggregated", conditional_prefill_threshold=0, kv_cache_memory_bytes=128 << 20, max_num_seqs=32,
-                            prometheus=False)
+                            scheduling="disaggregated", conditional_prefill_threshold=0,
+                            kv_cache_memory_bytes=128 << 20, max_num_seqs=32, prometheus=False)
     yield cluster
     cluster.stop()
 

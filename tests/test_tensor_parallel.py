@@ -132,7 +132,8 @@ def test_quantized_weights_split_on_block_boundaries(quantization):
 @pytest.mark.model
 def test_smollm2_tp2_matches_tp1_in_float32():
     # The long prompt's prefill rows ([~130, 576] float32) go through the shared-memory all-reduce in two pieces.
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea, " * 10]
+    prompts = ["The capital of France is", "def fibonacci(n):",
+               "Once upon a time, in a small village by the sea, " * 10]
     _assert_same(_run(1, prompts, quantization="none"), _run(2, prompts, quantization="none"))
 
 

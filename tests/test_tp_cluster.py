@@ -113,7 +113,8 @@ def test_the_chart_gives_a_pod_its_ranks_and_n_times_one_rank_s_resources(chart,
     value = {"tensor": "tensorParallelSize", "pipeline": "pipelineParallelSize"}[parallel]
     deployments = containers_by_component(objects(chart, {"decode": {value: 2, "resources": rank}}))
     decode = deployments["decode"]["spec"]["template"]["spec"]["containers"][0]
-    assert decode["resources"] == {"requests": {"cpu": "3000m", "memory": "3Gi"}, "limits": {"cpu": "4", "memory": "6Gi"}}
+    assert decode["resources"] == {"requests": {"cpu": "3000m", "memory": "3Gi"},
+                                   "limits": {"cpu": "4", "memory": "6Gi"}}
     config, other = parsed_config(deployments["decode"]), parsed_config(deployments["prefill"])
     assert (config.tensor_parallel_size * config.pipeline_parallel_size, config.num_threads) == (2, 4)  # every rank's
     assert getattr(config, f"{parallel}_parallel_size") == 2 and getattr(other, f"{parallel}_parallel_size") == 1

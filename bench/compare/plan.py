@@ -20,7 +20,8 @@ STARTUP_S = 30.0  # estimate: a cluster of smollm2-135m pods loads, serves, and 
 DRAIN_S = 10.0  # estimate: after the last send, the requests still out finish
 BUDGETS = (64, 128, 256)  # colocated chunked-prefill token budgets: small chunks (steady decode) to large ones
 CONDITIONAL_THRESHOLD = 256  # prompts shorter than this prefill on the decode pod (about a third of the trace's)
-CONDITIONAL_QUEUE_S = 2.0  # load-aware: a prompt this far behind the prefill queue prefills on the decode pod (1.0: worse)
+# Load-aware: a prompt this far behind the prefill queue prefills on the decode pod (1.0: worse).
+CONDITIONAL_QUEUE_S = 2.0
 
 
 @dataclass(frozen=True)

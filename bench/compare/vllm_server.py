@@ -33,7 +33,8 @@ SERVED_NAME_FILE = "splitserve-export.json"  # what an export directory was made
 
 
 def export_model(model: str, directory: Path) -> Path:
-    """``model`` (a name ``splitserve.engine.weights.model_files`` resolves) as a Hugging Face directory vLLM can load."""
+    """``model`` (a name ``splitserve.engine.weights.model_files`` resolves) as a Hugging Face directory vLLM can
+    load."""
     from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint
     from splitserve.engine.weights.model_files import load_model_files
 

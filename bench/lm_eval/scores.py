@@ -2,13 +2,13 @@
 setting, for issue 34 (prefill compute format: bf16's score within its standard error of float32's) and issue 37
 (KV codec: an 8-bit codec within one standard error of lossless, a >= 3.5x one within two).
 
-Each flag is a sweep whose first value is its reference: ``--prefill-compute-dtype float32 bfloat16`` runs the
-lossless codec (or ``--kv-codecs``' first) under each format on both recall tasks of recall_tasks.py (the
-multiple-choice one is scored by the prefill pod alone, the generate one reads the transferred KV from its second
-token on); ``--kv-codecs none int8 ...`` runs each codec under ``--codec-prefill-compute-dtype`` (the pods' default,
-``auto``, unless named) on the generate task only (a loglikelihood request never reads transferred KV). A setting that two sweeps share runs
-once. Printed per sweep, task and setting: score +- lm-eval's standard error, the difference to the reference in
-the reference's standard errors, and how many documents went right (+) and wrong (-) against the reference.
+Each flag is a sweep whose first value is its reference: ``--prefill-compute-dtype float32 bfloat16`` runs the lossless
+codec (or ``--kv-codecs``' first) under each format on both recall tasks of recall_tasks.py (the multiple-choice one is
+scored by the prefill pod alone, the generate one reads the transferred KV from its second token on); ``--kv-codecs none
+int8 ...`` runs each codec under ``--codec-prefill-compute-dtype`` (the pods' default, ``auto``, unless named) on the
+generate task only (a loglikelihood request never reads transferred KV). A setting that two sweeps share runs once.
+Printed per sweep, task and setting: score +- lm-eval's standard error, the difference to the reference in the
+reference's standard errors, and how many documents went right (+) and wrong (-) against the reference.
 
 The check (unless ``--no-check``), per setting, against an offline engine of the setting's prefill format:
 loglikelihoods to the bit (they come from the prefill pod, whatever the codec), and generations in full under a
@@ -81,7 +81,8 @@ def against_reference(reference: dict, scored: dict) -> dict:
     stderr = reference["stderr"]
     difference = scored["score"] - reference["score"]
     pairs = [(reference["per_doc"][d], scored["per_doc"][d]) for d in reference["per_doc"]]
-    return {"difference": round(difference, 4), "in_reference_stderr": round(difference / stderr, 2) if stderr else None,
+    return {"difference": round(difference, 4),
+            "in_reference_stderr": round(difference / stderr, 2) if stderr else None,
             "docs_gained": sum(s > r for r, s in pairs), "docs_lost": sum(s < r for r, s in pairs)}
 
 

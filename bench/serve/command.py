@@ -37,8 +37,8 @@ class ServeCommand(FiguresOutput):
     ITL / E2E percentiles measured at the client, beside the router's own histograms.
 
     The command line of ``bench serve``: the run's fields and the workload's come with their defaults and help
-    from ``ServeBenchConfig`` and ``WorkloadConfig`` (``splitserve.runtime.config.passed_to``); the rest say what to do with
-    the runs."""
+    from ``ServeBenchConfig`` and ``WorkloadConfig`` (``splitserve.runtime.config.passed_to``); the rest say what to
+    do with the runs."""
 
     backend: str = passed_to(ServeBenchConfig, name="backend")
     base_url: str = passed_to(ServeBenchConfig, name="base_url")

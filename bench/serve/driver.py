@@ -4,7 +4,8 @@
         --input-len 256 --output-len 64 --goodput ttft:1000 tpot:150 --json run.json --plot run.png
 
 A run, top to bottom (``run_serve_benchmark(config)``, also the library entry point):
-  1. the model's name from the router's ``GET /v1/models``, its tokenizer loaded here (``splitserve.engine.text.tokenizer_files``);
+  1. the model's name from the router's ``GET /v1/models``, its tokenizer loaded here
+     (``splitserve.engine.text.tokenizer_files``);
   2. the workload (``splitserve.measure.workload``): send times and exact prompt / output lengths, from the seed;
   3. every prompt (``prompts.py``) and request body (``client.py``) built before the clock starts;
   4. warm-up requests (not counted), then the router's ``/metrics`` scraped;

@@ -45,7 +45,8 @@ def report(run: ServeRun, log=print) -> None:
         if d is None:
             log(f"{title:<8}{'-':>10}")
             continue
-        log(f"{title:<8}" + "".join(f"{d[k] * 1e3:>10.1f}" for k in ("mean", "p50", "p90", "p99")) + f"{d['count']:>10}")
+        percentiles = "".join(f"{d[k] * 1e3:>10.1f}" for k in ("mean", "p50", "p90", "p99"))
+        log(f"{title:<8}{percentiles}{d['count']:>10}")
     if run.router is not None:
         report_router(run.router, log, s["good_requests"])
     if s["length_mismatches"]:

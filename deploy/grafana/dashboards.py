@@ -1,7 +1,7 @@
 """splitserve's Grafana dashboards, built with grafana-foundation-sdk: overview, prefill, decode, router, planner.
 
-``python -m splitserve.deploy.grafana`` writes them as JSON into ``deploy/grafana/dashboards/`` (the Helm chart ships that
-folder as ConfigMaps for Grafana's sidecar); a test checks the committed JSON equals this module's output.
+``python -m splitserve.deploy.grafana`` writes them as JSON into ``deploy/grafana/dashboards/`` (the Helm chart ships
+that folder as ConfigMaps for Grafana's sidecar); a test checks the committed JSON equals this module's output.
 
 Every dashboard has a datasource variable, a ``namespace`` variable (the label Kubernetes scrapes add; "All" also
 matches series without one), a ``model_name`` variable and a ``role`` variable (limited to the roles the dashboard
@@ -282,7 +282,8 @@ def router() -> Dashboard:
                 "(with a lossless KV codec, a wrong answer served), failed (the second run did not finish)."))
             .with_panel(panel("First diverging position", "short",
                               quantiles("splitserve_router_shadow_divergence_position"),
-                              "Output token index where a diverged shadow check first differed from the answer served."))
+                              "Output token index where a diverged shadow check first differed from the answer "
+                              "served."))
             .build())
 
 

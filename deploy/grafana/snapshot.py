@@ -1,7 +1,8 @@
 """Draw a dashboard's panels from a Prometheus server with matplotlib: what Grafana would show, for machines without
 Grafana (the README's picture is made this way from a real ``splitserve up`` run).
 
-    python -m splitserve.deploy.grafana.snapshot --prometheus http://127.0.0.1:9090 --dashboard overview --minutes 10 --out o.png
+    python -m splitserve.deploy.grafana.snapshot --prometheus http://127.0.0.1:9090 --dashboard overview \
+        --minutes 10 --out o.png
 
 Each panel's targets go through Prometheus' ``/api/v1/query_range`` with Grafana's variables set to "All" and
 ``$__rate_interval`` to ``rate_interval``; one subplot per panel, in the dashboard's order, titled and unit-labelled.
@@ -89,7 +90,8 @@ def draw(dashboard: dict, prometheus: str, start: float, end: float, out: Path, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m splitserve.deploy.grafana.snapshot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m splitserve.deploy.grafana.snapshot",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--prometheus", default="http://127.0.0.1:9090")
     parser.add_argument("--dashboard", default="overview")
     parser.add_argument("--minutes", type=float, default=10.0)

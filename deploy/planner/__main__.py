@@ -1,4 +1,5 @@
-"""``python -m splitserve.deploy.planner [--flags]``: run the planner (flags: ``--help``; every field of ``PlannerConfig``)."""
+"""``python -m splitserve.deploy.planner [--flags]``: run the planner (flags: ``--help``; every field of
+``PlannerConfig``)."""
 
 import sys
 

@@ -94,9 +94,9 @@ class PlannerConfig:
     kv_usage_high: float = field(default=0.9, metadata=described(
         "KV-cache usage of the fullest decode pod above which a decode pod is added."))
     simulate_check: bool = field(default=False, metadata=described(
-        "Check every decision in simulation before it applies (run as python -m splitserve.simulator.planner_check, which "
-        "the chart does when this is true): a shrink predicted to attain less than simulate_min_attainment, and "
-        "less than the pools as they are, is held (docs: deploy/README.md)."))
+        "Check every decision in simulation before it applies (run as python -m splitserve.simulator.planner_check, "
+        "which the chart does when this is true): a shrink predicted to attain less than simulate_min_attainment, "
+        "and less than the pools as they are, is held (docs: deploy/README.md)."))
     simulate_profile: str = field(default="", metadata=described(
         "Profile of a pod for the check (bench phases --profile-out on the pods' machine; empty: the shipped "
         "profile of a default pod, its prefill in the format auto resolves to on the planner's CPU: "

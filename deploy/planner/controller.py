@@ -92,12 +92,13 @@ class PlannerLoop:
 
 def main(argv: list[str], check_factory: Callable[[PlannerConfig], Check] | None = None) -> None:
     """``python -m splitserve.deploy.planner``; ``check_factory`` builds the decisions' check (``python -m
-    splitserve.simulator.planner_check`` passes the simulator's: this package sits below the simulator and cannot load it)."""
+    splitserve.simulator.planner_check`` passes the simulator's: this package sits below the simulator and cannot
+    load it)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = parse_config(PlannerConfig, argv, prog="python -m splitserve.deploy.planner")
     if config.simulate_check and check_factory is None:
-        raise SystemExit("--simulate-check needs the simulator: run python -m splitserve.simulator.planner_check (the chart "
-                         "does when planner.config.simulateCheck is true)")
+        raise SystemExit("--simulate-check needs the simulator: run python -m splitserve.simulator.planner_check (the "
+                         "chart does when planner.config.simulateCheck is true)")
     deployments = {"prefill": config.prefill_deployment, "decode": config.decode_deployment}
     missing = [pool for pool in POOLS if not deployments[pool]]
     if missing:

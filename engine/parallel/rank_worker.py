@@ -11,8 +11,8 @@ Rank 0 (workers.py) starts it and writes to its stdin, first the ``EngineConfig`
 3. runs each call rank 0 sends (``forward`` over its cache, ``compute_logits``, ``time_all_reduce``) on its shard,
    meeting the other ranks in the collectives, until ``close`` or the end of its stdin. A pipeline rank
    (``pipeline_parallel_size`` > 1, pipeline.py) maps the whole model's KV pool instead, keeps its layers, and runs
-   each step's ``pipeline`` call: its micro-batches, received from the rank before and sent on. Any error ends the process
-   (its traceback on stderr): rank 0's next collective then fails and names this rank's exit code.
+   each step's ``pipeline`` call: its micro-batches, received from the rank before and sent on. Any error ends the
+   process (its traceback on stderr): rank 0's next collective then fails and names this rank's exit code.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ table addresses both: the draft needs no block manager of its own. A sequence's 
 ``DraftState.draft_computed`` tokens; before proposing, the draft catches up over the tokens after that (its whole
 prompt the first time, then the tokens accepted since), and each proposal is k greedy draft steps: one row per
 sequence, feeding back the token it just proposed. Greedy proposals are point masses, which the target's
-verification (engine/speculative/proposer.py) accepts exactly. After verification, the draft KV of accepted drafts is the KV
-of the tokens now in the sequence; the slots of rejected ones are written over by the next catch-up.
+verification (engine/speculative/proposer.py) accepts exactly. After verification, the draft KV of accepted drafts is
+the KV of the tokens now in the sequence; the slots of rejected ones are written over by the next catch-up.
 
 A random-weight draft (``tiny-random``) is built with ``SpeculativeConfig.draft_seed`` (the engine's seed when
 None): the same seed as a random target makes the draft that target, a different one another model of the same

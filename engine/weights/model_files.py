@@ -31,7 +31,8 @@ from splitserve.engine.weights.quantized_weights import quantize_state_dict
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    # Our fused layout (engine/weights/parameter_layout.py); products' weights may be BlockQuantized (quantized_weights.py).
+    # Our fused layout (engine/weights/parameter_layout.py); products' weights may be BlockQuantized
+    # (quantized_weights.py).
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
 

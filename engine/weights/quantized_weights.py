@@ -8,8 +8,8 @@ makes of a checkpoint, from the loader to the native kernels' panels.
   with the channel's one scale in every block) and ``quantize_int4`` (group 32, scale and minimum: Q4_1's math).
   ``dequantize`` widens it to float32 exactly as gguf's numpy dequantization does: the reference, and the
   weights of every path that does not run the kernels (CUDA, other dtypes, CPUs without them).
-- ``pack_panels``: the kernels' layout (engine/kernels/csrc/quant_kernels.cpp), the same scales and quants reordered into
-  panels of 16 outputs that a product streams linearly.
+- ``pack_panels``: the kernels' layout (engine/kernels/csrc/quant_kernels.cpp), the same scales and quants reordered
+  into panels of 16 outputs that a product streams linearly.
 - ``quantize_state_dict``: a float state dict's products' weights (``parameter_layout.product_weights``) -> int8
   or int4.
 """

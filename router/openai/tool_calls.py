@@ -6,8 +6,9 @@ model's output back into OpenAI's ``tool_calls``.
                                                     in the Hermes format most open models are trained on, and the
                                                     conversation's earlier calls and results written the same way
     tool_choice      -> forced_output()            ``required`` / a named function: a JSON schema the output must
-                                                    match (engine/structured_output/grammar.py), so the call always parses;
-                                                    ``auto``: the model chooses; ``none``: no tools in the prompt
+                                                    match (engine/structured_output/grammar.py), so the call always
+                                                    parses; ``auto``: the model chooses; ``none``: no tools in the
+                                                    prompt
     the output       -> ToolCallParser.parse()     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
                                                     blocks (Hermes, Qwen), a bare JSON call or list of calls, or,
                                                     forced, the schema's JSON -> tool calls and the text around them

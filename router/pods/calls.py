@@ -22,7 +22,6 @@ import grpc
 
 from splitserve.router.intake import RouterRequest
 from splitserve.router.pods.registry import PodInfo
-from splitserve.router.route_plan import blocks_for
 from splitserve.runtime.errors import StatusError, from_rpc_error
 from splitserve.v1 import decode_pb2
 
@@ -91,7 +90,7 @@ class PodCalls:
         to prefill and the KV of ``kv_tokens`` about to take its blocks."""
         pod.active_requests += 1
         pod.queued_prompt_tokens += prompt_tokens
-        pod.blocks_since_report += blocks_for(kv_tokens, pod) if kv_tokens else 0
+        pod.blocks_since_report += pod.blocks_for(kv_tokens) if kv_tokens else 0
         hold = PodHold(pod, prompt_tokens)
         self._holds.append(hold)
         return hold

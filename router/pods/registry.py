@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -153,6 +154,10 @@ class PodInfo:
     @property
     def free_kv_blocks(self) -> int:
         return self.load.free_kv_blocks - self.blocks_since_report
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks ``num_tokens`` take on the pod."""
+        return math.ceil(num_tokens / self.load.block_size)
 
     def take_report(self, load: PodLoad) -> None:
         self.load, self.load_at, self.blocks_since_report = load, time.monotonic(), 0

@@ -63,7 +63,8 @@ def _unknown_fields(given, kept, path: str = "") -> list[str]:
     """Keys of ``given`` that the model's dump (``kept``) lost: fields the CRD's schema does not have."""
     if isinstance(given, dict):
         return [found for key, value in given.items()
-                for found in ([f"{path}{key}"] if key not in kept else _unknown_fields(value, kept[key], f"{path}{key}."))]
+                for found in ([f"{path}{key}"] if key not in kept
+                              else _unknown_fields(value, kept[key], f"{path}{key}."))]
     if isinstance(given, list):
         return [found for i, (a, b) in enumerate(zip(given, kept)) for found in _unknown_fields(a, b, f"{path}{i}.")]
     return []

@@ -28,8 +28,9 @@ CASES = ["defaults", *VALUES_FILES]
 KUBE_VERSION = "1.30.0"
 RELEASE, NAMESPACE = "demo", "llm"
 POD_IP = "10.1.2.3"
-COMMANDS = {"splitserve.router.server": "router", "splitserve.prefill_service": "prefill", "splitserve.decode_service": "decode",
-            "splitserve.deploy.planner": "planner", "splitserve.simulator.planner_check": "planner"}
+COMMANDS = {"splitserve.router.server": "router", "splitserve.prefill_service": "prefill",
+            "splitserve.decode_service": "decode", "splitserve.deploy.planner": "planner",
+            "splitserve.simulator.planner_check": "planner"}
 
 
 # What an install must say (the chart has no default for them): where the image is, the Redis password's Secret.

@@ -77,7 +77,8 @@ def test_every_config_key_reaches_its_flag(chart, component):
         assert getattr(config, name) == value, f"{component}.config.{key}"
 
 
-@pytest.mark.parametrize("simulate_check, module", [(False, "splitserve.deploy.planner"), (True, "splitserve.simulator.planner_check")])
+@pytest.mark.parametrize("simulate_check, module", [(False, "splitserve.deploy.planner"),
+                                                    (True, "splitserve.simulator.planner_check")])
 def test_the_planner_checked_in_simulation_runs_from_the_simulator(chart, simulate_check, module):
     """The simulated check lives in the simulator (a layer above the planner): the chart runs that entry point."""
     values = {"planner": {"enabled": True, "config": {"simulateCheck": simulate_check}}}

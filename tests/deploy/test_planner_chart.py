@@ -31,7 +31,15 @@ from test_chart import (  # noqa: F401 - chart: the fixture
     parsed_config,
     with_required,
 )
-from test_planner_kubernetes import BUSY, DEPLOYMENTS, NAMES, cluster, deployment, loop_for, requests_made  # noqa: F401 - cluster: a fixture
+from test_planner_kubernetes import (  # noqa: F401 - cluster: a fixture
+    BUSY,
+    DEPLOYMENTS,
+    NAMES,
+    cluster,
+    deployment,
+    loop_for,
+    requests_made,
+)
 
 VERBS = {"GET": "get", "PATCH": "patch", "PUT": "update", "POST": "create", "DELETE": "delete"}
 PATH = re.compile(r"/apis/(?P<group>[^/]+)/[^/]+/namespaces/(?P<namespace>[^/]+)/(?P<resource>[^/]+)"

@@ -33,9 +33,9 @@ NAMES = {"prefill": "demo-splitserve-prefill", "decode": "demo-splitserve-decode
 
 # A recorded busy minute: 4 requests/s of 600-token prompts and 120-token answers on one prefill and one decode pod.
 BUSY = Signals(requests_per_s=4.0, prompt_tokens_per_s=2400.0, output_tokens_per_s=480.0,
-               prefill_tokens_per_s=400.0, decode_prefill_tokens_per_s=0.0, prefill_busy=1.0, prefill_queue_p99_s=9.5, decode_pods=1.0,
-               decode_running=24.0, decode_waiting=3.0, decode_step_s=0.045, kv_usage_max=0.4, ttft_p99_s=11.0,
-               tpot_p99_s=0.06)
+               prefill_tokens_per_s=400.0, decode_prefill_tokens_per_s=0.0, prefill_busy=1.0, prefill_queue_p99_s=9.5,
+               decode_pods=1.0, decode_running=24.0, decode_waiting=3.0, decode_step_s=0.045, kv_usage_max=0.4,
+               ttft_p99_s=11.0, tpot_p99_s=0.06)
 
 
 class RecordedSignals:

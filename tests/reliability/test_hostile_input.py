@@ -95,8 +95,9 @@ def servers(tmp_path_factory):
                                 "--kv-cache-memory-bytes", str(16 << 20), "--num-threads", "1"],
                                stdout=out, stderr=subprocess.STDOUT)
     with open(router_log, "wb") as out:
-        router = subprocess.Popen([sys.executable, "-m", "splitserve.router.server", "--model", MODEL, "--max-model-len", "2048",
-                                   "--mixed-pods", f"127.0.0.1:{pod_port}", "--host", "127.0.0.1",
+        router = subprocess.Popen([sys.executable, "-m", "splitserve.router.server", "--model", MODEL,
+                                   "--max-model-len", "2048", "--mixed-pods", f"127.0.0.1:{pod_port}",
+                                   "--host", "127.0.0.1",
                                    "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                                    "--max-tokens-limit", "8", "--max-prompt-bytes", str(MAX_PROMPT_BYTES),
                                    "--max-request-bytes", str(64 << 10)],

@@ -207,8 +207,8 @@ def test_killing_the_launcher_with_sigkill_leaves_no_child_and_no_port_behind(tm
     children = children_of(launcher.pid)
     commands = " | ".join(children.values())
     assert len(children) == 5, commands  # redis-server, 2 pods, router, prometheus
-    assert all(word in commands for word in ("redis-server", "prefill_service", "decode_service", "splitserve.router.server",
-                                             "prometheus"))
+    assert all(word in commands for word in ("redis-server", "prefill_service", "decode_service",
+                                             "splitserve.router.server", "prometheus"))
     launcher.kill()
     launcher.wait(timeout=10)
     killed_at = time.monotonic()

@@ -11,8 +11,9 @@ random model), with a background load of greedy requests whose answers are check
   them in Redis.
 
 Each process killed (or exiting after a SIGTERM) is started again by ``splitserve up``'s supervisor on its port, the
-others untouched: the launcher's side of these faults. Each test leaves the cluster as it found it (the supervisor restarts what was killed, and the test waits for it), so
-none depends on another. Every block is free on every pod after each test.
+others untouched: the launcher's side of these faults. Each test leaves the cluster as it found it (the supervisor
+restarts what was killed, and the test waits for it), so none depends on another. Every block is free on every pod after
+each test.
 """
 
 from __future__ import annotations
@@ -259,9 +260,9 @@ async def _disconnect(address: str, prompt: list[int], how: str, delay_s: float,
 
 @pytest.mark.parametrize("how", ["cancel", "abort"])
 def test_clients_going_away_at_every_stage_leave_every_block_free(cluster, answers, how):
-    """A burst of long prompts (256 tokens), each client leaving at another moment: while it queues behind the others, while it
-    prefills or its KV travels, and while it decodes. Every block on every pod is free before a lease taken in the
-    burst could expire (the router dropped the KV a client left behind; a lease is only the last resort), and the
+    """A burst of long prompts (256 tokens), each client leaving at another moment: while it queues behind the others,
+    while it prefills or its KV travels, and while it decodes. Every block on every pod is free before a lease taken in
+    the burst could expire (the router dropped the KV a client left behind; a lease is only the last resort), and the
     cluster still answers exactly."""
     address = f"{cluster.config.host}:{cluster.config.grpc_port}"
     burst = prompts(10, 256, seed=3)

@@ -18,7 +18,8 @@ def test_a_short_soak_injects_every_kind_of_fault_and_leaks_nothing(tmp_path, fr
     result = subprocess.run(
         [sys.executable, "-m", "splitserve", "bench", "soak", "--model", "tiny-random", "--duration", "14",
          "--fault-interval", "3", "--request-rate", "4", "--input-len", "48", "--output-len", "16",
-         "--corrupt-chunks", "0.2", "--abort-share", "0.2", "--abort-within", "0.15", "--kv-cache-memory-bytes", str(16 << 20),
+         "--corrupt-chunks", "0.2", "--abort-share", "0.2", "--abort-within", "0.15",
+         "--kv-cache-memory-bytes", str(16 << 20),
          "--drain-timeout", "90", "--base-port", str(free_ports(12)), "--run-dir", str(tmp_path / "cluster"),
          "--progress-interval", "5", "--json", str(out)],
         check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)

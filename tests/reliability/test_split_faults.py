@@ -116,7 +116,8 @@ def test_the_prefill_pod_killed_mid_split_loses_nothing_and_the_decode_pod_prefi
     prompt = live.prompts(1, PROMPT_LEN, seed=22)[0]
     expected = live.offline_answers([prompt], MAX_TOKENS)[0]
     split_before, restarts = splits(cluster), cluster.restarts[prefill.name]
-    lent_before = live.router_counter(cluster, "splitserve_router_routing_decisions_total", decision="prefill_on_decode")
+    lent_before = live.router_counter(cluster, "splitserve_router_routing_decisions_total",
+                                      decision="prefill_on_decode")
     retried_before = live.router_counter(cluster, "splitserve_router_retries_total", code="UNAVAILABLE")
     pid = cluster.pid(prefill.name)
     answers: list = []

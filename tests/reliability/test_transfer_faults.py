@@ -64,8 +64,8 @@ def test_pods_of_different_models_refuse_each_other_with_a_clear_error(cluster, 
     """The tiny model's prefill pod pushing to a SmolLM2 decode pod: refused at the handshake, naming the field."""
     port = free_ports(2)
     with open(tmp_path / "smollm2-decode.log", "wb") as log:
-        other = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", "--host", "127.0.0.1", "--port", str(port),
-                                  "--metrics-port", str(port + 1), "--model", "smollm2-135m",
+        other = subprocess.Popen([sys.executable, "-m", "splitserve.decode_service", "--host", "127.0.0.1",
+                                  "--port", str(port), "--metrics-port", str(port + 1), "--model", "smollm2-135m",
                                   "--kv-cache-memory-bytes", str(16 << 20)], cwd=REPO_ROOT, stdout=log,
                                  stderr=subprocess.STDOUT)
     try:
