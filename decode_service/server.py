@@ -55,16 +55,11 @@ from splitserve.engine.sequence import Sequence
 from splitserve.kvtransfer.handoff import Admission, KVHandoff
 from splitserve.kvtransfer.receiver import KVTransferServicer
 from splitserve.kvtransfer.shm import ShmArenaViews
-from splitserve.protos.convert import (
-    finish_reason_to_proto,
-    prompt_logprobs_to_proto,
-    sampling_params_from_proto,
-    token_logprob_from_dict,
-)
+from splitserve.protos.convert import finish_reason_to_proto, prompt_logprobs_to_proto, token_logprob_from_dict
 from splitserve.runtime.config import parse_config
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.metrics import PodMetrics
-from splitserve.runtime.pod_server import Pod, PodService, run_pod
+from splitserve.runtime.pod_server import Pod, PodService, checked_params, run_pod
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -184,12 +179,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     # ---- one request -----------------------------------------------------------------------------------------
 
     async def _checked_params(self, request: decode_pb2.DecodeRequest, context) -> SamplingParams:
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be set")
-        try:
-            params = sampling_params_from_proto(request.sampling_params)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{err}")
+        """Every pod's checks (``checked_params``), then a decode pod's: the first token in the vocabulary, and one way
+        in (a first token, a migration's resumed tokens, or a split prefill's pushed prefix)."""
+        params = await checked_params(request, context)
         vocab_size = self._pod.engine.model_config.vocab_size
         if request.HasField("first_token_id") and not 0 <= request.first_token_id < vocab_size:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -41,10 +41,10 @@ from splitserve.kvtransfer.sender import KVSender, KVTransferClient
 from splitserve.kvtransfer.shm_arena import ShmLinks
 from splitserve.prefill_service.config import PrefillConfig
 from splitserve.prefill_service.kv_export import PrefillKVExport
-from splitserve.protos.convert import prompt_logprobs_to_proto, sampling_params_from_proto, token_logprob_from_dict
+from splitserve.protos.convert import prompt_logprobs_to_proto, token_logprob_from_dict
 from splitserve.runtime.config import parse_config
 from splitserve.runtime.errors import StatusError
-from splitserve.runtime.pod_server import Pod, PodService, run_pod
+from splitserve.runtime.pod_server import Pod, PodService, checked_params, run_pod
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -181,14 +181,9 @@ def _failed(event: TokenEvent) -> bool:
 
 
 async def _checked_params(request: prefill_pb2.PrefillRequest, context) -> SamplingParams:
-    """The request's sampling params for the prefill step (max_tokens=1, or 0 when scoring); INVALID_ARGUMENT
-    naming the field."""
-    if not request.request_id:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be set")
-    try:
-        params = sampling_params_from_proto(request.sampling_params)
-    except ValueError as err:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{err}")
+    """The request's sampling params for the prefill step (max_tokens=1, or 0 when scoring), after every pod's checks
+    (``checked_params``); INVALID_ARGUMENT naming the field."""
+    params = await checked_params(request, context)
     scoring = params.max_tokens == 0
     if scoring == bool(request.decode_address):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address must be set, except for a request "

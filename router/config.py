@@ -13,7 +13,7 @@ from splitserve.engine.config import DEFAULT_MODEL, KV_LEASE_S
 from splitserve.engine.sampling.params import MAX_LOGPROBS
 from splitserve.runtime.config import described, member
 from splitserve.runtime.cpus import checked_cpu_set
-from splitserve.runtime.discovery import HEARTBEAT_TTL_S, RegistryKind
+from splitserve.runtime.discovery import DEFAULT_REDIS_URL, HEARTBEAT_TTL_S, RegistryKind
 from splitserve.runtime.kv_codecs import check_kv_codec
 from splitserve.runtime.service_level import DEFAULT_TPOT_S, DEFAULT_TTFT_S
 from splitserve.runtime.transport import TLSConfig
@@ -63,7 +63,7 @@ class RouterConfig:
         "Static registry: mixed pods (both phases in one process), host:port."))
     registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
         "Where pods are found: 'static' (the *_pods lists) or 'redis' (pods register themselves)."))
-    redis_url: str = field(default="redis://localhost:6379/0", metadata=described("Redis registry: server URL."))
+    redis_url: str = field(default=DEFAULT_REDIS_URL, metadata=described("Redis registry: server URL."))
     pod_ttl_s: float = field(default=HEARTBEAT_TTL_S, metadata=described(
         "Redis registry: the pods' key TTL; after the Redis server restarted empty, the router keeps the pods it "
         "knew this long while their heartbeats write their keys again."))

@@ -26,6 +26,8 @@ from splitserve.runtime.roles import POD_ROLES, Role
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "splitserve:pods"
+# Where the pods' heartbeats and the router's registry meet by default (the pods' and the router's redis_url).
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # Seconds a pod's key lives without a beat: the pods' heartbeat_ttl_s and the router's pod_ttl_s (how long it keeps
 # the pods it knew after Redis restarted empty) default to it, so that both sides count the same time.
 HEARTBEAT_TTL_S = 10.0

@@ -20,7 +20,9 @@ Prefill, decode and mixed pods all start here; only their gRPC services differ:
                                stops sending new requests at once), the heartbeat deregisters (best effort: Redis may
                                be gone), running calls get shutdown_grace_s to finish, cleanups run, engine stops
 
-``PodConfig`` holds the fields every pod shares; each service's config dataclass extends it.
+``PodConfig`` holds the fields every pod shares; each service's config dataclass extends it. ``checked_params`` is
+the check every pod's request handler starts with (``PrefillRequest``, ``DecodeRequest``): the checks each adds are
+its own.
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.kernels.cpu_features import matrix_features
 from splitserve.engine.llm_engine import LLMEngine, StepStats
 from splitserve.engine.parallel.workers import end_process_on_rank_loss
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.protos.convert import sampling_params_from_proto
 from splitserve.runtime import transport
 from splitserve.runtime.config import described, member
 from splitserve.runtime.core_lending import CoreLender, DecodeActivity, DecodeYield
 from splitserve.runtime.cpus import checked_cpu_set
-from splitserve.runtime.discovery import HEARTBEAT_TTL_S, RedisHeartbeat, RegistryKind
+from splitserve.runtime.discovery import DEFAULT_REDIS_URL, HEARTBEAT_TTL_S, RedisHeartbeat, RegistryKind
 from splitserve.runtime.logs import configure_logging
 from splitserve.runtime.metrics import PodMetrics
 from splitserve.runtime.pod_status import LoadTracker, PodStatusServicer
@@ -136,7 +140,7 @@ class PodConfig:
         "Requests queued in the engine beyond which new ones get RESOURCE_EXHAUSTED (0: no limit)."))
     registry: RegistryKind = field(default=RegistryKind.STATIC, metadata=described(
         "How the router finds this pod: 'static' (its flags) or 'redis' (a heartbeat here)."))
-    redis_url: str = field(default="redis://localhost:6379/0", metadata=described("Redis registry: server URL."))
+    redis_url: str = field(default=DEFAULT_REDIS_URL, metadata=described("Redis registry: server URL."))
     heartbeat_ttl_s: float = field(default=HEARTBEAT_TTL_S, metadata=described(
         "Redis registry: expiry of this pod's key."))
     load_refresh_interval_s: float = field(default=1.0, metadata=described(
@@ -194,6 +198,17 @@ class PodService(Protocol):
     service_name: str  # full name ("splitserve.v1.Prefill"), for health and reflection
 
     def add_to_server(self, server: grpc.aio.Server) -> None: ...
+
+
+async def checked_params(request, context: grpc.aio.ServicerContext) -> SamplingParams:
+    """A request to a pod (a ``PrefillRequest`` or ``DecodeRequest``), checked as every pod checks it: it names its
+    request and its sampling parameters are valid; the call ends with INVALID_ARGUMENT naming the field if not."""
+    if not request.request_id:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be set")
+    try:
+        return sampling_params_from_proto(request.sampling_params)
+    except ValueError as err:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{err}")
 
 
 class Pod:

@@ -46,6 +46,10 @@ from splitserve.runtime.roles import Role
 from splitserve.simulator.events import EventLoop
 from splitserve.simulator.sim_pod import SimPod
 
+# The simulator's scheduling unless told another (its cluster spec, simulate and simulate ratios): the pure split,
+# which its recorded fixtures and tables were made with; splitserve up's own default is hybrid (RouterConfig).
+DEFAULT_SCHEDULING = Scheduling.DISAGGREGATED
+
 
 @dataclass(frozen=True)
 class PodPool:
@@ -84,7 +88,7 @@ class ClusterSpec:
     router_s: float = 0.0  # the router's time per request before placing it (the profile's fitted overhead)
     # splitserve up's --scheduling: hybrid gives the decode pods TPOT-slack chunking at the router's TPOT target
     # (the policy must then carry a HybridPlacement); colocated clusters come as pools of mixed pods.
-    scheduling: Scheduling = Scheduling.DISAGGREGATED
+    scheduling: Scheduling = DEFAULT_SCHEDULING
     targets: SLOTargets = SLOTargets(1.0, 0.1)  # the router's --slo-ttft-s / --slo-tpot-s
 
     @property

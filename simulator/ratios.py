@@ -24,7 +24,7 @@ from splitserve.measure.serve_metrics import SLO, SLO_ATTAINMENT
 from splitserve.measure.workload import AZURE_CONV
 from splitserve.router.config import Scheduling
 from splitserve.runtime.config import described, member, parse_config
-from splitserve.simulator.cluster import SimCluster
+from splitserve.simulator.cluster import DEFAULT_SCHEDULING, SimCluster
 from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_records
 
 TRACES = {"conv": str(AZURE_CONV), "code": str(AZURE_CONV).replace("_conv", "_code")}
@@ -57,7 +57,7 @@ class RatiosConfig:
     prefill_profile: str = field(default="", metadata=described(
         "Profile of the P:D layouts' prefill pods, e.g. measured at another tensor parallel size than the decode "
         "pods' (empty: --profile). Pods then differ in CPUs: each layout's CPUs and goodput per CPU are reported."))
-    scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
+    scheduling: Scheduling = field(default=DEFAULT_SCHEDULING, metadata=described(
         "Of the P:D layouts, as splitserve up's: 'disaggregated' (every prompt on a prefill pod) or 'hybrid' (each "
         "prompt prefilled remotely or lent to its decode pod, one sweep per regime, the router told its targets); "
         "the colocated layout is always there."))

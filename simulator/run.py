@@ -36,7 +36,7 @@ from splitserve.router.policies import HybridPlacement, LocalPrefill, SLOTargets
 from splitserve.runtime.config import described, member, parse_config, passed_to
 from splitserve.runtime.pod_server import PodConfig
 from splitserve.runtime.roles import POD_ROLES, Role
-from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
+from splitserve.simulator.cluster import DEFAULT_SCHEDULING, ClusterSpec, PodPool, SimCluster
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 # What ``splitserve simulate`` runs by the pods' prefill compute format (PhaseProfile.prefill_compute): SmolLM2-135M
@@ -94,7 +94,7 @@ class SimulateConfig:
         "Share of requests that must meet the targets for a rate to count."))
     stop_at_miss: bool = field(default=True, metadata=described("Skip the rates above the first that misses."))
     policy: str = passed_to(RouterConfig, name="policy")
-    scheduling: Scheduling = field(default=Scheduling.DISAGGREGATED, metadata=described(
+    scheduling: Scheduling = field(default=DEFAULT_SCHEDULING, metadata=described(
         "As splitserve up's: 'hybrid' (each prompt on a prefill pod or lent to its decode pod in TPOT-bounded "
         "chunks, by predicted latency, aiming at --slo-ttft-s / --slo-tpot-s), 'disaggregated' (the pure split) or "
         "'colocated' (the prefill and decode pools become mixed pods)."))

@@ -654,6 +654,16 @@ def test_invalid_requests_are_invalid_argument(pods, where, params, prompt, mess
     assert message in error.details()
 
 
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_both_pods_check_a_request_as_every_pod_does(pods, where):
+    """runtime/pod_server.py's checked_params, the one check both pods start with: a request id, valid params."""
+    run = pods.run_prefill if where == "prefill" else pods.run_decode
+    error = rpc_error(run, "", [5, 6, 7], GREEDY)
+    assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "request_id must be set")
+    error = rpc_error(run, "bad-params", [5, 6, 7], common_pb2.SamplingParams(max_tokens=-1))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("sampling_params.max_tokens")
+
+
 @pytest.mark.parametrize("codec", ["gzip", ""])
 def test_unknown_codec_is_invalid_argument(pods, codec):
     """The router names the codec in every request; the prefill pod has no default to fall back on."""

@@ -14,7 +14,9 @@ import redis.asyncio
 
 from splitserve.engine.block_manager import chained_block_hashes
 from splitserve.router.pods.registry import PodLoad, RedisRegistry
-from splitserve.runtime.discovery import MAX_PUBLISHED_BLOCK_HASHES, RedisHeartbeat, pod_key
+from splitserve.router.config import RouterConfig
+from splitserve.runtime.discovery import DEFAULT_REDIS_URL, MAX_PUBLISHED_BLOCK_HASHES, RedisHeartbeat, pod_key
+from splitserve.runtime.pod_server import PodConfig
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 TTL_S = 1.0
@@ -188,3 +190,9 @@ def test_a_heartbeat_carries_the_weight_format_and_rates_through_redis(redis_url
             await beat.stop()
             await registry.stop()
     asyncio.run(scenario())
+
+
+def test_the_pods_and_the_router_meet_at_one_default_redis_url():
+    assert PodConfig().redis_url == RouterConfig(decode_pods=["d:1"]).redis_url == DEFAULT_REDIS_URL
+    assert DEFAULT_REDIS_URL == "redis://localhost:6379/0"
+

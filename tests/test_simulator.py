@@ -15,8 +15,9 @@ from splitserve.measure.phase_profile import PhaseProfile, StepFit, fit_step
 from splitserve.measure.workload import RequestSpec
 from splitserve.router.policies import LocalPrefill, make_policy
 from splitserve.runtime.roles import Role
-from splitserve.simulator.cluster import ClusterSpec, PodPool, SimCluster
-from splitserve.simulator.run import DEFAULT_PROFILE, simulate_rate
+from splitserve.simulator.cluster import DEFAULT_SCHEDULING, ClusterSpec, PodPool, SimCluster
+from splitserve.simulator.ratios import RatiosConfig
+from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_rate
 
 PREFILL_A, PREFILL_B, DECODE_A = 0.1, 0.001, 0.02
 
@@ -262,3 +263,13 @@ def test_calibration_meets_the_measured_tpot_it_was_fitted_on(calibrate_as):
     if calibrate_as == "overhead":
         assert profile.step_overhead_s == pytest.approx(0.004, abs=0.0005)
         assert profile.decode == PhaseProfile.load(DEFAULT_PROFILE).decode
+
+
+def test_the_simulator_and_its_studies_share_one_scheduling_default():
+    """The pure split, which the recorded fixtures were made with, defined once (``DEFAULT_SCHEDULING``)."""
+    assert DEFAULT_SCHEDULING == "disaggregated"
+    defaults = [ClusterSpec.__dataclass_fields__["scheduling"].default,
+                SimulateConfig.__dataclass_fields__["scheduling"].default,
+                RatiosConfig.__dataclass_fields__["scheduling"].default]
+    assert all(default is DEFAULT_SCHEDULING for default in defaults), defaults
+
