@@ -246,3 +246,27 @@ def test_a_request_that_may_not_split_gets_remote_or_lent_only():
     for params in (SamplingParams(max_tokens=0), SamplingParams(prompt_logprobs=1)):
         assert not RouterRequest("r", [1, 2], params).may_split_prefill
     assert RouterRequest("r", [1, 2], SamplingParams()).may_split_prefill
+
+
+def test_an_infinite_predicted_ttft_is_not_a_queue_past_the_limit():
+    """The hybrid predicts an infinite TTFT for a prompt lent where no chunk fits beside D's decodes now (as when no
+    prefill pod serves and D is the only choice); D prefills it as they end, so the router's max_queue_time_s check
+    judges D's queue, not the infinity (it refused such a request with 429 at 0.5 req/s in an SLO-map run); a finite
+    prediction past the limit is refused, with the time past it as the retry hint."""
+    from splitserve.router.placement import Placement
+    from splitserve.router.pods.registry import PodSnapshot
+    from splitserve.router.route_plan import RoutePlan
+    from splitserve.runtime.errors import StatusError
+
+    placement = Placement(RouterConfig(max_queue_time_s=30.0, decode_pods=["d:1"]), make_policy("least_loaded"))
+    d = decode_pod(running=2)
+    pods = PodSnapshot([], [d])
+    for predicted, refused in ((math.inf, False), (29.0, False), (31.0, True)):
+        placement.policy.choose_pair = lambda *_, ttft=predicted: RoutePlan(None, d, "lent", predicted_ttft_s=ttft)
+        if refused:
+            with pytest.raises(StatusError, match="max_queue_time_s") as caught:
+                placement.route(RouterRequest("r", [1, 2], SamplingParams()), pods)
+            assert caught.value.retry_after_s == 1.0
+        else:
+            assert placement.route(RouterRequest("r", [1, 2], SamplingParams()), pods).predicted_ttft_s == predicted
+

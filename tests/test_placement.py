@@ -86,20 +86,6 @@ def test_a_route_is_refused_when_its_prefill_pod_is_behind_by_more_than_max_queu
         grpc.StatusCode.UNAVAILABLE)  # no decode pod serves
 
 
-def test_an_infinite_predicted_ttft_is_judged_by_the_pods_queue():
-    """Hybrid placement predicts an infinite TTFT for a prompt lent where no chunk fits beside D's decodes now; D
-    prefills it as they end, so max_queue_time_s judges D's queue (it refused such a request with 429 at 0.5 req/s
-    in an SLO-map run), and a finite prediction itself."""
-    d = pod("d1", running=2)
-    routes = placement()
-    for predicted, refused in ((float("inf"), False), (29.0, False), (31.0, True)):
-        routes.policy.choose_pair = lambda *_, ttft=predicted: RoutePlan(None, d, "hybrid lent", predicted_ttft_s=ttft)
-        if refused:
-            assert refusal(lambda: routes.route(request(), PodSnapshot([], [d]))).retry_after_s == 1.0
-        else:
-            assert routes.route(request(), PodSnapshot([], [d])).predicted_ttft_s == predicted
-
-
 # ---- 3: a failure before the first token ----------------------------------------------------------------------------
 
 def test_a_failure_before_the_first_token_is_retried_on_other_pods_with_a_doubling_backoff():
