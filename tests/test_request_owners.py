@@ -20,9 +20,8 @@ import contextlib
 import sys
 from pathlib import Path
 
-import grpc
 
-from tests.test_router_flow import LONG_PROMPT, eventually, generate_all, router_view, run, running_cluster
+from tests.test_router_flow import LONG_PROMPT, first_prefill_pod_broken, generate_all, run, running_cluster
 from tests.test_structure import code_files, imported_names
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,10 +144,7 @@ def test_a_requests_trip_enters_placement_once_per_decision():
 def test_a_retry_and_a_migration_each_enter_placement_once_per_decision():
     async def retried():
         async with running_cluster(num_prefill=2) as env:
-            broken, healthy = env.prefill
-            broken.fail_with = grpc.StatusCode.UNAVAILABLE
-            healthy.report(queued_prefill_tokens=500)  # least_loaded tries the broken pod first
-            await eventually(lambda: router_view(env.router, healthy).load.queued_prefill_tokens == 500)
+            await first_prefill_pod_broken(env)
             with placement_entries() as entered:
                 _, _, done = await generate_all(env.router, LONG_PROMPT, max_tokens=4)
             assert done.finish_reason == "length"

@@ -375,13 +375,19 @@ def test_stop_string_truncates_the_text_and_cancels_the_decode_stream():
     run(scenario())
 
 
+async def first_prefill_pod_broken(env: Env) -> tuple[FakePod, FakePod]:
+    """Of two prefill pods, the one least_loaded tries first fails every call (UNAVAILABLE): the other reports a queue."""
+    broken, healthy = env.prefill
+    broken.fail_with = grpc.StatusCode.UNAVAILABLE
+    healthy.report(queued_prefill_tokens=500)
+    await eventually(lambda: router_view(env.router, healthy).load.queued_prefill_tokens == 500)
+    return broken, healthy
+
+
 def test_retry_on_another_prefill_pod_when_the_first_is_unavailable():
     async def scenario():
         async with running_cluster(num_prefill=2) as env:
-            broken, healthy = env.prefill
-            broken.fail_with = grpc.StatusCode.UNAVAILABLE
-            healthy.report(queued_prefill_tokens=500)  # least_loaded tries the broken pod first
-            await eventually(lambda: router_view(env.router, healthy).load.queued_prefill_tokens == 500)
+            broken, healthy = await first_prefill_pod_broken(env)
             req, deltas, done = await generate_all(env.router, LONG_PROMPT, max_tokens=4)
             assert [c[0] for c in broken.calls] == ["Prefill"]
             assert [c[0] for c in healthy.calls] == ["Prefill"]
