@@ -1,43 +1,43 @@
-"""bf16 prefill: a model's prompt tokens computed with bfloat16 products, beside the decode path's weights.
+"""bf16 prefill: a model's prompt rows computed with bf16 products on the native kernels' own tiling, beside the
+decode path's weights.
 
-Prefill is compute-bound, and where the CPU multiplies bf16 natively (avx512_bf16's ``vdpbf16ps``, AMX tiles) torch's
-oneDNN products in bf16 run 4.6x torch's float32 on prefill's shapes, and a whole prefill 1.3-1.5x the native
-kernels' float32 one on an avx512_bf16 CPU (engine/kernels/cpu_features.py has the rule, docs/PERFORMANCE.md the
-figures). So a model whose ``prefill_compute_dtype`` resolves to bfloat16 keeps a bf16 copy
-of its layers' product weights (``Bf16Prefill.from_state_dict``), next to the decode path's (float32 panels or the
-file's quantized blocks: a pod that runs both phases holds both forms, and logs the memory). A prefill pod's model
-holds the bf16 form only: it never runs a decode row, so it never loads the file's layer blocks (``COPIED``), and
-keeps only the embeddings (the first token's lookup and, tied, the head that samples it), the norms and the biases.
+Prefill is compute-bound, and where the CPU multiplies bf16 natively (AMX tiles, avx512_bf16's ``vdpbf16ps``) a bf16
+product runs several times float32's (engine/kernels/cpu_features.py has the rule, docs/PERFORMANCE.md the figures).
+So a model whose ``prefill_compute_dtype`` resolves to bfloat16 keeps a bf16 copy of its layers' product weights,
+packed for the kernels (``Bf16Prefill.from_state_dict``; engine/kernels/bf16_kernels.py), next to the decode path's
+(float32 panels or the file's quantized blocks: a pod that runs both phases holds both forms, and logs the memory).
+A prefill pod's model holds the bf16 form only: it never runs a decode row, so it never loads the file's layer
+products (``COPIED``), and keeps only the embeddings (the first token's lookup and, tied, the head that samples it),
+the norms and the biases.
 
-A step's prefill rows then run each layer as: float32 RMSNorm -> bf16 QKV product (oneDNN accumulates in float32;
-its output is rounded to bf16 and widened) -> float32 bias and RoPE -> attention over the paged KV, which is written
-in the cache's dtype and attended in float32 by the same code as float32 prefill (the native kernels' GEMM tiles:
-faster here than PyTorch's bf16 flash attention, docs/PERFORMANCE.md) -> bf16 output product -> float32 residual
-and norm -> bf16 gate/up product -> float32 SiLU x up -> bf16 down product -> float32 residual. The final norm and
-the logits stay the model's, float32.
+A step's prompt rows run each layer (``Bf16Layer``) in three native calls: RMSNorm rounded to bf16 -> QKV product
+(float32 sums, + bias) -> RoPE and the cache write (the float32 path's) -> per sequence, attention over its cached
+prefix and new tokens with bf16 products (q K^T, p V) and a float32 softmax, rounded to bf16 -> output product
+added to the float32 residual -> RMSNorm in bf16 -> gate/up product with SiLU x up taken from its tiles, in bf16 ->
+down product added to the residual. Activations cross memory as bf16 between the products; the residual stream, the
+sums and the softmax stay float32. The final norm and the logits are the model's, float32.
 
-A step that mixes prefill rows with decode rows runs them as two steps (``AttentionMetadata.split_phases``): the
-prefill rows here first, then the decode rows on the decode path, so a prompt position's K/V never depends on which
-decodes shared its step, and every decode row keeps its float32 bits.
+**Batch invariance by construction.** Every product goes through one tiling (csrc/bf16_tiles.h): a row's bits are a
+function of the row and the weights, whatever its chunk, its batch or the thread count, on every CPU class (AMX,
+avx512_bf16, AVX2), and the attention of a query row reads its own keys only. So a prompt's K/V and first token
+are the same on a prefill pod, a decode pod it is lent to, a split across both, and the offline engine.
+
+A step that mixes prompt rows with decode rows runs them as two steps (``AttentionMetadata.split_phases``, in
+``LlamaForCausalLM.forward``): the prompt rows here first, then the decode rows on the decode path, so every decode
+row keeps its float32 bits.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.kernels.bf16_kernels import Bf16Kernels, pack, pack_gate_up, padded_inputs
 from splitserve.engine.rotary import StepRotary
 from splitserve.engine.weights.quantized_weights import BlockQuantized
-
-if TYPE_CHECKING:
-    from splitserve.engine.model import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -52,93 +52,67 @@ def copied_weights(config: ModelConfig) -> list[str]:
     return [f"layers.{i}.{name}" for i in range(config.num_layers) for name in COPIED]
 
 
-class Bf16Layer(NamedTuple):
-    """One decoder layer's product weights in bf16, [out, in] each, and the QKV bias (float32, added after)."""
+class Bf16Layer:
+    """One decoder layer's prompt rows in bf16: its products packed for the kernels, its norms and QKV bias float32.
+    Called as the model's layers are: ``layer(x, rotary, k_cache, v_cache, meta)`` updates the residual stream x
+    [T, H] in place and returns it."""
 
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    def __init__(self, config: ModelConfig, state_dict: dict, index: int, kernels: Bf16Kernels):
+        p = f"layers.{index}."
+
+        def weight(name: str) -> torch.Tensor:
+            t = state_dict[p + name]
+            return t.dequantize() if isinstance(t, BlockQuantized) else t
+
+        def vector(name: str) -> torch.Tensor:
+            return state_dict[p + name].to(torch.float32).contiguous()
+
+        self.kernels, self.config = kernels, config
+        self.qkv, self.o = pack(weight("attn.qkv_proj.weight")), pack(weight("attn.o_proj.weight"))
+        self.gate_up, self.down = pack_gate_up(weight("mlp.gate_up_proj.weight")), pack(weight("mlp.down_proj.weight"))
+        self.qkv_bias = vector("attn.qkv_proj.bias") if p + "attn.qkv_proj.bias" in state_dict else None
+        self.input_norm, self.post_attn_norm = vector("input_norm.weight"), vector("post_attn_norm.weight")
+        self.q_size = config.num_heads * config.head_dim
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the layer's bf16 products take, in bytes."""
+        return sum(t.nbytes for t in (self.qkv, self.o, self.gate_up, self.down))
+
+    def __call__(self, x: torch.Tensor, rotary: StepRotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        cfg, kernels = self.config, self.kernels
+        qkv = kernels.attention_input(x, self.input_norm, cfg.rms_norm_eps, self.qkv, self.qkv_bias, rotary.positions,
+                                      rotary.cos_table, rotary.sin_signed_table, cfg.num_heads, cfg.num_kv_heads,
+                                      k_cache, v_cache, meta.slot_mapping)  # [T, (Hq + 2 Hkv) D], q and k rotated
+        q = qkv[:, : self.q_size].view(len(x), cfg.num_heads, cfg.head_dim)
+        attn = torch.empty(len(x), padded_inputs(self.q_size), dtype=torch.bfloat16)  # the output product's rows
+        attn[:, self.q_size :] = 0
+        for seg in meta.prefills:
+            rows = slice(seg.start, seg.end)
+            kernels.prefill_attention(q[rows], k_cache, v_cache, seg.blocks, seg.prefix, cfg.head_dim**-0.5,
+                                      attn[rows])
+        kernels.output_and_mlp(x, attn, self.q_size, self.o, self.post_attn_norm, cfg.rms_norm_eps, self.gate_up,
+                               self.down, cfg.intermediate_size)
+        return x
 
 
 class Bf16Prefill:
-    """The bf16 copy of a model's layer products and the prefill forward that uses it."""
+    """The bf16 copy of a model's layers, for its prompt rows (``LlamaForCausalLM.forward`` runs them)."""
 
-    def __init__(self, layers: list[Bf16Layer]):
-        self.layers = layers
+    def __init__(self, layers: list[Bf16Layer], kernels: Bf16Kernels):
+        self.layers, self.kernels = layers, kernels
 
     @classmethod
-    def from_state_dict(cls, config: ModelConfig, state_dict: dict, device: torch.device) -> Bf16Prefill:
-        """The layers' products of ``state_dict`` (float tensors or ``BlockQuantized``, as loaders give them) in
-        bf16 on ``device``."""
-
-        def bf16(name: str) -> torch.Tensor:
-            t = state_dict[name]
-            t = t.dequantize() if isinstance(t, BlockQuantized) else t
-            return t.to(device=device, dtype=torch.bfloat16).contiguous()
-
-        def layer(i: int) -> Bf16Layer:
-            p = f"layers.{i}."
-            bias = state_dict.get(p + "attn.qkv_proj.bias")
-            return Bf16Layer(bf16(p + "attn.qkv_proj.weight"), None if bias is None else bias.to(device, torch.float32),
-                             bf16(p + "attn.o_proj.weight"), bf16(p + "mlp.gate_up_proj.weight"),
-                             bf16(p + "mlp.down_proj.weight"))
-
-        prefill = cls([layer(i) for i in range(config.num_layers)])
-        logger.info("bf16 prefill: %.1f MiB of bf16 product weights, held beside the decode path's",
-                    prefill.nbytes / 2**20)
+    def from_state_dict(cls, config: ModelConfig, state_dict: dict, kernels: Bf16Kernels) -> Bf16Prefill:
+        """The layers of ``state_dict`` (float tensors or ``BlockQuantized``, as loaders give them) packed in bf16
+        for ``kernels``."""
+        prefill = cls([Bf16Layer(config, state_dict, i, kernels) for i in range(config.num_layers)], kernels)
+        logger.info("bf16 prefill on %s: %.1f MiB of bf16 product weights, held beside the decode path's",
+                    kernels.isa, prefill.nbytes / 2**20)
         return prefill
 
     @property
     def nbytes(self) -> int:
         """The memory the bf16 copy takes, in bytes."""
-        return sum(t.nbytes for layer in self.layers for t in layer if t is not None)
-
-    def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_cache: PagedKVCache, meta: AttentionMetadata,
-                layer_done: Callable[[int], None] | None) -> torch.Tensor:
-        """A step with prefill rows -> final hidden states [T, H] float32 (``LlamaForCausalLM.forward``'s contract);
-        its decode rows, if any, run on the model's decode path after the prefill rows."""
-        if meta.decode is None:
-            return self._prefill(model, input_ids, positions, kv_cache, meta, layer_done)
-        (prefill_meta, prefill_rows), (decode_meta, decode_rows) = meta.split_phases()
-        hidden = torch.empty(len(input_ids), model.config.hidden_size, dtype=torch.float32, device=input_ids.device)
-        hidden[prefill_rows] = self._prefill(model, input_ids[prefill_rows], positions[prefill_rows], kv_cache,
-                                             prefill_meta, None)
-        # layer_done(i) after the decode rows' layer i: then every row's K/V of layer i is in the cache.
-        hidden[decode_rows] = model(input_ids[decode_rows], positions[decode_rows], kv_cache, decode_meta, layer_done)
-        return hidden
-
-    def _prefill(self, model: LlamaForCausalLM, input_ids, positions, kv_cache: PagedKVCache,
-                 meta: AttentionMetadata, layer_done: Callable[[int], None] | None) -> torch.Tensor:
-        rotary = model.rotary.for_step(positions)
-        x = model.embed(input_ids)  # [T, H] float32, the residual stream
-        for i, (layer, weights) in enumerate(zip(model.layers, self.layers)):
-            _layer(layer, weights, x, rotary, kv_cache.k_blocks[i], kv_cache.v_blocks[i], meta)
-            if layer_done is not None:
-                layer_done(i)
-        return model.norm(x)
-
-
-def _layer(layer: DecoderLayer, w: Bf16Layer, x: torch.Tensor, rotary: StepRotary, k_cache: torch.Tensor,
-           v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    """One decoder layer over x [T, H] float32, updated in place."""
-    attn = layer.attn
-    qkv = _product(layer.input_norm(x), w.qkv, w.qkv_bias)  # [T, (Hq + 2 Hkv) D]
-    qk = rotary.apply(qkv[:, : attn.qk_size].view(len(qkv), -1, attn.head_dim))  # [T, Hq + Hkv, D]
-    x += _product(attn.attend(qk, qkv, k_cache, v_cache, meta, kv_written=False), w.o)
-    gate, up = _product(layer.post_attn_norm(x), w.gate_up).split(layer.mlp.intermediate_size, dim=-1)
-    x += _product(F.silu(gate).mul_(up), w.down)
-
-
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] float32 @ weight^T (bf16 [out, in]) -> [rows, out] float32: a bf16 product, accumulated in
-    float32 by oneDNN, whose bf16 output is widened; the bias added in float32.
-
-    oneDNN sums a many-row product's every row in one order, whatever its place among the rows, but a one-row
-    product (a matrix-vector path) in another: so a single row is computed as two, and a prompt position's bits do
-    not depend on its chunking (a prefix-cache hit's last token, a 1-token last chunk)."""
-    rows = x.to(torch.bfloat16)
-    y = (F.linear(rows, weight) if len(rows) != 1 else F.linear(rows.expand(2, -1), weight)[:1]).float()
-    return y if bias is None else y.add_(bias)
+        return sum(layer.nbytes for layer in self.layers)

@@ -25,16 +25,13 @@ from torch import nn
 from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.bf16_prefill import Bf16Prefill, copied_weights
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.kernels import bf16_kernels
+from splitserve.engine.kernels.build import KernelsUnavailable
 from splitserve.engine.kernels.cpu_features import prefill_compute_dtype as resolve_prefill_dtype
-from splitserve.engine.kernels.cpu_kernels import (
-    PANEL,
-    CpuKernels,
-    KernelChoice,
-    packed_shape,
-    weight_shape,
-)
+from splitserve.engine.kernels.cpu_kernels import CpuKernels, KernelChoice
 from splitserve.engine.kernels.cpu_kernels import choose as choose_kernels
 from splitserve.engine.kernels.decode_layers import DecodeLayers, LayerTensors
+from splitserve.engine.kernels.weight_formats import PANEL, packed_shape, weight_shape
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.rotary import RotaryEmbedding, StepRotary
 from splitserve.engine.weights.parameter_layout import check_state_dict, product_weights
@@ -292,7 +289,9 @@ class LlamaForCausalLM(nn.Module):
         kept = formats if model.kernels is not None else {}
         if model.norm.weight.dtype == torch.float32 and resolve_prefill_dtype(
                 prefill_compute_dtype, str(model.norm.weight.device)) == "bfloat16":
-            model.bf16_prefill = Bf16Prefill.from_state_dict(config, state_dict, model.norm.weight.device)
+            kernels = model._bf16_kernels(prefill_compute_dtype)
+            if kernels is not None:
+                model.bf16_prefill = Bf16Prefill.from_state_dict(config, state_dict, kernels)
         skipped = set(copied_weights(config)) if prefill_only and model.bf16_prefill is not None else set()
         for name in skipped:  # an empty weight: the decode path's form is never built
             linear = model.get_submodule(name.removesuffix(".weight"))
@@ -302,6 +301,19 @@ class LlamaForCausalLM(nn.Module):
                                             for n, t in state_dict.items() if n not in skipped}, strict=not skipped)
         assert set(missing) == skipped, missing  # check_state_dict has named any other gap
         return model
+
+    def _bf16_kernels(self, setting: str) -> bf16_kernels.Bf16Kernels | None:
+        """The bf16 prefill's kernels, or None where ``auto`` meets a machine without them (float32 prefill, logged);
+        ``bfloat16`` asked for explicitly there is an error."""
+        try:
+            if self.kernels is None:
+                raise KernelsUnavailable(f"bf16 prefill runs on the native CPU kernels: {self.compute_path.reason}")
+            return bf16_kernels.choose(self.kernels)
+        except KernelsUnavailable as e:
+            if setting != "auto":
+                raise ValueError(f"prefill_compute_dtype {setting!r}: {e}") from e
+            logger.warning("%s; prefill computes in float32", e)
+            return None
 
     @property
     def prefill_dtype(self) -> str:
@@ -324,23 +336,47 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] long -> final hidden states [T, H]. ``layer_done(i)`` runs once layer i's
         K/V are in the cache (the prefill service streams them from there while later layers compute)."""
         if self.bf16_prefill is not None and attn_metadata.prefills:
-            return self.bf16_prefill.forward(self, input_ids, positions, kv_cache, attn_metadata, layer_done)
+            if attn_metadata.decode is not None:
+                return self._forward_phases(input_ids, positions, kv_cache, attn_metadata, layer_done)
+            return self._run_layers(self.bf16_prefill.layers, input_ids, positions, kv_cache, attn_metadata,
+                                    layer_done)
         if not self.decodes:
             raise RuntimeError("this model holds only its bf16 prefill weights (a prefill pod's): it runs no decode "
                                "rows")
-        rotary = self.rotary.for_step(positions)
-        x = self.embed(input_ids)  # [T, H], the residual stream
         if layer_done is None and self._decodes_natively(kv_cache, attn_metadata):
+            rotary = self.rotary.for_step(positions)
+            x = self.embed(input_ids)  # [T, H], the residual stream
             group = attn_metadata.decode  # every token, in order: one per sequence
             self.kernels.decode_layers(x, self._decode_layers(kv_cache), positions, rotary.cos_table,
                                        rotary.sin_signed_table, attn_metadata.slot_mapping, group.tables,
                                        group.seq_lens)
             return self.norm(x)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rotary, kv_cache.k_blocks[i], kv_cache.v_blocks[i], attn_metadata)
+        return self._run_layers(self.layers, input_ids, positions, kv_cache, attn_metadata, layer_done)
+
+    def _run_layers(self, layers, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
+                    meta: AttentionMetadata, layer_done: Callable[[int], None] | None) -> torch.Tensor:
+        """The step through ``layers`` (the model's, or the bf16 prefill's for prompt rows), each called as
+        ``layer(x, rotary, k_cache, v_cache, meta)`` on the residual stream x, then the final norm."""
+        rotary = self.rotary.for_step(positions)
+        x = self.embed(input_ids)  # [T, H], the residual stream
+        for i, layer in enumerate(layers):
+            x = layer(x, rotary, kv_cache.k_blocks[i], kv_cache.v_blocks[i], meta)
             if layer_done is not None:
                 layer_done(i)
         return self.norm(x)
+
+    def _forward_phases(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
+                        meta: AttentionMetadata, layer_done: Callable[[int], None] | None) -> torch.Tensor:
+        """A step with prompt rows and decode rows, where the prompt rows compute in bf16: the prompt rows as a step
+        of their own first (their K/V then never depend on the decodes beside them), then the decode rows on the
+        decode path, which keep their float32 bits and attend to K/V written by the first (a resumed request's)."""
+        (prefill_meta, prefill_rows), (decode_meta, decode_rows) = meta.split_phases()
+        hidden = torch.empty(len(input_ids), self.config.hidden_size, dtype=torch.float32, device=input_ids.device)
+        hidden[prefill_rows] = self._run_layers(self.bf16_prefill.layers, input_ids[prefill_rows],
+                                                positions[prefill_rows], kv_cache, prefill_meta, None)
+        # layer_done(i) after the decode rows' layer i: then every row's K/V of layer i is in the cache.
+        hidden[decode_rows] = self(input_ids[decode_rows], positions[decode_rows], kv_cache, decode_meta, layer_done)
+        return hidden
 
     def _decodes_natively(self, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """A decode-only step on the native kernels runs all its layers in one native call."""

@@ -82,8 +82,8 @@ OTHER = [8, 2, 77, 120, 6]
 def test_bf16_prefill_is_close_to_float32_and_not_its_bits():
     config, reference, bf16 = _models()
     assert (reference.prefill_dtype, bf16.prefill_dtype) == ("float32", "bfloat16")
-    assert bf16.bf16_prefill.nbytes == sum(t.nbytes for layer in bf16.bf16_prefill.layers for t in layer
-                                           if t is not None)
+    assert bf16.bf16_prefill.nbytes == sum(t.nbytes for layer in bf16.bf16_prefill.layers
+                                           for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
     step = [([len(PROMPT)], [len(PROMPT)], [[1, 2, 3]], PROMPT, list(range(len(PROMPT))))]
     ref, _ = _run(reference, config, step)
     got, _ = _run(bf16, config, step)
@@ -194,8 +194,8 @@ def test_the_engine_reports_the_memory_of_both_forms():
     from splitserve.engine import LLM
 
     bf16 = LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="bfloat16").engine
-    copies = sum(t.numel() * t.element_size() for layer in bf16.runner.model.bf16_prefill.layers for t in layer
-                 if t is not None)
+    copies = sum(t.numel() * t.element_size() for layer in bf16.runner.model.bf16_prefill.layers
+                 for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert bf16.weight_bytes == {"model": sum(p.numel() * p.element_size() for p in bf16.runner.model.parameters()),
                                  "bf16_prefill": copies} and copies > 0
     f32 = LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="float32").engine

@@ -49,8 +49,9 @@ from splitserve.engine.kernels.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "quant_kernels.cpp"]  # the decode step; quantized-weight products
-HEADERS = [_CSRC / "quant_kernels.h"]
+# The decode step; quantized-weight products; the bf16 prefill.
+SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "quant_kernels.cpp", _CSRC / "bf16_kernels.cpp"]
+HEADERS = sorted(_CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 LOCK_TIMEOUT_S = 600  # a build takes seconds; a lock held this long belongs to a process that hangs
 KERNEL_TARGETS = ("native", "baseline")
