@@ -12,7 +12,8 @@ in-process: prefill is compute-bound and decode memory-bound, so they want diffe
            run, the higher of each: the roofs of the roofline.
 
 ``--prefill-formats`` measures instead prefill in each prefill compute format, float32 and bfloat16, side by side on
-one pinned thread and on two, against the bf16 GEMM peak of the same shapes (bench/prefill_formats.py).
+one pinned thread and on two, against the bf16 GEMM peak of the same shapes (bench/prefill_formats.py);
+``--prefill-quality`` each format's answers against float32's on the real model (bench/prefill_quality.py).
 
 FLOPs and bytes come from the model's config (``step_cost.py``): matmul FLOPs of projections, MLP, attention and
 the sampled lm_head rows; bytes at least every weight once per step plus the K/V read and written. The roofline
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.bench import prefill_formats
+from splitserve.bench import prefill_formats, prefill_quality
 from splitserve.bench.engine import matmul_peak, read_bandwidth
 from splitserve.bench.step_cost import (
     decode_bytes,
@@ -100,6 +101,9 @@ class PhasesConfig(FiguresOutput):
     prefill_formats: bool = field(default=False, metadata=described(
         "Instead: prefill per prompt length (default 128,512,2048) in float32 and bfloat16 side by side, on one pinned "
         "thread and on two, --repeat rounds, against the bf16 GEMM peak of the same shapes."))
+    prefill_quality: bool = field(default=False, metadata=described(
+        "Instead: each prefill format's answers against float32's on the real model (teacher-forced top-1 agreement, "
+        "perplexity), bfloat16 and simulated int8 W8A8 (bench/prefill_quality.py)."))
 
     def __post_init__(self) -> None:
         if self.full:
@@ -341,6 +345,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(config.seed)
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.prefill_quality:
+        results = prefill_quality.run(config.model)
+        prefill_quality.report(results)
+        save_results(results, config.json)
+        return results
     if config.prefill_formats:
         lens = (list(prefill_formats.PROMPT_LENS) if config.prompt_lens == list(DEFAULT_PROMPT_LENS)
                 else config.prompt_lens)

@@ -146,8 +146,9 @@ def test_engine_reports_the_resolved_format():
 
 
 def test_a_prompt_position_has_the_same_bits_however_the_prompt_is_chunked():
-    """A one-row product takes oneDNN's matrix-vector path, which sums in another order: bf16 prefill computes a
-    single row as two, so a prefix-cache hit's last token or a 1-token last chunk gets a whole prefill's bits."""
+    """bf16 prefill's products run on one tiling whatever the rows (csrc/bf16_tiles.h; oneDNN's chose its kernel by
+    shape: on AMX a position's bits followed its chunk), so a prefix-cache hit's last token or a 1-token last chunk
+    gets a whole prefill's bits. tests/test_prefill_invariance.py checks batches and threads too, on every ISA."""
     config = ModelConfig(vocab_size=1000, hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9,
                          num_kv_heads=3, max_position_embeddings=1024)  # SmolLM2's layer shapes
     model = LlamaForCausalLM.from_state_dict(config, random_state_dict(config, 0), prefill_compute_dtype="bfloat16")
