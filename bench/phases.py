@@ -156,7 +156,8 @@ def run(config: PhasesConfig, log=print) -> dict:
     return {"model": cfg.name, "config": dataclasses.asdict(config),
             "machine": {"matmul_gflops": peak, "read_gbps": read, "matmul_gflops_before": peak_before,
                         "read_gbps_before": read_before, "ridge_flop_per_byte": peak / read},
-            "prefill_compute": engine.prefill_compute, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
+            "prefill_compute": engine.prefill_compute, "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
             "prefill": prefill, "decode": decode, "threads": torch.get_num_threads(),
             "tensor_parallel_size": config.tensor_parallel_size, "cpus": cpus,
             "prefill_steps": {n: [list(step) for step in steps] for n, steps in prefill_steps.items()}}
@@ -258,7 +259,8 @@ def report(results: dict, log=print) -> None:
     log(f"{'batch':>6}{'context':>8}{'ms/step':>9}{'tok/s':>8}{'GFLOP/step':>11}{'MB/step':>9}{'FLOP/B':>8}"
         f"{'GFLOP/s':>9}{'floor ms':>9}{'/ floor':>8}")
     for r in results["decode"].values():
-        log(f"{r['batch']:>6}{r['context']:>8}{r['ms_per_step']:>9.2f}{r['tok_s']:>8.0f}{r['flops_per_step'] / 1e9:>11.2f}"
+        log(f"{r['batch']:>6}{r['context']:>8}{r['ms_per_step']:>9.2f}{r['tok_s']:>8.0f}"
+            f"{r['flops_per_step'] / 1e9:>11.2f}"
             f"{r['bytes_per_step'] / 1e6:>9.1f}{r['flop_per_byte']:>8.2f}{r['gflops']:>9.1f}{r['floor_ms']:>9.2f}"
             f"{r['ms_per_step'] / r['floor_ms']:>7.2f}x")
     log("(floor: the step's bytes at the measured read bandwidth; FLOP/B: operational intensity; bytes are at least "
@@ -363,7 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
     if config.profile_out:
         profile = profile_from_phases(results, results["threads"], config.profile_note)
         profile.save(config.profile_out)
-        print(f"profile (TP {profile.tensor_parallel_size}, {profile.threads} threads per rank, {profile.cpus} CPUs) written to {config.profile_out}: prefill step s = "
+        print(f"profile (TP {profile.tensor_parallel_size}, {profile.threads} threads per rank, {profile.cpus} CPUs) "
+              f"written to {config.profile_out}: prefill step s = "
               f"{_fit_text(profile.prefill, 'sum(n)', 'sum(n(s+n))')}; decode step s = "
               f"{_fit_text(profile.decode, 'sum(ctx)', 'batch')}")
     return results

@@ -57,9 +57,10 @@ class Linear(nn.Module):
     [ceil(out / 16), in, 16], converted on ``load_state_dict`` and back on ``state_dict``, and the product runs in
     the kernels: a decode step then reads each weight at the memory's speed. Otherwise it is a plain ``F.linear``.
     ``weight_format`` other than float32 (with the kernels only): the weight is loaded from a ``BlockQuantized``
-    in that format and kept in its blocks, packed into panels (engine/weights/quantized_weights.py), [P, in / 32 * bytes]
-    uint8, which ``state_dict`` returns as they are; with ``int8_activations`` its products quantize their input
-    rows to int8 per block of 32 (docs/quantization.md). Parameters are uninitialized until loaded.
+    in that format and kept in its blocks, packed into panels (engine/weights/quantized_weights.py),
+    [P, in / 32 * bytes] uint8, which ``state_dict`` returns as they are; with ``int8_activations`` its products
+    quantize their input rows to int8 per block of 32 (docs/quantization.md). Parameters are uninitialized until
+    loaded.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
@@ -228,8 +229,8 @@ class LlamaForCausalLM(nn.Module):
     ``cpu_kernels``: run the products and the decode attention in the native CPU kernels when they can serve this
     device and dtype (CPU, float32) and build on this machine; False keeps the pure-PyTorch path everywhere.
     ``weight_formats``: parameter name -> format of the products' weights kept in quantized blocks (the native
-    kernels only; engine/weights/quantized_weights.py); the rest are float. ``int8_activations``: the products over those
-    weights quantize their input rows to int8 per block of 32 and sum integer dot products (faster; no longer the
+    kernels only; engine/weights/quantized_weights.py); the rest are float. ``int8_activations``: the products over
+    those weights quantize their input rows to int8 per block of 32 and sum integer dot products (faster; no longer the
     float32 path's bits: docs/quantization.md).
     """
 
@@ -319,6 +320,14 @@ class LlamaForCausalLM(nn.Module):
     def prefill_dtype(self) -> str:
         """What the prefill rows' products compute in: ``bfloat16`` with a bf16 copy, else the model's dtype."""
         return "bfloat16" if self.bf16_prefill is not None else str(self.norm.weight.dtype).removeprefix("torch.")
+
+    @property
+    def prefill_isa(self) -> str:
+        """What the prefill rows' products run on: the bf16 kernels' ISA (``amx``, ``avx512_bf16``, ``fma``), else the
+        float32 kernels' (``avx512``, ``avx2``), or ``pytorch``."""
+        if self.bf16_prefill is not None:
+            return self.bf16_prefill.kernels.isa
+        return "pytorch" if self.kernels is None else self.kernels.isa
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] long -> their embeddings [T, H], the start of the residual stream."""

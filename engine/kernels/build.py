@@ -15,10 +15,10 @@ compiles the sources (``SOURCES``, with their header) into one library with ``$C
   AVX512-VNNI (Cascade Lake and later, Zen 4 and later: the int8-activation products' dot-product path). A CPU that
   runs none of them (AVX2 without a v3 extension) gets the native build.
 
-A process that finds no library for its target builds it at first use, as a fallback (``engine/kernels/cpu_kernels.py``). So that
-pods starting together compile once, a build holds a file lock next to its target and looks again for the library
-once it has the lock; the compiler writes a temporary file that is renamed into place, so no process ever loads a
-half-written library.
+A process that finds no library for its target builds it at first use, as a fallback
+(``engine/kernels/cpu_kernels.py``). So that pods starting together compile once, a build holds a file lock next to
+its target and looks again for the library once it has the lock; the compiler writes a temporary file that is
+renamed into place, so no process ever loads a half-written library.
 
 The cache directory is the first of ``$SPLITSERVE_CACHE_DIR`` and ``~/.cache/splitserve`` that holds the library
 or can be written (a library built into a read-only image is used where it lies: a pod on a read-only root runs the

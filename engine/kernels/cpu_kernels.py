@@ -1,4 +1,5 @@
-"""splitserve's native CPU kernels (``engine/kernels/csrc/cpu_kernels.cpp``): their typed entry points, called through ctypes.
+"""splitserve's native CPU kernels (``engine/kernels/csrc/cpu_kernels.cpp``): their typed entry points, called through
+ctypes.
 
 Decode on a CPU is a stream of weight reads, and MKL's few-row products read weights well below the memory's speed
 (docs/architecture.md has the measurements). The kernels here store every linear weight in panels of 16 outputs
@@ -7,8 +8,9 @@ x 16 outputs with AVX2, 12 rows x 32 outputs with AVX-512); and they attend a de
 in place through the block tables instead of gathering a copy.
 
 Weights kept in quantized blocks (``quantization``: docs/quantization.md) are panels of GGUF blocks instead
-(``WEIGHT_FORMATS``, packed by engine/weights/quantized_weights.py), dequantized in registers by ``csrc/quant_kernels.cpp``
-with the float32 path's arithmetic; every product entry point takes a weight with its format.
+(``WEIGHT_FORMATS``, packed by engine/weights/quantized_weights.py), dequantized in registers by
+``csrc/quant_kernels.cpp`` with the float32 path's arithmetic; every product entry point takes a weight with its
+format.
 
 ``load()`` finds or builds the library (engine/kernels/build.py) and opens it, once per process; it says
 which path the model's layers take (``KernelChoice``: the native kernels, or PyTorch ops and why), logging the
@@ -138,12 +140,14 @@ class CpuKernels:
         int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned."""
         n, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim, "prefill attention: bad q")
+        check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim,
+                   "prefill attention: bad q")
         check_args(k_cache.is_contiguous() and v_cache.is_contiguous(), "prefill attention: caches must be contiguous")
         check_caches(k_cache, v_cache, "prefill attention")
         check_args(blocks.dtype == torch.int64 and blocks.is_contiguous()
                and len(blocks) * block_size >= prefix + n, "prefill attention: bad block list")
-        check_args(out.is_contiguous() and out.shape == q.shape and out.dtype == torch.float32, "prefill attention: bad out")
+        check_args(out.is_contiguous() and out.shape == q.shape and out.dtype == torch.float32,
+                   "prefill attention: bad out")
         self._lib.ss_prefill_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype],
             blocks.data_ptr(), n, prefix, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),

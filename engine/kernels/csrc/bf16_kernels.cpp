@@ -58,7 +58,8 @@ void rms_norm_bf16(const float* x, const float* weight, float eps, int64_t rows,
     const __m256 vinv = _mm256_set1_ps(inv);
     int64_t i = 0;
     for (; i + 8 <= dim; i += 8) {
-      bf16::store_bf16x8(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv), _mm256_loadu_ps(weight + i)));
+      const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv);
+      bf16::store_bf16x8(o + i, _mm256_mul_ps(normed, _mm256_loadu_ps(weight + i)));
     }
     for (; i < dim; ++i) o[i] = bf16::to_bf16(xr[i] * inv * weight[i]);
     std::fill(o + dim, o + ldo, 0);
@@ -98,7 +99,9 @@ struct AddF32 {
       float* yr = y + (r0 + r) * ldy + col0;
       const float* cr = c + r * ldc;
       int64_t j = 0;
-      for (; j + 8 <= cols; j += 8) _mm256_storeu_ps(yr + j, _mm256_add_ps(_mm256_loadu_ps(yr + j), _mm256_loadu_ps(cr + j)));
+      for (; j + 8 <= cols; j += 8) {
+        _mm256_storeu_ps(yr + j, _mm256_add_ps(_mm256_loadu_ps(yr + j), _mm256_loadu_ps(cr + j)));
+      }
       for (; j < cols; ++j) yr[j] += cr[j];
     }
   }
@@ -141,7 +144,8 @@ struct AttentionOut {
   void operator()(int64_t r0, int rows, int64_t p0, int np, const float* c, int64_t ldc) const {
     const int64_t col0 = p0 * kPanel, cols = std::min<int64_t>(np * kPanel, dims - col0);
     for (int r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < cols; ++j) out[(r0 + r) * ldo + col0 + j] = bf16::to_bf16(c[r * ldc + j] * inv_sum[r0 + r]);
+      uint16_t* o = out + (r0 + r) * ldo + col0;
+      for (int64_t j = 0; j < cols; ++j) o[j] = bf16::to_bf16(c[r * ldc + j] * inv_sum[r0 + r]);
     }
   }
 };
@@ -253,8 +257,8 @@ int ss_bf16_attention_input(const float* x, int64_t tokens, int64_t hidden, cons
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
   std::vector<uint16_t> h(tokens * kp);
   rms_norm_bf16(x, norm_weight, eps, tokens, hidden, h.data(), kp, threads);
-  bf16::product(static_cast<bf16::Isa>(isa), Operands{h.data(), kp, tokens, qkv_packed, kp * kPanel, panels_of(width), kp},
-                StoreF32{qkv, width, width, qkv_bias}, threads);
+  const Operands op{h.data(), kp, tokens, qkv_packed, kp * kPanel, panels_of(width), kp};
+  bf16::product(static_cast<bf16::Isa>(isa), op, StoreF32{qkv, width, width, qkv_bias}, threads);
   ss_rope_and_cache(qkv, tokens, positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
                     cache_type, slot_mapping, threads);
   return 0;

@@ -11,7 +11,7 @@
 
 namespace {
 
-// What the KV cache holds (CACHE_TYPES in engine/kernels/cpu_kernels.py): float32, or 16-bit bfloat16 / float16 values
+// What the KV cache holds (CACHE_TYPES in engine/kernels/checks.py): float32, or 16-bit bfloat16 / float16 values
 // widened to float32 as they are loaded, so the attention's arithmetic is float32 whatever the cache stores.
 enum CacheType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 

@@ -1,8 +1,8 @@
 // splitserve's CPU kernels for the memory-bound half of inference: the decode step.
 //
 // Built by engine/kernels/build.py (g++ -O3 -march=native -fopenmp; at set-up, or at first use) and called
-// through ctypes (engine/kernels/cpu_kernels.py) with raw pointers; nothing here knows about torch. OpenMP resolves to the
-// libgomp torch already loaded, so these kernels share torch's thread pool, and the caller passes torch's thread
+// through ctypes (engine/kernels/cpu_kernels.py) with raw pointers; nothing here knows about torch. OpenMP resolves to
+// the libgomp torch already loaded, so these kernels share torch's thread pool, and the caller passes torch's thread
 // count explicitly. ss_abi_version and ss_abi_table (at the end) report the entry points' argument types as the
 // compiler sees them, which the Python side checks against its declarations before calling anything.
 //
@@ -678,9 +678,9 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
 
 namespace {
 
-constexpr int kAbiVersion = 4;  // ABI_VERSION in engine/kernels/cpu_kernels.py: bump both when an entry point changes
+constexpr int kAbiVersion = 4;  // ABI_VERSION in engine/kernels/abi.py: bump both when an entry point changes
 
-// An argument's type as one letter (_TYPE_CODES in engine/kernels/cpu_kernels.py): p pointer, q int64, i int, f float.
+// An argument's type as one letter (_TYPE_CODES in engine/kernels/abi.py): p pointer, q int64, i int, f float.
 template <typename T>
 constexpr char type_code() {
   if constexpr (std::is_pointer_v<T>) {
@@ -710,7 +710,7 @@ constexpr const char* arg_types(R (*)(Args...)) {
 
 extern "C" {
 
-struct AbiEntry {  // _AbiEntry in engine/kernels/cpu_kernels.py
+struct AbiEntry {  // _AbiEntry in engine/kernels/abi.py
   const char* name;
   const char* arg_types;
 };
