@@ -13,7 +13,7 @@ and rotated back: what a codec that quantized the pre-RoPE keys would leave in t
 engine. Values pass through the codec unchanged (RoPE does not touch them).
 
 ``kivi4@prerope`` is kivi4 on un-rotated keys; ``fp8@kc@prerope`` combines both. Positions come from the tensor's span (its first token's position in the prompt), which both sides of a transfer
-know, so a real codec could do the same; the engine's RoPE is HF's non-interleaved one (engine/rotary.py), whose
+know, so a real codec could do the same; the engine's RoPE is HF's non-interleaved one (engine/model/rotary.py), whose
 tables this reads.
 """
 
@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.rotary import rope_inv_freq
+from splitserve.engine.model.rotary import rope_inv_freq
 from splitserve.kvtransfer.codecs import EncodedKV, KVCodec, KVSpan, get_codec
 from splitserve.kvtransfer.codecs.base import dtype_name
 from splitserve.kvtransfer.codecs.symmetric import SymmetricScaledCodec
@@ -81,7 +81,7 @@ class PreRopeKeys(KVCodec):
         return decoded if enc.kind == "v" else self._rotate(decoded, enc.span, inverse=False)
 
     def _rotate(self, x: torch.Tensor, span: KVSpan | None, inverse: bool) -> torch.Tensor:
-        """x [T, H, D] float32 rotated by each token's angle (``inverse``: by its negative), as engine/rotary.py's
+        """x [T, H, D] float32 rotated by each token's angle (``inverse``: by its negative), as engine/model/rotary.py's
         ``StepRotary.apply``: x * cos + cat(x2, x1) * cat(-sin, sin)."""
         start = span.start if span is not None else 0
         positions = torch.arange(start, start + x.shape[0], dtype=torch.float32, device=x.device)

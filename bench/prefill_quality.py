@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.model.attention import AttentionMetadata
 
 GENERATED = 128
 REFERENCE_TEXT = Path("/usr/share/common-licenses/GPL-3")

@@ -80,12 +80,12 @@ def test_every_backticked_path_in_the_docs_exists(doc, tree):
 
 
 def test_the_check_sees_paths_and_skips_what_is_not_one(tree):
-    text = ("`engine/model.py`, `config.py`, `deploy/`, `engine/weights.py`, `Makefile`, `router/gone/`; not\n"
+    text = ("`engine/llm.py`, `config.py`, `deploy/`, `engine/weights.py`, `Makefile`, `router/gone/`; not\n"
             "`/v1/completions`, `~/.cache/x`, `$SPLITSERVE_CACHE_DIR`, `cpu_kernels-<key>.so`, `splitserve.v1`,\n"
             "`Generation/Generate`, `kubernetes.io/tls`, `.proto`, `max_tokens + 1`\n"
             "```\nmake run `inside/a/fence.py`\n```\n")
     readme = REPO / "README.md"
     named = named_paths(text, tree)
-    assert named == ["engine/model.py", "config.py", "deploy/", "engine/weights.py", "Makefile", "router/gone/"]
+    assert named == ["engine/llm.py", "config.py", "deploy/", "engine/weights.py", "Makefile", "router/gone/"]
     assert [w for w in named if not tree.has(w, readme)] == ["engine/weights.py", "router/gone/"]
     assert tree.has("templates/_helpers.tpl", readme) and tree.has("dashboards/*.json", readme)

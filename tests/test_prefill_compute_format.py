@@ -1,5 +1,5 @@
 """The prefill compute format (issue 34): the CPU's flags read through one function, the format ``auto`` resolves to
-per feature set, and bf16 prefill (engine/bf16_prefill.py) on a tiny random model: close to float32, and in a step
+per feature set, and bf16 prefill (engine/model/bf16_prefill.py) on a tiny random model: close to float32, and in a step
 mixed with decodes, the decode rows keep float32's bits and the prompt's K/V do not depend on the decodes beside it.
 The real model's agreement with float32 is in tests/test_bf16_prefill_smollm2.py."""
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.attention import AttentionMetadata
-from splitserve.engine.bf16_prefill import copied_weights
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kernels.cpu_features import matrix_features, parse_cpuinfo, prefill_compute_dtype
 from splitserve.engine.kv_cache import PagedKVCache
-from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.bf16_prefill import copied_weights
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.weights.model_files import tiny_random_config
 from splitserve.engine.weights.parameter_layout import random_state_dict

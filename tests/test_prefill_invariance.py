@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.attention import AttentionMetadata
-from splitserve.engine.bf16_prefill import Bf16Prefill
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.kernels.bf16_kernels import Bf16Kernels, padded_inputs
 from splitserve.engine.kernels.cpu_features import bf16_isas
 from splitserve.engine.kv_cache import PagedKVCache
-from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.bf16_prefill import Bf16Prefill
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.weights.model_files import tiny_random_config
 from splitserve.engine.weights.parameter_layout import random_state_dict
 
@@ -160,7 +160,7 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 class SplitKLayer:
-    """A bf16 layer (engine/bf16_prefill.py's Bf16Layer) whose products are ``_split_k_product``: its attention is the
+    """A bf16 layer (engine/model/bf16_prefill.py's Bf16Layer) whose products are ``_split_k_product``: its attention is the
     real kernels', the rest the same steps in torch."""
 
     def __init__(self, layer, model: LlamaForCausalLM):

@@ -5,7 +5,7 @@ library on them, and ``prefill_compute_dtype`` chooses prefill's products from t
 
 **The prefill compute format** (``EngineConfig.prefill_compute_dtype``, every pod's ``--prefill-compute-dtype``):
 ``float32`` (the bit-exact reference), ``bfloat16`` (prefill's products in bf16 with float32 accumulation,
-engine/bf16_prefill.py), or ``auto``, which picks bfloat16 where the CPU multiplies bf16 natively and float32
+engine/model/bf16_prefill.py), or ``auto``, which picks bfloat16 where the CPU multiplies bf16 natively and float32
 elsewhere. The rule comes from torch's oneDNN products of SmolLM2's prefill shapes (512 x 576 @ 576 x 1536, one
 pinned thread, on an AMD EPYC with avx512_bf16, no AMX; oneDNN capped at each ISA with ``ONEDNN_MAX_CPU_ISA``,
 docs/PERFORMANCE.md has the table):

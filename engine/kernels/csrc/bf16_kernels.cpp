@@ -3,7 +3,7 @@
 // bf16 between the products.
 //
 // Built into the same library as cpu_kernels.cpp (engine/kernels/build.py), called through ctypes
-// (engine/kernels/bf16_kernels.py, engine/bf16_prefill.py). A layer's prompt rows take three calls:
+// (engine/kernels/bf16_kernels.py, engine/model/bf16_prefill.py). A layer's prompt rows take three calls:
 //  - ss_bf16_attention_input: h = RMSNorm(x) rounded to bf16; qkv = h Wqkv^T (+ bias) in float32; q and k rotated
 //    and k, v written to the cache by the float32 path's own ss_rope_and_cache (so the cache holds what it would);
 //  - ss_bf16_prefill_attention, per sequence: its queries over its keys (cached prefix and new tokens) read through

@@ -478,7 +478,7 @@ int ss_vector_bits() {
 }
 
 // y[rows, out] (row stride ldy) = x[rows, in] (row stride ldx) W^T + bias; W in panels [P, in, 16], the last
-// panel's padding outputs zero (engine/model.py's Linear packs them).
+// panel's padding outputs zero (engine/model/layers.py's Linear packs them).
 void ss_linear(const float* x, int64_t rows, int64_t ldx, const float* packed, int64_t out, int64_t in,
                const float* bias, float* y, int64_t ldy, int threads) {
   const int64_t panels = (out + kPanel - 1) / kPanel;

@@ -33,10 +33,10 @@ import logging
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.kernels.bf16_kernels import Bf16Kernels, pack, pack_gate_up, padded_inputs
-from splitserve.engine.rotary import StepRotary
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.rotary import StepRotary
 from splitserve.engine.weights.quantized_weights import BlockQuantized
 
 logger = logging.getLogger(__name__)
