@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.kernels.build import KernelsUnavailable
-from splitserve.engine.kernels.checks import CACHE_TYPES, check_args, check_caches
+from splitserve.engine.kernels.checks import CACHE_TYPES, check_args, check_cache_write, check_caches
 from splitserve.engine.kernels.cpu_features import bf16_isas
 from splitserve.engine.kernels.cpu_kernels import CpuKernels
 
@@ -106,11 +106,8 @@ class Bf16Kernels:
                    and is_packed(qkv, width, hidden) and (qkv_bias is None or qkv_bias.shape == (width,))
                    and head_dim == sin_signed.shape[1] and head_dim % 8 == 0 and head_dim <= 512,
                    "bf16 attention_input: x, the norm and the qkv weight do not match")
-        check_args(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
-                   and len(positions) == tokens == len(slot_mapping), "bf16 attention_input: bad positions or slots")
-        check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-                   and k_cache.shape[2:] == (num_kv_heads, head_dim), "bf16 attention_input: caches do not match")
-        check_caches(k_cache, v_cache, "bf16 attention_input")
+        check_cache_write(positions, slot_mapping, tokens, k_cache, v_cache, num_kv_heads, head_dim,
+                          "bf16 attention_input")
         out = torch.empty(tokens, width, dtype=torch.float32)
         self._call(self._lib.ss_bf16_attention_input, x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps,
                    qkv.data_ptr(), None if qkv_bias is None else qkv_bias.data_ptr(), out.data_ptr(),

@@ -29,3 +29,15 @@ def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> Non
 def check_args(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def check_cache_write(positions: torch.Tensor, slot_mapping: torch.Tensor, tokens: int, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, what: str) -> None:
+    """The arguments of a step that rotates its tokens' q and k and writes their k and v to the caches: positions and
+    slots one per token (int64), caches [num_blocks, block_size, Hkv, D] contiguous, alike, of a ``CACHE_TYPES``
+    dtype."""
+    check_args(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
+               and len(positions) == tokens == len(slot_mapping), f"{what}: bad positions or slot mapping")
+    check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+               and k_cache.shape[2:] == (num_kv_heads, head_dim), f"{what}: caches do not match")
+    check_caches(k_cache, v_cache, what)

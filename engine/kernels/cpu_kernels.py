@@ -34,7 +34,7 @@ import torch
 from splitserve.engine.kernels import checks
 from splitserve.engine.kernels.abi import ENTRY_POINTS, KernelABIError, check_abi, library_abi
 from splitserve.engine.kernels.build import KernelsUnavailable, library_path
-from splitserve.engine.kernels.checks import CACHE_TYPES, check_args, check_caches
+from splitserve.engine.kernels.checks import CACHE_TYPES, check_args, check_cache_write, check_caches
 from splitserve.engine.kernels.weight_formats import (
     PANEL,
     QUANT_BLOCK,
@@ -171,11 +171,7 @@ class CpuKernels:
                and is_weight(qkv_weight, qkv_format, width, hidden) and self.supports_head_dim(head_dim)
                and head_dim == sin_signed.shape[1],
                "attention_input: x, norm and qkv weights do not match")
-        check_args(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
-               and len(positions) == tokens == len(slot_mapping), "attention_input: bad positions or slot mapping")
-        check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-               and k_cache.shape[2:] == (num_kv_heads, head_dim), "attention_input: caches do not match")
-        check_caches(k_cache, v_cache, "attention_input")
+        check_cache_write(positions, slot_mapping, tokens, k_cache, v_cache, num_kv_heads, head_dim, "attention_input")
         qkv = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.ss_attention_input(
             x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),

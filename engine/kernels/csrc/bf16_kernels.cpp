@@ -59,9 +59,9 @@ void rms_norm_bf16(const float* x, const float* weight, float eps, int64_t rows,
     int64_t i = 0;
     for (; i + 8 <= dim; i += 8) {
       const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv);
-      bf16::store_bf16x8(o + i, _mm256_mul_ps(normed, _mm256_loadu_ps(weight + i)));
+      store_bf16x8(o + i, _mm256_mul_ps(normed, _mm256_loadu_ps(weight + i)));
     }
-    for (; i < dim; ++i) o[i] = bf16::to_bf16(xr[i] * inv * weight[i]);
+    for (; i < dim; ++i) o[i] = float_to_bf16(xr[i] * inv * weight[i]);
     std::fill(o + dim, o + ldo, 0);
   }
 }
@@ -125,10 +125,12 @@ struct SiluMulBf16 {
             const __m256 g = _mm256_loadu_ps(gate + h);
             const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f),
                                                                 exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            bf16::store_bf16x8(out + h, _mm256_mul_ps(silu, _mm256_loadu_ps(up + h)));
+            store_bf16x8(out + h, _mm256_mul_ps(silu, _mm256_loadu_ps(up + h)));
           }
         } else {
-          for (int64_t j = 0; col0 + j < inter; ++j) out[j] = bf16::to_bf16(gate[j] / (1.0f + expf(-gate[j])) * up[j]);
+          for (int64_t j = 0; col0 + j < inter; ++j) {
+            out[j] = float_to_bf16(gate[j] / (1.0f + expf(-gate[j])) * up[j]);
+          }
         }
       }
     }
@@ -145,7 +147,7 @@ struct AttentionOut {
     const int64_t col0 = p0 * kPanel, cols = std::min<int64_t>(np * kPanel, dims - col0);
     for (int r = 0; r < rows; ++r) {
       uint16_t* o = out + (r0 + r) * ldo + col0;
-      for (int64_t j = 0; j < cols; ++j) o[j] = bf16::to_bf16(c[r * ldc + j] * inv_sum[r0 + r]);
+      for (int64_t j = 0; j < cols; ++j) o[j] = float_to_bf16(c[r * ldc + j] * inv_sum[r0 + r]);
     }
   }
 };
@@ -182,8 +184,8 @@ void prefill_attention(bf16::Isa isa, const float* q, int64_t ldq, const typenam
     uint16_t* kp = k_packed.data() + h * k_head + j / kPanel * dp * kPanel + j % kPanel * 2;
     uint16_t* vp = v_packed.data() + h * v_head + j / 2 * 2 * kPanel + j % 2;
     for (int64_t d = 0; d < head_dim; ++d) {
-      kp[d / 2 * 2 * kPanel + d % 2] = bf16::to_bf16(k[d]);
-      vp[d / kPanel * keys_p * kPanel + d % kPanel * 2] = bf16::to_bf16(v[d]);
+      kp[d / 2 * 2 * kPanel + d % 2] = float_to_bf16(k[d]);
+      vp[d / kPanel * keys_p * kPanel + d % kPanel * 2] = float_to_bf16(v[d]);
     }
   }
   const int64_t group = num_heads / num_kv_heads;
@@ -201,7 +203,7 @@ void prefill_attention(bf16::Isa isa, const float* q, int64_t ldq, const typenam
       const int64_t seen = prefix + r0 + rows;  // keys the block's last row sees
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = q + (r0 + r) * ldq + hq * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) queries[r * dp + d] = bf16::to_bf16(qr[d]);
+        for (int64_t d = 0; d < head_dim; ++d) queries[r * dp + d] = float_to_bf16(qr[d]);
       }
       const Operands qk{queries.data(), dp, rows, k_packed.data() + h * k_head, dp * kPanel, panels_of(seen), dp};
       bf16::product_items(isa, qk, 0, bf16::product_item_count(isa, qk),
@@ -215,8 +217,8 @@ void prefill_attention(bf16::Isa isa, const float* q, int64_t ldq, const typenam
         float sum;
         exp_shifted(s, valid, &sum);
         int64_t j = 0;
-        for (; j + 8 <= valid; j += 8) bf16::store_bf16x8(p + j, _mm256_loadu_ps(s + j));
-        for (; j < valid; ++j) p[j] = bf16::to_bf16(s[j]);
+        for (; j + 8 <= valid; j += 8) store_bf16x8(p + j, _mm256_loadu_ps(s + j));
+        for (; j < valid; ++j) p[j] = float_to_bf16(s[j]);
         std::fill(p + valid, p + seen_p, 0);  // keys this row does not see weigh exactly zero
         inv_sum[r] = 1.0f / sum;
       }

@@ -36,6 +36,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace bf16 {
 
 constexpr int kPanel = 16;  // outputs per panel
@@ -44,33 +46,6 @@ constexpr int kKStep = 32;  // inputs per AMX tile row: kp and every activation 
 enum Isa : int { kFma = 0, kAvx512Bf16 = 1, kAmx = 2, kAmxEmulated = 3 };  // BF16_ISAS in bf16_kernels.py
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-inline float to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-// Rounded to nearest, ties to even, as torch rounds to bfloat16; a NaN stays a quiet NaN.
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// Eight floats rounded to bf16 (to_bf16's rounding) and stored.
-inline void store_bf16x8(uint16_t* p, __m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 twice | r4..r7 twice
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
-}
 
 // One product: rows of activations x [rows][ldx] times panels [panels] of a weight (panel p at w + p * pstride),
 // over the first kp inputs (a multiple of kKStep).
@@ -241,8 +216,8 @@ struct EmulatedTiles {  // Intel's pseudo-code for the same instructions, on thi
       for (int k = 0; k < 16; ++k) {
         const uint16_t* b = reinterpret_cast<const uint16_t*>(tiles[B][k]);
         for (int n = 0; n < 16; ++n) {
-          c[n] = fmaf(to_float(a[2 * k]), to_float(b[2 * n]), c[n]);
-          c[n] = fmaf(to_float(a[2 * k + 1]), to_float(b[2 * n + 1]), c[n]);
+          c[n] = fmaf(bf16_to_float(a[2 * k]), bf16_to_float(b[2 * n]), c[n]);
+          c[n] = fmaf(bf16_to_float(a[2 * k + 1]), bf16_to_float(b[2 * n + 1]), c[n]);
         }
       }
     }

@@ -9,6 +9,8 @@
 
 #include <type_traits>
 
+#include "vector_math.h"
+
 namespace {
 
 // What the KV cache holds (CACHE_TYPES in engine/kernels/checks.py): float32, or 16-bit bfloat16 / float16 values
@@ -32,17 +34,7 @@ struct CacheElem<kBFloat16> {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
-  // Rounded to nearest, ties to even (torch's rounding to bfloat16); a NaN stays a quiet NaN.
-  static void store8(uint16_t* p, __m256 x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 twice | r4..r7 twice
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
-  }
+  static void store8(uint16_t* p, __m256 x) { store_bf16x8(p, x); }  // torch's rounding
 };
 
 template <>

@@ -1,11 +1,13 @@
 // Float32 vector math on AVX2 vectors, in one fixed order whatever the build's vector width (so that every build
-// gets the same bits): horizontal sums and maxima, e^x, a softmax's exponentials, a norm's sum of squares. Shared by
-// the float32 kernels (cpu_kernels.cpp) and the bf16 prefill (bf16_kernels.cpp).
+// gets the same bits): horizontal sums and maxima, e^x, a softmax's exponentials, a norm's sum of squares; and the
+// conversions between float32 and bfloat16 (torch's rounding). Shared by the float32 kernels (cpu_kernels.cpp), the
+// KV cache's element types (cache_elems.h) and the bf16 prefill (bf16_tiles.h, bf16_kernels.cpp).
 #pragma once
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <algorithm>
 
@@ -90,5 +92,31 @@ inline float exp_shifted(float* x, int64_t n, float* sum) {
   return max;
 }
 
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// Rounded to nearest, ties to even, as torch rounds to bfloat16; a NaN stays a quiet NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Eight floats rounded to bf16 (float_to_bf16's rounding) and stored.
+inline void store_bf16x8(uint16_t* p, __m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 twice | r4..r7 twice
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
 
 }  // namespace
