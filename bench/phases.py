@@ -6,7 +6,8 @@ in-process: prefill is compute-bound and decode memory-bound, so they want diffe
            ``--repeat``), prompt tokens/s, and per step the FLOPs computed and the bytes moved;
   decode   ``--batches`` x ``--contexts`` (batch 1 to 64, context 128 to 4096 for the full grid): sequences whose
            prompt KV is admitted as a decode pod admits a transferred one (``reserve_for_transfer`` +
-           ``admit_prefilled``; the cache holds zeros, which cost the same to read), then ``--steps`` decode steps
+           ``admit_prefilled``; every page of that KV written with real values first, as a transfer writes it: a
+           never-written page reads the kernel's shared zero page from cache), then ``--steps`` decode steps
            timed (median): ms per step, tokens/s, FLOPs and bytes per step, and the step's bandwidth floor;
   machine  the float32 matmul peak and the read bandwidth (``bench engine``'s measurements), before and after the
            run, the higher of each: the roofs of the roofline.
@@ -216,7 +217,7 @@ def _prefill_figures(cfg: ModelConfig, weight_bytes: int, elem_bytes: int, n: in
 
 def _decode_step_seconds(engine: LLMEngine, rng: random.Random, batch: int, context: int, steps: int) -> float:
     """Median seconds of a decode step of ``batch`` sequences at ``context`` tokens, their prompt KV admitted as a
-    decode pod admits a transferred one (no prefill computed)."""
+    decode pod admits a transferred one (no prefill computed), every page of it written with real values first."""
     params = SamplingParams(temperature=0, max_tokens=steps + WARMUP_STEPS + 1, ignore_eos=True)
     tag = time.monotonic_ns()
     for i in range(batch):
@@ -224,6 +225,7 @@ def _decode_step_seconds(engine: LLMEngine, rng: random.Random, batch: int, cont
         seq = engine.reserve_for_transfer(f"decode-{tag}-{i}", prompt, params)
         if seq is None:
             raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
+        _write_transferred_kv(engine, seq.block_table, context, seed=i)
         engine.admit_prefilled(seq, prompt[-1])
     times = []
     while engine.has_unfinished_requests():
@@ -231,6 +233,18 @@ def _decode_step_seconds(engine: LLMEngine, rng: random.Random, batch: int, cont
         if len(scheduled.scheduled) == batch and all(s.num_new_tokens == 1 for s in scheduled.scheduled):
             times.append(seconds)
     return statistics.median(times[WARMUP_STEPS:])
+
+
+def _write_transferred_kv(engine: LLMEngine, block_table: list[int], tokens: int, seed: int) -> None:
+    """Every layer's K and V of a sequence's first ``tokens`` tokens written as a transfer writes them: real values
+    on every page. A pool page never written is the kernel's shared zero page, which reads from cache and makes a
+    long-context decode step look faster than any served one (issue 46)."""
+    cache, cfg = engine.runner.kv_cache, engine.model_config  # a tensor-parallel engine's cache writes every rank's
+    slots = cache.slots(block_table, 0, tokens)
+    values = torch.randn(tokens, cfg.num_kv_heads, cfg.head_dim, generator=torch.Generator().manual_seed(seed))
+    for layer in range(cfg.num_layers):
+        for kind in ("k", "v"):
+            cache.write(layer, kind, slots, values)
 
 
 def _decode_figures(cfg: ModelConfig, weight_bytes: int, elem_bytes: int, batch: int, context: int,
