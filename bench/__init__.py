@@ -12,6 +12,7 @@ regimes, the codec measurements, ``--json`` / ``--plot``) is the measurement lib
 - ``transfer.py``: a prompt's KV pushed between real pods, overlap on and off, per codec;
 - ``phases.py`` (with ``step_cost.py``, a step's FLOPs and bytes): prefill and decode against the machine's limits;
   ``prefill_formats.py``: its ``--prefill-formats`` run, float32 and bf16 prefill side by side;
+  ``prefill_quality.py``: its ``--prefill-quality`` run, each prefill format's answers against float32's;
 - ``serve/``: a running router as its clients see it;
 - ``compare/``: disaggregated, colocated and conditional serving on the same cores, and the map of SLO regimes;
 - ``soak.py``: a cluster under load with injected faults;

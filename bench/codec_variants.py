@@ -15,7 +15,7 @@ them).
 
 ``kivi4@prerope`` is kivi4 on un-rotated keys; ``fp8@kc@prerope`` combines both. Positions come from the tensor's span
 (its first token's position in the prompt), which both sides of a transfer know, so a real codec could do the same; the
-engine's RoPE is HF's non-interleaved one (engine/rotary.py), whose tables this reads.
+engine's RoPE is HF's non-interleaved one (engine/model/rotary.py), whose tables this reads.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import dataclasses
 import torch
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.rotary import rope_inv_freq
+from splitserve.engine.model.rotary import rope_inv_freq
 from splitserve.kvtransfer.codecs import EncodedKV, KVCodec, KVSpan, get_codec
 from splitserve.kvtransfer.codecs.base import dtype_name
 from splitserve.kvtransfer.codecs.symmetric import SymmetricScaledCodec
@@ -82,7 +82,7 @@ class PreRopeKeys(KVCodec):
         return decoded if enc.kind == "v" else self._rotate(decoded, enc.span, inverse=False)
 
     def _rotate(self, x: torch.Tensor, span: KVSpan | None, inverse: bool) -> torch.Tensor:
-        """x [T, H, D] float32 rotated by each token's angle (``inverse``: by its negative), as engine/rotary.py's
+        """x [T, H, D] float32 rotated by each token's angle (``inverse``: by its negative), as engine/model/rotary.py's
         ``StepRotary.apply``: x * cos + cat(x2, x1) * cat(-sin, sin)."""
         start = span.start if span is not None else 0
         positions = torch.arange(start, start + x.shape[0], dtype=torch.float32, device=x.device)

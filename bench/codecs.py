@@ -47,10 +47,10 @@ import torch.nn.functional as F
 
 from splitserve.bench import codec_variants, codecs_served
 from splitserve.engine import LLMEngine, SamplingParams
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import CACHE_DTYPES as ENGINE_CACHE_DTYPES
 from splitserve.engine.config import DEFAULT_MODEL
 from splitserve.engine.kv_cache import KV_KINDS
+from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.text.tokenizer_files import load_tokenizer
 from splitserve.kvtransfer.codecs import KVCodec, available_codecs

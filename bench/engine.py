@@ -30,9 +30,9 @@ import torch
 
 from splitserve.bench.step_cost import decode_bytes, prefill_flops
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import CACHE_DTYPES, DEFAULT_MODEL, QUANTIZATIONS
 from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint
 from splitserve.engine.weights.model_files import load_model_files
 from splitserve.measure.figures import FiguresOutput, headless_pyplot, save_figure, save_results

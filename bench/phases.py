@@ -6,13 +6,15 @@ in-process: prefill is compute-bound and decode memory-bound, so they want diffe
            ``--repeat``), prompt tokens/s, and per step the FLOPs computed and the bytes moved;
   decode   ``--batches`` x ``--contexts`` (batch 1 to 64, context 128 to 4096 for the full grid): sequences whose
            prompt KV is admitted as a decode pod admits a transferred one (``reserve_for_transfer`` +
-           ``admit_prefilled``; the cache holds zeros, which cost the same to read), then ``--steps`` decode steps
+           ``admit_prefilled``; every page of that KV written with real values first, as a transfer writes it: a
+           never-written page reads the kernel's shared zero page from cache), then ``--steps`` decode steps
            timed (median): ms per step, tokens/s, FLOPs and bytes per step, and the step's bandwidth floor;
   machine  the float32 matmul peak and the read bandwidth (``bench engine``'s measurements), before and after the
            run, the higher of each: the roofs of the roofline.
 
 ``--prefill-formats`` measures instead prefill in each prefill compute format, float32 and bfloat16, side by side on
-one pinned thread and on two, against the bf16 GEMM peak of the same shapes (bench/prefill_formats.py).
+one pinned thread and on two, against the bf16 GEMM peak of the same shapes (bench/prefill_formats.py);
+``--prefill-quality`` each format's answers against float32's on the real model (bench/prefill_quality.py).
 
 FLOPs and bytes come from the model's config (``step_cost.py``): matmul FLOPs of projections, MLP, attention and
 the sampled lm_head rows; bytes at least every weight once per step plus the K/V read and written. The roofline
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.bench import prefill_formats
+from splitserve.bench import prefill_formats, prefill_quality
 from splitserve.bench.engine import matmul_peak, read_bandwidth
 from splitserve.bench.step_cost import (
     decode_bytes,
@@ -100,6 +102,9 @@ class PhasesConfig(FiguresOutput):
     prefill_formats: bool = field(default=False, metadata=described(
         "Instead: prefill per prompt length (default 128,512,2048) in float32 and bfloat16 side by side, on one pinned "
         "thread and on two, --repeat rounds, against the bf16 GEMM peak of the same shapes."))
+    prefill_quality: bool = field(default=False, metadata=described(
+        "Instead: each prefill format's answers against float32's on the real model (teacher-forced top-1 agreement, "
+        "perplexity), bfloat16 and simulated int8 W8A8 (bench/prefill_quality.py)."))
 
     def __post_init__(self) -> None:
         if self.full:
@@ -152,7 +157,8 @@ def run(config: PhasesConfig, log=print) -> dict:
     return {"model": cfg.name, "config": dataclasses.asdict(config),
             "machine": {"matmul_gflops": peak, "read_gbps": read, "matmul_gflops_before": peak_before,
                         "read_gbps_before": read_before, "ridge_flop_per_byte": peak / read},
-            "prefill_compute": engine.prefill_compute, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
+            "prefill_compute": engine.prefill_compute, "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": kv_bytes_per_token(cfg, elem_bytes),
             "prefill": prefill, "decode": decode, "threads": torch.get_num_threads(),
             "tensor_parallel_size": config.tensor_parallel_size, "cpus": cpus,
             "prefill_steps": {n: [list(step) for step in steps] for n, steps in prefill_steps.items()}}
@@ -211,7 +217,7 @@ def _prefill_figures(cfg: ModelConfig, weight_bytes: int, elem_bytes: int, n: in
 
 def _decode_step_seconds(engine: LLMEngine, rng: random.Random, batch: int, context: int, steps: int) -> float:
     """Median seconds of a decode step of ``batch`` sequences at ``context`` tokens, their prompt KV admitted as a
-    decode pod admits a transferred one (no prefill computed)."""
+    decode pod admits a transferred one (no prefill computed), every page of it written with real values first."""
     params = SamplingParams(temperature=0, max_tokens=steps + WARMUP_STEPS + 1, ignore_eos=True)
     tag = time.monotonic_ns()
     for i in range(batch):
@@ -219,6 +225,7 @@ def _decode_step_seconds(engine: LLMEngine, rng: random.Random, batch: int, cont
         seq = engine.reserve_for_transfer(f"decode-{tag}-{i}", prompt, params)
         if seq is None:
             raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
+        _write_transferred_kv(engine, seq.block_table, context, seed=i)
         engine.admit_prefilled(seq, prompt[-1])
     times = []
     while engine.has_unfinished_requests():
@@ -226,6 +233,18 @@ def _decode_step_seconds(engine: LLMEngine, rng: random.Random, batch: int, cont
         if len(scheduled.scheduled) == batch and all(s.num_new_tokens == 1 for s in scheduled.scheduled):
             times.append(seconds)
     return statistics.median(times[WARMUP_STEPS:])
+
+
+def _write_transferred_kv(engine: LLMEngine, block_table: list[int], tokens: int, seed: int) -> None:
+    """Every layer's K and V of a sequence's first ``tokens`` tokens written as a transfer writes them: real values
+    on every page. A pool page never written is the kernel's shared zero page, which reads from cache and makes a
+    long-context decode step look faster than any served one (issue 46)."""
+    cache, cfg = engine.runner.kv_cache, engine.model_config  # a tensor-parallel engine's cache writes every rank's
+    slots = cache.slots(block_table, 0, tokens)
+    values = torch.randn(tokens, cfg.num_kv_heads, cfg.head_dim, generator=torch.Generator().manual_seed(seed))
+    for layer in range(cfg.num_layers):
+        for kind in ("k", "v"):
+            cache.write(layer, kind, slots, values)
 
 
 def _decode_figures(cfg: ModelConfig, weight_bytes: int, elem_bytes: int, batch: int, context: int,
@@ -254,7 +273,8 @@ def report(results: dict, log=print) -> None:
     log(f"{'batch':>6}{'context':>8}{'ms/step':>9}{'tok/s':>8}{'GFLOP/step':>11}{'MB/step':>9}{'FLOP/B':>8}"
         f"{'GFLOP/s':>9}{'floor ms':>9}{'/ floor':>8}")
     for r in results["decode"].values():
-        log(f"{r['batch']:>6}{r['context']:>8}{r['ms_per_step']:>9.2f}{r['tok_s']:>8.0f}{r['flops_per_step'] / 1e9:>11.2f}"
+        log(f"{r['batch']:>6}{r['context']:>8}{r['ms_per_step']:>9.2f}{r['tok_s']:>8.0f}"
+            f"{r['flops_per_step'] / 1e9:>11.2f}"
             f"{r['bytes_per_step'] / 1e6:>9.1f}{r['flop_per_byte']:>8.2f}{r['gflops']:>9.1f}{r['floor_ms']:>9.2f}"
             f"{r['ms_per_step'] / r['floor_ms']:>7.2f}x")
     log("(floor: the step's bytes at the measured read bandwidth; FLOP/B: operational intensity; bytes are at least "
@@ -341,6 +361,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(config.seed)
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.prefill_quality:
+        results = prefill_quality.run(config.model)
+        prefill_quality.report(results)
+        save_results(results, config.json)
+        return results
     if config.prefill_formats:
         lens = (list(prefill_formats.PROMPT_LENS) if config.prompt_lens == list(DEFAULT_PROMPT_LENS)
                 else config.prompt_lens)
@@ -354,7 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
     if config.profile_out:
         profile = profile_from_phases(results, results["threads"], config.profile_note)
         profile.save(config.profile_out)
-        print(f"profile (TP {profile.tensor_parallel_size}, {profile.threads} threads per rank, {profile.cpus} CPUs) written to {config.profile_out}: prefill step s = "
+        print(f"profile (TP {profile.tensor_parallel_size}, {profile.threads} threads per rank, {profile.cpus} CPUs) "
+              f"written to {config.profile_out}: prefill step s = "
               f"{_fit_text(profile.prefill, 'sum(n)', 'sum(n(s+n))')}; decode step s = "
               f"{_fit_text(profile.decode, 'sum(ctx)', 'batch')}")
     return results

@@ -16,8 +16,9 @@ The core, in the order a request meets it:
 - ``block_manager.py``: the paged KV block pool and its prefix cache;
 - ``kv_cache.py``: the K and V pools per layer (``PagedKVCache``);
 - ``model_runner.py``: a scheduled batch into tensors, the model run, the sampling;
-- ``model.py``: the Llama-family decoder; ``attention.py``: paged attention and its metadata; ``rotary.py``: RoPE;
-- ``bf16_prefill.py``: prefill in bfloat16 where the CPU multiplies it natively;
+- ``model/``: the Llama-family decoder (``llama.py``, ``layers.py``), paged attention and its metadata
+  (``attention.py``), RoPE (``rotary.py``), and prefill in bfloat16 where the CPU multiplies it natively, on the
+  kernels' own tiling (``bf16_prefill.py``);
 - ``config.py``: the engine's config dataclasses (model, cache, scheduler, engine).
 
 Around it, a subpackage per concept: ``weights/`` (checkpoint formats and quantized weights), ``text/`` (tokenizer,

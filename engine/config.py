@@ -227,7 +227,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # The engine only prefills (a prefill pod: every step's rows are prompt positions, one token sampled): where prefill
     # computes in bf16 the model then holds the bf16 copy of its layers' products only, not the decode path's form
-    # (engine/bf16_prefill.py), and a step with decode rows fails. A decode or mixed pod, which decodes and may
+    # (engine/model/bf16_prefill.py), and a step with decode rows fails. A decode or mixed pod, which decodes and may
     # prefill (short, mostly cached, lent or split prompts), holds both.
     prefill_only: bool = False
     # Ranks the model's layers are split over, a step's rows following each other through them in micro-batches

@@ -7,7 +7,7 @@ business; this file only owns the memory.
 
 Two kinds of reader and writer:
 
-- the engine's attention and model code (``attention.py``, ``model.py``, the native kernels) take the pool tensors
+- the engine's attention and model code (``model/attention.py``, ``model/layers.py``, the native kernels) take the pool tensors
   themselves, ``k_blocks`` / ``v_blocks``, and nothing outside ``engine/`` may (``tests/test_kv_cache_interface.py``);
 - everyone else (the prefill pod's KV export, the decode pod's KV receiver, the benchmarks) goes through
 

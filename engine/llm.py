@@ -49,9 +49,9 @@ class LLM:
     (quantized at load); ``int8_activations``: the products over quantized weights quantize their inputs to int8
     (faster, not the float32 path's bits); docs/quantization.md. ``prefill_compute_dtype``: what prompt tokens' products
     compute in, ``"auto"`` (the default: bfloat16 where the CPU multiplies bf16 natively, float32 elsewhere),
-    ``"bfloat16"`` or ``"float32"`` (the bit-exact reference); engine/bf16_prefill.py. ``tensor_parallel_size``: the
-    ranks the model is split over, processes of their own started here (engine/parallel/); ``pipeline_parallel_size``:
-    the ranks its layers are split over (engine/parallel/pipeline.py)."""
+    ``"bfloat16"`` or ``"float32"`` (the bit-exact reference); engine/model/bf16_prefill.py. ``tensor_parallel_size``:
+    the ranks the model is split over, processes of their own started here (engine/parallel/);
+    ``pipeline_parallel_size``: the ranks its layers are split over (engine/parallel/pipeline.py)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  seed: int = 0, cpu_kernels: bool = True, speculative_config: dict | None = None,

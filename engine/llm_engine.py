@@ -116,10 +116,11 @@ class LLMEngine:
         _return_freed_heap()
         weights = self.weight_bytes
         logger.info(
-            "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens; compute path: %s; prefill computes in %s "
+            "engine ready: model=%s layers=%d kv_blocks=%d x %d tokens; compute path: %s; prefill computes in %s on %s "
             "(CPU features: %s); weights %.1f MiB, + %.1f MiB of bf16 copies for prefill", self.model_config.name,
             self.model_config.num_layers, self.runner.kv_cache.num_blocks, config.cache.block_size, self.compute_path,
-            self.prefill_compute, matrix_features(), weights["model"] / 2**20, weights["bf16_prefill"] / 2**20,
+            self.prefill_compute, self.runner.model.prefill_isa, matrix_features(), weights["model"] / 2**20,
+            weights["bf16_prefill"] / 2**20,
         )
 
     def _proposer(self, config: EngineConfig, tokenizer) -> SpeculativeProposer:

@@ -25,10 +25,10 @@ from typing import Callable
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache
-from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.parallel.pipeline import start_pipeline_parallel
 from splitserve.engine.parallel.workers import start_tensor_parallel
 from splitserve.engine.sampling.sampler import Sampler, SamplingRow, prompt_logprobs

@@ -5,8 +5,10 @@ Lengths come from one of:
                       random dataset);
   azure-conv          synthetic lengths shaped like the Azure LLM inference trace 2023 (Patel et al., Splitwise,
   azure-code          ISCA 2024): quantile fits to the published median / p90 / p99 of prompt and output tokens
-                      (the traces themselves are not shipped; see ``LengthDistribution``);
-  a CSV path          a trace in the Azure format (``TIMESTAMP,ContextTokens,GeneratedTokens``), replayed.
+                      (``LengthDistribution``);
+  a CSV path          a trace in the Azure format (``TIMESTAMP,ContextTokens,GeneratedTokens``, plain or gzipped),
+                      replayed: the Azure traces themselves ship with the package (``AZURE_CONV``, ``AZURE_CODE``,
+                      measure/traces/README.md has their source and licence).
 
 Send times come from an arrival process at ``request_rate`` requests/s: Poisson (exponential gaps), or gamma gaps
 with shape ``burstiness`` (mean gap 1/rate, coefficient of variation 1/sqrt(burstiness): below 1 burstier than
@@ -21,6 +23,7 @@ lengths and unit-rate gaps at every rate of a sweep (the gaps are divided by the
 from __future__ import annotations
 
 import csv
+import gzip
 import math
 import random
 from dataclasses import dataclass, field
@@ -31,9 +34,9 @@ from statistics import NormalDist
 from splitserve.runtime.config import described
 
 SYNTHETIC = ("random", "azure-conv", "azure-code")
-# The Azure traces themselves, where the machine has them (the workspace's shared/workloads/, beside the repository).
-AZURE_CONV = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "AzureLLMInferenceTrace_conv.csv"
-AZURE_CODE = AZURE_CONV.with_name("AzureLLMInferenceTrace_code.csv")
+# The Azure traces themselves, package data (CC BY 4.0: measure/traces/README.md).
+AZURE_CONV = Path(__file__).with_name("traces") / "AzureLLMInferenceTrace_conv.csv.gz"
+AZURE_CODE = AZURE_CONV.with_name("AzureLLMInferenceTrace_code.csv.gz")
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,7 @@ class LengthDistribution:
         return self.quantile(rng.random())
 
 
-# The README of the Azure LLM inference trace 2023 as shipped beside the project (../shared/workloads/): prompt and
+# The README of the Azure LLM inference trace 2023 (measure/traces/README.md): prompt and
 # output tokens, median / p90 / p99; bounded by the largest values such traces hold (8k-context models; the
 # conversation trace's outputs stop at 1,000).
 AZURE_LENGTHS = {
@@ -218,10 +221,11 @@ class TraceRow:
 
 
 def read_trace(path: str | Path) -> list[TraceRow]:
-    """An Azure-format trace: a header ``TIMESTAMP,ContextTokens,GeneratedTokens``, then one row per request with
-    an ISO date-time (``2023-11-16 18:17:03.9799600``) or a number of seconds. Rows are returned in time order."""
+    """An Azure-format trace (a ``.gz`` file: gzipped): a header ``TIMESTAMP,ContextTokens,GeneratedTokens``, then
+    one row per request with an ISO date-time (``2023-11-16 18:17:03.9799600``) or a number of seconds. Rows are
+    returned in time order."""
     rows = []
-    with open(path, newline="") as f:
+    with (gzip.open if Path(path).suffix == ".gz" else open)(path, "rt", newline="") as f:
         reader = csv.DictReader(f)
         missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or [])
         if missing:

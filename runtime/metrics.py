@@ -175,9 +175,11 @@ class PodMetrics(ServingMetrics):
             registry=self.registry)
         self.engine_info = Gauge("splitserve_engine_info", "The engine's compute path: kernels (native or pytorch), "
                                  "device, KV cache dtype, the weights' format (quantization), what prefill's products "
-                                 "compute in (prefill_compute) and the CPU features that chose it; always 1.",
-                                 LABELS + ("kernels", "device", "cache_dtype", "quantization", "prefill_compute",
-                                           "cpu_features"), registry=self.registry)
+                                 "compute in (prefill_compute) and on (prefill_isa: amx, avx512_bf16, fma for "
+                                 "bfloat16; avx512, avx2, pytorch for float32), and the CPU features that chose them; "
+                                 "always 1.", LABELS + ("kernels", "device", "cache_dtype", "quantization",
+                                                        "prefill_compute", "prefill_isa", "cpu_features"),
+                                 registry=self.registry)
         self.weight_memory = Gauge("splitserve_weight_memory_bytes", "Memory the weights take, by form: model (the "
                                    "parameters decode computes from; a bf16 prefill pod keeps only their embeddings "
                                    "and norms) and bf16_prefill (the bf16 copies prefill computes from where it "
@@ -207,10 +209,10 @@ class PodMetrics(ServingMetrics):
                 self.spec_decode_accepted_per_position.labels(self.role, self.model_name, str(position)).inc(accepted)
 
     def set_engine_info(self, kernels: str, device: str, cache_dtype: str, quantization: str, prefill_compute: str,
-                        cpu_features: str, weight_bytes: dict[str, int]) -> None:
+                        prefill_isa: str, cpu_features: str, weight_bytes: dict[str, int]) -> None:
         """The engine's labels, and its weights' memory by form (``LLMEngine.weight_bytes``)."""
         self.engine_info.labels(self.role, self.model_name, kernels, device, cache_dtype, quantization,
-                                prefill_compute, cpu_features).set(1)
+                                prefill_compute, prefill_isa, cpu_features).set(1)
         for form, nbytes in weight_bytes.items():
             self.weight_memory.labels(self.role, self.model_name, form).set(nbytes)
 

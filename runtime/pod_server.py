@@ -225,7 +225,7 @@ class Pod:
         # The engine logged its compute path (native kernels, or PyTorch and why) as it loaded.
         self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype,
                                      self.engine.config.weights_format, self.engine.prefill_compute,
-                                     matrix_features(), self.engine.weight_bytes)
+                                     self.engine.runner.model.prefill_isa, matrix_features(), self.engine.weight_bytes)
         self.load_tracker = LoadTracker(self.metrics)
         self.lender = self._core_lender(applied.cpus, lent)
         self.yielder = DecodeYield(DecodeActivity(config.activity_file, writer=True),

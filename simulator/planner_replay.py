@@ -72,9 +72,7 @@ def day_workload(config: PlannerReplayConfig) -> list[RequestSpec]:
             break
         if rng.random() < config.rate_at(t) / config.peak_rate:
             times.append(t)
-    # The trace beside the project when it is there, else the synthetic lengths shaped like it (a bare checkout).
-    trace = str(AZURE_CONV) if AZURE_CONV.is_file() else "azure-conv"
-    lengths = build_workload(WorkloadConfig(workload=trace, num_prompts=len(times), request_rate=1.0,
+    lengths = build_workload(WorkloadConfig(workload=str(AZURE_CONV), num_prompts=len(times), request_rate=1.0,
                                             max_prompt_tokens=config.max_prompt_tokens,
                                             max_output_tokens=config.max_output_tokens, seed=config.seed))
     return [RequestSpec(i, at, spec.prompt_len, spec.output_len) for i, (at, spec) in enumerate(zip(times, lengths))]

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 from splitserve.measure.figures import headless_pyplot, save_figure, save_results
 from splitserve.measure.serve_metrics import SLO, SLO_ATTAINMENT
-from splitserve.measure.workload import AZURE_CONV
+from splitserve.measure.workload import AZURE_CODE, AZURE_CONV
 from splitserve.router.config import Scheduling
 from splitserve.runtime.config import described, member, parse_config
 from splitserve.simulator.cluster import DEFAULT_SCHEDULING, SimCluster
 from splitserve.simulator.run import DEFAULT_PROFILE, SimulateConfig, simulate_records
 
-TRACES = {"conv": str(AZURE_CONV), "code": str(AZURE_CONV).replace("_conv", "_code")}
+TRACES = {"conv": str(AZURE_CONV), "code": str(AZURE_CODE)}
 # name: (TTFT, TPOT) targets in ms, for SmolLM2-135M on one core of this machine (a 1,000-token prompt prefills in
 # about 1.2 s, a decode step at batch 1 takes about 30 ms).
 REGIMES = {"tight-ttft": ("ttft:2500", "tpot:150"), "balanced": ("ttft:5000", "tpot:100"),

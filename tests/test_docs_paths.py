@@ -113,14 +113,14 @@ def test_every_backticked_path_in_the_docs_exists(doc, tree):
 
 
 def test_the_check_sees_paths_and_skips_what_is_not_one(tree):
-    text = ("`engine/model.py`, `config.py`, `deploy/`, `engine/weights.py`, `Makefile`, `router/gone/`; not\n"
+    text = ("`engine/llm.py`, `config.py`, `deploy/`, `engine/weights.py`, `Makefile`, `router/gone/`; not\n"
             "`/v1/completions`, `~/.cache/x`, `$SPLITSERVE_CACHE_DIR`, `cpu_kernels-<key>.so`, `splitserve.v1`,\n"
             "`Generation/Generate`, `kubernetes.io/tls`, `.proto`, `max_tokens + 1`\n"
             "```\nmake run `inside/a/fence.py` (router/intake.py, kvtransfer/codecs/ tests/test_x.py::test_y\n"
             "--json run.json --plot docs/new.png /abs/path.py ../up.py .venv/bin/python engine/ nowhere/\n```\n")
     readme = REPO / "README.md"
     named = named_paths(text, tree)
-    assert named == ["engine/model.py", "config.py", "deploy/", "engine/weights.py", "Makefile", "router/gone/",
+    assert named == ["engine/llm.py", "config.py", "deploy/", "engine/weights.py", "Makefile", "router/gone/",
                      "inside/a/fence.py", "router/intake.py", "kvtransfer/codecs/", "tests/test_x.py", "engine/"]
     assert [w for w in named if not tree.has(w, readme)] == ["engine/weights.py", "router/gone/", "inside/a/fence.py",
                                                              "tests/test_x.py"]

@@ -68,3 +68,6 @@ def test_a_wheel_installed_into_a_fresh_environment_adds_exactly_one_top_level_n
     assert (installed / "v1" / "generate_pb2.py").is_file()
     assert (installed / "router" / "openai" / "app.py").is_file()
     assert list((installed / "simulator" / "profiles").glob("*.json"))
+    # the Azure traces ship inside the package, with their licence and attribution
+    assert {p.name for p in (installed / "measure" / "traces").iterdir()} == {
+        "AzureLLMInferenceTrace_conv.csv.gz", "AzureLLMInferenceTrace_code.csv.gz", "README.md"}

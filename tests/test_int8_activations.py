@@ -14,7 +14,7 @@ import torch
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.kernels import cpu_kernels
+from splitserve.engine.kernels import cpu_kernels, weight_formats
 from splitserve.engine.weights.quantized_weights import BlockQuantized, pack_panels
 from tests.test_quantized_weights import FORMATS, IN, OUT, random_blocks
 
@@ -91,8 +91,8 @@ def test_every_build_gives_the_same_int8_bits(native_kernels):
 
 
 def test_a_float32_weight_ignores_the_option():
-    assert cpu_kernels.format_code("float32", int8_activations=True) == 0
-    assert cpu_kernels.format_code("q4_1", int8_activations=True) == 2 | cpu_kernels.INT8_ACTIVATIONS
+    assert weight_formats.format_code("float32", int8_activations=True) == 0
+    assert weight_formats.format_code("q4_1", int8_activations=True) == 2 | weight_formats.INT8_ACTIVATIONS
     assert EngineConfig().int8_activations is False  # off by default: the float32 path's bits
 
 

@@ -170,7 +170,7 @@ def test_nothing_outside_the_engine_touches_the_pool_tensors():
              for path in sorted((ROOT / package).rglob("*.py")) for line in pool_accesses(path.read_text())]
     assert not found, f"use PagedKVCache.slots/read/write instead of the pool tensors: {found}"
     # The engine itself does use them (attention and the model's layers): the check sees the real names.
-    assert pool_accesses((ROOT / "engine" / "model.py").read_text())
+    assert pool_accesses((ROOT / "engine" / "model" / "llama.py").read_text())
 
 
 def test_the_check_finds_each_way_to_reach_the_pool():

@@ -13,12 +13,13 @@ import pytest
 import torch
 import transformers
 
-from splitserve.engine import model as model_module
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.kernels import cpu_kernels
 from splitserve.engine.kv_cache import PagedKVCache
-from splitserve.engine.model import Linear, LlamaForCausalLM
+from splitserve.engine.model import llama as model_module
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.layers import Linear
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.weights.hf_checkpoint import fuse_hf_state_dict
 from splitserve.engine.weights.parameter_layout import parameter_shapes, random_state_dict
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.parallel.pipeline import micro_batches
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

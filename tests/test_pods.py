@@ -37,7 +37,7 @@ from splitserve.decode_service.config import DecodeConfig
 from splitserve.decode_service.server import build_decode_services
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.block_manager import chained_block_hashes
-from splitserve.engine.kernels.cpu_features import matrix_features, prefill_compute_dtype
+from splitserve.engine.kernels.cpu_features import bf16_isas, matrix_features, prefill_compute_dtype
 from splitserve.engine.llm_engine import WARM_UP_PROMPTS
 from splitserve.kvtransfer.codecs import get_codec
 from splitserve.kvtransfer.handshake import KVLayout
@@ -781,9 +781,12 @@ def test_metrics_endpoint_serves_the_pod_series(pods):
     with urllib.request.urlopen(f"http://127.0.0.1:{pods.decode_pod.metrics_port}/metrics", timeout=5) as response:
         body = response.read()
     assert b'splitserve_num_requests_running{model_name="tiny-random",role="decode"}' in body
-    path = pods.decode_pod.engine.compute_path.path  # native where the kernels build, else pytorch
+    choice = pods.decode_pod.engine.compute_path  # native where the kernels build, else pytorch
+    fmt = prefill_compute_dtype("auto")
+    # bf16 prefill runs on the best bf16 ISA the CPU has; float32 on the float32 kernels' (or PyTorch)
+    isa = bf16_isas()[0] if fmt == "bfloat16" else choice.kernels.isa if choice.kernels else "pytorch"
     assert (f'splitserve_engine_info{{cache_dtype="float16",cpu_features="{matrix_features()}",device="cpu",'
-            f'kernels="{path}",model_name="tiny-random",prefill_compute="{prefill_compute_dtype("auto")}",'
+            f'kernels="{choice.path}",model_name="tiny-random",prefill_compute="{fmt}",prefill_isa="{isa}",'
             f'quantization="none",role="decode"}} 1.0').encode() in body
     for form, nbytes in pods.decode_pod.engine.weight_bytes.items():  # bf16_prefill: 0 where auto is float32
         assert (f'splitserve_weight_memory_bytes{{form="{form}",model_name="tiny-random",role="decode"}} '

@@ -1,5 +1,5 @@
 """The prefill compute format (issue 34): the CPU's flags read through one function, the format ``auto`` resolves to
-per feature set, and bf16 prefill (engine/bf16_prefill.py) on a tiny random model: close to float32, and in a step
+per feature set, and bf16 prefill (engine/model/bf16_prefill.py) on a tiny random model: close to float32, and in a step
 mixed with decodes, the decode rows keep float32's bits and the prompt's K/V do not depend on the decodes beside it.
 The real model's agreement with float32 is in tests/test_bf16_prefill_smollm2.py."""
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.attention import AttentionMetadata
-from splitserve.engine.bf16_prefill import copied_weights
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kernels.cpu_features import matrix_features, parse_cpuinfo, prefill_compute_dtype
 from splitserve.engine.kv_cache import PagedKVCache
-from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.bf16_prefill import copied_weights
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.weights.model_files import tiny_random_config
 from splitserve.engine.weights.parameter_layout import random_state_dict
@@ -82,8 +82,8 @@ OTHER = [8, 2, 77, 120, 6]
 def test_bf16_prefill_is_close_to_float32_and_not_its_bits():
     config, reference, bf16 = _models()
     assert (reference.prefill_dtype, bf16.prefill_dtype) == ("float32", "bfloat16")
-    assert bf16.bf16_prefill.nbytes == sum(t.nbytes for layer in bf16.bf16_prefill.layers for t in layer
-                                           if t is not None)
+    assert bf16.bf16_prefill.nbytes == sum(t.nbytes for layer in bf16.bf16_prefill.layers
+                                           for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
     step = [([len(PROMPT)], [len(PROMPT)], [[1, 2, 3]], PROMPT, list(range(len(PROMPT))))]
     ref, _ = _run(reference, config, step)
     got, _ = _run(bf16, config, step)
@@ -147,8 +147,9 @@ def test_engine_reports_the_resolved_format():
 
 
 def test_a_prompt_position_has_the_same_bits_however_the_prompt_is_chunked():
-    """A one-row product takes oneDNN's matrix-vector path, which sums in another order: bf16 prefill computes a
-    single row as two, so a prefix-cache hit's last token or a 1-token last chunk gets a whole prefill's bits."""
+    """bf16 prefill's products run on one tiling whatever the rows (csrc/bf16_tiles.h; oneDNN's chose its kernel by
+    shape: on AMX a position's bits followed its chunk), so a prefix-cache hit's last token or a 1-token last chunk
+    gets a whole prefill's bits. tests/test_prefill_invariance.py checks batches and threads too, on every ISA."""
     config = ModelConfig(vocab_size=1000, hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9,
                          num_kv_heads=3, max_position_embeddings=1024)  # SmolLM2's layer shapes
     model = LlamaForCausalLM.from_state_dict(config, random_state_dict(config, 0), prefill_compute_dtype="bfloat16")
@@ -195,8 +196,8 @@ def test_the_engine_reports_the_memory_of_both_forms():
     from splitserve.engine import LLM
 
     bf16 = LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="bfloat16").engine
-    copies = sum(t.numel() * t.element_size() for layer in bf16.runner.model.bf16_prefill.layers for t in layer
-                 if t is not None)
+    copies = sum(t.numel() * t.element_size() for layer in bf16.runner.model.bf16_prefill.layers
+                 for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert bf16.weight_bytes == {"model": sum(p.numel() * p.element_size() for p in bf16.runner.model.parameters()),
                                  "bf16_prefill": copies} and copies > 0
     f32 = LLM(model="tiny-random", num_blocks=16, prefill_compute_dtype="float32").engine

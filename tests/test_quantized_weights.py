@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.kernels import cpu_kernels
 from splitserve.engine.kv_cache import PagedKVCache
-from splitserve.engine.model import Linear, LlamaForCausalLM
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.layers import Linear
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.weights.gguf_file import load_gguf
 from splitserve.engine.weights.hf_checkpoint import fuse_hf_state_dict
 from splitserve.engine.weights.quantized_weights import (
@@ -49,7 +50,7 @@ def random_blocks(fmt: str, out: int = OUT, in_: int = IN, seed: int = 0) -> Blo
 
 
 def float_panels(weight: torch.Tensor) -> torch.Tensor:
-    """The float32 path's packing of [out, in] (engine/model.py's Linear)."""
+    """The float32 path's packing of [out, in] (engine/model/layers.py's Linear)."""
     out, in_ = weight.shape
     return F.pad(weight, (0, 0, 0, -out % 16)).view(-1, 16, in_).transpose(1, 2).contiguous()
 

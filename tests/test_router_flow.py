@@ -376,7 +376,8 @@ def test_stop_string_truncates_the_text_and_cancels_the_decode_stream():
 
 
 async def first_prefill_pod_broken(env: Env) -> tuple[FakePod, FakePod]:
-    """Of two prefill pods, the one least_loaded tries first fails every call (UNAVAILABLE): the other reports a queue."""
+    """Of two prefill pods, the one least_loaded tries first fails every call (UNAVAILABLE): the other reports a
+    queue."""
     broken, healthy = env.prefill
     broken.fail_with = grpc.StatusCode.UNAVAILABLE
     healthy.report(queued_prefill_tokens=500)

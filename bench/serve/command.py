@@ -24,7 +24,7 @@ EXAMPLES = """examples:
   splitserve bench serve --request-rate 2 --num-prompts 100 --input-len 256 --output-len 64 \\
       --goodput ttft:1000 tpot:150 --json run.json --plot run.png
   splitserve bench serve --backend grpc --grpc-address 127.0.0.1:50051 --max-concurrency 8
-  splitserve bench serve --workload ../shared/workloads/AzureLLMInferenceTrace_conv.csv \\
+  splitserve bench serve --workload measure/traces/AzureLLMInferenceTrace_conv.csv.gz \\
       --time-scale 20 --max-prompt-tokens 1024 --max-output-tokens 64 --num-prompts 200
   splitserve bench serve --workload azure-code --sweep 0.25,0.5,1,2 --sweep-refine 2 \\
       --goodput ttft:2000 tpot:200 --max-prompt-tokens 2048 --plot sweep.png

@@ -15,10 +15,10 @@ compiles the sources (``SOURCES``, with their header) into one library with ``$C
   AVX512-VNNI (Cascade Lake and later, Zen 4 and later: the int8-activation products' dot-product path). A CPU that
   runs none of them (AVX2 without a v3 extension) gets the native build.
 
-A process that finds no library for its target builds it at first use, as a fallback (``engine/kernels/cpu_kernels.py``). So that
-pods starting together compile once, a build holds a file lock next to its target and looks again for the library
-once it has the lock; the compiler writes a temporary file that is renamed into place, so no process ever loads a
-half-written library.
+A process that finds no library for its target builds it at first use, as a fallback
+(``engine/kernels/cpu_kernels.py``). So that pods starting together compile once, a build holds a file lock next to
+its target and looks again for the library once it has the lock; the compiler writes a temporary file that is
+renamed into place, so no process ever loads a half-written library.
 
 The cache directory is the first of ``$SPLITSERVE_CACHE_DIR`` and ``~/.cache/splitserve`` that holds the library
 or can be written (a library built into a read-only image is used where it lies: a pod on a read-only root runs the
@@ -49,8 +49,9 @@ from splitserve.engine.kernels.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "quant_kernels.cpp"]  # the decode step; quantized-weight products
-HEADERS = [_CSRC / "quant_kernels.h"]
+# The decode step; quantized-weight products; the bf16 prefill.
+SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "quant_kernels.cpp", _CSRC / "bf16_kernels.cpp"]
+HEADERS = sorted(_CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 LOCK_TIMEOUT_S = 600  # a build takes seconds; a lock held this long belongs to a process that hangs
 KERNEL_TARGETS = ("native", "baseline")

@@ -5,7 +5,7 @@ library on them, and ``prefill_compute_dtype`` chooses prefill's products from t
 
 **The prefill compute format** (``EngineConfig.prefill_compute_dtype``, every pod's ``--prefill-compute-dtype``):
 ``float32`` (the bit-exact reference), ``bfloat16`` (prefill's products in bf16 with float32 accumulation,
-engine/bf16_prefill.py), or ``auto``, which picks bfloat16 where the CPU multiplies bf16 natively and float32
+engine/model/bf16_prefill.py), or ``auto``, which picks bfloat16 where the CPU multiplies bf16 natively and float32
 elsewhere. The rule comes from torch's oneDNN products of SmolLM2's prefill shapes (512 x 576 @ 576 x 1536, one
 pinned thread, on an AMD EPYC with avx512_bf16, no AMX; oneDNN capped at each ISA with ``ONEDNN_MAX_CPU_ISA``,
 docs/PERFORMANCE.md has the table):
@@ -16,6 +16,11 @@ docs/PERFORMANCE.md has the table):
 | AVX-512 without BF16 | 98 | 86 (converted to float32) | float32 |
 | ``avx512_bf16`` (``vdpbf16ps``) | 107 | 494 | bfloat16 |
 | ``amx_bf16`` (tiles) | 143 | 1,125 (issue 34's Sapphire Rapids figures) | bfloat16 |
+
+**The bf16 products' ISA** (``bf16_isas``): bf16 prefill's products run on the kernels' own tiling
+(engine/kernels/bf16_kernels.py) on the best ISA the CPU has: AMX tiles, else avx512_bf16's ``vdpbf16ps``, else its
+arithmetic on AVX2 FMAs. On AMD Zen 4 (avx512_bf16, no AMX) the kernels' products run at or above oneDNN's
+(docs/PERFORMANCE.md, "Prefill compute format"), so every CPU class takes them: one tiling everywhere.
 """
 
 from __future__ import annotations
@@ -71,6 +76,18 @@ def prefill_compute_dtype(setting: str, device: str = "cpu", flags: Iterable[str
         return "float32"
     found = cpu_flags() if flags is None else frozenset(flags)
     return "bfloat16" if found & set(NATIVE_BF16_FLAGS) else "float32"
+
+
+# The bf16 products' ISAs, best first, each with the flags it needs (BF16_ISAS in engine/kernels/bf16_kernels.py).
+BF16_ISA_FLAGS = (("amx", ("amx_tile", "amx_bf16")), ("avx512_bf16", ("avx512_bf16", "avx512bw")),
+                  ("fma", ("avx2", "fma")))
+
+
+def bf16_isas(flags: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The ISAs bf16 products can run on with the CPU ``flags`` (default: this CPU's), best first: the engine takes
+    the first the kernels' library confirms (the operating system may refuse AMX tiles)."""
+    found = cpu_flags() if flags is None else frozenset(flags)
+    return tuple(isa for isa, needs in BF16_ISA_FLAGS if set(needs) <= found)
 
 
 # The flags that decide compute formats, in the order pods report them.

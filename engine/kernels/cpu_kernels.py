@@ -1,4 +1,5 @@
-"""splitserve's native CPU kernels (``engine/kernels/csrc/cpu_kernels.cpp``): their typed entry points, called through ctypes.
+"""splitserve's native CPU kernels (``engine/kernels/csrc/cpu_kernels.cpp``): their typed entry points, called through
+ctypes.
 
 Decode on a CPU is a stream of weight reads, and MKL's few-row products read weights well below the memory's speed
 (docs/architecture.md has the measurements). The kernels here store every linear weight in panels of 16 outputs
@@ -7,19 +8,16 @@ x 16 outputs with AVX2, 12 rows x 32 outputs with AVX-512); and they attend a de
 in place through the block tables instead of gathering a copy.
 
 Weights kept in quantized blocks (``quantization``: docs/quantization.md) are panels of GGUF blocks instead
-(``WEIGHT_FORMATS``, packed by engine/weights/quantized_weights.py), dequantized in registers by ``csrc/quant_kernels.cpp``
-with the float32 path's arithmetic; every product entry point takes a weight with its format.
+(``WEIGHT_FORMATS``, packed by engine/weights/quantized_weights.py), dequantized in registers by
+``csrc/quant_kernels.cpp`` with the float32 path's arithmetic; every product entry point takes a weight with its
+format.
 
 ``load()`` finds or builds the library (engine/kernels/build.py) and opens it, once per process; it says
 which path the model's layers take (``KernelChoice``: the native kernels, or PyTorch ops and why), logging the
 reason when it is PyTorch: not x86-64 with AVX2, FMA and F16C, no compiler, no writable cache directory, a failed
-build, a library whose ABI disagrees with the declarations below, or ``SPLITSERVE_CPU_KERNELS=0``. The PyTorch path
-stays the reference in the tests.
-
-**ABI check.** ctypes trusts the declared argument types: a library built from a source whose entry points
-changed would read garbage and corrupt memory. So the library reports its ABI version and, for every entry point,
-its argument types as the compiler sees them (``ss_abi_version``, ``ss_abi_table``), and ``CpuKernels`` refuses
-one that disagrees with ``ENTRY_POINTS`` before calling anything.
+build, a library whose ABI disagrees with its declarations (engine/kernels/abi.py), or ``SPLITSERVE_CPU_KERNELS=0``.
+The PyTorch path stays the reference in the tests. The same library holds the bf16 prefill's kernels
+(engine/kernels/bf16_kernels.py).
 """
 
 from __future__ import annotations
@@ -33,94 +31,24 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from splitserve.engine.kernels import checks
+from splitserve.engine.kernels.abi import ENTRY_POINTS, KernelABIError, check_abi, library_abi
 from splitserve.engine.kernels.build import KernelsUnavailable, library_path
+from splitserve.engine.kernels.checks import CACHE_TYPES, check_args, check_cache_write, check_caches
+from splitserve.engine.kernels.weight_formats import (
+    PANEL,
+    QUANT_BLOCK,
+    QUANTIZED_FORMATS,
+    WEIGHT_FORMATS,
+    format_code,
+    in_features_of,
+    is_weight,
+)
 
 if TYPE_CHECKING:
     from splitserve.engine.kernels.decode_layers import DecodeLayers
 
 logger = logging.getLogger(__name__)
-
-PANEL = 16  # outputs per weight panel; kPanel in the source
-ABI_VERSION = 3  # kAbiVersion in the source: bump both when an entry point changes
-
-# How a product's weight is stored (WeightFormat in csrc/quant_kernels.h): float32 panels [P, in, 16], or panels
-# of GGUF blocks (engine/weights/quantized_weights.py packs them), [P, in / 32 * bytes per panel block] uint8.
-WEIGHT_FORMATS = {"float32": 0, "q4_0": 1, "q4_1": 2, "q8_0": 3}
-QUANT_BLOCK = 32  # inputs per block
-QUANTIZED_FORMATS = {"q4_0": 16 * 2 + 256, "q4_1": 16 * 4 + 256, "q8_0": 16 * 2 + 512}  # bytes per panel block
-# OR'd into a quantized format's code (kInt8Activations in csrc/quant_kernels.h): the product quantizes its input
-# rows to int8 per block of 32 and sums integer dot products (EngineConfig.int8_activations, docs/quantization.md).
-INT8_ACTIVATIONS = 16
-
-
-def format_code(weight_format: str, int8_activations: bool = False) -> int:
-    """The kernels' code for a product over a weight in ``weight_format`` (``WEIGHT_FORMATS``), with int8
-    activations where asked and the weight is quantized (a float32 weight's product stays float32)."""
-    code = WEIGHT_FORMATS[weight_format]
-    return code | INT8_ACTIVATIONS if int8_activations and weight_format != "float32" else code
-
-_i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-
-# Every entry point the Python side calls: argument types, return type. The library's own table must agree.
-ENTRY_POINTS: dict[str, tuple[list, type | None]] = {
-    "ss_vector_bits": ([], _int),
-    "ss_linear": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int], None),
-    "ss_quant_linear": ([_ptr, _i64, _i64, _ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int], None),
-    "ss_quant_rows": ([_ptr, _int, _i64, _ptr, _i64, _ptr, _int], None),
-    "ss_paged_decode_attention": (
-        [_ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int], None),
-    "ss_prefill_attention": (
-        [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int], None),
-    "ss_attention_input": (
-        [_ptr, _i64, _i64, _ptr, _float, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
-         _int, _ptr, _int], None),
-    "ss_attention_output_and_mlp": (
-        [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _float, _ptr, _int, _ptr, _int, _i64, _int], None),
-    "ss_decode_layers": (
-        [_ptr, _i64, _i64, _i64, _ptr, _int, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64,
-         _ptr, _i64, _float, _int], None),
-}
-
-# How the library spells an argument's type in its table (type_code in the source).
-_TYPE_CODES = {_ptr: "p", _i64: "q", _int: "i", _float: "f"}
-
-# KV cache dtypes the kernels read and write (CacheType in the source): 16-bit caches are widened to float32 as
-# they are loaded, so the attention's arithmetic is float32 whatever the cache holds.
-CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-class KernelABIError(KernelsUnavailable):
-    """The library's entry points are not the ones declared here."""
-
-
-class _AbiEntry(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("arg_types", ctypes.c_char_p)]  # AbiEntry in the source
-
-
-def check_abi(version: int, table: dict[str, str]) -> None:
-    """Raise ``KernelABIError`` unless the library's ABI version and its table (entry point -> argument type codes)
-    are those of ``ENTRY_POINTS``."""
-    if version != ABI_VERSION:
-        raise KernelABIError(f"the kernels' library has ABI version {version}, this code needs {ABI_VERSION}")
-    declared = {name: "".join(_TYPE_CODES[t] for t in args) for name, (args, _) in ENTRY_POINTS.items()}
-    problems = [f"{name}: library takes ({table.get(name, 'absent')}), declared ({codes})"
-                for name, codes in declared.items() if table.get(name) != codes]
-    problems += [f"{name}: in the library, not declared" for name in sorted(set(table) - set(declared))]
-    if problems:
-        raise KernelABIError("the kernels' library disagrees with its declarations (p pointer, q int64, i int, "
-                             "f float): " + "; ".join(problems))
-
-
-def _library_abi(lib: ctypes.CDLL) -> tuple[int, dict[str, str]]:
-    try:
-        version_fn, table_fn = lib.ss_abi_version, lib.ss_abi_table
-    except AttributeError as e:
-        raise KernelABIError(f"the kernels' library reports no ABI ({e})") from e
-    version_fn.restype, version_fn.argtypes = _int, []
-    table_fn.restype, table_fn.argtypes = _i64, [ctypes.POINTER(ctypes.POINTER(_AbiEntry))]
-    entries = ctypes.POINTER(_AbiEntry)()
-    count = table_fn(ctypes.byref(entries))
-    return version_fn(), {entries[i].name.decode(): entries[i].arg_types.decode() for i in range(count)}
 
 
 class CpuKernels:
@@ -129,7 +57,7 @@ class CpuKernels:
     def __init__(self, path: Path):
         """Open the library at ``path``; raises ``KernelABIError`` when it is not the one declared here."""
         lib = ctypes.CDLL(str(path))
-        check_abi(*_library_abi(lib))
+        check_abi(*library_abi(lib))
         for name, (argtypes, restype) in ENTRY_POINTS.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
@@ -137,15 +65,8 @@ class CpuKernels:
         self.path = path
         self.isa = "avx512" if lib.ss_vector_bits() == 512 else "avx2"  # what the GEMM micro-kernel runs on
 
-    @staticmethod
-    def supports_head_dim(head_dim: int) -> bool:
-        """The attention kernels take heads of up to 512 in multiples of 8 (AVX2 vectors)."""
-        return head_dim % 8 == 0 and head_dim <= 512
-
-    @staticmethod
-    def supports_cache_dtype(dtype: torch.dtype) -> bool:
-        """The attention kernels read and write float32, bfloat16 and float16 caches."""
-        return dtype in CACHE_TYPES
+    supports_head_dim = staticmethod(checks.supports_head_dim)
+    supports_cache_dtype = staticmethod(checks.supports_cache_dtype)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -219,12 +140,14 @@ class CpuKernels:
         int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned."""
         n, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim, "prefill attention: bad q")
+        check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim,
+                   "prefill attention: bad q")
         check_args(k_cache.is_contiguous() and v_cache.is_contiguous(), "prefill attention: caches must be contiguous")
         check_caches(k_cache, v_cache, "prefill attention")
         check_args(blocks.dtype == torch.int64 and blocks.is_contiguous()
                and len(blocks) * block_size >= prefix + n, "prefill attention: bad block list")
-        check_args(out.is_contiguous() and out.shape == q.shape and out.dtype == torch.float32, "prefill attention: bad out")
+        check_args(out.is_contiguous() and out.shape == q.shape and out.dtype == torch.float32,
+                   "prefill attention: bad out")
         self._lib.ss_prefill_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype],
             blocks.data_ptr(), n, prefix, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
@@ -248,11 +171,7 @@ class CpuKernels:
                and is_weight(qkv_weight, qkv_format, width, hidden) and self.supports_head_dim(head_dim)
                and head_dim == sin_signed.shape[1],
                "attention_input: x, norm and qkv weights do not match")
-        check_args(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
-               and len(positions) == tokens == len(slot_mapping), "attention_input: bad positions or slot mapping")
-        check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-               and k_cache.shape[2:] == (num_kv_heads, head_dim), "attention_input: caches do not match")
-        check_caches(k_cache, v_cache, "attention_input")
+        check_cache_write(positions, slot_mapping, tokens, k_cache, v_cache, num_kv_heads, head_dim, "attention_input")
         qkv = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.ss_attention_input(
             x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
@@ -304,39 +223,6 @@ class CpuKernels:
             layers.inter, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), layers.block_size, layers.scale, torch.get_num_threads(),
         )
-
-
-def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
-    """A float32 weight's panels: [ceil(out / 16), in, 16]."""
-    return (-(-out_features // PANEL), in_features, PANEL)
-
-
-def quantized_shape(weight_format: str, out_features: int, in_features: int) -> tuple[int, int]:
-    """A quantized weight's panels (one of ``QUANTIZED_FORMATS``): [ceil(out / 16), in / 32 * bytes per block]."""
-    return (-(-out_features // PANEL), in_features // QUANT_BLOCK * QUANTIZED_FORMATS[weight_format])
-
-
-def weight_shape(weight_format: str, out_features: int, in_features: int) -> tuple[int, ...]:
-    """The packed shape of a product's weight in any of ``WEIGHT_FORMATS``."""
-    if weight_format == "float32":
-        return packed_shape(out_features, in_features)
-    return quantized_shape(weight_format, out_features, in_features)
-
-
-def is_weight(weight: torch.Tensor, weight_format: str, out_features: int, in_features: int) -> bool:
-    """Whether ``weight`` is a product's packed weight of that format and size, ready for the kernels."""
-    if weight_format != "float32" and in_features % QUANT_BLOCK:
-        return False
-    dtype = torch.float32 if weight_format == "float32" else torch.uint8
-    return (weight.dtype == dtype and weight.is_contiguous()
-            and weight.shape == weight_shape(weight_format, out_features, in_features))
-
-
-def in_features_of(weight: torch.Tensor, weight_format: str) -> int:
-    """The input size of a packed weight."""
-    if weight_format == "float32":
-        return weight.shape[1]
-    return weight.shape[1] // QUANTIZED_FORMATS[weight_format] * QUANT_BLOCK
 
 
 class KernelChoice(NamedTuple):
@@ -391,14 +277,3 @@ def build(avx512: bool = True, vnni: bool = True) -> CpuKernels:
     without its VNNI dot products), built now if no cache directory holds them. Raises ``KernelsUnavailable``
     (``KernelABIError`` for a library that disagrees)."""
     return CpuKernels(library_path(avx512, vnni))
-
-
-def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
-    check_args(k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_TYPES,
-           f"{what}: caches must both be one of {', '.join(str(t) for t in CACHE_TYPES)}, "
-           f"got {k_cache.dtype} and {v_cache.dtype}")
-
-
-def check_args(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)

@@ -9,14 +9,8 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.engine.kernels.cpu_kernels import (
-    CpuKernels,
-    check_args,
-    check_caches,
-    format_code,
-    in_features_of,
-    is_weight,
-)
+from splitserve.engine.kernels.checks import check_args, check_caches, supports_head_dim
+from splitserve.engine.kernels.weight_formats import format_code, in_features_of, is_weight
 
 
 class LayerTensors(NamedTuple):
@@ -76,7 +70,7 @@ class DecodeLayers:
                    and is_weight(layer.gate_up, layer.gate_up_format, 2 * self.inter, self.hidden)
                    and is_weight(layer.down, layer.down_format, self.hidden, self.inter)
                    and layer.k_cache.shape == layer.v_cache.shape == first.k_cache.shape
-                   and layer.k_cache.shape[2] == num_kv_heads and CpuKernels.supports_head_dim(self.head_dim),
+                   and layer.k_cache.shape[2] == num_kv_heads and supports_head_dim(self.head_dim),
                    "DecodeLayers: a layer's tensors do not match")
         self._layers = layers  # keeps the tensors alive while the table points at them
         self.table = (_DecodeLayer * len(layers))(*(

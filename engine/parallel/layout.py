@@ -29,7 +29,7 @@ from itertools import pairwise
 import torch
 
 from splitserve.engine.config import CacheConfig, ModelConfig
-from splitserve.engine.kernels.cpu_kernels import QUANT_BLOCK
+from splitserve.engine.kernels.weight_formats import QUANT_BLOCK
 from splitserve.engine.kv_cache import num_blocks_for_budget
 from splitserve.engine.weights.quantized_weights import BlockQuantized
 

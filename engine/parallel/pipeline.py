@@ -35,10 +35,10 @@ from itertools import accumulate
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache, num_blocks_for_budget
-from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.parallel.layout import Range, even_ranges
 from splitserve.engine.parallel.process_group import TensorParallelGroup
 from splitserve.engine.parallel.sharded_kv_cache import create_pool, map_pool

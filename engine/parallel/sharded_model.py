@@ -30,10 +30,10 @@ from typing import Protocol
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache
-from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.parallel.layout import RankShard, rank_config, shard_state_dict
 from splitserve.engine.parallel.process_group import TensorParallelGroup
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache
-from splitserve.engine.model import LlamaForCausalLM
+from splitserve.engine.model.attention import AttentionMetadata
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.engine.weights.model_files import load_model_files

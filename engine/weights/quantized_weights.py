@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.kernels.cpu_kernels import PANEL, QUANT_BLOCK, quantized_shape
+from splitserve.engine.kernels.weight_formats import PANEL, QUANT_BLOCK, quantized_shape
 from splitserve.engine.weights.parameter_layout import EMBEDDING, HEAD_PARAMETERS, StateDict, product_weights
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 // splitserve's CPU kernels for the memory-bound half of inference: the decode step.
 //
 // Built by engine/kernels/build.py (g++ -O3 -march=native -fopenmp; at set-up, or at first use) and called
-// through ctypes (engine/kernels/cpu_kernels.py) with raw pointers; nothing here knows about torch. OpenMP resolves to the
-// libgomp torch already loaded, so these kernels share torch's thread pool, and the caller passes torch's thread
+// through ctypes (engine/kernels/cpu_kernels.py) with raw pointers; nothing here knows about torch. OpenMP resolves to
+// the libgomp torch already loaded, so these kernels share torch's thread pool, and the caller passes torch's thread
 // count explicitly. ss_abi_version and ss_abi_table (at the end) report the entry points' argument types as the
 // compiler sees them, which the Python side checks against its declarations before calling anything.
 //
@@ -24,7 +24,10 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "bf16_kernels.h"
+#include "cache_elems.h"
 #include "quant_kernels.h"
+#include "vector_math.h"
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,80 +49,6 @@ constexpr int64_t kPrefetchBlocks = 1;  // how many blocks ahead the decode atte
 constexpr int64_t kAttentionRows = 48;  // query rows per work item of the prefill attention
 constexpr int kHeadSet = 3;  // query heads per attention tile: 3 x 4 accumulators + 3 + 1 of the 16 registers
 
-// What the KV cache holds (CACHE_TYPES in engine/kernels/cpu_kernels.py): float32, or 16-bit bfloat16 / float16 values
-// widened to float32 as they are loaded, so the attention's arithmetic is float32 whatever the cache stores.
-enum CacheType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-template <int CT>
-struct CacheElem;
-
-template <>
-struct CacheElem<kFloat32> {
-  using T = float;
-  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-  static void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
-};
-
-template <>
-struct CacheElem<kBFloat16> {
-  using T = uint16_t;
-  static __m256 load8(const uint16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-  // Rounded to nearest, ties to even (torch's rounding to bfloat16); a NaN stays a quiet NaN.
-  static void store8(uint16_t* p, __m256 x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 twice | r4..r7 twice
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
-  }
-};
-
-template <>
-struct CacheElem<kFloat16> {
-  using T = uint16_t;
-  static __m256 load8(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static void store8(uint16_t* p, __m256 x) {  // rounded to nearest, ties to even, as torch rounds to float16
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  }
-};
-
-// Calls f(std::integral_constant<int, CT>) for the cache type the caller named (checked there).
-template <typename F>
-void with_cache_type(int cache_type, F&& f) {
-  switch (cache_type) {
-    case kBFloat16:
-      f(std::integral_constant<int, kBFloat16>{});
-      break;
-    case kFloat16:
-      f(std::integral_constant<int, kFloat16>{});
-      break;
-    default:
-      f(std::integral_constant<int, kFloat32>{});
-  }
-}
-
-// One token's new K and V (n floats each, n a multiple of 8) into the caches at element `offset`, as CT elements.
-template <int CT>
-void write_cache_row(void* k_cache, void* v_cache, int64_t offset, const float* k_new, const float* v_new,
-                     int64_t n) {
-  using T = typename CacheElem<CT>::T;
-  T* k = static_cast<T*>(k_cache) + offset;
-  T* v = static_cast<T*>(v_cache) + offset;
-  for (int64_t i = 0; i < n; i += 8) {
-    CacheElem<CT>::store8(k + i, _mm256_loadu_ps(k_new + i));
-    CacheElem<CT>::store8(v + i, _mm256_loadu_ps(v_new + i));
-  }
-}
-
-using WriteKVFn = void (*)(void*, void*, int64_t, const float*, const float*, int64_t);
 
 // Rows [0, R) of x (row stride ldx) times one panel [in, 16] -> y rows (stride ldy), `valid` outputs kept.
 template <int R>
@@ -236,85 +165,6 @@ inline void panels_product(const float* x, int64_t ldx, int64_t rows, const floa
                bias != nullptr ? bias + p * kPanel : nullptr, y + r * ldy + p * kPanel, ldy, valid_last);
     }
   }
-}
-
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-
-// x[0]^2 + ... + x[n-1]^2 in one fixed order whatever vector width the build targets: sixteen lanes (two 8-lane
-// halves), added half to half, then across. An `omp simd` reduction summed in 16 lanes under AVX-512 and 8 under
-// AVX2, so the two builds' norms differed in the last bits; this is the AVX-512 build's order, for both.
-inline float sum_of_squares(const float* x, int64_t n) {
-  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
-    lo = _mm256_fmadd_ps(a, a, lo);
-    hi = _mm256_fmadd_ps(b, b, hi);
-  }
-  float sum = hsum(_mm256_add_ps(lo, hi));
-  for (; i < n; ++i) sum += x[i] * x[i];
-  return sum;
-}
-
-// [sum a0, sum a1, sum a2, sum a3]: four dot products' accumulators reduced together.
-inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-inline float hmax(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-
-// e^x within ~2 float ulps: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n put
-// into the exponent bits. Below -87 the result is 0, above 88 it is inf.
-inline __m256 exp256(__m256 x) {
-  const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2, high part
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);  // ln2, low part
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 e = _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-  return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), overflow);
-}
-
-// In place: x[0:n] <- e^(x - max x); returns max x and stores the sum of the exponentials in *sum.
-// x has room for n rounded up to 8.
-inline float exp_shifted(float* x, int64_t n, float* sum) {
-  const int64_t full = n / 8 * 8;
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < full; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
-  float max = hmax(m);
-  for (int64_t i = full; i < n; ++i) max = std::max(max, x[i]);
-  for (int64_t i = n; i < (n + 7) / 8 * 8; ++i) x[i] = -INFINITY;  // the last vector's padding: e^-inf = 0
-  const __m256 vmax = _mm256_set1_ps(max);
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
-    _mm256_storeu_ps(x + i, e);
-    total = _mm256_add_ps(total, e);
-  }
-  *sum = hsum(total);
-  return max;
 }
 
 // Asks for `rows` rows (stride row_stride) of `count` elements each, ahead of their use. The decode attention reads
@@ -628,7 +478,7 @@ int ss_vector_bits() {
 }
 
 // y[rows, out] (row stride ldy) = x[rows, in] (row stride ldx) W^T + bias; W in panels [P, in, 16], the last
-// panel's padding outputs zero (engine/model.py's Linear packs them).
+// panel's padding outputs zero (engine/model/layers.py's Linear packs them).
 void ss_linear(const float* x, int64_t rows, int64_t ldx, const float* packed, int64_t out, int64_t in,
                const float* bias, float* y, int64_t ldy, int threads) {
   const int64_t panels = (out + kPanel - 1) / kPanel;
@@ -828,9 +678,9 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
 
 namespace {
 
-constexpr int kAbiVersion = 3;  // ABI_VERSION in engine/kernels/cpu_kernels.py: bump both when an entry point changes
+constexpr int kAbiVersion = 4;  // ABI_VERSION in engine/kernels/abi.py: bump both when an entry point changes
 
-// An argument's type as one letter (_TYPE_CODES in engine/kernels/cpu_kernels.py): p pointer, q int64, i int, f float.
+// An argument's type as one letter (_TYPE_CODES in engine/kernels/abi.py): p pointer, q int64, i int, f float.
 template <typename T>
 constexpr char type_code() {
   if constexpr (std::is_pointer_v<T>) {
@@ -860,7 +710,7 @@ constexpr const char* arg_types(R (*)(Args...)) {
 
 extern "C" {
 
-struct AbiEntry {  // _AbiEntry in engine/kernels/cpu_kernels.py
+struct AbiEntry {  // _AbiEntry in engine/kernels/abi.py
   const char* name;
   const char* arg_types;
 };
@@ -878,6 +728,11 @@ static const AbiEntry kAbiTable[] = {
     SS_ABI_ENTRY(ss_attention_input),
     SS_ABI_ENTRY(ss_attention_output_and_mlp),
     SS_ABI_ENTRY(ss_decode_layers),
+    SS_ABI_ENTRY(ss_bf16_isa_ready),
+    SS_ABI_ENTRY(ss_bf16_linear),
+    SS_ABI_ENTRY(ss_bf16_attention_input),
+    SS_ABI_ENTRY(ss_bf16_prefill_attention),
+    SS_ABI_ENTRY(ss_bf16_output_and_mlp),
 };
 
 int ss_abi_version() { return kAbiVersion; }

@@ -4,8 +4,8 @@
 // Built into the same library as cpu_kernels.cpp (engine/kernels/build.py), called through ctypes
 // (engine/kernels/cpu_kernels.py) and by cpu_kernels.cpp's decoder-layer entry points (quant_kernels.h).
 //
-// Layout (engine/weights/quantized_weights.py packs it at load): panels of 16 outputs, each one contiguous stream of its
-// blocks of 32 inputs, so that a 1-row product reads the weight once, linearly, at the memory's speed. A panel's
+// Layout (engine/weights/quantized_weights.py packs it at load): panels of 16 outputs, each one contiguous stream of
+// its blocks of 32 inputs, so that a 1-row product reads the weight once, linearly, at the memory's speed. A panel's
 // block b holds, in order:
 //   - d[16], the 16 outputs' scales (float16), then for Q4_1 m[16], their minimums (float16);
 //   - Q4_0 / Q4_1: 4 chunks of 64 bytes, chunk g = 16 little-endian 32-bit lanes, lane o's nibble n (bits 4n..4n+3)

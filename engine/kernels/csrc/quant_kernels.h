@@ -4,13 +4,13 @@
 
 #include <stdint.h>
 
-// How a linear weight is stored (WEIGHT_FORMATS in engine/kernels/cpu_kernels.py): float32 panels [P, in, 16], or panels
-// of 16 outputs x blocks of 32 inputs in one of GGUF's block formats (quant_kernels.cpp describes the layout).
+// How a linear weight is stored (WEIGHT_FORMATS in engine/kernels/weight_formats.py): float32 panels [P, in, 16], or
+// panels of 16 outputs x blocks of 32 inputs in one of GGUF's block formats (quant_kernels.cpp describes the layout).
 enum WeightFormat : int { kWeightF32 = 0, kWeightQ4_0 = 1, kWeightQ4_1 = 2, kWeightQ8_0 = 3 };
 
-// OR'd into a quantized WeightFormat (INT8_ACTIVATIONS in engine/kernels/cpu_kernels.py): the product quantizes its input
-// rows to int8 per block of 32 and sums integer dot products (quant_kernels.cpp, "int8 activations"): faster, and
-// no longer the float32 path's bits. A float32 weight ignores it.
+// OR'd into a quantized WeightFormat (INT8_ACTIVATIONS in engine/kernels/weight_formats.py): the product quantizes
+// its input rows to int8 per block of 32 and sums integer dot products (quant_kernels.cpp, "int8 activations"):
+// faster, and no longer the float32 path's bits. A float32 weight ignores it.
 constexpr int kInt8Activations = 16;
 constexpr int kFormatMask = 15;
 

@@ -7,8 +7,8 @@ step's new K/V into the cache through ``slot_mapping``, then attends, each seque
   (engine/kernels/cpu_kernels.py) they attend over K/V read in place through their block tables; otherwise with ONE
   gather of their blocks into [Bd, Hkv, S, D] and ONE SDPA whose key-padding mask hides the slots past each
   sequence's length;
-- **prefill** (prompt tokens, however many): with the native CPU kernels, each sequence's queries attend causally over its
-  K/V read through its block table (its cached prefix, if any, and the new tokens just written), on the kernels'
+- **prefill** (prompt tokens, however many): with the native CPU kernels, each sequence's queries attend causally over
+  its K/V read through its block table (its cached prefix, if any, and the new tokens just written), on the kernels'
   GEMM tiles. Otherwise: with nothing cached before it, causal SDPA on the fresh q/k/v (the cache is not read
   back, unless it stores 16-bit values: attention always sees K/V as the cache holds them); after a cached prefix
   (prefix-cache hit, or a later chunk of a chunked prefill), a gather of that sequence's context and SDPA with a
@@ -73,7 +73,8 @@ class PrefillSegment:
     blocks: torch.Tensor  # [nb] long: the blocks of its whole context
     prefix: int  # tokens cached before the chunk
     context_len: int  # cached prefix + new tokens
-    causal_mask: torch.Tensor | None  # [end - start, context_len] bool, query r sees keys 0..prefix + r; None: no prefix
+    # [end - start, context_len] bool, query r sees keys 0..prefix + r; None: no prefix
+    causal_mask: torch.Tensor | None
     buffers: GatherBuffers  # allocated when the PyTorch path reads the context back from the cache
 
 

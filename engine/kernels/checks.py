@@ -1,0 +1,43 @@
+"""The argument checks every typed entry point of the native kernels runs before it passes raw pointers: a wrong
+shape, dtype or layout raises ``ValueError`` here instead of corrupting memory there."""
+
+from __future__ import annotations
+
+import torch
+
+# KV cache dtypes the kernels read and write (CacheType in the source): 16-bit caches are widened to float32 as
+# they are loaded, so the attention's arithmetic is float32 whatever the cache holds.
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    """The attention kernels take heads of up to 512 in multiples of 8 (AVX2 vectors)."""
+    return head_dim % 8 == 0 and head_dim <= 512
+
+
+def supports_cache_dtype(dtype: torch.dtype) -> bool:
+    """The attention kernels read and write float32, bfloat16 and float16 caches."""
+    return dtype in CACHE_TYPES
+
+
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+    check_args(k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_TYPES,
+           f"{what}: caches must both be one of {', '.join(str(t) for t in CACHE_TYPES)}, "
+           f"got {k_cache.dtype} and {v_cache.dtype}")
+
+
+def check_args(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_cache_write(positions: torch.Tensor, slot_mapping: torch.Tensor, tokens: int, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, what: str) -> None:
+    """The arguments of a step that rotates its tokens' q and k and writes their k and v to the caches: positions and
+    slots one per token (int64), caches [num_blocks, block_size, Hkv, D] contiguous, alike, of a ``CACHE_TYPES``
+    dtype."""
+    check_args(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
+               and len(positions) == tokens == len(slot_mapping), f"{what}: bad positions or slot mapping")
+    check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+               and k_cache.shape[2:] == (num_kv_heads, head_dim), f"{what}: caches do not match")
+    check_caches(k_cache, v_cache, what)
