@@ -1,6 +1,6 @@
 """``splitserve bench phases --prefill-formats``: prefill time per prompt length in each prefill compute format
-(float32 and bfloat16, engine/model/bf16_prefill.py), side by side in one run, on one pinned thread and on two, against the
-bf16 GEMM peak of the same shapes measured in the same run (the acceptance tables of issues 34 and 43).
+(float32 and bfloat16, engine/model/bf16_prefill.py), side by side in one run, on one pinned thread and on two,
+against the bf16 GEMM peak of the same shapes measured in the same run (the acceptance tables of issues 34 and 43).
 
 For each thread count (the main thread pinned to one CPU for one thread; the first two CPUs this process may use
 for two), each format's engine prefills fresh prompts of each length (``--prompt-lens``) as a pod does (the

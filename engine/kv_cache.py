@@ -7,8 +7,9 @@ business; this file only owns the memory.
 
 Two kinds of reader and writer:
 
-- the engine's attention and model code (``model/attention.py``, ``model/layers.py``, the native kernels) take the pool tensors
-  themselves, ``k_blocks`` / ``v_blocks``, and nothing outside ``engine/`` may (``tests/test_kv_cache_interface.py``);
+- the engine's attention and model code (``model/attention.py``, ``model/layers.py``, the native kernels) take the
+  pool tensors themselves, ``k_blocks`` / ``v_blocks``, and nothing outside ``engine/`` may
+  (``tests/test_kv_cache_interface.py``);
 - everyone else (the prefill pod's KV export, the decode pod's KV receiver, the benchmarks) goes through
 
       slots(block_table, token_start, token_end) -> [n] long     where a token range of a sequence lives

@@ -160,8 +160,8 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 class SplitKLayer:
-    """A bf16 layer (engine/model/bf16_prefill.py's Bf16Layer) whose products are ``_split_k_product``: its attention is the
-    real kernels', the rest the same steps in torch."""
+    """A bf16 layer (engine/model/bf16_prefill.py's Bf16Layer) whose products are ``_split_k_product``: its attention
+    is the real kernels', the rest the same steps in torch."""
 
     def __init__(self, layer, model: LlamaForCausalLM):
         self.layer, self.model = layer, model

@@ -40,11 +40,7 @@ KNOWN_LARGE_FOLDERS: dict[str, str] = {}
 # Modules allowed past MAX_LINES: path -> (the most lines it may have, why it is one concept that long).
 LONG_FILE_CEILINGS: dict[str, tuple[int, str]] = {}
 # Files with lines wider than MAX_COLUMNS, left to the engineer rewriting them (issue 44's engine side).
-KNOWN_WIDE_FILES = {
-    "bench/prefill_formats.py": "issue 44's engine side (bench phases' prefill formats)",
-    "engine/kv_cache.py": "issue 44's engine side (a path the model's grouping lengthened)",
-    "tests/test_prefill_invariance.py": "issue 44's engine side (the prefill contract's tests)",
-}
+KNOWN_WIDE_FILES: dict[str, str] = {}
 # Import cycles known and owned elsewhere, each listed as its sorted modules (none today).
 KNOWN_CYCLES: list[list[str]] = []
 
