@@ -10,8 +10,7 @@ are recorded."""
 
 from __future__ import annotations
 
-import asyncio
-
+import grpc
 import pytest
 
 import tests.test_router_flow as flow
@@ -127,13 +126,35 @@ def test_a_greedy_answer_is_served_again_through_the_other_path_and_matches(prom
     run(scenario())
 
 
+def test_a_check_whose_prefill_pod_fails_after_its_push_is_failed_and_drops_the_kv_it_pushed():
+    """The answer was prefilled on the decode pod, so the check goes through the prefill pod, which pushes the KV to
+    D and then fails (killed before it answered): the check is counted ``failed`` (neither match nor divergence),
+    and the KV pushed for it is dropped on D (Abort), not left to its lease."""
+    async def scenario():
+        async with running_cluster(shadow_check_fraction=1.0) as env:
+            prefill, decode = env.prefill[0], env.decode[0]
+            prefill.fail_after_push = grpc.StatusCode.UNAVAILABLE  # the served request never calls it
+            req, _, done = await generate_all(env.router, SHORT_PROMPT, max_tokens=5, temperature=0.0)
+            assert done.finish_reason == "length"
+            await eventually(lambda: sample(env.router, CHECKS, outcome="failed") == 1)
+            shadow_id = f"shadow-{req.request_id}"
+            assert [call[:2] for call in prefill.calls] == [("Prefill", shadow_id)]
+            assert (decode.address, shadow_id) in env.prefill[0].cluster.pushed
+            await eventually(lambda: ("Abort", shadow_id) in decode.calls)
+            assert decode.calls == [("Decode", req.request_id, None), ("Abort", shadow_id)]  # no claim, one drop
+            assert sample(env.router, CHECKS, outcome="match") == sample(env.router, CHECKS, outcome="diverged") == 0
+    run(scenario())
+
+
 def test_off_by_default_and_never_for_sampled_answers():
     async def scenario():
         async with running_cluster() as env:
             await generate_all(env.router, LONG_PROMPT, max_tokens=5, temperature=0.0)
+            # A check starts (or not) as the request ends, before generate_all returns: none was started.
+            assert env.router.shadow_checks.running is None
         async with running_cluster(shadow_check_fraction=1.0) as env:
             await generate_all(env.router, LONG_PROMPT, max_tokens=5, temperature=0.8)  # no seed: not replayable
-            await asyncio.sleep(0.3)
+            assert env.router.shadow_checks.running is None
             for outcome in ("match", "diverged", "failed"):
                 assert sample(env.router, CHECKS, outcome=outcome) == 0
             assert not [call for pod in env.decode + env.prefill for call in pod.calls if call[1].startswith("shadow")]
