@@ -95,6 +95,11 @@ class ShadowChecks:
         self._rng = rng or random.Random()
         self._running: asyncio.Task | None = None
 
+    @property
+    def running(self) -> asyncio.Task | None:
+        """The last check started (running or over); None while none has been."""
+        return self._running
+
     def draw(self, req: RouterRequest) -> RouterRequest | None:
         """A request arrives: None if it is not to be checked (not drawn, or not replayable: greedy or seeded, one
         sample, tokens out); else the request the pods are to run, asking for its tokens' logprobs."""
@@ -170,13 +175,14 @@ class ShadowChecks:
             return await self._tokens(decode_client.decode(decode_request(req, tpot_s), self.config.request_timeout_s))
         prefill = prefill_pods[0]
         pushed = prefill_request(req, decode.address, self.config.kv_codec, self.config.kv_lease_s)
-        first = await self.pod_clients.get(prefill.address, prefill.role).prefill(pushed, self.config.request_timeout_s)
-        claim = decode_request(req, tpot_s, first_token_id=first.first_token_id,
-                               first_token_logprob=first.first_token_logprob)
-        try:
+        try:  # P's call too: P may fail after its push reached D (killed before it answered)
+            first = await self.pod_clients.get(prefill.address, prefill.role).prefill(pushed,
+                                                                                      self.config.request_timeout_s)
+            claim = decode_request(req, tpot_s, first_token_id=first.first_token_id,
+                                   first_token_logprob=first.first_token_logprob)
             tokens, logprobs = await self._tokens(decode_client.decode(claim, self.config.request_timeout_s))
         except BaseException:
-            await decode_client.drop(req.request_id)  # the KV pushed there, if the claim never took it
+            await decode_client.drop(req.request_id)  # the KV pushed there, if no claim took it
             raise
         # D's stream begins after the first token P sampled (the router's own claim puts it in D's first chunk).
         return [first.first_token_id, *tokens], [first.first_token_logprob.logprob, *logprobs]

@@ -150,6 +150,17 @@ def test_an_idle_decode_pod_slower_than_its_target_is_predicted_in_probe_chunks_
     assert "24 chunks of 16 tokens" in estimate.detail and estimate.ttft_s < math.inf
 
 
+def test_a_prompt_shorter_than_one_chunk_is_predicted_at_its_own_length_not_the_chunks():
+    """An idle decode pod fits a chunk of hundreds of tokens in its allowance; a 10-token prompt is one step of 10
+    tokens (as the engine runs it), not one of the whole chunk."""
+    idle = decode_pod(running=0)
+    idle.load.tpot_allowance_seconds = 0.8 * BALANCED.tpot_s
+    estimate = HybridPlacement().lent(prompt(10), idle)
+    assert "1 chunks of 10 tokens" in estimate.detail, estimate.detail
+    assert estimate.ttft_s == pytest.approx(MODEL.predict(0, 10, 10), rel=0.01)
+    assert estimate.ttft_s < 0.1  # not a whole chunk's step: 26 tokens, 0.119 s here, before the fix
+
+
 def test_a_decode_pod_without_a_step_time_model_is_never_lent_to():
     plan = decide(prefill_pod(queued=5000), decode_pod(model=StepTimeModel()), BALANCED)
     assert plan.decision == "disaggregated" and "no step-time model" in plan.reason
