@@ -186,6 +186,20 @@ def test_the_policy_decides_by_prediction_only_with_hybrid_scheduling():
     assert hybrid.choose_pair(request, *state, TIGHT_TTFT).decision == "prefill_on_decode"
 
 
+def test_a_prompt_never_splits_across_pods_that_prefill_in_different_formats():
+    """The prompt mostly cached on the prefill pod splits there (test above); with a decode pod that prefills in
+    float32 (a tensor-parallel one under auto) beside a bfloat16 prefill pod, it goes whole to one pod instead."""
+    request = RouterRequest("r", prompt().token_ids, SamplingParams())
+    policy = make_policy("least_loaded", LocalPrefill(threshold=32), hybrid=HybridPlacement())
+    prefill, decode = prefill_pod(queued=300, hashes=prompt().hashes(BLOCK)[:22]), decode_pod(targets=BALANCED)
+    assert policy.choose_pair(request, [prefill], [decode], BALANCED).decision == "split"
+    prefill.load.prefill_compute_dtype, decode.load.prefill_compute_dtype = "bfloat16", "float32"
+    plan = policy.choose_pair(request, [prefill], [decode], BALANCED)
+    assert plan.decision != "split" and plan.prefix_tokens == 0, plan.reason
+    decode.load.prefill_compute_dtype = "bfloat16"
+    assert policy.choose_pair(request, [prefill], [decode], BALANCED).decision == "split"
+
+
 def test_a_request_names_its_own_targets():
     config = RouterConfig(decode_pods=["d:1"], slo_ttft_s=2.0, slo_tpot_s=0.1)
     own = RouterRequest("r", [1, 2], SamplingParams(), slo_ttft_s=0.5)
