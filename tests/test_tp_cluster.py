@@ -3,9 +3,11 @@ ranks; and through ``splitserve up``, prefill and decode pods of different degre
 give the offline engine's greedy answers token for token, and a rank killed mid-request ends in a retried request or
 a clear error while its pod restarts whole and no KV block leaks.
 
-KV between degrees: every chunk carries every KV head (a tensor-parallel prefill pod's rank 0 gathers its ranks'
-heads, a decode pod's rank 0 scatters each rank its own: engine/parallel/sharded_kv_cache.py). The tiny random model
-has 4 query and 2 KV heads: at TP 2 each rank holds one KV head. Prefill computes in float32 on both sides (the
+KV between degrees: a tensor-parallel prefill pod pushes each rank's KV heads as chunks of their own (a K and a V
+chunk per layer per rank: the count its Prefill answer reports, checked here through the pods), and a decode pod
+writes each chunk's heads into the ranks that own them (engine/parallel/sharded_kv_cache.py;
+tests/test_tp_kv_streams.py in-process). The tiny random model has 4 layers, 4 query and 2 KV heads: at TP 2 each
+rank holds one KV head. Prefill computes in float32 on both sides (the
 offline engine's too): the reference path, whatever the default.
 """
 
@@ -30,6 +32,7 @@ from splitserve.measure.serve_metrics import parse_counter
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.roles import Role
 from splitserve.up_config import UpConfig
+from splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.deploy.test_chart import chart, containers_by_component, objects, parsed_config  # noqa: F401 (fixture)
 from tests.reliability.live_cluster import (
     MODEL,
@@ -44,6 +47,7 @@ from tests.reliability.live_cluster import (
 )
 
 MAX_TOKENS = 24
+TINY_LAYERS, TINY_KV_HEADS = 4, 2
 PROMPTS = prompts(3, 48, seed=38)  # longer than the router's conditional threshold: each prefills on the prefill pod
 SMOLLM2, SMOLLM2_PROMPTS = "smollm2-135m", ["The capital of France is", "def fibonacci(n):", "Write a haiku:"]
 LONG_TOKENS = 600  # the stream a rank is killed under: long enough to outlast the kill on a busy machine
@@ -168,6 +172,17 @@ def check_answers(cluster, prompt_list: list[list[int]], answers: list[list[int]
     assert [(a.finish, a.error) for a in got] == [("FINISH_REASON_LENGTH", "")] * len(prompt_list)
     assert [a.token_ids for a in got] == answers
     assert kv_loaded(cluster, decode) == len(prompt_list)  # every prompt's KV came from the prefill pod
+    # One push straight to the prefill pod: a K and a V chunk per layer for each rank's own KV heads (at TP 1, all).
+    pushed = prefill_pb2.PrefillRequest(
+        request_id="heads-check", prompt_token_ids=prompt_list[0], decode_address=cluster.address(decode),
+        kv_codec="none", kv_lease_seconds=30.0,
+        sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=1))
+    with grpc.insecure_channel(cluster.address(prefill)) as channel:
+        answer = prefill_pb2_grpc.PrefillStub(channel).Prefill(pushed, timeout=START_S)
+    with grpc.insecure_channel(cluster.address(decode)) as channel:  # nobody claims it: dropped, not leased out
+        assert decode_pb2_grpc.DecodeStub(channel).Abort(common_pb2.AbortRequest(request_id="heads-check"),
+                                                         timeout=30).found
+    assert answer.kv_transfer.num_chunks == TINY_LAYERS * 2 * min(degrees[0], TINY_KV_HEADS), answer.kv_transfer
     wait_every_block_free(cluster)
 
 
