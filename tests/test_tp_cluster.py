@@ -25,10 +25,12 @@ from splitserve.bench.soak import pod_load
 from splitserve.cpu_plan import format_plan, plan_cpus
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.kernels.cpu_features import prefill_compute_dtype
 from splitserve.engine.parallel.layout import plan_shards
 from splitserve.kvtransfer.handshake import KVLayout, check_compatible
 from splitserve.launcher import Cluster
 from splitserve.measure.serve_metrics import parse_counter
+from splitserve.router.policies import FORCE_SPLIT_ENV
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.roles import Role
 from splitserve.up_config import UpConfig
@@ -36,9 +38,11 @@ from splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_
 from tests.deploy.test_chart import chart, containers_by_component, objects, parsed_config  # noqa: F401 (fixture)
 from tests.reliability.live_cluster import (
     MODEL,
+    ROUTES,
     START_S,
     TINY,
     prompts,
+    route_counts,
     router_counter,
     router_json,
     stream,
@@ -264,6 +268,37 @@ def test_a_prefill_rank_killed_before_a_request_fails_the_pod_not_the_request(tm
         assert len(rank_workers(cluster.pid(prefill.name))) == 1
         assert stream(cluster, PROMPTS[0], MAX_TOKENS).token_ids == offline[0][0]
         assert cluster.restarts == {**{name: 0 for name in cluster.restarts}, prefill.name: 1}
+        wait_every_block_free(cluster)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.e2e
+def test_a_tensor_parallel_decode_pod_in_float32_beside_bf16_prefill_pods_never_splits_a_prompt(
+        tmp_path, start_cluster, monkeypatch):
+    """Under ``auto`` a TP 2 decode pod computes prefill in float32, the prefill pod in this CPU's format (bfloat16
+    with avx512_bf16 or AMX). Every prompt asked to split (``FORCE_SPLIT_ENV``) goes whole to one pod instead, and
+    answers as the offline engine in that pod's format: float32 where the decode pod prefilled it (lent), the prefill
+    pod's where it pushed the KV. Where ``auto`` is float32 on both, the formats agree and the prompts split."""
+    resolved = prefill_compute_dtype("auto")
+    monkeypatch.setenv(FORCE_SPLIT_ENV, "16")  # the router's
+    cluster = start_cluster(tmp_path, **{**TP_CLUSTER, "prefill_compute_dtype": "auto", "scheduling": "hybrid",
+                                         "decode_tensor_parallel_size": 2})
+    try:
+        prefill, decode = cluster.pods
+        assert (pod_load(cluster.address(prefill)).prefill_compute_dtype,
+                pod_load(cluster.address(decode)).prefill_compute_dtype) == (resolved, "float32")
+        offline = {fmt: LLM(model=MODEL, num_blocks=128, prefill_compute_dtype=fmt).generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+            for fmt in {resolved, "float32"}}
+        for i, prompt in enumerate(PROMPTS):
+            before = route_counts(cluster)
+            answer = stream(cluster, prompt, MAX_TOKENS)
+            taken = {name: n - before[name] for name, n in route_counts(cluster).items()}
+            [route] = [name for name in ROUTES if taken[name]]
+            assert route != "split" if resolved != "float32" else route == "split", taken
+            fmt = "float32" if route == "prefill_on_decode" else resolved
+            assert answer.token_ids == list(offline[fmt][i].token_ids), (route, fmt)
         wait_every_block_free(cluster)
     finally:
         cluster.stop()
