@@ -80,14 +80,17 @@ class PodProcess:
     log: Path
 
 
-def start_pod(name: str, module: str, flags: list[str], log_dir: Path, port: int = 0) -> PodProcess:
-    """``python -m module`` on 127.0.0.1:``port`` (0: a free one), its output in ``log_dir``/``name``.log."""
+def start_pod(name: str, module: str, flags: list[str], log_dir: Path, port: int = 0,
+              env: dict[str, str] | None = None) -> PodProcess:
+    """``python -m module`` on 127.0.0.1:``port`` (0: a free one), its output in ``log_dir``/``name``.log, with
+    ``env`` added to this process's environment."""
     port = port or _free_port()
     log = log_dir / f"{name}.log"
     with open(log, "ab") as out:  # the child keeps its own descriptor
         popen = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
                                   "--metrics-port", "0", *flags], cwd=REPO_ROOT, stdout=out,
-                                 stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                                 stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT)})
     return PodProcess(name, f"127.0.0.1:{port}", popen, log)
 
 

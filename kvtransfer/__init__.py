@@ -11,7 +11,9 @@
 - ``receiver.py``: the decode side, the ``KVTransfer`` gRPC service writing pushed KV into the paged cache;
 - ``handoff.py``: the decode side's hand-off, narrated and owned in one place: ``KVHandoff``, the lease under which
   each pushed request's KV waits for its Decode call, every move between its states (one call per step: reserve,
-  received, claim, release), and what frees its blocks on each way out.
+  received, claim, release), and what frees its blocks on each way out;
+- ``push_hold.py``: a test hook (``SPLITSERVE_TEST_HOLD_PUSH``) that holds a push at a named point, so that a fault
+  test kills a pod at a known moment of it, not by racing the machine's speed.
 
 Re-exported here: the codec API, ``get_codec``, ``available_codecs``, ``KVCodec``, ``EncodedKV``.
 """

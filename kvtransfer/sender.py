@@ -48,8 +48,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import grpc
+import numpy as np
 import torch
 
+from splitserve.kvtransfer import push_hold
 from splitserve.kvtransfer.codecs import KVCodec, get_codec
 from splitserve.kvtransfer.handshake import BOOT_ID, KVLayout, note_formats
 from splitserve.kvtransfer.link_codec import LinkCodecChooser
@@ -204,11 +206,17 @@ class KVTransferClient:
         return channel
 
     def corrupt(self, chunks: list[WireChunk]) -> None:
+        """Fault injection: each encoded chunk's payload, after its checksum, flipped at ``corrupt_chunk_rate``."""
         for chunk in chunks:
-            if chunk.payload and self._fault_rng.random() < self.corrupt_chunk_rate:
-                payload = bytearray(chunk.payload)
-                payload[self._fault_rng.randrange(len(payload))] ^= 0x5A
-                chunk.payload = bytes(payload)
+            payload = bytearray(chunk.payload)
+            self.corrupt_in_place(payload)
+            chunk.payload = bytes(payload)
+
+    def corrupt_in_place(self, payload: bytearray | np.ndarray) -> None:
+        """Fault injection: at ``corrupt_chunk_rate``, one byte of ``payload`` (a chunk's bytes, or its span in an
+        arena, ``ShmPush.frame_raw``) flipped."""
+        if len(payload) and self._fault_rng.random() < self.corrupt_chunk_rate:
+            payload[self._fault_rng.randrange(len(payload))] ^= 0x5A
 
     def encode(self, fn, *args) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._encoder, fn, *args)
@@ -238,7 +246,9 @@ class KVSender:
         self._loop = asyncio.get_running_loop()
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._compute_done_at: float | None = None  # perf_counter seconds, set on the engine thread
-        self._shm = ShmPush(client.shm_links.arena(decode_address))
+        self._shm = ShmPush(client.shm_links.arena(decode_address),
+                            fault=client.corrupt_in_place if client.corrupt_chunk_rate else None)
+        self._held_mid_push = False  # the test hook's MID_PUSH point is passed once (kvtransfer/push_hold.py)
         self._stats = prefill_pb2.KVTransferStats(codec=codec.name, transport=self._shm.transport)
         self._first_write_at: float | None = None
         self._last_write_at: float | None = None
@@ -328,6 +338,9 @@ class KVSender:
                     self._write_seconds += self._last_write_at - started
                 self._stats.bytes_sent += wire_bytes
                 self._stats.raw_bytes += raw_bytes
+                if not self._held_mid_push:  # the first layer's chunks are written, no later one's
+                    self._held_mid_push = True
+                    await push_hold.hold(push_hold.MID_PUSH, self.request_id)
                 last_sent = (item.layer == self._client.layout.num_layers - 1
                              and item.token_end == self.num_prompt_tokens)
         finally:
@@ -345,7 +358,7 @@ class KVSender:
         max_chunk_bytes = self._shm.max_chunk_bytes(self._client.max_chunk_bytes)
         for kind in ("k", "v"):
             tensors = [getattr(part, kind) for part in parts]
-            framed = None if self._client.corrupt_chunk_rate else self._shm.frame_raw(  # (faults: encoded chunks)
+            framed = self._shm.frame_raw(
                 self.request_id, first.layer, kind, (first.token_start, last.token_end), first.heads,
                 first_seq + len(messages), tensors, self.codec, max_chunk_bytes)
             if framed is not None:

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -177,10 +178,13 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class ShmPush:
     """One push's framing: each chunk placed in the link's arena (None: a gRPC link, every chunk inline), and the
     spans it took, all freed by ``release`` once the call is over. Chunks are framed on encoding threads, and one
-    may finish after the push failed: its span then goes back at once."""
+    may finish after the push failed: its span then goes back at once. ``fault`` (fault injection only: the
+    sender's ``corrupt_in_place``) may flip a byte of each span ``frame_raw`` placed, after its checksum, as a
+    corrupted link would."""
 
-    def __init__(self, arena: ShmArena | None):
+    def __init__(self, arena: ShmArena | None, fault: Callable[[np.ndarray], None] | None = None):
         self.arena = arena
+        self._fault = fault
         self._spans: list[int] | None = []  # None once released
         self._lock = threading.Lock()
 
@@ -231,6 +235,8 @@ class ShmPush:
         if heads is not None:
             chunk.heads.start, chunk.heads.end = heads
         chunk.shm.offset, chunk.shm.payload_bytes, chunk.shm.scales_bytes = offset, len(span), 0
+        if self._fault is not None:
+            self._fault(span)
         self._keep(offset)
         return push_message(WireChunk(chunk, b"", b"")), len(span)
 

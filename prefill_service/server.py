@@ -35,6 +35,7 @@ import grpc
 from splitserve.engine.engine_loop import TokenEvent
 from splitserve.engine.parallel.workers import rank_lost
 from splitserve.engine.sampling.params import SamplingParams
+from splitserve.kvtransfer import push_hold
 from splitserve.kvtransfer.handshake import KVLayout
 from splitserve.kvtransfer.link_codec import LinkCodecChooser, QualityTable
 from splitserve.kvtransfer.sender import KVSender, KVTransferClient
@@ -91,6 +92,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             # A step that met a dead tensor-parallel rank failed the pod, which is ending: the router tries others.
             code = grpc.StatusCode.UNAVAILABLE if rank_lost(self._pod.engine.runner.model) else grpc.StatusCode.INTERNAL
             await context.abort(code, f"prefill failed: {event.error or 'aborted by the engine'}")
+        if stats is not None:  # the push is acknowledged: the decode pod holds the KV under its lease
+            await push_hold.hold(push_hold.BEFORE_ANSWER, request.request_id)
         return self._respond(request, params, event, stats)
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:

@@ -215,6 +215,7 @@ def _even_chunks(model: StepTimeModel, rows: int, context: int, start: int, todo
         chunk = PROBE_TOKENS
     if chunk == 0:
         return PrefillEstimate(math.inf, f"no slack: allowance {allowance:.3f} s beside {rows} decodes")
+    chunk = min(chunk, todo)  # a prompt shorter than the chunk that fits is one step of its own length
     steps = math.ceil(todo / chunk)
     step_s = model.predict(rows, chunk, context + attention_positions(middle, chunk))
     added_s = step_s - model.predict(rows, 0, context) if rows else 0.0  # no decode there, none delayed

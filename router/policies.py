@@ -129,10 +129,11 @@ class RoutingPolicy:
         decode = self._choose_decode(prompt, decode_pods)
         if self.hybrid is not None and targets is not None:
             prefill = self.pick_prefill(prefill_pods, prompt) if prefill_pods else None
+            may_split = request.may_split_prefill and _one_prefill_format(prefill, decode)
             forced = self.forced_split_tokens
-            if prefill is not None and request.may_split_prefill and 0 < forced < num_tokens:
+            if prefill is not None and may_split and 0 < forced < num_tokens:
                 return RoutePlan(prefill, decode, f"split at {forced} tokens ({FORCE_SPLIT_ENV})", prefix_tokens=forced)
-            return self.hybrid.decide(prompt, prefill, decode, targets, request.may_split_prefill)
+            return self.hybrid.decide(prompt, prefill, decode, targets, may_split)
         local_reason = self.local_prefill.reason(num_tokens, prompt.cached_tokens(decode), prefill_pods, decode)
         if local_reason is not None:
             return RoutePlan(None, decode, local_reason)
@@ -231,3 +232,15 @@ def make_policy(name: PolicyName | str, local_prefill: LocalPrefill | None = Non
     name = member(PolicyName, "policy", name)
     extra = {"seed": seed} if name is PolicyName.POWER_OF_TWO else {}
     return POLICIES[name](local_prefill, hybrid=hybrid, **extra)
+
+
+def _one_prefill_format(prefill: PodInfo | None, decode: PodInfo) -> bool:
+    """A prompt split across ``prefill`` and ``decode`` gets one K/V format: both pods compute prefill in the same
+    format (or one has not said yet). A tensor- or pipeline-parallel pod computes float32 under ``auto`` beside
+    bfloat16 pods: a prefix in one format and the rest in the other would be neither pod's answer, nor the offline
+    engine's in either format, so such a pair never splits (a whole prompt, lent or pushed, is one pod's)."""
+    if prefill is None:
+        return True
+    formats = {prefill.load.prefill_compute_dtype, decode.load.prefill_compute_dtype}
+    return len(formats - {""}) <= 1
+

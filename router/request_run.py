@@ -271,16 +271,11 @@ class RequestRun:
         num_prompt = len(req.prompt_token_ids)
         decode_hold = self.calls.hold(plan.decode, kv_tokens=num_prompt)  # the KV lands there during the prefill
         self.kv_sent_to.append(plan.decode)
-        prefill_hold = self.calls.hold(plan.prefill, prompt_tokens=num_prompt)
         try:
-            first = await self._prefill(plan.prefill, plan.decode.address)
-        except BaseException as error:
+            first = await self._prefill_pushing(plan)
+        except BaseException:
             decode_hold.release()
-            if isinstance(error, StatusError):  # P failed, maybe after its push reached D (killed before it answered)
-                await self._drop_pushed_kv(plan.decode)
             raise
-        finally:
-            prefill_hold.release()
         self._observe_transfer(num_prompt, first)
         if req.leads_samples:  # the first of n samples: the others claim the same KV with their first tokens
             group = req.samples
@@ -297,12 +292,10 @@ class RequestRun:
         # D's share of the prompt counts there from now: later placements must not promise D's time to others.
         decode_hold = self.calls.hold(plan.decode, prompt_tokens=num_tokens - prefix_tokens, kv_tokens=num_tokens)
         self.kv_sent_to.append(plan.decode)
-        prefill_hold = self.calls.hold(plan.prefill, prompt_tokens=prefix_tokens)
         try:
-            pushed = await self._prefill(plan.prefill, plan.decode.address, prefix_tokens)
+            pushed = await self._prefill_pushing(plan)
         finally:
             decode_hold.release()
-            prefill_hold.release()
         self._observe_transfer(prefix_tokens, pushed)
         try:
             stream = await self._start_on_decode_pod(plan.decode, prefix_tokens=prefix_tokens)
@@ -354,6 +347,20 @@ class RequestRun:
         client = self._parts.pod_clients.get(pod.address, pod.role)
         call = self.calls.track(client.decode(claim, self.calls.time_left()))
         return DecodeStream(call, pod, hold, [first_token_response(first, first_token_id, first_logprob)])
+
+    async def _prefill_pushing(self, plan: RoutePlan) -> prefill_pb2.PrefillResponse:
+        """P's answer for ``plan`` (disaggregated, or a split's prefix), its KV pushed to D. When P's call fails, its
+        push may have reached D all the same (P killed after D acknowledged it, before P answered): that KV, which
+        no Decode call will claim, is dropped on D before the failure goes on to a retry, not left to its lease."""
+        num_tokens = plan.prefix_tokens or len(self.request.prompt_token_ids)
+        hold = self.calls.hold(plan.prefill, prompt_tokens=num_tokens)
+        try:
+            return await self._prefill(plan.prefill, plan.decode.address, plan.prefix_tokens)
+        except StatusError:
+            await self._drop_pushed_kv(plan.decode)
+            raise
+        finally:
+            hold.release()
 
     async def _prefill(self, pod: PodInfo, decode_address: str, prefix_tokens: int = 0) -> prefill_pb2.PrefillResponse:
         """P's answer: it prefilled the prompt (its first ``prefix_tokens``: a split) and pushed the KV to the decode

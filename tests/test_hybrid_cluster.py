@@ -24,8 +24,10 @@ import pytest
 from splitserve.engine.sampling.params import SamplingParams
 from tests.reliability.live_cluster import (
     KV_LEASE_S,
+    ROUTES,
     BackgroundLoad,
     leases_expired,
+    route_counts,
     router_counter,
     running_on,
     stream,
@@ -36,7 +38,6 @@ from tests.reliability.live_cluster import (
 
 pytestmark = pytest.mark.model
 
-DECISIONS = ("disaggregated", "prefill_on_decode", "split")
 REQUIRED = ("disaggregated", "prefill_on_decode")  # split depends on timing: see the module's docstring
 MAX_TOKENS = 16
 BURST = 6  # concurrent requests: enough to queue prompts on the prefill pod, which is when hybrid lends and splits
@@ -56,13 +57,13 @@ def offline(smollm2, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def decisions(cluster) -> dict[str, float]:
-    return {d: router_counter(cluster, "splitserve_router_routing_decisions_total", decision=d) for d in DECISIONS}
+    return {d: router_counter(cluster, "splitserve_router_routing_decisions_total", decision=d) for d in ROUTES}
 
 
 def test_the_default_takes_every_route_and_answers_as_the_offline_engine(smollm2_default_up, smollm2):
     cluster = smollm2_default_up
     assert cluster.config.scheduling == "hybrid"
-    before, leases_before = decisions(cluster), leases_expired(cluster)
+    before, leases_before = route_counts(cluster), leases_expired(cluster)
     sent: list[tuple[list[int], object]] = []  # (prompt, its answer) of every burst
     for burst in range(6):  # until each route was taken (two bursts, as measured; six at most)
         prompts = token_prompts(BURST, seed=100 + burst)
@@ -78,9 +79,13 @@ def test_the_default_takes_every_route_and_answers_as_the_offline_engine(smollm2
         for thread in threads:
             thread.join(timeout=120)
         sent += zip(prompts, answers)
-        taken = {d: n - before[d] for d, n in decisions(cluster).items()}
-        if all(taken.values()):
+        taken = {d: n - before[d] for d, n in route_counts(cluster).items()}
+        if all(taken[d] for d in ROUTES):
             break
+    # Every decision is one request's route: none was retried (a retry's failed attempt would count as a route),
+    # and the decode pod took in a pushed KV for each request a prefill pod prefilled (or split), none for the rest.
+    assert taken["retries"] == 0 and sum(taken[d] for d in ROUTES) == len(sent), taken
+    assert taken["kv_loaded"] == taken["disaggregated"] + taken["split"], taken
     assert all(taken[d] for d in REQUIRED), f"routes taken over {burst + 1} bursts: {taken}"
     expected = offline(smollm2, [prompt for prompt, _ in sent])
     for i, (_, answer) in enumerate(sent):

@@ -64,7 +64,7 @@ def test_tight_ttft_with_an_idle_prefill_pod_prefills_there():
 def test_tight_tpot_never_lends_a_decode_pod_with_no_slack_to_spare():
     # The decodes' 40 ms target leaves room for a few tokens a step: the prompt waits in a queue instead.
     plan = decide(prefill_pod(queued=1200), decode_pod(targets=TIGHT_TPOT), TIGHT_TPOT)
-    assert plan.prefill is not None
+    assert plan.decision == "disaggregated", plan.reason  # neither lent nor split: every split's rest is lent too
     # Decodes already behind their target: no chunk at all.
     estimate = HybridPlacement().lent(prompt(), decode_pod(targets=TIGHT_TPOT, behind_s=0.02))
     assert estimate.ttft_s == math.inf and "no slack" in estimate.detail
@@ -104,16 +104,18 @@ def test_a_lent_prompt_spends_the_slack_its_decodes_banked_and_no_more():
 @pytest.mark.parametrize("queued,lent", [(0, False), (100, False), (900, True)])
 def test_balanced_lends_once_the_prefill_queue_makes_the_chunks_faster(queued, lent):
     plan = decide(prefill_pod(queued=queued), decode_pod(targets=BALANCED), BALANCED)
-    assert (plan.prefill is None) == lent
+    assert plan.decision == ("prefill_on_decode" if lent else "disaggregated"), plan.reason
 
 
 def test_a_prompt_mostly_cached_on_the_decode_pod_prefills_there():
     blocks = prompt().hashes(BLOCK)
     plan = decide(prefill_pod(), decode_pod(targets=BALANCED, hashes=blocks[:22]), BALANCED)
-    assert plan.prefill is None
-    # ... and one cached on the prefill pod prefills there, even behind a queue the decode pod could beat.
+    assert plan.decision == "prefill_on_decode", plan.reason
+    # ... and one cached on the prefill pod takes its cached prefix from there, even behind a queue the decode pod
+    # could beat: split at that prefix (352 tokens, 22 blocks), it leaves the prefill pod no work at all (its queue
+    # makes the least work that meets the target the rule), and the decode pod prefills the 32 tokens past it.
     plan = decide(prefill_pod(queued=300, hashes=blocks[:22]), decode_pod(targets=BALANCED), BALANCED)
-    assert plan.prefill is not None
+    assert (plan.decision, plan.prefix_tokens) == ("split", 352), plan.reason
 
 
 def test_a_decode_pod_with_no_tpot_to_keep_prefills_at_its_full_rate():
@@ -148,9 +150,20 @@ def test_an_idle_decode_pod_slower_than_its_target_is_predicted_in_probe_chunks_
     assert "24 chunks of 16 tokens" in estimate.detail and estimate.ttft_s < math.inf
 
 
+def test_a_prompt_shorter_than_one_chunk_is_predicted_at_its_own_length_not_the_chunks():
+    """An idle decode pod fits a chunk of hundreds of tokens in its allowance; a 10-token prompt is one step of 10
+    tokens (as the engine runs it), not one of the whole chunk."""
+    idle = decode_pod(running=0)
+    idle.load.tpot_allowance_seconds = 0.8 * BALANCED.tpot_s
+    estimate = HybridPlacement().lent(prompt(10), idle)
+    assert "1 chunks of 10 tokens" in estimate.detail, estimate.detail
+    assert estimate.ttft_s == pytest.approx(MODEL.predict(0, 10, 10), rel=0.01)
+    assert estimate.ttft_s < 0.1  # not a whole chunk's step: 26 tokens, 0.119 s here, before the fix
+
+
 def test_a_decode_pod_without_a_step_time_model_is_never_lent_to():
     plan = decide(prefill_pod(queued=5000), decode_pod(model=StepTimeModel()), BALANCED)
-    assert plan.prefill is not None and "no step-time model" in plan.reason
+    assert plan.decision == "disaggregated" and "no step-time model" in plan.reason
 
 
 def test_no_prefill_pod_lends_everything():
@@ -159,9 +172,9 @@ def test_no_prefill_pod_lends_everything():
 
 def test_a_slow_kv_transfer_counts_against_the_prefill_pod():
     hybrid = HybridPlacement()
-    assert decide(prefill_pod(queued=100), decode_pod(), BALANCED, hybrid=hybrid).prefill is not None
+    assert decide(prefill_pod(queued=100), decode_pod(), BALANCED, hybrid=hybrid).decision == "disaggregated"
     hybrid.observe_transfer(384, 1.5)  # the KV took 1.5 s to land after the prefill
-    assert decide(prefill_pod(queued=100), decode_pod(), BALANCED, hybrid=hybrid).prefill is None
+    assert decide(prefill_pod(queued=100), decode_pod(), BALANCED, hybrid=hybrid).decision == "prefill_on_decode"
 
 
 def test_the_policy_decides_by_prediction_only_with_hybrid_scheduling():
@@ -171,6 +184,20 @@ def test_the_policy_decides_by_prediction_only_with_hybrid_scheduling():
     state = ([prefill_pod(queued=600)], [decode_pod(targets=TIGHT_TTFT)])
     assert rules.choose_pair(request, *state, TIGHT_TTFT).reason == "disaggregated"
     assert hybrid.choose_pair(request, *state, TIGHT_TTFT).decision == "prefill_on_decode"
+
+
+def test_a_prompt_never_splits_across_pods_that_prefill_in_different_formats():
+    """The prompt mostly cached on the prefill pod splits there (test above); with a decode pod that prefills in
+    float32 (a tensor-parallel one under auto) beside a bfloat16 prefill pod, it goes whole to one pod instead."""
+    request = RouterRequest("r", prompt().token_ids, SamplingParams())
+    policy = make_policy("least_loaded", LocalPrefill(threshold=32), hybrid=HybridPlacement())
+    prefill, decode = prefill_pod(queued=300, hashes=prompt().hashes(BLOCK)[:22]), decode_pod(targets=BALANCED)
+    assert policy.choose_pair(request, [prefill], [decode], BALANCED).decision == "split"
+    prefill.load.prefill_compute_dtype, decode.load.prefill_compute_dtype = "bfloat16", "float32"
+    plan = policy.choose_pair(request, [prefill], [decode], BALANCED)
+    assert plan.decision != "split" and plan.prefix_tokens == 0, plan.reason
+    decode.load.prefill_compute_dtype = "bfloat16"
+    assert policy.choose_pair(request, [prefill], [decode], BALANCED).decision == "split"
 
 
 def test_a_request_names_its_own_targets():

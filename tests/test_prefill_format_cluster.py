@@ -30,7 +30,7 @@ from splitserve.v1 import (
     pod_status_pb2,
     pod_status_pb2_grpc,
 )
-from tests.reliability.live_cluster import router_json, wait_until
+from tests.reliability.live_cluster import ROUTES, route_counts, router_json, wait_until
 
 pytestmark = pytest.mark.model
 
@@ -84,8 +84,20 @@ def test_the_default_answers_as_the_offline_engine_in_the_same_resolved_format(d
     assert smollm2.engine.prefill_compute == resolved  # LLM(...)'s default is the same auto, resolved alike
     prompts = _prompts(smollm2.tokenizer)
     expected = _offline(smollm2, prompts)
+    routes = []
     for prompt, reference in zip(prompts, expected):
+        before = route_counts(default_up)
         assert _served(default_up, prompt) == reference, f"{len(prompt)}-token prompt"
+        taken = {name: n - before[name] for name, n in route_counts(default_up).items()}
+        # One route, not retried; a decode pod took in pushed KV exactly when a prefill pod prefilled (all or part).
+        [route] = [name for name in ROUTES if taken[name]]
+        assert taken[route] == 1 and taken["retries"] == 0, taken
+        assert taken["kv_loaded"] == (route != "prefill_on_decode"), taken
+        routes.append(route)
+    # Both kinds of route were compared (measured on AMD EPYC Zen 4: the 6-token prompt and one chat prompt lent, the
+    # 310-token one and the other chat prompt disaggregated): a prompt whose KV crossed from a prefill pod, and one
+    # the decode pod prefilled itself.
+    assert "prefill_on_decode" in routes and {"disaggregated", "split"} & set(routes), routes
     if resolved == "bfloat16":  # what was compared is bf16 prefill's: float32's first logprobs differ
         f32 = _offline(LLM(model="smollm2-135m", kv_cache_memory_bytes=64 << 20, prefill_compute_dtype="float32"),
                        prompts)

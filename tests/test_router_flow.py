@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -73,8 +74,11 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
         self.kv_prefixes: dict[str, int] = {}  # request id -> kv_prefix_tokens of a split prefill's Decode
         self.cancelled: set[str] = set()
         self.fail_with: grpc.StatusCode | None = None  # every Prefill / Decode call fails with this
+        # Prefill: the KV pushed to the decode pod, then the call fails with this (a pod killed before it answered)
+        self.fail_after_push: grpc.StatusCode | None = None
         self.fail_after_tokens: int | None = None  # Decode: UNAVAILABLE after streaming this many tokens
         self.token_delay_s = 0.001
+        self.on_decode: Callable[[], None] | None = None  # called as each Decode call arrives (what the router saw)
         self.first_token_delay_s = 0.0  # Prefill, or a Decode that prefills: time before the first token
         self.server = grpc.aio.server()
         if role == "prefill":
@@ -122,6 +126,8 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
         if request.decode_address not in self.cluster.pods:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "KV push failed: decode pod unreachable")
         self.cluster.pushed[request.decode_address, request.request_id] = list(request.prompt_token_ids)
+        if self.fail_after_push is not None:
+            await context.abort(self.fail_after_push, "fake prefill pod gone after its push")
         response = prefill_pb2.PrefillResponse(
             first_token_id=SCRIPT[0], num_cached_tokens=16, queue_seconds=0.01, prefill_seconds=0.02,
             kv_transfer=prefill_pb2.KVTransferStats(codec=request.kv_codec, exposed_transfer_seconds=0.003))
@@ -132,6 +138,8 @@ class FakePod(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer,
     async def Decode(self, request, context):
         has_first = request.HasField("first_token_id")
         self.calls.append(("Decode", request.request_id, request.first_token_id if has_first else None))
+        if self.on_decode is not None:
+            self.on_decode()
         self.priorities[request.request_id] = request.priority
         if self.fail_with is not None:
             await context.abort(self.fail_with, f"fake decode pod says {self.fail_with.name}")
@@ -235,6 +243,16 @@ async def eventually(condition, timeout_s=3.0):
             return
         await asyncio.sleep(0.01)
     raise AssertionError("condition never became true")
+
+
+async def background_calls_done(router: Router, timeout_s: float = 3.0) -> None:
+    """Until every call the router made in the background (``PodClientPool.drop_in_background``: a request's
+    leftovers dropped on its pods) has ended, within ``timeout_s``: then what they did, or that there were none,
+    can be asserted without a sleep that guesses how long they take."""
+    pending = set(router.pod_clients._background)
+    if pending:
+        _, late = await asyncio.wait(pending, timeout=timeout_s)
+        assert not late, f"background pod calls still running after {timeout_s} s: {late}"
 
 
 def sample(router: Router, name: str, **labels) -> float:
@@ -711,7 +729,9 @@ def test_a_request_that_ran_to_its_end_sends_no_abort():
         async with running_cluster() as env:
             req, _, done = await generate_all(env.router, LONG_PROMPT, max_tokens=5)
             assert done.finish_reason == "length"
-            await asyncio.sleep(0.2)  # an Abort would be sent in the background at once
+            # An Abort would be sent in the background, from the request's end (which ran before generate_all
+            # returned): wait for every such call to be over, then look.
+            await background_calls_done(env.router)
             assert [c[0] for c in env.decode[0].calls] == ["Decode"]
     run(scenario())
 

@@ -1,7 +1,7 @@
 """The same-host KV hand-off (kvtransfer/shm.py, kvtransfer/shm_arena.py): arenas and their spans, the link's choice,
 and real pod processes over loopback handing KV through shared memory: the offline answer token for token, a corrupted
-chunk refused by its checksum, a decode pod killed and restarted mid-transfer (no stale page read, every block and every
-arena freed).
+chunk refused by its checksum, a decode pod killed and restarted mid-transfer (the push held there by the prefill pod's
+test hook, kvtransfer/push_hold.py; no stale page read, every block and every arena freed).
 
 Each test's pods share a fresh directory under /dev/shm (not /dev/shm itself: other pods may run on this machine),
 so that "nothing left behind" is a listing of that directory.
@@ -9,6 +9,7 @@ so that "nothing left behind" is a listing of that directory.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import tempfile
@@ -24,6 +25,8 @@ from splitserve.bench.transfer import PodProcess, start_pod, stop_pods, wait_ser
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.kvtransfer.codecs import get_codec
+from splitserve.kvtransfer.handshake import KVLayout
+from splitserve.kvtransfer.push_hold import MID_PUSH, PushHolds
 from splitserve.kvtransfer.shm import (
     ARENA_PREFIX,
     TRANSPORT_GRPC,
@@ -34,6 +37,7 @@ from splitserve.kvtransfer.shm import (
     sweep_stale,
     with_shm_bytes,
 )
+from splitserve.kvtransfer.sender import KVSender, KVTransferClient, _LayerKV
 from splitserve.kvtransfer.shm_arena import ShmArena, ShmLinks, ShmPush
 from splitserve.kvtransfer.wire import ExpectedChunks, KVChunkError, decode_chunk, encode_chunks, parse_push
 from splitserve.runtime.errors import StatusError
@@ -138,6 +142,41 @@ def test_a_retired_arena_is_unlinked_at_once_and_unmapped_after_its_last_push(sh
     assert arena.spans_in_use == 0
 
 
+def test_injected_corruption_goes_through_the_framing_a_push_uses(shm_dir, monkeypatch):
+    """``--inject-corrupt-chunks`` flips a byte of chunks framed as every push frames them: a raw codec through an
+    arena is gathered straight into its span (``ShmPush.frame_raw``), and the byte flips there, after the checksum,
+    so the decode pod's check of the span refuses it (DATA_LOSS); not chunks encoded another way for the fault."""
+    framed = []
+    frame_raw = ShmPush.frame_raw
+    monkeypatch.setattr(ShmPush, "frame_raw", lambda *args: framed.append(frame_raw(*args)) or framed[-1])
+    links = ShmLinks()
+    assert links.choose("decode", _response(shm_dir)) == TRANSPORT_SHM
+    layout = KVLayout(MODEL, 4, 2, 16, block_size=16, cache_dtype="float32")
+    k, v = (torch.randn(24, 2, 16, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
+
+    async def encode(rate: float) -> list[bytes]:
+        client = KVTransferClient(layout, corrupt_chunk_rate=rate, shm_links=links)
+        sender = KVSender(client, "decode", "r1", list(range(24)), get_codec("none"), 0.0, None)
+        _, _, messages, _ = sender._encode([_LayerKV(0, 0, 24, k, v)], 0)
+        return messages
+
+    views = ShmArenaViews(shm_dir)
+    arena = os.listdir(shm_dir)[0]
+    for rate in (0.0, 1.0):
+        framed.clear()
+        messages = asyncio.run(encode(rate))
+        assert len(messages) == 2 and [message for message, _ in framed] == messages  # K and V, both by frame_raw
+        for message in messages:
+            chunk = _received(message, views, arena)
+            if rate:
+                with pytest.raises(KVChunkError) as caught:
+                    decode_chunk(chunk, _expected())
+                assert caught.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in caught.value.message
+            else:
+                assert decode_chunk(chunk, _expected()).tensor.shape == (24, 2, 16)
+    links.close()
+
+
 def test_the_arena_of_a_prefill_pod_gone_is_swept_and_a_live_ones_is_not(shm_dir):
     live = ShmArena(shm_dir, f"{ARENA_PREFIX}{'a' * 32}-{'1' * 32}", 1 << 20)
     left = os.path.join(shm_dir, f"{ARENA_PREFIX}{'b' * 32}-{'2' * 32}")  # as a SIGKILLed pod leaves it: no lock
@@ -202,10 +241,12 @@ class ShmCluster:
     def __init__(self, log_dir: Path, shm_dir: str, prefill_flags: tuple[str, ...] = (),
                  decode_flags: tuple[str, ...] = ()):
         self.log_dir, self.shm_dir, self.decode_flags = log_dir, shm_dir, decode_flags
+        self.holds = PushHolds(log_dir / "push-holds")  # the prefill pod's pushes, held where a test arms them
         self.decode = self._start_decode(port=0)
         self.prefill = start_pod("prefill", "splitserve.prefill_service",
                                  ["--model", MODEL, "--max-num-batched-tokens", "64",
-                                  "--long-prefill-token-threshold", "64", *prefill_flags], log_dir)
+                                  "--long-prefill-token-threshold", "64", *prefill_flags], log_dir,
+                                 env=self.holds.env())
         for pod in (self.decode, self.prefill):
             wait_serving(pod, 120)
         self.offline = LLM(model=MODEL, num_blocks=64)
@@ -285,19 +326,24 @@ def test_a_decode_pod_killed_mid_transfer_and_restarted_gets_a_new_arena_and_exa
     cluster.answer("before", prompt_of(40, seed=1))  # the link's arena, mapped by the first decode pod
     failures: list[grpc.RpcError] = []
 
-    def long_prefill() -> None:  # 2,000 tokens in 64-token steps: the push spans dozens of steps
+    def long_prefill() -> None:  # 150 tokens in 64-token steps: the push spans three steps
         try:
-            cluster.prefill_call("cut-off", prompt_of(2000, seed=2))
+            cluster.prefill_call("cut-off", prompt_of(150, seed=2))
         except grpc.RpcError as err:
             failures.append(err)
 
+    # The push held by the prefill pod's test hook once its first layer is written (the decode pod has reserved
+    # the prompt's blocks and is receiving): the kill lands mid-push on any machine, however fast.
+    cluster.holds.arm(MID_PUSH)
     call = threading.Thread(target=long_prefill)
     call.start()
-    deadline = time.monotonic() + 30
-    while cluster.load(cluster.decode).free_kv_blocks == cluster.load(cluster.decode).total_kv_blocks:
-        assert time.monotonic() < deadline, "the push never reserved blocks on the decode pod"
-        time.sleep(0.005)
-    cluster.restart_decode()  # SIGKILL while the push is receiving
+    try:
+        assert cluster.holds.wait_held(MID_PUSH, 60) == "cut-off"
+        load = cluster.load(cluster.decode)
+        assert load.free_kv_blocks < load.total_kv_blocks  # reserved for the push
+        cluster.restart_decode()  # SIGKILL while the push is receiving
+    finally:
+        cluster.holds.release(MID_PUSH)
     call.join(timeout=60)
     assert failures and failures[0].code() == grpc.StatusCode.UNAVAILABLE, failures
     # The new decode pod: a new boot id, so a new handshake and a new arena; its answers are exact.

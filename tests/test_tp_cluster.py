@@ -3,9 +3,11 @@ ranks; and through ``splitserve up``, prefill and decode pods of different degre
 give the offline engine's greedy answers token for token, and a rank killed mid-request ends in a retried request or
 a clear error while its pod restarts whole and no KV block leaks.
 
-KV between degrees: every chunk carries every KV head (a tensor-parallel prefill pod's rank 0 gathers its ranks'
-heads, a decode pod's rank 0 scatters each rank its own: engine/parallel/sharded_kv_cache.py). The tiny random model
-has 4 query and 2 KV heads: at TP 2 each rank holds one KV head. Prefill computes in float32 on both sides (the
+KV between degrees: a tensor-parallel prefill pod pushes each rank's KV heads as chunks of their own (a K and a V
+chunk per layer per rank: the count its Prefill answer reports, checked here through the pods), and a decode pod
+writes each chunk's heads into the ranks that own them (engine/parallel/sharded_kv_cache.py;
+tests/test_tp_kv_streams.py in-process). The tiny random model has 4 layers, 4 query and 2 KV heads: at TP 2 each
+rank holds one KV head. Prefill computes in float32 on both sides (the
 offline engine's too): the reference path, whatever the default.
 """
 
@@ -23,19 +25,25 @@ from splitserve.bench.soak import pod_load
 from splitserve.cpu_plan import format_plan, plan_cpus
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.kernels.cpu_features import prefill_compute_dtype
 from splitserve.engine.parallel.layout import plan_shards
 from splitserve.kvtransfer.handshake import KVLayout, check_compatible
 from splitserve.launcher import Cluster
 from splitserve.measure.serve_metrics import parse_counter
+from splitserve.router.policies import FORCE_SPLIT_ENV
 from splitserve.runtime.errors import StatusError
 from splitserve.runtime.roles import Role
 from splitserve.up_config import UpConfig
+from splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.deploy.test_chart import chart, containers_by_component, objects, parsed_config  # noqa: F401 (fixture)
 from tests.reliability.live_cluster import (
     MODEL,
+    ROUTES,
     START_S,
     TINY,
     prompts,
+    route_counts,
+    router_counter,
     router_json,
     stream,
     wait_back,
@@ -43,6 +51,7 @@ from tests.reliability.live_cluster import (
 )
 
 MAX_TOKENS = 24
+TINY_LAYERS, TINY_KV_HEADS = 4, 2
 PROMPTS = prompts(3, 48, seed=38)  # longer than the router's conditional threshold: each prefills on the prefill pod
 SMOLLM2, SMOLLM2_PROMPTS = "smollm2-135m", ["The capital of France is", "def fibonacci(n):", "Write a haiku:"]
 LONG_TOKENS = 600  # the stream a rank is killed under: long enough to outlast the kill on a busy machine
@@ -167,6 +176,17 @@ def check_answers(cluster, prompt_list: list[list[int]], answers: list[list[int]
     assert [(a.finish, a.error) for a in got] == [("FINISH_REASON_LENGTH", "")] * len(prompt_list)
     assert [a.token_ids for a in got] == answers
     assert kv_loaded(cluster, decode) == len(prompt_list)  # every prompt's KV came from the prefill pod
+    # One push straight to the prefill pod: a K and a V chunk per layer for each rank's own KV heads (at TP 1, all).
+    pushed = prefill_pb2.PrefillRequest(
+        request_id="heads-check", prompt_token_ids=prompt_list[0], decode_address=cluster.address(decode),
+        kv_codec="none", kv_lease_seconds=30.0,
+        sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=1))
+    with grpc.insecure_channel(cluster.address(prefill)) as channel:
+        answer = prefill_pb2_grpc.PrefillStub(channel).Prefill(pushed, timeout=START_S)
+    with grpc.insecure_channel(cluster.address(decode)) as channel:  # nobody claims it: dropped, not leased out
+        assert decode_pb2_grpc.DecodeStub(channel).Abort(common_pb2.AbortRequest(request_id="heads-check"),
+                                                         timeout=30).found
+    assert answer.kv_transfer.num_chunks == TINY_LAYERS * 2 * min(degrees[0], TINY_KV_HEADS), answer.kv_transfer
     wait_every_block_free(cluster)
 
 
@@ -207,19 +227,18 @@ def test_smollm2_pods_of_different_degrees_answer_as_the_offline_engine(tmp_path
 @pytest.mark.e2e
 @pytest.mark.parametrize("parallel", PARALLEL)
 def test_a_rank_killed_mid_request_restarts_its_pod_whole(tmp_path, start_cluster, offline, parallel):
-    """SIGKILL of a decode pod's rank 1 while it streams: the stream moves to the pod's next life (the router's
-    migration, which waits for it) and gives the offline answer, or fails with a clear error; the pod ends, its
-    supervisor starts it again with new ranks, it serves, and every block is free on every pod."""
+    """SIGKILL of a decode pod's rank 1 while it streams: the pod ends, and the stream moves to the pod's next life
+    (the router's migration, which waits for it: ``decode_pod_wait_s``), one migration, with the offline answer
+    token for token; its supervisor starts it again with new ranks, it serves, and every block is free on every
+    pod."""
     cluster = start_cluster(tmp_path, **TP_CLUSTER, **{f"decode_{parallel}_parallel_size": 2})
     try:
         decode = cluster.pods[1]
         (rank,) = rank_workers(cluster.pid(decode.name))
         answer = stream(cluster, PROMPTS[0], LONG_TOKENS, timeout_s=3 * START_S,
                         after_first_chunk=lambda: os.kill(rank, signal.SIGKILL))
-        if answer.finish == "FINISH_REASON_LENGTH":
-            assert answer.token_ids == offline[1]
-        else:  # a failure names what failed
-            assert answer.finish in ("error", "INTERNAL", "UNAVAILABLE") and answer.error, answer
+        assert (answer.finish, answer.error, answer.token_ids) == ("FINISH_REASON_LENGTH", "", offline[1]), answer
+        assert router_counter(cluster, "splitserve_router_migrations_total") == 1  # moved once, to the next life
         wait_back(cluster, decode.name, restarts=1)
         new_ranks = rank_workers(cluster.pid(decode.name))
         assert len(new_ranks) == 1 and new_ranks != [rank]
@@ -249,6 +268,37 @@ def test_a_prefill_rank_killed_before_a_request_fails_the_pod_not_the_request(tm
         assert len(rank_workers(cluster.pid(prefill.name))) == 1
         assert stream(cluster, PROMPTS[0], MAX_TOKENS).token_ids == offline[0][0]
         assert cluster.restarts == {**{name: 0 for name in cluster.restarts}, prefill.name: 1}
+        wait_every_block_free(cluster)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.e2e
+def test_a_tensor_parallel_decode_pod_in_float32_beside_bf16_prefill_pods_never_splits_a_prompt(
+        tmp_path, start_cluster, monkeypatch):
+    """Under ``auto`` a TP 2 decode pod computes prefill in float32, the prefill pod in this CPU's format (bfloat16
+    with avx512_bf16 or AMX). Every prompt asked to split (``FORCE_SPLIT_ENV``) goes whole to one pod instead, and
+    answers as the offline engine in that pod's format: float32 where the decode pod prefilled it (lent), the prefill
+    pod's where it pushed the KV. Where ``auto`` is float32 on both, the formats agree and the prompts split."""
+    resolved = prefill_compute_dtype("auto")
+    monkeypatch.setenv(FORCE_SPLIT_ENV, "16")  # the router's
+    cluster = start_cluster(tmp_path, **{**TP_CLUSTER, "prefill_compute_dtype": "auto", "scheduling": "hybrid",
+                                         "decode_tensor_parallel_size": 2})
+    try:
+        prefill, decode = cluster.pods
+        assert (pod_load(cluster.address(prefill)).prefill_compute_dtype,
+                pod_load(cluster.address(decode)).prefill_compute_dtype) == (resolved, "float32")
+        offline = {fmt: LLM(model=MODEL, num_blocks=128, prefill_compute_dtype=fmt).generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+            for fmt in {resolved, "float32"}}
+        for i, prompt in enumerate(PROMPTS):
+            before = route_counts(cluster)
+            answer = stream(cluster, prompt, MAX_TOKENS)
+            taken = {name: n - before[name] for name, n in route_counts(cluster).items()}
+            [route] = [name for name in ROUTES if taken[name]]
+            assert route != "split" if resolved != "float32" else route == "split", taken
+            fmt = "float32" if route == "prefill_on_decode" else resolved
+            assert answer.token_ids == list(offline[fmt][i].token_ids), (route, fmt)
         wait_every_block_free(cluster)
     finally:
         cluster.stop()

@@ -5,7 +5,8 @@ queries.
 
 A panel passes when one of its queries returns a finite sample; one that returns nothing fails, naming the metric
 families nothing recorded, unless its series count events a clean run does not have (retries, KV transfer failures,
-migrations).
+migrations) and no process recorded any of them (each such panel is shown its event on synthetic series in
+tests/deploy/test_dashboards_and_rules.py).
 The refusal panels are checked last, after the decode pod is stopped: requests then get 503 / UNAVAILABLE, and the
 no-healthy-decode-pod alert's expression must fire on the real series.
 ``SPLITSERVE_DASHBOARD_PNG=path.png`` also draws the overview dashboard from this run (the README's picture).
@@ -33,13 +34,16 @@ from splitserve.deploy.grafana.snapshot import query as _query
 from splitserve.deploy.planner.config import PlannerConfig
 from splitserve.deploy.planner.signals import PrometheusSignals
 from splitserve.deploy.prometheus import RULES_PATH
+from tests.deploy.test_dashboards_and_rules import EVENT_PANELS as EVENT_PANEL_EVENTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model,
               pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus")]
 
 RATE_INTERVAL = "2m"
-EVENT_PANELS = {"Retries", "KV transfer failures and migrations",
-                "Shadow checks", "First diverging position"}  # shadow checks are off by default
+# Panels of events a clean run does not have (retries, failed pushes, migrations; shadow checks are off by default):
+# here one passes empty only where no process recorded its event; each is shown its event on synthetic series by
+# tests/deploy/test_dashboards_and_rules.py.
+EVENT_PANELS = {title for _, title in EVENT_PANEL_EVENTS}
 PROMPTS = [
     "The capital of France is",
     "def add(a, b):",
@@ -159,6 +163,9 @@ def test_every_panel_returns_data(prometheus, dashboard, title):
     families = set().union(*(_families(e) for e in exprs))
     unrecorded = sorted(f for f in families if not _recorded(prometheus, f))
     assert title in EVENT_PANELS, f"{dashboard}: {title!r} returns no data (nothing recorded {unrecorded}): {exprs}"
+    # Empty, an event panel must be right: its event did not happen (no process recorded any series it reads).
+    recorded = sorted(families - set(unrecorded))
+    assert not recorded, f"{dashboard}: {title!r} returns no data though {recorded} recorded its event: {exprs}"
 
 
 def test_recording_rules_return_data(prometheus):

@@ -27,9 +27,12 @@ from test_chart import NAMESPACE, RELEASE, chart, objects  # noqa: F401 - chart:
 # about 35 s for both cases (the TLS one compiles kernels); bubblewrap comes from scripts/bootstrap.sh
 pytestmark = pytest.mark.e2e
 
+# Every prompt through the prefill pod (disaggregated, no length threshold): the test reads the transport its push
+# took, which a prompt that hybrid placement lent to its decode pod would not have made.
 SMALL = {"model": {"name": "tiny-random"},
          "prefill": {"config": {"kvCacheMemoryBytes": 16 << 20}},
-         "decode": {"config": {"kvCacheMemoryBytes": 32 << 20}}}
+         "decode": {"config": {"kvCacheMemoryBytes": 32 << 20}},
+         "router": {"config": {"scheduling": "disaggregated", "conditionalPrefillThreshold": 0}}}
 REDIS_SECRET = {"splitserve-redis": {"redis-password": "Zq7bK2mR9xW4tY8pL3nV6cH1"}}
 TLS = {"tls": {"enabled": True, "secretName": "splitserve-tls", "requireClientCert": True},
        "networkPolicy": {"enabled": True}, "redis": {"auth": {"enabled": True}}, "kernels": {"target": "native"}}
@@ -78,7 +81,7 @@ def test_a_rendered_release_answers_a_completion_through_its_service(chart, case
             assert time.monotonic() < deadline, "the pods never appeared in the router's registry"
             time.sleep(0.2)
         answer = client.post(f"{scheme}://{host}:{port}/v1/completions",
-                             json={"model": "tiny-random", "prompt": "a prompt long enough to go to the prefill pod",
+                             json={"model": "tiny-random", "prompt": "a prompt for the prefill pod",
                                    "max_tokens": 8, "temperature": 0})
         assert answer.status_code == 200, answer.text
         body = answer.json()

@@ -30,6 +30,7 @@ from splitserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 START_S = 240  # a pod's start on a busy 2-core machine: tens of seconds; a hang is minutes
 KV_LEASE_S = RouterConfig.kv_lease_s  # how long a decode pod keeps KV no Decode call claimed (the router's default)
 LEASE_MARGIN_S = 3.0  # a lease starts when its KV is in, a little after the request's start
+METRICS_ANSWER_S = 30.0  # how long a pod's /metrics may take to answer a leak check (a restart: seconds)
 MODEL = "tiny-random"
 
 
@@ -71,6 +72,20 @@ def router_counter(cluster: Cluster, name: str, **labels: str) -> float:
     return parse_counter(scrape_router(cluster.http_url), name, labels) or 0.0
 
 
+ROUTES = ("disaggregated", "prefill_on_decode", "split")  # the router's routing decisions
+
+
+def route_counts(cluster: Cluster) -> dict[str, float]:
+    """Counters to take differences of, to tell the routes requests took: the router's routing decisions (by
+    ``ROUTES``), its retries (a retried request's failed attempt is a decision too) and the KV pushes the decode
+    pods took in (``splitserve_kv_load_total{outcome="loaded"}``: a disaggregated prompt's, or a split's prefix)."""
+    decode_pods = [pod for pod in cluster.pods if pod.role == "decode"]
+    return {**{d: router_counter(cluster, "splitserve_router_routing_decisions_total", decision=d) for d in ROUTES},
+            "retries": router_counter(cluster, "splitserve_router_retries_total"),
+            "kv_loaded": sum(pod_counter(cluster, pod, "splitserve_kv_load_total", outcome="loaded")
+                             for pod in decode_pods)}
+
+
 def wait_back(cluster: Cluster, name: str, restarts: int) -> None:
     """``name`` started again (its ``restarts``-th restart), SERVING on its port, and routed to."""
     pod = next(p for p in cluster.pods if p.name == name)
@@ -81,19 +96,33 @@ def wait_back(cluster: Cluster, name: str, restarts: int) -> None:
 
 # ---- the pods' KV blocks --------------------------------------------------------------------------------------------
 
-def leases_expired(cluster: Cluster) -> dict[str, tuple[int, float]]:
-    """{pod name: (its restarts, its ``splitserve_kv_leases_expired_total``)}: pushed KV a pod released at its lease's
-    expiry, since that pod last started (a pod that does not answer counts 0)."""
-    counts = {}
-    for pod in cluster.pods:
+def pod_metrics(cluster: Cluster, pod, answer_within_s: float = METRICS_ANSWER_S) -> str:
+    """The pod's ``/metrics`` text, asked again until it answers within ``answer_within_s`` (a pod restarting, a busy
+    one); a pod that does not answer by then fails the check that reads it (AssertionError naming it): a count that
+    cannot be read is not a count of 0."""
+    url = f"http://{cluster.config.host}:{pod.metrics_port}/metrics"
+    deadline = time.monotonic() + answer_within_s
+    while True:
         try:
-            with urllib.request.urlopen(f"http://{cluster.config.host}:{pod.metrics_port}/metrics", timeout=5) as reply:
-                text = reply.read().decode()
-        except OSError:
-            text = ""
-        counts[pod.name] = (cluster.restarts[pod.name],
-                            parse_counter(text, "splitserve_kv_leases_expired_total", {}) or 0.0)
-    return counts
+            with urllib.request.urlopen(url, timeout=max(0.5, min(5.0, deadline - time.monotonic()))) as reply:
+                return reply.read().decode()
+        except OSError as error:
+            assert time.monotonic() < deadline, (f"{pod.name}'s /metrics ({url}) did not answer within "
+                                                 f"{answer_within_s:g} s: {error}")
+            time.sleep(0.2)
+
+
+def pod_counter(cluster: Cluster, pod, name: str, **labels: str) -> float:
+    """The sum of a counter's series with ``labels`` on a pod's /metrics (0 before its first increment)."""
+    return parse_counter(pod_metrics(cluster, pod), name, labels) or 0.0
+
+
+def leases_expired(cluster: Cluster, answer_within_s: float = METRICS_ANSWER_S) -> dict[str, tuple[int, float]]:
+    """{pod name: (its restarts, its ``splitserve_kv_leases_expired_total``)}: pushed KV a pod released at its lease's
+    expiry, since that pod last started. Every pod must answer (``pod_metrics``)."""
+    return {pod.name: (cluster.restarts[pod.name], parse_counter(pod_metrics(cluster, pod, answer_within_s),
+                                                                 "splitserve_kv_leases_expired_total", {}) or 0.0)
+            for pod in cluster.pods}
 
 
 def expired_since(cluster: Cluster, since: dict[str, tuple[int, float]] | None) -> dict[str, float]:

@@ -9,9 +9,11 @@ there; and the router picks decode pods in turn (``round_robin``), so the test k
   drops the prefix there at once and retries on the other decode pod, which prefills the prompt: the client gets the
   offline engine's answer, and no block stays held nor lease expires on the full pod (the prefix is not left to its
   lease: this fails without the drop);
-- the prefill pod killed mid-split (stopped first, so the router's Prefill call of the prefix is in flight, then
-  SIGKILL): the request is retried and the decode pod prefills it, with the offline engine's answer; no block held, no
-  lease expired.
+- the prefill pod killed after it pushed a split's prefix (its push held, by the pods' test hook
+  ``SPLITSERVE_TEST_HOLD_PUSH``, kvtransfer/push_hold.py, once the decode pod acknowledged it and before the prefill
+  pod answered, then SIGKILL): the decode pod holds the prefix under a lease no Decode call will claim; the router
+  drops it there before the retry, which the decode pod prefills, with the offline engine's answer; every block is
+  free before the prefix's lease could expire (this fails without the drop).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import grpc
 import live_cluster as live
 import pytest
 
+from splitserve.kvtransfer.push_hold import BEFORE_ANSWER, PushHolds
 from splitserve.router.policies import FORCE_SPLIT_ENV
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -35,9 +38,16 @@ OCCUPY_TOKENS = 4000  # each request that fills the decode pod: tens of seconds;
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, start_cluster):
+def holds(tmp_path_factory) -> PushHolds:
+    return PushHolds(tmp_path_factory.mktemp("push-holds"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, start_cluster, holds):
     with pytest.MonkeyPatch.context() as env:
         env.setenv(FORCE_SPLIT_ENV, str(PREFIX))  # the router's
+        for name, value in holds.env().items():  # the prefill pod's: its pushes can be held at a known point
+            env.setenv(name, value)
         env.setenv("SPLITSERVE_MAX_WAITING_REQUESTS", "1")  # the pods': one waiting request fills a pod's queue
         running = start_cluster(tmp_path_factory.mktemp("split-faults"), **{
             **live.TINY, "decode": 2, "scheduling": "hybrid", "policy": "round_robin",
@@ -111,7 +121,8 @@ def test_a_full_decode_pod_refusing_a_split_holds_no_prefix_and_the_request_is_s
         lent_before + 1  # the retry: the other decode pod prefilled it (the prefill pod of the failed try left out)
 
 
-def test_the_prefill_pod_killed_mid_split_loses_nothing_and_the_decode_pod_prefills(cluster):
+def test_the_prefill_pod_killed_after_pushing_a_splits_prefix_leaves_no_lease_and_the_decode_pod_prefills(
+        cluster, holds):
     prefill = next(pod for pod in cluster.pods if pod.role == "prefill")
     prompt = live.prompts(1, PROMPT_LEN, seed=22)[0]
     expected = live.offline_answers([prompt], MAX_TOKENS)[0]
@@ -119,20 +130,26 @@ def test_the_prefill_pod_killed_mid_split_loses_nothing_and_the_decode_pod_prefi
     lent_before = live.router_counter(cluster, "splitserve_router_routing_decisions_total",
                                       decision="prefill_on_decode")
     retried_before = live.router_counter(cluster, "splitserve_router_retries_total", code="UNAVAILABLE")
-    pid = cluster.pid(prefill.name)
+    leases_before, before = live.leases_expired(cluster), decode_requests(cluster)
     answers: list = []
-    os.kill(pid, signal.SIGSTOP)  # it takes the prefix's Prefill call and never answers it
+    holds.arm(BEFORE_ANSWER)  # the prefix's push acknowledged, the prefill pod stops before it answers the router
     try:
+        sent_at = time.monotonic()
         sender = threading.Thread(target=lambda: answers.append(live.stream(cluster, prompt, MAX_TOKENS)))
         sender.start()
-        live.wait_until(lambda: splits(cluster) > split_before, 30, "the split placed on the stopped prefill pod")
+        holds.wait_held(BEFORE_ANSWER, 60)
+        [split_on] = [address for address, n in decode_requests(cluster).items() if n > before[address]]
+        assert live.blocks_in_use(split_on) >= PREFIX // 16  # the prefix's blocks, under their lease
+        os.kill(cluster.pid(prefill.name), signal.SIGKILL)
     finally:
-        os.kill(pid, signal.SIGKILL)
+        holds.release(BEFORE_ANSWER)
     sender.join(timeout=120)
     [answer] = answers
     assert (answer.finish, answer.token_ids) == ("FINISH_REASON_LENGTH", expected), answer
+    # Every block free before the prefix's lease could expire: dropped when the prefill pod failed, not leased out.
+    live.free_before_the_lease(cluster, sent_at, since=leases_before)
     assert splits(cluster) == split_before + 1  # the one split, on the killed pod
     assert live.router_counter(cluster, "splitserve_router_retries_total", code="UNAVAILABLE") == retried_before + 1
     assert live.router_counter(cluster, "splitserve_router_routing_decisions_total", decision="prefill_on_decode") == \
-        lent_before + 1  # the retry, without the prefill pod that failed it: the decode pod prefilled the prompt
+        lent_before + 1  # the retry, without the prefill pod that failed it: a decode pod prefilled the prompt
     live.wait_back(cluster, prefill.name, restarts + 1)
