@@ -162,6 +162,7 @@ def test_off_by_default_and_never_for_sampled_answers():
 
 
 @pytest.mark.parametrize("codec, diverges", [("none", False), ("kivi2", True)])
+@pytest.mark.e2e
 def test_real_pods_match_with_a_lossless_codec_and_a_lossy_ones_divergences_are_placed(tmp_path, start_cluster, codec,
                                                                                         diverges):
     cluster = start_cluster(tmp_path, **{**TINY, "kv_codec": codec, "shadow_check_fraction": 1.0,
