@@ -15,6 +15,23 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# The shared fixtures that start processes or load SmolLM2, and the markers each user of them must carry, so that
+# `pytest -m "not e2e and not model"` (the fast tier, docs/testing.md) never starts a cluster or loads the weights.
+FIXTURE_MARKERS = {"start_cluster": {"e2e"}, "tiny_pd_up": {"e2e"}, "tiny_openai": {"e2e"}, "smollm2": {"model"},
+                   "smollm2_up": {"e2e", "model"}, "smollm2_default_up": {"e2e", "model"}}
+
+
+def pytest_collection_modifyitems(items):
+    """A test that uses one of ``FIXTURE_MARKERS`` without its markers is a collection error naming it."""
+    unmarked = []
+    for item in items:
+        needed = set().union(*(FIXTURE_MARKERS.get(f, set()) for f in getattr(item, "fixturenames", ())))
+        if missing := sorted(m for m in needed if item.get_closest_marker(m) is None):
+            unmarked.append(f"{item.nodeid}: needs {', '.join(f'@pytest.mark.{m}' for m in missing)}")
+    if unmarked:
+        raise pytest.UsageError("tests without the markers of the fixtures they use:\n" + "\n".join(unmarked))
+
+
 def pytest_runtest_setup(item):
     """``@pytest.mark.amx`` cases run where the CPU has AMX tiles, and are skipped with that reason elsewhere."""
     if item.get_closest_marker("amx") is not None:

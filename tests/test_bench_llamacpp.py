@@ -14,6 +14,7 @@ from splitserve.engine.text.tokenizer_files import smollm2_gguf_path
 SMALL = ["--threads", "1", "--max-tokens", "4", "--parallel", "2", "--repeats", "1", "--lookup-prompts", "1"]
 
 
+@pytest.mark.e2e
 def test_without_llama_cpp_the_bench_measures_splitserve_and_says_llama_cpp_is_absent(tmp_path, capsys,
                                                                                        monkeypatch):
     find_spec = importlib.util.find_spec
@@ -35,12 +36,15 @@ def test_without_llama_cpp_the_bench_measures_splitserve_and_says_llama_cpp_is_a
     assert table_row.count("absent") == 3  # every ratio column
 
 
+@pytest.mark.e2e
 def test_a_side_that_fails_comes_back_as_its_error():
     job = {"side": "splitserve", "task": "decode", "model": "no-such-model", "quantization": "none", "threads": 1,
            "max_tokens": 3, "parallel": 1}
     assert llamacpp_bench.run_pinned(job, [0])["error"].startswith("ValueError: unknown model 'no-such-model'")
 
 
+@pytest.mark.e2e
+@pytest.mark.model
 def test_the_llama_cpp_side_decodes_the_gguf_file():
     """With llama-cpp-python installed (the optional extra), llama.cpp's side makes tokens at batch 1 and in
     parallel, and with and without prompt lookup."""

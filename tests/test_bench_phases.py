@@ -121,6 +121,7 @@ def test_prefill_quality_against_float32_with_simulated_int8(tmp_path, capsys):
     assert "prefill formats' quality against float32" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_a_tensor_parallel_profile_records_the_pod_size_it_was_measured_at(tmp_path):
     """The simulator and the planner count a pod of this profile at its ranks and the CPUs they shared."""
     profile_path, cpus = tmp_path / "profile.json", len(os.sched_getaffinity(0))

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from splitserve.bench.lm_eval import recall_tasks
 from splitserve.engine.text.tokenizer_files import load_tokenizer
 
 
+@pytest.mark.model
 def test_documents_are_deterministic_hold_their_answer_and_are_long():
     tokenizer = load_tokenizer("smollm2-135m")
     docs = recall_tasks.build_docs(tokenizer, 8, seed=7)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from splitserve.bench import tp as tp_bench
 from splitserve.engine.parallel import shm_all_reduce
 
 
+@pytest.mark.e2e
 def test_tp_bench_measures_tp1_and_tp2_and_projects_to_8_ranks(tmp_path, capsys):
     out, png = tmp_path / "tp.json", tmp_path / "tp.png"
     tp_bench.main(["--model", "tiny-random", "--rounds", "1", "--steps", "2", "--context", "16", "--prompt-len", "32",

@@ -68,6 +68,7 @@ def test_pod_and_router_configs_refuse_a_bad_set_naming_the_field():
     [sys.executable, "-m", "splitserve.decode_service", "--model", "tiny-random", "--cpus", str(NOT_ALLOWED)],
     [sys.executable, "-m", "splitserve.router.server", "--decode-pods", "127.0.0.1:1", "--cpus", "0-"],
 ])
+@pytest.mark.e2e
 def test_a_process_given_a_bad_set_exits_at_once_with_a_usage_error(command):
     done = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr

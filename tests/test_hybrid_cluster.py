@@ -36,7 +36,7 @@ from tests.reliability.live_cluster import (
     wait_until,
 )
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 REQUIRED = ("disaggregated", "prefill_on_decode")  # split depends on timing: see the module's docstring
 MAX_TOKENS = 16

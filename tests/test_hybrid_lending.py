@@ -76,12 +76,14 @@ def stream(pod: DecodePod, request_id: str, prompt: list[int], max_tokens: int, 
             times.extend([time.monotonic()] * len(message.chunk.token_ids))
 
 
+@pytest.mark.model
 def test_the_load_report_carries_the_measured_step_time_model(lending_pod):
     model = lending_pod.load().step_time
     assert model.num_samples > 0  # the warm-up's steps
     assert model.per_prefill_token_seconds > 0 and model.base_seconds > 0
 
 
+@pytest.mark.model
 def test_a_lent_prompt_prefills_in_chunks_between_the_decodes_within_their_target(lending_pod):
     decode_times: list[list[float]] = [[], []]
     decodes = [threading.Thread(target=stream, args=(lending_pod, f"running-{i}", [100 + i] * 40, 120,

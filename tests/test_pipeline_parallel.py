@@ -63,11 +63,13 @@ def _assert_same(reference, candidate) -> None:
 
 
 @pytest.mark.parametrize("pp", [2, 4], ids=["2-ranks", "one-layer-each"])
+@pytest.mark.e2e
 def test_tiny_random_pp_matches_pp1(pp):
     _assert_same(_run(1, "tiny-random", PROMPTS), _run(pp, "tiny-random", PROMPTS))
 
 
 @pytest.mark.model
+@pytest.mark.e2e
 def test_smollm2_pp2_matches_pp1_in_float32():
     prompts = ["The capital of France is", "def fibonacci(n):",
                "Once upon a time, in a small village by the sea, " * 10]

@@ -32,7 +32,7 @@ from splitserve.v1 import (
 )
 from tests.reliability.live_cluster import ROUTES, route_counts, router_json, wait_until
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 MAX_TOKENS = 24
 # Token-id prompts: under the router's conditional-prefill threshold (the decode pod prefills it) and well over it

@@ -60,6 +60,7 @@ def redis_url(tmp_path):
         yield f"redis://127.0.0.1:{port}/0"
 
 
+@pytest.mark.e2e
 def test_a_redis_with_a_password_takes_the_url_the_chart_composes(tmp_path):
     """The chart's bundled Redis runs with --requirepass, and pods and router get redis://:<password>@host/0."""
     async def scenario(port: int):
@@ -100,6 +101,7 @@ async def wait_for(condition, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.e2e
 def test_heartbeat_registers_a_pod_and_it_expires_after_its_ttl_when_the_heartbeat_stops(redis_url):
     async def scenario():
         registry = RedisRegistry(redis_url, ttl_s=TTL_S, scan_interval_s=SCAN_INTERVAL_S)
@@ -134,6 +136,7 @@ def test_heartbeat_registers_a_pod_and_it_expires_after_its_ttl_when_the_heartbe
     asyncio.run(scenario())
 
 
+@pytest.mark.e2e
 def test_heartbeat_record_caps_block_hashes_and_uses_the_key_format(redis_url):
     async def scenario():
         hashes = list(range(MAX_PUBLISHED_BLOCK_HASHES + 10))
@@ -152,6 +155,7 @@ def test_heartbeat_record_caps_block_hashes_and_uses_the_key_format(redis_url):
     asyncio.run(scenario())
 
 
+@pytest.mark.e2e
 def test_unreadable_records_are_skipped(redis_url):
     async def scenario():
         client = redis.asyncio.from_url(redis_url)
@@ -171,6 +175,7 @@ def test_heartbeat_rejects_an_unknown_role():
         RedisHeartbeat("redis://127.0.0.1:1/0", "router", "x:1", 1.0, dict)
 
 
+@pytest.mark.e2e
 def test_a_heartbeat_carries_the_weight_format_and_rates_through_redis(redis_url):
     """The load a pod publishes holds a name (its weight format) and rates beside its counts: the router reads each
     with its own type (a record that cast every field to int was skipped as unreadable, so no pod was routed to)."""

@@ -279,6 +279,7 @@ def test_the_router_refuses_an_unknown_kv_codec_at_start(codec):
         assert RouterConfig(decode_pods=["127.0.0.1:1"], kv_codec=good).kv_codec == good
 
 
+@pytest.mark.e2e
 def test_the_router_process_with_an_unknown_kv_codec_exits_at_once_naming_it():
     done = subprocess.run([sys.executable, "-m", "splitserve.router.server", "--decode-pods", "127.0.0.1:1",
                            "--kv-codec", "gzip"], capture_output=True, text=True, timeout=120)
@@ -892,6 +893,7 @@ def test_grpc_abort_ends_the_stream_with_abort():
     run(scenario())
 
 
+@pytest.mark.e2e
 def test_router_process_serves_both_apis_and_stops_gracefully_on_sigterm():
     grpc_port, http_port = free_port(), free_port()
     process = subprocess.Popen(

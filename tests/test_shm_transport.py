@@ -311,6 +311,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return torch.randint(3, 259, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.e2e
 def test_pods_on_one_host_hand_kv_through_shared_memory_and_answer_as_offline(cluster):
     for length, codec in ((40, "none"), (150, "none"), (150, "int8")):  # 150: three prefill steps
         prompt = prompt_of(length, seed=length)
@@ -322,6 +323,7 @@ def test_pods_on_one_host_hand_kv_through_shared_memory_and_answer_as_offline(cl
     cluster.wait_every_block_free()
 
 
+@pytest.mark.e2e
 def test_a_decode_pod_killed_mid_transfer_and_restarted_gets_a_new_arena_and_exact_answers(cluster):
     cluster.answer("before", prompt_of(40, seed=1))  # the link's arena, mapped by the first decode pod
     failures: list[grpc.RpcError] = []
@@ -355,6 +357,7 @@ def test_a_decode_pod_killed_mid_transfer_and_restarted_gets_a_new_arena_and_exa
     assert os.listdir(cluster.shm_dir) == []
 
 
+@pytest.mark.e2e
 def test_a_decode_pod_restarted_between_requests_is_found_at_the_handshake_not_by_a_refused_push(cluster):
     """Restarted while no push ran, the decode pod has a new boot id that the prefill pod has not seen: the first
     push after it handshakes first (the connection was lost), so it is not refused as stale (FAILED_PRECONDITION,
@@ -367,6 +370,7 @@ def test_a_decode_pod_restarted_between_requests_is_found_at_the_handshake_not_b
     cluster.wait_every_block_free()
 
 
+@pytest.mark.e2e
 def test_a_corrupted_chunk_over_shared_memory_is_refused_by_its_checksum(tmp_path, shm_dir):
     cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--inject-corrupt-chunks", "1.0"))
     try:
@@ -378,6 +382,7 @@ def test_a_corrupted_chunk_over_shared_memory_is_refused_by_its_checksum(tmp_pat
         cluster.stop()
 
 
+@pytest.mark.e2e
 def test_a_chunked_prefill_held_until_its_end_leaves_as_one_range_per_layer(tmp_path, shm_dir):
     cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--no-overlap-transfer",))
     try:
@@ -389,6 +394,7 @@ def test_a_chunked_prefill_held_until_its_end_leaves_as_one_range_per_layer(tmp_
         cluster.stop()
 
 
+@pytest.mark.e2e
 def test_kv_transport_grpc_keeps_pods_of_one_host_on_grpc(tmp_path, shm_dir):
     cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--kv-transport", "grpc"))
     try:
@@ -401,6 +407,7 @@ def test_kv_transport_grpc_keeps_pods_of_one_host_on_grpc(tmp_path, shm_dir):
 
 # ---- safe shutdown -----------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_sigtermed_prefill_pod_under_load_loses_no_request_whose_kv_it_had_staged(tmp_path, shm_dir):
     cluster = ShmCluster(tmp_path, shm_dir, prefill_flags=("--shutdown-grace-s", "60"))
     prompts = {f"load-{i}": prompt_of(400 + 40 * i, seed=100 + i) for i in range(6)}
@@ -446,6 +453,7 @@ def test_a_sigtermed_prefill_pod_under_load_loses_no_request_whose_kv_it_had_sta
 REFUSED_WHILE_STOPPING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
+@pytest.mark.e2e
 def test_a_sigtermed_decode_pod_finishes_its_stream_and_refuses_kv_not_yet_claimed_so_the_router_retries(tmp_path,
                                                                                                        shm_dir):
     """On SIGTERM a decode pod drains: a running stream finishes within the grace period; KV pushed here whose claim

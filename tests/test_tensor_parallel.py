@@ -117,11 +117,13 @@ def tiny_tp1():
 
 
 @pytest.mark.parametrize("tp", [2, 4], ids=["gqa-2-ranks", "4-ranks-2-kv-heads"])
+@pytest.mark.e2e
 def test_tiny_random_tp_matches_tp1(tiny_tp1, tp):
     _assert_same(tiny_tp1, _run(tp, TINY_PROMPTS, model="tiny-random"))
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.e2e
 def test_quantized_weights_split_on_block_boundaries(quantization):
     """Weights kept in quantized blocks (int8: one scale per output channel; int4: scale and minimum per block of
     32) split on block boundaries and give TP 1's products: the same tokens, logits within 1e-4."""
@@ -130,6 +132,7 @@ def test_quantized_weights_split_on_block_boundaries(quantization):
 
 
 @pytest.mark.model
+@pytest.mark.e2e
 def test_smollm2_tp2_matches_tp1_in_float32():
     # The long prompt's prefill rows ([~130, 576] float32) go through the shared-memory all-reduce in two pieces.
     prompts = ["The capital of France is", "def fibonacci(n):",
@@ -137,6 +140,7 @@ def test_smollm2_tp2_matches_tp1_in_float32():
     _assert_same(_run(1, prompts, quantization="none"), _run(2, prompts, quantization="none"))
 
 
+@pytest.mark.e2e
 def test_killed_rank_fails_the_step_clearly_and_frees_its_blocks():
     llm = LLM(model="tiny-random", tensor_parallel_size=2, num_blocks=64)
     engine = llm.engine
@@ -158,6 +162,7 @@ def test_what_tensor_parallelism_does_not_run_yet_is_refused():
         LLM(model="tiny-random", prefill_compute_dtype="bfloat16", tensor_parallel_size=2)
 
 
+@pytest.mark.e2e
 def test_prompt_logprobs_and_speculative_verification_across_ranks():
     """The calls other than one decode row per sequence: prompt logprobs (logits of many prompt rows) and n-gram
     drafts verified as several rows per sequence."""
@@ -226,6 +231,7 @@ def _continue_from(engine, prompt: list[int], kv: torch.Tensor, first_token: int
     return seq.output_token_ids
 
 
+@pytest.mark.e2e
 def test_kv_moves_between_engines_of_different_tensor_parallel_sizes():
     """Outside the engine a TP 2 cache reads and writes every KV head, as TP 1's does: a prompt's KV read from one
     degree and written into the other continues as TP 1 does (P TP 1 -> D TP 2, P TP 2 -> D TP 1)."""
@@ -262,6 +268,7 @@ class _LayerReader:
         self.keys.append(cache.read(layer, "k", cache.slots(seq.block_table, 0, seq.num_prompt_tokens)))
 
 
+@pytest.mark.e2e
 def test_per_layer_export_reads_every_head_after_a_tensor_parallel_step():
     keys = {}
     for tp in (1, 2):

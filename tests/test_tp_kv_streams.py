@@ -92,6 +92,7 @@ def reference():
     return tokens
 
 
+@pytest.mark.e2e
 def test_each_rank_s_kv_heads_leave_as_chunks_of_their_own_and_any_degree_takes_them(reference):
     one, two = LLM(tensor_parallel_size=1, **SETTINGS).engine, LLM(tensor_parallel_size=2, **SETTINGS).engine
     config = one.model_config  # tiny-random: 2 KV heads, one per rank at TP 2
@@ -119,6 +120,7 @@ def test_each_rank_s_kv_heads_leave_as_chunks_of_their_own_and_any_degree_takes_
     gc.collect()
 
 
+@pytest.mark.e2e
 def test_more_ranks_than_kv_heads_send_each_replicated_head_once(reference):
     """TP 4 on 2 KV heads: ranks 0-1 hold head 0, ranks 2-3 head 1; each head leaves once, from its first rank, and
     a TP 4 decode engine writes it into both ranks that hold it."""

@@ -14,6 +14,7 @@ from tests.test_pods import pods as real_pods  # noqa: F401  (the fixture: a pre
 from tests.test_pods import rpc_error
 
 
+@pytest.mark.model
 def test_the_fingerprint_names_the_checkpoint_not_its_format_and_reads_little_of_it(tmp_path):
     assert weights_fingerprint("tiny-random", seed=0) == weights_fingerprint("tiny-random", seed=0)
     assert weights_fingerprint("tiny-random", seed=0) != weights_fingerprint("tiny-random", seed=1)

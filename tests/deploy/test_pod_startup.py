@@ -86,6 +86,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e
 def test_the_first_heartbeat_waits_for_a_redis_that_starts_late(tmp_path):
     port = _free_port()
     heartbeat = RedisHeartbeat(f"redis://127.0.0.1:{port}/0", "decode", "10.0.0.5:50062", 5.0, lambda: {})

@@ -25,6 +25,8 @@ from splitserve import supervisor
 from splitserve.launcher import Cluster
 from splitserve.supervisor import ChildSpec, Supervisor
 
+pytestmark = pytest.mark.e2e
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

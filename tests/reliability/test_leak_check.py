@@ -17,6 +17,8 @@ import pytest
 
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 
 def test_a_lease_left_to_expire_fails_the_leak_check_though_its_blocks_came_free(tiny_pd_up):
     cluster = tiny_pd_up

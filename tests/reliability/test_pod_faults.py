@@ -49,6 +49,8 @@ from live_cluster import (
 from splitserve.runtime.discovery import pod_key
 from splitserve.v1 import common_pb2, generate_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 LONG = 300  # output tokens of a stream to disturb: it runs for a second or more
 LONGER = 1500  # output tokens of the stream disturbed under load: it runs for seconds
 SHORT = 8  # output tokens of the background load's requests

@@ -31,6 +31,8 @@ from splitserve.kvtransfer.push_hold import BEFORE_ANSWER, PushHolds
 from splitserve.router.policies import FORCE_SPLIT_ENV
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 PREFIX = 32  # two blocks of the decode pod
 PROMPT_LEN = 80
 MAX_TOKENS = 8

@@ -24,6 +24,8 @@ import pytest
 from splitserve.probes import serving
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHORT = 8
 LONG = 300
@@ -60,6 +62,7 @@ def test_corrupted_kv_chunks_are_caught_by_their_checksum_and_the_request_is_ret
     assert "checksum" in log.lower(), "the decode pod does not say why it refused the push"
 
 
+@pytest.mark.model
 def test_pods_of_different_models_refuse_each_other_with_a_clear_error(cluster, free_ports, tmp_path):
     """The tiny model's prefill pod pushing to a SmolLM2 decode pod: refused at the handshake, naming the field."""
     port = free_ports(2)
