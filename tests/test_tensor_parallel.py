@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -193,10 +194,21 @@ def test_shared_memory_all_reduce_in_pieces_gives_every_rank_the_same_sum(tmp_pa
               for r in range(2)]
     outputs = [[x.clone() for x in xs] for xs in inputs]
     threads = [threading.Thread(target=lambda r=r: [ranks[r].all_reduce(x) for x in outputs[r]]) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    # Both ranks are threads of one interpreter here (processes in a pod): a rank spinning on the flags holds the
+    # GIL a whole switch interval each time its peer needs it, which took 30-80 s on 2 cores and at times ran past
+    # the ranks' timeout; a short interval makes it 2 s. One torch thread, as each rank process runs.
+    threads_before, switch_before = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(1)
+    sys.setswitchinterval(1e-5)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        torch.set_num_threads(threads_before)
+        sys.setswitchinterval(switch_before)
+    assert not any(t.is_alive() for t in threads), "a rank is still reducing after 60 s"
     for call in range(3):
         assert torch.equal(outputs[0][call], inputs[0][call] + inputs[1][call])
         assert torch.equal(outputs[1][call], outputs[0][call])
