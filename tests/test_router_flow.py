@@ -818,6 +818,9 @@ def test_grpc_generation_api_end_to_end_with_health_and_reflection():
             try:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
                     await check_generate(generate_pb2_grpc.GenerationStub(channel), env)
+                    # Its last request left the decode pod suspect (up to 2 s): the router serves again once that
+                    # lapses, the state whose health is checked (checked sooner, it is NOT_SERVING).
+                    await serving_again(channel, timeout_s=10)
                     await check_health_and_reflection(channel)
             finally:
                 await server.stop(grace_s=0)
@@ -858,6 +861,17 @@ async def check_generate(stub, env):
     responses = await grpc_generate(stub, text=LONG_PROMPT, sampling_params=common_pb2.SamplingParams(max_tokens=8))
     assert [r.WhichOneof("response") for r in responses] == ["chunk"] * 3 + ["error"]
     assert responses[-1].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+async def serving_again(channel, timeout_s: float) -> None:
+    """Until the router's health says SERVING (it follows ``router.ready()`` every ``HEALTH_REFRESH_S``)."""
+    health = health_pb2_grpc.HealthStub(channel)
+    for _ in range(int(timeout_s / 0.05)):
+        response = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        if response.status == health_pb2.HealthCheckResponse.SERVING:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the router's health did not turn SERVING within {timeout_s} s")
 
 
 async def check_health_and_reflection(channel):

@@ -52,6 +52,7 @@ from tests.reliability.live_cluster import (
 
 MAX_TOKENS = 24
 TINY_LAYERS, TINY_KV_HEADS = 4, 2
+SMOLLM2_LAYERS, SMOLLM2_KV_HEADS = 30, 3
 PROMPTS = prompts(3, 48, seed=38)  # longer than the router's conditional threshold: each prefills on the prefill pod
 SMOLLM2, SMOLLM2_PROMPTS = "smollm2-135m", ["The capital of France is", "def fibonacci(n):", "Write a haiku:"]
 LONG_TOKENS = 600  # the stream a rank is killed under: long enough to outlast the kill on a busy machine
@@ -162,7 +163,8 @@ def kv_loaded(cluster, pod) -> float:
         return parse_counter(reply.read().decode(), "splitserve_kv_load_total", {"outcome": "loaded"}) or 0.0
 
 
-def check_answers(cluster, prompt_list: list[list[int]], answers: list[list[int]], degrees: tuple[int, int]) -> None:
+def check_answers(cluster, prompt_list: list[list[int]], answers: list[list[int]], degrees: tuple[int, int],
+                  shape: tuple[int, int] = (TINY_LAYERS, TINY_KV_HEADS)) -> None:
     """Each pod runs its degree's ranks and says so; each prompt prefilled on the prefill pod, its KV loaded on the
     decode pod, gives ``answers``; every block is free after."""
     prefill, decode = cluster.pods
@@ -186,7 +188,8 @@ def check_answers(cluster, prompt_list: list[list[int]], answers: list[list[int]
     with grpc.insecure_channel(cluster.address(decode)) as channel:  # nobody claims it: dropped, not leased out
         assert decode_pb2_grpc.DecodeStub(channel).Abort(common_pb2.AbortRequest(request_id="heads-check"),
                                                          timeout=30).found
-    assert answer.kv_transfer.num_chunks == TINY_LAYERS * 2 * min(degrees[0], TINY_KV_HEADS), answer.kv_transfer
+    layers, kv_heads = shape  # the model's
+    assert answer.kv_transfer.num_chunks == layers * 2 * min(degrees[0], kv_heads), answer.kv_transfer
     wait_every_block_free(cluster)
 
 
@@ -219,7 +222,7 @@ def test_smollm2_pods_of_different_degrees_answer_as_the_offline_engine(tmp_path
     cluster = start_cluster(tmp_path, **{**TP_CLUSTER, "model": SMOLLM2, "kv_cache_memory_bytes": 64 << 20},
                             prefill_tensor_parallel_size=degrees[0], decode_tensor_parallel_size=degrees[1])
     try:
-        check_answers(cluster, *smollm2_offline, degrees)
+        check_answers(cluster, *smollm2_offline, degrees, shape=(SMOLLM2_LAYERS, SMOLLM2_KV_HEADS))
     finally:
         cluster.stop()
 
