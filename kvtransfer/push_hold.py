@@ -10,8 +10,8 @@ on the event loop, until ``<directory>/P`` is gone (the test let it go). The poi
 - ``BEFORE_ANSWER``, in the prefill pod's ``Prefill``: the push is acknowledged (the decode pod holds the KV under its
   lease) and the prefill pod has not answered the router: a pod killed here pushed KV that no Decode call will claim.
 
-Unset, as in production, a point costs one environment lookup. ``PushHolds`` is the test's side: it arms a point,
-waits until a push is held there, and lets it go.
+The variable is read once, at import (a pod's start); unset, as in production, a point costs one comparison.
+``PushHolds`` is the test's side: it arms a point, waits until a push is held there, and lets it go.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ HOLD_PUSH_ENV = "SPLITSERVE_TEST_HOLD_PUSH"
 MID_PUSH = "mid-push"
 BEFORE_ANSWER = "before-answer"
 POLL_S = 0.01
+_DIRECTORY = os.environ.get(HOLD_PUSH_ENV, "")  # the pod process's, read at its start
 
 
 async def hold(point: str, request_id: str) -> None:
     """The pod's side: wait at ``point`` while the test has it armed (module docstring); at once otherwise."""
-    directory = os.environ.get(HOLD_PUSH_ENV)
-    if not directory:
+    if not _DIRECTORY:
         return
-    armed = Path(directory, point)
+    armed = Path(_DIRECTORY, point)
     if not armed.exists():
         return
-    Path(directory, f"{point}.held").write_text(request_id)
+    Path(_DIRECTORY, f"{point}.held").write_text(request_id)
     while armed.exists():
         await asyncio.sleep(POLL_S)
 

@@ -208,15 +208,24 @@ class KVTransferClient:
     def corrupt(self, chunks: list[WireChunk]) -> None:
         """Fault injection: each encoded chunk's payload, after its checksum, flipped at ``corrupt_chunk_rate``."""
         for chunk in chunks:
-            payload = bytearray(chunk.payload)
-            self.corrupt_in_place(payload)
-            chunk.payload = bytes(payload)
+            at = self._fault_at(len(chunk.payload))
+            if at is not None:
+                payload = bytearray(chunk.payload)
+                payload[at] ^= 0x5A
+                chunk.payload = bytes(payload)
 
-    def corrupt_in_place(self, payload: bytearray | np.ndarray) -> None:
-        """Fault injection: at ``corrupt_chunk_rate``, one byte of ``payload`` (a chunk's bytes, or its span in an
-        arena, ``ShmPush.frame_raw``) flipped."""
-        if len(payload) and self._fault_rng.random() < self.corrupt_chunk_rate:
-            payload[self._fault_rng.randrange(len(payload))] ^= 0x5A
+    def corrupt_in_place(self, payload: np.ndarray) -> None:
+        """Fault injection: at ``corrupt_chunk_rate``, one byte of a chunk's span in an arena (``ShmPush.frame_raw``)
+        flipped."""
+        at = self._fault_at(len(payload))
+        if at is not None:
+            payload[at] ^= 0x5A
+
+    def _fault_at(self, size: int) -> int | None:
+        """At ``corrupt_chunk_rate``, the byte to flip of a payload of ``size`` bytes; None: it stays whole."""
+        if size and self.corrupt_chunk_rate and self._fault_rng.random() < self.corrupt_chunk_rate:
+            return self._fault_rng.randrange(size)
+        return None
 
     def encode(self, fn, *args) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._encoder, fn, *args)
