@@ -1,6 +1,8 @@
 """The paged KV cache: one pool of K blocks and one of V blocks per layer, sized from a memory budget.
 
-``k_blocks[layer]`` and ``v_blocks[layer]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``. The token at
+``k_blocks[layer]`` and ``v_blocks[layer]`` are ``[num_blocks, block_size, num_kv_heads, row]``, a row being one
+(token, head)'s K or V as the pool stores it (engine/kv_rows.py: ``head_dim`` values of a float dtype, or int8 codes
+and their float16 scale). The token at
 position ``p`` of a sequence lives in block ``block_table[p // block_size]`` at offset ``p % block_size``, i.e. in
 slot ``block_id * block_size + offset`` of the flattened pool. Which block belongs to whom is the ``BlockManager``'s
 business; this file only owns the memory.
@@ -13,11 +15,13 @@ Two kinds of reader and writer:
 - everyone else (the prefill pod's KV export, the decode pod's KV receiver, the benchmarks) goes through
 
       slots(block_table, token_start, token_end) -> [n] long     where a token range of a sequence lives
-      read(layer, kind, slots) -> [n, Hkv, D]                    a copy of that layer's K ("k") or V ("v")
-      write(layer, kind, slots, values [n, Hkv, D])             stored in the cache's dtype
+      read(layer, kind, slots) -> [n, Hkv, D]                    a copy of that layer's K ("k") or V ("v") values
+      write(layer, kind, slots, values [n, Hkv, D])             stored in the cache's format
+      read_rows / write_rows(layer, kind, slots[, rows])         the same, as stored rows [n, Hkv, row] (no rounding)
 
-  plus ``dtype``, ``element_size`` and ``device``. Slots are computed once per token range and reused for every
-  layer and for K and V (the prefill export reads all layers of a step at the same slots).
+  plus ``dtype`` (what the pool stores), ``value_dtype`` (what ``read`` returns), ``bytes_per_token`` and
+  ``device``. Slots are computed once per token range and reused for every layer and for K and V (the prefill
+  export reads all layers of a step at the same slots).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from splitserve.engine import kv_rows
 from splitserve.engine.config import CacheConfig, ModelConfig
 
 KVKind = Literal["k", "v"]  # keys or values, as the cache, the codecs and the KV wire name them
@@ -42,15 +47,16 @@ class PagedKVCache:
         model_config: ModelConfig,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype | str,  # what K/V are stored as (CacheConfig.cache_dtype; float16 by default there)
+        dtype: torch.dtype | str,  # what K/V are stored as (CacheConfig.cache_dtype: kv_rows.POOL_DTYPES)
         device: torch.device | str = "cpu",
     ):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = _as_dtype(dtype)
-        shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.dtype = kv_rows.pool_dtype(dtype)
+        self.head_dim = model_config.head_dim
+        shape = (num_blocks, block_size, model_config.num_kv_heads, kv_rows.row_width(self.dtype, self.head_dim))
         self.k_blocks = [_zeroed(shape, self.dtype, device) for _ in range(model_config.num_layers)]
         self.v_blocks = [_zeroed(shape, self.dtype, device) for _ in range(model_config.num_layers)]
 
@@ -59,7 +65,7 @@ class PagedKVCache:
         cls, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu"
     ) -> "PagedKVCache":
         """A cache of ``cache_config.num_blocks`` blocks, or as many as fit in ``kv_cache_memory_bytes``."""
-        dtype = _as_dtype(cache_config.cache_dtype)
+        dtype = kv_rows.pool_dtype(cache_config.cache_dtype)
         num_blocks = cache_config.num_blocks or num_blocks_for_budget(
             model_config, cache_config.block_size, dtype, cache_config.kv_cache_memory_bytes
         )
@@ -74,13 +80,23 @@ class PagedKVCache:
         return self.k_blocks[0].device
 
     @property
-    def element_size(self) -> int:
-        """Bytes of one stored K or V element."""
-        return self.k_blocks[0].element_size()
+    def value_dtype(self) -> torch.dtype:
+        """What ``read`` returns: the pool's dtype, or float32 for an int8 pool."""
+        return kv_rows.value_dtype(self.dtype)
+
+    @property
+    def element_size(self) -> float:
+        """Bytes one stored K or V value takes, its row's scale shared out (an int8 pool: 1 + 2 / head_dim)."""
+        return kv_rows.row_width(self.dtype, self.head_dim) * _element_size(self.dtype) / self.head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in the pool across all layers, scales included."""
+        return self.bytes_per_block() // self.block_size
 
     def bytes_per_block(self) -> int:
-        _, _, num_kv_heads, head_dim = self.k_blocks[0].shape
-        return bytes_per_block(num_kv_heads, head_dim, self.num_layers, self.block_size, self.dtype)
+        num_kv_heads = self.k_blocks[0].shape[2]
+        return bytes_per_block(num_kv_heads, self.head_dim, self.num_layers, self.block_size, self.dtype)
 
     # ---- the interface for code outside the engine ------------------------------------------------------------
     def slots(self, block_table: Sequence[int], token_start: int, token_end: int) -> torch.Tensor:
@@ -94,16 +110,28 @@ class PagedKVCache:
         return (table[positions // self.block_size] * self.block_size + positions % self.block_size).to(self.device)
 
     def read(self, layer: int, kind: KVKind, slots: torch.Tensor) -> torch.Tensor:
-        """A copy of ``layer``'s K (``kind`` "k") or V ("v") at ``slots``: [len(slots), Hkv, D], the cache's dtype.
-        A copy, so that it stays valid after the blocks are freed and reused."""
+        """A copy of ``layer``'s K (``kind`` "k") or V ("v") values at ``slots``: [len(slots), Hkv, D], in
+        ``value_dtype``. A copy, so that it stays valid after the blocks are freed and reused."""
+        return kv_rows.load(self.read_rows(layer, kind, slots))
+
+    def read_rows(self, layer: int, kind: KVKind, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of ``layer``'s K or V rows at ``slots`` as the pool stores them: [len(slots), Hkv, row]."""
         # index_select, not flat[slots]: advanced indexing gathers the rows ~8x slower on CPU.
         return torch.index_select(self._flat(layer, kind), 0, slots)
 
     def write(self, layer: int, kind: KVKind, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``values`` [len(slots), Hkv, D] (any float dtype, rounded to the cache's) as ``layer``'s K or V at
-        ``slots``."""
+        """Store ``values`` [len(slots), Hkv, D] (any float dtype, rounded or quantized to the pool's format) as
+        ``layer``'s K or V at ``slots``."""
+        self.write_rows(layer, kind, slots, kv_rows.store(values, self.dtype))
+
+    def write_rows(self, layer: int, kind: KVKind, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows`` [len(slots), Hkv, row], in the pool's format (``read_rows``'s), as ``layer``'s K or V at
+        ``slots``, unchanged."""
         flat = self._flat(layer, kind)
-        values = values.to(device=flat.device, dtype=flat.dtype)
+        if rows.dtype != flat.dtype or rows.shape[1:] != flat.shape[1:]:
+            raise ValueError(f"rows {rows.dtype} {tuple(rows.shape[1:])} are not this pool's "
+                             f"{flat.dtype} {tuple(flat.shape[1:])}")
+        values = rows.to(device=flat.device)  # (the name the copy below was written with)
         if flat.device.type != "cpu" or len(slots) == 0:  # (numpy cannot shape an empty batch of rows)
             flat.index_copy_(0, slots, values)
             return
@@ -137,8 +165,8 @@ class PagedKVCache:
 
 
 def bytes_per_block(num_kv_heads: int, head_dim: int, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V together."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * _element_size(dtype)
+    """Bytes one block takes across all layers, K and V together (an int8 pool's scales included)."""
+    return 2 * num_layers * block_size * num_kv_heads * kv_rows.row_width(dtype, head_dim) * _element_size(dtype)
 
 
 def num_blocks_for_budget(model_config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -168,6 +196,3 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
-
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -291,7 +291,7 @@ class LLMEngine:
             source, copy = (cache.slots([block], 0, cache.block_size) for block in blocks)
             for layer in range(cache.num_layers):
                 for kind in ("k", "v"):
-                    cache.write(layer, kind, copy, cache.read(layer, kind, source))
+                    cache.write_rows(layer, kind, copy, cache.read_rows(layer, kind, source))
         return child
 
     def release_transfer(self, seq: Sequence) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.engine import kv_rows
 from splitserve.engine.config import CacheConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from splitserve.engine.model.attention import AttentionMetadata, paged_attention
@@ -40,7 +41,7 @@ def _run_scenario(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int
     Returns (output, reference, caches, new k and v, meta)."""
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(99)).tolist()  # shuffled block ids
-    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, kv_rows.row_width(cache_dtype, HEAD_DIM))
     k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
     tables, full_k, full_v = [], [], []
     for prefix, n in seqs:
@@ -50,7 +51,8 @@ def _run_scenario(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int
         full_v.append(torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen))
         for p in range(prefix):  # the cached prefix, as earlier steps left it
             block, offset = tables[-1][p // BLOCK_SIZE], p % BLOCK_SIZE
-            k_cache[block, offset], v_cache[block, offset] = full_k[-1][p], full_v[-1][p]
+            k_cache[block, offset] = kv_rows.store(full_k[-1][p], cache_dtype)
+            v_cache[block, offset] = kv_rows.store(full_v[-1][p], cache_dtype)
     q = torch.randn(sum(n for _, n in seqs), num_heads, HEAD_DIM, generator=gen)
     k_new = torch.cat([k[prefix:] for k, (prefix, _) in zip(full_k, seqs)])
     v_new = torch.cat([v[prefix:] for v, (prefix, _) in zip(full_v, seqs)])
@@ -59,7 +61,7 @@ def _run_scenario(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale, kernels)
     refs, start = [], 0
     for (prefix, n), k, v in zip(seqs, full_k, full_v):
-        k, v = k.to(cache_dtype).float(), v.to(cache_dtype).float()  # attention sees K/V as the cache holds them
+        k, v = (kv_rows.load(kv_rows.store(x, cache_dtype), torch.float32) for x in (k, v))  # as the cache holds them
         refs.append(_dense_reference(q[start : start + n], k, v, prefix, scale))
         start += n
     return out, torch.cat(refs), (k_cache, v_cache), (k_new, v_new), meta
@@ -107,21 +109,22 @@ def test_new_kv_lands_in_its_slots_and_nothing_else_changes(attention_kernels):
     assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == sum(p + n for p, n in seqs)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_cache_stores_rounded_kv_and_attends_in_float32(cache_dtype, attention_kernels):
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.int8])
+def test_a_narrower_cache_stores_rounded_kv_and_attends_in_float32(cache_dtype, attention_kernels):
     out, ref, (k_cache, _), (k_new, _), meta = _run_scenario([(6, 1), (4, 3), (9, 1)], 4, 2, cache_dtype=cache_dtype,
                                                              kernels=attention_kernels)
     assert k_cache.dtype == cache_dtype and out.dtype == torch.float32
-    torch.testing.assert_close(k_cache.flatten(0, 1)[meta.slot_mapping], k_new.to(cache_dtype), rtol=0, atol=0)
+    assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping], kv_rows.store(k_new, cache_dtype))
     assert (out.double() - ref).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_native_cache_write_rounds_as_torch_does(cache_dtype, native_kernels):
     # The native layer input (norm, QKV product, rotary, cache write) with a zero QKV weight and everything at
-    # position 0 (rotation by 0) leaves qkv = its bias, so the cache must hold exactly bias.to(cache_dtype): ties
+    # position 0 (rotation by 0) leaves qkv = its bias, so the cache must hold exactly kv_rows.store(bias): ties
     # rounded to even (1 + 2^-8 and 1 + 3 * 2^-8 for bfloat16, 1 + 2^-11 and 1 + 3 * 2^-11 for float16),
-    # subnormals, overflow to inf, signs, and every slot where the slot mapping puts it.
+    # subnormals, overflow to inf, signs, an int8 row's scale and codes, and every slot where the slot mapping puts
+    # it.
     from splitserve.engine.kernels.weight_formats import packed_shape
 
     num_heads, num_kv_heads, head_dim, hidden, tokens = 2, 2, 8, 16, 3
@@ -132,7 +135,7 @@ def test_native_cache_write_rounds_as_torch_does(cache_dtype, native_kernels):
     bias = torch.randn(width, generator=gen) * 10
     bias[num_heads * head_dim : num_heads * head_dim + 8] = special  # k of the first KV head
     bias[-8:] = special.flip(0)  # v of the last KV head
-    shape = (4, 4, num_kv_heads, head_dim)
+    shape = (4, 4, num_kv_heads, kv_rows.row_width(cache_dtype, head_dim))
     k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
     slots = torch.tensor([13, 2, 7])
     qkv = native_kernels.attention_input(
@@ -141,14 +144,13 @@ def test_native_cache_write_rounds_as_torch_does(cache_dtype, native_kernels):
         torch.ones(1, head_dim), torch.zeros(1, head_dim), num_heads, num_kv_heads, k_cache, v_cache, slots,
     )
     assert torch.equal(qkv, bias.expand(tokens, width))
-    k_new = bias[num_heads * head_dim : -kv_width].view(num_kv_heads, head_dim).to(cache_dtype)
-    v_new = bias[-kv_width:].view(num_kv_heads, head_dim).to(cache_dtype)
-    bits = torch.float32 if cache_dtype == torch.float32 else torch.int16
+    k_new = kv_rows.store(bias[num_heads * head_dim : -kv_width].view(num_kv_heads, head_dim), cache_dtype)
+    v_new = kv_rows.store(bias[-kv_width:].view(num_kv_heads, head_dim), cache_dtype)
     flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     for slot in range(16):
         written = slot in slots.tolist()
-        assert torch.equal(flat_k[slot].view(bits), (k_new if written else torch.zeros_like(k_new)).view(bits))
-        assert torch.equal(flat_v[slot].view(bits), (v_new if written else torch.zeros_like(v_new)).view(bits))
+        for got, new in ((flat_k[slot], k_new), (flat_v[slot], v_new)):
+            assert torch.equal(got.view(torch.uint8), (new if written else torch.zeros_like(new)).view(torch.uint8))
 
 
 def test_build_slot_mapping_and_padding():
@@ -213,7 +215,7 @@ def test_kv_cache_sized_from_budget_or_override():
         num_blocks_for_budget(CONFIG, 8, torch.float32, 6143)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (7, 1, 40)])
 def test_native_decode_attention_matches_pytorch_at_model_sizes(block_size, num_heads, num_kv_heads, head_dim,
@@ -221,11 +223,12 @@ def test_native_decode_attention_matches_pytorch_at_model_sizes(block_size, num_
     # Model head shapes (SmolLM2's 9 query heads on 3 KV heads of 64; groups of 4 and of 7, which the kernel
     # splits into sets of at most 3 heads; a head of 40, not a multiple of 32) with long, ragged contexts over
     # shuffled blocks: several 256-key chunks per sequence to merge, and (block size 5) chunks that are not a
-    # multiple of 8 keys; caches of every dtype the kernels read (16-bit ones widened to float32 on load).
+    # multiple of 8 keys; caches of every dtype the kernels read (16-bit ones widened to float32 on load, int8 rows
+    # scaled).
     gen = torch.Generator().manual_seed(7)
     num_blocks, lens = 800, [700, 1, 333, 16, 517]
-    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
-                        for _ in range(2))
+    k_cache, v_cache = (kv_rows.store(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen),
+                                      cache_dtype) for _ in range(2))
     pool = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[pool.pop() for _ in range(-(-n // block_size))] for n in lens]
     meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size)
@@ -241,7 +244,7 @@ def test_native_decode_attention_matches_pytorch_at_model_sizes(block_size, num_
     assert torch.equal(single, ours[2:3])
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (7, 1, 40)])
 def test_native_prefill_attention_matches_pytorch_at_model_sizes(block_size, num_heads, num_kv_heads, head_dim,
@@ -250,15 +253,16 @@ def test_native_prefill_attention_matches_pytorch_at_model_sizes(block_size, num
     # mid-block, and a 2-token one; heads of 40 (a partial 16-dim panel) and groups of 1 to 7 query heads.
     gen = torch.Generator().manual_seed(3)
     num_blocks, seqs = 300, [(0, 203), (77, 100), (0, 2)]  # (cached prefix, new tokens)
-    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
+    width = kv_rows.row_width(cache_dtype, head_dim)
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, width, dtype=cache_dtype) for _ in range(2)]
     pool = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[pool.pop() for _ in range(-(-(p + n) // block_size))] for p, n in seqs]
     for (prefix, _), table in zip(seqs, tables):
         for cache in caches:
-            flat = cache.view(-1, num_kv_heads, head_dim)
+            flat = cache.view(-1, num_kv_heads, width)
             for p in range(prefix):
-                flat[table[p // block_size] * block_size + p % block_size] = torch.randn(num_kv_heads, head_dim,
-                                                                                         generator=gen)
+                flat[table[p // block_size] * block_size + p % block_size] = kv_rows.store(
+                    torch.randn(num_kv_heads, head_dim, generator=gen), cache_dtype)
     total = sum(n for _, n in seqs)
     q, k_new, v_new = (torch.randn(total, h, head_dim, generator=gen) for h in (num_heads, num_kv_heads, num_kv_heads))
     meta = AttentionMetadata.build([n for _, n in seqs], [p + n for p, n in seqs], tables, block_size)

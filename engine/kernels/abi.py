@@ -13,7 +13,7 @@ import ctypes
 
 from splitserve.engine.kernels.build import KernelsUnavailable
 
-ABI_VERSION = 4  # kAbiVersion in csrc/cpu_kernels.cpp: bump both when an entry point changes
+ABI_VERSION = 5  # kAbiVersion in csrc/cpu_kernels.cpp: bump both when an entry point changes
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 

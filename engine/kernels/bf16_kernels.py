@@ -119,15 +119,15 @@ class Bf16Kernels:
                           prefix: int, scale: float, out: torch.Tensor) -> None:
         """Causal attention of one sequence's n new queries q [n, Hq, D] float32 (rows may be strided, heads
         contiguous) at positions prefix .. prefix + n - 1 over its keys 0 .. prefix + n - 1, which the caches
-        [num_blocks, block_size, Hkv, D] hold, found through ``blocks`` (int64) -> ``out`` [n, >= Hq D] bf16 (rows
+        [num_blocks, block_size, Hkv, row] hold (kv_rows.py), found through ``blocks`` (int64) -> ``out`` [n, >= Hq D] bf16 (rows
         contiguous, may be strided), its first Hq D columns written."""
         n, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim,
                    "bf16 prefill attention: bad q")
-        check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[3] == head_dim
-                   and num_heads % num_kv_heads == 0, "bf16 prefill attention: caches do not match q")
-        check_caches(k_cache, v_cache, "bf16 prefill attention")
+        check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and num_heads % num_kv_heads == 0,
+                   "bf16 prefill attention: caches do not match q")
+        check_caches(k_cache, v_cache, "bf16 prefill attention", head_dim)
         check_args(blocks.dtype == torch.int64 and blocks.is_contiguous() and len(blocks) * block_size >= prefix + n,
                    "bf16 prefill attention: bad block list")
         check_args(out.dtype == torch.bfloat16 and out.stride(1) == 1 and len(out) == n

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine import kv_rows
+
 # KV cache dtypes the kernels read and write (CacheType in the source): 16-bit caches are widened to float32 as
-# they are loaded, so the attention's arithmetic is float32 whatever the cache holds.
-CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# they are loaded, int8 rows multiplied by their scales (engine/kv_rows.py), so the attention's arithmetic is float32
+# whatever the cache holds.
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -16,14 +19,17 @@ def supports_head_dim(head_dim: int) -> bool:
 
 
 def supports_cache_dtype(dtype: torch.dtype) -> bool:
-    """The attention kernels read and write float32, bfloat16 and float16 caches."""
+    """The attention kernels read and write float32, bfloat16, float16 and int8 caches."""
     return dtype in CACHE_TYPES
 
 
-def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str, head_dim: int) -> None:
+    """Both caches of one ``CACHE_TYPES`` dtype, alike in shape, their rows holding ``head_dim`` values."""
     check_args(k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_TYPES,
            f"{what}: caches must both be one of {', '.join(str(t) for t in CACHE_TYPES)}, "
            f"got {k_cache.dtype} and {v_cache.dtype}")
+    check_args(k_cache.shape == v_cache.shape and kv_rows.head_dim_of(k_cache) == head_dim,
+               f"{what}: caches {tuple(k_cache.shape)} do not hold rows of head_dim {head_dim}")
 
 
 def check_args(ok: bool, message: str) -> None:
@@ -34,10 +40,10 @@ def check_args(ok: bool, message: str) -> None:
 def check_cache_write(positions: torch.Tensor, slot_mapping: torch.Tensor, tokens: int, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, what: str) -> None:
     """The arguments of a step that rotates its tokens' q and k and writes their k and v to the caches: positions and
-    slots one per token (int64), caches [num_blocks, block_size, Hkv, D] contiguous, alike, of a ``CACHE_TYPES``
-    dtype."""
+    slots one per token (int64), caches [num_blocks, block_size, Hkv, row] contiguous, alike, of a ``CACHE_TYPES``
+    dtype, their rows holding head_dim values (kv_rows.py)."""
     check_args(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
                and len(positions) == tokens == len(slot_mapping), f"{what}: bad positions or slot mapping")
     check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-               and k_cache.shape[2:] == (num_kv_heads, head_dim), f"{what}: caches do not match")
-    check_caches(k_cache, v_cache, what)
+               and k_cache.shape[2] == num_kv_heads, f"{what}: caches do not match")
+    check_caches(k_cache, v_cache, what, head_dim)

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from splitserve.engine import kv_rows
 from splitserve.engine.kernels.checks import check_args, check_caches, supports_head_dim
 from splitserve.engine.kernels.weight_formats import format_code, in_features_of, is_weight
 
@@ -55,8 +56,8 @@ class DecodeLayers:
         self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
         self.hidden = first.input_norm.shape[0]
         self.inter = in_features_of(first.down, first.down_format)
-        _, self.block_size, _, self.head_dim = first.k_cache.shape
-        check_caches(first.k_cache, first.v_cache, "DecodeLayers")
+        self.block_size, self.head_dim = first.k_cache.shape[1], kv_rows.head_dim_of(first.k_cache)
+        check_caches(first.k_cache, first.v_cache, "DecodeLayers", self.head_dim)
         self.cache_dtype = first.k_cache.dtype
         width = (num_heads + 2 * num_kv_heads) * self.head_dim
         for layer in layers:

@@ -28,6 +28,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine import kv_rows
 from splitserve.engine.kernels.cpu_kernels import CpuKernels
 
 
@@ -40,7 +41,7 @@ class GatherBuffers:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.k: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], the cache's dtype
+        self.k: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, row], the cache's rows (kv_rows.py)
         self.v: torch.Tensor | None = None
 
     def get(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +200,7 @@ def paged_attention(
     """Attention of the step's queries over their sequences' contexts; writes k_new/v_new into the cache first
     (unless ``kv_written``: the caller has).
 
-    q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D].
+    q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, row] (kv_rows.py).
     ``kernels``: the native CPU kernels, for the decode queries when they take the cache's dtype and D.
     Returns [T, Hq, D] in q's dtype.
     """
@@ -225,15 +226,16 @@ def paged_attention(
 
 def _write(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
     if new.dtype != cache.dtype:  # a cache stored narrower than the compute dtype; checked, as .to costs a call
-        new = new.to(cache.dtype)
-    cache.flatten(0, 1).index_copy_(0, slots, new)  # [num_blocks * block_size, Hkv, D]
+        new = kv_rows.store(new, cache.dtype)
+    cache.flatten(0, 1).index_copy_(0, slots, new)  # [num_blocks * block_size, Hkv, row]
 
 
 def _gather(cache, blocks, buffer, num_seqs: int, context_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """[num_seqs, Hkv, context_len, D]: each sequence's blocks in order, trimmed to context_len keys."""
-    keys = torch.index_select(cache, 0, blocks, out=buffer)  # [num_seqs * nb, block_size, Hkv, D]
-    keys = keys.view(num_seqs, -1, cache.shape[2], cache.shape[3])[:, :context_len]  # [B, nb * block_size, Hkv, D]
-    return keys.transpose(1, 2) if keys.dtype == dtype else keys.transpose(1, 2).to(dtype)
+    """[num_seqs, Hkv, context_len, D]: each sequence's blocks in order, trimmed to context_len keys, as values in
+    ``dtype``."""
+    rows = torch.index_select(cache, 0, blocks, out=buffer)  # [num_seqs * nb, block_size, Hkv, row]
+    rows = rows.view(num_seqs, -1, cache.shape[2], cache.shape[3])[:, :context_len]  # [B, nb * block_size, Hkv, row]
+    return kv_rows.load(rows.transpose(1, 2), dtype)
 
 
 def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
@@ -259,7 +261,7 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, seg: PrefillSegment, scale: floa
     if seg.prefix == 0 and k_cache.dtype == q.dtype:  # the fresh K/V are what the cache holds: no read back
         keys = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
         values = v_new.transpose(0, 1).unsqueeze(0)
-    else:  # a cached prefix, or a 16-bit cache's rounded K/V (what the native kernels and later steps attend over)
+    else:  # a cached prefix, or a narrower cache's rounded K/V (what the native kernels and later steps attend over)
         k_buffer, v_buffer = seg.buffers.get(k_cache)
         keys = _gather(k_cache, seg.blocks, k_buffer, 1, seg.context_len, q.dtype)  # [1, Hkv, context_len, D]
         values = _gather(v_cache, seg.blocks, v_buffer, 1, seg.context_len, q.dtype)

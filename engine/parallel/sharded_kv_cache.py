@@ -36,6 +36,7 @@ import tempfile
 
 import torch
 
+from splitserve.engine import kv_rows
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.kv_cache import KVKind, PagedKVCache, bytes_per_block
 from splitserve.engine.parallel.layout import Range, RankShard, rank_config
@@ -64,7 +65,8 @@ def map_pool(fd: int, config: ModelConfig, num_blocks: int, block_size: int, dty
     """A ``PagedKVCache`` of ``config``'s KV heads (a rank's) over the pool file ``fd``, shared with every process
     that maps it."""
     pool = PagedKVCache(config, num_blocks, block_size, dtype)  # its private pages are never touched: replaced
-    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
+             kv_rows.row_width(pool.dtype, config.head_dim))
     memory = torch.frombuffer(mmap.mmap(fd, num_blocks * pool.bytes_per_block()), dtype=pool.dtype).view(shape)
     pool.k_blocks = list(memory[:, 0].unbind(0))
     pool.v_blocks = list(memory[:, 1].unbind(0))
@@ -114,6 +116,17 @@ class ShardedKVCache(PagedKVCache):
         heads (rank 0 only)."""
         self.write_heads(layer, kind, slots, values, (0, self.num_kv_heads))
 
+    def read_rows(self, layer: int, kind: KVKind, slots: torch.Tensor) -> torch.Tensor:
+        """Every KV head of ``layer``'s K or V at ``slots`` as stored rows: [len(slots), Hkv, row] (rank 0 only)."""
+        return torch.cat([self.pools[rank].read_rows(layer, kind, slots) for _, rank in self.head_ranges], dim=1)
+
+    def write_rows(self, layer: int, kind: KVKind, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows`` [len(slots), Hkv, row] (every KV head, as stored) as ``layer``'s K or V at ``slots``: each
+        rank its heads (rank 0 only)."""
+        for shard in self.shards:
+            start, end = shard.kv_heads
+            self.pools[shard.rank].write_rows(layer, kind, slots, rows[:, start:end])
+
 
 def read_heads(cache: PagedKVCache, layer: int, kind: KVKind,
                slots: torch.Tensor) -> list[tuple[Range | None, torch.Tensor]]:
@@ -137,7 +150,7 @@ def write_heads(cache: PagedKVCache, layer: int, kind: KVKind, slots: torch.Tens
     if (start, end) == (0, pool.shape[1]):
         cache.write(layer, kind, slots, values)
         return
-    values = values.to(device=pool.device, dtype=pool.dtype)
+    values = kv_rows.store(values, pool.dtype).to(device=pool.device)
     if pool.device.type != "cpu" or len(slots) == 0:
         pool[:, start:end].index_copy_(0, slots, values)
         return

@@ -14,7 +14,8 @@
 | kivi2  | kivi.py       | as kivi4 at 2 bits                                              | 0.3135 (+ kept rows) |
 | X+zstd | zstd.py       | codec X, then zstd over payload and scales (lossless)           | data-dependent       |
 
-``scales.py``: how the quantizing codecs store their scales and range ends (float16, rounded outward).
+``engine/float16_scales.py``: how the quantizing codecs (and the int8 KV pool) store their scales and range ends
+(float16, rounded outward).
 
 Only base.py is imported here; a codec's module (and zstandard) loads when the codec is first requested.
 """

@@ -38,7 +38,7 @@ if sys.byteorder != "little":  # the byte layout is little-endian and tensors ar
     raise ImportError("kvtransfer codecs need a little-endian host")
 
 # Cache dtypes a codec accepts, by the name an EncodedKV carries: the engine's (engine/config.py).
-CACHE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in engine_config.CACHE_DTYPES}
+CACHE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in engine_config.KV_VALUE_DTYPES}
 
 
 class KVSpan(NamedTuple):

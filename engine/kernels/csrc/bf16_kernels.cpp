@@ -175,12 +175,11 @@ void prefill_attention(bf16::Isa isa, const float* q, int64_t ldq, const typenam
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t item = 0; item < num_kv_heads * keys; ++item) {
     const int64_t h = item / keys, j = item % keys;
-    const int64_t at = ((blocks[j / block_size] * block_size + j % block_size) * num_kv_heads + h) * head_dim;
+    const int64_t at = ((blocks[j / block_size] * block_size + j % block_size) * num_kv_heads + h) *
+                       row_elems<CT>(head_dim);
     alignas(32) float k[512], v[512];
-    for (int64_t d = 0; d < head_dim; d += 8) {
-      _mm256_store_ps(k + d, CacheElem<CT>::load8(k_cache + at + d));
-      _mm256_store_ps(v + d, CacheElem<CT>::load8(v_cache + at + d));
-    }
+    load_row<CT>(k_cache + at, head_dim, k);
+    load_row<CT>(v_cache + at, head_dim, v);
     uint16_t* kp = k_packed.data() + h * k_head + j / kPanel * dp * kPanel + j % kPanel * 2;
     uint16_t* vp = v_packed.data() + h * v_head + j / 2 * 2 * kPanel + j % 2;
     for (int64_t d = 0; d < head_dim; ++d) {

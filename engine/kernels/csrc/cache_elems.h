@@ -1,11 +1,15 @@
-// The KV cache's element types, as the native kernels read and write them: float32, or 16-bit bfloat16 / float16
-// values widened to float32 as they are loaded (and rounded to nearest, ties to even, as they are stored), so the
-// attention's arithmetic is float32 whatever the cache holds. Shared by the float32 kernels (cpu_kernels.cpp) and the
-// bf16 prefill (bf16_kernels.cpp), which read the same caches.
+// The KV cache's element types, as the native kernels read and write them: float32; 16-bit bfloat16 / float16 values
+// widened to float32 as they are loaded (and rounded to nearest, ties to even, as they are stored); or int8 codes
+// with a float16 scale per (token, head) row. The attention's arithmetic is float32 whatever the cache holds. Shared
+// by the float32 kernels (cpu_kernels.cpp) and the bf16 prefill (bf16_kernels.cpp), which read the same caches.
+//
+// A pool row is one (token, head)'s K or V: head_dim elements, then, for a scaled type, the row's scale (kScaleElems
+// elements of T holding a float16). engine/kv_rows.py is the Python side of the same layout and must agree bit for bit.
 #pragma once
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <type_traits>
 
@@ -13,9 +17,8 @@
 
 namespace {
 
-// What the KV cache holds (CACHE_TYPES in engine/kernels/checks.py): float32, or 16-bit bfloat16 / float16 values
-// widened to float32 as they are loaded, so the attention's arithmetic is float32 whatever the cache stores.
-enum CacheType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// What the KV cache holds (CACHE_TYPES in engine/kernels/checks.py).
+enum CacheType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
 
 template <int CT>
 struct CacheElem;
@@ -23,6 +26,7 @@ struct CacheElem;
 template <>
 struct CacheElem<kFloat32> {
   using T = float;
+  static constexpr int64_t kScaleElems = 0;
   static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
   static void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 };
@@ -30,6 +34,7 @@ struct CacheElem<kFloat32> {
 template <>
 struct CacheElem<kBFloat16> {
   using T = uint16_t;
+  static constexpr int64_t kScaleElems = 0;
   static __m256 load8(const uint16_t* p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -40,6 +45,7 @@ struct CacheElem<kBFloat16> {
 template <>
 struct CacheElem<kFloat16> {
   using T = uint16_t;
+  static constexpr int64_t kScaleElems = 0;
   static __m256 load8(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -47,6 +53,79 @@ struct CacheElem<kFloat16> {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
 };
+
+// Symmetric int8: a row's codes are round(x / s) in [-127, 127] (ties to even), s = amax / 127 rounded up to a
+// float16 (saturating at float16's largest; an all-zero row gets s = 0 and zero codes): the int8 KV codec's scheme
+// (kvtransfer/codecs/symmetric.py), so a pool's rows are that codec's payload and scales as they lie.
+template <>
+struct CacheElem<kInt8> {
+  using T = int8_t;
+  static constexpr int64_t kScaleElems = 2;  // the row's float16 scale, after its codes
+  static __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float scale(const int8_t* row, int64_t head_dim) {
+    uint16_t half;
+    memcpy(&half, row + head_dim, sizeof(half));
+    return _cvtsh_ss(half);
+  }
+  static void store_row(int8_t* row, const float* x, int64_t head_dim) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < head_dim; i += 8) {
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    }
+    const float wanted = hmax(amax) / 127.0f;
+    const uint16_t half = wanted > 65504.0f ? 0x7bff : _cvtss_sh(wanted, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    const float s = _cvtsh_ss(half);
+    const __m256 divisor = _mm256_set1_ps(s > 0.0f ? s : 1.0f);
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (int64_t i = 0; i < head_dim; i += 8) {
+      const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), divisor),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i codes = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi));
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(row + i), _mm_packs_epi16(words, words));
+    }
+    memcpy(row + head_dim, &half, sizeof(half));
+  }
+};
+
+// Elements of T a row takes: its head_dim values and, for a scaled type, its scale.
+template <int CT>
+constexpr int64_t row_elems(int64_t head_dim) {
+  return head_dim + CacheElem<CT>::kScaleElems;
+}
+
+// What a row's elements are multiplied by to give its values: its scale, or 1 for an unscaled type.
+template <int CT>
+inline float row_scale(const typename CacheElem<CT>::T* row, int64_t head_dim) {
+  if constexpr (CacheElem<CT>::kScaleElems > 0) {
+    return CacheElem<CT>::scale(row, head_dim);
+  } else {
+    return 1.0f;
+  }
+}
+
+// A row's head_dim values, as float32, into out.
+template <int CT>
+inline void load_row(const typename CacheElem<CT>::T* row, int64_t head_dim, float* out) {
+  const __m256 s = _mm256_set1_ps(row_scale<CT>(row, head_dim));
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 x = CacheElem<CT>::load8(row + d);
+    _mm256_storeu_ps(out + d, CacheElem<CT>::kScaleElems > 0 ? _mm256_mul_ps(x, s) : x);
+  }
+}
+
+// head_dim float32 values stored as a row of CT.
+template <int CT>
+inline void store_row(typename CacheElem<CT>::T* row, const float* x, int64_t head_dim) {
+  if constexpr (CacheElem<CT>::kScaleElems > 0) {
+    CacheElem<CT>::store_row(row, x, head_dim);
+  } else {
+    for (int64_t d = 0; d < head_dim; d += 8) CacheElem<CT>::store8(row + d, _mm256_loadu_ps(x + d));
+  }
+}
 
 // Calls f(std::integral_constant<int, CT>) for the cache type the caller named (checked there).
 template <typename F>
@@ -58,24 +137,29 @@ void with_cache_type(int cache_type, F&& f) {
     case kFloat16:
       f(std::integral_constant<int, kFloat16>{});
       break;
+    case kInt8:
+      f(std::integral_constant<int, kInt8>{});
+      break;
     default:
       f(std::integral_constant<int, kFloat32>{});
   }
 }
 
-// One token's new K and V (n floats each, n a multiple of 8) into the caches at element `offset`, as CT elements.
+// One token's new K and V (num_kv_heads rows of head_dim floats each, head_dim a multiple of 8) into the caches at
+// `slot`, as rows of CT.
 template <int CT>
-void write_cache_row(void* k_cache, void* v_cache, int64_t offset, const float* k_new, const float* v_new,
-                     int64_t n) {
+void write_cache_row(void* k_cache, void* v_cache, int64_t slot, const float* k_new, const float* v_new,
+                     int64_t num_kv_heads, int64_t head_dim) {
   using T = typename CacheElem<CT>::T;
-  T* k = static_cast<T*>(k_cache) + offset;
-  T* v = static_cast<T*>(v_cache) + offset;
-  for (int64_t i = 0; i < n; i += 8) {
-    CacheElem<CT>::store8(k + i, _mm256_loadu_ps(k_new + i));
-    CacheElem<CT>::store8(v + i, _mm256_loadu_ps(v_new + i));
+  const int64_t width = row_elems<CT>(head_dim);
+  T* k = static_cast<T*>(k_cache) + slot * num_kv_heads * width;
+  T* v = static_cast<T*>(v_cache) + slot * num_kv_heads * width;
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    store_row<CT>(k + h * width, k_new + h * head_dim, head_dim);
+    store_row<CT>(v + h * width, v_new + h * head_dim, head_dim);
   }
 }
 
-using WriteKVFn = void (*)(void*, void*, int64_t, const float*, const float*, int64_t);
+using WriteKVFn = void (*)(void*, void*, int64_t, const float*, const float*, int64_t, int64_t);
 
 }  // namespace

@@ -182,10 +182,11 @@ inline void prefetch_slice(const T* first, int64_t rows, int64_t row_stride, int
 }
 
 // scores[h * score_stride + j] = scale * q_h . K_j for HS query heads (q_h = q + h * head_dim) and KEYS key rows
-// (K_j = k + j * row_stride): every K vector loaded once serves all HS heads.
+// (K_j = k + j * row_stride, times key_scales[j] for a scaled cache type): every K vector loaded once serves all HS
+// heads.
 template <int CT, int HS, int KEYS>
 inline void score_tile(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
-                       float scale, float* scores, int64_t score_stride) {
+                       float scale, float* scores, int64_t score_stride, const float* key_scales) {
   __m256 acc[HS][KEYS];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h)
@@ -202,20 +203,24 @@ inline void score_tile(const float* q, int64_t head_dim, const typename CacheEle
       for (int h = 0; h < HS; ++h) acc[h][j] = _mm256_fmadd_ps(qv[h], kv, acc[h][j]);
     }
   }
+  constexpr bool kScaled = CacheElem<CT>::kScaleElems > 0;
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h) {
     if constexpr (KEYS == 4) {
-      _mm_storeu_ps(scores + h * score_stride,
-                    _mm_mul_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), _mm_set1_ps(scale)));
+      const __m128 s = kScaled ? _mm_mul_ps(_mm_set1_ps(scale), _mm_loadu_ps(key_scales)) : _mm_set1_ps(scale);
+      _mm_storeu_ps(scores + h * score_stride, _mm_mul_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), s));
     } else {
 #pragma GCC unroll 4
-      for (int j = 0; j < KEYS; ++j) scores[h * score_stride + j] = hsum(acc[h][j]) * scale;
+      for (int j = 0; j < KEYS; ++j) {
+        scores[h * score_stride + j] = hsum(acc[h][j]) * (kScaled ? scale * key_scales[j] : scale);
+      }
     }
   }
 }
 
 template <int CT>
-using ScoreTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, float, float*, int64_t);
+using ScoreTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, float, float*, int64_t,
+                             const float*);
 template <int CT>
 constexpr ScoreTileFn<CT> kScoreTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
@@ -263,8 +268,8 @@ constexpr ValueTileFn<CT> kValueTiles[kHeadSet + 1][5] = {
 };
 
 // out[b, hq, :] = softmax(q[b, hq] . K[b]^T * scale) V[b] for one new query per sequence.
-// q, out: [B, Hq, D] contiguous, D a multiple of 8; k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous
-// (elements of cache type CT);
+// q, out: [B, Hq, D] contiguous, D a multiple of 8; k_cache, v_cache: [num_blocks, block_size, Hkv, row] contiguous
+// (rows of cache type CT, cache_elems.h: D elements, then a scaled type's scale);
 // block_tables: [B, table_stride] int64; seq_lens: [B] int64, the keys each sequence attends to.
 //
 // Work items are chunks of kChunkKeys keys of one sequence, all heads (flash-decoding's split over keys): a
@@ -279,7 +284,9 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
                       int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
   using T = typename CacheElem<CT>::T;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_dim;  // between consecutive slots of a block
+  constexpr bool kScaled = CacheElem<CT>::kScaleElems > 0;
+  const int64_t width = row_elems<CT>(head_dim);  // a (token, head) row
+  const int64_t row_stride = num_kv_heads * width;  // between consecutive slots of a block
   const int64_t block_stride = block_size * row_stride;
   const int64_t chunk_blocks = std::max<int64_t>(1, kChunkKeys / block_size);
   const int64_t chunk_keys = chunk_blocks * block_size;
@@ -291,6 +298,7 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(static_cast<size_t>(num_heads * score_stride));
+    std::vector<float> row_scales(kScaled ? block_size : 0);  // a scaled cache's K or V scales of one block and head
     // The blocks an item reads, in order: its K blocks, its V blocks, then (padded with nulls) the first K blocks
     // of this thread's next item, so the prefetch runs on across the K/V and item boundaries.
     std::vector<const T*> stream(2 * chunk_blocks + kPrefetchBlocks);
@@ -322,25 +330,30 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
       }
       const float* qb = q + b * num_heads * head_dim;
       // Pass 1: the scaled scores, block by block, four keys at a time; each K vector loaded once serves up to
-      // three query heads of its group.
+      // three query heads of its group. A scaled cache's key scales multiply the dot products.
       for (int64_t i = 0; i < blocks; ++i) {
         const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
         const T* kb = stream[i];
         const T* next = stream[i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
+          if constexpr (kScaled) {
+            for (int64_t j = 0; j < n; ++j) row_scales[j] = row_scale<CT>(kb + j * row_stride + g * width, head_dim);
+          }
           for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
             const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
             int64_t j = 0;
             for (; j + 4 <= n; j += 4) {
               if (next != nullptr && r0 == g * group) {
-                prefetch_slice(next + j * row_stride + g * head_dim, 4, row_stride, head_dim);
+                prefetch_slice(next + j * row_stride + g * width, 4, row_stride, width);
               }
-              kScoreTiles<CT>[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride,
-                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
+              kScoreTiles<CT>[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * width, row_stride,
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride,
+                                     row_scales.data() + j);
             }
             for (; j < n; ++j) {
-              kScoreTiles<CT>[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * head_dim, row_stride,
-                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
+              kScoreTiles<CT>[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * width, row_stride,
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride,
+                                     row_scales.data() + j);
             }
           }
         }
@@ -350,7 +363,8 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
             exp_shifted(scores.data() + r * score_stride, len, &part_sum[item * num_heads + r]);
       }
       // Pass 2: the weighted sum of the values, block by block; up to three heads x 32 dimensions of accumulators
-      // stay in registers through a block, and each V vector loaded serves every head of its group.
+      // stay in registers through a block, and each V vector loaded serves every head of its group. A scaled
+      // cache's value scales go into the weights first (the exp-sum above is taken before).
       float* acc = part_out.data() + item * num_heads * head_dim;
       std::fill(acc, acc + num_heads * head_dim, 0.0f);
       for (int64_t i = 0; i < blocks; ++i) {
@@ -358,13 +372,19 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
         const T* vb = stream[blocks + i];
         const T* next = stream[blocks + i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
+          if constexpr (kScaled) {
+            for (int64_t j = 0; j < n; ++j) {
+              const float s = row_scale<CT>(vb + j * row_stride + g * width, head_dim);
+              for (int64_t r = g * group; r < (g + 1) * group; ++r) scores[r * score_stride + s0 + j] *= s;
+            }
+          }
           for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
             const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
             for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
               const int vec = static_cast<int>(std::min<int64_t>(4, (head_dim - d0) / 8));
-              if (next != nullptr && r0 == g * group) prefetch_slice(next + g * head_dim + d0, n, row_stride, 8 * vec);
+              if (next != nullptr && r0 == g * group) prefetch_slice(next + g * width + d0, n, row_stride, 8 * vec);
               kValueTiles<CT>[hs][vec](scores.data() + r0 * score_stride + s0, score_stride,
-                                   vb + g * head_dim + d0, row_stride, n, acc + r0 * head_dim + d0, head_dim);
+                                   vb + g * width + d0, row_stride, n, acc + r0 * head_dim + d0, head_dim);
             }
           }
         }
@@ -404,6 +424,7 @@ void prefill_attention(const float* q, int64_t ldq, const typename CacheElem<CT>
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                        float* out, int64_t ldo, int threads) {
   const int64_t keys = prefix + n;
+  const int64_t width = row_elems<CT>(head_dim);  // a (token, head) row of the caches
   const int64_t key_panels = (keys + kPanel - 1) / kPanel;
   const int64_t keys_padded = key_panels * kPanel;
   const int64_t dim_panels = (head_dim + kPanel - 1) / kPanel;
@@ -417,12 +438,13 @@ void prefill_attention(const float* q, int64_t ldq, const typename CacheElem<CT>
     alignas(32) float row[512];
     for (int64_t jj = 0; jj < kPanel && panel * kPanel + jj < keys; ++jj) {
       const int64_t j = panel * kPanel + jj;
-      const int64_t at = ((blocks[j / block_size] * block_size + j % block_size) * num_kv_heads + h) * head_dim;
-      for (int64_t d = 0; d < head_dim; d += 8) _mm256_store_ps(row + d, CacheElem<CT>::load8(k_cache + at + d));
+      const int64_t at = ((blocks[j / block_size] * block_size + j % block_size) * num_kv_heads + h) * width;
+      load_row<CT>(k_cache + at, head_dim, row);
       for (int64_t d = 0; d < head_dim; ++d) k_panel[d * kPanel + jj] = row[d];
+      load_row<CT>(v_cache + at, head_dim, row);
       for (int64_t d = 0; d < head_dim; d += 8) {
         _mm256_storeu_ps(v_head + (d / kPanel) * keys_padded * kPanel + j * kPanel + d % kPanel,
-                         CacheElem<CT>::load8(v_cache + at + d));
+                         _mm256_load_ps(row + d));
       }
     }
   }
@@ -543,8 +565,8 @@ void ss_add_rms_norm(float* x, const float* delta, const float* weight, float ep
 
 // Rotary embedding in place on the q and k heads of qkv [T, (Hq + 2 Hkv) D] (HF's rotate-half layout): each head
 // x becomes x * cos + swap_halves(x) * sin_signed at its token's position, cos and sin_signed being [P, D] tables.
-// Then, with caches given, the step's k and v go to the caches [num_blocks * block_size, Hkv, D] at slot_mapping,
-// as cache_type (a CacheType) elements.
+// Then, with caches given, the step's k and v go to the caches [num_blocks * block_size, Hkv, row] at slot_mapping,
+// as rows of cache_type (a CacheType; cache_elems.h).
 void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, const float* cos,
                        const float* sin_signed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        void* k_cache, void* v_cache, int cache_type, const int64_t* slot_mapping, int threads) {
@@ -570,7 +592,7 @@ void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, con
     }
     if (k_cache != nullptr) {
       const float* k_new = row + num_heads * head_dim;
-      write_kv(k_cache, v_cache, slot_mapping[t] * kv_width, k_new, k_new + kv_width, kv_width);
+      write_kv(k_cache, v_cache, slot_mapping[t], k_new, k_new + kv_width, num_kv_heads, head_dim);
     }
   }
 }
@@ -678,7 +700,7 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
 
 namespace {
 
-constexpr int kAbiVersion = 4;  // ABI_VERSION in engine/kernels/abi.py: bump both when an entry point changes
+constexpr int kAbiVersion = 5;  // ABI_VERSION in engine/kernels/abi.py: bump both when an entry point changes
 
 // An argument's type as one letter (_TYPE_CODES in engine/kernels/abi.py): p pointer, q int64, i int, f float.
 template <typename T>
