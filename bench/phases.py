@@ -14,6 +14,8 @@ in-process: prefill is compute-bound and decode memory-bound, so they want diffe
 
 ``--prefill-formats`` measures instead prefill in each prefill compute format, float32 and bfloat16, side by side on
 one pinned thread and on two, against the bf16 GEMM peak of the same shapes (bench/prefill_formats.py);
+``--kv-pools`` decode in each KV pool format (``--pool-dtypes``) side by side on one pinned thread, against each
+one's byte floor, and each one's capacity (bench/kv_pools.py);
 ``--prefill-quality`` each format's answers against float32's on the real model (bench/prefill_quality.py).
 
 FLOPs and bytes come from the model's config (``step_cost.py``): matmul FLOPs of projections, MLP, attention and
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.bench import prefill_formats, prefill_quality
+from splitserve.bench import kv_pools, prefill_formats, prefill_quality
 from splitserve.bench.engine import matmul_peak, read_bandwidth
 from splitserve.bench.step_cost import (
     decode_bytes,
@@ -102,6 +104,12 @@ class PhasesConfig(FiguresOutput):
     prefill_formats: bool = field(default=False, metadata=described(
         "Instead: prefill per prompt length (default 128,512,2048) in float32 and bfloat16 side by side, on one pinned "
         "thread and on two, --repeat rounds, against the bf16 GEMM peak of the same shapes."))
+    kv_pools: bool = field(default=False, metadata=described(
+        "Instead: decode in each KV pool format (--pool-dtypes) side by side on one pinned thread, every page of KV "
+        "real, --repeat rounds, at --batches x --contexts (default 1,16,64 x 512,4096), against each "
+        "one's byte floor; and the sequences of 4096 tokens a 1 GiB pool holds in each."))
+    pool_dtypes: list[str] = field(default_factory=lambda: list(kv_pools.POOL_DTYPES), metadata=described(
+        "The KV pool formats --kv-pools compares, the first the baseline."))
     prefill_quality: bool = field(default=False, metadata=described(
         "Instead: each prefill format's answers against float32's on the real model (teacher-forced top-1 agreement, "
         "perplexity), bfloat16 and simulated int8 W8A8 (bench/prefill_quality.py)."))
@@ -115,8 +123,9 @@ class PhasesConfig(FiguresOutput):
                 raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")
         if self.steps < 1 or self.repeat < 1 or self.machine_rounds < 1:
             raise ValueError("steps, repeat and machine_rounds must be >= 1")
-        if self.cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+        for dtype in (self.cache_dtype, *self.pool_dtypes):
+            if dtype not in CACHE_DTYPES:
+                raise ValueError(f"KV pool dtypes must be among {', '.join(CACHE_DTYPES)}, got {dtype!r}")
 
 
 def run(config: PhasesConfig, log=print) -> dict:
@@ -364,6 +373,16 @@ def main(argv: list[str] | None = None) -> dict:
     if config.prefill_quality:
         results = prefill_quality.run(config.model)
         prefill_quality.report(results)
+        save_results(results, config.json)
+        return results
+    if config.kv_pools:
+        default = lambda name, value: getattr(config, name) == list(value)  # noqa: E731
+        results = kv_pools.run(
+            config.model, config.pool_dtypes,
+            list(kv_pools.BATCHES) if default("batches", DEFAULT_BATCHES) else config.batches,
+            list(kv_pools.CONTEXTS) if default("contexts", DEFAULT_CONTEXTS) else config.contexts,
+            config.steps, config.repeat, config.seed)
+        kv_pools.report(results)
         save_results(results, config.json)
         return results
     if config.prefill_formats:

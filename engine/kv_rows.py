@@ -52,8 +52,9 @@ def value_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def store(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` [..., head_dim] (any float dtype) as rows of ``dtype`` [..., row_width]."""
-    if not is_scaled(dtype):
+    """``values`` [..., head_dim] (any float dtype) as rows of ``dtype`` [..., row_width]. A tensor already of
+    ``dtype`` is rows of it and passes unchanged (a scaled pool's rows as a push carries them)."""
+    if not is_scaled(dtype) or values.dtype == dtype:
         return values.to(dtype)
     x = values.float()
     wanted = divide(x.abs().amax(dim=-1, keepdim=True), _INT8_MAX).clamp_(max=_FLOAT16_MAX)

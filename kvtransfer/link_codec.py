@@ -22,6 +22,10 @@ A request's path through this module, on the prefill pod:
 
 Wire bytes are exact for the codecs with a fixed layout (``encoded_nbytes`` of the prompt's shape) and the inner
 codec's for ``+zstd`` (an upper bound). Codecs the decode pod does not accept fail its handshake, as any codec.
+
+On a pool that stores a codec's form (an int8 pool and the ``int8`` codec: ``KVCodec.pool_dtype``), that codec is a
+lossless candidate that costs no encoding or decoding: it carries the pool's rows as they lie, and it is the smallest,
+so it wins on every link (on a link not measured yet, by name among the free).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.engine import kv_rows
 from splitserve.kvtransfer.codecs import get_codec
-from splitserve.kvtransfer.codecs.base import CACHE_DTYPES
+from splitserve.kvtransfer.codecs.base import CACHE_DTYPES, dtype_name
 from splitserve.kvtransfer.handshake import KVLayout
-from splitserve.runtime.kv_codecs import ZSTD_SUFFIX
+from splitserve.runtime.kv_codecs import KV_CODECS, ZSTD_SUFFIX
 
 QUALITY_DIR = Path(__file__).resolve().parent / "quality"
 # Weight of the newest measurement in a link's seconds per byte (averaged, not bytes per second: the time a push
@@ -89,9 +94,14 @@ class LinkCodecChooser:
         self.layout = layout
         self.min_agreement = min_agreement
         eligible = table.eligible(layout.cache_dtype, min_agreement) if table is not None else {}
-        # Lossless codecs are always allowed; speeds unknown (0) count as free.
+        # Lossless codecs are always allowed; speeds unknown (0) count as free. So is a codec that carries this
+        # pool's rows as they lie.
+        pool = kv_rows.pool_dtype(layout.cache_dtype)
+        self.value_dtype = dtype_name(kv_rows.value_dtype(pool))  # what the pool's KV decodes to
+        stored = [name for name in KV_CODECS if get_codec(name).pool_dtype == pool]
         self.candidates = {name: eligible.get(name, CodecQuality(1.0, 0.0, 0.0)) for name in LOSSLESS_CODECS}
         self.candidates.update(eligible)
+        self.candidates.update({name: CodecQuality(1.0, 0.0, 0.0) for name in stored})
         self._seconds_per_byte: dict[str, float] = {}  # by decode address
         self._lock = threading.Lock()
 
@@ -128,7 +138,7 @@ class LinkCodecChooser:
 
     def raw_bytes(self, num_tokens: int) -> int:
         layout = self.layout
-        itemsize = CACHE_DTYPES[layout.cache_dtype].itemsize
+        itemsize = CACHE_DTYPES[self.value_dtype].itemsize
         return 2 * layout.num_layers * num_tokens * layout.num_kv_heads * layout.head_dim * itemsize
 
     def wire_bytes(self, name: str, num_tokens: int) -> int:
@@ -136,6 +146,6 @@ class LinkCodecChooser:
         layout = self.layout
         codec = get_codec(name.removesuffix(ZSTD_SUFFIX))  # zstd: its inner codec's size, an upper bound
         shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
-        per_layer = sum(sum(codec.encoded_nbytes(shape, kind, layout.cache_dtype)) for kind in ("k", "v"))
+        per_layer = sum(sum(codec.encoded_nbytes(shape, kind, self.value_dtype)) for kind in ("k", "v"))
         return layout.num_layers * per_layer
 

@@ -120,7 +120,7 @@ class KVIntake:
         (they belong to the reserved sequence alone, which the engine does not schedule yet). A repeat is found
         after its write, by ``_mark_arrived``: its push then fails, and a failed push's blocks are released."""
         try:
-            decoded = decode_chunk(wire_chunk, self.expected, self._kv_cache.device)
+            decoded = decode_chunk(wire_chunk, self.expected, self._kv_cache.device, self._kv_cache.dtype)
         except KVChunkError as err:
             raise KVLoadError(err.code, err.message) from err
         write_heads(self._kv_cache, decoded.layer, decoded.kind, self._slots(decoded.token_start, decoded.token_end),

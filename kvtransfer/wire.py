@@ -41,6 +41,7 @@ import grpc
 import numpy as np
 import torch
 
+from splitserve.engine import kv_rows
 from splitserve.kvtransfer.codecs import EncodedKV, KVCodec, KVSpan, get_codec
 from splitserve.runtime.errors import StatusError
 from splitserve.v1 import kv_transfer_pb2
@@ -199,12 +200,14 @@ def encode_chunks(request_id: str, layer: int, kind: str, token_start: int, toke
                   first_seq: int = 0, heads: tuple[int, int] | None = None) -> list[WireChunk]:
     """Encode ``tensor`` ([token_end - token_start, H, D], the K or V of ``layer`` for those tokens of a prompt of
     ``num_prompt_tokens``; KV heads ``heads`` [start, end) of the model's, None: all of them) as chunks numbered
-    from ``first_seq``, each carrying at most ``max_chunk_bytes`` of payload + scales."""
+    from ``first_seq``, each carrying at most ``max_chunk_bytes`` of payload + scales. A tensor of the codec's
+    ``pool_dtype`` is that pool's rows [T, H, row], carried as they lie (``KVCodec.encode_rows``)."""
     if (tensor.dim() != 3 or tensor.shape[0] != token_end - token_start or token_start < 0
             or token_end > num_prompt_tokens):
         raise ValueError(f"tensor of shape {tuple(tensor.shape)} does not cover tokens [{token_start}, {token_end}) "
                          f"of a prompt of {num_prompt_tokens}")
-    num_tokens, num_heads, head_dim = tensor.shape
+    num_tokens, num_heads = tensor.shape[:2]
+    head_dim = kv_rows.head_dim_of(tensor)
     bytes_per_token = codec.bytes_per_element(head_dim, tensor.dtype) * num_heads * head_dim
     tokens_per_chunk = max(1, int(max_chunk_bytes * _CHUNK_SIZE_MARGIN // bytes_per_token))
     chunks: list[WireChunk] = []
@@ -223,7 +226,8 @@ def _encode_fitting(request_id: str, layer: int, kind: str, token_start: int, lo
                     tensor: torch.Tensor, codec: KVCodec, num_prompt_tokens: int,
                     max_chunk_bytes: int) -> list[WireChunk]:
     """Encode rows [lo, hi) of ``tensor``; halve the range while the encoding exceeds the limit."""
-    encoded = codec.encode(tensor[lo:hi], kind, KVSpan(token_start + lo, num_prompt_tokens))
+    encode = codec.encode_rows if tensor.dtype == codec.pool_dtype else codec.encode
+    encoded = encode(tensor[lo:hi], kind, KVSpan(token_start + lo, num_prompt_tokens))
     if encoded.nbytes <= max_chunk_bytes:
         return [WireChunk(kv_transfer_pb2.KVChunk(
             request_id=request_id, layer=layer, kind=KIND_TO_PROTO[kind],
@@ -261,13 +265,15 @@ class DecodedKVChunk(NamedTuple):
     token_start: int
     token_end: int
     heads: tuple[int, int]  # the KV heads [start, end) it carries
-    tensor: torch.Tensor  # [token_end - token_start, end - start, head_dim], the sender's cache dtype
+    # [token_end - token_start, end - start, head_dim] in the sender's value dtype; or, decoded for a pool of the
+    # codec's pool_dtype, that pool's rows [..., row] as the sender's pool held them
+    tensor: torch.Tensor
 
 
-def decode_chunk(wire_chunk: WireChunk, expected: ExpectedChunks,
-                 device: str | torch.device = "cpu") -> DecodedKVChunk:
-    """Check ``wire_chunk`` and decode it; raises ``KVChunkError`` naming what is wrong. Never decodes unchecked
-    bytes."""
+def decode_chunk(wire_chunk: WireChunk, expected: ExpectedChunks, device: str | torch.device = "cpu",
+                 pool_dtype: torch.dtype | None = None) -> DecodedKVChunk:
+    """Check ``wire_chunk`` and decode it (as rows of ``pool_dtype``, the receiving pool's, where the codec carries
+    them: ``KVCodec.pool_dtype``); raises ``KVChunkError`` naming what is wrong. Never decodes unchecked bytes."""
     chunk = wire_chunk.fields
     where = f"chunk {chunk.seq} of {chunk.request_id!r}"
     if chunk.request_id != expected.request_id:
@@ -281,7 +287,9 @@ def decode_chunk(wire_chunk: WireChunk, expected: ExpectedChunks,
     codec = _accepted_codec(chunk.codec, expected, where)
     _check_placement(chunk, expected, where)
     try:
-        tensor = codec.decode(_encoded(wire_chunk, expected.num_tokens), device)
+        encoded = _encoded(wire_chunk, expected.num_tokens)
+        stored = codec.pool_dtype is not None and codec.pool_dtype == pool_dtype
+        tensor = codec.decode_rows(encoded, device) if stored else codec.decode(encoded, device)
     except ValueError as err:
         raise KVChunkError(grpc.StatusCode.INVALID_ARGUMENT, f"{where} does not decode: {err}") from err
     return DecodedKVChunk(chunk.layer, PROTO_TO_KIND[chunk.kind], chunk.token_start, chunk.token_end,

@@ -116,6 +116,7 @@ class PrefillKVExport:
                 # and the exposed transfer time would read 0.
                 sender.mark_compute_done()
                 part.export.held = self._block_manager.hold(part.seq)
-            keys, values = read_heads(cache, layer, "k", part.slots), read_heads(cache, layer, "v", part.slots)
+            rows = sender.codec.pool_dtype == cache.dtype  # the codec carries this pool's rows as they lie
+            keys, values = (read_heads(cache, layer, kind, part.slots, rows) for kind in ("k", "v"))
             sender.submit_layer(layer, part.token_start, part.token_end,
                                 [HeadsKV(heads, k, v) for (heads, k), (_, v) in zip(keys, values)])

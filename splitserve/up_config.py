@@ -68,6 +68,7 @@ class UpConfig:
     # What each pod's engine gets (PodConfig's defaults and help, passed as its flags): the colocated baseline is
     # mixed pods with chunked prefill at a token budget, so these reach every pod.
     kv_cache_memory_bytes: int = passed_to(PodConfig, name="kv_cache_memory_bytes")
+    cache_dtype: str = passed_to(PodConfig, name="cache_dtype")
     max_num_batched_tokens: int = passed_to(PodConfig, name="max_num_batched_tokens")
     max_num_seqs: int = passed_to(PodConfig, name="max_num_seqs")
     long_prefill_token_threshold: int = passed_to(PodConfig, name="long_prefill_token_threshold")

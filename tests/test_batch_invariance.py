@@ -30,10 +30,10 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.9, top_p=0.9, seed=1000 + i, max_tokens=12 + i, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "int8"])
 def batched_llm(request):
     # A token budget of 64 chunks every prompt longer than that; 48 chunks the 64-token steps further. The KV
-    # cache in float32 (the default) and in a 16-bit dtype, which the native kernels also attend over.
+    # cache in float32 (the default), in a 16-bit dtype and in int8 rows, which the native kernels also attend over.
     return LLM(model="tiny-random", num_blocks=512, max_num_batched_tokens=64, long_prefill_token_threshold=48,
                cache_dtype=request.param)
 

@@ -1268,7 +1268,7 @@ def test_pod_configs_come_from_flags_and_environment_and_refuse_bad_values():
         (lambda: DecodeConfig(accepted_kv_codecs=["gzip"]), "accepted_kv_codecs must name some of"),
         (lambda: PrefillConfig(registry="consul"), "registry must be one of static, redis"),
         (lambda: PrefillConfig(block_size=12), "block_size must be a positive power of two"),
-        (lambda: DecodeConfig(cache_dtype="int8"), "cache_dtype must be one of float32, bfloat16, float16"),
+        (lambda: DecodeConfig(cache_dtype="int4"), "cache_dtype must be one of float32, bfloat16, float16, int8"),
     ]:
         with pytest.raises(ValueError, match=message):
             build()

@@ -73,11 +73,13 @@ class Run:
         assert all(torch.equal(a, b) for a, b in zip(self.kv, other.kv)), "K/V differ"
 
 
-def run_steps(model: LlamaForCausalLM, steps: list[list[torch.Tensor]], starts: list[list[int]]) -> Run:
-    """Runs steps of prompt chunks on a fresh cache: step s holds chunk ``steps[s][i]`` of prompt i, at positions from
-    ``starts[s][i]``; prompt i's blocks are its own. The first prompt's rows of every step, in order, make the run."""
+def run_steps(model: LlamaForCausalLM, steps: list[list[torch.Tensor]], starts: list[list[int]],
+              pool: str = "float16") -> Run:
+    """Runs steps of prompt chunks on a fresh cache of ``pool`` rows: step s holds chunk ``steps[s][i]`` of prompt i,
+    at positions from ``starts[s][i]``; prompt i's blocks are its own. The first prompt's rows of every step, in
+    order, make the run."""
     per_prompt = -(-N // BLOCK)
-    cache = PagedKVCache(model.config, per_prompt * len(steps[0]), BLOCK, "float16")
+    cache = PagedKVCache(model.config, per_prompt * len(steps[0]), BLOCK, pool)
     tables = [list(range(per_prompt * i, per_prompt * (i + 1))) for i in range(len(steps[0]))]
     hidden = []
     for chunks, begins in zip(steps, starts):
@@ -89,13 +91,13 @@ def run_steps(model: LlamaForCausalLM, steps: list[list[torch.Tensor]], starts: 
     return Run(model, torch.cat(hidden), cache, sum(len(s[0]) for s in steps))
 
 
-def alone(model: LlamaForCausalLM, prompt: torch.Tensor) -> Run:
-    return run_steps(model, [[prompt]], [[0]])
+def alone(model: LlamaForCausalLM, prompt: torch.Tensor, pool: str = "float16") -> Run:
+    return run_steps(model, [[prompt]], [[0]], pool)
 
 
-def chunked(model: LlamaForCausalLM, prompt: torch.Tensor, sizes: list[int]) -> Run:
+def chunked(model: LlamaForCausalLM, prompt: torch.Tensor, sizes: list[int], pool: str = "float16") -> Run:
     bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-    return run_steps(model, [[prompt[a:b]] for a, b in zip(bounds, bounds[1:])], [[a] for a in bounds[:-1]])
+    return run_steps(model, [[prompt[a:b]] for a, b in zip(bounds, bounds[1:])], [[a] for a in bounds[:-1]], pool)
 
 
 def beside(model: LlamaForCausalLM, prompt: torch.Tensor, others: list[int]) -> Run:
@@ -115,10 +117,11 @@ def at_threads(threads: int, run, *args) -> Run:
 CHUNKINGS = {"n-1,1": [N - 1, 1], "1,n-1": [1, N - 1], "128,rest": [128, N - 128]}
 
 
+@pytest.mark.parametrize("pool", ["float16", "int8"])
 @pytest.mark.parametrize("chunks", CHUNKINGS)
-def test_the_same_bits_however_the_prompt_is_chunked(model, chunks):
+def test_the_same_bits_however_the_prompt_is_chunked(model, chunks, pool):
     prompt = _tokens(model, N, 0)
-    chunked(model, prompt, CHUNKINGS[chunks]).check_equal(alone(model, prompt))
+    chunked(model, prompt, CHUNKINGS[chunks], pool).check_equal(alone(model, prompt, pool))
 
 
 @pytest.mark.parametrize("others", [1, 7])  # beside 0: alone, the reference

@@ -47,7 +47,7 @@ def test_a_resumed_request_continues_exactly_as_an_undisturbed_one(tiny, params,
     assert tiny.engine.block_manager.num_free_blocks == 256
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "int8"])
 def test_recomputed_outputs_give_the_undisturbed_runs_logprobs_bit_for_bit(cache_dtype):
     """Equal tokens could hide a KV that differs in its last bits (a prefill sums in another order than a decode
     step) until a near tie flips a later token; the recomputed outputs run as decode rows, so every logprob after
@@ -67,14 +67,16 @@ def test_recomputed_outputs_give_the_undisturbed_runs_logprobs_bit_for_bit(cache
         assert resumed.output_logprobs[-(40 - split):] == whole.output_logprobs[split:]
 
 
+@pytest.mark.parametrize("cache_dtype", ["float16", "int8"])
 @pytest.mark.parametrize("chunk", [39, 16, 1])
-def test_a_prompt_prefilled_in_chunks_gives_the_same_bits_as_in_one(chunk):
+def test_a_prompt_prefilled_in_chunks_gives_the_same_bits_as_in_one(chunk, cache_dtype):
     """A chunk of a single prompt token is still summed as a prefill (not as a decode step), so a prompt's KV and the
     answer's logprobs do not depend on where the chunks fell: a migrated request prefilled in other chunks than the
     first time continues exactly."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    whole = LLM(model="tiny-random", num_blocks=64, enable_prefix_caching=False).generate([PROMPTS[2]], params)
-    chunked = LLM(model="tiny-random", num_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=chunk,
+    pool = dict(num_blocks=64, enable_prefix_caching=False, cache_dtype=cache_dtype)
+    whole = LLM(model="tiny-random", **pool).generate([PROMPTS[2]], params)
+    chunked = LLM(model="tiny-random", **pool, max_num_batched_tokens=chunk,
                   long_prefill_token_threshold=chunk).generate([PROMPTS[2]], params)
     assert chunked[0].token_ids == whole[0].token_ids
     assert chunked[0].logprobs == whole[0].logprobs
@@ -110,13 +112,14 @@ def generate_counting_preemptions(llm: LLM, prompts, params):
         del llm.engine.step  # the class's step again
 
 
-def test_preemption_by_recompute_gives_the_same_tokens_as_a_roomy_pool():
+@pytest.mark.parametrize("cache_dtype", ["float16", "int8"])
+def test_preemption_by_recompute_gives_the_same_tokens_as_a_roomy_pool(cache_dtype):
     """Eight requests that outgrow a 20-block pool: the scheduler preempts and recomputes some of them."""
     prompts = [list(range(3 + i, 40 + i)) for i in range(8)]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=0.9, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(8)]
-    tight = LLM(model="tiny-random", num_blocks=20, block_size=16)
-    roomy = LLM(model="tiny-random", num_blocks=512, block_size=16)
+    tight = LLM(model="tiny-random", num_blocks=20, block_size=16, cache_dtype=cache_dtype)
+    roomy = LLM(model="tiny-random", num_blocks=512, block_size=16, cache_dtype=cache_dtype)
     squeezed, num_preempted = generate_counting_preemptions(tight, prompts, params)
     assert num_preempted > 0, "the pool was not tight enough to preempt"
     assert [out.token_ids for out in squeezed] == [out.token_ids for out in roomy.generate(prompts, params)]

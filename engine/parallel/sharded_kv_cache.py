@@ -91,10 +91,12 @@ class ShardedKVCache(PagedKVCache):
             firsts.setdefault(shard.kv_heads, shard.rank)
         self.head_ranges = list(firsts.items())
 
-    def read_heads(self, layer: int, kind: KVKind, slots: torch.Tensor) -> list[tuple[Range, torch.Tensor]]:
+    def read_heads(self, layer: int, kind: KVKind, slots: torch.Tensor,
+                   rows: bool = False) -> list[tuple[Range, torch.Tensor]]:
         """Copies of ``layer``'s K or V at ``slots``, one [len(slots), end - start, D] per distinct rank head
-        range, in head order (rank 0 only: it maps every rank's pool)."""
-        return [(heads, self.pools[rank].read(layer, kind, slots)) for heads, rank in self.head_ranges]
+        range, in head order (rank 0 only: it maps every rank's pool); with ``rows``, the rows as stored."""
+        return [(heads, (pool.read_rows if rows else pool.read)(layer, kind, slots))
+                for heads, pool in ((heads, self.pools[rank]) for heads, rank in self.head_ranges)]
 
     def write_heads(self, layer: int, kind: KVKind, slots: torch.Tensor, values: torch.Tensor, heads: Range) -> None:
         """Store ``values`` [len(slots), end - start, D], the model's KV heads ``heads``, as ``layer``'s K or V at
@@ -128,13 +130,14 @@ class ShardedKVCache(PagedKVCache):
             self.pools[shard.rank].write_rows(layer, kind, slots, rows[:, start:end])
 
 
-def read_heads(cache: PagedKVCache, layer: int, kind: KVKind,
-               slots: torch.Tensor) -> list[tuple[Range | None, torch.Tensor]]:
+def read_heads(cache: PagedKVCache, layer: int, kind: KVKind, slots: torch.Tensor,
+               rows: bool = False) -> list[tuple[Range | None, torch.Tensor]]:
     """What leaves ``cache`` of ``layer``'s K or V at ``slots``: a tensor-parallel cache's rank head ranges, each
-    with its heads' copy; one process's every head, as (None, [n, Hkv, D])."""
+    with its heads' copy; one process's every head, as (None, [n, Hkv, D]). With ``rows``: the rows as the pool
+    stores them, [n, heads, row], for a codec that carries them (``KVCodec.pool_dtype``)."""
     if isinstance(cache, ShardedKVCache):
-        return cache.read_heads(layer, kind, slots)
-    return [(None, cache.read(layer, kind, slots))]
+        return cache.read_heads(layer, kind, slots, rows)
+    return [(None, (cache.read_rows if rows else cache.read)(layer, kind, slots))]
 
 
 def write_heads(cache: PagedKVCache, layer: int, kind: KVKind, slots: torch.Tensor, values: torch.Tensor,

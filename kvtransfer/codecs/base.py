@@ -73,6 +73,10 @@ class KVCodec(ABC):
     """Compresses one [T, H, D] K or V tensor. Stateless: one instance serves every request and thread."""
 
     name: str
+    # The KV pool dtype whose rows are this codec's encoding as they lie (engine/kv_rows.py), or None. Between pools
+    # of that dtype a push carries the rows unchanged: ``encode_rows`` and ``decode_rows`` only move bytes, and what
+    # the decode pod stores is bit for bit what the prefill pod holds.
+    pool_dtype: torch.dtype | None = None
 
     def encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None = None) -> EncodedKV:
         """Encode ``x`` ([T, H, D], finite, on any device), which lies at ``span`` of its prompt (None: it is the
@@ -86,6 +90,26 @@ class KVCodec(ABC):
         """Rebuild the [T, H, D] tensor in its original dtype on ``device``. Raises ValueError on a bad ``enc``."""
         dtype = self._check_encoded(enc)
         return self._decode(enc, torch.device(device)).to(dtype)
+
+    def encode_rows(self, rows: torch.Tensor, kind: KVKind, span: KVSpan | None = None) -> EncodedKV:
+        """Encode rows [T, H, row] of a ``pool_dtype`` pool as they lie (their values decode as float32)."""
+        if self.pool_dtype is None or rows.dtype != self.pool_dtype or rows.dim() != 3:
+            raise ValueError(f"{self.name} does not carry {rows.dtype} pool rows of shape {tuple(rows.shape)}")
+        check_span(rows.shape[0], span)
+        return self._encode_rows(rows, kind, span)
+
+    def decode_rows(self, enc: EncodedKV, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The rows [T, H, row] of a ``pool_dtype`` pool that ``enc`` carries, bit for bit."""
+        self._check_encoded(enc)
+        if self.pool_dtype is None:
+            raise ValueError(f"{self.name} carries no pool's rows")
+        return self._decode_rows(enc, torch.device(device))
+
+    def _encode_rows(self, rows: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
+        raise NotImplementedError  # only a codec with a pool_dtype has rows to encode
+
+    def _decode_rows(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
 
     @abstractmethod
     def bytes_per_element(self, head_dim: int, cache_dtype: torch.dtype = torch.float32) -> float:

@@ -35,6 +35,7 @@ from splitserve.kvtransfer.codecs.base import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
+from splitserve.engine import kv_rows
 from splitserve.engine.float16_scales import divide, round_up_to_float16
 
 _SCALE_BYTES = 2  # float16
@@ -91,6 +92,17 @@ class Int8Codec(SymmetricScaledCodec):
     name = "int8"
     code_dtype = torch.int8
     qmax = 127.0
+    pool_dtype = torch.int8  # an int8 pool's rows are this encoding: codes then the row's float16 scale
+
+    def _encode_rows(self, rows: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
+        codes, scales = kv_rows.split(rows)
+        return EncodedKV(self.name, kind, "float32", tuple(codes.shape), tensor_buffer(codes.contiguous()),
+                         tensor_to_bytes(scales), span)
+
+    def _decode_rows(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
+        codes = tensor_from_bytes(enc.payload, torch.int8, enc.shape, device)
+        scales = tensor_from_bytes(enc.scales, torch.float16, enc.shape[:2], device)
+        return kv_rows.join(codes, scales)
 
     def _to_codes(self, scaled: torch.Tensor) -> torch.Tensor:
         return scaled.round_().clamp_(-self.qmax, self.qmax).to(torch.int8)

@@ -1,0 +1,157 @@
+"""``splitserve bench phases --kv-pools``: long-context decode in each KV pool format, side by side in one run on one
+pinned thread (the acceptance table of issue 46).
+
+Each pool format (``--pool-dtypes``, float16 and int8 by default) gets its own engine. At each point (``--batches`` x
+``--contexts``; 1, 16, 64 x 512, 4096 by default) every engine admits ``batch`` sequences of ``context`` tokens as a
+decode pod admits transferred ones, every page of their KV written with real values first (a page never written is
+the kernel's shared zero page and reads from cache: phases.py). Then ``--repeat`` rounds alternate the engines, each
+round ``--steps`` decode steps per engine (median kept), so that load from other work falls on every format alike:
+median ms per step over the rounds and its min-max spread. Beside it, the bytes the step must read (every weight
+once, every sequence's K and V as the pool stores them, scales included: bench/step_cost.py) and their floor at the
+read bandwidth measured in the same run (before and after, the higher), and each format's tokens/s against the
+first format's. Last, how many sequences of 4,096 tokens a 1 GiB pool holds in each format.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from splitserve.bench.engine import read_bandwidth
+from splitserve.bench.step_cost import decode_bytes
+from splitserve.engine import kv_rows
+from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.engine.kernels.cpu_features import cpu_model, matrix_features
+from splitserve.engine.kv_cache import num_blocks_for_budget
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling.params import SamplingParams
+
+POOL_DTYPES = ("float16", "int8")
+BATCHES = (1, 16, 64)
+CONTEXTS = (512, 4096)
+CAPACITY_TOKENS = 4096  # the sequence length of the capacity column
+CAPACITY_BUDGET = 1 << 30
+WARMUP_STEPS = 2
+
+
+def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[int], steps: int, repeat: int,
+        seed: int, log=print) -> dict:
+    """{"cpu": ..., "read_gbps": ..., "points": {"BxC": {dtype: figures}}, "capacity": {dtype: sequences}}, on one
+    pinned thread."""
+    allowed = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, allowed[-1:])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        log("measuring the read bandwidth ...")
+        read_before = read_bandwidth()
+        rounds_total = repeat * (steps + 1) + WARMUP_STEPS
+        engines = {d: _engine(model, d, max(batches), max(contexts) + rounds_total + 2, seed) for d in pool_dtypes}
+        first = engines[pool_dtypes[0]]
+        cfg = first.model_config
+        weight_bytes = sum(p.numel() * p.element_size() for p in first.runner.model.parameters())
+        rng = random.Random(seed)
+        points: dict = {}
+        grid = [(b, c) for c in contexts for b in batches]
+        for i, (batch, context) in enumerate(grid):
+            log(f"[{i + 1}/{len(grid)}] batch {batch} x context {context}: writing the KV, then {repeat} rounds of "
+                f"{steps} steps per format ...")
+            times: dict[str, list[float]] = {d: [] for d in pool_dtypes}
+            admitted = {}
+            for d, engine in engines.items():
+                admitted[d] = _admit(engine, rng, batch, context, steps=rounds_total)
+                for _ in range(WARMUP_STEPS):
+                    _decode_step(engine)
+            for _ in range(repeat):
+                for d, engine in engines.items():
+                    times[d].append(statistics.median(_decode_step(engine) for _ in range(steps)))
+            for d, engine in engines.items():
+                for request_id in admitted[d]:
+                    engine.abort_request(request_id)
+            points[f"{batch}x{context}"] = {
+                d: {"batch": batch, "context": context, "ms": [t * 1e3 for t in ts],
+                    "bytes_per_step": decode_bytes(cfg, weight_bytes, batch, context,
+                                                   engines[d].runner.kv_cache.element_size)}
+                for d, ts in times.items()}
+        read = max(read_before, read_bandwidth())
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
+    capacity = {d: _sequences_at_budget(cfg, d) for d in pool_dtypes}
+    return {"model": cfg.name, "cpu": cpu_model(), "cpu_features": matrix_features(), "read_gbps": read,
+            "pool_dtypes": list(pool_dtypes), "steps": steps, "repeat": repeat, "points": points,
+            "capacity": capacity}
+
+
+def report(results: dict, log=print) -> None:
+    dtypes = results["pool_dtypes"]
+    base = dtypes[0]
+    log(f"\n== decode by KV pool format ({results['model']}; CPU: {results['cpu']}, features "
+        f"{results['cpu_features']}; one pinned thread; median [min-max] of {results['repeat']} rounds of "
+        f"{results['steps']} steps; read bandwidth {results['read_gbps']:.1f} GB/s) ==")
+    log(f"{'batch':>6}{'context':>8}{'pool':>9}{'ms/step':>22}{'MB/step':>9}{'floor ms':>9}{'/ floor':>8}"
+        f"{'tok/s vs ' + base:>18}")
+    for point in results["points"].values():
+        base_ms = statistics.median(point[base]["ms"])
+        for d in dtypes:
+            r = point[d]
+            ms = statistics.median(r["ms"])
+            floor = r["bytes_per_step"] / results["read_gbps"] / 1e6
+            spread = f"{ms:.2f} [{min(r['ms']):.2f}-{max(r['ms']):.2f}]"
+            log(f"{r['batch']:>6}{r['context']:>8}{d:>9}{spread:>22}{r['bytes_per_step'] / 1e6:>9.1f}{floor:>9.2f}"
+                f"{ms / floor:>7.2f}x{base_ms / ms:>17.2f}x")
+    capacity = ", ".join(f"{d} {n}" for d, n in results["capacity"].items())
+    log(f"sequences of {CAPACITY_TOKENS} tokens a {CAPACITY_BUDGET >> 30} GiB pool holds: {capacity}")
+    log("(MB/step: every weight once plus each sequence's K and V as the pool stores them, scales included; floor: "
+        "those bytes at the read bandwidth measured in the same run)")
+
+
+def _engine(model: str, pool_dtype: str, batch: int, tokens: int, seed: int) -> LLMEngine:
+    block = CacheConfig().block_size
+    blocks = batch * (math.ceil(tokens / block) + 1) + 16
+    scheduler = SchedulerConfig(max_num_seqs=max(SchedulerConfig().max_num_seqs, batch))
+    return LLMEngine(EngineConfig(model=model, seed=seed, scheduler=scheduler,
+                                  cache=CacheConfig(num_blocks=blocks, cache_dtype=pool_dtype,
+                                                    enable_prefix_caching=False)))
+
+
+def _admit(engine: LLMEngine, rng: random.Random, batch: int, context: int, steps: int) -> list[str]:
+    """``batch`` sequences of ``context`` tokens admitted as transferred ones, every page of their KV written with
+    real values (as a transfer writes them), each with room for ``steps`` more tokens; their request ids."""
+    cfg = engine.model_config
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    cache = engine.runner.kv_cache
+    ids = [f"decode-{time.monotonic_ns()}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        prompt = _prompt(rng, cfg, context)
+        seq = engine.reserve_for_transfer(request_id, prompt, params)
+        if seq is None:
+            raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
+        slots = cache.slots(seq.block_table, 0, context)
+        values = torch.randn(context, cfg.num_kv_heads, cfg.head_dim, generator=torch.Generator().manual_seed(i))
+        for layer in range(cfg.num_layers):
+            for kind in ("k", "v"):
+                cache.write(layer, kind, slots, values)
+        engine.admit_prefilled(seq, prompt[-1])
+    return ids
+
+
+def _decode_step(engine: LLMEngine) -> float:
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
+def _prompt(rng: random.Random, cfg: ModelConfig, length: int) -> list[int]:
+    return [rng.randrange(min(100, cfg.vocab_size // 2), cfg.vocab_size) for _ in range(length)]
+
+
+def _sequences_at_budget(cfg: ModelConfig, pool_dtype: str) -> int:
+    block = CacheConfig().block_size
+    blocks = num_blocks_for_budget(cfg, block, kv_rows.pool_dtype(pool_dtype), CAPACITY_BUDGET)
+    return blocks // math.ceil(CAPACITY_TOKENS / block)
