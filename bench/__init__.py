@@ -10,9 +10,8 @@ regimes, the codec measurements, ``--json`` / ``--plot``) is the measurement lib
   its ``--through-up`` run, each codec's agreement over a real cluster; ``codec_variants.py``: variants it measures
   that no pod serves (keys per channel, keys before RoPE);
 - ``transfer.py``: a prompt's KV pushed between real pods, overlap on and off, per codec;
-- ``phases.py`` (with ``step_cost.py``, a step's FLOPs and bytes): prefill and decode against the machine's limits;
-  ``prefill_formats.py``: its ``--prefill-formats`` run, float32 and bf16 prefill side by side;
-  ``prefill_quality.py``: its ``--prefill-quality`` run, each prefill format's answers against float32's;
+- ``phases/``: prefill and decode against the machine's limits: per prompt length, batch and context; per prefill
+  compute format (and its quality); per KV pool format;
 - ``serve/``: a running router as its clients see it;
 - ``compare/``: disaggregated, colocated and conditional serving on the same cores, and the map of SLO regimes;
 - ``soak.py``: a cluster under load with injected faults;

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.bench.step_cost import decode_bytes, prefill_flops
+from splitserve.bench.phases.step_cost import decode_bytes, prefill_flops
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import CACHE_DTYPES, DEFAULT_MODEL, QUANTIZATIONS
 from splitserve.engine.kv_cache import PagedKVCache

@@ -14,7 +14,7 @@ The core, in the order a request meets it:
 - ``prefill_budget.py``: how many prompt tokens a step may prefill beside decodes that keep their TPOT;
 - ``step_time.py``: the step-time model, fitted online on the pod;
 - ``block_manager.py``: the paged KV block pool and its prefix cache;
-- ``kv_cache.py``: the K and V pools per layer (``PagedKVCache``);
+- ``kv_cache.py``: the K and V pools per layer (``PagedKVCache``), their rows in one of ``kv_formats/``'s formats;
 - ``model_runner.py``: a scheduled batch into tensors, the model run, the sampling;
 - ``model/``: the Llama-family decoder (``llama.py``, ``layers.py``), paged attention and its metadata
   (``attention.py``), RoPE (``rotary.py``), and prefill in bfloat16 where the CPU multiplies it natively, on the
@@ -24,7 +24,8 @@ The core, in the order a request meets it:
 Around it, a subpackage per concept: ``weights/`` (checkpoint formats and quantized weights), ``text/`` (tokenizer,
 detokenizer, stop strings), ``sampling/`` (``SamplingParams``, ``Sampler``), ``speculative/`` (proposers and
 verification), ``structured_output/`` (grammars and token masks), ``kernels/`` (native CPU kernels, CPU features),
-``parallel/`` (tensor parallelism: the model split over rank processes).
+``parallel/`` (tensor parallelism: the model split over rank processes), ``kv_formats/`` (K/V in fewer bytes: the pool's
+int8 rows, float16 scales).
 """
 
 from splitserve.engine.sampling.params import SamplingParams

@@ -80,7 +80,7 @@ KV_LEASE_S = 30.0
 
 # The names of the dtypes K/V values may be held in (the KV codecs' EncodedKV.dtype, what a pool reads back) and the
 # engine may compute in (EngineConfig.dtype); and what the KV pool may store (CacheConfig.cache_dtype): those, or int8
-# codes with a scale per (token, head) (engine/kv_rows.py).
+# codes with a scale per (token, head) (engine/kv_formats/rows.py).
 KV_VALUE_DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DTYPES = (*KV_VALUE_DTYPES, "int8")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")

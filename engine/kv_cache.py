@@ -1,8 +1,8 @@
 """The paged KV cache: one pool of K blocks and one of V blocks per layer, sized from a memory budget.
 
 ``k_blocks[layer]`` and ``v_blocks[layer]`` are ``[num_blocks, block_size, num_kv_heads, row]``, a row being one
-(token, head)'s K or V as the pool stores it (engine/kv_rows.py: ``head_dim`` values of a float dtype, or int8 codes
-and their float16 scale). The token at
+(token, head)'s K or V as the pool stores it (engine/kv_formats/rows.py: ``head_dim`` values of a float dtype, or
+int8 codes and their float16 scale). The token at
 position ``p`` of a sequence lives in block ``block_table[p // block_size]`` at offset ``p % block_size``, i.e. in
 slot ``block_id * block_size + offset`` of the flattened pool. Which block belongs to whom is the ``BlockManager``'s
 business; this file only owns the memory.
@@ -34,7 +34,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from splitserve.engine import kv_rows
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.config import CacheConfig, ModelConfig
 
 KVKind = Literal["k", "v"]  # keys or values, as the cache, the codecs and the KV wire name them

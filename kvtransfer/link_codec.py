@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.engine import kv_rows
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.kvtransfer.codecs import get_codec
 from splitserve.kvtransfer.codecs.base import CACHE_DTYPES, dtype_name
 from splitserve.kvtransfer.handshake import KVLayout

@@ -41,7 +41,7 @@ import grpc
 import numpy as np
 import torch
 
-from splitserve.engine import kv_rows
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.kvtransfer.codecs import EncodedKV, KVCodec, KVSpan, get_codec
 from splitserve.runtime.errors import StatusError
 from splitserve.v1 import kv_transfer_pb2

@@ -77,7 +77,7 @@ def _build_kernels(argv: list[str]) -> None:
 BENCHMARKS = {
     "engine": "splitserve.bench.engine", "codecs": "splitserve.bench.codecs", "transfer": "splitserve.bench.transfer",
     "serve": "splitserve.bench.serve.command", "compare": "splitserve.bench.compare.command",
-    "phases": "splitserve.bench.phases", "soak": "splitserve.bench.soak", "spec": "splitserve.bench.spec",
+    "phases": "splitserve.bench.phases.command", "soak": "splitserve.bench.soak", "spec": "splitserve.bench.spec",
     "structured": "splitserve.bench.structured", "llamacpp": "splitserve.bench.llamacpp",
     "lm_eval": "splitserve.bench.lm_eval", "tp": "splitserve.bench.tp",
 }

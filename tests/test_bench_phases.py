@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench import phases
-from splitserve.bench.step_cost import (
+from splitserve.bench.phases import command as phases
+from splitserve.bench.phases.step_cost import (
     decode_bytes,
     decode_flops,
     kv_bytes_per_token,

@@ -1,14 +1,14 @@
 """bf16 prefill on the real SmolLM2-135M against float32 (the answer contract of issues 34 and 43): teacher-forced
 top-1 agreement over three prompts and the 128 tokens float32 generates greedily from each (target >= 99%), and the
 perplexity of GPL-3's text within +0.5% of float32's, measured as ``splitserve bench phases --prefill-quality``
-measures them (bench/prefill_quality.py). Both formats compute every position of a sequence as one prefill, logits
-float32; the K/V are stored in the pods' default cache dtype."""
+measures them (bench/phases/prefill_quality.py). Both formats compute every position of a sequence as one prefill,
+logits float32; the K/V are stored in the pods' default cache dtype."""
 
 from __future__ import annotations
 
 import pytest
 
-from splitserve.bench import prefill_quality as quality
+from splitserve.bench.phases import prefill_quality as quality
 from splitserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.model

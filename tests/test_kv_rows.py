@@ -1,5 +1,5 @@
-"""The int8 KV pool's rows (engine/kv_rows.py): the int8 codec's encoding as they lie, held in the paged pool, and
-carried between two int8 pools without a pass over the values.
+"""The int8 KV pool's rows (engine/kv_formats/rows.py): the int8 codec's encoding as they lie, held in the paged
+pool, and carried between two int8 pools without a pass over the values.
 
 The native kernels' writes of the same rows are held to ``kv_rows.store`` bit for bit in test_attention.py
 (``test_native_cache_write_rounds_as_torch_does``), and their reads in its native-against-PyTorch attention tests.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine import kv_rows
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.parallel.sharded_kv_cache import write_heads

@@ -119,8 +119,8 @@ class Bf16Kernels:
                           prefix: int, scale: float, out: torch.Tensor) -> None:
         """Causal attention of one sequence's n new queries q [n, Hq, D] float32 (rows may be strided, heads
         contiguous) at positions prefix .. prefix + n - 1 over its keys 0 .. prefix + n - 1, which the caches
-        [num_blocks, block_size, Hkv, row] hold (kv_rows.py), found through ``blocks`` (int64) -> ``out`` [n, >= Hq D] bf16 (rows
-        contiguous, may be strided), its first Hq D columns written."""
+        [num_blocks, block_size, Hkv, row] hold (kv_formats/rows.py), found through ``blocks`` (int64) -> ``out``
+        [n, >= Hq D] bf16 (rows contiguous, may be strided), its first Hq D columns written."""
         n, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine import kv_rows
+from splitserve.engine.kv_formats import rows as kv_rows
 
 # KV cache dtypes the kernels read and write (CacheType in the source): 16-bit caches are widened to float32 as
-# they are loaded, int8 rows multiplied by their scales (engine/kv_rows.py), so the attention's arithmetic is float32
-# whatever the cache holds.
+# they are loaded, int8 rows multiplied by their scales (engine/kv_formats/rows.py), so the attention's arithmetic is
+# float32 whatever the cache holds.
 CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 
@@ -41,7 +41,7 @@ def check_cache_write(positions: torch.Tensor, slot_mapping: torch.Tensor, token
                       v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, what: str) -> None:
     """The arguments of a step that rotates its tokens' q and k and writes their k and v to the caches: positions and
     slots one per token (int64), caches [num_blocks, block_size, Hkv, row] contiguous, alike, of a ``CACHE_TYPES``
-    dtype, their rows holding head_dim values (kv_rows.py)."""
+    dtype, their rows holding head_dim values (kv_formats/rows.py)."""
     check_args(positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
                and len(positions) == tokens == len(slot_mapping), f"{what}: bad positions or slot mapping")
     check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape

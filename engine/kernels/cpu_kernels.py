@@ -136,8 +136,8 @@ class CpuKernels:
                           prefix: int, scale: float, out: torch.Tensor) -> torch.Tensor:
         """Causal attention of one sequence's n new queries q [n, Hq, D] (rows may be strided, heads contiguous)
         at positions prefix .. prefix + n - 1 over its keys 0 .. prefix + n - 1, which the caches
-        [num_blocks, block_size, Hkv, row] already hold (kv_rows.py), found through ``blocks`` [>= ceil((prefix + n) / block_size)]
-        int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned."""
+        [num_blocks, block_size, Hkv, row] already hold (kv_formats/rows.py), found through ``blocks``
+        [>= ceil((prefix + n) / block_size)] int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned."""
         n, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim,
@@ -163,7 +163,7 @@ class CpuKernels:
         """A decoder layer up to its attention: qkv = RMSNorm(x) Wqkv^T (+ bias), q and k rotated (cos,
         sin_signed: [P, D] tables, indexed by positions [T]), k and v written to the caches at slot_mapping.
         x [T, H]; packed qkv weight (in ``qkv_format``, with int8 activations where asked: ``format_code``);
-        caches [num_blocks, block_size, Hkv, row] (kv_rows.py) -> qkv [T, (Hq + 2 Hkv) D]."""
+        caches [num_blocks, block_size, Hkv, row] (kv_formats/rows.py) -> qkv [T, (Hq + 2 Hkv) D]."""
         tokens, hidden = x.shape
         head_dim = cos.shape[1]
         width = (num_heads + 2 * num_kv_heads) * head_dim

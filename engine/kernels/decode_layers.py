@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.engine import kv_rows
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.kernels.checks import check_args, check_caches, supports_head_dim
 from splitserve.engine.kernels.weight_formats import format_code, in_features_of, is_weight
 

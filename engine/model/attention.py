@@ -28,7 +28,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine import kv_rows
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.kernels.cpu_kernels import CpuKernels
 
 
@@ -41,7 +41,7 @@ class GatherBuffers:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.k: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, row], the cache's rows (kv_rows.py)
+        self.k: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, row], the cache's rows (kv_formats/rows.py)
         self.v: torch.Tensor | None = None
 
     def get(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +200,7 @@ def paged_attention(
     """Attention of the step's queries over their sequences' contexts; writes k_new/v_new into the cache first
     (unless ``kv_written``: the caller has).
 
-    q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, row] (kv_rows.py).
+    q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, row] (kv_formats/rows.py).
     ``kernels``: the native CPU kernels, for the decode queries when they take the cache's dtype and D.
     Returns [T, Hq, D] in q's dtype.
     """

@@ -36,7 +36,7 @@ import tempfile
 
 import torch
 
-from splitserve.engine import kv_rows
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.kv_cache import KVKind, PagedKVCache, bytes_per_block
 from splitserve.engine.parallel.layout import Range, RankShard, rank_config

@@ -14,7 +14,7 @@
 | kivi2  | kivi.py       | as kivi4 at 2 bits                                              | 0.3135 (+ kept rows) |
 | X+zstd | zstd.py       | codec X, then zstd over payload and scales (lossless)           | data-dependent       |
 
-``engine/float16_scales.py``: how the quantizing codecs (and the int8 KV pool) store their scales and range ends
+``engine/kv_formats/scales.py``: how the quantizing codecs (and the int8 KV pool) store their scales and range ends
 (float16, rounded outward).
 
 Only base.py is imported here; a codec's module (and zstandard) loads when the codec is first requested.

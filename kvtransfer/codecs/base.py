@@ -73,9 +73,9 @@ class KVCodec(ABC):
     """Compresses one [T, H, D] K or V tensor. Stateless: one instance serves every request and thread."""
 
     name: str
-    # The KV pool dtype whose rows are this codec's encoding as they lie (engine/kv_rows.py), or None. Between pools
-    # of that dtype a push carries the rows unchanged: ``encode_rows`` and ``decode_rows`` only move bytes, and what
-    # the decode pod stores is bit for bit what the prefill pod holds.
+    # The KV pool dtype whose rows are this codec's encoding as they lie (engine/kv_formats/rows.py), or None. Between
+    # pools of that dtype a push carries the rows unchanged: ``encode_rows`` and ``decode_rows`` only move bytes, and
+    # what the decode pod stores is bit for bit what the prefill pod holds.
     pool_dtype: torch.dtype | None = None
 
     def encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None = None) -> EncodedKV:

@@ -16,7 +16,7 @@ Layout of a [T, H, D] tensor whose first ``h`` and last ``t`` rows are kept (M =
 - ``payload``: the ``bits``-bit codes of the [M, H, D] middle in C order, 8 / bits per byte, the first in the low
   bits (the last byte padded with zero codes): ceil(M * H * D * bits / 8) bytes; then the h kept head rows and
   the t kept tail rows as float16 [h + t, H, D] (exact for a float16 cache, rounded to nearest otherwise).
-- values: ``scales`` = float16 [M, H, 2], (lo, hi) of each row, rounded outward (engine/float16_scales.py).
+- values: ``scales`` = float16 [M, H, 2], (lo, hi) of each row, rounded outward (engine/kv_formats/scales.py).
 - keys: n = ceil(M / G) groups; ``scales`` = float16 [n, H, 2], the (lo, hi) of each (group, head) over all its
   tokens and channels, rounded outward; then uint8 [n, H, D, 2], each channel's (lo, hi) as codes on the 255-step
   grid of its head's range (lo rounded down, hi up). Float16 (lo, hi) per channel would cost 4 / G bytes/element;
@@ -42,7 +42,7 @@ from splitserve.kvtransfer.codecs.base import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
-from splitserve.engine.float16_scales import divide, round_down_to_float16, round_up_to_float16
+from splitserve.engine.kv_formats.scales import divide, round_down_to_float16, round_up_to_float16
 
 KEY_GROUP_TOKENS = 32  # G
 DEFAULT_SINKS = 4

@@ -1,8 +1,8 @@
 """Symmetric per-token-per-head codecs: ``int8`` and ``fp8`` (float8 e4m3fn).
 
 Each (token, head) row of D elements gets one scale, ``amax / qmax`` over D, rounded up to float16
-(engine/float16_scales.py); the row is divided by it and cast: rounded to the nearest int8 in [-127, 127], or to the
-nearest e4m3fn (|y| <= 448). The int8 KV pool stores its rows by the same rule (engine/kv_rows.py).
+(engine/kv_formats/scales.py); the row is divided by it and cast: rounded to the nearest int8 in [-127, 127], or to the
+nearest e4m3fn (|y| <= 448). The int8 KV pool stores its rows by the same rule (engine/kv_formats/rows.py).
 Keys and values are treated alike. An all-zero row gets scale 0 and decodes to zeros.
 
 Layout: ``payload`` = codes [T, H, D] (int8, or e4m3fn bytes), ``scales`` = float16 [T, H].
@@ -35,8 +35,8 @@ from splitserve.kvtransfer.codecs.base import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
-from splitserve.engine import kv_rows
-from splitserve.engine.float16_scales import divide, round_up_to_float16
+from splitserve.engine.kv_formats import rows as kv_rows
+from splitserve.engine.kv_formats.scales import divide, round_up_to_float16
 
 _SCALE_BYTES = 2  # float16
 _FLOAT16_SIGN_AND_E4M3 = -16385  # 0xBFFF as int16: every bit but the float16 exponent's top one

@@ -4,7 +4,8 @@
 // by the float32 kernels (cpu_kernels.cpp) and the bf16 prefill (bf16_kernels.cpp), which read the same caches.
 //
 // A pool row is one (token, head)'s K or V: head_dim elements, then, for a scaled type, the row's scale (kScaleElems
-// elements of T holding a float16). engine/kv_rows.py is the Python side of the same layout and must agree bit for bit.
+// elements of T holding a float16). engine/kv_formats/rows.py is the Python side of the same layout and must agree
+// bit for bit.
 #pragma once
 
 #include <immintrin.h>

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.config import CACHE_DTYPES
-from splitserve.engine.float16_scales import divide, round_up_to_float16
+from splitserve.engine.kv_formats.scales import divide, round_up_to_float16
 
 POOL_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in CACHE_DTYPES}  # by their names
 _SCALE_ELEMS = {torch.int8: 2}  # elements after a row's codes that hold its float16 scale

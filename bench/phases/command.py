@@ -13,10 +13,10 @@ in-process: prefill is compute-bound and decode memory-bound, so they want diffe
            run, the higher of each: the roofs of the roofline.
 
 ``--prefill-formats`` measures instead prefill in each prefill compute format, float32 and bfloat16, side by side on
-one pinned thread and on two, against the bf16 GEMM peak of the same shapes (bench/prefill_formats.py);
+one pinned thread and on two, against the bf16 GEMM peak of the same shapes (bench/phases/prefill_formats.py);
 ``--kv-pools`` decode in each KV pool format (``--pool-dtypes``) side by side on one pinned thread, against each
-one's byte floor, and each one's capacity (bench/kv_pools.py);
-``--prefill-quality`` each format's answers against float32's on the real model (bench/prefill_quality.py).
+one's byte floor, and each one's capacity (bench/phases/kv_pools.py);
+``--prefill-quality`` each format's answers against float32's on the real model (bench/phases/prefill_quality.py).
 
 FLOPs and bytes come from the model's config (``step_cost.py``): matmul FLOPs of projections, MLP, attention and
 the sampled lm_head rows; bytes at least every weight once per step plus the K/V read and written. The roofline
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.bench import kv_pools, prefill_formats, prefill_quality
+from splitserve.bench.phases import kv_pools, prefill_formats, prefill_quality
 from splitserve.bench.engine import matmul_peak, read_bandwidth
-from splitserve.bench.step_cost import (
+from splitserve.bench.phases.step_cost import (
     decode_bytes,
     decode_flops,
     kv_bytes_per_token,
@@ -112,7 +112,7 @@ class PhasesConfig(FiguresOutput):
         "The KV pool formats --kv-pools compares, the first the baseline."))
     prefill_quality: bool = field(default=False, metadata=described(
         "Instead: each prefill format's answers against float32's on the real model (teacher-forced top-1 agreement, "
-        "perplexity), bfloat16 and simulated int8 W8A8 (bench/prefill_quality.py)."))
+        "perplexity), bfloat16 and simulated int8 W8A8 (bench/phases/prefill_quality.py)."))
 
     def __post_init__(self) -> None:
         if self.full:

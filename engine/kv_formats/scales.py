@@ -1,5 +1,5 @@
 """How quantizing KV formats store their scales and range ends: float16, rounded outward (the KV codecs, and the
-int8 KV pool, engine/kv_rows.py).
+int8 KV pool, engine/kv_formats/rows.py).
 
 A scale or range end is rounded to float16 *away from the data* (scales up, minimums down, maximums up), and the
 encoder quantizes with the rounded value it stores. So the quantization grid always covers the data (no value

@@ -7,9 +7,9 @@ decode pod admits transferred ones, every page of their KV written with real val
 the kernel's shared zero page and reads from cache: phases.py). Then ``--repeat`` rounds alternate the engines, each
 round ``--steps`` decode steps per engine (median kept), so that load from other work falls on every format alike:
 median ms per step over the rounds and its min-max spread. Beside it, the bytes the step must read (every weight
-once, every sequence's K and V as the pool stores them, scales included: bench/step_cost.py) and their floor at the
-read bandwidth measured in the same run (before and after, the higher), and each format's tokens/s against the
-first format's. Last, how many sequences of 4,096 tokens a 1 GiB pool holds in each format.
+once, every sequence's K and V as the pool stores them, scales included: bench/phases/step_cost.py) and their floor
+at the read bandwidth measured in the same run (before and after, the higher), and each format's tokens/s against
+the first format's. Last, how many sequences of 4,096 tokens a 1 GiB pool holds in each format.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 import torch
 
 from splitserve.bench.engine import read_bandwidth
-from splitserve.bench.step_cost import decode_bytes
-from splitserve.engine import kv_rows
+from splitserve.bench.phases.step_cost import decode_bytes
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.kernels.cpu_features import cpu_model, matrix_features
 from splitserve.engine.kv_cache import num_blocks_for_budget

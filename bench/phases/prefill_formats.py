@@ -8,8 +8,9 @@ scheduler's chunks of ``long_prefill_token_threshold`` tokens), ``--repeat`` tim
 alternate the formats so that load from other work falls on both alike: median seconds and the min-max spread.
 The peak: the faster of two bf16 GEMMs of the model's four layer shapes at the chunk's rows, at the same thread
 count: torch's (oneDNN, its best kernel for the shape: AMX tiles where the CPU has them) and the kernels' own
-(``Bf16Kernels.linear``, the tiling bf16 prefill runs on); a prefill's share of it is its FLOPs (bench/step_cost.py)
-over its time, over that rate. The table names the CPU, its matrix features and the bf16 products' ISA.
+(``Bf16Kernels.linear``, the tiling bf16 prefill runs on); a prefill's share of it is its FLOPs
+(bench/phases/step_cost.py) over its time, over that rate. The table names the CPU, its matrix features and the bf16
+products' ISA.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from splitserve.bench.step_cost import prefill_flops
+from splitserve.bench.phases.step_cost import prefill_flops
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.kernels.bf16_kernels import Bf16Kernels, pack
 from splitserve.engine.kernels.cpu_features import cpu_model, matrix_features
