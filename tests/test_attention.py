@@ -277,3 +277,25 @@ def test_native_prefill_attention_matches_pytorch_at_model_sizes(block_size, num
         rows = slice(start + lo, start + hi)
         alone = paged_attention(q[rows], k_new[rows], v_new[rows], *caches, chunk, scale, native_kernels)
         assert torch.equal(alone, ours[rows])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_the_avx2_and_avx512_builds_attend_to_the_same_bits(cache_dtype, native_kernels):
+    """The AVX-512 build's decode attention holds two keys (or two 8-dimension chunks) per register, each lane doing
+    what the AVX2 build's does: the same bits, so a decode pod's answers do not depend on its vector width."""
+    from splitserve.engine.kernels import cpu_kernels
+
+    if native_kernels.isa != "avx512":
+        pytest.skip("this CPU has no AVX-512: the kernels have one build here")
+    avx2 = cpu_kernels.build(avx512=False)
+    gen = torch.Generator().manual_seed(11)
+    for num_heads, num_kv_heads, head_dim, block_size in ((9, 3, 64, 16), (8, 2, 128, 5), (7, 1, 40, 16)):
+        lens, num_blocks = torch.tensor([700, 1, 333, 16, 517]), 400
+        k_cache, v_cache = (kv_rows.store(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen),
+                                          cache_dtype) for _ in range(2))
+        need = -(-700 // block_size)
+        tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:need] for _ in lens])
+        q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+        wide, narrow = (k.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+                        for k in (native_kernels, avx2))
+        assert torch.equal(wide, narrow)

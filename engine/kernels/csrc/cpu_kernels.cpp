@@ -218,15 +218,69 @@ inline void score_tile(const float* q, int64_t head_dim, const typename CacheEle
   }
 }
 
+#ifdef SS_ATTENTION_512
+// score_tile<CT, HS, 4> on 512-bit registers: keys 0 and 1 of the tile in one register's halves, keys 2 and 3 in
+// another, each half doing the AVX2 tile's multiply-adds lane for lane; the sums are reduced in hsum4's order
+// (adjacent lanes, then pairs, then the two 4-lane halves) and scaled as it scales them, so every score has the AVX2
+// build's bits with half the multiply-adds and conversions (a scaled cache's key scales multiplied in as it does).
+template <int CT, int HS>
+inline void score_tile512(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
+                          float scale, float* scores, int64_t score_stride, const float* key_scales) {
+  __m512 acc[HS][2];
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    __m512 qv[HS];
+#pragma GCC unroll 4
+    for (int h = 0; h < HS; ++h) qv[h] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + h * head_dim + d));
+#pragma GCC unroll 2
+    for (int pair = 0; pair < 2; ++pair) {
+      const __m512 kv = CacheElem<CT>::load8x2(k + 2 * pair * row_stride + d, k + (2 * pair + 1) * row_stride + d);
+#pragma GCC unroll 4
+      for (int h = 0; h < HS; ++h) acc[h][pair] = _mm512_fmadd_ps(qv[h], kv, acc[h][pair]);
+    }
+  }
+  __m512 vscale[2];
+#pragma GCC unroll 2
+  for (int pair = 0; pair < 2; ++pair) {
+    if constexpr (CacheElem<CT>::kScaleElems > 0) {
+      vscale[pair] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(scale * key_scales[2 * pair])),
+                                        _mm256_set1_ps(scale * key_scales[2 * pair + 1]), 1);
+    } else {
+      vscale[pair] = _mm512_set1_ps(scale);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h) {
+#pragma GCC unroll 2
+    for (int pair = 0; pair < 2; ++pair) {
+      __m512 x = acc[h][pair];
+      x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));                   // lane 0: x0 + x1
+      x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));                   // lane 0: (x0 + x1) + (x2 + x3)
+      x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));  // + lanes 4-7's
+      x = _mm512_mul_ps(x, vscale[pair]);
+      scores[h * score_stride + 2 * pair] = _mm512_cvtss_f32(x);
+      scores[h * score_stride + 2 * pair + 1] = _mm512_cvtss_f32(_mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(0, 0, 0, 2)));
+    }
+  }
+}
+#endif
+
 template <int CT>
 using ScoreTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, float, float*, int64_t,
                              const float*);
 template <int CT>
 constexpr ScoreTileFn<CT> kScoreTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
+#ifdef SS_ATTENTION_512
+    {nullptr, score_tile<CT, 1, 1>, nullptr, nullptr, score_tile512<CT, 1>},
+    {nullptr, score_tile<CT, 2, 1>, nullptr, nullptr, score_tile512<CT, 2>},
+    {nullptr, score_tile<CT, 3, 1>, nullptr, nullptr, score_tile512<CT, 3>},
+#else
     {nullptr, score_tile<CT, 1, 1>, nullptr, nullptr, score_tile<CT, 1, 4>},
     {nullptr, score_tile<CT, 2, 1>, nullptr, nullptr, score_tile<CT, 2, 4>},
     {nullptr, score_tile<CT, 3, 1>, nullptr, nullptr, score_tile<CT, 3, 4>},
+#endif
 };
 
 // out_h[0:8 VEC] += sum_j p[h * score_stride + j] V_j[0:8 VEC] over n value rows (V_j = v + j * row_stride), for
@@ -256,15 +310,51 @@ inline void value_tile(const float* p, int64_t score_stride, const typename Cach
     for (int c = 0; c < VEC; ++c) _mm256_storeu_ps(out + h * head_dim + 8 * c, acc[h][c]);
 }
 
+#ifdef SS_ATTENTION_512
+// value_tile<CT, HS, 2 * VEC2> on 512-bit registers: two 8-dimension chunks per register, each lane doing the AVX2
+// tile's multiply-adds, row by row: the same bits with half the instructions.
+template <int CT, int HS, int VEC2>
+inline void value_tile512(const float* p, int64_t score_stride, const typename CacheElem<CT>::T* v,
+                          int64_t row_stride, int64_t n, float* out, int64_t head_dim) {
+  __m512 acc[HS][VEC2];
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 2
+    for (int c = 0; c < VEC2; ++c) acc[h][c] = _mm512_loadu_ps(out + h * head_dim + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 pv[HS];
+#pragma GCC unroll 4
+    for (int h = 0; h < HS; ++h) pv[h] = _mm512_set1_ps(p[h * score_stride + j]);
+#pragma GCC unroll 2
+    for (int c = 0; c < VEC2; ++c) {
+      const typename CacheElem<CT>::T* row = v + j * row_stride + 16 * c;
+      const __m512 vv = CacheElem<CT>::load8x2(row, row + 8);
+#pragma GCC unroll 4
+      for (int h = 0; h < HS; ++h) acc[h][c] = _mm512_fmadd_ps(pv[h], vv, acc[h][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 2
+    for (int c = 0; c < VEC2; ++c) _mm512_storeu_ps(out + h * head_dim + 16 * c, acc[h][c]);
+}
+#endif
+
 template <int CT>
 using ValueTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, int64_t, float*,
                              int64_t);
 template <int CT>
 constexpr ValueTileFn<CT> kValueTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
+#ifdef SS_ATTENTION_512
+    {nullptr, value_tile<CT, 1, 1>, value_tile512<CT, 1, 1>, value_tile<CT, 1, 3>, value_tile512<CT, 1, 2>},
+    {nullptr, value_tile<CT, 2, 1>, value_tile512<CT, 2, 1>, value_tile<CT, 2, 3>, value_tile512<CT, 2, 2>},
+    {nullptr, value_tile<CT, 3, 1>, value_tile512<CT, 3, 1>, value_tile<CT, 3, 3>, value_tile512<CT, 3, 2>},
+#else
     {nullptr, value_tile<CT, 1, 1>, value_tile<CT, 1, 2>, value_tile<CT, 1, 3>, value_tile<CT, 1, 4>},
     {nullptr, value_tile<CT, 2, 1>, value_tile<CT, 2, 2>, value_tile<CT, 2, 3>, value_tile<CT, 2, 4>},
     {nullptr, value_tile<CT, 3, 1>, value_tile<CT, 3, 2>, value_tile<CT, 3, 3>, value_tile<CT, 3, 4>},
+#endif
 };
 
 // out[b, hq, :] = softmax(q[b, hq] . K[b]^T * scale) V[b] for one new query per sequence.
