@@ -109,7 +109,10 @@ class PhasesConfig(FiguresOutput):
         "real, --repeat rounds, at --batches x --contexts (default 1,16,64 x 512,4096), against each "
         "one's byte floor; and the sequences of 4096 tokens a 1 GiB pool holds in each."))
     pool_dtypes: list[str] = field(default_factory=lambda: list(kv_pools.POOL_DTYPES), metadata=described(
-        "The KV pool formats --kv-pools compares, the first the baseline."))
+        "The KV pool formats --kv-pools and --kv-pool-quality compare, the first the baseline of --kv-pools."))
+    kv_pool_quality: bool = field(default=False, metadata=described(
+        "Instead: each KV pool format's answers against the float16 pool's on the model, teacher-forced top-1 "
+        "agreement and perplexity over 1024-token windows of GPL-3 (bench/phases/kv_pools.py)."))
     prefill_quality: bool = field(default=False, metadata=described(
         "Instead: each prefill format's answers against float32's on the real model (teacher-forced top-1 agreement, "
         "perplexity), bfloat16 and simulated int8 W8A8 (bench/phases/prefill_quality.py)."))
@@ -373,6 +376,11 @@ def main(argv: list[str] | None = None) -> dict:
     if config.prefill_quality:
         results = prefill_quality.run(config.model)
         prefill_quality.report(results)
+        save_results(results, config.json)
+        return results
+    if config.kv_pool_quality:
+        results = kv_pools.quality(config.model, config.pool_dtypes)
+        kv_pools.report_quality(results)
         save_results(results, config.json)
         return results
     if config.kv_pools:

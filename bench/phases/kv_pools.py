@@ -10,6 +10,10 @@ median ms per step over the rounds and its min-max spread. Beside it, the bytes 
 once, every sequence's K and V as the pool stores them, scales included: bench/phases/step_cost.py) and their floor
 at the read bandwidth measured in the same run (before and after, the higher), and each format's tokens/s against
 the first format's. Last, how many sequences of 4,096 tokens a 1 GiB pool holds in each format.
+
+``quality`` (``--kv-pool-quality``) measures what each format costs in answers: every position of 1,024-token windows
+of GPL-3's text run as one prefill over a pool of that format (each position attends over the K/V as the pool holds
+them: what decoding over it attends over), teacher-forced top-1 agreement and perplexity against the float16 pool.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import time
 import torch
 
 from splitserve.bench.engine import read_bandwidth
+from splitserve.bench.phases.prefill_quality import REFERENCE_TEXT, sequence_logits
 from splitserve.bench.phases.step_cost import decode_bytes
 from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.kernels.cpu_features import cpu_model, matrix_features
 from splitserve.engine.kv_cache import num_blocks_for_budget
+from splitserve.engine import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling.params import SamplingParams
 
@@ -37,6 +43,9 @@ CONTEXTS = (512, 4096)
 CAPACITY_TOKENS = 4096  # the sequence length of the capacity column
 CAPACITY_BUDGET = 1 << 30
 WARMUP_STEPS = 2
+QUALITY_WINDOW, QUALITY_WINDOWS = 1024, 4  # tokens per teacher-forced window, windows of GPL-3's text
+QUALITY_BASELINE = "float16"  # the pods' default pool, which every format is held against
+QUALITY_TARGETS = {"int8": 0.99, "int4": 0.97}  # top-1 agreement (issue 46)
 
 
 def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[int], steps: int, repeat: int,
@@ -94,7 +103,7 @@ def report(results: dict, log=print) -> None:
     log(f"\n== decode by KV pool format ({results['model']}; CPU: {results['cpu']}, features "
         f"{results['cpu_features']}; one pinned thread; median [min-max] of {results['repeat']} rounds of "
         f"{results['steps']} steps; read bandwidth {results['read_gbps']:.1f} GB/s) ==")
-    log(f"{'batch':>6}{'context':>8}{'pool':>9}{'ms/step':>22}{'MB/step':>9}{'floor ms':>9}{'/ floor':>8}"
+    log(f"{'batch':>6}{'context':>8}{'pool':>9}{'ms/step':>26}{'MB/step':>9}{'floor ms':>9}{'/ floor':>8}"
         f"{'tok/s vs ' + base:>18}")
     for point in results["points"].values():
         base_ms = statistics.median(point[base]["ms"])
@@ -103,7 +112,7 @@ def report(results: dict, log=print) -> None:
             ms = statistics.median(r["ms"])
             floor = r["bytes_per_step"] / results["read_gbps"] / 1e6
             spread = f"{ms:.2f} [{min(r['ms']):.2f}-{max(r['ms']):.2f}]"
-            log(f"{r['batch']:>6}{r['context']:>8}{d:>9}{spread:>22}{r['bytes_per_step'] / 1e6:>9.1f}{floor:>9.2f}"
+            log(f"{r['batch']:>6}{r['context']:>8}{d:>9}{spread:>26}{r['bytes_per_step'] / 1e6:>9.1f}{floor:>9.2f}"
                 f"{ms / floor:>7.2f}x{base_ms / ms:>17.2f}x")
     capacity = ", ".join(f"{d} {n}" for d, n in results["capacity"].items())
     log(f"sequences of {CAPACITY_TOKENS} tokens a {CAPACITY_BUDGET >> 30} GiB pool holds: {capacity}")
@@ -155,3 +164,44 @@ def _sequences_at_budget(cfg: ModelConfig, pool_dtype: str) -> int:
     block = CacheConfig().block_size
     blocks = num_blocks_for_budget(cfg, block, kv_rows.pool_dtype(pool_dtype), CAPACITY_BUDGET)
     return blocks // math.ceil(CAPACITY_TOKENS / block)
+
+
+def quality(model: str, pool_dtypes: list[str], log=print) -> dict:
+    """{"positions", "windows", "formats": {dtype: {"top1_agreement", "perplexity", "ppl_change_pct"}}} against the
+    float16 pool, over ``QUALITY_WINDOWS`` windows of GPL-3's text (fewer where the text is shorter)."""
+    if not REFERENCE_TEXT.is_file():
+        raise RuntimeError(f"{REFERENCE_TEXT} is missing: the quality run reads its text")
+    llm = LLM(model=model, kv_cache_memory_bytes=64 << 20)
+    tokens = llm.tokenizer.encode(REFERENCE_TEXT.read_text())
+    windows = [tokens[i:i + QUALITY_WINDOW] for i in range(0, len(tokens) - QUALITY_WINDOW + 1, QUALITY_WINDOW)]
+    windows = windows[:QUALITY_WINDOWS]
+    formats = [QUALITY_BASELINE] + [d for d in pool_dtypes if d != QUALITY_BASELINE]
+    logits: dict[str, list[torch.Tensor]] = {}
+    for d in formats:
+        log(f"quality: {len(windows)} windows of {QUALITY_WINDOW} tokens over a {d} pool ...")
+        logits[d] = [sequence_logits(llm, w, d) for w in windows]
+    targets = [torch.tensor(w[1:]) for w in windows]
+
+    def perplexity(d: str) -> float:
+        nll = [torch.nn.functional.cross_entropy(x[:-1], t) for x, t in zip(logits[d], targets)]
+        return torch.stack(nll).mean().exp().item()
+
+    base_ppl = perplexity(QUALITY_BASELINE)
+    results: dict = {"positions": sum(len(w) for w in windows), "windows": len(windows), "formats": {}}
+    for d in formats:
+        agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits[d], logits[QUALITY_BASELINE]))
+        ppl = perplexity(d)
+        results["formats"][d] = {"top1_agreement": agree / results["positions"], "perplexity": ppl,
+                                 "ppl_change_pct": 100 * (ppl / base_ppl - 1)}
+    return results
+
+
+def report_quality(results: dict, log=print) -> None:
+    log(f"\n== KV pool formats' quality against the {QUALITY_BASELINE} pool (teacher-forced top-1 over "
+        f"{results['positions']} positions of {results['windows']} windows of {QUALITY_WINDOW} tokens of GPL-3) ==")
+    log(f"{'pool':<10}{'top-1':>9}{'perplexity':>12}{'change':>9}  target")
+    for d, r in results["formats"].items():
+        target = QUALITY_TARGETS.get(d)
+        met = target is not None and r["top1_agreement"] >= target
+        verdict = "" if target is None else f"top-1 >= {target:.0%}: {'met' if met else 'MISSED'}"
+        log(f"{d:<10}{r['top1_agreement']:>9.2%}{r['perplexity']:>12.3f}{r['ppl_change_pct']:>+8.2f}%  {verdict}")

@@ -36,13 +36,14 @@ PRODUCTS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 @torch.inference_mode()
-def sequence_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
+def sequence_logits(llm: LLM, tokens: list[int], cache_dtype: str = "float16") -> torch.Tensor:
     """Every position's next-token logits [n, V] float32, the sequence run as one prefill on a cache of its own (the
-    pods' default cache dtype, float16)."""
+    pods' default cache dtype, float16, unless ``cache_dtype`` names another). Each position attends over the K/V
+    as the cache holds them, its own included: what a decode step over that pool attends over."""
     model = llm.engine.runner.model
     n = len(tokens)
     blocks = -(-n // BLOCK)
-    cache = PagedKVCache(model.config, blocks, BLOCK, "float16")
+    cache = PagedKVCache(model.config, blocks, BLOCK, cache_dtype)
     meta = AttentionMetadata.build([n], [n], [list(range(blocks))], BLOCK)
     return model.compute_logits(model(torch.tensor(tokens), torch.arange(n), cache, meta))
 
