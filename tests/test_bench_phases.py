@@ -121,6 +121,33 @@ def test_prefill_quality_against_float32_with_simulated_int8(tmp_path, capsys):
     assert "prefill formats' quality against float32" in capsys.readouterr().out
 
 
+def test_kv_pools_side_by_side_against_each_ones_byte_floor(tmp_path, capsys):
+    out = tmp_path / "pools.json"
+    phases.main(["--model", "tiny-random", "--kv-pools", "--batches", "1,3", "--contexts", "40", "--steps", "2",
+                 "--repeat", "2", "--json", str(out)])
+    results = json.loads(out.read_text())
+    assert results["cpu"] and results["read_gbps"] > 0 and results["pool_dtypes"] == ["float16", "int8"]
+    assert set(results["points"]) == {"1x40", "3x40"}
+    for point in results["points"].values():
+        half, int8 = point["float16"], point["int8"]
+        assert len(half["ms"]) == len(int8["ms"]) == 2 and min(half["ms"] + int8["ms"]) > 0
+        assert int8["bytes_per_step"] < half["bytes_per_step"]  # the rows' bytes, scales included
+    # tiny-random: KV heads of 16 (int8 rows of 18 bytes against 32 in float16); a 1 GiB pool, sequences of 4096
+    assert results["capacity"]["int8"] > 1.7 * results["capacity"]["float16"]
+    assert "decode by KV pool format" in capsys.readouterr().out
+
+
+def test_kv_pool_quality_against_the_float16_pool(tmp_path, capsys):
+    out = tmp_path / "pool_quality.json"
+    phases.main(["--model", "tiny-random", "--kv-pool-quality", "--pool-dtypes", "float32,int8", "--json", str(out)])
+    results = json.loads(out.read_text())
+    formats = results["formats"]
+    assert set(formats) == {"float16", "float32", "int8"} and results["positions"] == 4 * 1024
+    assert formats["float16"]["top1_agreement"] == 1.0 and formats["float16"]["ppl_change_pct"] == 0.0
+    assert formats["int8"]["perplexity"] > 0
+    assert "KV pool formats' quality against the float16 pool" in capsys.readouterr().out
+
+
 @pytest.mark.e2e
 def test_a_tensor_parallel_profile_records_the_pod_size_it_was_measured_at(tmp_path):
     """The simulator and the planner count a pod of this profile at its ranks and the CPUs they shared."""
