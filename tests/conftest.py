@@ -113,12 +113,21 @@ def tiny_pd_up(tmp_path_factory, start_cluster):
 
 
 @pytest.fixture(scope="session")
-def tiny_openai(tiny_pd_up):
-    """The ``openai`` client of ``tiny_pd_up``'s router."""
+def openai_client():
+    """A function that gives the ``openai`` client of a ``splitserve up`` cluster's router: ``openai_client(cluster)``."""
     from openai import OpenAI
 
-    return OpenAI(base_url=f"http://{tiny_pd_up.config.host}:{tiny_pd_up.config.http_port}/v1", api_key="unused",
-                  max_retries=0, timeout=120)
+    def client(cluster):
+        return OpenAI(base_url=f"http://{cluster.config.host}:{cluster.config.http_port}/v1", api_key="unused",
+                      max_retries=0, timeout=120)
+
+    return client
+
+
+@pytest.fixture(scope="session")
+def tiny_openai(tiny_pd_up, openai_client):
+    """The ``openai`` client of ``tiny_pd_up``'s router."""
+    return openai_client(tiny_pd_up)
 
 
 @pytest.fixture(scope="module")

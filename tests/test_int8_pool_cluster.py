@@ -29,11 +29,8 @@ def cluster(tmp_path_factory, start_cluster):
 
 
 @pytest.fixture(scope="module")
-def client(cluster):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"http://{cluster.config.host}:{cluster.config.http_port}/v1", api_key="unused",
-                  max_retries=0, timeout=120)
+def client(cluster, openai_client):
+    return openai_client(cluster)
 
 
 def pod_samples(cluster, role: str, name: str) -> dict[str, float]:
