@@ -27,9 +27,10 @@ def lm_head_flops(cfg: ModelConfig) -> int:
     return 2 * cfg.hidden_size * cfg.vocab_size
 
 
-def kv_bytes_per_token(cfg: ModelConfig, cache_elem_bytes: int) -> int:
-    """K and V of one token across all layers, as the cache stores them."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cache_elem_bytes
+def kv_bytes_per_token(cfg: ModelConfig, cache_elem_bytes: float) -> int:
+    """K and V of one token across all layers, as the cache stores them (``cache_elem_bytes``: per value, an int8
+    row's scale shared out: ``PagedKVCache.element_size``)."""
+    return round(2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cache_elem_bytes)
 
 
 def prefill_flops(cfg: ModelConfig, num_tokens: int, context_before: int = 0) -> float:
@@ -41,7 +42,7 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, context_before: int = 0) ->
 
 
 def prefill_bytes(cfg: ModelConfig, weight_bytes: int, num_tokens: int, context_before: int = 0,
-                  cache_elem_bytes: int = 4) -> int:
+                  cache_elem_bytes: float = 4) -> int:
     """Bytes a prefill step of ``num_tokens`` after ``context_before`` cached ones moves at least: the weights, the
     K/V it attends over (cached and new) and the K/V it writes."""
     kv = kv_bytes_per_token(cfg, cache_elem_bytes)
@@ -54,6 +55,6 @@ def decode_flops(cfg: ModelConfig, batch: int, context: int) -> float:
     return cfg.num_layers * per_layer + lm_head_flops(cfg) * batch
 
 
-def decode_bytes(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, cache_elem_bytes: int = 4) -> int:
+def decode_bytes(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, cache_elem_bytes: float = 4) -> int:
     """Bytes a decode step must read at least: every weight once, plus each sequence's K and V."""
     return weight_bytes + kv_bytes_per_token(cfg, cache_elem_bytes) * context * batch
