@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tiny_checkpoints import write_byte_level_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from splitserve.engine.config import ModelConfig
@@ -336,22 +335,10 @@ def test_gguf_rejects_rope_freqs_and_unknown_architectures(tmp_path):
 
 # ---- model names ----------------------------------------------------------------------------------------------------
 
-def _write_tokenizer_files(directory) -> None:
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate(["<s>", "</s>"] + alphabet[: VOCAB - 2])}
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<s>", "</s>"])
-    backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
-
-
 def test_load_model_files_from_directory(tmp_path):
     model = tiny_llama(eos_token_id=2)
     model.save_pretrained(tmp_path)
-    _write_tokenizer_files(tmp_path)
+    write_byte_level_tokenizer(tmp_path, VOCAB, generation_eos=[1, 7])
     loaded = load_model_files(str(tmp_path))
     assert loaded.config.eos_token_ids == [2, 1, 7]  # config.json's, then the tokenizer's
     assert loaded.tokenizer.eos_token_ids == [1, 7]

@@ -41,7 +41,7 @@ class Architecture:
         try:
             rope_inv_freq(config)  # a RoPE scaling type rotary.py does not compute is refused here, at load
         except (ValueError, KeyError) as e:
-            raise ValueError(f"{name}: {self.model_type} with rope scaling {config.rope_scaling}: {e}") from e
+            raise ValueError(f"{name}: {self.model_type} with this rope scaling is not supported: {e}") from e
         return config
 
     def resolve(self, config: ModelConfig) -> ModelConfig:
