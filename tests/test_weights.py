@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tiny_checkpoints import write_byte_level_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.text.tokenizer import GGUFTokenizerData, Tokenizer
@@ -51,7 +51,12 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
     return _randomized(Qwen2ForCausalLM(Qwen2Config(**_hf_kwargs())))
 
 
-def fused_from_hf(hf: dict[str, torch.Tensor], tied: bool, bias: bool) -> dict[str, torch.Tensor]:
+def tiny_qwen3() -> Qwen3ForCausalLM:
+    return _randomized(Qwen3ForCausalLM(Qwen3Config(**_hf_kwargs(head_dim=HEAD_DIM))))
+
+
+def fused_from_hf(hf: dict[str, torch.Tensor], tied: bool, bias: bool,
+                  qk_norm: bool = False) -> dict[str, torch.Tensor]:
     """Our layout built by hand from HF names: the expectation every loader must meet."""
     out = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     if not tied:
@@ -68,6 +73,9 @@ def fused_from_hf(hf: dict[str, torch.Tensor], tied: bool, bias: bool) -> dict[s
         out[f"layers.{i}.mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
         if bias:
             out[f"layers.{i}.attn.qkv_proj.bias"] = torch.cat([hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"])
+        if qk_norm:
+            out[f"layers.{i}.attn.q_norm.weight"] = hf[p + "self_attn.q_norm.weight"]
+            out[f"layers.{i}.attn.k_norm.weight"] = hf[p + "self_attn.k_norm.weight"]
     return out
 
 
@@ -201,6 +209,8 @@ def _gguf_tensor_names(i: int) -> dict[str, str]:
         p + "attn_q.bias": h + "self_attn.q_proj.bias",
         p + "attn_k.bias": h + "self_attn.k_proj.bias",
         p + "attn_v.bias": h + "self_attn.v_proj.bias",
+        p + "attn_q_norm.weight": h + "self_attn.q_norm.weight",
+        p + "attn_k_norm.weight": h + "self_attn.k_norm.weight",
     }
 
 
@@ -313,6 +323,15 @@ def test_gguf_qwen2_is_not_permuted_and_has_biases(tmp_path):
     config, state, _ = load_gguf(tmp_path / "qwen.gguf")
     assert config.qkv_bias is True
     assert_state_equal(state, fused_from_hf(model.state_dict(), tied=False, bias=True))
+    assert {n: tuple(t.shape) for n, t in state.items()} == parameter_shapes(config)
+
+
+def test_gguf_qwen3_is_not_permuted_and_has_qk_norms(tmp_path):
+    model = tiny_qwen3()
+    write_gguf(tmp_path / "qwen3.gguf", model.state_dict(), "qwen3")
+    config, state, _ = load_gguf(tmp_path / "qwen3.gguf")
+    assert (config.architecture, config.qk_norm, config.qkv_bias) == ("qwen3", True, False)
+    assert_state_equal(state, fused_from_hf(model.state_dict(), tied=False, bias=False, qk_norm=True))
     assert {n: tuple(t.shape) for n, t in state.items()} == parameter_shapes(config)
 
 

@@ -7,8 +7,9 @@ Names the engine accepts:
   package (found through its install location; the package itself is never imported);
 - ``tiny-random``: a small Llama (GQA) with seeded random weights and a byte-level tokenizer built in code,
   so tests and demos need no files at all;
-- a directory: a ``transformers`` checkpoint (config.json, safetensors, tokenizer.json);
-- a path ending in ``.gguf``: a llama.cpp file (llama or qwen2 architecture).
+- a directory: a ``transformers`` checkpoint (config.json, safetensors, tokenizer.json) of an architecture the
+  model registry serves (engine/model/architectures/; docs/models.md);
+- a path ending in ``.gguf``: a llama.cpp file (the registry's GGUF architectures: llama, qwen2, qwen3).
 """
 
 from __future__ import annotations
