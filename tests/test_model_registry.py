@@ -272,10 +272,10 @@ def test_export_writes_the_architecture_it_was_loaded_as(tmp_path, checkpoint):
 @pytest.mark.e2e
 @pytest.mark.parametrize("model_type", ["qwen3", "mistral"])
 def test_tensor_and_pipeline_parallel_ranks_give_one_process_answer(tmp_path, model_type):
-    """2 ranks (the second a process of its own) against 1, tensor- or pipeline-parallel. Tensor: Qwen3's q/k norm weights are replicated and each rank
-    normalizes its own heads (2 query heads, 1 KV head each); Mistral's one KV head is on both ranks, its 4 query heads
-    split 2 + 2. Pipeline: a layer per rank. The same greedy tokens, prompt logprobs within 1e-4 (the row-parallel sums
-    round in another order)."""
+    """2 ranks (the second a process of its own) against 1, tensor- or pipeline-parallel. Tensor: Qwen3's q/k norm
+    weights are replicated and each rank normalizes its own heads (2 query heads, 1 KV head each); Mistral's one KV
+    head is on both ranks, its 4 query heads split 2 + 2. Pipeline: a layer per rank. The same greedy tokens, prompt
+    logprobs within 1e-4 (the row-parallel sums round in another order)."""
     checkpoint = Checkpoint(tmp_path, model_type)
     one, *split = [_scored(checkpoint.llm(**settings), [PROMPT])[0] for settings in
                    ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2})]
