@@ -172,6 +172,18 @@ def test_a_prompt_gets_the_same_bits_alone_beside_others_and_in_chunks(checkpoin
         assert other.logprobs == alone.logprobs and other.prompt_logprobs == alone.prompt_logprobs
 
 
+def test_weights_quantized_at_load_give_the_widened_weights_logprobs(checkpoint, native_kernels):
+    """int8 weights (quantized at load; docs/quantization.md): the native products over the blocks give the logprobs
+    of the same weights widened to float32 on the PyTorch path, and stay within int8's rounding of transformers."""
+    native, widened = (_scored(checkpoint.llm(quantization="int8", cpu_kernels=flag), [PROMPT], max_tokens=0)[0]
+                       for flag in (True, False))
+    reference = checkpoint.logprobs(PROMPT)
+    for position in range(1, len(PROMPT)):
+        ours, theirs = native.prompt_logprobs[position].logprob, widened.prompt_logprobs[position].logprob
+        assert abs(ours - theirs) <= TOLERANCE
+        assert abs(ours - reference[position - 1, PROMPT[position]].item()) <= 0.2  # measured 0.07-0.09
+
+
 def test_llama3_rope_scaling_is_in_force():
     """The llama3 checkpoint's frequencies differ from unscaled RoPE's in all three bands (kept, interpolated,
     slowed), so its agreement with transformers tests the scaling itself."""
@@ -283,3 +295,32 @@ def test_tensor_and_pipeline_parallel_ranks_give_one_process_answer(tmp_path, mo
         assert other.token_ids == one.token_ids
         assert max(abs(a.logprob - b.logprob) for a, b in zip(one.prompt_logprobs[1:], other.prompt_logprobs[1:])) \
             <= TOLERANCE
+
+
+# ---- disaggregated ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("model_type, kv_codec", [*((m, "none") for m in SHAPES), ("qwen3", "int8")])
+def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start_cluster, model_type, kv_codec):
+    """``splitserve up --model DIR`` of each checkpoint with one prefill and one decode pod: every prompt prefills on
+    the prefill pod, its KV crosses to the decode pod through ``kv_codec`` (lossless; and int8, lossy, for Qwen3, the
+    entry on its own compute path, with heads of 128), and the greedy tokens are the offline engine's (float16 KV on
+    both, the pods' default); every block is free after."""
+    from tests.reliability.live_cluster import START_S, TINY, stream, wait_every_block_free
+    from tests.test_tp_cluster import kv_loaded
+
+    checkpoint = Checkpoint(tmp_path / model_type, model_type)
+    prompts = [PROMPT, *OTHERS]
+    offline = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True))
+    cluster = start_cluster(tmp_path / "up", **{**TINY, "model": str(checkpoint.directory), "prefill": 1,
+                                                "decode": 1, "kv_codec": kv_codec, "conditional_prefill_threshold": 0,
+                                                "decode_pod_wait_s": START_S})
+    try:
+        answers = [stream(cluster, prompt, GREEDY_STEPS, timeout_s=START_S) for prompt in prompts]
+        assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(prompts)
+        assert [a.token_ids for a in answers] == [out.token_ids for out in offline]
+        assert kv_loaded(cluster, cluster.pods[1]) == len(prompts)  # each prompt's KV came from the prefill pod
+        wait_every_block_free(cluster)
+    finally:
+        cluster.stop()
