@@ -1,4 +1,4 @@
-"""``Architecture``: what one architecture's module states, and the Llama core's reading of a ``config.json``.
+"""``Architecture``: what one architecture's module states, and the checks of a ``config.json`` the entries share.
 
 An architecture differs from the Llama core (engine/model/llama.py) in a few named ways, each a field here, so that
 the model's modules read one resolved ``ModelConfig`` and never test an architecture's name:
@@ -24,6 +24,8 @@ HFConfig = dict[str, Any]  # a config.json, as read
 
 @dataclass(frozen=True)
 class Architecture:
+    """One registry entry: its names in checkpoints, its differences from the core, and what it refuses."""
+
     model_type: str  # config.json's "model_type", the registry's key
     hf_class: str  # its transformers class, config.json's "architectures"[0] (what export writes)
     gguf_name: str | None = None  # llama.cpp's general.architecture; None: no GGUF files are read for it
