@@ -236,6 +236,18 @@ def test_an_unserved_architecture_is_refused_in_one_line_naming_the_served_ones(
     assert "serves model types llama, mistral, qwen2, qwen3" in message
 
 
+def test_splitserve_up_refuses_an_unserved_architecture_before_starting_anything(tmp_path):
+    """``splitserve up --model DIR`` checks the checkpoint's config when its config is built: one usage line, where
+    otherwise every pod would fail its start with a traceback."""
+    from splitserve.up_config import UpConfig
+
+    transformers.AutoConfig.for_model("gemma2").save_pretrained(tmp_path / "gemma2")
+    with pytest.raises(registry.UnsupportedArchitecture, match="serves model types llama, mistral, qwen2, qwen3"):
+        UpConfig(model=str(tmp_path / "gemma2"), run_dir=str(tmp_path / "up"))
+    _save_checkpoint(tmp_path / "qwen3", "qwen3")
+    assert UpConfig(model=str(tmp_path / "qwen3"), run_dir=str(tmp_path / "up")).model == str(tmp_path / "qwen3")
+
+
 @pytest.mark.parametrize("model_type, overrides, named", [
     ("mistral", dict(sliding_window=1024), "sliding_window 1024 below its context of 4096"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=512, max_window_layers=1), "sliding-window layers"),
