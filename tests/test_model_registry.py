@@ -163,13 +163,20 @@ def test_greedy_tokens_match_transformers_over_32_steps(checkpoint, llm):
     assert out.token_ids == checkpoint.greedy(PROMPT, GREEDY_STEPS)
 
 
-def test_a_prompt_gets_the_same_bits_alone_beside_others_and_in_chunks(checkpoint, llm):
-    (alone,) = _scored(llm, [PROMPT])
-    beside = _scored(llm, [OTHERS[0], PROMPT, OTHERS[1]])[1]
-    (chunked,) = _scored(checkpoint.llm(long_prefill_token_threshold=8, enable_prefix_caching=False), [PROMPT])
+def test_a_prompt_gets_the_same_bits_alone_beside_others_in_chunks_and_from_the_prefix_cache(checkpoint, llm):
+    """Each run on an engine of its own without prefix caching, but the last: the module's engine, which has run
+    PROMPT before, so its blocks come from the prefix cache (asking no prompt logprobs, which are computed anew)."""
+    uncached = {"enable_prefix_caching": False}
+    (alone,) = _scored(checkpoint.llm(**uncached), [PROMPT])
+    beside = _scored(checkpoint.llm(**uncached), [OTHERS[0], PROMPT, OTHERS[1]])[1]
+    (chunked,) = _scored(checkpoint.llm(long_prefill_token_threshold=8, **uncached), [PROMPT])
     for other in (beside, chunked):
         assert other.token_ids == alone.token_ids
         assert other.logprobs == alone.logprobs and other.prompt_logprobs == alone.prompt_logprobs
+    _scored(llm, [PROMPT])
+    (cached,) = _scored(llm, [PROMPT], prompt_logprobs=None)
+    assert cached.num_cached_tokens == 32  # its two full blocks
+    assert (cached.token_ids, cached.logprobs) == (alone.token_ids, alone.logprobs)
 
 
 def test_weights_quantized_at_load_give_the_widened_weights_logprobs(checkpoint, native_kernels):
