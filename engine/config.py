@@ -13,7 +13,8 @@ from splitserve.engine.kernels.cpu_features import PREFILL_COMPUTE_DTYPES
 
 @dataclass
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder (Llama 2/3, SmolLM, Qwen2 with QKV bias)."""
+    """Hyperparameters of a decoder on the Llama core, with its architecture's features resolved by the model
+    registry (engine/model/architectures/): ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3's per-head q/k RMSNorm)."""
 
     vocab_size: int
     hidden_size: int
@@ -28,6 +29,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
+    architecture: str = "llama"  # the registry's entry (a config.json's model_type)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "unnamed"
@@ -40,10 +43,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], name: str = "unnamed") -> "ModelConfig":
-        """Build from a Hugging Face ``config.json`` dict (LlamaConfig / Qwen2Config / MistralConfig keys)."""
+        """The Llama core's keys of a Hugging Face ``config.json`` dict; what its architecture adds (QKV bias, q/k
+        norm) is the registry's to set (``Architecture.model_config``)."""
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        arch = " ".join(hf.get("architectures") or [])
         # transformers >= 5 writes rope_theta and the scaling inside "rope_parameters" instead of "rope_scaling".
         rope = hf.get("rope_parameters") or {}
         scaling = hf.get("rope_scaling")
@@ -62,7 +65,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            qkv_bias=bool(hf.get("attention_bias", False)) or "Qwen2" in arch,
+            qkv_bias=bool(hf.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from splitserve.decode_service.config import DecodeConfig
 from splitserve.engine.config import QUANTIZATIONS
+from splitserve.engine.weights.model_files import check_architecture
 from splitserve.prefill_service.config import PrefillConfig
 from splitserve.router.config import PolicyName, RouterConfig, Scheduling
 from splitserve.runtime.config import described, member, passed_to, passed_values
@@ -143,6 +144,7 @@ class UpConfig:
         self.scheduling = member(Scheduling, "scheduling", self.scheduling)
         self.registry = member(RegistryKind, "registry", self.registry)
         check_kv_codec("kv_codec", self.kv_codec)  # the router's, checked here before any process starts
+        check_architecture(self.model)  # an unserved model type is one line here, not every pod's failed start
         for name in ("prefill_cpus", "decode_cpus", "mixed_cpus", "router_cpus"):
             checked_cpu_set(name, getattr(self, name))
         if self.shutdown_grace_s < 0:

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_checkpoints import write_byte_level_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.text.tokenizer import GGUFTokenizerData, Tokenizer
@@ -52,7 +51,12 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
     return _randomized(Qwen2ForCausalLM(Qwen2Config(**_hf_kwargs())))
 
 
-def fused_from_hf(hf: dict[str, torch.Tensor], tied: bool, bias: bool) -> dict[str, torch.Tensor]:
+def tiny_qwen3() -> Qwen3ForCausalLM:
+    return _randomized(Qwen3ForCausalLM(Qwen3Config(**_hf_kwargs(head_dim=HEAD_DIM))))
+
+
+def fused_from_hf(hf: dict[str, torch.Tensor], tied: bool, bias: bool,
+                  qk_norm: bool = False) -> dict[str, torch.Tensor]:
     """Our layout built by hand from HF names: the expectation every loader must meet."""
     out = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     if not tied:
@@ -69,6 +73,9 @@ def fused_from_hf(hf: dict[str, torch.Tensor], tied: bool, bias: bool) -> dict[s
         out[f"layers.{i}.mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
         if bias:
             out[f"layers.{i}.attn.qkv_proj.bias"] = torch.cat([hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"])
+        if qk_norm:
+            out[f"layers.{i}.attn.q_norm.weight"] = hf[p + "self_attn.q_norm.weight"]
+            out[f"layers.{i}.attn.k_norm.weight"] = hf[p + "self_attn.k_norm.weight"]
     return out
 
 
@@ -202,6 +209,8 @@ def _gguf_tensor_names(i: int) -> dict[str, str]:
         p + "attn_q.bias": h + "self_attn.q_proj.bias",
         p + "attn_k.bias": h + "self_attn.k_proj.bias",
         p + "attn_v.bias": h + "self_attn.v_proj.bias",
+        p + "attn_q_norm.weight": h + "self_attn.q_norm.weight",
+        p + "attn_k_norm.weight": h + "self_attn.k_norm.weight",
     }
 
 
@@ -317,6 +326,15 @@ def test_gguf_qwen2_is_not_permuted_and_has_biases(tmp_path):
     assert {n: tuple(t.shape) for n, t in state.items()} == parameter_shapes(config)
 
 
+def test_gguf_qwen3_is_not_permuted_and_has_qk_norms(tmp_path):
+    model = tiny_qwen3()
+    write_gguf(tmp_path / "qwen3.gguf", model.state_dict(), "qwen3")
+    config, state, _ = load_gguf(tmp_path / "qwen3.gguf")
+    assert (config.architecture, config.qk_norm, config.qkv_bias) == ("qwen3", True, False)
+    assert_state_equal(state, fused_from_hf(model.state_dict(), tied=False, bias=False, qk_norm=True))
+    assert {n: tuple(t.shape) for n, t in state.items()} == parameter_shapes(config)
+
+
 def test_gguf_rope_scaling_and_dtype(tmp_path):
     write_gguf(tmp_path / "m.gguf", tiny_llama().state_dict(), "llama", rope_scaling_factor=4.0)
     config, state, _ = load_gguf(tmp_path / "m.gguf", dtype="float16")
@@ -336,22 +354,10 @@ def test_gguf_rejects_rope_freqs_and_unknown_architectures(tmp_path):
 
 # ---- model names ----------------------------------------------------------------------------------------------------
 
-def _write_tokenizer_files(directory) -> None:
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate(["<s>", "</s>"] + alphabet[: VOCAB - 2])}
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<s>", "</s>"])
-    backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
-
-
 def test_load_model_files_from_directory(tmp_path):
     model = tiny_llama(eos_token_id=2)
     model.save_pretrained(tmp_path)
-    _write_tokenizer_files(tmp_path)
+    write_byte_level_tokenizer(tmp_path, VOCAB, generation_eos=[1, 7])
     loaded = load_model_files(str(tmp_path))
     assert loaded.config.eos_token_ids == [2, 1, 7]  # config.json's, then the tokenizer's
     assert loaded.tokenizer.eos_token_ids == [1, 7]

@@ -1,7 +1,7 @@
 """A decoder layer's modules: ``RMSNorm``, ``Linear`` (its weight packed for the native kernels, or in quantized
-blocks), ``Attention`` (fused QKV, RoPE, paged GQA attention, output), ``MLP`` (SwiGLU with fused gate/up) and
-``DecoderLayer``, which runs its two halves around the attention natively when the kernels take its heads.
-``llama.py`` stacks them into the model."""
+blocks), ``Attention`` (fused QKV, Qwen3's per-head q/k norm, RoPE, paged GQA attention, output), ``MLP`` (SwiGLU with
+fused gate/up) and ``DecoderLayer``, which runs its two halves around the attention natively where
+``fused_layers_refusal`` finds nothing the fused kernels lack. ``llama.py`` stacks them into the model."""
 
 from __future__ import annotations
 
@@ -12,11 +12,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.kernels import checks
 from splitserve.engine.kernels.cpu_kernels import CpuKernels
 from splitserve.engine.kernels.weight_formats import PANEL, packed_shape, weight_shape
 from splitserve.engine.model.attention import AttentionMetadata, paged_attention
 from splitserve.engine.model.rotary import StepRotary
 from splitserve.engine.weights.quantized_weights import BlockQuantized, pack_panels
+
+
+def fused_layers_refusal(config: ModelConfig) -> str | None:
+    """Why the native kernels' fused layer calls cannot run ``config``'s layers, or None where they can: the one
+    rule for every such call, the layer's native halves (``ss_attention_input``: norm, QKV product, RoPE and the
+    cache write in one call; ``ss_attention_output_and_mlp``), the one-call decode of all layers and the bf16
+    prefill's layers. Where it refuses, the layers run as PyTorch compositions around the native products and paged
+    attention (the path tensor-parallel ranks take), with the same float32 arithmetic in another grouping."""
+    if not checks.supports_head_dim(config.head_dim):
+        return f"head_dim {config.head_dim} (the attention kernels take multiples of 8 up to 512)"
+    if config.qk_norm:
+        return (f"{config.architecture}'s per-head q/k RMSNorm between the QKV product and RoPE, a step "
+                "ss_attention_input does not have")
+    return None
 
 
 class RMSNorm(nn.Module):
@@ -129,11 +144,16 @@ class Attention(nn.Module):
         self.o_proj = products.linear("attn.o_proj", self.q_size, config.hidden_size, False, dtype, device, kernels)
         self.scale = config.head_dim**-0.5
         self.kernels = kernels
+        # Qwen3: each head's q and k RMS-normalized over D before RoPE, one weight for all heads of each.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
 
     def forward(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        qk = rotary.apply(qkv[:, : self.qk_size].view(len(qkv), -1, self.head_dim))  # [T, Hq + Hkv, D]
-        return self.o_proj(self.attend(qk, qkv, k_cache, v_cache, meta, kv_written=False))
+        qk = qkv[:, : self.qk_size].view(len(qkv), -1, self.head_dim)  # [T, Hq + Hkv, D]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        return self.o_proj(self.attend(rotary.apply(qk), qkv, k_cache, v_cache, meta, kv_written=False))
 
     def attend(self, qk: torch.Tensor, qkv: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata,
                kv_written: bool) -> torch.Tensor:
@@ -171,9 +191,9 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config, dtype, device, kernels, products)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = MLP(config, dtype, device, kernels, products)
-        # The layer's halves around its attention run natively when the kernels take its heads (and, per step,
-        # the cache's dtype); its products use the kernels either way.
-        self.kernels = kernels if kernels is not None and kernels.supports_head_dim(config.head_dim) else None
+        # The layer's halves around its attention run natively where the fused kernels can run this model's layers
+        # (and, per step, take the cache's dtype); its products use the kernels either way.
+        self.kernels = kernels if kernels is not None and fused_layers_refusal(config) is None else None
 
     def forward(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """x: the residual stream [T, H], updated in place and returned."""

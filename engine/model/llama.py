@@ -1,11 +1,13 @@
-"""``LlamaForCausalLM``: the Llama-family decoder (Llama 2/3, SmolLM, Qwen2) in plain PyTorch, for inference.
+"""``LlamaForCausalLM``: the Llama core decoder, which every architecture of the registry (engine/model/architectures/:
+Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3) is built as, in plain PyTorch, for inference.
 
 One step runs a flattened batch over the paged KV cache:
 ``forward(input_ids [T], positions [T], kv_cache, attn_metadata) -> hidden [T, H]``, then
 ``compute_logits(hidden rows [N, H]) -> [N, V] float32`` for the rows that sample.
-Each layer (layers.py): RMSNorm -> fused QKV projection (optional bias, Qwen2) -> RoPE (theta, Llama-3 scaling) ->
-paged GQA attention (attention.py) -> output projection -> residual -> RMSNorm -> SwiGLU with fused gate/up ->
-residual; prompt rows run the bf16 prefill's layers instead where prefill computes in bf16 (bf16_prefill.py).
+Each layer (layers.py): RMSNorm -> fused QKV projection (optional bias, Qwen2) -> per-head q/k RMSNorm (Qwen3) ->
+RoPE (theta, Llama-3 scaling) -> paged GQA attention (attention.py) -> output projection -> residual -> RMSNorm ->
+SwiGLU with fused gate/up -> residual; prompt rows run the bf16 prefill's layers instead where prefill computes in
+bf16 (bf16_prefill.py).
 Decode streams every weight once per step; on CPU the native kernels (engine/kernels/cpu_kernels.py) run the products
 and the decode attention when ``kernels`` is given (``LlamaForCausalLM``'s default: whenever they can).
 
@@ -31,7 +33,14 @@ from splitserve.engine.kernels.decode_layers import DecodeLayers, LayerTensors
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.model.bf16_prefill import Bf16Prefill, copied_weights
-from splitserve.engine.model.layers import DecoderLayer, LayerFormats, Linear, Products, RMSNorm
+from splitserve.engine.model.layers import (
+    DecoderLayer,
+    LayerFormats,
+    Linear,
+    Products,
+    RMSNorm,
+    fused_layers_refusal,
+)
 from splitserve.engine.model.rotary import RotaryEmbedding
 from splitserve.engine.weights.parameter_layout import check_state_dict, product_weights
 from splitserve.engine.weights.quantized_weights import BlockQuantized
@@ -59,6 +68,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.compute_path: KernelChoice = choose_kernels(device, dtype, cpu_kernels)
         self.kernels = self.compute_path.kernels
+        if self.kernels is not None and (refusal := fused_layers_refusal(config)):
+            logger.info("%s: native products and attention, its layers composed in PyTorch around them: the fused "
+                        "layer kernels lack %s", config.name, refusal)
         products = Products(weight_formats or {}, int8_activations)
         if config.tie_word_embeddings:  # one weight, laid out for the head's products, looked up by rows
             self.embed_tokens = products.linear("embed_tokens", config.hidden_size, config.vocab_size, False, dtype,
@@ -125,6 +137,8 @@ class LlamaForCausalLM(nn.Module):
         try:
             if self.kernels is None:
                 raise KernelsUnavailable(f"bf16 prefill runs on the native CPU kernels: {self.compute_path.reason}")
+            if refusal := fused_layers_refusal(self.config):
+                raise KernelsUnavailable(f"bf16 prefill runs the native kernels' fused layers, which lack {refusal}")
             return bf16_kernels.choose(self.kernels)
         except KernelsUnavailable as e:
             if setting != "auto":
@@ -204,9 +218,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def _decodes_natively(self, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
-        """A decode-only step on the native kernels runs all its layers in one native call."""
+        """A decode-only step on the native kernels runs all its layers in one native call, where the fused kernels
+        run this model's layers (``fused_layers_refusal``)."""
         return (self.kernels is not None and meta.is_decode_only and self.kernels.supports_cache_dtype(kv_cache.dtype)
-                and self.kernels.supports_head_dim(self.config.head_dim))
+                and fused_layers_refusal(self.config) is None)
 
     def _decode_layers(self, kv_cache: PagedKVCache) -> DecodeLayers:
         key = (id(kv_cache), kv_cache.k_blocks[0].data_ptr())

@@ -1,10 +1,11 @@
 """llama.cpp GGUF files -> ``ModelConfig`` + state dict in our fused layout (parameter_layout.py) + tokenizer.
 
-- ``load_gguf``: llama or qwen2 architecture, any quantization ``gguf`` can dequantize. llama.cpp's converter
-  reorders Llama's Q and K rows for its interleaved RoPE; we undo that to get back the rotate-half layout our model
-  and ``transformers`` use. Also returns the tokenizer the file carries (``GGUFTokenizerData``). With
-  ``keep_blocks`` (``quantization="gguf"``), matrices stored as Q4_0, Q4_1 or Q8_0 stay in the file's blocks
-  (``BlockQuantized``, engine/weights/quantized_weights.py) instead of being widened.
+- ``load_gguf``: a GGUF architecture the model registry reads (engine/model/architectures/: llama, which Mistral
+  files are written as too, qwen2, qwen3), any quantization ``gguf`` can dequantize. llama.cpp's converter reorders
+  Llama's Q and K rows for its interleaved RoPE (the entry's ``gguf_qk_permuted``); we undo that to get back the
+  rotate-half layout our model and ``transformers`` use. Also returns the tokenizer the file carries
+  (``GGUFTokenizerData``). With ``keep_blocks`` (``quantization="gguf"``), matrices stored as Q4_0, Q4_1 or Q8_0 stay
+  in the file's blocks (``BlockQuantized``, engine/weights/quantized_weights.py) instead of being widened.
   Reading only that tokenizer, without torch or the weights, is ``splitserve.engine.text.tokenizer_files``'s.
 """
 
@@ -18,13 +19,12 @@ import numpy as np
 import torch
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.model.architectures import registry
+from splitserve.engine.model.architectures.architecture import Architecture
 from splitserve.engine.text.tokenizer import GGUFTokenizerData
 from splitserve.engine.text.tokenizer_files import gguf_field, gguf_tokenizer_data
 from splitserve.engine.weights.parameter_layout import StateDict, fuse
 from splitserve.engine.weights.quantized_weights import GGUF_TYPES, BlockQuantized
-
-_GGUF_ARCHITECTURES = ("llama", "qwen2")
-
 
 # Each part of our layout (parameter_layout.py) as llama.cpp names it.
 GGUF_NAMES = {
@@ -38,6 +38,8 @@ GGUF_NAMES = {
     "q.bias": "blk.{i}.attn_q.bias",
     "k.bias": "blk.{i}.attn_k.bias",
     "v.bias": "blk.{i}.attn_v.bias",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
     "o": "blk.{i}.attn_output.weight",
     "post_attn_norm": "blk.{i}.ffn_norm.weight",
     "gate": "blk.{i}.ffn_gate.weight",
@@ -59,14 +61,17 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
 
 
 def _gguf_config(
-    reader: gguf.GGUFReader, arch: str, tensors: dict[str, torch.Tensor], tok: GGUFTokenizerData, name: str
+    reader: gguf.GGUFReader, architecture: Architecture, tensors: dict[str, torch.Tensor], tok: GGUFTokenizerData,
+    name: str
 ) -> ModelConfig:
+    """The Llama core's shape from ``{arch}.*`` keys; the registry entry adds its features."""
+    arch = architecture.gguf_name
     hidden, heads = gguf_field(reader, f"{arch}.embedding_length"), gguf_field(reader, f"{arch}.attention.head_count")
     head_dim = gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)
     rotary_dim = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise ValueError(f"{name}: partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported")
-    return ModelConfig(
+    return architecture.resolve(ModelConfig(
         vocab_size=tensors["token_embd.weight"].shape[0],  # {arch}.vocab_size is optional; the embedding is not
         hidden_size=hidden,
         intermediate_size=gguf_field(reader, f"{arch}.feed_forward_length"),
@@ -79,11 +84,10 @@ def _gguf_config(
         rope_scaling=_rope_scaling(reader, arch),
         max_position_embeddings=gguf_field(reader, f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors,  # llama.cpp drops the head when it is the embedding
-        qkv_bias=arch == "qwen2",
         bos_token_id=tok.bos_token_id,
         eos_token_ids=list(tok.eos_token_ids),
         name=name,
-    )
+    ))
 
 
 def _read(tensor: gguf.ReaderTensor, keep_blocks: bool) -> torch.Tensor | BlockQuantized:
@@ -127,19 +131,17 @@ def _unpermute_llama_qk(tensors: dict[str, torch.Tensor], config: ModelConfig) -
 def load_gguf(
     path: str | Path, dtype: str | torch.dtype = "float32", keep_blocks: bool = False
 ) -> tuple[ModelConfig, StateDict, GGUFTokenizerData]:
-    """Config, fused state dict and tokenizer vocabulary from a llama.cpp GGUF file (llama or qwen2);
+    """Config, fused state dict and tokenizer vocabulary from a llama.cpp GGUF file (a registry architecture);
     ``keep_blocks``: its Q4_0 / Q4_1 / Q8_0 matrices as ``BlockQuantized``, the rest widened to ``dtype``."""
     reader = gguf.GGUFReader(str(path))
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {list(_GGUF_ARCHITECTURES)}")
+    architecture = registry.for_gguf(gguf_field(reader, "general.architecture"), str(path))
     tensors = {t.name: _read(t, keep_blocks) for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) are not supported")
     if "token_embd.weight" not in tensors:
         raise KeyError(f"{path} lacks tensor 'token_embd.weight'")
     tokenizer_data = gguf_tokenizer_data(reader)
-    config = _gguf_config(reader, arch, tensors, tokenizer_data, Path(path).stem)
-    if arch == "llama":  # qwen2 files are converted without the permutation
+    config = _gguf_config(reader, architecture, tensors, tokenizer_data, Path(path).stem)
+    if architecture.gguf_qk_permuted:
         _unpermute_llama_qk(tensors, config)
     return config, fuse(tensors, GGUF_NAMES, config, str(path), dtype), tokenizer_data

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint directories <-> ``ModelConfig`` + state dict in our fused layout (parameter_layout.py).
 
 - ``load_hf_checkpoint``: a ``transformers`` directory (config.json + model.safetensors, or sharded with
-  model.safetensors.index.json), Llama / Qwen2 names.
+  model.safetensors.index.json) of an architecture the model registry serves (engine/model/architectures/: its
+  ``model_type`` picks the entry, which reads the config or refuses it); they all share transformers' Llama names.
 - ``fuse_hf_state_dict``: the same mapping for tensors already in memory (a ``transformers`` model's state dict).
 - ``export_hf_checkpoint``: the reverse, so that ``transformers`` can load exactly our weights as a reference
   implementation.
@@ -18,11 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.model.architectures import registry
 from splitserve.engine.weights.parameter_layout import StateDict, fuse, unfuse
 
-_HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-# Each part of our layout (parameter_layout.py) as transformers' Llama / Qwen2 name it.
+# Each part of our layout (parameter_layout.py) as transformers names it (Llama, Mistral, Qwen2 and Qwen3 alike).
 HF_NAMES = {
     "embed": "model.embed_tokens.weight",
     "norm": "model.norm.weight",
@@ -34,6 +34,8 @@ HF_NAMES = {
     "q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
     "o": "model.layers.{i}.self_attn.o_proj.weight",
     "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "gate": "model.layers.{i}.mlp.gate_proj.weight",
@@ -44,10 +46,7 @@ HF_NAMES = {
 
 def _read_hf_config(directory: Path) -> ModelConfig:
     hf = json.loads((directory / "config.json").read_text())
-    model_type = hf.get("model_type")
-    if model_type not in _HF_MODEL_TYPES:
-        raise ValueError(f"{directory}: unsupported architecture {model_type!r}; supported: {sorted(_HF_MODEL_TYPES)}")
-    return ModelConfig.from_hf_config(hf, name=directory.name)
+    return registry.for_hf_config(hf, str(directory)).model_config(hf, directory.name)
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -72,7 +71,7 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig, source: str = "state dict",
                        dtype: str | torch.dtype = "float32") -> StateDict:
-    """Our fused state dict from transformers' Llama/Qwen2 tensors; every tensor must be used."""
+    """Our fused state dict from transformers' tensors of a registry architecture; every tensor must be used."""
     tensors = dict(tensors)
     # Old checkpoints store RoPE's inverse frequencies, which the model recomputes; tied ones may repeat the head.
     for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
@@ -83,7 +82,7 @@ def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig, so
 
 
 def load_hf_checkpoint(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple[ModelConfig, StateDict]:
-    """Config and fused state dict from a ``transformers`` Llama/Qwen2 checkpoint directory."""
+    """Config and fused state dict from a ``transformers`` checkpoint directory (a registry architecture)."""
     directory = Path(path)
     config = _read_hf_config(directory)
     tensors = _read_safetensors(_safetensors_files(directory))
@@ -91,11 +90,12 @@ def load_hf_checkpoint(path: str | Path, dtype: str | torch.dtype = "float32") -
 
 
 def _hf_config_dict(config: ModelConfig) -> dict[str, Any]:
-    # Our only biased variant (q, k, v biased; o not) is Qwen2's; Llama's attention_bias also biases o_proj.
-    model_type = "qwen2" if config.qkv_bias else "llama"
+    architecture = registry.for_model_config(config.architecture)
+    if config.qkv_bias and not architecture.qkv_bias:
+        raise ValueError(f"{config.name}: transformers' {architecture.hf_class} has no bias on q, k and v alone")
     return {
-        "architectures": [_HF_MODEL_TYPES[model_type]],
-        "model_type": model_type,
+        "architectures": [architecture.hf_class],
+        "model_type": architecture.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -108,6 +108,7 @@ def _hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling,
         "max_position_embeddings": config.max_position_embeddings,
+        "sliding_window": None,  # full attention (Mistral's config class would default to a window of 4096)
         "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_ids or None,

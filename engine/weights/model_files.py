@@ -1,5 +1,6 @@
-"""Model names -> config, weights and tokenizer: ``load_model_files(name)``. The tokenizer alone, without torch,
-is ``splitserve.engine.text.tokenizer_files.load_tokenizer(name)`` (the router's need: text at the edge, no weights).
+"""Model names -> config, weights and tokenizer: ``load_model_files(name)``; ``check_architecture(name)`` refuses an
+unserved architecture from its config alone. The tokenizer alone, without torch, is
+``splitserve.engine.text.tokenizer_files.load_tokenizer(name)`` (the router's need: text at the edge, no weights).
 
 Names the engine accepts:
 
@@ -7,21 +8,30 @@ Names the engine accepts:
   package (found through its install location; the package itself is never imported);
 - ``tiny-random``: a small Llama (GQA) with seeded random weights and a byte-level tokenizer built in code,
   so tests and demos need no files at all;
-- a directory: a ``transformers`` checkpoint (config.json, safetensors, tokenizer.json);
-- a path ending in ``.gguf``: a llama.cpp file (llama or qwen2 architecture).
+- a directory: a ``transformers`` checkpoint (config.json, safetensors, tokenizer.json) of an architecture the
+  model registry serves (engine/model/architectures/; docs/models.md);
+- a path ending in ``.gguf``: a llama.cpp file (the registry's GGUF architectures: llama, qwen2, qwen3).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
 
 from splitserve.engine.config import DEFAULT_MODEL, EngineConfig, ModelConfig
 from splitserve.engine.kernels.cpu_kernels import choose as choose_kernels
+from splitserve.engine.model.architectures import registry
 from splitserve.engine.text.tokenizer import Tokenizer
-from splitserve.engine.text.tokenizer_files import TINY_RANDOM, resolve_model_name, tiny_random_tokenizer_data
+from splitserve.engine.text.tokenizer_files import (
+    TINY_RANDOM,
+    gguf_field,
+    resolve_model_name,
+    tiny_random_tokenizer_data,
+)
 from splitserve.engine.weights.gguf_file import load_gguf
 from splitserve.engine.weights.hf_checkpoint import load_hf_checkpoint
 from splitserve.engine.weights.parameter_layout import random_state_dict
@@ -81,6 +91,18 @@ def resolve_quantization(config: EngineConfig) -> str:
     kind, _ = resolve_model_name(config.model)
     kernels = choose_kernels(config.device, getattr(torch, config.dtype), config.cpu_kernels).kernels
     return "gguf" if kind == "gguf" and kernels is not None else "none"
+
+
+def check_architecture(name: str) -> None:
+    """Refuse, in one line, a checkpoint directory or GGUF file whose architecture (or config) the model registry does
+    not serve, reading only its config.json or its GGUF header: what ``splitserve up`` checks before it starts any
+    process. Other names (SmolLM2, tiny-random, an unknown name) are left to loading."""
+    path = Path(name)
+    if path.is_dir() and (path / "config.json").is_file():
+        hf = json.loads((path / "config.json").read_text())
+        registry.for_hf_config(hf, str(path)).model_config(hf, path.name)
+    elif path.suffix == ".gguf" and path.is_file():
+        registry.for_gguf(gguf_field(gguf.GGUFReader(str(path)), "general.architecture"), str(path))
 
 
 def load_model_files(name: str = DEFAULT_MODEL, seed: int = 0, dtype: str = "float32",

@@ -9,6 +9,8 @@ head dim, ``Hq`` / ``Hkv`` query / KV heads, ``I`` intermediate size, ``V`` voca
     embed_tokens.weight                 [V, H]
     layers.{i}.input_norm.weight        [H]
     layers.{i}.attn.qkv_proj.weight     [(Hq + 2 Hkv) D, H]   q, k, v rows   (+ .bias [(Hq + 2 Hkv) D] with qkv_bias)
+    layers.{i}.attn.q_norm.weight       [D]                   with qk_norm (Qwen3): one per head dim, all heads
+    layers.{i}.attn.k_norm.weight       [D]                   with qk_norm
     layers.{i}.attn.o_proj.weight       [H, Hq D]
     layers.{i}.post_attn_norm.weight    [H]
     layers.{i}.mlp.gate_up_proj.weight  [2 I, H]              gate, up rows
@@ -59,6 +61,8 @@ LAYER_PARAMETERS = (
     Parameter("layers.{i}.attn.qkv_proj.weight", ("q.weight", "k.weight", "v.weight"), _qkv_rows, _hidden),
     Parameter("layers.{i}.attn.qkv_proj.bias", ("q.bias", "k.bias", "v.bias"), _qkv_rows,
               present=lambda c: c.qkv_bias),
+    Parameter("layers.{i}.attn.q_norm.weight", ("q_norm",), lambda c: (c.head_dim,), present=lambda c: c.qk_norm),
+    Parameter("layers.{i}.attn.k_norm.weight", ("k_norm",), lambda c: (c.head_dim,), present=lambda c: c.qk_norm),
     Parameter("layers.{i}.attn.o_proj.weight", ("o",), lambda c: (c.hidden_size,),
               lambda c: c.num_heads * c.head_dim),
     Parameter("layers.{i}.post_attn_norm.weight", ("post_attn_norm",), lambda c: (c.hidden_size,)),

@@ -1,0 +1,18 @@
+"""The model registry, as vLLM's: an architecture's name in a checkpoint -> what splitserve builds for it.
+
+A checkpoint names its architecture (a Hugging Face ``config.json``'s ``model_type`` and ``architectures``, a GGUF
+file's ``general.architecture``); the loaders (engine/weights/) ask the registry for it, which either returns the
+``ModelConfig`` the model is built from or refuses in one line naming the architectures it serves. Every architecture
+here is the Llama core (engine/model/llama.py: RMSNorm, fused QKV, RoPE, GQA paged attention, SwiGLU) plus what its
+own module states differs:
+
+- ``architecture.py``: ``Architecture``, what a module states (names, QKV bias, per-head q/k norm, what it refuses),
+  and the Llama core's reading of a ``config.json`` that every entry shares;
+- ``llama.py``: Llama 2/3.x and SmolLM (the core itself; Llama 3.x's RoPE scaling is the config's, rotary.py);
+- ``mistral.py``: Mistral (the core; a sliding window the context exceeds is refused);
+- ``qwen2.py``: Qwen2 and Qwen2.5 (biased q, k and v);
+- ``qwen3.py``: Qwen3 (per-head RMSNorm of q and k before RoPE; its own head_dim);
+- ``registry.py``: the table of every entry, and the look-ups the loaders call.
+
+docs/models.md lists what is served, on which paths, how each is verified, and what is not.
+"""

@@ -1,0 +1,12 @@
+"""Qwen3 (dense): the Llama core with each head's q and k RMS-normalized over head_dim (weights ``q_norm``,
+``k_norm`` [head_dim], the model's eps) after the QKV product and before RoPE, and no QKV bias (its
+``attention_bias`` would bias o_proj too: refused). head_dim is the config's (128 in every released size), not
+hidden / heads: Qwen3-0.6B has 16 heads of 128 over a hidden size of 1024.
+
+The native kernels' fused layer calls have no step for the q/k norm, so its layers run as PyTorch compositions
+around the native products and attention (engine/model/layers.py, ``fused_layers_refusal``)."""
+
+from splitserve.engine.model.architectures.architecture import Architecture, refuse_o_proj_bias, refuse_sliding_window
+
+QWEN3 = Architecture("qwen3", "Qwen3ForCausalLM", gguf_name="qwen3", qk_norm=True,
+                     refuse=(refuse_sliding_window, refuse_o_proj_bias))
