@@ -114,7 +114,7 @@ def tiny_pd_up(tmp_path_factory, start_cluster):
 
 @pytest.fixture(scope="session")
 def openai_client():
-    """A function that gives the ``openai`` client of a ``splitserve up`` cluster's router: ``openai_client(cluster)``."""
+    """``openai_client(cluster)``: the ``openai`` client of a ``splitserve up`` cluster's router."""
     from openai import OpenAI
 
     def client(cluster):
