@@ -203,19 +203,15 @@ def test_llama3_rope_scaling_is_in_force():
     assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(1 / 32) and ((ratio < 1) & (ratio > 1 / 32)).any()
 
 
-def test_every_entry_but_qwen3_runs_the_fused_native_layers(checkpoint, llm, native_kernels):
-    """The fused native layer calls have no q/k norm: Qwen3's layers run composed in PyTorch (the products and the
-    paged attention still native), decode steps never take the one-call native decode, and the bf16 prefill is
-    refused: float32 under ``auto``, an error when asked for by name. Every other entry runs the fused kernels."""
+def test_every_entry_runs_the_fused_native_layers_and_the_bf16_prefill(checkpoint, llm, native_kernels):
+    """Every entry's layers run the fused native calls (Qwen3's per-head q/k norms inside ``ss_attention_input``,
+    before RoPE), decode steps the one-call native decode, and ``auto`` prefills in bf16 where the CPU has the
+    kernels for it."""
     model = llm.engine.runner.model
     assert model.kernels is native_kernels
-    fused = checkpoint.model_type != "qwen3"
-    assert all((layer.kernels is not None) == fused for layer in model.layers)
+    assert all(layer.kernels is native_kernels for layer in model.layers)
     assert checkpoint.llm(prefill_compute_dtype="auto").engine.runner.model.prefill_dtype == (
-        "bfloat16" if fused and _has_bf16_kernels(native_kernels) else "float32")
-    if not fused:
-        with pytest.raises(ValueError, match="per-head q/k RMSNorm"):
-            checkpoint.llm(prefill_compute_dtype="bfloat16")
+        "bfloat16" if _has_bf16_kernels(native_kernels) else "float32")
 
 
 def _has_bf16_kernels(kernels) -> bool:

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.kernels.build import KernelsUnavailable
-from splitserve.engine.kernels.checks import CACHE_TYPES, check_args, check_cache_write, check_caches
+from splitserve.engine.kernels.checks import (
+    CACHE_TYPES,
+    HeadNorms,
+    check_args,
+    check_cache_write,
+    check_caches,
+    head_norm_pointers,
+)
 from splitserve.engine.kernels.cpu_features import bf16_isas
 from splitserve.engine.kernels.cpu_kernels import CpuKernels
 
@@ -95,9 +102,11 @@ class Bf16Kernels:
     def attention_input(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv: torch.Tensor,
                         qkv_bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor,
                         sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """A layer's prompt rows up to their attention: bf16(RMSNorm(x)) Wqkv^T (+ bias) in float32, q and k rotated
-        (cos, sin_signed: [P, D] tables indexed by positions [T]), k and v written to the caches at slot_mapping.
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        head_norms: HeadNorms | None = None) -> torch.Tensor:
+        """A layer's prompt rows up to their attention: bf16(RMSNorm(x)) Wqkv^T (+ bias) in float32, q and k heads
+        RMS-normalized with ``head_norms`` where given (Qwen3), then rotated (cos, sin_signed: [P, D] tables indexed
+        by positions [T]), k and v written to the caches at slot_mapping.
         x [T, H] float32; ``qkv`` ``pack``ed -> qkv [T, (Hq + 2 Hkv) D] float32."""
         tokens, hidden = x.shape
         head_dim = cos.shape[1]
@@ -108,11 +117,13 @@ class Bf16Kernels:
                    "bf16 attention_input: x, the norm and the qkv weight do not match")
         check_cache_write(positions, slot_mapping, tokens, k_cache, v_cache, num_kv_heads, head_dim,
                           "bf16 attention_input")
+        q_norm, k_norm = head_norm_pointers(head_norms, head_dim, "bf16 attention_input")
         out = torch.empty(tokens, width, dtype=torch.float32)
         self._call(self._lib.ss_bf16_attention_input, x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps,
                    qkv.data_ptr(), None if qkv_bias is None else qkv_bias.data_ptr(), out.data_ptr(),
                    positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim,
-                   k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], slot_mapping.data_ptr())
+                   q_norm, k_norm, k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype],
+                   slot_mapping.data_ptr())
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,

@@ -47,3 +47,16 @@ def check_cache_write(positions: torch.Tensor, slot_mapping: torch.Tensor, token
     check_args(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
                and k_cache.shape[2] == num_kv_heads, f"{what}: caches do not match")
     check_caches(k_cache, v_cache, what, head_dim)
+
+
+HeadNorms = tuple[torch.Tensor, torch.Tensor]  # Qwen3's q and k norm weights, [D] each
+
+
+def head_norm_pointers(norms: HeadNorms | None, head_dim: int, what: str) -> tuple[int | None, int | None]:
+    """The q and k norm weights' pointers for a layer input that normalizes each q and k head over D before RoPE
+    (Qwen3); (None, None) without them."""
+    if norms is None:
+        return None, None
+    check_args(all(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (head_dim,) for w in norms),
+               f"{what}: q and k norm weights must be float32 [{head_dim}]")
+    return norms[0].data_ptr(), norms[1].data_ptr()

@@ -34,7 +34,14 @@ import torch
 from splitserve.engine.kernels import checks
 from splitserve.engine.kernels.abi import ENTRY_POINTS, KernelABIError, check_abi, library_abi
 from splitserve.engine.kernels.build import KernelsUnavailable, library_path
-from splitserve.engine.kernels.checks import CACHE_TYPES, check_args, check_cache_write, check_caches
+from splitserve.engine.kernels.checks import (
+    CACHE_TYPES,
+    HeadNorms,
+    check_args,
+    check_cache_write,
+    check_caches,
+    head_norm_pointers,
+)
 from splitserve.engine.kernels.weight_formats import (
     PANEL,
     QUANT_BLOCK,
@@ -159,9 +166,10 @@ class CpuKernels:
                         qkv_bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor,
                         sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, qkv_format: str = "float32",
-                        int8_activations: bool = False) -> torch.Tensor:
-        """A decoder layer up to its attention: qkv = RMSNorm(x) Wqkv^T (+ bias), q and k rotated (cos,
-        sin_signed: [P, D] tables, indexed by positions [T]), k and v written to the caches at slot_mapping.
+                        int8_activations: bool = False, head_norms: HeadNorms | None = None) -> torch.Tensor:
+        """A decoder layer up to its attention: qkv = RMSNorm(x) Wqkv^T (+ bias), q and k heads RMS-normalized with
+        ``head_norms`` where given (Qwen3), then rotated (cos, sin_signed: [P, D] tables, indexed by positions [T]),
+        k and v written to the caches at slot_mapping.
         x [T, H]; packed qkv weight (in ``qkv_format``, with int8 activations where asked: ``format_code``);
         caches [num_blocks, block_size, Hkv, row] (kv_formats/rows.py) -> qkv [T, (Hq + 2 Hkv) D]."""
         tokens, hidden = x.shape
@@ -172,13 +180,14 @@ class CpuKernels:
                and head_dim == sin_signed.shape[1],
                "attention_input: x, norm and qkv weights do not match")
         check_cache_write(positions, slot_mapping, tokens, k_cache, v_cache, num_kv_heads, head_dim, "attention_input")
+        q_norm, k_norm = head_norm_pointers(head_norms, head_dim, "attention_input")
         qkv = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.ss_attention_input(
             x.data_ptr(), tokens, hidden, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(),
             format_code(qkv_format, int8_activations),
             None if qkv_bias is None else qkv_bias.data_ptr(), qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-            sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-            CACHE_TYPES[k_cache.dtype], slot_mapping.data_ptr(), torch.get_num_threads(),
+            sin_signed.data_ptr(), num_heads, num_kv_heads, head_dim, q_norm, k_norm, k_cache.data_ptr(),
+            v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], slot_mapping.data_ptr(), torch.get_num_threads(),
         )
         return qkv
 

@@ -10,13 +10,14 @@ from typing import NamedTuple
 import torch
 
 from splitserve.engine.kv_formats import rows as kv_rows
-from splitserve.engine.kernels.checks import check_args, check_caches, supports_head_dim
+from splitserve.engine.kernels.checks import check_args, check_caches, head_norm_pointers, supports_head_dim
 from splitserve.engine.kernels.weight_formats import format_code, in_features_of, is_weight
 
 
 class LayerTensors(NamedTuple):
-    """One decoder layer for ``DecodeLayers``: packed linear weights, norm weights, QKV bias (or None), caches,
-    each product's ``WEIGHT_FORMATS`` name, and whether its quantized products take int8 activations."""
+    """One decoder layer for ``DecodeLayers``: packed linear weights, norm weights, QKV bias (or None), caches, the q
+    and k heads' norm weights (Qwen3; or None), each product's ``WEIGHT_FORMATS`` name, and whether its quantized
+    products take int8 activations."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -27,6 +28,8 @@ class LayerTensors(NamedTuple):
     down: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
     qkv_format: str = "float32"
     o_format: str = "float32"
     gate_up_format: str = "float32"
@@ -35,16 +38,16 @@ class LayerTensors(NamedTuple):
 
     @property
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return self[:9]
+        return self[:11]
 
     @property
     def formats(self) -> tuple[str, ...]:
-        return self[9:13]
+        return self[11:15]
 
 
 class _DecodeLayer(ctypes.Structure):  # DecodeLayer in the source
-    _fields_ = ([(name, ctypes.c_void_p) for name in LayerTensors._fields[:9]]
-                + [(name, ctypes.c_int64) for name in LayerTensors._fields[9:13]])
+    _fields_ = ([(name, ctypes.c_void_p) for name in LayerTensors._fields[:11]]
+                + [(name, ctypes.c_int64) for name in LayerTensors._fields[11:15]])
 
 
 class DecodeLayers:
@@ -71,8 +74,11 @@ class DecodeLayers:
                    and is_weight(layer.gate_up, layer.gate_up_format, 2 * self.inter, self.hidden)
                    and is_weight(layer.down, layer.down_format, self.hidden, self.inter)
                    and layer.k_cache.shape == layer.v_cache.shape == first.k_cache.shape
-                   and layer.k_cache.shape[2] == num_kv_heads and supports_head_dim(self.head_dim),
+                   and layer.k_cache.shape[2] == num_kv_heads and supports_head_dim(self.head_dim)
+                   and (layer.q_norm is None) == (layer.k_norm is None),
                    "DecodeLayers: a layer's tensors do not match")
+            if layer.q_norm is not None:
+                head_norm_pointers((layer.q_norm, layer.k_norm), self.head_dim, "DecodeLayers")
         self._layers = layers  # keeps the tensors alive while the table points at them
         self.table = (_DecodeLayer * len(layers))(*(
             _DecodeLayer(*(None if t is None else t.data_ptr() for t in layer.tensors),

@@ -72,6 +72,7 @@ class Bf16Layer:
         self.gate_up, self.down = pack_gate_up(weight("mlp.gate_up_proj.weight")), pack(weight("mlp.down_proj.weight"))
         self.qkv_bias = vector("attn.qkv_proj.bias") if p + "attn.qkv_proj.bias" in state_dict else None
         self.input_norm, self.post_attn_norm = vector("input_norm.weight"), vector("post_attn_norm.weight")
+        self.head_norms = (vector("attn.q_norm.weight"), vector("attn.k_norm.weight")) if config.qk_norm else None
         self.q_size = config.num_heads * config.head_dim
 
     @property
@@ -84,7 +85,8 @@ class Bf16Layer:
         cfg, kernels = self.config, self.kernels
         qkv = kernels.attention_input(x, self.input_norm, cfg.rms_norm_eps, self.qkv, self.qkv_bias, rotary.positions,
                                       rotary.cos_table, rotary.sin_signed_table, cfg.num_heads, cfg.num_kv_heads,
-                                      k_cache, v_cache, meta.slot_mapping)  # [T, (Hq + 2 Hkv) D], q and k rotated
+                                      k_cache, v_cache, meta.slot_mapping,
+                                      self.head_norms)  # [T, (Hq + 2 Hkv) D], q and k normalized and rotated
         q = qkv[:, : self.q_size].view(len(x), cfg.num_heads, cfg.head_dim)
         attn = torch.empty(len(x), padded_inputs(self.q_size), dtype=torch.bfloat16)  # the output product's rows
         attn[:, self.q_size :] = 0

@@ -33,8 +33,9 @@
 
 extern "C" void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, const float* cos,
                                   const float* sin_signed, int64_t num_heads, int64_t num_kv_heads,
-                                  int64_t head_dim, void* k_cache, void* v_cache, int cache_type,
-                                  const int64_t* slot_mapping, int threads);  // cpu_kernels.cpp
+                                  int64_t head_dim, const float* q_norm, const float* k_norm, float eps,
+                                  void* k_cache, void* v_cache, int cache_type, const int64_t* slot_mapping,
+                                  int threads);  // cpu_kernels.cpp
 
 namespace {
 
@@ -247,12 +248,13 @@ int ss_bf16_linear(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t*
 }
 
 // A layer's prompt rows up to their attention: qkv [T, (Hq + 2 Hkv) D] = bf16(RMSNorm(x)) Wqkv^T (+ bias), q and k
-// rotated in place, k and v written to the caches at slot_mapping (cpu_kernels.cpp's ss_rope_and_cache).
+// heads normalized (q_norm, k_norm, or null) and rotated in place, k and v written to the caches at slot_mapping
+// (cpu_kernels.cpp's ss_rope_and_cache).
 int ss_bf16_attention_input(const float* x, int64_t tokens, int64_t hidden, const float* norm_weight, float eps,
                             const uint16_t* qkv_packed, const float* qkv_bias, float* qkv, const int64_t* positions,
                             const float* cos, const float* sin_signed, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, void* k_cache, void* v_cache, int cache_type,
-                            const int64_t* slot_mapping, int threads, int isa) {
+                            int64_t head_dim, const float* q_norm, const float* k_norm, void* k_cache, void* v_cache,
+                            int cache_type, const int64_t* slot_mapping, int threads, int isa) {
   if (!bf16::isa_ready(isa)) return -1;
   const int64_t kp = round_up(hidden, kKStep);
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -260,8 +262,8 @@ int ss_bf16_attention_input(const float* x, int64_t tokens, int64_t hidden, cons
   rms_norm_bf16(x, norm_weight, eps, tokens, hidden, h.data(), kp, threads);
   const Operands op{h.data(), kp, tokens, qkv_packed, kp * kPanel, panels_of(width), kp};
   bf16::product(static_cast<bf16::Isa>(isa), op, StoreF32{qkv, width, width, qkv_bias}, threads);
-  ss_rope_and_cache(qkv, tokens, positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
-                    cache_type, slot_mapping, threads);
+  ss_rope_and_cache(qkv, tokens, positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps,
+                    k_cache, v_cache, cache_type, slot_mapping, threads);
   return 0;
 }
 

@@ -13,8 +13,8 @@ int ss_bf16_linear(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t*
 int ss_bf16_attention_input(const float* x, int64_t tokens, int64_t hidden, const float* norm_weight, float eps,
                             const uint16_t* qkv_packed, const float* qkv_bias, float* qkv, const int64_t* positions,
                             const float* cos, const float* sin_signed, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, void* k_cache, void* v_cache, int cache_type,
-                            const int64_t* slot_mapping, int threads, int isa);
+                            int64_t head_dim, const float* q_norm, const float* k_norm, void* k_cache, void* v_cache,
+                            int cache_type, const int64_t* slot_mapping, int threads, int isa);
 
 int ss_bf16_prefill_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, int cache_type,
                               const int64_t* blocks, int64_t n, int64_t prefix, int64_t num_heads,

@@ -655,11 +655,13 @@ void ss_add_rms_norm(float* x, const float* delta, const float* weight, float ep
 
 // Rotary embedding in place on the q and k heads of qkv [T, (Hq + 2 Hkv) D] (HF's rotate-half layout): each head
 // x becomes x * cos + swap_halves(x) * sin_signed at its token's position, cos and sin_signed being [P, D] tables.
-// Then, with caches given, the step's k and v go to the caches [num_blocks * block_size, Hkv, row] at slot_mapping,
-// as rows of cache_type (a CacheType; cache_elems.h).
+// With q_norm and k_norm given (Qwen3), each q and k head is first RMS-normalized over D (ss_add_rms_norm's formula,
+// eps) and scaled by its kind's [D] weight. Then, with caches given, the step's k and v go to the caches
+// [num_blocks * block_size, Hkv, row] at slot_mapping, as rows of cache_type (a CacheType; cache_elems.h).
 void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, const float* cos,
                        const float* sin_signed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       void* k_cache, void* v_cache, int cache_type, const int64_t* slot_mapping, int threads) {
+                       const float* q_norm, const float* k_norm, float eps, void* k_cache, void* v_cache,
+                       int cache_type, const int64_t* slot_mapping, int threads) {
   const int64_t half = head_dim / 2;
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t kv_width = num_kv_heads * head_dim;
@@ -673,6 +675,12 @@ void ss_rope_and_cache(float* qkv, int64_t tokens, const int64_t* positions, con
     float rotated[512];  // head_dim <= 512, checked by the caller
     for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
       float* x = row + h * head_dim;
+      const float* norm = h < num_heads ? q_norm : k_norm;
+      if (norm != nullptr) {
+        const float inv = 1.0f / sqrtf(sum_of_squares(x, head_dim) / static_cast<float>(head_dim) + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) x[i] = x[i] * inv * norm[i];
+      }
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         rotated[i] = x[i] * c[i] + x[i + half] * sn[i];
@@ -705,19 +713,20 @@ void ss_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter, 
 }
 
 // The first half of a decoder layer for the step's tokens, up to its attention: h = RMSNorm(x);
-// qkv [T, (Hq + 2 Hkv) D] = h Wqkv^T (+ bias); q and k rotated in place; k and v written to the caches at slots.
+// qkv [T, (Hq + 2 Hkv) D] = h Wqkv^T (+ bias); q and k heads normalized (q_norm, k_norm: Qwen3's, or null) and
+// rotated in place; k and v written to the caches at slots.
 void ss_attention_input(const float* x, int64_t tokens, int64_t hidden, const float* norm_weight, float eps,
                         const void* qkv_weight, int qkv_format, const float* qkv_bias, float* qkv,
                         const int64_t* positions,
                         const float* cos, const float* sin_signed, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, void* k_cache, void* v_cache, int cache_type, const int64_t* slot_mapping,
-                        int threads) {
+                        int64_t head_dim, const float* q_norm, const float* k_norm, void* k_cache, void* v_cache,
+                        int cache_type, const int64_t* slot_mapping, int threads) {
   std::unique_ptr<float[]> h(new float[tokens * hidden]);
   ss_add_rms_norm(const_cast<float*>(x), nullptr, norm_weight, eps, h.get(), tokens, hidden, threads);
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
   weight_product(h.get(), tokens, hidden, qkv_weight, qkv_format, width, hidden, qkv_bias, qkv, width, threads);
-  ss_rope_and_cache(qkv, tokens, positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
-                    cache_type, slot_mapping, threads);
+  ss_rope_and_cache(qkv, tokens, positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps,
+                    k_cache, v_cache, cache_type, slot_mapping, threads);
 }
 
 // The second half of a decoder layer, from its attention's output attn [T, attn_width] on: x += attn Wo^T;
@@ -751,6 +760,8 @@ struct DecodeLayer {
   const void* down;
   void* k_cache;  // elements of the step's cache type
   void* v_cache;
+  const float* q_norm;  // Qwen3's per-head q and k norms, or null
+  const float* k_norm;
   int64_t qkv_format;
   int64_t o_format;
   int64_t gate_up_format;
@@ -773,8 +784,8 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
   for (int64_t l = 0; l < num_layers; ++l) {
     const DecodeLayer& w = layers[l];
     ss_attention_input(x, batch, hidden, w.input_norm, eps, w.qkv, static_cast<int>(w.qkv_format), w.qkv_bias,
-                       qkv.get(), positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, w.k_cache, w.v_cache,
-                       cache_type, slot_mapping, threads);
+                       qkv.get(), positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, w.q_norm, w.k_norm,
+                       w.k_cache, w.v_cache, cache_type, slot_mapping, threads);
     for (int64_t b = 0; b < batch; ++b) memcpy(q.get() + b * q_width, qkv.get() + b * width, sizeof(float) * q_width);
     ss_paged_decode_attention(q.get(), w.k_cache, w.v_cache, cache_type, block_tables, table_stride, seq_lens, batch,
                               num_heads, num_kv_heads, head_dim, block_size, scale, attn.get(), threads);
@@ -790,7 +801,7 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
 
 namespace {
 
-constexpr int kAbiVersion = 5;  // ABI_VERSION in engine/kernels/abi.py: bump both when an entry point changes
+constexpr int kAbiVersion = 6;  // ABI_VERSION in engine/kernels/abi.py: bump both when an entry point changes
 
 // An argument's type as one letter (_TYPE_CODES in engine/kernels/abi.py): p pointer, q int64, i int, f float.
 template <typename T>

@@ -3,8 +3,8 @@
 ``attention_bias`` would bias o_proj too: refused). head_dim is the config's (128 in every released size), not
 hidden / heads: Qwen3-0.6B has 16 heads of 128 over a hidden size of 1024.
 
-The native kernels' fused layer calls have no step for the q/k norm, so its layers run as PyTorch compositions
-around the native products and attention (engine/model/layers.py, ``fused_layers_refusal``)."""
+The native kernels' fused layer input normalizes the q and k heads before it rotates them (``ss_rope_and_cache``),
+so its layers run fused like Llama's, in the bf16 prefill and the one-call decode too."""
 
 from splitserve.engine.model.architectures.architecture import Architecture, refuse_o_proj_bias, refuse_sliding_window
 
