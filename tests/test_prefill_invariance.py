@@ -209,7 +209,8 @@ def test_each_check_fails_for_a_product_whose_sums_follow_its_rows_and_threads(m
     split_k_run = alone(model, prompt)  # the same bf16 prefill, summed otherwise: close, not equal
     assert not torch.equal(split_k_run.logits, kernels_run.logits)
     assert torch.allclose(split_k_run.logits, kernels_run.logits, atol=0.02 * kernels_run.logits.abs().max().item())
-    checks = [*(functools.partial(test_the_same_bits_however_the_prompt_is_chunked, model, c) for c in CHUNKINGS),
+    checks = [*(functools.partial(test_the_same_bits_however_the_prompt_is_chunked, model, c, "float16")
+                for c in CHUNKINGS),
               *(functools.partial(test_the_same_bits_whatever_is_batched_beside_it, model, o) for o in (1, 7)),
               functools.partial(test_the_same_bits_at_one_and_two_threads, model)]
     for check in checks:
