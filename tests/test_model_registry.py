@@ -13,7 +13,9 @@ other prompts and in chunks.
 from __future__ import annotations
 
 import copy
+import gc
 import json
+import os
 
 import pytest
 import torch
@@ -304,8 +306,15 @@ def test_tensor_and_pipeline_parallel_ranks_give_one_process_answer(tmp_path, mo
     head is on both ranks, its 4 query heads split 2 + 2. Pipeline: a layer per rank. The same greedy tokens, prompt
     logprobs within 1e-4 (the row-parallel sums round in another order)."""
     checkpoint = Checkpoint(tmp_path, model_type)
-    one, *split = [_scored(checkpoint.llm(**settings), [PROMPT])[0] for settings in
-                   ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2})]
+    mask = os.sched_getaffinity(0)
+    answers = []
+    for settings in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        llm = checkpoint.llm(**settings)
+        answers.append(_scored(llm, [PROMPT])[0])
+        del llm
+        gc.collect()  # a parallel engine's ranks stop, and this thread's CPU mask comes back, when it is collected
+    assert os.sched_getaffinity(0) == mask  # the later modules' clusters plan over every CPU again
+    one, *split = answers
     for other in split:
         assert other.token_ids == one.token_ids
         assert max(abs(a.logprob - b.logprob) for a, b in zip(one.prompt_logprobs[1:], other.prompt_logprobs[1:])) \
