@@ -19,9 +19,9 @@ Two kinds of reader and writer:
       write(layer, kind, slots, values [n, Hkv, D])             stored in the cache's format
       read_rows / write_rows(layer, kind, slots[, rows])         the same, as stored rows [n, Hkv, row] (no rounding)
 
-  plus ``dtype`` (what the pool stores), ``value_dtype`` (what ``read`` returns), ``bytes_per_token`` and
-  ``device``. Slots are computed once per token range and reused for every layer and for K and V (the prefill
-  export reads all layers of a step at the same slots).
+  plus ``dtype`` (what the pool stores; ``read`` returns its values in ``kv_rows.value_dtype`` of it),
+  ``element_size`` and ``device``. Slots are computed once per token range and reused for every layer and for K and
+  V (the prefill export reads all layers of a step at the same slots).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.config import CacheConfig, ModelConfig
+from splitserve.engine.kv_formats import rows as kv_rows
 
 KVKind = Literal["k", "v"]  # keys or values, as the cache, the codecs and the KV wire name them
 KV_KINDS: tuple[KVKind, ...] = ("k", "v")
@@ -80,19 +80,9 @@ class PagedKVCache:
         return self.k_blocks[0].device
 
     @property
-    def value_dtype(self) -> torch.dtype:
-        """What ``read`` returns: the pool's dtype, or float32 for an int8 pool."""
-        return kv_rows.value_dtype(self.dtype)
-
-    @property
     def element_size(self) -> float:
         """Bytes one stored K or V value takes, its row's scale shared out (an int8 pool: 1 + 2 / head_dim)."""
         return kv_rows.row_width(self.dtype, self.head_dim) * _element_size(self.dtype) / self.head_dim
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token's K and V take in the pool across all layers, scales included."""
-        return self.bytes_per_block() // self.block_size
 
     def bytes_per_block(self) -> int:
         num_kv_heads = self.k_blocks[0].shape[2]
@@ -111,7 +101,7 @@ class PagedKVCache:
 
     def read(self, layer: int, kind: KVKind, slots: torch.Tensor) -> torch.Tensor:
         """A copy of ``layer``'s K (``kind`` "k") or V ("v") values at ``slots``: [len(slots), Hkv, D], in
-        ``value_dtype``. A copy, so that it stays valid after the blocks are freed and reused."""
+        ``kv_rows.value_dtype(dtype)``. A copy, so that it stays valid after the blocks are freed and reused."""
         return kv_rows.load(self.read_rows(layer, kind, slots))
 
     def read_rows(self, layer: int, kind: KVKind, slots: torch.Tensor) -> torch.Tensor:
@@ -131,31 +121,31 @@ class PagedKVCache:
         if rows.dtype != flat.dtype or rows.shape[1:] != flat.shape[1:]:
             raise ValueError(f"rows {rows.dtype} {tuple(rows.shape[1:])} are not this pool's "
                              f"{flat.dtype} {tuple(flat.shape[1:])}")
-        values = rows.to(device=flat.device)  # (the name the copy below was written with)
+        rows = rows.to(device=flat.device)
         if flat.device.type != "cpu" or len(slots) == 0:  # (numpy cannot shape an empty batch of rows)
-            flat.index_copy_(0, slots, values)
+            flat.index_copy_(0, slots, rows)
             return
         # On the CPU, numpy copies: whole blocks as rows of block_size * Hkv * D elements where the slots fill them in
         # order (a pushed prompt's blocks but the edges, wherever the pool put them), the rest a row per slot (one
         # memcpy each, ~10x faster than torch's index_copy_, which goes through its generic per-element loop). A
         # 4096-token layer in a pool's blocks, one core of an AMD EPYC: 0.06 CPU-s/GB by blocks, 0.14 by rows: what
         # the decode pod's KV intake runs at. As bytes, because numpy has no bfloat16.
-        source = values.reshape(len(slots), -1).contiguous().view(torch.uint8).numpy()
+        source = rows.reshape(len(slots), -1).contiguous().view(torch.uint8).numpy()
         targets = slots.numpy()
-        rows = flat.view(flat.shape[0], -1).view(torch.uint8).numpy()
+        pool_rows = flat.view(flat.shape[0], -1).view(torch.uint8).numpy()
         first = min(int(-targets[0] % self.block_size), len(targets))  # before the first block boundary: rows
         num_blocks = (len(targets) - first) // self.block_size
         grid = targets[first:first + num_blocks * self.block_size].reshape(num_blocks, self.block_size)
         if num_blocks == 0 or not (grid[:, 0] % self.block_size == 0).all() or not (np.diff(grid) == 1).all():
-            rows[targets] = source  # slots that do not fill whole blocks in order
+            pool_rows[targets] = source  # slots that do not fill whole blocks in order
             return
         blocks = flat.view(flat.shape[0] // self.block_size, -1).view(torch.uint8).numpy()
         blocks[grid[:, 0] // self.block_size] = source[first:first + grid.size].reshape(num_blocks, -1)
         rest = np.r_[0:first, first + grid.size:len(targets)]
-        rows[targets[rest]] = source[rest]
+        pool_rows[targets[rest]] = source[rest]
 
     def _flat(self, layer: int, kind: KVKind) -> torch.Tensor:
-        """[num_blocks * block_size, Hkv, D], a view of the pool."""
+        """[num_blocks * block_size, Hkv, row], a view of the pool."""
         if kind not in KV_KINDS:
             raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
         return (self.k_blocks if kind == "k" else self.v_blocks)[layer].flatten(0, 1)

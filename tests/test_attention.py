@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.config import CacheConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.model.attention import AttentionMetadata, paged_attention
 
 BLOCK_SIZE = 4

@@ -3,6 +3,7 @@
 - ``command.py``: the command line and its default run, prefill and decode over a grid, against the matmul peak and
   the read bandwidth (a roofline), and the simulator's profile fit;
 - ``step_cost.py``: a step's FLOPs and bytes, from the model's config;
+- ``sequences.py``: what the runs feed the engine: random prompts, and decode sequences admitted with real KV;
 - ``prefill_formats.py``: ``--prefill-formats``, float32 and bf16 prefill side by side against the bf16 GEMM peak;
 - ``prefill_quality.py``: ``--prefill-quality``, each prefill format's answers against float32's;
 - ``kv_pools.py``: ``--kv-pools``, long-context decode per KV pool format against each one's byte floor.

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.bench.phases import kv_pools, prefill_formats, prefill_quality
 from splitserve.bench.engine import matmul_peak, read_bandwidth
+from splitserve.bench.phases import kv_pools, prefill_formats, prefill_quality
+from splitserve.bench.phases.sequences import admit_transferred, random_prompt
 from splitserve.bench.phases.step_cost import (
     decode_bytes,
     decode_flops,
@@ -146,11 +147,11 @@ def run(config: PhasesConfig, log=print) -> dict:
     skipped = sorted(set(config.prompt_lens) - set(prompt_lens))
     if skipped:
         log(f"skipping prompt lengths {skipped}: the model's context is {engine.max_model_len} tokens")
-    _prefill_once(engine, _prompt(rng, cfg, 16))  # first-use costs
+    _prefill_once(engine, random_prompt(rng, cfg, 16))  # first-use costs
     prefill, prefill_steps = {}, {}
     for i, n in enumerate(prompt_lens):
         log(f"[{i + 1}/{len(prompt_lens)}] prefill {n} tokens, best of {config.repeat} ...")
-        best = min((_prefill_once(engine, _prompt(rng, cfg, n)) for _ in range(config.repeat)),
+        best = min((_prefill_once(engine, random_prompt(rng, cfg, n)) for _ in range(config.repeat)),
                    key=lambda steps: sum(seconds for _, _, seconds in steps))
         prefill[n] = _prefill_figures(cfg, weight_bytes, elem_bytes, n, best)
         prefill_steps[n] = best
@@ -191,11 +192,6 @@ def _engine(config: PhasesConfig) -> LLMEngine:
                                   tensor_parallel_size=config.tensor_parallel_size))
 
 
-def _prompt(rng: random.Random, cfg: ModelConfig, length: int) -> list[int]:
-    # Random ids above the low (special) ids; fresh draws never hit the prefix cache.
-    return [rng.randrange(min(100, cfg.vocab_size // 2), cfg.vocab_size) for _ in range(length)]
-
-
 def _prefill_once(engine: LLMEngine, prompt: list[int]) -> list[tuple[int, int, float]]:
     """Runs one prompt to its first token, step by step as a pod does: (context before, tokens, seconds) per step."""
     engine.add_request(f"prefill-{time.monotonic_ns()}", prompt, SamplingParams(temperature=0, max_tokens=1))
@@ -229,34 +225,14 @@ def _prefill_figures(cfg: ModelConfig, weight_bytes: int, elem_bytes: int, n: in
 
 def _decode_step_seconds(engine: LLMEngine, rng: random.Random, batch: int, context: int, steps: int) -> float:
     """Median seconds of a decode step of ``batch`` sequences at ``context`` tokens, their prompt KV admitted as a
-    decode pod admits a transferred one (no prefill computed), every page of it written with real values first."""
-    params = SamplingParams(temperature=0, max_tokens=steps + WARMUP_STEPS + 1, ignore_eos=True)
-    tag = time.monotonic_ns()
-    for i in range(batch):
-        prompt = _prompt(rng, engine.model_config, context)
-        seq = engine.reserve_for_transfer(f"decode-{tag}-{i}", prompt, params)
-        if seq is None:
-            raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
-        _write_transferred_kv(engine, seq.block_table, context, seed=i)
-        engine.admit_prefilled(seq, prompt[-1])
+    decode pod admits a transferred one, every page of it real (``sequences.admit_transferred``)."""
+    admit_transferred(engine, rng, batch, context, max_tokens=steps + WARMUP_STEPS + 1)
     times = []
     while engine.has_unfinished_requests():
         scheduled, seconds = _timed_step(engine)
         if len(scheduled.scheduled) == batch and all(s.num_new_tokens == 1 for s in scheduled.scheduled):
             times.append(seconds)
     return statistics.median(times[WARMUP_STEPS:])
-
-
-def _write_transferred_kv(engine: LLMEngine, block_table: list[int], tokens: int, seed: int) -> None:
-    """Every layer's K and V of a sequence's first ``tokens`` tokens written as a transfer writes them: real values
-    on every page. A pool page never written is the kernel's shared zero page, which reads from cache and makes a
-    long-context decode step look faster than any served one (issue 46)."""
-    cache, cfg = engine.runner.kv_cache, engine.model_config  # a tensor-parallel engine's cache writes every rank's
-    slots = cache.slots(block_table, 0, tokens)
-    values = torch.randn(tokens, cfg.num_kv_heads, cfg.head_dim, generator=torch.Generator().manual_seed(seed))
-    for layer in range(cfg.num_layers):
-        for kind in ("k", "v"):
-            cache.write(layer, kind, slots, values)
 
 
 def _decode_figures(cfg: ModelConfig, weight_bytes: int, elem_bytes: int, batch: int, context: int,

@@ -28,14 +28,14 @@ import torch
 
 from splitserve.bench.engine import read_bandwidth
 from splitserve.bench.phases.prefill_quality import REFERENCE_TEXT, sequence_logits
+from splitserve.bench.phases.sequences import admit_transferred
 from splitserve.bench.phases.step_cost import decode_bytes
-from splitserve.engine.kv_formats import rows as kv_rows
+from splitserve.engine import LLM
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.kernels.cpu_features import cpu_model, matrix_features
 from splitserve.engine.kv_cache import num_blocks_for_budget
-from splitserve.engine import LLM
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.sampling.params import SamplingParams
 
 POOL_DTYPES = ("float16", "int8")
 BATCHES = (1, 16, 64)
@@ -73,7 +73,7 @@ def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[i
             times: dict[str, list[float]] = {d: [] for d in pool_dtypes}
             admitted = {}
             for d, engine in engines.items():
-                admitted[d] = _admit(engine, rng, batch, context, steps=rounds_total)
+                admitted[d] = admit_transferred(engine, rng, batch, context, max_tokens=rounds_total + 1)
                 for _ in range(WARMUP_STEPS):
                     _decode_step(engine)
             for _ in range(repeat):
@@ -129,35 +129,10 @@ def _engine(model: str, pool_dtype: str, batch: int, tokens: int, seed: int) -> 
                                                     enable_prefix_caching=False)))
 
 
-def _admit(engine: LLMEngine, rng: random.Random, batch: int, context: int, steps: int) -> list[str]:
-    """``batch`` sequences of ``context`` tokens admitted as transferred ones, every page of their KV written with
-    real values (as a transfer writes them), each with room for ``steps`` more tokens; their request ids."""
-    cfg = engine.model_config
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    cache = engine.runner.kv_cache
-    ids = [f"decode-{time.monotonic_ns()}-{i}" for i in range(batch)]
-    for i, request_id in enumerate(ids):
-        prompt = _prompt(rng, cfg, context)
-        seq = engine.reserve_for_transfer(request_id, prompt, params)
-        if seq is None:
-            raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
-        slots = cache.slots(seq.block_table, 0, context)
-        values = torch.randn(context, cfg.num_kv_heads, cfg.head_dim, generator=torch.Generator().manual_seed(i))
-        for layer in range(cfg.num_layers):
-            for kind in ("k", "v"):
-                cache.write(layer, kind, slots, values)
-        engine.admit_prefilled(seq, prompt[-1])
-    return ids
-
-
 def _decode_step(engine: LLMEngine) -> float:
     start = time.perf_counter()
     engine.step()
     return time.perf_counter() - start
-
-
-def _prompt(rng: random.Random, cfg: ModelConfig, length: int) -> list[int]:
-    return [rng.randrange(min(100, cfg.vocab_size // 2), cfg.vocab_size) for _ in range(length)]
 
 
 def _sequences_at_budget(cfg: ModelConfig, pool_dtype: str) -> int:

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from splitserve.bench.phases.sequences import random_prompt
 from splitserve.bench.phases.step_cost import prefill_flops
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.kernels.bf16_kernels import Bf16Kernels, pack
@@ -58,12 +59,12 @@ def run(model: str, prompt_lens: list[int], repeat: int, seed: int, log=print) -
             peak = {rows: max(rates.values()) for rows, rates in gemm.items()}
             times: dict = {f: {n: [] for n in prompt_lens} for f in FORMATS}
             for f in FORMATS:  # warm-up: first-use costs (oneDNN's primitives, the kernels' buffers)
-                _prefill_seconds(engines[f], _prompt(rng, cfg, min(prompt_lens)))
+                _prefill_seconds(engines[f], random_prompt(rng, cfg, min(prompt_lens)))
             for r in range(repeat):
                 log(f"{threads} thread(s), round {r + 1}/{repeat} ...")
                 for n in prompt_lens:
                     for f in FORMATS:
-                        times[f][n].append(_prefill_seconds(engines[f], _prompt(rng, cfg, n)))
+                        times[f][n].append(_prefill_seconds(engines[f], random_prompt(rng, cfg, n)))
             results["threads"][threads] = {
                 "cpus": allowed[-1:] if threads == 1 else allowed[:threads], "peak_gflops": peak, "gemm_gflops": gemm,
                 "prefill": {f: {n: _figures(cfg, n, ts, peak[min(n, chunk)]) for n, ts in by_len.items()}
@@ -98,10 +99,6 @@ def _engine(model: str, prefill_compute_dtype: str, longest: int, seed: int) -> 
     blocks = longest // CacheConfig().block_size + 4
     return LLMEngine(EngineConfig(model=model, seed=seed, prefill_compute_dtype=prefill_compute_dtype,
                                   cache=CacheConfig(num_blocks=blocks, enable_prefix_caching=False)))
-
-
-def _prompt(rng: random.Random, cfg: ModelConfig, length: int) -> list[int]:
-    return [rng.randrange(min(100, cfg.vocab_size // 2), cfg.vocab_size) for _ in range(length)]
 
 
 def _prefill_seconds(engine: LLMEngine, prompt: list[int]) -> float:

@@ -9,9 +9,9 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.kernels.checks import check_args, check_caches, head_norm_pointers, supports_head_dim
 from splitserve.engine.kernels.weight_formats import format_code, in_features_of, is_weight
+from splitserve.engine.kv_formats import rows as kv_rows
 
 
 class LayerTensors(NamedTuple):

@@ -67,7 +67,7 @@ def store(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def load(rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rows [..., row_width] as values [..., head_dim]: in ``dtype`` if given, else ``value_dtype(rows.dtype)``."""
     if not is_scaled(rows.dtype):
-        return rows if dtype is None or rows.dtype == dtype else rows.to(dtype)
+        return rows if dtype is None else rows.to(dtype)
     codes, scales = split(rows)
     values = codes.float() * scales.float().unsqueeze(-1)
     return values if dtype is None or dtype == torch.float32 else values.to(dtype)

@@ -28,8 +28,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.kernels.cpu_kernels import CpuKernels
+from splitserve.engine.kv_formats import rows as kv_rows
 
 
 class GatherBuffers:

@@ -145,9 +145,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
 
-    def head_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The q and k heads' norm weights (Qwen3), or (None, None): what the fused kernels take."""
-        return (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+    @property
+    def head_norms(self) -> checks.HeadNorms | None:
+        """The q and k heads' norm weights (Qwen3), as the fused kernels take them; None without them."""
+        return None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
 
     def forward(self, x, rotary: StepRotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
@@ -213,7 +214,7 @@ class DecoderLayer(nn.Module):
             x, self.input_norm.weight, self.input_norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
             rotary.positions, rotary.cos_table, rotary.sin_signed_table, attn.num_heads, attn.num_kv_heads,
             k_cache, v_cache, meta.slot_mapping, attn.qkv_proj.weight_format, self.int8_activations,
-            None if attn.q_norm is None else attn.head_norm_weights(),
+            attn.head_norms,
         )
         qk = qkv[:, : attn.qk_size].view(len(qkv), -1, attn.head_dim)  # rotated in place
         out = attn.attend(qk, qkv, k_cache, v_cache, meta, kv_written=True)

@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
             layers = [
                 LayerTensors(layer.input_norm.weight, layer.attn.qkv_proj.weight, layer.attn.qkv_proj.bias,
                              layer.attn.o_proj.weight, layer.post_attn_norm.weight, layer.mlp.gate_up_proj.weight,
-                             layer.mlp.down_proj.weight, k, v, *layer.attn.head_norm_weights(),
+                             layer.mlp.down_proj.weight, k, v, *(layer.attn.head_norms or (None, None)),
                              layer.attn.qkv_proj.weight_format,
                              layer.attn.o_proj.weight_format, layer.mlp.gate_up_proj.weight_format,
                              layer.mlp.down_proj.weight_format, layer.int8_activations)

@@ -36,9 +36,9 @@ import tempfile
 
 import torch
 
-from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.kv_cache import KVKind, PagedKVCache, bytes_per_block
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.parallel.layout import Range, RankShard, rank_config
 
 
@@ -95,8 +95,7 @@ class ShardedKVCache(PagedKVCache):
                    rows: bool = False) -> list[tuple[Range, torch.Tensor]]:
         """Copies of ``layer``'s K or V at ``slots``, one [len(slots), end - start, D] per distinct rank head
         range, in head order (rank 0 only: it maps every rank's pool); with ``rows``, the rows as stored."""
-        return [(heads, (pool.read_rows if rows else pool.read)(layer, kind, slots))
-                for heads, pool in ((heads, self.pools[rank]) for heads, rank in self.head_ranges)]
+        return [(heads, read_pool(self.pools[rank], layer, kind, slots, rows)) for heads, rank in self.head_ranges]
 
     def write_heads(self, layer: int, kind: KVKind, slots: torch.Tensor, values: torch.Tensor, heads: Range) -> None:
         """Store ``values`` [len(slots), end - start, D], the model's KV heads ``heads``, as ``layer``'s K or V at
@@ -120,14 +119,10 @@ class ShardedKVCache(PagedKVCache):
 
     def read_rows(self, layer: int, kind: KVKind, slots: torch.Tensor) -> torch.Tensor:
         """Every KV head of ``layer``'s K or V at ``slots`` as stored rows: [len(slots), Hkv, row] (rank 0 only)."""
-        return torch.cat([self.pools[rank].read_rows(layer, kind, slots) for _, rank in self.head_ranges], dim=1)
+        return torch.cat([part for _, part in self.read_heads(layer, kind, slots, rows=True)], dim=1)
 
-    def write_rows(self, layer: int, kind: KVKind, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store ``rows`` [len(slots), Hkv, row] (every KV head, as stored) as ``layer``'s K or V at ``slots``: each
-        rank its heads (rank 0 only)."""
-        for shard in self.shards:
-            start, end = shard.kv_heads
-            self.pools[shard.rank].write_rows(layer, kind, slots, rows[:, start:end])
+    # Rows of the pool's own dtype pass kv_rows.store unchanged: writing them is writing values.
+    write_rows = write
 
 
 def read_heads(cache: PagedKVCache, layer: int, kind: KVKind, slots: torch.Tensor,
@@ -137,7 +132,12 @@ def read_heads(cache: PagedKVCache, layer: int, kind: KVKind, slots: torch.Tenso
     stores them, [n, heads, row], for a codec that carries them (``KVCodec.pool_dtype``)."""
     if isinstance(cache, ShardedKVCache):
         return cache.read_heads(layer, kind, slots, rows)
-    return [(None, (cache.read_rows if rows else cache.read)(layer, kind, slots))]
+    return [(None, read_pool(cache, layer, kind, slots, rows))]
+
+
+def read_pool(cache: PagedKVCache, layer: int, kind: KVKind, slots: torch.Tensor, rows: bool) -> torch.Tensor:
+    """One pool's copy of ``layer``'s K or V at ``slots``: its rows as stored, or their values."""
+    return cache.read_rows(layer, kind, slots) if rows else cache.read(layer, kind, slots)
 
 
 def write_heads(cache: PagedKVCache, layer: int, kind: KVKind, slots: torch.Tensor, values: torch.Tensor,

@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from splitserve.engine.kv_formats.scales import divide, round_down_to_float16, round_up_to_float16
 from splitserve.kvtransfer.codecs.base import (
     EncodedKV,
     KVCodec,
@@ -42,7 +43,6 @@ from splitserve.kvtransfer.codecs.base import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
-from splitserve.engine.kv_formats.scales import divide, round_down_to_float16, round_up_to_float16
 
 KEY_GROUP_TOKENS = 32  # G
 DEFAULT_SINKS = 4

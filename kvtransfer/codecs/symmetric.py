@@ -25,6 +25,8 @@ from abc import abstractmethod
 
 import torch
 
+from splitserve.engine.kv_formats import rows as kv_rows
+from splitserve.engine.kv_formats.scales import divide, round_up_to_float16
 from splitserve.kvtransfer.codecs.base import (
     EncodedKV,
     KVCodec,
@@ -35,8 +37,6 @@ from splitserve.kvtransfer.codecs.base import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
-from splitserve.engine.kv_formats import rows as kv_rows
-from splitserve.engine.kv_formats.scales import divide, round_up_to_float16
 
 _SCALE_BYTES = 2  # float16
 _FLOAT16_SIGN_AND_E4M3 = -16385  # 0xBFFF as int16: every bit but the float16 exponent's top one
