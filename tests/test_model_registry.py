@@ -12,7 +12,6 @@ other prompts and in chunks.
 
 from __future__ import annotations
 
-import copy
 import gc
 import json
 import os
@@ -20,7 +19,17 @@ import os
 import pytest
 import torch
 import transformers
-from tiny_checkpoints import write_byte_level_tokenizer
+from tiny_checkpoints import (
+    GREEDY_STEPS,
+    OTHERS,
+    PROMPT,
+    TOLERANCE,
+    VOCAB,
+    Checkpoint,
+    Shape,
+    save_checkpoint,
+    scored,
+)
 
 from splitserve.engine import LLM
 from splitserve.engine.model.architectures import registry
@@ -28,98 +37,37 @@ from splitserve.engine.model.rotary import rope_inv_freq
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.weights.hf_checkpoint import load_hf_checkpoint
 
-VOCAB = 256
-TOLERANCE = 1e-4
-GREEDY_STEPS = 32
-# 40 tokens: two blocks of 16 and a partial one. On every checkpoint here its 32 greedy steps have top-two logit gaps
-# of at least 0.005 in transformers (1e-3 asserted), ~2000 times the engine's distance from it: no near-tie decides.
-PROMPT = [(41 * k + 3) % VOCAB for k in range(40)]
-OTHERS = [[(13 * k + 5) % VOCAB for k in range(23)], [(71 * k + 2) % VOCAB for k in range(9)]]
 # Llama 3.2's scaling, over a short original context so that its three bands all fall within head_dim 64 at theta
 # 500000 (with 8192, a test's positions would barely turn the scaled frequencies).
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 256}
-SHAPES = {  # model type -> (config class, model class, the config's shape), the family's real head_dim and GQA
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-              dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64, intermediate_size=256,
-                   tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=2048)),
-    "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-               dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64, intermediate_size=384,
-                    tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
-                    max_position_embeddings=131072)),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-              dict(hidden_size=448, num_attention_heads=7, num_key_value_heads=1, intermediate_size=320,
-                   tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=4096)),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
-              dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=256,
-                   tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=4096)),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
-                     intermediate_size=384, tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=None,
-                     max_position_embeddings=4096)),
+SHAPES = {  # model type -> its tiny checkpoint's shape, the family's real head_dim and GQA
+    "llama": Shape(transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                   dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64,
+                        intermediate_size=256, tie_word_embeddings=True, rope_theta=100000.0,
+                        max_position_embeddings=2048)),
+    "llama3": Shape(transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                    dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                         intermediate_size=384, tie_word_embeddings=True, rope_theta=500000.0,
+                         rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072)),
+    "qwen2": Shape(transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                   dict(hidden_size=448, num_attention_heads=7, num_key_value_heads=1, intermediate_size=320,
+                        tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=4096)),
+    "qwen3": Shape(transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                   dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                        intermediate_size=256, tie_word_embeddings=True, rope_theta=1000000.0,
+                        max_position_embeddings=4096)),
+    "mistral": Shape(transformers.MistralConfig, transformers.MistralForCausalLM,
+                     dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+                          intermediate_size=384, tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=None,
+                          max_position_embeddings=4096)),
 }
-
-
 REAL_HEADS = {"llama": (64, 3), "llama3": (64, 4), "qwen2": (64, 7), "qwen3": (128, 2), "mistral": (128, 4)}  # D, GQA
-
-
-def _hf_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
-    config_cls, _, shape = SHAPES[model_type]
-    return config_cls(**copy.deepcopy({**shape, **overrides}),  # a config class mutates its rope_scaling
-                      vocab_size=VOCAB, num_hidden_layers=2, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
-                      attn_implementation="eager")
-
-
-def _save_checkpoint(directory, model_type: str):
-    """A tiny random checkpoint of ``model_type``'s shape saved as safetensors with its tokenizer; the model."""
-    model = SHAPES[model_type][1](_hf_config(model_type)).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Matrices 1 / sqrt(fan-in): activations of unit scale at every hidden size and logits of std ~1, with
-            # the engine's and transformers' float32 within 3e-6 of float64 (measured; 2 / sqrt(fan-in) doubles the
-            # logits and takes it to 2e-5, too near the tolerance); norms around 1, so that a swapped tensor shows.
-            scale = 1 / p.shape[1] ** 0.5 if p.dim() == 2 else 0.05 if name.endswith("bias") else 0.1
-            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(directory, safe_serialization=True)
-    write_byte_level_tokenizer(directory, VOCAB)
-    return model
-
-
-class Checkpoint:
-    """One architecture's directory, its transformers model (the reference) and the engine's ``LLM`` over it."""
-
-    def __init__(self, directory, model_type: str):
-        self.model_type, self.directory = model_type, directory
-        self.hf = _save_checkpoint(directory, model_type)
-
-    def llm(self, **settings) -> LLM:
-        settings = {"num_blocks": 64, "block_size": 16, "cache_dtype": "float32", "prefill_compute_dtype": "float32",
-                    **settings}
-        return LLM(model=str(self.directory), **settings)
-
-    @torch.no_grad()
-    def logprobs(self, tokens: list[int]) -> torch.Tensor:
-        """transformers' log-softmax at every position of ``tokens``, [len, V]."""
-        return torch.log_softmax(self.hf(torch.tensor([tokens])).logits[0].double(), -1).float()
-
-    @torch.no_grad()
-    def greedy(self, prompt: list[int], steps: int) -> list[int]:
-        """transformers' greedy tokens, each step's top two logits asserted apart by far more than the tolerance
-        (else a disagreement would say nothing about the engine)."""
-        tokens, step_input, cache = [], torch.tensor([prompt]), None
-        for _ in range(steps):
-            out = self.hf(step_input, cache=cache, use_cache=True)
-            top = out.logits[0, -1].topk(2)
-            assert top.values[0] - top.values[1] > 10 * TOLERANCE, "a near-tie: choose another prompt"
-            tokens.append(int(top.indices[0]))
-            step_input, cache = top.indices[:1].view(1, 1), out.cache
-        return tokens
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def checkpoint(request, tmp_path_factory) -> Checkpoint:
-    return Checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return Checkpoint(tmp_path_factory.mktemp(request.param), SHAPES[request.param], request.param)
 
 
 @pytest.fixture(scope="module")
@@ -127,18 +75,12 @@ def llm(checkpoint) -> LLM:
     return checkpoint.llm()
 
 
-def _scored(llm: LLM, prompts: list[list[int]], **settings):
-    params = SamplingParams(**{"max_tokens": GREEDY_STEPS, "temperature": 0.0, "ignore_eos": True,
-                               "prompt_logprobs": 5, "logprobs": 5, **settings})
-    return llm.generate(prompts, params)
-
-
 def test_the_registry_entry_reads_the_checkpoint(checkpoint):
     config, state = load_hf_checkpoint(checkpoint.directory)
     hf = checkpoint.hf.config
     entry = registry.ARCHITECTURES[hf.model_type]
     assert config.architecture == hf.model_type and entry.hf_class == type(checkpoint.hf).__name__
-    assert (config.head_dim, config.num_heads // config.num_kv_heads) == REAL_HEADS[checkpoint.model_type]
+    assert (config.head_dim, config.num_heads // config.num_kv_heads) == REAL_HEADS[checkpoint.name]
     assert config.qkv_bias is (hf.model_type == "qwen2") and config.qk_norm is (hf.model_type == "qwen3")
     assert config.tie_word_embeddings is hf.tie_word_embeddings
     assert (config.num_layers, config.vocab_size) == (2, VOCAB)
@@ -148,7 +90,7 @@ def test_the_registry_entry_reads_the_checkpoint(checkpoint):
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["default-path", "torch-path"])
 def test_prompt_logprobs_match_transformers(checkpoint, cpu_kernels):
     llm = checkpoint.llm(cpu_kernels=cpu_kernels)
-    (out,) = _scored(llm, [PROMPT], max_tokens=0)
+    (out,) = scored(llm, [PROMPT], max_tokens=0)
     reference = checkpoint.logprobs(PROMPT)
     assert reference.std(dim=-1).min() > 0.5  # a real spread of logprobs at every position: 1e-4 is a tight bound
     for position in range(1, len(PROMPT)):
@@ -161,7 +103,7 @@ def test_prompt_logprobs_match_transformers(checkpoint, cpu_kernels):
 
 
 def test_greedy_tokens_match_transformers_over_32_steps(checkpoint, llm):
-    (out,) = _scored(llm, [PROMPT])
+    (out,) = scored(llm, [PROMPT])
     assert out.token_ids == checkpoint.greedy(PROMPT, GREEDY_STEPS)
 
 
@@ -169,14 +111,14 @@ def test_a_prompt_gets_the_same_bits_alone_beside_others_in_chunks_and_from_the_
     """Each run on an engine of its own without prefix caching, but the last: the module's engine, which has run
     PROMPT before, so its blocks come from the prefix cache (asking no prompt logprobs, which are computed anew)."""
     uncached = {"enable_prefix_caching": False}
-    (alone,) = _scored(checkpoint.llm(**uncached), [PROMPT])
-    beside = _scored(checkpoint.llm(**uncached), [OTHERS[0], PROMPT, OTHERS[1]])[1]
-    (chunked,) = _scored(checkpoint.llm(long_prefill_token_threshold=8, **uncached), [PROMPT])
+    (alone,) = scored(checkpoint.llm(**uncached), [PROMPT])
+    beside = scored(checkpoint.llm(**uncached), [OTHERS[0], PROMPT, OTHERS[1]])[1]
+    (chunked,) = scored(checkpoint.llm(long_prefill_token_threshold=8, **uncached), [PROMPT])
     for other in (beside, chunked):
         assert other.token_ids == alone.token_ids
         assert other.logprobs == alone.logprobs and other.prompt_logprobs == alone.prompt_logprobs
-    _scored(llm, [PROMPT])
-    (cached,) = _scored(llm, [PROMPT], prompt_logprobs=None)
+    scored(llm, [PROMPT])
+    (cached,) = scored(llm, [PROMPT], prompt_logprobs=None)
     assert cached.num_cached_tokens == 32  # its two full blocks
     assert (cached.token_ids, cached.logprobs) == (alone.token_ids, alone.logprobs)
 
@@ -184,7 +126,7 @@ def test_a_prompt_gets_the_same_bits_alone_beside_others_in_chunks_and_from_the_
 def test_weights_quantized_at_load_give_the_widened_weights_logprobs(checkpoint, native_kernels):
     """int8 weights (quantized at load; docs/quantization.md): the native products over the blocks give the logprobs
     of the same weights widened to float32 on the PyTorch path, and stay within int8's rounding of transformers."""
-    native, widened = (_scored(checkpoint.llm(quantization="int8", cpu_kernels=flag), [PROMPT], max_tokens=0)[0]
+    native, widened = (scored(checkpoint.llm(quantization="int8", cpu_kernels=flag), [PROMPT], max_tokens=0)[0]
                        for flag in (True, False))
     reference = checkpoint.logprobs(PROMPT)
     for position in range(1, len(PROMPT)):
@@ -196,7 +138,7 @@ def test_weights_quantized_at_load_give_the_widened_weights_logprobs(checkpoint,
 def test_llama3_rope_scaling_is_in_force():
     """The llama3 checkpoint's frequencies differ from unscaled RoPE's in all three bands (kept, interpolated,
     slowed), so its agreement with transformers tests the scaling itself."""
-    hf = _hf_config("llama3").to_dict()
+    hf = SHAPES["llama3"].hf_config().to_dict()
     config = registry.for_hf_config(hf, "llama3").model_config(hf, "llama3")
     assert config.rope_scaling == LLAMA3_ROPE and config.max_position_embeddings == 131072
     scaled = rope_inv_freq(config)
@@ -249,7 +191,7 @@ def test_splitserve_up_refuses_an_unserved_architecture_before_starting_anything
     transformers.AutoConfig.for_model("gemma2").save_pretrained(tmp_path / "gemma2")
     with pytest.raises(registry.UnsupportedArchitecture, match="serves model types llama, mistral, qwen2, qwen3"):
         UpConfig(model=str(tmp_path / "gemma2"), run_dir=str(tmp_path / "up"))
-    _save_checkpoint(tmp_path / "qwen3", "qwen3")
+    save_checkpoint(tmp_path / "qwen3", SHAPES["qwen3"])
     assert UpConfig(model=str(tmp_path / "qwen3"), run_dir=str(tmp_path / "up")).model == str(tmp_path / "qwen3")
 
 
@@ -262,14 +204,14 @@ def test_splitserve_up_refuses_an_unserved_architecture_before_starting_anything
     ("llama", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
 ])
 def test_a_config_asking_for_what_is_not_built_is_refused_at_load(tmp_path, model_type, overrides, named):
-    _hf_config(model_type, **overrides).save_pretrained(tmp_path)  # refused before any weight is read
+    SHAPES[model_type].hf_config(**overrides).save_pretrained(tmp_path)  # refused before any weight is read
     with pytest.raises(ValueError, match=named) as refused:
         load_hf_checkpoint(tmp_path)
     assert "\n" not in str(refused.value) and "is not supported" in str(refused.value)
 
 
 def test_a_mistral_window_as_long_as_the_context_is_full_attention(tmp_path):
-    _hf_config("mistral", sliding_window=4096).save_pretrained(tmp_path)
+    SHAPES["mistral"].hf_config(sliding_window=4096).save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):  # accepted: it goes on to read the weights
         load_hf_checkpoint(tmp_path)
 
@@ -305,12 +247,12 @@ def test_tensor_and_pipeline_parallel_ranks_give_one_process_answer(tmp_path, mo
     weights are replicated and each rank normalizes its own heads (2 query heads, 1 KV head each); Mistral's one KV
     head is on both ranks, its 4 query heads split 2 + 2. Pipeline: a layer per rank. The same greedy tokens, prompt
     logprobs within 1e-4 (the row-parallel sums round in another order)."""
-    checkpoint = Checkpoint(tmp_path, model_type)
+    checkpoint = Checkpoint(tmp_path, SHAPES[model_type])
     mask = os.sched_getaffinity(0)
     answers = []
     for settings in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
         llm = checkpoint.llm(**settings)
-        answers.append(_scored(llm, [PROMPT])[0])
+        answers.append(scored(llm, [PROMPT])[0])
         del llm
         gc.collect()  # a parallel engine's ranks stop, and this thread's CPU mask comes back, when it is collected
     assert os.sched_getaffinity(0) == mask  # the later modules' clusters plan over every CPU again
@@ -333,7 +275,7 @@ def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start
     from tests.reliability.live_cluster import START_S, TINY, stream, wait_every_block_free
     from tests.test_tp_cluster import kv_loaded
 
-    checkpoint = Checkpoint(tmp_path / model_type, model_type)
+    checkpoint = Checkpoint(tmp_path / model_type, SHAPES[model_type])
     prompts = [PROMPT, *OTHERS]
     offline = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32").generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True))
