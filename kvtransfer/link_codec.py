@@ -25,7 +25,9 @@ codec's for ``+zstd`` (an upper bound). Codecs the decode pod does not accept fa
 
 On a pool that stores a codec's form (an int8 pool and the ``int8`` codec: ``KVCodec.pool_dtype``), that codec is a
 lossless candidate that costs no encoding or decoding: it carries the pool's rows as they lie, and it is the smallest,
-so it wins on every link (on a link not measured yet, by name among the free).
+so it wins on every link (on a link not measured yet, by name among the free). It is also what ``none`` sends from
+such a pool (``lossless``): ``none`` asks for the pool's KV without further loss, and its rows as they lie are that,
+where the pool's values as float32 would be four times the bytes.
 """
 
 from __future__ import annotations
@@ -98,10 +100,10 @@ class LinkCodecChooser:
         # pool's rows as they lie.
         pool = kv_rows.pool_dtype(layout.cache_dtype)
         self.value_dtype = dtype_name(kv_rows.value_dtype(pool))  # what the pool's KV decodes to
-        stored = [name for name in KV_CODECS if get_codec(name).pool_dtype == pool]
+        self.stored = [name for name in KV_CODECS if get_codec(name).pool_dtype == pool]  # carry the pool's rows
         self.candidates = {name: eligible.get(name, CodecQuality(1.0, 0.0, 0.0)) for name in LOSSLESS_CODECS}
         self.candidates.update(eligible)
-        self.candidates.update({name: CodecQuality(1.0, 0.0, 0.0) for name in stored})
+        self.candidates.update({name: CodecQuality(1.0, 0.0, 0.0) for name in self.stored})
         self._seconds_per_byte: dict[str, float] = {}  # by decode address
         self._lock = threading.Lock()
 
@@ -127,6 +129,11 @@ class LinkCodecChooser:
         link = self.throughput(address)
         usable = [name for name in self.candidates if name in accepted] or ["none"]
         return min(usable, key=lambda name: (self.expected_seconds(name, num_tokens, link), name))
+
+    def lossless(self, accepted: list[str]) -> str:
+        """What ``none`` sends: on a pool whose rows a codec carries as they lie (an int8 pool), that codec, which
+        is the pool's own bytes, exact, at a quarter of its float32 values' (where ``accepted``); else ``none``."""
+        return next((name for name in self.stored if name in accepted), "none")
 
     def expected_seconds(self, name: str, num_tokens: int, link_bytes_s: float | None) -> float:
         raw = self.raw_bytes(num_tokens)

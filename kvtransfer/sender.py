@@ -120,11 +120,14 @@ class KVTransferClient:
     async def open(self, decode_address: str, codec_name: str, request_id: str, prompt_token_ids: list[int],
                    lease_s: float = 0.0, timeout_s: float | None = None, num_claims: int = 1) -> "KVSender":
         """A sender for one request, after the handshake with ``decode_address`` for ``codec_name`` (AUTO: the
-        chooser's pick for that link among the codecs the decode pod accepts). ``num_claims``: the Decode calls
-        that will claim the KV (the samples of an n > 1 request)."""
+        chooser's pick for that link among the codecs the decode pod accepts; "none" from a pool whose rows a codec
+        carries: that codec, ``LinkCodecChooser.lossless``). ``num_claims``: the Decode calls that will claim the KV
+        (the samples of an n > 1 request)."""
         if codec_name == AUTO:
             accepted = await self.accepted_codecs(decode_address, timeout_s)
             codec_name = self.link_codecs.choose(decode_address, len(prompt_token_ids), accepted)
+        elif codec_name == "none" and self.link_codecs.stored:  # an int8 pool's rows, as they lie
+            codec_name = self.link_codecs.lossless(await self.accepted_codecs(decode_address, timeout_s))
         try:
             codec = get_codec(codec_name)
         except ValueError as err:

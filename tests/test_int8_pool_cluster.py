@@ -1,5 +1,6 @@
 """Pods whose KV pools store int8 rows, through ``splitserve up`` (the tiny random model, 1 prefill + 1 decode pod,
-every prompt prefilled on P and pushed to D): ``kv_codec auto`` carries P's rows as they lie, D stores them unchanged,
+every prompt prefilled on P and pushed to D): the router's default ``kv_codec none`` (as ``auto`` would) carries P's
+rows as they lie, not their float32 values, D stores them unchanged,
 and every greedy answer is the offline engine's with an int8 pool, token for token, and the pushes' wire bytes are what
 the rows take (head_dim + 2 bytes per token, head, layer, K and V). Pods of other formats interoperate through the
 other codecs (tests/test_kv_rows.py)."""
@@ -22,7 +23,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, start_cluster):
     cluster = start_cluster(tmp_path_factory.mktemp("int8-pools"), model="tiny-random", prefill=1, decode=1,
-                            scheduling="disaggregated", conditional_prefill_threshold=0, kv_codec="auto",
+                            scheduling="disaggregated", conditional_prefill_threshold=0,
                             cache_dtype="int8", kv_cache_memory_bytes=16 << 20, prometheus=False)
     yield cluster
     cluster.stop()
@@ -59,7 +60,7 @@ def test_int8_pools_answer_as_the_offline_int8_engine_and_push_their_rows_as_the
             expected_logprobs, other.logprobs, other.token_ids)))
     assert largest_format_gap > 1e-4, "the answers do not depend on the pool's format: the check could not fail"
     wire = pod_samples(cluster, "prefill", "splitserve_kv_transfer_bytes_total")
-    assert set(wire) == {"int8"}  # auto picked the codec that carries the rows
+    assert set(wire) == {"int8"}  # the default, none, sent the pool's rows: the int8 codec's bytes
     tokens = sum(len(offline.tokenizer.encode(p)) for p in PROMPTS)
     cfg = offline.engine.model_config
     assert wire["int8"] == tokens * cfg.num_layers * 2 * cfg.num_kv_heads * (cfg.head_dim + 2)

@@ -130,3 +130,13 @@ def test_auto_picks_the_codec_that_carries_an_int8_pools_rows():
     assert chooser.choose("decode:1", 512, accepted) == "int8"  # and a fast one: it is also the smallest
     assert chooser.raw_bytes(10) == 2 * 2 * 10 * 3 * 64 * 4  # the pool's values read back as float32
     assert chooser.choose("decode:1", 512, ["none"]) == "none"
+
+
+def test_none_from_an_int8_pool_carries_its_rows_and_from_a_float_pool_its_values():
+    """``none`` asks for the pool's KV without further loss: from an int8 pool that is its rows as they lie (the int8
+    codec's bytes, a quarter of their float32 values'), where the decode pod takes them; else the values."""
+    int8 = LinkCodecChooser(KVLayout("rows", 2, 3, 64, block_size=16, cache_dtype="int8"), None, 1.0)
+    assert int8.lossless(["none", "int8"]) == "int8"
+    assert int8.lossless(["none"]) == "none"
+    half = LinkCodecChooser(KVLayout("rows", 2, 3, 64, block_size=16, cache_dtype="float16"), None, 1.0)
+    assert half.lossless(["none", "int8"]) == "none"
