@@ -47,7 +47,7 @@ from statistics import mean, median
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.config import DEFAULT_MODEL, CacheConfig
+from splitserve.engine.config import CACHE_DTYPES, DEFAULT_MODEL, CacheConfig
 from splitserve.engine.text.tokenizer_files import load_tokenizer
 from splitserve.kvtransfer.shm import TRANSPORT_GRPC, TRANSPORT_SHM
 from splitserve.kvtransfer.wire import MAX_CHUNK_BYTES
@@ -135,12 +135,11 @@ def stop_pods(pods: list[PodProcess]) -> None:
             pod.popen.wait()
 
 
-def pod_flags(model: str, prompt_tokens: int) -> list[str]:
+def pod_flags(model: str, prompt_tokens: int, cache_dtype: str) -> list[str]:
     # Room for two prompts' KV: the one arriving, and the previous one while its release is on its way.
     num_blocks = 2 * -(-prompt_tokens // BLOCK_SIZE)
-    # float32 caches: codec "none" then moves 4 bytes per element, the baseline the codecs' sizes compare with.
     return ["--model", model, "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks),
-            "--cache-dtype", "float32", "--no-enable-prefix-caching"]
+            "--cache-dtype", cache_dtype, "--no-enable-prefix-caching"]
 
 
 # ---- the grpcio ceiling ----------------------------------------------------------------------------------------
@@ -227,9 +226,10 @@ def prefill_call(prefill: prefill_pb2_grpc.PrefillStub, decode: decode_pb2_grpc.
 
 @dataclass
 class ConfigFigures:
-    """One (prompt length, codec, transport, overlap) configuration's measured calls: means, and the hand-off's
-    throughput per call summarized as median, min and max."""
+    """One (pools' cache dtype, prompt length, codec, transport, overlap) configuration's measured calls: means, and
+    the hand-off's throughput per call summarized as median, min and max."""
 
+    cache_dtype: str
     prompt_tokens: int
     codec: str
     transport: str
@@ -248,14 +248,14 @@ class ConfigFigures:
     wire_gb_s: float  # median
 
     @classmethod
-    def of(cls, prompt_tokens: int, codec: str, transport: str, overlap: bool,
+    def of(cls, cache_dtype: str, prompt_tokens: int, codec: str, transport: str, overlap: bool,
            calls: list[CallFigures]) -> "ConfigFigures":
         took = {c.transport for c in calls}
         if took != {transport}:
             raise RuntimeError(f"{transport} rows' KV went by {sorted(took)}: the pods did not take the expected link")
         ttft, exposed, transfer = (mean(getattr(c, f) for c in calls) for f in ("ttft_s", "exposed_s", "transfer_s"))
         raw_rates = [c.raw_bytes / c.transfer_s / 1e9 for c in calls]
-        return cls(prompt_tokens, codec, transport, overlap, ttft, mean(c.queue_s for c in calls),
+        return cls(cache_dtype, prompt_tokens, codec, transport, overlap, ttft, mean(c.queue_s for c in calls),
                    mean(c.prefill_s for c in calls), exposed, exposed / ttft, transfer,
                    mean(c.bytes_sent for c in calls) / 1e6, mean(c.raw_bytes for c in calls) / 1e6,
                    median(raw_rates), min(raw_rates), max(raw_rates),
@@ -288,13 +288,27 @@ def prompts_of(text: list[int], length: int, count: int) -> list[list[int]]:
 
 
 def run(model: str, codecs: list[str], prompt_lengths: list[int], requests: int, ready_timeout_s: float,
-        log=print) -> dict:
+        cache_dtypes: list[str], log=print) -> dict:
     text = reference_tokens(load_tokenizer(model))
-    flags = pod_flags(model, max(prompt_lengths))
+    rows = []
+    for cache_dtype in cache_dtypes:
+        rows += run_pools(model, cache_dtype, codecs, prompt_lengths, requests, ready_timeout_s, text, log)
+    raw_bytes = int(max(row.raw_mb for row in rows) * 1e6)
+    log(f"grpcio ceiling: {raw_bytes / 1e6:.1f} MB in {MAX_CHUNK_BYTES}-byte messages, best of {CEILING_REPEAT}")
+    ceiling = grpc_ceiling(raw_bytes)
+    return {"model": model, "prompt_tokens": prompt_lengths, "requests": requests, "cache_dtypes": cache_dtypes,
+            "rows": [asdict(row) for row in rows], "targets": targets(rows),
+            "hand_off": hand_off_figures(rows, ceiling)}
+
+
+def run_pools(model: str, cache_dtype: str, codecs: list[str], prompt_lengths: list[int], requests: int,
+              ready_timeout_s: float, text: list[int], log) -> list[ConfigFigures]:
+    """Every configuration's calls between pods whose pools hold ``cache_dtype``."""
+    flags = pod_flags(model, max(prompt_lengths), cache_dtype)
     rows = []
     with tempfile.TemporaryDirectory(prefix="splitserve-bench-transfer-") as log_dir, \
             tempfile.TemporaryDirectory(prefix="splitserve-bench-shm-", dir="/dev/shm") as shm_dir:
-        log(f"starting a decode pod and four prefill pods ({model}) ...")
+        log(f"starting a decode pod and four prefill pods ({model}, {cache_dtype} pools) ...")
         # The decode pod only receives here: one torch thread leaves the cores to the prefill pod's compute.
         decode = start_pod("decode", "splitserve.decode_service",
                            [*flags, "--num-threads", "1", "--kv-shm-dir", shm_dir], Path(log_dir))
@@ -311,32 +325,30 @@ def run(model: str, codecs: list[str], prompt_lengths: list[int], requests: int,
                 prompts = prompts_of(text, length, requests + 1)
                 for codec in codecs:
                     for (transport, overlap), pod in prefills.items():
-                        label = f"{length}-{codec}-{transport}-{'overlap' if overlap else 'serial'}"
+                        label = f"{cache_dtype}-{length}-{codec}-{transport}-{'overlap' if overlap else 'serial'}"
                         log(f"{label}: {requests} calls")
                         calls = measure(pod.address, decode, label, codec, prompts, log)
-                        rows.append(ConfigFigures.of(length, codec, transport, overlap, calls))
+                        rows.append(ConfigFigures.of(cache_dtype, length, codec, transport, overlap, calls))
         finally:
             stop_pods(pods)
-    raw_bytes = int(max(row.raw_mb for row in rows) * 1e6)
-    log(f"grpcio ceiling: {raw_bytes / 1e6:.1f} MB in {MAX_CHUNK_BYTES}-byte messages, best of {CEILING_REPEAT}")
-    ceiling = grpc_ceiling(raw_bytes)
-    return {"model": model, "prompt_tokens": prompt_lengths, "requests": requests,
-            "rows": [asdict(row) for row in rows], "targets": targets(rows),
-            "hand_off": hand_off_figures(rows, ceiling)}
+    return rows
 
 
 def hand_off_figures(rows: list[ConfigFigures], ceiling_bytes_s: float) -> list[dict]:
-    """Per prompt length, the hand-off of codec none with the overlap off (the transfer alone), each transport's
-    median GB/s and spread, against the same-host target and grpcio alone."""
+    """Per pool dtype and prompt length, the hand-off of codec none with the overlap off (the transfer alone), each
+    transport's median GB/s and spread and its milliseconds, against the same-host target and grpcio alone. ``none``
+    from an int8 pool carries its rows as they lie (no pass over the values on either side), so its GB/s are the
+    pool's bytes, and its milliseconds compare with a float pool's for the same prompt."""
     figures = []
-    for length in dict.fromkeys(row.prompt_tokens for row in rows):
-        serial = {row.transport: row for row in rows
-                  if row.prompt_tokens == length and row.codec == "none" and not row.overlap}
+    for cache_dtype, length in dict.fromkeys((row.cache_dtype, row.prompt_tokens) for row in rows):
+        serial = {row.transport: row for row in rows if (row.cache_dtype, row.prompt_tokens) == (cache_dtype, length)
+                  and row.codec == "none" and not row.overlap}
         if not serial:
             continue
         shm, grpc_row = serial.get(TRANSPORT_SHM), serial.get(TRANSPORT_GRPC)
         figures.append({
-            "prompt_tokens": length, "raw_mb": next(iter(serial.values())).raw_mb,
+            "cache_dtype": cache_dtype, "prompt_tokens": length, "raw_mb": next(iter(serial.values())).raw_mb,
+            **{f"{name}_ms": row.transfer_s * 1e3 for name, row in serial.items()},
             **{f"{name}_gb_s": [row.raw_gb_s, row.raw_gb_s_min, row.raw_gb_s_max]
                for name, row in serial.items()},
             "shm_over_grpc": shm.raw_gb_s / grpc_row.raw_gb_s if shm and grpc_row else None,
@@ -346,44 +358,49 @@ def hand_off_figures(rows: list[ConfigFigures], ceiling_bytes_s: float) -> list[
 
 
 def targets(rows: list[ConfigFigures]) -> list[dict]:
-    return [{"prompt_tokens": row.prompt_tokens, "codec": row.codec, "transport": row.transport,
+    return [{"cache_dtype": row.cache_dtype, "prompt_tokens": row.prompt_tokens, "codec": row.codec,
+             "transport": row.transport,
              "exposed_share": row.exposed_share, "max_exposed_share": MAX_EXPOSED_SHARE,
              "passed": row.exposed_share <= MAX_EXPOSED_SHARE} for row in rows if row.overlap]
 
 
 def report(results: dict, log=print) -> None:
     log(f"\n== KV hand-off on {results['model']}, one host: median (min-max) of {results['requests']} calls ==")
-    log(f"{'tokens':>6} {'codec':<10} {'link':<5} {'overlap':>7} {'TTFT ms':>8} {'prefill ms':>11} "
+    log(f"{'pool':<8} {'tokens':>6} {'codec':<10} {'link':<5} {'overlap':>7} {'TTFT ms':>8} {'prefill ms':>11} "
         f"{'exposed ms':>11} {'exp/TTFT':>9} {'wire MB':>8} {'raw GB/s (min-max)':>22} {'wire GB/s':>10}")
     for r in results["rows"]:
         spread = f"{r['raw_gb_s']:.2f} ({r['raw_gb_s_min']:.2f}-{r['raw_gb_s_max']:.2f})"
-        log(f"{r['prompt_tokens']:>6} {r['codec']:<10} {r['transport']:<5} {'on' if r['overlap'] else 'off':>7} "
+        overlap = "on" if r["overlap"] else "off"
+        log(f"{r['cache_dtype']:<8} {r['prompt_tokens']:>6} {r['codec']:<10} {r['transport']:<5} {overlap:>7} "
             f"{r['ttft_s'] * 1e3:>8.0f} {r['prefill_s'] * 1e3:>11.0f} {r['exposed_s'] * 1e3:>11.1f} "
             f"{r['exposed_share']:>9.1%} {r['wire_mb']:>8.1f} {spread:>22} {r['wire_gb_s']:>10.2f}")
     log("\n== targets ==")
     for h in results["hand_off"]:
-        shm = h.get("shm_gb_s")
-        log(f"{h['prompt_tokens']} tokens ({h['raw_mb']:.0f} MB raw): same-host hand-off "
-            f"{shm[0] if shm else float('nan'):.2f} GB/s, gRPC {h.get('grpc_gb_s', [float('nan')])[0]:.2f} GB/s "
+        shm, grpc_gb_s = h.get("shm_gb_s"), h.get("grpc_gb_s", [float("nan")])[0]
+        log(f"{h['cache_dtype']} pools, {h['prompt_tokens']} tokens ({h['raw_mb']:.1f} MB raw): same-host hand-off "
+            f"{shm[0] if shm else float('nan'):.2f} GB/s in {h.get('shm_ms', float('nan')):.1f} ms, "
+            f"gRPC {grpc_gb_s:.2f} GB/s "
             f"(grpcio alone {h['grpc_ceiling_gb_s']:.2f}); target >= {h['target_gb_s']:.0f} GB/s: "
             f"{'PASS' if h['passed'] else 'FAIL'}")
     for t in results["targets"]:
-        log(f"{t['prompt_tokens']} tokens, {t['codec']}, {t['transport']}: exposed transfer {t['exposed_share']:.1%} "
-            f"of TTFT with overlap (target <= {t['max_exposed_share']:.0%}): {'PASS' if t['passed'] else 'FAIL'}")
+        log(f"{t['cache_dtype']} pools, {t['prompt_tokens']} tokens, {t['codec']}, {t['transport']}: exposed transfer "
+            f"{t['exposed_share']:.1%} of TTFT with overlap "
+            f"(target <= {t['max_exposed_share']:.0%}): {'PASS' if t['passed'] else 'FAIL'}")
 
 
 def plot(results: dict, path: str) -> None:
-    """The hand-off's raw GB/s (codec none, overlap off) per prompt length and transport: median, min-max bars."""
+    """The hand-off's raw GB/s (codec none, overlap off) per pool dtype, prompt length and transport: median, min-max
+    bars."""
     plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     figures = results["hand_off"]
-    lengths = [h["prompt_tokens"] for h in figures]
-    for i, transport in enumerate(TRANSPORTS):
-        spread = [h.get(f"{transport}_gb_s") or [0.0, 0.0, 0.0] for h in figures]
-        ax.bar([x + 0.4 * i for x in range(len(lengths))], [m for m, _, _ in spread], width=0.4, label=transport,
+    lengths = [f"{h['cache_dtype']}, {h['prompt_tokens']} tokens" for h in figures]
+    for i, link in enumerate(TRANSPORTS):
+        spread = [h.get(f"{link}_gb_s") or [0.0, 0.0, 0.0] for h in figures]
+        ax.bar([x + 0.4 * i for x in range(len(lengths))], [m for m, _, _ in spread], width=0.4, label=link,
                yerr=[[m - lo for m, lo, _ in spread], [hi - m for m, _, hi in spread]], capsize=4)
     ax.axhline(SHM_TARGET_BYTES_S / 1e9, color="k", linestyle="--", label="shm target")
-    ax.set_xticks([x + 0.2 for x in range(len(lengths))], [f"{n} tokens" for n in lengths])
+    ax.set_xticks([x + 0.2 for x in range(len(lengths))], lengths)
     ax.set_ylabel("raw KV GB/s, first chunk -> KV ready on D")
     ax.set_title(f"KV hand-off on one host, {results['model']}, codec none, overlap off")
     ax.legend()
@@ -401,17 +418,24 @@ class TransferBenchConfig(FiguresOutput):
     prompt_tokens: list[int] = field(default_factory=lambda: [1024, 2048, 4096], metadata=described(
         "Prompt lengths to push (comma-separated)."))
     requests: int = field(default=3, metadata=described("Measured calls per configuration."))
+    cache_dtypes: list[str] = field(default_factory=lambda: ["float32"], metadata=described(
+        "The pods' KV pool formats, a set of pods each (float32: codec none moves 4 bytes per element, the baseline "
+        "the codecs' sizes compare with; int8: none carries the pool's rows as they lie)."))
     ready_timeout_s: float = field(default=300.0, metadata=described("How long the pods may take to load."))
 
     def __post_init__(self) -> None:
         check_kv_codecs("codecs", self.codecs)
+        unknown = set(self.cache_dtypes) - set(CACHE_DTYPES)
+        if unknown or not self.cache_dtypes:
+            raise ValueError(f"cache_dtypes: {sorted(unknown) or 'none given'}; choose from {', '.join(CACHE_DTYPES)}")
         if not self.prompt_tokens or min(*self.prompt_tokens, self.requests) < 1 or self.ready_timeout_s <= 0:
             raise ValueError("prompt_tokens (at least one), requests and ready_timeout_s must be > 0")
 
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(TransferBenchConfig, argv, prog="splitserve bench transfer")
-    results = run(config.model, config.codecs, config.prompt_tokens, config.requests, config.ready_timeout_s)
+    results = run(config.model, config.codecs, config.prompt_tokens, config.requests, config.ready_timeout_s,
+                  config.cache_dtypes)
     report(results)
     save_results(results, config.json, config.plot, plot)
     return results

@@ -74,19 +74,23 @@ def test_codecs_bench_through_up_compares_each_codec_cluster_with_the_lossless_o
 def test_transfer_bench_measures_shm_and_grpc_overlap_on_and_off_per_codec(tmp_path):
     out, png = tmp_path / "transfer.json", tmp_path / "transfer.png"
     transfer_bench.main(["--model", "tiny-random", "--codecs", "none,int8+zstd", "--prompt-tokens", "64",
-                         "--requests", "1", "--json", str(out), "--plot", str(png)])
+                         "--requests", "1", "--cache-dtypes", "float32,int8", "--json", str(out), "--plot", str(png)])
     results = json.loads(out.read_text())
-    assert [(r["codec"], r["transport"], r["overlap"]) for r in results["rows"]] == [
-        (codec, transport, overlap) for codec in ("none", "int8+zstd") for transport in ("shm", "grpc")
-        for overlap in (True, False)]
+    assert [(r["cache_dtype"], r["codec"], r["transport"], r["overlap"]) for r in results["rows"]] == [
+        (pool, codec, transport, overlap) for pool in ("float32", "int8") for codec in ("none", "int8+zstd")
+        for transport in ("shm", "grpc") for overlap in (True, False)]
     for row in results["rows"]:
         assert row["ttft_s"] > 0 and row["prefill_s"] > 0 and 0 <= row["exposed_s"] < row["ttft_s"], row
         assert row["raw_gb_s_min"] <= row["raw_gb_s"] <= row["raw_gb_s_max"] and row["wire_gb_s"] > 0, row
         assert 0 < row["wire_mb"] <= row["raw_mb"], row
     none_row = results["rows"][0]
     assert none_row["wire_mb"] == none_row["raw_mb"] == 64 * 4 * 2 * (2 * 16 * 4) / 1e6  # tokens x layers x K/V x bytes
-    assert len(results["targets"]) == 4  # the overlap-on rows
-    [hand_off] = results["hand_off"]  # codec none, overlap off, per transport, against the 5 GB/s target
+    # From an int8 pool, none carries the rows as they lie: head_dim codes and a float16 scale per (token, head).
+    int8_none = results["rows"][8]
+    assert int8_none["wire_mb"] == int8_none["raw_mb"] == 64 * 2 * 2 * 4 * (16 + 2) / 1e6
+    assert len(results["targets"]) == 8  # the overlap-on rows
+    hand_off, int8_hand_off = results["hand_off"]  # codec none, overlap off, per pool, against the 5 GB/s target
+    assert int8_hand_off["cache_dtype"] == "int8" and int8_hand_off["shm_ms"] > 0
     assert hand_off["shm_gb_s"][0] == results["rows"][1]["raw_gb_s"] and hand_off["grpc_ceiling_gb_s"] > 0
     assert hand_off["shm_over_grpc"] == pytest.approx(hand_off["shm_gb_s"][0] / hand_off["grpc_gb_s"][0])
     assert png.stat().st_size > 0
