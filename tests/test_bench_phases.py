@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.bench.phases import command as phases
+from splitserve.bench.phases import llamacpp_pools
 from splitserve.bench.phases.step_cost import (
     decode_bytes,
     decode_flops,
@@ -21,6 +22,7 @@ from splitserve.bench.phases.step_cost import (
     prefill_bytes,
     prefill_flops,
 )
+from splitserve.engine.config import DEFAULT_MODEL
 from splitserve.engine.weights.model_files import tiny_random_config
 from splitserve.measure.phase_profile import PhaseProfile
 
@@ -134,7 +136,20 @@ def test_kv_pools_side_by_side_against_each_ones_byte_floor(tmp_path, capsys):
         assert int8["bytes_per_step"] < half["bytes_per_step"]  # the rows' bytes, scales included
     # tiny-random: KV heads of 16 (int8 rows of 18 bytes against 32 in float16); a 1 GiB pool, sequences of 4096
     assert results["capacity"]["int8"] > 1.7 * results["capacity"]["float16"]
+    assert results["llamacpp"] == {"absent": "tiny-random is not a GGUF file"}  # llama.cpp's column says why
     assert "decode by KV pool format" in capsys.readouterr().out
+
+
+@pytest.mark.model
+def test_llama_cpp_decodes_over_each_of_its_kv_types_at_each_batch():
+    """With llama-cpp-python installed (the optional extra), the peer's column: the GGUF file's decode over each KV
+    type, a context prefilled once and copied into every sequence of the larger batch."""
+    pytest.importorskip("llama_cpp", reason="the optional llamacpp extra is not installed")
+    figures = llamacpp_pools.run(DEFAULT_MODEL, list(llamacpp_pools.KV_TYPES), [1, 2], [48], steps=1, repeat=2,
+                                 cpu=min(os.sched_getaffinity(0)), seed=0)
+    for kv_type in llamacpp_pools.KV_TYPES:
+        assert set(figures[kv_type]) == {"1x48", "2x48"}, figures[kv_type]
+        assert all(len(ms) == 2 and min(ms) > 0 for ms in figures[kv_type].values())
 
 
 def test_kv_pool_quality_against_the_float16_pool(tmp_path, capsys):

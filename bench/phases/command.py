@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.bench.engine import matmul_peak, read_bandwidth
-from splitserve.bench.phases import kv_pools, prefill_formats, prefill_quality
+from splitserve.bench.phases import kv_pools, llamacpp_pools, prefill_formats, prefill_quality
 from splitserve.bench.phases.sequences import admit_transferred, random_prompt
 from splitserve.bench.phases.step_cost import (
     decode_bytes,
@@ -109,6 +109,9 @@ class PhasesConfig(FiguresOutput):
         "Instead: decode in each KV pool format (--pool-dtypes) side by side on one pinned thread, every page of KV "
         "real, --repeat rounds, at --batches x --contexts (default 1,16,64 x 512,4096), against each "
         "one's byte floor; and the sequences of 4096 tokens a 1 GiB pool holds in each."))
+    llamacpp_kv_types: list[str] = field(default_factory=lambda: list(llamacpp_pools.KV_TYPES), metadata=described(
+        "--kv-pools: llama.cpp's KV cache types (f16, q8_0, q4_0) measured beside the pool formats, on the same GGUF "
+        "file and pinned CPU, where llama-cpp-python is installed (the llamacpp extra); empty: none."))
     pool_dtypes: list[str] = field(default_factory=lambda: list(kv_pools.POOL_DTYPES), metadata=described(
         "The KV pool formats --kv-pools and --kv-pool-quality compare, the first the baseline of --kv-pools."))
     kv_pool_quality: bool = field(default=False, metadata=described(
@@ -130,6 +133,8 @@ class PhasesConfig(FiguresOutput):
         for dtype in (self.cache_dtype, *self.pool_dtypes):
             if dtype not in CACHE_DTYPES:
                 raise ValueError(f"KV pool dtypes must be among {', '.join(CACHE_DTYPES)}, got {dtype!r}")
+        if unknown := set(self.llamacpp_kv_types) - set(llamacpp_pools.KV_TYPES):
+            raise ValueError(f"llamacpp_kv_types: {sorted(unknown)}; choose from {', '.join(llamacpp_pools.KV_TYPES)}")
 
 
 def run(config: PhasesConfig, log=print) -> dict:
@@ -365,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
             config.model, config.pool_dtypes,
             list(kv_pools.BATCHES) if default("batches", DEFAULT_BATCHES) else config.batches,
             list(kv_pools.CONTEXTS) if default("contexts", DEFAULT_CONTEXTS) else config.contexts,
-            config.steps, config.repeat, config.seed)
+            config.steps, config.repeat, config.seed, config.llamacpp_kv_types)
         kv_pools.report(results)
         save_results(results, config.json)
         return results

@@ -27,6 +27,7 @@ import time
 import torch
 
 from splitserve.bench.engine import read_bandwidth
+from splitserve.bench.phases import llamacpp_pools
 from splitserve.bench.phases.prefill_quality import REFERENCE_TEXT, sequence_logits
 from splitserve.bench.phases.sequences import admit_transferred
 from splitserve.bench.phases.step_cost import decode_bytes
@@ -49,9 +50,10 @@ QUALITY_TARGETS = {"int8": 0.99, "int4": 0.97}  # top-1 agreement (issue 46)
 
 
 def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[int], steps: int, repeat: int,
-        seed: int, log=print) -> dict:
-    """{"cpu": ..., "read_gbps": ..., "points": {"BxC": {dtype: figures}}, "capacity": {dtype: sequences}}, on one
-    pinned thread."""
+        seed: int, llamacpp_kv_types: list[str] = (), log=print) -> dict:
+    """{"cpu": ..., "read_gbps": ..., "points": {"BxC": {dtype: figures}}, "capacity": {dtype: sequences},
+    "llamacpp": {...}}, on one pinned thread; llama.cpp's decode over ``llamacpp_kv_types`` after the engines', on
+    the same CPU (bench/phases/llamacpp_pools.py)."""
     allowed = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, allowed[-1:])
     threads = torch.get_num_threads()
@@ -87,6 +89,8 @@ def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[i
                     "bytes_per_step": decode_bytes(cfg, weight_bytes, batch, context,
                                                    engines[d].runner.kv_cache.element_size)}
                 for d, ts in times.items()}
+        del engines, first  # their pools' memory, before llama.cpp's
+        peer = _llamacpp(model, llamacpp_kv_types, batches, contexts, steps, repeat, allowed[-1], seed, log)
         read = max(read_before, read_bandwidth())
     finally:
         os.sched_setaffinity(0, allowed)
@@ -94,7 +98,18 @@ def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[i
     capacity = {d: _sequences_at_budget(cfg, d) for d in pool_dtypes}
     return {"model": cfg.name, "cpu": cpu_model(), "cpu_features": matrix_features(), "read_gbps": read,
             "pool_dtypes": list(pool_dtypes), "steps": steps, "repeat": repeat, "points": points,
-            "capacity": capacity}
+            "capacity": capacity, "llamacpp": peer}
+
+
+def _llamacpp(model: str, kv_types: list[str], batches: list[int], contexts: list[int], steps: int, repeat: int,
+              cpu: int, seed: int, log) -> dict:
+    """{"kv_types": {type: {"BxC": [ms]}}}, or {"absent": why} (none asked: {})."""
+    if not kv_types:
+        return {}
+    if why := llamacpp_pools.absence(model):
+        log(f"llama.cpp: {why}")
+        return {"absent": why}
+    return {"kv_types": llamacpp_pools.run(model, list(kv_types), batches, contexts, steps, repeat, cpu, seed, log)}
 
 
 def report(results: dict, log=print) -> None:
@@ -114,10 +129,22 @@ def report(results: dict, log=print) -> None:
             spread = f"{ms:.2f} [{min(r['ms']):.2f}-{max(r['ms']):.2f}]"
             log(f"{r['batch']:>6}{r['context']:>8}{d:>9}{spread:>26}{r['bytes_per_step'] / 1e6:>9.1f}{floor:>9.2f}"
                 f"{ms / floor:>7.2f}x{base_ms / ms:>17.2f}x")
+        key = f"{point[base]['batch']}x{point[base]['context']}"
+        for kv_type, by_point in results.get("llamacpp", {}).get("kv_types", {}).items():
+            if key in by_point:
+                ms = statistics.median(by_point[key])
+                spread = f"{ms:.2f} [{min(by_point[key]):.2f}-{max(by_point[key]):.2f}]"
+                log(f"{'':>14}{'lcpp ' + kv_type:>9}{spread:>26}{'':>26}{base_ms / ms:>17.2f}x")
     capacity = ", ".join(f"{d} {n}" for d, n in results["capacity"].items())
     log(f"sequences of {CAPACITY_TOKENS} tokens a {CAPACITY_BUDGET >> 30} GiB pool holds: {capacity}")
     log("(MB/step: every weight once plus each sequence's K and V as the pool stores them, scales included; floor: "
         "those bytes at the read bandwidth measured in the same run)")
+    peer = results.get("llamacpp", {})
+    if "absent" in peer:
+        log(f"llama.cpp: {peer['absent']}")
+    elif peer:
+        log("(lcpp T: llama.cpp on the same GGUF file, CPU and thread, its KV cache of type T (flash attention), "
+            "measured after the engines: bench/phases/llamacpp_pools.py)")
 
 
 def _engine(model: str, pool_dtype: str, batch: int, tokens: int, seed: int) -> LLMEngine:
