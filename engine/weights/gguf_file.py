@@ -1,7 +1,8 @@
 """llama.cpp GGUF files -> ``ModelConfig`` + state dict in our fused layout (parameter_layout.py) + tokenizer.
 
 - ``load_gguf``: a GGUF architecture the model registry reads (engine/model/architectures/: llama, which Mistral
-  files are written as too, qwen2, qwen3), any quantization ``gguf`` can dequantize. llama.cpp's converter reorders
+  files are written as too, qwen2, qwen3, phi3 with its fused ``attn_qkv`` and ``ffn_up``), any quantization ``gguf``
+  can dequantize. llama.cpp's converter reorders
   Llama's Q and K rows for its interleaved RoPE (the entry's ``gguf_qk_permuted``); we undo that to get back the
   rotate-half layout our model and ``transformers`` use. Also returns the tokenizer the file carries
   (``GGUFTokenizerData``). With ``keep_blocks`` (``quantization="gguf"``), matrices stored as Q4_0, Q4_1 or Q8_0 stay
@@ -46,6 +47,8 @@ GGUF_NAMES = {
     "up": "blk.{i}.ffn_up.weight",
     "down": "blk.{i}.ffn_down.weight",
 }
+# The fused parameters as llama.cpp's phi3 stores them (rows q, k, v and gate, up, as ours).
+GGUF_FUSED_NAMES = {"qkv.weight": "blk.{i}.attn_qkv.weight", "gate_up": "blk.{i}.ffn_up.weight"}
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
@@ -138,10 +141,19 @@ def load_gguf(
     tensors = {t.name: _read(t, keep_blocks) for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) are not supported")
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError(f"{path}: longrope factors (rope_factors_long, Phi-3 128k) from a GGUF file are not "
+                         "supported: load its HF directory instead")
     if "token_embd.weight" not in tensors:
         raise KeyError(f"{path} lacks tensor 'token_embd.weight'")
     tokenizer_data = gguf_tokenizer_data(reader)
     config = _gguf_config(reader, architecture, tensors, tokenizer_data, Path(path).stem)
+    window = gguf_field(reader, f"{architecture.gguf_name}.attention.sliding_window")
+    problem = next((p for p in (check({"sliding_window": window, "max_position_embeddings":
+                                       config.max_position_embeddings}) for check in architecture.refuse) if p), None)
+    if problem:
+        raise ValueError(f"{path}: {architecture.gguf_name} with {problem} is not supported (docs/models.md)")
     if architecture.gguf_qk_permuted:
         _unpermute_llama_qk(tensors, config)
-    return config, fuse(tensors, GGUF_NAMES, config, str(path), dtype), tokenizer_data
+    names = {**GGUF_NAMES, **GGUF_FUSED_NAMES} if architecture.fused_checkpoint else GGUF_NAMES
+    return config, fuse(tensors, names, config, str(path), dtype), tokenizer_data
