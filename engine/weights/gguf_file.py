@@ -2,12 +2,12 @@
 
 - ``load_gguf``: a GGUF architecture the model registry reads (engine/model/architectures/: llama, which Mistral
   files are written as too, qwen2, qwen3, phi3 with its fused ``attn_qkv`` and ``ffn_up``), any quantization ``gguf``
-  can dequantize. llama.cpp's converter reorders
-  Llama's Q and K rows for its interleaved RoPE (the entry's ``gguf_qk_permuted``); we undo that to get back the
-  rotate-half layout our model and ``transformers`` use. Also returns the tokenizer the file carries
-  (``GGUFTokenizerData``). With ``keep_blocks`` (``quantization="gguf"``), matrices stored as Q4_0, Q4_1 or Q8_0 stay
-  in the file's blocks (``BlockQuantized``, engine/weights/quantized_weights.py) instead of being widened.
-  Reading only that tokenizer, without torch or the weights, is ``splitserve.engine.text.tokenizer_files``'s.
+  can dequantize. llama.cpp's converter reorders Llama's Q and K rows for its interleaved RoPE (the entry's
+  ``gguf_qk_permuted``); we undo that to get back the rotate-half layout our model and ``transformers`` use. Also
+  returns the tokenizer the file carries (``GGUFTokenizerData``). With ``keep_blocks`` (``quantization="gguf"``),
+  matrices stored as Q4_0, Q4_1 or Q8_0 stay in the file's blocks (``BlockQuantized``,
+  engine/weights/quantized_weights.py) instead of being widened. Reading only that tokenizer, without torch or the
+  weights, is ``splitserve.engine.text.tokenizer_files``'s.
 """
 
 from __future__ import annotations
@@ -93,6 +93,17 @@ def _gguf_config(
     ))
 
 
+def _refuse_what_the_entry_refuses(reader: gguf.GGUFReader, architecture: Architecture, config: ModelConfig,
+                                   path: str | Path) -> None:
+    """The entry's checks of a config.json (its ``refuse``), on what a GGUF file says of them: a sliding window
+    (llama.cpp's phi3 writes Phi-3-mini-4k's 2047), against the context."""
+    asked = {"sliding_window": gguf_field(reader, f"{architecture.gguf_name}.attention.sliding_window"),
+             "max_position_embeddings": config.max_position_embeddings}
+    problem = next((p for p in (check(asked) for check in architecture.refuse) if p), None)
+    if problem:
+        raise ValueError(f"{path}: {architecture.gguf_name} with {problem} is not supported (docs/models.md)")
+
+
 def _read(tensor: gguf.ReaderTensor, keep_blocks: bool) -> torch.Tensor | BlockQuantized:
     """A GGUF tensor as float32 in PyTorch's [rows, cols] order (GGUF lists dims innermost first), or, with
     ``keep_blocks``, in its own blocks where it is a matrix in a format the kernels run."""
@@ -148,11 +159,7 @@ def load_gguf(
         raise KeyError(f"{path} lacks tensor 'token_embd.weight'")
     tokenizer_data = gguf_tokenizer_data(reader)
     config = _gguf_config(reader, architecture, tensors, tokenizer_data, Path(path).stem)
-    window = gguf_field(reader, f"{architecture.gguf_name}.attention.sliding_window")
-    problem = next((p for p in (check({"sliding_window": window, "max_position_embeddings":
-                                       config.max_position_embeddings}) for check in architecture.refuse) if p), None)
-    if problem:
-        raise ValueError(f"{path}: {architecture.gguf_name} with {problem} is not supported (docs/models.md)")
+    _refuse_what_the_entry_refuses(reader, architecture, config, path)
     if architecture.gguf_qk_permuted:
         _unpermute_llama_qk(tensors, config)
     names = {**GGUF_NAMES, **GGUF_FUSED_NAMES} if architecture.fused_checkpoint else GGUF_NAMES
