@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 
 import pytest
@@ -41,6 +42,10 @@ from splitserve.engine.weights.hf_checkpoint import load_hf_checkpoint
 # 500000 (with 8192, a test's positions would barely turn the scaled frequencies).
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 256}
+# Phi-3-mini-128k's longrope, 32x over a short original context (the served one) that a test's prompts fill: one
+# factor per frequency (short ones from 1 to 3.35, growing as Phi-3's), an attention factor sqrt(1 + ln 32 / ln 128).
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(48)],
+                 "long_factor": [4.0 + 0.5 * i for i in range(48)]}
 SHAPES = {  # model type -> its tiny checkpoint's shape, the family's real head_dim and GQA
     "llama": Shape(transformers.LlamaConfig, transformers.LlamaForCausalLM,
                    dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64,
@@ -61,8 +66,18 @@ SHAPES = {  # model type -> its tiny checkpoint's shape, the family's real head_
                      dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
                           intermediate_size=384, tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=None,
                           max_position_embeddings=4096)),
+    # Phi-3-mini's head_dim 96 and GQA 1; its dropouts set, which only training applies.
+    "phi3": Shape(transformers.Phi3Config, transformers.Phi3ForCausalLM,
+                  dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
+                       tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=4096, sliding_window=None,
+                       pad_token_id=None, resid_pdrop=0.1, embd_pdrop=0.1, attention_dropout=0.1)),
 }
-REAL_HEADS = {"llama": (64, 3), "llama3": (64, 4), "qwen2": (64, 7), "qwen3": (128, 2), "mistral": (128, 4)}  # D, GQA
+REAL_HEADS = {"llama": (64, 3), "llama3": (64, 4), "qwen2": (64, 7), "qwen3": (128, 2), "mistral": (128, 4),
+              "phi3": (96, 1)}  # D, GQA
+# Phi-3 with longrope: held to transformers by its own test (its RoPE tables are every entry's code path).
+PHI3_LONGROPE_SHAPE = Shape(transformers.Phi3Config, transformers.Phi3ForCausalLM,
+                            {**SHAPES["phi3"].config, "rope_scaling": PHI3_LONGROPE,
+                             "original_max_position_embeddings": 128})
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -82,6 +97,11 @@ def test_the_registry_entry_reads_the_checkpoint(checkpoint):
     assert config.architecture == hf.model_type and entry.hf_class == type(checkpoint.hf).__name__
     assert (config.head_dim, config.num_heads // config.num_kv_heads) == REAL_HEADS[checkpoint.name]
     assert config.qkv_bias is (hf.model_type == "qwen2") and config.qk_norm is (hf.model_type == "qwen3")
+    if entry.fused_checkpoint:  # Phi-3's qkv_proj and gate_up_proj are the core's rows: taken whole
+        layer = checkpoint.hf.model.layers[1]
+        assert torch.equal(state["layers.1.attn.qkv_proj.weight"], layer.self_attn.qkv_proj.weight)
+        assert torch.equal(state["layers.1.mlp.gate_up_proj.weight"], layer.mlp.gate_up_proj.weight)
+    assert entry.fused_checkpoint is (hf.model_type == "phi3")
     assert config.tie_word_embeddings is hf.tie_word_embeddings
     assert (config.num_layers, config.vocab_size) == (2, VOCAB)
     assert ("layers.1.attn.q_norm.weight" in state) is config.qk_norm
@@ -147,6 +167,39 @@ def test_llama3_rope_scaling_is_in_force():
     assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(1 / 32) and ((ratio < 1) & (ratio > 1 / 32)).any()
 
 
+def test_phi3_longrope_matches_transformers_within_its_original_context(tmp_path):
+    """The longrope checkpoint's frequencies are the short factors' (not unscaled RoPE's) and its cos and sin carry
+    the attention factor transformers computes, and its prompt logprobs are transformers' within 1e-4; its context is
+    capped at the original 128 tokens, past which transformers recomputes every position with the long factors (its
+    logits of the first 128 tokens change once a 129th is there), and a longer prompt is refused in one line. A
+    config as the hub writes it (``rope_scaling`` type ``su``, the original context at the top) reads the same."""
+    from splitserve.engine.model.rotary import rope_attention_factor
+
+    checkpoint = Checkpoint(tmp_path, PHI3_LONGROPE_SHAPE)
+    (out,) = scored(checkpoint.llm(), [PROMPT], max_tokens=0)
+    reference = checkpoint.logprobs(PROMPT)
+    assert max(abs(out.prompt_logprobs[p].logprob - reference[p - 1, PROMPT[p]].item())
+               for p in range(1, len(PROMPT))) <= TOLERANCE
+    config, _ = load_hf_checkpoint(checkpoint.directory)
+    assert config.max_position_embeddings == 128 and config.rope_scaling["factor"] == 32
+    assert rope_attention_factor(config) == pytest.approx(checkpoint.hf.model.rotary_emb.attention_scaling, abs=0)
+    assert rope_attention_factor(config) == pytest.approx((1 + math.log(32) / math.log(128)) ** 0.5)
+    assert torch.equal(rope_inv_freq(config), checkpoint.hf.model.rotary_emb.inv_freq)  # before a long forward
+    unscaled = 1.0 / (config.rope_theta ** (torch.arange(0, 96, 2).float() / 96))
+    assert torch.allclose(unscaled / rope_inv_freq(config), torch.tensor(PHI3_LONGROPE["short_factor"]), rtol=1e-6)
+    tokens = [(7 * k + 1) % VOCAB for k in range(129)]
+    with torch.no_grad():
+        within, past = (checkpoint.hf(torch.tensor([t])).logits[0, :128] for t in (tokens[:128], tokens))
+    assert (within - past).abs().max() > 0.1
+    with pytest.raises(ValueError, match="the model's context is 128"):
+        checkpoint.llm().generate([tokens[:128]], SamplingParams(max_tokens=1))
+    hub = {**PHI3_LONGROPE_SHAPE.hf_config().to_dict(), "rope_parameters": None, "rope_theta": 10000.0,
+           "rope_scaling": {"type": "su", **{k: PHI3_LONGROPE[k] for k in ("short_factor", "long_factor")}}}
+    read = registry.for_hf_config(hub, "hub").model_config(hub, "hub")
+    assert (read.max_position_embeddings, rope_attention_factor(read)) == (128, rope_attention_factor(config))
+    assert torch.equal(rope_inv_freq(read), rope_inv_freq(config))
+
+
 def test_every_entry_runs_the_fused_native_layers_and_the_bf16_prefill(checkpoint, llm, native_kernels):
     """Every entry's layers run the fused native calls (Qwen3's per-head q/k norms inside ``ss_attention_input``,
     before RoPE), decode steps the one-call native decode, and ``auto`` prefills in bf16 where the CPU has the
@@ -172,15 +225,15 @@ def _has_bf16_kernels(kernels) -> bool:
 
 # ---- what is refused ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "deepseek_v3",
-                                        "llava", "t5"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "phi4_multimodal", "mixtral", "qwen3_moe",
+                                        "deepseek_v3", "llava", "t5"])
 def test_an_unserved_architecture_is_refused_in_one_line_naming_the_served_ones(tmp_path, model_type):
     transformers.AutoConfig.for_model(model_type).save_pretrained(tmp_path)
     with pytest.raises(registry.UnsupportedArchitecture) as refused:
         LLM(model=str(tmp_path))
     message = str(refused.value)
     assert "\n" not in message and f"unsupported architecture {model_type!r}" in message
-    assert "serves model types llama, mistral, qwen2, qwen3" in message
+    assert "serves model types llama, mistral, phi3, qwen2, qwen3" in message
 
 
 def test_splitserve_up_refuses_an_unserved_architecture_before_starting_anything(tmp_path):
@@ -189,7 +242,8 @@ def test_splitserve_up_refuses_an_unserved_architecture_before_starting_anything
     from splitserve.up_config import UpConfig
 
     transformers.AutoConfig.for_model("gemma2").save_pretrained(tmp_path / "gemma2")
-    with pytest.raises(registry.UnsupportedArchitecture, match="serves model types llama, mistral, qwen2, qwen3"):
+    with pytest.raises(registry.UnsupportedArchitecture, match="serves model types llama, mistral, phi3, qwen2, "
+                                                                "qwen3"):
         UpConfig(model=str(tmp_path / "gemma2"), run_dir=str(tmp_path / "up"))
     save_checkpoint(tmp_path / "qwen3", SHAPES["qwen3"])
     assert UpConfig(model=str(tmp_path / "qwen3"), run_dir=str(tmp_path / "up")).model == str(tmp_path / "qwen3")
@@ -202,6 +256,8 @@ def test_splitserve_up_refuses_an_unserved_architecture_before_starting_anything
     ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
      "unsupported rope scaling type 'yarn'"),
     ("llama", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("phi3", dict(sliding_window=2047), "sliding_window 2047 below its context of 4096"),  # Phi-3-mini-4k's
+    ("phi3", dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75"),  # Phi-4-mini's
 ])
 def test_a_config_asking_for_what_is_not_built_is_refused_at_load(tmp_path, model_type, overrides, named):
     SHAPES[model_type].hf_config(**overrides).save_pretrained(tmp_path)  # refused before any weight is read
@@ -220,7 +276,7 @@ def test_gguf_architectures_go_through_the_registry():
     assert registry.for_gguf("qwen3", "f.gguf").qk_norm and registry.for_gguf("llama", "f.gguf").gguf_qk_permuted
     assert not registry.for_gguf("qwen2", "f.gguf").gguf_qk_permuted
     with pytest.raises(registry.UnsupportedArchitecture, match="unsupported GGUF architecture 'gemma2'.*llama, "
-                                                               "qwen2, qwen3"):
+                                                               "phi3, qwen2, qwen3"):
         registry.for_gguf("gemma2", "f.gguf")
 
 
@@ -265,20 +321,33 @@ def test_tensor_and_pipeline_parallel_ranks_give_one_process_answer(tmp_path, mo
 
 # ---- disaggregated ---------------------------------------------------------------------------------------------------
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+CHAT = [{"role": "user", "content": "Name the three primary colours."}]
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("model_type, kv_codec", [*((m, "none") for m in SHAPES), ("qwen3", "int8")])
-def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start_cluster, model_type, kv_codec):
+def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start_cluster, openai_client, model_type,
+                                                                  kv_codec):
     """``splitserve up --model DIR`` of each checkpoint with one prefill and one decode pod: every prompt prefills on
     the prefill pod, its KV crosses to the decode pod through ``kv_codec`` (lossless; and int8, lossy, for Qwen3, the
     entry on its own compute path, with heads of 128), and the greedy tokens are the offline engine's (float16 KV on
-    both, the pods' default); every block is free after."""
+    both, the pods' default); so are the texts the ``openai`` client gets from the router's HTTP API, a completion
+    and a chat completion (the tiny tokenizer has no chat template: the test writes one); every block is free after.
+
+    A lossy codec runs for one entry only: a cluster takes 10-24 s on 2 shared cores (measured, ``--durations``), so
+    int8 for the 6 others would add 60-140 s, past the suite's budget; the codec's arithmetic depends on the head
+    layout alone, which the lossless runs already carry for every entry, and Qwen3 has both the largest heads and its
+    own compute path."""
     from tests.reliability.live_cluster import START_S, TINY, stream, wait_every_block_free
     from tests.test_tp_cluster import kv_loaded
 
     checkpoint = Checkpoint(tmp_path / model_type, SHAPES[model_type])
+    (checkpoint.directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     prompts = [PROMPT, *OTHERS]
-    offline = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32").generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True))
+    engine = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True)
+    offline, (offline_chat,) = engine.generate(prompts, params), engine.chat(CHAT, params)
     cluster = start_cluster(tmp_path / "up", **{**TINY, "model": str(checkpoint.directory), "prefill": 1,
                                                 "decode": 1, "kv_codec": kv_codec, "conditional_prefill_threshold": 0,
                                                 "decode_pod_wait_s": START_S})
@@ -287,6 +356,12 @@ def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start
         assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(prompts)
         assert [a.token_ids for a in answers] == [out.token_ids for out in offline]
         assert kv_loaded(cluster, cluster.pods[1]) == len(prompts)  # each prompt's KV came from the prefill pod
+        client = openai_client(cluster)
+        model, greedy = client.models.list().data[0].id, dict(temperature=0, extra_body={"ignore_eos": True})
+        completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=GREEDY_STEPS, **greedy)
+        chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=GREEDY_STEPS, **greedy)
+        assert completion.choices[0].text == offline[0].text and offline[0].text
+        assert chat.choices[0].message.content == offline_chat.text and offline_chat.text
         wait_every_block_free(cluster)
     finally:
         cluster.stop()

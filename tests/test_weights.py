@@ -1,5 +1,5 @@
 """Weight loading: HF directories (single, sharded, Qwen2 biases), GGUF files (F32, Q8_0, the llama.cpp Q/K
-permutation), export back to a directory ``transformers`` loads, and model-name resolution."""
+permutation, phi3's fused tensors), export back to a directory ``transformers`` loads, and model-name resolution."""
 
 from __future__ import annotations
 
@@ -11,7 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tiny_checkpoints import write_byte_level_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.text.tokenizer import GGUFTokenizerData, Tokenizer
@@ -214,6 +223,12 @@ def _gguf_tensor_names(i: int) -> dict[str, str]:
     }
 
 
+def _gguf_fused_names(i: int) -> dict[str, str]:
+    """llama.cpp's phi3: q|k|v and gate|up stored fused, as Phi-3's own checkpoints do."""
+    p, h = f"blk.{i}.", f"model.layers.{i}."
+    return {p + "attn_qkv.weight": h + "self_attn.qkv_proj.weight", p + "ffn_up.weight": h + "mlp.gate_up_proj.weight"}
+
+
 def _write_metadata(writer: gguf.GGUFWriter, rope_scaling_factor: float | None) -> None:
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
@@ -240,16 +255,20 @@ def _write_metadata(writer: gguf.GGUFWriter, rope_scaling_factor: float | None) 
 
 
 def write_gguf(path, hf: dict[str, torch.Tensor], arch: str, qtype=gguf.GGMLQuantizationType.F32,
-               tied: bool = False, rope_scaling_factor: float | None = None, extra: dict | None = None) -> None:
+               tied: bool = False, rope_scaling_factor: float | None = None, extra: dict | None = None,
+               sliding_window: int | None = None) -> None:
     """A GGUF as llama.cpp's converter writes it: Q/K rows permuted for llama (not for qwen2), 2-D weights in
     ``qtype``, norms and biases in F32, ``output.weight`` only when untied."""
     names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
     if not tied:
         names["output.weight"] = "lm_head.weight"
     for i in range(LAYERS):
-        names.update({g: h for g, h in _gguf_tensor_names(i).items() if h in hf})
+        for gguf_names in (_gguf_tensor_names(i), _gguf_fused_names(i)):  # both spell ffn_up: one is in hf
+            names.update({g: h for g, h in gguf_names.items() if h in hf})
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, rope_scaling_factor)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
     for gguf_name, hf_name in names.items():
         w = hf[hf_name].numpy().astype(np.float32)
         if arch == "llama" and ".attn_q." in gguf_name:
@@ -333,6 +352,20 @@ def test_gguf_qwen3_is_not_permuted_and_has_qk_norms(tmp_path):
     assert (config.architecture, config.qk_norm, config.qkv_bias) == ("qwen3", True, False)
     assert_state_equal(state, fused_from_hf(model.state_dict(), tied=False, bias=False, qk_norm=True))
     assert {n: tuple(t.shape) for n, t in state.items()} == parameter_shapes(config)
+
+
+def test_gguf_phi3_takes_its_fused_qkv_and_gate_up_whole(tmp_path):
+    """llama.cpp's phi3 file (attn_qkv, ffn_up holding gate|up) loads as the same Phi-3's HF directory does; a
+    sliding window below its context is refused, as from config.json."""
+    model = _randomized(Phi3ForCausalLM(Phi3Config(**_hf_kwargs(pad_token_id=None))))
+    model.save_pretrained(tmp_path / "hf")
+    write_gguf(tmp_path / "phi3.gguf", model.state_dict(), "phi3")
+    config, state, _ = load_gguf(tmp_path / "phi3.gguf")
+    assert (config.architecture, config.head_dim, config.qkv_bias) == ("phi3", HEAD_DIM, False)
+    assert_state_equal(state, load_hf_checkpoint(tmp_path / "hf")[1])
+    write_gguf(tmp_path / "window.gguf", model.state_dict(), "phi3", sliding_window=64)
+    with pytest.raises(ValueError, match="phi3 with sliding_window 64 below its context of 256 tokens"):
+        load_gguf(tmp_path / "window.gguf")
 
 
 def test_gguf_rope_scaling_and_dtype(tmp_path):

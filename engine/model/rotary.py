@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE): the cos/sin tables of every position, computed once per model, and one step's
-view of them, with the checkpoint's rope scaling (linear, Llama 3.1's) applied to the frequencies."""
+view of them, with the checkpoint's rope scaling (linear, Llama 3.1's, Phi-3's longrope) applied to the frequencies,
+and longrope's attention factor to the tables."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
-        cos, sin = angles.cos(), angles.sin()
+        scale = rope_attention_factor(config)  # as transformers: cos and sin times the factor, so q and k both
+        cos, sin = angles.cos() * scale, angles.sin() * scale
         self.register_buffer("cos", torch.cat((cos, cos), -1).to(device, dtype), persistent=False)  # [P, D]
         # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): the sign moves into the table.
         self.register_buffer("sin_signed", torch.cat((-sin, sin), -1).to(device, dtype), persistent=False)
@@ -66,7 +68,37 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type == "longrope":
+        return _longrope_short_inv_freq(config, scaling)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3, longrope)")
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: 1, but for longrope, whose factor is the config's ``attention_factor``,
+    else sqrt(1 + ln(factor) / ln(original context)) for a ``factor`` over 1 (transformers'
+    ``_compute_longrope_parameters``: the factor, when the config has none, is the context over the original one)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _longrope_short_inv_freq(config: ModelConfig, scaling: dict) -> torch.Tensor:
+    """longrope's frequencies with its short factors, one per frequency: what transformers computes for a sequence
+    of at most ``original_max_position_embeddings`` tokens. Past that it switches every position of the sequence,
+    cached ones too, to the long factors; a context that long is not computed here (the entry caps it)."""
+    original = scaling["original_max_position_embeddings"]
+    if config.max_position_embeddings > original:
+        raise ValueError(f"longrope past original_max_position_embeddings ({original}): its long factors")
+    dim = config.head_dim
+    short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    if short.shape != (dim // 2,):
+        raise ValueError(f"longrope short_factor has {len(short)} values, not head_dim / 2 = {dim // 2}")
+    return 1.0 / (short * config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """llama.cpp GGUF files -> ``ModelConfig`` + state dict in our fused layout (parameter_layout.py) + tokenizer.
 
 - ``load_gguf``: a GGUF architecture the model registry reads (engine/model/architectures/: llama, which Mistral
-  files are written as too, qwen2, qwen3), any quantization ``gguf`` can dequantize. llama.cpp's converter reorders
-  Llama's Q and K rows for its interleaved RoPE (the entry's ``gguf_qk_permuted``); we undo that to get back the
-  rotate-half layout our model and ``transformers`` use. Also returns the tokenizer the file carries
-  (``GGUFTokenizerData``). With ``keep_blocks`` (``quantization="gguf"``), matrices stored as Q4_0, Q4_1 or Q8_0 stay
-  in the file's blocks (``BlockQuantized``, engine/weights/quantized_weights.py) instead of being widened.
-  Reading only that tokenizer, without torch or the weights, is ``splitserve.engine.text.tokenizer_files``'s.
+  files are written as too, qwen2, qwen3, phi3 with its fused ``attn_qkv`` and ``ffn_up``), any quantization ``gguf``
+  can dequantize. llama.cpp's converter reorders Llama's Q and K rows for its interleaved RoPE (the entry's
+  ``gguf_qk_permuted``); we undo that to get back the rotate-half layout our model and ``transformers`` use. Also
+  returns the tokenizer the file carries (``GGUFTokenizerData``). With ``keep_blocks`` (``quantization="gguf"``),
+  matrices stored as Q4_0, Q4_1 or Q8_0 stay in the file's blocks (``BlockQuantized``,
+  engine/weights/quantized_weights.py) instead of being widened. Reading only that tokenizer, without torch or the
+  weights, is ``splitserve.engine.text.tokenizer_files``'s.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ GGUF_NAMES = {
     "up": "blk.{i}.ffn_up.weight",
     "down": "blk.{i}.ffn_down.weight",
 }
+# The fused parameters as llama.cpp's phi3 stores them (rows q, k, v and gate, up, as ours).
+GGUF_FUSED_NAMES = {"qkv.weight": "blk.{i}.attn_qkv.weight", "gate_up": "blk.{i}.ffn_up.weight"}
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
@@ -88,6 +91,17 @@ def _gguf_config(
         eos_token_ids=list(tok.eos_token_ids),
         name=name,
     ))
+
+
+def _refuse_what_the_entry_refuses(reader: gguf.GGUFReader, architecture: Architecture, config: ModelConfig,
+                                   path: str | Path) -> None:
+    """The entry's checks of a config.json (its ``refuse``), on what a GGUF file says of them: a sliding window
+    (llama.cpp's phi3 writes Phi-3-mini-4k's 2047), against the context."""
+    asked = {"sliding_window": gguf_field(reader, f"{architecture.gguf_name}.attention.sliding_window"),
+             "max_position_embeddings": config.max_position_embeddings}
+    problem = next((p for p in (check(asked) for check in architecture.refuse) if p), None)
+    if problem:
+        raise ValueError(f"{path}: {architecture.gguf_name} with {problem} is not supported (docs/models.md)")
 
 
 def _read(tensor: gguf.ReaderTensor, keep_blocks: bool) -> torch.Tensor | BlockQuantized:
@@ -138,10 +152,15 @@ def load_gguf(
     tensors = {t.name: _read(t, keep_blocks) for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) are not supported")
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError(f"{path}: longrope factors (rope_factors_long, Phi-3 128k) from a GGUF file are not "
+                         "supported: load its HF directory instead")
     if "token_embd.weight" not in tensors:
         raise KeyError(f"{path} lacks tensor 'token_embd.weight'")
     tokenizer_data = gguf_tokenizer_data(reader)
     config = _gguf_config(reader, architecture, tensors, tokenizer_data, Path(path).stem)
+    _refuse_what_the_entry_refuses(reader, architecture, config, path)
     if architecture.gguf_qk_permuted:
         _unpermute_llama_qk(tensors, config)
-    return config, fuse(tensors, GGUF_NAMES, config, str(path), dtype), tokenizer_data
+    names = {**GGUF_NAMES, **GGUF_FUSED_NAMES} if architecture.fused_checkpoint else GGUF_NAMES
+    return config, fuse(tensors, names, config, str(path), dtype), tokenizer_data

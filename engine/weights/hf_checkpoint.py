@@ -2,7 +2,9 @@
 
 - ``load_hf_checkpoint``: a ``transformers`` directory (config.json + model.safetensors, or sharded with
   model.safetensors.index.json) of an architecture the model registry serves (engine/model/architectures/: its
-  ``model_type`` picks the entry, which reads the config or refuses it); they all share transformers' Llama names.
+  ``model_type`` picks the entry, which reads the config or refuses it); they all share transformers' Llama names,
+  but for Phi-3's q|k|v and gate|up, stored fused as ``qkv_proj`` and ``gate_up_proj`` (the entry's
+  ``fused_checkpoint``): our own layout, taken and written whole.
 - ``fuse_hf_state_dict``: the same mapping for tensors already in memory (a ``transformers`` model's state dict).
 - ``export_hf_checkpoint``: the reverse, so that ``transformers`` can load exactly our weights as a reference
   implementation.
@@ -42,6 +44,17 @@ HF_NAMES = {
     "up": "model.layers.{i}.mlp.up_proj.weight",
     "down": "model.layers.{i}.mlp.down_proj.weight",
 }
+# The fused parameters as Phi-3 stores them (rows q, k, v and gate, up, as ours).
+HF_FUSED_NAMES = {
+    "qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+    "gate_up": "model.layers.{i}.mlp.gate_up_proj.weight",
+}
+
+
+def _hf_names(config: ModelConfig) -> dict[str, str]:
+    """Each part's name in a transformers checkpoint of ``config``'s architecture."""
+    fused = registry.for_model_config(config.architecture).fused_checkpoint
+    return {**HF_NAMES, **HF_FUSED_NAMES} if fused else HF_NAMES
 
 
 def _read_hf_config(directory: Path) -> ModelConfig:
@@ -78,7 +91,7 @@ def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig, so
         del tensors[name]
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return fuse(tensors, HF_NAMES, config, source, dtype)
+    return fuse(tensors, _hf_names(config), config, source, dtype)
 
 
 def load_hf_checkpoint(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple[ModelConfig, StateDict]:
@@ -93,6 +106,7 @@ def _hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     architecture = registry.for_model_config(config.architecture)
     if config.qkv_bias and not architecture.qkv_bias:
         raise ValueError(f"{config.name}: transformers' {architecture.hf_class} has no bias on q, k and v alone")
+    original = (config.rope_scaling or {}).get("original_max_position_embeddings")
     return {
         "architectures": [architecture.hf_class],
         "model_type": architecture.model_type,
@@ -108,6 +122,8 @@ def _hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling,
         "max_position_embeddings": config.max_position_embeddings,
+        **({"original_max_position_embeddings": original} if original else {}),  # Phi-3 reads it outside the scaling
+        "pad_token_id": None,  # Phi-3's config class would default to 32000, past a small vocabulary
         "sliding_window": None,  # full attention (Mistral's config class would default to a window of 4096)
         "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id,
@@ -120,7 +136,7 @@ def export_hf_checkpoint(config: ModelConfig, state_dict: StateDict, path: str |
     """Write ``path`` as a ``transformers`` directory (config.json + model.safetensors, unfused names)."""
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = unfuse(state_dict, HF_NAMES, config)
+    tensors = unfuse(state_dict, _hf_names(config), config)
     # Splits are views into the fused tensors; safetensors wants each tensor to own contiguous memory.
     save_file({name: t.detach().to(torch.float32).contiguous().clone() for name, t in tensors.items()},
               str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -20,7 +20,9 @@ head dim, ``Hq`` / ``Hkv`` query / KV heads, ``I`` intermediate size, ``V`` voca
 
 A checkpoint format names its tensors by *part* (``"q.weight"``, ``"gate"``, ``"embed"``...): a dict from part to
 its name in the file, ``{i}`` standing for the layer. ``fuse`` builds our state dict from such tensors, ``unfuse``
-splits it back.
+splits it back. A format that stores a fused parameter whole, in our row order (Phi-3's ``qkv_proj`` and
+``gate_up_proj``, llama.cpp's ``attn_qkv`` and ``ffn_up``), names it by the parameter's ``whole`` part instead
+(``"qkv.weight"``, ``"gate_up"``): it is taken, and written back, as one tensor.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Parameter(NamedTuple):
     part_rows: Callable[[ModelConfig], tuple[int, ...]]  # rows each part contributes
     columns: Callable[[ModelConfig], int] | None = None  # None: a vector
     present: Callable[[ModelConfig], bool] = lambda config: True
+    whole: str | None = None  # the part naming the fused rows as one tensor, where a format stores them so
 
 
 def _hidden(c: ModelConfig) -> int:
@@ -58,7 +61,8 @@ def _qkv_rows(c: ModelConfig) -> tuple[int, int, int]:
 EMBEDDING = Parameter("embed_tokens.weight", ("embed",), lambda c: (c.vocab_size,), _hidden)
 LAYER_PARAMETERS = (
     Parameter("layers.{i}.input_norm.weight", ("input_norm",), lambda c: (c.hidden_size,)),
-    Parameter("layers.{i}.attn.qkv_proj.weight", ("q.weight", "k.weight", "v.weight"), _qkv_rows, _hidden),
+    Parameter("layers.{i}.attn.qkv_proj.weight", ("q.weight", "k.weight", "v.weight"), _qkv_rows, _hidden,
+              whole="qkv.weight"),
     Parameter("layers.{i}.attn.qkv_proj.bias", ("q.bias", "k.bias", "v.bias"), _qkv_rows,
               present=lambda c: c.qkv_bias),
     Parameter("layers.{i}.attn.q_norm.weight", ("q_norm",), lambda c: (c.head_dim,), present=lambda c: c.qk_norm),
@@ -67,7 +71,7 @@ LAYER_PARAMETERS = (
               lambda c: c.num_heads * c.head_dim),
     Parameter("layers.{i}.post_attn_norm.weight", ("post_attn_norm",), lambda c: (c.hidden_size,)),
     Parameter("layers.{i}.mlp.gate_up_proj.weight", ("gate", "up"),
-              lambda c: (c.intermediate_size, c.intermediate_size), _hidden),
+              lambda c: (c.intermediate_size, c.intermediate_size), _hidden, whole="gate_up"),
     Parameter("layers.{i}.mlp.down_proj.weight", ("down",), lambda c: (c.hidden_size,),
               lambda c: c.intermediate_size),
 )
@@ -115,11 +119,16 @@ def fuse(tensors: dict[str, torch.Tensor], source_names: dict[str, str], config:
 
     state = {}
     for name, p, layer in _entries(config):
-        parts = [take(source_names[part].format(**layer)) for part in p.parts]
+        parts = [take(source_names[part].format(**layer)) for part in _stored_parts(p, source_names)]
         state[name] = parts[0] if len(parts) == 1 else _cat(parts)
     if unused:
         raise ValueError(f"{source} has tensors this loader does not map: {sorted(unused)[:8]}")
     return state
+
+
+def _stored_parts(p: Parameter, source_names: dict[str, str]) -> tuple[str, ...]:
+    """The parts a format stores ``p`` as: whole, where it names the whole, else its parts."""
+    return (p.whole,) if p.whole in source_names else p.parts
 
 
 def _cat(parts: list):
@@ -143,7 +152,9 @@ def unfuse(state: StateDict, source_names: dict[str, str], config: ModelConfig) 
     """The checkpoint's tensors (by their names in ``source_names``) from our state dict: views into it."""
     tensors = {}
     for name, p, layer in _entries(config):
-        for part, tensor in zip(p.parts, state[name].split(p.part_rows(config))):
+        parts = _stored_parts(p, source_names)
+        rows = p.part_rows(config) if len(parts) > 1 else (state[name].shape[0],)
+        for part, tensor in zip(parts, state[name].split(rows)):
             tensors[source_names[part].format(**layer)] = tensor
     return tensors
 

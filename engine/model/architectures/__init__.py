@@ -10,6 +10,8 @@ own module states differs:
   and the Llama core's reading of a ``config.json`` that every entry shares;
 - ``llama.py``: Llama 2/3.x and SmolLM (the core itself; Llama 3.x's RoPE scaling is the config's, rotary.py);
 - ``mistral.py``: Mistral (the core; a sliding window the context exceeds is refused);
+- ``phi3.py``: Phi-3 and Phi-3.5 (q|k|v and gate|up stored fused, as the core's; longrope within its original
+  context);
 - ``qwen2.py``: Qwen2 and Qwen2.5 (biased q, k and v);
 - ``qwen3.py``: Qwen3 (per-head RMSNorm of q and k before RoPE; its own head_dim);
 - ``registry.py``: the table of every entry, and the look-ups the loaders call.

@@ -7,6 +7,7 @@ the model's modules read one resolved ``ModelConfig`` and never test an architec
 - ``qk_norm``: q and k are RMS-normalized per head, over head_dim, between the QKV product and RoPE (Qwen3);
 - ``gguf_qk_permuted``: llama.cpp's converter interleaved the rotary halves of Q and K's rows (its ``llama``
   architecture only), which the GGUF loader undoes;
+- ``fused_checkpoint``: the checkpoint stores q|k|v and gate|up fused, as the core does (Phi-3), not one tensor each;
 - ``refuse``: checks of what a config may ask that is not built (a sliding window, an o_proj bias), refused at load.
 """
 
@@ -32,6 +33,7 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     gguf_qk_permuted: bool = False
+    fused_checkpoint: bool = False
     refuse: tuple[Callable[[HFConfig], str | None], ...] = ()  # each: what a config asks that is not built, or None
 
     def model_config(self, hf: HFConfig, name: str) -> ModelConfig:
@@ -59,7 +61,8 @@ def _refuse_outside_the_core(hf: HFConfig) -> str | None:
         return f"hidden_act {act!r} (the MLP is SwiGLU)"
     if hf.get("mlp_bias"):
         return "mlp_bias"
-    rotary = hf.get("partial_rotary_factor", 1.0)
+    # Phi-4-mini writes it at the top; transformers 5 saves it in rope_parameters.
+    rotary = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
     if rotary != 1.0:
         return f"partial_rotary_factor {rotary}"
     return None
