@@ -140,6 +140,21 @@ def test_kv_pools_side_by_side_against_each_ones_byte_floor(tmp_path, capsys):
     assert "decode by KV pool format" in capsys.readouterr().out
 
 
+def test_the_attention_probe_times_each_pool_format_scattered_in_order_and_resident(tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    phases.main(["--model", "tiny-random", "--attention-probe", "--batches", "3", "--contexts", "64", "--repeat", "2",
+                 "--json", str(out)])
+    results = json.loads(out.read_text())
+    assert (results["batch"], results["context"], results["shape"]["layers"]) == (3, 64, CFG.num_layers)
+    for layouts in results["formats"].values():
+        assert list(layouts) == ["scattered", "in order", "resident"]
+        assert all(f["cpu_ms"] > 0 and f["gb_s"] > 0 for f in layouts.values())
+    # the K/V bytes a pass reads: the rows' (int8: 16 codes and a 2-byte scale per head), over the CPU seconds
+    int8 = results["formats"]["int8"]["resident"]
+    assert int8["gb_s"] == pytest.approx(CFG.num_layers * 2 * 3 * 64 * CFG.num_kv_heads * 18 / int8["cpu_ms"] / 1e6)
+    assert "decode attention alone, 3 x 64" in capsys.readouterr().out
+
+
 @pytest.mark.model
 def test_llama_cpp_decodes_over_each_of_its_kv_types_at_each_batch():
     """With llama-cpp-python installed (the optional extra), the peer's column: the GGUF file's decode over each KV

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.bench.engine import matmul_peak, read_bandwidth
-from splitserve.bench.phases import kv_pools, llamacpp_pools, prefill_formats, prefill_quality
+from splitserve.bench.phases import attention_probe, kv_pools, llamacpp_pools, prefill_formats, prefill_quality
 from splitserve.bench.phases.sequences import admit_transferred, random_prompt
 from splitserve.bench.phases.step_cost import (
     decode_bytes,
@@ -67,6 +67,7 @@ DEFAULT_CONTEXTS = (128, 1024)
 FULL_PROMPT_LENS = (64, 128, 256, 512, 1024, 2048, 4096)
 FULL_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 FULL_CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
+PROBE_BATCH, PROBE_CONTEXT = 16, 4096  # --attention-probe's point: issue 46's float16 target
 WARMUP_STEPS = 2  # decode steps run before the timed ones
 
 
@@ -114,6 +115,10 @@ class PhasesConfig(FiguresOutput):
         "file and pinned CPU, where llama-cpp-python is installed (the llamacpp extra); empty: none."))
     pool_dtypes: list[str] = field(default_factory=lambda: list(kv_pools.POOL_DTYPES), metadata=described(
         "The KV pool formats --kv-pools and --kv-pool-quality compare, the first the baseline of --kv-pools."))
+    attention_probe: bool = field(default=False, metadata=described(
+        "Instead: the decode attention alone per pool format (--pool-dtypes) at the largest of --batches x --contexts "
+        "(default 16 x 4096), its blocks scattered, in order and cache-resident (the arithmetic alone), in thread CPU "
+        "time on one pinned thread (bench/phases/attention_probe.py)."))
     kv_pool_quality: bool = field(default=False, metadata=described(
         "Instead: each KV pool format's answers against the float16 pool's on the model, teacher-forced top-1 "
         "agreement and perplexity over 1024-token windows of GPL-3 (bench/phases/kv_pools.py)."))
@@ -364,8 +369,16 @@ def main(argv: list[str] | None = None) -> dict:
         kv_pools.report_quality(results)
         save_results(results, config.json)
         return results
+    default = lambda name, value: getattr(config, name) == list(value)  # noqa: E731
+    if config.attention_probe:
+        results = attention_probe.run(config.model, config.pool_dtypes,
+                                      PROBE_BATCH if default("batches", DEFAULT_BATCHES) else max(config.batches),
+                                      PROBE_CONTEXT if default("contexts", DEFAULT_CONTEXTS) else max(config.contexts),
+                                      config.repeat, config.seed)
+        attention_probe.report(results)
+        save_results(results, config.json)
+        return results
     if config.kv_pools:
-        default = lambda name, value: getattr(config, name) == list(value)  # noqa: E731
         results = kv_pools.run(
             config.model, config.pool_dtypes,
             list(kv_pools.BATCHES) if default("batches", DEFAULT_BATCHES) else config.batches,
