@@ -182,13 +182,19 @@ class AttentionMetadata:
         end = torch.tensor([p + 1 for n, s in zip(self.query_lens, self.seq_lens) for p in range(s - n, s)])  # [T]
         start = (end - window).clamp(min=0) if window is not None else torch.zeros_like(end)
         width = (end - start + SPAN_KEYS - 1) // SPAN_KEYS * SPAN_KEYS
+        # Without a window a sequence's queries of one width read the same keys: one span of shared keys each.
+        group = width if window is not None else width * len(self.query_lens) + seq
         spans = []
-        for keys in width.unique().tolist():  # host tensors, from the host lists: no read back from the device
-            rows = (width == keys).nonzero().flatten()
+        for value in group.unique().tolist():  # host tensors, from the host lists: no read back from the device
+            rows = (group == value).nonzero().flatten()
+            keys = int(width[rows[0]])
             positions = start[rows, None] + torch.arange(keys)  # [n, keys]
             visible = positions < end[rows, None]
-            positions = torch.minimum(positions, end[rows, None] - 1).to(device)  # padding reads the last key
-            blocks = self.block_tables[seq[rows, None].to(device), positions // self.block_size]
+            # Padding reads a key the sequence has (masked: any finite value gives the same bits).
+            positions = torch.minimum(positions, end[rows, None] - 1)
+            readers = rows if window is not None else rows[-1:]  # shared keys: the last query's, which sees them all
+            positions = positions[-len(readers):].to(device)
+            blocks = self.block_tables[seq[readers, None].to(device), positions // self.block_size]
             slots = blocks * self.block_size + positions % self.block_size
             spans.append(KeySpan(rows.to(device), slots, visible.to(device)))
         return spans
@@ -227,7 +233,8 @@ SPAN_KEYS = 16
 @dataclass
 class KeySpan:
     """Queries that read the same number of key slots: their rows among the step's [n], each one's cache slots
-    [n, keys] (the keys it sees, in order, then padding) and which of them it sees [n, keys]."""
+    [n, keys] (the keys it sees, in order, then padding), or [1, keys] shared by all (full attention: one sequence's
+    queries of one width), and which of them each sees [n, keys]."""
 
     rows: torch.Tensor
     slots: torch.Tensor
@@ -280,23 +287,40 @@ def paged_attention(
 
 def _attend_spans(q, k_cache, v_cache, spans: list[KeySpan], scale: float, softcap: float | None) -> torch.Tensor:
     """Each query over the keys of its span, as transformers' eager attention computes it: scores q k^T * scale,
-    soft-capped, masked, softmaxed, times V; the G query heads of a KV head as G rows of one product. Every operand
-    is made contiguous: over strided K and V the batched products' bits depend on how many queries share the call
-    (measured), over contiguous ones they do not."""
+    soft-capped, masked, softmaxed, times V; the G query heads of a KV head as G rows of one product per query.
+    Every gathered operand is made contiguous: over strided K and V the batched products' bits depend on how many
+    queries share the call (measured), over contiguous ones they do not. Shared keys enter each query's product as a
+    broadcast (stride-0) batch, which gives the bits of a copy per query (measured, 1 to 40 queries, 2 and 8
+    threads) without the copies: a full-attention layer then reads each sequence's keys once per 16 query
+    positions, not once per query."""
     t, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, Hkv, row]
+    group = num_heads // num_kv_heads
     for span in spans:
-        n = len(span.rows)
-        keys = kv_rows.load(k_rows[span.slots].transpose(1, 2), q.dtype).contiguous()  # [n, Hkv, keys, D]
+        n, width = span.visible.shape
+        keys = kv_rows.load(k_rows[span.slots].transpose(1, 2), q.dtype).contiguous()  # [n or 1, Hkv, width, D]
         values = kv_rows.load(v_rows[span.slots].transpose(1, 2), q.dtype).contiguous()
-        queries = q[span.rows].reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, Hkv, G, D]
-        scores = torch.matmul(queries, keys.transpose(2, 3)) * scale  # [n, Hkv, G, keys]
+        queries = q[span.rows].reshape(n, num_kv_heads, group, head_dim)  # [n, Hkv, G, D]
+        if len(span.slots) == 1:  # shared keys, read once: each head's product over them, broadcast, not copied
+            heads = queries.transpose(0, 1).contiguous()  # [Hkv, n, G, D]
+            scores = torch.stack([torch.bmm(heads[h], keys[0, h].t().expand(n, head_dim, width))
+                                  for h in range(num_kv_heads)], 1)  # [n, Hkv, G, width]
+        else:
+            scores = torch.matmul(queries, keys.transpose(2, 3))  # [n, Hkv, G, width]
+        scores = scores * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores.masked_fill_(~span.visible[:, None, None, :], float("-inf"))
-        out[span.rows] = torch.matmul(torch.softmax(scores, dim=-1), values).view(n, num_heads, head_dim)
+        probs = torch.softmax(scores, dim=-1)
+        if len(span.slots) == 1:
+            probs = probs.transpose(0, 1).contiguous()  # [Hkv, n, G, width]
+            attended = torch.stack([torch.bmm(probs[h], values[0, h].expand(n, width, head_dim))
+                                    for h in range(num_kv_heads)], 1)
+        else:
+            attended = torch.matmul(probs, values)
+        out[span.rows] = attended.reshape(n, num_heads, head_dim)
     return out
 
 

@@ -49,6 +49,8 @@ def _layer_types(hf: HFConfig, pattern: int) -> list[str]:
 
 
 def _windows(hf: HFConfig, types: list[str]) -> tuple[int | None, ...]:
+    """Each layer's window, kept even where it is at least the context (no real Gemma's is): the layers' windows also
+    say which layers rotate with Gemma 3's local base."""
     window = hf.get("sliding_window", 4096)
     if window is None or SLIDING not in types:
         return ()
@@ -86,6 +88,8 @@ def _refuse_gemma3(hf: HFConfig) -> str | None:
     local = _gemma3_rope(hf)[3]
     if local.get("rope_type", "default") != "default":
         return f"rope scaling {local.get('rope_type')!r} on the local layers"
+    if "sliding_window" in hf and hf["sliding_window"] is None:  # its local layers would still rotate locally
+        return "sliding_window null"
     return _refuse_gemma(hf)
 
 
