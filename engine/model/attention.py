@@ -14,6 +14,14 @@ step's new K/V into the cache through ``slot_mapping``, then attends, each seque
   (prefix-cache hit, or a later chunk of a chunked prefill), a gather of that sequence's context and SDPA with a
   causal mask shifted by the prefix length.
 
+A layer with a sliding window or a soft-cap of its scores (Gemma 2 and 3, Mistral v0.1, Qwen2/Qwen3's sliding
+layers) attends in PyTorch whatever the kernels (``_attend_spans``; the native kernels have neither): each query reads
+the keys it sees (positions p - window < j <= p, transformers' mask) padded to a multiple of ``SPAN_KEYS``, so that a
+query's arithmetic depends on its position alone, never on its chunk, its batch or what is cached: the same bits
+alone, beside others, chunked and from the prefix cache. It costs a gather of each query's keys per layer (at most the
+window's, for a windowed layer; its whole context for a soft-capped full one), where the native kernels read the
+blocks in place.
+
 ``AttentionMetadata.build`` runs once per step and precomputes these plans (index tensors, masks, gather buffers)
 so that the model's layers reuse them instead of rebuilding them per layer. Nothing here reads a tensor back to
 the host, so a step runs on CUDA without synchronizing.
@@ -93,6 +101,7 @@ class AttentionMetadata:
     one_row_prefills: frozenset[int] = frozenset()
     decode: DecodeGroup | None = field(init=False)
     prefills: list[PrefillSegment] = field(init=False)
+    _key_spans: dict[int | None, list["KeySpan"]] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         starts = [0, *accumulate(self.query_lens)]
@@ -160,6 +169,36 @@ class AttentionMetadata:
         )
         return meta, rows
 
+    def key_spans(self, window: int | None) -> list["KeySpan"]:
+        """The step's queries grouped by how many key slots each reads under ``window`` (None: every key before it),
+        built on a layer's first call and reused by the others of the same window."""
+        if window not in self._key_spans:
+            self._key_spans[window] = self._plan_key_spans(window)
+        return self._key_spans[window]
+
+    def _plan_key_spans(self, window: int | None) -> list["KeySpan"]:
+        device = self.block_tables.device
+        seq = torch.repeat_interleave(torch.arange(len(self.query_lens)), torch.tensor(self.query_lens))  # [T]
+        end = torch.tensor([p + 1 for n, s in zip(self.query_lens, self.seq_lens) for p in range(s - n, s)])  # [T]
+        start = (end - window).clamp(min=0) if window is not None else torch.zeros_like(end)
+        width = (end - start + SPAN_KEYS - 1) // SPAN_KEYS * SPAN_KEYS
+        # Without a window a sequence's queries of one width read the same keys: one span of shared keys each.
+        group = width if window is not None else width * len(self.query_lens) + seq
+        spans = []
+        for value in group.unique().tolist():  # host tensors, from the host lists: no read back from the device
+            rows = (group == value).nonzero().flatten()
+            keys = int(width[rows[0]])
+            positions = start[rows, None] + torch.arange(keys)  # [n, keys]
+            visible = positions < end[rows, None]
+            # Padding reads a key the sequence has (masked: any finite value gives the same bits).
+            positions = torch.minimum(positions, end[rows, None] - 1)
+            readers = rows if window is not None else rows[-1:]  # shared keys: the last query's, which sees them all
+            positions = positions[-len(readers):].to(device)
+            blocks = self.block_tables[seq[readers, None].to(device), positions // self.block_size]
+            slots = blocks * self.block_size + positions % self.block_size
+            spans.append(KeySpan(rows.to(device), slots, visible.to(device)))
+        return spans
+
     def _decode_group(self, seqs: list[int], starts: list[int]) -> DecodeGroup:
         device = self.block_tables.device
         lens = [self.seq_lens[i] for i in seqs]
@@ -186,6 +225,22 @@ class AttentionMetadata:
         return PrefillSegment(start, start + n, blocks, prefix, seq_len, causal, GatherBuffers(blocks.shape[0]))
 
 
+# A query's keys are read in runs padded to a multiple of this many (masked), so that their count, and with it the
+# shapes of its products, is a function of the query's position alone.
+SPAN_KEYS = 16
+
+
+@dataclass
+class KeySpan:
+    """Queries that read the same number of key slots: their rows among the step's [n], each one's cache slots
+    [n, keys] (the keys it sees, in order, then padding), or [1, keys] shared by all (full attention: one sequence's
+    queries of one width), and which of them each sees [n, keys]."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    visible: torch.Tensor
+
+
 def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -196,17 +251,23 @@ def paged_attention(
     scale: float,
     kernels: CpuKernels | None = None,
     kv_written: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries over their sequences' contexts; writes k_new/v_new into the cache first
     (unless ``kv_written``: the caller has).
 
     q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, row] (kv_formats/rows.py).
     ``kernels``: the native CPU kernels, for the decode queries when they take the cache's dtype and D.
+    ``window``: keys at positions p - window < j <= p only; ``softcap``: scores s become softcap * tanh(s / softcap)
+    before the mask (Gemma 2); either attends through ``_attend_spans``.
     Returns [T, Hq, D] in q's dtype.
     """
     if not kv_written:
         _write(k_cache, k_new, meta.slot_mapping)
         _write(v_cache, v_new, meta.slot_mapping)
+    if window is not None or softcap is not None:
+        return _attend_spans(q, k_cache, v_cache, meta.key_spans(window), scale, softcap)
     group = meta.decode
     native = (kernels is not None and kernels.supports_cache_dtype(k_cache.dtype)
               and kernels.supports_head_dim(q.shape[-1]))
@@ -221,6 +282,45 @@ def paged_attention(
     for seg in meta.prefills:
         rows = slice(seg.start, seg.end)
         prefill(q[rows], k_new[rows], v_new[rows], k_cache, v_cache, seg, scale, out[rows])
+    return out
+
+
+def _attend_spans(q, k_cache, v_cache, spans: list[KeySpan], scale: float, softcap: float | None) -> torch.Tensor:
+    """Each query over the keys of its span, as transformers' eager attention computes it: scores q k^T * scale,
+    soft-capped, masked, softmaxed, times V; the G query heads of a KV head as G rows of one product per query.
+    Every gathered operand is made contiguous: over strided K and V the batched products' bits depend on how many
+    queries share the call (measured), over contiguous ones they do not. Shared keys enter each query's product as a
+    broadcast (stride-0) batch, which gives the bits of a copy per query (measured, 1 to 40 queries, 2 and 8
+    threads) without the copies: a full-attention layer then reads each sequence's keys once per 16 query
+    positions, not once per query."""
+    t, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, Hkv, row]
+    group = num_heads // num_kv_heads
+    for span in spans:
+        n, width = span.visible.shape
+        keys = kv_rows.load(k_rows[span.slots].transpose(1, 2), q.dtype).contiguous()  # [n or 1, Hkv, width, D]
+        values = kv_rows.load(v_rows[span.slots].transpose(1, 2), q.dtype).contiguous()
+        queries = q[span.rows].reshape(n, num_kv_heads, group, head_dim)  # [n, Hkv, G, D]
+        if len(span.slots) == 1:  # shared keys, read once: each head's product over them, broadcast, not copied
+            heads = queries.transpose(0, 1).contiguous()  # [Hkv, n, G, D]
+            scores = torch.stack([torch.bmm(heads[h], keys[0, h].t().expand(n, head_dim, width))
+                                  for h in range(num_kv_heads)], 1)  # [n, Hkv, G, width]
+        else:
+            scores = torch.matmul(queries, keys.transpose(2, 3))  # [n, Hkv, G, width]
+        scores = scores * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores.masked_fill_(~span.visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if len(span.slots) == 1:
+            probs = probs.transpose(0, 1).contiguous()  # [Hkv, n, G, width]
+            attended = torch.stack([torch.bmm(probs[h], values[0, h].expand(n, width, head_dim))
+                                    for h in range(num_kv_heads)], 1)
+        else:
+            attended = torch.matmul(probs, values)
+        out[span.rows] = attended.reshape(n, num_heads, head_dim)
     return out
 
 

@@ -1,7 +1,8 @@
 """A decoder layer's modules: ``RMSNorm``, ``Linear`` (its weight packed for the native kernels, or in quantized
-blocks), ``Attention`` (fused QKV, Qwen3's per-head q/k norm, RoPE, paged GQA attention, output), ``MLP`` (SwiGLU with
-fused gate/up) and ``DecoderLayer``, which runs its two halves around the attention natively where
-``fused_layers_refusal`` finds nothing the fused kernels lack. ``llama.py`` stacks them into the model."""
+blocks), ``Attention`` (fused QKV, Qwen3's and Gemma 3's per-head q/k norm, RoPE, paged GQA attention with the
+layer's sliding window and score soft-cap, output), ``MLP`` (SwiGLU or Gemma's GeGLU, with fused gate/up) and
+``DecoderLayer``, which runs its two halves around the attention natively where ``fused_layers_refusal`` finds
+nothing the fused kernels lack. ``llama.py`` stacks them into the model."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def fused_layers_refusal(config: ModelConfig) -> str | None:
     attention (the path tensor-parallel ranks take), with the same float32 arithmetic in another grouping."""
     if not checks.supports_head_dim(config.head_dim):
         return f"head_dim {config.head_dim} (the attention kernels take multiples of 8 up to 512)"
+    if any(w is not None for w in config.layer_windows) or config.attn_logit_softcap is not None:
+        return "sliding windows and score soft-caps (the native attention has neither)"
+    if config.hidden_act != "silu":
+        return f"the {config.hidden_act} MLP (the fused MLP is SwiGLU)"
+    if config.sandwich_norms:
+        return "norms of the attention's and the MLP's outputs"
     return None
 
 
@@ -130,7 +137,7 @@ class Products:
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 products: Products):
+                 products: Products, layer: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = config.num_heads * config.head_dim
@@ -139,7 +146,9 @@ class Attention(nn.Module):
         self.qkv_proj = products.linear("attn.qkv_proj", config.hidden_size, qkv_rows, config.qkv_bias, dtype, device,
                                         kernels)
         self.o_proj = products.linear("attn.o_proj", self.q_size, config.hidden_size, False, dtype, device, kernels)
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        self.window, self.softcap = config.window(layer), config.attn_logit_softcap  # Gemma, sliding-window layers
+        self.local_rope = self.window is not None and config.local_rope_theta is not None  # Gemma 3's local layers
         self.kernels = kernels
         # Qwen3: each head's q and k RMS-normalized over D before RoPE, one weight for all heads of each.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
@@ -155,6 +164,7 @@ class Attention(nn.Module):
         qk = qkv[:, : self.qk_size].view(len(qkv), -1, self.head_dim)  # [T, Hq + Hkv, D]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        rotary = rotary.local if self.local_rope else rotary
         return self.o_proj(self.attend(rotary.apply(qk), qkv, k_cache, v_cache, meta, kv_written=False))
 
     def attend(self, qk: torch.Tensor, qkv: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata,
@@ -163,7 +173,8 @@ class Attention(nn.Module):
         t = len(qkv)
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq, D], [T, Hkv, D]
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.kernels, kv_written)  # [T, Hq, D]
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.kernels, kv_written, self.window,
+                              self.softcap)  # [T, Hq, D]
         return out.reshape(t, self.q_size).contiguous()
 
 
@@ -176,23 +187,32 @@ class MLP(nn.Module):
                                             False, dtype, device, kernels)
         self.down_proj = products.linear("mlp.down_proj", config.intermediate_size, config.hidden_size, False, dtype,
                                          device, kernels)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate.mul_(up))
 
 
 class DecoderLayer(nn.Module):
+    """Layer ``layer`` of the model (its index picks its sliding window). ``post_attn_norm`` is the MLP's input norm
+    (Gemma's pre_feedforward_layernorm); with ``sandwich_norms`` (Gemma) ``attn_out_norm`` and ``mlp_out_norm``
+    normalize the attention's and the MLP's outputs before their residual adds."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 products: Products | None = None):
+                 products: Products | None = None, layer: int = 0):
         super().__init__()
         products = products or Products({})
         self.int8_activations = products.int8_activations
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.attn = Attention(config, dtype, device, kernels, products)
+        self.attn = Attention(config, dtype, device, kernels, products, layer)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = MLP(config, dtype, device, kernels, products)
+        sandwich = config.sandwich_norms
+        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device) if sandwich else None
+        self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device) if sandwich else None
         # The layer's halves around its attention run natively where the fused kernels can run this model's layers
         # (and, per step, take the cache's dtype); its products use the kernels either way.
         self.kernels = kernels if kernels is not None and fused_layers_refusal(config) is None else None
@@ -201,6 +221,10 @@ class DecoderLayer(nn.Module):
         """x: the residual stream [T, H], updated in place and returned."""
         if self.kernels is not None and self.kernels.supports_cache_dtype(k_cache.dtype):
             return self._forward_native(x, rotary, k_cache, v_cache, meta)
+        if self.attn_out_norm is not None:
+            x += self.attn_out_norm(self.attn(self.input_norm(x), rotary, k_cache, v_cache, meta))
+            x += self.mlp_out_norm(self.mlp(self.post_attn_norm(x)))
+            return x
         x += self.attn(self.input_norm(x), rotary, k_cache, v_cache, meta)
         x += self.mlp(self.post_attn_norm(x))
         return x

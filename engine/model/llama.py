@@ -7,7 +7,9 @@ One step runs a flattened batch over the paged KV cache:
 Each layer (layers.py): RMSNorm -> fused QKV projection (optional bias, Qwen2) -> per-head q/k RMSNorm (Qwen3) ->
 RoPE (theta, Llama-3 scaling) -> paged GQA attention (attention.py) -> output projection -> residual -> RMSNorm ->
 SwiGLU with fused gate/up -> residual; prompt rows run the bf16 prefill's layers instead where prefill computes in
-bf16 (bf16_prefill.py).
+bf16 (bf16_prefill.py). Gemma 2 and 3 add, from the config: embeddings scaled by sqrt(hidden), norms of the
+attention's and the MLP's outputs, GeGLU, a per-layer sliding window (and Gemma 3's local RoPE base), a scale and a
+soft-cap of the scores, and a soft-cap of the logits.
 Decode streams every weight once per step; on CPU the native kernels (engine/kernels/cpu_kernels.py) run the products
 and the decode attention when ``kernels`` is given (``LlamaForCausalLM``'s default: whenever they can).
 
@@ -82,7 +84,7 @@ class LlamaForCausalLM(nn.Module):
                 config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device, self.kernels,
-                         Products(_layer_formats(products.formats, i), int8_activations))
+                         Products(_layer_formats(products.formats, i), int8_activations), i)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -162,7 +164,10 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] long -> their embeddings [T, H], the start of the residual stream."""
         embed = self.embed_tokens
-        return embed.rows(input_ids) if isinstance(embed, Linear) else embed(input_ids)
+        x = embed.rows(input_ids) if isinstance(embed, Linear) else embed(input_ids)
+        if self.config.scale_embeddings:  # Gemma: times sqrt(hidden_size), rounded to the hidden dtype first
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
 
     def forward(
         self,
@@ -243,7 +248,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head(hidden).float()
+        logits = head(hidden).float()
+        if (cap := self.config.final_logit_softcap) is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def _layer_formats(formats: dict[str, str], layer: int) -> LayerFormats:

@@ -1,11 +1,13 @@
 """Rotary position embeddings (RoPE): the cos/sin tables of every position, computed once per model, and one step's
-view of them, with the checkpoint's rope scaling (linear, Llama 3.1's, Phi-3's longrope) applied to the frequencies,
-and longrope's attention factor to the tables."""
+view of them, with the checkpoint's rope scaling (linear, Llama 3.1's, Phi-3's longrope) applied to the frequencies
+and longrope's attention factor to the tables; a second pair for the windowed layers of a model whose local layers
+rotate with a base of their own (Gemma 3)."""
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -21,26 +23,41 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        angles = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
-        scale = rope_attention_factor(config)  # as transformers: cos and sin times the factor, so q and k both
-        cos, sin = angles.cos() * scale, angles.sin() * scale
-        self.register_buffer("cos", torch.cat((cos, cos), -1).to(device, dtype), persistent=False)  # [P, D]
-        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): the sign moves into the table.
-        self.register_buffer("sin_signed", torch.cat((-sin, sin), -1).to(device, dtype), persistent=False)
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin_signed", None, persistent=False)
+        self.cos, self.sin_signed = _tables(config, dtype, device)  # [P, D] each
+        # Gemma 3's windowed layers rotate with a base of their own (rope_local_base_freq, unscaled): a second pair.
+        self.register_buffer("local_cos", None, persistent=False)
+        self.register_buffer("local_sin_signed", None, persistent=False)
+        if config.local_rope_theta is not None:
+            local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            self.local_cos, self.local_sin_signed = _tables(local, dtype, device)
 
     def for_step(self, positions: torch.Tensor) -> "StepRotary":
         if positions.numel() and int(positions.max()) >= len(self.cos):
             raise ValueError(f"position {int(positions.max())} is past max_position_embeddings ({len(self.cos)})")
-        return StepRotary(positions, self.cos, self.sin_signed)
+        local = None if self.local_cos is None else StepRotary(positions, self.local_cos, self.local_sin_signed)
+        return StepRotary(positions, self.cos, self.sin_signed, local)
+
+
+def _tables(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [P, D] of every position, with ``config``'s base and scaling."""
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    angles = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
+    scale = rope_attention_factor(config)  # as transformers: cos and sin times the factor, so q and k both
+    cos, sin = angles.cos() * scale, angles.sin() * scale
+    # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): the sign moves into the table.
+    return torch.cat((cos, cos), -1).to(device, dtype), torch.cat((-sin, sin), -1).to(device, dtype)
 
 
 class StepRotary:
     """The rotary inputs of one step: every token's position [T] and the [P, D] tables (which the native kernels
     index themselves), and, looked up once on first use for all layers, each token's rows [T, 1, D]."""
 
-    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_signed_table: torch.Tensor):
+    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_signed_table: torch.Tensor,
+                 local: "StepRotary | None" = None):
         self.positions, self.cos_table, self.sin_signed_table = positions, cos_table, sin_signed_table
+        self.local = local  # the windowed layers' rotary where it differs (Gemma 3), else None
 
     @functools.cached_property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,7 +64,8 @@ def stage_state_dict(config: ModelConfig, state: dict, layers: Range) -> tuple[M
         _, index, rest = name.split(".", 2)
         if start <= int(index) < end:
             out[f"layers.{int(index) - start}.{rest}"] = weight
-    return replace(config, num_layers=end - start, eos_token_ids=list(config.eos_token_ids)), out
+    return replace(config, num_layers=end - start, eos_token_ids=list(config.eos_token_ids),
+                   layer_windows=config.layer_windows[start:end]), out
 
 
 def micro_batches(meta: AttentionMetadata, count: int) -> list[MicroBatch]:

@@ -93,15 +93,18 @@ def _gguf_config(
     ))
 
 
-def _refuse_what_the_entry_refuses(reader: gguf.GGUFReader, architecture: Architecture, config: ModelConfig,
-                                   path: str | Path) -> None:
-    """The entry's checks of a config.json (its ``refuse``), on what a GGUF file says of them: a sliding window
-    (llama.cpp's phi3 writes Phi-3-mini-4k's 2047), against the context."""
-    asked = {"sliding_window": gguf_field(reader, f"{architecture.gguf_name}.attention.sliding_window"),
+def _entry_reading(reader: gguf.GGUFReader, architecture: Architecture, config: ModelConfig,
+                   path: str | Path) -> ModelConfig:
+    """``config`` as the entry reads what a GGUF file says of the keys it reads from a config.json: its refusals, and
+    a sliding window (llama.cpp's phi3 writes Phi-3-mini-4k's 2047) against the context, which its ``configure`` turns
+    into the layers' windows."""
+    asked = {"model_type": architecture.model_type,
+             "sliding_window": gguf_field(reader, f"{architecture.gguf_name}.attention.sliding_window"),
              "max_position_embeddings": config.max_position_embeddings}
     problem = next((p for p in (check(asked) for check in architecture.refuse) if p), None)
     if problem:
         raise ValueError(f"{path}: {architecture.gguf_name} with {problem} is not supported (docs/models.md)")
+    return architecture.configure(asked, config) if architecture.configure else config
 
 
 def _read(tensor: gguf.ReaderTensor, keep_blocks: bool) -> torch.Tensor | BlockQuantized:
@@ -159,7 +162,7 @@ def load_gguf(
         raise KeyError(f"{path} lacks tensor 'token_embd.weight'")
     tokenizer_data = gguf_tokenizer_data(reader)
     config = _gguf_config(reader, architecture, tensors, tokenizer_data, Path(path).stem)
-    _refuse_what_the_entry_refuses(reader, architecture, config, path)
+    config = _entry_reading(reader, architecture, config, path)
     if architecture.gguf_qk_permuted:
         _unpermute_llama_qk(tensors, config)
     names = {**GGUF_NAMES, **GGUF_FUSED_NAMES} if architecture.fused_checkpoint else GGUF_NAMES

@@ -2,9 +2,10 @@
 
 - ``load_hf_checkpoint``: a ``transformers`` directory (config.json + model.safetensors, or sharded with
   model.safetensors.index.json) of an architecture the model registry serves (engine/model/architectures/: its
-  ``model_type`` picks the entry, which reads the config or refuses it); they all share transformers' Llama names,
-  but for Phi-3's q|k|v and gate|up, stored fused as ``qkv_proj`` and ``gate_up_proj`` (the entry's
-  ``fused_checkpoint``): our own layout, taken and written whole.
+  ``model_type`` picks the entry, which reads the config or refuses it); they share transformers' Llama names, but
+  for the parts an entry names otherwise (Gemma's four norms) or stores fused (Phi-3's q|k|v and gate|up as
+  ``qkv_proj`` and ``gate_up_proj``, the entry's ``fused_checkpoint``: our own layout, taken and written whole), and
+  an entry's norm offset (Gemma's 1 + w) is folded into the norm weights.
 - ``fuse_hf_state_dict``: the same mapping for tensors already in memory (a ``transformers`` model's state dict).
 - ``export_hf_checkpoint``: the reverse, so that ``transformers`` can load exactly our weights as a reference
   implementation.
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.architectures import registry
+from splitserve.engine.model.architectures.architecture import window_keys
 from splitserve.engine.weights.parameter_layout import StateDict, fuse, unfuse
 
 # Each part of our layout (parameter_layout.py) as transformers names it (Llama, Mistral, Qwen2 and Qwen3 alike).
@@ -43,6 +45,8 @@ HF_NAMES = {
     "gate": "model.layers.{i}.mlp.gate_proj.weight",
     "up": "model.layers.{i}.mlp.up_proj.weight",
     "down": "model.layers.{i}.mlp.down_proj.weight",
+    "attn_out_norm": "model.layers.{i}.attn_out_norm.weight",  # no Llama checkpoint has these: an entry names them
+    "mlp_out_norm": "model.layers.{i}.mlp_out_norm.weight",
 }
 # The fused parameters as Phi-3 stores them (rows q, k, v and gate, up, as ours).
 HF_FUSED_NAMES = {
@@ -51,10 +55,20 @@ HF_FUSED_NAMES = {
 }
 
 
-def _hf_names(config: ModelConfig) -> dict[str, str]:
-    """Each part's name in a transformers checkpoint of ``config``'s architecture."""
-    fused = registry.for_model_config(config.architecture).fused_checkpoint
-    return {**HF_NAMES, **HF_FUSED_NAMES} if fused else HF_NAMES
+def _names(config: ModelConfig) -> dict[str, str]:
+    """The checkpoint's name of each part for ``config``'s architecture."""
+    entry = registry.for_model_config(config.architecture)
+    return {**HF_NAMES, **(HF_FUSED_NAMES if entry.fused_checkpoint else {}), **dict(entry.hf_names)}
+
+
+def _offset_norms(tensors: dict[str, torch.Tensor], config: ModelConfig, sign: int) -> dict[str, torch.Tensor]:
+    """``tensors`` with the architecture's norm offset added to (``sign`` 1) or taken from (-1) every norm weight, in
+    float32 as transformers computes ``1.0 + weight.float()``: the folded weight is that product's factor, and
+    ``w' - 1`` gives it back exactly when transformers adds 1 to it again."""
+    offset = registry.for_model_config(config.architecture).norm_offset
+    if not offset:
+        return tensors
+    return {n: t.float() + sign * offset if n.endswith("norm.weight") else t for n, t in tensors.items()}
 
 
 def _read_hf_config(directory: Path) -> ModelConfig:
@@ -91,7 +105,7 @@ def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig, so
         del tensors[name]
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return fuse(tensors, _hf_names(config), config, source, dtype)
+    return fuse(_offset_norms(tensors, config, 1), _names(config), config, source, dtype)
 
 
 def load_hf_checkpoint(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple[ModelConfig, StateDict]:
@@ -106,6 +120,13 @@ def _hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     architecture = registry.for_model_config(config.architecture)
     if config.qkv_bias and not architecture.qkv_bias:
         raise ValueError(f"{config.name}: transformers' {architecture.hf_class} has no bias on q, k and v alone")
+    return {
+        **_core_hf_config(config, architecture),
+        **(architecture.hf_config(config) if architecture.hf_config else {}),
+    }
+
+
+def _core_hf_config(config: ModelConfig, architecture) -> dict[str, Any]:
     original = (config.rope_scaling or {}).get("original_max_position_embeddings")
     return {
         "architectures": [architecture.hf_class],
@@ -117,14 +138,14 @@ def _hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": config.hidden_act,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling,
         "max_position_embeddings": config.max_position_embeddings,
         **({"original_max_position_embeddings": original} if original else {}),  # Phi-3 reads it outside the scaling
         "pad_token_id": None,  # Phi-3's config class would default to 32000, past a small vocabulary
-        "sliding_window": None,  # full attention (Mistral's config class would default to a window of 4096)
+        **window_keys(config),
         "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_ids or None,
@@ -136,7 +157,7 @@ def export_hf_checkpoint(config: ModelConfig, state_dict: StateDict, path: str |
     """Write ``path`` as a ``transformers`` directory (config.json + model.safetensors, unfused names)."""
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = unfuse(state_dict, _hf_names(config), config)
+    tensors = _offset_norms(unfuse(state_dict, _names(config), config), config, -1)
     # Splits are views into the fused tensors; safetensors wants each tensor to own contiguous memory.
     save_file({name: t.detach().to(torch.float32).contiguous().clone() for name, t in tensors.items()},
               str(directory / "model.safetensors"), metadata={"format": "pt"})

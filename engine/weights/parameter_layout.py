@@ -12,9 +12,11 @@ head dim, ``Hq`` / ``Hkv`` query / KV heads, ``I`` intermediate size, ``V`` voca
     layers.{i}.attn.q_norm.weight       [D]                   with qk_norm (Qwen3): one per head dim, all heads
     layers.{i}.attn.k_norm.weight       [D]                   with qk_norm
     layers.{i}.attn.o_proj.weight       [H, Hq D]
-    layers.{i}.post_attn_norm.weight    [H]
+    layers.{i}.attn_out_norm.weight     [H]                   with sandwich_norms (Gemma): the attention's output
+    layers.{i}.post_attn_norm.weight    [H]                   the MLP's input norm
     layers.{i}.mlp.gate_up_proj.weight  [2 I, H]              gate, up rows
     layers.{i}.mlp.down_proj.weight     [H, I]
+    layers.{i}.mlp_out_norm.weight      [H]                   with sandwich_norms: the MLP's output
     norm.weight                         [H]
     lm_head.weight                      [V, H]                absent when tie_word_embeddings
 
@@ -69,11 +71,15 @@ LAYER_PARAMETERS = (
     Parameter("layers.{i}.attn.k_norm.weight", ("k_norm",), lambda c: (c.head_dim,), present=lambda c: c.qk_norm),
     Parameter("layers.{i}.attn.o_proj.weight", ("o",), lambda c: (c.hidden_size,),
               lambda c: c.num_heads * c.head_dim),
+    Parameter("layers.{i}.attn_out_norm.weight", ("attn_out_norm",), lambda c: (c.hidden_size,),
+              present=lambda c: c.sandwich_norms),
     Parameter("layers.{i}.post_attn_norm.weight", ("post_attn_norm",), lambda c: (c.hidden_size,)),
     Parameter("layers.{i}.mlp.gate_up_proj.weight", ("gate", "up"),
               lambda c: (c.intermediate_size, c.intermediate_size), _hidden, whole="gate_up"),
     Parameter("layers.{i}.mlp.down_proj.weight", ("down",), lambda c: (c.hidden_size,),
               lambda c: c.intermediate_size),
+    Parameter("layers.{i}.mlp_out_norm.weight", ("mlp_out_norm",), lambda c: (c.hidden_size,),
+              present=lambda c: c.sandwich_norms),
 )
 HEAD_PARAMETERS = (
     Parameter("norm.weight", ("norm",), lambda c: (c.hidden_size,)),

@@ -9,11 +9,13 @@ own module states differs:
 - ``architecture.py``: ``Architecture``, what a module states (names, QKV bias, per-head q/k norm, what it refuses),
   and the Llama core's reading of a ``config.json`` that every entry shares;
 - ``llama.py``: Llama 2/3.x and SmolLM (the core itself; Llama 3.x's RoPE scaling is the config's, rotary.py);
-- ``mistral.py``: Mistral (the core; a sliding window the context exceeds is refused);
+- ``mistral.py``: Mistral (the core; a sliding window the context exceeds windows every layer);
 - ``phi3.py``: Phi-3 and Phi-3.5 (q|k|v and gate|up stored fused, as the core's; longrope within its original
-  context);
+  context; its sliding window windows every layer);
 - ``qwen2.py``: Qwen2 and Qwen2.5 (biased q, k and v);
 - ``qwen3.py``: Qwen3 (per-head RMSNorm of q and k before RoPE; its own head_dim);
+- ``gemma.py``: Gemma 2 and Gemma 3's text model (scaled embeddings, 1 + w norms around attention and MLP, GeGLU,
+  local sliding-window and global layers, soft-caps, Gemma 3's q/k norms and local RoPE base);
 - ``registry.py``: the table of every entry, and the look-ups the loaders call.
 
 docs/models.md lists what is served, on which paths, how each is verified, and what is not.

@@ -9,8 +9,9 @@ transformers computes it for every sequence of at most ``original_max_position_e
 factors, and cos and sin times the attention factor, sqrt(1 + ln(factor) / ln(original context)), 1.19 for 32x. A
 longer sequence switches all its positions, those already in the KV cache too, to the long factors; the paged cache
 would have to recompute a sequence's KV as it crosses, which it does not, so the served context is capped at the
-original one, said at load in one line. A sliding window below the (served) context is refused for now, as is
-``partial_rotary_factor`` (Phi-4-mini's, every entry's rule)."""
+original one, said at load in one line. A sliding window below the (served) context (Phi-3-mini-4k's 2047 of 4096)
+windows every layer (``ModelConfig.layer_windows``, attention.py), as Mistral's. ``partial_rotary_factor``
+(Phi-4-mini's) is refused, every entry's rule."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.model.architectures.architecture import Architecture, HFConfig, refuse_sliding_window
+from splitserve.engine.model.architectures.architecture import Architecture, HFConfig, configure_sliding_windows
 
 logger = logging.getLogger(__name__)
 
@@ -54,4 +55,4 @@ def _longrope_within_original_context(hf: HFConfig, name: str) -> HFConfig:
 
 
 PHI3 = Phi3Architecture("phi3", "Phi3ForCausalLM", gguf_name="phi3", fused_checkpoint=True,
-                        refuse=(refuse_sliding_window,))
+                        configure=configure_sliding_windows)

@@ -5,13 +5,15 @@ an engineer who brings a Gemma, a Mixtral or a DeepSeek learns at load, not from
 from __future__ import annotations
 
 from splitserve.engine.model.architectures.architecture import Architecture, HFConfig
+from splitserve.engine.model.architectures.gemma import GEMMA2, GEMMA3_TEXT
 from splitserve.engine.model.architectures.llama import LLAMA
 from splitserve.engine.model.architectures.mistral import MISTRAL
 from splitserve.engine.model.architectures.phi3 import PHI3
 from splitserve.engine.model.architectures.qwen2 import QWEN2
 from splitserve.engine.model.architectures.qwen3 import QWEN3
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3)}
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2,
+                                                                    GEMMA3_TEXT)}
 GGUF_ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name}
 
 
