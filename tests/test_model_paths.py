@@ -59,7 +59,8 @@ def test_the_checkpoint_as_its_own_draft_model_has_every_draft_accepted(checkpoi
 # ---- structured output ----------------------------------------------------------------------------------------------
 
 # Every value bounded (a boolean, an enum, an integer of at most two digits), so a random model's greedy answer ends
-# within max_tokens: its only freedom is the whitespace (at most 20 in a row, grammar.py) and which value it picks.
+# within max_tokens: its only freedom is the whitespace (at most 20 in a row, grammar.py, in some 14 places: 280
+# tokens) and which value it picks (41 characters at most). Measured: 93-228 tokens.
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "colour", "count"],
           "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
                          "count": {"type": "integer", "minimum": 0, "maximum": 99}}}
