@@ -292,12 +292,15 @@ def test_export_writes_the_architecture_it_was_loaded_as(tmp_path, checkpoint):
 # ---- parallelism -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model_type", ["qwen3", "mistral"])
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "qwen2", "phi3"])
 def test_tensor_and_pipeline_parallel_ranks_give_one_process_answer(tmp_path, model_type):
     """2 ranks (the second a process of its own) against 1, tensor- or pipeline-parallel. Tensor: Qwen3's q/k norm
     weights are replicated and each rank normalizes its own heads (2 query heads, 1 KV head each); Mistral's one KV
-    head is on both ranks, its 4 query heads split 2 + 2. Pipeline: a layer per rank. The same greedy tokens, prompt
-    logprobs within 1e-4 (the row-parallel sums round in another order)."""
+    head is on both ranks, its 4 query heads split 2 + 2; Qwen2's one KV head too, its 7 query heads split unevenly,
+    4 + 3, with their QKV bias rows; Phi-3's fused checkpoint tensors cut per rank, a KV head each (head_dim 96).
+    llama (3 query heads over 1 KV head: 2 + 1) and llama3 (4 over 1) have layouts these already carry. Pipeline: a
+    layer per rank. The same greedy tokens, prompt logprobs within 1e-4 (the row-parallel sums round in another
+    order)."""
     checkpoint = Checkpoint(tmp_path, SHAPES[model_type])
     mask = os.sched_getaffinity(0)
     answers = []
