@@ -34,12 +34,27 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "unnamed"
+    # Mixture of experts (Qwen3-MoE, Mixtral; engine/model/moe.py), set by the registry; 0 experts: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k: the experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width (the dense layers' is intermediate_size)
+    norm_topk_prob: bool = True  # the chosen experts' probabilities renormalized to sum to 1
+    moe_layers: list[int] = field(default_factory=list)  # the layers whose MLP is the experts; the others are dense
+    local_experts: tuple[int, int] | None = None  # the experts [start, end) a tensor-parallel rank holds; None: all
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts "
+                             f"({self.num_experts})]")
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """The experts [start, end) this model holds: all, or a tensor-parallel rank's (``local_experts``)."""
+        return self.local_experts if self.local_experts is not None else (0, self.num_experts)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], name: str = "unnamed") -> "ModelConfig":

@@ -1,7 +1,8 @@
 """A decoder layer's modules: ``RMSNorm``, ``Linear`` (its weight packed for the native kernels, or in quantized
 blocks), ``Attention`` (fused QKV, Qwen3's per-head q/k norm, RoPE, paged GQA attention, output), ``MLP`` (SwiGLU with
-fused gate/up) and ``DecoderLayer``, which runs its two halves around the attention natively where
-``fused_layers_refusal`` finds nothing the fused kernels lack. ``llama.py`` stacks them into the model."""
+fused gate/up; also each expert of moe.py's mixture) and ``DecoderLayer``, which runs its two halves around the
+attention natively where ``fused_layers_refusal`` finds nothing the fused kernels lack. ``llama.py`` stacks them into
+the model."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def fused_layers_refusal(config: ModelConfig) -> str | None:
     attention (the path tensor-parallel ranks take), with the same float32 arithmetic in another grouping."""
     if not checks.supports_head_dim(config.head_dim):
         return f"head_dim {config.head_dim} (the attention kernels take multiples of 8 up to 512)"
+    if config.moe_layers:
+        return "mixture-of-experts layers (a router and per-expert products: engine/model/moe.py)"
     return None
 
 
@@ -168,13 +171,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU: the layer's dense MLP, or (``name``, ``width``) one expert of a mixture-of-experts layer (moe.py)."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 products: Products):
+                 products: Products, name: str = "mlp.", width: int = 0):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = products.linear("mlp.gate_up_proj", config.hidden_size, 2 * config.intermediate_size,
+        self.intermediate_size = width or config.intermediate_size
+        self.gate_up_proj = products.linear(name + "gate_up_proj", config.hidden_size, 2 * self.intermediate_size,
                                             False, dtype, device, kernels)
-        self.down_proj = products.linear("mlp.down_proj", config.intermediate_size, config.hidden_size, False, dtype,
+        self.down_proj = products.linear(name + "down_proj", self.intermediate_size, config.hidden_size, False, dtype,
                                          device, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,14 +190,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 products: Products | None = None):
+                 products: Products | None = None, mlp: nn.Module | None = None):
+        """``mlp``: the layer's MLP where it is not the dense SwiGLU (a mixture of experts, moe.py)."""
         super().__init__()
         products = products or Products({})
         self.int8_activations = products.int8_activations
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.attn = Attention(config, dtype, device, kernels, products)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device, kernels, products)
+        self.mlp = mlp or MLP(config, dtype, device, kernels, products)
         # The layer's halves around its attention run natively where the fused kernels can run this model's layers
         # (and, per step, take the cache's dtype); its products use the kernels either way.
         self.kernels = kernels if kernels is not None and fused_layers_refusal(config) is None else None

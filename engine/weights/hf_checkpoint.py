@@ -2,7 +2,9 @@
 
 - ``load_hf_checkpoint``: a ``transformers`` directory (config.json + model.safetensors, or sharded with
   model.safetensors.index.json) of an architecture the model registry serves (engine/model/architectures/: its
-  ``model_type`` picks the entry, which reads the config or refuses it); they all share transformers' Llama names.
+  ``model_type`` picks the entry, which reads the config or refuses it); they all share transformers' Llama names,
+  and a mixture of experts adds its own names of the router and each expert's tensors (hub names, or transformers
+  5.x's stacked ones).
 - ``fuse_hf_state_dict``: the same mapping for tensors already in memory (a ``transformers`` model's state dict).
 - ``export_hf_checkpoint``: the reverse, so that ``transformers`` can load exactly our weights as a reference
   implementation.
@@ -44,6 +46,35 @@ HF_NAMES = {
 }
 
 
+# transformers 5.x's own names of a mixture-of-experts layer in memory (its ``state_dict``; the hub's per-expert names
+# are what ``save_pretrained`` writes, the architecture's ``ExpertsFormat.hf_names``): the experts stacked [E, ...].
+STACKED_EXPERTS = {
+    "router": "model.layers.{i}.mlp.gate.weight",
+    "gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",  # [E, 2 Ie, H]: each expert's gate rows, then up rows
+    "down": "model.layers.{i}.mlp.experts.down_proj",  # [E, H, Ie]
+}
+
+
+def hf_names(config: ModelConfig) -> dict[str, str]:
+    """Each part of our layout as ``config``'s architecture names it in a hub checkpoint."""
+    experts = registry.for_model_config(config.architecture).experts
+    return HF_NAMES if experts is None else {**HF_NAMES, **experts.hf_names}
+
+
+def _unstack_experts(tensors: dict[str, torch.Tensor], config: ModelConfig, names: dict[str, str]) -> None:
+    """Rename transformers' stacked expert tensors of ``tensors``, in place, to the hub's per-expert names."""
+    for i in config.moe_layers:
+        stacked = {part: name.format(i=i) for part, name in STACKED_EXPERTS.items()}
+        if stacked["gate_up"] not in tensors:
+            continue
+        tensors[names["router"].format(i=i)] = tensors.pop(stacked["router"])
+        gate_up, down = tensors.pop(stacked["gate_up"]), tensors.pop(stacked["down"])
+        for e in range(config.num_experts):
+            gate, up = gate_up[e].chunk(2)
+            for part, tensor in (("expert_gate", gate), ("expert_up", up), ("expert_down", down[e])):
+                tensors[names[part].format(i=i, e=e)] = tensor
+
+
 def _read_hf_config(directory: Path) -> ModelConfig:
     hf = json.loads((directory / "config.json").read_text())
     return registry.for_hf_config(hf, str(directory)).model_config(hf, directory.name)
@@ -78,7 +109,9 @@ def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig, so
         del tensors[name]
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return fuse(tensors, HF_NAMES, config, source, dtype)
+    names = hf_names(config)
+    _unstack_experts(tensors, config, names)
+    return fuse(tensors, names, config, source, dtype)
 
 
 def load_hf_checkpoint(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple[ModelConfig, StateDict]:
@@ -94,6 +127,7 @@ def _hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     if config.qkv_bias and not architecture.qkv_bias:
         raise ValueError(f"{config.name}: transformers' {architecture.hf_class} has no bias on q, k and v alone")
     return {
+        **({} if architecture.experts is None else architecture.experts.write(config)),
         "architectures": [architecture.hf_class],
         "model_type": architecture.model_type,
         "vocab_size": config.vocab_size,
@@ -120,7 +154,7 @@ def export_hf_checkpoint(config: ModelConfig, state_dict: StateDict, path: str |
     """Write ``path`` as a ``transformers`` directory (config.json + model.safetensors, unfused names)."""
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = unfuse(state_dict, HF_NAMES, config)
+    tensors = unfuse(state_dict, hf_names(config), config)
     # Splits are views into the fused tensors; safetensors wants each tensor to own contiguous memory.
     save_file({name: t.detach().to(torch.float32).contiguous().clone() for name, t in tensors.items()},
               str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -12,6 +12,9 @@ own module states differs:
 - ``mistral.py``: Mistral (the core; a sliding window the context exceeds is refused);
 - ``qwen2.py``: Qwen2 and Qwen2.5 (biased q, k and v);
 - ``qwen3.py``: Qwen3 (per-head RMSNorm of q and k before RoPE; its own head_dim);
+- ``qwen3_moe.py``: Qwen3-MoE (Qwen3's attention; routed experts, some layers dense);
+- ``mixtral.py``: Mixtral (Mistral's attention; top-2 of 8 experts in every layer);
+- ``experts.py``: ``ExpertsFormat``, how a mixture-of-experts entry's config and checkpoints name its experts;
 - ``registry.py``: the table of every entry, and the look-ups the loaders call.
 
 docs/models.md lists what is served, on which paths, how each is verified, and what is not.

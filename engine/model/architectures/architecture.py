@@ -7,6 +7,7 @@ the model's modules read one resolved ``ModelConfig`` and never test an architec
 - ``qk_norm``: q and k are RMS-normalized per head, over head_dim, between the QKV product and RoPE (Qwen3);
 - ``gguf_qk_permuted``: llama.cpp's converter interleaved the rotary halves of Q and K's rows (its ``llama``
   architecture only), which the GGUF loader undoes;
+- ``experts``: its MLP is a mixture of experts (Qwen3-MoE, Mixtral), read and named as ``ExpertsFormat`` says;
 - ``refuse``: checks of what a config may ask that is not built (a sliding window, an o_proj bias), refused at load.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.model.architectures.experts import ExpertsFormat
 from splitserve.engine.model.rotary import rope_inv_freq
 
 HFConfig = dict[str, Any]  # a config.json, as read
@@ -33,6 +35,7 @@ class Architecture:
     qk_norm: bool = False
     gguf_qk_permuted: bool = False
     refuse: tuple[Callable[[HFConfig], str | None], ...] = ()  # each: what a config asks that is not built, or None
+    experts: ExpertsFormat | None = None  # a mixture of experts' config keys and tensor names (experts.py)
 
     def model_config(self, hf: HFConfig, name: str) -> ModelConfig:
         """The ``ModelConfig`` of a ``config.json`` of this architecture; ValueError naming what is not built."""
@@ -40,6 +43,8 @@ class Architecture:
         if problem:
             raise ValueError(f"{name}: {self.model_type} with {problem} is not supported (docs/models.md)")
         config = self.resolve(ModelConfig.from_hf_config(hf, name=name))
+        if self.experts is not None:
+            config = replace(config, **self.experts.read(hf))
         try:
             rope_inv_freq(config)  # a RoPE scaling type rotary.py does not compute is refused here, at load
         except (ValueError, KeyError) as e:
