@@ -215,16 +215,18 @@ def test_the_pod_exports_tokens_per_expert(llm):
 # ---- expert parallelism ----------------------------------------------------------------------------------------------
 
 @pytest.mark.e2e
-def test_two_expert_parallel_ranks_give_one_process_answer(tmp_path):
-    """Mixtral over 2 tensor-parallel ranks: attention heads split, each rank holding 4 of each layer's 8 experts and
-    computing their rows for every token, the all-reduce summing the two halves. The same greedy tokens as one
-    process, prompt logprobs within 1e-4 (the sums round in another order)."""
-    checkpoint = Checkpoint(tmp_path, SHAPES["mixtral"], "mixtral")
+@pytest.mark.parametrize("model_type, parallel", [("mixtral", "tensor"), ("qwen3_moe", "pipeline")])
+def test_two_ranks_give_one_process_answer(tmp_path, model_type, parallel):
+    """Mixtral over 2 tensor-parallel ranks, expert-parallel in its layers: attention heads split, each rank holding 4
+    of each layer's 8 experts and computing their rows for every token, the all-reduce summing the two halves.
+    Qwen3-MoE over 2 pipeline ranks: the second's one layer is the routed one (renumbered 0 on its stage). The same
+    greedy tokens as one process, prompt logprobs within 1e-4 (the sums round in another order)."""
+    checkpoint = Checkpoint(tmp_path, SHAPES[model_type], model_type)
     answers = []
-    for settings in ({}, {"tensor_parallel_size": 2}):
+    for settings in ({}, {f"{parallel}_parallel_size": 2}):
         llm = checkpoint.llm(**settings)
         answers.append(scored(llm, [PROMPT])[0])
-        if settings:
+        if settings and parallel == "tensor":
             assert sorted(llm.engine.runner.model.layers[0].mlp.experts, key=int) == ["0", "1", "2", "3"]
         del llm
         gc.collect()  # a parallel engine's ranks stop, and this thread's CPU mask comes back, when it is collected

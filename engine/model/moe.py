@@ -71,7 +71,7 @@ class MoE(nn.Module):
         experts, weights = self.route(x)
         order = experts.flatten().argsort(stable=True)  # the (token, expert) pairs grouped by expert, tokens in order
         counts = torch.bincount(experts.flatten(), minlength=len(self.tokens_routed))  # [E]
-        self.tokens_routed += counts
+        self.tokens_routed.add_(counts)
         tokens, pair_weights = order // self.top_k, weights.flatten()[order]  # per pair, in that order
         out = torch.zeros_like(x)
         start = int(counts[: self.first].sum())
