@@ -34,13 +34,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "unnamed"
-    # Mixture of experts (Qwen3-MoE, Mixtral; engine/model/moe.py), set by the registry; 0 experts: a dense model.
+    # Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE; engine/model/moe.py), set by the registry; 0 experts: dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k: the experts each token is routed to
     moe_intermediate_size: int = 0  # each expert's SwiGLU width (the dense layers' is intermediate_size)
     norm_topk_prob: bool = True  # the chosen experts' probabilities renormalized to sum to 1
     moe_layers: list[int] = field(default_factory=list)  # the layers whose MLP is the experts; the others are dense
     local_experts: tuple[int, int] | None = None  # the experts [start, end) a tensor-parallel rank holds; None: all
+    shared_expert_intermediate_size: int = 0  # a shared expert every token takes (Qwen2-MoE), gated; 0: none
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:

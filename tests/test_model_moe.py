@@ -1,13 +1,16 @@
-"""Mixtures of experts (engine/model/moe.py): Qwen3-MoE and Mixtral from tiny random checkpoints that ``transformers``
-builds and saves, through the offline ``LLM``, against ``transformers`` on the same weights (tests/tiny_checkpoints.py).
+"""Mixtures of experts (engine/model/moe.py): Qwen3-MoE, Mixtral and Qwen2-MoE from tiny random checkpoints that
+``transformers`` builds and saves, through the offline ``LLM``, against ``transformers`` on the same weights
+(tests/tiny_checkpoints.py).
 
 Qwen3-MoE: Qwen3-30B-A3B's head_dim 128 and GQA 2 (here 4 query heads over 2 KV heads), 8 experts of width 64, top 4
 renormalized, layer 0 dense (``mlp_only_layers``) and layer 1 routed. Mixtral: head_dim 128, GQA 4, 8 experts of width
-96, top 2, both layers routed. Everything in float32 over a float32 KV cache: prompt logprobs within 1e-4 of
+96, top 2, both layers routed. Qwen2-MoE: head_dim 128 without GQA (Qwen1.5-MoE's), q/k/v biases, 8 experts of
+width 64, top 4 not renormalized, a gated shared expert of width 128, layer 0 dense by ``decoder_sparse_step`` 2.
+Everything in float32 over a float32 KV cache: prompt logprobs within 1e-4 of
 transformers' on both compute paths, greedy tokens identical over 32 steps, routing the same experts as
 transformers', a prompt's bits the same alone, beside others, chunked and from the prefix cache (the per-expert
 grouping must not leak into a token's bits), the hub's and transformers' stacked names loaded and exported back;
-(``e2e``) expert parallelism over 2 tensor-parallel ranks, and a prefill and a decode pod.
+(``e2e``) expert parallelism over 2 tensor-parallel ranks, pipeline ranks, and a prefill and a decode pod.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tiny_checkpoints import GREEDY_STEPS, OTHERS, PROMPT, TOLERANCE, Checkpoint
 
 from splitserve.engine import LLM
 from splitserve.engine.model.layers import fused_layers_refusal
+from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.moe import MoE, tokens_routed
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint, fuse_hf_state_dict, load_hf_checkpoint
@@ -37,8 +41,13 @@ SHAPES = {
                      dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
                           intermediate_size=96, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
                           rope_theta=1000000.0, sliding_window=None, max_position_embeddings=4096)),
+    "qwen2_moe": Shape(transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                       dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
+                            moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=8,
+                            num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=2,
+                            tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=4096)),
 }
-ROUTED = {"qwen3_moe": [1], "mixtral": [0, 1]}  # the layers whose MLP is the experts
+ROUTED = {"qwen3_moe": [1], "mixtral": [0, 1], "qwen2_moe": [1]}  # the layers whose MLP is the experts
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -59,7 +68,9 @@ def test_the_entry_reads_the_experts_from_the_hub_names_and_from_transformers_st
     hf = checkpoint.hf.config
     assert (config.architecture, config.num_experts, config.num_experts_per_tok) == (hf.model_type, 8,
                                                                                      hf.num_experts_per_tok)
-    assert config.moe_layers == ROUTED[checkpoint.name] and config.norm_topk_prob
+    assert config.moe_layers == ROUTED[checkpoint.name]
+    assert config.norm_topk_prob is getattr(hf, "norm_topk_prob", True)  # Mixtral's always
+    assert config.shared_expert_intermediate_size == getattr(hf, "shared_expert_intermediate_size", 0)
     assert state["layers.1.mlp.router.weight"].shape == (8, config.hidden_size)
     assert state["layers.1.mlp.experts.7.down_proj.weight"].shape == (config.hidden_size, config.moe_intermediate_size)
     assert ("layers.0.mlp.gate_up_proj.weight" in state) is (0 not in config.moe_layers)  # Qwen3-MoE's dense layer
@@ -182,6 +193,99 @@ def test_experts_quantized_at_load_give_the_widened_weights_logprobs(checkpoint,
     assert max(abs(a - b) for a, b in zip(_prompt_logprobs(native), _prompt_logprobs(widened))) <= TOLERANCE
 
 
+def _write_qwen3moe_gguf(path, hf, qtype) -> None:
+    """``hf`` (the Qwen3-MoE checkpoint's transformers state dict, stacked experts) as llama.cpp's converter writes a
+    ``qwen3moe`` file: each layer's experts stacked [E, rows, cols], matrices in ``qtype``, the router F32."""
+    import gguf
+    import numpy as np
+
+    from tests.test_weights import GGUF_TOKENS
+
+    c = SHAPES["qwen3_moe"].config
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    for key, value in (("block_count", 2), ("context_length", 4096), ("embedding_length", c["hidden_size"]),
+                       ("feed_forward_length", c["intermediate_size"]), ("head_count", c["num_attention_heads"]),
+                       ("head_count_kv", c["num_key_value_heads"]), ("key_length", c["head_dim"]),
+                       ("rope_dimension_count", c["head_dim"]), ("expert_count", c["num_experts"]),
+                       ("expert_used_count", c["num_experts_per_tok"]),
+                       ("expert_feed_forward_length", c["moe_intermediate_size"])):
+        getattr(writer, f"add_{key}")(value)
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(GGUF_TOKENS)
+    writer.add_token_merges(["a b"])
+    h = "model.layers.{i}."
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    for i in range(2):
+        for g, t in (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                     ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                     ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
+                     ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"),
+                     ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"), ("ffn_gate_inp", "mlp.gate")):
+            names[f"blk.{i}.{g}.weight"] = (h + t + ".weight").format(i=i)
+    tensors = {g: hf[t].numpy() for g, t in names.items() if t in hf}
+    gate_up = hf[h.format(i=1) + "mlp.experts.gate_up_proj"].numpy()
+    tensors["blk.1.ffn_gate_exps.weight"], tensors["blk.1.ffn_up_exps.weight"] = np.split(gate_up, 2, axis=1)
+    tensors["blk.1.ffn_down_exps.weight"] = hf[h.format(i=1) + "mlp.experts.down_proj"].numpy()
+    for name, w in tensors.items():
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if w.ndim >= 2 and "ffn_gate_inp" not in name and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_qwen3moe_gguf_gives_each_expert_its_matrix_in_the_files_blocks(tmp_path, native_kernels):
+    """llama.cpp stacks a layer's experts in one tensor ([E, I, H] as ``ffn_gate_exps``...): the loader splits it per
+    expert. In F32, the weights of the checkpoint it was converted from, exactly; in Q8_0 with ``keep_blocks``
+    (``quantization="gguf"``), each expert's matrices stay in the file's blocks, within Q8_0's rounding."""
+    import gguf
+
+    from splitserve.engine.weights.gguf_file import load_gguf
+    from splitserve.engine.weights.quantized_weights import BlockQuantized
+
+    checkpoint = Checkpoint(tmp_path / "hf", SHAPES["qwen3_moe"])
+    config, state = load_hf_checkpoint(checkpoint.directory)
+    hf = checkpoint.hf.state_dict()
+    _write_qwen3moe_gguf(tmp_path / "f32.gguf", hf, gguf.GGMLQuantizationType.F32)
+    from_gguf, f32 = load_gguf(tmp_path / "f32.gguf")[:2]
+    assert (from_gguf.architecture, from_gguf.moe_layers, from_gguf.num_experts, from_gguf.num_experts_per_tok,
+            from_gguf.moe_intermediate_size, from_gguf.norm_topk_prob) == ("qwen3_moe", [1], 8, 4, 64, True)
+    assert f32.keys() == state.keys() and all(torch.equal(f32[n], state[n]) for n in state)
+    _write_qwen3moe_gguf(tmp_path / "q8.gguf", hf, gguf.GGMLQuantizationType.Q8_0)
+    q8_config, q8 = load_gguf(tmp_path / "q8.gguf", keep_blocks=True)[:2]
+    for e in range(8):
+        for part in ("gate_up_proj", "down_proj"):
+            name = f"layers.1.mlp.experts.{e}.{part}.weight"
+            assert isinstance(q8[name], BlockQuantized) and q8[name].format == "q8_0"
+            assert (q8[name].dequantize() - state[name]).abs().max() <= state[name].abs().max() * 0.6 / 127
+    assert isinstance(q8["layers.1.mlp.router.weight"], torch.Tensor)  # F32 in the file, as llama.cpp keeps it
+    model = LlamaForCausalLM.from_state_dict(q8_config, q8)  # the native products run the experts' blocks
+    assert model.layers[1].mlp.experts["5"].gate_up_proj.weight_format == "q8_0"
+
+
+def test_an_experts_swiglu_row_has_the_same_bits_in_any_number_of_rows():
+    """An expert's product takes as many rows as the batch routes to it, and PyTorch splits an elementwise op of
+    32768+ elements over threads at any element: SiLU(gate) * up runs in calls of whole rows, so a row's bits are
+    its own (a plain F.silu over 343 rows of 96 changes one row's bits on 2 threads)."""
+    from splitserve.engine.model.layers import _swiglu_by_rows
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gate_up = torch.randn(343, 192, generator=torch.Generator().manual_seed(0))
+        gate, up = gate_up[:, :96], gate_up[:, 96:]
+        rows = torch.cat([_swiglu_by_rows(gate[i : i + 1], up[i : i + 1]) for i in range(343)])
+        assert torch.equal(_swiglu_by_rows(gate, up), rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_export_writes_what_transformers_loads_with_the_same_logits(tmp_path, checkpoint):
     config, state = load_hf_checkpoint(checkpoint.directory)
     export_hf_checkpoint(config, state, tmp_path)
@@ -215,19 +319,22 @@ def test_the_pod_exports_tokens_per_expert(llm):
 # ---- expert parallelism ----------------------------------------------------------------------------------------------
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model_type, parallel", [("mixtral", "tensor"), ("qwen3_moe", "pipeline")])
+@pytest.mark.parametrize("model_type, parallel", [("qwen2_moe", "tensor"), ("qwen3_moe", "pipeline")])
 def test_two_ranks_give_one_process_answer(tmp_path, model_type, parallel):
-    """Mixtral over 2 tensor-parallel ranks, expert-parallel in its layers: attention heads split, each rank holding 4
-    of each layer's 8 experts and computing their rows for every token, the all-reduce summing the two halves.
-    Qwen3-MoE over 2 pipeline ranks: the second's one layer is the routed one (renumbered 0 on its stage). The same
-    greedy tokens as one process, prompt logprobs within 1e-4 (the sums round in another order)."""
+    """Qwen2-MoE over 2 tensor-parallel ranks, expert-parallel in its routed layer: attention heads split, each rank
+    holding 4 of the 8 experts and computing their rows for every token, and half of the shared expert's width (as the
+    dense layer's MLP), the all-reduce summing the two halves. Qwen3-MoE over 2 pipeline ranks: the second's one layer
+    is the routed one (renumbered 0 on its stage). The same greedy tokens as one process, prompt logprobs within 1e-4
+    (the sums round in another order)."""
     checkpoint = Checkpoint(tmp_path, SHAPES[model_type], model_type)
     answers = []
     for settings in ({}, {f"{parallel}_parallel_size": 2}):
         llm = checkpoint.llm(**settings)
         answers.append(scored(llm, [PROMPT])[0])
         if settings and parallel == "tensor":
-            assert sorted(llm.engine.runner.model.layers[0].mlp.experts, key=int) == ["0", "1", "2", "3"]
+            moe = llm.engine.runner.model.layers[1].mlp
+            assert sorted(moe.experts, key=int) == ["0", "1", "2", "3"]
+            assert moe.shared_expert.intermediate_size == 64
         del llm
         gc.collect()  # a parallel engine's ranks stop, and this thread's CPU mask comes back, when it is collected
     one, split = answers

@@ -185,7 +185,26 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(_swiglu_by_rows(gate, up))
+
+
+# PyTorch's CPU loops split an elementwise op over threads from this many elements (at::internal::GRAIN_SIZE).
+_TORCH_GRAIN = 32768
+
+
+def _swiglu_by_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up [T, I], each row's bits independent of T and of the thread count. A row's SiLU is one
+    vectorized pass with a scalar tail (I mod 2 vector widths, scalar exp); an op over T rows of >= 32768 elements is
+    split over threads at any element, so a split inside a row moves a tail there and that row's bits change (seen:
+    one row of 343 at I = 96, 2 threads). So it runs in calls of whole rows each under that size."""
+    rows = max(1, _TORCH_GRAIN // gate.shape[1] - 1)
+    if len(gate) <= rows:
+        return F.silu(gate).mul_(up)
+    out = torch.empty_like(gate)
+    for start in range(0, len(gate), rows):
+        part = slice(start, start + rows)
+        torch.mul(F.silu(gate[part]), up[part], out=out[part])
+    return out
 
 
 class DecoderLayer(nn.Module):

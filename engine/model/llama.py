@@ -1,5 +1,5 @@
 """``LlamaForCausalLM``: the Llama core decoder, which every architecture of the registry (engine/model/architectures/:
-Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) is built as, in plain PyTorch, for inference.
+Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3, their MoEs, Mixtral) is built as, in plain PyTorch, for inference.
 
 One step runs a flattened batch over the paged KV cache:
 ``forward(input_ids [T], positions [T], kv_cache, attn_metadata) -> hidden [T, H]``, then

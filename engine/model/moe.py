@@ -1,4 +1,4 @@
-"""``MoE``: a mixture-of-experts layer's MLP (Qwen3-MoE, Mixtral), computed as transformers 5.x computes it.
+"""``MoE``: a mixture-of-experts layer's MLP (Qwen3-MoE, Mixtral, Qwen2-MoE), computed as transformers 5.x computes it.
 
 A token's path through it:
 
@@ -9,6 +9,7 @@ A token's path through it:
     experts  for each expert that got rows, its SwiGLU (fused gate|up product, SiLU(gate) * up, down product) on
              those rows only, scaled by each row's routing weight and added into the output at its token's row, the
              experts in ascending order (transformers' order)
+    shared   with a shared expert (Qwen2-MoE), every token's SwiGLU scaled by sigmoid(x w_g), added last
 
 so prefill runs one product per expert over all the tokens routed to it (compute-bound: as many rows as the batch
 routes there), and a decode step reads only the chosen experts' weights. Each expert's products are ``Linear``s:
@@ -24,8 +25,11 @@ E / R of them); the router is replicated, so every rank routes every token alike
 the layer's output is then summed over the ranks by the all-reduce that ends every row-parallel product
 (sharded_model.py), so EP rides on the TP group's all-reduce rather than an all-to-all of tokens.
 
+A shared expert is a dense MLP of its own width, split over tensor-parallel ranks as the dense layers' MLP is
+(column- then row-parallel): its partial output times the token's gate is a share of the sum like the experts'.
+
 ``tokens_routed`` [E] counts the (token, expert) pairs since the model was built, for the pod's
-``splitserve_moe_expert_tokens_total`` (runtime/pod_status.py).
+``splitserve_moe_expert_tokens_total`` (runtime/metrics.py).
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ class MoE(nn.Module):
             for e in range(self.first, end)
         })
         self.local = list(self.experts.values())  # by expert index - first
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:  # Qwen2-MoE: every token's, scaled by a sigmoid gate
+            self.shared_expert = MLP(config, dtype, device, kernels, products, "mlp.shared_expert.",
+                                     config.shared_expert_intermediate_size)
+            self.shared_expert_gate = products.linear("mlp.shared_expert_gate", config.hidden_size, 1, False, dtype,
+                                                      device, kernels)
         self.register_buffer("tokens_routed", torch.zeros(config.num_experts, dtype=torch.long), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +90,18 @@ class MoE(nn.Module):
                 rows = tokens[start : start + n]
                 out.index_add_(0, rows, expert(x[rows]).mul_(pair_weights[start : start + n, None]))
             start += n
+        if self.shared_expert is not None:  # transformers adds it last
+            out += _sigmoid_per_token(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def _sigmoid_per_token(gate: torch.Tensor) -> torch.Tensor:
+    """sigmoid of each token's gate [T, 1], its bits independent of T. PyTorch's vectorized CPU loop computes a
+    tensor's last (T mod 2 vector widths) elements with the scalar exp, whose last bit may differ from the vector
+    one's: a token's gate would change with its place in the batch (measured: one row in 40). A strided input takes
+    the element-at-a-time loop for every element."""
+    strided = gate.new_empty(len(gate), 2)[:, :1]
+    return torch.sigmoid(strided.copy_(gate))
 
 
 def tokens_routed(layers: nn.ModuleList) -> dict[int, list[int]]:

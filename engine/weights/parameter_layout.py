@@ -25,6 +25,9 @@ tensor-parallel rank holding experts [4, 8) names them 4 to 7):
     layers.{i}.mlp.router.weight                      [E, H]
     layers.{i}.mlp.experts.{e}.gate_up_proj.weight    [2 Ie, H]    gate, up rows
     layers.{i}.mlp.experts.{e}.down_proj.weight       [H, Ie]
+    layers.{i}.mlp.shared_expert.gate_up_proj.weight  [2 Is, H]    with a shared expert (Qwen2-MoE) of width Is
+    layers.{i}.mlp.shared_expert.down_proj.weight     [H, Is]
+    layers.{i}.mlp.shared_expert_gate.weight          [1, H]       its sigmoid gate
 
 A checkpoint format names its tensors by *part* (``"q.weight"``, ``"gate"``, ``"embed"``...): a dict from part to
 its name in the file, ``{i}`` standing for the layer and ``{e}`` for the expert. ``fuse`` builds our state dict from
@@ -87,6 +90,15 @@ EXPERT_PARAMETERS = (
     Parameter("layers.{i}.mlp.experts.{e}.down_proj.weight", ("expert_down",), lambda c: (c.hidden_size,),
               lambda c: c.moe_intermediate_size),
 )
+SHARED_EXPERT_GATE = Parameter("layers.{i}.mlp.shared_expert_gate.weight", ("shared_expert_gate",), lambda c: (1,),
+                               _hidden, lambda c: c.shared_expert_intermediate_size > 0)
+SHARED_EXPERT_PARAMETERS = (
+    Parameter("layers.{i}.mlp.shared_expert.gate_up_proj.weight", ("shared_gate", "shared_up"),
+              lambda c: (c.shared_expert_intermediate_size,) * 2, _hidden, SHARED_EXPERT_GATE.present),
+    Parameter("layers.{i}.mlp.shared_expert.down_proj.weight", ("shared_down",), lambda c: (c.hidden_size,),
+              lambda c: c.shared_expert_intermediate_size, SHARED_EXPERT_GATE.present),
+    SHARED_EXPERT_GATE,
+)
 HEAD_PARAMETERS = (
     Parameter("norm.weight", ("norm",), lambda c: (c.hidden_size,)),
     Parameter("lm_head.weight", ("lm_head",), lambda c: (c.vocab_size,), _hidden,
@@ -95,7 +107,7 @@ HEAD_PARAMETERS = (
 
 
 def _entries(config: ModelConfig):
-    """(our name, the parameter, its layer's "{i}" substitution) for every parameter of ``config``'s model."""
+    """(our name, the parameter, its "{i}" and "{e}" substitutions) for every parameter of ``config``'s model."""
     yield EMBEDDING.name, EMBEDDING, {}
     for i in range(config.num_layers):
         experts = i in config.moe_layers
@@ -107,6 +119,9 @@ def _entries(config: ModelConfig):
             for e in range(*config.expert_range):
                 for p in EXPERT_PARAMETERS:
                     yield p.name.format(i=i, e=e), p, {"i": i, "e": e}
+            for p in SHARED_EXPERT_PARAMETERS:
+                if p.present(config):
+                    yield p.name.format(i=i), p, {"i": i}
     for p in HEAD_PARAMETERS:
         if p.present(config):
             yield p.name, p, {}
@@ -154,10 +169,10 @@ def _cat(parts: list):
 def product_weights(config: ModelConfig) -> list[str]:
     """The weights that products read (every layer's matrices, the head's, and the embedding when the head is tied
     to it: one weight, read by the head's product), the ones a quantized model keeps in blocks. An untied embedding
-    is looked up, not streamed, so it is not one. The router stays float: a rounded routing logit would choose other
-    experts, not just round a product."""
+    is looked up, not streamed, so it is not one. The router (and a shared expert's gate) stays float: a rounded
+    routing logit would choose other experts, not just round a product."""
     names = [name for name, p, _ in _entries(config)
-             if p.columns is not None and p not in (EMBEDDING, ROUTER)]
+             if p.columns is not None and p not in (EMBEDDING, ROUTER, SHARED_EXPERT_GATE)]
     return names + ([EMBEDDING.name] if config.tie_word_embeddings else [])
 
 

@@ -13,6 +13,7 @@ own module states differs:
 - ``qwen2.py``: Qwen2 and Qwen2.5 (biased q, k and v);
 - ``qwen3.py``: Qwen3 (per-head RMSNorm of q and k before RoPE; its own head_dim);
 - ``qwen3_moe.py``: Qwen3-MoE (Qwen3's attention; routed experts, some layers dense);
+- ``qwen2_moe.py``: Qwen2-MoE (Qwen2's attention; Qwen3-MoE's routing plus a gated shared expert);
 - ``mixtral.py``: Mixtral (Mistral's attention; top-2 of 8 experts in every layer);
 - ``experts.py``: ``ExpertsFormat``, how a mixture-of-experts entry's config and checkpoints name its experts;
 - ``registry.py``: the table of every entry, and the look-ups the loaders call.

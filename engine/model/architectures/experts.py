@@ -18,7 +18,8 @@ class ExpertsFormat:
     """``read``: the ``ModelConfig`` fields of a config.json's experts (num_experts, num_experts_per_tok,
     moe_intermediate_size, norm_topk_prob, moe_layers); ``write``: the config.json keys that give them back;
     ``hf_names``: the hub checkpoints' name of each expert part of parameter_layout.py (``router``, ``expert_gate``,
-    ``expert_up``, ``expert_down``), ``{i}`` the layer and ``{e}`` the expert."""
+    ``expert_up``, ``expert_down``; with a shared expert ``shared_gate``, ``shared_up``, ``shared_down``,
+    ``shared_expert_gate``), ``{i}`` the layer and ``{e}`` the expert."""
 
     read: Callable[[HFConfig], dict[str, Any]]
     write: Callable[[ModelConfig], HFConfig]

@@ -9,10 +9,12 @@ from splitserve.engine.model.architectures.llama import LLAMA
 from splitserve.engine.model.architectures.mistral import MISTRAL
 from splitserve.engine.model.architectures.mixtral import MIXTRAL
 from splitserve.engine.model.architectures.qwen2 import QWEN2
+from splitserve.engine.model.architectures.qwen2_moe import QWEN2_MOE
 from splitserve.engine.model.architectures.qwen3 import QWEN3
 from splitserve.engine.model.architectures.qwen3_moe import QWEN3_MOE
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL)}
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL,
+                                                                   QWEN2_MOE)}
 GGUF_ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name}
 
 
