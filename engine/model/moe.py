@@ -51,7 +51,7 @@ class MoE(nn.Module):
                  products: Products):
         super().__init__()
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
-        # The gate: float32 always (parameter_layout.product_weights keeps it out of the quantized weights).
+        # The gate: never quantized (parameter_layout.product_weights keeps it out of the quantized weights).
         self.router = products.linear("mlp.router", config.hidden_size, config.num_experts, False, dtype, device,
                                       kernels)
         self.first, end = config.expert_range
@@ -72,8 +72,11 @@ class MoE(nn.Module):
         """x [T, H] -> each token's top-k experts [T, k] and their weights [T, k] float32."""
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)  # [T, E]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        if self.renormalize:  # summed in one order whatever T (a reduction may group a row's k otherwise at other T)
+            total = weights[:, 0].clone()
+            for j in range(1, self.top_k):
+                total += weights[:, j]
+            weights /= total[:, None]
         return experts, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
