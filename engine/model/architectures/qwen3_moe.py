@@ -3,7 +3,7 @@ and, in its sparse layers, a router over ``num_experts`` SwiGLU experts of width
 taking the top ``num_experts_per_tok`` of the softmax, renormalized to sum to 1 where ``norm_topk_prob`` (true in the
 released models; transformers' default is false). A layer is sparse unless it is in ``mlp_only_layers`` or
 ``(layer + 1) % decoder_sparse_step`` is not 0; the others have the dense MLP of width ``intermediate_size``. No
-shared expert (that is Qwen2-MoE's, not served). Its experts are named per expert, as the hub's checkpoints and
+shared expert (Qwen2-MoE's, qwen2_moe.py). Its experts are named per expert, as the hub's checkpoints and
 transformers' ``save_pretrained`` write them; transformers' stacked in-memory form is read too (hf_checkpoint.py).
 llama.cpp's ``qwen3moe`` GGUF files stack each layer's experts ([E, rows, cols]); the GGUF loader splits them per
 expert, in their blocks (gguf_file.py).
