@@ -17,7 +17,7 @@ The core, in the order a request meets it:
 - ``kv_cache.py``: the K and V pools per layer (``PagedKVCache``), their rows in one of ``kv_formats/``'s formats;
 - ``model_runner.py``: a scheduled batch into tensors, the model run, the sampling;
 - ``model/``: the Llama core decoder (``llama.py``, ``layers.py``), the registry of architectures built on it
-  (``architectures/``: Llama, Mistral, Qwen2, Qwen3), paged attention and its metadata
+  (``architectures/``: Llama, Mistral, Qwen2, Qwen3 and their MoEs, Mixtral), paged attention and its metadata
   (``attention.py``), RoPE (``rotary.py``), and prefill in bfloat16 where the CPU multiplies it natively, on the
   kernels' own tiling (``bf16_prefill.py``);
 - ``config.py``: the engine's config dataclasses (model, cache, scheduler, engine).

@@ -50,6 +50,14 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     scale_embeddings: bool = False
     sandwich_norms: bool = False
+    # Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE; engine/model/moe.py), set by the registry; 0 experts: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k: the experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width (the dense layers' is intermediate_size)
+    norm_topk_prob: bool = True  # the chosen experts' probabilities renormalized to sum to 1
+    moe_layers: list[int] = field(default_factory=list)  # the layers whose MLP is the experts; the others are dense
+    local_experts: tuple[int, int] | None = None  # the experts [start, end) a tensor-parallel rank holds; None: all
+    shared_expert_intermediate_size: int = 0  # a shared expert every token takes (Qwen2-MoE), gated; 0: none
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -59,6 +67,14 @@ class ModelConfig:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts "
+                             f"({self.num_experts})]")
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """The experts [start, end) this model holds: all, or a tensor-parallel rank's (``local_experts``)."""
+        return self.local_experts if self.local_experts is not None else (0, self.num_experts)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], name: str = "unnamed") -> "ModelConfig":

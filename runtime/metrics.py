@@ -1,7 +1,8 @@
 """The Prometheus metrics every splitserve process exposes, each defined once.
 
 - ``ServingMetrics``: the request-level series every process keeps (router, prefill, decode, mixed);
-- ``PodMetrics``: plus the engine's (preemptions, tokens per step, the kernel path) and the KV transfer's;
+- ``PodMetrics``: plus the engine's (preemptions, tokens per step, the kernel path, a mixture of experts' tokens per
+  expert) and the KV transfer's;
 - ``RouterMetrics``: plus the router's (routing decisions, retries, rejections, its view of each pod, goodput).
 
 Every registry also carries the process' CPU time, memory and open files (prometheus_client's process collector,
@@ -17,9 +18,11 @@ names live in ``deploy/``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from splitserve.engine.sequence import FinishReason
@@ -112,6 +115,24 @@ class ServingMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+class _ExpertTokensCollector(Collector):
+    """The engine's per-expert routing counts as a counter family, read when scraped: a layer-by-expert table
+    (Qwen3-30B-A3B: 48 x 128) is cheaper to read once per scrape than to increment per step."""
+
+    def __init__(self, role: str, model_name: str, tokens_routed: Callable[[], dict[int, list[int]]]):
+        self.labels, self.tokens_routed = (role, model_name), tokens_routed
+
+    def collect(self):
+        family = CounterMetricFamily("splitserve_moe_expert_tokens", "Tokens routed to each expert of each "
+                                     "mixture-of-experts layer (a token counts once for each of its top-k experts); "
+                                     "the spread across a layer's experts is its load imbalance.",
+                                     labels=(*LABELS, "layer", "expert"))
+        for layer, counts in self.tokens_routed().items():
+            for expert, count in enumerate(counts):
+                family.add_metric((*self.labels, str(layer), str(expert)), count)
+        yield family
+
+
 class _LabelledProcessCollector(Collector):
     """The process collector's series (process_cpu_seconds_total, process_resident_memory_bytes, ...) with the
     process' ``role`` and ``model_name``."""
@@ -185,6 +206,11 @@ class PodMetrics(ServingMetrics):
                                    "and norms) and bf16_prefill (the bf16 copies prefill computes from where it "
                                    "resolved to bfloat16; 0 elsewhere).",
                                    LABELS + ("form",), registry=self.registry)
+
+    def count_expert_tokens(self, tokens_routed: Callable[[], dict[int, list[int]]]) -> None:
+        """Export ``splitserve_moe_expert_tokens_total{layer, expert}``: the tokens routed to each expert of each
+        mixture-of-experts layer, as ``tokens_routed()`` (engine/model/moe.py) counts them, read at each scrape."""
+        self.registry.register(_ExpertTokensCollector(self.role, self.model_name, tokens_routed))
 
     def transfer_raw_bytes(self, codec: str):
         return self.kv_transfer_raw_bytes.labels(self.role, self.model_name, codec)

@@ -51,6 +51,7 @@ from splitserve.engine.config import (
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.kernels.cpu_features import matrix_features
 from splitserve.engine.llm_engine import LLMEngine, StepStats
+from splitserve.engine.model.moe import tokens_routed
 from splitserve.engine.parallel.workers import end_process_on_rank_loss
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.protos.convert import sampling_params_from_proto
@@ -227,6 +228,9 @@ class Pod:
         self.metrics.set_engine_info(self.engine.compute_path.path, config.device, config.cache_dtype,
                                      self.engine.config.weights_format, self.engine.prefill_compute,
                                      self.engine.runner.model.prefill_isa, matrix_features(), self.engine.weight_bytes)
+        if self.engine.model_config.moe_layers:
+            model = self.engine.runner.model
+            self.metrics.count_expert_tokens(lambda: tokens_routed(model.layers))
         self.load_tracker = LoadTracker(self.metrics)
         self.lender = self._core_lender(applied.cpus, lent)
         self.yielder = DecodeYield(DecodeActivity(config.activity_file, writer=True),

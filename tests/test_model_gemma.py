@@ -178,7 +178,7 @@ def test_export_writes_gemma_back(tmp_path, checkpoint):
 
 # ---- the same windows for other architectures ---------------------------------------------------------------------
 
-WINDOWED = {  # Mistral v0.1 and Phi-3 window every layer; Qwen2 (as Qwen3) the layers from max_window_layers on
+WINDOWED = {  # Mistral v0.1, Mixtral and Phi-3 window every layer; Qwen2 (as Qwen3) those from max_window_layers
     "mistral": (Shape(transformers.MistralConfig, transformers.MistralForCausalLM,
                       dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
                            intermediate_size=384, tie_word_embeddings=False, rope_theta=1000000.0,
@@ -187,6 +187,11 @@ WINDOWED = {  # Mistral v0.1 and Phi-3 window every layer; Qwen2 (as Qwen3) the 
                     dict(hidden_size=448, num_attention_heads=7, num_key_value_heads=1, intermediate_size=320,
                          tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=4096,
                          use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)), (None, WINDOW)),
+    "mixtral": (Shape(transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                      dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+                           intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=WINDOW,
+                           max_position_embeddings=4096)), (WINDOW, WINDOW)),
     "phi3": (Shape(transformers.Phi3Config, transformers.Phi3ForCausalLM,  # Phi-3-mini-4k's 2047 of 4096, shrunk
                    dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
                         tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=4096,
@@ -195,10 +200,10 @@ WINDOWED = {  # Mistral v0.1 and Phi-3 window every layer; Qwen2 (as Qwen3) the 
 
 
 @pytest.mark.parametrize("model_type", list(WINDOWED))
-def test_mistral_phi3_and_qwen2_sliding_windows_are_served_as_transformers_computes_them(tmp_path, model_type):
-    """What the registry refused before Gemma's windows: Mistral v0.1's and Phi-3-4k's windows and Qwen2's sliding
-    layers, within 1e-4 of transformers past the window, where full attention differs by far more; the same bits in
-    chunks."""
+def test_other_architectures_sliding_windows_are_served_as_transformers_computes_them(tmp_path, model_type):
+    """What the registry refused before Gemma's windows: Mistral v0.1's, Mixtral's and Phi-3-4k's windows and Qwen2's
+    sliding layers, within 1e-4 of transformers past the window, where full attention differs by far more; the same
+    bits in chunks."""
     shape, windows = WINDOWED[model_type]
     checkpoint = Checkpoint(tmp_path, shape, model_type)
     assert load_hf_checkpoint(tmp_path)[0].layer_windows == windows

@@ -225,7 +225,7 @@ def _has_bf16_kernels(kernels) -> bool:
 
 # ---- what is refused ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model_type", ["phi4_multimodal", "mixtral", "qwen3_moe", "deepseek_v3", "llava", "t5"])
+@pytest.mark.parametrize("model_type", ["phi4_multimodal", "deepseek_v3", "llava", "t5"])
 def test_an_unserved_architecture_is_refused_in_one_line_naming_the_served_ones(tmp_path, model_type):
     transformers.AutoConfig.for_model(model_type).save_pretrained(tmp_path)
     with pytest.raises(registry.UnsupportedArchitecture) as refused:
@@ -241,7 +241,8 @@ def test_splitserve_up_refuses_an_unserved_architecture_before_starting_anything
     from splitserve.up_config import UpConfig
 
     transformers.AutoConfig.for_model("t5").save_pretrained(tmp_path / "t5")
-    with pytest.raises(registry.UnsupportedArchitecture, match="unsupported architecture 't5'"):
+    served = f"serves model types {', '.join(sorted(registry.ARCHITECTURES))}"
+    with pytest.raises(registry.UnsupportedArchitecture, match=served):
         UpConfig(model=str(tmp_path / "t5"), run_dir=str(tmp_path / "up"))
     save_checkpoint(tmp_path / "qwen3", SHAPES["qwen3"])
     assert UpConfig(model=str(tmp_path / "qwen3"), run_dir=str(tmp_path / "up")).model == str(tmp_path / "qwen3")

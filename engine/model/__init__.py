@@ -3,6 +3,7 @@
 - ``llama.py``: ``LlamaForCausalLM``: the embeddings, the layers (or, for prompt rows, the bf16 prefill's), the
   final norm and the logits; loading from a state dict, and which form each role holds;
 - ``layers.py``: a decoder layer's modules (``RMSNorm``, ``Linear``, ``Attention``, ``MLP``, ``DecoderLayer``);
+- ``moe.py``: a mixture-of-experts layer's MLP (router, experts grouped by the tokens routed to them);
 - ``attention.py``: paged attention over the KV cache, and the per-step metadata that plans it;
 - ``rotary.py``: RoPE (with the checkpoints' scaling), its tables and a step's rows;
 - ``architectures/``: the model registry: each served architecture's module (what differs from the core), and the

@@ -1,12 +1,13 @@
 """A decoder layer's modules: ``RMSNorm``, ``Linear`` (its weight packed for the native kernels, or in quantized
 blocks), ``Attention`` (fused QKV, Qwen3's and Gemma 3's per-head q/k norm, RoPE, paged GQA attention with the
-layer's sliding window and score soft-cap, output), ``MLP`` (SwiGLU or Gemma's GeGLU, with fused gate/up) and
-``DecoderLayer``, which runs its two halves around the attention natively where ``fused_layers_refusal`` finds
-nothing the fused kernels lack. ``llama.py`` stacks them into the model."""
+layer's sliding window and score soft-cap, output), ``MLP`` (SwiGLU or Gemma's GeGLU, with fused gate/up; also each
+expert of moe.py's mixture) and ``DecoderLayer``, which runs its two halves around the attention natively where
+``fused_layers_refusal`` finds nothing the fused kernels lack. ``llama.py`` stacks them into the model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,8 @@ def fused_layers_refusal(config: ModelConfig) -> str | None:
         return f"the {config.hidden_act} MLP (the fused MLP is SwiGLU)"
     if config.sandwich_norms:
         return "norms of the attention's and the MLP's outputs"
+    if config.moe_layers:
+        return "mixture-of-experts layers (a router and per-expert products: engine/model/moe.py)"
     return None
 
 
@@ -179,21 +182,43 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU: the layer's dense MLP, or (``name``, ``width``) one expert of a mixture-of-experts layer (moe.py)."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 products: Products):
+                 products: Products, name: str = "mlp.", width: int = 0):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = products.linear("mlp.gate_up_proj", config.hidden_size, 2 * config.intermediate_size,
+        self.intermediate_size = width or config.intermediate_size
+        self.gate_up_proj = products.linear(name + "gate_up_proj", config.hidden_size, 2 * self.intermediate_size,
                                             False, dtype, device, kernels)
-        self.down_proj = products.linear("mlp.down_proj", config.intermediate_size, config.hidden_size, False, dtype,
+        self.down_proj = products.linear(name + "down_proj", self.intermediate_size, config.hidden_size, False, dtype,
                                          device, kernels)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate.mul_(up))
+        return self.down_proj(_gated_by_rows(gate, up, self.gelu))
+
+
+# PyTorch's CPU loops split an elementwise op over threads from this many elements (at::internal::GRAIN_SIZE).
+_TORCH_GRAIN = 32768
+
+
+def _gated_by_rows(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up [T, I] (act SiLU, or GELU's tanh form with ``gelu``), each row's bits independent of T and of the
+    thread count. A row's activation is one vectorized pass with a scalar tail (I mod 2 vector widths, scalar exp); an
+    op over T rows of >= 32768 elements is split over threads at any element, so a split inside a row moves a tail
+    there and that row's bits change (seen: one row of 343 at I = 96, 2 threads). So it runs in calls of whole rows
+    each under that size."""
+    act = partial(F.gelu, approximate="tanh") if gelu else F.silu
+    rows = max(1, _TORCH_GRAIN // gate.shape[1] - 1)
+    if len(gate) <= rows:
+        return act(gate).mul_(up)
+    out = torch.empty_like(gate)
+    for start in range(0, len(gate), rows):
+        part = slice(start, start + rows)
+        torch.mul(act(gate[part]), up[part], out=out[part])
+    return out
 
 
 class DecoderLayer(nn.Module):
@@ -202,14 +227,15 @@ class DecoderLayer(nn.Module):
     normalize the attention's and the MLP's outputs before their residual adds."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 products: Products | None = None, layer: int = 0):
+                 products: Products | None = None, layer: int = 0, mlp: nn.Module | None = None):
+        """``mlp``: the layer's MLP where it is not the dense one (a mixture of experts, moe.py)."""
         super().__init__()
         products = products or Products({})
         self.int8_activations = products.int8_activations
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.attn = Attention(config, dtype, device, kernels, products, layer)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device, kernels, products)
+        self.mlp = mlp or MLP(config, dtype, device, kernels, products)
         sandwich = config.sandwich_norms
         self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device) if sandwich else None
         self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device) if sandwich else None

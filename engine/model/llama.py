@@ -1,15 +1,15 @@
 """``LlamaForCausalLM``: the Llama core decoder, which every architecture of the registry (engine/model/architectures/:
-Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3) is built as, in plain PyTorch, for inference.
+Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3, their MoEs, Mixtral) is built as, in plain PyTorch, for inference.
 
 One step runs a flattened batch over the paged KV cache:
 ``forward(input_ids [T], positions [T], kv_cache, attn_metadata) -> hidden [T, H]``, then
 ``compute_logits(hidden rows [N, H]) -> [N, V] float32`` for the rows that sample.
 Each layer (layers.py): RMSNorm -> fused QKV projection (optional bias, Qwen2) -> per-head q/k RMSNorm (Qwen3) ->
 RoPE (theta, Llama-3 scaling) -> paged GQA attention (attention.py) -> output projection -> residual -> RMSNorm ->
-SwiGLU with fused gate/up -> residual; prompt rows run the bf16 prefill's layers instead where prefill computes in
-bf16 (bf16_prefill.py). Gemma 2 and 3 add, from the config: embeddings scaled by sqrt(hidden), norms of the
-attention's and the MLP's outputs, GeGLU, a per-layer sliding window (and Gemma 3's local RoPE base), a scale and a
-soft-cap of the scores, and a soft-cap of the logits.
+SwiGLU with fused gate/up (in a mixture-of-experts layer, its routed experts': moe.py) -> residual; prompt rows run
+the bf16 prefill's layers instead where prefill computes in bf16 (bf16_prefill.py). Gemma 2 and 3 add, from the
+config: embeddings scaled by sqrt(hidden), norms of the attention's and the MLP's outputs, GeGLU, a per-layer sliding
+window (and Gemma 3's local RoPE base), a scale and a soft-cap of the scores, and a soft-cap of the logits.
 Decode streams every weight once per step; on CPU the native kernels (engine/kernels/cpu_kernels.py) run the products
 and the decode attention when ``kernels`` is given (``LlamaForCausalLM``'s default: whenever they can).
 
@@ -43,6 +43,7 @@ from splitserve.engine.model.layers import (
     RMSNorm,
     fused_layers_refusal,
 )
+from splitserve.engine.model.moe import MoE
 from splitserve.engine.model.rotary import RotaryEmbedding
 from splitserve.engine.weights.parameter_layout import check_state_dict, product_weights
 from splitserve.engine.weights.quantized_weights import BlockQuantized
@@ -82,11 +83,11 @@ class LlamaForCausalLM(nn.Module):
             # compiler (torch._dynamo), seconds of every engine's start.
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
                 config.vocab_size, config.hidden_size, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device, self.kernels,
-                         Products(_layer_formats(products.formats, i), int8_activations), i)
-            for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList()
+        for i in range(config.num_layers):
+            layer_products = Products(_layer_formats(products.formats, i), int8_activations)
+            experts = MoE(config, dtype, device, self.kernels, layer_products) if i in config.moe_layers else None
+            self.layers.append(DecoderLayer(config, dtype, device, self.kernels, layer_products, i, experts))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = None if config.tie_word_embeddings else products.linear(
             "lm_head", config.hidden_size, config.vocab_size, False, dtype, device, self.kernels

@@ -10,6 +10,12 @@ KV head):
     embed_tokens, lm_head [V, H]   vocabulary-parallel: the rank's rows of the vocabulary
     norms                          replicated
 
+A mixture-of-experts layer (engine/model/moe.py) is expert-parallel instead of split: each rank holds E / R of its
+experts whole (``experts``, as even as the count allows) and the router replicated; every rank routes every token
+alike, computes its own experts' rows, and the layer's output is summed over the ranks as a row-parallel product's
+is. That is expert parallelism over the tensor-parallel group's all-reduce, not an all-to-all of the routed tokens.
+A shared expert (Qwen2-MoE) is a dense MLP: split as ``gate_up`` / ``down`` are, over its own width (``shared``).
+
 Heads go by KV group, so that a rank's query heads attend to its own KV heads: with ``tp <= Hkv`` each rank takes a
 contiguous range of KV heads and their ``g`` query heads each; with more ranks than KV heads, each KV head is
 replicated on ``tp / Hkv`` ranks (rounded) and its query heads are split among them (vLLM's rule for GQA). Ranges are
@@ -46,6 +52,8 @@ class RankShard:
     kv_heads: Range
     intermediate: Range
     vocab: Range
+    experts: Range = (0, 0)  # a mixture of experts' experts the rank holds whole (expert parallelism)
+    shared: Range = (0, 0)  # its shared expert's intermediate slice (Qwen2-MoE), split as the dense MLP's
 
 
 def even_ranges(n: int, parts: int, unit: int = 1) -> list[Range]:
@@ -71,7 +79,10 @@ def plan_shards(config: ModelConfig, tp: int) -> list[RankShard]:
     heads = _head_ranges(config.num_heads, config.num_kv_heads, tp)
     inter = even_ranges(config.intermediate_size, tp, unit)
     vocab = even_ranges(config.vocab_size, tp)
-    return [RankShard(r, tp, q, kv, inter[r], vocab[r]) for r, (q, kv) in enumerate(heads)]
+    experts = even_ranges(config.num_experts, tp)
+    shared_size = config.shared_expert_intermediate_size
+    shared = even_ranges(shared_size, tp, QUANT_BLOCK if shared_size % QUANT_BLOCK == 0 else 1)
+    return [RankShard(r, tp, q, kv, inter[r], vocab[r], experts[r], shared[r]) for r, (q, kv) in enumerate(heads)]
 
 
 def _head_ranges(num_heads: int, num_kv_heads: int, tp: int) -> list[tuple[Range, Range]]:
@@ -91,7 +102,9 @@ def rank_config(config: ModelConfig, shard: RankShard) -> ModelConfig:
     span = lambda r: r[1] - r[0]
     return replace(config, num_heads=span(shard.q_heads), num_kv_heads=span(shard.kv_heads),
                    intermediate_size=span(shard.intermediate), vocab_size=span(shard.vocab), head_dim=config.head_dim,
-                   eos_token_ids=list(config.eos_token_ids))
+                   eos_token_ids=list(config.eos_token_ids), moe_layers=list(config.moe_layers),
+                   local_experts=shard.experts if config.moe_layers else None,
+                   shared_expert_intermediate_size=span(shard.shared))
 
 
 Weight = torch.Tensor | BlockQuantized
@@ -102,9 +115,17 @@ def shard_state_dict(config: ModelConfig, state: dict[str, Weight], shard: RankS
     d, hq, hkv, inter = config.head_dim, config.num_heads, config.num_kv_heads, config.intermediate_size
     (q0, q1), (k0, k1), (i0, i1) = shard.q_heads, shard.kv_heads, shard.intermediate
     qkv_rows = [(q0 * d, q1 * d), ((hq + k0) * d, (hq + k1) * d), ((hq + hkv + k0) * d, (hq + hkv + k1) * d)]
+    (s0, s1), shared = shard.shared, config.shared_expert_intermediate_size
     out = {}
     for name, weight in state.items():
-        if name in ("embed_tokens.weight", "lm_head.weight"):
+        if name.endswith("shared_expert.gate_up_proj.weight"):
+            out[name] = _rows(weight, [(s0, s1), (shared + s0, shared + s1)])
+        elif name.endswith("shared_expert.down_proj.weight"):
+            out[name] = _columns(name, weight, (s0, s1))
+        elif ".mlp.experts." in name:  # layers.{i}.mlp.experts.{e}.*: whole, on the rank that holds expert e
+            if shard.experts[0] <= int(name.split(".")[4]) < shard.experts[1]:
+                out[name] = weight
+        elif name in ("embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(weight, [shard.vocab])
         elif name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             out[name] = _rows(weight, qkv_rows)
@@ -114,7 +135,7 @@ def shard_state_dict(config: ModelConfig, state: dict[str, Weight], shard: RankS
             out[name] = _rows(weight, [(i0, i1), (inter + i0, inter + i1)])
         elif name.endswith("down_proj.weight"):
             out[name] = _columns(name, weight, (i0, i1))
-        else:  # the norms
+        else:  # the norms, a mixture of experts' router and its shared expert's gate
             out[name] = weight
     return out
 

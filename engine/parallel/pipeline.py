@@ -64,8 +64,9 @@ def stage_state_dict(config: ModelConfig, state: dict, layers: Range) -> tuple[M
         _, index, rest = name.split(".", 2)
         if start <= int(index) < end:
             out[f"layers.{int(index) - start}.{rest}"] = weight
+    moe_layers = [i - start for i in config.moe_layers if start <= i < end]
     return replace(config, num_layers=end - start, eos_token_ids=list(config.eos_token_ids),
-                   layer_windows=config.layer_windows[start:end]), out
+                   layer_windows=config.layer_windows[start:end], moe_layers=moe_layers), out
 
 
 def micro_batches(meta: AttentionMetadata, count: int) -> list[MicroBatch]:

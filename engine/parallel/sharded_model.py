@@ -3,7 +3,8 @@
 Every rank builds the model class from its ``rank_config`` and its slice of the weights (layout.py) and runs the same
 forward; four things differ from one process's model:
 
-- the row-parallel products (``o_proj``, ``down_proj``) each end in an all-reduce of their output, so the residual
+- the row-parallel products (``o_proj``, ``down_proj``, a mixture of experts' layer: its rank's experts, layout.py)
+  each end in an all-reduce of their output, so the residual
   stream after every layer is the full sum, replicated on every rank. It is a forward hook on the product, so the
   parameters keep the layout's names;
 - the embedding is vocabulary-parallel: each rank looks up the ids in its rows, zeros the others, and the ranks sum;
@@ -34,9 +35,9 @@ from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.moe import MoE
 from splitserve.engine.parallel.layout import RankShard, rank_config, shard_state_dict
 from splitserve.engine.parallel.process_group import TensorParallelGroup
-
 
 # What the other ranks need to rebuild a step's AttentionMetadata: its lengths, block tables, block size and one-row
 # prefills, as host lists. Pickling the metadata itself (its tensors, decode group, masks) took ~0.3 ms to write and
@@ -85,7 +86,9 @@ class ShardedLlama(LlamaForCausalLM):
         self.group, self.shard = group, shards[group.rank]
         self.vocab_ranges = [s.vocab for s in shards]
         for layer in self.layers:
-            for product in (layer.attn.o_proj, layer.mlp.down_proj):
+            # A mixture of experts' output is its rank's experts' share (moe.py): summed as a row-parallel product.
+            mlp_output = layer.mlp if isinstance(layer.mlp, MoE) else layer.mlp.down_proj
+            for product in (layer.attn.o_proj, mlp_output):
                 product.register_forward_hook(self._sum_over_ranks)
             layer.kernels = None  # the fused native halves would add the partial products before the sum
         return self

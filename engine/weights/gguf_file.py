@@ -1,17 +1,18 @@
 """llama.cpp GGUF files -> ``ModelConfig`` + state dict in our fused layout (parameter_layout.py) + tokenizer.
 
 - ``load_gguf``: a GGUF architecture the model registry reads (engine/model/architectures/: llama, which Mistral
-  files are written as too, qwen2, qwen3, phi3 with its fused ``attn_qkv`` and ``ffn_up``), any quantization ``gguf``
-  can dequantize. llama.cpp's converter reorders Llama's Q and K rows for its interleaved RoPE (the entry's
-  ``gguf_qk_permuted``); we undo that to get back the rotate-half layout our model and ``transformers`` use. Also
-  returns the tokenizer the file carries (``GGUFTokenizerData``). With ``keep_blocks`` (``quantization="gguf"``),
-  matrices stored as Q4_0, Q4_1 or Q8_0 stay in the file's blocks (``BlockQuantized``,
-  engine/weights/quantized_weights.py) instead of being widened. Reading only that tokenizer, without torch or the
-  weights, is ``splitserve.engine.text.tokenizer_files``'s.
+  files are written as too, qwen2, qwen3, phi3 with its fused ``attn_qkv`` and ``ffn_up``, qwen3moe: its stacked
+  experts split per expert, still in their blocks), any quantization ``gguf`` can dequantize. llama.cpp's converter
+  reorders Llama's Q and K rows for its interleaved RoPE (the entry's ``gguf_qk_permuted``); we undo that to get back
+  the rotate-half layout our model and ``transformers`` use. Also returns the tokenizer the file carries
+  (``GGUFTokenizerData``). With ``keep_blocks`` (``quantization="gguf"``), matrices stored as Q4_0, Q4_1 or Q8_0 stay
+  in the file's blocks (``BlockQuantized``, engine/weights/quantized_weights.py) instead of being widened. Reading
+  only that tokenizer, without torch or the weights, is ``splitserve.engine.text.tokenizer_files``'s.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,12 @@ GGUF_NAMES = {
     "gate": "blk.{i}.ffn_gate.weight",
     "up": "blk.{i}.ffn_up.weight",
     "down": "blk.{i}.ffn_down.weight",
+    # A mixture of experts (qwen3moe): the router, and each expert's matrix of the stacked [E, rows, cols] tensors,
+    # which the loader names by their expert ("blk.{i}.ffn_gate_exps.weight.{e}", ``_read_experts``).
+    "router": "blk.{i}.ffn_gate_inp.weight",
+    "expert_gate": "blk.{i}.ffn_gate_exps.weight.{e}",
+    "expert_up": "blk.{i}.ffn_up_exps.weight.{e}",
+    "expert_down": "blk.{i}.ffn_down_exps.weight.{e}",
 }
 # The fused parameters as llama.cpp's phi3 stores them (rows q, k, v and gate, up, as ours).
 GGUF_FUSED_NAMES = {"qkv.weight": "blk.{i}.attn_qkv.weight", "gate_up": "blk.{i}.ffn_up.weight"}
@@ -74,7 +81,7 @@ def _gguf_config(
     rotary_dim = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise ValueError(f"{name}: partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported")
-    return architecture.resolve(ModelConfig(
+    config = architecture.resolve(ModelConfig(
         vocab_size=tensors["token_embd.weight"].shape[0],  # {arch}.vocab_size is optional; the embedding is not
         hidden_size=hidden,
         intermediate_size=gguf_field(reader, f"{arch}.feed_forward_length"),
@@ -91,6 +98,9 @@ def _gguf_config(
         eos_token_ids=list(tok.eos_token_ids),
         name=name,
     ))
+    if architecture.experts is None:
+        return config
+    return replace(config, **_gguf_experts(reader, arch, tensors, config.num_layers))
 
 
 def _entry_reading(reader: gguf.GGUFReader, architecture: Architecture, config: ModelConfig,
@@ -114,6 +124,26 @@ def _read(tensor: gguf.ReaderTensor, keep_blocks: bool) -> torch.Tensor | BlockQ
     if keep_blocks and format is not None and len(tensor.shape) == 2:
         return BlockQuantized.from_gguf(np.array(tensor.data), format)
     return _dequantized(tensor)
+
+
+def _read_experts(tensor: gguf.ReaderTensor, keep_blocks: bool) -> list[torch.Tensor | BlockQuantized]:
+    """A stacked experts tensor ([E, rows, cols] in PyTorch's order) as one matrix per expert, each kept in the
+    file's blocks as ``_read`` keeps a matrix (the blocks run along a row, so an expert's rows are whole)."""
+    format = GGUF_TYPES.get(int(tensor.tensor_type))
+    if keep_blocks and format is not None:
+        return [BlockQuantized.from_gguf(expert, format) for expert in np.array(tensor.data)]
+    return list(_dequantized(tensor).unbind(0))
+
+
+def _gguf_experts(reader: gguf.GGUFReader, arch: str, tensors: dict, num_layers: int) -> dict[str, Any]:
+    """A mixture of experts' ``ModelConfig`` fields from ``{arch}.expert_*`` keys; its routed layers are those with
+    a router (``ffn_gate_inp``). The top-k weights are renormalized unless ``expert_weights_norm`` says otherwise
+    (llama.cpp's qwen3moe always renormalizes, as the released Qwen3-MoE configs do)."""
+    return dict(num_experts=gguf_field(reader, f"{arch}.expert_count"),
+                num_experts_per_tok=gguf_field(reader, f"{arch}.expert_used_count"),
+                moe_intermediate_size=gguf_field(reader, f"{arch}.expert_feed_forward_length"),
+                norm_topk_prob=bool(gguf_field(reader, f"{arch}.expert_weights_norm", True)),
+                moe_layers=[i for i in range(num_layers) if GGUF_NAMES["router"].format(i=i) in tensors])
 
 
 def _dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
@@ -152,7 +182,12 @@ def load_gguf(
     ``keep_blocks``: its Q4_0 / Q4_1 / Q8_0 matrices as ``BlockQuantized``, the rest widened to ``dtype``."""
     reader = gguf.GGUFReader(str(path))
     architecture = registry.for_gguf(gguf_field(reader, "general.architecture"), str(path))
-    tensors = {t.name: _read(t, keep_blocks) for t in reader.tensors}
+    tensors = {}
+    for t in reader.tensors:
+        if len(t.shape) == 3:  # a mixture of experts' stacked experts: one matrix per expert
+            tensors.update((f"{t.name}.{e}", m) for e, m in enumerate(_read_experts(t, keep_blocks)))
+        else:
+            tensors[t.name] = _read(t, keep_blocks)
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) are not supported")
     if "rope_factors_long.weight" in tensors:

@@ -5,7 +5,8 @@
   ``model_type`` picks the entry, which reads the config or refuses it); they share transformers' Llama names, but
   for the parts an entry names otherwise (Gemma's four norms) or stores fused (Phi-3's q|k|v and gate|up as
   ``qkv_proj`` and ``gate_up_proj``, the entry's ``fused_checkpoint``: our own layout, taken and written whole), and
-  an entry's norm offset (Gemma's 1 + w) is folded into the norm weights.
+  an entry's norm offset (Gemma's 1 + w) is folded into the norm weights; a mixture of experts adds its own names of
+  the router and each expert's tensors (hub names, or transformers 5.x's stacked ones).
 - ``fuse_hf_state_dict``: the same mapping for tensors already in memory (a ``transformers`` model's state dict).
 - ``export_hf_checkpoint``: the reverse, so that ``transformers`` can load exactly our weights as a reference
   implementation.
@@ -55,12 +56,6 @@ HF_FUSED_NAMES = {
 }
 
 
-def _names(config: ModelConfig) -> dict[str, str]:
-    """The checkpoint's name of each part for ``config``'s architecture."""
-    entry = registry.for_model_config(config.architecture)
-    return {**HF_NAMES, **(HF_FUSED_NAMES if entry.fused_checkpoint else {}), **dict(entry.hf_names)}
-
-
 def _offset_norms(tensors: dict[str, torch.Tensor], config: ModelConfig, sign: int) -> dict[str, torch.Tensor]:
     """``tensors`` with the architecture's norm offset added to (``sign`` 1) or taken from (-1) every norm weight, in
     float32 as transformers computes ``1.0 + weight.float()``: the folded weight is that product's factor, and
@@ -69,6 +64,37 @@ def _offset_norms(tensors: dict[str, torch.Tensor], config: ModelConfig, sign: i
     if not offset:
         return tensors
     return {n: t.float() + sign * offset if n.endswith("norm.weight") else t for n, t in tensors.items()}
+
+
+# transformers 5.x's own names of a mixture-of-experts layer in memory (its ``state_dict``; the hub's per-expert names
+# are what ``save_pretrained`` writes, the architecture's ``ExpertsFormat.hf_names``): the experts stacked [E, ...].
+STACKED_EXPERTS = {
+    "router": "model.layers.{i}.mlp.gate.weight",
+    "gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",  # [E, 2 Ie, H]: each expert's gate rows, then up rows
+    "down": "model.layers.{i}.mlp.experts.down_proj",  # [E, H, Ie]
+}
+
+
+def hf_names(config: ModelConfig) -> dict[str, str]:
+    """Each part of our layout as ``config``'s architecture names it in a hub checkpoint: the Llama names, but for
+    the parts it stores fused (Phi-3) or names otherwise (Gemma's norms), and its experts' names."""
+    entry = registry.for_model_config(config.architecture)
+    return {**HF_NAMES, **(HF_FUSED_NAMES if entry.fused_checkpoint else {}), **dict(entry.hf_names),
+            **({} if entry.experts is None else entry.experts.hf_names)}
+
+
+def _unstack_experts(tensors: dict[str, torch.Tensor], config: ModelConfig, names: dict[str, str]) -> None:
+    """Rename transformers' stacked expert tensors of ``tensors``, in place, to the hub's per-expert names."""
+    for i in config.moe_layers:
+        stacked = {part: name.format(i=i) for part, name in STACKED_EXPERTS.items()}
+        if stacked["gate_up"] not in tensors:
+            continue
+        tensors[names["router"].format(i=i)] = tensors.pop(stacked["router"])
+        gate_up, down = tensors.pop(stacked["gate_up"]), tensors.pop(stacked["down"])
+        for e in range(config.num_experts):
+            gate, up = gate_up[e].chunk(2)
+            for part, tensor in (("expert_gate", gate), ("expert_up", up), ("expert_down", down[e])):
+                tensors[names[part].format(i=i, e=e)] = tensor
 
 
 def _read_hf_config(directory: Path) -> ModelConfig:
@@ -105,7 +131,9 @@ def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig, so
         del tensors[name]
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return fuse(_offset_norms(tensors, config, 1), _names(config), config, source, dtype)
+    names = hf_names(config)
+    _unstack_experts(tensors, config, names)
+    return fuse(_offset_norms(tensors, config, 1), names, config, source, dtype)
 
 
 def load_hf_checkpoint(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple[ModelConfig, StateDict]:
@@ -123,6 +151,7 @@ def _hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     return {
         **_core_hf_config(config, architecture),
         **(architecture.hf_config(config) if architecture.hf_config else {}),
+        **({} if architecture.experts is None else architecture.experts.write(config)),
     }
 
 
@@ -157,7 +186,7 @@ def export_hf_checkpoint(config: ModelConfig, state_dict: StateDict, path: str |
     """Write ``path`` as a ``transformers`` directory (config.json + model.safetensors, unfused names)."""
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = _offset_norms(unfuse(state_dict, _names(config), config), config, -1)
+    tensors = _offset_norms(unfuse(state_dict, hf_names(config), config), config, -1)
     # Splits are views into the fused tensors; safetensors wants each tensor to own contiguous memory.
     save_file({name: t.detach().to(torch.float32).contiguous().clone() for name, t in tensors.items()},
               str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -10,7 +10,8 @@ Names the engine accepts:
   so tests and demos need no files at all;
 - a directory: a ``transformers`` checkpoint (config.json, safetensors, tokenizer.json) of an architecture the
   model registry serves (engine/model/architectures/; docs/models.md);
-- a path ending in ``.gguf``: a llama.cpp file (the registry's GGUF architectures: llama, qwen2, qwen3, phi3).
+- a path ending in ``.gguf``: a llama.cpp file (the registry's GGUF architectures: llama, qwen2, qwen3, phi3,
+  qwen3moe).
 """
 
 from __future__ import annotations

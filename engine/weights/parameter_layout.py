@@ -20,11 +20,22 @@ head dim, ``Hq`` / ``Hkv`` query / KV heads, ``I`` intermediate size, ``V`` voca
     norm.weight                         [H]
     lm_head.weight                      [V, H]                absent when tie_word_embeddings
 
+A mixture-of-experts layer (``moe_layers``; engine/model/moe.py) has, instead of the two ``mlp`` products, a router
+and each expert's two (``E`` experts, ``Ie`` an expert's width; ``{e}`` the expert's index in the whole model, so a
+tensor-parallel rank holding experts [4, 8) names them 4 to 7):
+
+    layers.{i}.mlp.router.weight                      [E, H]
+    layers.{i}.mlp.experts.{e}.gate_up_proj.weight    [2 Ie, H]    gate, up rows
+    layers.{i}.mlp.experts.{e}.down_proj.weight       [H, Ie]
+    layers.{i}.mlp.shared_expert.gate_up_proj.weight  [2 Is, H]    with a shared expert (Qwen2-MoE) of width Is
+    layers.{i}.mlp.shared_expert.down_proj.weight     [H, Is]
+    layers.{i}.mlp.shared_expert_gate.weight          [1, H]       its sigmoid gate
+
 A checkpoint format names its tensors by *part* (``"q.weight"``, ``"gate"``, ``"embed"``...): a dict from part to
-its name in the file, ``{i}`` standing for the layer. ``fuse`` builds our state dict from such tensors, ``unfuse``
-splits it back. A format that stores a fused parameter whole, in our row order (Phi-3's ``qkv_proj`` and
-``gate_up_proj``, llama.cpp's ``attn_qkv`` and ``ffn_up``), names it by the parameter's ``whole`` part instead
-(``"qkv.weight"``, ``"gate_up"``): it is taken, and written back, as one tensor.
+its name in the file, ``{i}`` standing for the layer and ``{e}`` for the expert. ``fuse`` builds our state dict from
+such tensors, ``unfuse`` splits it back. A format that stores a fused parameter whole, in our row order (Phi-3's
+``qkv_proj`` and ``gate_up_proj``, llama.cpp's ``attn_qkv`` and ``ffn_up``), names it by the parameter's ``whole``
+part instead (``"qkv.weight"``, ``"gate_up"``): it is taken, and written back, as one tensor.
 """
 
 from __future__ import annotations
@@ -81,6 +92,23 @@ LAYER_PARAMETERS = (
     Parameter("layers.{i}.mlp_out_norm.weight", ("mlp_out_norm",), lambda c: (c.hidden_size,),
               present=lambda c: c.sandwich_norms),
 )
+DENSE_MLP = ("layers.{i}.mlp.gate_up_proj.weight", "layers.{i}.mlp.down_proj.weight")  # not in an experts layer
+ROUTER = Parameter("layers.{i}.mlp.router.weight", ("router",), lambda c: (c.num_experts,), _hidden)
+EXPERT_PARAMETERS = (
+    Parameter("layers.{i}.mlp.experts.{e}.gate_up_proj.weight", ("expert_gate", "expert_up"),
+              lambda c: (c.moe_intermediate_size, c.moe_intermediate_size), _hidden),
+    Parameter("layers.{i}.mlp.experts.{e}.down_proj.weight", ("expert_down",), lambda c: (c.hidden_size,),
+              lambda c: c.moe_intermediate_size),
+)
+SHARED_EXPERT_GATE = Parameter("layers.{i}.mlp.shared_expert_gate.weight", ("shared_expert_gate",), lambda c: (1,),
+                               _hidden, lambda c: c.shared_expert_intermediate_size > 0)
+SHARED_EXPERT_PARAMETERS = (
+    Parameter("layers.{i}.mlp.shared_expert.gate_up_proj.weight", ("shared_gate", "shared_up"),
+              lambda c: (c.shared_expert_intermediate_size,) * 2, _hidden, SHARED_EXPERT_GATE.present),
+    Parameter("layers.{i}.mlp.shared_expert.down_proj.weight", ("shared_down",), lambda c: (c.hidden_size,),
+              lambda c: c.shared_expert_intermediate_size, SHARED_EXPERT_GATE.present),
+    SHARED_EXPERT_GATE,
+)
 HEAD_PARAMETERS = (
     Parameter("norm.weight", ("norm",), lambda c: (c.hidden_size,)),
     Parameter("lm_head.weight", ("lm_head",), lambda c: (c.vocab_size,), _hidden,
@@ -89,12 +117,21 @@ HEAD_PARAMETERS = (
 
 
 def _entries(config: ModelConfig):
-    """(our name, the parameter, its layer's "{i}" substitution) for every parameter of ``config``'s model."""
+    """(our name, the parameter, its "{i}" and "{e}" substitutions) for every parameter of ``config``'s model."""
     yield EMBEDDING.name, EMBEDDING, {}
     for i in range(config.num_layers):
+        experts = i in config.moe_layers
         for p in LAYER_PARAMETERS:
-            if p.present(config):
+            if p.present(config) and not (experts and p.name in DENSE_MLP):
                 yield p.name.format(i=i), p, {"i": i}
+        if experts:
+            yield ROUTER.name.format(i=i), ROUTER, {"i": i}
+            for e in range(*config.expert_range):
+                for p in EXPERT_PARAMETERS:
+                    yield p.name.format(i=i, e=e), p, {"i": i, "e": e}
+            for p in SHARED_EXPERT_PARAMETERS:
+                if p.present(config):
+                    yield p.name.format(i=i), p, {"i": i}
     for p in HEAD_PARAMETERS:
         if p.present(config):
             yield p.name, p, {}
@@ -147,10 +184,10 @@ def _cat(parts: list):
 def product_weights(config: ModelConfig) -> list[str]:
     """The weights that products read (every layer's matrices, the head's, and the embedding when the head is tied
     to it: one weight, read by the head's product), the ones a quantized model keeps in blocks. An untied embedding
-    is looked up, not streamed, so it is not one."""
-    names = [p.name.format(i=i) for i in range(config.num_layers) for p in LAYER_PARAMETERS
-             if p.columns is not None and p.present(config)]
-    names += [p.name for p in HEAD_PARAMETERS if p.columns is not None and p.present(config)]
+    is looked up, not streamed, so it is not one. The router (and a shared expert's gate) stays float: a rounded
+    routing logit would choose other experts, not just round a product."""
+    names = [name for name, p, _ in _entries(config)
+             if p.columns is not None and p not in (EMBEDDING, ROUTER, SHARED_EXPERT_GATE)]
     return names + ([EMBEDDING.name] if config.tie_word_embeddings else [])
 
 

@@ -16,6 +16,10 @@ own module states differs:
 - ``qwen3.py``: Qwen3 (per-head RMSNorm of q and k before RoPE; its own head_dim);
 - ``gemma.py``: Gemma 2 and Gemma 3's text model (scaled embeddings, 1 + w norms around attention and MLP, GeGLU,
   local sliding-window and global layers, soft-caps, Gemma 3's q/k norms and local RoPE base);
+- ``qwen3_moe.py``: Qwen3-MoE (Qwen3's attention; routed experts, some layers dense);
+- ``qwen2_moe.py``: Qwen2-MoE (Qwen2's attention; Qwen3-MoE's routing plus a gated shared expert);
+- ``mixtral.py``: Mixtral (Mistral's attention; top-2 of 8 experts in every layer);
+- ``experts.py``: ``ExpertsFormat``, how a mixture-of-experts entry's config and checkpoints name its experts;
 - ``registry.py``: the table of every entry, and the look-ups the loaders call.
 
 docs/models.md lists what is served, on which paths, how each is verified, and what is not.

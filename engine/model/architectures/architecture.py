@@ -15,6 +15,7 @@ the model's modules read one resolved ``ModelConfig`` and never test an architec
 - ``hf_names``: the checkpoint's names of parts that differ from the Llama names (engine/weights/hf_checkpoint.py);
 - ``configure`` / ``hf_config``: what the entry reads from a ``config.json`` beyond the core's keys into the
   ``ModelConfig``, and writes back at export.
+- ``experts``: its MLP is a mixture of experts (Qwen3-MoE, Mixtral), read and named as ``ExpertsFormat`` says;
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from functools import partial
 from typing import Any
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.model.architectures.experts import ExpertsFormat
 from splitserve.engine.model.rotary import rope_inv_freq
 
 HFConfig = dict[str, Any]  # a config.json, as read
@@ -47,6 +49,7 @@ class Architecture:
     hf_names: tuple[tuple[str, str], ...] = ()  # (part, name in the checkpoint) overriding the Llama names
     configure: Callable[[HFConfig, ModelConfig], ModelConfig] | None = None
     hf_config: Callable[[ModelConfig], dict[str, Any]] | None = None
+    experts: ExpertsFormat | None = None  # a mixture of experts' config keys and tensor names (experts.py)
 
     def model_config(self, hf: HFConfig, name: str) -> ModelConfig:
         """The ``ModelConfig`` of a ``config.json`` of this architecture; ValueError naming what is not built."""
@@ -57,6 +60,8 @@ class Architecture:
             raise ValueError(f"{name}: {self.model_type} with {problem} is not supported (docs/models.md)")
         config = replace(ModelConfig.from_hf_config(hf, name=name), hidden_act=hf.get(key, default))
         config = self.resolve(self.configure(hf, config) if self.configure else config)
+        if self.experts is not None:
+            config = replace(config, **self.experts.read(hf))
         try:
             rope_inv_freq(config)  # a RoPE scaling type rotary.py does not compute is refused here, at load
         except (ValueError, KeyError) as e:
@@ -91,15 +96,16 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer typ
 
 
 def configure_sliding_windows(hf: HFConfig, config: ModelConfig) -> ModelConfig:
-    """Mistral's, Phi-3's, Qwen2's and Qwen3's ``configure``: each layer's sliding window as transformers reads the
-    config. Mistral and Phi-3 window every layer (``sliding_window``; Mistral's 4096 where the key is absent);
-    Qwen2/Qwen3 window the layers ``layer_types`` marks sliding (by default those from ``max_window_layers`` on), only
-    with ``use_sliding_window``. A window a sequence cannot outgrow (at least the context) is full attention: none
-    then, the native kernels' path."""
+    """The ``configure`` of Mistral, Mixtral, Phi-3 and the Qwen2/Qwen3 families (MoE too): each layer's sliding window
+    as transformers reads the config. Mistral, Mixtral and Phi-3 window every layer (``sliding_window``; Mistral's 4096
+    where the key is absent); Qwen2/Qwen3 window the layers ``layer_types`` marks sliding (by default those from
+    ``max_window_layers`` on), only with ``use_sliding_window``. A window a sequence cannot outgrow (at least the
+    context) is full attention: none then, the native kernels' path."""
     model_type = hf.get("model_type")
-    every_layer = model_type in ("mistral", "phi3")
+    every_layer = model_type in ("mistral", "mixtral", "phi3")
     window = hf.get("sliding_window", 4096 if model_type == "mistral" else None)
-    if window is None or window >= config.max_position_embeddings or not (every_layer or hf.get("use_sliding_window")):
+    if window is None or window >= config.max_position_embeddings or not (
+            every_layer or hf.get("use_sliding_window")):
         return config
     start = hf.get("max_window_layers", 28)
     types = [SLIDING] * config.num_layers if every_layer else (

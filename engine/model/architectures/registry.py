@@ -1,6 +1,6 @@
 """The table of served architectures and the look-ups the loaders call: ``for_hf_config`` (a ``config.json``) and
 ``for_gguf`` (a GGUF file's ``general.architecture``). Anything else is refused in one line naming what is served:
-an engineer who brings a Gemma, a Mixtral or a DeepSeek learns at load, not from wrong tokens."""
+an engineer who brings a Gemma or a DeepSeek learns at load, not from wrong tokens."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from splitserve.engine.model.architectures.architecture import Architecture, HFC
 from splitserve.engine.model.architectures.gemma import GEMMA2, GEMMA3_TEXT
 from splitserve.engine.model.architectures.llama import LLAMA
 from splitserve.engine.model.architectures.mistral import MISTRAL
+from splitserve.engine.model.architectures.mixtral import MIXTRAL
 from splitserve.engine.model.architectures.phi3 import PHI3
 from splitserve.engine.model.architectures.qwen2 import QWEN2
+from splitserve.engine.model.architectures.qwen2_moe import QWEN2_MOE
 from splitserve.engine.model.architectures.qwen3 import QWEN3
+from splitserve.engine.model.architectures.qwen3_moe import QWEN3_MOE
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2,
-                                                                    GEMMA3_TEXT)}
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT, QWEN3_MOE, MIXTRAL, QWEN2_MOE)}
 GGUF_ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name}
 
 

@@ -1,0 +1,375 @@
+"""Mixtures of experts (engine/model/moe.py): Qwen3-MoE, Mixtral and Qwen2-MoE from tiny random checkpoints that
+``transformers`` builds and saves, through the offline ``LLM``, against ``transformers`` on the same weights
+(tests/tiny_checkpoints.py).
+
+Qwen3-MoE: Qwen3-30B-A3B's head_dim 128 and GQA 2 (here 4 query heads over 2 KV heads), 8 experts of width 64, top 4
+renormalized, layer 0 dense (``mlp_only_layers``) and layer 1 routed. Mixtral: head_dim 128, GQA 4, 8 experts of width
+96, top 2, both layers routed. Qwen2-MoE: head_dim 128 without GQA (Qwen1.5-MoE's), q/k/v biases, 8 experts of
+width 64, top 4 not renormalized, a gated shared expert of width 128, layer 0 dense by ``decoder_sparse_step`` 2.
+Everything in float32 over a float32 KV cache: prompt logprobs within 1e-4 of
+transformers' on both compute paths, greedy tokens identical over 32 steps, routing the same experts as
+transformers', a prompt's bits the same alone, beside others, chunked and from the prefix cache (the per-expert
+grouping must not leak into a token's bits), the hub's and transformers' stacked names loaded and exported back;
+(``e2e``) expert parallelism over 2 tensor-parallel ranks, pipeline ranks, and a prefill and a decode pod.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+from tiny_checkpoints import GREEDY_STEPS, OTHERS, PROMPT, TOLERANCE, Checkpoint, Shape, scored
+
+from splitserve.engine import LLM
+from splitserve.engine.model.layers import fused_layers_refusal
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.moe import MoE, tokens_routed
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint, fuse_hf_state_dict, load_hf_checkpoint
+
+SHAPES = {
+    "qwen3_moe": Shape(transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                       dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                            intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=4,
+                            norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=True,
+                            rope_theta=1000000.0, max_position_embeddings=4096)),
+    "mixtral": Shape(transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                     dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+                          intermediate_size=96, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+                          rope_theta=1000000.0, sliding_window=None, max_position_embeddings=4096)),
+    "qwen2_moe": Shape(transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                       dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
+                            moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=8,
+                            num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=2,
+                            tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=4096)),
+}
+ROUTED = {"qwen3_moe": [1], "mixtral": [0, 1], "qwen2_moe": [1]}  # the layers whose MLP is the experts
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def checkpoint(request, tmp_path_factory) -> Checkpoint:
+    return Checkpoint(tmp_path_factory.mktemp(request.param), SHAPES[request.param], request.param)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    return checkpoint.llm()
+
+
+def test_the_entry_reads_the_experts_from_the_hub_names_and_from_transformers_stacked_ones(checkpoint):
+    """``save_pretrained`` writes the hub's per-expert names (Mixtral's ``block_sparse_moe.experts.E.w1``); a
+    transformers 5.x model's own state dict stacks them (``mlp.experts.gate_up_proj`` [E, 2 I, H]): both give the same
+    fused state dict."""
+    config, state = load_hf_checkpoint(checkpoint.directory)
+    hf = checkpoint.hf.config
+    assert (config.architecture, config.num_experts, config.num_experts_per_tok) == (hf.model_type, 8,
+                                                                                     hf.num_experts_per_tok)
+    assert config.moe_layers == ROUTED[checkpoint.name]
+    assert config.norm_topk_prob is getattr(hf, "norm_topk_prob", True)  # Mixtral's always
+    assert config.shared_expert_intermediate_size == getattr(hf, "shared_expert_intermediate_size", 0)
+    assert state["layers.1.mlp.router.weight"].shape == (8, config.hidden_size)
+    assert state["layers.1.mlp.experts.7.down_proj.weight"].shape == (config.hidden_size, config.moe_intermediate_size)
+    assert ("layers.0.mlp.gate_up_proj.weight" in state) is (0 not in config.moe_layers)  # Qwen3-MoE's dense layer
+    stacked = checkpoint.hf.state_dict()
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in stacked)
+    from_memory = fuse_hf_state_dict(stacked, config)
+    assert from_memory.keys() == state.keys() and all(torch.equal(from_memory[n], state[n]) for n in state)
+
+
+def test_moe_layers_compose_in_pytorch_around_the_native_products(checkpoint, llm, native_kernels):
+    """The fused native layer kernels have no router: refused with a reason, so each layer runs its PyTorch
+    composition with every product (router and experts included) native, and ``auto`` prefills in float32."""
+    model = llm.engine.runner.model
+    assert "mixture-of-experts" in fused_layers_refusal(model.config)
+    assert all(layer.kernels is None for layer in model.layers)
+    moe = model.layers[1].mlp
+    assert isinstance(moe, MoE) and moe.router.kernels is native_kernels
+    assert all(expert.gate_up_proj.kernels is native_kernels for expert in moe.experts.values())
+    assert checkpoint.llm(prefill_compute_dtype="auto").engine.runner.model.prefill_dtype == "float32"
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["default-path", "torch-path"])
+def test_prompt_logprobs_match_transformers(checkpoint, cpu_kernels):
+    llm = checkpoint.llm(cpu_kernels=cpu_kernels)
+    (out,) = scored(llm, [PROMPT], max_tokens=0)
+    reference = checkpoint.logprobs(PROMPT)
+    assert reference.std(dim=-1).min() > 0.5  # a real spread of logprobs at every position: 1e-4 is a tight bound
+    for position in range(1, len(PROMPT)):
+        entry, expected = out.prompt_logprobs[position], reference[position - 1]
+        assert entry.token_id == PROMPT[position]
+        assert abs(entry.logprob - expected[PROMPT[position]].item()) <= TOLERANCE, position
+        top = expected.topk(5)
+        assert list(entry.top) == top.indices.tolist()
+        assert max(abs(a - b) for a, b in zip(entry.top.values(), top.values.tolist())) <= TOLERANCE
+
+
+def test_greedy_tokens_match_transformers_over_32_steps(checkpoint, llm):
+    (out,) = scored(llm, [PROMPT])
+    assert out.token_ids == checkpoint.greedy(PROMPT, GREEDY_STEPS)
+
+
+def test_tokens_go_to_the_experts_transformers_routes_them_to_and_routing_matters(checkpoint):
+    """Every routed layer picks, for every prompt token, the same set of experts as transformers' router; the three
+    prompts' tokens spread over all 8 experts in different combinations (a router that always chose the same experts,
+    or a model whose answer did not depend on the choice, would pass the logprob tests for the wrong reason)."""
+    llm = checkpoint.llm(enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    ours, theirs = {}, {}  # layer -> [T, k] experts, the first call's (the prompt's)
+
+    def ours_of(i):  # the engine's router on its layer's input
+        def hook(module, args):
+            ours.setdefault(i, module.route(args[0])[0])  # returning nothing keeps the input
+        return hook
+
+    def theirs_of(i):  # transformers' router's choice
+        def hook(module, args, out):
+            theirs.setdefault(i, out[2])
+        return hook
+
+    hooks = [model.layers[i].mlp.register_forward_pre_hook(ours_of(i)) for i in ROUTED[checkpoint.name]]
+    hooks += [checkpoint.hf.model.layers[i].mlp.gate.register_forward_hook(theirs_of(i))
+              for i in ROUTED[checkpoint.name]]
+    try:
+        scored(llm, [PROMPT], max_tokens=1)
+        checkpoint.logprobs(PROMPT)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for i in ROUTED[checkpoint.name]:
+        assert ours[i].sort().values.tolist() == theirs[i].sort().values.tolist(), i
+        assert len({tuple(sorted(row)) for row in ours[i].tolist()}) >= 4
+    scored(llm, OTHERS, max_tokens=1)
+    routed = tokens_routed(model.layers)
+    k = model.config.num_experts_per_tok
+    assert sorted(routed) == ROUTED[checkpoint.name]
+    for counts in routed.values():  # the prompts, and no decode step (max_tokens=1)
+        assert min(counts) > 0 and sum(counts) == k * sum(map(len, [PROMPT, *OTHERS]))
+    # The experts' weights change the answer: with one expert's weights zeroed, the prompt scores otherwise.
+    expert = model.layers[1].mlp.experts[str(max(range(8), key=routed[1].__getitem__))]
+    saved = expert.down_proj.weight.clone()
+    expert.down_proj.weight.zero_()
+    try:
+        changed = scored(llm, [PROMPT], max_tokens=1)[0]
+    finally:
+        expert.down_proj.weight.copy_(saved)
+    again = scored(llm, [PROMPT], max_tokens=1)[0]
+    assert _prompt_logprobs(changed) != _prompt_logprobs(again)
+
+
+def _prompt_logprobs(out) -> list[float]:
+    return [entry.logprob for entry in out.prompt_logprobs[1:]]
+
+
+def test_a_prompt_gets_the_same_bits_alone_beside_others_in_chunks_and_from_the_prefix_cache(checkpoint, llm):
+    """Each run on an engine of its own without prefix caching, but the last: the module's engine, which has run
+    PROMPT before, so its blocks come from the prefix cache. Beside other prompts an expert's product takes rows of
+    several sequences and in chunks fewer rows: a token's bits must not move."""
+    uncached = {"enable_prefix_caching": False}
+    (alone,) = scored(checkpoint.llm(**uncached), [PROMPT])
+    beside = scored(checkpoint.llm(**uncached), [OTHERS[0], PROMPT, OTHERS[1]])[1]
+    (chunked,) = scored(checkpoint.llm(long_prefill_token_threshold=8, **uncached), [PROMPT])
+    for other in (beside, chunked):
+        assert other.token_ids == alone.token_ids
+        assert other.logprobs == alone.logprobs and other.prompt_logprobs == alone.prompt_logprobs
+    scored(llm, [PROMPT])
+    (cached,) = scored(llm, [PROMPT], prompt_logprobs=None)
+    assert cached.num_cached_tokens == 32  # its two full blocks
+    assert (cached.token_ids, cached.logprobs) == (alone.token_ids, alone.logprobs)
+
+
+def test_experts_quantized_at_load_give_the_widened_weights_logprobs(checkpoint, native_kernels):
+    """int8 at load keeps every expert's products in Q8_0 blocks on the native kernels and the router in float32 (a
+    rounded routing logit would choose other experts): the same logprobs as those weights widened on PyTorch."""
+    native_llm = checkpoint.llm(quantization="int8")
+    moe = native_llm.engine.runner.model.layers[1].mlp
+    assert {e.down_proj.weight_format for e in moe.experts.values()} == {"q8_0"}
+    assert moe.router.weight_format == "float32"
+    native, widened = (scored(llm, [PROMPT], max_tokens=0)[0]
+                       for llm in (native_llm, checkpoint.llm(quantization="int8", cpu_kernels=False)))
+    assert max(abs(a - b) for a, b in zip(_prompt_logprobs(native), _prompt_logprobs(widened))) <= TOLERANCE
+
+
+def _write_qwen3moe_gguf(path, hf, qtype) -> None:
+    """``hf`` (the Qwen3-MoE checkpoint's transformers state dict, stacked experts) as llama.cpp's converter writes a
+    ``qwen3moe`` file: each layer's experts stacked [E, rows, cols], matrices in ``qtype``, the router F32."""
+    import gguf
+    import numpy as np
+
+    from tests.test_weights import GGUF_TOKENS
+
+    c = SHAPES["qwen3_moe"].config
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    for key, value in (("block_count", 2), ("context_length", 4096), ("embedding_length", c["hidden_size"]),
+                       ("feed_forward_length", c["intermediate_size"]), ("head_count", c["num_attention_heads"]),
+                       ("head_count_kv", c["num_key_value_heads"]), ("key_length", c["head_dim"]),
+                       ("rope_dimension_count", c["head_dim"]), ("expert_count", c["num_experts"]),
+                       ("expert_used_count", c["num_experts_per_tok"]),
+                       ("expert_feed_forward_length", c["moe_intermediate_size"])):
+        getattr(writer, f"add_{key}")(value)
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(GGUF_TOKENS)
+    writer.add_token_merges(["a b"])
+    h = "model.layers.{i}."
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    for i in range(2):
+        for g, t in (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                     ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                     ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
+                     ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"),
+                     ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"), ("ffn_gate_inp", "mlp.gate")):
+            names[f"blk.{i}.{g}.weight"] = (h + t + ".weight").format(i=i)
+    tensors = {g: hf[t].numpy() for g, t in names.items() if t in hf}
+    gate_up = hf[h.format(i=1) + "mlp.experts.gate_up_proj"].numpy()
+    tensors["blk.1.ffn_gate_exps.weight"], tensors["blk.1.ffn_up_exps.weight"] = np.split(gate_up, 2, axis=1)
+    tensors["blk.1.ffn_down_exps.weight"] = hf[h.format(i=1) + "mlp.experts.down_proj"].numpy()
+    for name, w in tensors.items():
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if w.ndim >= 2 and "ffn_gate_inp" not in name and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_qwen3moe_gguf_gives_each_expert_its_matrix_in_the_files_blocks(tmp_path, native_kernels):
+    """llama.cpp stacks a layer's experts in one tensor ([E, I, H] as ``ffn_gate_exps``...): the loader splits it per
+    expert. In F32, the weights of the checkpoint it was converted from, exactly; in Q8_0 with ``keep_blocks``
+    (``quantization="gguf"``), each expert's matrices stay in the file's blocks, within Q8_0's rounding."""
+    import gguf
+
+    from splitserve.engine.weights.gguf_file import load_gguf
+    from splitserve.engine.weights.quantized_weights import BlockQuantized
+
+    checkpoint = Checkpoint(tmp_path / "hf", SHAPES["qwen3_moe"])
+    config, state = load_hf_checkpoint(checkpoint.directory)
+    hf = checkpoint.hf.state_dict()
+    _write_qwen3moe_gguf(tmp_path / "f32.gguf", hf, gguf.GGMLQuantizationType.F32)
+    from_gguf, f32 = load_gguf(tmp_path / "f32.gguf")[:2]
+    assert (from_gguf.architecture, from_gguf.moe_layers, from_gguf.num_experts, from_gguf.num_experts_per_tok,
+            from_gguf.moe_intermediate_size, from_gguf.norm_topk_prob) == ("qwen3_moe", [1], 8, 4, 64, True)
+    assert f32.keys() == state.keys() and all(torch.equal(f32[n], state[n]) for n in state)
+    _write_qwen3moe_gguf(tmp_path / "q8.gguf", hf, gguf.GGMLQuantizationType.Q8_0)
+    q8_config, q8 = load_gguf(tmp_path / "q8.gguf", keep_blocks=True)[:2]
+    for e in range(8):
+        for part in ("gate_up_proj", "down_proj"):
+            name = f"layers.1.mlp.experts.{e}.{part}.weight"
+            assert isinstance(q8[name], BlockQuantized) and q8[name].format == "q8_0"
+            assert (q8[name].dequantize() - state[name]).abs().max() <= state[name].abs().max() * 0.6 / 127
+    assert isinstance(q8["layers.1.mlp.router.weight"], torch.Tensor)  # F32 in the file, as llama.cpp keeps it
+    model = LlamaForCausalLM.from_state_dict(q8_config, q8)  # the native products run the experts' blocks
+    assert model.layers[1].mlp.experts["5"].gate_up_proj.weight_format == "q8_0"
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])
+def test_an_experts_gated_row_has_the_same_bits_in_any_number_of_rows(gelu):
+    """An expert's product takes as many rows as the batch routes to it, and PyTorch splits an elementwise op of
+    32768+ elements over threads at any element: act(gate) * up runs in calls of whole rows, so a row's bits are
+    its own (a plain F.silu over 343 rows of 96 changes one row's bits on 2 threads). Gemma's GeGLU likewise."""
+    from splitserve.engine.model.layers import _gated_by_rows
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gate_up = torch.randn(343, 192, generator=torch.Generator().manual_seed(0))
+        gate, up = gate_up[:, :96], gate_up[:, 96:]
+        rows = torch.cat([_gated_by_rows(gate[i : i + 1], up[i : i + 1], gelu) for i in range(343)])
+        assert torch.equal(_gated_by_rows(gate, up, gelu), rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_export_writes_what_transformers_loads_with_the_same_logits(tmp_path, checkpoint):
+    config, state = load_hf_checkpoint(checkpoint.directory)
+    export_hf_checkpoint(config, state, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == checkpoint.hf.config.model_type
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(reloaded) is type(checkpoint.hf)
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        assert torch.equal(reloaded(ids).logits, checkpoint.hf(ids).logits)
+    assert replace(load_hf_checkpoint(tmp_path)[0], name=config.name) == config  # experts, routing, dense layers
+
+
+def test_the_pod_exports_tokens_per_expert(llm):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from splitserve.runtime.metrics import PodMetrics
+
+    metrics = PodMetrics("mixed", "moe")
+    model = llm.engine.runner.model
+    metrics.count_expert_tokens(lambda: tokens_routed(model.layers))
+    scored(llm, [OTHERS[1]], max_tokens=2)
+    text = metrics.exposition()[0].decode()
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "splitserve_moe_expert_tokens"]
+    samples = {(s.labels["layer"], s.labels["expert"]): s.value for s in family.samples if s.name.endswith("_total")}
+    routed = tokens_routed(model.layers)
+    assert samples == {(str(i), str(e)): n for i, counts in routed.items() for e, n in enumerate(counts)}
+    assert sum(samples.values()) > 0
+
+
+# ---- expert parallelism ----------------------------------------------------------------------------------------------
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("model_type, parallel", [("qwen2_moe", "tensor"), ("qwen3_moe", "pipeline")])
+def test_two_ranks_give_one_process_answer(tmp_path, model_type, parallel):
+    """Qwen2-MoE over 2 tensor-parallel ranks, expert-parallel in its routed layer: attention heads split, each rank
+    holding 4 of the 8 experts and computing their rows for every token, and half of the shared expert's width (as the
+    dense layer's MLP), the all-reduce summing the two halves. Qwen3-MoE over 2 pipeline ranks: the second's one layer
+    is the routed one (renumbered 0 on its stage). The same greedy tokens as one process, prompt logprobs within 1e-4
+    (the sums round in another order)."""
+    checkpoint = Checkpoint(tmp_path, SHAPES[model_type], model_type)
+    answers = []
+    for settings in ({}, {f"{parallel}_parallel_size": 2}):
+        llm = checkpoint.llm(**settings)
+        answers.append(scored(llm, [PROMPT])[0])
+        if settings and parallel == "tensor":
+            moe = llm.engine.runner.model.layers[1].mlp
+            assert sorted(moe.experts, key=int) == ["0", "1", "2", "3"]
+            assert moe.shared_expert.intermediate_size == 64
+        del llm
+        gc.collect()  # a parallel engine's ranks stop, and this thread's CPU mask comes back, when it is collected
+    one, split = answers
+    assert split.token_ids == one.token_ids
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(one.prompt_logprobs[1:], split.prompt_logprobs[1:])) \
+        <= TOLERANCE
+
+
+# ---- disaggregated ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start_cluster):
+    """``splitserve up`` of the Qwen3-MoE checkpoint with one prefill and one decode pod: every prompt prefills on the
+    prefill pod, its KV crosses to the decode pod, the greedy tokens are the offline engine's, each pod counts the
+    tokens its routed layer sent to every expert, and every block is free after."""
+    from tests.reliability.live_cluster import START_S, TINY, pod_counter, stream, wait_every_block_free
+    from tests.test_tp_cluster import kv_loaded
+
+    checkpoint = Checkpoint(tmp_path / "qwen3_moe", SHAPES["qwen3_moe"])
+    prompts = [PROMPT, *OTHERS]
+    offline = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True))
+    cluster = start_cluster(tmp_path / "up", **{**TINY, "model": str(checkpoint.directory), "prefill": 1,
+                                                "decode": 1, "kv_codec": "none", "conditional_prefill_threshold": 0,
+                                                "decode_pod_wait_s": START_S})
+    try:
+        answers = [stream(cluster, prompt, GREEDY_STEPS, timeout_s=START_S) for prompt in prompts]
+        assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(prompts)
+        assert [a.token_ids for a in answers] == [out.token_ids for out in offline]
+        assert kv_loaded(cluster, cluster.pods[1]) == len(prompts)  # each prompt's KV came from the prefill pod
+        for pod in cluster.pods:
+            routed = [pod_counter(cluster, pod, "splitserve_moe_expert_tokens_total", layer="1", expert=str(e))
+                      for e in range(8)]
+            assert min(routed) > 0, (pod.name, routed)
+        wait_every_block_free(cluster)
+    finally:
+        cluster.stop()
