@@ -20,5 +20,6 @@ regimes, the codec measurements, ``--json`` / ``--plot``) is the measurement lib
 - ``llamacpp.py``: splitserve's engine beside llama.cpp, the CPU peer, on the same GGUF file;
 - ``lm_eval/``: lm-eval against a cluster, each answer checked offline, and its scores side by side per prefill
   format and KV codec on long-context recall documents;
-- ``tp.py``: tensor parallelism, TP 1 against TP N on the same cores, its collectives, and the 8-rank projection.
+- ``tp.py``: tensor parallelism, TP 1 against TP N on the same cores, its collectives, and the 8-rank projection;
+- ``moe.py``: a mixture of experts beside a dense model of the same active parameters, prefill and decode.
 """

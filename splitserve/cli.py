@@ -12,6 +12,7 @@
   splitserve bench spec [--batches 1,4,16 ...]          speculative decoding on vs off: tokens/s, TPOT, acceptance
   splitserve simulate [--pools prefill:1,decode:1 ...]  the router and pods on a virtual clock, from a profile
   splitserve bench llamacpp [--threads 1,2 ...]         beside llama.cpp on the same GGUF: ms/token, tokens/s, lookup
+  splitserve bench moe [--experts 8 --top-k 2 ...]      a mixture of experts beside a dense model of its active size
   splitserve bench lm_eval [--lm-eval-python PATH]      lm-eval against a cluster, each answer checked offline
   splitserve bench tp [--tensor-parallel-sizes 1,2 ...]  TP 1 vs TP N on this machine, all-reduce cost, 8-rank
                                                         projection
@@ -79,7 +80,7 @@ BENCHMARKS = {
     "serve": "splitserve.bench.serve.command", "compare": "splitserve.bench.compare.command",
     "phases": "splitserve.bench.phases.command", "soak": "splitserve.bench.soak", "spec": "splitserve.bench.spec",
     "structured": "splitserve.bench.structured", "llamacpp": "splitserve.bench.llamacpp",
-    "lm_eval": "splitserve.bench.lm_eval", "tp": "splitserve.bench.tp",
+    "lm_eval": "splitserve.bench.lm_eval", "tp": "splitserve.bench.tp", "moe": "splitserve.bench.moe",
 }
 
 
