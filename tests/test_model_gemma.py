@@ -15,18 +15,30 @@ logprobs' spread is asserted at every position, as for the other architectures.
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
 import transformers
-from tiny_checkpoints import GREEDY_STEPS, OTHERS, PROMPT, TOLERANCE, VOCAB, Checkpoint, Shape, scored
+from tiny_checkpoints import (
+    PROMPT,
+    TOLERANCE,
+    VOCAB,
+    Checkpoint,
+    PrefillDecodeCluster,
+    Shape,
+    architecture_fixtures,
+    check_export,
+    check_greedy_tokens,
+    check_prompt_logprobs,
+    check_ranks_agree,
+    check_same_bits,
+    scored,
+)
 
 from splitserve.engine import LLM
 from splitserve.engine.model.architectures import registry
 from splitserve.engine.model.layers import fused_layers_refusal
-from splitserve.engine.sampling.params import SamplingParams
-from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
+from splitserve.engine.weights.hf_checkpoint import load_hf_checkpoint
 
 WINDOW = 16
 
@@ -58,14 +70,7 @@ WINDOWS = {"gemma2": (WINDOW, None), "gemma3_text": (WINDOW, WINDOW, None)}
 GQA = {"gemma2": 2, "gemma3_text": 4}
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def checkpoint(request, tmp_path_factory) -> Checkpoint:
-    return Checkpoint(tmp_path_factory.mktemp(request.param), SHAPES[request.param], request.param)
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint) -> LLM:
-    return checkpoint.llm()
+checkpoint, llm = architecture_fixtures(SHAPES)
 
 
 def test_the_entry_reads_the_checkpoint(checkpoint):
@@ -92,16 +97,7 @@ def test_the_entry_reads_the_checkpoint(checkpoint):
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["default-path", "torch-path"])
 def test_prompt_logprobs_match_transformers(checkpoint, cpu_kernels):
-    (out,) = scored(checkpoint.llm(cpu_kernels=cpu_kernels), [PROMPT], max_tokens=0)
-    reference = checkpoint.logprobs(PROMPT)
-    assert reference.std(dim=-1).min() > 0.5  # a real spread of logprobs at every position: 1e-4 is a tight bound
-    for position in range(1, len(PROMPT)):
-        entry, expected = out.prompt_logprobs[position], reference[position - 1]
-        assert entry.token_id == PROMPT[position]
-        assert abs(entry.logprob - expected[PROMPT[position]].item()) <= TOLERANCE, position
-        top = expected.topk(5)
-        assert list(entry.top) == top.indices.tolist()
-        assert max(abs(a - b) for a, b in zip(entry.top.values(), top.values.tolist())) <= TOLERANCE
+    check_prompt_logprobs(checkpoint, cpu_kernels=cpu_kernels)
 
 
 def test_the_window_and_the_local_rope_matter(checkpoint):
@@ -124,25 +120,14 @@ def test_the_window_and_the_local_rope_matter(checkpoint):
 
 
 def test_greedy_tokens_match_transformers_over_32_steps(checkpoint, llm):
-    (out,) = scored(llm, [PROMPT])
-    assert out.token_ids == checkpoint.greedy(PROMPT, GREEDY_STEPS)
+    check_greedy_tokens(checkpoint, llm)
 
 
 def test_a_prompt_gets_the_same_bits_alone_beside_others_in_chunks_and_from_the_prefix_cache(checkpoint, llm):
     """As for every architecture (test_model_registry.py), on the default path: the windowed and soft-capped layers
     attend in PyTorch, each query over its own keys padded to a length its position sets, so nothing beside it, no
     chunking and no cached prefix changes its bits."""
-    uncached = {"enable_prefix_caching": False}
-    (alone,) = scored(checkpoint.llm(**uncached), [PROMPT])
-    beside = scored(checkpoint.llm(**uncached), [OTHERS[0], PROMPT, OTHERS[1]])[1]
-    (chunked,) = scored(checkpoint.llm(long_prefill_token_threshold=8, **uncached), [PROMPT])
-    for other in (beside, chunked):
-        assert other.token_ids == alone.token_ids
-        assert other.logprobs == alone.logprobs and other.prompt_logprobs == alone.prompt_logprobs
-    scored(llm, [PROMPT])
-    (cached,) = scored(llm, [PROMPT], prompt_logprobs=None)
-    assert cached.num_cached_tokens == 32  # its two full blocks
-    assert (cached.token_ids, cached.logprobs) == (alone.token_ids, alone.logprobs)
+    check_same_bits(checkpoint, llm)
 
 
 def test_the_fused_native_layers_are_refused_with_their_reason(checkpoint, llm, native_kernels):
@@ -166,14 +151,7 @@ def test_weights_quantized_at_load_give_the_widened_weights_logprobs(checkpoint,
 
 
 def test_export_writes_gemma_back(tmp_path, checkpoint):
-    config, state = load_hf_checkpoint(checkpoint.directory)
-    export_hf_checkpoint(config, state, tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == checkpoint.name
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(reloaded) is type(checkpoint.hf)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        assert torch.equal(reloaded(ids).logits, checkpoint.hf(ids).logits)
+    check_export(checkpoint, tmp_path)
 
 
 # ---- the same windows for other architectures ---------------------------------------------------------------------
@@ -251,44 +229,18 @@ def test_tensor_and_pipeline_parallel_ranks_give_one_process_answer(tmp_path):
     """Gemma 3 over 2 ranks against 1: tensor-parallel (its 4 query heads 2 + 2, the one KV head on both; the output
     norms after the row-parallel all-reduce) and pipeline-parallel (the second rank's layers keep their windows:
     local, then global). The same greedy tokens, prompt logprobs within 1e-4 (measured 1.2e-5 and 0)."""
-    import gc
-
-    checkpoint = Checkpoint(tmp_path, SHAPES["gemma3_text"], "gemma3_text")
-    answers = []
-    for settings in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
-        llm = checkpoint.llm(**settings)
-        answers.append(scored(llm, [PROMPT])[0])
-        del llm
-        gc.collect()  # a parallel engine's ranks stop, and this thread's CPU mask comes back, when it is collected
-    one, *split = answers
-    for other in split:
-        assert other.token_ids == one.token_ids
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(one.prompt_logprobs[1:], other.prompt_logprobs[1:])) \
-            <= TOLERANCE
+    check_ranks_agree(Checkpoint(tmp_path, SHAPES["gemma3_text"], "gemma3_text"), {"tensor_parallel_size": 2},
+                      {"pipeline_parallel_size": 2})
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model_type", list(SHAPES))
-def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start_cluster, model_type):
+@pytest.mark.parametrize("model_type, pool", [(m, pool) for m in SHAPES for pool in ("float16", "int8")])
+def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start_cluster, model_type, pool):
     """``splitserve up --model DIR`` with one prefill and one decode pod: every prompt (the longest well past the
     window) prefills on the prefill pod, its KV of every layer, local and global alike (one layout: the pool keeps
-    every block), crosses to the decode pod, and the greedy tokens are the offline engine's (float16 KV on both, the
-    pods' default); every block is free after."""
-    from tests.reliability.live_cluster import START_S, TINY, stream, wait_every_block_free
-    from tests.test_tp_cluster import kv_loaded
-
+    every block), crosses to the decode pod, and the greedy tokens are the offline engine's with the same pool
+    (float16, the pods' default, and int8 rows, which the windowed layers' PyTorch attention reads too); every block is
+    free after."""
     checkpoint = Checkpoint(tmp_path / model_type, SHAPES[model_type], model_type)
-    prompts = [PROMPT, *OTHERS]
-    offline = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32").generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True))
-    cluster = start_cluster(tmp_path / "up", **{**TINY, "model": str(checkpoint.directory), "prefill": 1,
-                                                "decode": 1, "kv_codec": "none", "conditional_prefill_threshold": 0,
-                                                "decode_pod_wait_s": START_S})
-    try:
-        answers = [stream(cluster, prompt, GREEDY_STEPS, timeout_s=START_S) for prompt in prompts]
-        assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(prompts)
-        assert [a.token_ids for a in answers] == [out.token_ids for out in offline]
-        assert kv_loaded(cluster, cluster.pods[1]) == len(prompts)  # each prompt's KV came from the prefill pod
-        wait_every_block_free(cluster)
-    finally:
-        cluster.stop()
+    with PrefillDecodeCluster(start_cluster, tmp_path / "up", checkpoint, cache_dtype=pool):
+        pass

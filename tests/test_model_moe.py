@@ -15,21 +15,31 @@ grouping must not leak into a token's bits), the hub's and transformers' stacked
 
 from __future__ import annotations
 
-import gc
-import json
 from dataclasses import replace
 
 import pytest
 import torch
 import transformers
-from tiny_checkpoints import GREEDY_STEPS, OTHERS, PROMPT, TOLERANCE, Checkpoint, Shape, scored
+from tiny_checkpoints import (
+    OTHERS,
+    PROMPT,
+    TOLERANCE,
+    Checkpoint,
+    PrefillDecodeCluster,
+    Shape,
+    architecture_fixtures,
+    check_export,
+    check_greedy_tokens,
+    check_prompt_logprobs,
+    check_ranks_agree,
+    check_same_bits,
+    scored,
+)
 
-from splitserve.engine import LLM
 from splitserve.engine.model.layers import fused_layers_refusal
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.moe import MoE, tokens_routed
-from splitserve.engine.sampling.params import SamplingParams
-from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint, fuse_hf_state_dict, load_hf_checkpoint
+from splitserve.engine.weights.hf_checkpoint import fuse_hf_state_dict, load_hf_checkpoint
 
 SHAPES = {
     "qwen3_moe": Shape(transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
@@ -50,14 +60,7 @@ SHAPES = {
 ROUTED = {"qwen3_moe": [1], "mixtral": [0, 1], "qwen2_moe": [1]}  # the layers whose MLP is the experts
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def checkpoint(request, tmp_path_factory) -> Checkpoint:
-    return Checkpoint(tmp_path_factory.mktemp(request.param), SHAPES[request.param], request.param)
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint) -> LLM:
-    return checkpoint.llm()
+checkpoint, llm = architecture_fixtures(SHAPES)
 
 
 def test_the_entry_reads_the_experts_from_the_hub_names_and_from_transformers_stacked_ones(checkpoint):
@@ -94,22 +97,11 @@ def test_moe_layers_compose_in_pytorch_around_the_native_products(checkpoint, ll
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["default-path", "torch-path"])
 def test_prompt_logprobs_match_transformers(checkpoint, cpu_kernels):
-    llm = checkpoint.llm(cpu_kernels=cpu_kernels)
-    (out,) = scored(llm, [PROMPT], max_tokens=0)
-    reference = checkpoint.logprobs(PROMPT)
-    assert reference.std(dim=-1).min() > 0.5  # a real spread of logprobs at every position: 1e-4 is a tight bound
-    for position in range(1, len(PROMPT)):
-        entry, expected = out.prompt_logprobs[position], reference[position - 1]
-        assert entry.token_id == PROMPT[position]
-        assert abs(entry.logprob - expected[PROMPT[position]].item()) <= TOLERANCE, position
-        top = expected.topk(5)
-        assert list(entry.top) == top.indices.tolist()
-        assert max(abs(a - b) for a, b in zip(entry.top.values(), top.values.tolist())) <= TOLERANCE
+    check_prompt_logprobs(checkpoint, cpu_kernels=cpu_kernels)
 
 
 def test_greedy_tokens_match_transformers_over_32_steps(checkpoint, llm):
-    (out,) = scored(llm, [PROMPT])
-    assert out.token_ids == checkpoint.greedy(PROMPT, GREEDY_STEPS)
+    check_greedy_tokens(checkpoint, llm)
 
 
 def test_tokens_go_to_the_experts_transformers_routes_them_to_and_routing_matters(checkpoint):
@@ -168,17 +160,7 @@ def test_a_prompt_gets_the_same_bits_alone_beside_others_in_chunks_and_from_the_
     """Each run on an engine of its own without prefix caching, but the last: the module's engine, which has run
     PROMPT before, so its blocks come from the prefix cache. Beside other prompts an expert's product takes rows of
     several sequences and in chunks fewer rows: a token's bits must not move."""
-    uncached = {"enable_prefix_caching": False}
-    (alone,) = scored(checkpoint.llm(**uncached), [PROMPT])
-    beside = scored(checkpoint.llm(**uncached), [OTHERS[0], PROMPT, OTHERS[1]])[1]
-    (chunked,) = scored(checkpoint.llm(long_prefill_token_threshold=8, **uncached), [PROMPT])
-    for other in (beside, chunked):
-        assert other.token_ids == alone.token_ids
-        assert other.logprobs == alone.logprobs and other.prompt_logprobs == alone.prompt_logprobs
-    scored(llm, [PROMPT])
-    (cached,) = scored(llm, [PROMPT], prompt_logprobs=None)
-    assert cached.num_cached_tokens == 32  # its two full blocks
-    assert (cached.token_ids, cached.logprobs) == (alone.token_ids, alone.logprobs)
+    check_same_bits(checkpoint, llm)
 
 
 def test_experts_quantized_at_load_give_the_widened_weights_logprobs(checkpoint, native_kernels):
@@ -288,15 +270,7 @@ def test_an_experts_gated_row_has_the_same_bits_in_any_number_of_rows(gelu):
 
 
 def test_export_writes_what_transformers_loads_with_the_same_logits(tmp_path, checkpoint):
-    config, state = load_hf_checkpoint(checkpoint.directory)
-    export_hf_checkpoint(config, state, tmp_path)
-    written = json.loads((tmp_path / "config.json").read_text())
-    assert written["model_type"] == checkpoint.hf.config.model_type
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(reloaded) is type(checkpoint.hf)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        assert torch.equal(reloaded(ids).logits, checkpoint.hf(ids).logits)
+    config = check_export(checkpoint, tmp_path)
     assert replace(load_hf_checkpoint(tmp_path)[0], name=config.name) == config  # experts, routing, dense layers
 
 
@@ -327,21 +301,14 @@ def test_two_ranks_give_one_process_answer(tmp_path, model_type, parallel):
     dense layer's MLP), the all-reduce summing the two halves. Qwen3-MoE over 2 pipeline ranks: the second's one layer
     is the routed one (renumbered 0 on its stage). The same greedy tokens as one process, prompt logprobs within 1e-4
     (the sums round in another order)."""
-    checkpoint = Checkpoint(tmp_path, SHAPES[model_type], model_type)
-    answers = []
-    for settings in ({}, {f"{parallel}_parallel_size": 2}):
-        llm = checkpoint.llm(**settings)
-        answers.append(scored(llm, [PROMPT])[0])
-        if settings and parallel == "tensor":
+    def inspect(llm) -> None:
+        if parallel == "tensor":
             moe = llm.engine.runner.model.layers[1].mlp
             assert sorted(moe.experts, key=int) == ["0", "1", "2", "3"]
             assert moe.shared_expert.intermediate_size == 64
-        del llm
-        gc.collect()  # a parallel engine's ranks stop, and this thread's CPU mask comes back, when it is collected
-    one, split = answers
-    assert split.token_ids == one.token_ids
-    assert max(abs(a.logprob - b.logprob) for a, b in zip(one.prompt_logprobs[1:], split.prompt_logprobs[1:])) \
-        <= TOLERANCE
+
+    check_ranks_agree(Checkpoint(tmp_path, SHAPES[model_type], model_type), {f"{parallel}_parallel_size": 2},
+                      inspect=inspect)
 
 
 # ---- disaggregated ---------------------------------------------------------------------------------------------------
@@ -351,25 +318,11 @@ def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start
     """``splitserve up`` of the Qwen3-MoE checkpoint with one prefill and one decode pod: every prompt prefills on the
     prefill pod, its KV crosses to the decode pod, the greedy tokens are the offline engine's, each pod counts the
     tokens its routed layer sent to every expert, and every block is free after."""
-    from tests.reliability.live_cluster import START_S, TINY, pod_counter, stream, wait_every_block_free
-    from tests.test_tp_cluster import kv_loaded
+    from tests.reliability.live_cluster import pod_counter
 
-    checkpoint = Checkpoint(tmp_path / "qwen3_moe", SHAPES["qwen3_moe"])
-    prompts = [PROMPT, *OTHERS]
-    offline = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32").generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True))
-    cluster = start_cluster(tmp_path / "up", **{**TINY, "model": str(checkpoint.directory), "prefill": 1,
-                                                "decode": 1, "kv_codec": "none", "conditional_prefill_threshold": 0,
-                                                "decode_pod_wait_s": START_S})
-    try:
-        answers = [stream(cluster, prompt, GREEDY_STEPS, timeout_s=START_S) for prompt in prompts]
-        assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(prompts)
-        assert [a.token_ids for a in answers] == [out.token_ids for out in offline]
-        assert kv_loaded(cluster, cluster.pods[1]) == len(prompts)  # each prompt's KV came from the prefill pod
-        for pod in cluster.pods:
-            routed = [pod_counter(cluster, pod, "splitserve_moe_expert_tokens_total", layer="1", expert=str(e))
+    with PrefillDecodeCluster(start_cluster, tmp_path / "up", Checkpoint(tmp_path / "qwen3_moe",
+                                                                         SHAPES["qwen3_moe"])) as up:
+        for pod in up.cluster.pods:
+            routed = [pod_counter(up.cluster, pod, "splitserve_moe_expert_tokens_total", layer="1", expert=str(e))
                       for e in range(8)]
             assert min(routed) > 0, (pod.name, routed)
-        wait_every_block_free(cluster)
-    finally:
-        cluster.stop()

@@ -112,8 +112,9 @@ def write_gguf_q8_0(path, checkpoint: Checkpoint, rope_freqs=None) -> None:
     import gguf
     import numpy as np
     from test_weights import _gguf_fused_names, _gguf_tensor_names, llama_cpp_permute
-    from tiny_checkpoints import SPECIAL_TOKENS
     from tokenizers import Tokenizer
+
+    from splitserve.engine.text.byte_tokenizer import SPECIAL_TOKENS
 
     hf, arch = checkpoint.hf.config, GGUF_ARCH[checkpoint.name]
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads

@@ -12,22 +12,25 @@ other prompts and in chunks.
 
 from __future__ import annotations
 
-import gc
-import json
 import math
-import os
 
 import pytest
 import torch
 import transformers
 from tiny_checkpoints import (
     GREEDY_STEPS,
-    OTHERS,
     PROMPT,
     TOLERANCE,
     VOCAB,
     Checkpoint,
+    PrefillDecodeCluster,
     Shape,
+    architecture_fixtures,
+    check_export,
+    check_greedy_tokens,
+    check_prompt_logprobs,
+    check_ranks_agree,
+    check_same_bits,
     save_checkpoint,
     scored,
 )
@@ -80,14 +83,7 @@ PHI3_LONGROPE_SHAPE = Shape(transformers.Phi3Config, transformers.Phi3ForCausalL
                              "original_max_position_embeddings": 128})
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def checkpoint(request, tmp_path_factory) -> Checkpoint:
-    return Checkpoint(tmp_path_factory.mktemp(request.param), SHAPES[request.param], request.param)
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint) -> LLM:
-    return checkpoint.llm()
+checkpoint, llm = architecture_fixtures(SHAPES)
 
 
 def test_the_registry_entry_reads_the_checkpoint(checkpoint):
@@ -109,38 +105,17 @@ def test_the_registry_entry_reads_the_checkpoint(checkpoint):
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["default-path", "torch-path"])
 def test_prompt_logprobs_match_transformers(checkpoint, cpu_kernels):
-    llm = checkpoint.llm(cpu_kernels=cpu_kernels)
-    (out,) = scored(llm, [PROMPT], max_tokens=0)
-    reference = checkpoint.logprobs(PROMPT)
-    assert reference.std(dim=-1).min() > 0.5  # a real spread of logprobs at every position: 1e-4 is a tight bound
-    for position in range(1, len(PROMPT)):
-        entry, expected = out.prompt_logprobs[position], reference[position - 1]
-        assert entry.token_id == PROMPT[position]
-        assert abs(entry.logprob - expected[PROMPT[position]].item()) <= TOLERANCE, position
-        top = expected.topk(5)
-        assert list(entry.top) == top.indices.tolist()
-        assert max(abs(a - b) for a, b in zip(entry.top.values(), top.values.tolist())) <= TOLERANCE
+    check_prompt_logprobs(checkpoint, cpu_kernels=cpu_kernels)
 
 
 def test_greedy_tokens_match_transformers_over_32_steps(checkpoint, llm):
-    (out,) = scored(llm, [PROMPT])
-    assert out.token_ids == checkpoint.greedy(PROMPT, GREEDY_STEPS)
+    check_greedy_tokens(checkpoint, llm)
 
 
 def test_a_prompt_gets_the_same_bits_alone_beside_others_in_chunks_and_from_the_prefix_cache(checkpoint, llm):
     """Each run on an engine of its own without prefix caching, but the last: the module's engine, which has run
     PROMPT before, so its blocks come from the prefix cache (asking no prompt logprobs, which are computed anew)."""
-    uncached = {"enable_prefix_caching": False}
-    (alone,) = scored(checkpoint.llm(**uncached), [PROMPT])
-    beside = scored(checkpoint.llm(**uncached), [OTHERS[0], PROMPT, OTHERS[1]])[1]
-    (chunked,) = scored(checkpoint.llm(long_prefill_token_threshold=8, **uncached), [PROMPT])
-    for other in (beside, chunked):
-        assert other.token_ids == alone.token_ids
-        assert other.logprobs == alone.logprobs and other.prompt_logprobs == alone.prompt_logprobs
-    scored(llm, [PROMPT])
-    (cached,) = scored(llm, [PROMPT], prompt_logprobs=None)
-    assert cached.num_cached_tokens == 32  # its two full blocks
-    assert (cached.token_ids, cached.logprobs) == (alone.token_ids, alone.logprobs)
+    check_same_bits(checkpoint, llm)
 
 
 def test_weights_quantized_at_load_give_the_widened_weights_logprobs(checkpoint, native_kernels):
@@ -277,17 +252,7 @@ def test_gguf_architectures_go_through_the_registry():
 
 
 def test_export_writes_the_architecture_it_was_loaded_as(tmp_path, checkpoint):
-    from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint
-
-    config, state = load_hf_checkpoint(checkpoint.directory)
-    export_hf_checkpoint(config, state, tmp_path)
-    written = json.loads((tmp_path / "config.json").read_text())
-    assert written["model_type"] == checkpoint.hf.config.model_type
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(reloaded) is type(checkpoint.hf)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        assert torch.equal(reloaded(ids).logits, checkpoint.hf(ids).logits)
+    check_export(checkpoint, tmp_path)
 
 
 # ---- parallelism -----------------------------------------------------------------------------------------------------
@@ -302,20 +267,8 @@ def test_tensor_and_pipeline_parallel_ranks_give_one_process_answer(tmp_path, mo
     llama (3 query heads over 1 KV head: 2 + 1) and llama3 (4 over 1) have layouts these already carry. Pipeline: a
     layer per rank. The same greedy tokens, prompt logprobs within 1e-4 (the row-parallel sums round in another
     order)."""
-    checkpoint = Checkpoint(tmp_path, SHAPES[model_type])
-    mask = os.sched_getaffinity(0)
-    answers = []
-    for settings in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
-        llm = checkpoint.llm(**settings)
-        answers.append(scored(llm, [PROMPT])[0])
-        del llm
-        gc.collect()  # a parallel engine's ranks stop, and this thread's CPU mask comes back, when it is collected
-    assert os.sched_getaffinity(0) == mask  # the later modules' clusters plan over every CPU again
-    one, *split = answers
-    for other in split:
-        assert other.token_ids == one.token_ids
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(one.prompt_logprobs[1:], other.prompt_logprobs[1:])) \
-            <= TOLERANCE
+    check_ranks_agree(Checkpoint(tmp_path, SHAPES[model_type]), {"tensor_parallel_size": 2},
+                      {"pipeline_parallel_size": 2})
 
 
 # ---- disaggregated ---------------------------------------------------------------------------------------------------
@@ -325,42 +278,22 @@ CHAT = [{"role": "user", "content": "Name the three primary colours."}]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model_type, kv_codec", [*((m, "none") for m in SHAPES), ("qwen3", "int8")])
+@pytest.mark.parametrize("model_type, pool", [(m, pool) for m in SHAPES for pool in ("float16", "int8")])
 def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start_cluster, openai_client, model_type,
-                                                                  kv_codec):
+                                                                  pool):
     """``splitserve up --model DIR`` of each checkpoint with one prefill and one decode pod: every prompt prefills on
-    the prefill pod, its KV crosses to the decode pod through ``kv_codec`` (lossless; and int8, lossy, for Qwen3, the
-    entry on its own compute path, with heads of 128), and the greedy tokens are the offline engine's (float16 KV on
-    both, the pods' default); so are the texts the ``openai`` client gets from the router's HTTP API, a completion
-    and a chat completion (the tiny tokenizer has no chat template: the test writes one); every block is free after.
-
-    A lossy codec runs for one entry only: a cluster takes 10-24 s on 2 shared cores (measured, ``--durations``), so
-    int8 for the 6 others would add 60-140 s, past the suite's budget; the codec's arithmetic depends on the head
-    layout alone, which the lossless runs already carry for every entry, and Qwen3 has both the largest heads and its
-    own compute path."""
-    from tests.reliability.live_cluster import START_S, TINY, stream, wait_every_block_free
-    from tests.test_tp_cluster import kv_loaded
-
+    the prefill pod, its KV crosses to the decode pod, and the greedy tokens are the offline engine's with the same
+    pool; so are the texts the ``openai`` client gets from the router's HTTP API, a completion and a chat completion
+    (the tiny tokenizer has no chat template: the test writes one); every block is free after. Pools of float16 (the
+    pods' default; the push lossless) and of int8, lossy (its rows cross as they lie: the answers are the offline int8
+    engine's, token for token, where a lossy codec between float16 pools would have no offline engine to equal)."""
     checkpoint = Checkpoint(tmp_path / model_type, SHAPES[model_type])
     (checkpoint.directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    prompts = [PROMPT, *OTHERS]
-    engine = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32")
-    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True)
-    offline, (offline_chat,) = engine.generate(prompts, params), engine.chat(CHAT, params)
-    cluster = start_cluster(tmp_path / "up", **{**TINY, "model": str(checkpoint.directory), "prefill": 1,
-                                                "decode": 1, "kv_codec": kv_codec, "conditional_prefill_threshold": 0,
-                                                "decode_pod_wait_s": START_S})
-    try:
-        answers = [stream(cluster, prompt, GREEDY_STEPS, timeout_s=START_S) for prompt in prompts]
-        assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(prompts)
-        assert [a.token_ids for a in answers] == [out.token_ids for out in offline]
-        assert kv_loaded(cluster, cluster.pods[1]) == len(prompts)  # each prompt's KV came from the prefill pod
-        client = openai_client(cluster)
+    with PrefillDecodeCluster(start_cluster, tmp_path / "up", checkpoint, cache_dtype=pool) as up:
+        (offline_chat,) = up.engine.chat(CHAT, up.params)
+        client = openai_client(up.cluster)
         model, greedy = client.models.list().data[0].id, dict(temperature=0, extra_body={"ignore_eos": True})
         completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=GREEDY_STEPS, **greedy)
         chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=GREEDY_STEPS, **greedy)
-        assert completion.choices[0].text == offline[0].text and offline[0].text
+        assert completion.choices[0].text == up.offline[0].text and up.offline[0].text
         assert chat.choices[0].message.content == offline_chat.text and offline_chat.text
-        wait_every_block_free(cluster)
-    finally:
-        cluster.stop()

@@ -101,3 +101,150 @@ def scored(llm, prompts: list[list[int]], **settings):
     params = SamplingParams(**{"max_tokens": GREEDY_STEPS, "temperature": 0.0, "ignore_eos": True,
                                "prompt_logprobs": 5, "logprobs": 5, **settings})
     return llm.generate(prompts, params)
+
+
+# ---- the checks every architecture's module runs on its checkpoints --------------------------------------------------
+
+def architecture_fixtures(shapes: dict[str, Shape]):
+    """A test module's ``checkpoint`` fixture (one per shape, module-scoped) and its ``llm`` (the engine over it):
+    ``checkpoint, llm = architecture_fixtures(SHAPES)``."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=list(shapes))
+    def checkpoint(request, tmp_path_factory) -> Checkpoint:
+        return Checkpoint(tmp_path_factory.mktemp(request.param), shapes[request.param], request.param)
+
+    @pytest.fixture(scope="module")
+    def llm(checkpoint):
+        return checkpoint.llm()
+
+    return checkpoint, llm
+
+
+def check_prompt_logprobs(checkpoint: Checkpoint, **settings) -> None:
+    """Prompt logprobs (and the top 5 at each position) within 1e-4 of transformers' on an engine of ``settings``."""
+    (out,) = scored(checkpoint.llm(**settings), [PROMPT], max_tokens=0)
+    reference = checkpoint.logprobs(PROMPT)
+    assert reference.std(dim=-1).min() > 0.5  # a real spread of logprobs at every position: 1e-4 is a tight bound
+    for position in range(1, len(PROMPT)):
+        entry, expected = out.prompt_logprobs[position], reference[position - 1]
+        assert entry.token_id == PROMPT[position]
+        assert abs(entry.logprob - expected[PROMPT[position]].item()) <= TOLERANCE, position
+        top = expected.topk(5)
+        assert list(entry.top) == top.indices.tolist()
+        assert max(abs(a - b) for a, b in zip(entry.top.values(), top.values.tolist())) <= TOLERANCE
+
+
+def check_greedy_tokens(checkpoint: Checkpoint, llm) -> None:
+    (out,) = scored(llm, [PROMPT])
+    assert out.token_ids == checkpoint.greedy(PROMPT, GREEDY_STEPS)
+
+
+def check_same_bits(checkpoint: Checkpoint, llm) -> None:
+    """A prompt's tokens, logprobs and prompt logprobs the same bits alone, beside two other prompts and in chunks of
+    8 (each on an engine of its own without prefix caching), and its tokens and logprobs from the prefix cache (``llm``,
+    which has run it before)."""
+    uncached = {"enable_prefix_caching": False}
+    (alone,) = scored(checkpoint.llm(**uncached), [PROMPT])
+    beside = scored(checkpoint.llm(**uncached), [OTHERS[0], PROMPT, OTHERS[1]])[1]
+    (chunked,) = scored(checkpoint.llm(long_prefill_token_threshold=8, **uncached), [PROMPT])
+    for other in (beside, chunked):
+        assert other.token_ids == alone.token_ids
+        assert other.logprobs == alone.logprobs and other.prompt_logprobs == alone.prompt_logprobs
+    scored(llm, [PROMPT])
+    (cached,) = scored(llm, [PROMPT], prompt_logprobs=None)
+    assert cached.num_cached_tokens == 32  # its two full blocks
+    assert (cached.token_ids, cached.logprobs) == (alone.token_ids, alone.logprobs)
+
+
+def check_ranks_agree(checkpoint: Checkpoint, *parallel: dict, inspect=None) -> None:
+    """``checkpoint``'s answer to PROMPT on one process and on each ``parallel`` setting (``tensor_parallel_size``,
+    ``pipeline_parallel_size``): the same greedy tokens, prompt logprobs within 1e-4 (the row-parallel sums round in
+    another order). ``inspect(llm)`` looks into each parallel engine before it stops. Each engine is collected
+    before the next starts: its ranks stop, and this thread's CPU mask comes back (the later modules' clusters plan
+    over every CPU again)."""
+    import gc
+    import os
+
+    mask = os.sched_getaffinity(0)
+    answers = []
+    for settings in ({}, *parallel):
+        llm = checkpoint.llm(**settings)
+        answers.append(scored(llm, [PROMPT])[0])
+        if settings and inspect is not None:
+            inspect(llm)
+        del llm
+        gc.collect()
+    assert os.sched_getaffinity(0) == mask
+    one, *split = answers
+    for other in split:
+        assert other.token_ids == one.token_ids
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(one.prompt_logprobs[1:], other.prompt_logprobs[1:])) \
+            <= TOLERANCE
+
+
+class PrefillDecodeCluster:
+    """``splitserve up`` of ``checkpoint`` with one prefill and one decode pod (``start_cluster``, the tests'
+    fixture), both pools of ``cache_dtype``, and the greedy answers to PROMPT and OTHERS of the offline engine with
+    that pool: entering starts the cluster and checks that
+    every prompt prefilled on the prefill pod, its KV loaded on the decode pod, and gave the offline engine's tokens
+    (the test then checks what else it wants on ``.cluster``); leaving waits for every block to be free, and stops
+    it."""
+
+    def __init__(self, start_cluster, directory: Path, checkpoint: Checkpoint, kv_codec: str = "none",
+                 cache_dtype: str = "float16"):
+        from splitserve.engine import LLM, SamplingParams
+
+        self.start_cluster, self.directory = start_cluster, directory
+        self.checkpoint, self.kv_codec, self.cache_dtype = checkpoint, kv_codec, cache_dtype
+        self.prompts = [PROMPT, *OTHERS]
+        self.engine = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32", cache_dtype=cache_dtype)
+        self.params = SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True)
+        self.offline = self.engine.generate(self.prompts, self.params)
+
+    def __enter__(self) -> "PrefillDecodeCluster":
+        from tests.reliability.live_cluster import START_S, TINY, stream
+        from tests.test_tp_cluster import kv_loaded
+
+        self.cluster = self.start_cluster(self.directory, **{
+            **TINY, "model": str(self.checkpoint.directory), "prefill": 1, "decode": 1, "kv_codec": self.kv_codec,
+            "cache_dtype": self.cache_dtype, "conditional_prefill_threshold": 0, "decode_pod_wait_s": START_S})
+        try:
+            answers = [stream(self.cluster, prompt, GREEDY_STEPS, timeout_s=START_S) for prompt in self.prompts]
+            assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(self.prompts)
+            assert [a.token_ids for a in answers] == [out.token_ids for out in self.offline]
+            assert kv_loaded(self.cluster, self.cluster.pods[1]) == len(self.prompts)  # each came from the P pod
+        except BaseException:
+            self.cluster.stop()
+            raise
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        from tests.reliability.live_cluster import wait_every_block_free
+
+        try:
+            if kind is None:
+                wait_every_block_free(self.cluster)
+        finally:
+            self.cluster.stop()
+
+
+def check_export(checkpoint: Checkpoint, directory: Path):
+    """``export_hf_checkpoint`` of the loaded checkpoint into ``directory``: transformers loads it as the same class,
+    with the same logits, bit for bit; the ``ModelConfig`` it was loaded as (for the caller's further checks)."""
+    import json
+
+    import torch
+    import transformers
+
+    from splitserve.engine.weights.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
+
+    config, state = load_hf_checkpoint(checkpoint.directory)
+    export_hf_checkpoint(config, state, directory)
+    assert json.loads((directory / "config.json").read_text())["model_type"] == checkpoint.hf.config.model_type
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    assert type(reloaded) is type(checkpoint.hf)
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        assert torch.equal(reloaded(ids).logits, checkpoint.hf(ids).logits)
+    return config
