@@ -115,13 +115,9 @@ def tiny_pd_up(tmp_path_factory, start_cluster):
 @pytest.fixture(scope="session")
 def openai_client():
     """``openai_client(cluster)``: the ``openai`` client of a ``splitserve up`` cluster's router."""
-    from openai import OpenAI
+    from tests.reliability.live_cluster import openai_client_of
 
-    def client(cluster):
-        return OpenAI(base_url=f"http://{cluster.config.host}:{cluster.config.http_port}/v1", api_key="unused",
-                      max_retries=0, timeout=120)
-
-    return client
+    return openai_client_of
 
 
 @pytest.fixture(scope="session")

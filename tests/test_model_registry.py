@@ -279,8 +279,7 @@ CHAT = [{"role": "user", "content": "Name the three primary colours."}]
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("model_type, pool", [(m, pool) for m in SHAPES for pool in ("float16", "int8")])
-def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start_cluster, openai_client, model_type,
-                                                                  pool):
+def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start_cluster, model_type, pool):
     """``splitserve up --model DIR`` of each checkpoint with one prefill and one decode pod: every prompt prefills on
     the prefill pod, its KV crosses to the decode pod, and the greedy tokens are the offline engine's with the same
     pool; so are the texts the ``openai`` client gets from the router's HTTP API, a completion and a chat completion
@@ -291,9 +290,5 @@ def test_a_prefill_and_a_decode_pod_answer_as_the_offline_engine(tmp_path, start
     (checkpoint.directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     with PrefillDecodeCluster(start_cluster, tmp_path / "up", checkpoint, cache_dtype=pool) as up:
         (offline_chat,) = up.engine.chat(CHAT, up.params)
-        client = openai_client(up.cluster)
-        model, greedy = client.models.list().data[0].id, dict(temperature=0, extra_body={"ignore_eos": True})
-        completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=GREEDY_STEPS, **greedy)
-        chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=GREEDY_STEPS, **greedy)
-        assert completion.choices[0].text == up.offline[0].text and up.offline[0].text
+        chat = up.client.chat.completions.create(model=up.model, messages=CHAT, max_tokens=GREEDY_STEPS, **up.greedy)
         assert chat.choices[0].message.content == offline_chat.text and offline_chat.text

@@ -186,9 +186,10 @@ def check_ranks_agree(checkpoint: Checkpoint, *parallel: dict, inspect=None) -> 
 class PrefillDecodeCluster:
     """``splitserve up`` of ``checkpoint`` with one prefill and one decode pod (``start_cluster``, the tests'
     fixture), both pools of ``cache_dtype``, and the greedy answers to PROMPT and OTHERS of the offline engine with
-    that pool: entering starts the cluster and checks that
-    every prompt prefilled on the prefill pod, its KV loaded on the decode pod, and gave the offline engine's tokens
-    (the test then checks what else it wants on ``.cluster``); leaving waits for every block to be free, and stops
+    that pool: entering starts the cluster and checks that every prompt prefilled on the prefill pod, its KV loaded on
+    the decode pod, and gave the offline engine's tokens, and that the ``openai`` client's completion of PROMPT
+    through the router's HTTP API is its text (the test then checks what else it wants on ``.cluster`` and
+    ``.client``); leaving waits for every block to be free, and stops
     it."""
 
     def __init__(self, start_cluster, directory: Path, checkpoint: Checkpoint, kv_codec: str = "none",
@@ -201,9 +202,10 @@ class PrefillDecodeCluster:
         self.engine = LLM(model=str(checkpoint.directory), prefill_compute_dtype="float32", cache_dtype=cache_dtype)
         self.params = SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True)
         self.offline = self.engine.generate(self.prompts, self.params)
+        self.greedy = dict(temperature=0, extra_body={"ignore_eos": True})  # the openai client's greedy settings
 
     def __enter__(self) -> "PrefillDecodeCluster":
-        from tests.reliability.live_cluster import START_S, TINY, stream
+        from tests.reliability.live_cluster import START_S, TINY, openai_client_of, stream
         from tests.test_tp_cluster import kv_loaded
 
         self.cluster = self.start_cluster(self.directory, **{
@@ -214,6 +216,11 @@ class PrefillDecodeCluster:
             assert [(a.finish, a.error) for a in answers] == [("FINISH_REASON_LENGTH", "")] * len(self.prompts)
             assert [a.token_ids for a in answers] == [out.token_ids for out in self.offline]
             assert kv_loaded(self.cluster, self.cluster.pods[1]) == len(self.prompts)  # each came from the P pod
+            self.client = openai_client_of(self.cluster)  # the HTTP API too: the first prompt's text
+            self.model = self.client.models.list().data[0].id
+            completion = self.client.completions.create(model=self.model, prompt=PROMPT, max_tokens=GREEDY_STEPS,
+                                                        **self.greedy)
+            assert completion.choices[0].text == self.offline[0].text and self.offline[0].text
         except BaseException:
             self.cluster.stop()
             raise

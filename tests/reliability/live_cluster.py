@@ -57,6 +57,14 @@ def up_config(tmp_path: Path, base: int | None, **fields) -> UpConfig:
 
 # ---- the router's view ----------------------------------------------------------------------------------------------
 
+def openai_client_of(cluster: Cluster):
+    """The ``openai`` client of ``cluster``'s router (the ``openai_client`` fixture's)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"http://{cluster.config.host}:{cluster.config.http_port}/v1", api_key="unused",
+                  max_retries=0, timeout=120)
+
+
 def router_json(cluster: Cluster, path: str) -> dict:
     with urllib.request.urlopen(f"{cluster.http_url}{path}", timeout=5) as reply:
         return json.load(reply)
