@@ -246,15 +246,16 @@ ENGINE_THREAD = textwrap.dedent("""
             steps.append([lender.before_step(), torch.get_num_threads()])
             torch.ones(1 << 20).add_(1)  # a step's parallel work
         seen["steps"] = steps
+        # Looked at while this thread lives: its OpenMP team's workers end with it (libgomp frees a thread's pool as
+        # the thread exits), so read after the join a worker may be gone (seen once in a full run).
+        seen["workers"] = [sorted(os.sched_getaffinity(tid)) for tid in lender.workers]
+        seen["others"] = sorted({cpu for tid in os.listdir("/proc/self/task") if int(tid) not in lender.workers
+                                 for cpu in os.sched_getaffinity(int(tid))})
 
     thread = threading.Thread(target=engine_thread)
     thread.start()
     thread.join()
-    me = threading.get_native_id()
     seen["main_cpus"] = sorted(os.sched_getaffinity(0))
-    seen["workers"] = [sorted(os.sched_getaffinity(tid)) for tid in lender.workers]
-    seen["others"] = sorted({cpu for tid in os.listdir("/proc/self/task") if int(tid) not in lender.workers
-                             for cpu in os.sched_getaffinity(int(tid))})
     print(json.dumps(seen))
 """)
 
