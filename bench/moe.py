@@ -16,7 +16,6 @@ layers; the same weights read per token, so the ratio is what the composition an
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ import torch
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.kernels.cpu_features import cpu_model
 from splitserve.measure.figures import FiguresOutput, save_results
+from splitserve.measure.pinning import one_pinned_thread
 from splitserve.runtime.config import described, parse_config
 
 VOCAB = 256  # the byte-level tokenizer's: ids are what the runs feed, no text
@@ -61,30 +61,22 @@ def checkpoints(directory: Path, hidden: int, layers: int, experts: int, top_k: 
 
 def run(hidden: int, layers: int, experts: int, top_k: int, width: int, prompt_tokens: int, decode_steps: int,
         repeat: int, seed: int, log=print) -> dict:
-    allowed = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, allowed[-1:])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     prompt = [(41 * k + 3) % VOCAB for k in range(prompt_tokens)]
-    try:
-        with tempfile.TemporaryDirectory(prefix="splitserve-bench-moe-") as work:
-            log(f"building the checkpoints ({layers} layers, hidden {hidden}; {experts} experts of {width}, top "
-                f"{top_k}, against a dense MLP of {top_k * width}) ...")
-            paths = checkpoints(Path(work), hidden, layers, experts, top_k, width, seed)
-            llms = {name: LLM(model=str(path), prefill_compute_dtype="float32", enable_prefix_caching=False,
-                              kv_cache_memory_bytes=256 << 20) for name, path in paths.items()}
-            figures: dict = {name: {"prefill_s": [], "decode_ms": []} for name in llms}
-            for r in range(repeat + 1):  # round 0 warms up
-                for name, llm in llms.items():
-                    prefill_s, decode_ms = _round(llm, prompt, decode_steps)
-                    if r:
-                        figures[name]["prefill_s"].append(prefill_s)
-                        figures[name]["decode_ms"].append(decode_ms)
-                log(f"round {r}/{repeat}{' (warm-up)' if not r else ''}: " + ", ".join(
-                    f"{name} prefill {prefill_s * 1e3:.0f} ms" for name in llms))
-    finally:
-        os.sched_setaffinity(0, allowed)
-        torch.set_num_threads(threads)
+    with one_pinned_thread(), tempfile.TemporaryDirectory(prefix="splitserve-bench-moe-") as work:
+        log(f"building the checkpoints ({layers} layers, hidden {hidden}; {experts} experts of {width}, top "
+            f"{top_k}, against a dense MLP of {top_k * width}) ...")
+        paths = checkpoints(Path(work), hidden, layers, experts, top_k, width, seed)
+        llms = {name: LLM(model=str(path), prefill_compute_dtype="float32", enable_prefix_caching=False,
+                          kv_cache_memory_bytes=256 << 20) for name, path in paths.items()}
+        figures: dict = {name: {"prefill_s": [], "decode_ms": []} for name in llms}
+        for r in range(repeat + 1):  # round 0 warms up
+            for name, llm in llms.items():
+                prefill_s, decode_ms = _round(llm, prompt, decode_steps)
+                if r:
+                    figures[name]["prefill_s"].append(prefill_s)
+                    figures[name]["decode_ms"].append(decode_ms)
+            log(f"round {r}/{repeat}{' (warm-up)' if not r else ''}: " + ", ".join(
+                f"{name} prefill {prefill_s * 1e3:.0f} ms" for name in llms))
     return {"cpu": cpu_model(), "hidden": hidden, "layers": layers, "experts": experts, "top_k": top_k,
             "expert_width": width, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps, "repeat": repeat,
             "models": figures}

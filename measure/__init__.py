@@ -11,5 +11,6 @@ the benchmarks.
   on it);
 - ``codec_texts.py``: the reference text and the greedy-agreement prompts of the KV codec measurements;
 - ``codec_agreement.py``: a codec's round trip in an engine's paged cache and the greedy agreement it leaves;
-- ``figures.py``: ``--json`` and ``--plot`` (``FiguresOutput``, ``save_results``, matplotlib without a display).
+- ``figures.py``: ``--json`` and ``--plot`` (``FiguresOutput``, ``save_results``, matplotlib without a display);
+- ``pinning.py``: ``one_pinned_thread``, the single-thread figures' CPU and thread count.
 """

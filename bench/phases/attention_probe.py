@@ -17,7 +17,6 @@ scattered blocks costs.
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -27,6 +26,7 @@ from splitserve.engine.kernels.cpu_features import cpu_model
 from splitserve.engine.kernels.cpu_kernels import choose
 from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.weights.model_files import load_model_files
+from splitserve.measure.pinning import one_pinned_thread
 
 RESIDENT_BLOCKS = 8
 LAYOUTS = ("scattered", "in order", "resident")
@@ -39,18 +39,11 @@ def run(model: str, pool_dtypes: list[str], batch: int, context: int, repeat: in
         raise RuntimeError("the attention probe times the native kernels, which do not run here")
     cfg = load_model_files(model).config
     block = CacheConfig().block_size
-    allowed = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, allowed[-1:])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        formats = {}
+    formats = {}
+    with one_pinned_thread():
         for dtype in pool_dtypes:
             log(f"attention probe: {dtype} pools, {cfg.num_layers} layers, {batch} x {context} ...")
             formats[dtype] = _probe(kernels, cfg, kv_rows.pool_dtype(dtype), batch, context, block, repeat, seed)
-    finally:
-        os.sched_setaffinity(0, allowed)
-        torch.set_num_threads(threads)
     return {"model": cfg.name, "cpu": cpu_model(), "batch": batch, "context": context, "repeat": repeat,
             "shape": {"layers": cfg.num_layers, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                       "head_dim": cfg.head_dim}, "formats": formats}

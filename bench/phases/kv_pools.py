@@ -19,7 +19,6 @@ them: what decoding over it attends over), teacher-forced top-1 agreement and pe
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
 import time
@@ -37,6 +36,7 @@ from splitserve.engine.kernels.cpu_features import cpu_model, matrix_features
 from splitserve.engine.kv_cache import num_blocks_for_budget
 from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.measure.pinning import one_pinned_thread
 
 POOL_DTYPES = ("float16", "int8")
 BATCHES = (1, 16, 64)
@@ -54,11 +54,7 @@ def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[i
     """{"cpu": ..., "read_gbps": ..., "points": {"BxC": {dtype: figures}}, "capacity": {dtype: sequences},
     "llamacpp": {...}}, on one pinned thread; llama.cpp's decode over ``llamacpp_kv_types`` after the engines', on
     the same CPU (bench/phases/llamacpp_pools.py)."""
-    allowed = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, allowed[-1:])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_pinned_thread() as cpu:
         log("measuring the read bandwidth ...")
         read_before = read_bandwidth()
         rounds_total = repeat * (steps + 1) + WARMUP_STEPS
@@ -90,11 +86,8 @@ def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[i
                                                    engines[d].runner.kv_cache.element_size)}
                 for d, ts in times.items()}
         del engines, first  # their pools' memory, before llama.cpp's
-        peer = _llamacpp(model, llamacpp_kv_types, batches, contexts, steps, repeat, allowed[-1], seed, log)
+        peer = _llamacpp(model, llamacpp_kv_types, batches, contexts, steps, repeat, cpu, seed, log)
         read = max(read_before, read_bandwidth())
-    finally:
-        os.sched_setaffinity(0, allowed)
-        torch.set_num_threads(threads)
     capacity = {d: _sequences_at_budget(cfg, d) for d in pool_dtypes}
     return {"model": cfg.name, "cpu": cpu_model(), "cpu_features": matrix_features(), "read_gbps": read,
             "pool_dtypes": list(pool_dtypes), "steps": steps, "repeat": repeat, "points": points,
