@@ -12,6 +12,13 @@ A sequence's path through the pool:
   stays in the cache as *evictable*: a later prefix hit revives it; allocation reuses it only when no
   hash-less block is left, least recently freed first.
 
+A model whose every layer attends over a sliding window (``window``: the widest, ``ModelConfig.kv_window``) reads no
+key older than ``window - 1`` positions before its query. A block that left every later query's window is freed as
+the sequence moves on (``allocate_slots``), its place in the block table taken by ``NULL_BLOCK``, and one never
+needed is never allocated: a prompt handed over by a prefill pod gets blocks from ``window_start`` on (the tokens
+the pushed KV covers), and a prefix-cache hit needs only the blocks of the window before its end. A sequence then
+holds at most ``window / block_size + 2`` blocks, however long it grows (docs/models.md, "Sliding windows").
+
 A block's hash is chained with its parent's, so a hash names the whole prefix up to the end of the block.
 The hash is deterministic across processes (blake2b, not Python's salted ``hash``): pods publish block hashes
 and the router compares them, so every process must compute the same value for the same tokens.
@@ -30,6 +37,21 @@ from splitserve.engine.sequence import Sequence
 
 # The parent of a sequence's first block: any fixed 64-bit value works, as long as every pod uses the same.
 ROOT_PARENT_HASH = 0
+# A block table's entry for a block the sequence no longer holds (it left every layer's sliding window). Never an
+# index into the pool: ``PagedKVCache.slots`` refuses it, and the windowed attention reads no slot of it.
+NULL_BLOCK = -1
+
+
+def window_start(num_tokens: int, window: int | None, block_size: int) -> int:
+    """The first token whose KV a prompt of ``num_tokens`` handed over to a pool of ``block_size`` blocks under
+    ``window`` needs (0: all; None: no window): the first of the blocks that the queries from the prompt's last full
+    block on may read, so that the blocks it fills are whole (and may enter the prefix cache) and a split prefill's
+    pushed prefix serves the prefix-cache hit of the prompt's rest. The prefill pod pushes from here, with the
+    decode pod's window and block size (its handshake's ``KVLayout``)."""
+    if window is None:
+        return 0
+    first_query = num_tokens // block_size * block_size
+    return max(first_query + 1 - window, 0) // block_size * block_size
 
 
 def hash_block_tokens(parent_hash: int, token_ids: TokenIds[int]) -> int:
@@ -60,10 +82,12 @@ class KVBlock:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # how far back every layer's query reads; None: its whole context
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self._hashless_free_ids: deque[int] = deque(range(num_blocks))
         # Cached blocks nobody references, least recently freed first: the eviction order.
@@ -86,6 +110,16 @@ class BlockManager:
     def block_hashes_of(self, seq: Sequence) -> list[int]:
         return list(self._seq_block_hashes.get(seq.request_id, ()))
 
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """The blocks ``seq``'s table holds (its ``NULL_BLOCK`` entries left the window)."""
+        return sum(block_id != NULL_BLOCK for block_id in seq.block_table)
+
+    def _first_needed_block(self, first_query: int) -> int:
+        """The index of the first block that a query at ``first_query`` or later may read."""
+        if self.window is None:
+            return 0
+        return max(first_query + 1 - self.window, 0) // self.block_size
+
     # ---- admission: the prefix cache lookup --------------------------------------------------------------
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
@@ -105,37 +139,69 @@ class BlockManager:
         return block_ids, num_tokens
 
     def _cached_prefix(self, token_ids: list[int]) -> list[int]:
-        block_ids = []
+        """The leading blocks of ``token_ids`` whose KV the cache holds. Under a window, the longest run of blocks
+        whose end's window is cached: the blocks before that window are ``NULL_BLOCK``, never read."""
+        block_ids: list[int] = []
+        best, run = 0, 0  # the longest usable prefix (blocks), the cached blocks just before the current one
         for index, block_hash in enumerate(chained_block_hashes(token_ids, self.block_size)):
             block_id = self._cached_block_ids.get(block_hash)
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            found = block_id is not None and self.blocks[block_id].token_ids == tokens
+            if not found and self.window is None:
                 break
-            block_ids.append(block_id)
-        return block_ids
+            block_ids.append(block_id if found else NULL_BLOCK)
+            run = run + 1 if found else 0
+            if run >= index + 1 - self._first_needed_block((index + 1) * self.block_size):
+                best = index + 1
+        first = self._first_needed_block(best * self.block_size)
+        return [NULL_BLOCK] * first + block_ids[first:best]
 
     # ---- every step: growing a sequence's block table ----------------------------------------------------
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
-        """Make ``seq.block_table`` cover its computed tokens, the cached ``computed_blocks`` and the new tokens.
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None,
+                       keep_from: int | None = None) -> bool:
+        """Make ``seq.block_table`` cover its computed tokens, the cached ``computed_blocks`` and the new tokens;
+        under a window, only from the block of token ``keep_from`` on (default: the first that the first new
+        token's window reads; a prompt whose KV is pushed here: ``window_start``), the blocks before it freed.
 
         Returns False, changing nothing, when the pool has no room. ``computed_blocks`` (from
         ``get_computed_blocks``, only at admission) must directly follow the blocks the sequence already has.
         """
         computed_blocks = computed_blocks or []
-        num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_missing = math.ceil(num_tokens / self.block_size) - len(seq.block_table) - len(computed_blocks)
-        # Reviving an evictable computed block takes it out of the free room it is counted in.
-        num_revived = sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count == 0)
-        if num_missing > self.num_free_blocks - num_revived:
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_tokens = num_computed + num_new_tokens
+        skipped = self._first_needed_block(num_computed) if keep_from is None else keep_from // self.block_size
+        have = len(seq.block_table) + len(computed_blocks)
+        num_missing = max(math.ceil(num_tokens / self.block_size) - max(have, skipped), 0)
+        num_null = max(min(skipped, math.ceil(num_tokens / self.block_size)) - have, 0)
+        # Reviving an evictable computed block takes it out of the free room it is counted in; a block left behind
+        # by the window and held by this sequence alone returns to it.
+        num_revived = sum(1 for block_id in computed_blocks if self._is_free(block_id))
+        num_released = sum(1 for block_id in seq.block_table[:skipped]
+                           if block_id != NULL_BLOCK and self.blocks[block_id].ref_count == 1)
+        if num_missing > self.num_free_blocks - num_revived + num_released:
             return False
+        self._release_skipped(seq, skipped)
         for block_id in computed_blocks:
-            self._touch(block_id)
+            if block_id != NULL_BLOCK:
+                self._touch(block_id)
         if computed_blocks:
             seq.block_table.extend(computed_blocks)
-            self._seq_block_hashes[seq.request_id] = [self.blocks[block_id].block_hash for block_id in computed_blocks]
+            self._seq_block_hashes[seq.request_id] = chained_block_hashes(
+                seq.token_ids[: len(computed_blocks) * self.block_size], self.block_size)
+        seq.block_table.extend([NULL_BLOCK] * num_null)
         seq.block_table.extend(self._take_free_block() for _ in range(num_missing))
         return True
+
+    def _is_free(self, block_id: int) -> bool:
+        return block_id != NULL_BLOCK and self.blocks[block_id].ref_count == 0
+
+    def _release_skipped(self, seq: Sequence, skipped: int) -> None:
+        """The blocks before index ``skipped`` of ``seq``'s table, out of every later query's window, freed."""
+        for index, block_id in enumerate(seq.block_table[:skipped]):
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+                seq.block_table[index] = NULL_BLOCK
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -171,7 +237,8 @@ class BlockManager:
         for index in range(len(hashes), num_full_blocks):
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             hashes.append(hash_block_tokens(hashes[-1] if hashes else ROOT_PARENT_HASH, tokens))
-            self._cache(self.blocks[seq.block_table[index]], hashes[-1], tokens)
+            if seq.block_table[index] != NULL_BLOCK:  # (a pushed prompt's blocks before the window never came)
+                self._cache(self.blocks[seq.block_table[index]], hashes[-1], tokens)
 
     def _cache(self, block: KVBlock, block_hash: int, tokens: tuple[int, ...]) -> None:
         # A hash already cached (same tokens computed twice, or a collision) keeps its first block;
@@ -187,16 +254,20 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first, so its tail blocks are the first to be evicted."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count > 0:
-                continue
-            if block.block_hash is None:
-                self._hashless_free_ids.append(block_id)
-            else:
-                self._evictable_ids[block_id] = None
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
         seq.block_table.clear()
         self._seq_block_hashes.pop(seq.request_id, None)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            return
+        if block.block_hash is None:
+            self._hashless_free_ids.append(block_id)
+        else:
+            self._evictable_ids[block_id] = None
 
     def cache_and_free(self, seq: Sequence) -> None:
         """Publish ``seq``'s full blocks (all its tokens computed: KV that arrived from another pod) in the prefix
@@ -211,7 +282,8 @@ class BlockManager:
         prompt's blocks until the decode pod acknowledged its KV)."""
         holder = Sequence(f"{seq.request_id}#held", seq.prompt_token_ids, seq.sampling_params)
         for block_id in seq.block_table:
-            self._touch(block_id)
+            if block_id != NULL_BLOCK:
+                self._touch(block_id)
         holder.block_table = list(seq.block_table)
         return holder
 
@@ -224,7 +296,8 @@ class BlockManager:
         if partial and self.num_free_blocks == 0:
             return None
         for block_id in parent.block_table[:num_full]:
-            self._touch(block_id)
+            if block_id != NULL_BLOCK:
+                self._touch(block_id)
         child.block_table = parent.block_table[:num_full]
         if not partial:
             return []

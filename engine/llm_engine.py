@@ -100,8 +100,11 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded.config, loaded.state_dict, masks)
         del loaded  # the file's tensors: the model keeps its own (fused, packed) copies
         self.block_manager = BlockManager(
-            self.runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            self.model_config.kv_window,
         )
+        # Before the scheduler: a draft model without windows keeps every block (BlockManager.window).
+        self.proposer = self._proposer(config, self.tokenizer) if config.speculative else None
         eos_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.step_times = StepTimeFit()  # this engine's measured step-time model (engine/step_time.py)
         budget = (TPOTSlackBudget(lambda: self.step_times.model, config.scheduler.default_tpot_target_s)
@@ -110,7 +113,6 @@ class LLMEngine:
             config.scheduler, self.block_manager, eos_ids, self.model_config.max_position_embeddings, budget
         )
         self.kv_export: KVExportHook | None = None
-        self.proposer = self._proposer(config, self.tokenizer) if config.speculative else None
         self.spec_decode = SpecDecodeCounts()  # since the engine started
         self.last_step: StepStats | None = None  # the latest step that ran
         _return_freed_heap()
@@ -127,6 +129,10 @@ class LLMEngine:
         if config.speculative.method != "draft":
             return SpeculativeProposer(config.speculative)
         draft = DraftModel(config, self.model_config, tokenizer, self.runner.kv_cache.num_blocks)
+        if draft.config.kv_window is None:  # the draft reads the blocks of its whole context: every block stays
+            self.block_manager.window = None
+        elif self.block_manager.window is not None:
+            self.block_manager.window = max(self.block_manager.window, draft.config.kv_window)
         logger.info("draft model %s: %.0f%% of the target's parameters", draft.config.name,
                     100 * draft.parameter_ratio(self.runner.model))
         return SpeculativeProposer(config.speculative, draft, self.block_manager,

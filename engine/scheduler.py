@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.block_manager import BlockManager, window_start
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.prefill_budget import TPOTSlackBudget
 from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -84,7 +84,9 @@ class Scheduler:
         # A sequence can hold at most the whole pool (its last sampled token needs no slot): past that it
         # finishes with LENGTH, instead of preempting itself and coming back forever.
         self._pool_tokens = block_manager.num_blocks * block_manager.block_size
-        self._max_len = min(max_model_len, self._pool_tokens + 1)
+        # A sequence cannot outgrow the pool, unless a sliding window bounds what it holds (``_tokens_held``).
+        window_bound = block_manager.window is not None
+        self._max_len = max_model_len if window_bound else min(max_model_len, self._pool_tokens + 1)
 
     # ---- requests in and out ----------------------------------------------------------------------------
 
@@ -115,20 +117,35 @@ class Scheduler:
             raise ValueError(
                 f"prompt has {seq.num_prompt_tokens} tokens, more than the model's context ({self.max_model_len})"
             )
-        if seq.num_tokens > self._pool_tokens:
+        if self._tokens_held(seq.num_tokens) > self._pool_tokens:
             raise ValueError(
                 f"prompt has {seq.num_tokens} tokens, more than the whole KV cache holds "
                 f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)"
             )
 
+    def _tokens_held(self, num_tokens: int) -> int:
+        """The most tokens whose blocks a sequence of ``num_tokens`` holds at once: all of them, or under a sliding
+        window a step's chunk and the window before it (and the blocks' rounding)."""
+        manager = self.block_manager
+        if manager.window is None:
+            return num_tokens
+        chunk = min(self.config.long_prefill_token_threshold, self.config.max_num_batched_tokens)
+        return min(num_tokens, manager.window + chunk + manager.block_size)
+
     # ---- a prompt whose KV a prefill pod pushes here: reserved, then admitted (add_prefilled) or let go ----
     def reserve_transfer(self, seq: Sequence) -> bool:
         """Blocks for ``seq``'s prompt, whose KV is on its way (``awaiting_kv`` until admitted or let go); False
-        when the pool has no room."""
-        if not self.block_manager.allocate_slots(seq, seq.num_prompt_tokens):
+        when the pool has no room. Under a sliding window, only the blocks from ``window_start`` on."""
+        keep_from = self.transfer_start(seq.num_prompt_tokens)
+        if not self.block_manager.allocate_slots(seq, seq.num_prompt_tokens, keep_from=keep_from):
             return False
         self.awaiting_kv.add(seq.request_id)
         return True
+
+    def transfer_start(self, num_tokens: int) -> int:
+        """The first token of a pushed prompt of ``num_tokens`` whose KV is kept here (0 without a window): the
+        push covers [it, num_tokens); its blocks before it, outside every later query's window, are never taken."""
+        return window_start(num_tokens, self.block_manager.window, self.block_manager.block_size)
 
     def cache_transferred_prefix(self, seq: Sequence) -> None:
         """A split prefill's pushed prefix: its full blocks to the prefix cache, the reservation let go."""

@@ -37,6 +37,7 @@ from typing import Iterable
 
 import grpc
 
+from splitserve.engine.block_manager import window_start
 from splitserve.engine.kernels.cpu_features import matrix_flags
 from splitserve.engine.parallel.layout import plan_shards
 from splitserve.engine.text.tokenizer_files import resolve_model_name
@@ -70,6 +71,9 @@ class KVLayout:
     cpu_features: tuple[str, ...] = ()
     tensor_parallel_size: int = 1  # the engine's ranks; not in the compat hash: any degrees map
     rank_kv_heads: tuple[tuple[int, int], ...] = ()  # each rank's KV heads [start, end); () from one process
+    # How far back its queries read (every layer's sliding window, the widest; 0: the whole context): a receiver
+    # with one keeps a pushed prompt's KV from ``window_start`` on, and the sender pushes only that. Not in the hash.
+    kv_window: int = 0
 
     @classmethod
     def of_engine(cls, engine) -> "KVLayout":
@@ -82,7 +86,8 @@ class KVLayout:
                    weights_fingerprint(engine.config.model, engine.config.seed),
                    prefill_compute_dtype=engine.prefill_compute, cpu_features=matrix_flags(),
                    tensor_parallel_size=size,
-                   rank_kv_heads=tuple(shard.kv_heads for shard in plan_shards(model, size)))
+                   rank_kv_heads=tuple(shard.kv_heads for shard in plan_shards(model, size)),
+                   kv_window=engine.block_manager.window or 0)
 
     @classmethod
     def from_proto(cls, message: kv_transfer_pb2.KVLayout) -> "KVLayout":
@@ -90,7 +95,8 @@ class KVLayout:
                    message.block_size, message.cache_dtype, message.quantization, message.weights_fingerprint,
                    prefill_compute_dtype=message.prefill_compute_dtype, cpu_features=tuple(message.cpu_features),
                    tensor_parallel_size=message.tensor_parallel_size or 1,
-                   rank_kv_heads=tuple((r.start, r.end) for r in message.rank_kv_heads))
+                   rank_kv_heads=tuple((r.start, r.end) for r in message.rank_kv_heads),
+                   kv_window=message.kv_window)
 
     def to_proto(self) -> kv_transfer_pb2.KVLayout:
         return kv_transfer_pb2.KVLayout(model_name=self.model_name, num_layers=self.num_layers,
@@ -102,7 +108,12 @@ class KVLayout:
                                         cpu_features=self.cpu_features,
                                         tensor_parallel_size=self.tensor_parallel_size,
                                         rank_kv_heads=[kv_transfer_pb2.KVHeadRange(start=a, end=b)
-                                                       for a, b in self.rank_kv_heads])
+                                                       for a, b in self.rank_kv_heads],
+                                        kv_window=self.kv_window)
+
+    def transfer_start(self, num_tokens: int) -> int:
+        """The first token of a prompt of ``num_tokens`` whose KV a push to this layout's pod carries."""
+        return window_start(num_tokens, self.kv_window or None, self.block_size)
 
     @property
     def compat_hash(self) -> str:
@@ -145,6 +156,11 @@ def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, cod
         # Same fields, different digest: the two pods run different versions of the handshake.
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"compat_hash: sender {sender_hash!r}, receiver {receiver.compat_hash!r}")
+    if not holds_the_window(sender, receiver):
+        raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"kv_window: the sender frees KV older than {sender.kv_window} tokens in blocks of "
+                          f"{sender.block_size}, the receiver keeps {receiver.kv_window or 'all'} in blocks of "
+                          f"{receiver.block_size}: a sliding-window model's pods need one block size and window")
     unmapped = unmapped_heads(sender)
     if unmapped:
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"rank_kv_heads: the sender's {unmapped}")
@@ -152,6 +168,16 @@ def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, cod
     if codec and codec not in accepted:
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"codec: {codec!r} is not accepted by the receiver; accepted: {', '.join(accepted)}")
+
+
+def holds_the_window(sender: KVLayout, receiver: KVLayout) -> bool:
+    """Whether the sender still holds every token a push to the receiver carries (``KVLayout.transfer_start``): its
+    blocks that left its own window (a prefix-cache hit's, engine/block_manager.py) lie before the receiver's
+    start when both have one block size and the sender's window is at least as wide (or it frees nothing)."""
+    if not sender.kv_window:
+        return True
+    return bool(receiver.kv_window) and sender.kv_window >= receiver.kv_window and \
+        sender.block_size == receiver.block_size
 
 
 def unmapped_heads(layout: KVLayout) -> str:

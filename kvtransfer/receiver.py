@@ -161,9 +161,10 @@ class KVIntake:
         if trailer.num_chunks != self.next_seq:
             raise KVLoadError(grpc.StatusCode.DATA_LOSS,
                               f"trailer says {trailer.num_chunks} chunks were sent, {self.next_seq} arrived")
-        missing = (~self._received).nonzero()
+        missing = (~self._received[..., self.expected.first_token:]).nonzero()
         if len(missing):
             layer, kind, head, token = missing[0].tolist()
+            token += self.expected.first_token
             raise KVLoadError(grpc.StatusCode.DATA_LOSS,
                               f"incomplete KV: {len(missing)} (layer, K/V, KV head, token) entries missing, the "
                               f"first at layer {layer}, {'KV'[kind]}, token {token}, KV head {head}")
@@ -270,14 +271,21 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         if not header.request_id or header.lease_seconds < 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               "a KV push header needs a request_id and lease_seconds >= 0")
+        keeps_from = self.layout.transfer_start(len(header.prompt_token_ids))
+        if header.first_token != keeps_from:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the push starts at prompt token {header.first_token}; this pod keeps the prompt's KV "
+                              f"from token {keeps_from} on (its kv_window {self.layout.kv_window}, blocks of "
+                              f"{self.layout.block_size}: handshake again)")
         return header
 
     def _intake(self, lease: KVLease) -> KVIntake:
         """Where the push's chunks go: the blocks ``KVHandoff.reserve`` took for its prompt."""
         layout = self.layout
+        num_tokens = lease.seq.num_prompt_tokens
         return KVIntake(self._engine_loop, lease.seq, ExpectedChunks(
-            lease.request_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, lease.seq.num_prompt_tokens,
-            frozenset(self.accepted_codecs)), self._intake_workers)
+            lease.request_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, num_tokens,
+            frozenset(self.accepted_codecs), layout.transfer_start(num_tokens)), self._intake_workers)
 
     async def _receive(self, lease: KVLease, intake: KVIntake, request_iterator,
                        arena: memoryview | None) -> kv_transfer_pb2.PushKVResponse:
@@ -300,8 +308,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         lease_s = self._handoff.received(intake.expected.request_id)
         if intake.codec is not None:
             self._metrics.transfer_bytes(intake.codec).inc(intake.bytes_received)
-        return kv_transfer_pb2.PushKVResponse(bytes_received=intake.bytes_received,
-                                              num_blocks=len(intake.seq.block_table), lease_remaining_seconds=lease_s)
+        num_blocks = self._engine_loop.engine.block_manager.num_held_blocks(intake.seq)
+        return kv_transfer_pb2.PushKVResponse(bytes_received=intake.bytes_received, num_blocks=num_blocks,
+                                              lease_remaining_seconds=lease_s)
 
 
 async def _read_rest(request_iterator) -> None:

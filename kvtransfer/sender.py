@@ -113,6 +113,7 @@ class KVTransferClient:
         self._handshaken: set[tuple[str, str]] = set()
         self._accepted: dict[str, list[str]] = {}  # decode address -> the codecs it accepts (its handshake's)
         self._peer_boot_ids: dict[str, str] = {}  # decode address -> its boot id at the handshake
+        self._peer_layouts: dict[str, KVLayout] = {}  # decode address -> its layout at the handshake
         # Encoding runs off the event loop, so sockets keep moving; two threads keep K and V of different
         # requests going without oversubscribing the cores the engine computes on.
         self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="kv-encode")
@@ -167,7 +168,8 @@ class KVTransferClient:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"decode pod {decode_address}: compat_hash: sender {self.layout.compat_hash!r}, "
                               f"receiver {response.compat_hash!r}")
-        note_formats(self.layout, KVLayout.from_proto(response.layout), f"decode pod {decode_address}")
+        self._peer_layouts[decode_address] = KVLayout.from_proto(response.layout)
+        note_formats(self.layout, self._peer_layouts[decode_address], f"decode pod {decode_address}")
         if self._peer_boot_ids.get(decode_address) != response.boot_id:  # a new peer: choose the link anew
             self._peer_boot_ids[decode_address] = response.boot_id
             self.shm_links.choose(decode_address, response)
@@ -179,6 +181,7 @@ class KVTransferClient:
         self._handshaken = {handshaken for handshaken in self._handshaken if handshaken[0] != decode_address}
         self._accepted.pop(decode_address, None)
         self._peer_boot_ids.pop(decode_address, None)
+        self._peer_layouts.pop(decode_address, None)
         self.shm_links.forget(decode_address)
 
     def _connection_lost(self, decode_address: str) -> bool:
@@ -189,6 +192,12 @@ class KVTransferClient:
 
     def peer_boot_id(self, decode_address: str) -> str:
         return self._peer_boot_ids.get(decode_address, "")
+
+    def transfer_start(self, decode_address: str, num_tokens: int) -> int:
+        """The first token of a prompt of ``num_tokens`` whose KV ``decode_address`` keeps (its handshake's window
+        and block size): a push there carries [it, num_tokens)."""
+        layout = self._peer_layouts.get(decode_address)
+        return layout.transfer_start(num_tokens) if layout is not None else 0
 
     def stub(self, decode_address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         return kv_transfer_pb2_grpc.KVTransferStub(self._channel(decode_address))
@@ -253,6 +262,8 @@ class KVSender:
         self.codec = codec
         self._client = client
         self._prompt_token_ids = list(prompt_token_ids)
+        # Where the decode pod keeps the prompt's KV from: the export submits no layer's tokens before it.
+        self.first_token = client.transfer_start(decode_address, len(self._prompt_token_ids))
         self._lease_s = lease_s
         self._timeout_s = timeout_s
         self._loop = asyncio.get_running_loop()
@@ -314,7 +325,7 @@ class KVSender:
             request_id=self.request_id, prompt_token_ids=self._prompt_token_ids,
             compat_hash=self._client.layout.compat_hash, lease_seconds=self._lease_s, num_claims=self.num_claims,
             sender_boot_id=BOOT_ID, receiver_boot_id=self._client.peer_boot_id(self.decode_address),
-            shm_arena=self._shm.arena.name if self._shm.arena is not None else "")))
+            shm_arena=self._shm.arena.name if self._shm.arena is not None else "", first_token=self.first_token)))
         held: list[_LayerKV] = []
         sending = self._client.overlap
         while True:

@@ -255,8 +255,9 @@ class ExpectedChunks:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_tokens: int  # the prompt's length: chunks cover [0, num_tokens)
+    num_tokens: int  # the prompt's length: chunks cover [first_token, num_tokens)
     codecs: frozenset[str]  # codec names this receiver accepts
+    first_token: int = 0  # where the receiver keeps the prompt's KV from (KVLayout.transfer_start)
 
 
 class DecodedKVChunk(NamedTuple):
@@ -319,9 +320,10 @@ def _check_placement(chunk: kv_transfer_pb2.KVChunk, expected: ExpectedChunks, w
         problem = f"kind {chunk.kind} is neither KEY nor VALUE"
     elif chunk.layer >= expected.num_layers:
         problem = f"layer {chunk.layer} is out of range: the model has {expected.num_layers} layers"
-    elif not chunk.token_start < chunk.token_end <= expected.num_tokens:
+    elif not expected.first_token <= chunk.token_start < chunk.token_end <= expected.num_tokens:
+        kept = f" (kept from {expected.first_token} on)" if expected.first_token else ""
         problem = (f"token range [{chunk.token_start}, {chunk.token_end}) is empty or outside the prompt's "
-                   f"{expected.num_tokens} tokens")
+                   f"{expected.num_tokens} tokens{kept}")
     elif not 0 <= start < end <= expected.num_kv_heads:
         problem = f"KV heads [{start}, {end}) are empty or outside the model's {expected.num_kv_heads}"
     elif list(chunk.shape) != [chunk.token_end - chunk.token_start, end - start, expected.head_dim]:

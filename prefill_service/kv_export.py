@@ -99,7 +99,11 @@ class PrefillKVExport:
             token_end = min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
             if export is None or token_end <= export.num_exported_tokens:
                 continue  # not ours, or recomputing tokens already sent (after a preemption)
-            token_start = export.num_exported_tokens
+            # Tokens before the decode pod's window (KVSender.first_token) are not sent: it keeps none of them.
+            token_start = max(export.num_exported_tokens, export.sender.first_token)
+            if token_end <= token_start:
+                export.num_exported_tokens = token_end
+                continue
             slots = self._kv_cache.slots(item.seq.block_table, token_start, token_end)
             self._step.append(_StepExport(export, item.seq, slots, token_start, token_end,
                                           token_end == item.seq.num_prompt_tokens))

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 import splitserve.engine.block_manager as block_manager_module
-from splitserve.engine.block_manager import BlockManager, chained_block_hashes, hash_block_tokens
+from splitserve.engine.block_manager import (
+    NULL_BLOCK,
+    BlockManager,
+    chained_block_hashes,
+    hash_block_tokens,
+    window_start,
+)
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sequence import Sequence
 
@@ -260,3 +266,85 @@ def test_block_hashes_agree_across_processes(hash_seed):
         env={"PYTHONHASHSEED": hash_seed},
     )
     assert result.stdout.strip() == str(chained_block_hashes(list(range(1, 10)), BLOCK_SIZE))
+
+
+# ---- a model whose every layer has a sliding window: blocks that left it are freed ---------------------------------
+
+WINDOW = 6  # a query at position p reads keys p - 5 .. p: blocks of 4 before the one holding p - 5 are never read
+
+
+def windowed(num_blocks: int = 8) -> BlockManager:
+    return BlockManager(num_blocks=num_blocks, block_size=BLOCK_SIZE, window=WINDOW)
+
+
+def assert_holds_the_window(seq: Sequence) -> None:
+    """Every block before the one holding the oldest key of the step's query (the last computed token) is
+    NULL_BLOCK, every one from it held."""
+    first = max(seq.num_computed_tokens - WINDOW, 0) // BLOCK_SIZE
+    assert all(block_id == NULL_BLOCK for block_id in seq.block_table[:first]), seq.block_table
+    assert all(block_id != NULL_BLOCK for block_id in seq.block_table[first:]), seq.block_table
+
+
+def test_a_decoding_sequence_frees_each_block_as_it_leaves_the_window():
+    manager = windowed()
+    seq = make_seq("a", list(range(1, 11)))
+    compute(manager, seq, 10)  # the prompt's queries read from token 0: all three blocks
+    assert seq.block_table == [0, 1, 2]
+    held = []
+    for token in range(100, 130):  # 30 more tokens: 10 blocks' worth through a pool of 8
+        seq.append_token(token)
+        compute(manager, seq, 1)
+        assert_holds_the_window(seq)
+        held.append(manager.num_held_blocks(seq))
+    assert max(held) == (WINDOW - 1) // BLOCK_SIZE + 2 and len(seq.block_table) == 10
+    assert manager.num_free_blocks == 8 - held[-1]
+    # The blocks that left are in the prefix cache (evictable), their hashes still chained in the sequence's.
+    assert manager.block_hashes_of(seq) == chained_block_hashes(seq.token_ids[:40], BLOCK_SIZE)
+    manager.free(seq)
+    assert_all_free(manager)
+
+
+def test_a_prefix_hit_under_a_window_needs_only_the_window_before_its_end():
+    manager = windowed()
+    first = make_seq("a", list(range(1, 17)) + [50])
+    compute(manager, first, 17)
+    manager.free(first)  # blocks 0-3 cached; then block 0 evicted (the others not)
+    manager._uncache(manager.blocks[0])
+    second = make_seq("b", list(range(1, 17)) + [60, 61])
+    computed_blocks, num_cached = manager.get_computed_blocks(second)
+    # 16 tokens: the query at 16 reads from token 11, in block 2; blocks 0 and 1 are not needed (0 is gone).
+    assert (computed_blocks, num_cached) == ([NULL_BLOCK, NULL_BLOCK, 2, 3], 16)
+    compute(manager, second, 2, computed_blocks, num_cached)
+    assert second.block_table[:4] == [NULL_BLOCK, NULL_BLOCK, 2, 3] and manager.num_held_blocks(second) == 3
+    assert manager.block_hashes_of(second) == chained_block_hashes(second.token_ids[:16], BLOCK_SIZE)
+    manager.free(second)
+    # Without a window the same cache holds no usable prefix: its first block is gone.
+    full = BlockManager(num_blocks=8, block_size=BLOCK_SIZE)
+    compute(full, first := make_seq("a", list(range(1, 17)) + [50]), 17)
+    full.free(first)
+    full._uncache(full.blocks[0])
+    assert full.get_computed_blocks(make_seq("b", list(range(1, 17)) + [60, 61])) == ([], 0)
+
+
+def test_a_pushed_prompt_gets_blocks_from_its_window_start_and_publishes_only_those():
+    manager = windowed()
+    prompt = list(range(1, 19))  # 18 tokens; the queries from 16 (the last full block's end) read from 11
+    keep_from = window_start(len(prompt), WINDOW, BLOCK_SIZE)
+    assert keep_from == 8  # block 2's first token
+    seq = make_seq("pushed", prompt)
+    assert manager.allocate_slots(seq, len(prompt), keep_from=keep_from)
+    assert seq.block_table == [NULL_BLOCK, NULL_BLOCK, 0, 1, 2]
+    holder = manager.hold(seq)  # (a prefill pod's hold, or samples sharing it) passes NULL_BLOCK by
+    assert ref_counts(manager)[:3] == [2, 2, 2]
+    manager.free(holder)
+    seq.num_computed_tokens = len(prompt)
+    manager.cache_and_free(seq)  # a split prefill's prefix: blocks 2 and 3 (full) enter the cache
+    rest = make_seq("rest", prompt + [70, 71, 72])
+    assert manager.get_computed_blocks(rest) == ([NULL_BLOCK, NULL_BLOCK, 0, 1], 16)
+    assert_all_free(manager)
+
+
+@pytest.mark.parametrize("num_tokens, window, block_size, start", [
+    (18, 6, 4, 8), (16, 6, 4, 8), (15, 6, 4, 4), (5, 6, 4, 0), (150, 40, 16, 96), (150, None, 16, 0)])
+def test_window_start_is_the_first_block_the_last_full_blocks_queries_read(num_tokens, window, block_size, start):
+    assert window_start(num_tokens, window, block_size) == start

@@ -88,9 +88,9 @@ class LoopThread:
 class Pods:
     """Both pods, their stubs, and the offline engine that gives the reference answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = MODEL) -> None:
         self.thread = LoopThread()
-        common = dict(host="127.0.0.1", port=0, metrics_port=0, model=MODEL, load_refresh_interval_s=0.2)
+        common = dict(host="127.0.0.1", port=0, metrics_port=0, model=model, load_refresh_interval_s=0.2)
         self.prefill_config = PrefillConfig(num_blocks=64, max_num_batched_tokens=PREFILL_BUDGET,
                                             long_prefill_token_threshold=PREFILL_BUDGET, **common)
         self.decode_config = DecodeConfig(num_blocks=DECODE_BLOCKS, accepted_kv_codecs=ACCEPTED_CODECS, **common)
@@ -103,7 +103,7 @@ class Pods:
         self.decode = decode_pb2_grpc.DecodeStub(self._channels[1])
         self.kv = kv_transfer_pb2_grpc.KVTransferStub(self._channels[1])
         self.prefill_status, self.decode_status = (pod_status_pb2_grpc.PodStatusStub(c) for c in self._channels)
-        self.offline = LLM(model=MODEL, num_blocks=64)
+        self.offline = LLM(model=model, num_blocks=64)
 
     async def _start(self) -> None:
         prefill_services = await build_prefill_services(self.prefill_pod, self.prefill_config)
@@ -390,11 +390,13 @@ def handshaken_header(pods, request_id: str, prompt: list[int]) -> kv_transfer_p
         request_id=request_id, prompt_token_ids=prompt, compat_hash=answer.compat_hash, lease_seconds=30))
 
 
-def layer_chunks(request_id: str, num_tokens: int, layers=range(4)) -> list[kv_transfer_pb2.KVPush]:
+def layer_chunks(request_id: str, num_tokens: int, layers=range(4), num_kv_heads: int = 2,
+                 head_dim: int = 16) -> list[kv_transfer_pb2.KVPush]:
     chunks = []
     for layer in layers:
         for kind in ("k", "v"):
-            chunks += encode_chunks(request_id, layer, kind, 0, num_tokens, torch.randn(num_tokens, 2, 16),
+            chunks += encode_chunks(request_id, layer, kind, 0, num_tokens,
+                                    torch.randn(num_tokens, num_kv_heads, head_dim),
                                     get_codec("none"), num_tokens, first_seq=len(chunks))
     return [kv_transfer_pb2.KVPush(chunk=chunk.message()) for chunk in chunks]
 

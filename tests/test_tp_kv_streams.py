@@ -34,6 +34,7 @@ class _CapturingSender:
     def __init__(self):
         self.layers: list[tuple[int, int, int, list]] = []
         self.codec = get_codec("none")
+        self.first_token = 0  # a decode pod without a window keeps the whole prompt
 
     def submit_layer(self, layer, token_start, token_end, heads) -> None:
         self.layers.append((layer, token_start, token_end, heads))

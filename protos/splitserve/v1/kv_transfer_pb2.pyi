@@ -17,7 +17,7 @@ KV_KIND_KEY: KVKind
 KV_KIND_VALUE: KVKind
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype", "quantization", "weights_fingerprint", "prefill_compute_dtype", "cpu_features", "tensor_parallel_size", "rank_kv_heads")
+    __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype", "quantization", "weights_fingerprint", "prefill_compute_dtype", "cpu_features", "tensor_parallel_size", "rank_kv_heads", "kv_window")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class KVLayout(_message.Message):
     CPU_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_layers: int
     num_kv_heads: int
@@ -42,7 +43,8 @@ class KVLayout(_message.Message):
     cpu_features: _containers.RepeatedScalarFieldContainer[str]
     tensor_parallel_size: int
     rank_kv_heads: _containers.RepeatedCompositeFieldContainer[KVHeadRange]
-    def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., prefill_compute_dtype: _Optional[str] = ..., cpu_features: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_heads: _Optional[_Iterable[_Union[KVHeadRange, _Mapping]]] = ...) -> None: ...
+    kv_window: int
+    def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., prefill_compute_dtype: _Optional[str] = ..., cpu_features: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_heads: _Optional[_Iterable[_Union[KVHeadRange, _Mapping]]] = ..., kv_window: _Optional[int] = ...) -> None: ...
 
 class KVHeadRange(_message.Message):
     __slots__ = ("start", "end")
@@ -95,7 +97,7 @@ class KVPush(_message.Message):
     def __init__(self, header: _Optional[_Union[KVTransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTransferTrailer, _Mapping]] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "compat_hash", "lease_seconds", "num_claims", "sender_boot_id", "receiver_boot_id", "shm_arena")
+    __slots__ = ("request_id", "prompt_token_ids", "compat_hash", "lease_seconds", "num_claims", "sender_boot_id", "receiver_boot_id", "shm_arena", "first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class KVTransferHeader(_message.Message):
     SENDER_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_ARENA_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compat_hash: str
@@ -112,7 +115,8 @@ class KVTransferHeader(_message.Message):
     sender_boot_id: str
     receiver_boot_id: str
     shm_arena: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., num_claims: _Optional[int] = ..., sender_boot_id: _Optional[str] = ..., receiver_boot_id: _Optional[str] = ..., shm_arena: _Optional[str] = ...) -> None: ...
+    first_token: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., num_claims: _Optional[int] = ..., sender_boot_id: _Optional[str] = ..., receiver_boot_id: _Optional[str] = ..., shm_arena: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "seq", "layer", "kind", "token_start", "token_end", "codec", "dtype", "shape", "payload", "scales", "crc32c", "shm", "heads")
