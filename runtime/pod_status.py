@@ -139,6 +139,7 @@ def scheduler_load(scheduler: Scheduler, now: float) -> dict:
                  if scheduler.prefill_budget is not None else None)
     return dict(num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
                 free_kv_blocks=blocks.num_free_blocks, total_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
+                kv_window=blocks.window or 0,
                 queued_prefill_tokens=queued, running_context_tokens=sum(seq.num_tokens for seq in decoding),
                 tpot_allowance_seconds=allowance)
 

@@ -211,6 +211,16 @@ def test_decode_pods_without_room_are_skipped_and_none_left_is_resource_exhauste
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_a_pod_with_a_sliding_window_needs_room_for_the_window_alone():
+    """A model whose every layer is windowed (``PodLoad.kv_window``) holds a request's window and two blocks, however
+    long its prompt: 64 tokens under a window of 16 take ceil((16 + 2 * 4) / 4) = 6 blocks there, not 17."""
+    windowed = pod("d", free=6)
+    windowed.load.kv_window = 16
+    assert has_room(windowed, 64) and windowed.blocks_for(10) == 3
+    windowed.load.free_kv_blocks = 5
+    assert not has_room(windowed, 64)
+
+
 def test_no_decode_pod_is_unavailable():
     with pytest.raises(StatusError) as caught:
         policy("round_robin").choose_pair(request(64), [pod("p1", "prefill")], [])

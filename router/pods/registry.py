@@ -76,6 +76,7 @@ class PodLoad:
     cpu_features: tuple[str, ...] = ()
     tensor_parallel_size: int = 0  # the ranks its model is split over; 0 until its first report says
     pipeline_parallel_size: int = 0  # the stages its layers are split over; 0 until its first report says
+    kv_window: int = 0  # every layer's sliding window, the widest (0: none): what a request holds there is bounded
 
     @classmethod
     def from_proto(cls, message: common_pb2.PodLoad) -> "PodLoad":
@@ -156,8 +157,13 @@ class PodInfo:
         return self.load.free_kv_blocks - self.blocks_since_report
 
     def blocks_for(self, num_tokens: int) -> int:
-        """KV blocks ``num_tokens`` take on the pod."""
-        return math.ceil(num_tokens / self.load.block_size)
+        """KV blocks ``num_tokens`` take on the pod: under a sliding window (``kv_window``) at most its window's and
+        two more (the blocks it reaches into and the one it fills; a prompt prefilled there in chunks takes a
+        chunk's more while it prefills, which its reports then show)."""
+        load = self.load
+        if load.kv_window:
+            num_tokens = min(num_tokens, load.kv_window + 2 * load.block_size)
+        return math.ceil(num_tokens / load.block_size)
 
     def take_report(self, load: PodLoad) -> None:
         self.load, self.load_at, self.blocks_since_report = load, time.monotonic(), 0

@@ -154,7 +154,7 @@ class Timings(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ...) -> None: ...
 
 class PodLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "free_kv_blocks", "total_kv_blocks", "block_size", "queued_prefill_tokens", "draining", "version", "prefill_tokens_per_second", "decode_step_seconds", "step_time", "running_context_tokens", "tpot_allowance_seconds", "quantization", "prefill_compute_dtype", "cpu_features", "tensor_parallel_size", "pipeline_parallel_size")
+    __slots__ = ("num_waiting", "num_running", "free_kv_blocks", "total_kv_blocks", "block_size", "queued_prefill_tokens", "draining", "version", "prefill_tokens_per_second", "decode_step_seconds", "step_time", "running_context_tokens", "tpot_allowance_seconds", "quantization", "prefill_compute_dtype", "cpu_features", "tensor_parallel_size", "pipeline_parallel_size", "kv_window")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class PodLoad(_message.Message):
     CPU_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     free_kv_blocks: int
@@ -191,7 +192,8 @@ class PodLoad(_message.Message):
     cpu_features: _containers.RepeatedScalarFieldContainer[str]
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., version: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., decode_step_seconds: _Optional[float] = ..., step_time: _Optional[_Union[StepTimeModel, _Mapping]] = ..., running_context_tokens: _Optional[int] = ..., tpot_allowance_seconds: _Optional[float] = ..., quantization: _Optional[str] = ..., prefill_compute_dtype: _Optional[str] = ..., cpu_features: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
+    kv_window: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., version: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., decode_step_seconds: _Optional[float] = ..., step_time: _Optional[_Union[StepTimeModel, _Mapping]] = ..., running_context_tokens: _Optional[int] = ..., tpot_allowance_seconds: _Optional[float] = ..., quantization: _Optional[str] = ..., prefill_compute_dtype: _Optional[str] = ..., cpu_features: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., kv_window: _Optional[int] = ...) -> None: ...
 
 class StepTimeModel(_message.Message):
     __slots__ = ("base_seconds", "per_decode_row_seconds", "per_prefill_token_seconds", "per_context_token_seconds", "num_samples", "prefill_pass_seconds")
