@@ -129,10 +129,9 @@ class LLMEngine:
         if config.speculative.method != "draft":
             return SpeculativeProposer(config.speculative)
         draft = DraftModel(config, self.model_config, tokenizer, self.runner.kv_cache.num_blocks)
-        if draft.config.kv_window is None:  # the draft reads the blocks of its whole context: every block stays
-            self.block_manager.window = None
-        elif self.block_manager.window is not None:
-            self.block_manager.window = max(self.block_manager.window, draft.config.kv_window)
+        # The draft catches up over the tokens it has not seen (a whole prompt, after the target prefilled it), into
+        # the same blocks: every block stays while it may still write them.
+        self.block_manager.window = None
         logger.info("draft model %s: %.0f%% of the target's parameters", draft.config.name,
                     100 * draft.parameter_ratio(self.runner.model))
         return SpeculativeProposer(config.speculative, draft, self.block_manager,

@@ -15,7 +15,7 @@ from splitserve.v1 import common_pb2, decode_pb2
 from tests.test_model_gemma import WINDOWED
 from tests.test_pods import GREEDY, Pods, handshaken_header, layer_chunks, rpc_error, tokens_and_complete, trailer
 from tests.tiny_checkpoints import PROMPT as TINY_PROMPT
-from tests.tiny_checkpoints import VOCAB, Checkpoint, PrefillDecodeCluster
+from tests.tiny_checkpoints import VOCAB, Checkpoint, PrefillDecodeCluster, check_ranks_agree
 
 WINDOW = 40  # not a multiple of the blocks' 16 tokens
 BLOCK = 16
@@ -59,6 +59,46 @@ def test_a_prefix_hit_reads_the_window_before_it_and_gives_the_same_tokens(check
     assert llm.engine.block_manager.prefix_hits - hits == 144  # 9 whole blocks, of which it holds the window's
     (alone,) = checkpoint.llm(num_blocks=32, enable_prefix_caching=False).generate([PROMPT + [7, 8, 9]], params)
     assert second.token_ids == alone.token_ids and first.token_ids == llm.generate([PROMPT], params)[0].token_ids
+
+
+def greedy(llm, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_over_a_windowed_model_gives_the_plain_greedy_tokens(checkpoint, method):
+    """Verified drafts and rejected ones rolled back while the window frees blocks: the plain engine's tokens. With a
+    draft model (the checkpoint as its own), every block stays: the draft catches up over a whole prompt after the
+    target prefilled it, into the same blocks."""
+    settings = {"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    if method == "draft":
+        settings["model"] = str(checkpoint.directory)
+    llm = checkpoint.llm(speculative_config=settings)
+    assert llm.engine.block_manager.window == (WINDOW if method == "ngram" else None)
+    assert greedy(llm, [PROMPT]) == greedy(checkpoint.llm(), [PROMPT])
+    assert llm.engine.spec_decode.num_draft_tokens > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_preempted_windowed_sequences_answer_as_each_alone(checkpoint):
+    """Four 150-token prompts decoding at once through 14 blocks: preemptions (recompute) free and retake their
+    window's blocks, and every answer is the one it gets alone."""
+    prompts = [[(k * (31 + 2 * i) + i) % VOCAB for k in range(150)] for i in range(4)]
+    engine = checkpoint.llm(num_blocks=14, long_prefill_token_threshold=64).engine
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    seqs = [engine.add_request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
+    preempted = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        preempted += engine.last_step.num_preempted
+    assert preempted > 0
+    assert [seq.output_token_ids for seq in seqs] == [greedy(checkpoint.llm(), [prompt])[0] for prompt in prompts]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_tensor_parallel_ranks_serve_a_windowed_model_as_one_process(checkpoint):
+    check_ranks_agree(checkpoint, {"tensor_parallel_size": 2})
 
 
 @pytest.fixture(scope="module")
