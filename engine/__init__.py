@@ -14,6 +14,7 @@ The core, in the order a request meets it:
 - ``prefill_budget.py``: how many prompt tokens a step may prefill beside decodes that keep their TPOT;
 - ``step_time.py``: the step-time model, fitted online on the pod;
 - ``block_manager.py``: the paged KV block pool and its prefix cache;
+- ``kv_groups.py``: the two block pools of a model that mixes sliding-window and full-attention layers, as one;
 - ``kv_cache.py``: the K and V pools per layer (``PagedKVCache``), their rows in one of ``kv_formats/``'s formats;
 - ``model_runner.py``: a scheduled batch into tensors, the model run, the sampling;
 - ``model/``: the Llama core decoder (``llama.py``, ``layers.py``), the registry of architectures built on it

@@ -81,13 +81,23 @@ class KVBlock:
     token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class _Allocation:
+    """What ``allocate_slots`` will do to a sequence's table, planned before anything changes."""
+
+    skipped: int  # the table's entries before this index are (made) NULL_BLOCK
+    num_null: int  # new entries that are NULL_BLOCK from the start
+    num_missing: int  # new blocks taken from the pool
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None):
+                 window: int | None = None, table: str = "block_table"):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window  # how far back every layer's query reads; None: its whole context
+        self.table = table  # the Sequence attribute that holds a sequence's blocks of this pool (kv_cache.table_of)
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self._hashless_free_ids: deque[int] = deque(range(num_blocks))
         # Cached blocks nobody references, least recently freed first: the eviction order.
@@ -110,9 +120,16 @@ class BlockManager:
     def block_hashes_of(self, seq: Sequence) -> list[int]:
         return list(self._seq_block_hashes.get(seq.request_id, ()))
 
+    def cached_block_hashes(self) -> list[int]:
+        """The hashes of the blocks in the prefix cache, oldest first."""
+        return list(self._cached_block_ids)
+
     def num_held_blocks(self, seq: Sequence) -> int:
         """The blocks ``seq``'s table holds (its ``NULL_BLOCK`` entries left the window)."""
-        return sum(block_id != NULL_BLOCK for block_id in seq.block_table)
+        return sum(block_id != NULL_BLOCK for block_id in self._table(seq))
+
+    def _table(self, seq: Sequence) -> list[int]:
+        return getattr(seq, self.table)
 
     def _first_needed_block(self, first_query: int) -> int:
         """The index of the first block that a query at ``first_query`` or later may read."""
@@ -132,76 +149,97 @@ class BlockManager:
             return [], 0
         token_ids = seq.token_ids
         lookup_tokens = token_ids[: (len(token_ids) - 1) // self.block_size * self.block_size]
-        block_ids = self._cached_prefix(lookup_tokens)
+        block_ids = self.cached_prefix(lookup_tokens, whole=seq.exported)
         num_tokens = len(block_ids) * self.block_size
         self.prefix_queries += len(token_ids)
         self.prefix_hits += num_tokens
         return block_ids, num_tokens
 
-    def _cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """The leading blocks of ``token_ids`` whose KV the cache holds. Under a window, the longest run of blocks
-        whose end's window is cached: the blocks before that window are ``NULL_BLOCK``, never read."""
+    def cached_prefix(self, token_ids: list[int], whole: bool = False) -> list[int]:
+        """The leading blocks of ``token_ids`` whose KV the cache holds. Under a window (unless ``whole``: every block
+        of the prefix), the longest run of blocks whose end's window is cached: the blocks before that window are
+        ``NULL_BLOCK``, never read."""
         block_ids: list[int] = []
         best, run = 0, 0  # the longest usable prefix (blocks), the cached blocks just before the current one
         for index, block_hash in enumerate(chained_block_hashes(token_ids, self.block_size)):
             block_id = self._cached_block_ids.get(block_hash)
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             found = block_id is not None and self.blocks[block_id].token_ids == tokens
-            if not found and self.window is None:
+            if whole and found:
+                block_ids.append(block_id)
+                best = index + 1
+                continue
+            if not found and (self.window is None or whole):
                 break
             block_ids.append(block_id if found else NULL_BLOCK)
             run = run + 1 if found else 0
             if run >= index + 1 - self._first_needed_block((index + 1) * self.block_size):
                 best = index + 1
-        first = self._first_needed_block(best * self.block_size)
+        first = 0 if whole else self._first_needed_block(best * self.block_size)
         return [NULL_BLOCK] * first + block_ids[first:best]
 
     # ---- every step: growing a sequence's block table ----------------------------------------------------
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None,
-                       keep_from: int | None = None) -> bool:
-        """Make ``seq.block_table`` cover its computed tokens, the cached ``computed_blocks`` and the new tokens;
-        under a window, only from the block of token ``keep_from`` on (default: the first that the first new
-        token's window reads; a prompt whose KV is pushed here: ``window_start``), the blocks before it freed.
+                       pushed: bool = False) -> bool:
+        """Make the sequence's table cover its computed tokens, the cached ``computed_blocks`` and the new tokens;
+        under a window, only from the first block that the first new token's window reads (``pushed``, a prompt whose
+        KV a prefill pod pushes here: from ``window_start``), the blocks before it freed.
 
         Returns False, changing nothing, when the pool has no room. ``computed_blocks`` (from
         ``get_computed_blocks``, only at admission) must directly follow the blocks the sequence already has.
         """
         computed_blocks = computed_blocks or []
+        plan = self.plan_allocation(seq, num_new_tokens, computed_blocks, pushed)
+        if plan is None:
+            return False
+        self.apply_allocation(seq, computed_blocks, plan)
+        return True
+
+    def plan_allocation(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int],
+                        pushed: bool = False) -> _Allocation | None:
+        """``allocate_slots``' plan, or None when the pool has no room for it; nothing changes."""
+        table = self._table(seq)
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         num_tokens = num_computed + num_new_tokens
-        skipped = self._first_needed_block(num_computed) if keep_from is None else keep_from // self.block_size
-        have = len(seq.block_table) + len(computed_blocks)
+        if pushed:
+            skipped = window_start(num_tokens, self.window, self.block_size) // self.block_size
+        else:
+            skipped = self._first_needed_block(num_computed)
+        have = len(table) + len(computed_blocks)
         num_missing = max(math.ceil(num_tokens / self.block_size) - max(have, skipped), 0)
         num_null = max(min(skipped, math.ceil(num_tokens / self.block_size)) - have, 0)
         # Reviving an evictable computed block takes it out of the free room it is counted in; a block left behind
         # by the window and held by this sequence alone returns to it.
         num_revived = sum(1 for block_id in computed_blocks if self._is_free(block_id))
-        num_released = sum(1 for block_id in seq.block_table[:skipped]
+        num_released = sum(1 for block_id in table[:skipped]
                            if block_id != NULL_BLOCK and self.blocks[block_id].ref_count == 1)
         if num_missing > self.num_free_blocks - num_revived + num_released:
-            return False
-        self._release_skipped(seq, skipped)
+            return None
+        return _Allocation(skipped, num_null, num_missing)
+
+    def apply_allocation(self, seq: Sequence, computed_blocks: list[int], plan: _Allocation) -> None:
+        table = self._table(seq)
+        self._release_skipped(table, plan.skipped)
         for block_id in computed_blocks:
             if block_id != NULL_BLOCK:
                 self._touch(block_id)
         if computed_blocks:
-            seq.block_table.extend(computed_blocks)
+            table.extend(computed_blocks)
             self._seq_block_hashes[seq.request_id] = chained_block_hashes(
                 seq.token_ids[: len(computed_blocks) * self.block_size], self.block_size)
-        seq.block_table.extend([NULL_BLOCK] * num_null)
-        seq.block_table.extend(self._take_free_block() for _ in range(num_missing))
-        return True
+        table.extend([NULL_BLOCK] * plan.num_null)
+        table.extend(self._take_free_block() for _ in range(plan.num_missing))
 
     def _is_free(self, block_id: int) -> bool:
         return block_id != NULL_BLOCK and self.blocks[block_id].ref_count == 0
 
-    def _release_skipped(self, seq: Sequence, skipped: int) -> None:
-        """The blocks before index ``skipped`` of ``seq``'s table, out of every later query's window, freed."""
-        for index, block_id in enumerate(seq.block_table[:skipped]):
+    def _release_skipped(self, table: list[int], skipped: int) -> None:
+        """The blocks before index ``skipped`` of a sequence's table, out of every later query's window, freed."""
+        for index, block_id in enumerate(table[:skipped]):
             if block_id != NULL_BLOCK:
                 self._release(block_id)
-                seq.block_table[index] = NULL_BLOCK
+                table[index] = NULL_BLOCK
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -237,8 +275,9 @@ class BlockManager:
         for index in range(len(hashes), num_full_blocks):
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             hashes.append(hash_block_tokens(hashes[-1] if hashes else ROOT_PARENT_HASH, tokens))
-            if seq.block_table[index] != NULL_BLOCK:  # (a pushed prompt's blocks before the window never came)
-                self._cache(self.blocks[seq.block_table[index]], hashes[-1], tokens)
+            block_id = self._table(seq)[index]
+            if block_id != NULL_BLOCK:  # (a pushed prompt's blocks before the window never came)
+                self._cache(self.blocks[block_id], hashes[-1], tokens)
 
     def _cache(self, block: KVBlock, block_hash: int, tokens: tuple[int, ...]) -> None:
         # A hash already cached (same tokens computed twice, or a collision) keeps its first block;
@@ -253,10 +292,11 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first, so its tail blocks are the first to be evicted."""
-        for block_id in reversed(seq.block_table):
+        table = self._table(seq)
+        for block_id in reversed(table):
             if block_id != NULL_BLOCK:
                 self._release(block_id)
-        seq.block_table.clear()
+        table.clear()
         self._seq_block_hashes.pop(seq.request_id, None)
 
     def _release(self, block_id: int) -> None:
@@ -276,33 +316,36 @@ class BlockManager:
         self.cache_full_blocks(seq, seq.num_tokens)
         self.free(seq)
 
-    def hold(self, seq: Sequence) -> Sequence:
-        """A second reference to every block of ``seq``, as a holder sequence of its own: the blocks stay allocated,
-        their KV intact, until ``free(holder)``, whatever becomes of ``seq`` meanwhile (a prefill pod holds a
-        prompt's blocks until the decode pod acknowledged its KV)."""
-        holder = Sequence(f"{seq.request_id}#held", seq.prompt_token_ids, seq.sampling_params)
-        for block_id in seq.block_table:
+    def hold(self, seq: Sequence, holder: Sequence | None = None) -> Sequence:
+        """A second reference to every block of ``seq``, as a holder sequence of its own (``holder``, or a new one):
+        the blocks stay allocated, their KV intact, until ``free(holder)``, whatever becomes of ``seq`` meanwhile (a
+        prefill pod holds a prompt's blocks until the decode pod acknowledged its KV)."""
+        holder = holder or Sequence(f"{seq.request_id}#held", seq.prompt_token_ids, seq.sampling_params)
+        for block_id in self._table(seq):
             if block_id != NULL_BLOCK:
                 self._touch(block_id)
-        holder.block_table = list(seq.block_table)
+        setattr(holder, self.table, list(self._table(seq)))
         return holder
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[str, int, int]] | None:
         """Give ``child`` the blocks of ``parent``'s first ``parent.num_computed_tokens`` tokens (the samples of one
         prompt): a reference on each full block, and a fresh block for the last, partly filled one, which each
-        sample fills with tokens of its own (copy-on-write, copied at once). Returns the (source, copy) block pairs
-        whose KV the caller copies (none or one); None, changing nothing, when the pool has no block for the copy."""
+        sample fills with tokens of its own (copy-on-write, copied at once). Returns the (table, source, copy) block
+        pairs whose KV the caller copies in the layers of that table (none or one); None, changing nothing, when the
+        pool has no block for the copy."""
         num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
         if partial and self.num_free_blocks == 0:
             return None
-        for block_id in parent.block_table[:num_full]:
+        table = self._table(parent)
+        for block_id in table[:num_full]:
             if block_id != NULL_BLOCK:
                 self._touch(block_id)
-        child.block_table = parent.block_table[:num_full]
+        setattr(child, self.table, table[:num_full])
         if not partial:
             return []
-        child.block_table.append(self._take_free_block())
-        return [(parent.block_table[num_full], child.block_table[-1])]
+        copy = self._take_free_block()
+        self._table(child).append(copy)
+        return [(self.table, table[num_full], copy)]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights). Refused (False) while any block is in use."""

@@ -111,6 +111,11 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
+    def windowed_layers(self) -> frozenset[int]:
+        """The layers that attend over a sliding window (none without ``layer_windows``)."""
+        return frozenset(layer for layer, window in enumerate(self.layer_windows) if window is not None)
+
+    @property
     def kv_window(self) -> int | None:
         """How far back any query reads: the widest window where every layer has one (its older KV may go), None
         where a layer reads its whole context (Gemma's global layers: docs/models.md, "Sliding windows")."""

@@ -7,6 +7,11 @@ position ``p`` of a sequence lives in block ``block_table[p // block_size]`` at 
 slot ``block_id * block_size + offset`` of the flattened pool. Which block belongs to whom is the ``BlockManager``'s
 business; this file only owns the memory.
 
+A model that mixes sliding-window layers with full-attention ones (Gemma 2 and 3) keeps its windowed layers' K/V in
+pools of their own (``window_layers``, ``window_num_blocks`` blocks): a sequence's tokens there live in the blocks of
+its ``window_block_table``, which the block manager frees as they leave the window (engine/kv_groups.py), while the
+full layers' stay in its ``block_table``. ``table_of(layer)`` names the table that addresses a layer's pool.
+
 Two kinds of reader and writer:
 
 - the engine's attention and model code (``model/attention.py``, ``model/layers.py``, the native kernels) take the
@@ -14,7 +19,8 @@ Two kinds of reader and writer:
   (``tests/test_kv_cache_interface.py``);
 - everyone else (the prefill pod's KV export, the decode pod's KV receiver, the benchmarks) goes through
 
-      slots(block_table, token_start, token_end) -> [n] long     where a token range of a sequence lives
+      slots(block_table, token_start, token_end) -> [n] long     where a token range of a sequence lives (the
+                                                                 table of the layers read: ``table_of(layer)``)
       read(layer, kind, slots) -> [n, Hkv, D]                    a copy of that layer's K ("k") or V ("v") values
       write(layer, kind, slots, values [n, Hkv, D])             stored in the cache's format
       read_rows / write_rows(layer, kind, slots[, rows])         the same, as stored rows [n, Hkv, row] (no rounding)
@@ -49,27 +55,46 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype | str,  # what K/V are stored as (CacheConfig.cache_dtype: kv_rows.POOL_DTYPES)
         device: torch.device | str = "cpu",
+        window_layers: frozenset[int] = frozenset(),  # layers whose pools are the window group's
+        window_num_blocks: int = 0,
     ):
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        if num_blocks <= 0 or (window_layers and window_num_blocks <= 0):
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks} (window group: {window_num_blocks})")
         self.num_blocks = num_blocks
+        self.window_layers, self.window_num_blocks = frozenset(window_layers), window_num_blocks
         self.block_size = block_size
         self.dtype = kv_rows.pool_dtype(dtype)
         self.head_dim = model_config.head_dim
-        shape = (num_blocks, block_size, model_config.num_kv_heads, kv_rows.row_width(self.dtype, self.head_dim))
-        self.k_blocks = [_zeroed(shape, self.dtype, device) for _ in range(model_config.num_layers)]
-        self.v_blocks = [_zeroed(shape, self.dtype, device) for _ in range(model_config.num_layers)]
+        row = (block_size, model_config.num_kv_heads, kv_rows.row_width(self.dtype, self.head_dim))
+        shapes = [(window_num_blocks if layer in self.window_layers else num_blocks, *row)
+                  for layer in range(model_config.num_layers)]
+        self.k_blocks = [_zeroed(shape, self.dtype, device) for shape in shapes]
+        self.v_blocks = [_zeroed(shape, self.dtype, device) for shape in shapes]
 
     @classmethod
     def from_config(
-        cls, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu"
+        cls, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu",
+        window_blocks: int = 0,
     ) -> "PagedKVCache":
-        """A cache of ``cache_config.num_blocks`` blocks, or as many as fit in ``kv_cache_memory_bytes``."""
+        """A cache of ``cache_config.num_blocks`` blocks, or as many as fit in ``kv_cache_memory_bytes``. With
+        ``window_blocks`` (the blocks the windowed layers of a model that mixes them with full ones need at most:
+        ``window_group_blocks``), those layers get a group of their own: that many blocks (no more than the full
+        layers'), the full layers the rest of the budget; with ``num_blocks`` set, both groups that many."""
         dtype = kv_rows.pool_dtype(cache_config.cache_dtype)
+        windowed = model_config.windowed_layers if window_blocks else frozenset()
         num_blocks = cache_config.num_blocks or num_blocks_for_budget(
             model_config, cache_config.block_size, dtype, cache_config.kv_cache_memory_bytes
         )
-        return cls(model_config, num_blocks, cache_config.block_size, dtype, device)
+        if not windowed:
+            return cls(model_config, num_blocks, cache_config.block_size, dtype, device)
+        window_num_blocks = num_blocks if cache_config.num_blocks else min(num_blocks, window_blocks)
+        if not cache_config.num_blocks:  # what the window group leaves of the budget goes to the full layers
+            per_layer = bytes_per_block(model_config.num_kv_heads, model_config.head_dim, 1, cache_config.block_size,
+                                        dtype)
+            full_layers = model_config.num_layers - len(windowed)
+            rest = cache_config.kv_cache_memory_bytes - window_num_blocks * len(windowed) * per_layer
+            num_blocks = rest // (full_layers * per_layer)
+        return cls(model_config, num_blocks, cache_config.block_size, dtype, device, windowed, window_num_blocks)
 
     @property
     def num_layers(self) -> int:
@@ -85,8 +110,15 @@ class PagedKVCache:
         return kv_rows.row_width(self.dtype, self.head_dim) * _element_size(self.dtype) / self.head_dim
 
     def bytes_per_block(self) -> int:
+        """Bytes one block of the full layers' pools takes across them (every layer's without a window group)."""
         num_kv_heads = self.k_blocks[0].shape[2]
-        return bytes_per_block(num_kv_heads, self.head_dim, self.num_layers, self.block_size, self.dtype)
+        num_layers = self.num_layers - len(self.window_layers)
+        return bytes_per_block(num_kv_heads, self.head_dim, num_layers, self.block_size, self.dtype)
+
+    def table_of(self, layer: int) -> str:
+        """The ``Sequence`` attribute whose block ids address ``layer``'s pool: ``block_table``, or
+        ``window_block_table`` for a layer of the window group."""
+        return "window_block_table" if layer in self.window_layers else "block_table"
 
     # ---- the interface for code outside the engine ------------------------------------------------------------
     def slots(self, block_table: Sequence[int], token_start: int, token_end: int) -> torch.Tensor:
@@ -154,7 +186,9 @@ class PagedKVCache:
         return (self.k_blocks if kind == "k" else self.v_blocks)[layer].flatten(0, 1)
 
     def memory_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block()
+        window = bytes_per_block(self.k_blocks[0].shape[2], self.head_dim, len(self.window_layers), self.block_size,
+                                 self.dtype)
+        return self.num_blocks * self.bytes_per_block() + self.window_num_blocks * window
 
 
 def bytes_per_block(num_kv_heads: int, head_dim: int, num_layers: int, block_size: int, dtype: torch.dtype) -> int:

@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
-from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kernels.cpu_features import matrix_features
 from splitserve.engine.kernels.cpu_kernels import KernelChoice
+from splitserve.engine.kv_groups import block_managers
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.prefill_budget import TPOTSlackBudget
 from splitserve.engine.sampling.params import SamplingParams
@@ -99,11 +99,8 @@ class LLMEngine:
                              self.model_config.vocab_size, self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(config, loaded.config, loaded.state_dict, masks)
         del loaded  # the file's tensors: the model keeps its own (fused, packed) copies
-        self.block_manager = BlockManager(
-            self.runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-            self.model_config.kv_window,
-        )
-        # Before the scheduler: a draft model without windows keeps every block (BlockManager.window).
+        self.block_manager = block_managers(config, self.model_config, self.runner.kv_cache)
+        # Before the scheduler: a draft model keeps every block (BlockManager.window).
         self.proposer = self._proposer(config, self.tokenizer) if config.speculative else None
         eos_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.step_times = StepTimeFit()  # this engine's measured step-time model (engine/step_time.py)
@@ -194,7 +191,7 @@ class LLMEngine:
     def cached_block_hashes(self) -> list[int]:
         """Chained hashes of the blocks in the prefix cache, oldest first: a pod's heartbeat publishes them so that
         the router can send a prompt where its prefix is cached."""
-        return list(self.block_manager._cached_block_ids)  # the block manager's index: hash -> block id
+        return self.block_manager.cached_block_hashes()
 
     def step(self) -> list[Sequence]:
         """Run one scheduled batch; returns the sequences that got a token or finished in it."""
@@ -292,9 +289,9 @@ class LLMEngine:
         if copies is None:
             return None
         cache = self.runner.kv_cache
-        for blocks in copies:
+        for table, *blocks in copies:
             source, copy = (cache.slots([block], 0, cache.block_size) for block in blocks)
-            for layer in range(cache.num_layers):
+            for layer in (layer for layer in range(cache.num_layers) if cache.table_of(layer) == table):
                 for kind in ("k", "v"):
                     cache.write_rows(layer, kind, copy, cache.read_rows(layer, kind, source))
         return child

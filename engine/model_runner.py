@@ -27,6 +27,7 @@ import torch
 
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.kv_groups import window_group_blocks
 from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.parallel.pipeline import start_pipeline_parallel
@@ -58,7 +59,8 @@ class ModelRunner:
                 model_config, state_dict, self.dtype, self.device, config.cpu_kernels, config.int8_activations,
                 config.prefill_compute_dtype, config.prefill_only,
             )
-            self.kv_cache = PagedKVCache.from_config(model_config, config.cache, self.device)
+            self.kv_cache = PagedKVCache.from_config(model_config, config.cache, self.device,
+                                                     window_group_blocks(config, model_config))
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed)
         self.grammar_masks = grammar_masks  # structured outputs' masks (None: no request may be guided)
 
@@ -118,6 +120,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
+        window_tables: list[list[int]] = []  # the window pool's (kv_cache.window_layers), where the cache has one
         one_row_prefills: set[int] = set()
         for s in batch.scheduled:
             end = s.start + s.num_new_tokens
@@ -133,11 +136,14 @@ class ModelRunner:
                 query_lens.append(outputs_from - s.start)
                 seq_lens.append(outputs_from)
                 block_tables.append(s.seq.block_table)
+                window_tables.append(s.seq.window_block_table)
             query_lens.extend([1] * (end - outputs_from))
             seq_lens.extend(range(outputs_from + 1, end + 1))
             block_tables.extend([s.seq.block_table] * (end - outputs_from))
+            window_tables.extend([s.seq.window_block_table] * (end - outputs_from))
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device,
-                                       frozenset(one_row_prefills))
+                                       frozenset(one_row_prefills),
+                                       window_tables if self.kv_cache.window_layers else None)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(tokens), as_tensor(positions), meta
 

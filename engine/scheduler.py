@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitserve.engine.block_manager import BlockManager, window_start
+from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.prefill_budget import TPOTSlackBudget
 from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -136,16 +136,10 @@ class Scheduler:
     def reserve_transfer(self, seq: Sequence) -> bool:
         """Blocks for ``seq``'s prompt, whose KV is on its way (``awaiting_kv`` until admitted or let go); False
         when the pool has no room. Under a sliding window, only the blocks from ``window_start`` on."""
-        keep_from = self.transfer_start(seq.num_prompt_tokens)
-        if not self.block_manager.allocate_slots(seq, seq.num_prompt_tokens, keep_from=keep_from):
+        if not self.block_manager.allocate_slots(seq, seq.num_prompt_tokens, pushed=True):
             return False
         self.awaiting_kv.add(seq.request_id)
         return True
-
-    def transfer_start(self, num_tokens: int) -> int:
-        """The first token of a pushed prompt of ``num_tokens`` whose KV is kept here (0 without a window): the
-        push covers [it, num_tokens); its blocks before it, outside every later query's window, are never taken."""
-        return window_start(num_tokens, self.block_manager.window, self.block_manager.block_size)
 
     def cache_transferred_prefix(self, seq: Sequence) -> None:
         """A split prefill's pushed prefix: its full blocks to the prefix cache, the reservation let go."""

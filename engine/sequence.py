@@ -59,6 +59,12 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
+    # The blocks of the windowed layers' own pools (a model that mixes them with full-attention ones: kv_cache.py)
+    window_block_table: list[int] = field(default_factory=list)
+    # Its KV leaves for another pod as it is computed (a prefill pod's request): its prefix-cache hits then hold
+    # every block they cover, those that left this pod's sliding windows too, since the receiver may keep more of the
+    # prompt than this pod's windows do (engine/block_manager.py).
+    exported: bool = False
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

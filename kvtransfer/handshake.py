@@ -39,6 +39,7 @@ import grpc
 
 from splitserve.engine.block_manager import window_start
 from splitserve.engine.kernels.cpu_features import matrix_flags
+from splitserve.engine.kv_groups import pushed_window
 from splitserve.engine.parallel.layout import plan_shards
 from splitserve.engine.text.tokenizer_files import resolve_model_name
 from splitserve.runtime.errors import StatusError
@@ -71,9 +72,10 @@ class KVLayout:
     cpu_features: tuple[str, ...] = ()
     tensor_parallel_size: int = 1  # the engine's ranks; not in the compat hash: any degrees map
     rank_kv_heads: tuple[tuple[int, int], ...] = ()  # each rank's KV heads [start, end); () from one process
-    # How far back its queries read (every layer's sliding window, the widest; 0: the whole context): a receiver
-    # with one keeps a pushed prompt's KV from ``window_start`` on, and the sender pushes only that. Not in the hash.
+    # The sliding window under which it keeps a pushed prompt's KV from ``window_start`` on, and in which layers
+    # (engine/kv_groups.py ``pushed_window``; 0 and (): all of it): the sender pushes only that. Not in the hash.
     kv_window: int = 0
+    kv_window_layers: tuple[int, ...] = ()
 
     @classmethod
     def of_engine(cls, engine) -> "KVLayout":
@@ -81,13 +83,14 @@ class KVLayout:
         model = engine.model_config
         cache = engine.config.cache
         size = engine.config.tensor_parallel_size
+        window, window_layers = pushed_window(engine.block_manager, engine.runner.kv_cache)
         return cls(model.name, model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
                    cache.cache_dtype, engine.config.quantization,
                    weights_fingerprint(engine.config.model, engine.config.seed),
                    prefill_compute_dtype=engine.prefill_compute, cpu_features=matrix_flags(),
                    tensor_parallel_size=size,
                    rank_kv_heads=tuple(shard.kv_heads for shard in plan_shards(model, size)),
-                   kv_window=engine.block_manager.window or 0)
+                   kv_window=window, kv_window_layers=window_layers)
 
     @classmethod
     def from_proto(cls, message: kv_transfer_pb2.KVLayout) -> "KVLayout":
@@ -96,7 +99,7 @@ class KVLayout:
                    prefill_compute_dtype=message.prefill_compute_dtype, cpu_features=tuple(message.cpu_features),
                    tensor_parallel_size=message.tensor_parallel_size or 1,
                    rank_kv_heads=tuple((r.start, r.end) for r in message.rank_kv_heads),
-                   kv_window=message.kv_window)
+                   kv_window=message.kv_window, kv_window_layers=tuple(message.kv_window_layers))
 
     def to_proto(self) -> kv_transfer_pb2.KVLayout:
         return kv_transfer_pb2.KVLayout(model_name=self.model_name, num_layers=self.num_layers,
@@ -109,10 +112,11 @@ class KVLayout:
                                         tensor_parallel_size=self.tensor_parallel_size,
                                         rank_kv_heads=[kv_transfer_pb2.KVHeadRange(start=a, end=b)
                                                        for a, b in self.rank_kv_heads],
-                                        kv_window=self.kv_window)
+                                        kv_window=self.kv_window, kv_window_layers=self.kv_window_layers)
 
     def transfer_start(self, num_tokens: int) -> int:
-        """The first token of a prompt of ``num_tokens`` whose KV a push to this layout's pod carries."""
+        """The first token of a prompt of ``num_tokens`` whose KV a push to this layout's pod carries in its
+        ``kv_window_layers`` (the others': 0)."""
         return window_start(num_tokens, self.kv_window or None, self.block_size)
 
     @property
@@ -156,11 +160,6 @@ def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, cod
         # Same fields, different digest: the two pods run different versions of the handshake.
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"compat_hash: sender {sender_hash!r}, receiver {receiver.compat_hash!r}")
-    if not holds_the_window(sender, receiver):
-        raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"kv_window: the sender frees KV older than {sender.kv_window} tokens in blocks of "
-                          f"{sender.block_size}, the receiver keeps {receiver.kv_window or 'all'} in blocks of "
-                          f"{receiver.block_size}: a sliding-window model's pods need one block size and window")
     unmapped = unmapped_heads(sender)
     if unmapped:
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"rank_kv_heads: the sender's {unmapped}")
@@ -168,16 +167,6 @@ def check_compatible(receiver: KVLayout, sender: KVLayout, sender_hash: str, cod
     if codec and codec not in accepted:
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"codec: {codec!r} is not accepted by the receiver; accepted: {', '.join(accepted)}")
-
-
-def holds_the_window(sender: KVLayout, receiver: KVLayout) -> bool:
-    """Whether the sender still holds every token a push to the receiver carries (``KVLayout.transfer_start``): its
-    blocks that left its own window (a prefix-cache hit's, engine/block_manager.py) lie before the receiver's
-    start when both have one block size and the sender's window is at least as wide (or it frees nothing)."""
-    if not sender.kv_window:
-        return True
-    return bool(receiver.kv_window) and sender.kv_window >= receiver.kv_window and \
-        sender.block_size == receiver.block_size
 
 
 def unmapped_heads(layout: KVLayout) -> str:

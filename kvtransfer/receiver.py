@@ -92,7 +92,7 @@ class KVIntake:
         # later chunk.
         self._received = torch.zeros(expected.num_layers, 2, expected.num_kv_heads, expected.num_tokens,
                                      dtype=torch.bool)
-        self._slots_by_range: dict[tuple[int, int], torch.Tensor] = {}
+        self._slots_by_range: dict[tuple[str, int, int], torch.Tensor] = {}
         self._in_flight: collections.deque[asyncio.Future] = collections.deque()
 
     async def store(self, wire_chunk: WireChunk) -> None:
@@ -123,8 +123,8 @@ class KVIntake:
             decoded = decode_chunk(wire_chunk, self.expected, self._kv_cache.device, self._kv_cache.dtype)
         except KVChunkError as err:
             raise KVLoadError(err.code, err.message) from err
-        write_heads(self._kv_cache, decoded.layer, decoded.kind, self._slots(decoded.token_start, decoded.token_end),
-                    decoded.tensor, decoded.heads)
+        write_heads(self._kv_cache, decoded.layer, decoded.kind,
+                    self._slots(decoded.layer, decoded.token_start, decoded.token_end), decoded.tensor, decoded.heads)
         return wire_chunk.fields.seq, decoded._replace(tensor=None)  # the tensor may view the message: let it go
 
     def _mark_arrived(self, written: tuple[int, DecodedKVChunk]) -> None:
@@ -138,11 +138,12 @@ class KVIntake:
                               f"{decoded.kind.upper()}, tokens [{t0}, {t1}){some})")
         arrived.fill_(True)
 
-    def _slots(self, token_start: int, token_end: int) -> torch.Tensor:
-        """[T] long: where the tokens go; every layer's K and V of a token range goes to the same slots."""
-        key = (token_start, token_end)
+    def _slots(self, layer: int, token_start: int, token_end: int) -> torch.Tensor:
+        """[T] long: where ``layer``'s tokens go; the K and V of a token range go to the same slots in every layer of
+        one block table (``PagedKVCache.table_of``)."""
+        key = (self._kv_cache.table_of(layer), token_start, token_end)
         if key not in self._slots_by_range:  # two workers may both compute it: the same tensor either way
-            self._slots_by_range[key] = self._kv_cache.slots(self.seq.block_table, token_start, token_end)
+            self._slots_by_range[key] = self._kv_cache.slots(getattr(self.seq, key[0]), token_start, token_end)
         return self._slots_by_range[key]
 
     async def settle(self) -> None:
@@ -154,6 +155,19 @@ class KVIntake:
                 raise outcome
             self._mark_arrived(outcome)
 
+    def _missing(self) -> tuple[int, tuple[int, int, int, int] | None]:
+        """How many (layer, K/V, KV head, token) entries were not received, each layer's from its first token on, and
+        the first of them."""
+        count, first = 0, None
+        for layer in range(self.expected.num_layers):
+            start = self.expected.start(layer)
+            missing = ~self._received[layer, ..., start:]
+            count += int(missing.sum())
+            if first is None and count:
+                kind, head, token = missing.nonzero()[0].tolist()
+                first = (layer, kind, head, start + token)
+        return count, first
+
     def check_complete(self, trailer: kv_transfer_pb2.KVTransferTrailer) -> None:
         if trailer.num_tokens != self.expected.num_tokens:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"trailer covers {trailer.num_tokens} tokens, "
@@ -161,12 +175,11 @@ class KVIntake:
         if trailer.num_chunks != self.next_seq:
             raise KVLoadError(grpc.StatusCode.DATA_LOSS,
                               f"trailer says {trailer.num_chunks} chunks were sent, {self.next_seq} arrived")
-        missing = (~self._received[..., self.expected.first_token:]).nonzero()
-        if len(missing):
-            layer, kind, head, token = missing[0].tolist()
-            token += self.expected.first_token
+        count, first = self._missing()
+        if count:
+            layer, kind, head, token = first
             raise KVLoadError(grpc.StatusCode.DATA_LOSS,
-                              f"incomplete KV: {len(missing)} (layer, K/V, KV head, token) entries missing, the "
+                              f"incomplete KV: {count} (layer, K/V, KV head, token) entries missing, the "
                               f"first at layer {layer}, {'KV'[kind]}, token {token}, KV head {head}")
 
 
@@ -285,7 +298,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         num_tokens = lease.seq.num_prompt_tokens
         return KVIntake(self._engine_loop, lease.seq, ExpectedChunks(
             lease.request_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, num_tokens,
-            frozenset(self.accepted_codecs), layout.transfer_start(num_tokens)), self._intake_workers)
+            frozenset(self.accepted_codecs), layout.transfer_start(num_tokens), frozenset(layout.kv_window_layers)),
+            self._intake_workers)
 
     async def _receive(self, lease: KVLease, intake: KVIntake, request_iterator,
                        arena: memoryview | None) -> kv_transfer_pb2.PushKVResponse:

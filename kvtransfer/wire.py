@@ -255,9 +255,14 @@ class ExpectedChunks:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_tokens: int  # the prompt's length: chunks cover [first_token, num_tokens)
+    num_tokens: int  # the prompt's length: chunks cover [0, num_tokens), [first_token, num_tokens) in window_layers
     codecs: frozenset[str]  # codec names this receiver accepts
-    first_token: int = 0  # where the receiver keeps the prompt's KV from (KVLayout.transfer_start)
+    first_token: int = 0  # where the receiver keeps the prompt's KV from in window_layers (KVLayout.transfer_start)
+    window_layers: frozenset[int] = frozenset()
+
+    def start(self, layer: int) -> int:
+        """The first token the chunks of ``layer`` carry."""
+        return self.first_token if layer in self.window_layers else 0
 
 
 class DecodedKVChunk(NamedTuple):
@@ -320,8 +325,8 @@ def _check_placement(chunk: kv_transfer_pb2.KVChunk, expected: ExpectedChunks, w
         problem = f"kind {chunk.kind} is neither KEY nor VALUE"
     elif chunk.layer >= expected.num_layers:
         problem = f"layer {chunk.layer} is out of range: the model has {expected.num_layers} layers"
-    elif not expected.first_token <= chunk.token_start < chunk.token_end <= expected.num_tokens:
-        kept = f" (kept from {expected.first_token} on)" if expected.first_token else ""
+    elif not expected.start(chunk.layer) <= chunk.token_start < chunk.token_end <= expected.num_tokens:
+        kept = f" (kept from {expected.start(chunk.layer)} on)" if expected.start(chunk.layer) else ""
         problem = (f"token range [{chunk.token_start}, {chunk.token_end}) is empty or outside the prompt's "
                    f"{expected.num_tokens} tokens{kept}")
     elif not 0 <= start < end <= expected.num_kv_heads:

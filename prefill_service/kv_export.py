@@ -44,10 +44,11 @@ Only the engine thread touches the table, so it needs no lock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.parallel.sharded_kv_cache import read_heads
 from splitserve.engine.scheduler import SchedulerOutput
@@ -64,14 +65,27 @@ class _Export:
 
 @dataclass
 class _StepExport:
-    """One request's share of the current step's export."""
+    """One request's share of the current step's export: tokens [token_start, token_end) of the prompt, from
+    ``window_start`` on in the layers where the decode pod keeps only a window (``KVSender.window_layers``)."""
 
     export: _Export
     seq: Sequence
-    slots: torch.Tensor  # [token_end - token_start] long, cache slots of the tokens to copy
     token_start: int
+    window_start: int
     token_end: int
     completes_prompt: bool
+    _slots: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # by (block table, first token)
+
+    def start(self, layer: int) -> int:
+        return self.window_start if layer in self.export.sender.window_layers else self.token_start
+
+    def slots(self, cache: PagedKVCache, layer: int) -> torch.Tensor:
+        """[token_end - start(layer)] long: where ``layer``'s tokens lie in its pool (the same for the layers of
+        one block table and start)."""
+        key = (cache.table_of(layer), self.start(layer))
+        if key not in self._slots:
+            self._slots[key] = cache.slots(getattr(self.seq, key[0]), key[1], self.token_end)
+        return self._slots[key]
 
 
 class PrefillKVExport:
@@ -84,8 +98,11 @@ class PrefillKVExport:
         self._exports: dict[str, _Export] = {}
         self._step: list[_StepExport] = []
 
-    def register(self, request_id: str, sender: KVSender) -> None:
-        self._exports[request_id] = _Export(sender)
+    def register(self, seq: Sequence, sender: KVSender) -> None:
+        """Export ``seq``'s KV through ``sender`` (before its first step: its prefix-cache hit then holds every block
+        it covers, ``Sequence.exported``, which the export reads from)."""
+        seq.exported = True
+        self._exports[seq.request_id] = _Export(sender)
 
     def unregister(self, request_id: str) -> None:
         export = self._exports.pop(request_id, None)
@@ -99,14 +116,11 @@ class PrefillKVExport:
             token_end = min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
             if export is None or token_end <= export.num_exported_tokens:
                 continue  # not ours, or recomputing tokens already sent (after a preemption)
-            # Tokens before the decode pod's window (KVSender.first_token) are not sent: it keeps none of them.
-            token_start = max(export.num_exported_tokens, export.sender.first_token)
-            if token_end <= token_start:
-                export.num_exported_tokens = token_end
-                continue
-            slots = self._kv_cache.slots(item.seq.block_table, token_start, token_end)
-            self._step.append(_StepExport(export, item.seq, slots, token_start, token_end,
-                                          token_end == item.seq.num_prompt_tokens))
+            # Tokens before the decode pod's window (KVSender.first_token) are not sent in its windowed layers: it
+            # keeps none of them there.
+            token_start = export.num_exported_tokens
+            self._step.append(_StepExport(export, item.seq, token_start, max(token_start, export.sender.first_token),
+                                          token_end, token_end == item.seq.num_prompt_tokens))
             export.num_exported_tokens = token_end
         return bool(self._step)
 
@@ -120,7 +134,10 @@ class PrefillKVExport:
                 # and the exposed transfer time would read 0.
                 sender.mark_compute_done()
                 part.export.held = self._block_manager.hold(part.seq)
+            if part.start(layer) >= part.token_end:
+                continue  # all before the decode pod's window
             rows = sender.codec.pool_dtype == cache.dtype  # the codec carries this pool's rows as they lie
-            keys, values = (read_heads(cache, layer, kind, part.slots, rows) for kind in ("k", "v"))
-            sender.submit_layer(layer, part.token_start, part.token_end,
+            slots = part.slots(cache, layer)
+            keys, values = (read_heads(cache, layer, kind, slots, rows) for kind in ("k", "v"))
+            sender.submit_layer(layer, part.start(layer), part.token_end,
                                 [HeadsKV(heads, k, v) for (heads, k), (_, v) in zip(keys, values)])

@@ -137,7 +137,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         def add(engine):
             seq = engine.add_request(request_id, prompt, params, priority=request.priority)
             if sender is not None:
-                self._export.register(request_id, sender)  # same engine command: no step can run in between
+                self._export.register(seq, sender)  # same engine command: no step can run in between
             return seq
 
         async with contextlib.aclosing(self._pod.engine_loop.generate(request_id, prompt, params, add=add)) as events:

@@ -318,6 +318,10 @@ def test_a_prefix_hit_under_a_window_needs_only_the_window_before_its_end():
     assert second.block_table[:4] == [NULL_BLOCK, NULL_BLOCK, 2, 3] and manager.num_held_blocks(second) == 3
     assert manager.block_hashes_of(second) == chained_block_hashes(second.token_ids[:16], BLOCK_SIZE)
     manager.free(second)
+    # A sequence whose KV leaves for another pod (which may keep more of it) takes only a whole chain: none here.
+    exported = make_seq("c", list(range(1, 17)) + [60, 61])
+    exported.exported = True
+    assert manager.get_computed_blocks(exported) == ([], 0)
     # Without a window the same cache holds no usable prefix: its first block is gone.
     full = BlockManager(num_blocks=8, block_size=BLOCK_SIZE)
     compute(full, first := make_seq("a", list(range(1, 17)) + [50]), 17)
@@ -329,10 +333,9 @@ def test_a_prefix_hit_under_a_window_needs_only_the_window_before_its_end():
 def test_a_pushed_prompt_gets_blocks_from_its_window_start_and_publishes_only_those():
     manager = windowed()
     prompt = list(range(1, 19))  # 18 tokens; the queries from 16 (the last full block's end) read from 11
-    keep_from = window_start(len(prompt), WINDOW, BLOCK_SIZE)
-    assert keep_from == 8  # block 2's first token
+    assert window_start(len(prompt), WINDOW, BLOCK_SIZE) == 8  # block 2's first token
     seq = make_seq("pushed", prompt)
-    assert manager.allocate_slots(seq, len(prompt), keep_from=keep_from)
+    assert manager.allocate_slots(seq, len(prompt), pushed=True)
     assert seq.block_table == [NULL_BLOCK, NULL_BLOCK, 0, 1, 2]
     holder = manager.hold(seq)  # (a prefill pod's hold, or samples sharing it) passes NULL_BLOCK by
     assert ref_counts(manager)[:3] == [2, 2, 2]

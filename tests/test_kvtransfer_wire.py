@@ -204,21 +204,6 @@ def test_block_size_and_cache_dtype_do_not_matter():
     check_compatible(LAYOUT, sender, sender.compat_hash, "int8", ["none", "int8"])
 
 
-@pytest.mark.parametrize("sender, receiver, holds", [
-    ((0, 16), (0, 16), True), ((0, 16), (40, 32), True),  # a sender without a window frees nothing
-    ((40, 16), (40, 16), True), ((48, 16), (40, 16), True),  # its freed blocks lie before what the receiver keeps
-    ((40, 16), (0, 16), False), ((40, 16), (48, 16), False), ((40, 16), (40, 32), False)])
-def test_a_windowed_sender_needs_the_receivers_block_size_and_a_window_as_wide(sender, receiver, holds):
-    """(kv_window, block_size) of each side: a windowed prefill pod may have freed a prefix hit's blocks that a
-    receiver with another block size or a wider window (or none) would keep."""
-    sending, receiving = (dataclasses.replace(LAYOUT, kv_window=w, block_size=b) for w, b in (sender, receiver))
-    if holds:
-        check_compatible(receiving, sending, sending.compat_hash, "none", ["none"])
-        return
-    with pytest.raises(StatusError, match="kv_window: .* a sliding-window model's pods need one block size and window"):
-        check_compatible(receiving, sending, sending.compat_hash, "none", ["none"])
-
-
 def test_handshake_refuses_an_unaccepted_codec_and_a_foreign_hash():
     with pytest.raises(StatusError, match="codec: 'int4' is not accepted by the receiver; accepted: none, int8"):
         check_compatible(LAYOUT, LAYOUT, LAYOUT.compat_hash, "int4", ["none", "int8"])

@@ -88,9 +88,10 @@ class LoopThread:
 class Pods:
     """Both pods, their stubs, and the offline engine that gives the reference answers."""
 
-    def __init__(self, model: str = MODEL) -> None:
+    def __init__(self, model: str = MODEL, **engine) -> None:
+        """``engine``: settings of both pods and the offline engine (cache_dtype, prefill_compute_dtype)."""
         self.thread = LoopThread()
-        common = dict(host="127.0.0.1", port=0, metrics_port=0, model=model, load_refresh_interval_s=0.2)
+        common = dict(host="127.0.0.1", port=0, metrics_port=0, model=model, load_refresh_interval_s=0.2, **engine)
         self.prefill_config = PrefillConfig(num_blocks=64, max_num_batched_tokens=PREFILL_BUDGET,
                                             long_prefill_token_threshold=PREFILL_BUDGET, **common)
         self.decode_config = DecodeConfig(num_blocks=DECODE_BLOCKS, accepted_kv_codecs=ACCEPTED_CODECS, **common)
@@ -103,7 +104,7 @@ class Pods:
         self.decode = decode_pb2_grpc.DecodeStub(self._channels[1])
         self.kv = kv_transfer_pb2_grpc.KVTransferStub(self._channels[1])
         self.prefill_status, self.decode_status = (pod_status_pb2_grpc.PodStatusStub(c) for c in self._channels)
-        self.offline = LLM(model=model, num_blocks=64)
+        self.offline = LLM(model=model, num_blocks=64, **engine)
 
     async def _start(self) -> None:
         prefill_services = await build_prefill_services(self.prefill_pod, self.prefill_config)

@@ -34,7 +34,7 @@ class _CapturingSender:
     def __init__(self):
         self.layers: list[tuple[int, int, int, list]] = []
         self.codec = get_codec("none")
-        self.first_token = 0  # a decode pod without a window keeps the whole prompt
+        self.first_token, self.window_layers = 0, frozenset()  # a decode pod without a window keeps all of it
 
     def submit_layer(self, layer, token_start, token_end, heads) -> None:
         self.layers.append((layer, token_start, token_end, heads))
@@ -47,8 +47,8 @@ def _export(engine) -> list[tuple[int, int, int, list]]:
     """The layers a prefill pod's export hands its sender for PROMPT; the request is then finished and freed."""
     export, sender = PrefillKVExport(engine), _CapturingSender()
     engine.kv_export = export
-    export.register("p", sender)
     seq = engine.add_request("p", PROMPT, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    export.register(seq, sender)
     while not seq.is_finished:
         engine.step()
     export.unregister("p")

@@ -124,6 +124,21 @@ def test_the_decode_pod_keeps_only_the_windows_blocks_of_a_pushed_prompt(pods):
     pods.wait_all_free("prefill")
 
 
+def test_a_prompt_the_prefill_pod_has_cached_ships_its_window_from_the_cache(pods):
+    """The second push of a prompt: the prefill pod's prefix-cache hit (144 tokens) holds every block it covers (its
+    KV leaves the pod: ``Sequence.exported``), the window's tokens before the hit's end go from the cache, and the
+    decode pod answers as the offline engine."""
+    prompt = [(29 * k + 11) % VOCAB for k in range(150)]
+    expected = pods.offline_tokens(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    for attempt in ("cold", "cached"):
+        first = pods.run_prefill(f"again-{attempt}", prompt, GREEDY)
+        assert first.num_cached_tokens == (144 if attempt == "cached" else 0)
+        assert first.kv_transfer.raw_bytes == (150 - 96) * KV_BYTES_PER_TOKEN
+        tokens, _, _ = pods.run_decode(f"again-{attempt}", prompt, GREEDY, first)
+        assert tokens == expected
+    pods.wait_all_free("decode")
+
+
 @pytest.mark.parametrize("length, prefix", [(150, 96), (150, 100)])
 def test_a_split_prefills_pushed_window_serves_the_rest_of_the_prompt(pods, length, prefix):
     prompt = [(37 * k + prefix) % VOCAB for k in range(length)]  # (its own tokens: no prefix shared)

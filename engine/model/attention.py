@@ -99,6 +99,9 @@ class AttentionMetadata:
     # Sequences whose one new token is a prompt token: a one-row prefill, summed as a prefill sums (a chunked
     # prompt's last chunk may hold a single token), so a prompt position's bits never depend on its chunking.
     one_row_prefills: frozenset[int] = frozenset()
+    # The same step over the window pool's tables (a model that mixes windowed and full layers, kv_cache.py): what
+    # its windowed layers write and read through. None: every layer uses this one.
+    window_meta: "AttentionMetadata | None" = None
     decode: DecodeGroup | None = field(init=False)
     prefills: list[PrefillSegment] = field(init=False)
     _key_spans: dict[int | None, list["KeySpan"]] = field(init=False, default_factory=dict, repr=False)
@@ -119,9 +122,14 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         one_row_prefills: frozenset[int] = frozenset(),
+        window_block_tables: list[list[int]] | None = None,
     ) -> "AttentionMetadata":
         """Metadata of one step from per-sequence lengths and block tables (host lists). A sequence with one new
-        token decodes, unless its index is in ``one_row_prefills`` (a prompt token)."""
+        token decodes, unless its index is in ``one_row_prefills`` (a prompt token). ``window_block_tables``: the
+        window pool's tables of the same rows (its ``window_meta``)."""
+        window_meta = None
+        if window_block_tables is not None:
+            window_meta = cls.build(query_lens, seq_lens, window_block_tables, block_size, device, one_row_prefills)
         slots = [
             table[p // block_size] * block_size + p % block_size
             for n, seq_len, table in zip(query_lens, seq_lens, block_tables)
@@ -139,7 +147,13 @@ class AttentionMetadata:
             is_decode_only=not one_row_prefills and all(n == 1 for n in query_lens),
             block_size=block_size,
             one_row_prefills=one_row_prefills,
+            window_meta=window_meta,
         )
+
+    def for_layer(self, windowed: bool) -> "AttentionMetadata":
+        """This step's metadata for a windowed layer (``windowed``) or a full one: the window pool's where it has
+        one."""
+        return self.window_meta if windowed and self.window_meta is not None else self
 
     def split_phases(self) -> tuple[tuple["AttentionMetadata", torch.Tensor], tuple["AttentionMetadata", torch.Tensor]]:
         """The step's prefill sequences and its decode sequences as two steps of their own: (metadata, rows [n] long
@@ -166,6 +180,7 @@ class AttentionMetadata:
             is_decode_only=not one_row and all(n == 1 for n in query_lens),
             block_size=self.block_size,
             one_row_prefills=one_row,
+            window_meta=self.window_meta._select(seqs, starts)[0] if self.window_meta is not None else None,
         )
         return meta, rows
 

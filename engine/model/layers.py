@@ -176,6 +176,7 @@ class Attention(nn.Module):
         t = len(qkv)
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq, D], [T, Hkv, D]
+        meta = meta.for_layer(self.window is not None)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.kernels, kv_written, self.window,
                               self.softcap)  # [T, Hq, D]
         return out.reshape(t, self.q_size).contiguous()

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/kv_transfer.proto\x12\rsplitserve.v1\"\xcf\x02\n\x08KVLayout\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x06 \x01(\t\x12\x14\n\x0cquantization\x18\x07 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x08 \x01(\t\x12\x1d\n\x15prefill_compute_dtype\x18\t \x01(\t\x12\x14\n\x0c\x63pu_features\x18\n \x03(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x31\n\rrank_kv_heads\x18\x0c \x03(\x0b\x32\x1a.splitserve.v1.KVHeadRange\x12\x11\n\tkv_window\x18\r \x01(\r\")\n\x0bKVHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\x81\x01\n\x10HandshakeRequest\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\x05 \x01(\t\"\xb2\x01\n\x11HandshakeResponse\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\x18\n\x10supported_codecs\x18\x02 \x03(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x0f\n\x07shm_dir\x18\x06 \x01(\t\x12\x12\n\nshm_dir_id\x18\x07 \x01(\t\"\xa1\x01\n\x06KVPush\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.splitserve.v1.KVTransferHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.splitserve.v1.KVChunkH\x00\x12\x33\n\x07trailer\x18\x03 \x01(\x0b\x32 .splitserve.v1.KVTransferTrailerH\x00\x42\x06\n\x04item\"\xda\x01\n\x10KVTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x12\n\nnum_claims\x18\x05 \x01(\r\x12\x16\n\x0esender_boot_id\x18\x06 \x01(\t\x12\x18\n\x10receiver_boot_id\x18\x07 \x01(\t\x12\x11\n\tshm_arena\x18\x08 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\t \x01(\r\"\xb6\x02\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12#\n\x04kind\x18\x04 \x01(\x0e\x32\x15.splitserve.v1.KVKind\x12\x13\n\x0btoken_start\x18\x05 \x01(\r\x12\x11\n\ttoken_end\x18\x06 \x01(\r\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05shape\x18\t \x03(\r\x12\x0f\n\x07payload\x18\n \x01(\x0c\x12\x0e\n\x06scales\x18\x0b \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x0c \x01(\r\x12%\n\x03shm\x18\r \x01(\x0b\x32\x18.splitserve.v1.KVShmSpan\x12)\n\x05heads\x18\x0e \x01(\x0b\x32\x1a.splitserve.v1.KVHeadRange\"H\n\tKVShmSpan\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cscales_bytes\x18\x03 \x01(\x04\";\n\x11KVTransferTrailer\x12\x12\n\nnum_chunks\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"p\n\x0ePushKVResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x1f\n\x17lease_remaining_seconds\x18\x03 \x01(\x01\x12\x11\n\trecompute\x18\x04 \x01(\x08*E\n\x06KVKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_KIND_KEY\x10\x01\x12\x11\n\rKV_KIND_VALUE\x10\x02\x32\x9e\x01\n\nKVTransfer\x12N\n\tHandshake\x12\x1f.splitserve.v1.HandshakeRequest\x1a .splitserve.v1.HandshakeResponse\x12@\n\x06PushKV\x12\x15.splitserve.v1.KVPush\x1a\x1d.splitserve.v1.PushKVResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/kv_transfer.proto\x12\rsplitserve.v1\"\xe9\x02\n\x08KVLayout\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x06 \x01(\t\x12\x14\n\x0cquantization\x18\x07 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x08 \x01(\t\x12\x1d\n\x15prefill_compute_dtype\x18\t \x01(\t\x12\x14\n\x0c\x63pu_features\x18\n \x03(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x31\n\rrank_kv_heads\x18\x0c \x03(\x0b\x32\x1a.splitserve.v1.KVHeadRange\x12\x11\n\tkv_window\x18\r \x01(\r\x12\x18\n\x10kv_window_layers\x18\x0e \x03(\r\")\n\x0bKVHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\x81\x01\n\x10HandshakeRequest\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\x05 \x01(\t\"\xb2\x01\n\x11HandshakeResponse\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\x18\n\x10supported_codecs\x18\x02 \x03(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x0f\n\x07shm_dir\x18\x06 \x01(\t\x12\x12\n\nshm_dir_id\x18\x07 \x01(\t\"\xa1\x01\n\x06KVPush\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.splitserve.v1.KVTransferHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.splitserve.v1.KVChunkH\x00\x12\x33\n\x07trailer\x18\x03 \x01(\x0b\x32 .splitserve.v1.KVTransferTrailerH\x00\x42\x06\n\x04item\"\xda\x01\n\x10KVTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x12\n\nnum_claims\x18\x05 \x01(\r\x12\x16\n\x0esender_boot_id\x18\x06 \x01(\t\x12\x18\n\x10receiver_boot_id\x18\x07 \x01(\t\x12\x11\n\tshm_arena\x18\x08 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\t \x01(\r\"\xb6\x02\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12#\n\x04kind\x18\x04 \x01(\x0e\x32\x15.splitserve.v1.KVKind\x12\x13\n\x0btoken_start\x18\x05 \x01(\r\x12\x11\n\ttoken_end\x18\x06 \x01(\r\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05shape\x18\t \x03(\r\x12\x0f\n\x07payload\x18\n \x01(\x0c\x12\x0e\n\x06scales\x18\x0b \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x0c \x01(\r\x12%\n\x03shm\x18\r \x01(\x0b\x32\x18.splitserve.v1.KVShmSpan\x12)\n\x05heads\x18\x0e \x01(\x0b\x32\x1a.splitserve.v1.KVHeadRange\"H\n\tKVShmSpan\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cscales_bytes\x18\x03 \x01(\x04\";\n\x11KVTransferTrailer\x12\x12\n\nnum_chunks\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"p\n\x0ePushKVResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x1f\n\x17lease_remaining_seconds\x18\x03 \x01(\x01\x12\x11\n\trecompute\x18\x04 \x01(\x08*E\n\x06KVKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_KIND_KEY\x10\x01\x12\x11\n\rKV_KIND_VALUE\x10\x02\x32\x9e\x01\n\nKVTransfer\x12N\n\tHandshake\x12\x1f.splitserve.v1.HandshakeRequest\x1a .splitserve.v1.HandshakeResponse\x12@\n\x06PushKV\x12\x15.splitserve.v1.KVPush\x1a\x1d.splitserve.v1.PushKVResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVKIND']._serialized_start=1691
-  _globals['_KVKIND']._serialized_end=1760
+  _globals['_KVKIND']._serialized_start=1717
+  _globals['_KVKIND']._serialized_end=1786
   _globals['_KVLAYOUT']._serialized_start=51
-  _globals['_KVLAYOUT']._serialized_end=386
-  _globals['_KVHEADRANGE']._serialized_start=388
-  _globals['_KVHEADRANGE']._serialized_end=429
-  _globals['_HANDSHAKEREQUEST']._serialized_start=432
-  _globals['_HANDSHAKEREQUEST']._serialized_end=561
-  _globals['_HANDSHAKERESPONSE']._serialized_start=564
-  _globals['_HANDSHAKERESPONSE']._serialized_end=742
-  _globals['_KVPUSH']._serialized_start=745
-  _globals['_KVPUSH']._serialized_end=906
-  _globals['_KVTRANSFERHEADER']._serialized_start=909
-  _globals['_KVTRANSFERHEADER']._serialized_end=1127
-  _globals['_KVCHUNK']._serialized_start=1130
-  _globals['_KVCHUNK']._serialized_end=1440
-  _globals['_KVSHMSPAN']._serialized_start=1442
-  _globals['_KVSHMSPAN']._serialized_end=1514
-  _globals['_KVTRANSFERTRAILER']._serialized_start=1516
-  _globals['_KVTRANSFERTRAILER']._serialized_end=1575
-  _globals['_PUSHKVRESPONSE']._serialized_start=1577
-  _globals['_PUSHKVRESPONSE']._serialized_end=1689
-  _globals['_KVTRANSFER']._serialized_start=1763
-  _globals['_KVTRANSFER']._serialized_end=1921
+  _globals['_KVLAYOUT']._serialized_end=412
+  _globals['_KVHEADRANGE']._serialized_start=414
+  _globals['_KVHEADRANGE']._serialized_end=455
+  _globals['_HANDSHAKEREQUEST']._serialized_start=458
+  _globals['_HANDSHAKEREQUEST']._serialized_end=587
+  _globals['_HANDSHAKERESPONSE']._serialized_start=590
+  _globals['_HANDSHAKERESPONSE']._serialized_end=768
+  _globals['_KVPUSH']._serialized_start=771
+  _globals['_KVPUSH']._serialized_end=932
+  _globals['_KVTRANSFERHEADER']._serialized_start=935
+  _globals['_KVTRANSFERHEADER']._serialized_end=1153
+  _globals['_KVCHUNK']._serialized_start=1156
+  _globals['_KVCHUNK']._serialized_end=1466
+  _globals['_KVSHMSPAN']._serialized_start=1468
+  _globals['_KVSHMSPAN']._serialized_end=1540
+  _globals['_KVTRANSFERTRAILER']._serialized_start=1542
+  _globals['_KVTRANSFERTRAILER']._serialized_end=1601
+  _globals['_PUSHKVRESPONSE']._serialized_start=1603
+  _globals['_PUSHKVRESPONSE']._serialized_end=1715
+  _globals['_KVTRANSFER']._serialized_start=1789
+  _globals['_KVTRANSFER']._serialized_end=1947
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,7 @@ KV_KIND_KEY: KVKind
 KV_KIND_VALUE: KVKind
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype", "quantization", "weights_fingerprint", "prefill_compute_dtype", "cpu_features", "tensor_parallel_size", "rank_kv_heads", "kv_window")
+    __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype", "quantization", "weights_fingerprint", "prefill_compute_dtype", "cpu_features", "tensor_parallel_size", "rank_kv_heads", "kv_window", "kv_window_layers")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class KVLayout(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_layers: int
     num_kv_heads: int
@@ -44,7 +45,8 @@ class KVLayout(_message.Message):
     tensor_parallel_size: int
     rank_kv_heads: _containers.RepeatedCompositeFieldContainer[KVHeadRange]
     kv_window: int
-    def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., prefill_compute_dtype: _Optional[str] = ..., cpu_features: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_heads: _Optional[_Iterable[_Union[KVHeadRange, _Mapping]]] = ..., kv_window: _Optional[int] = ...) -> None: ...
+    kv_window_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., prefill_compute_dtype: _Optional[str] = ..., cpu_features: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_heads: _Optional[_Iterable[_Union[KVHeadRange, _Mapping]]] = ..., kv_window: _Optional[int] = ..., kv_window_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHeadRange(_message.Message):
     __slots__ = ("start", "end")
