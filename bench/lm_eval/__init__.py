@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="score these prefill formats side by side (the first is the reference)")
     parser.add_argument("--kv-codecs", nargs="+", default=[],
                         help="score these KV codecs side by side (the first is the reference)")
+    parser.add_argument("--cache-dtypes", nargs="+", default=[],
+                        help="score these KV pool dtypes side by side, both pods' pools in each (the first is the "
+                             "reference)")
     parser.add_argument("--codec-prefill-compute-dtype", default="auto",
                         help="the prefill format the --kv-codecs sweep runs under")
     parser.add_argument("--docs", type=int, default=100, help="documents of the recall generate task")
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-check", action="store_true",
                         help="side-by-side scores without the offline engine's check (half the time)")
     args = parser.parse_args(argv)
-    if args.prefill_compute_dtype or args.kv_codecs:
+    if args.prefill_compute_dtype or args.kv_codecs or args.cache_dtypes:
         results = scores.run(args)
     else:
         results = check_short_tasks(args.model, args.lm_eval_python)
