@@ -3,6 +3,7 @@
     splitserve bench lm_eval [--model tiny-random] [--lm-eval-python PATH] [--json out.json]
     splitserve bench lm_eval --model smollm2-135m --prefill-compute-dtype float32 bfloat16 \\
         --kv-codecs none int8 kivi8 int4 kivi4 [--codec-prefill-compute-dtype bfloat16] [--docs 60] [--no-check]
+    splitserve bench lm_eval --model smollm2-135m --cache-dtypes float16 int8 [--docs 60] [--choice-docs 15]
 
 lm-eval (the ``eval`` extra: ``pip install '.[eval]'``, or any Python that has ``lm_eval``, ``--lm-eval-python``)
 runs its ``local-completions`` model against a ``splitserve up`` cluster (a prefill pod and a decode pod; every
@@ -15,10 +16,11 @@ prompt tokens and stop strings) and must be equal: the loglikelihood to the bit 
 same order), its is-greedy flag, and the generated text. Exits 1 on any difference.
 
 - ``check.py``: the task files, the lm-eval run, the offline answers and the comparison;
-- ``scores.py``: with ``--prefill-compute-dtype`` and/or ``--kv-codecs``, settings scored side by side (a fresh
-  cluster each; score +- standard error per task and setting, the difference to the reference in its standard
-  errors) on ``recall_tasks.py``'s long-context recall documents. Without those flags the tasks are a few short
-  hand-written questions and the pods run at their defaults with the lossless codec.
+- ``scores.py``: with ``--prefill-compute-dtype``, ``--kv-codecs`` and/or ``--cache-dtypes`` (the KV pool dtype of
+  both pods), settings scored side by side (a fresh cluster each; score +- standard error per task and setting, the
+  difference to the reference in its standard errors) on ``recall_tasks.py``'s long-context recall documents.
+  Without those flags the tasks are a few short hand-written questions and the pods run at their defaults with the
+  lossless codec.
 """
 
 from __future__ import annotations

@@ -1,18 +1,25 @@
 """``bench lm_eval``'s side-by-side mode: lm-eval task scores with their standard errors, one fresh cluster per
-setting, for issue 34 (prefill compute format: bf16's score within its standard error of float32's) and issue 37
-(KV codec: an 8-bit codec within one standard error of lossless, a >= 3.5x one within two).
+setting, for issue 34 (prefill compute format: bf16's score within its standard error of float32's), issue 37
+(KV codec: an 8-bit codec within one standard error of lossless, a >= 3.5x one within two) and issue 46 (KV pool
+dtype: int8 within one standard error of float16).
 
-Each flag is a sweep whose first value is its reference: ``--prefill-compute-dtype float32 bfloat16`` runs the lossless
-codec (or ``--kv-codecs``' first) under each format on both recall tasks of recall_tasks.py (the multiple-choice one is
-scored by the prefill pod alone, the generate one reads the transferred KV from its second token on); ``--kv-codecs none
-int8 ...`` runs each codec under ``--codec-prefill-compute-dtype`` (the pods' default, ``auto``, unless named) on the
-generate task only (a loglikelihood request never reads transferred KV). A setting that two sweeps share runs once.
-Printed per sweep, task and setting: score +- lm-eval's standard error, the difference to the reference in the
-reference's standard errors, and how many documents went right (+) and wrong (-) against the reference.
+Each flag is a sweep whose first value is its reference, run under the other sweeps' references (or the pods'
+defaults: ``auto`` prefill format, named as what it is on this CPU; the lossless codec ``none``; float16 pools):
+``--prefill-compute-dtype float32 bfloat16`` runs each format on both recall tasks of recall_tasks.py (the
+multiple-choice one is scored by the prefill pod alone, the generate one reads the transferred KV from its second
+token on); ``--kv-codecs none int8 ...`` runs each codec under ``--codec-prefill-compute-dtype`` on the generate task
+only (a loglikelihood request never reads transferred KV); ``--cache-dtypes float16 int8`` gives both pods' pools
+each dtype, on both tasks: the prefill pod's attention reads its own pool's rows as they are stored, this chunk's
+too (engine/model/attention.py: ``_prefill`` reads a narrower cache back, the native and bf16 prefill attend over
+the pool), so the prefill pod's loglikelihoods see the pool dtype, and so do the decode pod's tokens. A setting is
+labelled prefill format/codec/pool dtype (``bfloat16/none/int8``); one that two sweeps share runs once. Printed per
+sweep, task and setting: score +- lm-eval's standard error, the difference to the reference in the reference's
+standard errors, and how many documents went right (+) and wrong (-) against the reference.
 
-The check (unless ``--no-check``), per setting, against an offline engine of the setting's prefill format:
-loglikelihoods to the bit (they come from the prefill pod, whatever the codec), and generations in full under a
-lossless codec; under a lossy one only each generation's first token (sampled on the prefill pod from its own KV;
+The check (unless ``--no-check``), per setting, against an offline engine of the setting's prefill format and pool
+dtype: loglikelihoods to the bit (they come from the prefill pod, whatever the codec), and generations in full under
+a lossless codec (between int8 pools ``none`` carries the rows as they lie, so the decode pod holds the prefill pod's
+rows bit for bit); under a lossy one only each generation's first token (sampled on the prefill pod from its own KV;
 every later token reads the codec's KV, so no bitwise answer exists for it).
 """
 
