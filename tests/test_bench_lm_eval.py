@@ -1,13 +1,17 @@
 """``splitserve bench lm_eval``'s side of the check, without lm-eval: samples logged in lm-eval's shape are compared
 with the offline engine's answers to the same requests (lm-eval's split of a context and its continuation, the sum
-of the continuation's prompt logprobs, greedy generation to a stop string); any difference is reported."""
+of the continuation's prompt logprobs, greedy generation to a stop string); any difference is reported. And the
+side-by-side mode's sweeps (bench/lm_eval/scores.py): the settings each runs, their labels, a shared one run once."""
 
 from __future__ import annotations
 
 import json
 
 from splitserve.bench.lm_eval import check as lm_eval_bench
+from splitserve.bench.lm_eval import scores
 from splitserve.engine import LLM
+from splitserve.engine.kernels.cpu_features import prefill_compute_dtype
+from splitserve.up_config import UpConfig
 
 
 def write_samples(out_dir, task: str, samples: list[dict]) -> None:
@@ -54,3 +58,30 @@ def test_under_a_lossy_codec_only_the_first_generated_token_is_checked(tmp_path)
         write_samples(tmp_path, "recall_generate", [{"arguments": arguments, "resps": [[served]]}])
         result = lm_eval_bench.compare(llm, tmp_path, ("recall_generate",), exact_generation=False)
         assert (result["generate_until"], bool(result["differences"])) == (1, differs)
+
+
+def test_each_sweep_varies_its_field_under_the_other_sweeps_references_and_a_shared_setting_runs_once():
+    both = ["recall_choice", "recall_generate"]
+    plan = scores.sweeps(["float32", "bfloat16"], ["none", "int8"], "bfloat16", ["float16", "int8"])
+    assert [(s["varies"], s["tasks"], [scores.label(x) for x in s["settings"]]) for s in plan] == [
+        ("prefill_compute_dtype", both, ["float32/none/float16", "bfloat16/none/float16"]),
+        ("kv_codec", ["recall_generate"], ["bfloat16/none/float16", "bfloat16/int8/float16"]),
+        # the pool dtype reaches both pods, and the prefill pod scores the loglikelihoods from its own pool's rows
+        ("cache_dtype", both, ["float32/none/float16", "float32/none/int8"]),
+    ]
+    assert plan[2]["settings"][1] == {"prefill_compute_dtype": "float32", "kv_codec": "none", "cache_dtype": "int8"}
+    assert set(plan[2]["settings"][1]) <= set(UpConfig.__dataclass_fields__)  # start_cluster's UpConfig takes each
+    runs = scores.settings_to_run(plan)
+    assert {name: tasks for name, (_, tasks) in runs.items()} == {
+        "float32/none/float16": both, "bfloat16/none/float16": both, "bfloat16/int8/float16": ["recall_generate"],
+        "float32/none/int8": both}
+
+
+def test_a_pool_dtype_sweep_alone_runs_the_pods_defaults_with_auto_named_as_this_cpus_prefill_format():
+    plan = scores.sweeps([], [], "auto", ["float16", "int8"])
+    here = prefill_compute_dtype("auto")
+    assert here in ("float32", "bfloat16")
+    assert [scores.label(s) for s in plan[0]["settings"]] == [f"{here}/none/float16", f"{here}/none/int8"]
+    assert scores.sweeps([], ["none"], "auto", [])[0]["settings"] == [
+        {"prefill_compute_dtype": here, "kv_codec": "none", "cache_dtype": "float16"}]
+    assert scores.sweeps([], [], "auto", []) == []

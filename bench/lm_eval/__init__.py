@@ -3,6 +3,7 @@
     splitserve bench lm_eval [--model tiny-random] [--lm-eval-python PATH] [--json out.json]
     splitserve bench lm_eval --model smollm2-135m --prefill-compute-dtype float32 bfloat16 \\
         --kv-codecs none int8 kivi8 int4 kivi4 [--codec-prefill-compute-dtype bfloat16] [--docs 60] [--no-check]
+    splitserve bench lm_eval --model smollm2-135m --cache-dtypes float16 int8 [--docs 60] [--choice-docs 15]
 
 lm-eval (the ``eval`` extra: ``pip install '.[eval]'``, or any Python that has ``lm_eval``, ``--lm-eval-python``)
 runs its ``local-completions`` model against a ``splitserve up`` cluster (a prefill pod and a decode pod; every
@@ -15,10 +16,11 @@ prompt tokens and stop strings) and must be equal: the loglikelihood to the bit 
 same order), its is-greedy flag, and the generated text. Exits 1 on any difference.
 
 - ``check.py``: the task files, the lm-eval run, the offline answers and the comparison;
-- ``scores.py``: with ``--prefill-compute-dtype`` and/or ``--kv-codecs``, settings scored side by side (a fresh
-  cluster each; score +- standard error per task and setting, the difference to the reference in its standard
-  errors) on ``recall_tasks.py``'s long-context recall documents. Without those flags the tasks are a few short
-  hand-written questions and the pods run at their defaults with the lossless codec.
+- ``scores.py``: with ``--prefill-compute-dtype``, ``--kv-codecs`` and/or ``--cache-dtypes`` (the KV pool dtype of
+  both pods), settings scored side by side (a fresh cluster each; score +- standard error per task and setting, the
+  difference to the reference in its standard errors) on ``recall_tasks.py``'s long-context recall documents.
+  Without those flags the tasks are a few short hand-written questions and the pods run at their defaults with the
+  lossless codec.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="score these prefill formats side by side (the first is the reference)")
     parser.add_argument("--kv-codecs", nargs="+", default=[],
                         help="score these KV codecs side by side (the first is the reference)")
+    parser.add_argument("--cache-dtypes", nargs="+", default=[],
+                        help="score these KV pool dtypes side by side, both pods' pools in each (the first is the "
+                             "reference)")
     parser.add_argument("--codec-prefill-compute-dtype", default="auto",
                         help="the prefill format the --kv-codecs sweep runs under")
     parser.add_argument("--docs", type=int, default=100, help="documents of the recall generate task")
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-check", action="store_true",
                         help="side-by-side scores without the offline engine's check (half the time)")
     args = parser.parse_args(argv)
-    if args.prefill_compute_dtype or args.kv_codecs:
+    if args.prefill_compute_dtype or args.kv_codecs or args.cache_dtypes:
         results = scores.run(args)
     else:
         results = check_short_tasks(args.model, args.lm_eval_python)

@@ -129,7 +129,7 @@ def compare(llm: LLM, out_dir: Path, tasks: tuple[str, ...] = ("splitserve_choic
 
 def start_cluster(work: Path, model: str, **settings):
     """A fresh ``splitserve up``: one prefill and one decode pod, every prompt prefilled on P (the pure split),
-    each pod's engine taking ``settings`` (kv_codec, prefill_compute_dtype)."""
+    with ``settings`` (UpConfig's fields: kv_codec, prefill_compute_dtype, cache_dtype)."""
     from splitserve.launcher import Cluster
     from splitserve.up_config import UpConfig
 

@@ -1,12 +1,12 @@
-"""Long-context recall documents for ``bench lm_eval``'s side-by-side scores: what a KV codec or a prefill format
-changes must show up in a task score, so the task has to read the prompt's KV back.
+"""Long-context recall documents for ``bench lm_eval``'s side-by-side scores: what a KV codec, a prefill format or
+a KV pool dtype changes must show up in a task score, so the task has to read the prompt's KV back.
 
-A KV codec only touches the KV a decode pod receives, and only tokens generated on the decode pod read it
-(loglikelihood requests are scored on the prefill pod from its own float KV). So the documents are key-value
-retrieval over ~1-1.5k tokens of prose: a few lines "The pass code of the WORD is NUMBER." hidden at random depths of
-the repo's own docs/architecture.md, then a question about one of them. As a ``generate_until`` task the answer must
-be generated (its first token on the prefill pod, every later one on the decode pod, from the transferred KV); as a
-multiple-choice task the prefill pod scores each key's number as the continuation.
+A KV codec only touches the KV a decode pod receives, and only tokens generated on the decode pod read it (loglikelihood
+requests are scored on the prefill pod from its own pool's KV, which an int8 pool changes too). So the documents are
+key-value retrieval over ~1-1.5k tokens of prose: a few lines "The pass code of the WORD is NUMBER." hidden at random
+depths of the repo's own docs/architecture.md, then a question about one of them. As a ``generate_until`` task the
+answer must be generated (its first token on the prefill pod, every later one on the decode pod, from the transferred
+KV); as a multiple-choice task the prefill pod scores each key's number as the continuation.
 
     build_docs(tokenizer, count, seed)   the documents, the same for the same text, tokenizer, count and seed
 
