@@ -175,23 +175,28 @@ def test_experts_quantized_at_load_give_the_widened_weights_logprobs(checkpoint,
     assert max(abs(a - b) for a, b in zip(_prompt_logprobs(native), _prompt_logprobs(widened))) <= TOLERANCE
 
 
-def _write_qwen3moe_gguf(path, hf, qtype) -> None:
-    """``hf`` (the Qwen3-MoE checkpoint's transformers state dict, stacked experts) as llama.cpp's converter writes a
-    ``qwen3moe`` file: each layer's experts stacked [E, rows, cols], matrices in ``qtype``, the router F32."""
+def _write_moe_gguf(path, hf, qtype, model_type: str = "qwen3_moe") -> None:
+    """``hf`` (the checkpoint's transformers state dict, stacked experts) as llama.cpp's converter writes the model
+    type's file: each routed layer's experts stacked [E, rows, cols], matrices in ``qtype``, the router F32. Qwen3-MoE
+    as ``qwen3moe``; Mixtral as ``llama`` with experts: Q and K rows interleaved, the experts' width as
+    ``feed_forward_length``."""
     import gguf
     import numpy as np
 
-    from tests.test_weights import GGUF_TOKENS
+    from tests.test_weights import GGUF_TOKENS, llama_cpp_permute
 
-    c = SHAPES["qwen3_moe"].config
-    writer = gguf.GGUFWriter(path, "qwen3moe")
+    c, mixtral = SHAPES[model_type].config, model_type == "mixtral"
+    width = c["intermediate_size"] if mixtral else c["moe_intermediate_size"]
+    writer = gguf.GGUFWriter(path, "llama" if mixtral else "qwen3moe")
     for key, value in (("block_count", 2), ("context_length", 4096), ("embedding_length", c["hidden_size"]),
                        ("feed_forward_length", c["intermediate_size"]), ("head_count", c["num_attention_heads"]),
                        ("head_count_kv", c["num_key_value_heads"]), ("key_length", c["head_dim"]),
-                       ("rope_dimension_count", c["head_dim"]), ("expert_count", c["num_experts"]),
-                       ("expert_used_count", c["num_experts_per_tok"]),
-                       ("expert_feed_forward_length", c["moe_intermediate_size"])):
+                       ("rope_dimension_count", c["head_dim"]),
+                       ("expert_count", c["num_local_experts" if mixtral else "num_experts"]),
+                       ("expert_used_count", c["num_experts_per_tok"])):
         getattr(writer, f"add_{key}")(value)
+    if not mixtral:
+        writer.add_expert_feed_forward_length(width)
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_tokenizer_model("gpt2")
@@ -199,6 +204,8 @@ def _write_qwen3moe_gguf(path, hf, qtype) -> None:
     writer.add_token_merges(["a b"])
     h = "model.layers.{i}."
     names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    if not c["tie_word_embeddings"]:  # llama.cpp drops the head that is the embedding
+        names["output.weight"] = "lm_head.weight"
     for i in range(2):
         for g, t in (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
                      ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
@@ -207,11 +214,14 @@ def _write_qwen3moe_gguf(path, hf, qtype) -> None:
                      ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"), ("ffn_gate_inp", "mlp.gate")):
             names[f"blk.{i}.{g}.weight"] = (h + t + ".weight").format(i=i)
     tensors = {g: hf[t].numpy() for g, t in names.items() if t in hf}
-    gate_up = hf[h.format(i=1) + "mlp.experts.gate_up_proj"].numpy()
-    tensors["blk.1.ffn_gate_exps.weight"], tensors["blk.1.ffn_up_exps.weight"] = np.split(gate_up, 2, axis=1)
-    tensors["blk.1.ffn_down_exps.weight"] = hf[h.format(i=1) + "mlp.experts.down_proj"].numpy()
+    for i in ROUTED[model_type]:
+        gate_up = hf[h.format(i=i) + "mlp.experts.gate_up_proj"].numpy()
+        tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"] = np.split(gate_up, 2, axis=1)
+        tensors[f"blk.{i}.ffn_down_exps.weight"] = hf[h.format(i=i) + "mlp.experts.down_proj"].numpy()
     for name, w in tensors.items():
         w = np.ascontiguousarray(w, dtype=np.float32)
+        if mixtral and (".attn_q." in name or ".attn_k." in name):
+            w = llama_cpp_permute(w, c["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"])
         if w.ndim >= 2 and "ffn_gate_inp" not in name and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
@@ -234,12 +244,12 @@ def test_a_qwen3moe_gguf_gives_each_expert_its_matrix_in_the_files_blocks(tmp_pa
     checkpoint = Checkpoint(tmp_path / "hf", SHAPES["qwen3_moe"])
     config, state = load_hf_checkpoint(checkpoint.directory)
     hf = checkpoint.hf.state_dict()
-    _write_qwen3moe_gguf(tmp_path / "f32.gguf", hf, gguf.GGMLQuantizationType.F32)
+    _write_moe_gguf(tmp_path / "f32.gguf", hf, gguf.GGMLQuantizationType.F32)
     from_gguf, f32 = load_gguf(tmp_path / "f32.gguf")[:2]
     assert (from_gguf.architecture, from_gguf.moe_layers, from_gguf.num_experts, from_gguf.num_experts_per_tok,
             from_gguf.moe_intermediate_size, from_gguf.norm_topk_prob) == ("qwen3_moe", [1], 8, 4, 64, True)
     assert f32.keys() == state.keys() and all(torch.equal(f32[n], state[n]) for n in state)
-    _write_qwen3moe_gguf(tmp_path / "q8.gguf", hf, gguf.GGMLQuantizationType.Q8_0)
+    _write_moe_gguf(tmp_path / "q8.gguf", hf, gguf.GGMLQuantizationType.Q8_0)
     q8_config, q8 = load_gguf(tmp_path / "q8.gguf", keep_blocks=True)[:2]
     for e in range(8):
         for part in ("gate_up_proj", "down_proj"):
@@ -249,6 +259,22 @@ def test_a_qwen3moe_gguf_gives_each_expert_its_matrix_in_the_files_blocks(tmp_pa
     assert isinstance(q8["layers.1.mlp.router.weight"], torch.Tensor)  # F32 in the file, as llama.cpp keeps it
     model = LlamaForCausalLM.from_state_dict(q8_config, q8)  # the native products run the experts' blocks
     assert model.layers[1].mlp.experts["5"].gate_up_proj.weight_format == "q8_0"
+
+
+def test_a_mixtral_gguf_reads_as_mixtral_with_the_checkpoints_weights(tmp_path):
+    """llama.cpp writes Mixtral as ``llama`` with ``llama.expert_count``: read as the mixtral entry (every layer
+    routed, Q and K rows unpermuted), its F32 weights the checkpoint's exactly (so its answers are too)."""
+    import gguf
+
+    from splitserve.engine.weights.gguf_file import load_gguf
+
+    checkpoint = Checkpoint(tmp_path / "hf", SHAPES["mixtral"])
+    config, state = load_hf_checkpoint(checkpoint.directory)
+    _write_moe_gguf(tmp_path / "mixtral.gguf", checkpoint.hf.state_dict(), gguf.GGMLQuantizationType.F32, "mixtral")
+    from_gguf, f32 = load_gguf(tmp_path / "mixtral.gguf")[:2]
+    assert (from_gguf.architecture, from_gguf.moe_layers, from_gguf.num_experts, from_gguf.num_experts_per_tok,
+            from_gguf.moe_intermediate_size, from_gguf.norm_topk_prob) == ("mixtral", [0, 1], 8, 2, 96, True)
+    assert f32.keys() == state.keys() and all(torch.equal(f32[n], state[n]) for n in state)
 
 
 @pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])

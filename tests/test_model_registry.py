@@ -246,8 +246,10 @@ def test_a_mistral_window_as_long_as_the_context_is_full_attention(tmp_path):
 def test_gguf_architectures_go_through_the_registry():
     assert registry.for_gguf("qwen3", "f.gguf").qk_norm and registry.for_gguf("llama", "f.gguf").gguf_qk_permuted
     assert not registry.for_gguf("qwen2", "f.gguf").gguf_qk_permuted
+    assert registry.for_gguf("llama", "f.gguf", experts=True).model_type == "mixtral"
     with pytest.raises(registry.UnsupportedArchitecture, match="unsupported GGUF architecture 'gemma2'.*llama, "
-                                                               "phi3, qwen2, qwen3"):
+                                                               "llama with experts, phi3, qwen2, qwen3, qwen3moe "
+                                                               "with experts"):
         registry.for_gguf("gemma2", "f.gguf")
 
 

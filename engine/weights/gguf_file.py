@@ -139,9 +139,10 @@ def _gguf_experts(reader: gguf.GGUFReader, arch: str, tensors: dict, num_layers:
     """A mixture of experts' ``ModelConfig`` fields from ``{arch}.expert_*`` keys; its routed layers are those with
     a router (``ffn_gate_inp``). The top-k weights are renormalized unless ``expert_weights_norm`` says otherwise
     (llama.cpp's qwen3moe always renormalizes, as the released Qwen3-MoE configs do)."""
+    width = gguf_field(reader, f"{arch}.expert_feed_forward_length")  # (Mixtral's: its feed_forward_length)
     return dict(num_experts=gguf_field(reader, f"{arch}.expert_count"),
                 num_experts_per_tok=gguf_field(reader, f"{arch}.expert_used_count"),
-                moe_intermediate_size=gguf_field(reader, f"{arch}.expert_feed_forward_length"),
+                moe_intermediate_size=width or gguf_field(reader, f"{arch}.feed_forward_length"),
                 norm_topk_prob=bool(gguf_field(reader, f"{arch}.expert_weights_norm", True)),
                 moe_layers=[i for i in range(num_layers) if GGUF_NAMES["router"].format(i=i) in tensors])
 
@@ -175,13 +176,20 @@ def _unpermute_llama_qk(tensors: dict[str, torch.Tensor], config: ModelConfig) -
                     tensors[name] = _unpermute_rope_rows(tensors[name], heads)
 
 
+def gguf_architecture(reader: gguf.GGUFReader, source: str) -> Architecture:
+    """The registry's entry for the file: its ``general.architecture``, and whether it has experts (llama.cpp writes
+    Mixtral as ``llama`` with ``llama.expert_count``)."""
+    name = gguf_field(reader, "general.architecture")
+    return registry.for_gguf(name, source, gguf_field(reader, f"{name}.expert_count") is not None)
+
+
 def load_gguf(
     path: str | Path, dtype: str | torch.dtype = "float32", keep_blocks: bool = False
 ) -> tuple[ModelConfig, StateDict, GGUFTokenizerData]:
     """Config, fused state dict and tokenizer vocabulary from a llama.cpp GGUF file (a registry architecture);
     ``keep_blocks``: its Q4_0 / Q4_1 / Q8_0 matrices as ``BlockQuantized``, the rest widened to ``dtype``."""
     reader = gguf.GGUFReader(str(path))
-    architecture = registry.for_gguf(gguf_field(reader, "general.architecture"), str(path))
+    architecture = gguf_architecture(reader, str(path))
     tensors = {}
     for t in reader.tensors:
         if len(t.shape) == 3:  # a mixture of experts' stacked experts: one matrix per expert

@@ -29,11 +29,10 @@ from splitserve.engine.model.architectures import registry
 from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.engine.text.tokenizer_files import (
     TINY_RANDOM,
-    gguf_field,
     resolve_model_name,
     tiny_random_tokenizer_data,
 )
-from splitserve.engine.weights.gguf_file import load_gguf
+from splitserve.engine.weights.gguf_file import gguf_architecture, load_gguf
 from splitserve.engine.weights.hf_checkpoint import load_hf_checkpoint
 from splitserve.engine.weights.parameter_layout import random_state_dict
 from splitserve.engine.weights.quantized_weights import quantize_state_dict
@@ -103,7 +102,7 @@ def check_architecture(name: str) -> None:
         hf = json.loads((path / "config.json").read_text())
         registry.for_hf_config(hf, str(path)).model_config(hf, path.name)
     elif path.suffix == ".gguf" and path.is_file():
-        registry.for_gguf(gguf_field(gguf.GGUFReader(str(path)), "general.architecture"), str(path))
+        gguf_architecture(gguf.GGUFReader(str(path)), str(path))
 
 
 def load_model_files(name: str = DEFAULT_MODEL, seed: int = 0, dtype: str = "float32",

@@ -5,7 +5,12 @@ A sliding window the context exceeds windows every layer, as Mistral's. The hub'
 ``block_sparse_moe``, which transformers' ``save_pretrained`` writes too; its stacked in-memory form (``mlp.gate``,
 ``mlp.experts.gate_up_proj``) is read as well (hf_checkpoint.py).
 
-As Qwen3-MoE's, its layers compose in PyTorch around the native products and attention (``fused_layers_refusal``)."""
+As Qwen3-MoE's, its layers compose in PyTorch around the native products and attention (``fused_layers_refusal``).
+
+llama.cpp writes Mixtral as a ``llama`` file with ``llama.expert_count`` (Q and K rows interleaved as Llama's), each
+layer's experts stacked (``ffn_gate_exps``...) and their width as ``feed_forward_length``; read as Qwen3-MoE's files
+are (engine/weights/gguf_file.py). Its sliding window is not in the file (llama.cpp's llama has none). The older
+converters' one tensor per expert (``ffn_gate.{e}``) is not read."""
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.architectures.architecture import Architecture, configure_sliding_windows
@@ -25,7 +30,7 @@ def _write(config: ModelConfig) -> HFConfig:
 
 
 MIXTRAL = Architecture(
-    "mixtral", "MixtralForCausalLM", configure=configure_sliding_windows,
+    "mixtral", "MixtralForCausalLM", configure=configure_sliding_windows, gguf_name="llama", gguf_qk_permuted=True,
     experts=ExpertsFormat(_read, _write, {
         "router": "model.layers.{i}.block_sparse_moe.gate.weight",
         "expert_gate": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",

@@ -17,7 +17,10 @@ from splitserve.engine.model.architectures.qwen3_moe import QWEN3_MOE
 
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT, QWEN3_MOE, MIXTRAL, QWEN2_MOE)}
-GGUF_ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name}
+# By a GGUF file's general.architecture and whether it has experts: llama.cpp writes Mixtral as ``llama`` with
+# ``llama.expert_count``.
+GGUF_ARCHITECTURES: dict[tuple[str, bool], Architecture] = {
+    (a.gguf_name, a.experts is not None): a for a in ARCHITECTURES.values() if a.gguf_name}
 
 
 class UnsupportedArchitecture(ValueError):
@@ -36,12 +39,14 @@ def for_hf_config(hf: HFConfig, source: str) -> Architecture:
     return ARCHITECTURES[model_type]
 
 
-def for_gguf(name: str, source: str) -> Architecture:
-    """The entry of a GGUF file's ``general.architecture``."""
-    if name not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitecture(f"{source}: unsupported GGUF architecture {name!r}; splitserve reads GGUF "
-                                      f"architectures {', '.join(sorted(GGUF_ARCHITECTURES))} (docs/models.md)")
-    return GGUF_ARCHITECTURES[name]
+def for_gguf(name: str, source: str, experts: bool = False) -> Architecture:
+    """The entry of a GGUF file's ``general.architecture`` (``experts``: the file has ``{name}.expert_count``)."""
+    if (name, experts) not in GGUF_ARCHITECTURES:
+        served = ", ".join(sorted(f"{n}{' with experts' if e else ''}" for n, e in GGUF_ARCHITECTURES))
+        what = f"{name!r}{' with experts' if experts else ''}"
+        raise UnsupportedArchitecture(f"{source}: unsupported GGUF architecture {what}; splitserve reads GGUF "
+                                      f"architectures {served} (docs/models.md)")
+    return GGUF_ARCHITECTURES[name, experts]
 
 
 def for_model_config(architecture: str) -> Architecture:
