@@ -20,7 +20,8 @@ all-reduce of 1, 8 and 64 rows of the hidden size, timed ``ALL_REDUCE_REPEATS`` 
 ``seconds = alpha + bytes / bandwidth``; and, per transport, the projection of a batch-1 decode step at t ranks: TP 1's
 step at one thread (one device's compute) / t (the weights' reads split evenly, the best case) plus ``2 L + 2``
 collectives a step (two per layer, the embedding's and the logits' gather) at that transport's cost for t ranks
-(``collective_seconds``). It prints the per-collective cost below which TP t would beat TP 1.
+(``collective_seconds``). It prints the per-collective cost below which TP t would beat TP 1, and gloo's all-to-all of
+the same payloads against the all-reduce (``expert_dispatch``: why expert parallelism rides on the all-reduce).
 The figures move with the machine's load; docs/PERFORMANCE.md has a run with the CPU named.
 """
 
@@ -163,6 +164,8 @@ def run_size(config: TensorParallelBenchConfig, tp: int, log) -> dict:
             log(f"  batch {b}: {c['calls']:.0f} collectives/step, {c['bytes'] / 1024:.0f} KiB, "
                 f"{c['seconds'] * 1e3:.2f} ms in them")
         result["comm_model"] = communication_model(engine.runner.model, engine.model_config.hidden_size, log)
+        result["expert_dispatch"] = expert_dispatch(engine.runner.model, engine.model_config.hidden_size,
+                                                    result["comm_model"], log)
     del llm, engine
     gc.collect()  # stops the ranks before the next engine takes the cores
     return result
@@ -188,6 +191,26 @@ def communication_model(model, hidden_size: int, log) -> dict:
             f"bytes at {bandwidth / 1e9:.2f} GB/s" if bandwidth else "no resolved byte cost (latency-bound)"))
         models[name] = {"ranks": model.group.size, "alpha_s": alpha, "bandwidth_bytes_s": bandwidth, "points": points}
     return models
+
+
+def expert_dispatch(model, hidden_size: int, models: dict, log) -> list[tuple[int, float]]:
+    """gloo's all-to-all of the same payloads, against the all-reduce: what an expert-parallel dispatch of routed
+    tokens would cost. A mixture-of-experts layer over the TP ranks ends with one all-reduce of its [T, H] output
+    (engine/model/moe.py); dispatching its tokens instead takes two all-to-alls of k T H (the routed rows to their
+    experts' ranks, their outputs back) and an all-gather of the result, so where one all-to-all of T H already costs
+    more than the all-reduce, the all-reduce is the cheaper design at any k."""
+    best = min(models, key=lambda name: models[name]["points"][-1][1])  # the group's faster transport
+    points = []
+    for rows, (_, reduce_s) in zip(ALL_REDUCE_ROWS, models[best]["points"]):
+        numel = rows * hidden_size * model.group.size  # divisible by the ranks: equal parts
+        seconds = statistics.median(model.time_all_to_all(numel, ALL_REDUCE_REPEATS))
+        points.append((numel * 4, seconds))
+        reduce_s = statistics.median(model.time_all_reduce(numel, ALL_REDUCE_REPEATS,
+                                                           "auto" if best == "shm" else "gloo"))
+        log(f"  gloo all-to-all of {rows * model.group.size} x {hidden_size} float32: {seconds * 1e6:.0f} us "
+            f"against the {best} all-reduce of the same {reduce_s * 1e6:.0f} us ({seconds / reduce_s:.1f}x): "
+            f"expert parallelism {'over the all-reduce' if seconds >= reduce_s else 'by all-to-all may pay'}")
+    return points
 
 
 def collective_seconds(transport: str, fit: dict, t: int, payload: int) -> float:

@@ -1,5 +1,6 @@
 """``splitserve bench tp`` end to end on the tiny random model with its smallest options: every engine measured,
-both all-reduce transports fitted (where the shared-memory one exists), and the projection to 8 ranks printed."""
+both all-reduce transports fitted (where the shared-memory one exists), gloo's all-to-all of the same payloads beside
+them (expert parallelism's alternative), and the projection to 8 ranks printed."""
 
 from __future__ import annotations
 
@@ -28,5 +29,8 @@ def test_tp_bench_measures_tp1_and_tp2_and_projects_to_8_ranks(tmp_path, capsys)
     assert list(figures["projection"]) == transports
     assert all(list(by_size) == ["2", "4", "8"] for by_size in figures["projection"].values())
     assert all(run["kv_handoff_ms"][way]["median"] > 0 for run in figures["runs"].values() for way in ("read", "write"))
+    assert [(size, seconds > 0) for size, seconds in tp2["expert_dispatch"]] == [
+        (size * 2, True) for size, _ in tp2["comm_model"][transports[0]]["points"]]  # the same rows from each rank
     assert png.stat().st_size > 0
-    assert "projected TP 8" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "projected TP 8" in printed and "gloo all-to-all of" in printed

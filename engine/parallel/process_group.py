@@ -97,6 +97,14 @@ class TensorParallelGroup:
         if counted:
             self._count(t.numel() * t.element_size(), started)
 
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank i's ``t`` split in ``size`` equal parts along dim 0, part j to rank j: the parts each rank got, in
+        rank order (gloo's all-to-all; not counted). What an expert-parallel dispatch of routed tokens would run: the
+        benchmark's comparison with the all-reduce the mixture-of-experts layers use (bench/tp.py)."""
+        out = torch.empty_like(t)
+        self._pg.alltoall_base(out, t.contiguous(), [], [], dist.AllToAllOptions()).wait()
+        return out
+
     def gather(self, t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | None:
         """Every rank's ``t`` [N, sizes[its rank], ...] on rank 0, in rank order (None on the others): the logits of
         each rank's vocabulary rows. Smaller ones travel padded to the largest (gloo gathers equal shapes)."""

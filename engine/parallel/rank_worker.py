@@ -8,7 +8,8 @@ Rank 0 (workers.py) starts it and writes to its stdin, first the ``EngineConfig`
 2. maps its KV pool of ``BLOCKS`` blocks of its KV heads from the shared file rank 0 passed as ``POOL_FD`` (rank 0
    reads and writes it too, for the KV transfer: sharded_kv_cache.py), loads the model's files as rank 0 does,
    keeps its shard (layout.py), says ready in the group's store at ``PORT``, and joins the group;
-3. runs each call rank 0 sends (``forward`` over its cache, ``compute_logits``, ``time_all_reduce``) on its shard,
+3. runs each call rank 0 sends (``forward`` over its cache, ``compute_logits``, ``time_all_reduce``,
+   ``time_all_to_all``) on its shard,
    meeting the other ranks in the collectives, until ``close`` or the end of its stdin. A pipeline rank
    (``pipeline_parallel_size`` > 1, pipeline.py) maps the whole model's KV pool instead, keeps its layers, and runs
    each step's ``pipeline`` call: its micro-batches, received from the rank before and sent on. Any error ends the
@@ -81,7 +82,7 @@ def main(argv: list[str]) -> None:
             elif method == "pipeline":
                 positions, plan = args
                 model.run_stage(as_tensor(positions), plan, kv_cache)
-            elif method in ("compute_logits", "time_all_reduce"):
+            elif method in ("compute_logits", "time_all_reduce", "time_all_to_all"):
                 getattr(model, method)(*args)
             else:
                 raise ValueError(f"rank {rank}: unknown call {method!r} from rank 0")

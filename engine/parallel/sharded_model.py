@@ -136,5 +136,18 @@ class ShardedLlama(LlamaForCausalLM):
                 seconds.append(time.perf_counter() - started)
         return seconds
 
+    def time_all_to_all(self, numel: int, repeats: int) -> list[float]:
+        """Seconds of each of ``repeats`` all-to-alls of ``numel`` float32 (each rank sends numel / ranks to each),
+        as this rank saw them (bench/tp.py's comparison for expert parallelism)."""
+        if self.plan_to is not None:
+            self.plan_to.send("time_all_to_all", numel, repeats)
+        payload, seconds = torch.zeros(numel), []
+        with self._failures_named():
+            for _ in range(repeats):
+                started = time.perf_counter()
+                self.group.all_to_all(payload)
+                seconds.append(time.perf_counter() - started)
+        return seconds
+
     def _failures_named(self):
         return self.plan_to.failures_named() if self.plan_to is not None else nullcontext()
