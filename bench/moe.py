@@ -7,7 +7,9 @@ sharing everything but the MLP: the MoE's ``--experts`` experts of width ``--exp
 weights in both. Each gets an offline ``LLM`` (float32, prefix caching off), pinned with the process to the last CPU
 it may use, one thread. Then ``--repeat`` rounds, the two models taking turns in each: a ``--prompt-tokens`` prefill
 (a prompt's first token out; seconds and tokens/s) and ``--decode-steps`` decode steps of one sequence (ms per step).
-Medians over the rounds with [min-max], and the MoE over the dense model.
+Medians over the rounds with [min-max], and the MoE over the dense model. With ``--dispatch``, the MoE again over 2
+tensor-parallel ranks (the process's cores split between them) with each ``moe_dispatch`` in turns: the all-reduce of
+its experts' shares against the all-to-all of its tokens (engine/parallel/expert_dispatch.py).
 
 What it shows: the MoE's layers compose in PyTorch around the native products (no fused layer calls, a Python loop
 over the experts that got rows: docs/models.md, "Mixtures of experts"), where the dense model runs the fused native
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.config import MOE_DISPATCHES
 from splitserve.engine.kernels.cpu_features import cpu_model
 from splitserve.measure.figures import FiguresOutput, save_results
 from splitserve.measure.pinning import one_pinned_thread
@@ -60,26 +63,41 @@ def checkpoints(directory: Path, hidden: int, layers: int, experts: int, top_k: 
 
 
 def run(hidden: int, layers: int, experts: int, top_k: int, width: int, prompt_tokens: int, decode_steps: int,
-        repeat: int, seed: int, log=print) -> dict:
+        repeat: int, seed: int, dispatch: bool = False, log=print) -> dict:
     prompt = [(41 * k + 3) % VOCAB for k in range(prompt_tokens)]
-    with one_pinned_thread(), tempfile.TemporaryDirectory(prefix="splitserve-bench-moe-") as work:
+    with tempfile.TemporaryDirectory(prefix="splitserve-bench-moe-") as work:
         log(f"building the checkpoints ({layers} layers, hidden {hidden}; {experts} experts of {width}, top "
             f"{top_k}, against a dense MLP of {top_k * width}) ...")
         paths = checkpoints(Path(work), hidden, layers, experts, top_k, width, seed)
-        llms = {name: LLM(model=str(path), prefill_compute_dtype="float32", enable_prefix_caching=False,
-                          kv_cache_memory_bytes=256 << 20) for name, path in paths.items()}
-        figures: dict = {name: {"prefill_s": [], "decode_ms": []} for name in llms}
-        for r in range(repeat + 1):  # round 0 warms up
-            for name, llm in llms.items():
-                prefill_s, decode_ms = _round(llm, prompt, decode_steps)
-                if r:
-                    figures[name]["prefill_s"].append(prefill_s)
-                    figures[name]["decode_ms"].append(decode_ms)
-            log(f"round {r}/{repeat}{' (warm-up)' if not r else ''}: " + ", ".join(
-                f"{name} prefill {prefill_s * 1e3:.0f} ms" for name in llms))
+        with one_pinned_thread():
+            llms = {name: LLM(model=str(path), prefill_compute_dtype="float32", enable_prefix_caching=False,
+                              kv_cache_memory_bytes=256 << 20) for name, path in paths.items()}
+            figures = _rounds(llms, prompt, decode_steps, repeat, log)
+            del llms
+        dispatches = {}
+        if dispatch:
+            log("the MoE over 2 tensor-parallel ranks, each dispatch in turn ...")
+            dispatches = _rounds({d: LLM(model=str(paths["moe"]), prefill_compute_dtype="float32",
+                                         enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
+                                         tensor_parallel_size=2, moe_dispatch=d) for d in MOE_DISPATCHES},
+                                 prompt, decode_steps, repeat, log)
     return {"cpu": cpu_model(), "hidden": hidden, "layers": layers, "experts": experts, "top_k": top_k,
             "expert_width": width, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps, "repeat": repeat,
-            "models": figures}
+            "models": figures, "dispatch": dispatches}
+
+
+def _rounds(llms: dict[str, LLM], prompt: list[int], decode_steps: int, repeat: int, log) -> dict:
+    """``repeat`` rounds (and a warm-up) of ``_round``, the engines taking turns in each."""
+    figures: dict = {name: {"prefill_s": [], "decode_ms": []} for name in llms}
+    for r in range(repeat + 1):  # round 0 warms up
+        for name, llm in llms.items():
+            prefill_s, decode_ms = _round(llm, prompt, decode_steps)
+            if r:
+                figures[name]["prefill_s"].append(prefill_s)
+                figures[name]["decode_ms"].append(decode_ms)
+        log(f"round {r}/{repeat}{' (warm-up)' if not r else ''}: " + ", ".join(
+            f"{name} prefill {figures[name]['prefill_s'][-1] * 1e3:.0f} ms" if r else name for name in llms))
+    return figures
 
 
 def _round(llm: LLM, prompt: list[int], steps: int) -> tuple[float, float]:
@@ -104,14 +122,22 @@ def report(results: dict, log=print) -> None:
     log(f"\n== mixture of experts beside a dense model of the same active parameters (CPU: {r['cpu']}; one pinned "
         f"thread; {r['layers']} layers, hidden {r['hidden']}; {r['experts']} experts of {r['expert_width']}, top "
         f"{r['top_k']}; median [min-max] of {r['repeat']} rounds) ==")
-    log(f"{'model':<7}{'prefill ms':>26}{'prefill tok/s':>15}{'decode ms/step':>26}")
+    _table(r["models"], r["prompt_tokens"], "moe", "dense", log)
+    if r["dispatch"]:
+        log("\n== the MoE over 2 tensor-parallel ranks (the process's cores split between them): its experts' "
+            "outputs summed by the all-reduce, or its tokens sent to their experts' ranks (all-to-all) ==")
+        _table(r["dispatch"], r["prompt_tokens"], "all_to_all", "all_reduce", log)
+
+
+def _table(models: dict, prompt_tokens: int, over: str, base: str, log) -> None:
+    log(f"{'':<11}{'prefill ms':>26}{'prefill tok/s':>15}{'decode ms/step':>26}")
     med = {}
-    for name, f in r["models"].items():
+    for name, f in models.items():
         prefill, decode = [s * 1e3 for s in f["prefill_s"]], f["decode_ms"]
         med[name] = statistics.median(prefill), statistics.median(decode)
-        log(f"{name:<7}{_spread(prefill):>26}{r['prompt_tokens'] / med[name][0] * 1e3:>15.0f}{_spread(decode):>26}")
-    prefill, decode = (med["moe"][i] / med["dense"][i] for i in (0, 1))
-    log(f"moe / dense: prefill {prefill:.2f}x the time, decode {decode:.2f}x")
+        log(f"{name:<11}{_spread(prefill):>26}{prompt_tokens / med[name][0] * 1e3:>15.0f}{_spread(decode):>26}")
+    prefill, decode = (med[over][i] / med[base][i] for i in (0, 1))
+    log(f"{over} / {base}: prefill {prefill:.2f}x the time, decode {decode:.2f}x")
 
 
 def _spread(values: list[float]) -> str:
@@ -132,6 +158,8 @@ class MoEBenchConfig(FiguresOutput):
     decode_steps: int = field(default=32, metadata=described("Decode steps timed per round."))
     repeat: int = field(default=3, metadata=described("Rounds, the two models taking turns in each."))
     seed: int = field(default=0, metadata=described("Seed of the random weights."))
+    dispatch: bool = field(default=False, metadata=described(
+        "Also run the MoE over 2 tensor-parallel ranks with each moe_dispatch (all_reduce, all_to_all), in turns."))
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.layers, self.experts, self.top_k, self.expert_width, self.prompt_tokens,
@@ -142,7 +170,7 @@ class MoEBenchConfig(FiguresOutput):
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(MoEBenchConfig, argv, prog="splitserve bench moe")
     results = run(config.hidden, config.layers, config.experts, config.top_k, config.expert_width,
-                  config.prompt_tokens, config.decode_steps, config.repeat, config.seed)
+                  config.prompt_tokens, config.decode_steps, config.repeat, config.seed, config.dispatch)
     report(results)
     save_results(results, config.json)
     return results

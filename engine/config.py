@@ -256,6 +256,9 @@ class SpeculativeConfig:
         return cls(**fields)
 
 
+MOE_DISPATCHES = ("all_reduce", "all_to_all")  # EngineConfig.moe_dispatch
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine instance needs: which model, where to run it, and the cache/scheduler settings."""
@@ -291,6 +294,12 @@ class EngineConfig:
     # Ranks the model's layers are split over, a step's rows following each other through them in micro-batches
     # (pipeline parallelism, engine/parallel/pipeline.py): as tensor_parallel_size, ranks 1..N-1 started here. 1: off.
     pipeline_parallel_size: int = 1
+    # How a mixture-of-experts layer's experts meet their tokens over tensor-parallel ranks (each rank holds E / R
+    # experts): "all_reduce", every rank computes its experts' rows of every token and the TP all-reduce sums them
+    # (the faster on one host, measured by bench tp); "all_to_all", each rank routes its share of the tokens, sends
+    # their rows to their experts' ranks and gets the outputs back, then the ranks gather the tokens
+    # (engine/parallel/expert_dispatch.py).
+    moe_dispatch: str = "all_reduce"
 
     @property
     def weights_format(self) -> str:
@@ -310,6 +319,8 @@ class EngineConfig:
             raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size both above 1 is not built")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}, got {self.moe_dispatch!r}")
         if self.prefill_compute_dtype not in PREFILL_COMPUTE_DTYPES:
             raise ValueError(f"prefill_compute_dtype must be one of {', '.join(PREFILL_COMPUTE_DTYPES)}, got "
                              f"{self.prefill_compute_dtype!r}")

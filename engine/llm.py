@@ -51,7 +51,8 @@ class LLM:
     compute in, ``"auto"`` (the default: bfloat16 where the CPU multiplies bf16 natively, float32 elsewhere),
     ``"bfloat16"`` or ``"float32"`` (the bit-exact reference); engine/model/bf16_prefill.py. ``tensor_parallel_size``:
     the ranks the model is split over, processes of their own started here (engine/parallel/);
-    ``pipeline_parallel_size``: the ranks its layers are split over (engine/parallel/pipeline.py)."""
+    ``pipeline_parallel_size``: the ranks its layers are split over (engine/parallel/pipeline.py); ``moe_dispatch``:
+    how a mixture of experts' tokens meet their experts over those ranks (``EngineConfig.moe_dispatch``)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  seed: int = 0, cpu_kernels: bool = True, speculative_config: dict | None = None,
@@ -59,7 +60,8 @@ class LLM:
                  int8_activations: bool = EngineConfig.int8_activations,
                  prefill_compute_dtype: str = EngineConfig.prefill_compute_dtype,
                  tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
-                 pipeline_parallel_size: int = EngineConfig.pipeline_parallel_size, **settings):
+                 pipeline_parallel_size: int = EngineConfig.pipeline_parallel_size,
+                 moe_dispatch: str = EngineConfig.moe_dispatch, **settings):
         cache = CacheConfig(**{k: settings.pop(k) for k in list(settings) if k in CacheConfig.__dataclass_fields__})
         sched = SchedulerConfig(
             **{k: settings.pop(k) for k in list(settings) if k in SchedulerConfig.__dataclass_fields__}
@@ -69,7 +71,8 @@ class LLM:
         speculative = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         self.engine = LLMEngine(EngineConfig(model, device, dtype, seed, cpu_kernels, cache, sched, speculative,
                                              quantization, int8_activations, prefill_compute_dtype,
-                                             tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size))
+                                             tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                                             moe_dispatch=moe_dispatch))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

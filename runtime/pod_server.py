@@ -43,6 +43,7 @@ from prometheus_client import start_http_server
 from splitserve.engine.config import (
     COMPUTE_DTYPES,
     DEFAULT_MODEL,
+    MOE_DISPATCHES,
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
@@ -120,6 +121,10 @@ class PodConfig:
         "Ranks the model is split over (engine/parallel/), each on its share of --cpus; one's exit ends the pod."))
     pipeline_parallel_size: int = field(default=EngineConfig.pipeline_parallel_size, metadata=described(
         "Ranks the layers are split over (engine/parallel/pipeline.py; not with TP > 1), as tensor_parallel_size."))
+    moe_dispatch: str = field(default=EngineConfig.moe_dispatch, metadata=described(
+        f"How a mixture of experts' tokens meet their experts over the TP ranks, one of {', '.join(MOE_DISPATCHES)}: "
+        "all_reduce, each rank computes its experts' rows of every token and the all-reduce sums them (the faster on "
+        "one host), all_to_all, the tokens are sent to their experts' ranks (docs/models.md)."))
     # The engine's cache and scheduler settings, with the engine's own defaults (engine/config.py).
     block_size: int = field(default=CacheConfig.block_size, metadata=described("Tokens per KV block."))
     kv_cache_memory_bytes: int = field(default=CacheConfig.kv_cache_memory_bytes, metadata=described(
@@ -186,7 +191,7 @@ class PodConfig:
             model=self.model, device=self.device, dtype=self.dtype, seed=self.seed, cpu_kernels=self.cpu_kernels,
             quantization=self.quantization, int8_activations=self.int8_activations,
             prefill_compute_dtype=self.prefill_compute_dtype, tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size, moe_dispatch=self.moe_dispatch,
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_blocks,
                               self.enable_prefix_caching, self.cache_dtype),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,

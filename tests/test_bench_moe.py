@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from splitserve.bench import moe as moe_bench
 from splitserve.engine import LLM
 
@@ -19,6 +21,17 @@ def test_the_moe_and_its_dense_twin_are_timed_side_by_side(tmp_path, capsys):
         assert len(figures["prefill_s"]) == len(figures["decode_ms"]) == 2
         assert min(figures["prefill_s"]) > 0 and min(figures["decode_ms"]) > 0
     assert "moe / dense: prefill" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_with_dispatch_the_moe_runs_over_two_ranks_with_each_dispatch(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    moe_bench.main(["--hidden", "64", "--layers", "2", "--experts", "4", "--expert-width", "64",
+                    "--prompt-tokens", "48", "--decode-steps", "3", "--repeat", "1", "--dispatch", "--json", str(out)])
+    dispatch = json.loads(out.read_text())["dispatch"]
+    assert set(dispatch) == {"all_reduce", "all_to_all"}
+    assert all(min(f["prefill_s"]) > 0 and min(f["decode_ms"]) > 0 for f in dispatch.values())
+    assert "all_to_all / all_reduce: prefill" in capsys.readouterr().out
 
 
 def test_the_benchmarks_checkpoints_are_a_mixture_and_a_dense_model_of_the_same_active_width(tmp_path):

@@ -23,7 +23,8 @@ promises no such thing, as for the dense layers.)
 **Expert parallelism.** A tensor-parallel rank holds the experts ``config.expert_range`` (layout.py gives each rank
 E / R of them); the router is replicated, so every rank routes every token alike and computes its own experts' rows;
 the layer's output is then summed over the ranks by the all-reduce that ends every row-parallel product
-(sharded_model.py), so EP rides on the TP group's all-reduce rather than an all-to-all of tokens.
+(sharded_model.py), so EP rides on the TP group's all-reduce; or, with ``EngineConfig.moe_dispatch`` "all_to_all",
+the tokens travel to their experts' ranks (``dispatch``, engine/parallel/expert_dispatch.py).
 
 A shared expert is a dense MLP of its own width, split over tensor-parallel ranks as the dense layers' MLP is
 (column- then row-parallel): its partial output times the token's gate is a share of the sum like the experts'.
@@ -67,6 +68,9 @@ class MoE(nn.Module):
             self.shared_expert_gate = products.linear("mlp.shared_expert_gate", config.hidden_size, 1, False, dtype,
                                                       device, kernels)
         self.register_buffer("tokens_routed", torch.zeros(config.num_experts, dtype=torch.long), persistent=False)
+        # Set on a tensor-parallel rank that sends tokens to their experts' ranks (engine/parallel/expert_dispatch.py):
+        # ``dispatch(self, x)`` is then the layer's whole output; None: this rank's experts' share.
+        self.dispatch = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> each token's top-k experts [T, k] and their weights [T, k] float32."""
@@ -81,6 +85,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> the weighted sum of each token's experts' outputs [T, H] (this rank's experts only)."""
+        if self.dispatch is not None:
+            return self.dispatch(self, x)
         experts, weights = self.route(x)
         order = experts.flatten().argsort(stable=True)  # the (token, expert) pairs grouped by expert, tokens in order
         counts = torch.bincount(experts.flatten(), minlength=len(self.tokens_routed))  # [E]
@@ -94,11 +100,11 @@ class MoE(nn.Module):
                 out.index_add_(0, rows, expert(x[rows]).mul_(pair_weights[start : start + n, None]))
             start += n
         if self.shared_expert is not None:  # transformers adds it last
-            out += _sigmoid_per_token(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out += sigmoid_per_token(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 
-def _sigmoid_per_token(gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_per_token(gate: torch.Tensor) -> torch.Tensor:
     """sigmoid of each token's gate [T, 1], its bits independent of T. PyTorch's vectorized CPU loop computes a
     tensor's last (T mod 2 vector widths) elements with the scalar exp, whose last bit may differ from the vector
     one's: a token's gate would change with its place in the batch (measured: one row in 40). A strided input takes

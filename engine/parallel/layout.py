@@ -13,7 +13,8 @@ KV head):
 A mixture-of-experts layer (engine/model/moe.py) is expert-parallel instead of split: each rank holds E / R of its
 experts whole (``experts``, as even as the count allows) and the router replicated; every rank routes every token
 alike, computes its own experts' rows, and the layer's output is summed over the ranks as a row-parallel product's
-is. That is expert parallelism over the tensor-parallel group's all-reduce, not an all-to-all of the routed tokens.
+is. That is expert parallelism over the tensor-parallel group's all-reduce; ``EngineConfig.moe_dispatch``
+"all_to_all" sends the routed tokens to their experts' ranks instead (expert_dispatch.py).
 A shared expert (Qwen2-MoE) is a dense MLP: split as ``gate_up`` / ``down`` are, over its own width (``shared``).
 
 Heads go by KV group, so that a rank's query heads attend to its own KV heads: with ``tp <= Hkv`` each rank takes a

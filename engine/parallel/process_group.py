@@ -105,6 +105,29 @@ class TensorParallelGroup:
         self._pg.alltoall_base(out, t.contiguous(), [], [], dist.AllToAllOptions()).wait()
         return out
 
+    def all_to_all_rows(self, t: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """``t``'s rows in runs of ``counts`` (one per rank, in order) to those ranks: the rows every rank sent here,
+        in rank order, and how many came from each (gloo's all-to-all, counted)."""
+        started = time.perf_counter()
+        received = torch.empty(self.size, dtype=torch.long)
+        self._pg.alltoall_base(received, torch.tensor(counts), [], [], dist.AllToAllOptions()).wait()
+        came = received.tolist()
+        out = t.new_empty((sum(came), *t.shape[1:]))
+        self._pg.alltoall_base(out, t.contiguous(), came, counts, dist.AllToAllOptions()).wait()
+        self._count(t.numel() * t.element_size(), started)
+        return out, came
+
+    def all_gather_rows(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Every rank's ``t`` [sizes[its rank], ...] concatenated in rank order, on every rank (smaller ones travel
+        padded to the largest: gloo gathers equal shapes; counted)."""
+        started = time.perf_counter()
+        width = max(sizes)
+        padded = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, width - len(t))).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self._pg.allgather([parts], [padded]).wait()
+        self._count(padded.numel() * padded.element_size(), started)
+        return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
     def gather(self, t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | None:
         """Every rank's ``t`` [N, sizes[its rank], ...] on rank 0, in rank order (None on the others): the logits of
         each rank's vocabulary rows. Smaller ones travel padded to the largest (gloo gathers equal shapes)."""

@@ -36,6 +36,7 @@ from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.moe import MoE
+from splitserve.engine.parallel.expert_dispatch import AllToAllExperts
 from splitserve.engine.parallel.layout import RankShard, rank_config, shard_state_dict
 from splitserve.engine.parallel.process_group import TensorParallelGroup
 
@@ -72,23 +73,34 @@ class ShardedLlama(LlamaForCausalLM):
     shard: RankShard
     vocab_ranges: list[tuple[int, int]]
     plan_to: RankChannel | None = None  # rank 0's handle on the other ranks; None on them
+    moe_dispatch: str = "all_reduce"  # EngineConfig.moe_dispatch
 
     @classmethod
     def for_rank(cls, config: EngineConfig, model_config: ModelConfig, state_dict: dict, shard: RankShard
                  ) -> ShardedLlama:
         """``shard``'s rank's model from the full model's ``state_dict``, its products on the same path as one
         process's (native kernels, weight formats, int8 activations); prefill computes in float32."""
-        return cls.from_state_dict(rank_config(model_config, shard), shard_state_dict(model_config, state_dict, shard),
-                                   getattr(torch, config.dtype), config.device, config.cpu_kernels,
-                                   config.int8_activations)
+        model = cls.from_state_dict(rank_config(model_config, shard), shard_state_dict(model_config, state_dict, shard),
+                                    getattr(torch, config.dtype), config.device, config.cpu_kernels,
+                                    config.int8_activations)
+        model.moe_dispatch = config.moe_dispatch
+        return model
 
     def shard_over(self, group: TensorParallelGroup, shards: list[RankShard]) -> ShardedLlama:
         self.group, self.shard = group, shards[group.rank]
         self.vocab_ranges = [s.vocab for s in shards]
+        dispatch = AllToAllExperts(group, shards) if self.moe_dispatch == "all_to_all" else None
         for layer in self.layers:
-            # A mixture of experts' output is its rank's experts' share (moe.py): summed as a row-parallel product.
-            mlp_output = layer.mlp if isinstance(layer.mlp, MoE) else layer.mlp.down_proj
-            for product in (layer.attn.o_proj, mlp_output):
+            # A mixture of experts' output is its rank's experts' share (moe.py): summed as a row-parallel product;
+            # or, sent to its experts' ranks (expert_dispatch.py), the whole output already.
+            products = [layer.attn.o_proj]
+            if not isinstance(layer.mlp, MoE):
+                products.append(layer.mlp.down_proj)
+            elif dispatch is None:
+                products.append(layer.mlp)
+            else:
+                layer.mlp.dispatch = dispatch
+            for product in products:
                 product.register_forward_hook(self._sum_over_ranks)
             layer.kernels = None  # the fused native halves would add the partial products before the sum
         return self
