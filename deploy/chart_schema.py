@@ -25,7 +25,7 @@ import yaml
 
 from splitserve.decode_service.config import DecodeConfig
 from splitserve.deploy.planner.config import PlannerConfig
-from splitserve.engine.config import CACHE_DTYPES, COMPUTE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS
+from splitserve.engine.config import CACHE_DTYPES, COMPUTE_DTYPES, MOE_DISPATCHES, QUANTIZATIONS, SPECULATIVE_METHODS
 from splitserve.engine.kernels.build import KERNEL_TARGETS
 from splitserve.engine.kernels.cpu_features import PREFILL_COMPUTE_DTYPES
 from splitserve.kvtransfer.codecs import available_codecs
@@ -74,6 +74,7 @@ CHOICES = {  # field -> allowed values of plain-string fields (enum fields list 
     "dtype": list(COMPUTE_DTYPES),
     "speculative_method": list(SPECULATIVE_METHODS),
     "quantization": list(QUANTIZATIONS),
+    "moe_dispatch": list(MOE_DISPATCHES),
     "kv_transport": list(KV_TRANSPORTS),
     "prefill_compute_dtype": list(PREFILL_COMPUTE_DTYPES),
 }
