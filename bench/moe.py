@@ -8,8 +8,9 @@ weights in both. Each gets an offline ``LLM`` (float32, prefix caching off), pin
 it may use, one thread. Then ``--repeat`` rounds, the two models taking turns in each: a ``--prompt-tokens`` prefill
 (a prompt's first token out; seconds and tokens/s) and ``--decode-steps`` decode steps of one sequence (ms per step).
 Medians over the rounds with [min-max], and the MoE over the dense model. With ``--dispatch``, the MoE again over 2
-tensor-parallel ranks (the process's cores split between them) with each ``moe_dispatch`` in turns: the all-reduce of
-its experts' shares against the all-to-all of its tokens (engine/parallel/expert_dispatch.py).
+tensor-parallel ranks (the process's cores split between them) with each ``moe_dispatch``, one engine after the other
+(an engine's ranks hold their cores until it stops): the all-reduce of its experts' shares against the all-to-all of
+its tokens (engine/parallel/expert_dispatch.py).
 
 What it shows: the MoE's layers compose in PyTorch around the native products (no fused layer calls, a Python loop
 over the experts that got rows: docs/models.md, "Mixtures of experts"), where the dense model runs the fused native
@@ -18,6 +19,7 @@ layers; the same weights read per token, so the ratio is what the composition an
 
 from __future__ import annotations
 
+import gc
 import statistics
 import tempfile
 import time
@@ -75,12 +77,13 @@ def run(hidden: int, layers: int, experts: int, top_k: int, width: int, prompt_t
             figures = _rounds(llms, prompt, decode_steps, repeat, log)
             del llms
         dispatches = {}
-        if dispatch:
-            log("the MoE over 2 tensor-parallel ranks, each dispatch in turn ...")
-            dispatches = _rounds({d: LLM(model=str(paths["moe"]), prefill_compute_dtype="float32",
-                                         enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
-                                         tensor_parallel_size=2, moe_dispatch=d) for d in MOE_DISPATCHES},
-                                 prompt, decode_steps, repeat, log)
+        for moe_dispatch in MOE_DISPATCHES if dispatch else ():
+            log(f"the MoE over 2 tensor-parallel ranks, moe_dispatch {moe_dispatch} ...")
+            llm = LLM(model=str(paths["moe"]), prefill_compute_dtype="float32", enable_prefix_caching=False,
+                      kv_cache_memory_bytes=256 << 20, tensor_parallel_size=2, moe_dispatch=moe_dispatch)
+            dispatches.update(_rounds({moe_dispatch: llm}, prompt, decode_steps, repeat, log))
+            del llm
+            gc.collect()  # its ranks stop and this process's CPUs come back before the next engine splits them
     return {"cpu": cpu_model(), "hidden": hidden, "layers": layers, "experts": experts, "top_k": top_k,
             "expert_width": width, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps, "repeat": repeat,
             "models": figures, "dispatch": dispatches}
@@ -159,7 +162,7 @@ class MoEBenchConfig(FiguresOutput):
     repeat: int = field(default=3, metadata=described("Rounds, the two models taking turns in each."))
     seed: int = field(default=0, metadata=described("Seed of the random weights."))
     dispatch: bool = field(default=False, metadata=described(
-        "Also run the MoE over 2 tensor-parallel ranks with each moe_dispatch (all_reduce, all_to_all), in turns."))
+        "Also run the MoE over 2 tensor-parallel ranks with each moe_dispatch (all_reduce, all_to_all), in turn."))
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.layers, self.experts, self.top_k, self.expert_width, self.prompt_tokens,
