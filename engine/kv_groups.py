@@ -24,9 +24,8 @@ import math
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.kv_cache import WINDOW_TABLE
 from splitserve.engine.sequence import Sequence
-
-WINDOW_TABLE = "window_block_table"  # the Sequence attribute of the window pool's blocks
 
 
 def window_group_blocks(config: EngineConfig, model: ModelConfig) -> int:
@@ -34,14 +33,11 @@ def window_group_blocks(config: EngineConfig, model: ModelConfig) -> int:
     holding its window, a step's chunk and the blocks they reach into. Only a model that mixes windowed and full
     layers, served by one process without a draft model, has one (the ranks' plans and the draft's catch-up address
     one table per sequence: a limit, docs/models.md)."""
-    windows = [w for w in model.layer_windows if w is not None]
-    draft = config.speculative is not None and config.speculative.method == "draft"
-    if not windows or model.kv_window is not None or draft or config.tensor_parallel_size > 1 \
-            or config.pipeline_parallel_size > 1:
+    if model.widest_window is None or model.kv_window is not None or _drafts(config) \
+            or config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         return 0
     sched = config.scheduler
-    chunk = min(sched.long_prefill_token_threshold, sched.max_num_batched_tokens)
-    return sched.max_num_seqs * (math.ceil((max(windows) + chunk) / config.cache.block_size) + 2)
+    return sched.max_num_seqs * (math.ceil((model.widest_window + sched.chunk_tokens) / config.cache.block_size) + 2)
 
 
 def pushed_window(manager: "BlockManager | GroupedBlockManager", cache) -> tuple[int, tuple[int, ...]]:
@@ -53,14 +49,21 @@ def pushed_window(manager: "BlockManager | GroupedBlockManager", cache) -> tuple
     return (manager.window, tuple(range(cache.num_layers))) if manager.window else (0, ())
 
 
+def _drafts(config: EngineConfig) -> bool:
+    """The engine speculates with a draft model, which catches up over the tokens it has not seen (a whole prompt,
+    after the target prefilled it) into the same blocks: every block stays while it may still write them."""
+    return config.speculative is not None and config.speculative.method == "draft"
+
+
 def block_managers(config: EngineConfig, model: ModelConfig, cache) -> "BlockManager | GroupedBlockManager":
-    """The block manager of an engine's ``PagedKVCache``: grouped where the cache has a window pool."""
+    """The block manager of an engine's ``PagedKVCache``: grouped where the cache has a window pool; with the window
+    of a model whose every layer has one (none with a draft model)."""
     block_size, caching = config.cache.block_size, config.cache.enable_prefix_caching
     if not cache.window_layers:
-        return BlockManager(cache.num_blocks, block_size, caching, model.kv_window)
-    window = max(w for w in model.layer_windows if w is not None)
+        return BlockManager(cache.num_blocks, block_size, caching, None if _drafts(config) else model.kv_window)
     return GroupedBlockManager(BlockManager(cache.num_blocks, block_size, caching),
-                               BlockManager(cache.window_num_blocks, block_size, caching, window, WINDOW_TABLE))
+                               BlockManager(cache.window_num_blocks, block_size, caching, model.widest_window,
+                                            WINDOW_TABLE))
 
 
 class GroupedBlockManager:

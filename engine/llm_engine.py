@@ -100,8 +100,6 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded.config, loaded.state_dict, masks)
         del loaded  # the file's tensors: the model keeps its own (fused, packed) copies
         self.block_manager = block_managers(config, self.model_config, self.runner.kv_cache)
-        # Before the scheduler: a draft model keeps every block (BlockManager.window).
-        self.proposer = self._proposer(config, self.tokenizer) if config.speculative else None
         eos_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.step_times = StepTimeFit()  # this engine's measured step-time model (engine/step_time.py)
         budget = (TPOTSlackBudget(lambda: self.step_times.model, config.scheduler.default_tpot_target_s)
@@ -110,6 +108,7 @@ class LLMEngine:
             config.scheduler, self.block_manager, eos_ids, self.model_config.max_position_embeddings, budget
         )
         self.kv_export: KVExportHook | None = None
+        self.proposer = self._proposer(config, self.tokenizer) if config.speculative else None
         self.spec_decode = SpecDecodeCounts()  # since the engine started
         self.last_step: StepStats | None = None  # the latest step that ran
         _return_freed_heap()
@@ -126,9 +125,6 @@ class LLMEngine:
         if config.speculative.method != "draft":
             return SpeculativeProposer(config.speculative)
         draft = DraftModel(config, self.model_config, tokenizer, self.runner.kv_cache.num_blocks)
-        # The draft catches up over the tokens it has not seen (a whole prompt, after the target prefilled it), into
-        # the same blocks: every block stays while it may still write them.
-        self.block_manager.window = None
         logger.info("draft model %s: %.0f%% of the target's parameters", draft.config.name,
                     100 * draft.parameter_ratio(self.runner.model))
         return SpeculativeProposer(config.speculative, draft, self.block_manager,

@@ -129,8 +129,7 @@ class Scheduler:
         manager = self.block_manager
         if manager.window is None:
             return num_tokens
-        chunk = min(self.config.long_prefill_token_threshold, self.config.max_num_batched_tokens)
-        return min(num_tokens, manager.window + chunk + manager.block_size)
+        return min(num_tokens, manager.window + self.config.chunk_tokens + manager.block_size)
 
     # ---- a prompt whose KV a prefill pod pushes here: reserved, then admitted (add_prefilled) or let go ----
     def reserve_transfer(self, seq: Sequence) -> bool:

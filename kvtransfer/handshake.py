@@ -114,10 +114,12 @@ class KVLayout:
                                                        for a, b in self.rank_kv_heads],
                                         kv_window=self.kv_window, kv_window_layers=self.kv_window_layers)
 
-    def transfer_start(self, num_tokens: int) -> int:
-        """The first token of a prompt of ``num_tokens`` whose KV a push to this layout's pod carries in its
-        ``kv_window_layers`` (the others': 0)."""
-        return window_start(num_tokens, self.kv_window or None, self.block_size)
+    def kept_from(self, num_tokens: int) -> tuple[int, frozenset[int]]:
+        """Where this layout's pod keeps a pushed prompt of ``num_tokens`` from, and in which layers: a push there
+        carries [that token, num_tokens) in those layers, the whole prompt in the others ((0, none): all of it)."""
+        if not self.kv_window:
+            return 0, frozenset()
+        return window_start(num_tokens, self.kv_window, self.block_size), frozenset(self.kv_window_layers)
 
     @property
     def compat_hash(self) -> str:

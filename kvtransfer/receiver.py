@@ -284,7 +284,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         if not header.request_id or header.lease_seconds < 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               "a KV push header needs a request_id and lease_seconds >= 0")
-        keeps_from = self.layout.transfer_start(len(header.prompt_token_ids))
+        keeps_from, _ = self.layout.kept_from(len(header.prompt_token_ids))
         if header.first_token != keeps_from:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"the push starts at prompt token {header.first_token}; this pod keeps the prompt's KV "
@@ -298,7 +298,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         num_tokens = lease.seq.num_prompt_tokens
         return KVIntake(self._engine_loop, lease.seq, ExpectedChunks(
             lease.request_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, num_tokens,
-            frozenset(self.accepted_codecs), layout.transfer_start(num_tokens), frozenset(layout.kv_window_layers)),
+            frozenset(self.accepted_codecs), *layout.kept_from(num_tokens)),
             self._intake_workers)
 
     async def _receive(self, lease: KVLease, intake: KVIntake, request_iterator,

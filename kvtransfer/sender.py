@@ -193,14 +193,11 @@ class KVTransferClient:
     def peer_boot_id(self, decode_address: str) -> str:
         return self._peer_boot_ids.get(decode_address, "")
 
-    def transfer_start(self, decode_address: str, num_tokens: int) -> tuple[int, frozenset[int]]:
-        """The first token of a prompt of ``num_tokens`` whose KV ``decode_address`` keeps (its handshake's window
-        and block size), and the layers where it keeps it from there: a push there carries [it, num_tokens) in
-        those layers, the whole prompt in the others."""
+    def kept_from(self, decode_address: str, num_tokens: int) -> tuple[int, frozenset[int]]:
+        """Where ``decode_address`` keeps a prompt of ``num_tokens`` from, and in which layers (its handshake's
+        layout: ``KVLayout.kept_from``)."""
         layout = self._peer_layouts.get(decode_address)
-        if layout is None or not layout.kv_window:
-            return 0, frozenset()
-        return layout.transfer_start(num_tokens), frozenset(layout.kv_window_layers)
+        return layout.kept_from(num_tokens) if layout is not None else (0, frozenset())
 
     def stub(self, decode_address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         return kv_transfer_pb2_grpc.KVTransferStub(self._channel(decode_address))
@@ -267,7 +264,7 @@ class KVSender:
         self._prompt_token_ids = list(prompt_token_ids)
         # Where the decode pod keeps the prompt's KV from, in its windowed layers: the export submits none of their
         # tokens before it.
-        self.first_token, self.window_layers = client.transfer_start(decode_address, len(self._prompt_token_ids))
+        self.first_token, self.window_layers = client.kept_from(decode_address, len(self._prompt_token_ids))
         self._lease_s = lease_s
         self._timeout_s = timeout_s
         self._loop = asyncio.get_running_loop()

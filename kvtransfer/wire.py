@@ -257,7 +257,7 @@ class ExpectedChunks:
     head_dim: int
     num_tokens: int  # the prompt's length: chunks cover [0, num_tokens), [first_token, num_tokens) in window_layers
     codecs: frozenset[str]  # codec names this receiver accepts
-    first_token: int = 0  # where the receiver keeps the prompt's KV from in window_layers (KVLayout.transfer_start)
+    first_token: int = 0  # where the receiver keeps the prompt's KV from in window_layers (KVLayout.kept_from)
     window_layers: frozenset[int] = frozenset()
 
     def start(self, layer: int) -> int:

@@ -97,14 +97,6 @@ class TensorParallelGroup:
         if counted:
             self._count(t.numel() * t.element_size(), started)
 
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank i's ``t`` split in ``size`` equal parts along dim 0, part j to rank j: the parts each rank got, in
-        rank order (gloo's all-to-all; not counted). What an expert-parallel dispatch of routed tokens would run: the
-        benchmark's comparison with the all-reduce the mixture-of-experts layers use (bench/tp.py)."""
-        out = torch.empty_like(t)
-        self._pg.alltoall_base(out, t.contiguous(), [], [], dist.AllToAllOptions()).wait()
-        return out
-
     def all_to_all_rows(self, t: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """``t``'s rows in runs of ``counts`` (one per rank, in order) to those ranks: the rows every rank sent here,
         in rank order, and how many came from each (gloo's all-to-all, counted)."""

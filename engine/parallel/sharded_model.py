@@ -149,15 +149,16 @@ class ShardedLlama(LlamaForCausalLM):
         return seconds
 
     def time_all_to_all(self, numel: int, repeats: int) -> list[float]:
-        """Seconds of each of ``repeats`` all-to-alls of ``numel`` float32 (each rank sends numel / ranks to each),
-        as this rank saw them (bench/tp.py's comparison for expert parallelism)."""
+        """Seconds of each of ``repeats`` all-to-alls of ``numel`` float32 (each rank sends numel / ranks to each, as
+        expert_dispatch.py sends rows: the counts first, then the rows), as this rank saw them (bench/tp.py's
+        comparison for expert parallelism; counted in ``group.counts``, unlike ``time_all_reduce``)."""
         if self.plan_to is not None:
             self.plan_to.send("time_all_to_all", numel, repeats)
         payload, seconds = torch.zeros(numel), []
         with self._failures_named():
             for _ in range(repeats):
                 started = time.perf_counter()
-                self.group.all_to_all(payload)
+                self.group.all_to_all_rows(payload, [numel // self.group.size] * self.group.size)
                 seconds.append(time.perf_counter() - started)
         return seconds
 
