@@ -7,6 +7,7 @@
 - ``prefill_formats.py``: ``--prefill-formats``, float32 and bf16 prefill side by side against the bf16 GEMM peak;
 - ``prefill_quality.py``: ``--prefill-quality``, each prefill format's answers against float32's;
 - ``kv_pools.py``: ``--kv-pools``, long-context decode per KV pool format against each one's byte floor;
+- ``kv_schemes.py``: ``--kv-schemes``, KV formats not built, simulated on the model: their answers and capacity;
 - ``llamacpp_pools.py``: llama.cpp's decode over its quantized KV caches beside them, on the same GGUF file;
 - ``attention_probe.py``: ``--attention-probe``, the decode attention alone per pool format: memory or arithmetic.
 """

@@ -16,7 +16,9 @@ in-process: prefill is compute-bound and decode memory-bound, so they want diffe
 one pinned thread and on two, against the bf16 GEMM peak of the same shapes (bench/phases/prefill_formats.py);
 ``--kv-pools`` decode in each KV pool format (``--pool-dtypes``) side by side on one pinned thread, against each
 one's byte floor, and each one's capacity (bench/phases/kv_pools.py);
-``--prefill-quality`` each format's answers against float32's on the real model (bench/phases/prefill_quality.py).
+``--kv-schemes`` KV formats not built, simulated on the model, their answers against float16's
+(bench/phases/kv_schemes.py); ``--prefill-quality`` each format's answers against float32's on the real model
+(bench/phases/prefill_quality.py).
 
 FLOPs and bytes come from the model's config (``step_cost.py``): matmul FLOPs of projections, MLP, attention and
 the sampled lm_head rows; bytes at least every weight once per step plus the K/V read and written. The roofline
@@ -37,7 +39,14 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.bench.engine import matmul_peak, read_bandwidth
-from splitserve.bench.phases import attention_probe, kv_pools, llamacpp_pools, prefill_formats, prefill_quality
+from splitserve.bench.phases import (
+    attention_probe,
+    kv_pools,
+    kv_schemes,
+    llamacpp_pools,
+    prefill_formats,
+    prefill_quality,
+)
 from splitserve.bench.phases.sequences import admit_transferred, random_prompt
 from splitserve.bench.phases.step_cost import (
     decode_bytes,
@@ -122,6 +131,10 @@ class PhasesConfig(FiguresOutput):
     kv_pool_quality: bool = field(default=False, metadata=described(
         "Instead: each KV pool format's answers against the float16 pool's on the model, teacher-forced top-1 "
         "agreement and perplexity over 1024-token windows of GPL-3 (bench/phases/kv_pools.py)."))
+    kv_schemes: list[str] = field(default_factory=list, metadata=described(
+        "Instead: these KV formats *simulated* on the model before any is built (bench/phases/kv_schemes.py: "
+        + ", ".join(kv_schemes.SCHEMES) + "), top-1 agreement and perplexity against float16 as "
+        "--kv-pool-quality measures them, and each one's bytes per value and capacity."))
     prefill_quality: bool = field(default=False, metadata=described(
         "Instead: each prefill format's answers against float32's on the real model (teacher-forced top-1 agreement, "
         "perplexity), bfloat16 and simulated int8 W8A8 (bench/phases/prefill_quality.py)."))
@@ -367,6 +380,11 @@ def main(argv: list[str] | None = None) -> dict:
     if config.kv_pool_quality:
         results = kv_pools.quality(config.model, config.pool_dtypes)
         kv_pools.report_quality(results)
+        save_results(results, config.json)
+        return results
+    if config.kv_schemes:
+        results = kv_schemes.run(config.model, config.kv_schemes)
+        kv_schemes.report(results)
         save_results(results, config.json)
         return results
     default = lambda name, value: getattr(config, name) == list(value)  # noqa: E731
