@@ -289,7 +289,8 @@ def test_the_avx2_and_avx512_builds_attend_to_the_same_bits(cache_dtype, native_
         pytest.skip("this CPU has no AVX-512: the kernels have one build here")
     avx2 = cpu_kernels.build(avx512=False)
     gen = torch.Generator().manual_seed(11)
-    for num_heads, num_kv_heads, head_dim, block_size in ((9, 3, 64, 16), (8, 2, 128, 5), (7, 1, 40, 16)):
+    shapes = ((9, 3, 64, 16), (8, 2, 128, 5), (7, 1, 40, 16), (6, 3, 64, 16))  # head sets of 3, 2 and 1
+    for num_heads, num_kv_heads, head_dim, block_size in shapes:
         lens, num_blocks = torch.tensor([700, 1, 333, 16, 517]), 400
         k_cache, v_cache = (kv_rows.store(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen),
                                           cache_dtype) for _ in range(2))
