@@ -468,10 +468,11 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
         const T* vb = stream[blocks + i];
         const T* next = stream[blocks + i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-          if constexpr (kScaled) {
-            for (int64_t j = 0; j < n; ++j) {
-              const float s = row_scale<CT>(vb + j * row_stride + g * width, head_dim);
-              for (int64_t r = g * group; r < (g + 1) * group; ++r) scores[r * score_stride + s0 + j] *= s;
+          if constexpr (kScaled) {  // the block's value scales once, then each head's weights times them
+            for (int64_t j = 0; j < n; ++j) row_scales[j] = row_scale<CT>(vb + j * row_stride + g * width, head_dim);
+            for (int64_t r = g * group; r < (g + 1) * group; ++r) {
+              float* weights = scores.data() + r * score_stride + s0;
+              for (int64_t j = 0; j < n; ++j) weights[j] *= row_scales[j];
             }
           }
           for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
