@@ -223,10 +223,6 @@ inline void score_tile(const float* q, int64_t head_dim, const typename CacheEle
 }
 
 #ifdef SS_ATTENTION_512
-// score_tile<CT, HS, 4> on 512-bit registers: keys 0 and 1 of the tile in one register's halves, keys 2 and 3 in
-// another, each half doing the AVX2 tile's multiply-adds lane for lane; the sums are reduced in hsum4's order
-// (adjacent lanes, then pairs, then the two 4-lane halves) and scaled as it scales them, so every score has the AVX2
-// build's bits with half the multiply-adds and conversions (a scaled cache's key scales multiplied in as it does).
 // The four scores of keys 0-3 for two heads, from their 512-bit tiles' accumulators (a0: head a's keys 0 and 1,
 // each in a 256-bit half; a1: its keys 2 and 3; b0, b1: head b's), each reduced in hsum4's order (adjacent lanes,
 // then pairs, then the two 4-lane halves): lanes 0-3 head a's keys 0-3, lanes 4-7 head b's. Across registers, so
@@ -241,6 +237,10 @@ inline __m512 reduce4x2(__m512 a0, __m512 a1, __m512 b0, __m512 b1) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), s);
 }
 
+// score_tile<CT, HS, 4> on 512-bit registers: keys 0 and 1 of the tile in one register's halves, keys 2 and 3 in
+// another, each half doing the AVX2 tile's multiply-adds lane for lane; the sums are reduced in hsum4's order
+// (adjacent lanes, then pairs, then the two 4-lane halves) and scaled as it scales them, so every score has the AVX2
+// build's bits with half the multiply-adds and conversions (a scaled cache's key scales multiplied in as it does).
 template <int CT, int HS>
 inline void score_tile512(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
                           float scale, float* scores, int64_t score_stride, const float* key_scales) {
