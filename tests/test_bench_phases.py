@@ -126,8 +126,9 @@ def test_prefill_quality_against_float32_with_simulated_int8(tmp_path, capsys):
 def test_kv_pools_side_by_side_against_each_ones_byte_floor(tmp_path, capsys):
     out = tmp_path / "pools.json"
     phases.main(["--model", "tiny-random", "--kv-pools", "--batches", "1,3", "--contexts", "40", "--steps", "2",
-                 "--repeat", "2", "--json", str(out)])
+                 "--repeat", "2", "--json", str(out), "--plot", str(tmp_path / "pools.png")])
     results = json.loads(out.read_text())
+    assert (tmp_path / "pools.png").read_bytes().startswith(b"\x89PNG")
     assert results["cpu"] and results["read_gbps"] > 0 and results["pool_dtypes"] == ["float16", "int8"]
     assert set(results["points"]) == {"1x40", "3x40"}
     for point in results["points"].values():

@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
             list(kv_pools.CONTEXTS) if default("contexts", DEFAULT_CONTEXTS) else config.contexts,
             config.steps, config.repeat, config.seed, config.llamacpp_kv_types)
         kv_pools.report(results)
-        save_results(results, config.json)
+        save_results(results, config.json, config.plot, kv_pools.plot)
         return results
     if config.prefill_formats:
         lens = (list(prefill_formats.PROMPT_LENS) if config.prompt_lens == list(DEFAULT_PROMPT_LENS)

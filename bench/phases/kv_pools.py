@@ -9,7 +9,8 @@ round ``--steps`` decode steps per engine (median kept), so that load from other
 median ms per step over the rounds and its min-max spread. Beside it, the bytes the step must read (every weight
 once, every sequence's K and V as the pool stores them, scales included: bench/phases/step_cost.py) and their floor
 at the read bandwidth measured in the same run (before and after, the higher), and each format's tokens/s against
-the first format's. Last, how many sequences of 4,096 tokens a 1 GiB pool holds in each format.
+the first format's. Last, how many sequences of 4,096 tokens a 1 GiB pool holds in each format. ``--plot`` draws
+the steps as bars beside llama.cpp's, each pool's byte floor marked (``plot``).
 
 ``quality`` (``--kv-pool-quality``) measures what each format costs in answers: every position of 1,024-token windows
 of GPL-3's text run as one prefill over a pool of that format (each position attends over the K/V as the pool holds
@@ -36,6 +37,7 @@ from splitserve.engine.kernels.cpu_features import cpu_model, matrix_features
 from splitserve.engine.kv_cache import num_blocks_for_budget
 from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.measure.figures import headless_pyplot, save_figure
 from splitserve.measure.pinning import one_pinned_thread
 
 POOL_DTYPES = ("float16", "int8")
@@ -189,6 +191,35 @@ def quality(model: str, pool_dtypes: list[str], log=print) -> dict:
         results["formats"][d] = {"top1_agreement": agree / results["positions"], "perplexity": ppl,
                                  "ppl_change_pct": 100 * (ppl / base_ppl - 1)}
     return results
+
+
+def plot(results: dict, path: str) -> None:
+    """``--plot``: ms per decode step at each point, a bar per pool format and per llama.cpp KV type (median, the
+    rounds' min-max as whiskers), each pool's byte floor a dash over its bar; log scale, lower is faster."""
+    plt = headless_pyplot()
+    peer = results.get("llamacpp", {}).get("kv_types", {})
+    series = [(d, {k: point[d]["ms"] for k, point in results["points"].items()}) for d in results["pool_dtypes"]]
+    series += [(f"llama.cpp {t}", by_point) for t, by_point in peer.items()]
+    keys = list(results["points"])
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.4 * len(keys)), 4.5))
+    for i, (name, by_point) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, k in enumerate(keys) if k in by_point]
+        rounds = [by_point[k] for k in keys if k in by_point]
+        medians = [statistics.median(r) for r in rounds]
+        whiskers = [[m - min(r) for m, r in zip(medians, rounds)], [max(r) - m for m, r in zip(medians, rounds)]]
+        ax.bar(xs, medians, width, yerr=whiskers, capsize=2, label=name)
+        if name in results["pool_dtypes"]:
+            floors = [results["points"][k][name]["bytes_per_step"] / results["read_gbps"] / 1e6 for k in keys]
+            ax.hlines(floors, [x - width / 2 for x in xs], [x + width / 2 for x in xs], colors="black")
+    ax.set_xticks(range(len(keys)), [k.replace("x", " x ") for k in keys])
+    ax.set_yscale("log")
+    ax.set_xlabel("batch x context (tokens)")
+    ax.set_ylabel("ms per decode step (log)")
+    ax.set_title(f"Decode by KV pool format, one pinned thread ({results['cpu']}); dashes: each pool's byte floor",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 def report_quality(results: dict, log=print) -> None:
