@@ -83,28 +83,46 @@ class MoE(nn.Module):
             weights /= total[:, None]
         return experts, weights
 
+    def counted_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route``, its (token, expert) pairs counted per expert in ``tokens_routed`` (the pod's metric)."""
+        experts, weights = self.route(x)
+        self.tokens_routed.add_(torch.bincount(experts.flatten(), minlength=len(self.tokens_routed)))
+        return experts, weights
+
+    def local_rows(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """For each of this rank's experts, in order, the positions of ``ids`` [N] (expert ids) that name it,
+        ascending."""
+        order = ids.argsort(stable=True)
+        counts = torch.bincount(ids, minlength=len(self.tokens_routed))
+        starts = [int(counts[: self.first].sum())]
+        for n in counts[self.first : self.first + len(self.local)].tolist():
+            starts.append(starts[-1] + n)
+        return [order[a:b] for a, b in zip(starts, starts[1:])]
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output times each token's gate (Qwen2-MoE); None without one."""
+        if self.shared_expert is None:
+            return None
+        return _sigmoid_per_token(self.shared_expert_gate(x)) * self.shared_expert(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> the weighted sum of each token's experts' outputs [T, H] (this rank's experts only)."""
         if self.dispatch is not None:
             return self.dispatch(self, x)
-        experts, weights = self.route(x)
-        order = experts.flatten().argsort(stable=True)  # the (token, expert) pairs grouped by expert, tokens in order
-        counts = torch.bincount(experts.flatten(), minlength=len(self.tokens_routed))  # [E]
-        self.tokens_routed.add_(counts)
-        tokens, pair_weights = order // self.top_k, weights.flatten()[order]  # per pair, in that order
+        experts, weights = self.counted_route(x)
+        pair_weights = weights.flatten()
         out = torch.zeros_like(x)
-        start = int(counts[: self.first].sum())
-        for expert, n in zip(self.local, counts[self.first : self.first + len(self.local)].tolist()):
-            if n:
-                rows = tokens[start : start + n]
-                out.index_add_(0, rows, expert(x[rows]).mul_(pair_weights[start : start + n, None]))
-            start += n
-        if self.shared_expert is not None:  # transformers adds it last
-            out += sigmoid_per_token(self.shared_expert_gate(x)) * self.shared_expert(x)
+        for expert, pairs in zip(self.local, self.local_rows(experts.flatten())):  # pairs grouped by expert
+            if len(pairs):
+                rows = pairs // self.top_k  # their tokens, in order
+                out.index_add_(0, rows, expert(x[rows]).mul_(pair_weights[pairs, None]))
+        shared = self.shared_output(x)
+        if shared is not None:  # transformers adds it last
+            out += shared
         return out
 
 
-def sigmoid_per_token(gate: torch.Tensor) -> torch.Tensor:
+def _sigmoid_per_token(gate: torch.Tensor) -> torch.Tensor:
     """sigmoid of each token's gate [T, 1], its bits independent of T. PyTorch's vectorized CPU loop computes a
     tensor's last (T mod 2 vector widths) elements with the scalar exp, whose last bit may differ from the vector
     one's: a token's gate would change with its place in the batch (measured: one row in 40). A strided input takes

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.model.moe import MoE, sigmoid_per_token
+from splitserve.engine.model.moe import MoE
 from splitserve.engine.parallel.layout import RankShard
 from splitserve.engine.parallel.process_group import TensorParallelGroup
 
@@ -38,8 +38,7 @@ class AllToAllExperts:
 
     def __call__(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
         group, k = self.group, moe.top_k
-        experts, weights = moe.route(x)
-        moe.tokens_routed.add_(torch.bincount(experts.flatten(), minlength=len(moe.tokens_routed)))
+        experts, weights = moe.counted_route(x)
         bounds = [len(x) * r // group.size for r in range(group.size + 1)]
         lo, hi = bounds[group.rank], bounds[group.rank + 1]
         pairs = experts[lo:hi].flatten()  # this rank's tokens' (token, j) pairs
@@ -49,8 +48,7 @@ class AllToAllExperts:
         rows, came = group.all_to_all_rows(x[lo:hi][order // k], counts)
         ids, _ = group.all_to_all_rows(pairs[order], counts)
         outputs = torch.empty_like(rows)
-        for index, expert in enumerate(moe.local):
-            mine = (ids == moe.first + index).nonzero().flatten()
+        for expert, mine in zip(moe.local, moe.local_rows(ids)):
             if len(mine):
                 outputs[mine] = expert(rows[mine])
         back, _ = group.all_to_all_rows(outputs, came)
@@ -63,8 +61,8 @@ class AllToAllExperts:
         for j in range(k):
             summed += pair_outputs[tokens, ascending[:, j]]
         out = group.all_gather_rows(summed, [b - a for a, b in zip(bounds, bounds[1:])])
-        if moe.shared_expert is not None:
-            shared = sigmoid_per_token(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+        shared = moe.shared_output(x)  # split as a dense MLP: this rank's share
+        if shared is not None:
             group.all_reduce(shared)
             out += shared
         return out
