@@ -163,33 +163,44 @@ def _sequences_at_budget(cfg: ModelConfig, pool_dtype: str) -> int:
     return blocks // math.ceil(CAPACITY_TOKENS / block)
 
 
-def quality(model: str, pool_dtypes: list[str], log=print) -> dict:
-    """{"positions", "windows", "formats": {dtype: {"top1_agreement", "perplexity", "ppl_change_pct"}}} against the
-    float16 pool, over ``QUALITY_WINDOWS`` windows of GPL-3's text (fewer where the text is shorter)."""
+def quality_windows(llm: LLM) -> list[list[int]]:
+    """The token windows the quality runs teacher-force: ``QUALITY_WINDOWS`` of ``QUALITY_WINDOW`` tokens of GPL-3's
+    text (fewer where the text is shorter)."""
     if not REFERENCE_TEXT.is_file():
-        raise RuntimeError(f"{REFERENCE_TEXT} is missing: the quality run reads its text")
-    llm = LLM(model=model, kv_cache_memory_bytes=64 << 20)
+        raise RuntimeError(f"{REFERENCE_TEXT} is missing: the quality runs read its text")
     tokens = llm.tokenizer.encode(REFERENCE_TEXT.read_text())
     windows = [tokens[i:i + QUALITY_WINDOW] for i in range(0, len(tokens) - QUALITY_WINDOW + 1, QUALITY_WINDOW)]
-    windows = windows[:QUALITY_WINDOWS]
+    return windows[:QUALITY_WINDOWS]
+
+
+def top1_agreement(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The share of the windows' positions whose most likely next token is the reference's."""
+    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits, reference))
+    return agree / sum(len(x) for x in reference)
+
+
+def perplexity(logits: list[torch.Tensor], windows: list[list[int]]) -> float:
+    """exp(mean over the windows of each one's next-token NLL)."""
+    nll = [torch.nn.functional.cross_entropy(x[:-1], torch.tensor(w[1:])) for x, w in zip(logits, windows)]
+    return torch.stack(nll).mean().exp().item()
+
+
+def quality(model: str, pool_dtypes: list[str], log=print) -> dict:
+    """{"positions", "windows", "formats": {dtype: {"top1_agreement", "perplexity", "ppl_change_pct"}}} against the
+    float16 pool, over ``quality_windows``."""
+    llm = LLM(model=model, kv_cache_memory_bytes=64 << 20)
+    windows = quality_windows(llm)
     formats = [QUALITY_BASELINE] + [d for d in pool_dtypes if d != QUALITY_BASELINE]
     logits: dict[str, list[torch.Tensor]] = {}
     for d in formats:
         log(f"quality: {len(windows)} windows of {QUALITY_WINDOW} tokens over a {d} pool ...")
         logits[d] = [sequence_logits(llm, w, d) for w in windows]
-    targets = [torch.tensor(w[1:]) for w in windows]
-
-    def perplexity(d: str) -> float:
-        nll = [torch.nn.functional.cross_entropy(x[:-1], t) for x, t in zip(logits[d], targets)]
-        return torch.stack(nll).mean().exp().item()
-
-    base_ppl = perplexity(QUALITY_BASELINE)
+    base_ppl = perplexity(logits[QUALITY_BASELINE], windows)
     results: dict = {"positions": sum(len(w) for w in windows), "windows": len(windows), "formats": {}}
     for d in formats:
-        agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits[d], logits[QUALITY_BASELINE]))
-        ppl = perplexity(d)
-        results["formats"][d] = {"top1_agreement": agree / results["positions"], "perplexity": ppl,
-                                 "ppl_change_pct": 100 * (ppl / base_ppl - 1)}
+        ppl = perplexity(logits[d], windows)
+        results["formats"][d] = {"top1_agreement": top1_agreement(logits[d], logits[QUALITY_BASELINE]),
+                                 "perplexity": ppl, "ppl_change_pct": 100 * (ppl / base_ppl - 1)}
     return results
 
 

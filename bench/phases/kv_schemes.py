@@ -25,14 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.bench.phases.prefill_quality import REFERENCE_TEXT
+from splitserve.bench.phases.kv_pools import QUALITY_WINDOW, perplexity, quality_windows, top1_agreement
 from splitserve.engine import LLM
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.model.attention import AttentionMetadata
 
 BLOCK = 16  # tokens per pool block: the group of a key channel's scale
-WINDOW, WINDOWS = 1024, 4  # as --kv-pool-quality: teacher-forced windows of GPL-3
 CAPACITY_TOKENS, GIB = 4096, 1 << 30
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # [n, Hkv, D] float32 -> the values a scheme reads back
@@ -159,34 +158,26 @@ def _logits(llm: LLM, tokens: list[int], scheme: Scheme) -> torch.Tensor:
 def run(model: str, names: list[str], log=print) -> dict:
     """{"positions", "windows", "schemes": {name: {"top1_agreement", "ppl_change_pct", "bytes_per_value",
     "capacity_vs_float16", "window"}}} against the simulated float16 pool."""
-    if not REFERENCE_TEXT.is_file():
-        raise RuntimeError(f"{REFERENCE_TEXT} is missing: the simulation reads its text")
     unknown = sorted(set(names) - set(SCHEMES))
     if unknown:
         raise ValueError(f"unknown KV schemes {unknown}; known: {sorted(SCHEMES)}")
     llm = LLM(model=model, quantization="none", cpu_kernels=False, prefill_compute_dtype="float32",
               kv_cache_memory_bytes=16 << 20)
-    tokens = llm.tokenizer.encode(REFERENCE_TEXT.read_text())
-    windows = [tokens[i:i + WINDOW] for i in range(0, len(tokens) - WINDOW + 1, WINDOW)][:WINDOWS]
-    targets = [torch.tensor(w[1:]) for w in windows]
+    windows = quality_windows(llm)
 
     def measured(name: str) -> list[torch.Tensor]:
-        log(f"kv schemes: {name} over {len(windows)} windows of {WINDOW} tokens ...")
+        log(f"kv schemes: {name} over {len(windows)} windows of {QUALITY_WINDOW} tokens ...")
         return [_logits(llm, w, SCHEMES[name]) for w in windows]
 
-    def perplexity(logits: list[torch.Tensor]) -> float:
-        nll = [torch.nn.functional.cross_entropy(x[:-1], t) for x, t in zip(logits, targets)]
-        return torch.stack(nll).mean().exp().item()
-
     base = measured("float16")
-    base_ppl, positions = perplexity(base), sum(len(w) for w in windows)
-    results: dict = {"positions": positions, "windows": len(windows), "schemes": {}}
+    base_ppl = perplexity(base, windows)
+    results: dict = {"positions": sum(len(w) for w in windows), "windows": len(windows), "schemes": {}}
     for name in ["float16"] + [n for n in names if n != "float16"]:
         logits = base if name == "float16" else measured(name)
         scheme = SCHEMES[name]
-        agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits, base))
         results["schemes"][name] = {
-            "top1_agreement": agree / positions, "ppl_change_pct": 100 * (perplexity(logits) / base_ppl - 1),
+            "top1_agreement": top1_agreement(logits, base),
+            "ppl_change_pct": 100 * (perplexity(logits, windows) / base_ppl - 1),
             "bytes_per_value": (scheme.key_bytes + scheme.value_bytes) / 2,
             "capacity_vs_float16": capacity_ratio(scheme), "window": scheme.window}
     return results
@@ -194,7 +185,7 @@ def run(model: str, names: list[str], log=print) -> dict:
 
 def report(results: dict, log=print) -> None:
     log(f"\n== simulated KV schemes against the float16 pool (teacher-forced top-1 over {results['positions']} "
-        f"positions of {results['windows']} windows of {WINDOW} tokens of GPL-3; capacity at {CAPACITY_TOKENS} "
+        f"positions of {results['windows']} windows of {QUALITY_WINDOW} tokens of GPL-3; capacity at {CAPACITY_TOKENS} "
         "tokens) ==")
     log(f"{'scheme':<16}{'window':>8}{'top-1':>9}{'ppl':>9}{'B/value':>9}{'capacity':>10}")
     for name, r in results["schemes"].items():
