@@ -20,6 +20,7 @@ group of channels in it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.model.attention import AttentionMetadata
 
 BLOCK = 16  # tokens per pool block: the group of a key channel's scale
-CAPACITY_TOKENS, GIB = 4096, 1 << 30
+CAPACITY_TOKENS = 4096
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # [n, Hkv, D] float32 -> the values a scheme reads back
 
@@ -88,6 +89,8 @@ class Scheme:
     window: str | int | None = None  # "block", a number of tokens, or None (docstring above)
 
 
+_INT4_CHANNEL = Scheme(_per_channel(_asymmetric, 4), _per_row(_asymmetric, 4, 16), 0.5 + 4 / BLOCK, 0.5 + 4 / 16,
+                       "block")
 SCHEMES: dict[str, Scheme] = {
     "float16": Scheme(None, None, 2, 2),
     "int8-row": Scheme(_int8_rows, _int8_rows, 1 + 2 / 64, 1 + 2 / 64),
@@ -95,12 +98,9 @@ SCHEMES: dict[str, Scheme] = {
     "int8-channel-e8m0": Scheme(_per_channel(_power_of_two, 8), _int8_rows, 1 + 1 / BLOCK, 1 + 2 / 64, "block"),
     "fp8-e4m3-row": Scheme(_e4m3_rows, _e4m3_rows, 1 + 2 / 64, 1 + 2 / 64),
     "int4-row-g32": Scheme(_per_row(_asymmetric, 4, 32), _per_row(_asymmetric, 4, 32), 0.5 + 4 / 32, 0.5 + 4 / 32),
-    "int4-channel": Scheme(_per_channel(_asymmetric, 4), _per_row(_asymmetric, 4, 16), 0.5 + 4 / BLOCK,
-                           0.5 + 4 / 16, "block"),
-    "int4-kivi-64": Scheme(_per_channel(_asymmetric, 4), _per_row(_asymmetric, 4, 16), 0.5 + 4 / BLOCK,
-                           0.5 + 4 / 16, 64),
-    "int4-kivi-128": Scheme(_per_channel(_asymmetric, 4), _per_row(_asymmetric, 4, 16), 0.5 + 4 / BLOCK,
-                            0.5 + 4 / 16, 128),
+    "int4-channel": _INT4_CHANNEL,
+    "int4-kivi-64": dataclasses.replace(_INT4_CHANNEL, window=64),  # KIVI-4 with its float16 residual
+    "int4-kivi-128": dataclasses.replace(_INT4_CHANNEL, window=128),
 }
 
 
@@ -112,7 +112,7 @@ def capacity_ratio(scheme: Scheme) -> float:
     return 4 * CAPACITY_TOKENS / stored
 
 
-def _read_as(scheme: Scheme, x: torch.Tensor, quantize: Quantizer | None) -> torch.Tensor:
+def _read_as(x: torch.Tensor, quantize: Quantizer | None) -> torch.Tensor:
     return x.half().float() if quantize is None else quantize(x.float())
 
 
@@ -127,7 +127,7 @@ def _attend(attn, scheme: Scheme):
         v = qkv[:, attn.qk_size:].view(n, attn.num_kv_heads, attn.head_dim).float()
         heads = lambda x: x.repeat_interleave(group, 1).transpose(0, 1)  # [n, Hkv, D] -> [Hq, n, D]  # noqa: E731
         k16, v16 = heads(k.half().float()), heads(v.half().float())
-        k_old, v_old = heads(_read_as(scheme, k, scheme.keys)), heads(_read_as(scheme, v, scheme.values))
+        k_old, v_old = heads(_read_as(k, scheme.keys)), heads(_read_as(v, scheme.values))
         pos, key = torch.arange(n)[:, None], torch.arange(n)[None, :]
         if scheme.window == "block":
             k_window, v_window = pos // BLOCK == key // BLOCK, torch.zeros(n, n, dtype=torch.bool)
