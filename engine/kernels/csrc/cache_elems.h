@@ -23,7 +23,7 @@ enum CacheType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
 
 // With AVX-512 (F and DQ) the decode attention holds two keys' (or two 8-dimension chunks') 8 lanes in one 512-bit
 // register, each lane doing exactly what the AVX2 code's does (cpu_kernels.cpp, "score_tile512"): load8x2 loads two
-// 8-element rows at once.
+// 8-element rows at once, load16 16 consecutive elements (load8x2(p, p + 8) in one load and one widening).
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define SS_ATTENTION_512 1
 // 8 16-bit elements at lo in the low half, 8 at hi in the high half.
@@ -46,6 +46,7 @@ struct CacheElem<kFloat32> {
   static __m512 load8x2(const float* lo, const float* hi) {  // load8(lo) in lanes 0-7, load8(hi) in 8-15
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(lo)), _mm256_loadu_ps(hi), 1);
   }
+  static __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 #endif
 };
 
@@ -62,6 +63,10 @@ struct CacheElem<kBFloat16> {
   static __m512 load8x2(const uint16_t* lo, const uint16_t* hi) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pair128(lo, hi)), 16));
   }
+  static __m512 load16(const uint16_t* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
 #endif
 };
 
@@ -74,6 +79,9 @@ struct CacheElem<kFloat16> {
   }
 #ifdef SS_ATTENTION_512
   static __m512 load8x2(const uint16_t* lo, const uint16_t* hi) { return _mm512_cvtph_ps(pair128(lo, hi)); }
+  static __m512 load16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
 #endif
   static void store8(uint16_t* p, __m256 x) {  // rounded to nearest, ties to even, as torch rounds to float16
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
@@ -95,6 +103,9 @@ struct CacheElem<kInt8> {
     const __m128i pair = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo)),
                                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi)));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(pair));
+  }
+  static __m512 load16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
 #endif
   static float scale(const int8_t* row, int64_t head_dim) {

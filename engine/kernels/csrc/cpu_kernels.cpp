@@ -333,8 +333,7 @@ inline void value_tile512(const float* p, int64_t score_stride, const typename C
     for (int h = 0; h < HS; ++h) pv[h] = _mm512_set1_ps(p[h * score_stride + j]);
 #pragma GCC unroll 2
     for (int c = 0; c < VEC2; ++c) {
-      const typename CacheElem<CT>::T* row = v + j * row_stride + 16 * c;
-      const __m512 vv = CacheElem<CT>::load8x2(row, row + 8);
+      const __m512 vv = CacheElem<CT>::load16(v + j * row_stride + 16 * c);
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][c] = _mm512_fmadd_ps(pv[h], vv, acc[h][c]);
     }
