@@ -130,6 +130,7 @@ def test_kv_pools_side_by_side_against_each_ones_byte_floor(tmp_path, capsys):
     results = json.loads(out.read_text())
     assert (tmp_path / "pools.png").read_bytes().startswith(b"\x89PNG")
     assert results["cpu"] and results["read_gbps"] > 0 and results["pool_dtypes"] == ["float16", "int8"]
+    assert results["weights"] == "none"  # tiny-random's float weights: no quantized products to take int8 inputs
     assert set(results["points"]) == {"1x40", "3x40"}
     for point in results["points"].values():
         half, int8 = point["float16"], point["int8"]
@@ -139,6 +140,17 @@ def test_kv_pools_side_by_side_against_each_ones_byte_floor(tmp_path, capsys):
     assert results["capacity"]["int8"] > 1.7 * results["capacity"]["float16"]
     assert results["llamacpp"] == {"absent": "tiny-random is not a GGUF file"}  # llama.cpp's column says why
     assert "decode by KV pool format" in capsys.readouterr().out
+
+
+@pytest.mark.model
+def test_kv_pools_decode_with_int8_activations_as_a_pod_would(tmp_path):
+    """--int8-activations reaches the engines --kv-pools times (the products then quantize their inputs)."""
+    out = tmp_path / "pools.json"
+    phases.main(["--kv-pools", "--int8-activations", "--batches", "2", "--contexts", "40", "--steps", "1",
+                 "--repeat", "1", "--llamacpp-kv-types", "", "--json", str(out)])
+    results = json.loads(out.read_text())
+    assert results["weights"] == "gguf+int8-activations" and set(results["points"]) == {"2x40"}
+    assert results["llamacpp"] == {}  # none asked
 
 
 def test_the_attention_probe_times_each_pool_format_scattered_in_order_and_resident(tmp_path, capsys):

@@ -100,6 +100,10 @@ class PhasesConfig(FiguresOutput):
     prefill_compute_dtype: str = field(default=EngineConfig.prefill_compute_dtype, metadata=described(
         "What prefill's products compute in (float32, bfloat16, auto), as a pod's flag: the steps measured, and so "
         "the --profile-out fit, are that format's."))
+    int8_activations: bool = field(default=EngineConfig.int8_activations, metadata=described(
+        "As a pod's flag: the products over the quantized weights quantize their inputs to int8 and sum integer dot "
+        "products (llama.cpp's scheme; not the float32 path's bits, docs/quantization.md), in the main run and in "
+        "--kv-pools' engines."))
     seed: int = field(default=0, metadata=described("Seeds the prompts and torch."))
     machine_rounds: int = field(default=3, metadata=described(
         "Rounds of the peak and bandwidth measurements, before and after (best kept)."))
@@ -212,6 +216,7 @@ def _engine(config: PhasesConfig) -> LLMEngine:
     scheduler = SchedulerConfig(max_num_seqs=max(SchedulerConfig().max_num_seqs, max(config.batches)))
     return LLMEngine(EngineConfig(model=config.model, seed=config.seed, cache=cache, scheduler=scheduler,
                                   prefill_compute_dtype=config.prefill_compute_dtype,
+                                  int8_activations=config.int8_activations,
                                   tensor_parallel_size=config.tensor_parallel_size))
 
 
@@ -401,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
             config.model, config.pool_dtypes,
             list(kv_pools.BATCHES) if default("batches", DEFAULT_BATCHES) else config.batches,
             list(kv_pools.CONTEXTS) if default("contexts", DEFAULT_CONTEXTS) else config.contexts,
-            config.steps, config.repeat, config.seed, config.llamacpp_kv_types)
+            config.steps, config.repeat, config.seed, config.llamacpp_kv_types, config.int8_activations)
         kv_pools.report(results)
         save_results(results, config.json, config.plot, kv_pools.plot)
         return results

@@ -10,7 +10,9 @@ median ms per step over the rounds and its min-max spread. Beside it, the bytes 
 once, every sequence's K and V as the pool stores them, scales included: bench/phases/step_cost.py) and their floor
 at the read bandwidth measured in the same run (before and after, the higher), and each format's tokens/s against
 the first format's. Last, how many sequences of 4,096 tokens a 1 GiB pool holds in each format. ``--plot`` draws
-the steps as bars beside llama.cpp's, each pool's byte floor marked (``plot``).
+the steps as bars beside llama.cpp's, each pool's byte floor marked (``plot``). ``--int8-activations`` runs the
+engines as a pod with that flag runs (the products over the quantized weights take int8 inputs), so that the batch's
+products weigh less beside the attention; the table's title names the weights' format.
 
 ``quality`` (``--kv-pool-quality``) measures what each format costs in answers: every position of 1,024-token windows
 of GPL-3's text run as one prefill over a pool of that format (each position attends over the K/V as the pool holds
@@ -52,7 +54,7 @@ QUALITY_TARGETS = {"int8": 0.99, "int4": 0.97}  # top-1 agreement (issue 46)
 
 
 def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[int], steps: int, repeat: int,
-        seed: int, llamacpp_kv_types: list[str] = (), log=print) -> dict:
+        seed: int, llamacpp_kv_types: list[str] = (), int8_activations: bool = False, log=print) -> dict:
     """{"cpu": ..., "read_gbps": ..., "points": {"BxC": {dtype: figures}}, "capacity": {dtype: sequences},
     "llamacpp": {...}}, on one pinned thread; llama.cpp's decode over ``llamacpp_kv_types`` after the engines', on
     the same CPU (bench/phases/llamacpp_pools.py)."""
@@ -60,8 +62,10 @@ def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[i
         log("measuring the read bandwidth ...")
         read_before = read_bandwidth()
         rounds_total = repeat * (steps + 1) + WARMUP_STEPS
-        engines = {d: _engine(model, d, max(batches), max(contexts) + rounds_total + 2, seed) for d in pool_dtypes}
+        engines = {d: _engine(model, d, max(batches), max(contexts) + rounds_total + 2, seed, int8_activations)
+                   for d in pool_dtypes}
         first = engines[pool_dtypes[0]]
+        weights = first.config.weights_format  # the products' format, as the pods report it
         cfg = first.model_config
         weight_bytes = sum(p.numel() * p.element_size() for p in first.runner.model.parameters())
         rng = random.Random(seed)
@@ -91,8 +95,8 @@ def run(model: str, pool_dtypes: list[str], batches: list[int], contexts: list[i
         peer = _llamacpp(model, llamacpp_kv_types, batches, contexts, steps, repeat, cpu, seed, log)
         read = max(read_before, read_bandwidth())
     capacity = {d: _sequences_at_budget(cfg, d) for d in pool_dtypes}
-    return {"model": cfg.name, "cpu": cpu_model(), "cpu_features": matrix_features(), "read_gbps": read,
-            "pool_dtypes": list(pool_dtypes), "steps": steps, "repeat": repeat, "points": points,
+    return {"model": cfg.name, "weights": weights, "cpu": cpu_model(), "cpu_features": matrix_features(),
+            "read_gbps": read, "pool_dtypes": list(pool_dtypes), "steps": steps, "repeat": repeat, "points": points,
             "capacity": capacity, "llamacpp": peer}
 
 
@@ -110,8 +114,8 @@ def _llamacpp(model: str, kv_types: list[str], batches: list[int], contexts: lis
 def report(results: dict, log=print) -> None:
     dtypes = results["pool_dtypes"]
     base = dtypes[0]
-    log(f"\n== decode by KV pool format ({results['model']}; CPU: {results['cpu']}, features "
-        f"{results['cpu_features']}; one pinned thread; median [min-max] of {results['repeat']} rounds of "
+    log(f"\n== decode by KV pool format ({results['model']}, weights {results['weights']}; CPU: {results['cpu']}, "
+        f"features {results['cpu_features']}; one pinned thread; median [min-max] of {results['repeat']} rounds of "
         f"{results['steps']} steps; read bandwidth {results['read_gbps']:.1f} GB/s) ==")
     log(f"{'batch':>6}{'context':>8}{'pool':>9}{'ms/step':>26}{'MB/step':>9}{'floor ms':>9}{'/ floor':>8}"
         f"{'tok/s vs ' + base:>18}")
@@ -142,11 +146,11 @@ def report(results: dict, log=print) -> None:
             "measured after the engines: bench/phases/llamacpp_pools.py)")
 
 
-def _engine(model: str, pool_dtype: str, batch: int, tokens: int, seed: int) -> LLMEngine:
+def _engine(model: str, pool_dtype: str, batch: int, tokens: int, seed: int, int8_activations: bool) -> LLMEngine:
     block = CacheConfig().block_size
     blocks = batch * (math.ceil(tokens / block) + 1) + 16
     scheduler = SchedulerConfig(max_num_seqs=max(SchedulerConfig().max_num_seqs, batch))
-    return LLMEngine(EngineConfig(model=model, seed=seed, scheduler=scheduler,
+    return LLMEngine(EngineConfig(model=model, seed=seed, scheduler=scheduler, int8_activations=int8_activations,
                                   cache=CacheConfig(num_blocks=blocks, cache_dtype=pool_dtype,
                                                     enable_prefix_caching=False)))
 
