@@ -66,3 +66,12 @@ def test_the_command_prints_each_scheme_against_float16(tmp_path, capsys):
     assert "simulated KV schemes against the float16 pool" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown KV schemes"):
         phases.main(["--model", "tiny-random", "--kv-schemes", "int3"])
+
+
+def test_grouped_key_scales_keep_a_loud_channel_to_its_group():
+    x = torch.randn(4, 2, 64)
+    loud = x.clone()
+    loud[..., 0] *= 1000  # an outlier channel: one row scale coarsens every channel, a group scale its 16
+    grouped = kv_schemes.SCHEMES["int8-key-g16"].keys
+    assert torch.equal(grouped(loud)[..., 16:], grouped(x)[..., 16:])
+    assert not torch.equal(kv_schemes._int8_rows(loud)[..., 16:], kv_schemes._int8_rows(x)[..., 16:])
