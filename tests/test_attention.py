@@ -281,8 +281,10 @@ def test_native_prefill_attention_matches_pytorch_at_model_sizes(block_size, num
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_the_avx2_and_avx512_builds_attend_to_the_same_bits(cache_dtype, native_kernels):
-    """The AVX-512 build's decode attention holds two keys (or two 8-dimension chunks) per register, each lane doing
-    what the AVX2 build's does: the same bits, so a decode pod's answers do not depend on its vector width."""
+    """The AVX-512 build's decode attention holds a row's 16 consecutive dimensions per register (a key's for the
+    scores, a value's for the sums), and the AVX2 build sums each lane in the same order (the scores' low and high 8
+    dimensions of each 16 in two registers, head_dim 40 ending with 8 low ones): the same bits, so a decode pod's
+    answers do not depend on its vector width."""
     from splitserve.engine.kernels import cpu_kernels
 
     if native_kernels.isa != "avx512":

@@ -185,40 +185,78 @@ inline void prefetch_slice(const T* first, int64_t rows, int64_t row_stride, int
   }
 }
 
-// scores[h * score_stride + j] = scale * q_h . K_j for HS query heads (q_h = q + h * head_dim) and KEYS key rows
-// (K_j = k + j * row_stride, times key_scales[j] for a scaled cache type): every K vector loaded once serves all HS
+// scores[h * score_stride] = scale * q_h . K for HS query heads (q_h = q + h * head_dim) and one key row K (times
+// key_scales[0] for a scaled cache type), each lane summing dimensions l, l + 8, ... in turn, then hsum: a block's
+// keys past its last multiple of 4 (the 4-key tiles below serve the others). Every K vector loaded serves all HS
 // heads.
-template <int CT, int HS, int KEYS>
-inline void score_tile(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
-                       float scale, float* scores, int64_t score_stride, const float* key_scales) {
-  __m256 acc[HS][KEYS];
+template <int CT, int HS>
+inline void score_tile1(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t /*row_stride*/,
+                        float scale, float* scores, int64_t score_stride, const float* key_scales) {
+  __m256 acc[HS];
 #pragma GCC unroll 4
-  for (int h = 0; h < HS; ++h)
-#pragma GCC unroll 4
-    for (int j = 0; j < KEYS; ++j) acc[h][j] = _mm256_setzero_ps();
+  for (int h = 0; h < HS; ++h) acc[h] = _mm256_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 8) {
-    __m256 qv[HS];
+    const __m256 kv = CacheElem<CT>::load8(k + d);
 #pragma GCC unroll 4
-    for (int h = 0; h < HS; ++h) qv[h] = _mm256_loadu_ps(q + h * head_dim + d);
-#pragma GCC unroll 4
-    for (int j = 0; j < KEYS; ++j) {
-      const __m256 kv = CacheElem<CT>::load8(k + j * row_stride + d);
-#pragma GCC unroll 4
-      for (int h = 0; h < HS; ++h) acc[h][j] = _mm256_fmadd_ps(qv[h], kv, acc[h][j]);
-    }
+    for (int h = 0; h < HS; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d), kv, acc[h]);
   }
-  constexpr bool kScaled = CacheElem<CT>::kScaleElems > 0;
+  const float s = CacheElem<CT>::kScaleElems > 0 ? scale * key_scales[0] : scale;
 #pragma GCC unroll 4
-  for (int h = 0; h < HS; ++h) {
-    if constexpr (KEYS == 4) {
-      const __m128 s = kScaled ? _mm_mul_ps(_mm_set1_ps(scale), _mm_loadu_ps(key_scales)) : _mm_set1_ps(scale);
-      _mm_storeu_ps(scores + h * score_stride, _mm_mul_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), s));
-    } else {
+  for (int h = 0; h < HS; ++h) scores[h * score_stride] = hsum(acc[h]) * s;
+}
+
+// The 4-key tiles' order of a score's sum (both builds): lane l (0-15) sums dimensions l, l + 16, l + 32, ... of the
+// products in turn, lane l + 8's sum is added to lane l's, and the eight sums are reduced in hsum4's order (adjacent
+// lanes, then pairs, then the two 4-lane halves). A 512-bit register holds 16 consecutive dimensions of one key, as
+// a row lies, so the 512-bit tile reads each key with one load and widening; the AVX2 tile (score_tile4) gets the
+// same bits from two registers per key, the low 8 of each 16 dimensions and the high 8, two keys at a time. A
+// head_dim that is not a multiple of 16 ends with 8 dimensions of the low lanes.
+//
+// score_tile4: the scores of 4 key rows (K_j = k + j * row_stride) as score_tile1 gives one's, in that order, on AVX2.
+template <int CT, int HS>
+inline void score_tile4(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
+                        float scale, float* scores, int64_t score_stride, const float* key_scales) {
+  __m256 sums[HS][4];  // per head and key: its low lanes' sums plus its high lanes'
+#pragma GCC unroll 2
+  for (int pair = 0; pair < 4; pair += 2) {
+    __m256 low[HS][2], high[HS][2];
 #pragma GCC unroll 4
-      for (int j = 0; j < KEYS; ++j) {
-        scores[h * score_stride + j] = hsum(acc[h][j]) * (kScaled ? scale * key_scales[j] : scale);
+    for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) low[h][j] = high[h][j] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= head_dim; d += 16) {
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) {
+        const typename CacheElem<CT>::T* row = k + (pair + j) * row_stride + d;
+        const __m256 k_low = CacheElem<CT>::load8(row), k_high = CacheElem<CT>::load8(row + 8);
+#pragma GCC unroll 4
+        for (int h = 0; h < HS; ++h) {
+          low[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d), k_low, low[h][j]);
+          high[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d + 8), k_high, high[h][j]);
+        }
       }
     }
+    if (d < head_dim) {  // the last 8 dimensions: low lanes
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) {
+        const __m256 k_low = CacheElem<CT>::load8(k + (pair + j) * row_stride + d);
+#pragma GCC unroll 4
+        for (int h = 0; h < HS; ++h) {
+          low[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d), k_low, low[h][j]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) sums[h][pair + j] = _mm256_add_ps(low[h][j], high[h][j]);
+  }
+  const __m128 s = CacheElem<CT>::kScaleElems > 0 ? _mm_mul_ps(_mm_set1_ps(scale), _mm_loadu_ps(key_scales))
+                                                   : _mm_set1_ps(scale);
+#pragma GCC unroll 4
+  for (int h = 0; h < HS; ++h) {
+    _mm_storeu_ps(scores + h * score_stride, _mm_mul_ps(hsum4(sums[h][0], sums[h][1], sums[h][2], sums[h][3]), s));
   }
 }
 
@@ -237,34 +275,52 @@ inline __m512 reduce4x2(__m512 a0, __m512 a1, __m512 b0, __m512 b1) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), s);
 }
 
-// score_tile<CT, HS, 4> on 512-bit registers: keys 0 and 1 of the tile in one register's halves, keys 2 and 3 in
-// another, each half doing the AVX2 tile's multiply-adds lane for lane; the sums are reduced in hsum4's order
-// (adjacent lanes, then pairs, then the two 4-lane halves) and scaled as it scales them, so every score has the AVX2
-// build's bits with half the multiply-adds and conversions (a scaled cache's key scales multiplied in as it does).
+// score_tile4 on 512-bit registers: one key's 16 consecutive dimensions per register, each lane's products summed
+// in the 4-key tiles' order; then each register's two halves added, two keys to a register (a key's low and high 8
+// lanes become one half), and the sums reduced across registers (reduce4x2) and scaled as score_tile4 does.
 template <int CT, int HS>
 inline void score_tile512(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
                           float scale, float* scores, int64_t score_stride, const float* key_scales) {
-  __m512 acc[HS][2];
+  __m512 acc[HS][4];
 #pragma GCC unroll 4
-  for (int h = 0; h < HS; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 8) {
+  for (int h = 0; h < HS; ++h)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
+  const int64_t whole = head_dim / 16 * 16;
+  for (int64_t d = 0; d < whole; d += 16) {
     __m512 qv[HS];
 #pragma GCC unroll 4
-    for (int h = 0; h < HS; ++h) qv[h] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + h * head_dim + d));
-#pragma GCC unroll 2
-    for (int pair = 0; pair < 2; ++pair) {
-      const __m512 kv = CacheElem<CT>::load8x2(k + 2 * pair * row_stride + d, k + (2 * pair + 1) * row_stride + d);
+    for (int h = 0; h < HS; ++h) qv[h] = _mm512_loadu_ps(q + h * head_dim + d);
 #pragma GCC unroll 4
-      for (int h = 0; h < HS; ++h) acc[h][pair] = _mm512_fmadd_ps(qv[h], kv, acc[h][pair]);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 kv = CacheElem<CT>::load16(k + j * row_stride + d);
+#pragma GCC unroll 4
+      for (int h = 0; h < HS; ++h) acc[h][j] = _mm512_fmadd_ps(qv[h], kv, acc[h][j]);
     }
   }
+  if (whole < head_dim) {  // the last 8 dimensions, in the low lanes (the high ones add 0 x 0 to a sum never -0)
+    __m512 qv[HS];
+#pragma GCC unroll 4
+    for (int h = 0; h < HS; ++h) qv[h] = _mm512_zextps256_ps512(_mm256_loadu_ps(q + h * head_dim + whole));
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512 kv = _mm512_zextps256_ps512(CacheElem<CT>::load8(k + j * row_stride + whole));
+#pragma GCC unroll 4
+      for (int h = 0; h < HS; ++h) acc[h][j] = _mm512_fmadd_ps(qv[h], kv, acc[h][j]);
+    }
+  }
+  const auto halves = [](__m512 a, __m512 b) {  // a's low + high 8 lanes, then b's
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  };
   const __m128 scale4 = CacheElem<CT>::kScaleElems > 0 ? _mm_mul_ps(_mm_set1_ps(scale), _mm_loadu_ps(key_scales))
                                                          : _mm_set1_ps(scale);
   const __m512 vscale = _mm512_broadcast_f32x4(scale4);
 #pragma GCC unroll 2
   for (int h = 0; h < HS; h += 2) {
     const int h2 = h + 1 < HS ? h + 1 : h;  // an odd last head reduced beside itself, its copy not stored
-    const __m512 x = reduce4x2(acc[h][0], acc[h][1], acc[h2][0], acc[h2][1]);
+    const __m512 x = reduce4x2(halves(acc[h][0], acc[h][1]), halves(acc[h][2], acc[h][3]),
+                               halves(acc[h2][0], acc[h2][1]), halves(acc[h2][2], acc[h2][3]));
     const __m512 scaled = _mm512_mul_ps(x, vscale);
     _mm_storeu_ps(scores + h * score_stride, _mm512_castps512_ps128(scaled));
     if (h2 != h) _mm_storeu_ps(scores + h2 * score_stride, _mm512_extractf32x4_ps(scaled, 1));
@@ -279,13 +335,13 @@ template <int CT>
 constexpr ScoreTileFn<CT> kScoreTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 #ifdef SS_ATTENTION_512
-    {nullptr, score_tile<CT, 1, 1>, nullptr, nullptr, score_tile512<CT, 1>},
-    {nullptr, score_tile<CT, 2, 1>, nullptr, nullptr, score_tile512<CT, 2>},
-    {nullptr, score_tile<CT, 3, 1>, nullptr, nullptr, score_tile512<CT, 3>},
+    {nullptr, score_tile1<CT, 1>, nullptr, nullptr, score_tile512<CT, 1>},
+    {nullptr, score_tile1<CT, 2>, nullptr, nullptr, score_tile512<CT, 2>},
+    {nullptr, score_tile1<CT, 3>, nullptr, nullptr, score_tile512<CT, 3>},
 #else
-    {nullptr, score_tile<CT, 1, 1>, nullptr, nullptr, score_tile<CT, 1, 4>},
-    {nullptr, score_tile<CT, 2, 1>, nullptr, nullptr, score_tile<CT, 2, 4>},
-    {nullptr, score_tile<CT, 3, 1>, nullptr, nullptr, score_tile<CT, 3, 4>},
+    {nullptr, score_tile1<CT, 1>, nullptr, nullptr, score_tile4<CT, 1>},
+    {nullptr, score_tile1<CT, 2>, nullptr, nullptr, score_tile4<CT, 2>},
+    {nullptr, score_tile1<CT, 3>, nullptr, nullptr, score_tile4<CT, 3>},
 #endif
 };
 
