@@ -26,14 +26,19 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.bench.phases.kv_pools import QUALITY_WINDOW, perplexity, quality_windows, top1_agreement
+from splitserve.bench.phases.kv_pools import (
+    CAPACITY_TOKENS,
+    QUALITY_WINDOW,
+    perplexity,
+    quality_windows,
+    top1_agreement,
+)
 from splitserve.engine import LLM
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.model.attention import AttentionMetadata
 
 BLOCK = 16  # tokens per pool block: the group of a key channel's scale
-CAPACITY_TOKENS = 4096
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # [n, Hkv, D] float32 -> the values a scheme reads back
 

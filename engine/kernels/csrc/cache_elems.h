@@ -21,16 +21,11 @@ namespace {
 // What the KV cache holds (CACHE_TYPES in engine/kernels/checks.py).
 enum CacheType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
 
-// With AVX-512 (F and DQ) the decode attention holds two keys' (or two 8-dimension chunks') 8 lanes in one 512-bit
-// register, each lane doing exactly what the AVX2 code's does (cpu_kernels.cpp, "score_tile512"): load8x2 loads two
-// 8-element rows at once, load16 16 consecutive elements (load8x2(p, p + 8) in one load and one widening).
+// With AVX-512 (F and DQ) the decode attention holds 16 consecutive elements of a row in one 512-bit register, each
+// lane summing in the order the AVX2 code's lanes do (cpu_kernels.cpp, "score_tile512", "value_tile512"): load16
+// loads and widens them (load8(p) in lanes 0-7, load8(p + 8) in 8-15).
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define SS_ATTENTION_512 1
-// 8 16-bit elements at lo in the low half, 8 at hi in the high half.
-inline __m256i pair128(const uint16_t* lo, const uint16_t* hi) {
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
-                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
-}
 #endif
 
 template <int CT>
@@ -43,9 +38,6 @@ struct CacheElem<kFloat32> {
   static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
   static void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 #ifdef SS_ATTENTION_512
-  static __m512 load8x2(const float* lo, const float* hi) {  // load8(lo) in lanes 0-7, load8(hi) in 8-15
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(lo)), _mm256_loadu_ps(hi), 1);
-  }
   static __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 #endif
 };
@@ -60,9 +52,6 @@ struct CacheElem<kBFloat16> {
   }
   static void store8(uint16_t* p, __m256 x) { store_bf16x8(p, x); }  // torch's rounding
 #ifdef SS_ATTENTION_512
-  static __m512 load8x2(const uint16_t* lo, const uint16_t* hi) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pair128(lo, hi)), 16));
-  }
   static __m512 load16(const uint16_t* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -78,7 +67,6 @@ struct CacheElem<kFloat16> {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 #ifdef SS_ATTENTION_512
-  static __m512 load8x2(const uint16_t* lo, const uint16_t* hi) { return _mm512_cvtph_ps(pair128(lo, hi)); }
   static __m512 load16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -99,11 +87,6 @@ struct CacheElem<kInt8> {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
 #ifdef SS_ATTENTION_512
-  static __m512 load8x2(const int8_t* lo, const int8_t* hi) {
-    const __m128i pair = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo)),
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi)));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(pair));
-  }
   static __m512 load16(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
