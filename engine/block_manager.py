@@ -40,6 +40,8 @@ ROOT_PARENT_HASH = 0
 # A block table's entry for a block the sequence no longer holds (it left every layer's sliding window). Never an
 # index into the pool: ``PagedKVCache.slots`` refuses it, and the windowed attention reads no slot of it.
 NULL_BLOCK = -1
+# The Sequence attribute of its open block in the pool of each table.
+OPEN_BLOCK_ATTRS = {"block_table": "open_block", "window_block_table": "window_open_block"}
 
 
 def window_start(num_tokens: int, window: int | None, block_size: int) -> int:
@@ -88,12 +90,16 @@ class _Allocation:
     skipped: int  # the table's entries before this index are (made) NULL_BLOCK
     num_null: int  # new entries that are NULL_BLOCK from the start
     num_missing: int  # new blocks taken from the pool
+    open_block: bool = False  # and one for the sequence's open block
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None, table: str = "block_table"):
+                 window: int | None = None, table: str = "block_table", open_blocks: bool = False):
         self.num_blocks = num_blocks
+        # Each sequence holds an open block besides its table (a scaled pool: engine/kv_formats/open_keys.py), in the
+        # Sequence attribute named here.
+        self.open_attr = (OPEN_BLOCK_ATTRS[table] if open_blocks else None)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window  # how far back every layer's query reads; None: its whole context
@@ -107,6 +113,11 @@ class BlockManager:
         self._seq_block_hashes: dict[str, list[int]] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def keeps_open_blocks(self) -> bool:
+        """Whether each sequence holds an open block (a scaled pool's: engine/kv_formats/open_keys.py)."""
+        return self.open_attr is not None
 
     @property
     def num_free_blocks(self) -> int:
@@ -214,9 +225,10 @@ class BlockManager:
         num_revived = sum(1 for block_id in computed_blocks if self._is_free(block_id))
         num_released = sum(1 for block_id in table[:skipped]
                            if block_id != NULL_BLOCK and self.blocks[block_id].ref_count == 1)
-        if num_missing > self.num_free_blocks - num_revived + num_released:
+        open_block = self.open_attr is not None and getattr(seq, self.open_attr) < 0
+        if num_missing + open_block > self.num_free_blocks - num_revived + num_released:
             return None
-        return _Allocation(skipped, num_null, num_missing)
+        return _Allocation(skipped, num_null, num_missing, open_block)
 
     def apply_allocation(self, seq: Sequence, computed_blocks: list[int], plan: _Allocation) -> None:
         table = self._table(seq)
@@ -230,6 +242,8 @@ class BlockManager:
                 seq.token_ids[: len(computed_blocks) * self.block_size], self.block_size)
         table.extend([NULL_BLOCK] * plan.num_null)
         table.extend(self._take_free_block() for _ in range(plan.num_missing))
+        if plan.open_block:
+            setattr(seq, self.open_attr, self._take_free_block())
 
     def _is_free(self, block_id: int) -> bool:
         return block_id != NULL_BLOCK and self.blocks[block_id].ref_count == 0
@@ -298,6 +312,9 @@ class BlockManager:
                 self._release(block_id)
         table.clear()
         self._seq_block_hashes.pop(seq.request_id, None)
+        if self.open_attr is not None and getattr(seq, self.open_attr) >= 0:
+            self._release(getattr(seq, self.open_attr))
+            setattr(seq, self.open_attr, -1)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -331,21 +348,27 @@ class BlockManager:
         """Give ``child`` the blocks of ``parent``'s first ``parent.num_computed_tokens`` tokens (the samples of one
         prompt): a reference on each full block, and a fresh block for the last, partly filled one, which each
         sample fills with tokens of its own (copy-on-write, copied at once). Returns the (table, source, copy) block
-        pairs whose KV the caller copies in the layers of that table (none or one); None, changing nothing, when the
-        pool has no block for the copy."""
+        pairs whose KV the caller copies in the layers of that table (the last block's, and the open block's of a
+        scaled pool); None, changing nothing, when the pool has no block for the copies."""
         num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
-        if partial and self.num_free_blocks == 0:
+        opens = self.open_attr is not None and getattr(parent, self.open_attr) >= 0
+        if (bool(partial) + opens) > self.num_free_blocks:
             return None
         table = self._table(parent)
         for block_id in table[:num_full]:
             if block_id != NULL_BLOCK:
                 self._touch(block_id)
         setattr(child, self.table, table[:num_full])
-        if not partial:
-            return []
-        copy = self._take_free_block()
-        self._table(child).append(copy)
-        return [(self.table, table[num_full], copy)]
+        copies = []
+        if partial:
+            copy = self._take_free_block()
+            self._table(child).append(copy)
+            copies.append((self.table, table[num_full], copy))
+        if opens:  # the child's open block: a copy of the parent's (its keys live in the block's K and V storage)
+            copy = self._take_free_block()
+            setattr(child, self.open_attr, copy)
+            copies.append((self.table, getattr(parent, self.open_attr), copy))
+        return copies
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights). Refused (False) while any block is in use."""

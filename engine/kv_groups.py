@@ -25,6 +25,7 @@ import math
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import WINDOW_TABLE
+from splitserve.engine.kv_formats import open_keys
 from splitserve.engine.sequence import Sequence
 
 
@@ -59,11 +60,13 @@ def block_managers(config: EngineConfig, model: ModelConfig, cache) -> "BlockMan
     """The block manager of an engine's ``PagedKVCache``: grouped where the cache has a window pool; with the window
     of a model whose every layer has one (none with a draft model)."""
     block_size, caching = config.cache.block_size, config.cache.enable_prefix_caching
+    opens = open_keys.used_by(cache.dtype)
     if not cache.window_layers:
-        return BlockManager(cache.num_blocks, block_size, caching, None if _drafts(config) else model.kv_window)
-    return GroupedBlockManager(BlockManager(cache.num_blocks, block_size, caching),
+        return BlockManager(cache.num_blocks, block_size, caching, None if _drafts(config) else model.kv_window,
+                            open_blocks=opens)
+    return GroupedBlockManager(BlockManager(cache.num_blocks, block_size, caching, open_blocks=opens),
                                BlockManager(cache.window_num_blocks, block_size, caching, model.widest_window,
-                                            WINDOW_TABLE))
+                                            WINDOW_TABLE, opens))
 
 
 class GroupedBlockManager:
@@ -79,6 +82,10 @@ class GroupedBlockManager:
     @property
     def num_blocks(self) -> int:
         return self.full.num_blocks
+
+    @property
+    def keeps_open_blocks(self) -> bool:
+        return self.full.keeps_open_blocks
 
     @property
     def num_free_blocks(self) -> int:

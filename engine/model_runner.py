@@ -27,6 +27,7 @@ import torch
 
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.kv_formats import open_keys
 from splitserve.engine.kv_groups import window_group_blocks
 from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.model.llama import LlamaForCausalLM
@@ -121,6 +122,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
         window_tables: list[list[int]] = []  # the window pool's (kv_cache.window_layers), where the cache has one
+        open_blocks: list[int] = []  # each row's sequence's open blocks (a scaled pool: kv_formats/open_keys.py)
+        window_open_blocks: list[int] = []
         one_row_prefills: set[int] = set()
         for s in batch.scheduled:
             end = s.start + s.num_new_tokens
@@ -141,9 +144,14 @@ class ModelRunner:
             seq_lens.extend(range(outputs_from + 1, end + 1))
             block_tables.extend([s.seq.block_table] * (end - outputs_from))
             window_tables.extend([s.seq.window_block_table] * (end - outputs_from))
+            open_blocks.extend([s.seq.open_block] * (len(query_lens) - len(open_blocks)))
+            window_open_blocks.extend([s.seq.window_open_block] * (len(query_lens) - len(window_open_blocks)))
+        opens = open_keys.used_by(self.kv_cache.dtype)
+        windowed = bool(self.kv_cache.window_layers)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device,
-                                       frozenset(one_row_prefills),
-                                       window_tables if self.kv_cache.window_layers else None)
+                                       frozenset(one_row_prefills), window_tables if windowed else None,
+                                       open_blocks if opens else None,
+                                       window_open_blocks if opens and windowed else None)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(tokens), as_tensor(positions), meta
 

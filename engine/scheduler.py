@@ -339,6 +339,12 @@ class Scheduler:
             # A rejected draft's KV stays in its slot past the computed tokens, to be written over by the next step.
             num_rejected = len(item.draft_token_ids) + 1 - len(tokens) if item.draft_token_ids else 0
             seq.num_computed_tokens += item.num_new_tokens - num_rejected
+            block_size = self.block_manager.block_size
+            last_block = (item.start + item.num_new_tokens - 1) // block_size * block_size
+            if num_rejected and self.block_manager.keeps_open_blocks and seq.num_computed_tokens < last_block:
+                # A scaled pool's open block holds the keys of the block of the step's last position: a rejection
+                # back into an earlier block recomputes that block's accepted tokens (decode rows: the same bits).
+                seq.num_computed_tokens = seq.num_computed_tokens // block_size * block_size
             # Blocks whose tokens are known (an accepted draft's becomes known as it is appended, below).
             self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, seq.num_tokens))
             if item.samples:

@@ -61,6 +61,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # The blocks of the windowed layers' own pools (a model that mixes them with full-attention ones: kv_cache.py)
     window_block_table: list[int] = field(default_factory=list)
+    # A scaled pool's block that holds the float16 keys of the block it is filling (engine/kv_formats/open_keys.py),
+    # in the pool of block_table and in the window pool's; -1: none.
+    open_block: int = -1
+    window_open_block: int = -1
     # Its KV leaves for another pod as it is computed (a prefill pod's request): its prefix-cache hits then hold
     # every block they cover, those that left this pod's sliding windows too, since the receiver may keep more of the
     # prompt than this pod's windows do (engine/block_manager.py).

@@ -13,7 +13,7 @@ import ctypes
 
 from splitserve.engine.kernels.build import KernelsUnavailable
 
-ABI_VERSION = 6  # kAbiVersion in csrc/cpu_kernels.cpp: bump both when an entry point changes
+ABI_VERSION = 7  # kAbiVersion in csrc/cpu_kernels.cpp: bump both when an entry point changes
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -24,9 +24,10 @@ ENTRY_POINTS: dict[str, tuple[list, type | None]] = {
     "ss_quant_linear": ([_ptr, _i64, _i64, _ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int], None),
     "ss_quant_rows": ([_ptr, _int, _i64, _ptr, _i64, _ptr, _int], None),
     "ss_paged_decode_attention": (
-        [_ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int], None),
+        [_ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _int], None),
     "ss_prefill_attention": (
-        [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int], None),
+        [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int],
+        None),
     "ss_attention_input": (
         [_ptr, _i64, _i64, _ptr, _float, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
          _ptr, _ptr, _int, _ptr, _int], None),
@@ -43,8 +44,8 @@ ENTRY_POINTS: dict[str, tuple[list, type | None]] = {
         [_ptr, _i64, _i64, _ptr, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr,
          _ptr, _int, _ptr, _int, _int], _int),
     "ss_bf16_prefill_attention": (
-        [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int, _int],
-        _int),
+        [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _float, _ptr, _i64, _int,
+         _int], _int),
     "ss_bf16_output_and_mlp": (
         [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _float, _ptr, _ptr, _i64, _int, _int], _int),
 }

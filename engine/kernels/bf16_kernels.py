@@ -32,7 +32,9 @@ from splitserve.engine.kernels.checks import (
     check_args,
     check_cache_write,
     check_caches,
+    check_own_keys,
     head_norm_pointers,
+    pointer,
 )
 from splitserve.engine.kernels.cpu_features import bf16_isas
 from splitserve.engine.kernels.cpu_kernels import CpuKernels
@@ -127,11 +129,12 @@ class Bf16Kernels:
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                          prefix: int, scale: float, out: torch.Tensor) -> None:
+                          prefix: int, scale: float, out: torch.Tensor, own_keys: torch.Tensor | None = None) -> None:
         """Causal attention of one sequence's n new queries q [n, Hq, D] float32 (rows may be strided, heads
         contiguous) at positions prefix .. prefix + n - 1 over its keys 0 .. prefix + n - 1, which the caches
         [num_blocks, block_size, Hkv, row] hold (kv_formats/rows.py), found through ``blocks`` (int64) -> ``out``
-        [n, >= Hq D] bf16 (rows contiguous, may be strided), its first Hq D columns written."""
+        [n, >= Hq D] bf16 (rows contiguous, may be strided), its first Hq D columns written. ``own_keys``: as
+        ``CpuKernels.prefill_attention``'s."""
         n, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim,
@@ -143,9 +146,10 @@ class Bf16Kernels:
                    "bf16 prefill attention: bad block list")
         check_args(out.dtype == torch.bfloat16 and out.stride(1) == 1 and len(out) == n
                    and out.shape[1] >= num_heads * head_dim, "bf16 prefill attention: bad out")
+        check_own_keys(own_keys, (prefix % block_size + n,), k_cache, "bf16 prefill attention")
         self._call(self._lib.ss_bf16_prefill_attention, q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-                   v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], blocks.data_ptr(), n, prefix, num_heads,
-                   num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0))
+                   v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], blocks.data_ptr(), n, prefix, pointer(own_keys),
+                   num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0))
 
     def output_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, attn_width: int, o: torch.Tensor,
                        norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor, down: torch.Tensor,

@@ -49,6 +49,20 @@ def check_cache_write(positions: torch.Tensor, slot_mapping: torch.Tensor, token
     check_caches(k_cache, v_cache, what, head_dim)
 
 
+def check_own_keys(own_keys: torch.Tensor | None, rows: tuple[int, ...], k_cache: torch.Tensor, what: str) -> None:
+    """None, or float16 keys [*rows, Hkv, D] (contiguous) that a scaled pool's queries read for their own blocks'
+    (kv_formats/open_keys.py): a decode step's [B, block_size], a prefill segment's [prefix % block_size + n]."""
+    shape = (*rows, k_cache.shape[2], kv_rows.head_dim_of(k_cache))
+    check_args(own_keys is None or (kv_rows.is_scaled(k_cache.dtype) and own_keys.dtype == torch.float16
+                                    and own_keys.is_contiguous() and tuple(own_keys.shape) == shape),
+               f"{what}: own keys must be None or float16 {shape}")
+
+
+def pointer(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer, or None (NULL) for an optional argument left out."""
+    return None if t is None else t.data_ptr()
+
+
 HeadNorms = tuple[torch.Tensor, torch.Tensor]  # Qwen3's q and k norm weights, [D] each
 
 

@@ -40,7 +40,9 @@ from splitserve.engine.kernels.checks import (
     check_args,
     check_cache_write,
     check_caches,
+    check_own_keys,
     head_norm_pointers,
+    pointer,
 )
 from splitserve.engine.kernels.weight_formats import (
     PANEL,
@@ -121,9 +123,12 @@ class CpuKernels:
         return y
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               own_keys: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D] (a ``CACHE_TYPES`` dtype); block_tables [B, nb]
-        int64; seq_lens [B] int64 (keys per sequence, the new one included, all written) -> [B, Hq, D]."""
+        int64; seq_lens [B] int64 (keys per sequence, the new one included, all written) -> [B, Hq, D].
+        ``own_keys`` [B, block_size, Hkv, D] float16: each query's own block's keys, its own included, which it reads
+        from there (kv_formats/open_keys.py); None: every key as the pool stores it."""
         q = q.contiguous()
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
@@ -131,20 +136,24 @@ class CpuKernels:
         check_caches(k_cache, v_cache, "attention", head_dim)
         check_args(block_tables.dtype == torch.int64 and block_tables.stride(1) == 1, "attention: bad block tables")
         check_args(seq_lens.dtype == torch.int64 and seq_lens.is_contiguous(), "attention: bad sequence lengths")
+        check_own_keys(own_keys, (batch, block_size), k_cache, "attention")
         out = torch.empty_like(q)
         self._lib.ss_paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype], block_tables.data_ptr(),
-            block_tables.stride(0), seq_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale,
-            out.data_ptr(), torch.get_num_threads(),
+            block_tables.stride(0), seq_lens.data_ptr(), pointer(own_keys), batch, num_heads, num_kv_heads,
+            head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads(),
         )
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                          prefix: int, scale: float, out: torch.Tensor) -> torch.Tensor:
+                          prefix: int, scale: float, out: torch.Tensor,
+                          own_keys: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of one sequence's n new queries q [n, Hq, D] (rows may be strided, heads contiguous)
         at positions prefix .. prefix + n - 1 over its keys 0 .. prefix + n - 1, which the caches
         [num_blocks, block_size, Hkv, row] already hold (kv_formats/rows.py), found through ``blocks``
-        [>= ceil((prefix + n) / block_size)] int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned."""
+        [>= ceil((prefix + n) / block_size)] int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned.
+        ``own_keys``: the float16 keys [m, Hkv, D] of the positions from prefix's block's first on
+        (``open_keys.own_keys``), which each query reads for its own block's; None: every key as the pool holds it."""
         n, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim,
@@ -155,10 +164,11 @@ class CpuKernels:
                and len(blocks) * block_size >= prefix + n, "prefill attention: bad block list")
         check_args(out.is_contiguous() and out.shape == q.shape and out.dtype == torch.float32,
                    "prefill attention: bad out")
+        check_own_keys(own_keys, (prefix % block_size + n,), k_cache, "prefill attention")
         self._lib.ss_prefill_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype],
-            blocks.data_ptr(), n, prefix, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
-            num_heads * head_dim, torch.get_num_threads(),
+            blocks.data_ptr(), n, prefix, pointer(own_keys), num_heads, num_kv_heads, head_dim, block_size, scale,
+            out.data_ptr(), num_heads * head_dim, torch.get_num_threads(),
         )
         return out
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from splitserve.engine.kernels.cpu_kernels import CpuKernels
 from splitserve.engine.kv_formats import rows as kv_rows
+from splitserve.engine.kv_formats.open_keys import OwnKeyPlan
 
 
 class GatherBuffers:
@@ -102,6 +103,9 @@ class AttentionMetadata:
     # The same step over the window pool's tables (a model that mixes windowed and full layers, kv_cache.py): what
     # its windowed layers write and read through. None: every layer uses this one.
     window_meta: "AttentionMetadata | None" = None
+    # Each row's sequence's open block, for a scaled pool (kv_formats/open_keys.py); None: a float pool's step.
+    open_blocks: list[int] | None = None
+    own_keys: OwnKeyPlan | None = field(init=False)
     decode: DecodeGroup | None = field(init=False)
     prefills: list[PrefillSegment] = field(init=False)
     _key_spans: dict[int | None, list["KeySpan"]] = field(init=False, default_factory=dict, repr=False)
@@ -112,6 +116,11 @@ class AttentionMetadata:
         self.decode = self._decode_group(decoding, starts) if decoding else None
         self.prefills = [self._prefill_segment(i, starts[i]) for i, n in enumerate(self.query_lens)
                          if n > 1 or i in self.one_row_prefills]
+        self.own_keys = None
+        if self.open_blocks is not None:
+            segments = [i for i, n in enumerate(self.query_lens) if n > 1 or i in self.one_row_prefills]
+            self.own_keys = OwnKeyPlan.build(self.query_lens, self.seq_lens, self.open_blocks, decoding, segments,
+                                             self.block_size, self.block_tables.device)
 
     @classmethod
     def build(
@@ -123,13 +132,17 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         one_row_prefills: frozenset[int] = frozenset(),
         window_block_tables: list[list[int]] | None = None,
+        open_blocks: list[int] | None = None,
+        window_open_blocks: list[int] | None = None,
     ) -> "AttentionMetadata":
         """Metadata of one step from per-sequence lengths and block tables (host lists). A sequence with one new
         token decodes, unless its index is in ``one_row_prefills`` (a prompt token). ``window_block_tables``: the
-        window pool's tables of the same rows (its ``window_meta``)."""
+        window pool's tables of the same rows (its ``window_meta``). ``open_blocks`` (``window_open_blocks``): each
+        row's sequence's open block in the pool (the window pool) of a scaled format."""
         window_meta = None
         if window_block_tables is not None:
-            window_meta = cls.build(query_lens, seq_lens, window_block_tables, block_size, device, one_row_prefills)
+            window_meta = cls.build(query_lens, seq_lens, window_block_tables, block_size, device, one_row_prefills,
+                                    open_blocks=window_open_blocks)
         slots = [
             table[p // block_size] * block_size + p % block_size
             for n, seq_len, table in zip(query_lens, seq_lens, block_tables)
@@ -148,6 +161,7 @@ class AttentionMetadata:
             block_size=block_size,
             one_row_prefills=one_row_prefills,
             window_meta=window_meta,
+            open_blocks=None if open_blocks is None else list(open_blocks),
         )
 
     def for_layer(self, windowed: bool) -> "AttentionMetadata":
@@ -181,6 +195,7 @@ class AttentionMetadata:
             block_size=self.block_size,
             one_row_prefills=one_row,
             window_meta=self.window_meta._select(seqs, starts)[0] if self.window_meta is not None else None,
+            open_blocks=None if self.open_blocks is None else [self.open_blocks[i] for i in seqs],
         )
         return meta, rows
 
@@ -208,10 +223,11 @@ class AttentionMetadata:
             # Padding reads a key the sequence has (masked: any finite value gives the same bits).
             positions = torch.minimum(positions, end[rows, None] - 1)
             readers = rows if window is not None else rows[-1:]  # shared keys: the last query's, which sees them all
+            first_keys = start[rows].to(device)
             positions = positions[-len(readers):].to(device)
             blocks = self.block_tables[seq[readers, None].to(device), positions // self.block_size]
             slots = blocks * self.block_size + positions % self.block_size
-            spans.append(KeySpan(rows.to(device), slots, visible.to(device)))
+            spans.append(KeySpan(rows.to(device), slots, visible.to(device), first_keys, (end[rows] - 1).to(device)))
         return spans
 
     def _decode_group(self, seqs: list[int], starts: list[int]) -> DecodeGroup:
@@ -254,6 +270,8 @@ class KeySpan:
     rows: torch.Tensor
     slots: torch.Tensor
     visible: torch.Tensor
+    first_keys: torch.Tensor  # [n]: the position of each query's first key slot
+    positions: torch.Tensor  # [n]: each query's position
 
 
 def paged_attention(
@@ -281,26 +299,43 @@ def paged_attention(
     if not kv_written:
         _write(k_cache, k_new, meta.slot_mapping)
         _write(v_cache, v_new, meta.slot_mapping)
+    plan = meta.own_keys if kv_rows.is_scaled(k_cache.dtype) else None
+    source = None if plan is None else plan.source(k_cache, v_cache, k_new)
+    out = _attend(q, k_new, v_new, k_cache, v_cache, meta, scale, kernels, window, softcap, source)
+    if plan is not None:
+        plan.write(k_cache, v_cache, k_new)
+    return out
+
+
+def _attend(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float, kernels: CpuKernels | None,
+            window: int | None, softcap: float | None, source: torch.Tensor | None) -> torch.Tensor:
+    """``paged_attention``'s attention, its K/V written; ``source``: a scaled pool's own-block keys (``OwnKeyPlan``),
+    or None."""
+    plan = meta.own_keys
     if window is not None or softcap is not None:
-        return _attend_spans(q, k_cache, v_cache, meta.key_spans(window), scale, softcap)
+        own = None if source is None else source[plan.token_index()]
+        return _attend_spans(q, k_cache, v_cache, meta.key_spans(window), scale, softcap, own)
     group = meta.decode
     native = (kernels is not None and kernels.supports_cache_dtype(k_cache.dtype)
               and kernels.supports_head_dim(q.shape[-1]))
     decode = partial(_decode_native, kernels) if native else _decode
     prefill = partial(_prefill_native, kernels) if native else _prefill
+    decode_own = None if source is None or group is None else source[plan.decode_index]
     if group is not None and group.token_index is None:
-        return decode(q, k_cache, v_cache, group, scale)
+        return decode(q, k_cache, v_cache, group, scale, decode_own)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if group is not None:
         rows = group.token_index
-        out.index_copy_(0, rows, decode(q.index_select(0, rows), k_cache, v_cache, group, scale))
-    for seg in meta.prefills:
+        out.index_copy_(0, rows, decode(q.index_select(0, rows), k_cache, v_cache, group, scale, decode_own))
+    for i, seg in enumerate(meta.prefills):
         rows = slice(seg.start, seg.end)
-        prefill(q[rows], k_new[rows], v_new[rows], k_cache, v_cache, seg, scale, out[rows])
+        own = None if source is None else source[plan.segment_index[i]]
+        prefill(q[rows], k_new[rows], v_new[rows], k_cache, v_cache, seg, scale, out[rows], own)
     return out
 
 
-def _attend_spans(q, k_cache, v_cache, spans: list[KeySpan], scale: float, softcap: float | None) -> torch.Tensor:
+def _attend_spans(q, k_cache, v_cache, spans: list[KeySpan], scale: float, softcap: float | None,
+                  own: torch.Tensor | None = None) -> torch.Tensor:
     """Each query over the keys of its span, as transformers' eager attention computes it: scores q k^T * scale,
     soft-capped, masked, softmaxed, times V; the G query heads of a KV head as G rows of one product per query.
     Every gathered operand is made contiguous: over strided K and V the batched products' bits depend on how many
@@ -324,6 +359,8 @@ def _attend_spans(q, k_cache, v_cache, spans: list[KeySpan], scale: float, softc
                                   for h in range(num_kv_heads)], 1)  # [n, Hkv, G, width]
         else:
             scores = torch.matmul(queries, keys.transpose(2, 3))  # [n, Hkv, G, width]
+        if own is not None:  # a scaled pool: each query's own block's keys [T, B, Hkv, D] in float16
+            _own_block_scores(scores, queries, own[span.rows], span)
         scores = scores * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -337,6 +374,19 @@ def _attend_spans(q, k_cache, v_cache, spans: list[KeySpan], scale: float, softc
             attended = torch.matmul(probs, values)
         out[span.rows] = attended.reshape(n, num_heads, head_dim)
     return out
+
+
+def _own_block_scores(scores: torch.Tensor, queries: torch.Tensor, own: torch.Tensor, span: KeySpan) -> None:
+    """A span's scores [n, Hkv, G, width] of its queries [n, Hkv, G, D] over their own blocks' keys, from ``own``
+    [n, B, Hkv, D] in place of the pool's."""
+    n, width = span.visible.shape
+    block_size = own.shape[1]
+    own_scores = torch.einsum("nhgd,nbhd->nbhg", queries, own.to(queries.dtype))  # [n, B, Hkv, G]
+    columns = (span.positions - span.positions % block_size - span.first_keys)[:, None] + torch.arange(
+        block_size, device=scores.device)
+    keep = (columns >= 0) & (columns < width)  # (keys before the window or past the span: not read)
+    rows = torch.arange(n, device=scores.device)[:, None].expand(n, block_size)
+    scores.permute(0, 3, 1, 2)[rows[keep], columns[keep]] = own_scores[keep]
 
 
 def _write(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
@@ -353,13 +403,20 @@ def _gather(cache, blocks, buffer, num_seqs: int, context_len: int, dtype: torch
     return kv_rows.load(rows.transpose(1, 2), dtype)
 
 
-def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float, own: torch.Tensor | None) -> torch.Tensor:
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k_buffer, v_buffer = group.buffers.get(k_cache)
     blocks = group.tables.view(-1)
     keys = _gather(k_cache, blocks, k_buffer, b, group.context_len, q.dtype)  # [Bd, Hkv, S, D]
     values = _gather(v_cache, blocks, v_buffer, b, group.context_len, q.dtype)
+    if own is not None:  # each query's own block's keys [Bd, B, Hkv, D], in place of the pool's
+        block_size = own.shape[1]
+        columns = ((group.seq_lens - 1) // block_size * block_size)[:, None] + torch.arange(block_size,
+                                                                                             device=q.device)
+        keep = columns < group.context_len  # (a block's tail past the longest context: never read)
+        seqs = torch.arange(b, device=q.device)[:, None].expand(b, block_size)
+        keys.transpose(1, 2)[seqs[keep], columns[keep]] = own[keep].to(keys.dtype)
     # The G query heads that share a KV head become G query rows of that head: with a single new token per
     # sequence there is no causality among them, so one SDPA covers GQA without repeating K and V.
     grouped = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Bd, Hkv, G, D]
@@ -367,11 +424,16 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tens
     return out.reshape(b, num_heads, head_dim)
 
 
-def _decode_native(kernels: CpuKernels, q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
-    return kernels.paged_decode_attention(q, k_cache, v_cache, group.tables, group.seq_lens, scale)
+def _decode_native(kernels: CpuKernels, q, k_cache, v_cache, group: DecodeGroup, scale: float,
+                   own: torch.Tensor | None) -> torch.Tensor:
+    return kernels.paged_decode_attention(q, k_cache, v_cache, group.tables, group.seq_lens, scale, own)
 
 
-def _prefill(q, k_new, v_new, k_cache, v_cache, seg: PrefillSegment, scale: float, out: torch.Tensor) -> None:
+def _prefill(q, k_new, v_new, k_cache, v_cache, seg: PrefillSegment, scale: float, out: torch.Tensor,
+             own: torch.Tensor | None) -> None:
+    if own is not None:
+        _prefill_own_block(q, k_cache, v_cache, seg, scale, out, own)
+        return
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     if seg.prefix == 0 and k_cache.dtype == q.dtype:  # the fresh K/V are what the cache holds: no read back
         keys = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
@@ -385,6 +447,41 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, seg: PrefillSegment, scale: floa
     out.copy_(attended[0].transpose(0, 1))  # [n, Hq, D]
 
 
+# Query rows per product of the PyTorch prefill over a scaled pool (_prefill_own_block): its scores [Hq, rows, keys]
+# in float32 stay at ~80 MB for 9 heads at 8,192 keys.
+OWN_BLOCK_ROWS = 256
+
+
+def _prefill_own_block(q, k_cache, v_cache, seg: PrefillSegment, scale: float, out: torch.Tensor,
+                       own: torch.Tensor) -> None:
+    """``_prefill`` over a scaled pool: each query's scores over its own block's keys from ``own`` [m, Hkv, D]
+    (positions from the prefix's block's first on), over older keys from the pool; explicit products, as the
+    keys differ by query."""
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k_buffer, v_buffer = seg.buffers.get(k_cache)
+    keys = _gather(k_cache, seg.blocks, k_buffer, 1, seg.context_len, torch.float32)[0]  # [Hkv, context_len, D]
+    values = _gather(v_cache, seg.blocks, v_buffer, 1, seg.context_len, torch.float32)[0]
+    own_start = seg.prefix - seg.prefix % block_size
+    own_keys = own.float().permute(1, 2, 0)  # [Hkv, D, m]
+    key_pos = torch.arange(seg.context_len, device=q.device)
+    for r0 in range(0, n, OWN_BLOCK_ROWS):
+        rows = slice(r0, min(n, r0 + OWN_BLOCK_ROWS))
+        pos = seg.prefix + torch.arange(rows.start, rows.stop, device=q.device)
+        queries = q[rows].float().view(-1, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)  # [Hkv, R, G, D]
+        queries = queries.reshape(num_kv_heads, -1, head_dim)  # [Hkv, R * G, D]
+        scores = torch.bmm(queries, keys.transpose(1, 2))  # [Hkv, R * G, context_len]
+        own_scores = torch.bmm(queries, own_keys)  # [Hkv, R * G, m]
+        in_own = (key_pos[None, own_start:] // block_size == pos[:, None] // block_size).repeat_interleave(group, 0)
+        scores[:, :, own_start:] = torch.where(in_own, own_scores, scores[:, :, own_start:])
+        visible = (key_pos[None, :] <= pos[:, None]).repeat_interleave(group, 0)
+        probs = torch.softmax((scores * scale).masked_fill(~visible, float("-inf")), dim=-1)
+        attended = torch.bmm(probs, values)  # [Hkv, R * G, D]
+        out[rows] = attended.view(num_kv_heads, -1, group, head_dim).permute(1, 0, 2, 3).reshape(
+            -1, num_heads, head_dim).to(out.dtype)
+
+
 def _prefill_native(kernels: CpuKernels, q, k_new, v_new, k_cache, v_cache, seg: PrefillSegment, scale: float,
-                    out: torch.Tensor) -> None:
-    kernels.prefill_attention(q, k_cache, v_cache, seg.blocks, seg.prefix, scale, out)
+                    out: torch.Tensor, own: torch.Tensor | None) -> None:
+    kernels.prefill_attention(q, k_cache, v_cache, seg.blocks, seg.prefix, scale, out, own)

@@ -35,6 +35,7 @@ import torch
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.kernels.bf16_kernels import Bf16Kernels, pack, pack_gate_up, padded_inputs
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.model.rotary import StepRotary
 from splitserve.engine.weights.quantized_weights import BlockQuantized
@@ -90,10 +91,16 @@ class Bf16Layer:
         q = qkv[:, : self.q_size].view(len(x), cfg.num_heads, cfg.head_dim)
         attn = torch.empty(len(x), padded_inputs(self.q_size), dtype=torch.bfloat16)  # the output product's rows
         attn[:, self.q_size :] = 0
-        for seg in meta.prefills:
+        plan = meta.own_keys if kv_rows.is_scaled(k_cache.dtype) else None  # a scaled pool's own-block keys
+        k_new = qkv[:, self.q_size : self.q_size + cfg.num_kv_heads * cfg.head_dim].view(len(x), cfg.num_kv_heads,
+                                                                                          cfg.head_dim)
+        source = None if plan is None else plan.source(k_cache, v_cache, k_new)
+        for i, seg in enumerate(meta.prefills):
             rows = slice(seg.start, seg.end)
             kernels.prefill_attention(q[rows], k_cache, v_cache, seg.blocks, seg.prefix, cfg.head_dim**-0.5,
-                                      attn[rows])
+                                      attn[rows], None if source is None else source[plan.segment_index[i]])
+        if plan is not None:
+            plan.write(k_cache, v_cache, k_new)
         kernels.output_and_mlp(x, attn, self.q_size, self.o, self.post_attn_norm, cfg.rms_norm_eps, self.gate_up,
                                self.down, cfg.intermediate_size)
         return x

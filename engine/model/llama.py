@@ -225,9 +225,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _decodes_natively(self, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """A decode-only step on the native kernels runs all its layers in one native call, where the fused kernels
-        run this model's layers (``fused_layers_refusal``)."""
+        run this model's layers (``fused_layers_refusal``), and its queries read every key from the pool (a scaled
+        pool's own-block keys come from ``OwnKeyPlan``, a step of Python between the layers)."""
         return (self.kernels is not None and meta.is_decode_only and self.kernels.supports_cache_dtype(kv_cache.dtype)
-                and fused_layers_refusal(self.config) is None)
+                and fused_layers_refusal(self.config) is None and meta.own_keys is None)
 
     def _decode_layers(self, kv_cache: PagedKVCache) -> DecodeLayers:
         key = (id(kv_cache), kv_cache.k_blocks[0].data_ptr())

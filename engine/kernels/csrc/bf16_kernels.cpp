@@ -163,8 +163,9 @@ constexpr int64_t kQueryRows = 32;  // query rows per work item
 template <int CT>
 void prefill_attention(bf16::Isa isa, const float* q, int64_t ldq, const typename CacheElem<CT>::T* k_cache,
                        const typename CacheElem<CT>::T* v_cache, const int64_t* blocks, int64_t n, int64_t prefix,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                       uint16_t* out, int64_t ldo, int threads) {
+                       const uint16_t* own_keys, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, float scale, uint16_t* out, int64_t ldo, int threads) {
+  const int64_t own_start = prefix / block_size * block_size;
   const int64_t keys = prefix + n;
   const int64_t dp = round_up(head_dim, kKStep);  // a head's inputs to q K^T, zero padded
   const int64_t keys_p = round_up(keys, kKStep);  // the inputs to p V, zero padded
@@ -213,6 +214,10 @@ void prefill_attention(bf16::Isa isa, const float* q, int64_t ldq, const typenam
         float* s = scores.data() + r * keys_p;
         uint16_t* p = weights.data() + r * keys_p;
         const int64_t valid = prefix + r0 + r + 1;
+        for (int64_t j = own_keys == nullptr ? valid : (valid - 1) / block_size * block_size; j < valid; ++j) {
+          s[j] = dot_float16(q + (r0 + r) * ldq + hq * head_dim,
+                             own_keys + ((j - own_start) * num_kv_heads + h) * head_dim, head_dim);
+        }
         for (int64_t j = 0; j < valid; ++j) s[j] *= scale;
         float sum;
         exp_shifted(s, valid, &sum);
@@ -269,15 +274,15 @@ int ss_bf16_attention_input(const float* x, int64_t tokens, int64_t hidden, cons
 
 // One sequence's prompt rows' attention (prefill_attention above), caches of cache_type, out bf16 [n][ldo].
 int ss_bf16_prefill_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, int cache_type,
-                              const int64_t* blocks, int64_t n, int64_t prefix, int64_t num_heads,
-                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, uint16_t* out,
-                              int64_t ldo, int threads, int isa) {
+                              const int64_t* blocks, int64_t n, int64_t prefix, const uint16_t* own_keys,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              float scale, uint16_t* out, int64_t ldo, int threads, int isa) {
   if (!bf16::isa_ready(isa)) return -1;
   with_cache_type(cache_type, [&](auto ct) {
     using T = typename CacheElem<ct>::T;
     prefill_attention<ct>(static_cast<bf16::Isa>(isa), q, ldq, static_cast<const T*>(k_cache),
-                          static_cast<const T*>(v_cache), blocks, n, prefix, num_heads, num_kv_heads, head_dim,
-                          block_size, scale, out, ldo, threads);
+                          static_cast<const T*>(v_cache), blocks, n, prefix, own_keys, num_heads, num_kv_heads,
+                          head_dim, block_size, scale, out, ldo, threads);
   });
   return 0;
 }

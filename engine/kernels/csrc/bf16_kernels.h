@@ -17,9 +17,9 @@ int ss_bf16_attention_input(const float* x, int64_t tokens, int64_t hidden, cons
                             int cache_type, const int64_t* slot_mapping, int threads, int isa);
 
 int ss_bf16_prefill_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, int cache_type,
-                              const int64_t* blocks, int64_t n, int64_t prefix, int64_t num_heads,
-                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, uint16_t* out,
-                              int64_t ldo, int threads, int isa);
+                              const int64_t* blocks, int64_t n, int64_t prefix, const uint16_t* own_keys,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              float scale, uint16_t* out, int64_t ldo, int threads, int isa);
 
 int ss_bf16_output_and_mlp(float* x, int64_t tokens, int64_t hidden, const uint16_t* attn, int64_t attn_width,
                            const uint16_t* o_packed, const float* norm_weight, float eps,

@@ -189,4 +189,14 @@ void write_cache_row(void* k_cache, void* v_cache, int64_t slot, const float* k_
 
 using WriteKVFn = void (*)(void*, void*, int64_t, const float*, const float*, int64_t, int64_t);
 
+// q . k over head_dim dimensions (a multiple of 8), q float32, k float16: lane l sums dimensions l, l + 8, ... in
+// turn, then hsum. The prefill attentions' scores of a query's own block (both builds, the same bits).
+inline float dot_float16(const float* q, const uint16_t* k, int64_t head_dim) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), CacheElem<kFloat16>::load8(k + d), acc);
+  }
+  return hsum(acc);
+}
+
 }  // namespace

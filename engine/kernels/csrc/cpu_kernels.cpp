@@ -421,7 +421,9 @@ constexpr ValueTileFn<CT> kValueTiles[kHeadSet + 1][5] = {
 // out[b, hq, :] = softmax(q[b, hq] . K[b]^T * scale) V[b] for one new query per sequence.
 // q, out: [B, Hq, D] contiguous, D a multiple of 8; k_cache, v_cache: [num_blocks, block_size, Hkv, row] contiguous
 // (rows of cache type CT, cache_elems.h: D elements, then a scaled type's scale);
-// block_tables: [B, table_stride] int64; seq_lens: [B] int64, the keys each sequence attends to.
+// block_tables: [B, table_stride] int64; seq_lens: [B] int64, the keys each sequence attends to; own_keys: null, or
+// [B, block_size, Hkv, D] float16, each query's own block's keys (the last block's, its own included): a scaled
+// pool's queries read those from there, the keys of every older block as the pool stores them.
 //
 // Work items are chunks of kChunkKeys keys of one sequence, all heads (flash-decoding's split over keys): a
 // single sequence still keeps every thread busy. Each chunk leaves its max score, exp-sum and unnormalized output
@@ -431,9 +433,11 @@ constexpr ValueTileFn<CT> kValueTiles[kHeadSet + 1][5] = {
 template <int CT>
 void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
                       const typename CacheElem<CT>::T* v_cache, const int64_t* block_tables, int64_t table_stride,
-                      const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+                      const int64_t* seq_lens, const uint16_t* own_keys, int64_t batch, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out,
+                      int threads) {
   using T = typename CacheElem<CT>::T;
+  const int64_t own_row = num_kv_heads * head_dim;  // a token's keys in own_keys
   const int64_t group = num_heads / num_kv_heads;
   constexpr bool kScaled = CacheElem<CT>::kScaleElems > 0;
   const int64_t width = row_elems<CT>(head_dim);  // a (token, head) row
@@ -480,10 +484,31 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
         std::fill(ahead, ahead + kPrefetchBlocks, nullptr);
       }
       const float* qb = q + b * num_heads * head_dim;
+      // The query's own block among this item's (-1: not), when its keys come from own_keys.
+      const int64_t own = own_keys == nullptr ? -1 : (seq_lens[b] - 1) / block_size - chunk * chunk_blocks;
       // Pass 1: the scaled scores, block by block, four keys at a time; each K vector loaded once serves up to
       // three query heads of its group. A scaled cache's key scales multiply the dot products.
       for (int64_t i = 0; i < blocks; ++i) {
         const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
+        if (i == own) {  // float16 keys, the float16 tiles
+          const uint16_t* kb = own_keys + b * block_size * own_row;
+          for (int64_t g = 0; g < num_kv_heads; ++g) {
+            for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
+              const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
+              float* at = scores.data() + r0 * score_stride + s0;
+              int64_t j = 0;
+              for (; j + 4 <= n; j += 4) {
+                kScoreTiles<kFloat16>[hs][4](qb + r0 * head_dim, head_dim, kb + j * own_row + g * head_dim, own_row,
+                                             scale, at + j, score_stride, nullptr);
+              }
+              for (; j < n; ++j) {
+                kScoreTiles<kFloat16>[hs][1](qb + r0 * head_dim, head_dim, kb + j * own_row + g * head_dim, own_row,
+                                             scale, at + j, score_stride, nullptr);
+              }
+            }
+          }
+          continue;
+        }
         const T* kb = stream[i];
         const T* next = stream[i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
@@ -569,12 +594,15 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
 // panels of 16 keys [key_panels, D, 16] (scores = q K^T, a product with K as its weights) and V as panels of 16
 // dimensions [D / 16, keys, 16] (out = p V). Work items are (query head, block of rows): a row's scores span its
 // keys, are softmaxed in place (padding after them zero) and multiplied by V. A row's bits depend on its own
-// keys only: alone or in a batch, in one chunk or several, it gets the same output.
+// keys only: alone or in a batch, in one chunk or several, it gets the same output. own_keys: null, or the float16
+// keys of positions own_start (prefix rounded down to a block) .. prefix + n - 1, [n + prefix - own_start, Hkv, D]: a
+// scaled pool's rows read the keys of their own block from there (dot_float16), every older key from the pool.
 template <int CT>
 void prefill_attention(const float* q, int64_t ldq, const typename CacheElem<CT>::T* k_cache,
                        const typename CacheElem<CT>::T* v_cache, const int64_t* blocks, int64_t n, int64_t prefix,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                       float* out, int64_t ldo, int threads) {
+                       const uint16_t* own_keys, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, float scale, float* out, int64_t ldo, int threads) {
+  const int64_t own_start = prefix / block_size * block_size;
   const int64_t keys = prefix + n;
   const int64_t width = row_elems<CT>(head_dim);  // a (token, head) row of the caches
   const int64_t key_panels = (keys + kPanel - 1) / kPanel;
@@ -622,6 +650,10 @@ void prefill_attention(const float* q, int64_t ldq, const typename CacheElem<CT>
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * keys_padded;
         const int64_t valid = prefix + r0 + r + 1;
+        for (int64_t j = own_keys == nullptr ? valid : (valid - 1) / block_size * block_size; j < valid; ++j) {
+          s[j] = dot_float16(queries.data() + r * head_dim,
+                             own_keys + ((j - own_start) * num_kv_heads + h) * head_dim, head_dim);
+        }
         const int64_t vectors = (valid + 7) / 8 * 8;
         float sum;
         exp_shifted(s, valid, &sum);
@@ -674,24 +706,25 @@ void ss_linear(const float* x, int64_t rows, int64_t ldx, const float* packed, i
 // The decode attention (decode_attention above) over caches holding cache_type (a CacheType) elements.
 void ss_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int cache_type,
                                const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
-                               int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale, float* out, int threads) {
+                               const uint16_t* own_keys, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
   with_cache_type(cache_type, [&](auto ct) {
     using T = typename CacheElem<ct>::T;
     decode_attention<ct>(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,
-                         table_stride, seq_lens, batch, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                         threads);
+                         table_stride, seq_lens, own_keys, batch, num_heads, num_kv_heads, head_dim, block_size,
+                         scale, out, threads);
   });
 }
 
 // The prefill attention (prefill_attention above) over caches holding cache_type (a CacheType) elements.
 void ss_prefill_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache, int cache_type,
-                          const int64_t* blocks, int64_t n, int64_t prefix, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t block_size, float scale, float* out, int64_t ldo, int threads) {
+                          const int64_t* blocks, int64_t n, int64_t prefix, const uint16_t* own_keys,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          float* out, int64_t ldo, int threads) {
   with_cache_type(cache_type, [&](auto ct) {
     using T = typename CacheElem<ct>::T;
     prefill_attention<ct>(q, ldq, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), blocks, n, prefix,
-                          num_heads, num_kv_heads, head_dim, block_size, scale, out, ldo, threads);
+                          own_keys, num_heads, num_kv_heads, head_dim, block_size, scale, out, ldo, threads);
   });
 }
 
@@ -832,8 +865,9 @@ struct DecodeLayer {
 
 // A whole decode step's layers: one new token per sequence (token b is sequence b), every layer run as
 // ss_attention_input, ss_paged_decode_attention and ss_attention_output_and_mlp in turn, the residual stream
-// x [B, hidden] updated in place; every layer's caches hold cache_type elements. The same kernels in the same order
-// as layer-by-layer calls, so the same bits, without the interpreter between layers.
+// x [B, hidden] updated in place; every layer's caches hold cache_type elements (a scaled pool's own-block keys are
+// not read from float16 here: the engine runs such steps layer by layer). The same kernels in the same order as
+// layer-by-layer calls, so the same bits, without the interpreter between layers.
 void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layers, const DecodeLayer* layers,
                       int cache_type, float eps, const int64_t* positions, const float* cos, const float* sin_signed,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
@@ -849,8 +883,9 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
                        qkv.get(), positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, w.q_norm, w.k_norm,
                        w.k_cache, w.v_cache, cache_type, slot_mapping, threads);
     for (int64_t b = 0; b < batch; ++b) memcpy(q.get() + b * q_width, qkv.get() + b * width, sizeof(float) * q_width);
-    ss_paged_decode_attention(q.get(), w.k_cache, w.v_cache, cache_type, block_tables, table_stride, seq_lens, batch,
-                              num_heads, num_kv_heads, head_dim, block_size, scale, attn.get(), threads);
+    ss_paged_decode_attention(q.get(), w.k_cache, w.v_cache, cache_type, block_tables, table_stride, seq_lens,
+                              nullptr, batch, num_heads, num_kv_heads, head_dim, block_size, scale, attn.get(),
+                              threads);
     ss_attention_output_and_mlp(x, batch, hidden, attn.get(), q_width, w.o, static_cast<int>(w.o_format),
                                 w.post_attn_norm, eps, w.gate_up, static_cast<int>(w.gate_up_format), w.down,
                                 static_cast<int>(w.down_format), inter, threads);
@@ -863,7 +898,7 @@ void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layer
 
 namespace {
 
-constexpr int kAbiVersion = 6;  // ABI_VERSION in engine/kernels/abi.py: bump both when an entry point changes
+constexpr int kAbiVersion = 7;  // ABI_VERSION in engine/kernels/abi.py: bump both when an entry point changes
 
 // An argument's type as one letter (_TYPE_CODES in engine/kernels/abi.py): p pointer, q int64, i int, f float.
 template <typename T>

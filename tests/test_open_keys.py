@@ -1,0 +1,84 @@
+"""A scaled pool's open blocks (engine/kv_formats/open_keys.py): each query reads its own block's keys in float16,
+every older key as the pool stores it, on every attention path, whatever its chunk or batch."""
+
+import pytest
+import torch
+
+from splitserve.engine.kv_formats import open_keys
+from splitserve.engine.kv_formats import rows as kv_rows
+from splitserve.engine.model.attention import AttentionMetadata, paged_attention
+
+BLOCK = 16
+
+
+def _pool(num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = kv_rows.row_width(torch.int8, head_dim)
+    return tuple(torch.zeros(num_blocks, BLOCK, num_kv_heads, width, dtype=torch.int8) for _ in range(2))
+
+
+def test_open_keys_round_trip_through_both_halves_of_a_block():
+    k_pool, v_pool = _pool(6, 3, 64)
+    keys = torch.randn(BLOCK, 3, 64)
+    open_keys.write(k_pool, v_pool, torch.full((BLOCK,), 4), torch.arange(32, 32 + BLOCK), keys)
+    assert torch.equal(open_keys.read(k_pool, v_pool, torch.tensor([4]))[0], keys.half())
+    assert k_pool[:4].eq(0).all() and v_pool[5].eq(0).all()  # no other block touched
+
+
+def test_the_plan_reads_earlier_steps_keys_from_the_open_block_and_the_steps_own_from_its_new_keys():
+    # One sequence: a prefill segment of positions 20..35 (the block of 16..31 started by an earlier step), then two
+    # decode rows of positions 36 and 37 (verified drafts): source rows 0..15 are the open block's, 16.. the step's.
+    plan = open_keys.OwnKeyPlan.build([16, 1, 1], [36, 37, 38], [7, 7, 7], [1, 2], [0], BLOCK, "cpu")
+    assert plan.read_blocks.tolist() == [7]
+    assert plan.segment_index[0].tolist() == [0, 1, 2, 3] + list(range(16, 32))  # positions 16..19, then 20..35
+    assert plan.decode_index[0].tolist() == [28, 29, 30, 31, 32] + [32] * 11  # positions 32..36, then 36 repeated
+    assert plan.decode_index[1].tolist()[:6] == [28, 29, 30, 31, 32, 33]
+    # Left in the open block: the keys of the block of its last position (32..37), from the step's rows 12..17.
+    assert plan.write_positions.tolist() == list(range(32, 38)) and plan.write_rows.tolist() == list(range(12, 18))
+    assert plan.write_blocks.tolist() == [7] * 6
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (7, 1, 40)])
+def test_native_attention_reads_own_blocks_as_pytorch_does_and_the_same_bits_in_chunks(num_heads, num_kv_heads,
+                                                                                       head_dim, native_kernels):
+    # A 150-token prompt attended in one prefill, and in chunks of 37 (each chunk's first rows reading the keys of
+    # their block that earlier chunks left in the open block), then two decode steps: the native kernels within
+    # 1e-5 of the PyTorch path, the chunked run the same bits as the whole one on each.
+    gen = torch.Generator().manual_seed(5)
+    n, table, scale = 150, list(range(1, 12)), head_dim**-0.5
+    q, k_new, v_new = (torch.randn(n + 2, h, head_dim, generator=gen) for h in (num_heads, num_kv_heads,
+                                                                                  num_kv_heads))
+
+    def run(chunks: list[tuple[int, int]], kernels) -> torch.Tensor:
+        pools = _pool(13, num_kv_heads, head_dim)
+        outs = []
+        for lo, hi in chunks + [(n, n + 1), (n + 1, n + 2)]:
+            meta = AttentionMetadata.build([hi - lo], [hi], [table], BLOCK, open_blocks=[12],
+                                           one_row_prefills=frozenset([0]) if hi - lo == 1 and hi <= n else
+                                           frozenset())
+            rows = slice(lo, hi)
+            outs.append(paged_attention(q[rows], k_new[rows], v_new[rows], *pools, meta, scale, kernels))
+        return torch.cat(outs)
+
+    whole = run([(0, n)], native_kernels)
+    chunked = run([(lo, min(n, lo + 37)) for lo in range(0, n, 37)], native_kernels)
+    assert torch.equal(whole, chunked)
+    assert (whole - run([(0, n)], None)).abs().max().item() <= 1e-5
+    assert (chunked - run([(lo, min(n, lo + 37)) for lo in range(0, n, 37)], None)).abs().max().item() <= 1e-5
+
+
+def test_own_block_keys_are_what_the_int8_rows_lose_least_on():
+    # The own block's keys are read as float16, not as the pool's rows: the decode output differs from the one
+    # that reads every key from the int8 rows, and is closer to attention over float16 keys.
+    gen = torch.Generator().manual_seed(9)
+    num_heads, num_kv_heads, head_dim, n = 9, 3, 64, 40
+    q, k_new, v_new = (torch.randn(n, h, head_dim, generator=gen) for h in (num_heads, num_kv_heads, num_kv_heads))
+    pools = _pool(5, num_kv_heads, head_dim)
+    meta = AttentionMetadata.build([n], [n], [[0, 1, 2]], BLOCK, open_blocks=[4])
+    with_open = paged_attention(q, k_new, v_new, *pools, meta, 0.125)
+    plain = paged_attention(q, k_new, v_new, *pools, AttentionMetadata.build([n], [n], [[0, 1, 2]], BLOCK), 0.125)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k_new.half().float().repeat_interleave(3, 1).transpose(0, 1),
+        kv_rows.load(kv_rows.store(v_new, torch.int8)).repeat_interleave(3, 1).transpose(0, 1), is_causal=True,
+        scale=0.125).transpose(0, 1)
+    assert not torch.equal(with_open, plain)
+    assert (with_open - exact).abs().max() < (plain - exact).abs().max()
