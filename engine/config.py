@@ -163,7 +163,8 @@ class CacheConfig:
     # the tokens fit and a decode step reads half the K/V; attention still computes in float32. float32: exact
     # against the float32 reference (what the reference tests use). bfloat16: float16's size, 3 fewer mantissa bits.
     # int8: 1 + 2 / head_dim bytes per value (a float16 scale per token and head), 1.94x float16's tokens at
-    # head_dim 64, read by the native attention kernels as stored (docs/kv_cache.md).
+    # head_dim 64, read by the native attention kernels as stored, each query's own block's keys read in float16
+    # from a block the sequence holds for them (docs/kv_cache.md).
     cache_dtype: str = "float16"
 
     def __post_init__(self) -> None:
@@ -171,6 +172,8 @@ class CacheConfig:
             raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.cache_dtype == "int8" and self.block_size < 2:  # (an open block's keys fill half of each pool's block)
+            raise ValueError("an int8 cache needs blocks of at least 2 tokens")
         if self.num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
 

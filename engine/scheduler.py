@@ -161,6 +161,11 @@ class Scheduler:
                 f"{seq.num_computed_tokens} of {seq.num_tokens}"
             )
         self._check_admissible(seq)
+        if self.block_manager.keeps_open_blocks:
+            # A scaled pool's open block (engine/kv_formats/open_keys.py) holds float16 keys no hand-off carries: the
+            # prompt's last, partly filled block is computed again here, to the bits the prefill pod computed (a
+            # prefill row's bits do not depend on its chunk).
+            seq.num_computed_tokens -= seq.num_prompt_tokens % self.block_manager.block_size
         self._unfinished[seq.request_id] = seq
         self._mark_scheduled(seq)
         seq.mark_token_time(self.clock())  # its first token here is the one it brought

@@ -21,7 +21,8 @@ def llm():
                kv_cache_memory_bytes=4 << 20)
 
 
-@pytest.mark.parametrize("scheme, pool", [("float16", "float16"), ("int8-row", "int8")])
+# The int8 pool: its rows, each query's own block of keys in float16 (engine/kv_formats/open_keys.py).
+@pytest.mark.parametrize("scheme, pool", [("float16", "float16"), ("int8-row-block", "int8")])
 def test_the_simulation_answers_as_the_engine_over_that_pool(llm, scheme, pool):
     simulated = kv_schemes._logits(llm, TOKENS, kv_schemes.SCHEMES[scheme])
     torch.testing.assert_close(simulated, sequence_logits(llm, TOKENS, pool), rtol=1e-4, atol=1e-4)

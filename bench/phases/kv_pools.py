@@ -37,6 +37,7 @@ from splitserve.engine import LLM
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.kernels.cpu_features import cpu_model, matrix_features
 from splitserve.engine.kv_cache import num_blocks_for_budget
+from splitserve.engine.kv_formats import open_keys
 from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.measure.figures import headless_pyplot, save_figure
@@ -148,7 +149,7 @@ def report(results: dict, log=print) -> None:
 
 def _engine(model: str, pool_dtype: str, batch: int, tokens: int, seed: int, int8_activations: bool) -> LLMEngine:
     block = CacheConfig().block_size
-    blocks = batch * (math.ceil(tokens / block) + 1) + 16
+    blocks = batch * (math.ceil(tokens / block) + 2) + 16  # (room to grow, and a scaled pool's open block)
     scheduler = SchedulerConfig(max_num_seqs=max(SchedulerConfig().max_num_seqs, batch))
     return LLMEngine(EngineConfig(model=model, seed=seed, scheduler=scheduler, int8_activations=int8_activations,
                                   cache=CacheConfig(num_blocks=blocks, cache_dtype=pool_dtype,
@@ -163,8 +164,9 @@ def _decode_step(engine: LLMEngine) -> float:
 
 def _sequences_at_budget(cfg: ModelConfig, pool_dtype: str) -> int:
     block = CacheConfig().block_size
-    blocks = num_blocks_for_budget(cfg, block, kv_rows.pool_dtype(pool_dtype), CAPACITY_BUDGET)
-    return blocks // math.ceil(CAPACITY_TOKENS / block)
+    dtype = kv_rows.pool_dtype(pool_dtype)
+    blocks = num_blocks_for_budget(cfg, block, dtype, CAPACITY_BUDGET)
+    return blocks // (math.ceil(CAPACITY_TOKENS / block) + open_keys.used_by(dtype))  # (a scaled pool's open block)
 
 
 def quality_windows(llm: LLM) -> list[list[int]]:

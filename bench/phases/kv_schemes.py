@@ -9,8 +9,9 @@ blocks is part of a scheme: ``"block"`` (each query reads the keys of its own 16
 filled, in float16, and every older block quantized; values quantized everywhere) or a number of tokens (each query
 reads the keys and values of its last that many positions in float16, KIVI's residual). Which of these a pool could
 serve, and at what cost, is docs/kv_cache.md's question; this measures what each would answer. ``float16`` is the
-simulation's control (the float16 pool's rounding on this harness), ``int8-row`` today's ``int8`` pool's rows
-(``kv_rows.store``, bit for bit), against which the harness is checked.
+simulation's control (the float16 pool's rounding on this harness), ``int8-row-block`` the ``int8`` pool as built
+(its rows, ``kv_rows.store`` bit for bit, each query's own block of keys in float16: engine/kv_formats/open_keys.py),
+against which the harness is checked, and ``int8-row`` the same rows without the own block.
 
 Scales: symmetric ones are the largest magnitude over the code range; asymmetric ones (``asym``) a minimum and a
 step, both stored as float16 (``--kv-pool-quality``'s int8 rows round theirs up; here all round to nearest).
@@ -99,7 +100,7 @@ _INT4_CHANNEL = Scheme(_per_channel(_asymmetric, 4), _per_row(_asymmetric, 4, 16
 SCHEMES: dict[str, Scheme] = {
     "float16": Scheme(None, None, 2, 2),
     "int8-row": Scheme(_int8_rows, _int8_rows, 1 + 2 / 64, 1 + 2 / 64),
-    # today's rows, and the query's own block of keys read in float16 (the window alone, without channel scales)
+    # the int8 pool: its rows, and the query's own block of keys read in float16 (the window alone, no channel scales)
     "int8-row-block": Scheme(_int8_rows, _int8_rows, 1 + 2 / 64, 1 + 2 / 64, "block"),
     "int8-key-g32": Scheme(_per_row(_symmetric, 8, 32), _int8_rows, 1 + 4 / 64, 1 + 2 / 64),  # rows, finer key scales
     "int8-key-g16": Scheme(_per_row(_symmetric, 8, 16), _int8_rows, 1 + 8 / 64, 1 + 2 / 64),

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.kv_formats import open_keys
 from splitserve.engine.model.attention import AttentionMetadata
 
 GENERATED = 128
@@ -39,12 +40,14 @@ PRODUCTS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 def sequence_logits(llm: LLM, tokens: list[int], cache_dtype: str = "float16") -> torch.Tensor:
     """Every position's next-token logits [n, V] float32, the sequence run as one prefill on a cache of its own (the
     pods' default cache dtype, float16, unless ``cache_dtype`` names another). Each position attends over the K/V
-    as the cache holds them, its own included: what a decode step over that pool attends over."""
+    as the cache holds them, its own included: what a decode step over that pool attends over (a scaled pool's own
+    block's keys in float16, from an open block past the sequence's)."""
     model = llm.engine.runner.model
     n = len(tokens)
     blocks = -(-n // BLOCK)
-    cache = PagedKVCache(model.config, blocks, BLOCK, cache_dtype)
-    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], BLOCK)
+    cache = PagedKVCache(model.config, blocks + 1, BLOCK, cache_dtype)
+    opens = [blocks] if open_keys.used_by(cache.dtype) else None
+    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], BLOCK, open_blocks=opens)
     return model.compute_logits(model(torch.tensor(tokens), torch.arange(n), cache, meta))
 
 

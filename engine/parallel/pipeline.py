@@ -104,7 +104,9 @@ def _micro_batch(meta: AttentionMetadata, group: list[tuple[int, int, int]], sta
             one_row.add(j)  # one prompt row: still a prefill, as the whole prompt was
     first, last = group[0], group[-1]
     rows = (starts[first[0]] + first[1], starts[last[0]] + last[2])
-    return rows, (query_lens, seq_lens, block_tables, meta.block_size, frozenset(one_row))
+    # A scaled pool's open blocks: a prompt cut here reads its earlier rows' keys from them, as a later chunk does.
+    open_blocks = None if meta.open_blocks is None else [meta.open_blocks[i] for i, _, _ in group]
+    return rows, (query_lens, seq_lens, block_tables, meta.block_size, frozenset(one_row), open_blocks)
 
 
 class PipelineStage(LlamaForCausalLM):

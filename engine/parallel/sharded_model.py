@@ -40,20 +40,23 @@ from splitserve.engine.parallel.expert_dispatch import AllToAllExperts
 from splitserve.engine.parallel.layout import RankShard, rank_config, shard_state_dict
 from splitserve.engine.parallel.process_group import TensorParallelGroup
 
-# What the other ranks need to rebuild a step's AttentionMetadata: its lengths, block tables, block size and one-row
-# prefills, as host lists. Pickling the metadata itself (its tensors, decode group, masks) took ~0.3 ms to write and
-# 0.3-1.3 ms to read here; these lists take microseconds, and AttentionMetadata.build ~0.1 ms.
-StepPlan = tuple[list[int], list[int], list[list[int]], int, frozenset[int]]
+# What the other ranks need to rebuild a step's AttentionMetadata: its lengths, block tables, block size, one-row
+# prefills and a scaled pool's open blocks, as host lists. Pickling the metadata itself (its tensors, decode group,
+# masks) took ~0.3 ms to write and 0.3-1.3 ms to read here; these lists take microseconds, and AttentionMetadata.build
+# ~0.1 ms.
+StepPlan = tuple[list[int], list[int], list[list[int]], int, frozenset[int], list[int] | None]
 
 
 def step_plan(meta: AttentionMetadata) -> StepPlan:
-    return meta.query_lens, meta.seq_lens, meta.block_tables.tolist(), meta.block_size, meta.one_row_prefills
+    return (meta.query_lens, meta.seq_lens, meta.block_tables.tolist(), meta.block_size, meta.one_row_prefills,
+            meta.open_blocks)
 
 
 def metadata_from_plan(plan: StepPlan, device: torch.device | str) -> AttentionMetadata:
     """The step's metadata as rank 0 built it (``build`` pads the tables as they came: the same tensors)."""
-    query_lens, seq_lens, block_tables, block_size, one_row_prefills = plan
-    return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device, one_row_prefills)
+    query_lens, seq_lens, block_tables, block_size, one_row_prefills, open_blocks = plan
+    return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device, one_row_prefills,
+                                   open_blocks=open_blocks)
 
 
 class RankChannel(Protocol):
