@@ -4,9 +4,13 @@ every older key as the pool stores it, on every attention path, whatever its chu
 import pytest
 import torch
 
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.kv_formats import open_keys
 from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.model.attention import AttentionMetadata, paged_attention
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.weights.parameter_layout import random_state_dict
 
 BLOCK = 16
 
@@ -82,3 +86,28 @@ def test_own_block_keys_are_what_the_int8_rows_lose_least_on():
         scale=0.125).transpose(0, 1)
     assert not torch.equal(with_open, plain)
     assert (with_open - exact).abs().max() < (plain - exact).abs().max()
+
+
+def test_a_decode_step_in_one_native_call_reads_and_leaves_the_open_blocks_as_layer_by_layer(native_kernels):
+    # Two prompts over an int8 pool (one ending mid-block, one at a block's end), then decode steps: all layers in
+    # one native call and layer by layer (a layer_done hook) give the same bits and leave the same pools, open
+    # blocks included.
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                         num_kv_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM.from_state_dict(config, random_state_dict(config, seed=3), cpu_kernels=True)
+    tables, opens, lens = [[1, 2], [3, 4, 5]], [6, 7], [21, 32]
+    outs, pools = [], []
+    for hook in (None, lambda layer: None):
+        cache = PagedKVCache(config, 8, BLOCK, torch.int8)
+        with torch.inference_mode():
+            meta = AttentionMetadata.build(lens, lens, tables, BLOCK, open_blocks=opens)
+            model(torch.arange(sum(lens)) % 64, torch.cat([torch.arange(n) for n in lens]), cache, meta)
+            for step in range(3):
+                meta = AttentionMetadata.build([1, 1], [n + step + 1 for n in lens], tables, BLOCK, open_blocks=opens)
+                assert model._decodes_natively(cache, meta)
+                positions = torch.tensor([n + step for n in lens])
+                outs.append(model(positions % 64, positions, cache, meta, layer_done=hook))
+        pools.append(cache.k_blocks + cache.v_blocks)
+    assert all(torch.equal(a, b) for a, b in zip(outs[:3], outs[3:]))
+    assert all(torch.equal(a, b) for a, b in zip(*pools))
+    assert not pools[0][0][7].eq(0).all()  # the second sequence's open block holds its new block's keys

@@ -35,7 +35,7 @@ ENTRY_POINTS: dict[str, tuple[list, type | None]] = {
         [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _float, _ptr, _int, _ptr, _int, _i64, _int], None),
     "ss_decode_layers": (
         [_ptr, _i64, _i64, _i64, _ptr, _int, _float, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64,
-         _ptr, _i64, _float, _int], None),
+         _ptr, _ptr, _i64, _float, _int], None),
     # The bf16 prefill (csrc/bf16_kernels.cpp; engine/kernels/bf16_kernels.py): each returns 0, or -1 when asked for
     # an ISA this CPU does not run.
     "ss_bf16_isa_ready": ([_int], _int),

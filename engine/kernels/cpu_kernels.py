@@ -56,6 +56,7 @@ from splitserve.engine.kernels.weight_formats import (
 
 if TYPE_CHECKING:
     from splitserve.engine.kernels.decode_layers import DecodeLayers
+    from splitserve.engine.kv_formats.open_keys import OwnKeyPlan
 
 logger = logging.getLogger(__name__)
 
@@ -225,9 +226,11 @@ class CpuKernels:
 
     def decode_layers(self, x: torch.Tensor, layers: DecodeLayers, positions: torch.Tensor, cos: torch.Tensor,
                       sin_signed: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor) -> None:
+                      seq_lens: torch.Tensor, own_keys: OwnKeyPlan | None = None) -> None:
         """Every layer of a decode step (token b is sequence b's one new token) in one call, in place on the
-        residual stream x [B, H]: the same kernels, in the same order, as the layer-by-layer calls."""
+        residual stream x [B, H]: the same kernels, in the same order, as the layer-by-layer calls. ``own_keys``: a
+        scaled pool's plan of the step's own-block keys (kv_formats/open_keys.py), which the call follows as
+        ``paged_attention`` does."""
         batch = len(x)
         check_args(x.is_contiguous() and x.dtype == torch.float32 and x.shape[1] == layers.hidden,
                "decode_layers: bad residual stream")
@@ -235,13 +238,33 @@ class CpuKernels:
                    for t in (positions, slot_mapping, seq_lens)) and block_tables.dtype == torch.int64
                and block_tables.stride(1) == 1 and len(block_tables) == batch and cos.shape[1] == layers.head_dim,
                "decode_layers: bad positions, slots, block tables or lengths")
+        steps = None if own_keys is None else _own_key_steps(own_keys, batch, layers.block_size)
         self._lib.ss_decode_layers(
             x.data_ptr(), batch, layers.hidden, len(layers.table), layers.table, CACHE_TYPES[layers.cache_dtype],
             layers.eps, positions.data_ptr(),
             cos.data_ptr(), sin_signed.data_ptr(), layers.num_heads, layers.num_kv_heads, layers.head_dim,
             layers.inter, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            seq_lens.data_ptr(), layers.block_size, layers.scale, torch.get_num_threads(),
+            seq_lens.data_ptr(), None if steps is None else ctypes.addressof(steps), layers.block_size, layers.scale,
+            torch.get_num_threads(),
         )
+
+
+class _OwnKeySteps(ctypes.Structure):  # OwnKeySteps in csrc/cpu_kernels.cpp
+    _fields_ = [("index", ctypes.c_void_p), ("read_blocks", ctypes.c_void_p), ("num_read", ctypes.c_int64),
+                ("write_blocks", ctypes.c_void_p), ("write_positions", ctypes.c_void_p),
+                ("write_rows", ctypes.c_void_p), ("num_writes", ctypes.c_int64)]
+
+
+def _own_key_steps(plan: OwnKeyPlan, batch: int, block_size: int) -> _OwnKeySteps:
+    """A decode step's ``OwnKeyPlan`` as the native struct (its tensors stay the plan's: it outlives the call)."""
+    tensors = (plan.decode_index, plan.read_blocks, plan.write_blocks, plan.write_positions, plan.write_rows)
+    check_args(plan.decode_index is not None and tuple(plan.decode_index.shape) == (batch, block_size)
+               and all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors)
+               and len(plan.write_positions) == len(plan.write_rows) == len(plan.write_blocks),
+               "decode_layers: bad own-key plan")
+    return _OwnKeySteps(plan.decode_index.data_ptr(), plan.read_blocks.data_ptr(), len(plan.read_blocks),
+                        plan.write_blocks.data_ptr(), plan.write_positions.data_ptr(), plan.write_rows.data_ptr(),
+                        len(plan.write_blocks))
 
 
 class KernelChoice(NamedTuple):

@@ -33,6 +33,7 @@ from splitserve.engine.kernels.cpu_kernels import KernelChoice
 from splitserve.engine.kernels.cpu_kernels import choose as choose_kernels
 from splitserve.engine.kernels.decode_layers import DecodeLayers, LayerTensors
 from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.model.attention import AttentionMetadata
 from splitserve.engine.model.bf16_prefill import Bf16Prefill, copied_weights
 from splitserve.engine.model.layers import (
@@ -192,9 +193,10 @@ class LlamaForCausalLM(nn.Module):
             rotary = self.rotary.for_step(positions)
             x = self.embed(input_ids)  # [T, H], the residual stream
             group = attn_metadata.decode  # every token, in order: one per sequence
+            own_keys = attn_metadata.own_keys if kv_rows.is_scaled(kv_cache.dtype) else None  # (open_keys.py)
             self.kernels.decode_layers(x, self._decode_layers(kv_cache), positions, rotary.cos_table,
                                        rotary.sin_signed_table, attn_metadata.slot_mapping, group.tables,
-                                       group.seq_lens)
+                                       group.seq_lens, own_keys)
             return self.norm(x)
         return self._run_layers(self.layers, input_ids, positions, kv_cache, attn_metadata, layer_done)
 
@@ -225,10 +227,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _decodes_natively(self, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """A decode-only step on the native kernels runs all its layers in one native call, where the fused kernels
-        run this model's layers (``fused_layers_refusal``), and its queries read every key from the pool (a scaled
-        pool's own-block keys come from ``OwnKeyPlan``, a step of Python between the layers)."""
+        run this model's layers (``fused_layers_refusal``)."""
         return (self.kernels is not None and meta.is_decode_only and self.kernels.supports_cache_dtype(kv_cache.dtype)
-                and fused_layers_refusal(self.config) is None and meta.own_keys is None)
+                and fused_layers_refusal(self.config) is None)
 
     def _decode_layers(self, kv_cache: PagedKVCache) -> DecodeLayers:
         key = (id(kv_cache), kv_cache.k_blocks[0].data_ptr())

@@ -189,6 +189,30 @@ void write_cache_row(void* k_cache, void* v_cache, int64_t slot, const float* k_
 
 using WriteKVFn = void (*)(void*, void*, int64_t, const float*, const float*, int64_t, int64_t);
 
+// A scaled pool's open blocks (engine/kv_formats/open_keys.py): the float16 keys of the block a sequence is filling,
+// in a block of the pool it holds for them. Token t's keys (num_kv_heads * head_dim float16, head after head) lie at
+// the start of the block's K storage for t < B / 2, of its V storage for the others (a layer's pools, that layer's).
+struct OpenKeys {
+  uint8_t* k_cache;  // the layer's pools, as bytes
+  uint8_t* v_cache;
+  int64_t block_bytes;  // one block of a pool
+  int64_t half;  // block_size / 2
+  int64_t row;  // num_kv_heads * head_dim: one token's keys
+
+  uint16_t* keys(int64_t block, int64_t offset) const {
+    uint8_t* base = (offset < half ? k_cache : v_cache) + block * block_bytes;
+    return reinterpret_cast<uint16_t*>(base) + (offset % half) * row;
+  }
+};
+
+template <int CT>
+OpenKeys open_keys_of(void* k_cache, void* v_cache, int64_t block_size, int64_t num_kv_heads, int64_t head_dim) {
+  return OpenKeys{static_cast<uint8_t*>(k_cache), static_cast<uint8_t*>(v_cache),
+                  block_size * num_kv_heads * row_elems<CT>(head_dim) *
+                      static_cast<int64_t>(sizeof(typename CacheElem<CT>::T)),
+                  block_size / 2, num_kv_heads * head_dim};
+}
+
 // q . k over head_dim dimensions (a multiple of 8), q float32, k float16: lane l sums dimensions l, l + 8, ... in
 // turn, then hsum. The prefill attentions' scores of a query's own block (both builds, the same bits).
 inline float dot_float16(const float* q, const uint16_t* k, int64_t head_dim) {

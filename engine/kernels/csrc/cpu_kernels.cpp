@@ -843,6 +843,47 @@ void ss_attention_output_and_mlp(float* x, int64_t tokens, int64_t hidden, const
   for (int64_t i = 0; i < n; ++i) x[i] += o[i];
 }
 
+// A decode step's own-block keys over a scaled pool (engine/kv_formats/open_keys.py's OwnKeyPlan, its index tensors):
+// a layer's source rows are the open blocks' keys as the steps before left them (read_blocks, block_size rows each)
+// and then the step's new keys; each sequence's own block is index[b * block_size + t] of them, and after the
+// layer's attention each write w puts the new key of row write_rows[w] into open block write_blocks[w] at
+// write_positions[w] % block_size.
+struct OwnKeySteps {
+  const int64_t* index;  // [B, block_size]
+  const int64_t* read_blocks;  // [num_read]
+  int64_t num_read;
+  const int64_t* write_blocks;  // [num_writes]
+  const int64_t* write_positions;
+  const int64_t* write_rows;
+  int64_t num_writes;
+};
+
+// own [B, block_size, Hkv * D] float16: each sequence's own block's keys, from the open blocks and the step's new
+// keys (rows of k_new, stride k_stride, float32, rounded as torch rounds to float16).
+inline void gather_own_keys(const OwnKeySteps& plan, const OpenKeys& open, const float* k_new, int64_t k_stride,
+                            int64_t batch, int64_t block_size, uint16_t* own) {
+  const int64_t from_open = plan.num_read * block_size;
+  for (int64_t i = 0; i < batch * block_size; ++i) {
+    const int64_t at = plan.index[i];
+    uint16_t* to = own + i * open.row;
+    if (at < from_open) {
+      memcpy(to, open.keys(plan.read_blocks[at / block_size], at % block_size), sizeof(uint16_t) * open.row);
+    } else {
+      const float* from = k_new + (at - from_open) * k_stride;
+      for (int64_t d = 0; d < open.row; d += 8) CacheElem<kFloat16>::store8(to + d, _mm256_loadu_ps(from + d));
+    }
+  }
+}
+
+inline void write_open_keys(const OwnKeySteps& plan, const OpenKeys& open, const float* k_new, int64_t k_stride,
+                            int64_t block_size) {
+  for (int64_t w = 0; w < plan.num_writes; ++w) {
+    uint16_t* to = open.keys(plan.write_blocks[w], plan.write_positions[w] % block_size);
+    const float* from = k_new + plan.write_rows[w] * k_stride;
+    for (int64_t d = 0; d < open.row; d += 8) CacheElem<kFloat16>::store8(to + d, _mm256_loadu_ps(from + d));
+  }
+}
+
 // One decoder layer's weights (packed linear weights, norm weights, optional QKV bias), its KV caches, and the
 // WeightFormat of each linear weight.
 struct DecodeLayer {
@@ -865,27 +906,37 @@ struct DecodeLayer {
 
 // A whole decode step's layers: one new token per sequence (token b is sequence b), every layer run as
 // ss_attention_input, ss_paged_decode_attention and ss_attention_output_and_mlp in turn, the residual stream
-// x [B, hidden] updated in place; every layer's caches hold cache_type elements (a scaled pool's own-block keys are
-// not read from float16 here: the engine runs such steps layer by layer). The same kernels in the same order as
-// layer-by-layer calls, so the same bits, without the interpreter between layers.
+// x [B, hidden] updated in place; every layer's caches hold cache_type elements; own_keys: null, or a scaled pool's
+// own-block keys (OwnKeySteps), gathered before each layer's attention and written to the open blocks after it. The
+// same kernels in the same order as layer-by-layer calls, so the same bits, without the interpreter between layers.
 void ss_decode_layers(float* x, int64_t batch, int64_t hidden, int64_t num_layers, const DecodeLayer* layers,
                       int cache_type, float eps, const int64_t* positions, const float* cos, const float* sin_signed,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
                       const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
-                      const int64_t* seq_lens, int64_t block_size, float scale, int threads) {
+                      const int64_t* seq_lens, const OwnKeySteps* own_keys, int64_t block_size, float scale,
+                      int threads) {
   const int64_t q_width = num_heads * head_dim;
   const int64_t width = q_width + 2 * num_kv_heads * head_dim;
   std::unique_ptr<float[]> qkv(new float[batch * width]), q(new float[batch * q_width]);
   std::unique_ptr<float[]> attn(new float[batch * q_width]);
+  std::vector<uint16_t> own(own_keys != nullptr ? batch * block_size * num_kv_heads * head_dim : 0);
   for (int64_t l = 0; l < num_layers; ++l) {
     const DecodeLayer& w = layers[l];
     ss_attention_input(x, batch, hidden, w.input_norm, eps, w.qkv, static_cast<int>(w.qkv_format), w.qkv_bias,
                        qkv.get(), positions, cos, sin_signed, num_heads, num_kv_heads, head_dim, w.q_norm, w.k_norm,
                        w.k_cache, w.v_cache, cache_type, slot_mapping, threads);
     for (int64_t b = 0; b < batch; ++b) memcpy(q.get() + b * q_width, qkv.get() + b * width, sizeof(float) * q_width);
+    OpenKeys open{};
+    if (own_keys != nullptr) {
+      with_cache_type(cache_type, [&](auto ct) {
+        open = open_keys_of<ct>(w.k_cache, w.v_cache, block_size, num_kv_heads, head_dim);
+      });
+      gather_own_keys(*own_keys, open, qkv.get() + q_width, width, batch, block_size, own.data());
+    }
     ss_paged_decode_attention(q.get(), w.k_cache, w.v_cache, cache_type, block_tables, table_stride, seq_lens,
-                              nullptr, batch, num_heads, num_kv_heads, head_dim, block_size, scale, attn.get(),
-                              threads);
+                              own_keys != nullptr ? own.data() : nullptr, batch, num_heads, num_kv_heads, head_dim,
+                              block_size, scale, attn.get(), threads);
+    if (own_keys != nullptr) write_open_keys(*own_keys, open, qkv.get() + q_width, width, block_size);
     ss_attention_output_and_mlp(x, batch, hidden, attn.get(), q_width, w.o, static_cast<int>(w.o_format),
                                 w.post_attn_norm, eps, w.gate_up, static_cast<int>(w.gate_up_format), w.down,
                                 static_cast<int>(w.down_format), inter, threads);
