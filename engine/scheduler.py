@@ -81,9 +81,9 @@ class Scheduler:
         # Requests whose prompt's KV is on its way here (reserve_transfer): each may join the running batch at any
         # step (the TPOT slack budget keeps room for it).
         self.awaiting_kv: set[str] = set()
-        # A sequence can hold at most the whole pool (its last sampled token needs no slot): past that it
-        # finishes with LENGTH, instead of preempting itself and coming back forever.
-        self._pool_tokens = block_manager.num_blocks * block_manager.block_size
+        # A sequence can hold at most the whole pool (its last sampled token needs no slot), less a scaled pool's open
+        # block: past that it finishes with LENGTH, instead of preempting itself and coming back forever.
+        self._pool_tokens = (block_manager.num_blocks - block_manager.keeps_open_blocks) * block_manager.block_size
         # A sequence cannot outgrow the pool, unless a sliding window bounds what it holds (``_tokens_held``).
         window_bound = block_manager.window is not None
         self._max_len = max_model_len if window_bound else min(max_model_len, self._pool_tokens + 1)

@@ -4,13 +4,18 @@ every older key as the pool stores it, on every attention path, whatever its chu
 import pytest
 import torch
 
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import ModelConfig, SchedulerConfig
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.kv_formats import open_keys
 from splitserve.engine.kv_formats import rows as kv_rows
 from splitserve.engine.model.attention import AttentionMetadata, paged_attention
 from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.sequence import Sequence
 from splitserve.engine.weights.parameter_layout import random_state_dict
+from tests.test_speculative import _llms, _prompts
 
 BLOCK = 16
 
@@ -111,3 +116,59 @@ def test_a_decode_step_in_one_native_call_reads_and_leaves_the_open_blocks_as_la
     assert all(torch.equal(a, b) for a, b in zip(outs[:3], outs[3:]))
     assert all(torch.equal(a, b) for a, b in zip(*pools))
     assert not pools[0][0][7].eq(0).all()  # the second sequence's open block holds its new block's keys
+
+
+def test_each_sequence_holds_an_open_block_that_admission_counts_and_freeing_returns():
+    manager = BlockManager(4, BLOCK, open_blocks=True)
+    seq = Sequence("a", list(range(40)), SamplingParams())
+    assert not manager.allocate_slots(seq, 64)  # 4 blocks of tokens and the open block: one more than the pool has
+    assert manager.allocate_slots(seq, 40) and len(seq.block_table) == 3 and seq.open_block == 3
+    assert manager.num_free_blocks == 0
+    child = Sequence("b", list(range(40)), SamplingParams())
+    assert manager.fork(seq, child) is None  # no room for its copies
+    manager.free(seq)
+    assert seq.open_block == -1 and manager.num_free_blocks == 4
+
+
+def test_a_pushed_prompt_computes_its_last_partial_block_again():
+    manager = BlockManager(16, BLOCK, open_blocks=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4), manager, [0], 512)
+    seq = Sequence("a", list(range(1, 38)), SamplingParams(max_tokens=20))  # 37 prompt tokens: 5 in the last block
+    assert scheduler.reserve_transfer(seq)
+    seq.num_computed_tokens = seq.num_prompt_tokens
+    seq.append_token(7)
+    scheduler.add_prefilled(seq)
+    assert seq.num_computed_tokens == 32  # the open block's float16 keys were not pushed: tokens 32..36 again
+    step = scheduler.schedule()
+    assert [(s.start, s.num_new_tokens) for s in step.scheduled] == [(32, 6)]
+
+
+def test_drafts_rejected_back_into_an_earlier_block_compute_its_tokens_again():
+    # A step over positions 30..34 (drafts at 31..34) crosses into the block of 32..47; all rejected, the next
+    # query (position 31) reads the keys of 16..30, which the step's open-block write replaced with 32..34's: they
+    # are computed again.
+    manager = BlockManager(16, BLOCK, open_blocks=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4), manager, [0], 512)
+    seq = Sequence("a", list(range(1, 31)), SamplingParams(max_tokens=20))
+    scheduler.add(seq)
+    scheduler.update_from_output(scheduler.schedule(), {"a": [(9, None)]})
+    assert seq.num_computed_tokens == 30
+    seq.draft_token_ids = [5, 6, 7, 8]
+    step = scheduler.schedule()
+    assert [(s.start, s.num_new_tokens) for s in step.scheduled] == [(30, 5)]
+    scheduler.update_from_output(step, {"a": [(4, None)]})  # the first draft rejected: one token, at position 31
+    assert seq.num_computed_tokens == 16 and seq.num_tokens == 32
+
+
+def test_speculation_over_an_int8_pool_answers_as_without_it():
+    # Verified drafts are decode rows of one sequence in one step: each reads its own block's keys from the step's
+    # new keys and the open block; greedy answers are the plain engine's, and every block comes back.
+    plain, spec = _llms(cpu_kernels=True, cache_dtype="int8")
+    prompts = _prompts(plain.engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    before = spec.engine.spec_decode.num_draft_tokens, spec.engine.spec_decode.num_accepted_tokens
+    assert [o.token_ids for o in spec.generate(prompts, params)] == \
+        [o.token_ids for o in plain.generate(prompts, params)]
+    drafted = spec.engine.spec_decode.num_draft_tokens - before[0]
+    assert 0 < spec.engine.spec_decode.num_accepted_tokens - before[1] < drafted
+    assert spec.engine.block_manager.num_free_blocks == spec.engine.block_manager.num_blocks

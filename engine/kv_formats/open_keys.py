@@ -82,7 +82,7 @@ class OwnKeyPlan:
     write_positions: torch.Tensor  # [W] long: the positions written to them,
     write_rows: torch.Tensor  # [W] long: the step's rows holding their keys
     # Every token's own keys' rows of the source, [T, B] long, built when first asked for (token_index)
-    _token_rows: Callable[[], torch.Tensor] = field(repr=False, default=None)
+    _token_rows: Callable[[], torch.Tensor] | None = field(repr=False, default=None)
     _token_index: torch.Tensor | None = field(init=False, repr=False, default=None)
 
     @classmethod
