@@ -229,7 +229,8 @@ class LLMEngine:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         rounds = [[(n, 1)] for n in WARM_UP_PROMPTS] + [[(n, 2 + i) for i, n in enumerate(WARM_UP_PROMPTS)]]
         blocks = self.block_manager
-        room = min(self.max_model_len, blocks.num_blocks * blocks.block_size) - max_tokens - 1  # a small pool too
+        pool_tokens = (blocks.num_blocks - blocks.keeps_open_blocks) * blocks.block_size  # (less an open block)
+        room = min(self.max_model_len, pool_tokens) - max_tokens - 1  # a small pool too
         for r, prompts in enumerate(rounds):
             for n, stream in prompts:
                 n = max(1, min(n, room))

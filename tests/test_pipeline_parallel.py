@@ -27,13 +27,17 @@ def test_micro_batches_cut_prompts_into_chunks_and_keep_decode_rows_whole():
     rows = [r for r, _ in cut]
     assert rows[0][0] == 0 and rows[-1][1] == 18 and all(a[1] == b[0] for a, b in pairwise(rows))
     assert rows == [(0, 4), (4, 9), (9, 14), (14, 18)]
-    query_lens, seq_lens, tables, block_size, _ = cut[0][1]
+    query_lens, seq_lens, tables, block_size, _, open_blocks = cut[0][1]
     # the prompt's first rows over its 3 of context; block tables as the step padded them
-    assert (query_lens, seq_lens, tables, block_size) == ([4], [7], [[0, 0]], 16)
+    assert (query_lens, seq_lens, tables, block_size, open_blocks) == ([4], [7], [[0, 0]], 16, None)
     assert cut[1][1][:2] == ([5], [12])
     assert cut[2][1][:2] == ([1, 1, 1, 2], [13, 20, 7, 2])  # the prompt's last row (a one-row prefill), decodes
     assert cut[2][1][4] == frozenset({0})
     assert cut[3][1][:2] == ([4], [6])
+    # A scaled pool's open blocks go with their rows: a cut prompt's later part reads its earlier keys from them.
+    opened = micro_batches(AttentionMetadata.build([10, 1, 1, 6], [13, 20, 7, 6], [[0], [1, 2], [3], [4]], 16,
+                                                   open_blocks=[5, 6, 7, 8]), 4)
+    assert [plan[5] for _, plan in opened] == [[5], [5], [5, 6, 7, 8], [8]]
 
 
 def _run(pp: int, model: str, prompts: list[str]) -> tuple[list[list[int]], list[torch.Tensor]]:
