@@ -14,6 +14,10 @@ step's new K/V into the cache through ``slot_mapping``, then attends, each seque
   (prefix-cache hit, or a later chunk of a chunked prefill), a gather of that sequence's context and SDPA with a
   causal mask shifted by the prefix length.
 
+Over a scaled (int8) pool every path reads each query's own block's keys in float16, from the step's ``OwnKeyPlan``
+(engine/kv_formats/open_keys.py: the sequences' open blocks and the step's new keys), and leaves the open blocks
+their new keys after the attention.
+
 A layer with a sliding window or a soft-cap of its scores (Gemma 2 and 3, Mistral v0.1, Qwen2/Qwen3's sliding
 layers) attends in PyTorch whatever the kernels (``_attend_spans``; the native kernels have neither): each query reads
 the keys it sees (positions p - window < j <= p, transformers' mask) padded to a multiple of ``SPAN_KEYS``, so that a
