@@ -154,7 +154,8 @@ class CpuKernels:
         [num_blocks, block_size, Hkv, row] already hold (kv_formats/rows.py), found through ``blocks``
         [>= ceil((prefix + n) / block_size)] int64 -> ``out`` [n, Hq, D] (contiguous), filled and returned.
         ``own_keys``: the float16 keys [m, Hkv, D] of the positions from prefix's block's first on
-        (``open_keys.own_keys``), which each query reads for its own block's; None: every key as the pool holds it."""
+        (``OwnKeyPlan.segment_index`` of its source), which each query reads for its own block's; None: every key as
+        the pool holds it."""
         n, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         check_args(q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim,

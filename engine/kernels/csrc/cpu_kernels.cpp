@@ -869,8 +869,7 @@ inline void gather_own_keys(const OwnKeySteps& plan, const OpenKeys& open, const
     if (at < from_open) {
       memcpy(to, open.keys(plan.read_blocks[at / block_size], at % block_size), sizeof(uint16_t) * open.row);
     } else {
-      const float* from = k_new + (at - from_open) * k_stride;
-      for (int64_t d = 0; d < open.row; d += 8) CacheElem<kFloat16>::store8(to + d, _mm256_loadu_ps(from + d));
+      store_row<kFloat16>(to, k_new + (at - from_open) * k_stride, open.row);
     }
   }
 }
@@ -878,9 +877,8 @@ inline void gather_own_keys(const OwnKeySteps& plan, const OpenKeys& open, const
 inline void write_open_keys(const OwnKeySteps& plan, const OpenKeys& open, const float* k_new, int64_t k_stride,
                             int64_t block_size) {
   for (int64_t w = 0; w < plan.num_writes; ++w) {
-    uint16_t* to = open.keys(plan.write_blocks[w], plan.write_positions[w] % block_size);
-    const float* from = k_new + plan.write_rows[w] * k_stride;
-    for (int64_t d = 0; d < open.row; d += 8) CacheElem<kFloat16>::store8(to + d, _mm256_loadu_ps(from + d));
+    store_row<kFloat16>(open.keys(plan.write_blocks[w], plan.write_positions[w] % block_size),
+                        k_new + plan.write_rows[w] * k_stride, open.row);
   }
 }
 
