@@ -138,7 +138,7 @@ KV_LEASE_S = 30.0
 
 # The names of the dtypes K/V values may be held in (the KV codecs' EncodedKV.dtype, what a pool reads back) and the
 # engine may compute in (EngineConfig.dtype); and what the KV pool may store (CacheConfig.cache_dtype): those, or int8
-# codes with a scale per (token, head) (engine/kv_formats/rows.py).
+# codes with a scale per 16 channels of a (token, head) row (engine/kv_formats/rows.py).
 KV_VALUE_DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DTYPES = (*KV_VALUE_DTYPES, "int8")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -162,9 +162,9 @@ class CacheConfig:
     # What the pool stores K/V as. float16 (the default, as llama.cpp's): half float32's bytes per token, so twice
     # the tokens fit and a decode step reads half the K/V; attention still computes in float32. float32: exact
     # against the float32 reference (what the reference tests use). bfloat16: float16's size, 3 fewer mantissa bits.
-    # int8: 1 + 2 / head_dim bytes per value (a float16 scale per token and head), 1.94x float16's tokens at
-    # head_dim 64, read by the native attention kernels as stored, each query's own block's keys read in float16
-    # from a block the sequence holds for them (docs/kv_cache.md).
+    # int8: 1.125 bytes per value (a float16 scale per 16 channels of a token and head), 1.78x float16's tokens,
+    # read by the native attention kernels as stored, each query's own block's keys read in float16 from a block the
+    # sequence holds for them (docs/kv_cache.md).
     cache_dtype: str = "float16"
 
     def __post_init__(self) -> None:

@@ -133,8 +133,8 @@ class PodConfig:
         "Blocks in the KV pool (> 0 overrides the memory budget)."))
     cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=described(
         "What the KV pool stores: float16, bfloat16 (half float32's bytes per token), float32, or int8 (a scale per "
-        "token and head: 1.94x float16's tokens; pods that both hold int8 push their rows as they lie); attention "
-        "computes in float32 (docs/kv_cache.md)."))
+        "16 channels of a token and head: 1.78x float16's tokens; pods that both hold int8 push their rows as they "
+        "lie); attention computes in float32 (docs/kv_cache.md)."))
     enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=described(
         "Reuse the KV of shared prompt prefixes."))
     max_num_batched_tokens: int = field(default=SchedulerConfig.max_num_batched_tokens, metadata=described(

@@ -85,7 +85,7 @@ def test_transfer_bench_measures_shm_and_grpc_overlap_on_and_off_per_codec(tmp_p
         assert 0 < row["wire_mb"] <= row["raw_mb"], row
     none_row = results["rows"][0]
     assert none_row["wire_mb"] == none_row["raw_mb"] == 64 * 4 * 2 * (2 * 16 * 4) / 1e6  # tokens x layers x K/V x bytes
-    # From an int8 pool, none carries the rows as they lie: head_dim codes and a float16 scale per (token, head).
+    # From an int8 pool, none carries the rows as they lie: head_dim codes and a float16 scale per 16 of them.
     int8_none = results["rows"][8]
     assert int8_none["wire_mb"] == int8_none["raw_mb"] == 64 * 2 * 2 * 4 * (16 + 2) / 1e6
     assert len(results["targets"]) == 8  # the overlap-on rows

@@ -2,17 +2,19 @@
 every prompt prefilled on P and pushed to D): the router's default ``kv_codec none`` (as ``auto`` would) carries P's
 rows as they lie, not their float32 values, D stores them unchanged,
 and every greedy answer is the offline engine's with an int8 pool, token for token, and the pushes' wire bytes are what
-the rows take (head_dim + 2 bytes per token, head, layer, K and V). Pods of other formats interoperate through the
-other codecs (tests/test_kv_rows.py)."""
+the rows take (head_dim codes and 2 bytes of scale per 16 of them, per token, head, layer, K and V). Pods of other
+formats interoperate through the other codecs (tests/test_kv_rows.py)."""
 
 from __future__ import annotations
 
 import urllib.request
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.kv_formats import rows as kv_rows
 
 pytestmark = [pytest.mark.e2e]
 
@@ -63,4 +65,4 @@ def test_int8_pools_answer_as_the_offline_int8_engine_and_push_their_rows_as_the
     assert set(wire) == {"int8"}  # the default, none, sent the pool's rows: the int8 codec's bytes
     tokens = sum(len(offline.tokenizer.encode(p)) for p in PROMPTS)
     cfg = offline.engine.model_config
-    assert wire["int8"] == tokens * cfg.num_layers * 2 * cfg.num_kv_heads * (cfg.head_dim + 2)
+    assert wire["int8"] == tokens * cfg.num_layers * 2 * cfg.num_kv_heads * kv_rows.row_width(torch.int8, cfg.head_dim)

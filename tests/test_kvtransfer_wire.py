@@ -81,7 +81,8 @@ def test_round_trip(codec_name):
     if codec_name == "none":
         assert torch.equal(out, tensor)  # lossless, bit for bit
     else:
-        # int8: one float16 scale per (token, head) = absmax / 127, so the error is at most half a step.
+        # int8: a float16 scale per 16 channels = their absmax / 127, so the error is at most half a step of the
+        # row's absmax.
         step = tensor.abs().amax(dim=-1, keepdim=True) / 127
         assert bool(((out - tensor).abs() <= step * 0.5 + 1e-3).all())
 

@@ -108,6 +108,8 @@ SCHEMES: dict[str, Scheme] = {
     # finer key scales in self-contained rows, and the query's own block of keys read in float16
     "int8-key-g32-block": Scheme(_per_row(_symmetric, 8, 32), _int8_rows, 1 + 4 / 64, 1 + 2 / 64, "block"),
     "int8-key-g16-block": Scheme(_per_row(_symmetric, 8, 16), _int8_rows, 1 + 8 / 64, 1 + 2 / 64, "block"),
+    # keys and values alike: a float16 scale per 16 channels of a row (rows of one width for both)
+    "int8-g16-block": Scheme(_per_row(_symmetric, 8, 16), _per_row(_symmetric, 8, 16), 1 + 8 / 64, 1 + 8 / 64, "block"),
     "int8-channel": Scheme(_per_channel(_symmetric, 8), _int8_rows, 1 + 2 / BLOCK, 1 + 2 / 64, "block"),
     "int8-channel-e8m0": Scheme(_per_channel(_power_of_two, 8), _int8_rows, 1 + 1 / BLOCK, 1 + 2 / 64, "block"),
     "fp8-e4m3-row": Scheme(_e4m3_rows, _e4m3_rows, 1 + 2 / 64, 1 + 2 / 64),

@@ -10,7 +10,7 @@ Where they live: each sequence of a scaled pool holds one block of the pool besi
 that block's storage holds the float16 keys of its current block, a token's keys (``num_kv_heads * head_dim``
 float16, head after head) at offset ``p % block_size``: tokens 0 .. B/2 - 1 at the start of the block's K storage,
 the others at the start of its V storage (half a block's float16 keys take B/2 * Hkv * D * 2 bytes, no more than a
-block of int8 rows' B * Hkv * (D + 2)). The native kernels address them alike (``OpenKeys``,
+block of int8 rows' B * Hkv * (D + D / 8)). The native kernels address them alike (``OpenKeys``,
 kernels/csrc/cache_elems.h).
 
 Each step's queries read their own blocks' keys from the open blocks as the steps before left them and from the

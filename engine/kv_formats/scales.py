@@ -4,12 +4,16 @@ int8 KV pool, engine/kv_formats/rows.py).
 A scale or range end is rounded to float16 *away from the data* (scales up, minimums down, maximums up), and the
 encoder quantizes with the rounded value it stores. So the quantization grid always covers the data (no value
 clips), and the error bound a codec states holds for the very scales its decoder reads. Float16 rather than
-float32 keeps the overhead at 2 bytes per scale, which the size targets need (int8 at D=64: 1.03 bytes/element).
+float32 keeps the overhead at 2 bytes per scale, which the size targets need (int8, a scale per 16 elements: 1.125
+bytes/element).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 _FLOAT16_MAX = torch.finfo(torch.float16).max
 
@@ -20,6 +24,20 @@ def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
     Scales and steps must be the same bits wherever they are computed: an encoder on a GPU and one on a CPU write
     the same bytes, and a decoder on either reads them back alike."""
     return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+
+
+def group_amax(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The largest magnitude of each group of ``group`` consecutive elements of ``x``'s last dimension [..., D] ->
+    [..., ceil(D / group)] (a last, shorter group over the elements left)."""
+    groups = math.ceil(x.shape[-1] / group)
+    padded = F.pad(x.abs(), (0, groups * group - x.shape[-1]))  # zeros: no magnitude
+    return padded.view(*x.shape[:-1], groups, group).amax(dim=-1)
+
+
+def per_element(scales: torch.Tensor, group: int, size: int) -> torch.Tensor:
+    """Scales [..., G], one per group of ``group`` of ``size`` elements, as each element's group's: [..., size], or
+    the scales themselves [..., 1] (broadcastable) where one group spans them all."""
+    return scales if group >= size else scales.repeat_interleave(group, dim=-1)[..., :size]
 
 
 def round_up_to_float16(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@
 | none   | raw.py        | the cache dtype as is (lossless)                                | 4 (fp32), 2 (bf16)   |
 | bf16   | raw.py        | bfloat16                                                        | 2                    |
 | fp8    | symmetric.py  | float8 e4m3fn, float16 scale per (token, head)                  | 1.03125              |
-| int8   | symmetric.py  | int8, float16 scale per (token, head)                           | 1.03125              |
+| int8   | symmetric.py  | int8, float16 scale per 16 channels of a (token, head)          | 1.125                |
 | int4   | kivi.py       | 4 bits; keys per channel over 32-token groups, values per token | 0.5635               |
 | kivi8  | kivi.py       | as int4 at 8 bits; the prompt's first 4 and last 32 tokens fp16 | 1.0635 (+ kept rows) |
 | kivi4  | kivi.py       | as int4, the prompt's first 4 and last 32 tokens in float16     | 0.5635 (+ kept rows) |

@@ -1,21 +1,26 @@
-"""Symmetric per-token-per-head codecs: ``int8`` and ``fp8`` (float8 e4m3fn).
+"""Symmetric scaled codecs: ``int8`` (a scale per 16 channels of each (token, head) row) and ``fp8`` (float8 e4m3fn, a
+scale per row).
 
-Each (token, head) row of D elements gets one scale, ``amax / qmax`` over D, rounded up to float16
-(engine/kv_formats/scales.py); the row is divided by it and cast: rounded to the nearest int8 in [-127, 127], or to the
-nearest e4m3fn (|y| <= 448). The int8 KV pool stores its rows by the same rule (engine/kv_formats/rows.py).
-Keys and values are treated alike. An all-zero row gets scale 0 and decodes to zeros.
+Each group of a row's channels (``int8``: 16 consecutive ones, a last, shorter group over those left; ``fp8``: all D)
+gets one scale, ``amax / qmax`` over the group, rounded up to float16 (engine/kv_formats/scales.py); the group is
+divided by it and cast: rounded to the nearest int8 in [-127, 127], or to the nearest e4m3fn (|y| <= 448). The int8 KV
+pool stores its rows by the same rule (engine/kv_formats/rows.py), so its rows are this payload and these scales.
+Keys and values are treated alike. An all-zero group gets scale 0 and decodes to zeros.
 
-Layout: ``payload`` = codes [T, H, D] (int8, or e4m3fn bytes), ``scales`` = float16 [T, H].
-bytes_per_element = 1 + 2 / head_dim (1.03125 at head_dim 64: 1.94x smaller than bf16).
+Layout: ``payload`` = codes [T, H, D] (int8, or e4m3fn bytes), ``scales`` = float16 [T, H, G] (G = ceil(D / 16) for
+int8, 1 for fp8). bytes_per_element = 1 + 2 G / D: int8 1.125 (1.78x smaller than bf16), fp8 1.03125 at head_dim 64.
+Int8's scales are per 16 channels because keys have outlier channels: one scale per row spends the other channels'
+codes on them (top-1 agreement of an int8 KV pool, docs/kv_cache.md).
 
 A variant may scale a kind per (head, channel) over the range's T tokens instead (``per_channel_kinds``; scales
 float16 [H, D]), KIVI's remedy for keys' outlier channels. No registered codec does: ``bench codecs`` measures
 ``fp8@kc`` (fp8, keys per channel; bench/codec_variants.py) and it did not help (docs/PERFORMANCE.md, "KV codecs").
 
-Error per element, ``s`` the stored scale (its row's, or its channel's): int8 <= s / 2; fp8 <= max(|x| / 16, s / 1024)
-(e4m3 keeps 3 mantissa bits: half an ulp is at most 2^-4 of the value for normals; subnormals are spaced 2^-9 apart
-in scaled units). So an e4m3 code's error is relative whatever the scale, except for values below e4m3's normals
-(2^-6 in scaled units): per-channel scales help fp8 only where a row spans more than e4m3's 2^15 of dynamic range.
+Error per element, ``s`` the stored scale (its group's, or its channel's): int8 <= s / 2; fp8 <= max(|x| / 16, s /
+1024) (e4m3 keeps 3 mantissa bits: half an ulp is at most 2^-4 of the value for normals; subnormals are spaced 2^-9
+apart in scaled units). So an e4m3 code's error is relative whatever the scale, except for values below e4m3's
+normals (2^-6 in scaled units): per-channel scales help fp8 only where a row spans more than e4m3's 2^15 of dynamic
+range.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from abc import abstractmethod
 import torch
 
 from splitserve.engine.kv_formats import rows as kv_rows
-from splitserve.engine.kv_formats.scales import divide, round_up_to_float16
+from splitserve.engine.kv_formats.scales import divide, group_amax, per_element, round_up_to_float16
 from splitserve.kvtransfer.codecs.base import (
     EncodedKV,
     KVCodec,
@@ -43,32 +48,38 @@ _FLOAT16_SIGN_AND_E4M3 = -16385  # 0xBFFF as int16: every bit but the float16 ex
 
 
 class SymmetricScaledCodec(KVCodec):
-    """One float16 scale per (token, head); subclasses say the code type and its largest magnitude, and may scale
-    a kind per channel instead (``per_channel_kinds``)."""
+    """One float16 scale per group of ``group`` channels of a (token, head) row (0: the whole row); subclasses say
+    the code type and its largest magnitude, and may scale a kind per channel instead (``per_channel_kinds``)."""
 
     code_dtype: torch.dtype
     qmax: float
+    group: int = 0  # channels per scale in a row; 0: all of them
     per_channel_kinds: tuple[str, ...] = ()  # kinds scaled per (head, channel) over the range's tokens
 
     def bytes_per_element(self, head_dim: int, cache_dtype: torch.dtype = torch.float32) -> float:
         per_token_kinds = 2 - len(self.per_channel_kinds)  # a per-channel kind's scales vanish over a long range
-        return 1 + _SCALE_BYTES / head_dim * per_token_kinds / 2
+        return 1 + _SCALE_BYTES * self._groups(head_dim) / head_dim * per_token_kinds / 2
 
     def encoded_nbytes(self, shape: tuple[int, ...], kind: KVKind, dtype: str,
                        span: KVSpan | None = None) -> tuple[int, int]:
         return math.prod(shape), math.prod(self._scale_shape(shape, kind)) * _SCALE_BYTES
 
+    def _groups(self, head_dim: int) -> int:
+        return math.ceil(head_dim / self.group) if self.group else 1
+
     def _scale_shape(self, shape: tuple[int, ...], kind: str) -> tuple[int, int, int]:
         tokens, heads, head_dim = shape
-        return (1, heads, head_dim) if kind in self.per_channel_kinds else (tokens, heads, 1)
+        return (1, heads, head_dim) if kind in self.per_channel_kinds else (tokens, heads, self._groups(head_dim))
 
     def _encode(self, x: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
         x32 = x.float()  # [T, H, D]
-        over = 0 if kind in self.per_channel_kinds else -1  # tokens (per channel) or channels (per token)
-        amax = x32.abs().amax(dim=over, keepdim=True)  # [1, H, D] or [T, H, 1]
+        if kind in self.per_channel_kinds:
+            amax = x32.abs().amax(dim=0, keepdim=True)  # [1, H, D]
+        else:
+            amax = group_amax(x32, self.group or x32.shape[-1])  # [T, H, G]
         scale = round_up_to_float16(divide(amax, self.qmax))  # float16, amax's shape
-        scale32 = scale.float()
-        scaled = x32 / torch.where(scale32 > 0, scale32, 1.0)  # all-zero rows and channels stay zero
+        divisor = self._per_element(scale.float(), kind, x32.shape[-1])
+        scaled = x32 / torch.where(divisor > 0, divisor, 1.0)  # all-zero groups and channels stay zero
         codes = self._to_codes(scaled)  # [T, H, D]
         return EncodedKV(
             self.name, kind, dtype_name(x.dtype), tuple(x.shape), tensor_buffer(codes), tensor_to_bytes(scale)
@@ -77,7 +88,11 @@ class SymmetricScaledCodec(KVCodec):
     def _decode(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
         codes = tensor_from_bytes(enc.payload, self.code_dtype, enc.shape, device)  # [T, H, D]
         scale = tensor_from_bytes(enc.scales, torch.float16, self._scale_shape(enc.shape, enc.kind), device)
-        return self._dequantize(codes, scale.float())
+        return self._dequantize(codes, self._per_element(scale.float(), enc.kind, enc.shape[-1]))
+
+    def _per_element(self, scale: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:
+        """Scales as stored ([1, H, D] per channel, or [T, H, G]) -> broadcastable to [T, H, D], one per element."""
+        return scale if kind in self.per_channel_kinds else per_element(scale, self.group or head_dim, head_dim)
 
     @abstractmethod
     def _to_codes(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -85,14 +100,15 @@ class SymmetricScaledCodec(KVCodec):
 
     @abstractmethod
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """codes [T, H, D] times float32 scale [T, H, 1] or [1, H, D] -> float32 [T, H, D]."""
+        """codes [T, H, D] times float32 scales, one per element ([T, H, D] or [1, H, D]) -> float32 [T, H, D]."""
 
 
 class Int8Codec(SymmetricScaledCodec):
     name = "int8"
     code_dtype = torch.int8
     qmax = 127.0
-    pool_dtype = torch.int8  # an int8 pool's rows are this encoding: codes then the row's float16 scale
+    group = kv_rows.SCALE_GROUP
+    pool_dtype = torch.int8  # an int8 pool's rows are this encoding: codes then their groups' float16 scales
 
     def _encode_rows(self, rows: torch.Tensor, kind: KVKind, span: KVSpan | None) -> EncodedKV:
         codes, scales = kv_rows.split(rows)
@@ -101,7 +117,7 @@ class Int8Codec(SymmetricScaledCodec):
 
     def _decode_rows(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
         codes = tensor_from_bytes(enc.payload, torch.int8, enc.shape, device)
-        scales = tensor_from_bytes(enc.scales, torch.float16, enc.shape[:2], device)
+        scales = tensor_from_bytes(enc.scales, torch.float16, self._scale_shape(enc.shape, enc.kind), device)
         return kv_rows.join(codes, scales)
 
     def _to_codes(self, scaled: torch.Tensor) -> torch.Tensor:

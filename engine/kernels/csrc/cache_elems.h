@@ -1,11 +1,12 @@
 // The KV cache's element types, as the native kernels read and write them: float32; 16-bit bfloat16 / float16 values
 // widened to float32 as they are loaded (and rounded to nearest, ties to even, as they are stored); or int8 codes
-// with a float16 scale per (token, head) row. The attention's arithmetic is float32 whatever the cache holds. Shared
-// by the float32 kernels (cpu_kernels.cpp) and the bf16 prefill (bf16_kernels.cpp), which read the same caches.
+// with a float16 scale per 16 channels of a (token, head) row. The attention's arithmetic is float32 whatever the
+// cache holds. Shared by the float32 kernels (cpu_kernels.cpp) and the bf16 prefill (bf16_kernels.cpp), which read
+// the same caches.
 //
-// A pool row is one (token, head)'s K or V: head_dim elements, then, for a scaled type, the row's scale (kScaleElems
-// elements of T holding a float16). engine/kv_formats/rows.py is the Python side of the same layout and must agree
-// bit for bit.
+// A pool row is one (token, head)'s K or V: head_dim elements, then, for a scaled type, its groups' scales
+// (scale_elems(head_dim) elements of T, two bytes holding a float16 per group). engine/kv_formats/rows.py is the
+// Python side of the same layout and must agree bit for bit.
 #pragma once
 
 #include <immintrin.h>
@@ -34,7 +35,8 @@ struct CacheElem;
 template <>
 struct CacheElem<kFloat32> {
   using T = float;
-  static constexpr int64_t kScaleElems = 0;
+  static constexpr bool kScaled = false;
+  static constexpr int64_t scale_elems(int64_t) { return 0; }
   static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
   static void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 #ifdef SS_ATTENTION_512
@@ -45,7 +47,8 @@ struct CacheElem<kFloat32> {
 template <>
 struct CacheElem<kBFloat16> {
   using T = uint16_t;
-  static constexpr int64_t kScaleElems = 0;
+  static constexpr bool kScaled = false;
+  static constexpr int64_t scale_elems(int64_t) { return 0; }
   static __m256 load8(const uint16_t* p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -62,7 +65,8 @@ struct CacheElem<kBFloat16> {
 template <>
 struct CacheElem<kFloat16> {
   using T = uint16_t;
-  static constexpr int64_t kScaleElems = 0;
+  static constexpr bool kScaled = false;
+  static constexpr int64_t scale_elems(int64_t) { return 0; }
   static __m256 load8(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -76,13 +80,17 @@ struct CacheElem<kFloat16> {
   }
 };
 
-// Symmetric int8: a row's codes are round(x / s) in [-127, 127] (ties to even), s = amax / 127 rounded up to a
-// float16 (saturating at float16's largest; an all-zero row gets s = 0 and zero codes): the int8 KV codec's scheme
-// (kvtransfer/codecs/symmetric.py), so a pool's rows are that codec's payload and scales as they lie.
+// Symmetric int8, a scale per group of kGroup (16) consecutive channels (a last group of 8 where head_dim is not a
+// multiple of 16): a group's codes are round(x / s) in [-127, 127] (ties to even), s = the group's amax / 127
+// rounded up to a float16 (saturating at float16's largest; an all-zero group gets s = 0 and zero codes): the int8
+// KV codec's scheme (kvtransfer/codecs/symmetric.py), so a pool's rows are that codec's payload and scales as they
+// lie. The scales follow the codes, a float16 per group in order.
 template <>
 struct CacheElem<kInt8> {
   using T = int8_t;
-  static constexpr int64_t kScaleElems = 2;  // the row's float16 scale, after its codes
+  static constexpr bool kScaled = true;
+  static constexpr int64_t kGroup = 16;  // channels per scale (SCALE_GROUP in rows.py)
+  static constexpr int64_t scale_elems(int64_t head_dim) { return 2 * ((head_dim + kGroup - 1) / kGroup); }
   static __m256 load8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -91,63 +99,79 @@ struct CacheElem<kInt8> {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
 #endif
-  static float scale(const int8_t* row, int64_t head_dim) {
+  // The scale of dimension d's group.
+  static float scale(const int8_t* row, int64_t head_dim, int64_t d) {
     uint16_t half;
-    memcpy(&half, row + head_dim, sizeof(half));
+    memcpy(&half, row + head_dim + 2 * (d / kGroup), sizeof(half));
     return _cvtsh_ss(half);
   }
   static void store_row(int8_t* row, const float* x, int64_t head_dim) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 amax = _mm256_setzero_ps();
-    for (int64_t i = 0; i < head_dim; i += 8) {
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-    }
-    const float wanted = hmax(amax) / 127.0f;
-    const uint16_t half = wanted > 65504.0f ? 0x7bff : _cvtss_sh(wanted, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-    const float s = _cvtsh_ss(half);
-    const __m256 divisor = _mm256_set1_ps(s > 0.0f ? s : 1.0f);
     const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-    for (int64_t i = 0; i < head_dim; i += 8) {
-      const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), divisor),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m256i codes = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi));
-      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(row + i), _mm_packs_epi16(words, words));
+    for (int64_t d0 = 0; d0 < head_dim; d0 += kGroup) {
+      const int64_t end = d0 + kGroup < head_dim ? d0 + kGroup : head_dim;
+      __m256 amax = _mm256_setzero_ps();
+      for (int64_t i = d0; i < end; i += 8) {
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+      }
+      const float wanted = hmax(amax) / 127.0f;
+      const uint16_t half =
+          wanted > 65504.0f ? 0x7bff : _cvtss_sh(wanted, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+      const float s = _cvtsh_ss(half);
+      const __m256 divisor = _mm256_set1_ps(s > 0.0f ? s : 1.0f);
+      for (int64_t i = d0; i < end; i += 8) {
+        const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), divisor),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i codes = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi));
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(row + i), _mm_packs_epi16(words, words));
+      }
+      memcpy(row + head_dim + 2 * (d0 / kGroup), &half, sizeof(half));
     }
-    memcpy(row + head_dim, &half, sizeof(half));
   }
 };
 
-// Elements of T a row takes: its head_dim values and, for a scaled type, its scale.
+// Elements of T a row takes: its head_dim values and, for a scaled type, its scales.
 template <int CT>
 constexpr int64_t row_elems(int64_t head_dim) {
-  return head_dim + CacheElem<CT>::kScaleElems;
+  return head_dim + CacheElem<CT>::scale_elems(head_dim);
 }
 
-// What a row's elements are multiplied by to give its values: its scale, or 1 for an unscaled type.
+// Dimensions d .. d + 7 of a row (d a multiple of 8) as float32 values: a scaled type's codes times their group's
+// scale (exact in float32: an 8-bit code times an 11-bit mantissa).
 template <int CT>
-inline float row_scale(const typename CacheElem<CT>::T* row, int64_t head_dim) {
-  if constexpr (CacheElem<CT>::kScaleElems > 0) {
-    return CacheElem<CT>::scale(row, head_dim);
+inline __m256 values8(const typename CacheElem<CT>::T* row, int64_t d, int64_t head_dim) {
+  const __m256 x = CacheElem<CT>::load8(row + d);
+  if constexpr (CacheElem<CT>::kScaled) {
+    return _mm256_mul_ps(x, _mm256_set1_ps(CacheElem<CT>::scale(row, head_dim, d)));
   } else {
-    return 1.0f;
+    return x;
   }
 }
+
+#ifdef SS_ATTENTION_512
+// Dimensions d .. d + 15 (d a multiple of 16, one scale group) as values8 gives them, in one register.
+template <int CT>
+inline __m512 values16(const typename CacheElem<CT>::T* row, int64_t d, int64_t head_dim) {
+  const __m512 x = CacheElem<CT>::load16(row + d);
+  if constexpr (CacheElem<CT>::kScaled) {
+    return _mm512_mul_ps(x, _mm512_set1_ps(CacheElem<CT>::scale(row, head_dim, d)));
+  } else {
+    return x;
+  }
+}
+#endif
 
 // A row's head_dim values, as float32, into out.
 template <int CT>
 inline void load_row(const typename CacheElem<CT>::T* row, int64_t head_dim, float* out) {
-  const __m256 s = _mm256_set1_ps(row_scale<CT>(row, head_dim));
-  for (int64_t d = 0; d < head_dim; d += 8) {
-    const __m256 x = CacheElem<CT>::load8(row + d);
-    _mm256_storeu_ps(out + d, CacheElem<CT>::kScaleElems > 0 ? _mm256_mul_ps(x, s) : x);
-  }
+  for (int64_t d = 0; d < head_dim; d += 8) _mm256_storeu_ps(out + d, values8<CT>(row, d, head_dim));
 }
 
 // head_dim float32 values stored as a row of CT.
 template <int CT>
 inline void store_row(typename CacheElem<CT>::T* row, const float* x, int64_t head_dim) {
-  if constexpr (CacheElem<CT>::kScaleElems > 0) {
+  if constexpr (CacheElem<CT>::kScaled) {
     CacheElem<CT>::store_row(row, x, head_dim);
   } else {
     for (int64_t d = 0; d < head_dim; d += 8) CacheElem<CT>::store8(row + d, _mm256_loadu_ps(x + d));

@@ -185,24 +185,23 @@ inline void prefetch_slice(const T* first, int64_t rows, int64_t row_stride, int
   }
 }
 
-// scores[h * score_stride] = scale * q_h . K for HS query heads (q_h = q + h * head_dim) and one key row K (times
-// key_scales[0] for a scaled cache type), each lane summing dimensions l, l + 8, ... in turn, then hsum: a block's
-// keys past its last multiple of 4 (the 4-key tiles below serve the others). Every K vector loaded serves all HS
-// heads.
+// scores[h * score_stride] = scale * q_h . K for HS query heads (q_h = q + h * head_dim) and one key row K (a
+// scaled cache type's codes times their groups' scales: values8), each lane summing dimensions l, l + 8, ... in
+// turn, then hsum: a block's keys past its last multiple of 4 (the 4-key tiles below serve the others). Every K
+// vector loaded serves all HS heads.
 template <int CT, int HS>
 inline void score_tile1(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t /*row_stride*/,
-                        float scale, float* scores, int64_t score_stride, const float* key_scales) {
+                        float scale, float* scores, int64_t score_stride) {
   __m256 acc[HS];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h) acc[h] = _mm256_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 8) {
-    const __m256 kv = CacheElem<CT>::load8(k + d);
+    const __m256 kv = values8<CT>(k, d, head_dim);
 #pragma GCC unroll 4
     for (int h = 0; h < HS; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d), kv, acc[h]);
   }
-  const float s = CacheElem<CT>::kScaleElems > 0 ? scale * key_scales[0] : scale;
 #pragma GCC unroll 4
-  for (int h = 0; h < HS; ++h) scores[h * score_stride] = hsum(acc[h]) * s;
+  for (int h = 0; h < HS; ++h) scores[h * score_stride] = hsum(acc[h]) * scale;
 }
 
 // The 4-key tiles' order of a score's sum (both builds): lane l (0-15) sums dimensions l, l + 16, l + 32, ... of the
@@ -215,7 +214,7 @@ inline void score_tile1(const float* q, int64_t head_dim, const typename CacheEl
 // score_tile4: the scores of 4 key rows (K_j = k + j * row_stride) as score_tile1 gives one's, in that order, on AVX2.
 template <int CT, int HS>
 inline void score_tile4(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
-                        float scale, float* scores, int64_t score_stride, const float* key_scales) {
+                        float scale, float* scores, int64_t score_stride) {
   __m256 sums[HS][4];  // per head and key: its low lanes' sums plus its high lanes'
 #pragma GCC unroll 2
   for (int pair = 0; pair < 4; pair += 2) {
@@ -228,8 +227,8 @@ inline void score_tile4(const float* q, int64_t head_dim, const typename CacheEl
     for (; d + 16 <= head_dim; d += 16) {
 #pragma GCC unroll 2
       for (int j = 0; j < 2; ++j) {
-        const typename CacheElem<CT>::T* row = k + (pair + j) * row_stride + d;
-        const __m256 k_low = CacheElem<CT>::load8(row), k_high = CacheElem<CT>::load8(row + 8);
+        const typename CacheElem<CT>::T* row = k + (pair + j) * row_stride;
+        const __m256 k_low = values8<CT>(row, d, head_dim), k_high = values8<CT>(row, d + 8, head_dim);
 #pragma GCC unroll 4
         for (int h = 0; h < HS; ++h) {
           low[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d), k_low, low[h][j]);
@@ -240,7 +239,7 @@ inline void score_tile4(const float* q, int64_t head_dim, const typename CacheEl
     if (d < head_dim) {  // the last 8 dimensions: low lanes
 #pragma GCC unroll 2
       for (int j = 0; j < 2; ++j) {
-        const __m256 k_low = CacheElem<CT>::load8(k + (pair + j) * row_stride + d);
+        const __m256 k_low = values8<CT>(k + (pair + j) * row_stride, d, head_dim);
 #pragma GCC unroll 4
         for (int h = 0; h < HS; ++h) {
           low[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d), k_low, low[h][j]);
@@ -252,8 +251,7 @@ inline void score_tile4(const float* q, int64_t head_dim, const typename CacheEl
 #pragma GCC unroll 2
       for (int j = 0; j < 2; ++j) sums[h][pair + j] = _mm256_add_ps(low[h][j], high[h][j]);
   }
-  const __m128 s = CacheElem<CT>::kScaleElems > 0 ? _mm_mul_ps(_mm_set1_ps(scale), _mm_loadu_ps(key_scales))
-                                                   : _mm_set1_ps(scale);
+  const __m128 s = _mm_set1_ps(scale);
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h) {
     _mm_storeu_ps(scores + h * score_stride, _mm_mul_ps(hsum4(sums[h][0], sums[h][1], sums[h][2], sums[h][3]), s));
@@ -280,7 +278,7 @@ inline __m512 reduce4x2(__m512 a0, __m512 a1, __m512 b0, __m512 b1) {
 // lanes become one half), and the sums reduced across registers (reduce4x2) and scaled as score_tile4 does.
 template <int CT, int HS>
 inline void score_tile512(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
-                          float scale, float* scores, int64_t score_stride, const float* key_scales) {
+                          float scale, float* scores, int64_t score_stride) {
   __m512 acc[HS][4];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h)
@@ -293,7 +291,7 @@ inline void score_tile512(const float* q, int64_t head_dim, const typename Cache
     for (int h = 0; h < HS; ++h) qv[h] = _mm512_loadu_ps(q + h * head_dim + d);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512 kv = CacheElem<CT>::load16(k + j * row_stride + d);
+      const __m512 kv = values16<CT>(k + j * row_stride, d, head_dim);
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][j] = _mm512_fmadd_ps(qv[h], kv, acc[h][j]);
     }
@@ -304,7 +302,7 @@ inline void score_tile512(const float* q, int64_t head_dim, const typename Cache
     for (int h = 0; h < HS; ++h) qv[h] = _mm512_zextps256_ps512(_mm256_loadu_ps(q + h * head_dim + whole));
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512 kv = _mm512_zextps256_ps512(CacheElem<CT>::load8(k + j * row_stride + whole));
+      const __m512 kv = _mm512_zextps256_ps512(values8<CT>(k + j * row_stride, whole, head_dim));
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][j] = _mm512_fmadd_ps(qv[h], kv, acc[h][j]);
     }
@@ -313,9 +311,7 @@ inline void score_tile512(const float* q, int64_t head_dim, const typename Cache
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
   };
-  const __m128 scale4 = CacheElem<CT>::kScaleElems > 0 ? _mm_mul_ps(_mm_set1_ps(scale), _mm_loadu_ps(key_scales))
-                                                         : _mm_set1_ps(scale);
-  const __m512 vscale = _mm512_broadcast_f32x4(scale4);
+  const __m512 vscale = _mm512_set1_ps(scale);
 #pragma GCC unroll 2
   for (int h = 0; h < HS; h += 2) {
     const int h2 = h + 1 < HS ? h + 1 : h;  // an odd last head reduced beside itself, its copy not stored
@@ -329,8 +325,8 @@ inline void score_tile512(const float* q, int64_t head_dim, const typename Cache
 #endif
 
 template <int CT>
-using ScoreTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, float, float*, int64_t,
-                             const float*);
+using ScoreTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, float, float*,
+                             int64_t);
 template <int CT>
 constexpr ScoreTileFn<CT> kScoreTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
@@ -345,11 +341,12 @@ constexpr ScoreTileFn<CT> kScoreTiles[kHeadSet + 1][5] = {
 #endif
 };
 
-// out_h[0:8 VEC] += sum_j p[h * score_stride + j] V_j[0:8 VEC] over n value rows (V_j = v + j * row_stride), for
-// HS heads (out_h = out + h * head_dim): the accumulators stay in registers through the rows, in row order.
+// out_h[0:8 VEC] += sum_j p[h * score_stride + j] V_j[d0:d0 + 8 VEC] over n value rows (V_j = v + j * row_stride,
+// its values as values8 reads them), for HS heads (out_h = out + h * head_dim): the accumulators stay in registers
+// through the rows, in row order.
 template <int CT, int HS, int VEC>
 inline void value_tile(const float* p, int64_t score_stride, const typename CacheElem<CT>::T* v, int64_t row_stride,
-                       int64_t n, float* out, int64_t head_dim) {
+                       int64_t d0, int64_t n, float* out, int64_t head_dim) {
   __m256 acc[HS][VEC];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h)
@@ -361,7 +358,7 @@ inline void value_tile(const float* p, int64_t score_stride, const typename Cach
     for (int h = 0; h < HS; ++h) pv[h] = _mm256_broadcast_ss(p + h * score_stride + j);
 #pragma GCC unroll 4
     for (int c = 0; c < VEC; ++c) {
-      const __m256 vv = CacheElem<CT>::load8(v + j * row_stride + 8 * c);
+      const __m256 vv = values8<CT>(v + j * row_stride, d0 + 8 * c, head_dim);
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][c] = _mm256_fmadd_ps(pv[h], vv, acc[h][c]);
     }
@@ -377,7 +374,7 @@ inline void value_tile(const float* p, int64_t score_stride, const typename Cach
 // tile's multiply-adds, row by row: the same bits with half the instructions.
 template <int CT, int HS, int VEC2>
 inline void value_tile512(const float* p, int64_t score_stride, const typename CacheElem<CT>::T* v,
-                          int64_t row_stride, int64_t n, float* out, int64_t head_dim) {
+                          int64_t row_stride, int64_t d0, int64_t n, float* out, int64_t head_dim) {
   __m512 acc[HS][VEC2];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h)
@@ -389,7 +386,7 @@ inline void value_tile512(const float* p, int64_t score_stride, const typename C
     for (int h = 0; h < HS; ++h) pv[h] = _mm512_set1_ps(p[h * score_stride + j]);
 #pragma GCC unroll 2
     for (int c = 0; c < VEC2; ++c) {
-      const __m512 vv = CacheElem<CT>::load16(v + j * row_stride + 16 * c);
+      const __m512 vv = values16<CT>(v + j * row_stride, d0 + 16 * c, head_dim);
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][c] = _mm512_fmadd_ps(pv[h], vv, acc[h][c]);
     }
@@ -402,8 +399,8 @@ inline void value_tile512(const float* p, int64_t score_stride, const typename C
 #endif
 
 template <int CT>
-using ValueTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, int64_t, float*,
-                             int64_t);
+using ValueTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, int64_t, int64_t,
+                             float*, int64_t);
 template <int CT>
 constexpr ValueTileFn<CT> kValueTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
@@ -439,7 +436,6 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
   using T = typename CacheElem<CT>::T;
   const int64_t own_row = num_kv_heads * head_dim;  // a token's keys in own_keys
   const int64_t group = num_heads / num_kv_heads;
-  constexpr bool kScaled = CacheElem<CT>::kScaleElems > 0;
   const int64_t width = row_elems<CT>(head_dim);  // a (token, head) row
   const int64_t row_stride = num_kv_heads * width;  // between consecutive slots of a block
   const int64_t block_stride = block_size * row_stride;
@@ -453,7 +449,6 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(static_cast<size_t>(num_heads * score_stride));
-    std::vector<float> row_scales(kScaled ? block_size : 0);  // a scaled cache's K or V scales of one block and head
     // The blocks an item reads, in order: its K blocks, its V blocks, then (padded with nulls) the first K blocks
     // of this thread's next item, so the prefetch runs on across the K/V and item boundaries.
     std::vector<const T*> stream(2 * chunk_blocks + kPrefetchBlocks);
@@ -487,7 +482,7 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
       // The query's own block among this item's (-1: not), when its keys come from own_keys.
       const int64_t own = own_keys == nullptr ? -1 : (seq_lens[b] - 1) / block_size - chunk * chunk_blocks;
       // Pass 1: the scaled scores, block by block, four keys at a time; each K vector loaded once serves up to
-      // three query heads of its group. A scaled cache's key scales multiply the dot products.
+      // three query heads of its group (a scaled cache's codes times their groups' scales as they are loaded).
       for (int64_t i = 0; i < blocks; ++i) {
         const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
         if (i == own) {  // float16 keys, the float16 tiles
@@ -499,11 +494,11 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
               int64_t j = 0;
               for (; j + 4 <= n; j += 4) {
                 kScoreTiles<kFloat16>[hs][4](qb + r0 * head_dim, head_dim, kb + j * own_row + g * head_dim, own_row,
-                                             scale, at + j, score_stride, nullptr);
+                                             scale, at + j, score_stride);
               }
               for (; j < n; ++j) {
                 kScoreTiles<kFloat16>[hs][1](qb + r0 * head_dim, head_dim, kb + j * own_row + g * head_dim, own_row,
-                                             scale, at + j, score_stride, nullptr);
+                                             scale, at + j, score_stride);
               }
             }
           }
@@ -512,9 +507,6 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
         const T* kb = stream[i];
         const T* next = stream[i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-          if constexpr (kScaled) {
-            for (int64_t j = 0; j < n; ++j) row_scales[j] = row_scale<CT>(kb + j * row_stride + g * width, head_dim);
-          }
           for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
             const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
             int64_t j = 0;
@@ -523,13 +515,11 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
                 prefetch_slice(next + j * row_stride + g * width, 4, row_stride, width);
               }
               kScoreTiles<CT>[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * width, row_stride,
-                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride,
-                                     row_scales.data() + j);
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
             }
             for (; j < n; ++j) {
               kScoreTiles<CT>[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * width, row_stride,
-                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride,
-                                     row_scales.data() + j);
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
             }
           }
         }
@@ -539,8 +529,8 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
             exp_shifted(scores.data() + r * score_stride, len, &part_sum[item * num_heads + r]);
       }
       // Pass 2: the weighted sum of the values, block by block; up to three heads x 32 dimensions of accumulators
-      // stay in registers through a block, and each V vector loaded serves every head of its group. A scaled
-      // cache's value scales go into the weights first (the exp-sum above is taken before).
+      // stay in registers through a block, and each V vector loaded (scaled as the keys are) serves every head of its
+      // group.
       float* acc = part_out.data() + item * num_heads * head_dim;
       std::fill(acc, acc + num_heads * head_dim, 0.0f);
       for (int64_t i = 0; i < blocks; ++i) {
@@ -548,20 +538,15 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
         const T* vb = stream[blocks + i];
         const T* next = stream[blocks + i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-          if constexpr (kScaled) {  // the block's value scales once, then each head's weights times them
-            for (int64_t j = 0; j < n; ++j) row_scales[j] = row_scale<CT>(vb + j * row_stride + g * width, head_dim);
-            for (int64_t r = g * group; r < (g + 1) * group; ++r) {
-              float* weights = scores.data() + r * score_stride + s0;
-              for (int64_t j = 0; j < n; ++j) weights[j] *= row_scales[j];
-            }
-          }
           for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
             const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
             for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
               const int vec = static_cast<int>(std::min<int64_t>(4, (head_dim - d0) / 8));
-              if (next != nullptr && r0 == g * group) prefetch_slice(next + g * width + d0, n, row_stride, 8 * vec);
-              kValueTiles<CT>[hs][vec](scores.data() + r0 * score_stride + s0, score_stride,
-                                   vb + g * width + d0, row_stride, n, acc + r0 * head_dim + d0, head_dim);
+              if (next != nullptr && r0 == g * group) {  // the slice's values, the last slice's with the scales
+                prefetch_slice(next + g * width + d0, n, row_stride, d0 + 8 * vec < head_dim ? 8 * vec : width - d0);
+              }
+              kValueTiles<CT>[hs][vec](scores.data() + r0 * score_stride + s0, score_stride, vb + g * width,
+                                       row_stride, d0, n, acc + r0 * head_dim + d0, head_dim);
             }
           }
         }
