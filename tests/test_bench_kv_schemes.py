@@ -22,7 +22,7 @@ def llm():
 
 
 # The int8 pool: its rows, each query's own block of keys in float16 (engine/kv_formats/open_keys.py).
-@pytest.mark.parametrize("scheme, pool", [("float16", "float16"), ("int8-row-block", "int8")])
+@pytest.mark.parametrize("scheme, pool", [("float16", "float16"), ("int8-g16-block", "int8")])
 def test_the_simulation_answers_as_the_engine_over_that_pool(llm, scheme, pool):
     simulated = kv_schemes._logits(llm, TOKENS, kv_schemes.SCHEMES[scheme])
     torch.testing.assert_close(simulated, sequence_logits(llm, TOKENS, pool), rtol=1e-4, atol=1e-4)
@@ -73,6 +73,6 @@ def test_grouped_key_scales_keep_a_loud_channel_to_its_group():
     x = torch.randn(4, 2, 64)
     loud = x.clone()
     loud[..., 0] *= 1000  # an outlier channel: one row scale coarsens every channel, a group scale its 16
-    grouped = kv_schemes.SCHEMES["int8-key-g16"].keys
-    assert torch.equal(grouped(loud)[..., 16:], grouped(x)[..., 16:])
+    for grouped in (kv_schemes.SCHEMES["int8-key-g16"].keys, kv_schemes.SCHEMES["int8-g16-block"].keys):
+        assert torch.equal(grouped(loud)[..., 16:], grouped(x)[..., 16:])
     assert not torch.equal(kv_schemes._int8_rows(loud)[..., 16:], kv_schemes._int8_rows(x)[..., 16:])

@@ -9,9 +9,10 @@ blocks is part of a scheme: ``"block"`` (each query reads the keys of its own 16
 filled, in float16, and every older block quantized; values quantized everywhere) or a number of tokens (each query
 reads the keys and values of its last that many positions in float16, KIVI's residual). Which of these a pool could
 serve, and at what cost, is docs/kv_cache.md's question; this measures what each would answer. ``float16`` is the
-simulation's control (the float16 pool's rounding on this harness), ``int8-row-block`` the ``int8`` pool as built
-(its rows, ``kv_rows.store`` bit for bit, each query's own block of keys in float16: engine/kv_formats/open_keys.py),
-against which the harness is checked, and ``int8-row`` the same rows without the own block.
+simulation's control (the float16 pool's rounding on this harness), ``int8-g16-block`` the ``int8`` pool as built
+(its rows, a scale per 16 channels, ``kv_rows.store`` bit for bit, each query's own block of keys in float16:
+engine/kv_formats/open_keys.py), against which the harness is checked; ``int8-row`` and ``int8-row-block`` the pool's
+earlier rows (one scale per row, rounded up to float16 as the pool rounds), without and with the own block.
 
 Scales: symmetric ones are the largest magnitude over the code range; asymmetric ones (``asym``) a minimum and a
 step, both stored as float16 (``--kv-pool-quality``'s int8 rows round theirs up; here all round to nearest).
@@ -37,6 +38,7 @@ from splitserve.bench.phases.kv_pools import (
 from splitserve.engine import LLM
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.kv_formats import rows as kv_rows
+from splitserve.engine.kv_formats.scales import divide, round_up_to_float16
 from splitserve.engine.model.attention import AttentionMetadata
 
 BLOCK = 16  # tokens per pool block: the group of a key channel's scale
@@ -77,8 +79,15 @@ def _per_channel(round_trip, bits: int) -> Quantizer:
     return quantize
 
 
-def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+def _int8_pool(x: torch.Tensor) -> torch.Tensor:
+    """The int8 pool's rows, as it stores them."""
     return kv_rows.load(kv_rows.store(x, torch.int8))
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """int8 rows with one scale per row, rounded up to float16 (the int8 pool's rows before its group scales)."""
+    scale = round_up_to_float16(divide(x.abs().amax(-1, keepdim=True), 127.0)).float()
+    return (x / torch.where(scale > 0, scale, 1.0)).round().clamp(-127, 127) * scale
 
 
 def _e4m3_rows(x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +109,7 @@ _INT4_CHANNEL = Scheme(_per_channel(_asymmetric, 4), _per_row(_asymmetric, 4, 16
 SCHEMES: dict[str, Scheme] = {
     "float16": Scheme(None, None, 2, 2),
     "int8-row": Scheme(_int8_rows, _int8_rows, 1 + 2 / 64, 1 + 2 / 64),
-    # the int8 pool: its rows, and the query's own block of keys read in float16 (the window alone, no channel scales)
+    # one scale per row, and the query's own block of keys read in float16 (the window alone, no channel scales)
     "int8-row-block": Scheme(_int8_rows, _int8_rows, 1 + 2 / 64, 1 + 2 / 64, "block"),
     "int8-key-g32": Scheme(_per_row(_symmetric, 8, 32), _int8_rows, 1 + 4 / 64, 1 + 2 / 64),  # rows, finer key scales
     "int8-key-g16": Scheme(_per_row(_symmetric, 8, 16), _int8_rows, 1 + 8 / 64, 1 + 2 / 64),
@@ -108,8 +117,8 @@ SCHEMES: dict[str, Scheme] = {
     # finer key scales in self-contained rows, and the query's own block of keys read in float16
     "int8-key-g32-block": Scheme(_per_row(_symmetric, 8, 32), _int8_rows, 1 + 4 / 64, 1 + 2 / 64, "block"),
     "int8-key-g16-block": Scheme(_per_row(_symmetric, 8, 16), _int8_rows, 1 + 8 / 64, 1 + 2 / 64, "block"),
-    # keys and values alike: a float16 scale per 16 channels of a row (rows of one width for both)
-    "int8-g16-block": Scheme(_per_row(_symmetric, 8, 16), _per_row(_symmetric, 8, 16), 1 + 8 / 64, 1 + 8 / 64, "block"),
+    # the int8 pool: keys and values alike, a float16 scale per 16 channels of a row; the own block of keys
+    "int8-g16-block": Scheme(_int8_pool, _int8_pool, 1 + 8 / 64, 1 + 8 / 64, "block"),
     "int8-channel": Scheme(_per_channel(_symmetric, 8), _int8_rows, 1 + 2 / BLOCK, 1 + 2 / 64, "block"),
     "int8-channel-e8m0": Scheme(_per_channel(_power_of_two, 8), _int8_rows, 1 + 1 / BLOCK, 1 + 2 / 64, "block"),
     "fp8-e4m3-row": Scheme(_e4m3_rows, _e4m3_rows, 1 + 2 / 64, 1 + 2 / 64),
