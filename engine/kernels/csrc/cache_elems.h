@@ -137,58 +137,25 @@ constexpr int64_t row_elems(int64_t head_dim) {
   return head_dim + CacheElem<CT>::scale_elems(head_dim);
 }
 
-// Scale groups of a row of head_dim values (0 for an unscaled type).
+// Dimensions d .. d + 7 of a row (d a multiple of 8) as float32 values: a scaled type's codes times their group's
+// scale (exact in float32: an 8-bit code times an 11-bit mantissa).
 template <int CT>
-constexpr int64_t scale_groups(int64_t head_dim) {
-  return CacheElem<CT>::scale_elems(head_dim) / 2;
-}
-
-// The scales of n rows (rows + j * row_stride, each of head_dim values) as float32, a row's groups in turn:
-// out[j * groups + g]. What the decode attention's tiles multiply the codes by, converted once per block and head.
-template <int CT>
-inline void load_scales(const typename CacheElem<CT>::T* rows, int64_t n, int64_t row_stride, int64_t head_dim,
-                        float* out) {
+inline __m256 values8(const typename CacheElem<CT>::T* row, int64_t d, int64_t head_dim) {
+  const __m256 x = CacheElem<CT>::load8(row + d);
   if constexpr (CacheElem<CT>::kScaled) {
-    const int64_t groups = scale_groups<CT>(head_dim);
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t g = 0; g < groups; ++g) {
-        out[j * groups + g] = CacheElem<CT>::scale(rows + j * row_stride, head_dim, g * CacheElem<CT>::kGroup);
-      }
-    }
-  }
-}
-
-// In load_scales' out (scales), where row `row`'s scale of dimension d's group lies; an unscaled type's scales
-// (null) as they are.
-template <int CT>
-inline const float* group_scale(const float* scales, int64_t row, int64_t groups, int64_t d) {
-  if constexpr (CacheElem<CT>::kScaled) {
-    return scales + row * groups + d / CacheElem<CT>::kGroup;
-  } else {
-    return scales;
-  }
-}
-
-// 8 consecutive values of a row (p: their first element, all of one scale group) as float32: a scaled type's codes
-// times their group's scale, *scale (exact in float32: an 8-bit code times an 11-bit mantissa); an unscaled type's
-// values as they are (scale unused).
-template <int CT>
-inline __m256 values8(const typename CacheElem<CT>::T* p, const float* scale) {
-  const __m256 x = CacheElem<CT>::load8(p);
-  if constexpr (CacheElem<CT>::kScaled) {
-    return _mm256_mul_ps(x, _mm256_set1_ps(*scale));
+    return _mm256_mul_ps(x, _mm256_set1_ps(CacheElem<CT>::scale(row, head_dim, d)));
   } else {
     return x;
   }
 }
 
 #ifdef SS_ATTENTION_512
-// 16 consecutive values (one scale group) as values8 gives 8, in one register.
+// Dimensions d .. d + 15 (d a multiple of 16, one scale group) as values8 gives them, in one register.
 template <int CT>
-inline __m512 values16(const typename CacheElem<CT>::T* p, const float* scale) {
-  const __m512 x = CacheElem<CT>::load16(p);
+inline __m512 values16(const typename CacheElem<CT>::T* row, int64_t d, int64_t head_dim) {
+  const __m512 x = CacheElem<CT>::load16(row + d);
   if constexpr (CacheElem<CT>::kScaled) {
-    return _mm512_mul_ps(x, _mm512_set1_ps(*scale));
+    return _mm512_mul_ps(x, _mm512_set1_ps(CacheElem<CT>::scale(row, head_dim, d)));
   } else {
     return x;
   }
@@ -198,11 +165,7 @@ inline __m512 values16(const typename CacheElem<CT>::T* p, const float* scale) {
 // A row's head_dim values, as float32, into out.
 template <int CT>
 inline void load_row(const typename CacheElem<CT>::T* row, int64_t head_dim, float* out) {
-  for (int64_t d = 0; d < head_dim; d += 8) {
-    float s = 1.0f;
-    if constexpr (CacheElem<CT>::kScaled) s = CacheElem<CT>::scale(row, head_dim, d);
-    _mm256_storeu_ps(out + d, values8<CT>(row + d, &s));
-  }
+  for (int64_t d = 0; d < head_dim; d += 8) _mm256_storeu_ps(out + d, values8<CT>(row, d, head_dim));
 }
 
 // head_dim float32 values stored as a row of CT.

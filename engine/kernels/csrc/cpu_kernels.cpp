@@ -186,17 +186,17 @@ inline void prefetch_slice(const T* first, int64_t rows, int64_t row_stride, int
 }
 
 // scores[h * score_stride] = scale * q_h . K for HS query heads (q_h = q + h * head_dim) and one key row K (a
-// scaled cache type's codes times their groups' scales, key_scales: load_scales' of the tile's keys), each lane
-// summing dimensions l, l + 8, ... in turn, then hsum: a block's keys past its last multiple of 4 (the 4-key tiles
-// below serve the others). Every K vector loaded serves all HS heads.
+// scaled cache type's codes times their groups' scales: values8), each lane summing dimensions l, l + 8, ... in
+// turn, then hsum: a block's keys past its last multiple of 4 (the 4-key tiles below serve the others). Every K
+// vector loaded serves all HS heads.
 template <int CT, int HS>
 inline void score_tile1(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t /*row_stride*/,
-                        float scale, float* scores, int64_t score_stride, const float* key_scales) {
+                        float scale, float* scores, int64_t score_stride) {
   __m256 acc[HS];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h) acc[h] = _mm256_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 8) {
-    const __m256 kv = values8<CT>(k + d, group_scale<CT>(key_scales, 0, 0, d));
+    const __m256 kv = values8<CT>(k, d, head_dim);
 #pragma GCC unroll 4
     for (int h = 0; h < HS; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d), kv, acc[h]);
   }
@@ -214,8 +214,7 @@ inline void score_tile1(const float* q, int64_t head_dim, const typename CacheEl
 // score_tile4: the scores of 4 key rows (K_j = k + j * row_stride) as score_tile1 gives one's, in that order, on AVX2.
 template <int CT, int HS>
 inline void score_tile4(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
-                        float scale, float* scores, int64_t score_stride, const float* key_scales) {
-  const int64_t groups = scale_groups<CT>(head_dim);
+                        float scale, float* scores, int64_t score_stride) {
   __m256 sums[HS][4];  // per head and key: its low lanes' sums plus its high lanes'
 #pragma GCC unroll 2
   for (int pair = 0; pair < 4; pair += 2) {
@@ -228,9 +227,8 @@ inline void score_tile4(const float* q, int64_t head_dim, const typename CacheEl
     for (; d + 16 <= head_dim; d += 16) {
 #pragma GCC unroll 2
       for (int j = 0; j < 2; ++j) {
-        const typename CacheElem<CT>::T* row = k + (pair + j) * row_stride + d;
-        const float* s = group_scale<CT>(key_scales, pair + j, groups, d);
-        const __m256 k_low = values8<CT>(row, s), k_high = values8<CT>(row + 8, s);
+        const typename CacheElem<CT>::T* row = k + (pair + j) * row_stride;
+        const __m256 k_low = values8<CT>(row, d, head_dim), k_high = values8<CT>(row, d + 8, head_dim);
 #pragma GCC unroll 4
         for (int h = 0; h < HS; ++h) {
           low[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d), k_low, low[h][j]);
@@ -241,8 +239,7 @@ inline void score_tile4(const float* q, int64_t head_dim, const typename CacheEl
     if (d < head_dim) {  // the last 8 dimensions: low lanes
 #pragma GCC unroll 2
       for (int j = 0; j < 2; ++j) {
-        const __m256 k_low =
-            values8<CT>(k + (pair + j) * row_stride + d, group_scale<CT>(key_scales, pair + j, groups, d));
+        const __m256 k_low = values8<CT>(k + (pair + j) * row_stride, d, head_dim);
 #pragma GCC unroll 4
         for (int h = 0; h < HS; ++h) {
           low[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d), k_low, low[h][j]);
@@ -281,8 +278,7 @@ inline __m512 reduce4x2(__m512 a0, __m512 a1, __m512 b0, __m512 b1) {
 // lanes become one half), and the sums reduced across registers (reduce4x2) and scaled as score_tile4 does.
 template <int CT, int HS>
 inline void score_tile512(const float* q, int64_t head_dim, const typename CacheElem<CT>::T* k, int64_t row_stride,
-                          float scale, float* scores, int64_t score_stride, const float* key_scales) {
-  const int64_t groups = scale_groups<CT>(head_dim);
+                          float scale, float* scores, int64_t score_stride) {
   __m512 acc[HS][4];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h)
@@ -295,7 +291,7 @@ inline void score_tile512(const float* q, int64_t head_dim, const typename Cache
     for (int h = 0; h < HS; ++h) qv[h] = _mm512_loadu_ps(q + h * head_dim + d);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512 kv = values16<CT>(k + j * row_stride + d, group_scale<CT>(key_scales, j, groups, d));
+      const __m512 kv = values16<CT>(k + j * row_stride, d, head_dim);
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][j] = _mm512_fmadd_ps(qv[h], kv, acc[h][j]);
     }
@@ -306,8 +302,7 @@ inline void score_tile512(const float* q, int64_t head_dim, const typename Cache
     for (int h = 0; h < HS; ++h) qv[h] = _mm512_zextps256_ps512(_mm256_loadu_ps(q + h * head_dim + whole));
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const float* s = group_scale<CT>(key_scales, j, groups, whole);
-      const __m512 kv = _mm512_zextps256_ps512(values8<CT>(k + j * row_stride + whole, s));
+      const __m512 kv = _mm512_zextps256_ps512(values8<CT>(k + j * row_stride, whole, head_dim));
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][j] = _mm512_fmadd_ps(qv[h], kv, acc[h][j]);
     }
@@ -330,8 +325,8 @@ inline void score_tile512(const float* q, int64_t head_dim, const typename Cache
 #endif
 
 template <int CT>
-using ScoreTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, float, float*, int64_t,
-                             const float*);
+using ScoreTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, float, float*,
+                             int64_t);
 template <int CT>
 constexpr ScoreTileFn<CT> kScoreTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
@@ -346,13 +341,12 @@ constexpr ScoreTileFn<CT> kScoreTiles[kHeadSet + 1][5] = {
 #endif
 };
 
-// out_h[0:8 VEC] += sum_j p[h * score_stride + j] V_j[0:8 VEC] over n value rows (V_j = v + j * row_stride; a scaled
-// cache type's codes times their groups' scales, value_scales: load_scales' of the rows, from v's group on), for HS
-// heads (out_h = out + h * head_dim): the accumulators stay in registers through the rows, in row order.
+// out_h[0:8 VEC] += sum_j p[h * score_stride + j] V_j[d0:d0 + 8 VEC] over n value rows (V_j = v + j * row_stride,
+// its values as values8 reads them), for HS heads (out_h = out + h * head_dim): the accumulators stay in registers
+// through the rows, in row order.
 template <int CT, int HS, int VEC>
 inline void value_tile(const float* p, int64_t score_stride, const typename CacheElem<CT>::T* v, int64_t row_stride,
-                       int64_t n, float* out, int64_t head_dim, const float* value_scales) {
-  const int64_t groups = scale_groups<CT>(head_dim);
+                       int64_t d0, int64_t n, float* out, int64_t head_dim) {
   __m256 acc[HS][VEC];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h)
@@ -364,7 +358,7 @@ inline void value_tile(const float* p, int64_t score_stride, const typename Cach
     for (int h = 0; h < HS; ++h) pv[h] = _mm256_broadcast_ss(p + h * score_stride + j);
 #pragma GCC unroll 4
     for (int c = 0; c < VEC; ++c) {
-      const __m256 vv = values8<CT>(v + j * row_stride + 8 * c, group_scale<CT>(value_scales, j, groups, 8 * c));
+      const __m256 vv = values8<CT>(v + j * row_stride, d0 + 8 * c, head_dim);
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][c] = _mm256_fmadd_ps(pv[h], vv, acc[h][c]);
     }
@@ -380,8 +374,7 @@ inline void value_tile(const float* p, int64_t score_stride, const typename Cach
 // tile's multiply-adds, row by row: the same bits with half the instructions.
 template <int CT, int HS, int VEC2>
 inline void value_tile512(const float* p, int64_t score_stride, const typename CacheElem<CT>::T* v,
-                          int64_t row_stride, int64_t n, float* out, int64_t head_dim, const float* value_scales) {
-  const int64_t groups = scale_groups<CT>(head_dim);
+                          int64_t row_stride, int64_t d0, int64_t n, float* out, int64_t head_dim) {
   __m512 acc[HS][VEC2];
 #pragma GCC unroll 4
   for (int h = 0; h < HS; ++h)
@@ -393,7 +386,7 @@ inline void value_tile512(const float* p, int64_t score_stride, const typename C
     for (int h = 0; h < HS; ++h) pv[h] = _mm512_set1_ps(p[h * score_stride + j]);
 #pragma GCC unroll 2
     for (int c = 0; c < VEC2; ++c) {
-      const __m512 vv = values16<CT>(v + j * row_stride + 16 * c, group_scale<CT>(value_scales, j, groups, 16 * c));
+      const __m512 vv = values16<CT>(v + j * row_stride, d0 + 16 * c, head_dim);
 #pragma GCC unroll 4
       for (int h = 0; h < HS; ++h) acc[h][c] = _mm512_fmadd_ps(pv[h], vv, acc[h][c]);
     }
@@ -406,8 +399,8 @@ inline void value_tile512(const float* p, int64_t score_stride, const typename C
 #endif
 
 template <int CT>
-using ValueTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, int64_t, float*,
-                             int64_t, const float*);
+using ValueTileFn = void (*)(const float*, int64_t, const typename CacheElem<CT>::T*, int64_t, int64_t, int64_t,
+                             float*, int64_t);
 template <int CT>
 constexpr ValueTileFn<CT> kValueTiles[kHeadSet + 1][5] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
@@ -442,7 +435,6 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
                       int threads) {
   using T = typename CacheElem<CT>::T;
   const int64_t own_row = num_kv_heads * head_dim;  // a token's keys in own_keys
-  const int64_t groups = scale_groups<CT>(head_dim);  // a scaled cache's scales per row
   const int64_t group = num_heads / num_kv_heads;
   const int64_t width = row_elems<CT>(head_dim);  // a (token, head) row
   const int64_t row_stride = num_kv_heads * width;  // between consecutive slots of a block
@@ -457,7 +449,6 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(static_cast<size_t>(num_heads * score_stride));
-    std::vector<float> row_scales(block_size * groups);  // a scaled cache's K or V scales of one block and head
     // The blocks an item reads, in order: its K blocks, its V blocks, then (padded with nulls) the first K blocks
     // of this thread's next item, so the prefetch runs on across the K/V and item boundaries.
     std::vector<const T*> stream(2 * chunk_blocks + kPrefetchBlocks);
@@ -503,11 +494,11 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
               int64_t j = 0;
               for (; j + 4 <= n; j += 4) {
                 kScoreTiles<kFloat16>[hs][4](qb + r0 * head_dim, head_dim, kb + j * own_row + g * head_dim, own_row,
-                                             scale, at + j, score_stride, nullptr);
+                                             scale, at + j, score_stride);
               }
               for (; j < n; ++j) {
                 kScoreTiles<kFloat16>[hs][1](qb + r0 * head_dim, head_dim, kb + j * own_row + g * head_dim, own_row,
-                                             scale, at + j, score_stride, nullptr);
+                                             scale, at + j, score_stride);
               }
             }
           }
@@ -516,7 +507,6 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
         const T* kb = stream[i];
         const T* next = stream[i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-          load_scales<CT>(kb + g * width, n, row_stride, head_dim, row_scales.data());
           for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
             const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
             int64_t j = 0;
@@ -525,13 +515,11 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
                 prefetch_slice(next + j * row_stride + g * width, 4, row_stride, width);
               }
               kScoreTiles<CT>[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * width, row_stride,
-                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride,
-                                     group_scale<CT>(row_scales.data(), j, groups, 0));
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
             }
             for (; j < n; ++j) {
               kScoreTiles<CT>[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * width, row_stride,
-                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride,
-                                     group_scale<CT>(row_scales.data(), j, groups, 0));
+                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
             }
           }
         }
@@ -550,7 +538,6 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
         const T* vb = stream[blocks + i];
         const T* next = stream[blocks + i + kPrefetchBlocks];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-          load_scales<CT>(vb + g * width, n, row_stride, head_dim, row_scales.data());
           for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
             const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
             for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
@@ -558,9 +545,8 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
               if (next != nullptr && r0 == g * group) {  // the slice's values, the last slice's with the scales
                 prefetch_slice(next + g * width + d0, n, row_stride, d0 + 8 * vec < head_dim ? 8 * vec : width - d0);
               }
-              kValueTiles<CT>[hs][vec](scores.data() + r0 * score_stride + s0, score_stride, vb + g * width + d0,
-                                       row_stride, n, acc + r0 * head_dim + d0, head_dim,
-                                       group_scale<CT>(row_scales.data(), 0, groups, d0));
+              kValueTiles<CT>[hs][vec](scores.data() + r0 * score_stride + s0, score_stride, vb + g * width,
+                                       row_stride, d0, n, acc + r0 * head_dim + d0, head_dim);
             }
           }
         }
