@@ -182,10 +182,12 @@ def test_llama_cpp_decodes_over_each_of_its_kv_types_at_each_batch():
 
 def test_kv_pool_quality_against_the_float16_pool(tmp_path, capsys):
     out = tmp_path / "pool_quality.json"
-    phases.main(["--model", "tiny-random", "--kv-pool-quality", "--pool-dtypes", "float32,int8", "--json", str(out)])
+    phases.main(["--model", "tiny-random", "--kv-pool-quality", "--pool-dtypes", "float32,int8", "--json", str(out),
+                 "--prefill-compute-dtype", "float32"])
     results = json.loads(out.read_text())
     formats = results["formats"]
     assert set(formats) == {"float16", "float32", "int8"} and results["positions"] == 4 * 1024
+    assert results["prefill_compute"] == "float32"
     assert formats["float16"]["top1_agreement"] == 1.0 and formats["float16"]["ppl_change_pct"] == 0.0
     assert formats["int8"]["perplexity"] > 0
     assert "KV pool formats' quality against the float16 pool" in capsys.readouterr().out

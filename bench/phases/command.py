@@ -134,7 +134,8 @@ class PhasesConfig(FiguresOutput):
         "time on one pinned thread (bench/phases/attention_probe.py)."))
     kv_pool_quality: bool = field(default=False, metadata=described(
         "Instead: each KV pool format's answers against the float16 pool's on the model, teacher-forced top-1 "
-        "agreement and perplexity over 1024-token windows of GPL-3 (bench/phases/kv_pools.py)."))
+        "agreement and perplexity over 1024-token windows of GPL-3, prefilled in --prefill-compute-dtype "
+        "(bench/phases/kv_pools.py)."))
     kv_schemes: list[str] = field(default_factory=list, metadata=described(
         "Instead: these KV formats *simulated* on the model before any is built (bench/phases/kv_schemes.py: "
         + ", ".join(kv_schemes.SCHEMES) + "), top-1 agreement and perplexity against float16 as "
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
         save_results(results, config.json)
         return results
     if config.kv_pool_quality:
-        results = kv_pools.quality(config.model, config.pool_dtypes)
+        results = kv_pools.quality(config.model, config.pool_dtypes, config.prefill_compute_dtype)
         kv_pools.report_quality(results)
         save_results(results, config.json)
         return results

@@ -191,10 +191,11 @@ def perplexity(logits: list[torch.Tensor], windows: list[list[int]]) -> float:
     return torch.stack(nll).mean().exp().item()
 
 
-def quality(model: str, pool_dtypes: list[str], log=print) -> dict:
-    """{"positions", "windows", "formats": {dtype: {"top1_agreement", "perplexity", "ppl_change_pct"}}} against the
-    float16 pool, over ``quality_windows``."""
-    llm = LLM(model=model, kv_cache_memory_bytes=64 << 20)
+def quality(model: str, pool_dtypes: list[str], prefill_compute_dtype: str = "auto", log=print) -> dict:
+    """{"positions", "windows", "prefill_compute", "formats": {dtype: {"top1_agreement", "perplexity",
+    "ppl_change_pct"}}} against the float16 pool, over ``quality_windows``, each window prefilled in
+    ``prefill_compute_dtype`` (a pod's flag: auto is the pods' default)."""
+    llm = LLM(model=model, kv_cache_memory_bytes=64 << 20, prefill_compute_dtype=prefill_compute_dtype)
     windows = quality_windows(llm)
     formats = [QUALITY_BASELINE] + [d for d in pool_dtypes if d != QUALITY_BASELINE]
     logits: dict[str, list[torch.Tensor]] = {}
@@ -202,7 +203,8 @@ def quality(model: str, pool_dtypes: list[str], log=print) -> dict:
         log(f"quality: {len(windows)} windows of {QUALITY_WINDOW} tokens over a {d} pool ...")
         logits[d] = [sequence_logits(llm, w, d) for w in windows]
     base_ppl = perplexity(logits[QUALITY_BASELINE], windows)
-    results: dict = {"positions": sum(len(w) for w in windows), "windows": len(windows), "formats": {}}
+    results: dict = {"positions": sum(len(w) for w in windows), "windows": len(windows),
+                     "prefill_compute": llm.engine.prefill_compute, "formats": {}}
     for d in formats:
         ppl = perplexity(logits[d], windows)
         results["formats"][d] = {"top1_agreement": top1_agreement(logits[d], logits[QUALITY_BASELINE]),
@@ -241,7 +243,8 @@ def plot(results: dict, path: str) -> None:
 
 def report_quality(results: dict, log=print) -> None:
     log(f"\n== KV pool formats' quality against the {QUALITY_BASELINE} pool (teacher-forced top-1 over "
-        f"{results['positions']} positions of {results['windows']} windows of {QUALITY_WINDOW} tokens of GPL-3) ==")
+        f"{results['positions']} positions of {results['windows']} windows of {QUALITY_WINDOW} tokens of GPL-3, "
+        f"prefill in {results['prefill_compute']}) ==")
     log(f"{'pool':<10}{'top-1':>9}{'perplexity':>12}{'change':>9}  target")
     for d, r in results["formats"].items():
         target = QUALITY_TARGETS.get(d)
