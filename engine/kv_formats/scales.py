@@ -30,8 +30,10 @@ def group_amax(x: torch.Tensor, group: int) -> torch.Tensor:
     """The largest magnitude of each group of ``group`` consecutive elements of ``x``'s last dimension [..., D] ->
     [..., ceil(D / group)] (a last, shorter group over the elements left)."""
     groups = math.ceil(x.shape[-1] / group)
-    padded = F.pad(x.abs(), (0, groups * group - x.shape[-1]))  # zeros: no magnitude
-    return padded.view(*x.shape[:-1], groups, group).amax(dim=-1)
+    magnitudes = x.abs()
+    if groups * group > x.shape[-1]:
+        magnitudes = F.pad(magnitudes, (0, groups * group - x.shape[-1]))  # zeros: no magnitude
+    return magnitudes.view(*x.shape[:-1], groups, group).amax(dim=-1)
 
 
 def per_element(scales: torch.Tensor, group: int, size: int) -> torch.Tensor:
