@@ -483,45 +483,39 @@ void decode_attention(const float* q, const typename CacheElem<CT>::T* k_cache,
       const int64_t own = own_keys == nullptr ? -1 : (seq_lens[b] - 1) / block_size - chunk * chunk_blocks;
       // Pass 1: the scaled scores, block by block, four keys at a time; each K vector loaded once serves up to
       // three query heads of its group (a scaled cache's codes times their groups' scales as they are loaded).
-      for (int64_t i = 0; i < blocks; ++i) {
-        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
-        if (i == own) {  // float16 keys, the float16 tiles
-          const uint16_t* kb = own_keys + b * block_size * own_row;
-          for (int64_t g = 0; g < num_kv_heads; ++g) {
-            for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
-              const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
-              float* at = scores.data() + r0 * score_stride + s0;
-              int64_t j = 0;
-              for (; j + 4 <= n; j += 4) {
-                kScoreTiles<kFloat16>[hs][4](qb + r0 * head_dim, head_dim, kb + j * own_row + g * head_dim, own_row,
-                                             scale, at + j, score_stride);
-              }
-              for (; j < n; ++j) {
-                kScoreTiles<kFloat16>[hs][1](qb + r0 * head_dim, head_dim, kb + j * own_row + g * head_dim, own_row,
-                                             scale, at + j, score_stride);
-              }
-            }
-          }
-          continue;
-        }
-        const T* kb = stream[i];
-        const T* next = stream[i + kPrefetchBlocks];
+      // One block's scores: its n keys of element type E (a KV head g's key j at kb + j * stride + g * head_width),
+      // four at a time, then one at a time; while the first head set of each KV head reads them, the same keys of
+      // the block `next` are asked for (null: none).
+      const auto score_block = [&](auto elem, const auto* kb, int64_t stride, int64_t head_width, const auto* next,
+                                   int64_t s0, int64_t n) {
+        constexpr int E = decltype(elem)::value;
         for (int64_t g = 0; g < num_kv_heads; ++g) {
           for (int64_t r0 = g * group; r0 < (g + 1) * group; r0 += kHeadSet) {
             const int hs = static_cast<int>(std::min<int64_t>(kHeadSet, (g + 1) * group - r0));
+            float* at = scores.data() + r0 * score_stride + s0;
             int64_t j = 0;
             for (; j + 4 <= n; j += 4) {
               if (next != nullptr && r0 == g * group) {
-                prefetch_slice(next + j * row_stride + g * width, 4, row_stride, width);
+                prefetch_slice(next + j * stride + g * head_width, 4, stride, head_width);
               }
-              kScoreTiles<CT>[hs][4](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * width, row_stride,
-                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
+              kScoreTiles<E>[hs][4](qb + r0 * head_dim, head_dim, kb + j * stride + g * head_width, stride, scale,
+                                    at + j, score_stride);
             }
             for (; j < n; ++j) {
-              kScoreTiles<CT>[hs][1](qb + r0 * head_dim, head_dim, kb + j * row_stride + g * width, row_stride,
-                                     scale, scores.data() + r0 * score_stride + s0 + j, score_stride);
+              kScoreTiles<E>[hs][1](qb + r0 * head_dim, head_dim, kb + j * stride + g * head_width, stride, scale,
+                                    at + j, score_stride);
             }
           }
+        }
+      };
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t s0 = i * block_size, n = std::min(block_size, len - s0);
+        if (i == own) {  // float16 keys, the float16 tiles
+          score_block(std::integral_constant<int, kFloat16>{}, own_keys + b * block_size * own_row, own_row, head_dim,
+                      static_cast<const uint16_t*>(nullptr), s0, n);
+        } else {
+          score_block(std::integral_constant<int, CT>{}, stream[i], row_stride, width, stream[i + kPrefetchBlocks], s0,
+                      n);
         }
       }
       for (int64_t r = 0; r < num_heads; ++r) {
