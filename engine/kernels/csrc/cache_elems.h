@@ -137,28 +137,34 @@ constexpr int64_t row_elems(int64_t head_dim) {
   return head_dim + CacheElem<CT>::scale_elems(head_dim);
 }
 
-// Dimensions d .. d + 7 of a row (d a multiple of 8) as float32 values: a scaled type's codes times their group's
-// scale (exact in float32: an 8-bit code times an 11-bit mantissa).
-template <int CT>
-inline __m256 values8(const typename CacheElem<CT>::T* row, int64_t d, int64_t head_dim) {
-  const __m256 x = CacheElem<CT>::load8(row + d);
+inline __m256 times(__m256 x, float s) { return _mm256_mul_ps(x, _mm256_set1_ps(s)); }
+#ifdef SS_ATTENTION_512
+inline __m512 times(__m512 x, float s) { return _mm512_mul_ps(x, _mm512_set1_ps(s)); }
+#endif
+
+// x, a row's elements from dimension d on (of one scale group) widened to float32, as their values: a scaled type's
+// codes times their group's scale (exact in float32: an 8-bit code times an 11-bit mantissa); an unscaled type's as
+// they are.
+template <int CT, typename V>
+inline V scaled(V x, const typename CacheElem<CT>::T* row, int64_t d, int64_t head_dim) {
   if constexpr (CacheElem<CT>::kScaled) {
-    return _mm256_mul_ps(x, _mm256_set1_ps(CacheElem<CT>::scale(row, head_dim, d)));
+    return times(x, CacheElem<CT>::scale(row, head_dim, d));
   } else {
     return x;
   }
 }
 
+// Dimensions d .. d + 7 of a row (d a multiple of 8) as float32 values.
+template <int CT>
+inline __m256 values8(const typename CacheElem<CT>::T* row, int64_t d, int64_t head_dim) {
+  return scaled<CT>(CacheElem<CT>::load8(row + d), row, d, head_dim);
+}
+
 #ifdef SS_ATTENTION_512
-// Dimensions d .. d + 15 (d a multiple of 16, one scale group) as values8 gives them, in one register.
+// Dimensions d .. d + 15 (d a multiple of 16: one scale group) as float32 values, in one register.
 template <int CT>
 inline __m512 values16(const typename CacheElem<CT>::T* row, int64_t d, int64_t head_dim) {
-  const __m512 x = CacheElem<CT>::load16(row + d);
-  if constexpr (CacheElem<CT>::kScaled) {
-    return _mm512_mul_ps(x, _mm512_set1_ps(CacheElem<CT>::scale(row, head_dim, d)));
-  } else {
-    return x;
-  }
+  return scaled<CT>(CacheElem<CT>::load16(row + d), row, d, head_dim);
 }
 #endif
 
