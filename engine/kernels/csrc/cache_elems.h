@@ -137,6 +137,7 @@ constexpr int64_t row_elems(int64_t head_dim) {
   return head_dim + CacheElem<CT>::scale_elems(head_dim);
 }
 
+// x times s in every lane.
 inline __m256 times(__m256 x, float s) { return _mm256_mul_ps(x, _mm256_set1_ps(s)); }
 #ifdef SS_ATTENTION_512
 inline __m512 times(__m512 x, float s) { return _mm512_mul_ps(x, _mm512_set1_ps(s)); }
