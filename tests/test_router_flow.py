@@ -266,6 +266,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def unserved_port() -> socket.socket:
+    """A loopback port bound but never listened on, for a pod that is not up yet: connections to it are refused, and
+    no pod the test starts on port 0 can be given it (a port ``free_port`` released can be). Close it before starting
+    a pod there."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
 def run(coroutine):
     return asyncio.run(coroutine)
 
@@ -433,29 +442,33 @@ def test_failure_on_every_attempt_is_unavailable_to_the_client():
 
 def test_no_serving_pod_is_unavailable_after_the_wait_for_one():
     async def scenario():
-        async with running_cluster(num_prefill=1, num_decode=0, extra_decode_addresses=[f"127.0.0.1:{free_port()}"],
-                                   decode_pod_wait_s=0.3) as env:
-            req = await env.router.make_request(LONG_PROMPT, SamplingParams())
-            started = time.monotonic()
-            with pytest.raises(StatusError) as caught:
-                [item async for item in env.router.generate(req)]
-            assert time.monotonic() - started >= 0.3
-            assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.UNAVAILABLE, 503)
-            assert caught.value.message == "no decode pod is serving"
-            assert env.prefill[0].calls == []
-            assert not env.router.ready()
-            assert sample(env.router, "splitserve_router_decode_pod_waits_total", outcome="none") == 1
+        with unserved_port() as never:
+            address = f"127.0.0.1:{never.getsockname()[1]}"
+            async with running_cluster(num_prefill=1, num_decode=0, extra_decode_addresses=[address],
+                                       decode_pod_wait_s=0.3) as env:
+                req = await env.router.make_request(LONG_PROMPT, SamplingParams())
+                started = time.monotonic()
+                with pytest.raises(StatusError) as caught:
+                    [item async for item in env.router.generate(req)]
+                assert time.monotonic() - started >= 0.3
+                assert (caught.value.code, caught.value.http_status) == (grpc.StatusCode.UNAVAILABLE, 503)
+                assert caught.value.message == "no decode pod is serving"
+                assert env.prefill[0].calls == []
+                assert not env.router.ready()
+                assert sample(env.router, "splitserve_router_decode_pod_waits_total", outcome="none") == 1
     run(scenario())
 
 
 def test_a_request_waits_for_a_decode_pod_to_come_up_and_is_served_by_it():
     async def scenario():
-        port = free_port()
+        reserved = unserved_port()
+        port = reserved.getsockname()[1]
         async with running_cluster(num_prefill=1, num_decode=0, extra_decode_addresses=[f"127.0.0.1:{port}"]) as env:
             req = await env.router.make_request(LONG_PROMPT, SamplingParams(max_tokens=4))
             waiting = asyncio.ensure_future(collect(env.router, req))
             await asyncio.sleep(0.3)
             assert not waiting.done()  # no decode pod yet: it waits instead of a 503
+            reserved.close()
             late = FakePod(FakeCluster(), "decode", port=port)
             late.cluster = env.prefill[0].cluster  # the prefill pod's pushes land in the same fake cluster
             late.cluster.pods[late.address] = late
@@ -547,13 +560,16 @@ def test_a_pod_that_comes_up_late_is_routed_to_about_a_second_after_it_serves():
     """gRPC backs a channel's reconnects off exponentially (1 s, 1.6 s, 2.6 s, ...): with its defaults, a pod that
     starts serving 12 s after the router began polling it stays unreachable for seconds more, and requests meant for
     it go elsewhere (a long prompt prefilled on the decode pod). The router's channels retry every second."""
-    late_address = f"127.0.0.1:{free_port()}"
+    reserved = unserved_port()
+    late_port = reserved.getsockname()[1]
+    late_address = f"127.0.0.1:{late_port}"
 
     async def scenario():
         async with running_cluster(num_prefill=0, num_decode=1, extra_decode_addresses=[late_address]) as env:
             await asyncio.sleep(12)  # watched all along: the channel has failed to connect over and over
             assert late_address not in [pod.address for pod in env.router.registry.decode_pods()]
-            late = FakePod(FakeCluster(), "decode", port=int(late_address.rsplit(":", 1)[1]))
+            reserved.close()
+            late = FakePod(FakeCluster(), "decode", port=late_port)
             await late.start()
             started = time.monotonic()
             try:
