@@ -46,6 +46,19 @@ def test_the_block_window_reads_a_query_s_own_block_in_float16(llm):
     assert not torch.allclose(logits[16:], float16[16:])
 
 
+def test_a_block_window_reads_whole_blocks_in_float16(llm):
+    """Two blocks of K and V in float16: queries of the first two blocks read float16 alone; a query of the third
+    block reads the first block zeroed, its own and the one before in float16 (not the last 32 tokens: whole blocks)."""
+    two = kv_schemes.Scheme(torch.zeros_like, torch.zeros_like, 1, 1, "2 blocks")
+    logits = kv_schemes._logits(llm, TOKENS, two)
+    float16 = kv_schemes._logits(llm, TOKENS, kv_schemes.SCHEMES["float16"])
+    assert torch.equal(logits[:32], float16[:32])
+    assert not torch.allclose(logits[32:], float16[32:])
+    tokens_32 = kv_schemes.Scheme(torch.zeros_like, torch.zeros_like, 1, 1, 32)
+    assert not torch.equal(kv_schemes._logits(llm, TOKENS, tokens_32)[32:48], logits[32:48])
+    assert kv_schemes.capacity_ratio(two) == kv_schemes.capacity_ratio(tokens_32)
+
+
 def test_key_channels_are_scaled_per_block():
     x = torch.randn(40, 2, 8)
     quantized = kv_schemes._per_channel(kv_schemes._symmetric, 8)(x)

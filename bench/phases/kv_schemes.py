@@ -6,8 +6,10 @@ The model runs on the PyTorch path (``cpu_kernels=False``, float32 prefill, floa
 each layer's attention replaced by ``_attend``: the window's K/V rounded as a scheme stores them, each query reading
 the keys before it as the scheme would serve them. A *window* of the newest keys kept in float16 beside the quantized
 blocks is part of a scheme: ``"block"`` (each query reads the keys of its own 16-token block, the block still being
-filled, in float16, and every older block quantized; values quantized everywhere) or a number of tokens (each query
-reads the keys and values of its last that many positions in float16, KIVI's residual). Which of these a pool could
+filled, in float16, and every older block quantized; values quantized everywhere), a number of tokens (each query
+reads the keys and values of its last that many positions in float16, KIVI's residual) or ``"N blocks"`` (the keys
+and values of the query's own block and the N - 1 blocks before it in float16: KIVI's residual as a paged pool would
+keep it, whole blocks). Which of these a pool could
 serve, and at what cost, is docs/kv_cache.md's question; this measures what each would answer. ``float16`` is the
 simulation's control (the float16 pool's rounding on this harness), ``int8-g16-block`` the ``int8`` pool as built
 (its rows, a scale per 16 channels, ``kv_rows.store`` bit for bit, each query's own block of keys in float16:
@@ -101,11 +103,13 @@ class Scheme:
     values: Quantizer | None
     key_bytes: float  # bytes per stored value at head_dim 64, scales included
     value_bytes: float
-    window: str | int | None = None  # "block", a number of tokens, or None (docstring above)
+    window: str | int | None = None  # "block", a number of tokens, "N blocks", or None (docstring above)
 
 
 _INT4_CHANNEL = Scheme(_per_channel(_asymmetric, 4), _per_row(_asymmetric, 4, 16), 0.5 + 4 / BLOCK, 0.5 + 4 / 16,
                        "block")
+_INT4_ROW_G16 = Scheme(_per_row(_asymmetric, 4, 16), _per_row(_asymmetric, 4, 16), 0.5 + 4 / 16, 0.5 + 4 / 16, "block")
+_INT4_ROW_G8 = Scheme(_per_row(_asymmetric, 4, 8), _per_row(_asymmetric, 4, 8), 0.5 + 4 / 8, 0.5 + 4 / 8, "block")
 SCHEMES: dict[str, Scheme] = {
     "float16": Scheme(None, None, 2, 2),
     "int8-row": Scheme(_int8_rows, _int8_rows, 1 + 2 / 64, 1 + 2 / 64),
@@ -123,18 +127,36 @@ SCHEMES: dict[str, Scheme] = {
     "int8-channel-e8m0": Scheme(_per_channel(_power_of_two, 8), _int8_rows, 1 + 1 / BLOCK, 1 + 2 / 64, "block"),
     "fp8-e4m3-row": Scheme(_e4m3_rows, _e4m3_rows, 1 + 2 / 64, 1 + 2 / 64),
     "int4-row-g32": Scheme(_per_row(_asymmetric, 4, 32), _per_row(_asymmetric, 4, 32), 0.5 + 4 / 32, 0.5 + 4 / 32),
+    # 4-bit self-contained rows (the int8 pool's form at 4 bits: a minimum and a step per group of a row), with the
+    # own block of keys or a window of K and V in float16
+    "int4-row-g16-block": _INT4_ROW_G16,
+    "int4-row-g8-block": _INT4_ROW_G8,
+    "int4-row-g16-w64": dataclasses.replace(_INT4_ROW_G16, window=64),
+    "int4-row-g16-w128": dataclasses.replace(_INT4_ROW_G16, window=128),
+    "int4-row-g8-w128": dataclasses.replace(_INT4_ROW_G8, window=128),
+    # one side at 8 bits, the other at 4 (llama.cpp's type_k / type_v apart)
+    "k8-v4-g16-block": Scheme(_int8_pool, _per_row(_asymmetric, 4, 16), 1 + 8 / 64, 0.5 + 4 / 16, "block"),
+    "k8-v4-g32-block": Scheme(_int8_pool, _per_row(_asymmetric, 4, 32), 1 + 8 / 64, 0.5 + 4 / 32, "block"),
+    "k4-channel-v8-block": Scheme(_per_channel(_asymmetric, 4), _int8_pool, 0.5 + 4 / BLOCK, 1 + 8 / 64, "block"),
     "int4-channel": _INT4_CHANNEL,
     "int4-kivi-64": dataclasses.replace(_INT4_CHANNEL, window=64),  # KIVI-4 with its float16 residual
     "int4-kivi-128": dataclasses.replace(_INT4_CHANNEL, window=128),
+    # the window as whole blocks, as a paged pool would keep it: the query's own block and the 7 before (113-128 tokens)
+    "int4-kivi-8-blocks": dataclasses.replace(_INT4_CHANNEL, window="8 blocks"),
 }
 
 
 def capacity_ratio(scheme: Scheme) -> float:
     """Sequences of 4,096 tokens per GiB against float16's: its bytes per value, the float16 window's included (one
     block for ``"block"``, as a pool would keep the block being filled)."""
-    window = BLOCK if scheme.window == "block" else scheme.window or 0
+    window = _window_blocks(scheme) * BLOCK if isinstance(scheme.window, str) else scheme.window or 0
     stored = (scheme.key_bytes + scheme.value_bytes) * (CAPACITY_TOKENS - window) + 4 * window
     return 4 * CAPACITY_TOKENS / stored
+
+
+def _window_blocks(scheme: Scheme) -> int:
+    """The blocks of a block window: "block" (keys only) is one, "N blocks" N."""
+    return 1 if scheme.window == "block" else int(scheme.window.removesuffix(" blocks"))
 
 
 def _read_as(x: torch.Tensor, quantize: Quantizer | None) -> torch.Tensor:
@@ -156,6 +178,8 @@ def _attend(attn, scheme: Scheme):
         pos, key = torch.arange(n)[:, None], torch.arange(n)[None, :]
         if scheme.window == "block":
             k_window, v_window = pos // BLOCK == key // BLOCK, torch.zeros(n, n, dtype=torch.bool)
+        elif isinstance(scheme.window, str):
+            k_window = v_window = pos // BLOCK - key // BLOCK < _window_blocks(scheme)
         else:
             k_window = v_window = pos - key < (scheme.window or 0)
         scores = torch.where(k_window, q @ k16.transpose(1, 2), q @ k_old.transpose(1, 2)) * attn.scale
@@ -212,7 +236,8 @@ def report(results: dict, log=print) -> None:
     log(f"\n== simulated KV schemes against the float16 pool (teacher-forced top-1 over {results['positions']} "
         f"positions of {results['windows']} windows of {QUALITY_WINDOW} tokens of GPL-3; capacity at {CAPACITY_TOKENS} "
         "tokens) ==")
-    log(f"{'scheme':<16}{'window':>8}{'top-1':>9}{'ppl':>9}{'B/value':>9}{'capacity':>10}")
+    wide = max(16, *(len(name) + 1 for name in results["schemes"]))
+    log(f"{'scheme':<{wide}}{'window':>8}{'top-1':>9}{'ppl':>9}{'B/value':>9}{'capacity':>10}")
     for name, r in results["schemes"].items():
-        log(f"{name:<16}{str(r['window'] or '-'):>8}{r['top1_agreement']:>9.2%}{r['ppl_change_pct']:>+8.2f}%"
+        log(f"{name:<{wide}}{str(r['window'] or '-'):>8}{r['top1_agreement']:>9.2%}{r['ppl_change_pct']:>+8.2f}%"
             f"{r['bytes_per_value']:>9.3f}{r['capacity_vs_float16']:>9.2f}x")
