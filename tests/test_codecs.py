@@ -92,6 +92,27 @@ def test_codec_modules_load_only_when_requested():
     assert result.stdout.strip() == "ok"
 
 
+def test_decoding_a_received_message_in_place_warns_nothing():
+    """A decode pod reads a message's bytes as a tensor without copying them (tensor_from_bytes): its log stays free of
+    torch's warning that those bytes are not writable, in a fresh process, where torch would give it once."""
+    script = textwrap.dedent(
+        """
+        import dataclasses
+        import torch
+        from splitserve.kvtransfer import get_codec
+        codec = get_codec("int8")
+        enc = codec.encode(torch.randn(4, 3, 64), "k")
+        received = dataclasses.replace(enc, payload=bytes(enc.payload), scales=bytes(enc.scales))
+        print(float((codec.decode(received, torch.device("cpu")) != 0).float().mean()) > 0.5)
+        """
+    )
+    result = subprocess.run([sys.executable, "-W", "default", "-c", script], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+    assert "not writable" not in result.stderr, result.stderr
+
+
 # --- round trips -------------------------------------------------------------------------------------------------
 
 

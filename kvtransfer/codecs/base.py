@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import importlib
 import sys
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -192,9 +193,13 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
 def tensor_from_bytes(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...],
                       device: torch.device) -> torch.Tensor:
     """The tensor of ``shape`` whose raw bytes are ``buf``, on ``device``: on the CPU a view of ``buf`` itself, no
-    copy (the decode pod's one copy is into its KV pool), so it must be read, never written in place (torch warns
-    once per process that the buffer is not writable)."""
+    copy (the decode pod's one copy is into its KV pool), so it must be read, never written in place (torch's warning
+    that the buffer is not writable, about that very choice, is filtered out: _READ_ONLY_VIEW)."""
     return torch.frombuffer(buf, dtype=dtype).reshape(shape).to(device)
+
+
+_READ_ONLY_VIEW = "The given buffer is not writable"  # torch.frombuffer's warning over a received message's bytes
+warnings.filterwarnings("ignore", message=_READ_ONLY_VIEW, category=UserWarning)
 
 
 # --- registry --------------------------------------------------------------------------------------------------
