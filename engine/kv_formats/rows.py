@@ -22,7 +22,13 @@ import math
 import torch
 
 from splitserve.engine.config import CACHE_DTYPES
-from splitserve.engine.kv_formats.scales import divide, group_amax, per_element, round_up_to_float16
+from splitserve.engine.kv_formats.scales import (
+    divide,
+    divide_by_groups,
+    group_amax,
+    round_up_to_float16,
+    times_groups,
+)
 
 POOL_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in CACHE_DTYPES}  # by their names
 SCALE_GROUP = 16  # channels that share a scale in a scaled pool's row
@@ -77,8 +83,7 @@ def store(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     x = values.float()
     wanted = divide(group_amax(x, SCALE_GROUP), _INT8_MAX).clamp_(max=_FLOAT16_MAX)
     scales = round_up_to_float16(wanted)  # [..., G] float16
-    divisor = per_element(scales.float(), SCALE_GROUP, x.shape[-1])
-    codes = (x / torch.where(divisor > 0, divisor, 1.0)).round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    codes = divide_by_groups(x, scales.float(), SCALE_GROUP).round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
     return join(codes, scales)
 
 
@@ -87,7 +92,7 @@ def load(rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     if not is_scaled(rows.dtype):
         return rows if dtype is None else rows.to(dtype)
     codes, scales = split(rows)
-    values = codes.float() * per_element(scales.float(), SCALE_GROUP, codes.shape[-1])
+    values = times_groups(codes.float(), scales.float(), SCALE_GROUP)
     return values if dtype is None or dtype == torch.float32 else values.to(dtype)
 
 

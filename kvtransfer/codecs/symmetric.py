@@ -31,7 +31,14 @@ from abc import abstractmethod
 import torch
 
 from splitserve.engine.kv_formats import rows as kv_rows
-from splitserve.engine.kv_formats.scales import divide, group_amax, per_element, round_up_to_float16
+from splitserve.engine.kv_formats.scales import (
+    by_group,
+    divide,
+    divide_by_groups,
+    from_groups,
+    group_amax,
+    round_up_to_float16,
+)
 from splitserve.kvtransfer.codecs.base import (
     EncodedKV,
     KVCodec,
@@ -65,7 +72,7 @@ class SymmetricScaledCodec(KVCodec):
         return math.prod(shape), math.prod(self._scale_shape(shape, kind)) * _SCALE_BYTES
 
     def _groups(self, head_dim: int) -> int:
-        return math.ceil(head_dim / self.group) if self.group else 1
+        return math.ceil(head_dim / self._group(head_dim))
 
     def _scale_shape(self, shape: tuple[int, ...], kind: str) -> tuple[int, int, int]:
         tokens, heads, head_dim = shape
@@ -78,8 +85,10 @@ class SymmetricScaledCodec(KVCodec):
         else:
             amax = group_amax(x32, self.group or x32.shape[-1])  # [T, H, G]
         scale = round_up_to_float16(divide(amax, self.qmax))  # float16, amax's shape
-        divisor = self._per_element(scale.float(), kind, x32.shape[-1])
-        scaled = x32 / torch.where(divisor > 0, divisor, 1.0)  # all-zero groups and channels stay zero
+        if kind in self.per_channel_kinds:
+            scaled = x32 / torch.where(scale > 0, scale.float(), 1.0)  # all-zero channels stay zero
+        else:
+            scaled = divide_by_groups(x32, scale.float(), self._group(x32.shape[-1]))  # all-zero groups too
         codes = self._to_codes(scaled)  # [T, H, D]
         return EncodedKV(
             self.name, kind, dtype_name(x.dtype), tuple(x.shape), tensor_buffer(codes), tensor_to_bytes(scale)
@@ -87,12 +96,14 @@ class SymmetricScaledCodec(KVCodec):
 
     def _decode(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
         codes = tensor_from_bytes(enc.payload, self.code_dtype, enc.shape, device)  # [T, H, D]
-        scale = tensor_from_bytes(enc.scales, torch.float16, self._scale_shape(enc.shape, enc.kind), device)
-        return self._dequantize(codes, self._per_element(scale.float(), enc.kind, enc.shape[-1]))
+        scale = tensor_from_bytes(enc.scales, torch.float16, self._scale_shape(enc.shape, enc.kind), device).float()
+        if enc.kind in self.per_channel_kinds:  # [1, H, D]: one per element of a token
+            return self._dequantize(codes, scale)
+        head_dim = enc.shape[-1]
+        return from_groups(self._dequantize(by_group(codes, self._group(head_dim)), scale.unsqueeze(-1)), head_dim)
 
-    def _per_element(self, scale: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:
-        """Scales as stored ([1, H, D] per channel, or [T, H, G]) -> broadcastable to [T, H, D], one per element."""
-        return scale if kind in self.per_channel_kinds else per_element(scale, self.group or head_dim, head_dim)
+    def _group(self, head_dim: int) -> int:
+        return self.group or head_dim
 
     @abstractmethod
     def _to_codes(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -100,7 +111,8 @@ class SymmetricScaledCodec(KVCodec):
 
     @abstractmethod
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """codes [T, H, D] times float32 scales, one per element ([T, H, D] or [1, H, D]) -> float32 [T, H, D]."""
+        """codes times float32 scales broadcast over them (codes [T, H, D] with scales [1, H, D]; or codes by group
+        [T, H, G, group] with scales [T, H, G, 1]) -> float32 of the codes' shape."""
 
 
 class Int8Codec(SymmetricScaledCodec):
