@@ -85,10 +85,10 @@ class SymmetricScaledCodec(KVCodec):
         else:
             amax = group_amax(x32, self.group or x32.shape[-1])  # [T, H, G]
         scale = round_up_to_float16(divide(amax, self.qmax))  # float16, amax's shape
-        if kind in self.per_channel_kinds:
-            scaled = x32 / torch.where(scale > 0, scale.float(), 1.0)  # all-zero channels stay zero
+        if kind in self.per_channel_kinds or self._groups(x32.shape[-1]) == 1:  # [1, H, D] or [T, H, 1]
+            scaled = x32 / torch.where(scale > 0, scale.float(), 1.0)  # all-zero rows and channels stay zero
         else:
-            scaled = divide_by_groups(x32, scale.float(), self._group(x32.shape[-1]))  # all-zero groups too
+            scaled = divide_by_groups(x32, scale.float(), self.group)  # all-zero groups too
         codes = self._to_codes(scaled)  # [T, H, D]
         return EncodedKV(
             self.name, kind, dtype_name(x.dtype), tuple(x.shape), tensor_buffer(codes), tensor_to_bytes(scale)
@@ -97,10 +97,10 @@ class SymmetricScaledCodec(KVCodec):
     def _decode(self, enc: EncodedKV, device: torch.device) -> torch.Tensor:
         codes = tensor_from_bytes(enc.payload, self.code_dtype, enc.shape, device)  # [T, H, D]
         scale = tensor_from_bytes(enc.scales, torch.float16, self._scale_shape(enc.shape, enc.kind), device).float()
-        if enc.kind in self.per_channel_kinds:  # [1, H, D]: one per element of a token
-            return self._dequantize(codes, scale)
         head_dim = enc.shape[-1]
-        return from_groups(self._dequantize(by_group(codes, self._group(head_dim)), scale.unsqueeze(-1)), head_dim)
+        if enc.kind in self.per_channel_kinds or self._groups(head_dim) == 1:  # [1, H, D] or [T, H, 1]
+            return self._dequantize(codes, scale)
+        return from_groups(self._dequantize(by_group(codes, self.group), scale.unsqueeze(-1)), head_dim)
 
     def _group(self, head_dim: int) -> int:
         return self.group or head_dim
