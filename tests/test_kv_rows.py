@@ -32,24 +32,30 @@ def kv(tokens: int = 37, heads: int = 3, head_dim: int = 64, seed: int = 0) -> t
     return x
 
 
-def test_a_rows_codes_and_scale_are_the_int8_codecs_payload_and_scales_bit_for_bit():
-    x = kv()
+# 64: four groups; 40: a last group of 8 (its groups padded to divide and multiply); 16: one group a row
+@pytest.mark.parametrize("head_dim, width", [(64, 72), (40, 46), (16, 18)])
+def test_a_rows_codes_and_scale_are_the_int8_codecs_payload_and_scales_bit_for_bit(head_dim, width):
+    x = kv(head_dim=head_dim)
     rows = kv_rows.store(x, INT8)
-    assert rows.shape == (37, 3, 72) and rows.dtype == INT8  # 64 codes, 4 float16 scales
-    encoded = get_codec("int8").encode(x, "k")
+    assert rows.shape == (37, 3, width) and rows.dtype == INT8  # the codes, then a float16 scale per group
+    codec = get_codec("int8")
+    encoded = codec.encode(x, "k")
     codes, scales = kv_rows.split(rows)
     assert bytes(encoded.payload) == codes.contiguous().numpy().tobytes()
     assert encoded.scales == scales.numpy().tobytes()
+    assert torch.equal(codec.decode(encoded), kv_rows.load(rows))  # and both read them back alike
 
 
-def test_rows_read_back_within_half_a_step_and_the_zero_row_as_zeros():
-    x = kv()
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rows_read_back_within_half_a_step_and_the_zero_row_as_zeros(head_dim):
+    x = kv(head_dim=head_dim)
     values = kv_rows.load(kv_rows.store(x, INT8))
-    assert values.dtype == torch.float32
+    assert values.dtype == torch.float32 and values.shape == x.shape and values.is_contiguous()
     _, scales = kv_rows.split(kv_rows.store(x, INT8))
-    assert scales.shape == (37, 3, 4)  # a scale per 16 channels
-    assert ((values - x).abs() <= scales.float().repeat_interleave(16, -1) / 2 * (1 + 1e-6)).all()
-    assert torch.equal(values[3, 1], torch.zeros(64))
+    assert scales.shape == (37, 3, -(-head_dim // 16))  # a scale per 16 channels
+    step = scales.float().repeat_interleave(16, -1)[..., :head_dim]
+    assert ((values - x).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert torch.equal(values[3, 1], torch.zeros(head_dim))
 
 
 def test_rows_of_the_pools_own_dtype_pass_unchanged_and_split_and_join_are_inverse():

@@ -3,18 +3,18 @@ top-1 agreement and perplexity against the float16 pool (the ``--kv-pool-quality
 one's bytes per value and sequences of 4,096 tokens per GiB against float16's.
 
 The model runs on the PyTorch path (``cpu_kernels=False``, float32 prefill, float weights), one window as one prefill,
-each layer's attention replaced by ``_attend``: the window's K/V rounded as a scheme stores them, each query reading
-the keys before it as the scheme would serve them. A *window* of the newest keys kept in float16 beside the quantized
-blocks is part of a scheme: ``"block"`` (each query reads the keys of its own 16-token block, the block still being
-filled, in float16, and every older block quantized; values quantized everywhere), a number of tokens (each query
-reads the keys and values of its last that many positions in float16, KIVI's residual) or ``"N blocks"`` (the keys
-and values of the query's own block and the N - 1 blocks before it in float16: KIVI's residual as a paged pool would
-keep it, whole blocks). Which of these a pool could
-serve, and at what cost, is docs/kv_cache.md's question; this measures what each would answer. ``float16`` is the
-simulation's control (the float16 pool's rounding on this harness), ``int8-g16-block`` the ``int8`` pool as built
-(its rows, a scale per 16 channels, ``kv_rows.store`` bit for bit, each query's own block of keys in float16:
-engine/kv_formats/open_keys.py), against which the harness is checked; ``int8-row`` and ``int8-row-block`` the pool's
-earlier rows (one scale per row, rounded up to float16 as the pool rounds), without and with the own block.
+each layer's attention replaced by ``_attend``: the window's K/V rounded as a scheme stores them, each query reading the
+keys before it as the scheme would serve them. A *window* of the newest keys kept in float16 beside the quantized blocks
+is part of a scheme: ``"block"`` (each query reads the keys of its own 16-token block, the block still being filled, in
+float16, and every older block quantized; values quantized everywhere), a number of tokens (each query reads the keys
+and values of its last that many positions in float16, KIVI's residual) or ``"N blocks"`` (the keys and values of the
+query's own block and the N - 1 blocks before it in float16: KIVI's residual as a paged pool would keep it, whole
+blocks). Which of these a pool could serve, and at what cost, is docs/kv_cache.md's question; this measures what each
+would answer. ``float16`` is the simulation's control (the float16 pool's rounding on this harness), ``int8-g16-block``
+the ``int8`` pool as built (its rows, a scale per 16 channels, ``kv_rows.store`` bit for bit, each query's own block of
+keys in float16: engine/kv_formats/open_keys.py), against which the harness is checked; ``int8-row`` and
+``int8-row-block`` the pool's earlier rows (one scale per row, rounded up to float16 as the pool rounds), without and
+with the own block.
 
 Scales: symmetric ones are the largest magnitude over the code range; asymmetric ones (``asym``) a minimum and a
 step, both stored as float16 (``--kv-pool-quality``'s int8 rows round theirs up; here all round to nearest).

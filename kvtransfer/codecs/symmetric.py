@@ -83,7 +83,7 @@ class SymmetricScaledCodec(KVCodec):
         if kind in self.per_channel_kinds:
             amax = x32.abs().amax(dim=0, keepdim=True)  # [1, H, D]
         else:
-            amax = group_amax(x32, self.group or x32.shape[-1])  # [T, H, G]
+            amax = group_amax(x32, self._group(x32.shape[-1]))  # [T, H, G]
         scale = round_up_to_float16(divide(amax, self.qmax))  # float16, amax's shape
         if kind in self.per_channel_kinds or self._groups(x32.shape[-1]) == 1:  # [1, H, D] or [T, H, 1]
             scaled = x32 / torch.where(scale > 0, scale.float(), 1.0)  # all-zero rows and channels stay zero
