@@ -85,7 +85,7 @@ class SymmetricScaledCodec(KVCodec):
         else:
             amax = group_amax(x32, self._group(x32.shape[-1]))  # [T, H, G]
         scale = round_up_to_float16(divide(amax, self.qmax))  # float16, amax's shape
-        if kind in self.per_channel_kinds or self._groups(x32.shape[-1]) == 1:  # [1, H, D] or [T, H, 1]
+        if self._scales_broadcast(kind, x32.shape[-1]):
             scaled = x32 / torch.where(scale > 0, scale.float(), 1.0)  # all-zero rows and channels stay zero
         else:
             scaled = divide_by_groups(x32, scale.float(), self.group)  # all-zero groups too
@@ -98,12 +98,17 @@ class SymmetricScaledCodec(KVCodec):
         codes = tensor_from_bytes(enc.payload, self.code_dtype, enc.shape, device)  # [T, H, D]
         scale = tensor_from_bytes(enc.scales, torch.float16, self._scale_shape(enc.shape, enc.kind), device).float()
         head_dim = enc.shape[-1]
-        if enc.kind in self.per_channel_kinds or self._groups(head_dim) == 1:  # [1, H, D] or [T, H, 1]
+        if self._scales_broadcast(enc.kind, head_dim):
             return self._dequantize(codes, scale)
         return from_groups(self._dequantize(by_group(codes, self.group), scale.unsqueeze(-1)), head_dim)
 
     def _group(self, head_dim: int) -> int:
         return self.group or head_dim
+
+    def _scales_broadcast(self, kind: str, head_dim: int) -> bool:
+        """Whether a kind's scales ([1, H, D] per channel, or [T, H, 1], one a row) broadcast over its values as they
+        lie; else they are [T, H, G], one per group of a row, and meet their values grouped (by_group)."""
+        return kind in self.per_channel_kinds or self._groups(head_dim) == 1
 
     @abstractmethod
     def _to_codes(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -111,8 +116,8 @@ class SymmetricScaledCodec(KVCodec):
 
     @abstractmethod
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """codes times float32 scales broadcast over them (codes [T, H, D] with scales [1, H, D]; or codes by group
-        [T, H, G, group] with scales [T, H, G, 1]) -> float32 of the codes' shape."""
+        """codes times float32 scales broadcast over them (codes [T, H, D] with scales [1, H, D] or [T, H, 1]; or
+        codes by group [T, H, G, group] with scales [T, H, G, 1]) -> float32 of the codes' shape."""
 
 
 class Int8Codec(SymmetricScaledCodec):
